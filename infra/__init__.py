@@ -1,0 +1,1 @@
+"""ddm-fleet command line (entry point `ddm-fleet`)."""

@@ -1,0 +1,52 @@
+"""`ddm-fleet` command line: one entry point, one module per subcommand.
+
+Each subcommand module defines `add_arguments(parser)` and `run(args) -> int`, and
+keeps heavy imports (torch, jax, nats) inside `run`, so `ddm-fleet --help` is fast.
+To add a command, add a row to COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (name, module, one-line help)
+COMMANDS: list[tuple[str, str, str]] = [
+    ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddm-fleet",
+        description="Serve and train Decentralized Diffusion Model ensembles over NATS.",
+        epilog="Run `ddm-fleet <command> --help` for a command's options.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, module, help_text in COMMANDS:
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    level = logging.WARNING - 10 * min(args.verbose + 1, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

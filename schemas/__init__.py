@@ -1,0 +1,37 @@
+"""Wire schemas for ddm-fleet: messages, tensor codec, subjects, limits, version.
+
+Everything that crosses a process boundary is defined here and nowhere else.
+See docs/PROTOCOL.md for the language-neutral description.
+"""
+
+from . import subjects
+from .errors import ErrorCode, ProtocolError
+from .limits import MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_PAYLOAD_BYTES, MAX_STEP_ROWS
+from .messages import (
+    TIME_CONVENTION,
+    CancelReply,
+    CancelRequest,
+    DoneEvent,
+    ErrorReply,
+    FailedEvent,
+    FrameEvent,
+    JobAccepted,
+    JobEvent,
+    JobRejected,
+    JobRequest,
+    StepReply,
+    StepRequest,
+    StepResult,
+    SubmitReply,
+)
+from .tensor import decode_tensor, encode_tensor
+from .version import PROTOCOL_VERSION
+from .wire import loads, pack, unpack, validate
+
+__all__ = [
+    "subjects", "ErrorCode", "ProtocolError", "MAX_JOB_IMAGES", "MAX_JOB_STEPS", "MAX_PAYLOAD_BYTES",
+    "MAX_STEP_ROWS", "TIME_CONVENTION", "CancelReply", "CancelRequest", "DoneEvent", "ErrorReply",
+    "FailedEvent", "FrameEvent", "JobAccepted", "JobEvent", "JobRejected", "JobRequest", "StepReply",
+    "StepRequest", "StepResult", "SubmitReply", "decode_tensor", "encode_tensor", "PROTOCOL_VERSION",
+    "loads", "pack", "unpack", "validate",
+]

@@ -1,0 +1,293 @@
+"""Every message that crosses a process boundary, as pydantic v2 models.
+
+Each message carries `v` (protocol version) and `kind` (which message it is).
+Tensors are numpy arrays in Python and `{dtype, shape, data}` maps on the wire
+(see `schemas.tensor`). Encode with `schemas.wire.pack`, decode with `unpack`.
+
+Time convention (flow matching, used everywhere): **t = 0 is pure noise, t = 1 is
+data**; x_t = (1 - t) * noise + t * data and the velocity is v = data - noise.
+A sampler integrates dx/dt = v from t = 0 to t = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .errors import ErrorCode, ProtocolError
+from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
+from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
+from .version import PROTOCOL_VERSION
+
+TIME_CONVENTION = "t0_noise_t1_data"
+
+
+def _tensor_validator(finite: bool):
+    def validate(value: Any, info) -> np.ndarray:
+        try:
+            return decode_tensor(value, name=info.field_name or "tensor", finite=finite)
+        except ProtocolError as err:
+            raise PydanticCustomError(err.code.value, err.message) from None
+
+    return validate
+
+
+def _tensor_type(finite: bool):
+    from pydantic import WrapValidator  # noqa: F401  (kept local: only used here)
+    from pydantic.functional_validators import PlainValidator
+
+    return Annotated[
+        np.ndarray,
+        PlainValidator(_tensor_validator(finite)),
+        PlainSerializer(lambda a: encode_tensor(a), return_type=dict),
+        WithJsonSchema({"type": "object", "properties": {"dtype": {"type": "string"}, "shape": {"type": "array"}, "data": {"type": "string", "format": "binary"}}}),
+    ]
+
+
+#: Any allowed tensor.
+Tensor = _tensor_type(finite=False)
+#: A tensor whose float values must all be finite (no NaN / Inf).
+FiniteTensor = _tensor_type(finite=True)
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
+Strategy = Literal["top1", "topk", "full", "oracle"]
+Solver = Literal["euler", "heun"]
+
+
+def _err(code: ErrorCode, msg: str) -> PydanticCustomError:
+    return PydanticCustomError(code.value, msg)
+
+
+def _need_float(a: np.ndarray, name: str) -> None:
+    if a.dtype.str not in FLOAT_DTYPES:
+        raise _err(ErrorCode.BAD_DTYPE, f"{name} must be a float tensor (<f2, <f4 or <f8), got {a.dtype.str}")
+
+
+def _need_int(a: np.ndarray, name: str) -> None:
+    if a.dtype.str not in INT_DTYPES:
+        raise _err(ErrorCode.BAD_DTYPE, f"{name} must be an integer tensor, got {a.dtype.str}")
+
+
+class Message(BaseModel):
+    """Base: protocol version check, strict field set, arrays allowed."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=False, strict=False)
+
+    v: int = PROTOCOL_VERSION
+
+    @field_validator("v", mode="before")
+    @classmethod
+    def _check_version(cls, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _err(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {value!r}")
+        if value != PROTOCOL_VERSION:
+            raise _err(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol version {value} is not supported; this build speaks v{PROTOCOL_VERSION}",
+            )
+        return value
+
+
+# ---------------------------------------------------------------- expert step
+
+
+class StepRequest(Message):
+    """Coordinator -> expert worker: one batched velocity evaluation.
+
+    x_t: [B, C, H, W] float, finite.  t: [B] float in [0, 1].  y: [B] int class labels.
+    row_ids: B opaque ids echoed back.  deadline: unix time (s) after which the
+    worker drops the request instead of computing it.
+    """
+
+    kind: Literal["step_request"] = "step_request"
+    expert: int = Field(ge=0)
+    x_t: FiniteTensor
+    t: FiniteTensor
+    y: Tensor
+    row_ids: list[Id] = Field(default_factory=list)
+    deadline: Optional[float] = None
+    request_id: Optional[Id] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "StepRequest":
+        _need_float(self.x_t, "x_t")
+        _need_float(self.t, "t")
+        _need_int(self.y, "y")
+        if self.x_t.ndim != 4:
+            raise _err(ErrorCode.BAD_SHAPE, f"x_t must be [B, C, H, W], got shape {list(self.x_t.shape)}")
+        b = self.x_t.shape[0]
+        if b == 0:
+            raise _err(ErrorCode.BAD_SHAPE, "x_t has an empty batch (B = 0)")
+        if b > MAX_STEP_ROWS:
+            raise _err(ErrorCode.TOO_LARGE, f"batch of {b} rows exceeds the limit of {MAX_STEP_ROWS}")
+        if self.t.shape != (b,):
+            raise _err(ErrorCode.BAD_SHAPE, f"t must be [B] = [{b}], got {list(self.t.shape)}")
+        if self.y.shape != (b,):
+            raise _err(ErrorCode.BAD_SHAPE, f"y must be [B] = [{b}], got {list(self.y.shape)}")
+        if self.row_ids and len(self.row_ids) != b:
+            raise _err(ErrorCode.BAD_SHAPE, f"row_ids has {len(self.row_ids)} entries for a batch of {b}")
+        if ((self.t < 0) | (self.t > 1)).any():
+            raise _err(ErrorCode.BAD_REQUEST, "t must lie in [0, 1] (t=0 noise, t=1 data)")
+        return self
+
+
+class StepReply(Message):
+    """Expert worker -> coordinator: velocity [B, C, H, W] for the request's rows, in order."""
+
+    kind: Literal["step_reply"] = "step_reply"
+    expert: int = Field(ge=0)
+    velocity: FiniteTensor
+    row_ids: list[Id] = Field(default_factory=list)
+    backend: str = ""
+    device: str = ""
+    worker_id: str = ""
+    compute_ms: float = Field(default=0.0, ge=0)
+    batch_rows: int = Field(default=0, ge=0)  # rows in the forward pass this request rode in (padded bucket)
+
+    @model_validator(mode="after")
+    def _check(self) -> "StepReply":
+        _need_float(self.velocity, "velocity")
+        if self.velocity.ndim != 4:
+            raise _err(ErrorCode.BAD_SHAPE, f"velocity must be [B, C, H, W], got {list(self.velocity.shape)}")
+        if self.row_ids and len(self.row_ids) != self.velocity.shape[0]:
+            raise _err(ErrorCode.BAD_SHAPE, f"{len(self.row_ids)} row_ids for {self.velocity.shape[0]} velocity rows")
+        return self
+
+
+class ErrorReply(Message):
+    """Any server -> client: the request failed. `code` is an ErrorCode value."""
+
+    kind: Literal["error"] = "error"
+    code: ErrorCode
+    message: str = Field(max_length=4096)
+    request_id: Optional[str] = None
+
+
+# ---------------------------------------------------------------- generation jobs
+
+
+class JobRequest(Message):
+    """Client -> coordinator (on `ddm.v1.jobs.submit`): generate images.
+
+    Exactly one of `digits` (the class of each image) or `count` (that many random
+    classes, drawn from `seed`). Subscribe to `ddm.v1.jobs.<job_id>.events` *before*
+    submitting when you choose `job_id` yourself, so no event is missed.
+    """
+
+    kind: Literal["job_request"] = "job_request"
+    job_id: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
+    digits: Optional[list[Annotated[int, Field(ge=0, le=9)]]] = None
+    count: Optional[int] = Field(default=None, ge=1, le=MAX_JOB_IMAGES)
+    steps: int = Field(default=40, ge=1, le=MAX_JOB_STEPS)
+    solver: Solver = "euler"
+    strategy: Strategy = "top1"
+    top_k: int = Field(default=2, ge=1, le=64)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    stream: bool = True
+    frame_every: int = Field(default=1, ge=1, le=MAX_JOB_STEPS)
+    deadline_s: Optional[float] = Field(default=None, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobRequest":
+        if (self.digits is None) == (self.count is None):
+            raise _err(ErrorCode.BAD_REQUEST, "give exactly one of digits (a list of 0-9) or count")
+        if self.digits is not None:
+            if not self.digits:
+                raise _err(ErrorCode.BAD_REQUEST, "digits must not be empty")
+            if len(self.digits) > MAX_JOB_IMAGES:
+                raise _err(ErrorCode.TOO_LARGE, f"{len(self.digits)} images requested; the limit is {MAX_JOB_IMAGES} per job")
+        return self
+
+    @property
+    def n_images(self) -> int:
+        return len(self.digits) if self.digits is not None else int(self.count or 0)
+
+
+class JobAccepted(Message):
+    """Coordinator -> client (reply to submit): the job is queued."""
+
+    kind: Literal["accepted"] = "accepted"
+    job_id: Id
+    events_subject: str
+    digits: list[int]
+    seed: int
+    queue_position: int = 0
+
+
+class JobRejected(Message):
+    """Coordinator -> client (reply to submit): the job will not run."""
+
+    kind: Literal["rejected"] = "rejected"
+    code: ErrorCode
+    reason: str
+
+
+class FrameEvent(Message):
+    """One denoising step of a job (only if `stream`).
+
+    x: [N, C, H, W] current samples (float16 to save bandwidth).
+    t: time reached after this step.  experts: [N] expert that produced each row's
+    step (-1 = several, see weights).  weights: [N, K] router weights used.
+    """
+
+    kind: Literal["frame"] = "frame"
+    job_id: Id
+    step: int = Field(ge=0)
+    steps: int = Field(ge=1)
+    t: float
+    x: Tensor
+    experts: list[int]
+    weights: Tensor
+    notes: list[str] = Field(default_factory=list)  # e.g. "row 2: expert 1 unavailable, fell back to 0"
+
+
+class DoneEvent(Message):
+    """Final images. images: [N, C, H, W] float32 in [-1, 1]. usage: [N, K] fraction of
+    steps on which each expert contributed to each image."""
+
+    kind: Literal["done"] = "done"
+    job_id: Id
+    images: FiniteTensor
+    digits: list[int]
+    usage: Tensor
+    steps: int
+    strategy: Strategy
+    elapsed_s: float = Field(ge=0)
+    notes: list[str] = Field(default_factory=list)
+
+
+class FailedEvent(Message):
+    kind: Literal["failed"] = "failed"
+    job_id: Id
+    code: ErrorCode
+    reason: str
+
+
+class CancelRequest(Message):
+    """Client -> coordinator on `ddm.v1.jobs.<job_id>.cancel`."""
+
+    kind: Literal["cancel"] = "cancel"
+    job_id: Id
+
+
+class CancelReply(Message):
+    kind: Literal["cancel_reply"] = "cancel_reply"
+    job_id: Id
+    cancelled: bool
+    reason: str = ""
+
+
+JobEvent = Annotated[Union[JobAccepted, FrameEvent, DoneEvent, FailedEvent], Field(discriminator="kind")]
+SubmitReply = Annotated[Union[JobAccepted, JobRejected, ErrorReply], Field(discriminator="kind")]
+StepResult = Annotated[Union[StepReply, ErrorReply], Field(discriminator="kind")]

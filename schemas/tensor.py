@@ -1,0 +1,84 @@
+"""The msgpack tensor codec: `{"dtype": "<f4", "shape": [B, C, H, W], "data": <raw bytes>}`.
+
+* `data` is the C-contiguous buffer, little-endian (or byte-order free for 1-byte types).
+* Decoding is zero-copy (`np.frombuffer`) and the result is **read-only**: copy it
+  before an in-place operation.
+* Object dtypes, unknown dtypes, big-endian data, size mismatches and (optionally)
+  non-finite values are refused with a `ProtocolError`; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import ErrorCode, ProtocolError
+from .limits import MAX_PAYLOAD_BYTES, MAX_TENSOR_NDIM
+
+#: dtype strings accepted on the wire (numpy `dtype.str`).
+ALLOWED_DTYPES: frozenset[str] = frozenset(
+    {"<f2", "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "|b1"}
+)
+FLOAT_DTYPES: frozenset[str] = frozenset({"<f2", "<f4", "<f8"})
+INT_DTYPES: frozenset[str] = frozenset({"|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8"})
+
+_KEYS = frozenset({"dtype", "shape", "data"})
+
+
+def encode_tensor(array: Any) -> dict[str, Any]:
+    """ndarray -> wire dict. Converts to C order and little-endian if needed."""
+    a = np.asarray(array)
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not np.little_endian):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    if a.dtype.str not in ALLOWED_DTYPES:
+        raise ProtocolError(ErrorCode.BAD_DTYPE, f"dtype {a.dtype.str!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+    if a.ndim > MAX_TENSOR_NDIM:
+        raise ProtocolError(ErrorCode.BAD_SHAPE, f"tensor rank {a.ndim} exceeds {MAX_TENSOR_NDIM}")
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def decode_tensor(obj: Any, *, name: str = "tensor", finite: bool = False) -> np.ndarray:
+    """Wire dict -> read-only ndarray view over the received bytes.
+
+    Raises `ProtocolError` with code bad_request / bad_dtype / bad_shape / too_large /
+    non_finite; never returns a silently wrong array.
+    """
+    if isinstance(obj, np.ndarray):  # already decoded (in-process use)
+        arr = obj
+    else:
+        arr = _decode_dict(obj, name)
+    if finite and arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
+        bad = int(arr.size - np.isfinite(arr).sum())
+        raise ProtocolError(ErrorCode.NON_FINITE, f"{name} contains {bad} NaN/Inf value(s)")
+    return arr
+
+
+def _decode_dict(obj: Any, name: str) -> np.ndarray:
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a map {{dtype, shape, data}}, got {type(obj).__name__}")
+    keys = set(obj)
+    if keys != _KEYS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must have exactly keys dtype, shape, data; got {sorted(map(str, keys))}")
+    dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+        raise ProtocolError(ErrorCode.BAD_DTYPE, f"{name} dtype {dtype!r} is not allowed; allowed: {sorted(ALLOWED_DTYPES)}")
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_TENSOR_NDIM:
+        raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape must be a list of at most {MAX_TENSOR_NDIM} ints, got {shape!r}")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape entries must be non-negative ints, got {shape!r}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} data must be raw bytes, got {type(data).__name__}")
+    itemsize = np.dtype(dtype).itemsize
+    n = math.prod(shape)
+    if n * itemsize > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} of shape {list(shape)} needs {n * itemsize} bytes, over the {MAX_PAYLOAD_BYTES}-byte limit")
+    if len(data) != n * itemsize:
+        raise ProtocolError(
+            ErrorCode.BAD_SHAPE,
+            f"{name} data has {len(data)} bytes but shape {list(shape)} of {dtype} needs {n * itemsize}",
+        )
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)

@@ -1,0 +1,3 @@
+"""Protocol version carried as `v` in every message."""
+
+PROTOCOL_VERSION = 1
