@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import numpy as np
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -44,7 +45,6 @@ def _tensor_validator(finite: bool):
 
 
 def _tensor_type(finite: bool):
-    from pydantic import WrapValidator  # noqa: F401  (kept local: only used here)
     from pydantic.functional_validators import PlainValidator
 
     return Annotated[
@@ -61,6 +61,36 @@ Tensor = _tensor_type(finite=False)
 FiniteTensor = _tensor_type(finite=True)
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
+
+
+def _to_error_code(value: Any) -> Any:
+    """Wire strings -> ErrorCode (wire validation is strict, which wants the enum itself)."""
+    if isinstance(value, ErrorCode) or not isinstance(value, str):
+        return value
+    try:
+        return ErrorCode(value)
+    except ValueError:
+        raise PydanticCustomError(
+            ErrorCode.BAD_REQUEST.value,
+            f"unknown error code {value!r}; known: {sorted(c.value for c in ErrorCode)}",
+        ) from None
+
+
+#: An ErrorCode field; accepts the enum or its string value.
+Code = Annotated[ErrorCode, BeforeValidator(_to_error_code)]
+
+#: Longest human-readable reason/message carried; longer ones are cut (with "…").
+MAX_MESSAGE_LEN = 4096
+
+
+def _clip(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_MESSAGE_LEN:
+        return value[: MAX_MESSAGE_LEN - 1] + "…"
+    return value
+
+
+#: A human sentence; never rejected for length, clipped to MAX_MESSAGE_LEN instead.
+Text = Annotated[str, BeforeValidator(_clip)]
 Strategy = Literal["top1", "topk", "full", "oracle"]
 Solver = Literal["euler", "heun"]
 
@@ -169,8 +199,8 @@ class ErrorReply(Message):
     """Any server -> client: the request failed. `code` is an ErrorCode value."""
 
     kind: Literal["error"] = "error"
-    code: ErrorCode
-    message: str = Field(max_length=4096)
+    code: Code
+    message: Text
     request_id: Optional[str] = None
 
 
@@ -229,8 +259,8 @@ class JobRejected(Message):
     """Coordinator -> client (reply to submit): the job will not run."""
 
     kind: Literal["rejected"] = "rejected"
-    code: ErrorCode
-    reason: str
+    code: Code
+    reason: Text
 
 
 class FrameEvent(Message):
@@ -245,11 +275,26 @@ class FrameEvent(Message):
     job_id: Id
     step: int = Field(ge=0)
     steps: int = Field(ge=1)
-    t: float
+    t: float = Field(ge=0, le=1)
     x: Tensor
     experts: list[int]
     weights: Tensor
     notes: list[str] = Field(default_factory=list)  # e.g. "row 2: expert 1 unavailable, fell back to 0"
+
+    @model_validator(mode="after")
+    def _check(self) -> "FrameEvent":
+        _need_float(self.x, "x")
+        _need_float(self.weights, "weights")
+        if self.x.ndim != 4:
+            raise _err(ErrorCode.BAD_SHAPE, f"x must be [N, C, H, W], got shape {list(self.x.shape)}")
+        n = self.x.shape[0]
+        if len(self.experts) != n:
+            raise _err(ErrorCode.BAD_SHAPE, f"experts has {len(self.experts)} entries for {n} images")
+        if self.weights.ndim != 2 or self.weights.shape[0] != n:
+            raise _err(ErrorCode.BAD_SHAPE, f"weights must be [N, K] with N = {n}, got {list(self.weights.shape)}")
+        if self.step > self.steps:
+            raise _err(ErrorCode.BAD_REQUEST, f"step {self.step} is past steps {self.steps}")
+        return self
 
 
 class DoneEvent(Message):
@@ -266,12 +311,25 @@ class DoneEvent(Message):
     elapsed_s: float = Field(ge=0)
     notes: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _check(self) -> "DoneEvent":
+        _need_float(self.images, "images")
+        _need_float(self.usage, "usage")
+        if self.images.ndim != 4:
+            raise _err(ErrorCode.BAD_SHAPE, f"images must be [N, C, H, W], got shape {list(self.images.shape)}")
+        n = self.images.shape[0]
+        if len(self.digits) != n:
+            raise _err(ErrorCode.BAD_SHAPE, f"digits has {len(self.digits)} entries for {n} images")
+        if self.usage.ndim != 2 or self.usage.shape[0] != n:
+            raise _err(ErrorCode.BAD_SHAPE, f"usage must be [N, K] with N = {n}, got {list(self.usage.shape)}")
+        return self
+
 
 class FailedEvent(Message):
     kind: Literal["failed"] = "failed"
     job_id: Id
-    code: ErrorCode
-    reason: str
+    code: Code
+    reason: Text
 
 
 class CancelRequest(Message):

@@ -1,8 +1,9 @@
 """Bytes <-> messages. The only place msgpack is called.
 
 `pack(msg)` validates the size before anything is published; `unpack(data, Type)`
-checks the size, decodes msgpack (no ext types, no pickles), validates with pydantic
-and turns every failure into a `ProtocolError` with a stable code.
+checks the size, decodes msgpack (no ext types, no timestamps, no pickles), checks the
+protocol version, validates with pydantic in strict mode (no "3" -> 3 coercion) and
+turns every failure into a `ProtocolError` with a stable code.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from .errors import ErrorCode, ProtocolError
 from .limits import MAX_PAYLOAD_BYTES
+from .version import PROTOCOL_VERSION
 
 T = TypeVar("T")
 
@@ -25,9 +28,28 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(ErrorCode.BAD_REQUEST, f"msgpack extension type {code} is not allowed")
 
 
+def _no_timestamp(value: Any) -> Any:
+    # msgpack decodes ext type -1 as a Timestamp without calling ext_hook; refuse it too.
+    items = value.values() if isinstance(value, dict) else value
+    for item in items:
+        if isinstance(item, msgpack.Timestamp):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "msgpack extension type -1 (timestamp) is not allowed")
+    return value
+
+
 def pack(message: BaseModel, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
     """Encode a message; raises ProtocolError(too_large) if it would exceed `max_bytes`."""
-    data = msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    if not isinstance(message, BaseModel):
+        raise ProtocolError(ErrorCode.INTERNAL, f"pack() takes a schemas message, got {type(message).__name__}")
+    try:
+        data = msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    except PydanticSerializationError as err:
+        cause = err.__cause__ if isinstance(err.__cause__, ProtocolError) else None
+        if cause is not None:
+            raise cause from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot encode {type(message).__name__}: {err}") from None
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot encode {type(message).__name__}: {err}") from None
     if len(data) > max_bytes:
         raise ProtocolError(
             ErrorCode.TOO_LARGE, f"{type(message).__name__} is {len(data)} bytes, over the {max_bytes}-byte limit"
@@ -44,13 +66,18 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_PAYLOAD_
     if len(data) == 0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "empty message")
     try:
-        return msgpack.unpackb(
+        obj = msgpack.unpackb(
             data,
             raw=False,
             use_list=True,
             strict_map_key=True,
             ext_hook=_refuse_ext,
+            object_hook=_no_timestamp,
+            list_hook=_no_timestamp,
         )
+        if isinstance(obj, msgpack.Timestamp):
+            _no_timestamp([obj])
+        return obj
     except ProtocolError:
         raise
     except Exception as err:  # msgpack raises several types for corrupt input
@@ -62,14 +89,42 @@ def _adapter(tp: Any) -> TypeAdapter:
     return TypeAdapter(tp)
 
 
-def validate(obj: Any, tp: type[T] | Any) -> T:
-    """Validate an already-decoded object against a model or a discriminated union."""
+def check_envelope(obj: Any) -> None:
+    """Every message is a map with an int `v` equal to PROTOCOL_VERSION and a str `kind`.
+
+    Checked before the body so that a peer on another version hears
+    `unsupported_version`, whatever else changed in its messages.
+    """
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"message must be a msgpack map, got {type(obj).__name__}")
+    if "v" not in obj:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "message has no protocol version field v")
+    v = obj["v"]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {v!r}")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION, f"protocol version {v} is not supported; this build speaks v{PROTOCOL_VERSION}"
+        )
+    if not isinstance(obj.get("kind"), str):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"message field kind must be a string, got {obj.get('kind')!r}")
+
+
+def validate(obj: Any, tp: type[T] | Any) -> T:
+    """Validate an already-decoded object against a model or a discriminated union.
+
+    Strict: wire types must match (an int field refuses "3" and true; a float
+    field takes an int). `v` and `kind` must be present (see `check_envelope`).
+    """
+    check_envelope(obj)
     try:
-        return _adapter(tp).validate_python(obj)
+        return _adapter(tp).validate_python(obj, strict=True)
     except ValidationError as err:
         raise _to_protocol_error(err) from None
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "message is nested too deeply") from None
 
 
 def unpack(data: bytes | bytearray | memoryview, tp: type[T] | Any, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> T:
