@@ -1,0 +1,133 @@
+"""One engine tick's batch: router inputs, per-expert groups, received velocities.
+
+Pure bookkeeping, no I/O. The engine drives it:
+
+    batch.x, batch.t, batch.y                  router inputs for all R rows
+    batch.route(router_w [R, K])               choose experts per row by its strategy
+    for k, idx in batch.requests().items():    rows (indices into the batch) expert k must evaluate
+        batch.record(k, idx, v [len(idx), C, H, W])   ... or batch.mark_failed(k, reason)
+    (repeat while batch.requests() is not empty: a failed expert reroutes its rows)
+    u = batch.combined()                        [R, C, H, W]  u_r = sum_k w[r, k] v_k[r]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import strategies
+from .rows import Row
+
+
+class Batch:
+    """The rows of one tick. x: [R, C, H, W] float32, t: [R] float32, y: [R] int64."""
+
+    def __init__(self, rows: list[Row], num_experts: int, unavailable: frozenset[int] | set[int] = frozenset()):
+        if not rows:
+            raise ValueError("a batch needs at least one row")
+        self.rows = rows
+        self.num_experts = num_experts
+        pts = [r.eval_point() for r in rows]
+        self.x = np.stack([p[0] for p in pts]).astype(np.float32, copy=False)
+        self.t = np.array([p[1] for p in pts], dtype=np.float32)
+        self.y = np.array([r.y for r in rows], dtype=np.int64)
+        self.row_ids = [r.row_id for r in rows]
+        self.available = np.ones(num_experts, bool)
+        for k in unavailable:
+            if 0 <= k < num_experts:
+                self.available[k] = False
+        self.failed_reasons: dict[int, str] = {}
+        self.router_w: np.ndarray | None = None  # [R, K]
+        self.weights: np.ndarray | None = None  # [R, K] combination weights
+        self.ideal: np.ndarray | None = None  # [R, K] weights with every expert up
+        self._v = np.zeros((num_experts,) + self.x.shape, np.float32)  # [K, R, C, H, W]
+        self._have = np.zeros((len(rows), num_experts), bool)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------ routing
+    def route(self, router_w: np.ndarray) -> "Batch":
+        """Set router weights [R, K] and choose each row's experts by its strategy."""
+        router_w = np.asarray(router_w, dtype=np.float64)
+        if router_w.shape != (len(self.rows), self.num_experts):
+            raise ValueError(f"router weights must be [R, K] = [{len(self.rows)}, {self.num_experts}], got {list(router_w.shape)}")
+        if not np.isfinite(router_w).all():
+            raise ValueError("router weights contain NaN/Inf")
+        self.router_w = router_w
+        self.ideal = self._select(np.ones(self.num_experts, bool))
+        self.weights = self._select(self.available)
+        return self
+
+    def _select(self, available: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        assert self.router_w is not None
+        idx = np.arange(len(self.rows)) if rows is None else rows
+        out = np.zeros((len(idx), self.num_experts), np.float64)
+        strat = np.array([self.rows[i].strategy for i in idx])
+        for s in np.unique(strat):
+            sel = np.nonzero(strat == s)[0]
+            rr = [self.rows[idx[j]] for j in sel]
+            out[sel] = strategies.select(
+                str(s), self.router_w[idx[sel]], available,
+                top_k=np.array([r.top_k for r in rr]), owner=np.array([r.oracle_expert for r in rr]),
+            )
+        return out
+
+    def requests(self) -> dict[int, np.ndarray]:
+        """{expert: row indices [n] (into this batch)} still needing that expert's velocity."""
+        if self.weights is None:
+            raise RuntimeError("call route() before requests()")
+        need = (self.weights > 0) & ~self._have & self.available[None, :]
+        return {k: np.nonzero(need[:, k])[0] for k in range(self.num_experts) if need[:, k].any()}
+
+    def record(self, expert: int, idx: np.ndarray, v: np.ndarray) -> None:
+        """Store expert's velocity v [len(idx), C, H, W] for batch rows idx."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = np.asarray(v)
+        if v.shape != (len(idx),) + self.x.shape[1:]:
+            raise ValueError(f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}")
+        self._v[expert, idx] = v
+        self._have[idx, expert] = True
+
+    def mark_failed(self, expert: int, reason: str = "unavailable") -> None:
+        """Expert could not serve this tick: reroute the rows that still need it."""
+        self.available[expert] = False
+        self.failed_reasons[expert] = reason
+        assert self.weights is not None
+        waiting = np.nonzero((self.weights[:, expert] > 0) & ~self._have[:, expert])[0]
+        if len(waiting):
+            self.weights[waiting] = self._select(self.available, waiting)
+
+    # ------------------------------------------------------------ results
+    def row_complete(self) -> np.ndarray:
+        """[R] bool: the row has every velocity its weights need (and at least one expert)."""
+        assert self.weights is not None
+        needed = self.weights > 0
+        return needed.any(axis=1) & ~(needed & ~self._have).any(axis=1)
+
+    def combined(self) -> np.ndarray:
+        """u [R, C, H, W] float32 = sum_k w[r, k] v_k[r]; rows not complete are zero."""
+        assert self.weights is not None
+        w = np.where(self.row_complete()[:, None], self.weights, 0.0).astype(np.float32)  # [R, K]
+        return np.einsum("rk,krchw->rchw", w, self._v, optimize=True).astype(np.float32, copy=False)
+
+    def experts_used(self) -> np.ndarray:
+        """[R] the single expert each row used, or -1 when several contributed."""
+        assert self.weights is not None
+        nz = self.weights > 0
+        return np.where(nz.sum(axis=1) == 1, np.argmax(nz, axis=1), -1)
+
+    def fallback_notes(self) -> dict[int, str]:
+        """{batch row: note} for rows whose experts differ from the all-experts-up choice."""
+        assert self.weights is not None and self.ideal is not None
+        notes: dict[int, str] = {}
+        for i in np.nonzero(((self.weights > 0) != (self.ideal > 0)).any(axis=1))[0]:
+            want = [int(k) for k in np.nonzero(self.ideal[i] > 0)[0]]
+            got = [int(k) for k in np.nonzero(self.weights[i] > 0)[0]]
+            lost = [k for k in want if k not in got]
+            why = ", ".join(f"expert {k} {self.failed_reasons.get(k, 'unavailable')}" for k in lost)
+            row = self.rows[i]
+            if got:
+                notes[int(i)] = f"row {row.index}: {why}, fell back to {' + '.join(map(str, got))}"
+            else:
+                notes[int(i)] = f"row {row.index}: {why}, no expert left"
+        return notes

@@ -1,0 +1,133 @@
+"""One row = one image of one job, with its own position on its own time grid.
+
+Rows of one engine tick may sit at different t, have different step counts, solvers and
+strategies: everything a row needs to take its next solver stage lives on the row (the
+diffusers-style global step counter does not fit continuous batching).
+
+Time convention: t = 0 is noise, t = 1 is data; a row integrates dx/dt = v(x, t, y) on the
+uniform grid `time_grid(steps)` = [0, 1/steps, ..., 1].
+
+Solvers, per step n (dt = t[n+1] - t[n]):
+
+* euler: one evaluation:  x[n+1] = x[n] + dt * v(x[n], t[n])
+* heun:  two evaluations, one per engine tick (the stage is kept on the row):
+      stage 0: v0 = v(x[n], t[n])
+      stage 1: v1 = v(x[n] + dt * v0, t[n+1]);   x[n+1] = x[n] + dt / 2 * (v0 + v1)
+
+Initial noise depends only on (seed, row index), so a seeded job gives the same image
+whether it runs alone or batched with a hundred others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+SOLVER_EVALS = {"euler": 1, "heun": 2}
+
+
+@lru_cache(maxsize=256)
+def _grid(steps: int) -> np.ndarray:
+    g = np.linspace(0.0, 1.0, steps + 1, dtype=np.float64)
+    g.setflags(write=False)
+    return g
+
+
+def time_grid(steps: int) -> np.ndarray:
+    """Uniform grid [steps + 1] from 0 (noise) to 1 (data), float64, read-only."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return _grid(int(steps))
+
+
+def initial_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal noise [*shape] float32 for row `index` of a job seeded with `seed`.
+
+    Depends only on (seed, index): never on batch composition or arrival order."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 1, int(index)]))
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def draw_digits(seed: int, count: int, num_classes: int = 10) -> list[int]:
+    """Class labels for a `count` job: `count` ints in [0, num_classes), fixed by `seed`."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0]))
+    return [int(v) for v in rng.integers(0, num_classes, size=count)]
+
+
+@dataclass(eq=False)
+class Row:
+    """One trajectory. `x` is the committed state [C, H, W] float32 at t = grid[step]."""
+
+    job_id: str
+    index: int  # position of this image in its job
+    y: int  # class label
+    x: np.ndarray  # [C, H, W] float32
+    steps: int
+    solver: str = "euler"
+    strategy: str = "top1"
+    top_k: int = 2
+    oracle_expert: int = -1  # partition owning class y (oracle strategy), -1 if unknown
+    step: int = 0  # completed solver steps
+    stage: int = 0  # heun: 0 = predictor evaluation next, 1 = corrector evaluation next
+    v0: np.ndarray | None = None  # heun: velocity of stage 0 [C, H, W]
+    evals: int = 0  # velocity evaluations applied
+    usage: np.ndarray | None = None  # [K] evaluations each expert contributed to
+    last_weights: np.ndarray | None = None  # [K] router weights of the last evaluation
+    last_expert: int = -1  # expert of the last evaluation, -1 = several
+    _grid: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVER_EVALS:
+            raise ValueError(f"unknown solver {self.solver!r}; use one of {sorted(SOLVER_EVALS)}")
+        self._grid = time_grid(self.steps)
+
+    @property
+    def row_id(self) -> str:
+        return f"{self.job_id}:{self.index}"
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.steps
+
+    @property
+    def t(self) -> float:
+        """Time of the committed state x."""
+        return float(self._grid[self.step])
+
+    @property
+    def dt(self) -> float:
+        return float(self._grid[self.step + 1] - self._grid[self.step])
+
+    def eval_point(self) -> tuple[np.ndarray, float]:
+        """(x [C, H, W], t) at which the next velocity must be evaluated."""
+        if self.done:
+            raise RuntimeError(f"row {self.row_id} is finished; nothing to evaluate")
+        if self.solver == "heun" and self.stage == 1:
+            assert self.v0 is not None
+            return (self.x + np.float32(self.dt) * self.v0).astype(np.float32, copy=False), float(self._grid[self.step + 1])
+        return self.x, self.t
+
+    def advance(self, u: np.ndarray) -> bool:
+        """Apply velocity u [C, H, W] at `eval_point()`. Returns True if a full step completed."""
+        if self.done:
+            raise RuntimeError(f"row {self.row_id} is finished; cannot advance")
+        u = np.asarray(u, dtype=np.float32)
+        if u.shape != self.x.shape:
+            raise ValueError(f"velocity shape {u.shape} does not match row shape {self.x.shape}")
+        self.evals += 1
+        dt = np.float32(self.dt)
+        if self.solver == "euler":
+            self.x = self.x + dt * u
+        elif self.stage == 0:
+            self.v0 = u.copy()
+            self.stage = 1
+            return False
+        else:
+            assert self.v0 is not None
+            self.x = self.x + (dt / np.float32(2.0)) * (self.v0 + u)
+            self.v0 = None
+            self.stage = 0
+        self.step += 1
+        return True

@@ -1,0 +1,287 @@
+"""The pure scheduler: jobs in, batches out, events back. No I/O, no clocks of its own.
+
+The engine loop is `schedule -> execute -> update` (as in vLLM):
+
+    sched.submit(JobRequest, now) -> JobAccepted         (raises Rejected when over the limits)
+    batch = sched.schedule(now)                          admit queued jobs, expire deadlines;
+                                                         a Batch of every active row, or None
+    ... engine: router on batch.x/t/y, batch.route(w), expert calls, batch.record(...) ...
+    sched.update(batch, now)                             advance each row one solver stage
+    sched.pop_events()                                   FrameEvent / DoneEvent / FailedEvent
+
+Jobs that arrive mid-run join at the next `schedule`; finished jobs leave in `update`;
+`cancel` frees a job's rows at once (a batch in flight simply skips them on update).
+Admission: at most `max_rows` active rows (a job is admitted whole, in arrival order) and
+at most `max_queued_jobs` waiting jobs; beyond that `submit` raises `Rejected(overloaded)`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from schemas import (
+    DoneEvent,
+    ErrorCode,
+    FailedEvent,
+    FrameEvent,
+    JobAccepted,
+    JobRequest,
+    subjects,
+)
+
+from .batch import Batch
+from .rows import Row, draw_digits, initial_noise
+
+MAX_NOTES = 50
+
+
+class Rejected(Exception):
+    """A job the scheduler will not take. `code` is an ErrorCode, `reason` a sentence."""
+
+    def __init__(self, code: ErrorCode, reason: str):
+        super().__init__(reason)
+        self.code = ErrorCode(code)
+        self.reason = reason
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits and shapes. `class_to_expert[y]` is the partition owning class y (oracle)."""
+
+    num_experts: int
+    max_rows: int = 1024
+    max_queued_jobs: int = 256
+    image_shape: tuple[int, int, int] = (1, 32, 32)
+    num_classes: int = 10
+    class_to_expert: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {self.num_experts!r}")
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 (rows batched per tick), got {self.max_rows}")
+        if self.max_queued_jobs < 0:
+            raise ValueError(f"max_queued_jobs must be >= 0, got {self.max_queued_jobs}")
+        if self.class_to_expert is not None:
+            c2e = list(self.class_to_expert)
+            if len(c2e) != self.num_classes or any(not (0 <= int(k) < self.num_experts) for k in c2e):
+                raise ValueError(
+                    f"class_to_expert must list one expert in [0, {self.num_experts}) for each of "
+                    f"{self.num_classes} classes, got {c2e}"
+                )
+            self.class_to_expert = [int(k) for k in c2e]
+
+
+@dataclass(eq=False)
+class Job:
+    request: JobRequest
+    job_id: str
+    digits: list[int]
+    seed: int
+    submitted_at: float
+    deadline: float | None
+    rows: list[Row] = field(default_factory=list)
+    step: int = 0
+    started_at: float | None = None
+    notes: list[str] = field(default_factory=list)
+    pending_notes: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.digits)
+
+
+@dataclass
+class Stats:
+    jobs_submitted: int = 0
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    jobs_cancelled: int = 0
+    jobs_rejected: int = 0
+    ticks: int = 0
+    row_evals: int = 0  # velocity evaluations applied (one per row per tick)
+    images_done: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.queue: deque[Job] = deque()
+        self.active: dict[str, Job] = {}
+        self.stats = Stats()
+        self._events: list = []
+
+    # ------------------------------------------------------------ intake
+    @property
+    def active_rows(self) -> int:
+        return sum(j.n for j in self.active.values())
+
+    @property
+    def queued_jobs(self) -> int:
+        return len(self.queue)
+
+    def knows(self, job_id: str) -> bool:
+        return job_id in self.active or any(j.job_id == job_id for j in self.queue)
+
+    def submit(self, request: JobRequest, now: float) -> JobAccepted:
+        """Queue a validated job. Raises Rejected(code, reason) if it cannot run here."""
+        try:
+            return self._submit(request, now)
+        except Rejected:
+            self.stats.jobs_rejected += 1
+            raise
+
+    def _submit(self, request: JobRequest, now: float) -> JobAccepted:
+        cfg = self.config
+        n = request.n_images
+        if n > cfg.max_rows:
+            raise Rejected(ErrorCode.TOO_LARGE, f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} rows at once")
+        if len(self.queue) >= cfg.max_queued_jobs:
+            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later")
+        if request.strategy == "oracle" and cfg.class_to_expert is None:
+            raise Rejected(ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none")
+        if request.digits is not None and any(d >= cfg.num_classes for d in request.digits):
+            raise Rejected(ErrorCode.BAD_REQUEST, f"digits must be in [0, {cfg.num_classes})")
+        job_id = request.job_id or secrets.token_hex(8)
+        if self.knows(job_id):
+            raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
+        seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
+        digits = list(request.digits) if request.digits is not None else draw_digits(seed, n, cfg.num_classes)
+        deadline = now + request.deadline_s if request.deadline_s is not None else None
+        job = Job(request=request, job_id=job_id, digits=digits, seed=seed, submitted_at=now, deadline=deadline)
+        self.queue.append(job)
+        self.stats.jobs_submitted += 1
+        return JobAccepted(job_id=job_id, events_subject=subjects.job_events(job_id), digits=digits, seed=seed,
+                           queue_position=len(self.queue) - 1)
+
+    def cancel(self, job_id: str, now: float, reason: str = "cancelled by client") -> bool:
+        """Drop a queued or running job now; emits FailedEvent(cancelled). False if unknown."""
+        job = self.active.pop(job_id, None)
+        if job is None:
+            for j in self.queue:
+                if j.job_id == job_id:
+                    job = j
+                    self.queue.remove(j)
+                    break
+        if job is None:
+            return False
+        self.stats.jobs_cancelled += 1
+        self._events.append(FailedEvent(job_id=job_id, code=ErrorCode.CANCELLED, reason=reason))
+        return True
+
+    def fail(self, job_id: str, code: ErrorCode, reason: str) -> bool:
+        """Fail a queued or running job (e.g. the engine hit an internal error)."""
+        job = self.active.pop(job_id, None)
+        if job is None:
+            for j in self.queue:
+                if j.job_id == job_id:
+                    job = j
+                    self.queue.remove(j)
+                    break
+        if job is None:
+            return False
+        self.stats.jobs_failed += 1
+        self._events.append(FailedEvent(job_id=job_id, code=code, reason=reason))
+        return True
+
+    def fail_all(self, code: ErrorCode, reason: str) -> None:
+        for job_id in [*self.active, *(j.job_id for j in self.queue)]:
+            self.fail(job_id, code, reason)
+
+    def pop_events(self) -> list:
+        ev, self._events = self._events, []
+        return ev
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset()) -> Batch | None:
+        """Expire deadlines, admit queued jobs that fit, return a Batch of all active rows."""
+        for job in [*self.active.values(), *self.queue]:
+            if job.deadline is not None and now > job.deadline:
+                self.fail(job.job_id, ErrorCode.DEADLINE_EXCEEDED,
+                          f"job did not finish within its deadline of {job.request.deadline_s:g} s")
+        rows_in_use = self.active_rows
+        while self.queue and rows_in_use + self.queue[0].n <= self.config.max_rows:
+            job = self.queue.popleft()
+            self._start(job, now)
+            rows_in_use += job.n
+        rows = [r for j in self.active.values() for r in j.rows]
+        if not rows:
+            return None
+        return Batch(rows, self.config.num_experts, unavailable)
+
+    def _start(self, job: Job, now: float) -> None:
+        req, cfg = job.request, self.config
+        c2e = cfg.class_to_expert
+        job.rows = [
+            Row(job_id=job.job_id, index=i, y=int(y), x=initial_noise(job.seed, i, cfg.image_shape),
+                steps=req.steps, solver=req.solver, strategy=req.strategy, top_k=req.top_k,
+                oracle_expert=int(c2e[y]) if c2e is not None else -1,
+                usage=np.zeros(cfg.num_experts, np.int64))
+            for i, y in enumerate(job.digits)
+        ]
+        job.started_at = now
+        self.active[job.job_id] = job
+
+    # ------------------------------------------------------------ update
+    def update(self, batch: Batch, now: float) -> None:
+        """Apply the batch's combined velocities: one solver stage per row, then emit events."""
+        self.stats.ticks += 1
+        complete = batch.row_complete()
+        u = batch.combined()
+        used = batch.weights > 0
+        experts = batch.experts_used()
+        notes = batch.fallback_notes()
+        stepped: dict[str, Job] = {}
+        failed: dict[str, str] = {}
+        for i, row in enumerate(batch.rows):
+            job = self.active.get(row.job_id)
+            if job is None or row not in job.rows:  # cancelled or failed meanwhile
+                continue
+            if not complete[i]:
+                failed.setdefault(job.job_id, notes.get(i, f"row {row.index}: no expert could serve the step"))
+                continue
+            if i in notes:
+                job.pending_notes.append(notes[i])
+            row.usage += used[i]
+            row.last_weights = batch.router_w[i].astype(np.float32)
+            row.last_expert = int(experts[i])
+            if row.advance(u[i]):
+                stepped[job.job_id] = job
+            self.stats.row_evals += 1
+        for job_id, why in failed.items():
+            stepped.pop(job_id, None)
+            reasons = "; ".join(f"expert {k}: {r}" for k, r in batch.failed_reasons.items())
+            self.fail(job_id, ErrorCode.UNAVAILABLE, f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
+        for job in stepped.values():
+            self._after_step(job, now)
+
+    def _after_step(self, job: Job, now: float) -> None:
+        job.step = min(r.step for r in job.rows)
+        req = job.request
+        notes, job.pending_notes = job.pending_notes, []
+        room = MAX_NOTES - len(job.notes)
+        job.notes.extend(notes[: max(room, 0)])
+        finished = all(r.done for r in job.rows)
+        if req.stream and (job.step % req.frame_every == 0 or finished):
+            self._events.append(FrameEvent(
+                job_id=job.job_id, step=job.step, steps=req.steps, t=job.rows[0].t,
+                x=np.stack([r.x for r in job.rows]).astype(np.float16),
+                experts=[r.last_expert for r in job.rows],
+                weights=np.stack([r.last_weights for r in job.rows]).astype(np.float32),
+                notes=notes,
+            ))
+        if finished:
+            del self.active[job.job_id]
+            images = np.clip(np.stack([r.x for r in job.rows]), -1.0, 1.0).astype(np.float32)
+            usage = np.stack([r.usage / max(r.evals, 1) for r in job.rows]).astype(np.float32)
+            self.stats.jobs_done += 1
+            self.stats.images_done += job.n
+            self._events.append(DoneEvent(
+                job_id=job.job_id, images=images, digits=job.digits, usage=usage, steps=req.steps,
+                strategy=req.strategy, elapsed_s=max(now - job.submitted_at, 0.0), notes=job.notes,
+            ))
