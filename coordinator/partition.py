@@ -1,0 +1,363 @@
+"""Split the training set into K disjoint expert partitions and record them in a JSON manifest.
+
+Methods (all seeded and deterministic):
+
+* ``classes``: each expert owns a list of digit classes (default for K=2: 0-4 / 5-9).
+* ``kmeans``: the DDM paper's recipe on cheap features. Features = 4x4 average-pooled pixels
+  (64 dims) projected on their top principal components; a *fine* k-means with many clusters,
+  then a *coarse* k-means of the fine centroids (weighted by cluster size) into K experts.
+  Every image goes to the expert of its nearest fine centroid, so the manifest can also assign
+  images it never saw (``Manifest.assign``), which gives the router labels on the val split.
+* ``random``: a seeded permutation cut into K near-equal parts.
+
+The manifest records, per expert, its ``indices`` into the train split, its ``classes`` and a
+class histogram, plus ``class_to_expert`` (majority owner of each class; the oracle strategy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+METHODS = ("classes", "kmeans", "random")
+NUM_CLASSES = 10
+
+
+class PartitionError(ValueError):
+    """Bad partition request or malformed manifest; the message says how to fix it."""
+
+
+class ExpertPart(BaseModel):
+    """One expert's share of the train split."""
+
+    id: int = Field(ge=0)
+    classes: list[int]  # classes this expert is meant for (classes method) or that it holds (others)
+    class_counts: list[int] = Field(default_factory=list)  # images per class 0..9
+    indices: list[int]  # sorted indices into the train split
+
+    @property
+    def num_images(self) -> int:
+        return len(self.indices)
+
+
+class KMeansAssigner(BaseModel):
+    """What it takes to assign any image to a k-means expert: features -> nearest fine centroid."""
+
+    pool: int  # average-pool factor on the 32x32 image
+    mean: list[float]  # [D] feature mean
+    components: list[list[float]]  # [P, D] principal directions
+    fine_centroids: list[list[float]]  # [F, P]
+    fine_to_expert: list[int]  # [F]
+
+
+class Manifest(BaseModel):
+    """A partition of the train split into ``num_experts`` disjoint parts (JSON on disk)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    method: Literal["classes", "kmeans", "random"]
+    num_experts: int = Field(ge=1)
+    seed: int = 0
+    split: str = "train"
+    num_images: int  # size of the split the indices point into
+    class_owner: list[int] = Field(alias="class_to_expert")  # [10] majority expert per class
+    experts: list[ExpertPart]
+    kmeans: KMeansAssigner | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        if len(self.experts) != self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts} but {len(self.experts)} experts listed")
+        if [e.id for e in self.experts] != list(range(self.num_experts)):
+            raise ValueError("expert ids must be 0..K-1 in order")
+        if len(self.class_owner) != NUM_CLASSES or any(not 0 <= k < self.num_experts for k in self.class_owner):
+            raise ValueError(f"class_to_expert must list {NUM_CLASSES} expert ids in 0..{self.num_experts - 1}")
+        total = sum(len(e.indices) for e in self.experts)
+        all_idx = np.concatenate([np.asarray(e.indices, dtype=np.int64) for e in self.experts]) if total else np.zeros(0, np.int64)
+        if total and (all_idx.min() < 0 or all_idx.max() >= self.num_images):
+            raise ValueError(f"indices must lie in 0..{self.num_images - 1}")
+        if len(np.unique(all_idx)) != total:
+            raise ValueError("expert partitions overlap: an index appears in two experts")
+        return self
+
+    def class_to_expert(self, y: int) -> int:
+        """Expert that holds most images of class ``y`` (the oracle route)."""
+        if not 0 <= int(y) < NUM_CLASSES:
+            raise PartitionError(f"class {y} outside 0..{NUM_CLASSES - 1}")
+        return self.class_owner[int(y)]
+
+    def expert_of_index(self) -> np.ndarray:
+        """int64 [num_images]: expert id of each train index (-1 where no expert holds it)."""
+        out = np.full(self.num_images, -1, dtype=np.int64)
+        for e in self.experts:
+            out[np.asarray(e.indices, dtype=np.int64)] = e.id
+        return out
+
+    def assign(self, images: np.ndarray, labels: np.ndarray, seed: int = 0) -> np.ndarray:
+        """Expert of images not in the manifest (e.g. the val split), int64 [N].
+
+        images float32 [N, 1, 32, 32], labels int64 [N]. classes: by label; kmeans: nearest fine
+        centroid; random: a seeded random draw (there is nothing to learn).
+        """
+        labels = np.asarray(labels, dtype=np.int64)
+        if self.method == "classes":
+            return np.asarray(self.class_owner, dtype=np.int64)[labels]
+        if self.method == "kmeans":
+            if self.kmeans is None:
+                raise PartitionError("kmeans manifest has no assigner block; regenerate it")
+            return _assign_kmeans(self.kmeans, images)
+        return np.random.default_rng(seed).integers(0, self.num_experts, size=len(labels)).astype(np.int64)
+
+    def summary(self) -> str:
+        """A text table: images and class histogram per expert."""
+        head = f"{'expert':>6} {'images':>7} " + " ".join(f"{c:>5}" for c in range(NUM_CLASSES)) + "  classes"
+        lines = [f"partition method={self.method} K={self.num_experts} seed={self.seed} split={self.split}", head]
+        for e in self.experts:
+            counts = e.class_counts or [0] * NUM_CLASSES
+            lines.append(f"{e.id:>6} {e.num_images:>7} " + " ".join(f"{c:>5}" for c in counts) + "  " + _fmt_classes(e.classes))
+        lines.append("class_to_expert: " + " ".join(f"{c}->{k}" for c, k in enumerate(self.class_owner)))
+        return "\n".join(lines)
+
+
+def _fmt_classes(classes: list[int]) -> str:
+    return ",".join(str(c) for c in classes) if classes else "-"
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save_manifest(m: Manifest, path: str | os.PathLike) -> Path:
+    """Write the manifest as JSON (atomic rename); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(m.model_dump_json(by_alias=True, exclude_none=True))
+    os.replace(tmp, path)
+    return path
+
+
+def load_manifest(path: str | os.PathLike) -> Manifest:
+    """Read a manifest written by :func:`save_manifest`; clear errors for a missing or bad file."""
+    path = Path(path)
+    if not path.is_file():
+        raise PartitionError(f"no partition manifest at {path}; create one with `ddm-fleet partition --out {path}`")
+    try:
+        return Manifest.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise PartitionError(f"{path} is not a valid partition manifest: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def parse_class_groups(text: str) -> list[list[int]]:
+    """``"0-4,5-9"`` -> [[0..4], [5..9]]. Groups are comma-separated; inside a group use ranges
+    ``a-b`` joined with ``+`` (``"0-2+7,3-6,8+9"``)."""
+    groups: list[list[int]] = []
+    for group in text.split(","):
+        group = group.strip()
+        if not group:
+            raise PartitionError(f"empty class group in {text!r}")
+        members: list[int] = []
+        for part in group.split("+"):
+            part = part.strip()
+            try:
+                if "-" in part:
+                    lo, hi = (int(v) for v in part.split("-", 1))
+                    if lo > hi:
+                        raise PartitionError(f"class range {part!r} runs backwards")
+                    members.extend(range(lo, hi + 1))
+                else:
+                    members.append(int(part))
+            except ValueError:
+                raise PartitionError(f"cannot parse class group {group!r} in {text!r}; use e.g. 0-4,5-9") from None
+        groups.append(members)
+    return groups
+
+
+def default_class_groups(num_experts: int) -> list[list[int]]:
+    """Contiguous near-equal class ranges: K=2 -> [[0..4], [5..9]]."""
+    bounds = np.linspace(0, NUM_CLASSES, num_experts + 1).round().astype(int)
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(num_experts)]
+
+
+def _class_hist(labels: np.ndarray) -> list[int]:
+    return np.bincount(labels, minlength=NUM_CLASSES)[:NUM_CLASSES].astype(int).tolist()
+
+
+def _build(method: str, labels: np.ndarray, owner: np.ndarray, num_experts: int, seed: int,
+           classes: list[list[int]] | None = None, kmeans: KMeansAssigner | None = None) -> Manifest:
+    """owner int64 [N]: expert of each index."""
+    experts = []
+    counts = np.zeros((num_experts, NUM_CLASSES), dtype=np.int64)
+    for k in range(num_experts):
+        idx = np.flatnonzero(owner == k)
+        hist = _class_hist(labels[idx])
+        counts[k] = hist
+        held = classes[k] if classes is not None else [c for c in range(NUM_CLASSES) if hist[c] > 0]
+        experts.append(ExpertPart(id=k, classes=sorted(held), class_counts=hist, indices=idx.tolist()))
+    if classes is not None:
+        class_owner = [next(k for k, g in enumerate(classes) if c in g) for c in range(NUM_CLASSES)]
+    else:
+        class_owner = counts.argmax(axis=0).astype(int).tolist()  # ties -> lowest expert id
+    return Manifest(method=method, num_experts=num_experts, seed=seed, num_images=len(labels),
+                    class_to_expert=class_owner, experts=experts, kmeans=kmeans)
+
+
+def partition_by_classes(labels: np.ndarray, groups: list[list[int]], seed: int = 0) -> Manifest:
+    """Each expert k gets every image whose label is in ``groups[k]``; groups must cover 0..9 once."""
+    flat = [c for g in groups for c in g]
+    bad = sorted({c for c in flat if not 0 <= c < NUM_CLASSES})
+    if bad:
+        raise PartitionError(f"classes {bad} outside 0..{NUM_CLASSES - 1}")
+    dup = sorted({c for c in flat if flat.count(c) > 1})
+    if dup:
+        raise PartitionError(f"classes {dup} are given to more than one expert; partitions must be disjoint")
+    missing = sorted(set(range(NUM_CLASSES)) - set(flat))
+    if missing:
+        raise PartitionError(f"classes {missing} belong to no expert; every class needs an owner")
+    if any(not g for g in groups):
+        raise PartitionError("every expert needs at least one class")
+    lut = np.empty(NUM_CLASSES, dtype=np.int64)
+    for k, g in enumerate(groups):
+        lut[g] = k
+    return _build("classes", labels, lut[labels], len(groups), seed, classes=groups)
+
+
+def partition_random(labels: np.ndarray, num_experts: int, seed: int = 0) -> Manifest:
+    """A seeded permutation cut into ``num_experts`` near-equal parts."""
+    perm = np.random.default_rng(seed).permutation(len(labels))
+    owner = np.empty(len(labels), dtype=np.int64)
+    for k, part in enumerate(np.array_split(perm, num_experts)):
+        owner[part] = k
+    return _build("random", labels, owner, num_experts, seed)
+
+
+# --------------------------------------------------------------------------- k-means
+
+
+def image_features(images: np.ndarray, pool: int = 4) -> np.ndarray:
+    """float32 [N, 1, 32, 32] -> float32 [N, (32/pool)^2] average-pooled pixels."""
+    x = np.asarray(images, dtype=np.float32)
+    if x.ndim != 4 or x.shape[1] != 1 or x.shape[2] % pool or x.shape[3] % pool:
+        raise PartitionError(f"images must be [N, 1, H, W] with H, W divisible by {pool}; got {list(x.shape)}")
+    n, _, h, w = x.shape
+    return x.reshape(n, h // pool, pool, w // pool, pool).mean(axis=(2, 4)).reshape(n, -1)
+
+
+def _sq_dists(x: np.ndarray, c: np.ndarray, xx: np.ndarray | None = None) -> np.ndarray:
+    """[N, D], [M, D] -> [N, M] squared distances (dtype of x; pass ``xx`` = |x|^2 [N] to reuse)."""
+    c = c.astype(x.dtype, copy=False)
+    if xx is None:
+        xx = (x * x).sum(1)
+    d = xx[:, None] - 2 * (x @ c.T) + (c * c).sum(1)[None, :]
+    return np.maximum(d, 0)
+
+
+def kmeans(x: np.ndarray, k: int, seed: int, iters: int = 30, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted Lloyd's k-means with k-means++ seeding. x [N, D] -> (centroids [k, D], assign int64 [N]).
+
+    Empty clusters are re-seeded at the point farthest from its centroid, so every cluster is used.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    xx = (x * x).sum(1)
+    n = len(x)
+    if not 1 <= k <= n:
+        raise PartitionError(f"cannot make {k} clusters from {n} points")
+    w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    centroids = np.empty((k, x.shape[1]), dtype=np.float32)
+    centroids[0] = x[rng.choice(n, p=w / w.sum())]
+    d2 = _sq_dists(x, centroids[:1], xx)[:, 0].astype(np.float64)
+    for j in range(1, k):
+        p = w * d2
+        centroids[j] = x[rng.choice(n, p=p / p.sum())] if p.sum() > 0 else x[rng.integers(n)]
+        d2 = np.minimum(d2, _sq_dists(x, centroids[j:j + 1], xx)[:, 0])
+    assign = np.full(n, -1, dtype=np.int64)
+    for _ in range(iters):
+        dist = _sq_dists(x, centroids, xx)
+        new = dist.argmin(1)
+        if np.array_equal(new, assign):
+            break
+        assign = new
+        mass = np.bincount(assign, weights=w, minlength=k)
+        for j in np.flatnonzero(mass == 0):  # empty cluster: take the worst-fit point
+            far = int((dist[np.arange(n), assign] * (mass[assign] > 1)).argmax())
+            assign[far] = j
+            mass = np.bincount(assign, weights=w, minlength=k)
+        sums = np.zeros((k, x.shape[1]))
+        np.add.at(sums, assign, x * w[:, None])
+        centroids = (sums / mass[:, None]).astype(np.float32)
+    return centroids, assign
+
+
+def _assign_kmeans(a: KMeansAssigner, images: np.ndarray) -> np.ndarray:
+    feats = image_features(images, a.pool)
+    z = (feats - np.asarray(a.mean, dtype=np.float32)) @ np.asarray(a.components, dtype=np.float32).T
+    fine = _sq_dists(z, np.asarray(a.fine_centroids)).argmin(1)
+    return np.asarray(a.fine_to_expert, dtype=np.int64)[fine]
+
+
+def partition_kmeans(images: np.ndarray, labels: np.ndarray, num_experts: int, seed: int = 0, *,
+                     fine_clusters: int = 256, pca_dims: int = 32, pool: int = 4, progress: bool = False) -> Manifest:
+    """Two-stage k-means (fine, then coarse on the fine centroids) on PCA'd pooled pixels.
+
+    images float32 [N, 1, 32, 32], labels int64 [N].
+    """
+    from tqdm.auto import tqdm
+
+    if len(images) != len(labels):
+        raise PartitionError(f"{len(images)} images but {len(labels)} labels")
+    fine_clusters = max(num_experts, min(fine_clusters, len(images) // 10 or 1))
+    with tqdm(total=3, desc="kmeans", unit="stage", disable=not progress) as bar:
+        feats = image_features(images, pool).astype(np.float64)
+        mean = feats.mean(0)
+        _, _, vt = np.linalg.svd(feats - mean, full_matrices=False)
+        vt = vt[:pca_dims]
+        vt *= np.where(vt[np.arange(len(vt)), np.abs(vt).argmax(1)] < 0, -1.0, 1.0)[:, None]  # fix SVD sign
+        z = (feats - mean) @ vt.T
+        bar.update(1)
+        fine_c, fine_a = kmeans(z, fine_clusters, seed)
+        bar.update(1)
+        sizes = np.bincount(fine_a, minlength=fine_clusters).astype(np.float64)
+        _, coarse_a = kmeans(fine_c, num_experts, seed + 1, weights=sizes)
+        bar.update(1)
+    assigner = KMeansAssigner(pool=pool, mean=mean.astype(np.float32).tolist(), components=vt.astype(np.float32).tolist(),
+                              fine_centroids=fine_c.astype(np.float32).tolist(), fine_to_expert=coarse_a.tolist())
+    # assign through the stored float32 assigner, so train and unseen images follow one rule
+    owner = _assign_kmeans(assigner, images)
+    return _build("kmeans", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, kmeans=assigner)
+
+
+def make_partition(method: str, labels: np.ndarray, images: np.ndarray | None, num_experts: int, seed: int = 0,
+                   classes: list[list[int]] | None = None, progress: bool = False) -> Manifest:
+    """Build a manifest. labels int64 [N]; images float32 [N, 1, 32, 32] (needed for kmeans only).
+
+    ``classes`` (classes method): one list of digits per expert; default :func:`default_class_groups`.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.ndim != 1 or len(labels) == 0:
+        raise PartitionError("labels must be a non-empty 1-D array")
+    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
+        raise PartitionError(f"labels must lie in 0..{NUM_CLASSES - 1}")
+    if num_experts < 1:
+        raise PartitionError(f"need at least one expert, got {num_experts}")
+    if method == "classes":
+        groups = classes if classes is not None else default_class_groups(num_experts)
+        if len(groups) != num_experts:
+            raise PartitionError(f"{len(groups)} class groups given for {num_experts} experts")
+        return partition_by_classes(labels, groups, seed)
+    if num_experts > len(labels):
+        raise PartitionError(f"{num_experts} experts but only {len(labels)} images")
+    if method == "random":
+        return partition_random(labels, num_experts, seed)
+    if method == "kmeans":
+        if images is None:
+            raise PartitionError("kmeans partitioning needs the images")
+        return partition_kmeans(images, labels, num_experts, seed, progress=progress)
+    raise PartitionError(f"unknown partition method {method!r}; choose one of {', '.join(METHODS)}")
