@@ -15,6 +15,8 @@ import sys
 # (name, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+    ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
+    ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
 ]
 
 
