@@ -63,6 +63,20 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
+def check_config(path: str | os.PathLike, env: dict[str, str] | None = None) -> str:
+    """Run `nats-server -c PATH -t` (parse and validate, bind nothing). Returns the server's
+    message; raises ValueError with it when the config is refused. `env` supplies the
+    $VARIABLES the file refers to."""
+    full_env = {**os.environ, **env} if env else None
+    res = subprocess.run(
+        [find_nats_server(), "-c", str(path), "-t"], capture_output=True, text=True, env=full_env, timeout=30
+    )
+    message = (res.stdout + res.stderr).strip()
+    if res.returncode != 0:
+        raise ValueError(f"nats-server refused {path}: {message}")
+    return message
+
+
 class NatsServer:
     """A nats-server child process. `extra_config` is appended to the generated config;
     `config_file` replaces it entirely (then `port` must match what it listens on)."""
@@ -75,6 +89,7 @@ class NatsServer:
         extra_config: str = "",
         config_file: str | os.PathLike | None = None,
         log_file: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
     ):
         self.host = host
         self.port = port or free_port(host)
@@ -82,6 +97,7 @@ class NatsServer:
         self.extra_config = extra_config
         self.config_file = Path(config_file) if config_file else None
         self.log_file = log_file
+        self.env = dict(env) if env else None  # added to os.environ (config $VARIABLES)
         self.proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -99,14 +115,25 @@ class NatsServer:
         else:
             cfg = self.config_file
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen([find_nats_server(), "-c", str(cfg)], stdout=out, stderr=out)
+        env = {**os.environ, **self.env} if self.env else None
         try:
-            wait_for_port(self.host, self.port, timeout)
-        except TimeoutError:
-            self.stop()
-            raise
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"nats-server exited with {self.proc.returncode}; config {cfg}")
+            self.proc = subprocess.Popen([find_nats_server(), "-c", str(cfg)], stdout=out, stderr=out, env=env)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child holds its own copy
+        deadline = time.monotonic() + timeout
+        while True:  # fail fast if the server exits (bad config, port taken)
+            if self.proc.poll() is not None:
+                code, self.proc = self.proc.returncode, None
+                hint = f"; see {self.log_file}" if self.log_file else "; pass log_file= to see why"
+                raise RuntimeError(f"nats-server exited with {code}; config {cfg}{hint}")
+            try:
+                wait_for_port(self.host, self.port, min(0.5, max(deadline - time.monotonic(), 0.01)))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    self.stop()
+                    raise
         log.info("nats-server pid %d on %s", self.proc.pid, self.url)
         return self
 

@@ -1,0 +1,164 @@
+"""A real 3-node nats-server cluster (the shipped cluster.conf) on loopback.
+
+An expert responder on node B answers a coordinator on node A; when B stops, the responder
+reconnects to a surviving node and requests keep succeeding. Queue groups spread across
+nodes, and a leaf node on a worker host carries only its expert's traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import urlparse
+
+import numpy as np
+import pytest
+
+from infra.nats_cluster import NatsCluster
+from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with NatsCluster(3, log_dir=tmp_path / "nats-logs") as c:
+        yield c
+
+
+def _step_request(expert: int, rows: int = 4, seed: int = 0) -> StepRequest:
+    x = np.random.default_rng(seed).standard_normal((rows, 1, 32, 32)).astype(np.float32)
+    return StepRequest(
+        expert=expert, x_t=x, t=np.full(rows, 0.25, np.float32), y=np.arange(rows, dtype=np.int64) % 10,
+        row_ids=[f"r{i}" for i in range(rows)],
+    )
+
+
+async def _expert_responder(servers: list[str], expert: int, worker_id: str, **opts):
+    """A stand-in worker: queue-group subscriber replying v = -x_t (the real worker is workers/service.py)."""
+    import nats
+
+    nc = await nats.connect(
+        servers=servers, name=worker_id, dont_randomize=True, allow_reconnect=True,
+        max_reconnect_attempts=-1, reconnect_time_wait=0.1, connect_timeout=2, **opts,
+    )
+    served: list[str] = []
+
+    async def handle(msg):
+        req = unpack(msg.data, StepRequest)
+        served.append(worker_id)
+        reply = StepReply(expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids,
+                          backend="test", worker_id=worker_id)
+        await msg.respond(pack(reply))
+
+    await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert), cb=handle)
+    await nc.flush()
+    return nc, served
+
+
+async def _request_until_ok(nc, req: StepRequest, deadline_s: float = 10.0) -> StepReply:
+    """Send until a reply comes: right after a subscribe or a failover, interest takes a
+    moment to cross the routes, and until then the server answers 'no responders'."""
+    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            msg = await nc.request(subjects.expert_velocity(req.expert), pack(req), timeout=1.0)
+            reply = unpack(msg.data, StepResult)
+            assert isinstance(reply, StepReply), reply
+            return reply
+        except (NoRespondersError, NatsTimeout):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+def _port(url: str | None) -> int | None:
+    return urlparse(url).port if url else None
+
+
+async def test_request_crosses_cluster_and_survives_node_loss(cluster):
+    import nats
+
+    node_b = 1
+    responder, served = await _expert_responder(cluster.servers("worker-0", first=node_b), 0, "w-b")
+    client = await nats.connect(cluster.url(0, "coordinator"), name="coordinator", connect_timeout=2)
+    try:
+        assert _port(str(responder.connected_url.geturl())) == cluster.nodes[node_b].port
+
+        req = _step_request(0)
+        reply = await _request_until_ok(client, req)
+        np.testing.assert_array_equal(reply.velocity, -req.x_t)
+        assert reply.row_ids == req.row_ids and reply.worker_id == "w-b"
+
+        cluster.stop_node(node_b)
+        req2 = _step_request(0, rows=8, seed=1)
+        reply2 = await _request_until_ok(client, req2, deadline_s=15)
+        np.testing.assert_array_equal(reply2.velocity, -req2.x_t)
+        now_on = _port(str(responder.connected_url.geturl()))
+        assert now_on in {cluster.nodes[0].port, cluster.nodes[2].port}, "responder did not move off node B"
+
+        # After the failover every request succeeds first time.
+        for seed in range(5):
+            r = _step_request(0, seed=10 + seed)
+            msg = await client.request(subjects.expert_velocity(0), pack(r), timeout=2)
+            np.testing.assert_array_equal(unpack(msg.data, StepReply).velocity, -r.x_t)
+        assert len(served) >= 7
+    finally:
+        await client.close()
+        await responder.close()
+
+
+async def test_queue_group_spreads_over_nodes_one_reply_each(cluster):
+    import nats
+
+    r1, served1 = await _expert_responder(cluster.servers("worker-1", first=1), 1, "w1")
+    r2, served2 = await _expert_responder(cluster.servers("worker", first=2), 1, "w2")
+    client = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
+    try:
+        await _request_until_ok(client, _step_request(1))
+        # wait until node 0 sees both queue members (interest from both nodes)
+        who = set()
+        deadline = time.monotonic() + 10
+        n = 0
+        while who != {"w1", "w2"} and time.monotonic() < deadline:
+            msg = await client.request(subjects.expert_velocity(1), pack(_step_request(1, rows=1)), timeout=2)
+            who.add(unpack(msg.data, StepReply).worker_id)
+            n += 1
+        assert who == {"w1", "w2"}, f"only {who} served after {n} requests"
+        # a queue group delivers each request to exactly one member
+        assert len(served1) + len(served2) == n + 1
+    finally:
+        await client.close()
+        await r1.close()
+        await r2.close()
+
+
+@pytest.mark.parametrize("served_expert", [0, 1])
+async def test_leaf_node_carries_only_its_experts_requests(cluster, served_expert):
+    """A worker host's leaf node (shipped leaf.conf, user leaf-expert-<K>): expert K requests
+    from the hub reach the worker on the leaf; the other expert's requests do not cross the
+    link even though a worker on the leaf subscribes to them."""
+    import nats
+    from nats.errors import NoRespondersError
+
+    other = 1 - served_expert
+    leaf = cluster.leaf(f"leaf-expert-{served_expert}")
+    w_ok, _ = await _expert_responder([leaf.url], served_expert, "leaf-ok")
+    w_other, served_other = await _expert_responder([leaf.url], other, "leaf-other")
+    client = await nats.connect(cluster.url(2, "coordinator"), connect_timeout=2)
+    try:
+        req = _step_request(served_expert)
+        reply = await _request_until_ok(client, req)
+        assert reply.worker_id == "leaf-ok"
+        np.testing.assert_array_equal(reply.velocity, -req.x_t)
+
+        await asyncio.sleep(0.3)  # time for the other interest to propagate, were it allowed
+        with pytest.raises(NoRespondersError):
+            await client.request(subjects.expert_velocity(other), pack(_step_request(other)), timeout=1)
+        assert served_other == []
+    finally:
+        await client.close()
+        await w_ok.close()
+        await w_other.close()
