@@ -74,6 +74,12 @@ SAMPLES: list[BaseModel] = [
     CancelReply(job_id="job_1", cancelled=False, reason="already done"),
 ]
 
+if hasattr(messages_mod, "FleetStatus"):  # added alongside the coordinator's status endpoint
+    SAMPLES.append(messages_mod.FleetStatus(
+        coordinator="coord-1", active_jobs=2, active_rows=12, queued_jobs=1, max_rows=256, max_queued_jobs=64,
+        num_experts=2, jobs_submitted=10, jobs_done=7, jobs_failed=1, jobs_cancelled=1, jobs_rejected=0,
+        images_done=70, ticks=400, rows_per_s=210.5, tick_ms_p50=40.0, uptime_s=12.5, unavailable_experts=[1]))
+
 UNIONS = {JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent), SubmitReply: (JobAccepted, JobRejected, ErrorReply),
           StepResult: (StepReply, ErrorReply)}
 
