@@ -1,0 +1,242 @@
+"""Per-role subject permissions (infra/nats/permissions.conf) enforced by a real nats-server.
+
+Each test connects as the shipped users (web, client, coordinator, worker-0, ...) and checks
+both sides: what a role may do works end to end, and what it may not do is refused by the
+server (a permissions-violation error) and never delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from infra.nats_cluster import NatsCluster
+from schemas import (
+    CancelReply,
+    CancelRequest,
+    FrameEvent,
+    JobAccepted,
+    JobRequest,
+    StepReply,
+    StepRequest,
+    SubmitReply,
+    pack,
+    subjects,
+    unpack,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with NatsCluster(1, name="ddm-perm", log_dir=tmp_path_factory.mktemp("nats-logs")) as c:
+        yield c
+
+
+class Conn:
+    """A connection as one user, recording the asynchronous errors the server sends."""
+
+    def __init__(self, nc, errors: list[str]):
+        self.nc = nc
+        self.errors = errors
+
+    async def violation(self, subject: str, timeout: float = 3.0) -> str:
+        """Wait for the server's permissions-violation error naming `subject`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.errors:
+                if "permissions violation" in e.lower() and subject in e:
+                    return e
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no permissions violation for {subject!r}; errors seen: {self.errors}")
+
+
+@pytest.fixture
+async def connect(server):
+    import nats
+
+    opened: list = []
+
+    async def _connect(user: str) -> Conn:
+        errors: list[str] = []
+
+        async def on_error(err):
+            errors.append(str(err))
+
+        nc = await nats.connect(server.url(0, user), name=user, error_cb=on_error, connect_timeout=2,
+                                allow_reconnect=False)
+        opened.append(nc)
+        return Conn(nc, errors)
+
+    yield _connect
+    for nc in opened:
+        await nc.close()
+
+
+def _step(expert: int) -> StepRequest:
+    return StepRequest(expert=expert, x_t=np.ones((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32),
+                       y=np.zeros(2, np.int64))
+
+
+async def _collect(conn: Conn, subject: str, **kw) -> list:
+    got: list = []
+
+    async def cb(msg):
+        got.append(msg)
+
+    await conn.nc.subscribe(subject, cb=cb, **kw)
+    await conn.nc.flush()
+    return got
+
+
+# ---------------------------------------------------------------- web / client
+
+
+@pytest.mark.parametrize("user", ["web", "client"])
+async def test_client_roles_submit_jobs_and_read_events(connect, user):
+    coord, cli = await connect("coordinator"), await connect(user)
+
+    async def on_submit(msg):
+        req = unpack(msg.data, JobRequest)
+        await msg.respond(pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id),
+                                           digits=req.digits, seed=1)))
+
+    await coord.nc.subscribe(subjects.JOBS_SUBMIT, cb=on_submit)
+    await coord.nc.flush()
+    events = await _collect(cli, subjects.ALL_JOB_EVENTS)
+
+    msg = await cli.nc.request(subjects.JOBS_SUBMIT, pack(JobRequest(job_id="j1", digits=[3])), timeout=2)
+    accepted = unpack(msg.data, SubmitReply)
+    assert isinstance(accepted, JobAccepted) and accepted.job_id == "j1"
+
+    frame = FrameEvent(job_id="j1", step=0, steps=1, t=1.0, x=np.zeros((1, 1, 32, 32), np.float16), experts=[0],
+                       weights=np.ones((1, 2), np.float32))
+    await coord.nc.publish(subjects.job_events("j1"), pack(frame))
+    await coord.nc.flush()
+    for _ in range(100):
+        if events:
+            break
+        await asyncio.sleep(0.02)
+    assert len(events) == 1 and unpack(events[0].data, FrameEvent).job_id == "j1"
+    assert coord.errors == [] and cli.errors == []
+
+
+async def test_client_can_cancel_and_ask_status(connect):
+    coord, web = await connect("coordinator"), await connect("web")
+
+    async def on_cancel(msg):
+        req = unpack(msg.data, CancelRequest)
+        await msg.respond(pack(CancelReply(job_id=req.job_id, cancelled=True)))
+
+    async def on_status(msg):
+        await msg.respond(b"status")
+
+    await coord.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=on_cancel)
+    await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
+    await coord.nc.flush()
+    msg = await web.nc.request(subjects.job_cancel("j9"), pack(CancelRequest(job_id="j9")), timeout=2)
+    assert unpack(msg.data, CancelReply).cancelled
+    assert (await web.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
+
+
+async def test_web_cannot_publish_to_experts(connect):
+    worker, web = await connect("worker-0"), await connect("web")
+    delivered = await _collect(worker, subjects.expert_velocity(0))
+
+    await web.nc.publish(subjects.expert_velocity(0), pack(_step(0)))
+    await web.nc.flush()
+    await web.violation(subjects.expert_velocity(0))
+
+    # A request is refused too: no reply, and the worker never sees it.
+    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+    with pytest.raises((NatsTimeout, NoRespondersError)):
+        await web.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=0.5)
+    await asyncio.sleep(0.1)
+    assert delivered == []
+    assert web.nc.is_connected  # a violation is reported, the connection stays up
+
+
+async def test_web_cannot_impersonate_the_coordinator(connect):
+    web = await connect("web")
+    await web.nc.publish(subjects.job_events("j1"), b"fake frame")
+    await web.violation(subjects.job_events("j1"))
+    await web.nc.subscribe(subjects.JOBS_SUBMIT)
+    await web.violation(subjects.JOBS_SUBMIT)
+
+
+# ---------------------------------------------------------------- workers
+
+
+async def test_worker_cannot_publish_job_events(connect):
+    worker, web = await connect("worker-0"), await connect("web")
+    events = await _collect(web, subjects.ALL_JOB_EVENTS)
+
+    await worker.nc.publish(subjects.job_events("j1"), b"forged")
+    await worker.nc.flush()
+    await worker.violation(subjects.job_events("j1"))
+    await worker.nc.publish(subjects.JOBS_SUBMIT, b"forged")
+    await worker.violation(subjects.JOBS_SUBMIT)
+    await asyncio.sleep(0.1)
+    assert events == []
+
+
+async def test_worker_subscribes_only_to_its_own_expert(connect):
+    worker = await connect("worker-0")
+    await worker.nc.subscribe(subjects.expert_velocity(1))
+    await worker.violation(subjects.expert_velocity(1))
+    await worker.nc.subscribe(subjects.ALL_JOB_EVENTS)
+    await worker.violation(subjects.ALL_JOB_EVENTS)
+
+
+async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(connect):
+    """The way a real worker runs: a nats.micro service on its expert subject. It replies to
+    the coordinator (allow_responses) and answers $SRV discovery that any client may send."""
+    import json
+
+    from nats import micro
+
+    worker, coord, web = await connect("worker-0"), await connect("coordinator"), await connect("web")
+
+    async def velocity(req):
+        step = unpack(req.data, StepRequest)
+        await req.respond(pack(StepReply(expert=0, velocity=-np.asarray(step.x_t), backend="test")))
+
+    svc = await micro.add_service(worker.nc, name="ddm-expert-0", version="1.0.0", description="test worker")
+    try:
+        await svc.add_endpoint(name="velocity", subject=subjects.expert_velocity(0),
+                               queue_group=subjects.expert_queue_group(0), handler=velocity)
+        await worker.nc.flush()
+        msg = await coord.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=2)
+        assert unpack(msg.data, StepReply).velocity.shape == (2, 1, 32, 32)
+
+        for verb in ("PING", "INFO", "STATS"):
+            info = json.loads((await web.nc.request(f"$SRV.{verb}.ddm-expert-0", b"", timeout=2)).data)
+            assert info["name"] == "ddm-expert-0", (verb, info)
+        info = json.loads((await coord.nc.request("$SRV.INFO", b"", timeout=2)).data)
+        assert [e["subject"] for e in info["endpoints"]] == [subjects.expert_velocity(0)]
+        assert worker.errors == []
+    finally:
+        await svc.stop()
+
+
+# ---------------------------------------------------------------- authentication
+
+
+@pytest.mark.parametrize("password", [None, "wrong"])
+async def test_unknown_or_wrong_credentials_are_refused(server, password):
+    import nats
+
+    async def quiet(err):
+        pass
+
+    node = server.nodes[0]
+    userinfo = "" if password is None else f"web:{password}@"
+    with pytest.raises(nats.errors.Error) as err:
+        await nats.connect(f"nats://{userinfo}{node.host}:{node.port}", allow_reconnect=False, connect_timeout=2,
+                           error_cb=quiet)
+    assert "authorization violation" in str(err.value).lower()
