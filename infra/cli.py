@@ -15,6 +15,7 @@ import sys
 # (name, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+    ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
 ]

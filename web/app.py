@@ -1,0 +1,205 @@
+"""The aiohttp application: page, websocket, fleet status.
+
+    app = create_app(WebConfig(nats_url="nats://127.0.0.1:4222"))
+    web.run_app(app, host="127.0.0.1", port=8080)
+
+Routes:
+    GET /             the page (web/static/index.html)
+    GET /static/...   its JS and CSS (no build step)
+    GET /ws           the websocket (protocol: web/protocol.py)
+    GET /api/fleet    the latest fleet snapshot as JSON (web/fleet.py)
+    GET /healthz      "ok" while the NATS connection is up
+
+The server is just another bus client: one NATS connection (opened and drained in
+`cleanup_ctx`), one fleet poller task, one `Session` per socket. Sockets are closed on
+shutdown, which cancels their unfinished jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS
+
+from .fleet import FleetMonitor
+from .protocol import MAX_CLIENT_MESSAGE_BYTES
+from .session import MAX_JOBS_PER_SOCKET, Session
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """nats_url: the bus.  fleet_interval: seconds between fleet snapshots.
+    discovery_window: how long to collect $SRV replies.  submit_timeout: seconds to wait for
+    the coordinator to accept a job.  max_jobs_per_socket: unfinished jobs per tab."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    fleet_interval: float = 2.0
+    discovery_window: float = 0.3
+    submit_timeout: float = 5.0
+    max_jobs_per_socket: int = MAX_JOBS_PER_SOCKET
+
+    def __post_init__(self) -> None:
+        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ValueError(f"nats_url {self.nats_url!r} must start with nats://, tls://, ws:// or wss://")
+        for name in ("fleet_interval", "discovery_window", "submit_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_jobs_per_socket < 1:
+            raise ValueError(f"max_jobs_per_socket must be >= 1, got {self.max_jobs_per_socket}")
+
+
+CONFIG = web.AppKey("ddm_config", WebConfig)
+NATS = web.AppKey("ddm_nats", Any)
+SOCKETS = web.AppKey("ddm_sockets", weakref.WeakSet)
+SESSIONS = web.AppKey("ddm_sessions", weakref.WeakSet)
+@dataclass
+class FleetView:
+    """The latest fleet snapshot (mutable holder: app state itself is frozen once started)."""
+
+    latest: dict
+
+
+FLEET = web.AppKey("ddm_fleet", FleetView)
+
+
+def create_app(config: WebConfig | None = None) -> web.Application:
+    """App factory. Nothing connects until the app starts (cleanup_ctx)."""
+    app = web.Application()
+    app[CONFIG] = config or WebConfig()
+    app[SOCKETS] = weakref.WeakSet()
+    app[SESSIONS] = weakref.WeakSet()
+    app[FLEET] = FleetView({"type": "fleet", "experts": [], "services": [], "coordinator": None, "time": None})
+    app.cleanup_ctx.append(_nats_ctx)
+    app.cleanup_ctx.append(_fleet_ctx)
+    app.on_shutdown.append(_close_sockets)
+    app.router.add_get("/", index)
+    app.router.add_get("/ws", websocket)
+    app.router.add_get("/api/fleet", fleet_json)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_static("/static/", STATIC_DIR, name="static")
+    return app
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
+    import nats
+
+    url = app[CONFIG].nats_url
+
+    async def on_error(err: Exception) -> None:
+        log.warning("nats: %s", err)
+
+    try:
+        nc = await nats.connect(url, name="ddm-web", max_reconnect_attempts=-1, reconnect_time_wait=1,
+                                connect_timeout=3, error_cb=on_error, allow_reconnect=True)
+    except Exception as err:
+        raise RuntimeError(f"cannot connect to NATS at {url}: {err}. Is a nats-server running "
+                           "(`ddm-fleet up` starts one)? Pass another with --nats.") from err
+    app[NATS] = nc
+    yield
+    try:
+        await nc.drain()
+    except Exception:
+        await nc.close()
+
+
+async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    monitor = FleetMonitor(app[NATS], window=cfg.discovery_window)
+
+    async def poll() -> None:
+        while True:
+            try:
+                snap = await monitor.snapshot()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # bus hiccup: keep the last snapshot, try again
+                log.warning("fleet snapshot failed: %s", err)
+            else:
+                app[FLEET].latest = snap
+                for session in list(app[SESSIONS]):
+                    session.outbox.put_latest("__fleet__", snap)
+            await asyncio.sleep(cfg.fleet_interval)
+
+    task = asyncio.create_task(poll(), name="ddm-web-fleet")
+    yield
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+async def _close_sockets(app: web.Application) -> None:
+    for ws in list(app[SOCKETS]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    nc = request.app[NATS]
+    if nc.is_connected:
+        return web.Response(text="ok")
+    return web.Response(status=503, text="nats disconnected")
+
+
+async def fleet_json(request: web.Request) -> web.Response:
+    return web.json_response(request.app[FLEET].latest)
+
+
+def hello_message(cfg: WebConfig) -> dict[str, Any]:
+    return {"type": "hello", "max_images": MAX_JOB_IMAGES, "max_steps": MAX_JOB_STEPS,
+            "max_jobs": cfg.max_jobs_per_socket, "strategies": ["top1", "topk", "full", "oracle"],
+            "solvers": ["euler", "heun"]}
+
+
+async def websocket(request: web.Request) -> web.WebSocketResponse:
+    app = request.app
+    cfg = app[CONFIG]
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_CLIENT_MESSAGE_BYTES)
+    await ws.prepare(request)
+    app[SOCKETS].add(ws)
+    session = Session(app[NATS], ws.send_json, submit_timeout=cfg.submit_timeout,
+                      max_jobs=cfg.max_jobs_per_socket)
+    app[SESSIONS].add(session)
+    session.outbox.put(hello_message(cfg))
+    if app[FLEET].latest.get("time") is not None:
+        session.outbox.put_latest("__fleet__", app[FLEET].latest)
+    sender = asyncio.create_task(session.run_sender(), name="ddm-web-sender")
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                session.handle(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                session.error("send JSON text frames, not binary")
+            elif msg.type == WSMsgType.ERROR:
+                log.info("websocket error: %s", ws.exception())
+                break
+    finally:
+        app[SESSIONS].discard(session)
+        await session.close()
+        try:
+            await asyncio.wait_for(sender, timeout=2)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            sender.cancel()
+        app[SOCKETS].discard(ws)
+    return ws

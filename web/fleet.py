@@ -1,0 +1,203 @@
+"""Fleet status for the page, from what the bus itself says.
+
+* Workers: NATS micro service discovery. One request on `$SRV.INFO` and one on `$SRV.STATS`
+  reach every service; all replies that arrive within a short window are collected (a plain
+  request would keep only the first). A worker advertises its expert id, backend and device in
+  its service metadata (keys `expert` / `expert_id`, `backend`, `device`); services without an
+  expert id are listed as "other services".
+* Throughput: rows/s from the difference of two STATS snapshots (endpoint stats `data.rows`
+  when the worker reports it, else requests/s).
+* Coordinator: a request on `schemas.subjects.FLEET_STATUS` (msgpack or JSON map); its scalar
+  fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
+
+A worker that stops answering disappears from the next snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from schemas import subjects
+
+log = logging.getLogger(__name__)
+
+INFO_SUBJECT = "$SRV.INFO"
+STATS_SUBJECT = "$SRV.STATS"
+
+
+async def gather_replies(nc, subject: str, *, window: float = 0.3, max_replies: int = 1000,
+                         payload: bytes = b"") -> list[bytes]:
+    """Publish one request on `subject` and collect every reply for `window` seconds."""
+    inbox = nc.new_inbox()
+    replies: list[bytes] = []
+    sub = await nc.subscribe(inbox, max_msgs=max_replies)
+    try:
+        await nc.publish(subject, payload, reply=inbox)  # no flush(): see Session.close
+        deadline = time.monotonic() + window
+        while len(replies) < max_replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:  # nats TimeoutError: window over
+                break
+            replies.append(msg.data)
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass
+    return replies
+
+
+def _json_maps(raw: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for data in raw:
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+            out.append(obj)
+    return out
+
+
+def _expert_of(meta: dict[str, Any]) -> int | None:
+    for key in ("expert", "expert_id"):
+        value = meta.get(key)
+        try:
+            if value is not None and str(value).strip().lstrip("-").isdigit():
+                return int(value)
+        except (TypeError, ValueError):
+            pass
+    return None
+
+
+def _decode_status(data: bytes) -> dict[str, Any] | None:
+    from schemas import ProtocolError, loads
+
+    try:
+        obj = loads(data)
+    except ProtocolError:
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _scalars(obj: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+    """Keep what a table can show: numbers, short strings, bools, small nested maps (one level)."""
+    out: dict[str, Any] = {}
+    for k, v in list(obj.items())[:40]:
+        if not isinstance(k, str) or k in ("v", "kind"):
+            continue
+        if isinstance(v, bool) or isinstance(v, (int, float)):
+            out[k] = v
+        elif isinstance(v, str) and len(v) <= 200:
+            out[k] = v
+        elif isinstance(v, dict) and depth == 0:
+            inner = _scalars(v, depth + 1)
+            if inner:
+                out[k] = inner
+        elif isinstance(v, list) and len(v) <= 32 and all(isinstance(i, (int, float, str)) for i in v):
+            out[k] = v
+    return out
+
+
+class FleetMonitor:
+    """Polls the bus and builds snapshots; keeps the previous STATS to turn counters into rates."""
+
+    def __init__(self, nc, *, window: float = 0.3, status_timeout: float = 0.5):
+        self.nc = nc
+        self.window = window
+        self.status_timeout = status_timeout
+        self._prev: dict[str, tuple[float, float]] = {}  # worker id -> (monotonic time, rows or requests)
+
+    async def coordinator_status(self) -> dict[str, Any] | None:
+        try:
+            msg = await self.nc.request(subjects.FLEET_STATUS, b"", timeout=self.status_timeout)
+        except Exception:
+            return None
+        obj = _decode_status(msg.data)
+        return _scalars(obj) if obj is not None else None
+
+    async def snapshot(self) -> dict[str, Any]:
+        """{"type": "fleet", "experts": [{"expert", "workers": [...]}], "services": [...],
+        "coordinator": {...} | None, "time": unix seconds}."""
+        info_raw, stats_raw, coord = await asyncio.gather(
+            gather_replies(self.nc, INFO_SUBJECT, window=self.window),
+            gather_replies(self.nc, STATS_SUBJECT, window=self.window),
+            self.coordinator_status(),
+        )
+        infos = {i["id"]: i for i in _json_maps(info_raw)}
+        stats = {s["id"]: s for s in _json_maps(stats_raw)}
+        now = time.monotonic()
+        experts: dict[int, list[dict[str, Any]]] = {}
+        services: list[dict[str, Any]] = []
+        seen = set()
+        for wid, info in sorted(infos.items()):
+            meta = info.get("metadata") or {}
+            meta = meta if isinstance(meta, dict) else {}
+            row = {
+                "id": wid, "name": str(info.get("name", "")), "version": str(info.get("version", "")),
+                "backend": str(meta.get("backend", "")), "device": str(meta.get("device", "")),
+                "host": str(meta.get("host", meta.get("hostname", ""))),
+                "requests": None, "errors": None, "rows_per_s": None, "rate_unit": "rows/s",
+            }
+            st = stats.get(wid)
+            if st is not None:
+                self._add_rates(row, st, now)
+                seen.add(wid)
+            expert = _expert_of(meta)
+            if expert is None:
+                services.append(row)
+            else:
+                row["expert"] = expert
+                experts.setdefault(expert, []).append(row)
+        self._prev = {k: v for k, v in self._prev.items() if k in seen}
+        return {
+            "type": "fleet",
+            "experts": [{"expert": e, "workers": ws} for e, ws in sorted(experts.items())],
+            "services": services,
+            "coordinator": coord,
+            "time": time.time(),
+        }
+
+    def _add_rates(self, row: dict[str, Any], st: dict[str, Any], now: float) -> None:
+        requests = errors = 0
+        rows: float | None = 0.0
+        for ep in st.get("endpoints") or []:
+            if not isinstance(ep, dict):
+                continue
+            requests += _num(ep.get("num_requests"))
+            errors += _num(ep.get("num_errors"))
+            data = ep.get("data")
+            got = None
+            if isinstance(data, dict):
+                for key in ("rows", "rows_total", "num_rows"):
+                    if isinstance(data.get(key), (int, float)):
+                        got = data[key]
+                        break
+            if got is None:
+                rows = None
+            elif rows is not None:  # one metrics object per service: max, not sum, across endpoints
+                rows = max(rows, float(got))
+        counter = rows if rows is not None else float(requests)
+        row["requests"], row["errors"] = int(requests), int(errors)
+        row["rate_unit"] = "rows/s" if rows is not None else "req/s"
+        if rows is not None:
+            row["rows"] = int(rows)
+        prev = self._prev.get(row["id"])
+        if prev is not None and now > prev[0]:
+            row["rows_per_s"] = round(max(0.0, counter - prev[1]) / (now - prev[0]), 1)
+        self._prev[row["id"]] = (now, counter)
+
+
+def _num(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0

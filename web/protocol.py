@@ -1,0 +1,141 @@
+"""The browser <-> web-server websocket protocol: parse what the page sends.
+
+Every message is one JSON object with a `type`. Client -> server:
+
+    {"type": "generate", "digits": "3,7,7" | [3, 7, 7]}            one image per digit
+    {"type": "generate", "count": 8, "steps": 40, "strategy": "top1", "solver": "euler",
+     "top_k": 2, "seed": 1, "frame_every": 1, "ref": "anything"}   `count` random digits
+    {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
+    {"type": "ping"}                                                 answered with {"type": "pong"}
+
+Server -> client: `hello`, `accepted`, `frame`, `done`, `failed`, `rejected`, `cancelled`,
+`fleet`, `error`, `pong` (see `web/session.py` and `web/frames.py` for their fields).
+
+Nothing here touches the network: `parse_client_message` turns text into a typed command
+or raises `BadInput` whose message is shown to the user as is. Job parameters are validated
+by `schemas.JobRequest`, so its limits (images per job, steps) and its pydantic messages are
+the ones the user sees.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+from schemas import PROTOCOL_VERSION, JobRequest, ProtocolError, validate
+
+#: Largest websocket text message the server reads (bytes); larger ones close the socket.
+MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
+
+#: Job parameters a page may set; everything else in a `generate` message is refused.
+GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every")
+
+_SPLIT = re.compile(r"[\s,;]+")
+
+
+class BadInput(ValueError):
+    """Input the user (or a misbehaving page) sent; `str(err)` is shown to them verbatim.
+    `ref` echoes the client's correlation field when the message had one."""
+
+    def __init__(self, message: str, *, ref: Any = None, code: str = "bad_request"):
+        super().__init__(message)
+        self.message = message
+        self.ref = ref
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Submit a job. `request.job_id` is still None: the session picks it."""
+
+    request: JobRequest
+    ref: Any = None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job_id: str
+    ref: Any = None
+
+
+@dataclass(frozen=True)
+class Ping:
+    ref: Any = None
+
+
+ClientMessage = Union[Generate, Cancel, Ping]
+
+
+def parse_digits(value: Any) -> list[int]:
+    """'3,7,7' / '3 7 7' / [3, 7, 7] -> [3, 7, 7]. Each entry must be one digit 0-9.
+
+    Raises BadInput naming the first offending entry. The count is not checked here:
+    `JobRequest` owns that limit.
+    """
+    if isinstance(value, str):
+        tokens = [tok for tok in _SPLIT.split(value.strip()) if tok]
+        if not tokens:
+            raise BadInput("enter at least one digit, e.g. 3,7,7")
+        out = []
+        for tok in tokens:
+            if len(tok) != 1 or tok not in "0123456789":
+                shown = tok if len(tok) <= 12 else tok[:12] + "…"
+                raise BadInput(f"{shown!r} is not a digit: enter digits 0-9 separated by commas, e.g. 3,7,7")
+            out.append(int(tok))
+        return out
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= 9:
+                raise BadInput(f"digits must be integers 0-9, got {item!r}")
+            out.append(item)
+        return out
+    raise BadInput(f"digits must be a string like '3,7,7' or a list of integers, got {type(value).__name__}")
+
+
+def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
+    unknown = sorted(set(msg) - set(GENERATE_FIELDS) - {"type", "ref"})
+    if unknown:
+        raise BadInput(f"unknown field(s) in generate: {', '.join(map(str, unknown))}; "
+                       f"allowed: {', '.join(GENERATE_FIELDS)}", ref=ref)
+    fields = {k: msg[k] for k in GENERATE_FIELDS if k in msg and msg[k] not in (None, "")}
+    if "digits" in fields:
+        try:
+            fields["digits"] = parse_digits(fields["digits"])
+        except BadInput as err:
+            raise BadInput(err.message, ref=ref) from None
+    try:  # strict, like the wire: the page sends numbers as JSON numbers
+        return validate({"v": PROTOCOL_VERSION, "kind": "job_request", **fields}, JobRequest)
+    except ProtocolError as err:
+        raise BadInput(err.message, ref=ref, code=err.code.value) from None
+
+
+def parse_client_message(text: Any) -> ClientMessage:
+    """One websocket text frame -> a command. Raises BadInput for anything else."""
+    if not isinstance(text, str):
+        raise BadInput("send JSON text frames, not binary")
+    try:
+        msg = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise BadInput(f"malformed JSON: {err}") from None
+    if not isinstance(msg, dict):
+        raise BadInput(f"each message must be a JSON object with a 'type', got {type(msg).__name__}")
+    ref = msg.get("ref")
+    if ref is not None and not (isinstance(ref, (str, int)) and not isinstance(ref, bool) and len(str(ref)) <= 64):
+        raise BadInput("ref must be a short string or integer")
+    kind = msg.get("type")
+    if kind == "generate":
+        return Generate(_job_request(msg, ref), ref)
+    if kind == "cancel":
+        job_id = msg.get("job_id")
+        if not isinstance(job_id, str) or not job_id:
+            raise BadInput("cancel needs a job_id string", ref=ref)
+        return Cancel(job_id, ref)
+    if kind == "ping":
+        return Ping(ref)
+    if kind is None:
+        raise BadInput("message has no 'type'; expected generate, cancel or ping", ref=ref)
+    shown = kind if isinstance(kind, str) and len(kind) <= 32 else repr(kind)[:32]
+    raise BadInput(f"unknown message type {shown!r}; expected generate, cancel or ping", ref=ref)

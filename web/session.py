@@ -1,0 +1,323 @@
+"""One browser tab = one websocket = one `Session`.
+
+A session owns the jobs its socket submitted (and only those): it picks each job id,
+subscribes to the job's event subject *before* submitting, forwards the events to its socket,
+and cancels every unfinished job when the socket closes. Other tabs never see its jobs.
+
+Outgoing messages go through an `Outbox`: control messages (accepted, done, errors, ...)
+are kept in order and never dropped; frames are coalesced per job, so a slow browser
+skips intermediate frames instead of piling them up in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from schemas import (
+    CancelRequest,
+    DoneEvent,
+    ErrorCode,
+    FailedEvent,
+    FrameEvent,
+    JobAccepted,
+    JobEvent,
+    JobRejected,
+    ProtocolError,
+    SubmitReply,
+    pack,
+    subjects,
+    unpack,
+)
+
+from .frames import event_message
+from .protocol import BadInput, Cancel, Generate, Ping, parse_client_message
+
+log = logging.getLogger(__name__)
+
+#: Unfinished jobs one tab may have at a time.
+MAX_JOBS_PER_SOCKET = 8
+
+
+class Outbox:
+    """Ordered outgoing queue with per-job frame coalescing.
+
+    `put(msg)` enqueues a message; `put_latest(key, item)` replaces any item under the same key
+    that has not been sent yet (keeping the queue position of the first one): a job's frames,
+    the fleet snapshot. `drop(key)` forgets a pending item (a job that finished). `get()` waits
+    for the next item; latest-items come back as whatever `item` was (rendered lazily).
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._frames: dict[str, Any] = {}
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, msg: dict[str, Any]) -> None:
+        if not self.closed:
+            self._queue.append(("msg", msg))
+            self._ready.set()
+
+    def put_latest(self, key: str, item: Any) -> None:
+        if self.closed:
+            return
+        if key not in self._frames:
+            self._queue.append(("latest", key))
+        self._frames[key] = item
+        self._ready.set()
+
+    def drop(self, key: str) -> None:
+        self._frames.pop(key, None)
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def get(self) -> tuple[str, Any] | None:
+        """Next ("msg", dict) or ("latest", item); None once closed."""
+        while True:
+            while self._queue:
+                kind, value = self._queue.popleft()
+                if kind == "latest":
+                    if value not in self._frames:
+                        continue  # dropped: e.g. the job ended before its frame went out
+                    return "latest", self._frames.pop(value)
+                return kind, value
+            if self.closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+
+
+@dataclass
+class _Job:
+    """One unfinished job of a socket. Events that arrive before the job was announced to the
+    page (the coordinator may stream before its submit reply is read) wait in `early`."""
+
+    ref: Any = None
+    sub: Any = None
+    announced: bool = False
+    early: list = field(default_factory=list)
+
+
+class Session:
+    """Job bookkeeping for one socket. `send` writes one JSON message to the socket.
+
+    Call `handle(text)` for each text frame, `run_sender()` as a task, `close()` at the end.
+    The page always gets `accepted` before any frame of that job, and nothing after its
+    `done` / `failed` / `cancelled`.
+    """
+
+    def __init__(self, nc, send: Callable[[dict[str, Any]], Awaitable[None]], *, submit_timeout: float = 5.0,
+                 max_jobs: int = MAX_JOBS_PER_SOCKET):
+        self.nc = nc
+        self._send = send
+        self.submit_timeout = submit_timeout
+        self.max_jobs = max_jobs
+        self.outbox = Outbox()
+        self.jobs: dict[str, _Job] = {}  # unfinished jobs of this socket only
+        self._ended_early: dict[str, _Job] = {}  # finished before their submit reply was read
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------ sending
+
+    def error(self, message: str, *, code: str = "bad_request", ref: Any = None, job_id: str | None = None) -> None:
+        msg: dict[str, Any] = {"type": "error", "code": code, "message": message}
+        if ref is not None:
+            msg["ref"] = ref
+        if job_id is not None:
+            msg["job_id"] = job_id
+        self.outbox.put(msg)
+
+    async def run_sender(self) -> None:
+        """Drain the outbox into the socket until it is closed."""
+        while (item := await self.outbox.get()) is not None:
+            kind, value = item
+            if kind == "latest" and not isinstance(value, dict):
+                try:
+                    value = event_message(value)
+                except (ValueError, TypeError) as err:
+                    value = {"type": "error", "code": "internal", "message": f"undrawable event: {err}"}
+            try:
+                await self._send(value)
+            except (ConnectionError, RuntimeError):
+                break
+
+    # ------------------------------------------------------------ receiving
+
+    def handle(self, text: Any) -> None:
+        """One message from the page. Never raises for bad input: it answers with an error."""
+        try:
+            cmd = parse_client_message(text)
+        except BadInput as err:
+            self.error(err.message, code=err.code, ref=err.ref)
+            return
+        if isinstance(cmd, Ping):
+            self.outbox.put({"type": "pong", **({"ref": cmd.ref} if cmd.ref is not None else {})})
+        elif isinstance(cmd, Cancel):
+            self._spawn(self.cancel(cmd.job_id, ref=cmd.ref))
+        elif isinstance(cmd, Generate):
+            if len(self.jobs) >= self.max_jobs:
+                self.error(f"this tab already runs {len(self.jobs)} jobs (the limit is {self.max_jobs}); "
+                           "wait for one to finish or cancel it", code="overloaded", ref=cmd.ref)
+                return
+            job_id = "web" + secrets.token_hex(8)
+            self.jobs[job_id] = _Job(ref=cmd.ref)  # reserve the slot now: submit runs in the background
+            self._spawn(self.submit(job_id, cmd.request))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def submit(self, job_id: str, request) -> None:
+        """Subscribe to the job's events, then submit it; report the outcome to the page."""
+        req = request.model_copy(update={"job_id": job_id})
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        try:
+            sub = await self.nc.subscribe(subjects.job_events(job_id), cb=self._on_event)
+        except Exception as err:  # connection closed / draining
+            self.jobs.pop(job_id, None)
+            self.error(f"the bus is unavailable: {err}", code="unavailable", ref=job.ref)
+            return
+        if self._closed or self.jobs.get(job_id) is not job:  # socket closed or job cancelled meanwhile
+            await _unsubscribe(sub)
+            return
+        job.sub = sub
+        try:
+            reply_msg = await self.nc.request(subjects.JOBS_SUBMIT, pack(req), timeout=self.submit_timeout)
+            reply = unpack(reply_msg.data, SubmitReply)
+        except Exception as err:
+            await self._forget(job_id)
+            self._ended_early.pop(job_id, None)
+            self.error(_submit_error_text(err), code=_submit_error_code(err), ref=job.ref, job_id=job_id)
+            return
+        if isinstance(reply, JobAccepted):
+            self._announce(job_id, reply)
+            return
+        await self._forget(job_id)
+        self._ended_early.pop(job_id, None)
+        reason = reply.reason if isinstance(reply, JobRejected) else reply.message  # JobRejected | ErrorReply
+        out = {"type": "rejected", "job_id": job_id, "code": reply.code.value, "message": reason}
+        if job.ref is not None:
+            out["ref"] = job.ref
+        self.outbox.put(out)
+
+    def _announce(self, job_id: str, accepted: JobAccepted) -> None:
+        """Send `accepted` once, then whatever events came before it."""
+        job = self.jobs.get(job_id) or self._ended_early.pop(job_id, None)
+        if job is None or job.announced:
+            return
+        job.announced = True
+        msg = event_message(accepted)
+        if job.ref is not None:
+            msg["ref"] = job.ref
+        self.outbox.put(msg)
+        for ev in job.early:
+            self.outbox.put_latest(job_id, ev)
+        job.early.clear()
+
+    async def _on_event(self, msg) -> None:
+        job_id = subjects.parse_job_subject(msg.subject)
+        job = self.jobs.get(job_id) if job_id else None
+        if job is None:
+            return
+        try:
+            ev = unpack(msg.data, JobEvent)
+        except ProtocolError as err:
+            self.error(f"undecodable event from the coordinator: {err.message}", code=err.code.value, job_id=job_id)
+            return
+        if ev.job_id != job_id:
+            return
+        if isinstance(ev, JobAccepted):
+            self._announce(job_id, ev)
+            return
+        terminal = isinstance(ev, (DoneEvent, FailedEvent))
+        if not job.announced:
+            if terminal or not job.early or not isinstance(job.early[-1], FrameEvent):
+                job.early.append(ev)
+            else:
+                job.early[-1] = ev  # keep only the latest early frame
+        else:
+            if terminal:
+                self.outbox.drop(job_id)  # a pending frame is superseded by the result
+            self.outbox.put_latest(job_id, ev)
+        if terminal:
+            await self._forget(job_id)
+            if not job.announced:
+                self._ended_early[job_id] = job
+
+    async def _forget(self, job_id: str) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is not None and job.sub is not None:
+            await _unsubscribe(job.sub)
+
+    async def cancel(self, job_id: str, *, ref: Any = None, notify: bool = True) -> None:
+        """Cancel one of this socket's unfinished jobs (plain publish of a CancelRequest)."""
+        if job_id not in self.jobs:
+            if notify:
+                self.error(f"no running job {job_id[:80]!r} in this tab", code="bad_request", ref=ref)
+            return
+        await self._forget(job_id)
+        self.outbox.drop(job_id)
+        try:
+            await self.nc.publish(subjects.job_cancel(job_id), pack(CancelRequest(job_id=job_id)))
+        except Exception as err:
+            log.warning("could not publish cancel for %s: %s", job_id, err)
+        if notify:
+            msg = {"type": "cancelled", "job_id": job_id}
+            if ref is not None:
+                msg["ref"] = ref
+            self.outbox.put(msg)
+
+    async def close(self) -> None:
+        """Socket gone: cancel every unfinished job of this tab and stop sending.
+
+        (No flush here: nats-py's flusher sends the cancels at once, and a flush cancelled
+        half-way by shutdown leaves a PONG future that breaks the connection's read loop.)"""
+        self._closed = True
+        for job_id in list(self.jobs):
+            await self.cancel(job_id, notify=False)
+        for task in list(self._tasks):
+            task.cancel()
+        self.outbox.close()
+
+
+async def _unsubscribe(sub) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:  # already closed with the connection
+        pass
+
+
+def _submit_error_text(err: Exception) -> str:
+    import nats.errors
+
+    if isinstance(err, nats.errors.NoRespondersError):
+        return f"no coordinator is running: nothing answers on {subjects.JOBS_SUBMIT}"
+    if isinstance(err, nats.errors.TimeoutError):
+        return "the coordinator did not answer in time; try again"
+    if isinstance(err, ProtocolError):
+        return f"the coordinator sent an undecodable reply: {err.message}"
+    return f"submitting failed: {type(err).__name__}: {err}"
+
+
+def _submit_error_code(err: Exception) -> str:
+    import nats.errors
+
+    if isinstance(err, nats.errors.NoRespondersError):
+        return ErrorCode.UNAVAILABLE.value
+    if isinstance(err, nats.errors.TimeoutError):
+        return ErrorCode.DEADLINE_EXCEEDED.value
+    if isinstance(err, ProtocolError):
+        return err.code.value
+    return ErrorCode.INTERNAL.value
+
