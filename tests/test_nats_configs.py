@@ -1,0 +1,159 @@
+"""The shipped nats-server configs (infra/nats/) are valid and say what the docs say.
+
+`nats-server -c FILE -t` parses and validates a config without binding anything; each
+runnable config must pass it with the variables a deployment supplies. The single-node
+config is also started for real to read back its limits, and the TLS config serves a
+TLS client with certificates from make-dev-certs.sh.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import ssl
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infra.nats_cluster import CONFIG_DIR, PASSWORD_VARS, monitor, password_env, random_passwords
+from infra.nats_server import NatsServer, check_config, free_port
+from schemas import MAX_PAYLOAD_BYTES, MAX_STEP_ROWS, subjects
+
+pytestmark = pytest.mark.timeout(120)
+
+#: Configs meant to be run (the others are fragments they include).
+RUNNABLE = ["local.conf", "single.conf", "cluster.conf", "leaf.conf", "tls/tls.conf", "tls/leaf-tls.conf",
+            "nkeys/single-nkeys.conf"]
+FRAGMENTS = ["limits.conf", "permissions.conf", "accounts.conf", "nkeys/accounts-nkeys.conf"]
+TLS_DIR = "/etc/ddm-fleet/tls/"
+
+
+def deployment_env() -> dict[str, str]:
+    """What systemd supplies: passwords, this node's name, the hub URLs of a leaf."""
+    return {
+        **password_env(random_passwords()),
+        "DDM_NATS_SERVER_NAME": "nats-test-1",
+        "DDM_NATS_HUB_URLS": '["nats-leaf://leaf-expert-0:pw@nats-1.ddm.internal:7422", '
+                             '"nats-leaf://leaf-expert-0:pw@nats-2.ddm.internal:7422"]',
+    }
+
+
+@pytest.fixture(scope="module")
+def dev_certs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("certs")
+    subprocess.run(["bash", str(CONFIG_DIR / "tls" / "make-dev-certs.sh"), str(out), "localhost", "127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return out
+
+
+@pytest.fixture
+def config_tree(tmp_path, dev_certs) -> Path:
+    """A copy of infra/nats with the TLS paths pointing at fresh dev certificates."""
+    tree = tmp_path / "nats"
+    shutil.copytree(CONFIG_DIR, tree)
+    for conf in tree.rglob("*.conf"):
+        conf.write_text(conf.read_text().replace(TLS_DIR, f"{dev_certs}/"))
+    return tree
+
+
+def test_every_config_file_is_covered():
+    shipped = sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.conf"))
+    assert shipped == sorted(RUNNABLE + FRAGMENTS), "add new configs to RUNNABLE or FRAGMENTS"
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_nats_server_accepts_config(config_tree, name):
+    message = check_config(config_tree / name, deployment_env())
+    assert "is valid" in message
+
+
+def test_missing_password_is_refused_with_its_name(config_tree):
+    env = deployment_env()
+    del env["DDM_NATS_WEB_PASSWORD"]
+    with pytest.raises(ValueError, match="DDM_NATS_WEB_PASSWORD"):
+        check_config(config_tree / "single.conf", env)
+
+
+def test_broken_config_is_refused(tmp_path):
+    bad = tmp_path / "bad.conf"
+    bad.write_text("listen: 127.0.0.1:4222\nmax_payload: {\n")
+    with pytest.raises(ValueError, match="refused"):
+        check_config(bad)
+
+
+def test_tls_paths_are_required(tmp_path):
+    """Unsubstituted, tls.conf points at /etc/ddm-fleet/tls, which this box lacks: refused."""
+    if Path(TLS_DIR).exists():
+        pytest.skip(f"{TLS_DIR} exists on this machine")
+    with pytest.raises(ValueError, match="server-cert.pem"):
+        check_config(CONFIG_DIR / "tls" / "tls.conf", deployment_env())
+
+
+def test_passwords_users_and_env_example_agree():
+    accounts = (CONFIG_DIR / "accounts.conf").read_text()
+    users = dict(re.findall(r"user:\s*([\w-]+),\s*password:\s*\$(\w+)", accounts))
+    assert users == PASSWORD_VARS
+    example = (CONFIG_DIR / "nats.env.example").read_text()
+    assert sorted(re.findall(r"^(DDM_NATS_\w+)=", example, re.M)) == sorted(PASSWORD_VARS.values())
+
+
+def test_permissions_use_the_protocol_subjects():
+    """A protocol version bump (ddm.v2...) must update the permissions too."""
+    perms = (CONFIG_DIR / "permissions.conf").read_text()
+    for subject in (subjects.ALL_EXPERTS, subjects.JOBS_SUBMIT, subjects.ALL_JOB_EVENTS, subjects.ALL_JOB_CANCELS,
+                    subjects.FLEET_STATUS, subjects.expert_velocity(0), subjects.expert_velocity(1)):
+        assert f'"{subject}"' in perms, subject
+    used = set(re.findall(r'"(ddm\.[^"]+)"', perms))
+    prefix = subjects.PREFIX + "."
+    assert all(s.startswith(prefix) for s in used), f"subjects outside {prefix}*: {sorted(used)}"
+
+
+def test_single_node_limits_fit_our_largest_batch(config_tree):
+    """Run single.conf for real (addresses overridden) and read its limits from /varz."""
+    env = deployment_env()
+    srv = NatsServer(env=env)
+    wrapper = config_tree / "single-test.conf"
+    wrapper.write_text(
+        f"include ./single.conf\nlisten: {srv.host}:{srv.port}\nhttp: {srv.host}:{srv.http_port}\n"
+        f"leafnodes {{ listen: {srv.host}:{free_port()} }}\n"
+    )
+    srv.config_file = wrapper
+    with srv:
+        varz = monitor(srv, "varz")
+    largest_step = MAX_STEP_ROWS * 1 * 32 * 32 * 4  # float32 rows of 1x32x32
+    assert varz["max_payload"] == 8 * 1024 * 1024 >= MAX_PAYLOAD_BYTES > largest_step
+    assert varz["max_pending"] >= 32 * 4 * 1024 * 1024  # 32 in-flight 4 MiB replies
+    assert varz["write_deadline"] == 10 * 10**9
+
+
+async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
+    """tls.conf for real: a client trusting the dev CA connects over TLS with its password."""
+    import nats
+
+    passwords = random_passwords()
+    srv = NatsServer(env={**password_env(passwords), "DDM_NATS_SERVER_NAME": "tls-test"})
+    wrapper = config_tree / "tls" / "tls-test.conf"
+    wrapper.write_text(
+        f"include ./tls.conf\nlisten: {srv.host}:{srv.port}\nhttp: {srv.host}:{srv.http_port}\n"
+        f"cluster {{ name: t, listen: {srv.host}:{free_port()}, routes: [] }}\n"
+        f"leafnodes {{ listen: {srv.host}:{free_port()} }}\n"
+    )
+    srv.config_file = wrapper
+    ctx = ssl.create_default_context(cafile=str(dev_certs / "ca.pem"))
+    with srv:
+        nc = await nats.connect(f"tls://web:{passwords['web']}@localhost:{srv.port}", tls=ctx, connect_timeout=3,
+                                allow_reconnect=False)
+        try:
+            assert nc.connected_url.scheme == "tls"
+            await nc.flush()
+        finally:
+            await nc.close()
+
+        async def quiet(err):
+            pass
+
+        untrusting = ssl.create_default_context()  # system CAs only: the dev CA is unknown
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await nats.connect(f"tls://web:{passwords['web']}@localhost:{srv.port}", tls=untrusting,
+                               connect_timeout=3, allow_reconnect=False, error_cb=quiet)
