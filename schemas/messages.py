@@ -346,6 +346,33 @@ class CancelReply(Message):
     reason: str = ""
 
 
+class FleetStatus(Message):
+    """Coordinator -> anyone (reply on `ddm.v1.fleet.status`): a load snapshot.
+
+    rows_per_s: row velocity evaluations per second over the last seconds;
+    unavailable_experts: experts whose last call failed (no responders / timeouts)."""
+
+    kind: Literal["fleet_status"] = "fleet_status"
+    coordinator: str = ""
+    active_jobs: int = Field(default=0, ge=0)
+    active_rows: int = Field(default=0, ge=0)
+    queued_jobs: int = Field(default=0, ge=0)
+    max_rows: int = Field(default=0, ge=0)
+    max_queued_jobs: int = Field(default=0, ge=0)
+    num_experts: int = Field(default=0, ge=0)
+    jobs_submitted: int = Field(default=0, ge=0)
+    jobs_done: int = Field(default=0, ge=0)
+    jobs_failed: int = Field(default=0, ge=0)
+    jobs_cancelled: int = Field(default=0, ge=0)
+    jobs_rejected: int = Field(default=0, ge=0)
+    images_done: int = Field(default=0, ge=0)
+    ticks: int = Field(default=0, ge=0)
+    rows_per_s: float = Field(default=0.0, ge=0)
+    tick_ms_p50: float = Field(default=0.0, ge=0)
+    uptime_s: float = Field(default=0.0, ge=0)
+    unavailable_experts: list[int] = Field(default_factory=list)
+
+
 JobEvent = Annotated[Union[JobAccepted, FrameEvent, DoneEvent, FailedEvent], Field(discriminator="kind")]
 SubmitReply = Annotated[Union[JobAccepted, JobRejected, ErrorReply], Field(discriminator="kind")]
 StepResult = Annotated[Union[StepReply, ErrorReply], Field(discriminator="kind")]

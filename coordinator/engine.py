@@ -1,0 +1,209 @@
+"""The engine loop: schedule -> execute -> update, forever, over any expert transport.
+
+    engine = Engine(scheduler, router, transport, emit)
+    task = asyncio.create_task(engine.run())
+    engine.submit(JobRequest(...))      # -> JobAccepted, or raises scheduler.Rejected
+    ...
+    await engine.stop()
+
+Each tick: the scheduler hands over every active row; the router weighs all of them in one
+call (off the event loop); each chosen expert gets ONE batched velocity call, all experts
+concurrently; an expert that is unavailable (no responders, timeouts after retries) is marked
+failed for this tick and its rows are rerouted by their strategy (top1 -> next-best expert),
+then the scheduler advances every row one solver stage and the events go to `emit`.
+
+`transport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids) -> v [n, C, H, W]` raises
+`ExpertUnavailable` when no worker of that expert can answer; the NATS transport lives in
+`coordinator.transport`, an in-process one (direct backend calls) in `coordinator.local_fleet`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from schemas import ErrorCode, JobAccepted, JobRequest
+
+from .batch import Batch
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class ExpertUnavailable(Exception):
+    """No worker of `expert` could produce this step's velocity."""
+
+    def __init__(self, expert: int, reason: str):
+        super().__init__(f"expert {expert}: {reason}")
+        self.expert = expert
+        self.reason = reason
+
+
+class Transport(Protocol):
+    async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
+                       row_ids: list[str]) -> np.ndarray: ...
+
+
+class RouterLike(Protocol):
+    def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
+
+
+class Engine:
+    """Owns the tick loop. `emit(event)` (sync or async) receives every job event in order."""
+
+    def __init__(self, scheduler: Scheduler, router: RouterLike, transport: Transport,
+                 emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
+                 router_in_thread: bool = True, rate_window_s: float = 10.0):
+        self.scheduler = scheduler
+        self.router = router
+        self.transport = transport
+        self.emit = emit
+        self.clock = clock
+        self.router_in_thread = router_in_thread
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._running = False
+        self._emit_lock = asyncio.Lock()
+        self._rate: deque[tuple[float, int]] = deque()
+        self._rate_window = rate_window_s
+        self.started_at = clock()
+        self.last_unavailable: dict[int, str] = {}
+        self.tick_ms: deque[float] = deque(maxlen=100)
+
+    # ------------------------------------------------------------ intake
+    def submit(self, request: JobRequest) -> JobAccepted:
+        """Queue a job (joins at the next tick). Raises scheduler.Rejected."""
+        accepted = self.scheduler.submit(request, self.clock())
+        self._wake.set()
+        return accepted
+
+    async def cancel(self, job_id: str, reason: str = "cancelled by client") -> bool:
+        ok = self.scheduler.cancel(job_id, self.clock(), reason)
+        await self.flush_events()
+        return ok
+
+    async def flush_events(self) -> None:
+        """Send pending scheduler events to `emit`, in order."""
+        async with self._emit_lock:
+            for ev in self.scheduler.pop_events():
+                if self.emit is None:
+                    continue
+                try:
+                    out = self.emit(ev)
+                    if inspect.isawaitable(out):
+                        await out
+                except Exception:  # a broken listener must not stop the fleet
+                    log.exception("emitting %s for job %s failed", ev.kind, getattr(ev, "job_id", "?"))
+
+    # ------------------------------------------------------------ loop
+    async def run(self) -> None:
+        """Tick while there is work; sleep until a job arrives otherwise."""
+        self._running = True
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                worked = await self.tick()
+                if not worked and not self._stopping:
+                    await self._wake.wait()
+        finally:
+            self._running = False
+
+    async def stop(self, reason: str = "coordinator shutting down") -> None:
+        """Stop after the current tick; jobs still queued or running fail with `unavailable`."""
+        self._stopping = True
+        self._wake.set()
+        self.scheduler.fail_all(ErrorCode.UNAVAILABLE, reason)
+        await self.flush_events()
+
+    async def tick(self) -> bool:
+        """One schedule -> execute -> update round. Returns False when there was nothing to do."""
+        sched = self.scheduler
+        batch = sched.schedule(self.clock())
+        await self.flush_events()
+        if batch is None:
+            return False
+        started = time.perf_counter()
+        try:
+            await self._execute(batch)
+            sched.update(batch, self.clock())
+        except Exception as err:  # never die: fail this batch's jobs, keep serving the rest
+            log.exception("tick failed")
+            for job_id in dict.fromkeys(r.job_id for r in batch.rows):
+                sched.fail(job_id, ErrorCode.INTERNAL, f"coordinator error: {type(err).__name__}: {err}")
+        self.tick_ms.append((time.perf_counter() - started) * 1000)
+        self._count_rows(len(batch))
+        await self.flush_events()
+        return True
+
+    async def _execute(self, batch: Batch) -> None:
+        if self.router_in_thread:
+            w = await asyncio.to_thread(self.router.weights, batch.x, batch.t, batch.y)
+        else:
+            w = self.router.weights(batch.x, batch.t, batch.y)
+        batch.route(np.asarray(w))
+        while reqs := batch.requests():
+            experts = list(reqs)
+            results = await asyncio.gather(
+                *(self._call(batch, k, reqs[k]) for k in experts), return_exceptions=True)
+            for k, res in zip(experts, results):
+                if isinstance(res, ExpertUnavailable):
+                    self.last_unavailable[k] = res.reason
+                    batch.mark_failed(k, res.reason)
+                elif isinstance(res, BaseException):
+                    if isinstance(res, asyncio.CancelledError):
+                        raise res
+                    log.warning("expert %d call failed: %r", k, res)
+                    self.last_unavailable[k] = f"failed: {type(res).__name__}: {res}"
+                    batch.mark_failed(k, f"failed ({type(res).__name__}: {res})")
+                else:
+                    self.last_unavailable.pop(k, None)
+                    batch.record(k, reqs[k], res)
+
+    async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
+        v = await self.transport.velocity(k, batch.x[idx], batch.t[idx], batch.y[idx],
+                                          [batch.row_ids[i] for i in idx])
+        v = np.asarray(v)
+        want = (len(idx),) + batch.x.shape[1:]
+        if v.shape != want:
+            raise ExpertUnavailable(k, f"replied with shape {list(v.shape)}, expected {list(want)}")
+        if not np.isfinite(v).all():
+            raise ExpertUnavailable(k, "replied with NaN/Inf velocities")
+        return v
+
+    # ------------------------------------------------------------ status
+    def _count_rows(self, n: int) -> None:
+        now = time.monotonic()
+        self._rate.append((now, n))
+        while self._rate and now - self._rate[0][0] > self._rate_window:
+            self._rate.popleft()
+
+    def rows_per_s(self) -> float:
+        """Row evaluations per second over the last `rate_window_s` seconds."""
+        now = time.monotonic()
+        while self._rate and now - self._rate[0][0] > self._rate_window:
+            self._rate.popleft()
+        if not self._rate:
+            return 0.0
+        span = max(now - self._rate[0][0], 1e-3)
+        return sum(n for _, n in self._rate) / span if len(self._rate) > 1 else 0.0
+
+    def status(self) -> dict[str, Any]:
+        s = self.scheduler
+        st = s.stats
+        ticks = list(self.tick_ms)
+        return dict(
+            active_jobs=len(s.active), active_rows=s.active_rows, queued_jobs=s.queued_jobs,
+            max_rows=s.config.max_rows, max_queued_jobs=s.config.max_queued_jobs,
+            num_experts=s.config.num_experts, jobs_submitted=st.jobs_submitted, jobs_done=st.jobs_done,
+            jobs_failed=st.jobs_failed, jobs_cancelled=st.jobs_cancelled, jobs_rejected=st.jobs_rejected,
+            images_done=st.images_done, ticks=st.ticks, rows_per_s=round(self.rows_per_s(), 2),
+            tick_ms_p50=round(float(np.median(ticks)), 2) if ticks else 0.0,
+            uptime_s=round(self.clock() - self.started_at, 1),
+            unavailable_experts=sorted(self.last_unavailable),
+        )

@@ -1,0 +1,163 @@
+"""An ephemeral, all-in-one fleet in this process: nats-server + expert workers + coordinator.
+
+    async with LocalFleet(expert_checkpoints=["checkpoints/expert0.safetensors", ...],
+                          router=..., num_experts=2, class_to_expert=[...]) as fleet:
+        done = await run_job(fleet.nc, JobRequest(digits=[3, 7]))
+
+`LocalFleet.from_dir("checkpoints")` uses the shipped file names (expert<k>.safetensors,
+router.safetensors, partition.json). Used by `ddm-fleet generate --local`, `bench fleet` and
+tests; a user with no NATS server can generate images with it.
+
+`InProcessTransport` calls loaded backends directly (no NATS, same batching): the ceiling the
+bench compares the fleet against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIR = "checkpoints"
+
+
+def shipped_paths(directory: str | os.PathLike = DEFAULT_DIR) -> dict[str, Any]:
+    """{"experts": [expert0.safetensors, ...], "router": ..., "partition": ...} in `directory`.
+
+    Raises FileNotFoundError naming what is missing and how to get it."""
+    d = Path(directory)
+    router, partition = d / "router.safetensors", d / "partition.json"
+    experts = []
+    k = 0
+    while (d / f"expert{k}.safetensors").exists():
+        experts.append(d / f"expert{k}.safetensors")
+        k += 1
+    missing = [str(p) for p in (router, partition) if not p.exists()]
+    if not experts:
+        missing.append(str(d / "expert0.safetensors"))
+    if missing:
+        raise FileNotFoundError(
+            f"missing {', '.join(missing)}: train or fetch the checkpoints first (see checkpoints/README.md), "
+            "or pass --checkpoints DIR")
+    return {"experts": experts, "router": router, "partition": partition}
+
+
+class InProcessTransport:
+    """Velocity calls straight into loaded backends, run off the event loop (one thread each)."""
+
+    def __init__(self, backends: Sequence[Any]):
+        self.backends = list(backends)
+        self._locks = [asyncio.Lock() for _ in self.backends]
+
+    async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids) -> np.ndarray:
+        from .engine import ExpertUnavailable
+
+        if not 0 <= expert < len(self.backends):
+            raise ExpertUnavailable(expert, "not loaded in this process")
+        async with self._locks[expert]:  # a backend runs one forward at a time
+            return await asyncio.to_thread(self.backends[expert].forward, np.ascontiguousarray(x, np.float32),
+                                           t.astype(np.float32), y.astype(np.int64))
+
+
+def load_backends(paths: Sequence[str | os.PathLike], backend: str = "torch", *, bf16: bool = False,
+                  buckets: Sequence[int] = ()) -> list[Any]:
+    from workers.backends import get_backend
+
+    out = []
+    for p in paths:
+        be = get_backend(backend, bf16=bf16)
+        be.load(p)
+        if buckets:
+            be.warmup(buckets)
+        out.append(be)
+    return out
+
+
+class LocalFleet:
+    """nats-server (own, on a free port, unless `nats_url` is given) + `workers_per_expert`
+    in-process ExpertWorkers per checkpoint + a Coordinator. Async context manager."""
+
+    def __init__(self, expert_checkpoints: Sequence[str | os.PathLike], router: Any, *, num_experts: int,
+                 class_to_expert: Sequence[int] | None = None, nats_url: str | None = None,
+                 workers_per_expert: int = 1, backend: str = "torch", bf16: bool = False,
+                 buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), coordinator_options: dict | None = None):
+        if len(expert_checkpoints) != num_experts:
+            raise ValueError(f"{len(expert_checkpoints)} expert checkpoints for {num_experts} experts")
+        self.expert_checkpoints = [os.fspath(p) for p in expert_checkpoints]
+        self.router = router
+        self.num_experts = num_experts
+        self.class_to_expert = class_to_expert
+        self.url = nats_url
+        self.workers_per_expert = workers_per_expert
+        self.backend = backend
+        self.bf16 = bf16
+        self.buckets = tuple(buckets)
+        self.coordinator_options = dict(coordinator_options or {})
+        self.server = None
+        self.nc = None
+        self.workers: list = []
+        self.coordinator = None
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike = DEFAULT_DIR, **kw) -> "LocalFleet":
+        from .service import load_router_and_partition
+
+        paths = shipped_paths(directory)
+        router, k, c2e = load_router_and_partition(paths["router"], paths["partition"])
+        return cls(paths["experts"][:k], router, num_experts=k, class_to_expert=c2e, **kw)
+
+    async def __aenter__(self) -> "LocalFleet":
+        import nats
+
+        from infra.nats_server import NatsServer
+        from workers.service import ExpertWorker
+
+        from .service import Coordinator
+
+        try:
+            if self.url is None:
+                self.server = NatsServer()
+                await asyncio.to_thread(self.server.start)
+                self.url = self.server.url
+            self.nc = await nats.connect(self.url, name="local-fleet")
+            # workers one after another: loading + warm-up is CPU bound anyway
+            for k, path in enumerate(self.expert_checkpoints):
+                for _ in range(self.workers_per_expert):
+                    w = ExpertWorker(expert=k, checkpoint=path, backend=self.backend, bf16=self.bf16,
+                                     nats_url=self.url, buckets=self.buckets)
+                    await w.start()
+                    self.workers.append(w)
+            self.coordinator = Coordinator(self.router, num_experts=self.num_experts,
+                                           class_to_expert=self.class_to_expert, nats_url=self.url,
+                                           **self.coordinator_options)
+            await self.coordinator.__aenter__()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.coordinator is not None:
+            await self.coordinator.__aexit__(None, None, None)
+            self.coordinator = None
+        for w in reversed(self.workers):
+            try:
+                await w.stop()
+            except Exception:
+                log.exception("stopping a worker failed")
+        self.workers = []
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                pass
+            self.nc = None
+        if self.server is not None:
+            await asyncio.to_thread(self.server.__exit__, None, None, None)  # stop + remove its config dir
+            self.server = None

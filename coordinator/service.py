@@ -1,0 +1,242 @@
+"""The coordinator service: job intake, cancel and status over NATS, around the engine loop.
+
+    async with Coordinator(router, num_experts=2, class_to_expert=[0]*5 + [1]*5,
+                           nats_url="nats://127.0.0.1:4222") as coord:
+        ...   # serves until the block exits
+
+Subjects (see `schemas.subjects`):
+* `ddm.v1.jobs.submit`          JobRequest -> JobAccepted | JobRejected (validation and
+                                admission errors carry their ErrorCode); queue group
+                                `ddm.v1.coordinators`, so several coordinators share the load.
+* `ddm.v1.jobs.<id>.cancel`     CancelRequest (or empty body) -> CancelReply
+* `ddm.v1.jobs.<id>.events`     published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
+* `ddm.v1.fleet.status`         anything -> FleetStatus
+
+A bad request never takes the coordinator down: it gets an error reply, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+from schemas import (
+    CancelReply,
+    CancelRequest,
+    ErrorCode,
+    FleetStatus,
+    JobRejected,
+    JobRequest,
+    ProtocolError,
+    pack,
+    subjects,
+    unpack,
+)
+
+from .engine import Engine, RouterLike, Transport
+from .scheduler import Rejected, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_QUEUE = f"{subjects.PREFIX}.coordinators"
+
+
+def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):
+    """(router with .weights(x, t, y) -> [B, K], num_experts, class_to_expert list[10]) from files."""
+    from coordinator.partition import load_manifest
+    from coordinator.router import Router
+
+    for p, what in ((router_path, "router"), (partition_path, "partition manifest")):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"{what} {os.fspath(p)!r} does not exist")
+    manifest = load_manifest(partition_path)
+    router = Router.load(router_path)
+    c2e = [int(manifest.class_to_expert(y)) for y in range(10)]
+    return router, int(manifest.num_experts), c2e
+
+
+class Coordinator:
+    """Router + scheduler + engine + NATS endpoints, as an async context manager.
+
+    Give `nc` (an open nats-py connection, not closed on exit) or `nats_url` (connected and
+    drained here). `transport` defaults to `NatsTransport(nc, step_timeout, retries)`."""
+
+    def __init__(self, router: RouterLike, *, num_experts: int, class_to_expert: Sequence[int] | None = None,
+                 nc: Any = None, nats_url: str | None = None, max_rows: int = 1024, max_queued_jobs: int = 256,
+                 step_timeout: float = 10.0, retries: int = 2, transport: Transport | None = None,
+                 image_shape: tuple[int, int, int] = (1, 32, 32), name: str = "coordinator"):
+        if nc is None and nats_url is None:
+            raise ValueError("give nc (a nats-py connection) or nats_url")
+        self.config = SchedulerConfig(num_experts=num_experts, max_rows=max_rows, max_queued_jobs=max_queued_jobs,
+                                      image_shape=tuple(image_shape), class_to_expert=class_to_expert)
+        self.router = router
+        self.nc = nc
+        self._own_nc = nc is None
+        self.nats_url = nats_url
+        self.step_timeout = step_timeout
+        self.retries = retries
+        self.transport = transport
+        self.name = name
+        self.engine: Engine | None = None
+        self._task: asyncio.Task | None = None
+        self._subs: list = []
+
+    @classmethod
+    def from_files(cls, router_path, partition_path, **kw) -> "Coordinator":
+        router, k, c2e = load_router_and_partition(router_path, partition_path)
+        return cls(router, num_experts=k, class_to_expert=c2e, **kw)
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Coordinator":
+        import nats
+
+        from .transport import NatsTransport
+
+        if self.nc is None:
+            self.nc = await nats.connect(self.nats_url, name=self.name, max_reconnect_attempts=-1)
+        if self.transport is None:
+            self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries)
+        self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish)
+        self._subs = [
+            await self.nc.subscribe(subjects.JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),
+            await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel),
+            await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status),
+        ]
+        await self.nc.flush()
+        self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
+        log.info("coordinator up: %d experts, max %d rows, %d queued jobs", self.config.num_experts,
+                 self.config.max_rows, self.config.max_queued_jobs)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs = []
+        if self.engine is not None:
+            await self.engine.stop()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=self.step_timeout * (self.retries + 1) + 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            except Exception:
+                log.exception("engine ended with an error")
+        if self.nc is not None:
+            try:
+                await self.nc.flush(timeout=2)
+            except Exception:
+                pass
+            if self._own_nc:
+                await self.nc.drain()
+
+    async def serve_forever(self) -> None:
+        """Wait until the engine task ends (it does not, unless stopped)."""
+        assert self._task is not None, "enter the context first"
+        await self._task
+
+    # ------------------------------------------------------------ in-process API
+    async def submit(self, request: JobRequest):
+        """Queue a job without NATS for the request (events still go to its events subject).
+        Returns JobAccepted; raises scheduler.Rejected."""
+        assert self.engine is not None, "enter the context first"
+        accepted = self.engine.submit(request)
+        await self._publish(accepted)
+        return accepted
+
+    async def cancel(self, job_id: str) -> bool:
+        assert self.engine is not None, "enter the context first"
+        return await self.engine.cancel(job_id)
+
+    def status(self) -> FleetStatus:
+        assert self.engine is not None, "enter the context first"
+        return FleetStatus(coordinator=self.name, **self.engine.status())
+
+    # ------------------------------------------------------------ NATS handlers
+    async def _publish(self, event) -> None:
+        try:
+            await self.nc.publish(subjects.job_events(event.job_id), pack(event))
+        except ProtocolError as err:
+            log.error("cannot publish %s for job %s: %s", event.kind, event.job_id, err.message)
+        except Exception as err:  # connection trouble: the client will time out; keep serving
+            log.error("cannot publish %s for job %s: %r", event.kind, event.job_id, err)
+
+    async def _reply(self, msg, message) -> None:
+        if msg.reply:
+            try:
+                await msg.respond(pack(message))
+            except Exception:
+                log.exception("reply failed")
+
+    async def _on_submit(self, msg) -> None:
+        try:
+            request = unpack(msg.data, JobRequest)
+        except ProtocolError as err:
+            await self._reply(msg, JobRejected(code=err.code, reason=err.message))
+            return
+        try:
+            # submit + the accepted event are queued before any await, so the event
+            # precedes every frame of this job on the events subject
+            accepted = self.engine.submit(request)
+            publish = self._publish(accepted)
+        except Rejected as err:
+            await self._reply(msg, JobRejected(code=err.code, reason=err.reason))
+            return
+        except Exception as err:  # never die of one request
+            log.exception("submit failed")
+            await self._reply(msg, JobRejected(code=ErrorCode.INTERNAL, reason=f"{type(err).__name__}: {err}"))
+            return
+        await publish
+        await self._reply(msg, accepted)
+
+    async def _on_cancel(self, msg) -> None:
+        job_id = subjects.parse_job_subject(msg.subject)
+        if job_id is None:
+            return
+        if msg.data:
+            try:
+                req = unpack(msg.data, CancelRequest)
+            except ProtocolError as err:
+                await self._reply(msg, CancelReply(job_id=job_id, cancelled=False, reason=f"{err.code.value}: {err.message}"))
+                return
+            if req.job_id != job_id:
+                await self._reply(msg, CancelReply(job_id=job_id, cancelled=False,
+                                                   reason=f"body job_id {req.job_id!r} does not match the subject"))
+                return
+        ok = await self.engine.cancel(job_id)
+        await self._reply(msg, CancelReply(job_id=job_id, cancelled=ok, reason="" if ok else "no such queued or running job"))
+
+    async def _on_status(self, msg) -> None:
+        try:
+            await self._reply(msg, self.status())
+        except Exception:
+            log.exception("status failed")
+
+
+async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:
+    """Block until every expert subject has at least one responder (or raise TimeoutError)."""
+    import nats.errors
+    import numpy as np
+
+    from schemas import StepRequest
+
+    probe = {k: pack(StepRequest(expert=k, x_t=np.zeros((1, 1, 32, 32), np.float32), t=np.zeros(1, np.float32),
+                                 y=np.zeros(1, np.int64))) for k in range(num_experts)}
+    deadline = time.monotonic() + timeout
+    missing = set(range(num_experts))
+    while missing:
+        for k in sorted(missing):
+            try:
+                await nc.request(subjects.expert_velocity(k), probe[k], timeout=max(1.0, min(10.0, timeout)))
+                missing.discard(k)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                pass
+        if missing:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"experts {sorted(missing)} have no workers after {timeout:g} s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,195 @@
+"""The coordinator over a real nats-server with real expert workers (tiny random UNets)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from coordinator.client import JobFailed, cancel_job, fleet_status, run_job
+from coordinator.service import Coordinator, wait_for_experts
+from schemas import DoneEvent, ErrorCode, FrameEvent, JobRejected, JobRequest, SubmitReply, pack, subjects, unpack
+
+from coordinator_helpers import ClassRouter, make_tiny_experts
+
+C2E = [0] * 5 + [1] * 5
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    return make_tiny_experts(tmp_path_factory.mktemp("experts"))
+
+
+async def _workers(nats_url, experts, per_expert=1):
+    from workers.service import ExpertWorker
+
+    ws = []
+    for k, path in enumerate(experts):
+        for _ in range(per_expert):
+            w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16, 64))
+            await w.start()
+            ws.append(w)
+    return ws
+
+
+async def _stop(ws):
+    for w in ws:
+        await w.stop()
+
+
+def _jobs(n):
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(n):
+        out.append(JobRequest(
+            digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 4)))],
+            steps=int(rng.integers(2, 5)), seed=1000 + i,
+            strategy=["top1", "topk", "full", "oracle"][i % 4], solver=["euler", "heun"][i % 2],
+            stream=bool(i % 3)))
+    return out
+
+
+async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
+    ws = await _workers(nats_url, experts)
+    try:
+        async with Coordinator(ClassRouter(), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
+                               step_timeout=10) as coord:
+            jobs = _jobs(50)
+            frames: dict[str, int] = {}
+
+            def count(ev):
+                if isinstance(ev, FrameEvent):
+                    frames[ev.job_id] = frames.get(ev.job_id, 0) + 1
+
+            crowd = await asyncio.wait_for(asyncio.gather(*(run_job(nc, j, count) for j in jobs)), 120)
+            assert coord.engine.scheduler.stats.ticks < sum(j.steps * (1 + (j.solver == "heun")) for j in jobs) / 5
+            solo = [await run_job(nc, j) for j in jobs]
+            status = await fleet_status(nc)
+        assert status.jobs_done == 100 and status.active_rows == 0 and status.images_done > 0
+        for j, a, b in zip(jobs, crowd, solo):
+            assert isinstance(a, DoneEvent) and a.digits == j.digits
+            assert a.images.shape == (len(j.digits), 1, 32, 32)
+            np.testing.assert_allclose(a.images, b.images, atol=2e-4)
+            np.testing.assert_allclose(a.usage, b.usage)
+        streamed = [j for j in jobs if j.stream]
+        assert all(frames[a.job_id] == j.steps for j, a in zip(jobs, crowd) if j.stream)
+        assert len(frames) == len(streamed)
+    finally:
+        await _stop(ws)
+
+
+async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_url, nc, experts):
+    ws = await _workers(nats_url, experts)
+    try:
+        async with Coordinator(ClassRouter(), num_experts=2, nats_url=nats_url, max_rows=8) as coord:
+            async def submit_raw(data: bytes):
+                return unpack((await nc.request(subjects.JOBS_SUBMIT, data, timeout=5)).data, SubmitReply)
+
+            r = await submit_raw(b"\x00garbage")
+            assert isinstance(r, JobRejected) and r.code == ErrorCode.BAD_REQUEST
+            r = await submit_raw(pack(JobRequest(digits=[1])).replace(b"\xa1v\x01", b"\xa1v\x07"))
+            assert isinstance(r, JobRejected) and r.code == ErrorCode.UNSUPPORTED_VERSION
+            with pytest.raises(JobFailed) as err:
+                await run_job(nc, JobRequest(digits=[1] * 9))
+            assert err.value.code == ErrorCode.TOO_LARGE
+            with pytest.raises(JobFailed, match="partition manifest"):
+                await run_job(nc, JobRequest(digits=[1], strategy="oracle"))
+            # still serving
+            done = await run_job(nc, JobRequest(digits=[2, 8], steps=2, seed=3))
+            assert done.images.shape == (2, 1, 32, 32)
+            assert coord.status().jobs_rejected == 2
+    finally:
+        await _stop(ws)
+
+
+async def test_cancel_mid_run_frees_rows(nats_url, nc, experts):
+    ws = await _workers(nats_url, experts)
+    try:
+        async with Coordinator(ClassRouter(), num_experts=2, nats_url=nats_url) as coord:
+            seen = asyncio.Event()
+
+            def on(ev):
+                if isinstance(ev, FrameEvent) and ev.step >= 2:
+                    seen.set()
+
+            req = JobRequest(job_id="cancel-me", digits=[1, 2, 3], steps=1000)
+            task = asyncio.create_task(run_job(nc, req, on))
+            await asyncio.wait_for(seen.wait(), 30)
+            assert await cancel_job(nc, "cancel-me") is True
+            with pytest.raises(JobFailed) as err:
+                await asyncio.wait_for(task, 10)
+            assert err.value.code == ErrorCode.CANCELLED
+            assert coord.status().active_rows == 0
+            assert await cancel_job(nc, "cancel-me") is False
+    finally:
+        await _stop(ws)
+
+
+async def test_expert_without_responders_falls_back_with_a_note(nats_url, nc, experts):
+    ws = await _workers(nats_url, experts)
+    try:
+        router = ClassRouter(num_experts=3, prefer={7: 2})  # expert 2 has no workers at all
+        async with Coordinator(router, num_experts=3, nats_url=nats_url):
+            notes = []
+            done = await run_job(nc, JobRequest(digits=[7, 1], steps=3, seed=1),
+                                 lambda ev: notes.extend(getattr(ev, "notes", [])))
+        assert notes and notes[0].startswith("row 0: expert 2 has no responders, fell back to")
+        assert done.usage[0, 2] == 0 and done.usage[0, :2].sum() == 1
+        assert any("fell back" in n for n in done.notes)
+    finally:
+        await _stop(ws)
+
+
+WORKER_SCRIPT = """
+import asyncio, sys
+from workers.service import ExpertWorker
+async def main():
+    async with ExpertWorker(expert=0, checkpoint=sys.argv[1], nats_url=sys.argv[2], buckets=(1, 4, 16)) as w:
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, experts):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(experts[0]), nats_url],
+                              stdout=subprocess.PIPE, env=env, cwd=os.getcwd()) for _ in range(2)]
+    from workers.service import ExpertWorker
+
+    w1 = ExpertWorker(expert=1, checkpoint=experts[1], nats_url=nats_url, buckets=(1, 4, 16))
+    await w1.start()
+    try:
+        for p in procs:
+            assert (await asyncio.to_thread(p.stdout.readline)).strip() == b"ready"
+        await wait_for_experts(nc, 2, timeout=30)
+        async with Coordinator(ClassRouter(), num_experts=2, nats_url=nats_url, step_timeout=1.0, retries=4) as coord:
+            progress = time.monotonic()
+
+            def on(ev):
+                nonlocal progress
+                progress = time.monotonic()
+
+            jobs = [JobRequest(digits=[i % 5, (i + 1) % 5], steps=60, seed=i) for i in range(6)]
+            tasks = [asyncio.create_task(run_job(nc, j, on)) for j in jobs]
+            await asyncio.sleep(0.5)
+            victim = procs[0]
+            victim.send_signal(signal.SIGSTOP)  # freeze it until a request is stuck on it ...
+            while time.monotonic() - progress < 0.4:
+                await asyncio.sleep(0.05)
+            victim.kill()  # ... then kill it: that request is lost and must be retried
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            assert len(done) == 6 and all(d.images.shape == (2, 1, 32, 32) for d in done)
+            assert coord.transport.retried >= 1
+            assert coord.status().jobs_done == 6
+    finally:
+        await w1.stop()
+        for p in procs:
+            p.kill()
+            p.wait()
