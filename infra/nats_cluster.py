@@ -55,6 +55,7 @@ http: {host}:{http_port}
 cluster {{
   name: {cluster_name}
   listen: {host}:{cluster_port}
+  no_advertise: true
   routes: [{routes}]
 }}
 leafnodes {{

@@ -46,6 +46,36 @@ def find_nats_server() -> str:
     )
 
 
+def nats_servers(urls: str | list[str]) -> list[str]:
+    """Server list for `nats.connect(servers=...)` from a `--nats` value.
+
+    Accepts one URL, a comma-separated list, or a list. A URL without a scheme gets
+    `nats://`; URLs without credentials get the first URL's `user:password@`, so
+    `nats://worker-0:pw@nats-1:4222,nats-2:4222,nats-3:4222` reconnects to any node with
+    the same credentials (nats-py sends only the credentials of the URL it dials)."""
+    from urllib.parse import urlsplit
+
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    items = [u.strip() for u in items if u and u.strip()]
+    if not items:
+        raise ValueError("no NATS URL given; expected e.g. nats://127.0.0.1:4222")
+    out: list[str] = []
+    userinfo = ""
+    for i, url in enumerate(items):
+        if "://" not in url:
+            url = "nats://" + url
+        parts = urlsplit(url)
+        if parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname:
+            raise ValueError(f"bad NATS URL {url!r}: expected nats://[user:password@]host[:port] (or tls://)")
+        if "@" in parts.netloc:
+            if i == 0:
+                userinfo = parts.netloc.rsplit("@", 1)[0] + "@"
+        elif userinfo:
+            url = f"{parts.scheme}://{userinfo}{parts.netloc}{parts.path}"
+        out.append(url)
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from infra.nats_cluster import NatsCluster
+from infra.nats_server import nats_servers
 from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,7 +83,10 @@ async def test_request_crosses_cluster_and_survives_node_loss(cluster):
     import nats
 
     node_b = 1
-    responder, served = await _expert_responder(cluster.servers("worker-0", first=node_b), 0, "w-b")
+    # As a worker is configured: --nats with every node, credentials written once.
+    servers = cluster.servers("worker-0", first=node_b)
+    flag = ",".join([servers[0]] + [u.split("@", 1)[1] for u in servers[1:]])
+    responder, served = await _expert_responder(nats_servers(flag), 0, "w-b")
     client = await nats.connect(cluster.url(0, "coordinator"), name="coordinator", connect_timeout=2)
     try:
         assert _port(str(responder.connected_url.geturl())) == cluster.nodes[node_b].port
