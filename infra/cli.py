@@ -15,6 +15,8 @@ import sys
 # (name, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+    ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla or jax backend)"),
+    ("bench", "infra.cmd_bench", "benchmarks: `bench worker` = worker rows/s through NATS vs in-process"),
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),

@@ -27,3 +27,22 @@ async def nc(nats_url):
     conn = await nats.connect(nats_url, name="pytest")
     yield conn
     await conn.drain()
+
+
+@pytest.fixture(scope="session")
+def tiny_expert_checkpoint(tmp_path_factory) -> str:
+    """A tiny random-init expert UNet (widths 8,16) saved with save_checkpoint; expert_id 0.
+
+    Returns the .safetensors path. Real model code, tiny enough for fast serving tests.
+    """
+    import torch
+
+    from workers.checkpoint import save_checkpoint, torch_state_to_numpy
+    from workers.models.config import UNetConfig
+    from workers.models.unet_torch import UNet
+
+    cfg = UNetConfig(widths=(8, 16), time_dim=16, class_dim=16, groups=4)
+    torch.manual_seed(1234)
+    model = UNet(cfg)
+    path = tmp_path_factory.mktemp("tiny-expert") / "expert0"
+    return str(save_checkpoint(path, torch_state_to_numpy(model.state_dict()), {"config": cfg, "expert_id": 0}))

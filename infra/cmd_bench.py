@@ -1,0 +1,212 @@
+"""Benchmarks. `ddm-fleet bench <what> --help` explains each.
+
+  worker   one expert worker: rows/s per bucket through NATS next to the same model called in-process
+
+examples:
+  ddm-fleet bench worker                                  # random small UNet, torch, own nats-server
+  ddm-fleet bench worker --checkpoint checkpoints/expert0.safetensors --bf16 --buckets 1,8,64,128
+  ddm-fleet bench worker --backend jax --nats nats://127.0.0.1:4222
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import types
+
+# (name, "module:attribute", one-line help). The attribute (or the module itself when no
+# ":attribute" is given) provides add_arguments(parser) and run(args) -> int, like a CLI command.
+# To add `bench fleet`, append e.g. ("fleet", "coordinator.bench", "...") here.
+BENCHES: list[tuple[str, str, str]] = [
+    ("worker", "infra.cmd_bench:WORKER", "expert worker rows/s per bucket: through NATS vs in-process"),
+]
+
+
+def _resolve(target: str):
+    module, _, attr = target.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, attr) if attr else mod
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="bench", metavar="<what>")
+    for name, target, help_text in BENCHES:
+        impl = _resolve(target)
+        p = sub.add_parser(name, help=help_text, description=(impl.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        impl.add_arguments(p)
+        p.set_defaults(_bench_run=impl.run)
+    parser.set_defaults(_bench_parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    fn = getattr(args, "_bench_run", None)
+    if fn is None:
+        args._bench_parser.print_help()
+        return 2
+    return int(fn(args) or 0)
+
+
+# ----------------------------------------------------------------------------- bench worker
+
+
+def _worker_add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="expert checkpoint; default: a randomly initialised UNet of --widths")
+    parser.add_argument("--widths", default="32,64,128",
+                        help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)")
+    parser.add_argument("--backend", choices=("torch", "xla", "jax"), default="torch")
+    parser.add_argument("--device", default=None, help="backend device (see `ddm-fleet worker --help`)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute")
+    parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default 1,8,64)")
+    parser.add_argument("--nats", default=None, metavar="URL",
+                        help="NATS server to use; default: start a private nats-server on a free port")
+    parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
+                        help="seconds to measure each bucket on each path (default 2)")
+    parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+
+def _worker_run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import sys
+
+    from workers.backends import BackendError
+    from workers.batcher import parse_buckets
+
+    try:
+        buckets = parse_buckets(args.buckets)
+    except ValueError as err:
+        print(f"ddm-fleet bench worker: {err}", file=sys.stderr)
+        return 2
+    if args.min_time < 0 or args.min_iters < 1:
+        print("ddm-fleet bench worker: --min-time must be >= 0 and --min-iters >= 1", file=sys.stderr)
+        return 2
+    try:
+        results = asyncio.run(bench_worker(args, buckets))
+    except (ValueError, OSError, ConnectionError, BackendError) as err:
+        print(f"ddm-fleet bench worker: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(format_table(results))
+    return 0
+
+
+WORKER = types.SimpleNamespace(
+    __doc__="""Rows/s of one expert worker for each bucket size: the same loaded model called
+in-process (backend.forward) and through NATS (StepRequest -> ExpertWorker -> StepReply, with
+msgpack encode/decode, one request in flight), and their ratio. Starts its own nats-server
+unless --nats is given. Uses a random UNet of --widths when no --checkpoint is given.""",
+    add_arguments=_worker_add_arguments,
+    run=_worker_run,
+)
+
+
+def _random_checkpoint(widths: str, directory: str) -> str:
+    import torch
+
+    from workers.checkpoint import save_checkpoint, torch_state_to_numpy
+    from workers.models.config import UNetConfig, parse_widths
+    from workers.models.unet_torch import UNet
+
+    cfg = UNetConfig(widths=parse_widths(widths))
+    torch.manual_seed(0)
+    state = torch_state_to_numpy(UNet(cfg).state_dict())
+    return str(save_checkpoint(f"{directory}/bench-expert", state, {"config": cfg, "expert_id": 0}))
+
+
+def _timed(fn, min_time: float, min_iters: int) -> tuple[float, int]:
+    """Seconds per call of blocking fn (one untimed warm call first)."""
+    import time
+
+    fn()
+    n, start = 0, time.perf_counter()
+    while n < min_iters or time.perf_counter() - start < min_time:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n, n
+
+
+async def _timed_async(fn, min_time: float, min_iters: int) -> tuple[float, int]:
+    import time
+
+    await fn()
+    n, start = 0, time.perf_counter()
+    while n < min_iters or time.perf_counter() - start < min_time:
+        await fn()
+        n += 1
+    return (time.perf_counter() - start) / n, n
+
+
+async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> dict:
+    """Measure every bucket on both paths; returns {"setup": {...}, "rows": [...]}."""
+    import asyncio
+    import contextlib
+    import tempfile
+
+    import numpy as np
+
+    from infra.nats_server import NatsServer
+    from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
+    from workers.backends import get_backend
+    from workers.service import ExpertWorker
+
+    with contextlib.ExitStack() as stack:
+        ckpt = args.checkpoint
+        if ckpt is None:
+            ckpt = _random_checkpoint(args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-")))
+        backend = get_backend(args.backend, device=args.device, bf16=args.bf16)
+        await asyncio.to_thread(backend.load, ckpt)
+        expert = backend.expert if backend.expert is not None else 0
+        url = args.nats or stack.enter_context(NatsServer()).url
+
+        import nats
+
+        async with ExpertWorker(expert, ckpt, backend, nats_url=url, buckets=buckets) as worker:
+            nc = await nats.connect(url, name="ddm-bench")
+            try:
+                rng = np.random.default_rng(0)
+                c, h, w = backend.input_shape
+                rows = []
+                for b in buckets:
+                    x = rng.standard_normal((b, c, h, w)).astype(np.float32)
+                    t = rng.uniform(0, 1, b).astype(np.float32)
+                    y = rng.integers(0, backend.num_classes, b).astype(np.int64)
+                    local_s, local_n = await asyncio.to_thread(_timed, lambda: backend.forward(x, t, y),
+                                                               args.min_time, args.min_iters)
+
+                    async def call() -> None:
+                        req = StepRequest(expert=expert, x_t=x, t=t, y=y)
+                        msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
+                        reply = unpack(msg.data, StepResult)
+                        if not isinstance(reply, StepReply):
+                            raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
+
+                    bus_s, bus_n = await _timed_async(call, args.min_time, args.min_iters)
+                    rows.append({
+                        "bucket": b,
+                        "inprocess_ms": round(local_s * 1000, 3), "inprocess_rows_per_s": round(b / local_s, 1),
+                        "nats_ms": round(bus_s * 1000, 3), "nats_rows_per_s": round(b / bus_s, 1),
+                        "ratio": round(local_s / bus_s, 3), "iters": [local_n, bus_n],
+                    })
+            finally:
+                await nc.close()
+        setup = {"backend": backend.name, "device": backend.device, "precision": backend.precision,
+                 "checkpoint": args.checkpoint or f"random UNet widths={args.widths}", "nats": url,
+                 "in_flight": 1}
+    return {"setup": setup, "rows": rows}
+
+
+def format_table(results: dict) -> str:
+    s = results["setup"]
+    lines = [f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
+             f"model={s['checkpoint']} (1 request in flight)",
+             f"{'bucket':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} {'nats rows/s':>12} {'ratio':>6}"]
+    for r in results["rows"]:
+        lines.append(f"{r['bucket']:>6} {r['inprocess_ms']:>11.2f} {r['inprocess_rows_per_s']:>15.1f} "
+                     f"{r['nats_ms']:>9.2f} {r['nats_rows_per_s']:>12.1f} {r['ratio']:>6.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""Serve one expert model over NATS (a `nats.micro` service in the expert's queue group).
+
+Loads the checkpoint with the chosen backend, warms every bucket size, then subscribes to
+ddm.v1.expert.<K>.velocity in queue group ddm.v1.expert.<K>.workers: start the same command on
+another host to add capacity. Concurrent requests are batched, padded to a bucket size and run in
+one forward pass. SIGTERM / Ctrl-C: stop taking work, answer what is held, drain, exit 0.
+
+examples:
+  ddm-fleet worker --expert 0 --checkpoint checkpoints/expert0.safetensors
+  ddm-fleet worker --expert 1 --checkpoint checkpoints/expert1.safetensors --backend jax
+  ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend xla   # PJRT_DEVICE=CPU|NEURON
+  ddm-fleet worker --expert 0 --checkpoint ... --bf16 --metrics-port 9100 --nats nats://10.0.0.5:4222
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_NATS = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--expert", type=int, required=True, metavar="K", help="expert id this worker serves")
+    parser.add_argument("--checkpoint", required=True, metavar="PATH",
+                        help="expert checkpoint (.safetensors with its .json next to it)")
+    parser.add_argument("--backend", choices=("torch", "xla", "jax"), default="torch",
+                        help="model runtime (default: torch)")
+    parser.add_argument("--device", default=None,
+                        help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
+    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL",
+                        help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS})")
+    parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128",
+                        help="batch sizes compiled and padded to (default: 1,2,4,8,16,32,64,128)")
+    parser.add_argument("--max-batch", type=int, default=128, metavar="N",
+                        help="most rows per forward pass (default 128; must fit the largest bucket)")
+    parser.add_argument("--max-request-rows", type=int, default=None, metavar="N",
+                        help="refuse requests with more rows (too_large); default: the protocol limit 512")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                        help="also serve Prometheus text metrics on http://0.0.0.0:P/metrics")
+    parser.add_argument("--xla-cache", default=None, metavar="DIR",
+                        help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)")
+    parser.add_argument("--threads", type=int, default=None, help="torch backend: intra-op CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+    import sys
+
+    from workers.backends import BackendError
+    from workers.batcher import parse_buckets
+
+    log = logging.getLogger("ddm.worker")
+    try:
+        buckets = parse_buckets(args.buckets)
+    except ValueError as err:
+        print(f"ddm-fleet worker: {err}", file=sys.stderr)
+        return 2
+    if not os.path.exists(args.checkpoint):
+        print(f"ddm-fleet worker: checkpoint {args.checkpoint!r} not found", file=sys.stderr)
+        return 2
+    opts: dict = {}
+    if args.backend == "xla" and args.xla_cache:
+        opts["cache_path"] = args.xla_cache
+    if args.backend == "torch" and args.threads:
+        opts["threads"] = args.threads
+
+    async def main() -> int:
+        from workers.service import ExpertWorker
+
+        from schemas.limits import MAX_STEP_ROWS
+
+        worker = ExpertWorker(
+            args.expert, args.checkpoint, args.backend, device=args.device, bf16=args.bf16, nats_url=args.nats,
+            buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port,
+            max_request_rows=args.max_request_rows or MAX_STEP_ROWS, backend_options=opts,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        start = asyncio.create_task(worker.start())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # signal during load / warm-up: abandon start
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+            await worker.stop()
+            return 0
+        start.result()  # raises start-up errors
+        meta = worker.metadata()
+        print(f"ready: expert {args.expert} on {meta['subject']} backend={meta['backend']} device={meta['device']} "
+              f"buckets={meta['buckets']} service_id={worker.service_id}"
+              + (f" metrics=:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
+        await waiter
+        log.info("signal received: finishing held requests and draining")
+        await worker.stop()
+        print(f"stopped: {worker.metrics.replies} replies, {worker.metrics.error_total} errors", flush=True)
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except (ValueError, ConnectionError, OSError, BackendError) as err:
+        print(f"ddm-fleet worker: {err}", file=sys.stderr)
+        return 1

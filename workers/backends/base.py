@@ -1,0 +1,161 @@
+"""The backend protocol every expert runtime implements, and the parts they share.
+
+A backend owns one expert model on one device:
+
+    be = get_backend("torch", device="cpu", bf16=False)
+    be.load("checkpoints/expert0.safetensors")     # same file for torch, xla and jax
+    be.warmup([1, 2, 4, 8])                         # compile / autotune every bucket shape
+    v = be.forward(x, t, y)                         # x float32 [B, C, H, W], t float32 [B], y int64 [B]
+                                                    # -> v float32 [B, C, H, W] (numpy, C-contiguous)
+
+`forward` is blocking and is called from ONE worker thread at a time (the batcher's executor);
+`load` and `warmup` are called once, before serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Iterable, Optional, Protocol, runtime_checkable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the worker service needs from a model runtime (see module docstring)."""
+
+    name: str  # "torch" | "xla" | "jax"
+    device: str  # human-readable device, e.g. "cpu", "cuda:0", "xla:CPU", "jax:cpu:0"
+
+    def load(self, checkpoint_path: str | os.PathLike) -> None: ...
+
+    def forward(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
+
+    def warmup(self, buckets: Iterable[int]) -> None: ...
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be created or loaded (missing library, bad device, bad checkpoint)."""
+
+
+class BackendBase:
+    """Shared plumbing: checkpoint reading, config, input shape, warm-up loop.
+
+    Subclasses set `name`, implement `_build(cfg, state)` (state: torch state_dict names ->
+    float32 numpy arrays) and `_forward(x, t, y)`.
+    """
+
+    name = "base"
+
+    def __init__(self, device: Optional[str] = None, bf16: bool = False):
+        self.requested_device = device
+        self.device = device or "cpu"
+        self.bf16 = bool(bf16)
+        self.meta: dict[str, Any] = {}
+        self.config = None  # workers.models.config.UNetConfig once loaded
+        self.checkpoint_path: Optional[str] = None
+        self.warmup_s: dict[int, float] = {}
+
+    # ---------------------------------------------------------------- info
+
+    @property
+    def loaded(self) -> bool:
+        return self.config is not None
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) the model takes."""
+        self._need_loaded()
+        c = self.config
+        return (c.in_channels, c.image_size, c.image_size)
+
+    @property
+    def num_classes(self) -> int:
+        self._need_loaded()
+        return self.config.num_classes
+
+    @property
+    def expert(self) -> Optional[int]:
+        """Expert id recorded in the checkpoint, if any."""
+        value = self.meta.get("expert", self.meta.get("expert_id"))
+        if isinstance(value, dict):
+            value = value.get("id")
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    @property
+    def precision(self) -> str:
+        return "bfloat16" if self.bf16 else "float32"
+
+    def describe(self) -> dict[str, str]:
+        """String metadata for service discovery."""
+        return {"backend": self.name, "device": self.device, "precision": self.precision}
+
+    def _need_loaded(self) -> None:
+        if self.config is None:
+            raise BackendError(f"{self.name} backend: call load(checkpoint) first")
+
+    # ---------------------------------------------------------------- load / run
+
+    def load(self, checkpoint_path: str | os.PathLike) -> None:
+        from workers.checkpoint import load_checkpoint
+        from workers.models.config import UNetConfig
+
+        path = os.fspath(checkpoint_path)
+        if not os.path.exists(path):
+            raise BackendError(f"checkpoint {path!r} does not exist (give the .safetensors file)")
+        try:
+            meta, state = load_checkpoint(path)
+        except Exception as err:
+            raise BackendError(f"cannot read checkpoint {path!r}: {err}") from err
+        cfg_dict = meta.get("model") or meta.get("config") or meta.get("unet")
+        if not isinstance(cfg_dict, dict):
+            raise BackendError(f"checkpoint {path!r} has no model config in its JSON (keys: {sorted(meta)})")
+        try:
+            cfg = UNetConfig.from_dict(cfg_dict)
+        except (TypeError, ValueError) as err:
+            raise BackendError(f"checkpoint {path!r}: bad model config: {err}") from err
+        self.meta = meta
+        self.checkpoint_path = path
+        try:
+            self._build(cfg, state)
+        except BackendError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{self.name} backend: cannot build the model from {path!r}: {err}") from err
+        self.config = cfg
+
+    def forward(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """x float32 [B, C, H, W], t float32 [B], y int64 [B] -> float32 [B, C, H, W]."""
+        self._need_loaded()
+        out = self._forward(x, t, y)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def warmup(self, buckets: Iterable[int]) -> None:
+        """Run every bucket shape once (twice for the first, which pays one-off costs)."""
+        from tqdm import tqdm
+
+        self._need_loaded()
+        c, h, w = self.input_shape
+        buckets = sorted(set(int(b) for b in buckets))
+        for i, b in enumerate(tqdm(buckets, desc=f"warm-up {self.name}", unit="bucket", disable=None, leave=False)):
+            x = np.zeros((b, c, h, w), np.float32)
+            t = np.full((b,), 0.5, np.float32)
+            y = np.zeros((b,), np.int64)
+            start = time.perf_counter()
+            self.forward(x, t, y)
+            if i == 0:
+                self.forward(x, t, y)
+            self.warmup_s[b] = time.perf_counter() - start
+        log.info("%s backend warm: %s", self.name, ", ".join(f"{b}: {s * 1000:.0f} ms" for b, s in self.warmup_s.items()))
+
+    # ---------------------------------------------------------------- subclass hooks
+
+    def _build(self, cfg, state: dict[str, np.ndarray]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _forward(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:  # pragma: no cover
+        raise NotImplementedError

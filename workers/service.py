@@ -1,0 +1,438 @@
+"""An expert worker: one expert model, one backend, served over NATS as a `nats.micro` service.
+
+The worker answers `StepRequest`s on `schemas.subjects.expert_velocity(K)` in the queue group
+`expert_queue_group(K)`, so every worker process of expert K shares the load and a new one adds
+capacity with no configuration. Requests that arrive while the model is busy are batched
+(`workers.batcher`), padded to a bucket size and run in one forward pass in a worker thread; the
+asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before
+the endpoint is subscribed.
+
+Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / tests use):
+
+    from workers.service import ExpertWorker
+
+    async with ExpertWorker(expert=0, checkpoint="checkpoints/expert0.safetensors",
+                            backend="torch", nats_url="nats://127.0.0.1:4222",
+                            buckets=(1, 2, 4, 8, 16, 32, 64), bf16=False) as worker:
+        ...                      # serving; worker.metrics, worker.info(), worker.service_id
+    # leaving the block: stop taking work, answer what is held, drain, close
+
+`backend` is a name ("torch" | "xla" | "jax") or an already-loaded `Backend` object (then
+`checkpoint` may be None). Pass `nc=` to share an existing NATS connection (it is not closed).
+
+Replies: `StepReply` (velocity [B, C, H, W] float32, in request row order) or `ErrorReply` with a
+stable `ErrorCode`; error replies also carry the micro `Nats-Service-Error(-Code)` headers.
+Bad input never stops the worker: undecodable bytes, wrong version, wrong expert, shapes that do
+not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), and
+model failures (`internal`) each get an error reply.
+
+Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
+max_batch, input_shape, num_classes, protocol, version, worker_id, host, pid, checkpoint.
+STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from importlib import metadata as _md
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from schemas import ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
+from schemas.limits import MAX_STEP_ROWS
+from schemas.version import PROTOCOL_VERSION
+
+from .batcher import DEFAULT_BUCKETS, Batcher, BatcherClosed, DeadlineExceeded, ModelError, plan_buckets
+from .metrics import WorkerMetrics, serve_metrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "ddm-expert"
+ENDPOINT_NAME = "velocity"
+
+
+def package_version() -> str:
+    try:
+        return _md.version("ddm-fleet")
+    except _md.PackageNotFoundError:  # running from a source tree that is not installed
+        return "0.0.0"
+
+
+class ExpertWorker:
+    """Serve one expert over NATS (see module docstring). Async context manager."""
+
+    def __init__(
+        self,
+        expert: int,
+        checkpoint: Optional[str | os.PathLike] = None,
+        backend: Any = "torch",
+        *,
+        device: Optional[str] = None,
+        bf16: bool = False,
+        nats_url: str = "nats://127.0.0.1:4222",
+        buckets: Sequence[int] | str = DEFAULT_BUCKETS,
+        max_batch: Optional[int] = None,
+        max_request_rows: int = MAX_STEP_ROWS,
+        metrics_port: Optional[int] = None,
+        metrics_host: str = "0.0.0.0",
+        nc: Any = None,
+        reconnect_wait: float = 1.0,
+        connect_attempts: int = 10,
+        backend_options: Optional[dict] = None,
+        worker_id: Optional[str] = None,
+    ):
+        if not isinstance(expert, int) or isinstance(expert, bool) or expert < 0:
+            raise ValueError(f"expert must be a non-negative int, got {expert!r}")
+        self.expert = expert
+        self.buckets, self.max_batch = plan_buckets(buckets, max_batch)
+        if max_request_rows <= 0:
+            raise ValueError(f"max_request_rows must be positive, got {max_request_rows}")
+        self.max_request_rows = min(int(max_request_rows), MAX_STEP_ROWS)
+        if isinstance(backend, str):
+            if checkpoint is None:
+                raise ValueError("give checkpoint=PATH (the .safetensors file) when backend is a name")
+            self._backend_name = backend
+            self.backend = None
+        else:
+            self._backend_name = getattr(backend, "name", type(backend).__name__)
+            self.backend = backend
+        self.checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
+        self.device = device
+        self.bf16 = bf16
+        self.backend_options = dict(backend_options or {})
+        self.nats_url = nats_url
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.reconnect_wait = reconnect_wait
+        self.connect_attempts = connect_attempts
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.metrics = WorkerMetrics(labels={"expert": str(expert), "backend": self._backend_name},
+                                     batch_bounds=self.buckets)
+        self.nc = nc
+        self._own_nc = nc is None
+        self._service = None
+        self._batcher: Optional[Batcher] = None
+        self._metrics_runner = None
+        self._inflight: set[asyncio.Task] = set()
+        self._started = False
+        self._stopping = False
+        self._stopped = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "ExpertWorker":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Load and warm the model, connect, then subscribe (advertise) last."""
+        if self._started:
+            return
+        await asyncio.to_thread(self._prepare_backend)
+        self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch)
+        await self._batcher.start()
+        try:
+            if self.nc is None:
+                self.nc = await self._connect()
+            await self._advertise()
+            if self.metrics_port is not None:
+                self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)
+        except BaseException:
+            await self._teardown()
+            raise
+        self._started = True
+        log.info("expert %d worker %s serving %s (%s on %s, buckets %s)", self.expert, self.worker_id,
+                 subjects.expert_velocity(self.expert), self.backend.name, self.backend.device,
+                 ",".join(map(str, self.buckets)))
+
+    def _prepare_backend(self) -> None:
+        from .backends import get_backend
+
+        if self.backend is None:
+            self.backend = get_backend(self._backend_name, device=self.device, bf16=self.bf16, **self.backend_options)
+        if not getattr(self.backend, "loaded", self.checkpoint is None):
+            if self.checkpoint is None:
+                raise ValueError("the backend object is not loaded and no checkpoint was given")
+            self.backend.load(self.checkpoint)
+        ck_expert = getattr(self.backend, "expert", None)
+        if ck_expert is not None and ck_expert != self.expert:
+            raise ValueError(f"checkpoint {self.checkpoint} is for expert {ck_expert}, not expert {self.expert}; "
+                             f"pass --expert {ck_expert} or the right checkpoint")
+        self.backend.warmup(self.buckets)
+
+    async def _connect(self):
+        import nats
+
+        async def on_error(err: Exception) -> None:
+            log.warning("nats: %s: %s", type(err).__name__, err)
+
+        async def on_disconnect() -> None:
+            if self._stopping:
+                return
+            log.warning("nats: disconnected from %s; reconnecting", self.nats_url)
+
+        async def on_reconnect() -> None:
+            log.warning("nats: reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+
+        try:
+            nc = await nats.connect(
+                self.nats_url,
+                name=f"ddm-worker-e{self.expert}-{self._backend_name}",
+                allow_reconnect=True,
+                max_reconnect_attempts=max(1, self.connect_attempts),
+                reconnect_time_wait=self.reconnect_wait,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                pending_size=64 * 1024 * 1024,
+            )
+        except Exception as err:
+            raise ConnectionError(f"cannot connect to NATS at {self.nats_url}: {type(err).__name__}: {err}") from None
+        # Bounded attempts for the first connect (fail fast with a clear error), unlimited after.
+        nc.options["max_reconnect_attempts"] = -1
+        return nc
+
+    def metadata(self) -> dict[str, str]:
+        be = self.backend
+        meta = {
+            "expert": str(self.expert),
+            "buckets": ",".join(map(str, self.buckets)),
+            "max_batch": str(self.max_batch),
+            "max_request_rows": str(self.max_request_rows),
+            "protocol": str(PROTOCOL_VERSION),
+            "version": package_version(),
+            "worker_id": self.worker_id,
+            "host": socket.gethostname(),
+            "pid": str(os.getpid()),
+            "checkpoint": os.path.basename(self.checkpoint or getattr(be, "checkpoint_path", "") or ""),
+            "subject": subjects.expert_velocity(self.expert),
+        }
+        if hasattr(be, "describe"):
+            meta.update(be.describe())
+        else:
+            meta.update(backend=str(be.name), device=str(be.device))
+        shape = getattr(be, "input_shape", None)
+        if shape:
+            meta["input_shape"] = ",".join(map(str, shape))
+        classes = getattr(be, "num_classes", None)
+        if classes:
+            meta["num_classes"] = str(classes)
+        return meta
+
+    async def _advertise(self) -> None:
+        from nats.micro import add_service
+
+        version = package_version()
+        self._service = await add_service(
+            self.nc,
+            name=SERVICE_NAME,
+            version=version if version.count(".") == 2 else "0.0.0",
+            description=f"ddm-fleet expert {self.expert} velocity worker",
+            metadata=self.metadata(),
+            stats_handler=lambda _endpoint: self.metrics.snapshot(),
+        )
+        await self._service.add_endpoint(
+            name=ENDPOINT_NAME,
+            subject=subjects.expert_velocity(self.expert),
+            queue_group=subjects.expert_queue_group(self.expert),
+            handler=self._on_request,
+            metadata={"expert": str(self.expert), "request": "StepRequest", "reply": "StepReply|ErrorReply"},
+        )
+        await self.nc.flush()
+
+    @property
+    def service_id(self) -> Optional[str]:
+        return self._service.id if self._service is not None else None
+
+    def info(self) -> dict:
+        """The micro INFO document of this worker."""
+        return self._service.info().to_dict() if self._service is not None else {}
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Graceful: stop intake, answer every held request, drain the connection."""
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        try:
+            await asyncio.wait_for(self._shutdown(), timeout)
+        except asyncio.TimeoutError:
+            log.error("graceful stop took over %.0f s; closing anyway", timeout)
+        finally:
+            await self._teardown()
+            self._stopped.set()
+
+    async def _shutdown(self) -> None:
+        # 1. no new work: drain the endpoint subscription (already-received messages are still
+        #    handed to _on_request, which queues them); the queue group sends new ones elsewhere.
+        if self._service is not None and self.nc is not None and self.nc.is_connected:
+            for ep in list(getattr(self._service, "_endpoints", [])):
+                sub = getattr(ep, "_subscription", None)
+                if sub is not None:
+                    try:
+                        await sub.drain()
+                    except Exception as err:
+                        log.warning("draining the endpoint subscription failed: %s", err)
+            # micro's stop() would unsubscribe the drained endpoint again and fail; forget it.
+            self._service._endpoints = []
+        # 2. finish every queued batch and send every reply.
+        if self._batcher is not None:
+            await self._batcher.close()
+        if self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        # 3. leave $SRV, flush replies.
+        if self._service is not None:
+            try:
+                await self._service.stop()
+            except Exception as err:
+                log.warning("stopping the micro service: %s", err)
+            self._service = None
+        if self.nc is not None and self.nc.is_connected:
+            try:
+                await self.nc.flush(timeout=5)
+            except Exception as err:
+                log.warning("flush on shutdown failed: %s", err)
+
+    async def _teardown(self) -> None:
+        if self._batcher is not None:
+            try:
+                await self._batcher.close()
+            except Exception:  # pragma: no cover - best effort
+                log.exception("closing the batcher")
+            self._batcher = None
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
+        if self._own_nc and self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()
+        self._started = False
+
+    # ------------------------------------------------------------------ requests
+
+    async def _on_request(self, req) -> None:
+        """micro handler: validate and queue; never waits for the model (callbacks are serial)."""
+        received = time.perf_counter()
+        try:
+            step, x, t, y = self._decode(req.data)
+            fut = self._batcher.submit(x, t, y, deadline=step.deadline)
+        except ProtocolError as err:
+            await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
+            return
+        except BatcherClosed as err:
+            await self._reply_error(req, ErrorCode.UNAVAILABLE, str(err), _peek_request_id(req.data))
+            return
+        except Exception as err:  # a bug in validation must not kill the subscription
+            log.exception("unexpected error while decoding a request")
+            await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}", _peek_request_id(req.data))
+            return
+        self.metrics.request(x.shape[0])
+        task = asyncio.create_task(self._complete(req, step, fut, received))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
+        """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad."""
+        step = unpack(data, StepRequest)
+        if step.expert != self.expert:
+            raise ProtocolError(ErrorCode.UNKNOWN_EXPERT,
+                                f"this worker serves expert {self.expert}; the request is for expert {step.expert}")
+        b = step.x_t.shape[0]
+        want = tuple(getattr(self.backend, "input_shape", step.x_t.shape[1:]))
+        if tuple(step.x_t.shape[1:]) != want:
+            raise ProtocolError(ErrorCode.BAD_SHAPE,
+                                f"x_t rows must be [C, H, W] = {list(want)} for this model, got {list(step.x_t.shape[1:])}")
+        if b > self.max_request_rows:
+            raise ProtocolError(ErrorCode.TOO_LARGE,
+                                f"request has {b} rows; this worker accepts at most {self.max_request_rows} per request")
+        classes = getattr(self.backend, "num_classes", None)
+        if classes is not None and b and (int(step.y.min()) < 0 or int(step.y.max()) >= classes):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"class labels y must lie in [0, {classes - 1}], "
+                                                       f"got min {int(step.y.min())} max {int(step.y.max())}")
+        if step.deadline is not None and time.time() > step.deadline:
+            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED,
+                                f"deadline passed {time.time() - step.deadline:.3f} s before the request arrived")
+        x = np.asarray(step.x_t, dtype=np.float32)
+        t = np.asarray(step.t, dtype=np.float32)
+        y = np.asarray(step.y, dtype=np.int64)
+        return step, x, t, y
+
+    async def _complete(self, req, step: StepRequest, fut: asyncio.Future, received: float) -> None:
+        try:
+            result = await fut
+        except DeadlineExceeded as err:
+            await self._reply_error(req, ErrorCode.DEADLINE_EXCEEDED, str(err), step.request_id)
+            return
+        except ModelError as err:
+            await self._reply_error(req, ErrorCode.INTERNAL, f"model failed: {err}", step.request_id)
+            return
+        except Exception as err:
+            log.exception("request failed")
+            await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}", step.request_id)
+            return
+        try:
+            if not np.isfinite(result.velocity).all():
+                raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
+            reply = StepReply(
+                expert=self.expert, velocity=result.velocity, row_ids=list(step.row_ids),
+                backend=self.backend.name, device=str(self.backend.device), worker_id=self.worker_id,
+                compute_ms=round(result.info.compute_s * 1000.0, 3), batch_rows=result.info.bucket,
+            )
+            data = pack(reply)
+        except ProtocolError as err:
+            await self._reply_error(req, err.code if err.code != ErrorCode.BAD_REQUEST else ErrorCode.INTERNAL,
+                                    err.message, step.request_id)
+            return
+        except Exception as err:
+            await self._reply_error(req, ErrorCode.INTERNAL, f"cannot build the reply: {err}", step.request_id)
+            return
+        if await self._send(req, data):
+            self.metrics.reply(time.perf_counter() - received)
+
+    async def _reply_error(self, req, code: ErrorCode | str, message: str, request_id: Optional[str] = None) -> None:
+        code = ErrorCode(code)
+        self.metrics.error(code.value)
+        log.debug("error reply %s: %s", code.value, message)
+        try:
+            data = pack(ErrorReply(code=code, message=message, request_id=request_id))
+        except Exception:  # e.g. a request_id that is not a valid Id
+            data = pack(ErrorReply(code=code, message=message))
+        headers = {"Nats-Service-Error": message[:512].replace("\r", " ").replace("\n", " "),
+                   "Nats-Service-Error-Code": code.value}
+        await self._send(req, data, headers)
+
+    async def _send(self, req, data: bytes, headers: Optional[dict] = None) -> bool:
+        try:
+            await req.respond(data, headers=headers)
+            return True
+        except ValueError:  # published without a reply subject: nobody to answer
+            return False
+        except Exception as err:
+            log.warning("could not send a reply: %s: %s", type(err).__name__, err)
+            return False
+
+
+def _peek_request_id(data: bytes) -> Optional[str]:
+    """Best-effort request_id from bytes that failed validation (for the error reply)."""
+    try:
+        from schemas import loads
+
+        obj = loads(data)
+        rid = obj.get("request_id") if isinstance(obj, dict) else None
+        return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else None
+    except Exception:
+        return None
