@@ -109,3 +109,75 @@ async def test_closing_the_tab_cancels_its_job(browser, web_server, nc):
                 break
             await asyncio.sleep(0.05)
         assert job_id in coordinator.cancelled
+
+
+# ---------------------------------------------------------------- end to end, real local fleet
+
+
+def _shipped(directory: Path) -> bool:
+    return all((directory / f).exists() for f in ("expert0.safetensors", "expert1.safetensors",
+                                                  "router.safetensors", "partition.json"))
+
+
+@pytest.fixture
+async def real_fleet(nats_url, tmp_path):
+    """nats-server (the session's) + real expert workers + real coordinator with a real router.
+
+    Uses the shipped checkpoints when they are there (real digits), else tiny random-init experts
+    and router built from the project's own model code (noise-like images, same machinery)."""
+    from coordinator.local_fleet import LocalFleet
+
+    shipped = Path(__file__).resolve().parent.parent / "checkpoints"
+    if _shipped(shipped):
+        fleet = LocalFleet.from_dir(shipped, nats_url=nats_url, buckets=(1, 2, 4, 8, 16))
+    else:
+        from coordinator.router import Router, RouterConfig, RouterNet
+        from coordinator_helpers import make_tiny_experts
+
+        experts = make_tiny_experts(tmp_path)
+        router = Router(RouterNet(cfg=RouterConfig(num_experts=2, width=8, emb_dim=16)))
+        fleet = LocalFleet(experts, router, num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url,
+                           buckets=(1, 2, 4, 8, 16))
+    async with fleet:
+        yield fleet
+
+
+async def test_real_fleet_generate_in_the_browser(browser, web_server, real_fleet, tmp_path):
+    page, errors = await open_page(browser, web_server)
+    # the fleet panel discovers both experts' real workers (backend and device from their metadata)
+    await page.wait_for_function("document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=15_000)
+    assert await page.locator("#fleet-experts .expert[data-expert='0'] tr.worker").count() >= 1
+    assert "torch" in await page.locator("#fleet-experts").inner_text()
+    await page.wait_for_selector("#fleet-coordinator table", timeout=10_000)  # FleetStatus answered
+    await page.fill("#digits", "0,1,2,3,4,5,6,7,8,9")
+    await page.fill("#steps", "24")
+    await page.select_option("#strategy", "top1")
+    await page.click("#generate")
+    # an intermediate frame is on screen while the job runs ...
+    running = page.locator(".job[data-state=running]")
+    await running.wait_for(timeout=30_000)
+    assert int(await running.get_attribute("data-frames")) >= 1
+    step = int(await running.get_attribute("data-step"))
+    assert 1 <= step < 24
+    await page.screenshot(path=str(tmp_path / "web-running.png"), full_page=True)
+    # ... and the final images arrive
+    done = page.locator(".job[data-state=done]")
+    await done.wait_for(timeout=120_000)
+    canvases = done.locator(".tile canvas")
+    assert await canvases.count() == 10
+    assert await canvases.evaluate_all("cs => cs.every(c => c.dataset.final === '1')")
+    experts = await canvases.evaluate_all("cs => cs.map(c => c.dataset.expert)")
+    assert set(experts) <= {"0", "1"}, experts  # top-1: one expert per tile, outlined in its colour
+    # the canvas holds a real image (not all one grey level)
+    spread = await canvases.first.evaluate(
+        "c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        " let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        " return hi - lo; }")
+    assert spread > 0
+    await page.screenshot(path=str(tmp_path / "web-done.png"), full_page=True)
+    if os.environ.get("DDM_WEB_DOCS_SHOT"):  # refresh docs/web.png: DDM_WEB_DOCS_SHOT=1 pytest ...
+        await page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False)
+    if os.environ.get("DDM_WEB_SHOT_DIR"):
+        await page.screenshot(path=os.path.join(os.environ["DDM_WEB_SHOT_DIR"], "web-real.png"), full_page=True)
+    assert errors == [], errors
+    await page.close()

@@ -38,6 +38,12 @@ def test_generate_builds_a_schema_job_request():
     r = cmd.request
     assert (r.digits, r.steps, r.strategy, r.solver, r.seed, r.job_id) == ([1, 2], 12, "full", "heun", 3, None)
     assert r.n_images == 2
+    big = parse_client_message(json.dumps({"type": "generate", "count": 1, "seed": "9223372036854775807"})).request
+    assert big.seed == 2**63 - 1  # seeds come as text from the page; exact past 2**53
+    with pytest.raises(BadInput, match="seed"):
+        parse_client_message(json.dumps({"type": "generate", "count": 1, "seed": "9223372036854775808"}))
+    with pytest.raises(BadInput, match="seed"):
+        parse_client_message(json.dumps({"type": "generate", "count": 1, "seed": "12ab"}))
 
 
 def test_empty_fields_fall_back_to_defaults_and_limits_are_the_schemas():

@@ -42,7 +42,9 @@ def _weights(w: np.ndarray, n: int) -> list[list[float]]:
 
 
 def accepted_message(ev: JobAccepted) -> dict[str, Any]:
-    return {"type": "accepted", "job_id": ev.job_id, "digits": list(ev.digits), "seed": ev.seed,
+    """JobAccepted -> {"type": "accepted", job_id, digits, seed, queue_position}. `seed` is a decimal
+    string: seeds go up to 2**63 and JavaScript numbers are exact only to 2**53."""
+    return {"type": "accepted", "job_id": ev.job_id, "digits": list(ev.digits), "seed": str(ev.seed),
             "queue_position": ev.queue_position}
 
 

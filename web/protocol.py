@@ -4,7 +4,8 @@ Every message is one JSON object with a `type`. Client -> server:
 
     {"type": "generate", "digits": "3,7,7" | [3, 7, 7]}            one image per digit
     {"type": "generate", "count": 8, "steps": 40, "strategy": "top1", "solver": "euler",
-     "top_k": 2, "seed": 1, "frame_every": 1, "ref": "anything"}   `count` random digits
+     "top_k": 2, "seed": "1", "frame_every": 1, "ref": "anything"} `count` random digits
+                                                         (seed: int or decimal string)
     {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
     {"type": "ping"}                                                 answered with {"type": "pong"}
 
@@ -101,6 +102,9 @@ def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
         raise BadInput(f"unknown field(s) in generate: {', '.join(map(str, unknown))}; "
                        f"allowed: {', '.join(GENERATE_FIELDS)}", ref=ref)
     fields = {k: msg[k] for k in GENERATE_FIELDS if k in msg and msg[k] not in (None, "")}
+    seed = fields.get("seed")
+    if isinstance(seed, str) and seed.strip().isascii() and seed.strip().isdigit() and len(seed.strip()) <= 20:
+        fields["seed"] = int(seed)  # the page sends seeds as text: JS numbers lose digits past 2**53
     if "digits" in fields:
         try:
             fields["digits"] = parse_digits(fields["digits"])

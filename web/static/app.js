@@ -262,7 +262,7 @@ function readForm() {
   req.strategy = $("#strategy").value;
   if (req.strategy === "topk") req.top_k = numberOrText($("#top_k"));
   const seed = $("#seed").value.trim();
-  if (seed !== "") req.seed = numberOrText($("#seed"));
+  if (seed !== "") req.seed = seed;  // as text: seeds reach 2**63, JS numbers are exact to 2**53
   return req;
 }
 
