@@ -84,7 +84,7 @@ async def test_sockets_and_api_get_periodic_fleet_snapshots(aiohttp_client, nats
     async with FakeWorkerService(nc, 3, "torch", "cpu") as w:
         ws = await client.ws_connect("/ws")
         for _ in range(30):
-            msg = await ws.receive_json(timeout=5)
+            msg = await ws.receive_json(timeout=20)
             if msg["type"] == "fleet" and any(e["expert"] == 3 for e in msg["experts"]):
                 break
         else:
@@ -92,7 +92,7 @@ async def test_sockets_and_api_get_periodic_fleet_snapshots(aiohttp_client, nats
         api = await (await client.get("/api/fleet")).json()
         assert any(wk["id"] == w.id for e in api["experts"] for wk in e["workers"])
     for _ in range(30):  # after the worker stops, a later snapshot no longer lists it
-        msg = await ws.receive_json(timeout=5)
+        msg = await ws.receive_json(timeout=20)
         if msg["type"] == "fleet" and not any(e["expert"] == 3 for e in msg["experts"]):
             break
     else:

@@ -161,6 +161,7 @@ function onFrame(msg) {
   job.frames += 1;
   job.card.dataset.frames = String(job.frames);
   job.card.dataset.step = String(msg.step);
+  if (job.frames === 1) job.card.dataset.firstStep = String(msg.step);
   $("progress", job.card).value = msg.steps ? msg.step / msg.steps : 0;
   setJobState(job, "running", `step ${msg.step}/${msg.steps} · t=${msg.t.toFixed(2)}`);
   if (msg.notes && msg.notes.length) $(".job-notes", job.card).textContent = msg.notes.join("; ");
