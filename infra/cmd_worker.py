@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS})")
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128",
                         help="batch sizes compiled and padded to (default: 1,2,4,8,16,32,64,128)")
-    parser.add_argument("--max-batch", type=int, default=128, metavar="N",
-                        help="most rows per forward pass (default 128; must fit the largest bucket)")
+    parser.add_argument("--max-batch", type=int, default=None, metavar="N",
+                        help="most rows per forward pass (default: the largest bucket, 128; must fit a bucket)")
     parser.add_argument("--max-request-rows", type=int, default=None, metavar="N",
                         help="refuse requests with more rows (too_large); default: the protocol limit 512")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve Prometheus text metrics on http://0.0.0.0:P/metrics")
     parser.add_argument("--xla-cache", default=None, metavar="DIR",
                         help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)")
+    parser.add_argument("--connect-attempts", type=int, default=10, metavar="N",
+                        help="tries for the first connection (reconnects after that are unlimited; default 10)")
     parser.add_argument("--threads", type=int, default=None, help="torch backend: intra-op CPU threads")
 
 
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             args.expert, args.checkpoint, args.backend, device=args.device, bf16=args.bf16, nats_url=args.nats,
             buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port,
             max_request_rows=args.max_request_rows or MAX_STEP_ROWS, backend_options=opts,
+            connect_attempts=args.connect_attempts,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

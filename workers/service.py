@@ -134,15 +134,17 @@ class ExpertWorker:
         await self.stop()
 
     async def start(self) -> None:
-        """Load and warm the model, connect, then subscribe (advertise) last."""
+        """Connect, load and warm the model, then subscribe (advertise) last."""
         if self._started:
             return
-        await asyncio.to_thread(self._prepare_backend)
-        self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch)
-        await self._batcher.start()
+        # Connect first (a wrong URL fails in seconds, not after a long compile), then load and
+        # warm every bucket in a thread (the connection stays alive), then advertise.
         try:
             if self.nc is None:
                 self.nc = await self._connect()
+            await asyncio.to_thread(self._prepare_backend)
+            self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch)
+            await self._batcher.start()
             await self._advertise()
             if self.metrics_port is not None:
                 self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)
