@@ -44,9 +44,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"ddm-fleet web: {err}", file=sys.stderr)
         return 2
-    print(f"ddm-fleet web: http://{args.host}:{args.port}/  (NATS {args.nats})", flush=True)
+    def serving(_msg: str) -> None:  # called by run_app once the socket listens (NATS is up by then)
+        print(f"ddm-fleet web: serving http://{args.host}:{args.port}/  (NATS {args.nats}; Ctrl-C stops)", flush=True)
+
     try:
-        web.run_app(create_app(config), host=args.host, port=args.port, print=None)
+        web.run_app(create_app(config), host=args.host, port=args.port, print=serving, handle_signals=True)
     except RuntimeError as err:  # raised by the NATS cleanup_ctx: say why, no traceback
         print(f"ddm-fleet web: {err}", file=sys.stderr)
         return 1

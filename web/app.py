@@ -103,11 +103,12 @@ async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
         log.warning("nats: %s", err)
 
     try:
-        nc = await nats.connect(url, name="ddm-web", max_reconnect_attempts=-1, reconnect_time_wait=1,
+        nc = await nats.connect(url, name="ddm-web", max_reconnect_attempts=2, reconnect_time_wait=1,
                                 connect_timeout=3, error_cb=on_error, allow_reconnect=True)
     except Exception as err:
         raise RuntimeError(f"cannot connect to NATS at {url}: {err}. Is a nats-server running "
                            "(`ddm-fleet up` starts one)? Pass another with --nats.") from err
+    nc.options["max_reconnect_attempts"] = -1  # fail fast at start, reconnect forever once up
     app[NATS] = nc
     yield
     try:
