@@ -15,6 +15,8 @@ import sys
 # (name, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+    ("coordinator", "infra.cmd_coordinator", "run the coordinator: router + step-level batching of all jobs over NATS"),
+    ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) into a PNG grid or .npz"),
     ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla or jax backend)"),
     ("bench", "infra.cmd_bench", "benchmarks: `bench worker` = worker rows/s through NATS vs in-process"),
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
