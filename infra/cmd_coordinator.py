@@ -1,0 +1,103 @@
+"""Run the coordinator: router + continuous step-level batching of every job over NATS.
+
+Serves ddm.v1.jobs.submit (JobRequest -> JobAccepted | JobRejected), ddm.v1.jobs.<id>.cancel and
+ddm.v1.fleet.status, and publishes each job's frames and final images on ddm.v1.jobs.<id>.events.
+Each tick it runs the router on every active row at once, sends ONE batched request per chosen
+expert (all experts concurrently), combines the velocities and advances every row one solver
+step; jobs join at the next tick and leave when done. Expert workers (`ddm-fleet worker`) may be
+started before or after; a step whose expert has no workers falls back to the next-best expert.
+SIGTERM / Ctrl-C: running jobs fail with `unavailable`, then exit 0.
+
+examples:
+  ddm-fleet coordinator --router checkpoints/router.safetensors --partition checkpoints/partition.json
+  ddm-fleet coordinator --router ... --partition ... --nats nats://10.0.0.5:4222 --max-rows 512 --step-timeout 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_NATS = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--router", default="checkpoints/router.safetensors", metavar="PATH",
+                        help="router checkpoint (.safetensors with its .json; default %(default)s)")
+    parser.add_argument("--partition", default="checkpoints/partition.json", metavar="PATH",
+                        help="partition manifest: number of experts and the class owners for --strategy oracle "
+                             "(default %(default)s)")
+    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL", help="NATS server (default %(default)s, or $NATS_URL)")
+    parser.add_argument("--max-rows", type=int, default=1024, metavar="N",
+                        help="most images denoised at once, over all jobs (default %(default)s); a job waits in the "
+                             "queue until its rows fit")
+    parser.add_argument("--max-queued-jobs", type=int, default=256, metavar="N",
+                        help="most jobs waiting for rows; more are rejected with `overloaded` (default %(default)s)")
+    parser.add_argument("--step-timeout", type=float, default=10.0, metavar="S",
+                        help="seconds to wait for an expert's reply before retrying (default %(default)s)")
+    parser.add_argument("--retries", type=int, default=2, metavar="N",
+                        help="extra tries of a timed-out expert request; the queue group hands each try to a worker "
+                             "(default %(default)s)")
+    parser.add_argument("--wait-experts", type=float, default=0.0, metavar="S",
+                        help="before serving, wait up to S seconds for every expert to have a worker (default: don't)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+    import sys
+
+    log = logging.getLogger("ddm.coordinator")
+    for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 0),
+                             ("--retries", args.retries, 0)):
+        if value < low:
+            print(f"ddm-fleet coordinator: {name} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
+    if args.step_timeout <= 0:
+        print(f"ddm-fleet coordinator: --step-timeout must be > 0, got {args.step_timeout}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        import nats
+
+        from coordinator.service import Coordinator, load_router_and_partition, wait_for_experts
+
+        router, k, c2e = load_router_and_partition(args.router, args.partition)
+        nc = await nats.connect(args.nats, name="ddm-coordinator", max_reconnect_attempts=-1,
+                                connect_timeout=5, allow_reconnect=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if args.wait_experts > 0:
+                print(f"waiting up to {args.wait_experts:g} s for workers of {k} experts ...", flush=True)
+                await wait_for_experts(nc, k, timeout=args.wait_experts)
+            async with Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
+                                   max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
+                                   retries=args.retries) as coord:
+                print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
+                      f"{args.max_queued_jobs} queued jobs)", flush=True)
+                await stop.wait()
+                log.info("signal received: failing running jobs and draining")
+                st = coord.status()
+            print(f"stopped: {st.jobs_done} jobs done, {st.images_done} images", flush=True)
+        finally:
+            await nc.drain()
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except FileNotFoundError as err:
+        print(f"ddm-fleet coordinator: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, ConnectionError, OSError, TimeoutError) as err:
+        print(f"ddm-fleet coordinator: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        if type(err).__module__.startswith("nats"):
+            print(f"ddm-fleet coordinator: cannot reach NATS at {args.nats}: {type(err).__name__} {err}", file=sys.stderr)
+            return 1
+        raise
