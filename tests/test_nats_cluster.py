@@ -53,7 +53,7 @@ async def _expert_responder(servers: list[str], expert: int, worker_id: str, **o
         await msg.respond(pack(reply))
 
     await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert), cb=handle)
-    await nc.flush()
+    await nc.flush()  # callers retry on no-responders: interest also has to cross routes / leaf links
     return nc, served
 
 

@@ -157,3 +157,91 @@ async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
         with pytest.raises(ssl.SSLCertVerificationError):
             await nats.connect(f"tls://web:{passwords['web']}@localhost:{srv.port}", tls=untrusting,
                                connect_timeout=3, allow_reconnect=False, error_cb=quiet)
+
+
+# ---------------------------------------------------------------- deployment files
+
+REPO = CONFIG_DIR.parent.parent
+SYSTEMD_DIR = REPO / "infra" / "systemd"
+DOCKER_DIR = REPO / "infra" / "docker"
+
+
+def test_systemd_units_verify(tmp_path):
+    """`systemd-analyze verify` on every unit (templates through an instance), with the
+    /opt/ddm-fleet paths pointed at stand-in executables: no unknown keys, no bad lines."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed")
+    opt = tmp_path / "opt"
+    for exe in ("venv/bin/nats-server", "venv/bin/ddm-fleet", "src/infra/systemd/ddm-wait-ready"):
+        path = opt / exe
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+    units = tmp_path / "units"
+    units.mkdir()
+    names = []
+    for unit in sorted(SYSTEMD_DIR.glob("*.service")):
+        (units / unit.name).write_text(unit.read_text().replace("/opt/ddm-fleet/", f"{opt}/"))
+        names.append(unit.name.replace("@.", "@0a."))
+    assert len(names) >= 6
+    res = subprocess.run([analyze, "verify", *names], cwd=units, capture_output=True, text=True, timeout=60)
+    output = (res.stdout + res.stderr).strip()
+    assert res.returncode == 0 and output == "", output
+
+
+def test_worker_units_pass_the_worker_flags():
+    for unit in ("ddm-worker-neuron@.service", "ddm-worker-gpu@.service"):
+        text = (SYSTEMD_DIR / unit).read_text()
+        exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+        for flag in ("worker", "--expert ${DDM_EXPERT}", "--checkpoint ${DDM_CHECKPOINT}", "--backend",
+                     "--nats ${DDM_NATS_URL}", "--metrics-port ${DDM_METRICS_PORT}"):
+            assert flag in exec_start, (unit, flag)
+        assert "ddm-wait-ready ${DDM_METRICS_PORT} $MAINPID" in text
+    neuron = (SYSTEMD_DIR / "ddm-worker-neuron@.service").read_text()
+    for needle in ("PJRT_DEVICE=NEURON", "NEURON_CC_FLAGS=", "--cache_dir=/var/cache/ddm-fleet/neuron",
+                   "TimeoutStartSec=45min"):
+        assert needle in neuron
+
+
+def test_wait_ready_script(tmp_path):
+    script = SYSTEMD_DIR / "ddm-wait-ready"
+    run = lambda *a: subprocess.run(["bash", str(script), *map(str, a)], capture_output=True, text=True, timeout=30)
+    assert run("nope").returncode == 2
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert run(free_port(), dead.pid).returncode == 1  # worker gone before ready
+    assert run(free_port(), "", 1).returncode == 3  # nothing listening: timeout
+    import socket
+
+    with socket.socket() as s:  # a port that accepts connections = a ready worker
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        res = run(s.getsockname()[1], "", 5)
+    assert res.returncode == 0 and "ready" in res.stdout
+
+
+@pytest.mark.parametrize("dockerfile", sorted(p.name for p in DOCKER_DIR.glob("Dockerfile.*")
+                                              if not p.name.endswith(".dockerignore")))
+def test_dockerfile_copies_existing_paths(dockerfile):
+    text = (DOCKER_DIR / dockerfile).read_text()
+    assert text.splitlines()[0].startswith("#") and "\nFROM " in text
+    assert (DOCKER_DIR / f"{dockerfile}.dockerignore").exists(), "add a <Dockerfile>.dockerignore (keeps .venv out)"
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            sources = line.split()[1:-1]
+            for src in sources:
+                assert (REPO / src).exists() or src in ("checkpoints",), f"{dockerfile}: COPY {src} not in the repo"
+
+
+def test_compose_file_runs_each_role_with_its_own_user():
+    yaml = pytest.importorskip("yaml")
+    compose = yaml.safe_load((DOCKER_DIR / "compose.yaml").read_text())
+    services = compose["services"]
+    for svc in services.values():
+        assert (REPO / svc["build"]["dockerfile"]).exists()
+    expected = {"coordinator": "coordinator", "worker0": "worker-0", "worker1": "worker-1", "web": "web"}
+    for name, user in expected.items():
+        cmd = " ".join(services[name]["command"])
+        assert cmd.startswith(f"exec ddm-fleet {name.rstrip('01')} "), cmd
+        assert f"nats://{user}:$${{{PASSWORD_VARS[user]}}}@nats:4222" in cmd, cmd

@@ -77,6 +77,15 @@ async def connect(server):
         await nc.close()
 
 
+async def synced(nc) -> None:
+    """Return once the server has every SUB sent so far. nats-py 2.16's flush() writes its
+    PING straight to the socket while a SUB may still wait in the client's pending buffer,
+    so one flush can return before the server knows the subscription; the second PING goes
+    out after the flusher task has written it."""
+    await nc.flush()
+    await nc.flush()
+
+
 def _step(expert: int) -> StepRequest:
     return StepRequest(expert=expert, x_t=np.ones((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32),
                        y=np.zeros(2, np.int64))
@@ -89,7 +98,7 @@ async def _collect(conn: Conn, subject: str, **kw) -> list:
         got.append(msg)
 
     await conn.nc.subscribe(subject, cb=cb, **kw)
-    await conn.nc.flush()
+    await synced(conn.nc)
     return got
 
 
@@ -106,7 +115,7 @@ async def test_client_roles_submit_jobs_and_read_events(connect, user):
                                            digits=req.digits, seed=1)))
 
     await coord.nc.subscribe(subjects.JOBS_SUBMIT, cb=on_submit)
-    await coord.nc.flush()
+    await synced(coord.nc)
     events = await _collect(cli, subjects.ALL_JOB_EVENTS)
 
     msg = await cli.nc.request(subjects.JOBS_SUBMIT, pack(JobRequest(job_id="j1", digits=[3])), timeout=2)
@@ -137,7 +146,7 @@ async def test_client_can_cancel_and_ask_status(connect):
 
     await coord.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=on_cancel)
     await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
-    await coord.nc.flush()
+    await synced(coord.nc)
     msg = await web.nc.request(subjects.job_cancel("j9"), pack(CancelRequest(job_id="j9")), timeout=2)
     assert unpack(msg.data, CancelReply).cancelled
     assert (await web.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
@@ -210,7 +219,7 @@ async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(co
     try:
         await svc.add_endpoint(name="velocity", subject=subjects.expert_velocity(0),
                                queue_group=subjects.expert_queue_group(0), handler=velocity)
-        await worker.nc.flush()
+        await synced(worker.nc)
         msg = await coord.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=2)
         assert unpack(msg.data, StepReply).velocity.shape == (2, 1, 32, 32)
 
