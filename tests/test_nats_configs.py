@@ -8,10 +8,12 @@ TLS client with certificates from make-dev-certs.sh.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import ssl
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,17 @@ async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
             await nc.flush()
         finally:
             await nc.close()
+
+        # What DEPLOYMENT.md tells a process to do: trust the CA through SSL_CERT_FILE, no code.
+        script = ("import asyncio, sys, nats\n"
+                  "async def main():\n"
+                  "    nc = await nats.connect(sys.argv[1], connect_timeout=3, allow_reconnect=False)\n"
+                  "    await nc.flush(); await nc.close(); print('tls ok')\n"
+                  "asyncio.run(main())\n")
+        env = {**os.environ, "SSL_CERT_FILE": str(dev_certs / "ca.pem")}
+        res = subprocess.run([sys.executable, "-c", script, f"tls://web:{passwords['web']}@localhost:{srv.port}"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and "tls ok" in res.stdout, res.stderr[-2000:]
 
         async def quiet(err):
             pass
