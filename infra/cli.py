@@ -22,6 +22,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
+    ("train-router", "infra.cmd_train_router", "train the router that predicts a noisy sample's expert partition"),
 ]
 
 

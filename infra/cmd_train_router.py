@@ -1,0 +1,68 @@
+"""Train the router r(x_t, t, y) -> K logits that predicts which expert's partition a noisy sample
+belongs to, under the experts' own noising (t ~ U[0, 1], x_t = (1 - t) noise + t x).
+
+Reads the partition manifest, trains a small CNN on CPU with a tqdm bar (loss, accuracy), measures
+top-1 accuracy in 10 t bins on the val split (label given and label unknown), and writes
+<out>.safetensors + <out>.json (the accuracy table is in the JSON under "accuracy_vs_t"). Example:
+
+    ddm-fleet train-router --partition checkpoints/partition.json --steps 1500 --out checkpoints/router
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--partition", required=True, help="partition manifest JSON (from `ddm-fleet partition`)")
+    parser.add_argument("--out", default="checkpoints/router", help="checkpoint stem: writes <out>.safetensors + <out>.json")
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per step (default 128)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (cosine decay)")
+    parser.add_argument("--label-dropout", type=float, default=0.5,
+                        help="fraction of samples trained with the class label hidden, so the router also "
+                             "works without a label and learns from pixels (default 0.5)")
+    parser.add_argument("--width", type=int, default=16, help="first conv channels (multiple of 8; default 16)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="train split size the partition was made with (its --limit)")
+    parser.add_argument("--val-limit", type=int, default=None, help="evaluate on the first N val images (default: all 10k)")
+    parser.add_argument("--bins", type=int, default=10, help="t bins for the accuracy report (default 10)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
+    parser.add_argument("--data-dir", default=None, help="data directory (default: $DDM_DATA_DIR or ./data)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    from coordinator.data import DataError, load_mnist
+    from coordinator.partition import PartitionError, load_manifest
+    from coordinator.router import RouterError, save_router
+    from coordinator.train_router import RouterTrainConfig, accuracy_vs_t, format_accuracy_table, train_router
+
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        manifest = load_manifest(args.partition)
+        cfg = RouterTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                                label_dropout=args.label_dropout, seed=args.seed, width=args.width)
+        images, labels = load_mnist(manifest.split, args.data_dir, limit=args.limit)
+        net, stats = train_router(manifest, images, labels, cfg)
+        del images
+        xv, yv = load_mnist("val", args.data_dir, limit=args.val_limit)
+        acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True)
+        meta = {
+            "partition": {"file": str(args.partition), "method": manifest.method, "num_experts": manifest.num_experts,
+                          "classes": [e.classes for e in manifest.experts],
+                          "class_to_expert": manifest.class_owner},
+            "training": stats,
+            "accuracy_vs_t": acc,
+        }
+        path = save_router(args.out, net, meta)
+    except (RouterError, PartitionError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"trained {stats['steps']} steps in {stats['wall_s']} s: loss {stats['final_loss']}, train acc {stats['final_train_acc']}")
+    print(format_accuracy_table(acc))
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+    return 0
