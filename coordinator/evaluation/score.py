@@ -1,0 +1,43 @@
+"""Score generated digits: conditional accuracy, FID (classifier features), per-class counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .fid import fid_from_features
+
+
+@dataclass
+class Score:
+    n: int
+    accuracy: float  # fraction of images the classifier reads as the requested digit
+    fid: float  # Fréchet distance to the reference set in classifier feature space
+    predicted_counts: list[int] = field(default_factory=list)  # [10] how often each digit was seen
+    per_class_accuracy: list[float] = field(default_factory=list)  # [10] accuracy per requested digit (nan if none)
+
+    def as_dict(self) -> dict:
+        return {"n": self.n, "accuracy": self.accuracy, "fid": self.fid,
+                "predicted_counts": self.predicted_counts, "per_class_accuracy": self.per_class_accuracy}
+
+
+def score_images(classifier, images: np.ndarray, digits: np.ndarray, reference_features: np.ndarray) -> Score:
+    """images [N,1,32,32] in [-1,1], digits [N] requested classes, reference_features [M,256]."""
+    images = np.clip(np.asarray(images, np.float32), -1.0, 1.0)
+    digits = np.asarray(digits, np.int64)
+    if len(images) != len(digits):
+        raise ValueError(f"{len(images)} images but {len(digits)} labels")
+    pred = classifier.predict(images)
+    feats = classifier.features(images)
+    per_class = []
+    for c in range(10):
+        mask = digits == c
+        per_class.append(float((pred[mask] == c).mean()) if mask.any() else float("nan"))
+    return Score(
+        n=int(len(images)),
+        accuracy=float((pred == digits).mean()),
+        fid=fid_from_features(feats, reference_features),
+        predicted_counts=np.bincount(pred, minlength=10).astype(int).tolist(),
+        per_class_accuracy=per_class,
+    )
