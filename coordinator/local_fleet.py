@@ -48,6 +48,32 @@ def shipped_paths(directory: str | os.PathLike = DEFAULT_DIR) -> dict[str, Any]:
     return {"experts": experts, "router": router, "partition": partition}
 
 
+class LabelRouter:
+    """A router that ignores x_t and t: weight `confidence` on the expert owning the class label,
+    the rest spread over the others. A stand-in where no trained router is at hand (benches,
+    tests); the real one is `coordinator.router.Router`.
+
+    weights(x_t [B, C, H, W], t [B], y [B]) -> [B, K] (rows sum to 1)."""
+
+    def __init__(self, class_to_expert: Sequence[int], num_experts: int, confidence: float = 0.8):
+        if num_experts < 1 or not 0 < confidence <= 1:
+            raise ValueError("need num_experts >= 1 and 0 < confidence <= 1")
+        self.class_to_expert = np.asarray(class_to_expert, dtype=np.int64)
+        if ((self.class_to_expert < 0) | (self.class_to_expert >= num_experts)).any():
+            raise ValueError(f"class_to_expert {self.class_to_expert.tolist()} names experts outside [0, {num_experts})")
+        self.num_experts = num_experts
+        self.confidence = confidence
+
+    def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        y = np.asarray(y, dtype=np.int64)
+        k = self.num_experts
+        if k == 1:
+            return np.ones((len(y), 1))
+        w = np.full((len(y), k), (1.0 - self.confidence) / (k - 1))
+        w[np.arange(len(y)), self.class_to_expert[y]] = self.confidence
+        return w
+
+
 class InProcessTransport:
     """Velocity calls straight into loaded backends, run off the event loop (one thread each)."""
 

@@ -1,6 +1,7 @@
 """Benchmarks. `ddm-fleet bench <what> --help` explains each.
 
   worker   one expert worker: rows/s per bucket through NATS next to the same model called in-process
+  fleet    whole fleet (client -> coordinator -> workers): images/s and job latency vs in-process
 
 examples:
   ddm-fleet bench worker                                  # random small UNet, torch, own nats-server
@@ -19,6 +20,7 @@ import types
 # To add `bench fleet`, append e.g. ("fleet", "coordinator.bench", "...") here.
 BENCHES: list[tuple[str, str, str]] = [
     ("worker", "infra.cmd_bench:WORKER", "expert worker rows/s per bucket: through NATS vs in-process"),
+    ("fleet", "coordinator.bench", "images/s and p50/p99 job latency through the whole fleet vs in-process"),
 ]
 
 
