@@ -41,7 +41,7 @@ $(XLA_STAMP): pyproject.toml
 	touch $(XLA_STAMP)
 
 test-xla: $(XLA_STAMP)
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -o addopts='' tests/xla
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) build *.egg-info

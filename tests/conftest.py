@@ -6,6 +6,9 @@ import pytest
 
 from infra.nats_server import NatsServer
 
+# tests/xla/ needs torch_xla (.venv-xla): run by `make test-xla`, not collected by a plain `pytest`.
+collect_ignore = ["xla"]
+
 
 @pytest.fixture(scope="session")
 def nats_server():

@@ -74,6 +74,12 @@ class XlaBackend(BackendBase):
             raise BackendError(f"xla backend: device must be 'xla' or 'xla:N', got {device!r}")
         self._dev = None
 
+    def _sync(self) -> None:
+        import torch_xla
+
+        sync = getattr(torch_xla, "sync", None)  # torch_xla >= 2.6; mark_step before
+        sync() if sync is not None else self._xm.mark_step()
+
     def _resolve_device(self):
         import torch_xla
 
@@ -115,5 +121,5 @@ class XlaBackend(BackendBase):
             tt = torch.from_numpy(np.require(t, np.float32, ["C", "W"])).to(self._dev)
             yt = torch.from_numpy(np.require(y, np.int64, ["C", "W"])).to(self._dev)
             out = self._model(xt, tt, yt)
-            self._xm.mark_step()
+            self._sync()
             return out.float().cpu().numpy()
