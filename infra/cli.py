@@ -19,6 +19,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) into a PNG grid or .npz"),
     ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla or jax backend)"),
     ("bench", "infra.cmd_bench", "benchmarks: `bench worker` = worker rows/s through NATS vs in-process"),
+    ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routing strategies (accuracy, FID, FLOPs)"),
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),

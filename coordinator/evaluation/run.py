@@ -1,0 +1,185 @@
+"""The quality comparison: a monolith against the DDM under each routing strategy.
+
+Every configuration generates the same requested digits with the same seeds through the
+fleet's public path (jobs submitted on NATS to a coordinator, experts served by workers),
+then the judge classifier scores them. `Config` names one row of the table.
+
+    rows = asyncio.run(evaluate(EvalSpec(...)))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str  # table row label
+    model: str  # "ddm" or "monolith"
+    strategy: str = "top1"
+    top_k: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        """'monolith' | 'top1' | 'top2' (any topK) | 'full' | 'oracle'."""
+        t = text.strip().lower()
+        if t == "monolith":
+            return cls("monolith", "monolith")
+        if t in ("top1", "full", "oracle"):
+            return cls(f"ddm-{t}", "ddm", t)
+        if t.startswith("top") and t[3:].isdigit() and int(t[3:]) >= 2:
+            return cls(f"ddm-{t}", "ddm", "topk", int(t[3:]))
+        raise ValueError(f"unknown configuration {text!r}: use monolith, top1, top2 (topK), full or oracle")
+
+
+@dataclass
+class EvalSpec:
+    configs: Sequence[Config]
+    checkpoints: str = "checkpoints"
+    monolith: str | None = None  # default: <checkpoints>/monolith.safetensors
+    per_class: int = 50
+    steps: int = 40
+    solver: str = "euler"
+    seed: int = 0
+    job_size: int = 50
+    nats_url: str | None = None  # an existing fleet for the DDM rows; None = start one locally
+    data_dir: str | None = None
+    save_dir: str | None = None  # write <name>.npz (images, labels, usage) per configuration
+    progress: bool = True
+
+
+@dataclass
+class Row:
+    config: Config
+    accuracy: float
+    fid: float
+    experts_per_step: float
+    flops_per_image: float
+    seconds: float
+    n: int
+    per_class_accuracy: list[float] = field(default_factory=list)
+    predicted_counts: list[int] = field(default_factory=list)
+
+
+def requested_digits(per_class: int) -> np.ndarray:
+    """[10 * per_class] digits 0..9, each per_class times, interleaved so every job mixes classes."""
+    return np.tile(np.arange(10), per_class).astype(np.int64)
+
+
+async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: EvalSpec, bar=None):
+    """Submit jobs of spec.job_size concurrently; returns (images [N,1,32,32], usage [N,K])."""
+    from schemas import JobRequest
+
+    from coordinator.client import run_job
+
+    chunks = [digits[i:i + spec.job_size] for i in range(0, len(digits), spec.job_size)]
+
+    async def one(j: int, chunk: np.ndarray):
+        req = JobRequest(digits=chunk.tolist(), steps=spec.steps, solver=spec.solver, strategy=cfg.strategy,
+                         top_k=cfg.top_k, seed=spec.seed + j, stream=False)
+        done = await run_job(nc, req, timeout=3600)
+        if bar is not None:
+            bar.update(len(chunk))
+        return np.asarray(done.images, np.float32), np.asarray(done.usage, np.float32)
+
+    results = await asyncio.gather(*(one(j, c) for j, c in enumerate(chunks)))
+    return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
+
+
+def _fleet_for(model: str, spec: EvalSpec):
+    from coordinator.local_fleet import LabelRouter, LocalFleet
+
+    opts = {"coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024}}
+    if model == "ddm":
+        if spec.nats_url:
+            return None
+        return LocalFleet.from_dir(spec.checkpoints, **opts)
+    path = spec.monolith or os.path.join(spec.checkpoints, "monolith.safetensors")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"monolith checkpoint {path} not found; train it (checkpoints/README.md) or drop "
+                                "'monolith' from --configs")
+    return LocalFleet([path], LabelRouter([0] * 10, 1), num_experts=1, class_to_expert=[0] * 10, **opts)
+
+
+def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
+    from .flops import expert_flops, router_flops
+
+    evals = 2 if spec.solver == "heun" else 1
+    if cfg.model == "monolith":
+        path = spec.monolith or os.path.join(spec.checkpoints, "monolith.safetensors")
+        return spec.steps * evals * expert_flops(path)
+    ckpt = os.path.join(spec.checkpoints, "expert0.safetensors")
+    # oracle needs no router (the class decides); the others run it once per step
+    router = 0 if cfg.strategy == "oracle" else router_flops(os.path.join(spec.checkpoints, "router.safetensors"))
+    return spec.steps * evals * (router + experts_per_step * expert_flops(ckpt))
+
+
+async def evaluate(spec: EvalSpec) -> list[Row]:
+    import nats
+    from tqdm import tqdm
+
+    from coordinator.data import load_mnist
+
+    from .classifier import Classifier
+    from .score import score_images
+
+    clf = await asyncio.to_thread(Classifier.load_or_train, spec.data_dir, progress=spec.progress)
+    x_test, _ = load_mnist("test", spec.data_dir)
+    ref = await asyncio.to_thread(clf.features, x_test)
+    digits = requested_digits(spec.per_class)
+    rows: list[Row] = []
+    by_model: dict[str, list[Config]] = {}
+    for c in spec.configs:
+        by_model.setdefault(c.model, []).append(c)
+    for model, cfgs in by_model.items():
+        fleet = _fleet_for(model, spec)
+        if fleet is None:
+            nc = await nats.connect(spec.nats_url, name="ddm-eval")
+        else:
+            await fleet.__aenter__()
+            nc = fleet.nc
+        try:
+            for cfg in cfgs:
+                t0 = time.perf_counter()
+                with tqdm(total=len(digits), desc=cfg.name, unit="img", disable=not spec.progress) as bar:
+                    images, usage = await generate_through_fleet(nc, digits, cfg, spec, bar)
+                seconds = time.perf_counter() - t0
+                s = await asyncio.to_thread(score_images, clf, images, digits, ref)
+                eps = float(usage.sum(axis=1).mean())
+                rows.append(Row(cfg, s.accuracy, s.fid, eps, _flops(cfg, spec, eps), seconds, s.n,
+                                s.per_class_accuracy, s.predicted_counts))
+                if spec.save_dir:
+                    Path(spec.save_dir).mkdir(parents=True, exist_ok=True)
+                    np.savez_compressed(Path(spec.save_dir) / f"{cfg.name}.npz", images=images, labels=digits,
+                                        usage=usage)
+                log.info("%s: accuracy %.4f FID %.3f", cfg.name, s.accuracy, s.fid)
+        finally:
+            if fleet is None:
+                await nc.drain()
+            else:
+                await fleet.__aexit__(None, None, None)
+    return rows
+
+
+def format_table(rows: Sequence[Row], spec: EvalSpec) -> str:
+    """Markdown table, one line per configuration."""
+    lines = [
+        f"{10 * spec.per_class} images ({spec.per_class} per digit), {spec.steps} {spec.solver} steps, seeds from {spec.seed}",
+        "",
+        "| configuration | cond. accuracy | FID (classifier features) | experts/step | GFLOPs/image | wall s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.config.name} | {r.accuracy:.4f} | {r.fid:.3f} | {r.experts_per_step:.2f} | "
+                     f"{r.flops_per_image / 1e9:.2f} | {r.seconds:.1f} |")
+    return "\n".join(lines)
