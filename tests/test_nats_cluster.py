@@ -166,3 +166,36 @@ async def test_leaf_node_carries_only_its_experts_requests(cluster, served_exper
         await client.close()
         await w_ok.close()
         await w_other.close()
+
+
+async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_expert_checkpoint, caplog):
+    """workers.service.ExpertWorker, connected to node 1 as user worker-0 (replies only, its
+    expert only), answers a coordinator on node 0 and $SRV discovery from the web user on
+    node 2, with no permissions violation logged."""
+    import json
+    import logging
+
+    import nats
+
+    from workers.service import SERVICE_NAME, ExpertWorker
+
+    caplog.set_level(logging.WARNING)
+    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=cluster.url(1, "worker-0"),
+                            buckets=(1, 4)) as worker:
+        coord = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
+        web = await nats.connect(cluster.url(2, "web"), connect_timeout=2)
+        try:
+            req = _step_request(0, rows=3)
+            reply = await _request_until_ok(coord, req)
+            ref = worker.backend.forward(np.array(req.x_t), np.array(req.t), np.array(req.y))
+            np.testing.assert_allclose(reply.velocity, ref, atol=1e-5)
+            assert reply.worker_id == worker.worker_id
+
+            info = json.loads((await web.request(f"$SRV.INFO.{SERVICE_NAME}", b"", timeout=2)).data)
+            assert info["metadata"]["expert"] == "0"
+            assert [e["subject"] for e in info["endpoints"]] == [subjects.expert_velocity(0)]
+        finally:
+            await coord.close()
+            await web.close()
+    violations = [r.getMessage() for r in caplog.records if "permission" in r.getMessage().lower()]
+    assert violations == []
