@@ -233,6 +233,44 @@ async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(co
         await svc.stop()
 
 
+# ---------------------------------------------------------------- operators
+
+
+async def test_ops_watches_and_asks_but_changes_nothing(connect):
+    coord, ops = await connect("coordinator"), await connect("ops")
+
+    async def on_status(msg):
+        await msg.respond(b"status")
+
+    await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
+    await synced(coord.nc)
+    seen = await _collect(ops, "ddm.>")  # ops may watch every subject
+    assert (await ops.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
+    await coord.nc.publish(subjects.job_events("j5"), b"frame")
+    for _ in range(100):
+        if any(m.subject == subjects.job_events("j5") for m in seen):
+            break
+        await asyncio.sleep(0.02)
+    assert any(m.subject == subjects.job_events("j5") for m in seen)
+    for subject in (subjects.expert_velocity(0), subjects.JOBS_SUBMIT, subjects.job_cancel("j5")):
+        await ops.nc.publish(subject, b"x")
+        await ops.violation(subject)
+
+
+async def test_sys_user_reaches_the_system_account(server):
+    """`nats server ls` and friends need the SYS account: a server ping answers."""
+    import json
+
+    import nats
+
+    nc = await nats.connect(server.url(0, "sys"), connect_timeout=2, allow_reconnect=False)
+    try:
+        msg = await nc.request("$SYS.REQ.SERVER.PING", b"", timeout=2)
+        assert json.loads(msg.data)["server"]["name"] == server.node_name(0)
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- authentication
 
 
