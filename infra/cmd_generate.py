@@ -196,7 +196,13 @@ def run(args: argparse.Namespace) -> int:
     except ProtocolError as err:
         print(f"ddm-fleet generate: {err.code.value}: {err.message}", file=sys.stderr)
         return 1
+    except ValueError as err:  # unreadable / mismatched checkpoint, router or partition files
+        print(f"ddm-fleet generate: {err}", file=sys.stderr)
+        return 2
     except Exception as err:
+        if type(err).__name__ == "BackendError":  # an expert checkpoint the backend cannot load
+            print(f"ddm-fleet generate: {err}", file=sys.stderr)
+            return 2
         if type(err).__module__.startswith("nats"):
             print(f"ddm-fleet generate: cannot reach NATS at {args.nats}: {type(err).__name__} {err} "
                   "(start a fleet, or use --local)", file=sys.stderr)

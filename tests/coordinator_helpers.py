@@ -1,10 +1,9 @@
-"""Shared helpers for coordinator integration tests: tiny real expert checkpoints, a small router."""
+"""Shared helpers for coordinator integration tests: tiny real expert and router checkpoints."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
 TINY_WIDTHS = (8, 16, 32)
 
@@ -30,16 +29,11 @@ def make_tiny_experts(directory: Path, num_experts: int = 2) -> list[Path]:
     return paths
 
 
-class ClassRouter:
-    """weights(x_t [B,C,H,W], t [B], y [B]) -> [B, K]: 0.8 on the owner of y (classes split evenly)."""
+def make_tiny_router(path: Path, num_experts: int = 2) -> Path:
+    """A random-init small RouterNet saved in the shipped router format."""
+    import torch
 
-    def __init__(self, num_experts: int = 2, prefer: dict[int, int] | None = None):
-        self.k = num_experts
-        self.prefer = prefer or {}
+    from coordinator.router import RouterConfig, RouterNet, save_router
 
-    def weights(self, x_t, t, y):
-        y = np.asarray(y)
-        owner = np.array([self.prefer.get(int(c), int(c) * self.k // 10) for c in y])
-        w = np.full((len(y), self.k), 0.2 / max(self.k - 1, 1))
-        w[np.arange(len(y)), owner] = 0.8
-        return w
+    torch.manual_seed(5)
+    return save_router(path, RouterNet(cfg=RouterConfig(num_experts=num_experts, width=8, emb_dim=16)), {"test": True})

@@ -16,7 +16,8 @@ from coordinator.client import JobFailed, cancel_job, fleet_status, run_job
 from coordinator.service import Coordinator, wait_for_experts
 from schemas import DoneEvent, ErrorCode, FrameEvent, JobRejected, JobRequest, SubmitReply, pack, subjects, unpack
 
-from coordinator_helpers import ClassRouter, make_tiny_experts
+from coordinator.local_fleet import LabelRouter
+from coordinator_helpers import make_tiny_experts
 
 C2E = [0] * 5 + [1] * 5
 
@@ -64,7 +65,7 @@ def _jobs(n):
 async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
     ws = await _workers(nats_url, experts)
     try:
-        async with Coordinator(ClassRouter(), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
                                step_timeout=10) as coord:
             jobs = _jobs(50)
             frames: dict[str, int] = {}
@@ -96,7 +97,7 @@ async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
 async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_url, nc, experts):
     ws = await _workers(nats_url, experts)
     try:
-        async with Coordinator(ClassRouter(), num_experts=2, nats_url=nats_url, max_rows=8) as coord:
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, max_rows=8) as coord:
             async def submit_raw(data: bytes):
                 return unpack((await nc.request(subjects.JOBS_SUBMIT, data, timeout=5)).data, SubmitReply)
 
@@ -120,7 +121,7 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
 async def test_cancel_mid_run_frees_rows(nats_url, nc, experts):
     ws = await _workers(nats_url, experts)
     try:
-        async with Coordinator(ClassRouter(), num_experts=2, nats_url=nats_url) as coord:
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url) as coord:
             seen = asyncio.Event()
 
             def on(ev):
@@ -143,7 +144,7 @@ async def test_cancel_mid_run_frees_rows(nats_url, nc, experts):
 async def test_expert_without_responders_falls_back_with_a_note(nats_url, nc, experts):
     ws = await _workers(nats_url, experts)
     try:
-        router = ClassRouter(num_experts=3, prefer={7: 2})  # expert 2 has no workers at all
+        router = LabelRouter([0, 0, 0, 0, 0, 1, 1, 2, 1, 1], 3)  # expert 2 has no workers at all
         async with Coordinator(router, num_experts=3, nats_url=nats_url):
             notes = []
             done = await run_job(nc, JobRequest(digits=[7, 1], steps=3, seed=1),
@@ -178,7 +179,7 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
         for p in procs:
             assert (await asyncio.to_thread(p.stdout.readline)).strip() == b"ready"
         await wait_for_experts(nc, 2, timeout=30)
-        async with Coordinator(ClassRouter(), num_experts=2, nats_url=nats_url, step_timeout=1.0, retries=4) as coord:
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, step_timeout=1.0, retries=4) as coord:
             progress = time.monotonic()
 
             def on(ev):

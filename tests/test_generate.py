@@ -15,7 +15,8 @@ import pytest
 from coordinator.service import Coordinator
 from infra.cmd_generate import parse_digits, save_png_grid
 
-from coordinator_helpers import ClassRouter, make_tiny_experts
+from coordinator.local_fleet import LabelRouter
+from coordinator_helpers import make_tiny_experts, make_tiny_router
 
 
 def _cli(*args, timeout=120):
@@ -81,7 +82,7 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
         for k, p in enumerate(experts):
             ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
             await ws[-1].start()
-        async with Coordinator(ClassRouter(), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url):
+        async with Coordinator(LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url):
             npz = tmp_path / "out.npz"
             r = await asyncio.to_thread(_cli, "--digits", "3,7,7", "--steps", "3", "--seed", "5", "--out", str(npz),
                                         "--json", "--nats", nats_url, "--no-progress")
@@ -102,3 +103,28 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
         for w in ws:
             await w.stop()
         torch.set_num_threads(threads)
+
+
+def test_generate_local_runs_its_own_fleet(experts, tmp_path):
+    import shutil
+
+    d = tmp_path / "ck"
+    d.mkdir()
+    for k, p in enumerate(experts):
+        shutil.copy(p, d / f"expert{k}.safetensors")
+        shutil.copy(p.with_suffix(".json"), d / f"expert{k}.json")
+    make_tiny_router(d / "router")
+    shutil.copy("checkpoints/partition.json", d / "partition.json")
+    out = tmp_path / "local.npz"
+    r = _cli("--local", "--checkpoints", str(d), "--digits", "1,8", "--steps", "2", "--seed", "3", "--out", str(out),
+             "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert [i["digit"] for i in s["images"]] == [1, 8]
+    assert all(abs(sum(i["usage"]) - 1.0) < 1e-6 for i in s["images"])  # top1: one expert per step
+    assert np.load(out)["images"].shape == (2, 1, 32, 32)
+
+
+def test_generate_local_without_checkpoints_says_what_is_missing(tmp_path):
+    r = _cli("--local", "--checkpoints", str(tmp_path), "--digits", "1", "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and "router.safetensors" in r.stderr and "checkpoints/README.md" in r.stderr
