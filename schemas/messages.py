@@ -65,14 +65,14 @@ Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
 
 def _to_error_code(value: Any) -> Any:
     """Wire strings -> ErrorCode (wire validation is strict, which wants the enum itself)."""
-    if isinstance(value, ErrorCode) or not isinstance(value, str):
+    if isinstance(value, ErrorCode):
         return value
     try:
-        return ErrorCode(value)
+        return ErrorCode(value) if isinstance(value, str) else ErrorCode(None)
     except ValueError:
         raise PydanticCustomError(
             ErrorCode.BAD_REQUEST.value,
-            f"unknown error code {value!r}; known: {sorted(c.value for c in ErrorCode)}",
+            f"error code must be one of {sorted(c.value for c in ErrorCode)}, got {value!r}",
         ) from None
 
 

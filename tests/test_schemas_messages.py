@@ -136,7 +136,10 @@ def test_error_codes_travel_as_strings_and_come_back_as_enums():
     assert unpack(pack(SAMPLES[4]), StepResult).code is ErrorCode.TOO_LARGE
     wire["code"] = "no_such_code"
     err = pytest.raises(ProtocolError, validate, wire, ErrorReply).value
-    assert err.code is ErrorCode.BAD_REQUEST and "no_such_code" in err.message
+    assert err.code is ErrorCode.BAD_REQUEST and "no_such_code" in err.message and "bad_shape" in err.message
+    for bad in (3, None, ["bad_request"], b"bad_request"):
+        err = pytest.raises(ProtocolError, validate, {**wire, "code": bad}, ErrorReply).value
+        assert err.code is ErrorCode.BAD_REQUEST and "error code must be one of" in err.message
 
 
 def test_long_error_messages_are_clipped_not_rejected():
