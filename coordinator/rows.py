@@ -118,16 +118,17 @@ class Row:
             raise ValueError(f"velocity shape {u.shape} does not match row shape {self.x.shape}")
         self.evals += 1
         dt = np.float32(self.dt)
-        if self.solver == "euler":
-            self.x = self.x + dt * u
-        elif self.stage == 0:
-            self.v0 = u.copy()
-            self.stage = 1
-            return False
-        else:
-            assert self.v0 is not None
-            self.x = self.x + (dt / np.float32(2.0)) * (self.v0 + u)
-            self.v0 = None
-            self.stage = 0
+        with np.errstate(over="ignore", invalid="ignore"):  # divergence is caught by the scheduler
+            if self.solver == "euler":
+                self.x = self.x + dt * u
+            elif self.stage == 0:
+                self.v0 = u.copy()
+                self.stage = 1
+                return False
+            else:
+                assert self.v0 is not None
+                self.x = self.x + (dt / np.float32(2.0)) * (self.v0 + u)
+                self.v0 = None
+                self.stage = 0
         self.step += 1
         return True

@@ -261,6 +261,9 @@ class Scheduler:
             self._after_step(job, now)
 
     def _after_step(self, job: Job, now: float) -> None:
+        if not all(np.isfinite(r.x).all() for r in job.rows):
+            self.fail(job.job_id, ErrorCode.NON_FINITE, f"samples became NaN/Inf at step {job.rows[0].step}")
+            return
         job.step = min(r.step for r in job.rows)
         req = job.request
         notes, job.pending_notes = job.pending_notes, []
@@ -270,7 +273,7 @@ class Scheduler:
         if req.stream and (job.step % req.frame_every == 0 or finished):
             self._events.append(FrameEvent(
                 job_id=job.job_id, step=job.step, steps=req.steps, t=job.rows[0].t,
-                x=np.stack([r.x for r in job.rows]).astype(np.float16),
+                x=np.clip(np.stack([r.x for r in job.rows]), -6e4, 6e4).astype(np.float16),
                 experts=[r.last_expert for r in job.rows],
                 weights=np.stack([r.last_weights for r in job.rows]).astype(np.float32),
                 notes=notes,

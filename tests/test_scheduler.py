@@ -298,3 +298,18 @@ def test_config_errors_say_how_to_fix():
 def test_time_grid_agrees_with_solver_module():
     solver = pytest.importorskip("coordinator.solver")
     np.testing.assert_allclose(np.asarray(solver.time_grid(40), np.float64), time_grid(40), atol=1e-7)
+
+
+def test_diverging_job_fails_alone_with_non_finite():
+    s = make()
+    s.submit(JobRequest(job_id="boom", digits=[1], steps=4), 0.0)
+    s.submit(JobRequest(job_id="fine", digits=[6], steps=2), 0.0)
+    def explode(x, t, y):  # finite velocities, but x overflows float32 by the second step
+        with np.errstate(over="ignore"):
+            return np.clip(1e30 * x, -3e38, 3e38).astype(np.float32)
+
+    huge = [explode, fake_velocity(1)]
+    ev = run_all(s, class_router, huge)
+    (f,) = [e for e in ev if isinstance(e, FailedEvent)]
+    assert f.job_id == "boom" and f.code == ErrorCode.NON_FINITE
+    assert done_of(ev, "fine").images.shape == (1, 1, 4, 4)
