@@ -199,3 +199,57 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
             await web.close()
     violations = [r.getMessage() for r in caplog.records if "permission" in r.getMessage().lower()]
     assert violations == []
+
+
+async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog):
+    """The production shape on loopback: expert 0's worker on hub node 1 as `worker-0`, expert
+    1's worker behind a leaf node (`leaf-expert-1`), the real coordinator on node 0 as
+    `coordinator`, a `client` on node 2 running jobs, cancelling and asking status. Every
+    message the real code sends fits its role: jobs finish and nothing is refused."""
+    import logging
+
+    import nats
+    import torch
+
+    from coordinator.client import cancel_job, fleet_status, run_job
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator, wait_for_experts
+    from coordinator_helpers import make_tiny_experts
+    from schemas import DoneEvent, JobRequest
+    from workers.service import ExpertWorker
+
+    caplog.set_level(logging.WARNING)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    c2e = [0] * 5 + [1] * 5
+    paths = make_tiny_experts(tmp_path)
+    leaf = cluster.leaf("leaf-expert-1")
+    workers = [ExpertWorker(0, paths[0], nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)),
+               ExpertWorker(1, paths[1], nats_url=leaf.url, buckets=(1, 4))]
+    client = None
+    try:
+        for w in workers:
+            await w.start()
+        async with Coordinator(LabelRouter(c2e, 2), num_experts=2, class_to_expert=c2e,
+                               nats_url=cluster.url(0, "coordinator"), step_timeout=10):
+            client = await nats.connect(cluster.url(2, "client"), connect_timeout=2)
+            probe = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
+            try:  # until both experts' interest has reached node 0 (across a route and a leaf link)
+                await wait_for_experts(probe, 2, timeout=15)
+            finally:
+                await probe.close()
+            done = await run_job(client, JobRequest(digits=[1, 8], steps=3, strategy="oracle", seed=3))
+            assert isinstance(done, DoneEvent) and done.images.shape == (2, 1, 32, 32)
+            assert done.notes == [], done.notes  # no fallback: both experts answered
+            np.testing.assert_allclose(done.usage, [[1, 0], [0, 1]])
+            status = await fleet_status(client)
+            assert status.jobs_done >= 1
+            assert await cancel_job(client, "j-nonexistent") is False
+    finally:
+        if client is not None:
+            await client.close()
+        for w in workers:
+            await w.stop()
+        torch.set_num_threads(threads)
+    refused = [r.getMessage() for r in caplog.records if "permission" in r.getMessage().lower()]
+    assert refused == []
