@@ -65,7 +65,7 @@ def _worker_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", default=None, metavar="URL",
                         help="NATS server to use; default: start a private nats-server on a free port")
     parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
-                        help="seconds to measure each bucket on each path (default 2)")
+                        help="seconds to measure each bucket on each path (default 2; the paths alternate)")
     parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
@@ -101,7 +101,8 @@ def _worker_run(args: argparse.Namespace) -> int:
 WORKER = types.SimpleNamespace(
     __doc__="""Rows/s of one expert worker for each bucket size: the same loaded model called
 in-process (backend.forward) and through NATS (StepRequest -> ExpertWorker -> StepReply, with
-msgpack encode/decode, one request in flight), and their ratio. Starts its own nats-server
+msgpack encode/decode, one request in flight), and their ratio. The two paths are timed
+alternately and medians are reported, so background load hits both alike. Starts its own nats-server
 unless --nats is given. Uses a random UNet of --widths when no --checkpoint is given.""",
     add_arguments=_worker_add_arguments,
     run=_worker_run,
@@ -121,33 +122,33 @@ def _random_checkpoint(widths: str, directory: str) -> str:
     return str(save_checkpoint(f"{directory}/bench-expert", state, {"config": cfg, "expert_id": 0}))
 
 
-def _timed(fn, min_time: float, min_iters: int) -> tuple[float, int]:
-    """Seconds per call of blocking fn (one untimed warm call first)."""
+async def _alternating(local, remote, min_time: float, min_iters: int) -> tuple[list[float], list[float]]:
+    """Time blocking `local()` (in a thread) and awaitable `remote()` alternately, one warm call
+    each first; returns per-call seconds for each. Alternating keeps both paths under the same
+    background load, which matters on a shared machine."""
+    import asyncio
     import time
 
-    fn()
-    n, start = 0, time.perf_counter()
-    while n < min_iters or time.perf_counter() - start < min_time:
-        fn()
-        n += 1
-    return (time.perf_counter() - start) / n, n
-
-
-async def _timed_async(fn, min_time: float, min_iters: int) -> tuple[float, int]:
-    import time
-
-    await fn()
-    n, start = 0, time.perf_counter()
-    while n < min_iters or time.perf_counter() - start < min_time:
-        await fn()
-        n += 1
-    return (time.perf_counter() - start) / n, n
+    await asyncio.to_thread(local)
+    await remote()
+    a: list[float] = []
+    b: list[float] = []
+    start = time.perf_counter()
+    while len(a) < min_iters or time.perf_counter() - start < 2 * min_time:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(local)
+        a.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await remote()
+        b.append(time.perf_counter() - t0)
+    return a, b
 
 
 async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> dict:
     """Measure every bucket on both paths; returns {"setup": {...}, "rows": [...]}."""
     import asyncio
     import contextlib
+    import statistics
     import tempfile
 
     import numpy as np
@@ -178,9 +179,6 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
                     x = rng.standard_normal((b, c, h, w)).astype(np.float32)
                     t = rng.uniform(0, 1, b).astype(np.float32)
                     y = rng.integers(0, backend.num_classes, b).astype(np.int64)
-                    local_s, local_n = await asyncio.to_thread(_timed, lambda: backend.forward(x, t, y),
-                                                               args.min_time, args.min_iters)
-
                     async def call() -> None:
                         req = StepRequest(expert=expert, x_t=x, t=t, y=y)
                         msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
@@ -188,25 +186,27 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
                         if not isinstance(reply, StepReply):
                             raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
 
-                    bus_s, bus_n = await _timed_async(call, args.min_time, args.min_iters)
+                    local, bus = await _alternating(lambda: backend.forward(x, t, y), call, args.min_time,
+                                                    args.min_iters)
+                    local_s, bus_s = statistics.median(local), statistics.median(bus)
                     rows.append({
                         "bucket": b,
                         "inprocess_ms": round(local_s * 1000, 3), "inprocess_rows_per_s": round(b / local_s, 1),
                         "nats_ms": round(bus_s * 1000, 3), "nats_rows_per_s": round(b / bus_s, 1),
-                        "ratio": round(local_s / bus_s, 3), "iters": [local_n, bus_n],
+                        "ratio": round(local_s / bus_s, 3), "iters": len(local),
                     })
             finally:
                 await nc.close()
         setup = {"backend": backend.name, "device": backend.device, "precision": backend.precision,
                  "checkpoint": args.checkpoint or f"random UNet widths={args.widths}", "nats": url,
-                 "in_flight": 1}
+                 "in_flight": 1, "statistic": "median"}
     return {"setup": setup, "rows": rows}
 
 
 def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
-             f"model={s['checkpoint']} (1 request in flight)",
+             f"model={s['checkpoint']} (1 request in flight, median of alternating calls)",
              f"{'bucket':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} {'nats rows/s':>12} {'ratio':>6}"]
     for r in results["rows"]:
         lines.append(f"{r['bucket']:>6} {r['inprocess_ms']:>11.2f} {r['inprocess_rows_per_s']:>15.1f} "
