@@ -168,6 +168,29 @@ async def test_leaf_node_carries_only_its_experts_requests(cluster, served_exper
         await w_other.close()
 
 
+async def test_leaf_node_fails_over_to_another_hub_node(cluster):
+    """The hub node a worker host's leaf is linked to stops: the leaf re-links to a survivor
+    and the worker behind it keeps answering a coordinator on yet another node."""
+    import nats
+
+    leaf = cluster.leaf("leaf-expert-0")
+    worker, served = await _expert_responder([leaf.url], 0, "leaf-w0")
+    hub = cluster.leaf_hub(leaf)
+    assert hub is not None
+    other = next(i for i in range(cluster.size) if i != hub)
+    client = await nats.connect(cluster.url(other, "coordinator"), connect_timeout=2)
+    try:
+        await _request_until_ok(client, _step_request(0))
+        cluster.stop_node(hub)
+        req = _step_request(0, seed=5)
+        reply = await _request_until_ok(client, req, deadline_s=20)
+        np.testing.assert_array_equal(reply.velocity, -req.x_t)
+        assert cluster.leaf_hub(leaf) not in (None, hub)
+    finally:
+        await client.close()
+        await worker.close()
+
+
 async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_expert_checkpoint, caplog):
     """workers.service.ExpertWorker, connected to node 1 as user worker-0 (replies only, its
     expert only), answers a coordinator on node 0 and $SRV discovery from the web user on
