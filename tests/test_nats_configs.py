@@ -258,3 +258,22 @@ def test_compose_file_runs_each_role_with_its_own_user():
         cmd = " ".join(services[name]["command"])
         assert cmd.startswith(f"exec ddm-fleet {name.rstrip('01')} "), cmd
         assert f"nats://{user}:$${{{PASSWORD_VARS[user]}}}@nats:4222" in cmd, cmd
+
+
+def test_cluster_helper_mirrors_every_block_setting():
+    """infra/nats_cluster.py replaces cluster.conf's `cluster` and `leafnodes` blocks to set
+    loopback addresses; a setting added to those blocks must be mirrored there, or the
+    cluster tests would not run it."""
+    from infra import nats_cluster
+
+    text = (CONFIG_DIR / "cluster.conf").read_text()
+
+    def keys(block: str) -> set[str]:
+        body = re.search(block + r"\s*\{(.*?)\n\}", text, re.S).group(1)
+        body = re.sub(r"\[.*?\]", "", body, flags=re.S)  # route lists
+        return {m for m in re.findall(r"^\s*(\w+)\s*:", body, re.M)}
+
+    assert keys("cluster") == {"name", "listen", "routes", "no_advertise"}
+    assert keys("leafnodes") == {"listen", "no_advertise"}
+    for key in ("name", "listen", "routes", "no_advertise: true"):
+        assert key in nats_cluster._NODE_OVERRIDES
