@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
     ("train-router", "infra.cmd_train_router", "train the router that predicts a noisy sample's expert partition"),
+    ("nats", "infra.cmd_nats", "NATS server tools: check the shipped configs, run them as a loopback cluster"),
 ]
 
 

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most rows per forward pass (default: the largest bucket, 128; must fit a bucket)")
     parser.add_argument("--max-request-rows", type=int, default=None, metavar="N",
                         help="refuse requests with more rows (too_large); default: the protocol limit 512")
+    parser.add_argument("--max-queue-rows", type=int, default=4096, metavar="N",
+                        help="answer `overloaded` when this many rows already wait (default 4096)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
                         help="also serve Prometheus text metrics on http://0.0.0.0:P/metrics")
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             args.expert, args.checkpoint, args.backend, device=args.device, bf16=args.bf16, nats_url=args.nats,
             buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port,
             max_request_rows=args.max_request_rows or MAX_STEP_ROWS, backend_options=opts,
-            connect_attempts=args.connect_attempts,
+            connect_attempts=args.connect_attempts, max_queue_rows=args.max_queue_rows,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

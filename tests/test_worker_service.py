@@ -281,3 +281,27 @@ async def test_worker_reconnects_after_a_server_restart(tiny_expert_checkpoint):
                 await nc.close()
     finally:
         srv.stop()
+
+
+async def test_full_queue_answers_overloaded_at_once(tiny_expert_checkpoint):
+    import nats
+
+    with NatsServer() as srv:
+        be = FlakyTorchBackend(tiny_expert_checkpoint)
+        async with ExpertWorker(0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2), max_batch=1,
+                                max_queue_rows=2) as w:
+            nc = await nats.connect(srv.url)
+            try:
+                slow = asyncio.create_task(ask(nc, pack(make_request(1, t=np.full(1, 0.875, np.float32)))))
+                await asyncio.sleep(0.1)  # running (not queued) for ~0.6 s
+                queued = [asyncio.create_task(ask(nc, pack(make_request(1, seed=i)))) for i in range(2)]
+                await asyncio.sleep(0.05)
+                assert w._batcher.queued_rows == 2
+                start = time.perf_counter()
+                reply, _ = await ask(nc, pack(make_request(1)))
+                assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.OVERLOADED
+                assert time.perf_counter() - start < 0.4  # refused without waiting for the queue
+                results = await asyncio.gather(slow, *queued)
+                assert all(isinstance(r, StepReply) for r, _ in results)
+            finally:
+                await nc.close()

@@ -172,6 +172,7 @@ class Batcher:
         self._observer = observer
         self._clock = clock
         self._queue: collections.deque[_Chunk] = collections.deque()
+        self._queued_rows = 0
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
         self._closing = False
@@ -203,7 +204,8 @@ class Batcher:
 
     @property
     def queued_rows(self) -> int:
-        return sum(c.rows for c in self._queue)
+        """Rows waiting for a forward pass (not counting the pass running now)."""
+        return self._queued_rows
 
     # ------------------------------------------------------------------ submit
 
@@ -225,6 +227,7 @@ class Batcher:
         for i, s in enumerate(starts):
             e = s + self.max_batch
             self._queue.append(_Chunk(x[s:e], t[s:e], y[s:e], req, i))
+        self._queued_rows += b
         self._wakeup.set()
         return fut
 
@@ -239,15 +242,16 @@ class Batcher:
             chunk = self._queue[0]
             req = chunk.parent
             if req.future.done():  # failed earlier (another chunk expired) or cancelled
-                self._queue.popleft()
+                self._queued_rows -= self._queue.popleft().rows
                 continue
             if req.expired(now):
-                self._queue.popleft()
+                self._queued_rows -= self._queue.popleft().rows
                 req.future.set_exception(DeadlineExceeded("deadline passed before the request was computed"))
                 continue
             if rows + chunk.rows > self.max_batch:
                 break
             batch.append(self._queue.popleft())
+            self._queued_rows -= chunk.rows
             rows += chunk.rows
         return batch
 

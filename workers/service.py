@@ -24,7 +24,8 @@ Replies: `StepReply` (velocity [B, C, H, W] float32, in request row order) or `E
 stable `ErrorCode`; error replies also carry the micro `Nats-Service-Error(-Code)` headers.
 Bad input never stops the worker: undecodable bytes, wrong version, wrong expert, shapes that do
 not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), and
-model failures (`internal`) each get an error reply.
+model failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting)
+answers `overloaded` at once, so a client can retry elsewhere instead of waiting.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
 max_batch, input_shape, num_classes, protocol, version, worker_id, host, pid, checkpoint.
@@ -79,6 +80,7 @@ class ExpertWorker:
         buckets: Sequence[int] | str = DEFAULT_BUCKETS,
         max_batch: Optional[int] = None,
         max_request_rows: int = MAX_STEP_ROWS,
+        max_queue_rows: Optional[int] = 4096,
         metrics_port: Optional[int] = None,
         metrics_host: str = "0.0.0.0",
         nc: Any = None,
@@ -94,6 +96,9 @@ class ExpertWorker:
         if max_request_rows <= 0:
             raise ValueError(f"max_request_rows must be positive, got {max_request_rows}")
         self.max_request_rows = min(int(max_request_rows), MAX_STEP_ROWS)
+        if max_queue_rows is not None and max_queue_rows <= 0:
+            raise ValueError(f"max_queue_rows must be positive or None, got {max_queue_rows}")
+        self.max_queue_rows = max_queue_rows
         if isinstance(backend, str):
             if checkpoint is None:
                 raise ValueError("give checkpoint=PATH (the .safetensors file) when backend is a name")
@@ -210,6 +215,7 @@ class ExpertWorker:
             "buckets": ",".join(map(str, self.buckets)),
             "max_batch": str(self.max_batch),
             "max_request_rows": str(self.max_request_rows),
+            "max_queue_rows": str(self.max_queue_rows or ""),
             "protocol": str(PROTOCOL_VERSION),
             "version": package_version(),
             "worker_id": self.worker_id,
@@ -331,6 +337,10 @@ class ExpertWorker:
         received = time.perf_counter()
         try:
             step, x, t, y = self._decode(req.data)
+            if self.max_queue_rows is not None and self._batcher.queued_rows + x.shape[0] > self.max_queue_rows:
+                raise ProtocolError(ErrorCode.OVERLOADED,
+                                    f"worker queue is full ({self._batcher.queued_rows} rows waiting, limit "
+                                    f"{self.max_queue_rows}); retry or send to another worker")
             fut = self._batcher.submit(x, t, y, deadline=step.deadline)
         except ProtocolError as err:
             await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
