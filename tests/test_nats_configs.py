@@ -277,3 +277,56 @@ def test_cluster_helper_mirrors_every_block_setting():
     assert keys("leafnodes") == {"listen", "no_advertise"}
     for key in ("name", "listen", "routes", "no_advertise: true"):
         assert key in nats_cluster._NODE_OVERRIDES
+
+
+# ---------------------------------------------------------------- ddm-fleet nats
+
+
+def _nats_cli(*argv: str) -> subprocess.CompletedProcess:
+    code = ("import argparse, sys\n"
+            "from infra import cmd_nats\n"
+            "p = argparse.ArgumentParser(prog='ddm-fleet nats')\n"
+            "cmd_nats.add_arguments(p)\n"
+            "sys.exit(cmd_nats.run(p.parse_args(sys.argv[1:])))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDM_NATS_")}
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=env)
+
+
+def test_nats_check_command():
+    ok = _nats_cli("check", "--example-env")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("ok ") == 5
+    missing = _nats_cli("check", str(CONFIG_DIR / "single.conf"))  # no passwords in the environment
+    assert missing.returncode == 1
+    assert "DDM_NATS_" in missing.stderr and "--example-env" in missing.stderr
+
+
+def test_nats_cluster_command_serves_until_interrupted(tmp_path):
+    import signal
+    import time
+
+    code = ("import argparse, sys\n"
+            "from infra import cmd_nats\n"
+            "p = argparse.ArgumentParser()\n"
+            "cmd_nats.add_arguments(p)\n"
+            "sys.exit(cmd_nats.run(p.parse_args(sys.argv[1:])))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "cluster", "--size", "2", "--leaf", "leaf-expert-0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+        out = "".join(lines)
+        assert "node 1: nats://127.0.0.1:" in out and "leaf (leaf-expert-0)" in out, out + proc.stderr.read()
+        web = next(line for line in lines if line.strip().startswith("web "))
+        assert re.search(r"nats://web:\w+@127\.0\.0\.1:\d+,127\.0\.0\.1:\d+", web), web
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0

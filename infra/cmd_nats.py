@@ -1,0 +1,116 @@
+"""NATS server tools: check the shipped configs, or run them as a loopback cluster.
+
+  check     validate configs with `nats-server -t` (the shipped ones, or FILEs), using the
+            environment for the $VARIABLES they read (passwords, server name, hub URLs).
+            With --example-env, dummy values stand in for missing variables, so the check
+            works on a development machine.
+  cluster   run N nodes of the shipped cluster.conf on 127.0.0.1 (free ports, fresh random
+            passwords, real per-role permissions) and print one URL per role; with --leaf,
+            also a worker-host leaf node. Runs until Ctrl-C. For trying failover and
+            permissions against real processes: point workers, coordinator and web at it.
+
+examples:
+  ddm-fleet nats check --example-env                  # every shipped config parses
+  ddm-fleet nats check /etc/ddm-fleet/nats/cluster.conf   # on a hub, with nats.env exported
+  ddm-fleet nats cluster --size 3 --leaf leaf-expert-0
+"""
+
+from __future__ import annotations
+
+import argparse
+
+RUNNABLE = ("local.conf", "single.conf", "cluster.conf", "leaf.conf", "nkeys/single-nkeys.conf")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="action", metavar="<action>", required=True)
+    check = sub.add_parser("check", help="validate NATS configs with nats-server -t")
+    check.add_argument("files", nargs="*", metavar="FILE",
+                       help=f"configs to check (default: the shipped {', '.join(RUNNABLE)}; the tls/ ones "
+                            "need their certificate files, so name them explicitly)")
+    check.add_argument("--example-env", action="store_true",
+                       help="fill variables missing from the environment with dummy values")
+    cluster = sub.add_parser("cluster", help="run the shipped cluster.conf as an N-node loopback cluster")
+    cluster.add_argument("--size", type=int, default=3, help="number of nodes (default: 3)")
+    cluster.add_argument("--leaf", action="append", default=[], metavar="USER",
+                         help="also start a leaf node linked as USER (e.g. leaf-expert-0); repeatable")
+    cluster.add_argument("--log-dir", default=None, metavar="DIR", help="write each server's log here")
+
+
+def _example_env() -> dict[str, str]:
+    from infra.nats_cluster import PASSWORD_VARS
+
+    env = {var: "example-password" for var in PASSWORD_VARS.values()}
+    env["DDM_NATS_SERVER_NAME"] = "example"
+    env["DDM_NATS_HUB_URLS"] = '["nats-leaf://leaf-expert-0:example@nats-1.ddm.internal:7422"]'
+    return env
+
+
+def _check(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from infra.nats_cluster import CONFIG_DIR
+    from infra.nats_server import check_config
+
+    files = args.files or [str(CONFIG_DIR / name) for name in RUNNABLE]
+    env = {k: v for k, v in _example_env().items() if k not in os.environ} if args.example_env else None
+    failed = 0
+    for path in files:
+        try:
+            check_config(path, env)
+            print(f"ok      {path}")
+        except (ValueError, OSError) as err:
+            failed += 1
+            print(f"FAILED  {path}\n        {err}", file=sys.stderr)
+    if failed and not args.example_env:
+        print("hint: the configs read passwords from the environment (see infra/nats/nats.env.example); "
+              "--example-env fills in dummies", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
+    from infra.nats_cluster import NatsCluster
+
+    if args.size < 1:
+        print(f"ddm-fleet nats cluster: --size must be >= 1, got {args.size}", file=sys.stderr)
+        return 2
+    cluster = NatsCluster(args.size, name="ddm-dev", log_dir=args.log_dir)
+    try:
+        cluster.start()
+        leaves = [cluster.leaf(user, name=f"leaf-{i}") for i, user in enumerate(args.leaf)]
+    except (KeyError, RuntimeError, TimeoutError, OSError) as err:
+        cluster.stop()
+        print(f"ddm-fleet nats cluster: {err}", file=sys.stderr)
+        return 1
+    try:
+        for i, node in enumerate(cluster.nodes):
+            print(f"node {i}: {node.url}  monitor http://{node.host}:{node.http_port}  "
+                  f"leaf port {cluster.leaf_ports[i]}")
+        for user, leaf in zip(args.leaf, leaves):
+            print(f"leaf ({user}): {leaf.url}  (no credentials; carries only what {user} may)")
+        print("\nper role (every node, credentials in the first URL):")
+        for user in cluster.passwords:
+            if not user.startswith("leaf-"):
+                first, *rest = cluster.servers(user)
+                print(f"  {user:12s} {','.join([first] + [u.split('@', 1)[1] for u in rest])}")
+        print("\nCtrl-C stops the cluster.", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    return _check(args) if args.action == "check" else _cluster(args)
