@@ -77,26 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def save_png_grid(images, path: str, per_row: int = 10, scale: int = 2) -> None:
-    """images [N, 1, H, W] in [-1, 1] -> one grayscale PNG, `per_row` images per row, 2 px gaps."""
-    import numpy as np
-    from PIL import Image
-
-    imgs = np.clip((np.asarray(images)[:, 0] + 1.0) * 127.5, 0, 255).astype(np.uint8)  # [N, H, W]
-    n, h, w = imgs.shape
-    cols = min(per_row, n)
-    rows = (n + cols - 1) // cols
-    gap = 2
-    canvas = np.full((rows * (h + gap) + gap, cols * (w + gap) + gap), 64, np.uint8)
-    for i, im in enumerate(imgs):
-        r, c = divmod(i, cols)
-        canvas[gap + r * (h + gap): gap + r * (h + gap) + h, gap + c * (w + gap): gap + c * (w + gap) + w] = im
-    img = Image.fromarray(canvas, mode="L")
-    if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    img.save(path)
-
-
 def save_output(done, path: str, per_row: int) -> None:
     import numpy as np
 
@@ -107,7 +87,9 @@ def save_output(done, path: str, per_row: int) -> None:
         np.savez_compressed(path, images=np.asarray(done.images, np.float32),
                             labels=np.asarray(done.digits, np.int64), usage=np.asarray(done.usage, np.float32))
     else:
-        save_png_grid(done.images, path, per_row)
+        from coordinator.grid import write_grid
+
+        write_grid(path, np.asarray(done.images), nrow=min(per_row, len(done.digits)))
 
 
 def summary(done, accepted_seed, path: str) -> dict:

@@ -296,8 +296,23 @@ def test_config_errors_say_how_to_fix():
 
 
 def test_time_grid_agrees_with_solver_module():
-    solver = pytest.importorskip("coordinator.solver")
+    from coordinator import solver
+
     np.testing.assert_allclose(np.asarray(solver.time_grid(40), np.float64), time_grid(40), atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["euler", "heun"])
+def test_row_stepping_matches_the_reference_solver(method):
+    """Rows advanced one stage per tick end where coordinator.solver.sample ends."""
+    from coordinator import solver
+
+    s = make()
+    s.submit(JobRequest(job_id="r", digits=[2, 3, 4], steps=5, solver=method, seed=11), 0.0)
+    v = fake_velocity(0)
+    img = done_of(run_all(s, prefer(0), [v, fake_velocity(1)]), "r").images
+    x0 = np.stack([initial_noise(11, i, SHAPE) for i in range(3)])
+    ref = solver.sample(v, x0, np.array([2, 3, 4]), 5, method=method)
+    np.testing.assert_allclose(img, np.clip(ref, -1, 1), atol=1e-5)
 
 
 def test_diverging_job_fails_alone_with_non_finite():
