@@ -93,11 +93,14 @@ def _cluster(args: argparse.Namespace) -> int:
                   f"leaf port {cluster.leaf_ports[i]}")
         for user, leaf in zip(args.leaf, leaves):
             print(f"leaf ({user}): {leaf.url}  (no credentials; carries only what {user} may)")
-        print("\nper role (every node, credentials in the first URL):")
+        print("\nper role: node 0, then the failover list (every node, credentials in the first URL;")
+        print("for programs that pass --nats through infra.nats_server.nats_servers):")
         for user in cluster.passwords:
             if not user.startswith("leaf-"):
                 first, *rest = cluster.servers(user)
-                print(f"  {user:12s} {','.join([first] + [u.split('@', 1)[1] for u in rest])}")
+                print(f"  {user:12s} {first}")
+                if rest:
+                    print(f"  {'':12s} {','.join([first] + [u.split('@', 1)[1] for u in rest])}")
         print("\nCtrl-C stops the cluster.", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
         signal.pause()

@@ -325,8 +325,9 @@ def test_nats_cluster_command_serves_until_interrupted(tmp_path):
                 break
         out = "".join(lines)
         assert "node 1: nats://127.0.0.1:" in out and "leaf (leaf-expert-0)" in out, out + proc.stderr.read()
-        web = next(line for line in lines if line.strip().startswith("web "))
-        assert re.search(r"nats://web:\w+@127\.0\.0\.1:\d+,127\.0\.0\.1:\d+", web), web
+        i = next(i for i, line in enumerate(lines) if line.strip().startswith("web "))
+        assert re.fullmatch(r"\s*web\s+nats://web:\w+@127\.0\.0\.1:\d+\s*", lines[i]), lines[i]
+        assert re.fullmatch(r"\s*nats://web:\w+@127\.0\.0\.1:\d+,127\.0\.0\.1:\d+\s*", lines[i + 1]), lines[i + 1]
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
