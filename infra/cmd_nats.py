@@ -82,7 +82,7 @@ def _cluster(args: argparse.Namespace) -> int:
     cluster = NatsCluster(args.size, name="ddm-dev", log_dir=args.log_dir)
     try:
         cluster.start()
-        leaves = [cluster.leaf(user, name=f"leaf-{i}") for i, user in enumerate(args.leaf)]
+        leaves = [cluster.leaf(user) for user in args.leaf]
     except (KeyError, RuntimeError, TimeoutError, OSError) as err:
         cluster.stop()
         print(f"ddm-fleet nats cluster: {err}", file=sys.stderr)

@@ -16,7 +16,6 @@ systemd passes `/etc/ddm-fleet/nats.env` in production.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -26,8 +25,6 @@ import urllib.request
 from pathlib import Path
 
 from .nats_server import NatsServer, free_port
-
-log = logging.getLogger(__name__)
 
 #: The shipped server configs (single, cluster, leaf, tls, nkeys examples).
 CONFIG_DIR = Path(__file__).resolve().parent / "nats"
@@ -216,7 +213,7 @@ class NatsCluster:
         self.nodes[i].start(timeout)
         self.wait_formed(timeout)
 
-    def leaf(self, user: str, *, name: str = "leaf", timeout: float = 10.0) -> NatsServer:
+    def leaf(self, user: str, *, name: str | None = None, timeout: float = 10.0) -> NatsServer:
         """A leaf node running the shipped `leaf.conf` and dialling every hub node as `user`.
 
         Returns a started NatsServer (no client auth, loopback), already linked to the hub;
@@ -225,6 +222,8 @@ class NatsCluster:
         """
         if self._tmp is None:
             raise RuntimeError("start the cluster before adding a leaf node")
+        self._userinfo(user)  # unknown user: KeyError naming the known ones
+        name = name or f"leaf-{len(self._leaves)}"
         workdir = Path(self._tmp.name)
         hub_urls = "[" + ", ".join(json.dumps(u) for u in self.leaf_urls(user)) + "]"
         leaf = NatsServer(
