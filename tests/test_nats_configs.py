@@ -331,3 +331,14 @@ def test_nats_cluster_command_serves_until_interrupted(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
+
+
+def test_embedded_server_uses_the_shipped_limits():
+    """infra/nats_server.py's generated config (tests, local fleet) and limits.conf agree."""
+    from infra.nats_server import DEFAULT_CONFIG
+
+    limits = (CONFIG_DIR / "limits.conf").read_text()
+    for key in ("max_payload", "max_pending", "write_deadline"):
+        shipped = re.search(rf"^{key}:\s*(\S+)", limits, re.M).group(1)
+        embedded = re.search(rf"^{key}:\s*(\S+)", DEFAULT_CONFIG, re.M).group(1)
+        assert shipped == embedded, key
