@@ -3,7 +3,8 @@
 Loads the checkpoint with the chosen backend, warms every bucket size, then subscribes to
 ddm.v1.expert.<K>.velocity in queue group ddm.v1.expert.<K>.workers: start the same command on
 another host to add capacity. Concurrent requests are batched, padded to a bucket size and run in
-one forward pass. SIGTERM / Ctrl-C: stop taking work, answer what is held, drain, exit 0.
+one forward pass. SIGTERM / Ctrl-C: stop taking work, answer what is held, drain, exit 0
+(a second signal exits at once).
 
 examples:
   ddm-fleet worker --expert 0 --checkpoint checkpoints/expert0.safetensors
@@ -86,8 +87,15 @@ def run(args: argparse.Namespace) -> int:
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():  # a second signal: give up on the graceful drain
+                print("second signal: exiting now without draining", file=sys.stderr, flush=True)
+                os._exit(130)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         start = asyncio.create_task(worker.start())
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)

@@ -83,3 +83,14 @@ def test_persistent_compile_cache_is_written(tiny_expert_checkpoint, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith(str(cache))
     assert cache.is_dir() and any(cache.iterdir()), "no compiled program was written to the cache"
+
+
+def test_xla_bf16_autocast_is_close_to_fp32(tiny_expert_checkpoint):
+    be = get_backend("xla", bf16=True)
+    be.load(tiny_expert_checkpoint)
+    ref = get_backend("torch")
+    ref.load(tiny_expert_checkpoint)
+    x, t, y = _batch(2, seed=5)
+    v, r = be.forward(x, t, y), ref.forward(x, t, y)
+    assert v.dtype == np.float32 and be.precision == "bfloat16"
+    assert 0 < np.abs(v - r).max() < 0.05 * np.abs(r).max()  # bf16 really used, and close
