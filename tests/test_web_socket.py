@@ -225,3 +225,41 @@ async def test_healthz_index_and_static(client):
     for path in ("/static/app.js", "/static/style.css"):
         assert (await client.get(path)).status == 200
     assert (await client.get("/static/../app.py")).status in (403, 404)
+
+
+async def test_events_before_the_submit_reply_still_come_after_accepted(client, nc):
+    async with FakeCoordinator(nc, reply_late=True, frame_delay=0.0):
+        ws = await client.ws_connect("/ws")
+        await ws.send_json({"type": "generate", "digits": "0,9", "steps": 5, "ref": "early"})
+        msgs = await collect_job(ws)
+        kinds = [m["type"] for m in msgs]
+        # nothing lost, accepted first, done last; early frames coalesce, a pending frame yields to the result
+        assert kinds[0] == "accepted" and kinds[-1] == "done" and set(kinds[1:-1]) <= {"frame"}, kinds
+        assert msgs[0]["ref"] == "early" and msgs[1]["digits"] == [0, 9]
+        await ws.close()
+
+
+async def test_server_shutdown_closes_sockets_and_cancels_their_jobs(nats_url, nc):
+    from aiohttp import WSMsgType
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async with FakeCoordinator(nc, frame_delay=0.05) as coordinator:
+        server = TestServer(create_app(WebConfig(nats_url=nats_url)))
+        client = TestClient(server)
+        await client.start_server()
+        try:
+            ws = await client.ws_connect("/ws")
+            await ws.send_json({"type": "generate", "digits": "6", "steps": 500})
+            job_id = (await next_msg(ws, {"accepted"}))["job_id"]
+            closing = asyncio.ensure_future(server.close())  # on_shutdown closes sockets: 1001 going away
+            while (msg := await ws.receive(timeout=20)).type not in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING):
+                pass
+            assert msg.type == WSMsgType.CLOSE and msg.data == 1001, msg
+            await asyncio.wait_for(closing, 30)
+        finally:
+            await client.close()
+        for _ in range(250):
+            if job_id in coordinator.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert job_id in coordinator.cancelled

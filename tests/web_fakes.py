@@ -28,8 +28,9 @@ K = 2
 
 class FakeCoordinator:
     def __init__(self, nc, *, frame_delay: float = 0.01, reject_over: int | None = None,
-                 status: dict | None = None):
+                 status: dict | None = None, reply_late: bool = False):
         self.nc = nc
+        self.reply_late = reply_late  # run the whole job before answering the submit request
         self.frame_delay = frame_delay
         self.reject_over = reject_over
         self.status = status
@@ -44,7 +45,11 @@ class FakeCoordinator:
         self._subs.append(await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel))
         if self.status is not None:
             self._subs.append(await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status))
-        await self.nc.flush()
+        # nats-py 2.16's flush() writes its PING straight to the socket, ahead of SUBs still in the
+        # pending buffer, so it does not prove the server has our interest. A request through the
+        # same buffer (queued after the SUBs) that our own handler answers does.
+        reply = await self.nc.request(subjects.JOBS_SUBMIT, b"", timeout=10)
+        assert unpack(reply.data, ErrorReply).code == ErrorCode.BAD_REQUEST
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -71,8 +76,14 @@ class FakeCoordinator:
         rng = np.random.default_rng(req.seed or 0)
         digits = req.digits if req.digits is not None else [int(d) for d in rng.integers(0, 10, req.count)]
         self.jobs[req.job_id] = req
-        await msg.respond(pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id),
-                                           digits=digits, seed=req.seed or 0)))
+        accepted = pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id),
+                                    digits=digits, seed=req.seed or 0))
+        if self.reply_late:
+            await self._run(req, digits, rng)
+            await self.nc.flush()
+            await msg.respond(accepted)
+            return
+        await msg.respond(accepted)
         task = asyncio.ensure_future(self._run(req, digits, rng))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -251,9 +251,11 @@ class Session:
                 self.outbox.drop(job_id)  # a pending frame is superseded by the result
             self.outbox.put_latest(job_id, ev)
         if terminal:
-            await self._forget(job_id)
             if not job.announced:
                 self._ended_early[job_id] = job
+            # Last statement: unsubscribing from inside the subscription's own callback cancels
+            # the task running this callback.
+            await self._forget(job_id)
 
     async def _forget(self, job_id: str) -> None:
         job = self.jobs.pop(job_id, None)
