@@ -214,8 +214,13 @@ const HANDLERS = {
   hello: (msg) => { state.limits = msg; },
   pong: () => {},
   accepted: (msg) => {
+    const req = state.pending.get(msg.ref);
     state.pending.delete(msg.ref);
     const job = jobCard(msg.job_id, msg.digits);
+    if (req) {
+      const routing = req.strategy === "topk" ? `top-${req.top_k}` : req.strategy;
+      $(".job-notes", job.card).textContent = `${req.steps} steps · ${routing} · ${req.solver}`;
+    }
     if (!job.digits.length) { job.digits = msg.digits; }
     ensureTiles(job, msg.digits.length);
     job.tiles.forEach((t, i) => { $("span", t.label).textContent = `digit ${msg.digits[i]}`; });
@@ -298,7 +303,17 @@ function renderFleet(msg) {
   const coord = $("#fleet-coordinator");
   coord.replaceChildren();
   if (!msg.coordinator) coord.append(el("p", { class: "hint", text: "not answering" }));
-  else coord.append(kvTable(msg.coordinator));
+  else {
+    const main = {}, more = {};
+    for (const [k, v] of Object.entries(msg.coordinator)) (COORD_MAIN.includes(k) ? main : more)[k] = v;
+    coord.append(kvTable(main));
+    if (Object.keys(more).length) {
+      const details = el("details", {}, el("summary", { text: "more" }), kvTable(more));
+      details.open = state.coordMoreOpen || false;
+      details.addEventListener("toggle", () => { state.coordMoreOpen = details.open; });
+      coord.append(details);
+    }
+  }
   const svc = $("#fleet-services");
   svc.replaceChildren();
   if (msg.services && msg.services.length) {
@@ -312,10 +327,15 @@ function renderFleet(msg) {
   updateFleetAge();
 }
 
+// Coordinator status fields shown first; the rest go under "more".
+const COORD_MAIN = ["active_jobs", "queued_jobs", "active_rows", "rows_per_s", "tick_ms_p50", "jobs_done",
+                    "unavailable_experts", "queue_depth"];
+
 function kvTable(obj) {
   const t = el("table");
   for (const [k, v] of Object.entries(obj)) {
-    const text = typeof v === "object" ? JSON.stringify(v) : String(v);
+    const text = Array.isArray(v) ? (v.length ? v.join(", ") : "none")
+      : typeof v === "object" ? JSON.stringify(v) : String(v);
     t.append(el("tr", {}, el("th", { text: k.replaceAll("_", " ") }), el("td", { class: "n", text })));
   }
   return t;
