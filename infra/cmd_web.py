@@ -20,8 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on (default: 127.0.0.1; use 0.0.0.0 to serve other machines)")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default: 8080)")
-    parser.add_argument("--nats", default=os.environ.get("DDM_NATS_URL", "nats://127.0.0.1:4222"),
-                        help="NATS server URL (default: $DDM_NATS_URL or nats://127.0.0.1:4222)")
+    parser.add_argument("--nats", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"), metavar="URL",
+                        help="NATS server URL, e.g. nats://user:password@host:4222 (the `web` user of "
+                             "infra/nats/single.conf) (default: $NATS_URL or nats://127.0.0.1:4222)")
     parser.add_argument("--fleet-interval", type=float, default=2.0, metavar="SECONDS",
                         help="how often the fleet panel is refreshed (default: 2)")
     parser.add_argument("--submit-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -44,15 +45,27 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"ddm-fleet web: {err}", file=sys.stderr)
         return 2
+    shown = _redact(args.nats)
+
     def serving(_msg: str) -> None:  # called by run_app once the socket listens (NATS is up by then)
-        print(f"ddm-fleet web: serving http://{args.host}:{args.port}/  (NATS {args.nats}; Ctrl-C stops)", flush=True)
+        print(f"ddm-fleet web: serving http://{args.host}:{args.port}/  (NATS {shown}; Ctrl-C stops)", flush=True)
 
     try:
         web.run_app(create_app(config), host=args.host, port=args.port, print=serving, handle_signals=True)
     except RuntimeError as err:  # raised by the NATS cleanup_ctx: say why, no traceback
-        print(f"ddm-fleet web: {err}", file=sys.stderr)
+        print(f"ddm-fleet web: {str(err).replace(args.nats, shown)}", file=sys.stderr)
         return 1
     except OSError as err:
         print(f"ddm-fleet web: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _redact(url: str) -> str:
+    """nats://user:secret@host:4222 -> nats://user:***@host:4222 (for logs)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://***@{host}"

@@ -24,10 +24,11 @@ def test_help_explains_the_options():
 
 def test_no_nats_is_a_clear_error_not_a_traceback():
     port = free_port()  # nothing listens there
-    out = subprocess.run([*CLI, "web", "--port", str(free_port()), "--nats", f"nats://127.0.0.1:{port}"],
+    out = subprocess.run([*CLI, "web", "--port", str(free_port()), "--nats", f"nats://web:s3cret@127.0.0.1:{port}"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "cannot connect to NATS" in out.stderr and "Traceback" not in out.stderr
+    assert "nats://web:***@127.0.0.1" in out.stderr and "s3cret" not in out.stderr + out.stdout
 
 
 def test_bad_arguments_exit_2():

@@ -6,39 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from nats.micro import add_service
 
 from web.app import WebConfig, create_app
 from web.fleet import FleetMonitor, gather_replies
-from web_fakes import FakeCoordinator
-
-
-class FakeWorkerService:
-    """A micro service that advertises like an expert worker and counts rows in its stats."""
-
-    def __init__(self, nc, expert: int, backend: str, device: str):
-        self.nc, self.expert, self.backend, self.device = nc, expert, backend, device
-        self.rows = 0
-
-    async def __aenter__(self):
-        self.svc = await add_service(
-            self.nc, name="ddm-expert", version="0.1.0",
-            metadata={"expert": str(self.expert), "backend": self.backend, "device": self.device, "host": "testhost"},
-            stats_handler=lambda _ep: {"rows": self.rows},
-        )
-
-        async def handler(req):
-            await req.respond(b"ok")
-
-        await self.svc.add_endpoint(name="velocity", subject=f"test.fleet.{id(self)}", handler=handler)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.svc.stop()
-
-    @property
-    def id(self) -> str:
-        return self.svc.id
+from web_fakes import FakeCoordinator, FakeWorkerService
 
 
 async def test_gather_replies_collects_every_service(nc):

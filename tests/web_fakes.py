@@ -1,6 +1,9 @@
-"""A fake coordinator for the web viewer's protocol tests: a small nats-py responder that
-speaks the real schemas (JobRequest in, JobAccepted / FrameEvent / DoneEvent out, CancelRequest
-honoured). It does no denoising: frames interpolate from noise to a flat image per digit."""
+"""Fakes for the web viewer's tests.
+
+`FakeCoordinator`: a small nats-py responder that speaks the real schemas (JobRequest in,
+JobAccepted / FrameEvent / DoneEvent out, CancelRequest honoured). It does no denoising: frames
+interpolate from noise to a flat image per digit.
+`FakeWorkerService`: a real `nats.micro` service advertising like an expert worker."""
 
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ K = 2
 
 class FakeCoordinator:
     def __init__(self, nc, *, frame_delay: float = 0.01, reject_over: int | None = None,
-                 status: dict | None = None, reply_late: bool = False):
+                 status: dict | None = None, reply_late: bool = False, probe: bool = True):
         self.nc = nc
+        self.probe = probe  # False for a connection without publish rights on the submit subject
         self.reply_late = reply_late  # run the whole job before answering the submit request
         self.frame_delay = frame_delay
         self.reject_over = reject_over
@@ -48,8 +52,12 @@ class FakeCoordinator:
         # nats-py 2.16's flush() writes its PING straight to the socket, ahead of SUBs still in the
         # pending buffer, so it does not prove the server has our interest. A request through the
         # same buffer (queued after the SUBs) that our own handler answers does.
-        reply = await self.nc.request(subjects.JOBS_SUBMIT, b"", timeout=10)
-        assert unpack(reply.data, ErrorReply).code == ErrorCode.BAD_REQUEST
+        if self.probe:
+            reply = await self.nc.request(subjects.JOBS_SUBMIT, b"", timeout=10)
+            assert unpack(reply.data, ErrorReply).code == ErrorCode.BAD_REQUEST
+        else:  # the second PING leaves after the flusher task has written the SUBs
+            await self.nc.flush()
+            await self.nc.flush()
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -114,3 +122,34 @@ class FakeCoordinator:
         await self.nc.publish(subject, pack(DoneEvent(job_id=req.job_id, images=x, digits=digits, usage=usage,
                                                       steps=req.steps, strategy=req.strategy, elapsed_s=0.1)))
         self.finished.append(req.job_id)
+
+
+class FakeWorkerService:
+    """A micro service that advertises like an expert worker and counts rows in its stats."""
+
+    def __init__(self, nc, expert: int, backend: str, device: str, subject: str | None = None):
+        self.nc, self.expert, self.backend, self.device = nc, expert, backend, device
+        self.subject = subject or f"test.fleet.{id(self)}"
+        self.rows = 0
+
+    async def __aenter__(self):
+        from nats.micro import add_service
+
+        self.svc = await add_service(
+            self.nc, name="ddm-expert", version="0.1.0",
+            metadata={"expert": str(self.expert), "backend": self.backend, "device": self.device, "host": "testhost"},
+            stats_handler=lambda _ep: {"rows": self.rows},
+        )
+
+        async def handler(req):
+            await req.respond(b"ok")
+
+        await self.svc.add_endpoint(name="velocity", subject=self.subject, handler=handler)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.svc.stop()
+
+    @property
+    def id(self) -> str:
+        return self.svc.id
