@@ -163,6 +163,7 @@ def save_router(path: str | os.PathLike, net, meta: dict[str, Any]) -> Path:
     state = {k: v.detach().float().cpu().contiguous().numpy() for k, v in net.state_dict().items()}
     tmp = st_path.with_name(st_path.name + f".tmp{os.getpid()}")
     save_file(state, str(tmp), metadata={"format": FORMAT})
+    os.chmod(tmp, 0o644)
     os.replace(tmp, st_path)
     meta = dict(meta, format=FORMAT, config=net.cfg.to_dict(), time_convention=TIME_CONVENTION,
                 num_params=num_params(net), weights_sha256=hashlib.sha256(st_path.read_bytes()).hexdigest())
