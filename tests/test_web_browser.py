@@ -175,6 +175,15 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     await page.screenshot(path=str(tmp_path / "web-done.png"), full_page=True)
     if os.environ.get("DDM_WEB_DOCS_SHOT"):  # refresh docs/web.png: DDM_WEB_DOCS_SHOT=1 pytest ...
         await page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False)
+    # the full ensemble: every step mixes both experts -> tiles outlined as "several" (-1)
+    await page.fill("#digits", "2,7")
+    await page.fill("#steps", "6")
+    await page.select_option("#strategy", "full")
+    await page.click("#generate")
+    await page.wait_for_function("document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000)
+    newest = page.locator(".job").first  # new jobs go on top
+    assert await newest.locator(".tile canvas").evaluate_all("cs => cs.map(c => c.dataset.expert)") == ["-1", "-1"]
+    assert await newest.locator(".bars").first.locator("span").count() == 2  # one weight bar per expert
     if os.environ.get("DDM_WEB_SHOT_DIR"):
         await page.screenshot(path=os.path.join(os.environ["DDM_WEB_SHOT_DIR"], "web-real.png"), full_page=True)
     assert errors == [], errors
