@@ -87,6 +87,7 @@ class Coordinator:
         self.engine: Engine | None = None
         self._task: asyncio.Task | None = None
         self._subs: list = []
+        self._bg: set[asyncio.Task] = set()
 
     @classmethod
     def from_files(cls, router_path, partition_path, **kw) -> "Coordinator":
@@ -213,7 +214,17 @@ class Coordinator:
                                                    reason=f"body job_id {req.job_id!r} does not match the subject"))
                 return
         ok = await self.engine.cancel(job_id)
-        await self._reply(msg, CancelReply(job_id=job_id, cancelled=ok, reason="" if ok else "no such queued or running job"))
+        if ok:
+            await self._reply(msg, CancelReply(job_id=job_id, cancelled=True))
+        else:  # answer "unknown" a little later, so the coordinator that owns the job (if any) answers first
+            task = asyncio.create_task(self._reply_later(msg, CancelReply(
+                job_id=job_id, cancelled=False, reason="no such queued or running job")))
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+
+    async def _reply_later(self, msg, message, delay: float = 0.25) -> None:
+        await asyncio.sleep(delay)
+        await self._reply(msg, message)
 
     async def _on_status(self, msg) -> None:
         try:
