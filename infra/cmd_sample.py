@@ -1,0 +1,119 @@
+"""Sample digits in-process from expert checkpoints and write a PNG grid (no NATS, no router).
+
+Each requested class is routed to the checkpoint whose partition holds it (oracle routing, read from
+each checkpoint's JSON), then integrated from t=0 noise to t=1 with Euler or Heun. One grid row per
+class, labelled "<class> (e<expert>)".
+
+Example (the shipped docs/samples.png):
+  ddm-fleet sample --checkpoint checkpoints/expert0.safetensors --checkpoint checkpoints/expert1.safetensors \\
+      --classes 0-9 --per-class 10 --steps 40 --out docs/samples.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_classes(text: str) -> list[int]:
+    """"0-9" or "1,3,7" or "0-4,9" -> sorted unique class ids."""
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "-" in part:
+                lo, hi = (int(p) for p in part.split("-", 1))
+                if lo > hi:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+    except ValueError:
+        raise ValueError(f"--classes must look like 0-9 or 1,3,7, got {text!r}") from None
+    if not out:
+        raise ValueError("--classes is empty")
+    return sorted(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--checkpoint", action="append", default=None, metavar="PATH",
+                        help="expert .safetensors (repeat per expert; default: checkpoints/expert0 and expert1)")
+    parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default: %(default)s)")
+    parser.add_argument("--per-class", type=int, default=10, help="samples per class = grid columns (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="solver steps (default: %(default)s)")
+    parser.add_argument("--method", choices=("euler", "heun"), default="euler", help="ODE solver (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", default="samples.png", help="PNG to write (default: %(default)s)")
+    parser.add_argument("--npz", default=None, help="also save the raw samples [N,1,32,32] and labels to this .npz")
+
+
+def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, steps: int, method: str = "euler",
+                  seed: int = 0, progress: bool = True):
+    """-> (images float32 [len(classes)*per_class, 1, 32, 32] in model range, labels int64, expert ids int64).
+
+    Rows are grouped class by class; each class uses the expert whose partition lists it.
+    """
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from coordinator.solver import STEP_FUNCTIONS, time_grid
+    from workers.checkpoint import load_torch_model
+
+    models, owner = [], {}
+    for i, path in enumerate(checkpoints):
+        model, meta = load_torch_model(path)
+        models.append(model)
+        for c in meta.get("partition", {}).get("classes", []):
+            owner.setdefault(int(c), i)
+    missing = [c for c in classes if c not in owner]
+    if missing:
+        raise ValueError(f"no checkpoint's partition holds class(es) {missing}; pass the matching --checkpoint")
+    y = np.repeat(np.asarray(classes, np.int64), per_class)
+    which = np.asarray([owner[int(c)] for c in y], np.int64)
+    x = np.random.default_rng(seed).standard_normal((len(y), 1, 32, 32)).astype(np.float32)
+
+    def velocity(xb, tb, yb):
+        out = np.empty_like(xb)
+        with torch.no_grad():
+            for k, model in enumerate(models):
+                rows = np.nonzero(which == k)[0]
+                if len(rows):
+                    out[rows] = model(torch.from_numpy(xb[rows]), torch.from_numpy(tb[rows]),
+                                      torch.from_numpy(yb[rows])).numpy()
+        return out
+
+    step_fn, grid = STEP_FUNCTIONS[method], time_grid(steps)
+    for i in tqdm(range(steps), desc=f"sampling ({method})", disable=not progress, unit="step"):
+        x = step_fn(velocity, x, np.full(len(y), grid[i], np.float32), grid[i + 1] - grid[i], y)
+    return x, y, which
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        classes = parse_classes(args.classes)
+        if args.per_class < 1 or args.steps < 1:
+            raise ValueError("--per-class and --steps must be >= 1")
+        ckpts = args.checkpoint or ["checkpoints/expert0.safetensors", "checkpoints/expert1.safetensors"]
+        if args.threads > 0:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        from coordinator.grid import write_grid
+
+        x, y, which = sample_oracle(ckpts, classes, args.per_class, args.steps, args.method, args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sample: error: {e}", file=sys.stderr)
+        return 2
+    labels = [f"{c} (e{int(which[i * args.per_class])})" for i, c in enumerate(classes)]
+    path = write_grid(args.out, x, nrow=args.per_class, row_labels=labels)
+    if args.npz:
+        import numpy as np
+
+        np.savez_compressed(args.npz, images=x, labels=y, experts=which)
+    print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.method} {args.steps} steps)")
+    return 0
