@@ -8,6 +8,9 @@ Pure bookkeeping, no I/O. The engine drives it:
         batch.record(k, idx, v [len(idx), C, H, W])   ... or batch.mark_failed(k, reason)
     (repeat while batch.requests() is not empty: a failed expert reroutes its rows)
     u = batch.combined()                        [R, C, H, W]  u_r = sum_k w[r, k] v_k[r]
+
+The batch's rows are the rows of its `groups` (one RowGroup per job), concatenated in order;
+`bounds[g]:bounds[g + 1]` are group g's rows.
 """
 
 from __future__ import annotations
@@ -15,22 +18,29 @@ from __future__ import annotations
 import numpy as np
 
 from . import strategies
-from .rows import Row
+from .rows import RowGroup
 
 
 class Batch:
     """The rows of one tick. x: [R, C, H, W] float32, t: [R] float32, y: [R] int64."""
 
-    def __init__(self, rows: list[Row], num_experts: int, unavailable: frozenset[int] | set[int] = frozenset()):
-        if not rows:
-            raise ValueError("a batch needs at least one row")
-        self.rows = rows
+    def __init__(self, groups: list[RowGroup], num_experts: int, unavailable: frozenset[int] | set[int] = frozenset()):
+        if not groups:
+            raise ValueError("a batch needs at least one row group")
+        self.groups = groups
         self.num_experts = num_experts
-        pts = [r.eval_point() for r in rows]
-        self.x = np.stack([p[0] for p in pts]).astype(np.float32, copy=False)
-        self.t = np.array([p[1] for p in pts], dtype=np.float32)
-        self.y = np.array([r.y for r in rows], dtype=np.int64)
-        self.row_ids = [r.row_id for r in rows]
+        sizes = np.array([g.n for g in groups], np.int64)
+        self.bounds = np.concatenate([[0], np.cumsum(sizes)])
+        pts = [g.eval_point() for g in groups]
+        self.x = np.concatenate([p[0] for p in pts]).astype(np.float32, copy=False)
+        self.t = np.repeat(np.array([p[1] for p in pts], np.float32), sizes)
+        self.y = np.concatenate([g.y for g in groups])
+        self.row_ids = [rid for g in groups for rid in g.row_ids]
+        self.job_ids = [g.job_id for g in groups for _ in range(g.n)]  # [R]
+        self.index_in_job = np.concatenate([np.arange(g.n) for g in groups])  # [R]
+        self.strategy = np.repeat(np.array([g.strategy for g in groups]), sizes)  # [R] str
+        self.top_k = np.repeat(np.array([g.top_k for g in groups], np.int64), sizes)  # [R]
+        self.owner = np.concatenate([g.oracle_expert for g in groups])  # [R]
         self.available = np.ones(num_experts, bool)
         for k in unavailable:
             if 0 <= k < num_experts:
@@ -40,17 +50,20 @@ class Batch:
         self.weights: np.ndarray | None = None  # [R, K] combination weights
         self.ideal: np.ndarray | None = None  # [R, K] weights with every expert up
         self._v = np.zeros((num_experts,) + self.x.shape, np.float32)  # [K, R, C, H, W]
-        self._have = np.zeros((len(rows), num_experts), bool)
+        self._have = np.zeros((len(self.y), num_experts), bool)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.y)
+
+    def group_rows(self, g: int) -> slice:
+        return slice(int(self.bounds[g]), int(self.bounds[g + 1]))
 
     # ------------------------------------------------------------ routing
     def route(self, router_w: np.ndarray) -> "Batch":
         """Set router weights [R, K] and choose each row's experts by its strategy."""
         router_w = np.asarray(router_w, dtype=np.float64)
-        if router_w.shape != (len(self.rows), self.num_experts):
-            raise ValueError(f"router weights must be [R, K] = [{len(self.rows)}, {self.num_experts}], got {list(router_w.shape)}")
+        if router_w.shape != (len(self), self.num_experts):
+            raise ValueError(f"router weights must be [R, K] = [{len(self)}, {self.num_experts}], got {list(router_w.shape)}")
         if not np.isfinite(router_w).all():
             raise ValueError("router weights contain NaN/Inf")
         self.router_w = router_w
@@ -60,16 +73,14 @@ class Batch:
 
     def _select(self, available: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         assert self.router_w is not None
-        idx = np.arange(len(self.rows)) if rows is None else rows
+        idx = np.arange(len(self)) if rows is None else rows
         out = np.zeros((len(idx), self.num_experts), np.float64)
-        strat = np.array([self.rows[i].strategy for i in idx])
+        strat = self.strategy[idx]
         for s in np.unique(strat):
             sel = np.nonzero(strat == s)[0]
-            rr = [self.rows[idx[j]] for j in sel]
-            out[sel] = strategies.select(
-                str(s), self.router_w[idx[sel]], available,
-                top_k=np.array([r.top_k for r in rr]), owner=np.array([r.oracle_expert for r in rr]),
-            )
+            rows_s = idx[sel]
+            out[sel] = strategies.select(str(s), self.router_w[rows_s], available,
+                                         top_k=self.top_k[rows_s], owner=self.owner[rows_s])
         return out
 
     def requests(self) -> dict[int, np.ndarray]:
@@ -108,7 +119,13 @@ class Batch:
         """u [R, C, H, W] float32 = sum_k w[r, k] v_k[r]; rows not complete are zero."""
         assert self.weights is not None
         w = np.where(self.row_complete()[:, None], self.weights, 0.0).astype(np.float32)  # [R, K]
-        return np.einsum("rk,krchw->rchw", w, self._v, optimize=True).astype(np.float32, copy=False)
+        u = np.zeros(self.x.shape, np.float32)
+        tmp = np.empty_like(u)
+        for k in range(self.num_experts):  # dense per expert: row r's sum never depends on other rows
+            if w[:, k].any():
+                np.multiply(self._v[k], w[:, k, None, None, None], out=tmp)
+                u += tmp
+        return u
 
     def experts_used(self) -> np.ndarray:
         """[R] the single expert each row used, or -1 when several contributed."""
@@ -125,9 +142,9 @@ class Batch:
             got = [int(k) for k in np.nonzero(self.weights[i] > 0)[0]]
             lost = [k for k in want if k not in got]
             why = ", ".join(f"expert {k} {self.failed_reasons.get(k, 'unavailable')}" for k in lost)
-            row = self.rows[i]
+            row = int(self.index_in_job[i])
             if got:
-                notes[int(i)] = f"row {row.index}: {why}, fell back to {' + '.join(map(str, got))}"
+                notes[int(i)] = f"row {row}: {why}, fell back to {' + '.join(map(str, got))}"
             else:
-                notes[int(i)] = f"row {row.index}: {why}, no expert left"
+                notes[int(i)] = f"row {row}: {why}, no expert left"
         return notes

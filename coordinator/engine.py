@@ -134,7 +134,7 @@ class Engine:
             sched.update(batch, self.clock())
         except Exception as err:  # never die: fail this batch's jobs, keep serving the rest
             log.exception("tick failed")
-            for job_id in dict.fromkeys(r.job_id for r in batch.rows):
+            for job_id in dict.fromkeys(g.job_id for g in batch.groups):
                 sched.fail(job_id, ErrorCode.INTERNAL, f"coordinator error: {type(err).__name__}: {err}")
         self.tick_ms.append((time.perf_counter() - started) * 1000)
         self._count_rows(len(batch))

@@ -1,8 +1,9 @@
-"""One row = one image of one job, with its own position on its own time grid.
+"""Rows: one row = one image of one job, at its own position on its own time grid.
 
 Rows of one engine tick may sit at different t, have different step counts, solvers and
-strategies: everything a row needs to take its next solver stage lives on the row (the
-diffusers-style global step counter does not fit continuous batching).
+strategies: everything a row needs to take its next solver stage lives with the row (the
+diffusers-style global step counter does not fit continuous batching). The rows of one job
+always share their position, so they are kept together in a `RowGroup` and stepped as arrays.
 
 Time convention: t = 0 is noise, t = 1 is data; a row integrates dx/dt = v(x, t, y) on the
 uniform grid `time_grid(steps)` = [0, 1/steps, ..., 1].
@@ -57,35 +58,62 @@ def draw_digits(seed: int, count: int, num_classes: int = 10) -> list[int]:
 
 
 @dataclass(eq=False)
-class Row:
-    """One trajectory. `x` is the committed state [C, H, W] float32 at t = grid[step]."""
+class RowGroup:
+    """The N rows (images) of one job. They share steps, solver, strategy and position on the
+    time grid, so they advance together; each row keeps its own label, noise and state.
+
+    x: committed state [N, C, H, W] float32 at t = grid[step].  y: [N] int64 labels.
+    oracle_expert: [N] int64 partition owning each label (-1 unknown).
+    usage: [N, K] evaluations each expert contributed to; last_weights [N, K]; last_experts [N].
+    """
 
     job_id: str
-    index: int  # position of this image in its job
-    y: int  # class label
-    x: np.ndarray  # [C, H, W] float32
+    y: np.ndarray
+    x: np.ndarray
     steps: int
     solver: str = "euler"
     strategy: str = "top1"
     top_k: int = 2
-    oracle_expert: int = -1  # partition owning class y (oracle strategy), -1 if unknown
+    oracle_expert: np.ndarray | None = None
+    num_experts: int = 1
     step: int = 0  # completed solver steps
     stage: int = 0  # heun: 0 = predictor evaluation next, 1 = corrector evaluation next
-    v0: np.ndarray | None = None  # heun: velocity of stage 0 [C, H, W]
+    v0: np.ndarray | None = None  # heun: stage-0 velocity [N, C, H, W]
     evals: int = 0  # velocity evaluations applied
-    usage: np.ndarray | None = None  # [K] evaluations each expert contributed to
-    last_weights: np.ndarray | None = None  # [K] router weights of the last evaluation
-    last_expert: int = -1  # expert of the last evaluation, -1 = several
+    usage: np.ndarray = field(init=False)
+    last_weights: np.ndarray = field(init=False)
+    last_experts: np.ndarray = field(init=False)
     _grid: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVER_EVALS:
             raise ValueError(f"unknown solver {self.solver!r}; use one of {sorted(SOLVER_EVALS)}")
+        self.y = np.asarray(self.y, dtype=np.int64)
+        self.x = np.asarray(self.x, dtype=np.float32)
+        n = len(self.y)
+        if self.x.shape[0] != n or self.x.ndim != 4:
+            raise ValueError(f"x must be [N={n}, C, H, W], got {list(self.x.shape)}")
+        if self.oracle_expert is None:
+            self.oracle_expert = np.full(n, -1, np.int64)
+        self.oracle_expert = np.asarray(self.oracle_expert, dtype=np.int64)
+        self.usage = np.zeros((n, self.num_experts), np.int64)
+        self.last_weights = np.zeros((n, self.num_experts), np.float32)
+        self.last_experts = np.full(n, -1, np.int64)
         self._grid = time_grid(self.steps)
 
+    @classmethod
+    def from_seed(cls, job_id: str, seed: int, digits: list[int], image_shape: tuple[int, ...], **kw) -> "RowGroup":
+        """Rows whose noise is `initial_noise(seed, i, image_shape)` for row i."""
+        x = np.stack([initial_noise(seed, i, image_shape) for i in range(len(digits))])
+        return cls(job_id=job_id, y=np.asarray(digits, np.int64), x=x, **kw)
+
     @property
-    def row_id(self) -> str:
-        return f"{self.job_id}:{self.index}"
+    def n(self) -> int:
+        return len(self.y)
+
+    @property
+    def row_ids(self) -> list[str]:
+        return [f"{self.job_id}:{i}" for i in range(self.n)]
 
     @property
     def done(self) -> bool:
@@ -101,21 +129,22 @@ class Row:
         return float(self._grid[self.step + 1] - self._grid[self.step])
 
     def eval_point(self) -> tuple[np.ndarray, float]:
-        """(x [C, H, W], t) at which the next velocity must be evaluated."""
+        """(x [N, C, H, W], t) at which the next velocity must be evaluated."""
         if self.done:
-            raise RuntimeError(f"row {self.row_id} is finished; nothing to evaluate")
+            raise RuntimeError(f"job {self.job_id} is finished; nothing to evaluate")
         if self.solver == "heun" and self.stage == 1:
             assert self.v0 is not None
-            return (self.x + np.float32(self.dt) * self.v0).astype(np.float32, copy=False), float(self._grid[self.step + 1])
+            with np.errstate(over="ignore", invalid="ignore"):
+                return self.x + np.float32(self.dt) * self.v0, float(self._grid[self.step + 1])
         return self.x, self.t
 
     def advance(self, u: np.ndarray) -> bool:
-        """Apply velocity u [C, H, W] at `eval_point()`. Returns True if a full step completed."""
+        """Apply velocities u [N, C, H, W] at `eval_point()`. True if a full solver step completed."""
         if self.done:
-            raise RuntimeError(f"row {self.row_id} is finished; cannot advance")
+            raise RuntimeError(f"job {self.job_id} is finished; cannot advance")
         u = np.asarray(u, dtype=np.float32)
         if u.shape != self.x.shape:
-            raise ValueError(f"velocity shape {u.shape} does not match row shape {self.x.shape}")
+            raise ValueError(f"velocity shape {list(u.shape)} does not match rows {list(self.x.shape)}")
         self.evals += 1
         dt = np.float32(self.dt)
         with np.errstate(over="ignore", invalid="ignore"):  # divergence is caught by the scheduler

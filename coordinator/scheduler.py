@@ -35,7 +35,7 @@ from schemas import (
 )
 
 from .batch import Batch
-from .rows import Row, draw_digits, initial_noise
+from .rows import RowGroup, draw_digits
 
 MAX_NOTES = 50
 
@@ -85,7 +85,7 @@ class Job:
     seed: int
     submitted_at: float
     deadline: float | None
-    rows: list[Row] = field(default_factory=list)
+    group: RowGroup | None = None  # created when the job is admitted
     step: int = 0
     started_at: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -209,82 +209,72 @@ class Scheduler:
             job = self.queue.popleft()
             self._start(job, now)
             rows_in_use += job.n
-        rows = [r for j in self.active.values() for r in j.rows]
-        if not rows:
+        groups = [j.group for j in self.active.values()]
+        if not groups:
             return None
-        return Batch(rows, self.config.num_experts, unavailable)
+        return Batch(groups, self.config.num_experts, unavailable)
 
     def _start(self, job: Job, now: float) -> None:
         req, cfg = job.request, self.config
         c2e = cfg.class_to_expert
-        job.rows = [
-            Row(job_id=job.job_id, index=i, y=int(y), x=initial_noise(job.seed, i, cfg.image_shape),
-                steps=req.steps, solver=req.solver, strategy=req.strategy, top_k=req.top_k,
-                oracle_expert=int(c2e[y]) if c2e is not None else -1,
-                usage=np.zeros(cfg.num_experts, np.int64))
-            for i, y in enumerate(job.digits)
-        ]
+        job.group = RowGroup.from_seed(
+            job.job_id, job.seed, job.digits, cfg.image_shape, steps=req.steps, solver=req.solver,
+            strategy=req.strategy, top_k=req.top_k, num_experts=cfg.num_experts,
+            oracle_expert=np.array([c2e[y] if c2e is not None else -1 for y in job.digits], np.int64))
         job.started_at = now
         self.active[job.job_id] = job
 
     # ------------------------------------------------------------ update
     def update(self, batch: Batch, now: float) -> None:
-        """Apply the batch's combined velocities: one solver stage per row, then emit events."""
+        """Apply the batch's combined velocities: one solver stage per job, then emit events."""
         self.stats.ticks += 1
         complete = batch.row_complete()
         u = batch.combined()
         used = batch.weights > 0
         experts = batch.experts_used()
         notes = batch.fallback_notes()
-        stepped: dict[str, Job] = {}
-        failed: dict[str, str] = {}
-        for i, row in enumerate(batch.rows):
-            job = self.active.get(row.job_id)
-            if job is None or row not in job.rows:  # cancelled or failed meanwhile
+        for gi, group in enumerate(batch.groups):
+            job = self.active.get(group.job_id)
+            if job is None or job.group is not group:  # cancelled or failed meanwhile
                 continue
-            if not complete[i]:
-                failed.setdefault(job.job_id, notes.get(i, f"row {row.index}: no expert could serve the step"))
+            rows = batch.group_rows(gi)
+            row_notes = [notes[i] for i in range(rows.start, rows.stop) if i in notes]
+            if not complete[rows].all():
+                reasons = "; ".join(f"expert {k}: {r}" for k, r in batch.failed_reasons.items())
+                why = row_notes[0] if row_notes else "no expert could serve the step"
+                self.fail(job.job_id, ErrorCode.UNAVAILABLE,
+                          f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
                 continue
-            if i in notes:
-                job.pending_notes.append(notes[i])
-            row.usage += used[i]
-            row.last_weights = batch.router_w[i].astype(np.float32)
-            row.last_expert = int(experts[i])
-            if row.advance(u[i]):
-                stepped[job.job_id] = job
-            self.stats.row_evals += 1
-        for job_id, why in failed.items():
-            stepped.pop(job_id, None)
-            reasons = "; ".join(f"expert {k}: {r}" for k, r in batch.failed_reasons.items())
-            self.fail(job_id, ErrorCode.UNAVAILABLE, f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
-        for job in stepped.values():
-            self._after_step(job, now)
+            job.pending_notes.extend(row_notes)
+            group.usage += used[rows]
+            group.last_weights = batch.router_w[rows].astype(np.float32)
+            group.last_experts = experts[rows]
+            self.stats.row_evals += group.n
+            if group.advance(u[rows]):
+                self._after_step(job, now)
 
     def _after_step(self, job: Job, now: float) -> None:
-        if not all(np.isfinite(r.x).all() for r in job.rows):
-            self.fail(job.job_id, ErrorCode.NON_FINITE, f"samples became NaN/Inf at step {job.rows[0].step}")
+        g = job.group
+        if not np.isfinite(g.x).all():
+            self.fail(job.job_id, ErrorCode.NON_FINITE, f"samples became NaN/Inf at step {g.step}")
             return
-        job.step = min(r.step for r in job.rows)
+        job.step = g.step
         req = job.request
         notes, job.pending_notes = job.pending_notes, []
         room = MAX_NOTES - len(job.notes)
         job.notes.extend(notes[: max(room, 0)])
-        finished = all(r.done for r in job.rows)
-        if req.stream and (job.step % req.frame_every == 0 or finished):
+        if req.stream and (job.step % req.frame_every == 0 or g.done):
             self._events.append(FrameEvent(
-                job_id=job.job_id, step=job.step, steps=req.steps, t=job.rows[0].t,
-                x=np.clip(np.stack([r.x for r in job.rows]), -6e4, 6e4).astype(np.float16),
-                experts=[r.last_expert for r in job.rows],
-                weights=np.stack([r.last_weights for r in job.rows]).astype(np.float32),
-                notes=notes,
+                job_id=job.job_id, step=job.step, steps=req.steps, t=g.t,
+                x=np.clip(g.x, -6e4, 6e4).astype(np.float16),
+                experts=[int(e) for e in g.last_experts], weights=g.last_weights, notes=notes,
             ))
-        if finished:
+        if g.done:
             del self.active[job.job_id]
-            images = np.clip(np.stack([r.x for r in job.rows]), -1.0, 1.0).astype(np.float32)
-            usage = np.stack([r.usage / max(r.evals, 1) for r in job.rows]).astype(np.float32)
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
             self._events.append(DoneEvent(
-                job_id=job.job_id, images=images, digits=job.digits, usage=usage, steps=req.steps,
+                job_id=job.job_id, images=np.clip(g.x, -1.0, 1.0).astype(np.float32), digits=job.digits,
+                usage=(g.usage / max(g.evals, 1)).astype(np.float32), steps=req.steps,
                 strategy=req.strategy, elapsed_s=max(now - job.submitted_at, 0.0), notes=job.notes,
             ))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.rows import Row, initial_noise, time_grid
+from coordinator.rows import RowGroup, initial_noise, time_grid
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
 from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 
@@ -109,14 +109,24 @@ def test_heun_takes_two_ticks_per_step_and_matches_hand_computation():
 
 
 def test_heun_row_eval_points():
-    r = Row(job_id="j", index=0, y=0, x=np.ones(SHAPE, np.float32), steps=2, solver="heun")
+    r = RowGroup(job_id="j", y=[0, 1], x=np.ones((2,) + SHAPE, np.float32), steps=2, solver="heun")
     x, t = r.eval_point()
     assert t == 0.0 and np.all(x == 1)
-    assert r.advance(np.full(SHAPE, 2.0, np.float32)) is False and r.stage == 1
+    assert r.advance(np.full((2,) + SHAPE, 2.0, np.float32)) is False and r.stage == 1
     x, t = r.eval_point()
     assert t == 0.5 and np.allclose(x, 2.0)  # 1 + 0.5 * 2
-    assert r.advance(np.full(SHAPE, 4.0, np.float32)) is True
+    assert r.advance(np.full((2,) + SHAPE, 4.0, np.float32)) is True
     assert r.step == 1 and r.stage == 0 and np.allclose(r.x, 1 + 0.25 * 6)
+    with pytest.raises(ValueError, match="does not match"):
+        r.advance(np.zeros((1,) + SHAPE, np.float32))
+
+
+def test_noise_depends_only_on_seed_and_row_index():
+    a = RowGroup.from_seed("a", 42, [1, 2, 3], SHAPE, steps=3)
+    b = RowGroup.from_seed("b", 42, [9, 9, 9, 9], SHAPE, steps=7, solver="heun")
+    np.testing.assert_array_equal(a.x, b.x[:3])
+    assert not np.array_equal(a.x[0], a.x[1])
+    assert not np.array_equal(a.x, RowGroup.from_seed("c", 43, [1, 2, 3], SHAPE, steps=3).x)
 
 
 def test_rows_at_mixed_t_share_a_tick_join_and_leave():
@@ -127,13 +137,13 @@ def test_rows_at_mixed_t_share_a_tick_join_and_leave():
     s.submit(JobRequest(job_id="short", digits=[7], steps=2, solver="heun", strategy="full", seed=2), 0.0)
     b = tick(s, prefer(0), V2)  # short joins now
     np.testing.assert_allclose(b.t, [0.5, 0.5, 0.0])
-    assert [r.job_id for r in b.rows] == ["long", "long", "short"]
+    assert b.job_ids == ["long", "long", "short"]
     b = tick(s, prefer(0), V2)
     np.testing.assert_allclose(b.t, [0.75, 0.75, 0.5])  # heun stage 1 of short at t[1]
     ev = s.pop_events()
     assert any(isinstance(e, DoneEvent) and e.job_id == "long" for e in ev)
     b = tick(s, prefer(0), V2)
-    assert [r.job_id for r in b.rows] == ["short"]  # long left at once
+    assert b.job_ids == ["short"]  # long left at once
     np.testing.assert_allclose(b.t, [0.5])
     tick(s, prefer(0), V2)
     assert done_of(s.pop_events(), "short").usage.tolist() == [[1.0, 1.0]]  # full: both experts every eval
@@ -199,7 +209,7 @@ def test_admission_limits_and_fifo_queue():
     tick(s, prefer(0), V2)
     tick(s, prefer(0), V2)  # a finishes
     b = s.schedule(0.0)
-    assert [r.job_id for r in b.rows] == ["b", "b"]
+    assert b.job_ids == ["b", "b"]
     assert s.stats.jobs_rejected == 3
 
 
@@ -224,7 +234,7 @@ def test_cancel_frees_rows_at_once_even_mid_tick():
     ev = s.pop_events()
     assert isinstance(ev[0], FailedEvent) and ev[0].code == ErrorCode.CANCELLED
     assert all(e.job_id == "b" for e in ev[1:])
-    assert [r.job_id for r in s.schedule(0.0).rows] == ["b"]
+    assert s.schedule(0.0).job_ids == ["b"]
     assert s.cancel("a", 0.0) is False
     assert s.cancel("nope", 0.0) is False
 
