@@ -25,6 +25,7 @@ from schemas import (
     ErrorReply,
     FailedEvent,
     FleetStatus,
+    FrameEvent,
     JobAccepted,
     JobEvent,
     JobRejected,
@@ -93,7 +94,8 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     """Submit `request` and wait for its DoneEvent.
 
     on_event(event) (sync or async) sees JobAccepted, every FrameEvent, then the DoneEvent.
-    timeout: whole-job limit in seconds (None = none); idle_timeout: longest gap between events.
+    timeout: whole-job limit in seconds (None = none); idle_timeout: longest gap between frames once
+    the job streams (a queued job sends nothing until it starts, so that wait is bounded by timeout).
     """
     import nats.errors
 
@@ -113,16 +115,20 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     async def wait_events() -> DoneEvent:
         nonlocal finished
         accepted_seen = False
+        streaming = False
         while True:
             try:
-                msg = await sub.next_msg(timeout=idle_timeout)
+                msg = await sub.next_msg(timeout=idle_timeout if streaming else None)
             except nats.errors.TimeoutError:
-                raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no event for {idle_timeout:g} s", job_id) from None
+                raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no frame for {idle_timeout:g} s: is the coordinator "
+                                "still running?", job_id) from None
             try:
                 ev = unpack(msg.data, JobEvent)
             except ProtocolError as err:
                 log.warning("job %s: skipping undecodable event (%s)", job_id, err)
                 continue
+            if isinstance(ev, FrameEvent):
+                streaming = True
             if isinstance(ev, JobAccepted):
                 if accepted_seen:
                     continue
