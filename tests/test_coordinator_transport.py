@@ -1,0 +1,108 @@
+"""NatsTransport against a real nats-server and hand-written responders (the transport is the unit)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from coordinator.engine import ExpertUnavailable
+from coordinator.transport import NatsTransport
+from schemas import ErrorCode, ErrorReply, StepReply, StepRequest, pack, subjects, unpack
+
+EXPERT = 41  # a subject no other test serves
+
+
+def _inputs(n):
+    x = np.arange(n * 16, dtype=np.float32).reshape(n, 1, 4, 4)
+    return x, np.full(n, 0.5, np.float32), np.zeros(n, np.int64), [f"r{i}" for i in range(n)]
+
+
+async def _serve(nc, handler, expert=EXPERT):
+    async def cb(msg):
+        req = unpack(msg.data, StepRequest)
+        out = await handler(req)
+        if out is not None:
+            await msg.respond(pack(out))
+
+    return await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert), cb=cb)
+
+
+def _ok(req):
+    return StepReply(expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids)
+
+
+async def test_large_batches_split_and_come_back_in_order(nc):
+    sizes = []
+
+    async def h(req):
+        sizes.append(len(req.row_ids))
+        return _ok(req)
+
+    sub = await _serve(nc, h)
+    try:
+        x, t, y, ids = _inputs(10)
+        v = await NatsTransport(nc, max_rows=4).velocity(EXPERT, x, t, y, ids)
+        np.testing.assert_array_equal(v, -x)
+        assert sorted(sizes) == [2, 4, 4]
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_transient_errors_and_silence_are_retried(nc):
+    calls = []
+
+    async def h(req):
+        calls.append(req.request_id)
+        if len(calls) == 1:
+            return ErrorReply(code=ErrorCode.OVERLOADED, message="busy")
+        if len(calls) == 2:
+            return None  # never answers: a timeout
+        return _ok(req)
+
+    sub = await _serve(nc, h)
+    try:
+        tr = NatsTransport(nc, step_timeout=0.3, retries=2)
+        x, t, y, ids = _inputs(3)
+        np.testing.assert_array_equal(await tr.velocity(EXPERT, x, t, y, ids), -x)
+        assert len(calls) == 3 and tr.retried == 2 and len(set(calls)) == 3
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_bad_replies_and_refusals_make_the_expert_unavailable(nc):
+    async def wrong_rows(req):
+        return StepReply(expert=req.expert, velocity=np.asarray(req.x_t), row_ids=list(reversed(req.row_ids)))
+
+    sub = await _serve(nc, wrong_rows)
+    try:
+        with pytest.raises(ExpertUnavailable, match="row_ids do not match"):
+            await NatsTransport(nc, step_timeout=1, retries=1).velocity(EXPERT, *_inputs(2))
+    finally:
+        await sub.unsubscribe()
+
+    async def refuse(req):
+        return ErrorReply(code=ErrorCode.BAD_SHAPE, message="x_t must be [B, 1, 32, 32]")
+
+    sub = await _serve(nc, refuse)
+    try:
+        tr = NatsTransport(nc, retries=3)
+        with pytest.raises(ExpertUnavailable, match="bad_shape"):
+            await tr.velocity(EXPERT, *_inputs(2))
+        assert tr.retried == 0  # our request is wrong: asking again cannot help
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_no_responders_fails_at_once(nc):
+    tr = NatsTransport(nc, step_timeout=30, retries=5)
+    with pytest.raises(ExpertUnavailable, match="no responders"):
+        await asyncio.wait_for(tr.velocity(EXPERT + 1, *_inputs(1)), 5)
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="step_timeout"):
+        NatsTransport(None, step_timeout=0)
+    with pytest.raises(ValueError, match="max_rows"):
+        NatsTransport(None, max_rows=10_000)
