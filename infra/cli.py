@@ -19,13 +19,14 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) into a PNG grid or .npz"),
     ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla or jax backend)"),
     ("bench", "infra.cmd_bench", "benchmarks: `bench worker` = worker rows/s through NATS vs in-process"),
-    ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routing strategies (accuracy, FID, FLOPs)"),
-    ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
     ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch / torch_xla / jax)"),
     ("sample", "infra.cmd_sample", "sample digits in-process from expert checkpoints to a PNG grid"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
     ("train-router", "infra.cmd_train_router", "train the router that predicts a noisy sample's expert partition"),
+    ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routing strategies (accuracy, FID, FLOPs)"),
+    ("up", "infra.cmd_up", "run the local fleet in one command: nats-server, workers, coordinator, web page"),
+    ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("nats", "infra.cmd_nats", "NATS server tools: check the shipped configs, run them as a loopback cluster"),
 ]
 
