@@ -1,0 +1,278 @@
+"""`ddm-fleet up` and its supervisor (infra/launcher.py), with real processes.
+
+The fleet test starts `ddm-fleet up` as a subprocess on free ports with tiny random-init expert
+checkpoints and the shipped router + partition: it waits for the page (HTTP 200), runs a job over
+the fleet's NATS URL, kills -9 a worker and checks the supervisor reports and restarts it (a later
+job is served by that expert again), then SIGINT stops everything with exit code 0 and no child left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from infra import cli
+from infra.launcher import ChildSpec, RestartPolicy, Supervisor
+from infra.nats_server import free_port
+
+from coordinator_helpers import make_tiny_experts
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def tiny_fleet_dir(tmp_path_factory) -> Path:
+    """Tiny expert0/1 checkpoints + the shipped router and partition, in one directory."""
+    d = tmp_path_factory.mktemp("up-checkpoints")
+    make_tiny_experts(d, 2)
+    for name in ("router.safetensors", "router.json", "partition.json"):
+        shutil.copy(SHIPPED / name, d / name)
+    return d
+
+
+# ------------------------------------------------------------------ clear errors, before anything starts
+
+
+def test_missing_checkpoints_named(tmp_path, capsys):
+    shutil.copy(SHIPPED / "partition.json", tmp_path / "partition.json")
+    code = cli.main(["up", "--checkpoints", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    for missing in ("router.safetensors", "expert0.safetensors", "expert1.safetensors", "expert1.json"):
+        assert missing in err
+    assert "checkpoints/README.md" in err and "--checkpoints" in err
+
+
+def test_port_in_use(tiny_fleet_dir, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        code = cli.main(["up", "--checkpoints", str(tiny_fleet_dir), "--port", str(busy),
+                         "--nats-port", str(free_port()), "--nats-monitor-port", "0"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"web port 127.0.0.1:{busy} is in use" in err and "--port" in err
+
+
+def test_nats_server_missing(tiny_fleet_dir, capsys, monkeypatch):
+    import infra.nats_server
+
+    def missing():
+        raise FileNotFoundError("nats-server not found: install the project (`make install`)")
+
+    monkeypatch.setattr(infra.nats_server, "find_nats_server", missing)
+    code = cli.main(["up", "--checkpoints", str(tiny_fleet_dir), "--nats-port", str(free_port())])
+    assert code == 2
+    assert "nats-server not found" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the supervisor with plain processes
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+async def test_supervisor_restarts_then_gives_up_on_critical(tmp_path):
+    lines: list[str] = []
+    crashy = ChildSpec("crashy", _py("import sys, time; print('boom', flush=True); time.sleep(0.3); sys.exit(3)"),
+                       role="test")
+    sup = Supervisor([[crashy]], tmp_path, out=lines.append,
+                     policy=RestartPolicy(backoff=0.05, backoff_max=0.1, max_crashes=3, crash_window=30))
+    code = await asyncio.wait_for(sup.run(handle_signals=False), 30)
+    text = "\n".join(lines)
+    assert code == 1
+    assert text.count("CRASH crashy") == 3 and "exit code 3" in text and "| boom" in text
+    assert text.count("restarted crashy") == 2
+    assert "giving up on crashy: 3 crashes within 30 s" in text
+    assert (tmp_path / "crashy.log").read_text().splitlines().count("boom") == 3  # appended across restarts
+
+
+async def test_supervisor_gives_up_on_noncritical_keeps_rest(tmp_path):
+    lines: list[str] = []
+    keeper = ChildSpec("keeper", _py("import time; time.sleep(60)"), role="test")
+    flaky = ChildSpec("flaky", _py("import time; time.sleep(0.2); raise SystemExit(4)"), role="test", critical=False)
+    sup = Supervisor([[keeper], [flaky]], tmp_path, out=lines.append,
+                     policy=RestartPolicy(backoff=0.05, backoff_max=0.05, max_crashes=2, crash_window=30))
+    task = asyncio.create_task(sup.run(handle_signals=False))
+    deadline = time.monotonic() + 20
+    while not any("keeps running without flaky" in line for line in lines):
+        assert time.monotonic() < deadline, lines
+        await asyncio.sleep(0.05)
+    assert sup.children[0].running
+    sup.request_stop()
+    assert await asyncio.wait_for(task, 20) == 0
+    assert "gave up" in "\n".join(sup.table())
+
+
+async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
+    lines: list[str] = []
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    specs = [ChildSpec("first", _py("import time; time.sleep(60)"), role="test"),
+             ChildSpec("second", _py("import time; time.sleep(60)"), role="test"),
+             ChildSpec("stubborn", _py(ignore_term), role="test",
+                       probe=lambda c: _async_true_if("up" in c.log_since_start()))]
+    sup = Supervisor([specs[:1], specs[1:]], tmp_path, out=lines.append, stop_timeout=0.5)
+    task = asyncio.create_task(sup.run(handle_signals=False))
+    while not sup.children or not all(c.ready for c in sup.children) or len(sup.children) < 3:
+        await asyncio.sleep(0.05)
+    pids = [c.pid for c in sup.children]
+    sup.request_stop()
+    assert await asyncio.wait_for(task, 20) == 0
+    stops = [line.split()[1] for line in lines if line.startswith(("stopped ", "killed "))]
+    assert stops == ["stubborn", "second", "first"]
+    assert any(line.startswith("killed stubborn") for line in lines)
+    for pid in pids:
+        assert not _alive(pid)
+
+
+async def _async_true_if(value: bool) -> bool:
+    return value
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ the real fleet
+
+
+class Lines:
+    """Collects a process's stdout lines in a thread; wait_for(regex) returns the match."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        rx = re.compile(pattern)
+        for line in self.lines:
+            if m := rx.search(line):
+                return m
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in {timeout:g} s:\n" + "\n".join(self.lines))
+            if line is None:
+                raise AssertionError(f"output ended without {pattern!r}:\n" + "\n".join(self.lines))
+            self.lines.append(line)
+            if m := rx.search(line):
+                return m
+
+
+async def _job(url: str, digits: list[int]):
+    import nats
+
+    from coordinator.client import run_job
+    from schemas import JobRequest
+
+    nc = await nats.connect(url, name="test-up")
+    try:
+        return await run_job(nc, JobRequest(digits=digits, steps=4, strategy="oracle", seed=1), timeout=60)
+    finally:
+        await nc.drain()
+
+
+@pytest.mark.timeout(180)
+async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
+    import numpy as np
+
+    nats_port, web_port = free_port(), free_port()
+    url = f"nats://127.0.0.1:{nats_port}"
+    cmd = [sys.executable, "-m", "infra.cli", "up", "--checkpoints", str(tiny_fleet_dir), "--nats-port", str(nats_port),
+           "--nats-monitor-port", "0", "--port", str(web_port), "--buckets", "1,2", "--log-dir", str(tmp_path / "logs"),
+           "--backend-1", "torch", "--worker-args", "--threads 1", "--stop-timeout", "15"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    out = Lines(proc.stdout)
+    pids: dict[str, int] = {}
+    try:
+        await asyncio.to_thread(out.wait_for, r"fleet ready: open http://127\.0\.0\.1:%d/" % web_port, 120)
+        for name in ("nats-server", "worker-e0-0", "worker-e1-0", "coordinator", "web"):
+            pids[name] = int((await asyncio.to_thread(out.wait_for, rf"^{name}\s+(\d+)\s", 1)).group(1))
+        assert re.search(r"^worker-e1-0\s+\d+\s+expert 1\s+torch\s+ddm\.v1\.expert\.1\.velocity", "\n".join(out.lines), re.M)
+        assert (tmp_path / "logs" / "coordinator.log").exists()
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=10) as resp:
+            assert resp.status == 200
+            assert b"<html" in resp.read().lower()
+
+        done = await _job(url, [1, 8])
+        assert done.images.shape == (2, 1, 32, 32) and np.isfinite(done.images).all()
+        np.testing.assert_allclose(done.usage, [[1, 0], [0, 1]])
+
+        os.kill(pids["worker-e0-0"], signal.SIGKILL)
+        await asyncio.to_thread(out.wait_for, r"CRASH worker-e0-0 \(pid %d\) .*killed by SIGKILL" % pids["worker-e0-0"], 10)
+        new_pid = int((await asyncio.to_thread(out.wait_for, r"restarted worker-e0-0: pid (\d+) ready", 90)).group(1))
+        assert new_pid != pids["worker-e0-0"] and _alive(new_pid)
+        pids["worker-e0-0 (restarted)"] = new_pid
+
+        done = await _job(url, [1, 3])  # expert 0 only: served by the restarted worker, not a fallback
+        np.testing.assert_allclose(done.usage, [[1, 0], [1, 0]])
+
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+        await asyncio.to_thread(out.wait_for, "fleet stopped: every process exited", 5)
+        text = "\n".join(out.lines)
+        order = [m.group(1) for m in re.finditer(r"^stopped (\S+) \(pid \d+\): exit code 0", text, re.M)]
+        assert order == ["web", "coordinator", "worker-e1-0", "worker-e0-0", "nats-server"], text
+        left = [name for name, pid in pids.items() if _alive(pid)]
+        assert not left, f"still running after SIGINT: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # children get SIGTERM through PR_SET_PDEATHSIG
+            proc.wait()
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_backends_default_and_override(tiny_fleet_dir):
+    """Expert 0 on torch and expert 1 on jax by default (the reference demo's two frameworks);
+    --backend-K overrides; --workers N gives N processes per expert; children run this interpreter."""
+    from infra.cmd_up import Probes, build_stages, check_checkpoints
+
+    def stages(*argv):
+        args = cli.build_parser().parse_args(["up", "--checkpoints", str(tiny_fleet_dir), *argv])
+        return build_stages(args, check_checkpoints(args.checkpoints), "/bin/nats-server", Probes("nats://x:1"))
+
+    bus, rest = stages()
+    assert bus[0].argv[:3] == ["/bin/nats-server", "-c", str(REPO / "infra" / "nats" / "local.conf")]
+    assert [(c.name, c.backend) for c in rest] == [("worker-e0-0", "torch"), ("worker-e1-0", "jax"),
+                                                   ("coordinator", "-"), ("web", "-")]
+    assert all(c.argv[:3] == [sys.executable, "-m", "infra.cli"] for c in rest)
+    _, rest = stages("--backend-0", "jax", "--backend-1", "torch", "--workers", "2", "--no-web", "--buckets", "1,4")
+    assert [(c.name, c.backend) for c in rest] == [("worker-e0-0", "jax"), ("worker-e0-1", "jax"),
+                                                   ("worker-e1-0", "torch"), ("worker-e1-1", "torch"),
+                                                   ("coordinator", "-")]
+    assert "--buckets" in rest[0].argv and rest[0].argv[rest[0].argv.index("--buckets") + 1] == "1,4"
+    assert not rest[0].critical and rest[-1].critical
