@@ -305,3 +305,22 @@ async def test_full_queue_answers_overloaded_at_once(tiny_expert_checkpoint):
                 assert all(isinstance(r, StepReply) for r, _ in results)
             finally:
                 await nc.close()
+
+
+async def test_messages_without_a_reply_subject_are_ignored_safely(worker, nc):
+    await nc.publish(SUBJECT, b"\xc1 garbage, nobody to answer")
+    await nc.publish(SUBJECT, pack(make_request(2)))
+    await nc.flush()
+    reply, _ = await ask(nc, pack(make_request(2)))
+    assert isinstance(reply, StepReply)
+
+
+def test_worker_arguments_are_validated(tiny_expert_checkpoint):
+    with pytest.raises(ValueError, match="non-negative int"):
+        ExpertWorker(-1, tiny_expert_checkpoint)
+    with pytest.raises(ValueError, match="checkpoint=PATH"):
+        ExpertWorker(0, None, "torch")
+    with pytest.raises(ValueError, match="max_queue_rows"):
+        ExpertWorker(0, tiny_expert_checkpoint, max_queue_rows=0)
+    with pytest.raises(ValueError, match="largest bucket"):
+        ExpertWorker(0, tiny_expert_checkpoint, buckets=(1, 2), max_batch=4)
