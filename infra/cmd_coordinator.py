@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition", default="checkpoints/partition.json", metavar="PATH",
                         help="partition manifest: number of experts and the class owners for --strategy oracle "
                              "(default %(default)s)")
-    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL", help="NATS server (default %(default)s, or $NATS_URL)")
+    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL", help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
+                             "nats://127.0.0.1:4222)")
     parser.add_argument("--max-rows", type=int, default=1024, metavar="N",
                         help="most images denoised at once, over all jobs (default %(default)s); a job waits in the "
                              "queue until its rows fit")
@@ -65,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
         from coordinator.service import Coordinator, load_router_and_partition, wait_for_experts
 
         router, k, c2e = load_router_and_partition(args.router, args.partition)
-        nc = await nats.connect(args.nats, name="ddm-coordinator", max_reconnect_attempts=-1,
+        from infra.nats_server import nats_servers
+
+        nc = await nats.connect(nats_servers(args.nats), name="ddm-coordinator", max_reconnect_attempts=-1,
                                 connect_timeout=5, allow_reconnect=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
     parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL",
-                        help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS})")
+                        help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
+                             "nats://127.0.0.1:4222)")
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128",
                         help="batch sizes compiled and padded to (default: 1,2,4,8,16,32,64,128)")
     parser.add_argument("--max-batch", type=int, default=None, metavar="N",

@@ -276,3 +276,42 @@ def test_backends_default_and_override(tiny_fleet_dir):
                                                    ("coordinator", "-")]
     assert "--buckets" in rest[0].argv and rest[0].argv[rest[0].argv.index("--buckets") + 1] == "1,4"
     assert not rest[0].critical and rest[-1].critical
+
+
+# ------------------------------------------------------------------ --nats: $NATS_URL and comma-separated lists
+
+
+async def test_worker_connects_through_a_server_list(tiny_expert_checkpoint, nats_url, nc):
+    """A comma-separated --nats (a dead node, then the live one) reaches the live node."""
+    from workers.service import ExpertWorker
+
+    dead = f"127.0.0.1:{free_port()}"  # no scheme: nats_servers() adds nats://
+    worker = ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=f"{dead},{nats_url}", buckets=(1,),
+                          connect_attempts=3)
+    await worker.start()
+    try:
+        assert worker.nc.connected_url.port == int(nats_url.rsplit(":", 1)[1])
+        reply = await nc.request(f"$SRV.PING.ddm-expert.{worker.service_id}", b"", timeout=2)
+        assert worker.service_id.encode() in reply.data
+    finally:
+        await worker.stop()
+
+
+def test_commands_default_to_nats_url_env():
+    env = {**os.environ, "NATS_URL": "nats://from-env:4999"}
+    env.pop("DDM_NATS_URL", None)
+    for command in ("worker", "coordinator", "web"):
+        out = subprocess.run([sys.executable, "-c", f"from infra import cli; cli.main(['{command}', '--help'])"],
+                             env=env, capture_output=True, text=True, timeout=60).stdout
+        assert "comma-separated list" in out, (command, out)
+    code = ("from infra import cli; p = cli.build_parser(); print(p.parse_args({argv}).nats)")
+    for command in ("worker --expert 0 --checkpoint x", "coordinator", "web"):
+        argv = repr(command.split())
+        got = subprocess.run([sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+        assert got == "nats://from-env:4999", (command, got)
+    env = {**os.environ, "DDM_NATS_URL": "nats://ddm-env:4998"}
+    env.pop("NATS_URL", None)
+    got = subprocess.run([sys.executable, "-c", code.format(argv="['web']")], env=env, capture_output=True,
+                         text=True, timeout=60).stdout.strip()
+    assert got == "nats://ddm-env:4998"

@@ -97,13 +97,15 @@ def create_app(config: WebConfig | None = None) -> web.Application:
 async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
     import nats
 
+    from infra.nats_server import nats_servers
+
     url = app[CONFIG].nats_url
 
     async def on_error(err: Exception) -> None:
         log.warning("nats: %s", err)
 
     try:
-        nc = await nats.connect(url, name="ddm-web", max_reconnect_attempts=2, reconnect_time_wait=1,
+        nc = await nats.connect(nats_servers(url), name="ddm-web", max_reconnect_attempts=2, reconnect_time_wait=1,
                                 connect_timeout=3, error_cb=on_error, allow_reconnect=True)
     except Exception as err:
         raise RuntimeError(f"cannot connect to NATS at {url}: {err}. Is a nats-server running "
