@@ -190,9 +190,12 @@ class ExpertWorker:
         async def on_reconnect() -> None:
             log.warning("nats: reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
 
+        from infra.nats_server import nats_servers
+
+        servers = nats_servers(self.nats_url)  # one URL or a comma-separated list (ValueError if malformed)
         try:
             nc = await nats.connect(
-                self.nats_url,
+                servers,
                 name=f"ddm-worker-e{self.expert}-{self._backend_name}",
                 allow_reconnect=True,
                 max_reconnect_attempts=max(1, self.connect_attempts),
