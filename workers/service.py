@@ -150,9 +150,9 @@ class ExpertWorker:
             await asyncio.to_thread(self._prepare_backend)
             self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch)
             await self._batcher.start()
-            await self._advertise()
             if self.metrics_port is not None:
                 self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)
+            await self._advertise()
         except BaseException:
             await self._teardown()
             raise
@@ -317,6 +317,12 @@ class ExpertWorker:
                 log.warning("flush on shutdown failed: %s", err)
 
     async def _teardown(self) -> None:
+        if self._service is not None:  # start failed after advertising, or a graceful stop timed out
+            try:
+                await self._service.stop()
+            except Exception as err:
+                log.warning("stopping the micro service: %s", err)
+            self._service = None
         if self._batcher is not None:
             try:
                 await self._batcher.close()
