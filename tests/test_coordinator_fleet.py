@@ -90,6 +90,7 @@ async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
         streamed = [j for j in jobs if j.stream]
         assert all(frames[a.job_id] == j.steps for j, a in zip(jobs, crowd) if j.stream)
         assert len(frames) == len(streamed)
+        assert status.rows_per_s > 0 and status.ticks > 0
     finally:
         await _stop(ws)
 
@@ -186,14 +187,15 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
                 nonlocal progress
                 progress = time.monotonic()
 
-            jobs = [JobRequest(digits=[i % 5, (i + 1) % 5], steps=30, seed=i) for i in range(4)]
-            tasks = [asyncio.create_task(run_job(nc, j, on)) for j in jobs]
-            await asyncio.sleep(0.5)
             victim = procs[0]
-            victim.send_signal(signal.SIGSTOP)  # freeze it until a request is stuck on it ...
-            while time.monotonic() - progress < 0.4:
+            victim.send_signal(signal.SIGSTOP)  # frozen but subscribed: the queue group still picks it
+            jobs = [JobRequest(digits=[i % 5, (i + 1) % 5], steps=30, seed=i) for i in range(4)]
+            progress = time.monotonic()
+            tasks = [asyncio.create_task(run_job(nc, j, on)) for j in jobs]
+            while time.monotonic() - progress < 0.4:  # a request is stuck on the frozen worker ...
                 await asyncio.sleep(0.05)
-            victim.kill()  # ... then kill it: that request is lost and must be retried
+            assert not any(t.done() for t in tasks)
+            victim.kill()  # ... kill it: that request is lost and must be retried on the other worker
             done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             assert len(done) == 4 and all(d.images.shape == (2, 1, 32, 32) for d in done)
             assert coord.transport.retried >= 1
