@@ -66,11 +66,14 @@ class Coordinator:
     """Router + scheduler + engine + NATS endpoints, as an async context manager.
 
     Give `nc` (an open nats-py connection, not closed on exit) or `nats_url` (connected and
-    drained here). `transport` defaults to `NatsTransport(nc, step_timeout, retries)`."""
+    drained here). `transport` defaults to `NatsTransport(nc, step_timeout, retries, request_rows)`:
+    request_rows (<= MAX_STEP_ROWS) caps the rows of one expert request, so an expert's batch is split
+    into concurrent requests that the queue group spreads over that expert's workers."""
 
     def __init__(self, router: RouterLike, *, num_experts: int, class_to_expert: Sequence[int] | None = None,
                  nc: Any = None, nats_url: str | None = None, max_rows: int = 1024, max_queued_jobs: int = 256,
-                 step_timeout: float = 10.0, retries: int = 2, transport: Transport | None = None,
+                 step_timeout: float = 10.0, retries: int = 2, request_rows: int | None = None,
+                 transport: Transport | None = None,
                  image_shape: tuple[int, int, int] = (1, 32, 32), name: str = "coordinator"):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
@@ -82,6 +85,7 @@ class Coordinator:
         self.nats_url = nats_url
         self.step_timeout = step_timeout
         self.retries = retries
+        self.request_rows = request_rows
         self.transport = transport
         self.name = name
         self.engine: Engine | None = None
@@ -103,7 +107,8 @@ class Coordinator:
         if self.nc is None:
             self.nc = await nats.connect(self.nats_url, name=self.name, max_reconnect_attempts=-1)
         if self.transport is None:
-            self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries)
+            opts = {"max_rows": self.request_rows} if self.request_rows else {}
+            self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries, **opts)
         self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish)
         self._subs = [
             await self.nc.subscribe(subjects.JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=2, metavar="N",
                         help="extra tries of a timed-out expert request; the queue group hands each try to a worker "
                              "(default %(default)s)")
+    parser.add_argument("--request-rows", type=int, default=512, metavar="N",
+                        help="most rows in one expert request (at most 512, default %(default)s); a smaller value "
+                             "splits an expert's batch into concurrent requests that the queue group spreads over "
+                             "several workers of that expert (one worker re-batches them)")
     parser.add_argument("--wait-experts", type=float, default=0.0, metavar="S",
                         help="before serving, wait up to S seconds for every expert to have a worker (default: don't)")
 
@@ -52,10 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("ddm.coordinator")
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 0),
-                             ("--retries", args.retries, 0)):
+                             ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1)):
         if value < low:
             print(f"ddm-fleet coordinator: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if args.request_rows > 512:
+        print(f"ddm-fleet coordinator: --request-rows must be <= 512 (schemas.MAX_STEP_ROWS), got {args.request_rows}",
+              file=sys.stderr)
+        return 2
     if args.step_timeout <= 0:
         print(f"ddm-fleet coordinator: --step-timeout must be > 0, got {args.step_timeout}", file=sys.stderr)
         return 2
@@ -80,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 await wait_for_experts(nc, k, timeout=args.wait_experts)
             async with Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
                                    max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
-                                   retries=args.retries) as coord:
+                                   retries=args.retries, request_rows=args.request_rows) as coord:
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)", flush=True)
                 await stop.wait()

@@ -205,3 +205,16 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
         for p in procs:
             p.kill()
             p.wait()
+
+
+async def test_request_rows_spreads_an_experts_batch_over_its_workers(nats_url, nc, experts):
+    ws = await _workers(nats_url, experts, per_expert=2)
+    try:
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, request_rows=2):
+            done = await run_job(nc, JobRequest(digits=[1] * 8, steps=6, seed=0))
+            assert done.images.shape == (8, 1, 32, 32)
+        expert0 = [w for w in ws if w.expert == 0]
+        assert all(w.metrics.replies > 0 for w in expert0), [w.metrics.replies for w in expert0]
+        assert sum(w.metrics.replies for w in expert0) == 4 * 6  # 8 rows in requests of 2, 6 ticks
+    finally:
+        await _stop(ws)
