@@ -14,7 +14,9 @@ import pytest
 
 from coordinator.client import JobFailed, cancel_job, fleet_status, run_job
 from coordinator.service import Coordinator, wait_for_experts
-from schemas import DoneEvent, ErrorCode, FrameEvent, JobRejected, JobRequest, SubmitReply, pack, subjects, unpack
+from coordinator.scheduler import Rejected
+from schemas import (DoneEvent, ErrorCode, FrameEvent, JobEvent, JobRejected, JobRequest, SubmitReply, pack, subjects,
+                     unpack)
 
 from coordinator.local_fleet import LabelRouter
 from coordinator_helpers import make_tiny_experts
@@ -111,10 +113,17 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
             assert err.value.code == ErrorCode.TOO_LARGE
             with pytest.raises(JobFailed, match="partition manifest"):
                 await run_job(nc, JobRequest(digits=[1], strategy="oracle"))
-            # still serving
+            # still serving; the in-process API too
             done = await run_job(nc, JobRequest(digits=[2, 8], steps=2, seed=3))
             assert done.images.shape == (2, 1, 32, 32)
-            assert coord.status().jobs_rejected == 2
+            with pytest.raises(Rejected) as rej:
+                await coord.submit(JobRequest(digits=[1] * 9))
+            assert rej.value.code == ErrorCode.TOO_LARGE
+            sub = await nc.subscribe(subjects.job_events("inproc"))
+            accepted = await coord.submit(JobRequest(job_id="inproc", digits=[4], steps=2, stream=False))
+            kinds = [unpack((await sub.next_msg(timeout=30)).data, JobEvent).kind for _ in range(2)]
+            assert accepted.events_subject == subjects.job_events("inproc") and kinds == ["accepted", "done"]
+            assert coord.status().jobs_rejected == 3
     finally:
         await _stop(ws)
 
