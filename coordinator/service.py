@@ -128,6 +128,8 @@ class Coordinator:
             except Exception:
                 pass
         self._subs = []
+        for task in list(self._bg):
+            task.cancel()
         if self.engine is not None:
             await self.engine.stop()
         if self._task is not None:
