@@ -65,8 +65,9 @@ class SchedulerConfig:
             raise ValueError(f"num_experts must be a positive int, got {self.num_experts!r}")
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 (rows batched per tick), got {self.max_rows}")
-        if self.max_queued_jobs < 0:
-            raise ValueError(f"max_queued_jobs must be >= 0, got {self.max_queued_jobs}")
+        if self.max_queued_jobs < 1:
+            raise ValueError(f"max_queued_jobs must be >= 1 (a new job waits in the queue until the next tick), "
+                             f"got {self.max_queued_jobs}")
         if self.class_to_expert is not None:
             c2e = list(self.class_to_expert)
             if len(c2e) != self.num_classes or any(not (0 <= int(k) < self.num_experts) for k in c2e):

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     log = logging.getLogger("ddm.coordinator")
-    for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 0),
+    for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
                              ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1)):
         if value < low:
             print(f"ddm-fleet coordinator: {name} must be >= {low}, got {value}", file=sys.stderr)

@@ -301,6 +301,8 @@ def test_bad_router_weights_are_refused():
 def test_config_errors_say_how_to_fix():
     with pytest.raises(ValueError, match="num_experts"):
         SchedulerConfig(num_experts=0)
+    with pytest.raises(ValueError, match="max_queued_jobs"):
+        SchedulerConfig(num_experts=2, max_queued_jobs=0)
     with pytest.raises(ValueError, match="class_to_expert"):
         SchedulerConfig(num_experts=2, class_to_expert=[0, 1, 2])
 
