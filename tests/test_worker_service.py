@@ -202,7 +202,7 @@ class FlakyTorchBackend:
                 if np.any(t == np.float32(0.125)):
                     raise RuntimeError("simulated device fault")
                 if np.any(t == np.float32(0.875)):
-                    time.sleep(0.6)
+                    time.sleep(1.0)
                 return super()._forward(x, t, y)
 
         be = Flaky()
@@ -228,7 +228,7 @@ async def test_model_failure_is_an_internal_error_and_the_loop_stays_responsive(
                 await asyncio.sleep(0.1)
                 start = time.perf_counter()
                 await nc.request(f"$SRV.PING.{SERVICE_NAME}.{w.service_id}", b"", timeout=2)
-                assert time.perf_counter() - start < 0.3
+                assert time.perf_counter() - start < 0.5
                 assert not slow.done()
                 assert isinstance((await slow)[0], StepReply)
                 assert w.metrics.errors.get("internal") == 1
@@ -245,7 +245,7 @@ async def test_expired_while_queued_is_dropped_not_computed(tiny_expert_checkpoi
             nc = await nats.connect(srv.url)
             try:
                 slow = asyncio.create_task(ask(nc, pack(make_request(1, t=np.full(1, 0.875, np.float32)))))
-                await asyncio.sleep(0.1)  # the worker is now busy for ~0.6 s
+                await asyncio.sleep(0.1)  # the worker is now busy for ~1 s
                 late = make_request(1, deadline=time.time() + 0.2)
                 batches_before = w.metrics.batches
                 reply, _ = await ask(nc, pack(late))
@@ -293,14 +293,14 @@ async def test_full_queue_answers_overloaded_at_once(tiny_expert_checkpoint):
             nc = await nats.connect(srv.url)
             try:
                 slow = asyncio.create_task(ask(nc, pack(make_request(1, t=np.full(1, 0.875, np.float32)))))
-                await asyncio.sleep(0.1)  # running (not queued) for ~0.6 s
+                await asyncio.sleep(0.1)  # running (not queued) for ~1 s
                 queued = [asyncio.create_task(ask(nc, pack(make_request(1, seed=i)))) for i in range(2)]
                 await asyncio.sleep(0.05)
                 assert w._batcher.queued_rows == 2
                 start = time.perf_counter()
                 reply, _ = await ask(nc, pack(make_request(1)))
                 assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.OVERLOADED
-                assert time.perf_counter() - start < 0.4  # refused without waiting for the queue
+                assert time.perf_counter() - start < 0.6  # refused without waiting for the queue
                 results = await asyncio.gather(slow, *queued)
                 assert all(isinstance(r, StepReply) for r, _ in results)
             finally:
