@@ -189,3 +189,42 @@ async def test_observer_sees_rows_and_bucket():
     await b.submit(*rows(3))
     await b.close()
     assert seen == [(3, 4)]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=12),
+    buckets=st.sets(st.sampled_from([1, 2, 3, 4, 8, 16]), min_size=1, max_size=6),
+    stagger=st.booleans(),
+)
+def test_any_mix_of_requests_gets_exactly_its_own_rows_back(sizes, buckets, stagger):
+    """Property: whatever the sizes and arrival pattern, each request gets model(its rows) and
+    every forward pass has a bucket's size."""
+    model = RecordingModel()
+
+    async def scenario():
+        b = Batcher(model, buckets=sorted(buckets))
+        await b.start()
+        inputs, futs = [], []
+        for i, n in enumerate(sizes):
+            p = rows(n, start=100 * i)
+            inputs.append(p)
+            futs.append(b.submit(*p))
+            if stagger and i % 3 == 0:
+                await asyncio.sleep(0)
+        results = await asyncio.gather(*futs)
+        await b.close()
+        return inputs, results
+
+    loop = asyncio.new_event_loop()  # a private loop: leaves pytest-asyncio's session loop alone
+    try:
+        inputs, results = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    for p, r in zip(inputs, results):
+        np.testing.assert_array_equal(r.velocity, expected(*p))
+    assert set(model.calls) <= set(buckets)
+    assert sum(model.calls) >= sum(sizes)

@@ -115,3 +115,17 @@ def test_bench_worker_runs_and_reports_every_bucket():
     assert res["setup"]["backend"] == "torch"
     table = format_table(res)
     assert "ratio" in table and len(table.splitlines()) == 4
+
+
+def test_every_registered_bench_has_arguments_and_a_runner():
+    import argparse
+
+    from infra.cmd_bench import BENCHES, _resolve, add_arguments
+
+    for name, target, _help in BENCHES:
+        impl = _resolve(target)
+        assert callable(impl.add_arguments) and callable(impl.run), name
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["worker", "--buckets", "1,2", "--min-time", "0"])
+    assert args.bench == "worker" and args.buckets == "1,2"
