@@ -138,7 +138,8 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
                           "--nats", nats_url]
             argv += (["--buckets", args.buckets] if args.buckets else []) + shlex.split(args.worker_args)
             rest.append(ChildSpec(f"worker-e{k}-{i}", argv, role=f"expert {k}", backend=backend,
-                                  where=subjects.expert_velocity(k), probe=probes.worker, critical=False, env=env))
+                                  where=subjects.expert_velocity(k), probe=probes.worker, critical=False, env=env,
+                                  stop_group="workers"))
     coord = cli + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]),
                    "--nats", nats_url] + shlex.split(args.coordinator_args)
     rest.append(ChildSpec("coordinator", coord, role="coordinator", where=subjects.JOBS_SUBMIT,

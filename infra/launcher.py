@@ -10,8 +10,8 @@
   exponential backoff. After `max_crashes` exits within `crash_window` seconds the supervisor gives
   up on it: a critical child (the bus, the coordinator, the web server) then stops the whole fleet
   (exit 1); a non-critical one (a worker) is left down and the rest keeps running.
-* SIGINT / SIGTERM: children get SIGTERM one at a time in reverse start order, SIGKILL after
-  `stop_timeout` seconds; then run() returns 0.
+* SIGINT / SIGTERM: children get SIGTERM one at a time in reverse start order (neighbours sharing a
+  `stop_group`, e.g. all workers, together), SIGKILL after `stop_timeout` seconds; run() returns 0.
 * Children run in their own session (a terminal's Ctrl-C reaches only the supervisor, which stops
   them in order) and, on Linux, get SIGTERM if the supervisor itself dies (PR_SET_PDEATHSIG).
 
@@ -45,6 +45,7 @@ class ChildSpec:
     probe: Probe | None = None  # True once ready; None = ready when spawned
     critical: bool = True
     env: dict[str, str] | None = None
+    stop_group: str | None = None  # neighbours in start order with the same group are stopped together
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in "/\\ "):
@@ -125,7 +126,7 @@ def _child_preexec() -> None:  # runs in the child between fork and exec
 class Supervisor:
     def __init__(self, stages: Sequence[Sequence[ChildSpec]], log_dir: str | os.PathLike, *,
                  ready_timeout: float = 300.0, stop_timeout: float = 10.0, policy: RestartPolicy | None = None,
-                 probe_interval: float = 0.25, out: Callable[[str], None] | None = None,
+                 probe_interval: float = 0.25, progress_every: float = 30.0, out: Callable[[str], None] | None = None,
                  on_ready: Callable[["Supervisor"], None] | None = None,
                  on_stopping: Callable[[], Awaitable[None]] | None = None):
         specs = [s for stage in stages for s in stage]
@@ -140,6 +141,7 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.policy = policy or RestartPolicy()
         self.probe_interval = probe_interval
+        self.progress_every = progress_every
         self.out = out or (lambda line: print(line, flush=True))
         self.on_ready = on_ready
         self.on_stopping = on_stopping  # awaited once before the first child is stopped
@@ -189,8 +191,14 @@ class Supervisor:
                 self.out(f"on_stopping hook failed: {type(err).__name__}: {err}")
         self._stopping = True
         self._stop.set()
+        groups: list[list[Child]] = []
         for child in reversed(self.children):
-            await self._terminate(child)
+            if groups and child.spec.stop_group and groups[-1][0].spec.stop_group == child.spec.stop_group:
+                groups[-1].append(child)
+            else:
+                groups.append([child])
+        for group in groups:
+            await asyncio.gather(*(self._terminate(c) for c in group))
         for task in self._watchers:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
@@ -261,8 +269,15 @@ class Supervisor:
 
     async def _wait_ready(self, child: Child) -> None:
         """Poll the probe until True. StartupError if the child exits or the timeout passes."""
-        deadline = time.monotonic() + self.ready_timeout
+        start = time.monotonic()
+        deadline = start + self.ready_timeout
+        next_note = start + self.progress_every
         while True:
+            if time.monotonic() > next_note:  # say what a slow start (jax warm-up) is doing
+                last = (child.log_tail(1) or ["(no output yet)"])[0].strip()
+                self.out(f"still waiting for {child.name} (pid {child.pid}, {time.monotonic() - start:.0f} s): "
+                         f"{last[:160]}")
+                next_note += self.progress_every
             if child.proc.returncode is not None:
                 raise StartupError(self._exit_report(child, "before it was ready"))
             ok = True

@@ -244,7 +244,8 @@ async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
         await asyncio.to_thread(out.wait_for, "fleet stopped: every process exited", 5)
         text = "\n".join(out.lines)
         order = [m.group(1) for m in re.finditer(r"^stopped (\S+) \(pid \d+\): exit code 0", text, re.M)]
-        assert order == ["web", "coordinator", "worker-e1-0", "worker-e0-0", "nats-server"], text
+        assert order[:2] == ["web", "coordinator"] and order[4:] == ["nats-server"], text  # reverse start order
+        assert sorted(order[2:4]) == ["worker-e0-0", "worker-e1-0"], text  # workers together
         left = [name for name, pid in pids.items() if _alive(pid)]
         assert not left, f"still running after SIGINT: {left}"
     finally:
