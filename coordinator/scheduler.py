@@ -11,8 +11,9 @@ The engine loop is `schedule -> execute -> update` (as in vLLM):
 
 Jobs that arrive mid-run join at the next `schedule`; finished jobs leave in `update`;
 `cancel` frees a job's rows at once (a batch in flight simply skips them on update).
-Admission: at most `max_rows` active rows (a job is admitted whole, in arrival order) and
-at most `max_queued_jobs` waiting jobs; beyond that `submit` raises `Rejected(overloaded)`.
+Admission: at most `max_rows` active rows (a job is admitted whole, in arrival order; it starts
+at once when its rows are free and nobody waits) and at most `max_queued_jobs` waiting jobs;
+beyond that `submit` raises `Rejected(overloaded)`.
 """
 
 from __future__ import annotations
@@ -142,8 +143,6 @@ class Scheduler:
         n = request.n_images
         if n > cfg.max_rows:
             raise Rejected(ErrorCode.TOO_LARGE, f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} rows at once")
-        if len(self.queue) >= cfg.max_queued_jobs:
-            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later")
         if request.strategy == "oracle" and cfg.class_to_expert is None:
             raise Rejected(ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none")
         if request.digits is not None and any(d >= cfg.num_classes for d in request.digits):
@@ -151,14 +150,20 @@ class Scheduler:
         job_id = request.job_id or secrets.token_hex(8)
         if self.knows(job_id):
             raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
+        starts_now = not self.queue and self.active_rows + n <= cfg.max_rows
+        if not starts_now and len(self.queue) >= cfg.max_queued_jobs:
+            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later")
         seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
         digits = list(request.digits) if request.digits is not None else draw_digits(seed, n, cfg.num_classes)
         deadline = now + request.deadline_s if request.deadline_s is not None else None
         job = Job(request=request, job_id=job_id, digits=digits, seed=seed, submitted_at=now, deadline=deadline)
-        self.queue.append(job)
         self.stats.jobs_submitted += 1
+        if starts_now:  # rows are free and nobody waits: active now, in the batch of the next tick
+            self._start(job, now)
+        else:
+            self.queue.append(job)
         return JobAccepted(job_id=job_id, events_subject=subjects.job_events(job_id), digits=digits, seed=seed,
-                           queue_position=len(self.queue) - 1)
+                           queue_position=len(self.queue) if not starts_now else 0)
 
     def cancel(self, job_id: str, now: float, reason: str = "cancelled by client") -> bool:
         """Drop a queued or running job now; emits FailedEvent(cancelled). False if unknown."""

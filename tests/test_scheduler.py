@@ -196,21 +196,22 @@ def test_admission_limits_and_fifo_queue():
     with pytest.raises(Rejected) as err:
         s.submit(JobRequest(digits=[1] * 5), 0.0)
     assert err.value.code == ErrorCode.TOO_LARGE
-    s.submit(JobRequest(job_id="a", digits=[1] * 3, steps=2), 0.0)
-    s.submit(JobRequest(job_id="b", digits=[1] * 2, steps=2), 0.0)
+    assert s.submit(JobRequest(job_id="a", digits=[1] * 3, steps=2), 0.0).queue_position == 0  # starts at once
+    assert s.submit(JobRequest(job_id="b", digits=[1] * 2, steps=2), 0.0).queue_position == 1  # 3 + 2 > 4
+    assert s.submit(JobRequest(job_id="c", digits=[1], steps=2), 0.0).queue_position == 2  # fits, but b was first
     with pytest.raises(Rejected) as err:
-        s.submit(JobRequest(job_id="c", digits=[1]), 0.0)
+        s.submit(JobRequest(job_id="d", digits=[1]), 0.0)
     assert err.value.code == ErrorCode.OVERLOADED
-    s.schedule(0.0)
     with pytest.raises(Rejected, match="already in use"):
         s.submit(JobRequest(job_id="a", digits=[1]), 0.0)
-    assert list(s.active) == ["a"] and s.queued_jobs == 1  # b waits: 3 + 2 > 4
-    assert s.active_rows == 3
+    with pytest.raises(Rejected, match="already in use"):
+        s.submit(JobRequest(job_id="b", digits=[1]), 0.0)
+    assert s.schedule(0.0).job_ids == ["a"] * 3  # b waits (FIFO), so c waits behind it
+    assert list(s.active) == ["a"] and s.queued_jobs == 2 and s.active_rows == 3
     tick(s, prefer(0), V2)
     tick(s, prefer(0), V2)  # a finishes
-    b = s.schedule(0.0)
-    assert b.job_ids == ["b", "b"]
-    assert s.stats.jobs_rejected == 3
+    assert s.schedule(0.0).job_ids == ["b", "b", "c"]
+    assert s.stats.jobs_rejected == 4
 
 
 def test_oracle_without_manifest_is_rejected():
