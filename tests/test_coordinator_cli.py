@@ -16,11 +16,13 @@ from schemas import JobRequest
 from coordinator_helpers import make_tiny_experts, make_tiny_router
 
 
-def test_missing_files_are_a_clear_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "infra.cli", "coordinator", "--router", str(tmp_path / "nope.safetensors"),
-                        "--partition", "checkpoints/partition.json", "--nats", "nats://127.0.0.1:1"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "router" in r.stderr and "does not exist" in r.stderr
+def test_missing_files_are_a_clear_error(tmp_path, capsys):
+    from infra.cli import main
+
+    assert main(["coordinator", "--router", str(tmp_path / "nope.safetensors"), "--partition",
+                 "checkpoints/partition.json", "--nats", "nats://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "router" in err and "does not exist" in err
 
 
 def test_bad_limits_are_refused():

@@ -46,11 +46,13 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys):
         assert err.value.code == 2 and msg in capsys.readouterr().err
 
 
-def test_no_fleet_is_a_clear_error(tmp_path):
+def test_no_fleet_is_a_clear_error(tmp_path, capsys):
+    from infra.cli import main
     from infra.nats_server import free_port
 
-    r = _cli("--digits", "3", "--nats", f"nats://127.0.0.1:{free_port()}", "--out", str(tmp_path / "x.png"), timeout=60)
-    assert r.returncode == 1 and "cannot reach NATS" in r.stderr
+    url = f"nats://127.0.0.1:{free_port()}"
+    assert main(["generate", "--digits", "3", "--nats", url, "--out", str(tmp_path / "x.png"), "--no-progress"]) == 1
+    assert "cannot reach NATS" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
