@@ -111,6 +111,7 @@ def check_checkpoints(directory: str | os.PathLike) -> dict:
 
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError as err:

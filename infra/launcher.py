@@ -165,6 +165,7 @@ class Supervisor:
                 await self._start_all()
             except StartupError as err:
                 self._failure = str(err)
+                self.out(f"startup failed: {err}")
             else:
                 if self.on_ready is not None and not self._stop.is_set():
                     self.on_ready(self)
@@ -174,7 +175,7 @@ class Supervisor:
             for sig in sigs:
                 loop.remove_signal_handler(sig)
         if self._failure:
-            self.out(f"fleet stopped: {self._failure}")
+            self.out(f"fleet stopped after a failure: {self._failure.splitlines()[0].rstrip(':')}")
             return 1
         self.out("fleet stopped: every process exited")
         return 0

@@ -141,6 +141,20 @@ async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
         assert not _alive(pid)
 
 
+async def test_supervisor_stop_during_startup(tmp_path):
+    """A stop while a child is still warming up (its probe says not ready) stops it and exits 0."""
+    lines: list[str] = []
+    slow = ChildSpec("slow", _py("import time; time.sleep(60)"), role="test", probe=lambda c: _async_true_if(False))
+    sup = Supervisor([[slow]], tmp_path, out=lines.append, ready_timeout=60)
+    task = asyncio.create_task(sup.run(handle_signals=False))
+    while not sup.children or not sup.children[0].running:
+        await asyncio.sleep(0.05)
+    pid = sup.children[0].pid
+    sup.request_stop()
+    assert await asyncio.wait_for(task, 20) == 0
+    assert f"stopped slow (pid {pid})" in "\n".join(lines) and not _alive(pid)
+
+
 async def _async_true_if(value: bool) -> bool:
     return value
 
