@@ -89,3 +89,39 @@ def test_cli_train_expert(tmp_path, capsys):
     assert meta["weights_dtype"] == "float16" and meta["training"]["steps"] == 3
     assert main(["train-expert", "--expert", "0", "--widths", "8,x"]) == 2
     assert "train-expert: error" in capsys.readouterr().err
+
+
+def _tiny_ckpt(path, expert, classes):
+    import torch
+
+    from workers.checkpoint import save_checkpoint, torch_state_to_numpy
+    from workers.models.config import UNetConfig
+    from workers.models.unet_torch import UNet
+
+    cfg = UNetConfig(widths=(8, 16, 16))
+    torch.manual_seed(expert)
+    return save_checkpoint(path, torch_state_to_numpy(UNet(cfg).state_dict()),
+                           {"config": cfg.to_dict(), "expert_id": expert, "partition": {"classes": classes}})
+
+
+def test_sample_cli_routes_by_partition(tmp_path, capsys):
+    from PIL import Image
+
+    from infra.cli import main
+    from infra.cmd_sample import parse_classes, sample_oracle
+
+    a = _tiny_ckpt(tmp_path / "a", 0, [0, 1, 2, 3, 4])
+    b = _tiny_ckpt(tmp_path / "b", 1, [5, 6, 7, 8, 9])
+    x, y, which = sample_oracle([str(a), str(b)], [1, 7], per_class=3, steps=2, progress=False)
+    assert x.shape == (6, 1, 32, 32) and x.dtype == np.float32 and np.isfinite(x).all()
+    assert y.tolist() == [1, 1, 1, 7, 7, 7] and which.tolist() == [0, 0, 0, 1, 1, 1]
+
+    out = tmp_path / "g.png"
+    assert main(["sample", "--checkpoint", str(a), "--checkpoint", str(b), "--classes", "3,8", "--per-class", "2",
+                 "--steps", "2", "--out", str(out)]) == 0
+    assert Image.open(out).size[1] == 2 * 66 + 2
+    assert main(["sample", "--checkpoint", str(a), "--classes", "0-9", "--steps", "1", "--out", str(out)]) == 2
+    assert "no checkpoint's partition holds class(es) [5, 6, 7, 8, 9]" in capsys.readouterr().err
+    assert parse_classes("0-2,9") == [0, 1, 2, 9]
+    with pytest.raises(ValueError):
+        parse_classes("5-1")
