@@ -8,6 +8,10 @@ every --save-every steps and at the end, plus `<run-dir>/resume.pt` for --resume
 Example (the shipped small expert 0):
   ddm-fleet train-expert --expert 0 --partition checkpoints/partition.json --widths 32,64,128 \\
       --steps 2000 --batch-size 128 --bf16 --out checkpoints/expert0
+
+Data parallel on an island with several devices (--batch-size stays the global batch):
+  torchrun --standalone --nproc_per_node 2 -m infra.cli train-expert --backend torch ...   (DDP: gloo / nccl)
+  ddm-fleet train-expert --backend jax --devices 0 ...   (all JAX devices, SPMD over a data mesh)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert", type=int, required=True, help="expert id K (index into the manifest's experts)")
     parser.add_argument("--partition", default="checkpoints/partition.json", help="partition manifest JSON (default: %(default)s)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch", help="training framework (default: %(default)s)")
+    parser.add_argument("--devices", type=int, default=0, help="jax backend: train data-parallel on the first N JAX devices, 0 = all (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch backend: cpu, cuda[:N] or xla (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps in total (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=128, help="images per step; fixed, last partial batch dropped (default: %(default)s)")
@@ -33,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="where resume.pt lives (default: runs/expert<K>)")
     parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/resume.pt up to --steps")
     parser.add_argument("--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default: %(default)s)")
+    parser.add_argument("--log-every", type=int, default=50, help="steps per loss_history entry in the checkpoint JSON (default: %(default)s)")
     parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--data-dir", default=None, help="MNIST cache dir (default: $DDM_DATA_DIR or ./data)")

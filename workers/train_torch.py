@@ -58,7 +58,7 @@ class TrainConfig:
             self.out = f"checkpoints/expert{self.expert}"
         if not self.run_dir:
             self.run_dir = f"runs/expert{self.expert}"
-        for name in ("steps", "batch_size", "save_every"):
+        for name in ("steps", "batch_size", "save_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.ema_decay < 1.0:
@@ -166,8 +166,14 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
+    from workers import distributed as ddp
+
+    dist_info = ddp.detect()  # torchrun: data parallel over WORLD_SIZE processes (workers/distributed.py)
+    ddp.check_batch(cfg.batch_size, dist_info)
+    device = ddp.local_device(dist_info, cfg.device)
+    ddp.init(dist_info, device)
     torch.manual_seed(cfg.seed)
-    dev = _Device(cfg.device, cfg.bf16)
+    dev = _Device(device, cfg.bf16)
     ucfg = UNetConfig(widths=cfg.widths)
     model = UNet(ucfg).to(dev.device)
     if dev.channels_last:
@@ -196,6 +202,9 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         torch.set_rng_state(ck["torch_rng"])
         log.info("resumed from %s at step %d", resume_path, step)
 
+    if dist_info.enabled and dist_info.rank > 0:  # own noise stream per rank (init weights come from rank 0)
+        torch.manual_seed(ddp.rank_seed(cfg.seed, dist_info.rank, step))
+    train_model = ddp.wrap(model, dist_info, device)
     n = len(images)
     data_x = torch.from_numpy(np.ascontiguousarray(images)).to(dev.device)
     data_y = torch.from_numpy(labels.astype(np.int64)).to(dev.device)
@@ -209,7 +218,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
             sd[k] = e
         return torch_state_to_numpy(sd)
 
-    def save(final: bool) -> dict:
+    def save(final: bool, digests=None) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         recent = [h["loss"] for h in history[-5:]]
         stats = {
@@ -217,9 +226,13 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
             "wall_s": round(wall_before + (time.time() - t_start), 1),
             "final_loss": round(float(np.mean(recent)), 5) if recent else None,
             "loss_history": history, "complete": final and step >= cfg.steps,
-            "params": count_params(model), "torch": torch.__version__,
+            "params": count_params(model), "torch": torch.__version__, "world_size": dist_info.world_size,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         }
+        if digests:
+            stats["param_digests"] = digests
+        if not dist_info.is_main:  # only rank 0 writes
+            return stats
         meta = {"config": ucfg.to_dict(), "expert_id": cfg.expert, "partition": partition_info, "training": stats,
                 "weights": "ema"}
         save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
@@ -234,13 +247,13 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     t_start = time.time()
     window_loss, window_n, window_t = 0.0, 0, time.time()
     perm, pos = rng.permutation(n), 0
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"expert{cfg.expert}", unit="step",
-               dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(total=cfg.steps, initial=step, disable=not (progress and dist_info.is_main), desc=f"expert{cfg.expert}",
+               unit="step", dynamic_ncols=True, mininterval=2.0)
     smooth = None
     while step < cfg.steps:
         if pos + cfg.batch_size > per_epoch * cfg.batch_size:
             perm, pos = rng.permutation(n), 0
-        idx = torch.from_numpy(perm[pos: pos + cfg.batch_size]).to(dev.device)
+        idx = torch.from_numpy(ddp.shard(perm[pos: pos + cfg.batch_size], dist_info)).to(dev.device)
         pos += cfg.batch_size
         x, y = data_x[idx], data_y[idx]
         if dev.channels_last:
@@ -248,7 +261,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with dev.autocast():
-            loss = torch_flow_loss(model, x, y)
+            loss = torch_flow_loss(train_model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -258,6 +271,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         dev.step_boundary()
         step += 1
         lv = float(loss.detach())  # on XLA this reads back after the step's graph has run
+        lv = ddp.mean_across(lv, dist_info, dev.device)  # the global batch's loss
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss became {lv} at step {step}; lower --lr or disable --bf16")
         smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
@@ -269,13 +283,18 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         if step % cfg.log_every == 0 or step == cfg.steps:
             ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
             history.append({"step": step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
-            if not progress or step % (5 * cfg.log_every) == 0:
+            if dist_info.is_main and (not progress or step % (5 * cfg.log_every) == 0):
                 log.info("expert%d step %d loss %.4f %.0f img/s", cfg.expert, step, window_loss / window_n, ips)
             window_loss, window_n, window_t = 0.0, 0, time.time()
         if step % cfg.save_every == 0 and step < cfg.steps:
             save(final=False)
     bar.close()
-    return save(final=True)
+    digests = ddp.param_digests(params, dist_info)  # every rank must hold the same weights
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"data-parallel ranks diverged: parameter digests {digests}")
+    stats = save(final=True, digests=digests if dist_info.enabled else None)
+    ddp.shutdown(dist_info)
+    return stats
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -286,17 +305,24 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         expert=args.expert, partition=args.partition, widths=widths, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, warmup=args.warmup, ema_decay=args.ema_decay, bf16=args.bf16, device=args.device,
         seed=args.seed, out=args.out or "", run_dir=args.run_dir or "", save_every=args.save_every,
-        save_dtype=args.save_dtype, threads=args.threads, data_dir=args.data_dir, limit=args.limit)
+        save_dtype=args.save_dtype, threads=args.threads, data_dir=args.data_dir, limit=args.limit,
+        log_every=getattr(args, "log_every", 50))
 
 
 def train(args: argparse.Namespace) -> int:
-    """CLI entry for `ddm-fleet train-expert --backend torch`."""
+    """CLI entry for `ddm-fleet train-expert --backend torch` (also under torchrun: data parallel)."""
+    from workers.distributed import detect
+
     cfg = config_from_args(args)
     images, labels, info = load_expert_data(cfg)
-    print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
-          f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, widths {list(cfg.widths)}, "
-          f"{cfg.steps} steps x batch {cfg.batch_size}", flush=True)
+    dist_info = detect()
+    if dist_info.is_main:
+        print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
+              f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, widths {list(cfg.widths)}, "
+              f"{cfg.steps} steps x batch {cfg.batch_size}"
+              f"{f', data parallel x{dist_info.world_size}' if dist_info.enabled else ''}", flush=True)
     stats = train_expert(cfg, images, labels, info, resume=args.resume, progress=not args.no_progress)
-    print(f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
-          f"{stats['wall_s']} s", flush=True)
+    if dist_info.is_main:
+        print(f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
+              f"{stats['wall_s']} s", flush=True)
     return 0
