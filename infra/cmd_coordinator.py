@@ -76,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
         router, k, c2e = load_router_and_partition(args.router, args.partition)
         from infra.nats_server import nats_servers
 
+        async def on_error(err: Exception) -> None:  # one line per bus hiccup, not a traceback
+            log.warning("nats: %s: %s", type(err).__name__, err)
+
         nc = await nats.connect(nats_servers(args.nats), name="ddm-coordinator", max_reconnect_attempts=-1,
-                                connect_timeout=5, allow_reconnect=True)
+                                connect_timeout=5, allow_reconnect=True, error_cb=on_error)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

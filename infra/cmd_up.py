@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="S",
                         help="longest wait for one process to become ready (default %(default)s; jax warm-up "
                              "of every bucket is the slow one)")
-    parser.add_argument("--stop-timeout", type=float, default=10.0, metavar="S",
+    parser.add_argument("--stop-timeout", type=float, default=20.0, metavar="S",
                         help="seconds after SIGTERM before a child gets SIGKILL (default %(default)s)")
     parser.add_argument("--max-crashes", type=int, default=4, metavar="N",
                         help="give up on a child after N crashes within 60 s (default %(default)s)")
