@@ -69,8 +69,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"ddm-fleet bench fleet: {err}", file=sys.stderr)
         return 2
+    async def main():
+        import signal
+
+        task = asyncio.current_task()
+        # SIGTERM unwinds like Ctrl-C, so the worker processes and nats-server are stopped
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await bench_fleet(args)
+
     try:
-        results = asyncio.run(bench_fleet(args))
+        results = asyncio.run(main())
+    except asyncio.CancelledError:
+        print("ddm-fleet bench fleet: stopped", file=sys.stderr)
+        return 130
     except (ValueError, OSError, RuntimeError, TimeoutError) as err:
         print(f"ddm-fleet bench fleet: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
