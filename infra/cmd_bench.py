@@ -63,7 +63,8 @@ def _worker_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute")
     parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default 1,8,64)")
     parser.add_argument("--nats", default=None, metavar="URL",
-                        help="NATS server to use; default: start a private nats-server on a free port")
+                        help="NATS server to use (it must have no other worker of this expert); "
+                             "default: start a private nats-server on a free port")
     parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
                         help="seconds to measure each bucket on each path (default 2; the paths alternate)")
     parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
@@ -179,12 +180,16 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
                     x = rng.standard_normal((b, c, h, w)).astype(np.float32)
                     t = rng.uniform(0, 1, b).astype(np.float32)
                     y = rng.integers(0, backend.num_classes, b).astype(np.int64)
+
                     async def call() -> None:
                         req = StepRequest(expert=expert, x_t=x, t=t, y=y)
                         msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
                         reply = unpack(msg.data, StepResult)
                         if not isinstance(reply, StepReply):
                             raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
+                        if reply.worker_id != worker.worker_id:
+                            raise ValueError(f"another worker of expert {expert} on {url} answered; bench against "
+                                             "a server without workers of that expert, or omit --nats")
 
                     local, bus = await _alternating(lambda: backend.forward(x, t, y), call, args.min_time,
                                                     args.min_iters)

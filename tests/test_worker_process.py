@@ -82,7 +82,7 @@ async def test_sigterm_during_a_batch_still_answers_every_held_request(medium_ch
             await proc.wait()
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
