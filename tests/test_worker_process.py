@@ -41,7 +41,7 @@ async def _start_worker(checkpoint: str, nats_url: str, *extra: str):
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
     )
     try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        line = await asyncio.wait_for(proc.stdout.readline(), 300)
     except asyncio.TimeoutError:
         proc.kill()
         raise
