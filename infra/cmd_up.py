@@ -10,7 +10,7 @@ the page answers HTTP 200), then prints what runs where and the URL to open.
 A child that crashes is reported (exit code, last lines of its log) and restarted with backoff;
 after --max-crashes fast crashes it is given up (a worker: the rest keeps running; the bus, the
 coordinator or the web: everything stops, exit 1). Ctrl-C / SIGTERM stops every child in reverse
-order (SIGTERM, then SIGKILL after --stop-timeout) and exits 0. Logs: --log-dir/<process>.log.
+order (SIGTERM, then SIGKILL after --stop-timeout; a second Ctrl-C kills at once) and exits 0. Logs: --log-dir/<process>.log.
 
 examples:
   ddm-fleet up                                  # checkpoints/, http://127.0.0.1:8080/

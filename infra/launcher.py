@@ -12,6 +12,7 @@
   (exit 1); a non-critical one (a worker) is left down and the rest keeps running.
 * SIGINT / SIGTERM: children get SIGTERM one at a time in reverse start order (neighbours sharing a
   `stop_group`, e.g. all workers, together), SIGKILL after `stop_timeout` seconds; run() returns 0.
+  A second signal SIGKILLs every child at once.
 * Children run in their own session (a terminal's Ctrl-C reaches only the supervisor, which stops
   them in order) and, on Linux, get SIGTERM if the supervisor itself dies (PR_SET_PDEATHSIG).
 
@@ -217,7 +218,11 @@ class Supervisor:
     # ------------------------------------------------------------------ internals
 
     def _on_signal(self, sig: int) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set():  # a second Ctrl-C: no more waiting
+            self.out(f"{signal.Signals(sig).name} again: killing every child now")
+            for child in self.children:
+                if child.running:
+                    _signal_group(child.pid, signal.SIGKILL)
             return
         self.out(f"{signal.Signals(sig).name}: stopping the fleet (reverse order; SIGKILL after "
                  f"{self.stop_timeout:g} s)")

@@ -155,6 +155,23 @@ async def test_supervisor_stop_during_startup(tmp_path):
     assert f"stopped slow (pid {pid})" in "\n".join(lines) and not _alive(pid)
 
 
+async def test_supervisor_second_signal_kills_at_once(tmp_path):
+    lines: list[str] = []
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    stubborn = ChildSpec("stubborn", _py(ignore_term), role="test",
+                         probe=lambda c: _async_true_if("up" in c.log_since_start()))
+    sup = Supervisor([[stubborn]], tmp_path, out=lines.append, stop_timeout=60)
+    task = asyncio.create_task(sup.run())  # real handlers for SIGINT/SIGTERM in this process
+    while not sup.children or not sup.children[0].ready:
+        await asyncio.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(1.0)
+    assert not task.done() and sup.children[0].running  # waiting out the stop timeout
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(task, 10) == 0
+    assert "SIGTERM again: killing every child now" in lines
+
+
 async def _async_true_if(value: bool) -> bool:
     return value
 
