@@ -31,7 +31,7 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = _args(concurrency="1,3", steps=3, widths="8,16,32", checkpoints=str(tmp_path / "none"),
+        args = _args(concurrency="1,3", steps=2, widths="8,16,32", checkpoints=str(tmp_path / "none"),
                      buckets="1,4", only="ceiling", jobs_per_client=2)
         args.concurrency_list = [1, 3]
         res = await bench.bench_fleet(args)
