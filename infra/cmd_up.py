@@ -64,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default="out/up", metavar="DIR",
                         help="children's logs, one <process>.log each (default %(default)s)")
     parser.add_argument("--follow", action="store_true", help="also echo every child's log lines, prefixed")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="S",
-                        help="longest wait for one process to become ready (default %(default)s; jax warm-up "
-                             "of every bucket is the slow one)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                        help="longest wait for one process to become ready (default %(default)s; the jax "
+                             "worker compiling every bucket is the slow one: about 90 s on a 2-core CPU)")
     parser.add_argument("--stop-timeout", type=float, default=20.0, metavar="S",
                         help="seconds after SIGTERM before a child gets SIGKILL (default %(default)s)")
     parser.add_argument("--max-crashes", type=int, default=4, metavar="N",

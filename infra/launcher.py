@@ -296,8 +296,9 @@ class Supervisor:
                 child.ready = True
                 return
             if time.monotonic() > deadline:
+                tail = child.log_tail()
                 raise StartupError(f"{child.name} (pid {child.pid}) was not ready after {self.ready_timeout:g} s; "
-                                   f"log {child.log_path}:\n" + _indent(child.log_tail()))
+                                   f"log {child.log_path}" + (":\n" + _indent(tail) if tail else " (no output yet)"))
             try:
                 await asyncio.wait_for(child.proc.wait(), self.probe_interval)
             except asyncio.TimeoutError:
