@@ -342,6 +342,11 @@ def train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     devices = int(getattr(args, "devices", 0) or 0)
+    if cfg.device != "cpu":
+        log.warning("--device %s is for the torch backend; jax trains on its default platform (%s), "
+                    "choose it with JAX_PLATFORMS", cfg.device, jax.default_backend())
+    if cfg.bf16:
+        log.warning("--bf16 is ignored by the jax backend (fp32 training)")
     images, labels, info = load_expert_data(cfg)
     n_dev = devices or jax.device_count()
     print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
