@@ -77,6 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def local_buckets(n_images: int, largest: int = 64) -> tuple[int, ...]:
+    """Worker batch sizes worth warming for one job of n images: 1, 2, 4, ... up to the first power of
+    two that holds n (at most `largest`; bigger batches are split by the worker)."""
+    out, b = [], 1
+    while True:
+        out.append(b)
+        if b >= n_images or b >= largest:
+            return tuple(out)
+        b *= 2
+
+
 def save_output(done, path: str, per_row: int) -> None:
     import numpy as np
 
@@ -161,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             from coordinator.local_fleet import LocalFleet
 
             print(f"starting a local fleet from {args.checkpoints}/ ...", file=sys.stderr, flush=True)
-            async with LocalFleet.from_dir(args.checkpoints) as fleet:
+            async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(request.n_images)) as fleet:
                 return await job(fleet.nc)
         nc = await nats.connect(args.nats, name="ddm-generate", connect_timeout=5, max_reconnect_attempts=3,
                                 reconnect_time_wait=0.5)

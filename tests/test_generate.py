@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coordinator.service import Coordinator
-from infra.cmd_generate import parse_digits
+from infra.cmd_generate import local_buckets, parse_digits
 
 from coordinator.local_fleet import LabelRouter
 from coordinator_helpers import make_tiny_experts, make_tiny_router
@@ -23,6 +23,12 @@ def _cli(*args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "infra.cli", "generate", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def test_local_buckets_cover_the_job():
+    assert local_buckets(1) == (1,)
+    assert local_buckets(10) == (1, 2, 4, 8, 16)
+    assert local_buckets(256) == (1, 2, 4, 8, 16, 32, 64)
 
 
 def test_parse_digits():
