@@ -119,6 +119,24 @@ def _shipped(directory: Path) -> bool:
                                                   "router.safetensors", "partition.json"))
 
 
+def _tiny_experts(directory: Path) -> list[Path]:
+    """Two random-init expert checkpoints in the shipped format (small UNet widths 8-16-32)."""
+    import torch
+
+    from workers.checkpoint import save_checkpoint, torch_state_to_numpy
+    from workers.models.config import UNetConfig
+    from workers.models.unet_torch import UNet
+
+    cfg = UNetConfig(widths=(8, 16, 32), time_dim=16, class_dim=16)
+    paths = []
+    for k in range(2):
+        torch.manual_seed(10 + k)
+        state = torch_state_to_numpy(UNet(cfg).state_dict())
+        meta = {"config": cfg.to_dict(), "expert_id": k, "partition": {"classes": list(range(5 * k, 5 * k + 5))}}
+        paths.append(save_checkpoint(directory / f"expert{k}", state, meta))
+    return paths
+
+
 @pytest.fixture
 async def real_fleet(nats_url, tmp_path):
     """nats-server (the session's) + real expert workers + real coordinator with a real router.
@@ -132,14 +150,20 @@ async def real_fleet(nats_url, tmp_path):
         fleet = LocalFleet.from_dir(shipped, nats_url=nats_url, buckets=(1, 2, 4, 8, 16))
     else:
         from coordinator.router import Router, RouterConfig, RouterNet
-        from coordinator_helpers import make_tiny_experts
 
-        experts = make_tiny_experts(tmp_path)
+        experts = _tiny_experts(tmp_path)
         router = Router(RouterNet(cfg=RouterConfig(num_experts=2, width=8, emb_dim=16)))
         fleet = LocalFleet(experts, router, num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url,
                            buckets=(1, 2, 4, 8, 16))
-    async with fleet:
-        yield fleet
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # spinning OpenMP threads make tiny forwards far slower on a shared 2-core box
+    try:
+        async with fleet:
+            yield fleet
+    finally:
+        torch.set_num_threads(threads)
 
 
 async def test_real_fleet_generate_in_the_browser(browser, web_server, real_fleet, tmp_path):
