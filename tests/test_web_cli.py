@@ -31,11 +31,13 @@ def test_no_nats_is_a_clear_error_not_a_traceback():
     assert "nats://web:***@127.0.0.1" in out.stderr and "s3cret" not in out.stderr + out.stdout
 
 
-def test_bad_arguments_exit_2():
-    out = subprocess.run([*CLI, "web", "--port", "70000"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--port must be 1-65535" in out.stderr
-    out = subprocess.run([*CLI, "web", "--nats", "http://x"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "must start with nats://" in out.stderr
+def test_bad_arguments_exit_2(capsys):
+    from infra.cli import main
+
+    assert main(["web", "--port", "70000"]) == 2
+    assert "--port must be 1-65535" in capsys.readouterr().err
+    assert main(["web", "--nats", "http://x"]) == 2
+    assert "must start with nats://" in capsys.readouterr().err
 
 
 def test_serves_the_page_and_stops_on_sigint(nats_url):
