@@ -3,7 +3,7 @@
 Reads the partition manifest (`ddm-fleet partition`), keeps the images of `--expert`, and trains with
 the chosen backend: `torch` (CPU / CUDA / torch_xla, workers/train_torch.py) or `jax`
 (workers/train_jax.py). Writes the shipping checkpoint `<out>.safetensors` + `<out>.json` (EMA weights)
-every --save-every steps and at the end, plus `<run-dir>/resume.pt` for --resume.
+every --save-every steps and at the end, plus `<run-dir>/resume.pt` (jax: `resume_jax.msgpack`) for --resume.
 
 Example (the shipped small expert 0):
   ddm-fleet train-expert --expert 0 --partition checkpoints/partition.json --widths 32,64,128 \\
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     parser.add_argument("--out", default=None, help="checkpoint path without extension (default: checkpoints/expert<K>)")
     parser.add_argument("--run-dir", default=None, help="where resume.pt lives (default: runs/expert<K>)")
-    parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/resume.pt up to --steps")
+    parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/resume.pt (jax: resume_jax.msgpack) up to --steps")
     parser.add_argument("--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default: %(default)s)")
     parser.add_argument("--log-every", type=int, default=50, help="steps per loss_history entry in the checkpoint JSON (default: %(default)s)")
     parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default: %(default)s)")
