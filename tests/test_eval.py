@@ -38,3 +38,71 @@ def test_score_real_vs_wrong_labels_and_noise(small_classifier):
     assert good.accuracy > 0.9 and wrong.accuracy < 0.1
     assert sum(good.predicted_counts) == 500
     assert good.fid < noise.fid / 5  # real digits are far closer to real digits than noise is
+
+
+# ------------------------------------------------------------------ the whole comparison, end to end
+
+
+@pytest.fixture(scope="module")
+def eval_dirs(tmp_path_factory, small_classifier):
+    """A checkpoints dir (tiny real experts, router, monolith, shipped partition) and a data dir
+    holding the MNIST cache and the small judge, so `evaluate` trains nothing."""
+    import os
+    import shutil
+
+    from coordinator.data import cache_path
+    from coordinator.evaluation.classifier import CACHE_NAME
+    from tests.coordinator_helpers import make_tiny_experts, make_tiny_router
+
+    ck = tmp_path_factory.mktemp("ck")
+    make_tiny_experts(ck, 2)
+    make_tiny_router(ck / "router", 2)
+    shutil.copy("checkpoints/partition.json", ck / "partition.json")
+    # the "monolith" is expert 1's tiny net re-saved as a single expert 0 over all classes
+    from workers.checkpoint import load_checkpoint, save_checkpoint
+
+    meta, state = load_checkpoint(ck / "expert1.safetensors")
+    save_checkpoint(ck / "monolith", state, {**meta, "expert_id": 0, "partition": {"classes": list(range(10))}})
+    data = tmp_path_factory.mktemp("data")
+    os.symlink(cache_path().resolve(), data / cache_path().name)
+    small_classifier.save(data / f"{CACHE_NAME}.safetensors")
+    return ck, data
+
+
+async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_path):
+    from coordinator.evaluation.run import Config, EvalSpec, evaluate, format_table
+
+    ck, data = eval_dirs
+    names = ["monolith", "top1", "top2", "full", "oracle"]
+    spec = EvalSpec(configs=[Config.parse(n) for n in names], checkpoints=str(ck), per_class=2, steps=3,
+                    job_size=8, data_dir=str(data), save_dir=str(tmp_path), progress=False)
+    rows = {r.config.name: r for r in await evaluate(spec)}
+    assert list(rows) == ["monolith", "ddm-top1", "ddm-top2", "ddm-full", "ddm-oracle"]
+    for r in rows.values():
+        assert r.n == 20 and 0.0 <= r.accuracy <= 1.0 and np.isfinite(r.fid) and sum(r.predicted_counts) == 20
+    # experts per step are measured from the jobs' usage, not assumed
+    assert rows["monolith"].experts_per_step == pytest.approx(1.0)
+    assert rows["ddm-top1"].experts_per_step == pytest.approx(1.0)
+    assert rows["ddm-oracle"].experts_per_step == pytest.approx(1.0)
+    assert rows["ddm-top2"].experts_per_step == pytest.approx(2.0)
+    assert rows["ddm-full"].experts_per_step == pytest.approx(2.0)
+    f = {k: r.flops_per_image for k, r in rows.items()}
+    assert f["ddm-top2"] > 1.9 * f["ddm-oracle"] and f["ddm-top1"] > f["ddm-oracle"] > 0
+    saved = np.load(tmp_path / "ddm-top1.npz")
+    assert saved["images"].shape == (20, 1, 32, 32) and saved["labels"].tolist() == list(range(10)) * 2
+    assert saved["usage"].shape == (20, 2)
+    # same seeds and digits, different models: the monolith's images are not the DDM's
+    mono = np.load(tmp_path / "monolith.npz")["images"]
+    assert not np.allclose(mono, saved["images"])
+    table = format_table(list(rows.values()), spec)
+    assert table.count("\n| ") == 6 and "ddm-top2" in table
+
+
+def test_eval_config_parsing():
+    from coordinator.evaluation.run import Config
+
+    assert Config.parse("top3") == Config("ddm-top3", "ddm", "topk", 3)
+    with pytest.raises(ValueError, match="unknown configuration"):
+        Config.parse("top1x")
+    with pytest.raises(ValueError):
+        Config.parse("top1 ".replace("1", "0"))
