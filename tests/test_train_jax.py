@@ -117,9 +117,10 @@ def test_validation_and_same_init_as_torch(tmp_path, expert1_data):
 def test_cli_backend_jax(tmp_path):
     from infra.cli import main
 
+    # same widths / batch / update rule as the runs above: the jitted step is reused, not recompiled
     rc = main(["train-expert", "--backend", "jax", "--expert", "0", "--partition", PARTITION,
                "--widths", ",".join(map(str, WIDTHS)), "--steps", "3", "--batch-size", str(BATCH),
-               "--limit", "64", "--no-progress", "--out", str(tmp_path / "cli"), "--run-dir", str(tmp_path / "r")])
+               "--limit", "64", "--ema-decay", "0.99", "--no-progress", "--out", str(tmp_path / "cli"), "--run-dir", str(tmp_path / "r")])
     assert rc == 0
     meta, _ = load_checkpoint(tmp_path / "cli.safetensors")
     assert meta["training"]["backend"] == "jax" and meta["training"]["steps"] == 3
