@@ -253,7 +253,11 @@ class NatsCluster:
         return None
 
     def stop(self) -> None:
-        for srv in self._leaves + self.nodes:
+        servers = self._leaves + self.nodes
+        for srv in servers:  # signal every server first, so their shutdowns overlap
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.proc.terminate()
+        for srv in servers:
             srv.stop()
         self._leaves.clear()
         self.nodes.clear()

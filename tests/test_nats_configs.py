@@ -330,7 +330,7 @@ def test_nats_cluster_command_serves_until_interrupted(tmp_path):
         assert re.fullmatch(r"\s*nats://web:\w+@127\.0\.0\.1:\d+,127\.0\.0\.1:\d+\s*", lines[i + 1]), lines[i + 1]
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=60) == 0  # generous: a loaded 2-core box stops servers slowly
 
 
 def test_embedded_server_uses_the_shipped_limits():
