@@ -87,6 +87,11 @@ def _cluster(args: argparse.Namespace) -> int:
         cluster.stop()
         print(f"ddm-fleet nats cluster: {err}", file=sys.stderr)
         return 1
+    # Explicit handlers: a SIGINT disposition inherited as "ignore" (e.g. from a supervisor) must not
+    # make Ctrl-C a no-op, and both are set before we announce that Ctrl-C works.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # nor an inherited mask
     try:
         for i, node in enumerate(cluster.nodes):
             print(f"node {i}: {node.url}  monitor http://{node.host}:{node.http_port}  "
@@ -102,7 +107,6 @@ def _cluster(args: argparse.Namespace) -> int:
                 if rest:
                     print(f"  {'':12s} {','.join([first] + [u.split('@', 1)[1] for u in rest])}")
         print("\nCtrl-C stops the cluster.", flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)
         signal.pause()
     except KeyboardInterrupt:
         pass
