@@ -165,16 +165,19 @@ class Scheduler:
         return JobAccepted(job_id=job_id, events_subject=subjects.job_events(job_id), digits=digits, seed=seed,
                            queue_position=len(self.queue) if not starts_now else 0)
 
-    def cancel(self, job_id: str, now: float, reason: str = "cancelled by client") -> bool:
-        """Drop a queued or running job now; emits FailedEvent(cancelled). False if unknown."""
+    def _remove(self, job_id: str):
+        """Take a job out of the active set or the queue; the job, or None if unknown."""
         job = self.active.pop(job_id, None)
         if job is None:
             for j in self.queue:
                 if j.job_id == job_id:
-                    job = j
                     self.queue.remove(j)
-                    break
-        if job is None:
+                    return j
+        return job
+
+    def cancel(self, job_id: str, now: float, reason: str = "cancelled by client") -> bool:
+        """Drop a queued or running job now; emits FailedEvent(cancelled). False if unknown."""
+        if self._remove(job_id) is None:
             return False
         self.stats.jobs_cancelled += 1
         self._events.append(FailedEvent(job_id=job_id, code=ErrorCode.CANCELLED, reason=reason))
@@ -182,14 +185,7 @@ class Scheduler:
 
     def fail(self, job_id: str, code: ErrorCode, reason: str) -> bool:
         """Fail a queued or running job (e.g. the engine hit an internal error)."""
-        job = self.active.pop(job_id, None)
-        if job is None:
-            for j in self.queue:
-                if j.job_id == job_id:
-                    job = j
-                    self.queue.remove(j)
-                    break
-        if job is None:
+        if self._remove(job_id) is None:
             return False
         self.stats.jobs_failed += 1
         self._events.append(FailedEvent(job_id=job_id, code=code, reason=reason))
