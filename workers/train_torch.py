@@ -129,6 +129,9 @@ class _Device:
             self.device = torch.device(name)
             self.autocast_type = "cuda" if name.startswith("cuda") else "cpu"
         self.channels_last = name == "cpu"
+        # Reading the loss back (float(loss)) waits for the GPU: on CUDA do it once per 25 steps so the
+        # host runs ahead of the device; on CPU it is free and XLA reads it after each step's graph anyway.
+        self.readback_every = 25 if self.autocast_type == "cuda" else 1
 
     def autocast(self):
         import contextlib
@@ -250,6 +253,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     bar = tqdm(total=cfg.steps, initial=step, disable=not (progress and dist_info.is_main), desc=f"expert{cfg.expert}",
                unit="step", dynamic_ncols=True, mininterval=2.0)
     smooth = None
+    pending: list = []  # device losses not yet read back
     while step < cfg.steps:
         if pos + cfg.batch_size > per_epoch * cfg.batch_size:
             perm, pos = rng.permutation(n), 0
@@ -270,14 +274,21 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
             torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - ema_decay_at(step, cfg.ema_decay))
         dev.step_boundary()
         step += 1
-        lv = float(loss.detach())  # on XLA this reads back after the step's graph has run
-        lv = ddp.mean_across(lv, dist_info, dev.device)  # the global batch's loss
-        if not math.isfinite(lv):
-            raise FloatingPointError(f"loss became {lv} at step {step}; lower --lr or disable --bf16")
-        smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
-        window_loss, window_n = window_loss + lv, window_n + 1
         bar.update(1)
-        if step % 10 == 0:
+        pending.append(loss.detach())
+        if not (len(pending) >= dev.readback_every or step % cfg.log_every == 0 or step == cfg.steps
+                or step % cfg.save_every == 0):
+            continue
+        # one host<->device sync for the steps since the last read (on XLA after the step's graph ran)
+        values = torch.stack(pending).float().cpu().tolist() if len(pending) > 1 else [float(pending[0])]
+        pending.clear()
+        for lv in values:
+            lv = ddp.mean_across(lv, dist_info, dev.device)  # the global batch's loss
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"loss became {lv} by step {step}; lower --lr or disable --bf16")
+            smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
+            window_loss, window_n = window_loss + lv, window_n + 1
+        if step % 10 == 0 and smooth is not None:
             bar.set_postfix(loss=f"{smooth:.4f}", img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
                             lr=f"{lr_at(step, cfg):.1e}")
         if step % cfg.log_every == 0 or step == cfg.steps:
