@@ -23,6 +23,10 @@ def test_bad_arguments_are_refused(capsys):
     assert "--concurrency" in capsys.readouterr().err
     assert bench.run(_args(steps=0)) == 2
     assert "--steps" in capsys.readouterr().err
+    assert bench.run(_args(max_rows=0)) == 2
+    assert "--max-rows" in capsys.readouterr().err
+    assert bench.run(_args(job_timeout=0.0)) == 2
+    assert "--job-timeout" in capsys.readouterr().err
 
 
 async def test_ceiling_path_measures_every_concurrency(tmp_path):
@@ -42,8 +46,11 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
     assert rows[1]["ceiling"]["jobs"] == 2 and rows[3]["ceiling"]["jobs"] == 6
     assert rows[3]["ceiling"]["images"] == 6 and rows[3]["ceiling"]["images_per_s"] > 0
     assert rows[3]["ceiling"]["p99_s"] >= rows[3]["ceiling"]["p50_s"] > 0
-    table = bench.format_table(res)
-    assert "ceil img/s" in table and table.count("\n") == 3
+    assert rows[3]["ceiling"]["submitted"] == 6 and rows[3]["ceiling"]["completed"] == 6
+    assert rows[3]["ceiling"]["rejected"] == rows[3]["ceiling"]["lost"] == rows[3]["ceiling"]["failed"] == 0
+    table = bench.format_table(res).splitlines()
+    assert "ceil img/s" in table[2] and [t.split()[0] for t in table[3:5]] == ["1", "3"]
+    assert table[8].split("|")[1].split() == ["6", "6", "0", "0", "0"]  # ceiling 3: submitted .. LOST
 
 
 def test_table_shows_ratio():

@@ -1,0 +1,93 @@
+"""`ddm-fleet bench fleet` under load: every job is counted (completed, rejected with its code,
+failed, lost), admission control rejects what exceeds the coordinator's limits, and the peak RSS
+of every fleet process is reported. Real processes: nats-server, `ddm-fleet coordinator`, one
+`ddm-fleet worker` per expert (tiny random UNets)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from coordinator import bench
+
+
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    a = p.parse_args([])
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_path):
+    # 10 clients fit the limits (20 running + 20 queued); of 150 at once, at least 40 are admitted
+    # and the rest must be rejected with `overloaded`, never dropped
+    args = _args(concurrency="10,150", jobs_per_client=1, steps=4, widths="8,16,32",
+                 checkpoints=str(tmp_path / "none"), buckets="1,8,32", threads=1, only="fleet",
+                 max_rows=20, max_queued_jobs=20, job_timeout=60.0)
+    t0 = time.monotonic()
+    res = await bench.bench_fleet(args)
+    elapsed = time.monotonic() - t0
+    rows = {r["concurrency"]: r["fleet"] for r in res["rows"]}
+    assert set(rows) == {10, 150} and all("ceiling" not in r for r in res["rows"])
+    for c, x in rows.items():
+        assert x["submitted"] == c
+        assert x["completed"] + x["rejected"] == x["submitted"], x
+        assert x["lost"] == 0 and x["failed"] == 0, x
+        assert x["images"] == x["completed"] and x["images_per_s"] > 0
+        # the coordinator process counted the same: what it refused, what it finished, nothing left held
+        co = x["coordinator"]
+        assert co["jobs_rejected"] == x["rejected"] and co["jobs_done"] == x["completed"], (co, x)
+        assert co["active_jobs_after"] == 0 and co["queued_jobs_after"] == 0
+        assert x["answer_p99_s"] is not None and x["answer_p99_s"] < 60
+        assert x["peak_reset"] is True
+        assert set(x["memory"]) == {"coordinator", "worker0", "worker1", "nats-server", "bench (clients)"}
+        for name, m in x["memory"].items():
+            assert m["peak"] > 0 and m["rss"] > 0 and m["peak"] >= m["rss"], (name, m)
+    assert rows[10]["completed"] == 10 and rows[10]["rejected"] == 0
+    assert 0 < rows[150]["rejected"] <= 150 - 40 and rows[150]["completed"] >= 40
+    assert rows[150]["rejected_codes"] == {"overloaded": rows[150]["rejected"]}
+    assert res["setup"]["max_rows"] == 20 and res["setup"]["max_queued_jobs"] == 20
+    assert all(m["peak"] > 0 for m in res["fleet_memory_at_start"].values())
+
+    table = bench.format_table(res)
+    assert f"overloaded:{rows[150]['rejected']}" in table and "LOST" in table
+    for name in ("coordinator", "worker0", "worker1", "nats-server", "bench (clients)"):
+        assert name in table
+    assert elapsed < 120, f"bench took {elapsed:.0f} s"
+
+
+async def test_fleet_job_tells_rejected_failed_and_lost_apart(nats_url, nc):
+    """The classification the bench relies on, against a real coordinator: no coordinator ->
+    rejected (unavailable); no workers -> failed (unavailable); a hung expert -> lost after the
+    bound (and the lost jobs are cancelled, so the coordinator holds nothing); over the limits ->
+    rejected (overloaded)."""
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+    from schemas import JobRequest, subjects
+
+    def req(i):
+        return JobRequest(job_id=f"cls{i}-{time.monotonic_ns()}", count=1, steps=2, seed=i)
+
+    outcome, code, _ = await bench.fleet_job(nc, req(0), 5.0)
+    assert (outcome, code) == ("rejected", "unavailable")
+
+    async with Coordinator(LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, nats_url=nats_url, max_rows=1,
+                           max_queued_jobs=1, step_timeout=3.0, retries=0) as coord:
+        outcome, code, answer = await bench.fleet_job(nc, req(1), 20.0)
+        assert (outcome, code) == ("failed", "unavailable") and answer is not None
+
+        hung = [await nc.subscribe(subjects.expert_velocity(k), queue=subjects.expert_queue_group(k))
+                for k in range(2)]  # experts that take requests and never answer
+        await nc.flush()
+        try:
+            results = await asyncio.gather(*(bench.fleet_job(nc, req(i), 1.5) for i in range(2, 5)))
+        finally:
+            for sub in hung:
+                await sub.unsubscribe()
+        assert sorted((o, c) for o, c, _ in results) == [("lost", None), ("lost", None), ("rejected", "overloaded")]
+        st = coord.status()
+        assert st.jobs_rejected == 1 and st.jobs_cancelled == 2
+        assert st.active_jobs == 0 and st.queued_jobs == 0
