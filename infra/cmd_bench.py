@@ -1,12 +1,14 @@
 """Benchmarks. `ddm-fleet bench <what> --help` explains each.
 
   worker   one expert worker: rows/s per bucket through NATS next to the same model called in-process
-  fleet    whole fleet (client -> coordinator -> workers): images/s and job latency vs in-process
+  fleet    whole fleet (client -> coordinator process -> worker processes): images/s and job latency vs
+           in-process; every job's outcome (completed / rejected / failed / lost) and peak RSS per process
 
 examples:
   ddm-fleet bench worker                                  # random small UNet, torch, own nats-server
   ddm-fleet bench worker --checkpoint checkpoints/expert0.safetensors --bf16 --buckets 1,8,64,128
   ddm-fleet bench worker --backend jax --nats nats://127.0.0.1:4222
+  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import types
 
 # (name, "module:attribute", one-line help). The attribute (or the module itself when no
 # ":attribute" is given) provides add_arguments(parser) and run(args) -> int, like a CLI command.
-# To add `bench fleet`, append e.g. ("fleet", "coordinator.bench", "...") here.
 BENCHES: list[tuple[str, str, str]] = [
     ("worker", "infra.cmd_bench:WORKER", "expert worker rows/s per bucket: through NATS vs in-process"),
-    ("fleet", "coordinator.bench", "images/s and p50/p99 job latency through the whole fleet vs in-process"),
+    ("fleet", "coordinator.bench", "images/s, p50/p99 job latency, job outcomes (lost must be 0) and peak RSS "
+                                   "per process through the whole fleet vs in-process"),
 ]
 
 
