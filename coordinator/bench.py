@@ -396,15 +396,15 @@ async def _ceiling(args, models) -> dict:
 
     try:
         await _closed_loop(run_one, _requests(args, 1, "w"))  # warm-up
-        out = {}
-        for c in args.concurrency_list:
+        out = []
+        for level, c in enumerate(args.concurrency_list):
             me = os.getpid()
             reset_peak(me)
             load0 = os.getloadavg()[0]
-            res = await _closed_loop(run_one, _requests(args, c, "c"))
+            res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"))
             res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             res["memory"] = {"bench (in-process fleet)": proc_memory(me)}
-            out[c] = res
+            out.append(res)
         return out
     finally:
         await engine.stop()
@@ -501,12 +501,13 @@ async def _fleet(args, models) -> dict:
             if warm["completed"] != 1:
                 check_alive()
                 raise RuntimeError(f"the warm-up job did not complete: {warm}")
-            out = {"start": {"memory": {name: proc_memory(pid) for name, pid in pids.items()}}}
-            for c in args.concurrency_list:
+            start_memory = {name: proc_memory(pid) for name, pid in pids.items()}
+            out = []
+            for level, c in enumerate(args.concurrency_list):
                 before = await _coordinator_counts(nc)
                 reset = {name: reset_peak(pid) for name, pid in pids.items()}
                 load0 = os.getloadavg()[0]
-                res = await _closed_loop(run_one, _requests(args, c, "f"))
+                res = await _closed_loop(run_one, _requests(args, c, f"f{level}-"))
                 res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
                 res["peak_reset"] = all(reset.values())
@@ -518,8 +519,8 @@ async def _fleet(args, models) -> dict:
                                           "queued_jobs_after": after["queued_jobs"]}
                 else:
                     res["coordinator"] = None
-                out[c] = res
-            return out
+                out.append(res)
+            return start_memory, out
         finally:
             if nc is not None:
                 try:
@@ -539,18 +540,17 @@ async def bench_fleet(args) -> dict:
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ddm-bench-fleet-") as tmp:
         models = _models(args, tmp)
-        ceiling = await _ceiling(args, models) if args.only != "fleet" else {}
-        fleet = await _fleet(args, models) if args.only != "ceiling" else {}
+        ceiling = await _ceiling(args, models) if args.only != "fleet" else None
+        start_memory, fleet = await _fleet(args, models) if args.only != "ceiling" else (None, None)
     rows = []
-    start_memory = fleet.pop("start", {}).get("memory")
-    for c in args.concurrency_list:
+    for level, c in enumerate(args.concurrency_list):  # one row per level (a concurrency may repeat)
         row = {"concurrency": c}
-        if c in fleet:
-            row["fleet"] = fleet[c]
-        if c in ceiling:
-            row["ceiling"] = ceiling[c]
-        if c in fleet and c in ceiling:
-            row["ratio"] = round(fleet[c]["images_per_s"] / max(ceiling[c]["images_per_s"], 1e-9), 3)
+        if fleet:
+            row["fleet"] = fleet[level]
+        if ceiling:
+            row["ceiling"] = ceiling[level]
+        if fleet and ceiling:
+            row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
         rows.append(row)
     setup = {"models": models["described"], "experts": models["k"], "steps": args.steps,
              "images_per_job": args.images_per_job, "jobs_per_client": args.jobs_per_client,
