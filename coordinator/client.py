@@ -7,6 +7,12 @@
 BEFORE submitting (so no frame is missed), submits, and returns the DoneEvent; it raises
 `JobFailed` (with the ErrorCode) on rejection, failure, cancellation or timeout, and cancels
 the job on the coordinator if the caller is cancelled.
+
+No job is waited on forever: when no event has come for `probe_every` seconds, run_job asks the
+coordinator about the job (`ddm.v1.jobs.<id>.status`, see `JobProbe`). queued / running: keep
+waiting. done / failed: the coordinator publishes the result again (it was lost, e.g. across a
+NATS reconnect). unknown (a restarted coordinator) or no coordinator at all for `lost_after`
+seconds: `JobFailed(unavailable, "coordinator lost the job ...")`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import inspect
 import logging
 import secrets
+import time
 from typing import Any, Callable
 
 from schemas import (
@@ -30,6 +37,7 @@ from schemas import (
     JobEvent,
     JobRejected,
     JobRequest,
+    JobStatus,
     ProtocolError,
     SubmitReply,
     pack,
@@ -50,6 +58,10 @@ class JobFailed(Exception):
         self.job_id = job_id
 
 
+class _NoSubmitReply(JobFailed):
+    """The submit got no reply in time: the coordinator may have taken the job all the same."""
+
+
 def new_job_id() -> str:
     return "j" + secrets.token_hex(8)
 
@@ -64,8 +76,8 @@ async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0) -> JobAc
         raise JobFailed(ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subjects.JOBS_SUBMIT}",
                         request.job_id) from None
     except nats.errors.TimeoutError:
-        raise JobFailed(ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s",
-                        request.job_id) from None
+        raise _NoSubmitReply(ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s",
+                             request.job_id) from None
     reply = unpack(msg.data, SubmitReply)
     if isinstance(reply, JobRejected):
         raise JobFailed(reply.code, reply.reason, request.job_id)
@@ -88,23 +100,105 @@ async def cancel_job(nc, job_id: str, *, timeout: float = 5.0) -> bool:
         return False
 
 
+async def job_status(nc, job_id: str, *, timeout: float = 2.0) -> JobStatus:
+    """What the coordinators know of a job (JobStatus; state "unknown" if none has it).
+    Raises nats.errors.NoRespondersError when no coordinator serves job status, and
+    nats.errors.TimeoutError when none answered in time."""
+    msg = await nc.request(subjects.job_status(job_id), b"", timeout=timeout)
+    return unpack(msg.data, JobStatus)
+
+
+class JobProbe:
+    """Decides, from status requests, whether the fleet has lost a job its client waits for.
+
+        probe = JobProbe(nc, job_id, lost_after=15)
+        reason = await probe.check()     # None: keep waiting; a sentence: the job is lost
+
+    * a coordinator knows the job (queued, running; done / failed: it publishes the result
+      again): keep waiting;
+    * a coordinator answers "unknown": it lost the job (it was restarted since the submit);
+    * nobody serves job status and nobody serves `ddm.v1.fleet.status` either (no coordinator is
+      connected) for `lost_after` seconds in a row: the coordinator is gone;
+    * a time-out proves nothing (a busy coordinator, or a client not allowed to publish the status
+      subject): keep waiting. Whatever cannot be told here stays bounded by run_job's timeouts.
+    """
+
+    def __init__(self, nc, job_id: str, *, lost_after: float = 15.0, timeout: float = 2.0):
+        self.nc, self.job_id = nc, job_id
+        self.lost_after, self.timeout = lost_after, timeout
+        self.last: JobStatus | None = None  # the last answer
+        self._nobody_since: float | None = None
+
+    async def check(self) -> str | None:
+        import nats.errors
+
+        try:
+            st = await job_status(self.nc, self.job_id, timeout=self.timeout)
+        except nats.errors.NoRespondersError:
+            if not await self._no_coordinator():
+                self._nobody_since = None  # a coordinator is there but serves no job status (older build)
+                return None
+            now = time.monotonic()
+            if self._nobody_since is None:
+                self._nobody_since = now
+            if now - self._nobody_since >= self.lost_after:
+                return (f"coordinator lost the job: no coordinator has been connected for {self.lost_after:g} s "
+                        "(crashed or stopped?)")
+            return None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            log.info("job %s: status request unanswered within %g s", self.job_id, self.timeout)
+            return None
+        except ProtocolError as err:
+            log.warning("job %s: undecodable status reply (%s)", self.job_id, err)
+            return None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            raise
+        except nats.errors.Error as err:  # e.g. reconnecting with a full buffer: try again later
+            log.info("job %s: status request failed: %r", self.job_id, err)
+            return None
+        self._nobody_since = None
+        self.last = st
+        if st.state == "unknown":
+            who = f"coordinator {st.coordinator!r}" if st.coordinator else "the coordinator"
+            return f"coordinator lost the job (restarted?): {who} does not know job {self.job_id}"
+        return None
+
+    async def _no_coordinator(self) -> bool:
+        import nats.errors
+
+        try:
+            await self.nc.request(subjects.FLEET_STATUS, b"", timeout=self.timeout)
+        except nats.errors.NoRespondersError:
+            return True
+        except Exception:
+            return False
+        return False
+
+
 async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None = None, *,
                   timeout: float | None = None, idle_timeout: float = 120.0,
-                  submit_timeout: float = 10.0) -> DoneEvent:
+                  submit_timeout: float = 10.0, probe_every: float | None = 3.0,
+                  lost_after: float = 15.0) -> DoneEvent:
     """Submit `request` and wait for its DoneEvent.
 
     on_event(event) (sync or async) sees JobAccepted, every FrameEvent, then the DoneEvent.
     timeout: whole-job limit in seconds (None = none); idle_timeout: longest gap between frames once
-    the job streams (a queued job sends nothing until it starts, so that wait is bounded by timeout).
+    the job streams. probe_every: after this many seconds without an event, ask the coordinator
+    about the job (again every probe_every s; None: never). It raises JobFailed(unavailable) as soon
+    as a coordinator says it does not know the job (it was restarted), or when no coordinator has
+    been connected for `lost_after` seconds; a queued or running job keeps waiting (see JobProbe).
     """
     import nats.errors
 
+    if probe_every is not None and probe_every <= 0:
+        raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
     if request.job_id is None:
         request = request.model_copy(update={"job_id": new_job_id()})
     job_id = request.job_id
     sub = await nc.subscribe(subjects.job_events(job_id))
     submitted = False
     finished = False  # the coordinator told us the end (done or failed)
+    probe = JobProbe(nc, job_id, lost_after=lost_after, timeout=max(1.0, min(probe_every or 2.0, 5.0)))
 
     async def deliver(ev) -> None:
         if on_event is not None:
@@ -116,12 +210,20 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
         nonlocal finished
         accepted_seen = False
         streaming = False
+        last_event = time.monotonic()
         while True:
+            waits = [w for w in (probe_every, idle_timeout - (time.monotonic() - last_event) if streaming else None)
+                     if w is not None]
             try:
-                msg = await sub.next_msg(timeout=idle_timeout if streaming else None)
+                msg = await sub.next_msg(timeout=max(min(waits), 0.01) if waits else None)
             except nats.errors.TimeoutError:
-                raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no frame for {idle_timeout:g} s: is the coordinator "
-                                "still running?", job_id) from None
+                if streaming and time.monotonic() - last_event >= idle_timeout:
+                    raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no frame for {idle_timeout:g} s: is the "
+                                    "coordinator still running?", job_id) from None
+                if probe_every is not None and (lost := await probe.check()) is not None:
+                    raise JobFailed(ErrorCode.UNAVAILABLE, lost, job_id) from None
+                continue
+            last_event = time.monotonic()
             try:
                 ev = unpack(msg.data, JobEvent)
             except ProtocolError as err:
@@ -144,7 +246,11 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
 
     try:
         await nc.flush()
-        await submit_job(nc, request, timeout=submit_timeout)
+        try:
+            await submit_job(nc, request, timeout=submit_timeout)
+        except _NoSubmitReply:
+            submitted = True  # the coordinator may have taken the job all the same: cancel it below
+            raise
         submitted = True
         return await (asyncio.wait_for(wait_events(), timeout) if timeout else wait_events())
     except asyncio.TimeoutError:

@@ -13,8 +13,12 @@ failed for this tick and its rows are rerouted by their strategy (top1 -> next-b
 then the scheduler advances every row one solver stage and the events go to `emit`.
 
 `transport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids) -> v [n, C, H, W]` raises
-`ExpertUnavailable` when no worker of that expert can answer; the NATS transport lives in
-`coordinator.transport`, an in-process one (direct backend calls) in `coordinator.local_fleet`.
+`ExpertUnavailable` when no worker of that expert can answer (`BadExpertReply` when they answer
+garbage); the NATS transport lives in `coordinator.transport`, an in-process one (direct backend
+calls) in `coordinator.local_fleet`. Every velocity is checked here too (shape, float, finite):
+a bad one counts as a failed call, so NaN never reaches a job's samples. A job whose rows no
+expert could serve fails with `unavailable`, or with `bad_reply` when an expert it needed
+answered only garbage.
 """
 
 from __future__ import annotations
@@ -37,12 +41,22 @@ log = logging.getLogger(__name__)
 
 
 class ExpertUnavailable(Exception):
-    """No worker of `expert` could produce this step's velocity."""
+    """No worker of `expert` could produce this step's velocity. `code` says why, for the jobs
+    that fail of it: `unavailable` (no responders, time-outs) or `bad_reply` (see BadExpertReply)."""
+
+    code = ErrorCode.UNAVAILABLE
 
     def __init__(self, expert: int, reason: str):
         super().__init__(f"expert {expert}: {reason}")
         self.expert = expert
         self.reason = reason
+
+
+class BadExpertReply(ExpertUnavailable):
+    """The expert's workers answered, but never with a usable velocity (NaN/Inf, wrong shape or
+    dtype, undecodable): a broken or hostile worker, not a missing one."""
+
+    code = ErrorCode.BAD_REPLY
 
 
 class Transport(Protocol):
@@ -130,7 +144,8 @@ class Engine:
             return False
         started = time.perf_counter()
         try:
-            await self._execute(batch)
+            codes = await self._execute(batch)
+            self._fail_bad_reply_rows(batch, codes)
             sched.update(batch, self.clock())
         except Exception as err:  # never die: fail this batch's jobs, keep serving the rest
             log.exception("tick failed")
@@ -141,7 +156,10 @@ class Engine:
         await self.flush_events()
         return True
 
-    async def _execute(self, batch: Batch) -> None:
+    async def _execute(self, batch: Batch) -> dict[int, ErrorCode]:
+        """Route, then call every chosen expert (rerouting after failures). Returns the ErrorCode
+        of each expert that failed this tick."""
+        codes: dict[int, ErrorCode] = {}
         if self.router_in_thread:
             w = await asyncio.to_thread(self.router.weights, batch.x, batch.t, batch.y)
         else:
@@ -154,16 +172,39 @@ class Engine:
             for k, res in zip(experts, results):
                 if isinstance(res, ExpertUnavailable):
                     self.last_unavailable[k] = res.reason
+                    codes[k] = res.code
                     batch.mark_failed(k, res.reason)
                 elif isinstance(res, BaseException):
                     if isinstance(res, asyncio.CancelledError):
                         raise res
                     log.warning("expert %d call failed: %r", k, res)
                     self.last_unavailable[k] = f"failed: {type(res).__name__}: {res}"
+                    codes[k] = ErrorCode.UNAVAILABLE
                     batch.mark_failed(k, f"failed ({type(res).__name__}: {res})")
                 else:
                     self.last_unavailable.pop(k, None)
                     batch.record(k, reqs[k], res)
+        return codes
+
+    def _fail_bad_reply_rows(self, batch: Batch, codes: dict[int, ErrorCode]) -> None:
+        """Jobs with rows left without a velocity, where an expert those rows wanted failed with a
+        code other than `unavailable` (bad replies), fail with that code (the scheduler would say
+        `unavailable`, which hides that a worker is broken)."""
+        bad = {k: c for k, c in codes.items() if c != ErrorCode.UNAVAILABLE}
+        if not bad:
+            return
+        complete = batch.row_complete()
+        sched = self.scheduler
+        for gi, group in enumerate(batch.groups):
+            rows = batch.group_rows(gi)
+            job = sched.active.get(group.job_id)
+            if complete[rows].all() or job is None or job.group is not group:
+                continue
+            wanted = np.nonzero((batch.ideal[rows] > 0).any(axis=0))[0]
+            culprits = [int(k) for k in wanted if int(k) in bad] or sorted(bad)
+            k = culprits[0]
+            sched.fail(group.job_id, bad[k], f"expert {k} never sent a usable velocity for a step "
+                       f"({batch.failed_reasons.get(k, 'bad reply')}) and no other expert could take its rows")
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         v = await self.transport.velocity(k, batch.x[idx], batch.t[idx], batch.y[idx],
@@ -171,10 +212,26 @@ class Engine:
         v = np.asarray(v)
         want = (len(idx),) + batch.x.shape[1:]
         if v.shape != want:
-            raise ExpertUnavailable(k, f"replied with shape {list(v.shape)}, expected {list(want)}")
+            raise BadExpertReply(k, f"replied with shape {list(v.shape)}, expected {list(want)}")
+        if v.dtype.kind != "f":
+            raise BadExpertReply(k, f"replied with {v.dtype} velocities, expected float")
+        with np.errstate(over="ignore", invalid="ignore"):
+            v = v.astype(np.float32, copy=False)
         if not np.isfinite(v).all():
-            raise ExpertUnavailable(k, "replied with NaN/Inf velocities")
+            raise BadExpertReply(k, "replied with NaN/Inf velocities")
         return v
+
+    # ------------------------------------------------------------ job state
+    def job_state(self, job_id: str) -> dict[str, Any] | None:
+        """{state: queued|running, step, steps, queue_position} of a job the scheduler holds, else None."""
+        sched = self.scheduler
+        job = sched.active.get(job_id)
+        if job is not None:
+            return dict(state="running", step=int(job.step), steps=int(job.request.steps), queue_position=0)
+        for i, job in enumerate(sched.queue):
+            if job.job_id == job_id:
+                return dict(state="queued", step=0, steps=int(job.request.steps), queue_position=i + 1)
+        return None
 
     # ------------------------------------------------------------ status
     def _count_rows(self, n: int) -> None:

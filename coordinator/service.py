@@ -9,10 +9,16 @@ Subjects (see `schemas.subjects`):
                                 admission errors carry their ErrorCode); queue group
                                 `ddm.v1.coordinators`, so several coordinators share the load.
 * `ddm.v1.jobs.<id>.cancel`     CancelRequest (or empty body) -> CancelReply
+* `ddm.v1.jobs.<id>.status`     anything -> JobStatus (queued | running | done | failed | unknown);
+                                for a job that finished recently the terminal event is published
+                                again first, for a client that missed it (e.g. across a reconnect)
 * `ddm.v1.jobs.<id>.events`     published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
 * `ddm.v1.fleet.status`         anything -> FleetStatus
 
 A bad request never takes the coordinator down: it gets an error reply, and the loop goes on.
+Leaving the context (SIGTERM for `ddm-fleet coordinator`) fails every queued or running job with
+`unavailable` ("coordinator shutting down"). A coordinator that crashed and was restarted answers
+`unknown` for the jobs it lost, which is how `client.run_job` tells its caller at once.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from typing import Any, Sequence
 
 from schemas import (
@@ -30,6 +37,7 @@ from schemas import (
     FleetStatus,
     JobRejected,
     JobRequest,
+    JobStatus,
     ProtocolError,
     pack,
     subjects,
@@ -42,6 +50,10 @@ from .scheduler import Rejected, Scheduler, SchedulerConfig
 log = logging.getLogger(__name__)
 
 COORDINATOR_QUEUE = f"{subjects.PREFIX}.coordinators"
+
+#: Seconds a coordinator that does not own a job waits before answering cancel / status with
+#: "unknown", so that the owner (if another coordinator runs it) answers first.
+NOT_MINE_DELAY = 0.25
 
 
 def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):
@@ -68,13 +80,17 @@ class Coordinator:
     Give `nc` (an open nats-py connection, not closed on exit) or `nats_url` (connected and
     drained here). `transport` defaults to `NatsTransport(nc, step_timeout, retries, request_rows)`:
     request_rows (<= MAX_STEP_ROWS) caps the rows of one expert request, so an expert's batch is split
-    into concurrent requests that the queue group spreads over that expert's workers."""
+    into concurrent requests that the queue group spreads over that expert's workers;
+    bad_reply_retries: extra tries of an expert request after unusable replies (NaN, wrong shape, ...).
+    The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
+    `keep_finished_s` seconds old) are kept so a status request can publish them again."""
 
     def __init__(self, router: RouterLike, *, num_experts: int, class_to_expert: Sequence[int] | None = None,
                  nc: Any = None, nats_url: str | None = None, max_rows: int = 1024, max_queued_jobs: int = 256,
                  step_timeout: float = 10.0, retries: int = 2, request_rows: int | None = None,
-                 transport: Transport | None = None,
-                 image_shape: tuple[int, int, int] = (1, 32, 32), name: str = "coordinator"):
+                 bad_reply_retries: int = 4, transport: Transport | None = None,
+                 image_shape: tuple[int, int, int] = (1, 32, 32), name: str = "coordinator",
+                 keep_finished: int = 256, keep_finished_mb: float = 64.0, keep_finished_s: float = 600.0):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         self.config = SchedulerConfig(num_experts=num_experts, max_rows=max_rows, max_queued_jobs=max_queued_jobs,
@@ -86,12 +102,18 @@ class Coordinator:
         self.step_timeout = step_timeout
         self.retries = retries
         self.request_rows = request_rows
+        self.bad_reply_retries = bad_reply_retries
         self.transport = transport
         self.name = name
         self.engine: Engine | None = None
         self._task: asyncio.Task | None = None
         self._subs: list = []
         self._bg: set[asyncio.Task] = set()
+        self.keep_finished, self.keep_finished_s = keep_finished, keep_finished_s
+        self.keep_finished_bytes = int(keep_finished_mb * 1024 * 1024)
+        self._finished: OrderedDict[str, tuple[float, Any, int]] = OrderedDict()  # job id -> (t, event, bytes)
+        self._finished_bytes = 0
+        self.republished = 0  # terminal events published again for status requests
 
     @classmethod
     def from_files(cls, router_path, partition_path, **kw) -> "Coordinator":
@@ -105,14 +127,17 @@ class Coordinator:
         from .transport import NatsTransport
 
         if self.nc is None:
-            self.nc = await nats.connect(self.nats_url, name=self.name, max_reconnect_attempts=-1)
+            self.nc = await nats.connect(self.nats_url, name=self.name, max_reconnect_attempts=-1,
+                                         reconnect_time_wait=1, pending_size=64 * 1024 * 1024)
         if self.transport is None:
             opts = {"max_rows": self.request_rows} if self.request_rows else {}
-            self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries, **opts)
+            self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
+                                           bad_reply_retries=self.bad_reply_retries, **opts)
         self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish)
         self._subs = [
             await self.nc.subscribe(subjects.JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),
             await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel),
+            await self.nc.subscribe(subjects.ALL_JOB_STATUS, cb=self._on_job_status),
             await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status),
         ]
         await self.nc.flush()
@@ -169,8 +194,58 @@ class Coordinator:
         assert self.engine is not None, "enter the context first"
         return FleetStatus(coordinator=self.name, **self.engine.status())
 
+    # ------------------------------------------------------------ finished jobs
+    def _remember(self, event) -> None:
+        """Keep a terminal event (bounded by count, bytes and age) for status requests."""
+        job_id = event.job_id
+        old = self._finished.pop(job_id, None)
+        if old is not None:
+            self._finished_bytes -= old[2]
+        size = sum(int(getattr(event, f).nbytes) for f in ("images", "usage") if hasattr(event, f)) + 256
+        self._finished[job_id] = (time.monotonic(), event, size)
+        self._finished_bytes += size
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        while self._finished:
+            t, _, size = next(iter(self._finished.values()))
+            if (len(self._finished) <= self.keep_finished and self._finished_bytes <= self.keep_finished_bytes
+                    and now - t <= self.keep_finished_s):
+                break
+            self._finished.popitem(last=False)
+            self._finished_bytes -= size
+
+    def finished_event(self, job_id: str):
+        """The DoneEvent / FailedEvent of a job that finished recently, or None."""
+        self._forget_old()
+        item = self._finished.get(job_id)
+        return item[1] if item else None
+
+    async def job_status(self, job_id: str) -> JobStatus | None:
+        """What this coordinator knows of a job; None if nothing (never had it, or forgot it)."""
+        assert self.engine is not None, "enter the context first"
+        state = self.engine.job_state(job_id)
+        if state is None and self.finished_event(job_id) is None:
+            # A tick may have finished the job and still be publishing its events: wait for that.
+            await self.engine.flush_events()
+            state = self.engine.job_state(job_id)
+        if state is not None:
+            return JobStatus(job_id=job_id, coordinator=self.name, **state)
+        ev = self.finished_event(job_id)
+        if ev is None:
+            return None
+        steps = ev.steps if ev.kind == "done" else 0
+        return JobStatus(job_id=job_id, state="done" if ev.kind == "done" else "failed", step=steps, steps=steps,
+                         coordinator=self.name)
+
     # ------------------------------------------------------------ NATS handlers
     async def _publish(self, event) -> None:
+        if event.kind in ("done", "failed"):
+            self._remember(event)
+        await self._send_event(event)
+
+    async def _send_event(self, event) -> None:
         try:
             await self.nc.publish(subjects.job_events(event.job_id), pack(event))
         except ProtocolError as err:
@@ -224,14 +299,35 @@ class Coordinator:
         if ok:
             await self._reply(msg, CancelReply(job_id=job_id, cancelled=True))
         else:  # answer "unknown" a little later, so the coordinator that owns the job (if any) answers first
-            task = asyncio.create_task(self._reply_later(msg, CancelReply(
-                job_id=job_id, cancelled=False, reason="no such queued or running job")))
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            self._reply_later(msg, CancelReply(job_id=job_id, cancelled=False, reason="no such queued or running job"))
 
-    async def _reply_later(self, msg, message, delay: float = 0.25) -> None:
-        await asyncio.sleep(delay)
-        await self._reply(msg, message)
+    def _reply_later(self, msg, message, delay: float = NOT_MINE_DELAY) -> None:
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            await self._reply(msg, message)
+
+        task = asyncio.create_task(later())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _on_job_status(self, msg) -> None:
+        job_id = subjects.parse_job_subject(msg.subject)
+        if job_id is None or not msg.reply:
+            return
+        try:
+            status = await self.job_status(job_id)
+            if status is None:  # not ours (or lost in a restart): "unknown", after the owner had its chance
+                self._reply_later(msg, JobStatus(job_id=job_id, state="unknown", coordinator=self.name),
+                                  delay=2 * NOT_MINE_DELAY)
+                return
+            if status.state in ("done", "failed"):  # publish the result again, then say so
+                ev = self.finished_event(job_id)
+                if ev is not None:
+                    self.republished += 1
+                    await self._send_event(ev)
+            await self._reply(msg, status)
+        except Exception:
+            log.exception("job status failed")
 
     async def _on_status(self, msg) -> None:
         try:

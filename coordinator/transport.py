@@ -1,9 +1,23 @@
 """Expert velocity calls over NATS: one batched StepRequest per expert per tick.
 
 `NatsTransport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids)` splits batches over
-`MAX_STEP_ROWS` into concurrent requests, retries a request that times out or gets a
-transient error (the queue group hands the retry to another worker of the expert), and
-raises `ExpertUnavailable` when the expert has no responders at all, or every try failed.
+`max_rows` into concurrent requests and sends each to the expert's queue group, which hands
+every try to one of the expert's workers (at random, so a retry usually lands elsewhere).
+
+A request is retried when:
+* it times out, or gets a transient error reply (`overloaded`, `deadline_exceeded`,
+  `unavailable`, `internal`): at most `retries` more tries;
+* the reply is unusable: undecodable, not a `step_reply`, for another expert, wrong row ids,
+  a velocity of the wrong shape or dtype, or with NaN/Inf (also after the cast to float32). Such
+  a reply is logged with the worker id it claims and counted in `bad_replies` / `bad_workers`;
+  a broken or hostile worker answers fast, so these get their own budget, `bad_reply_retries`;
+* the NATS connection was re-established meanwhile (the request or its reply went down with the
+  old connection): a free retry, at most `MAX_LOST_TO_RECONNECT` per request;
+* the expert has no responders within `reconnect_grace` seconds of a reconnect (its workers
+  have not reconnected yet): wait a little and try again, until the grace period ends.
+
+It raises `ExpertUnavailable` when the expert has no responders at all, or every try failed, and
+`BadExpertReply` (an ExpertUnavailable with code `bad_reply`) when it only ever got bad replies.
 """
 
 from __future__ import annotations
@@ -12,39 +26,73 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 
 import numpy as np
 
-from schemas import ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, StepResult, pack, subjects, unpack
+from schemas import (ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, StepResult, loads, pack, subjects,
+                     validate)
 from schemas.limits import MAX_STEP_ROWS
 
-from .engine import ExpertUnavailable
+from .engine import BadExpertReply, ExpertUnavailable
 
 log = logging.getLogger(__name__)
 
 #: Error codes worth a retry on another worker; anything else means our request is bad.
 TRANSIENT = {ErrorCode.OVERLOADED, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}
 
+#: Free retries of one request whose connection was re-established while it waited.
+MAX_LOST_TO_RECONNECT = 3
+
+#: Pause between tries while an expert has no responders just after a reconnect (s).
+NO_RESPONDERS_BACKOFF = 0.25
+
+
+class _BadReply(Exception):
+    """A reply we cannot use. `worker` is the worker id the reply claims ("" if none)."""
+
+    def __init__(self, why: str, worker: str = ""):
+        super().__init__(why)
+        self.why = why
+        self.worker = worker
+
+
+def _claimed_worker(raw) -> str:
+    """The worker_id a (possibly invalid) decoded reply claims, printable and short, or ""."""
+    w = raw.get("worker_id") if isinstance(raw, dict) else None
+    return w[:128] if isinstance(w, str) and w.isprintable() else ""
+
 
 class NatsTransport:
     """Request/reply to `schemas.subjects.expert_velocity(k)`.
 
     step_timeout: seconds to wait for one reply; retries: extra tries after a timeout or a
-    transient error reply; max_rows: rows per request (<= MAX_STEP_ROWS)."""
+    transient error reply; bad_reply_retries: extra tries after unusable replies; max_rows:
+    rows per request (<= MAX_STEP_ROWS); reconnect_grace: seconds after a NATS reconnect during
+    which "no responders" means "workers still reconnecting" (wait and retry), not "no workers"."""
 
-    def __init__(self, nc, *, step_timeout: float = 10.0, retries: int = 2, max_rows: int = MAX_STEP_ROWS):
+    def __init__(self, nc, *, step_timeout: float = 10.0, retries: int = 2, max_rows: int = MAX_STEP_ROWS,
+                 bad_reply_retries: int = 4, reconnect_grace: float = 10.0):
         if step_timeout <= 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if bad_reply_retries < 0:
+            raise ValueError(f"bad_reply_retries must be >= 0, got {bad_reply_retries}")
         if not 1 <= max_rows <= MAX_STEP_ROWS:
             raise ValueError(f"max_rows must be in [1, {MAX_STEP_ROWS}], got {max_rows}")
         self.nc = nc
         self.step_timeout = step_timeout
         self.retries = retries
+        self.bad_reply_retries = bad_reply_retries
         self.max_rows = max_rows
+        self.reconnect_grace = reconnect_grace
         self._ids = itertools.count()
         self.retried = 0  # requests that needed another try (for status / tests)
+        self.bad_replies = 0  # unusable replies received
+        self.bad_workers: Counter[str] = Counter()  # worker id ("?" if none claimed) -> bad replies
+        self._reconnects_seen = self._reconnects()
+        self._reconnected_at = float("-inf")
 
     async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
                        row_ids: list[str]) -> np.ndarray:
@@ -55,41 +103,126 @@ class NatsTransport:
         outs = await asyncio.gather(*(self._request(expert, x[s], t[s], y[s], row_ids[s]) for s in parts))
         return np.concatenate(outs, axis=0)
 
+    # ------------------------------------------------------------ connection epochs
+    def _reconnects(self) -> int:
+        stats = getattr(self.nc, "stats", None)
+        return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+
+    def _observe_reconnects(self) -> int:
+        """The connection's reconnect count; notes when it changed (start of a grace period)."""
+        n = self._reconnects()
+        if n != self._reconnects_seen:
+            self._reconnects_seen = n
+            self._reconnected_at = time.monotonic()
+        return n
+
+    def _in_reconnect_grace(self) -> bool:
+        self._observe_reconnects()
+        return time.monotonic() - self._reconnected_at < self.reconnect_grace
+
+    # ------------------------------------------------------------ one request
     async def _request(self, expert: int, x, t, y, row_ids) -> np.ndarray:
         import nats.errors
 
         subject = subjects.expert_velocity(expert)
+        x32 = np.ascontiguousarray(x, np.float32)
+        t32, y64 = t.astype(np.float32), y.astype(np.int64)
+        tries = bad_tries = lost = 0
         last = "no attempt"
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
             if attempt:
                 self.retried += 1
-            req = StepRequest(expert=expert, x_t=np.ascontiguousarray(x, np.float32), t=t.astype(np.float32),
-                              y=y.astype(np.int64), row_ids=list(row_ids),
+            attempt += 1
+            epoch = self._observe_reconnects()
+            req = StepRequest(expert=expert, x_t=x32, t=t32, y=y64, row_ids=list(row_ids),
                               deadline=time.time() + self.step_timeout, request_id=f"s{next(self._ids)}")
             try:
                 msg = await self.nc.request(subject, pack(req), timeout=self.step_timeout)
             except nats.errors.NoRespondersError:
+                if self._in_reconnect_grace():
+                    await asyncio.sleep(NO_RESPONDERS_BACKOFF)
+                    continue
                 raise ExpertUnavailable(expert, "has no responders") from None
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                if self._observe_reconnects() != epoch and lost < MAX_LOST_TO_RECONNECT:
+                    lost += 1
+                    log.warning("expert %d: request %s lost with the NATS connection; sending it again",
+                                expert, req.request_id)
+                    continue
+                tries += 1
                 last = f"timed out after {self.step_timeout:g} s"
-                log.warning("expert %d: request %s %s (try %d/%d)", expert, req.request_id, last, attempt + 1, self.retries + 1)
+                log.warning("expert %d: request %s %s (try %d/%d)", expert, req.request_id, last, tries,
+                            self.retries + 1)
+                if tries > self.retries:
+                    break
+                continue
+            except (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError) as err:
+                tries += 1  # disconnected and the outgoing buffer is full: wait, then try again
+                last = f"not sent ({type(err).__name__}: NATS is reconnecting)"
+                if tries > self.retries:
+                    break
+                await asyncio.sleep(min(self.step_timeout, 1.0))
                 continue
             try:
-                reply = unpack(msg.data, StepResult)
-            except ProtocolError as err:
-                last = f"undecodable reply ({err.code.value}: {err.message})"
+                return self._check(expert, msg.data, x32.shape, row_ids)
+            except _BadReply as bad:
+                bad_tries += 1
+                self.bad_replies += 1
+                self.bad_workers[bad.worker or "?"] += 1
+                last = f"bad reply from worker {bad.worker or '(unnamed)'}: {bad.why}"
+                log.warning("expert %d: bad reply to request %s from worker %s: %s (bad reply %d of at most %d)",
+                            expert, req.request_id, bad.worker or "(unnamed)", bad.why, bad_tries,
+                            self.bad_reply_retries + 1)
+                if bad_tries > self.bad_reply_retries:
+                    break
                 continue
-            if isinstance(reply, ErrorReply):
-                last = f"error reply {reply.code.value}: {reply.message}"
-                if reply.code in TRANSIENT:
-                    continue
-                raise ExpertUnavailable(expert, last)
-            assert isinstance(reply, StepReply)
-            if reply.row_ids and reply.row_ids != list(row_ids):
-                last = "reply row_ids do not match the request"
+            except _ErrorReply as err:
+                last = f"error reply {err.code.value}: {err.message}"
+                if err.code not in TRANSIENT:
+                    raise ExpertUnavailable(expert, last) from None
+                tries += 1
+                if tries > self.retries:
+                    break
                 continue
-            if reply.velocity.shape != x.shape:
-                last = f"reply velocity shape {list(reply.velocity.shape)} != request {list(x.shape)}"
-                continue
-            return reply.velocity
-        raise ExpertUnavailable(expert, f"no usable reply after {self.retries + 1} tries (last: {last})")
+        n = tries + bad_tries
+        summary = f"no usable reply after {n} tries (last: {last})"
+        if bad_tries and bad_tries >= tries:  # mostly garbage, not silence: say so
+            raise BadExpertReply(expert, summary)
+        raise ExpertUnavailable(expert, summary)
+
+    def _check(self, expert: int, data: bytes, shape: tuple[int, ...], row_ids) -> np.ndarray:
+        """The reply's velocity as float32 [n, C, H, W]; raises _BadReply or _ErrorReply."""
+        try:
+            raw = loads(data)
+        except ProtocolError as err:
+            raise _BadReply(f"undecodable ({err.code.value}: {err.message})") from None
+        worker = _claimed_worker(raw)
+        try:
+            reply = validate(raw, StepResult)
+        except ProtocolError as err:
+            raise _BadReply(f"{err.code.value}: {err.message}", worker) from None
+        if isinstance(reply, ErrorReply):
+            raise _ErrorReply(reply.code, reply.message)
+        assert isinstance(reply, StepReply)
+        if reply.expert != expert:
+            raise _BadReply(f"answers for expert {reply.expert}, not {expert}", worker)
+        if reply.row_ids and reply.row_ids != list(row_ids):
+            raise _BadReply("row_ids do not match the request", worker)
+        v = reply.velocity
+        if v.shape != shape:
+            raise _BadReply(f"velocity shape {list(v.shape)} != request {list(shape)}", worker)
+        if v.dtype.kind != "f":
+            raise _BadReply(f"velocity dtype {v.dtype.str} is not float", worker)
+        with np.errstate(over="ignore", invalid="ignore"):
+            v = v.astype(np.float32, copy=False)
+        if not np.isfinite(v).all():  # e.g. float64 values beyond float32's range
+            raise _BadReply("velocity has NaN/Inf values as float32", worker)
+        return v
+
+
+class _ErrorReply(Exception):
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message

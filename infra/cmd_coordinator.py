@@ -6,7 +6,12 @@ Each tick it runs the router on every active row at once, sends ONE batched requ
 expert (all experts concurrently), combines the velocities and advances every row one solver
 step; jobs join at the next tick and leave when done. Expert workers (`ddm-fleet worker`) may be
 started before or after; a step whose expert has no workers falls back to the next-best expert.
-SIGTERM / Ctrl-C: running jobs fail with `unavailable`, then exit 0.
+Every expert reply is checked (shape, dtype, finite): a bad one is logged with the worker id it
+claims and retried (--bad-reply-retries); a job no expert could serve fails with `bad_reply` or
+`unavailable`. A NATS server restart costs the requests in flight a retry, not the jobs.
+SIGTERM / Ctrl-C: running and queued jobs fail with `unavailable` ("coordinator shutting down"),
+then exit 0. After a crash, a restarted coordinator answers `unknown` to the clients asking about
+the jobs it lost (ddm.v1.jobs.<id>.status), so they fail at once instead of waiting.
 
 examples:
   ddm-fleet coordinator --router checkpoints/router.safetensors --partition checkpoints/partition.json
@@ -40,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=2, metavar="N",
                         help="extra tries of a timed-out expert request; the queue group hands each try to a worker "
                              "(default %(default)s)")
+    parser.add_argument("--bad-reply-retries", type=int, default=4, metavar="N",
+                        help="extra tries of an expert request after unusable replies (NaN/Inf, wrong shape or "
+                             "dtype), each to a worker the queue group picks (default %(default)s)")
     parser.add_argument("--request-rows", type=int, default=512, metavar="N",
                         help="most rows in one expert request (at most 512, default %(default)s); a smaller value "
                              "splits an expert's batch into concurrent requests that the queue group spreads over "
@@ -56,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("ddm.coordinator")
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
-                             ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1)):
+                             ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1),
+                             ("--bad-reply-retries", args.bad_reply_retries, 0)):
         if value < low:
             print(f"ddm-fleet coordinator: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
@@ -80,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             log.warning("nats: %s: %s", type(err).__name__, err)
 
         nc = await nats.connect(nats_servers(args.nats), name="ddm-coordinator", max_reconnect_attempts=-1,
-                                connect_timeout=5, allow_reconnect=True, error_cb=on_error)
+                                connect_timeout=5, allow_reconnect=True, error_cb=on_error, reconnect_time_wait=1,
+                                pending_size=64 * 1024 * 1024)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                 await wait_for_experts(nc, k, timeout=args.wait_experts)
             async with Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
                                    max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
-                                   retries=args.retries, request_rows=args.request_rows) as coord:
+                                   retries=args.retries, request_rows=args.request_rows,
+                                   bad_reply_retries=args.bad_reply_retries) as coord:
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)", flush=True)
                 await stop.wait()

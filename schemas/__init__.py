@@ -20,6 +20,7 @@ from .messages import (
     JobEvent,
     JobRejected,
     JobRequest,
+    JobStatus,
     StepReply,
     StepRequest,
     StepResult,
@@ -32,7 +33,7 @@ from .wire import loads, pack, unpack, validate
 __all__ = [
     "subjects", "ErrorCode", "ProtocolError", "MAX_JOB_IMAGES", "MAX_JOB_STEPS", "MAX_PAYLOAD_BYTES",
     "MAX_STEP_ROWS", "TIME_CONVENTION", "CancelReply", "CancelRequest", "DoneEvent", "ErrorReply",
-    "FailedEvent", "FleetStatus", "FrameEvent", "JobAccepted", "JobEvent", "JobRejected", "JobRequest", "StepReply",
+    "FailedEvent", "FleetStatus", "FrameEvent", "JobAccepted", "JobEvent", "JobRejected", "JobRequest", "JobStatus", "StepReply",
     "StepRequest", "StepResult", "SubmitReply", "decode_tensor", "encode_tensor", "PROTOCOL_VERSION",
     "loads", "pack", "unpack", "validate",
 ]

@@ -6,7 +6,9 @@ into an `ErrorReply` with the same code, so a client always learns *why*.
 
 from __future__ import annotations
 
+import reprlib
 from enum import Enum
+from typing import Any
 
 
 class ErrorCode(str, Enum):
@@ -22,7 +24,8 @@ class ErrorCode(str, Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"  # request or job deadline passed
     OVERLOADED = "overloaded"  # admission control: too many rows / jobs
     CANCELLED = "cancelled"  # job cancelled by its client
-    UNAVAILABLE = "unavailable"  # no expert could serve a step
+    UNAVAILABLE = "unavailable"  # no expert could serve a step; the coordinator is gone or lost the job
+    BAD_REPLY = "bad_reply"  # an expert worker answered with an invalid reply (NaN, wrong shape, ...) on every try
     INTERNAL = "internal"  # a bug on our side; the message says more
 
 
@@ -36,3 +39,21 @@ class ProtocolError(ValueError):
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"ProtocolError({self.code.value!r}, {self.message!r})"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = 12
+_REPR.maxdict = 8
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+
+
+def shown(value: Any) -> str:
+    """`repr()` for error messages about untrusted input: bounded in length and depth.
+
+    A plain repr of a 1000-level nested list (msgpack decodes 1024 levels) raises RecursionError,
+    and a plain repr of an 8 MiB string is an 8 MiB error message."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # e.g. an int too long for str()
+        return f"<{type(value).__name__}>"

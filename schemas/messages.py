@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError, shown
 from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
 from .version import PROTOCOL_VERSION
@@ -72,7 +72,7 @@ def _to_error_code(value: Any) -> Any:
     except ValueError:
         raise PydanticCustomError(
             ErrorCode.BAD_REQUEST.value,
-            f"error code must be one of {sorted(c.value for c in ErrorCode)}, got {value!r}",
+            f"error code must be one of {sorted(c.value for c in ErrorCode)}, got {shown(value)}",
         ) from None
 
 
@@ -120,7 +120,7 @@ class Message(BaseModel):
     @classmethod
     def _check_version(cls, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise _err(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {value!r}")
+            raise _err(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {shown(value)}")
         if value != PROTOCOL_VERSION:
             raise _err(
                 ErrorCode.UNSUPPORTED_VERSION,
@@ -344,6 +344,27 @@ class CancelReply(Message):
     job_id: Id
     cancelled: bool
     reason: str = ""
+
+
+JobState = Literal["queued", "running", "done", "failed", "unknown"]
+
+
+class JobStatus(Message):
+    """Coordinator -> client (reply on `ddm.v1.jobs.<job_id>.status`): what it knows of the job.
+
+    queued / running: the job is alive (step = steps completed, queue_position = its place in
+    the queue, 1 = next). done / failed: it finished recently, and its terminal event has just
+    been published again on the events subject (for a client that missed it, e.g. across a
+    NATS reconnect). unknown: this coordinator has no such job: it never had it, forgot it long
+    after it finished, or was restarted since (the job is lost)."""
+
+    kind: Literal["job_status"] = "job_status"
+    job_id: Id
+    state: JobState
+    step: int = Field(default=0, ge=0)
+    steps: int = Field(default=0, ge=0)
+    queue_position: int = Field(default=0, ge=0)
+    coordinator: str = ""
 
 
 class FleetStatus(Message):

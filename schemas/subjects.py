@@ -4,6 +4,7 @@
     ddm.v1.jobs.submit                   generation job submission (request/reply)
     ddm.v1.jobs.<job_id>.events          a job's event stream (accepted/frame/done/failed)
     ddm.v1.jobs.<job_id>.cancel          cancel a job (request/reply or plain publish)
+    ddm.v1.jobs.<job_id>.status          what the coordinator knows of a job (request/reply)
     ddm.v1.fleet.status                  coordinator status snapshot (request/reply)
 """
 
@@ -48,14 +49,19 @@ def job_cancel(job_id: str) -> str:
     return f"{PREFIX}.jobs.{_check_token(job_id, 'job id')}.cancel"
 
 
+def job_status(job_id: str) -> str:
+    return f"{PREFIX}.jobs.{_check_token(job_id, 'job id')}.status"
+
+
 #: Wildcards, for permissions and for the coordinator's cancel listener.
 ALL_EXPERTS = f"{PREFIX}.expert.*.velocity"
 ALL_JOB_EVENTS = f"{PREFIX}.jobs.*.events"
 ALL_JOB_CANCELS = f"{PREFIX}.jobs.*.cancel"
+ALL_JOB_STATUS = f"{PREFIX}.jobs.*.status"
 
 
 def parse_job_subject(subject: str) -> str | None:
-    """Job id from `ddm.v1.jobs.<id>.events|cancel`, or None if it is not one."""
+    """Job id from `ddm.v1.jobs.<id>.events|cancel|status`, or None if it is not one."""
     parts = subject.split(".")
     if len(parts) == 5 and ".".join(parts[:3]) == f"{PREFIX}.jobs" and _ID_RE.match(parts[3]):
         return parts[3]

@@ -80,6 +80,10 @@ if hasattr(messages_mod, "FleetStatus"):  # added alongside the coordinator's st
         num_experts=2, jobs_submitted=10, jobs_done=7, jobs_failed=1, jobs_cancelled=1, jobs_rejected=0,
         images_done=70, ticks=400, rows_per_s=210.5, tick_ms_p50=40.0, uptime_s=12.5, unavailable_experts=[1]))
 
+if hasattr(messages_mod, "JobStatus"):  # added alongside the coordinator's job status endpoint
+    SAMPLES.append(messages_mod.JobStatus(job_id="job_1", state="running", step=5, steps=20, coordinator="coord-1"))
+    SAMPLES.append(messages_mod.JobStatus(job_id="job_2", state="unknown"))
+
 UNIONS = {JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent), SubmitReply: (JobAccepted, JobRejected, ErrorReply),
           StepResult: (StepReply, ErrorReply)}
 

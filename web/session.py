@@ -3,6 +3,9 @@
 A session owns the jobs its socket submitted (and only those): it picks each job id,
 subscribes to the job's event subject *before* submitting, forwards the events to its socket,
 and cancels every unfinished job when the socket closes. Other tabs never see its jobs.
+A job that has sent nothing for `probe_every` seconds is asked about (`coordinator.client.JobProbe`):
+if the coordinator lost it (restarted, or gone for `lost_after` s) the page gets `failed` /
+`unavailable` with the reason instead of waiting forever.
 
 Outgoing messages go through an `Outbox`: control messages (accepted, done, errors, ...)
 are kept in order and never dropped; frames are coalesced per job, so a slow browser
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -33,6 +37,8 @@ from schemas import (
     subjects,
     unpack,
 )
+
+from coordinator.client import JobProbe
 
 from .frames import event_message
 from .protocol import BadInput, Cancel, Generate, Ping, parse_client_message
@@ -103,6 +109,8 @@ class _Job:
     sub: Any = None
     announced: bool = False
     early: list = field(default_factory=list)
+    last_event: float = field(default_factory=time.monotonic)
+    probe: Any = None  # JobProbe, once announced
 
 
 class Session:
@@ -114,11 +122,14 @@ class Session:
     """
 
     def __init__(self, nc, send: Callable[[dict[str, Any]], Awaitable[None]], *, submit_timeout: float = 5.0,
-                 max_jobs: int = MAX_JOBS_PER_SOCKET):
+                 max_jobs: int = MAX_JOBS_PER_SOCKET, probe_every: float = 3.0, lost_after: float = 15.0):
         self.nc = nc
         self._send = send
         self.submit_timeout = submit_timeout
         self.max_jobs = max_jobs
+        self.probe_every = probe_every
+        self.lost_after = lost_after
+        self._watcher: asyncio.Future | None = None
         self.outbox = Outbox()
         self.jobs: dict[str, _Job] = {}  # unfinished jobs of this socket only
         self._ended_early: dict[str, _Job] = {}  # finished before their submit reply was read
@@ -171,10 +182,28 @@ class Session:
             self.jobs[job_id] = _Job(ref=cmd.ref)  # reserve the slot now: submit runs in the background
             self._spawn(self.submit(job_id, cmd.request))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Future:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _watch(self) -> None:
+        """While this tab has announced jobs: ask about those silent for probe_every seconds, and
+        fail (to the page) the ones the fleet has lost."""
+        while not self._closed and any(j.announced for j in self.jobs.values()):
+            await asyncio.sleep(self.probe_every)
+            now = time.monotonic()
+            silent = [(job_id, job) for job_id, job in self.jobs.items()
+                      if job.announced and job.probe is not None and now - job.last_event >= self.probe_every]
+            verdicts = await asyncio.gather(*(job.probe.check() for _, job in silent), return_exceptions=True)
+            for (job_id, job), lost in zip(silent, verdicts):
+                if isinstance(lost, BaseException):
+                    log.warning("job %s: status probe failed: %r", job_id, lost)
+                elif lost is not None and self.jobs.get(job_id) is job:
+                    await self._forget(job_id)
+                    self.outbox.drop(job_id)
+                    self.outbox.put(event_message(FailedEvent(job_id=job_id, code=ErrorCode.UNAVAILABLE, reason=lost)))
 
     async def submit(self, job_id: str, request) -> None:
         """Subscribe to the job's events, then submit it; report the outcome to the page."""
@@ -217,6 +246,10 @@ class Session:
         if job is None or job.announced:
             return
         job.announced = True
+        job.last_event = time.monotonic()
+        job.probe = JobProbe(self.nc, job_id, lost_after=self.lost_after, timeout=max(1.0, min(self.probe_every, 5.0)))
+        if job_id in self.jobs and (self._watcher is None or self._watcher.done()):
+            self._watcher = self._spawn(self._watch())
         msg = event_message(accepted)
         if job.ref is not None:
             msg["ref"] = job.ref
@@ -237,6 +270,7 @@ class Session:
             return
         if ev.job_id != job_id:
             return
+        job.last_event = time.monotonic()
         if isinstance(ev, JobAccepted):
             self._announce(job_id, ev)
             return
