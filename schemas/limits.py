@@ -20,3 +20,18 @@ MAX_JOB_STEPS = 1000
 
 #: Longest id string (job ids, row ids, worker ids).
 MAX_ID_LEN = 128
+
+#: Most items in one msgpack array on the wire. The longest lists a message carries are
+#: `row_ids` (<= MAX_STEP_ROWS) and a frame's `experts` / `notes` (a few per image); a longer
+#: array is refused by its header, before anything is allocated for it.
+MAX_WIRE_ARRAY_LEN = 4096
+
+#: Most entries in one msgpack map (the largest message, `fleet_status`, has 21 fields).
+MAX_WIRE_MAP_LEN = 64
+
+#: Most arrays + maps in one message (a message needs about a dozen). Bounds the memory an
+#: 8 MiB message can turn into (an empty array is 1 byte on the wire but ~60 in Python).
+MAX_WIRE_CONTAINERS = 4096
+
+#: Deepest nesting of arrays / maps: msgpack's C decoder refuses more (no message needs > 3).
+MAX_WIRE_DEPTH = 1024

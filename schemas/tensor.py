@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError, shown
 from .limits import MAX_PAYLOAD_BYTES, MAX_TENSOR_NDIM
 
 #: dtype strings accepted on the wire (numpy `dtype.str`).
@@ -82,23 +82,27 @@ def _decode_dict(obj: Any, name: str) -> np.ndarray:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a map {{dtype, shape, data}}, got {type(obj).__name__}")
     keys = set(obj)
     if keys != _KEYS:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must have exactly keys dtype, shape, data; got {sorted(map(repr, keys))}")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must have exactly keys dtype, shape, data; got {sorted(map(shown, keys))}")
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
-        raise ProtocolError(ErrorCode.BAD_DTYPE, f"{name} dtype {dtype!r} is not allowed; allowed: {sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(ErrorCode.BAD_DTYPE, f"{name} dtype {shown(dtype)} is not allowed; allowed: {sorted(ALLOWED_DTYPES)}")
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_TENSOR_NDIM:
-        raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape must be a list of at most {MAX_TENSOR_NDIM} ints, got {shape!r}")
+        raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape must be a list of at most {MAX_TENSOR_NDIM} ints, got {shown(shape)}")
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape entries must be non-negative ints, got {shape!r}")
+            raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape entries must be non-negative ints, got {shown(shape)}")
         if d > MAX_PAYLOAD_BYTES:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} shape {list(shape)} has a dimension over {MAX_PAYLOAD_BYTES}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} data must be raw bytes (msgpack bin), got {type(data).__name__}")
     itemsize = np.dtype(dtype).itemsize
     n = math.prod(shape)
-    if n * itemsize > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} of shape {list(shape)} needs {n * itemsize} bytes, over the {MAX_PAYLOAD_BYTES}-byte limit")
+    # Zero dimensions count as 1 here: [0, 2**23, 2**23, 2**23] holds nothing, but numpy refuses
+    # to build it ("array is too big"), and no real tensor has such a shape.
+    if math.prod(max(d, 1) for d in shape) * itemsize > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} of shape {list(shape)} needs {n * itemsize} bytes (non-zero "
+                                                 f"dimensions: {math.prod(max(d, 1) for d in shape) * itemsize}), "
+                                                 f"over the {MAX_PAYLOAD_BYTES}-byte limit")
     if isinstance(data, memoryview) and not data.c_contiguous:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} data must be a contiguous buffer")
     nbytes = memoryview(data).nbytes

@@ -1,13 +1,15 @@
 """Bytes <-> messages. The only place msgpack is called.
 
 `pack(msg)` validates the size before anything is published; `unpack(data, Type)`
-checks the size, decodes msgpack (no ext types, no timestamps, no pickles), checks the
-protocol version, validates with pydantic in strict mode (no "3" -> 3 coercion) and
+checks the size, decodes msgpack (no ext types, no timestamps, no pickles; bounded array and
+map lengths, container count and nesting: see `schemas.limits`), checks the protocol version,
+validates with pydantic in strict mode (no "3" -> 3 coercion) and
 turns every failure into a `ProtocolError` with a stable code.
 """
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -15,26 +17,39 @@ import msgpack
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
-from .errors import ErrorCode, ProtocolError
-from .limits import MAX_PAYLOAD_BYTES
+from .errors import ErrorCode, ProtocolError, shown
+from .limits import MAX_PAYLOAD_BYTES, MAX_WIRE_ARRAY_LEN, MAX_WIRE_CONTAINERS, MAX_WIRE_MAP_LEN
 from .version import PROTOCOL_VERSION
 
 T = TypeVar("T")
 
 _CODES = {c.value for c in ErrorCode}
+_EXCEEDS = re.compile(r"^(\d+) exceeds max_(array|map)_len")
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(ErrorCode.BAD_REQUEST, f"msgpack extension type {code} is not allowed")
 
 
-def _no_timestamp(value: Any) -> Any:
-    # msgpack decodes ext type -1 as a Timestamp without calling ext_hook; refuse it too.
-    items = value.values() if isinstance(value, dict) else value
-    for item in items:
-        if isinstance(item, msgpack.Timestamp):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "msgpack extension type -1 (timestamp) is not allowed")
-    return value
+class _ContainerHook:
+    """msgpack list_hook / object_hook: refuses timestamps (ext type -1 is decoded without calling
+    ext_hook) and counts containers, so a message of millions of tiny arrays stops early."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, budget: int):
+        self.left = budget
+
+    def __call__(self, value: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(ErrorCode.TOO_LARGE,
+                                f"message has over {MAX_WIRE_CONTAINERS} arrays and maps; the limit is {MAX_WIRE_CONTAINERS}")
+        items = value.values() if isinstance(value, dict) else value
+        for item in items:
+            if isinstance(item, msgpack.Timestamp):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "msgpack extension type -1 (timestamp) is not allowed")
+        return value
 
 
 def pack(message: BaseModel, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
@@ -65,6 +80,7 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_PAYLOAD_
         raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
     if len(data) == 0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "empty message")
+    hook = _ContainerHook(MAX_WIRE_CONTAINERS)
     try:
         obj = msgpack.unpackb(
             data,
@@ -72,14 +88,25 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_PAYLOAD_
             use_list=True,
             strict_map_key=True,
             ext_hook=_refuse_ext,
-            object_hook=_no_timestamp,
-            list_hook=_no_timestamp,
+            object_hook=hook,
+            list_hook=hook,
+            max_array_len=min(MAX_WIRE_ARRAY_LEN, len(data)),  # each item takes >= 1 byte, a map entry >= 2
+            max_map_len=min(MAX_WIRE_MAP_LEN, len(data) // 2),
         )
         if isinstance(obj, msgpack.Timestamp):
-            _no_timestamp([obj])
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "msgpack extension type -1 (timestamp) is not allowed")
         return obj
     except ProtocolError:
         raise
+    except ValueError as err:
+        # msgpack checks a container's declared length before building it: "N exceeds max_array_len(M)".
+        # Over our limit in a message long enough to hold it: too_large; otherwise a corrupt header.
+        m = _EXCEEDS.match(str(err))
+        if m and int(m.group(1)) > (MAX_WIRE_ARRAY_LEN if m.group(2) == "array" else MAX_WIRE_MAP_LEN):
+            if int(m.group(1)) * (1 if m.group(2) == "array" else 2) <= len(data):
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"msgpack {m.group(2)} of {m.group(1)} entries; the limit is "
+                                    f"{MAX_WIRE_ARRAY_LEN} array items, {MAX_WIRE_MAP_LEN} map entries") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {type(err).__name__}: {err}") from None
     except Exception as err:  # msgpack raises several types for corrupt input
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {type(err).__name__}: {err}") from None
 
@@ -101,13 +128,13 @@ def check_envelope(obj: Any) -> None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "message has no protocol version field v")
     v = obj["v"]
     if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {v!r}")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {shown(v)}")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION, f"protocol version {v} is not supported; this build speaks v{PROTOCOL_VERSION}"
         )
     if not isinstance(obj.get("kind"), str):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"message field kind must be a string, got {obj.get('kind')!r}")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"message field kind must be a string, got {shown(obj.get('kind'))}")
 
 
 def validate(obj: Any, tp: type[T] | Any) -> T:

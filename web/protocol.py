@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -34,6 +35,8 @@ MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
 GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every")
 
 _SPLIT = re.compile(r"[\s,;]+")
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 40
 
 
 class BadInput(ValueError):
@@ -90,7 +93,7 @@ def parse_digits(value: Any) -> list[int]:
         out = []
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= 9:
-                raise BadInput(f"digits must be integers 0-9, got {item!r}")
+                raise BadInput(f"digits must be integers 0-9, got {_shown(item)}")
             out.append(item)
         return out
     raise BadInput(f"digits must be a string like '3,7,7' or a list of integers, got {type(value).__name__}")
@@ -122,7 +125,7 @@ def parse_client_message(text: Any) -> ClientMessage:
         raise BadInput("send JSON text frames, not binary")
     try:
         msg = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, an int literal over 4300 digits, deep nesting
         raise BadInput(f"malformed JSON: {err}") from None
     if not isinstance(msg, dict):
         raise BadInput(f"each message must be a JSON object with a 'type', got {type(msg).__name__}")
@@ -141,5 +144,10 @@ def parse_client_message(text: Any) -> ClientMessage:
         return Ping(ref)
     if kind is None:
         raise BadInput("message has no 'type'; expected generate, cancel or ping", ref=ref)
-    shown = kind if isinstance(kind, str) and len(kind) <= 32 else repr(kind)[:32]
-    raise BadInput(f"unknown message type {shown!r}; expected generate, cancel or ping", ref=ref)
+    shown = repr(kind) if isinstance(kind, str) and len(kind) <= 32 else _shown(kind)
+    raise BadInput(f"unknown message type {shown}; expected generate, cancel or ping", ref=ref)
+
+
+def _shown(value: Any) -> str:
+    """A short repr of anything the page sent (bounded length and depth, never recursion)."""
+    return _REPR.repr(value)[:80]
