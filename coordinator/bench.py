@@ -498,7 +498,7 @@ async def _fleet(args, models) -> dict:
                                                  f"{c.last_lines()}" for c in dead))
 
             warm = await _closed_loop(run_one, _requests(args, 1, "w"))
-            if warm["completed"] != 1:
+            if warm["completed"] != warm["submitted"]:
                 check_alive()
                 raise RuntimeError(f"the warm-up job did not complete: {warm}")
             start_memory = {name: proc_memory(pid) for name, pid in pids.items()}

@@ -23,8 +23,9 @@ def _args(**kw):
 
 async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_path):
     # 10 clients fit the limits (20 running + 20 queued); of 150 at once, at least 40 are admitted
-    # and the rest must be rejected with `overloaded`, never dropped; the 150 level runs twice
-    args = _args(concurrency="10,150,150", jobs_per_client=1, steps=4, widths="8,16,32",
+    # and the rest must be rejected with `overloaded`, never dropped; the 150 level runs twice.
+    # Each client runs 2 jobs back to back (the second after its first completed or was rejected).
+    args = _args(concurrency="10,150,150", jobs_per_client=2, steps=4, widths="8,16,32",
                  checkpoints=str(tmp_path / "none"), buckets="1,8,32", threads=1, only="fleet",
                  max_rows=20, max_queued_jobs=20, job_timeout=60.0)
     t0 = time.monotonic()
@@ -34,7 +35,7 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
     assert all("ceiling" not in r for r in res["rows"])
     levels = [r["fleet"] for r in res["rows"]]
     for c, x in zip((10, 150, 150), levels):
-        assert x["submitted"] == c
+        assert x["submitted"] == 2 * c
         assert x["completed"] + x["rejected"] == x["submitted"], x
         assert x["lost"] == 0 and x["failed"] == 0, x
         assert x["images"] == x["completed"] and x["images_per_s"] > 0
@@ -47,9 +48,9 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
         assert set(x["memory"]) == {"coordinator", "worker0", "worker1", "nats-server", "bench (clients)"}
         for name, m in x["memory"].items():
             assert m["peak"] > 0 and m["rss"] > 0 and m["peak"] >= m["rss"], (name, m)
-    assert levels[0]["completed"] == 10 and levels[0]["rejected"] == 0
+    assert levels[0]["completed"] == 20 and levels[0]["rejected"] == 0
     for x in levels[1:]:
-        assert 0 < x["rejected"] <= 150 - 40 and x["completed"] >= 40
+        assert 0 < x["rejected"] <= 300 - 40 and x["completed"] >= 40
         assert x["rejected_codes"] == {"overloaded": x["rejected"]}
     # the same load again leaves the coordinator no bigger (a loose bound: allocator noise, no leak)
     assert levels[2]["memory"]["coordinator"]["rss"] < levels[1]["memory"]["coordinator"]["rss"] + 50 * 2**20
