@@ -63,8 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admission limit: most jobs waiting for rows; more are rejected with `overloaded` "
                              "(`ddm-fleet coordinator --max-queued-jobs`, and the ceiling; default %(default)s)")
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="S",
-                        help="coordinator: seconds to wait for an expert reply before its one retry "
-                             "(default %(default)s)")
+                        help="coordinator: seconds to wait for an expert reply before a retry (default %(default)s; "
+                             "`ddm-fleet coordinator` defaults to 10)")
+    parser.add_argument("--retries", type=int, default=1, metavar="N",
+                        help="coordinator: extra tries of a timed-out expert request (default %(default)s; "
+                             "`ddm-fleet coordinator` defaults to 2)")
     parser.add_argument("--job-timeout", type=float, default=900.0, metavar="S",
                         help="a job with neither images nor a failure after S seconds counts as LOST "
                              "(default %(default)s)")
@@ -89,6 +92,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "images_per_job", "jobs_per_client", "max_rows", "max_queued_jobs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.retries < 0:
+        raise ValueError("--retries must be >= 0")
     for name in ("step_timeout", "job_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
@@ -480,7 +485,7 @@ async def _fleet(args, models) -> dict:
             coordinator = await _Child.start("coordinator", _cli(
                 "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
                 "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
-                "--step-timeout", args.step_timeout, "--retries", 1, "--wait-experts", 120), env)
+                "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
             nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1)
@@ -557,7 +562,7 @@ async def bench_fleet(args) -> dict:
              "strategy": args.strategy, "solver": args.solver, "stream": not args.no_stream, "bf16": args.bf16,
              "threads": args.threads, "cpus": os.cpu_count(), "max_rows": args.max_rows,
              "max_queued_jobs": args.max_queued_jobs, "job_timeout_s": args.job_timeout,
-             "step_timeout_s": args.step_timeout,
+             "step_timeout_s": args.step_timeout, "retries": args.retries,
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}
@@ -588,7 +593,8 @@ def format_table(results: dict) -> str:
              f"bf16={s['bf16']}, {s['cpus']} cpus"]
     if "max_rows" in s:
         lines.append(f"admission limits (coordinator process and ceiling): max_rows={s['max_rows']}, "
-                     f"max_queued_jobs={s['max_queued_jobs']}; a job is LOST without images or a failure within "
+                     f"max_queued_jobs={s['max_queued_jobs']}; coordinator step timeout {s['step_timeout_s']:g} s, "
+                     f"{s['retries']} retries; a job is LOST without images or a failure within "
                      f"{s['job_timeout_s']:g} s; load avg at start {' '.join(map(str, s['load_avg_start']))}, "
                      f"at end {' '.join(map(str, s['load_avg_end']))}")
     lines.append(f"{'conc':>5} | {'fleet img/s':>11} {'p50 s':>7} {'p99 s':>7} | {'ceil img/s':>10} {'p50 s':>7} "
@@ -624,7 +630,9 @@ def format_table(results: dict) -> str:
             mem_rows.insert(0, ("start", {"memory": results["fleet_memory_at_start"]}))
         names = list(mem_rows[-1][1]["memory"])
         lines.append(f"fleet RSS MiB per process: peak over the level (VmHWM, {scope}) / at the level's end (VmRSS); "
-                     "start = after start-up and one warm-up job:")
+                     "start = after start-up and the warm-up jobs"
+                     + ("; the bench process still holds the ceiling's models (that path ran first)"
+                        if any("ceiling" in r for r in results["rows"]) else "") + ":")
         width = max(13, *(len(n) for n in names))
         lines.append(f"{'conc':>5} | " + " | ".join(f"{n:>{width}}" for n in names))
         for conc, x in mem_rows:
