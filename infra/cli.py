@@ -28,6 +28,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("up", "infra.cmd_up", "run the local fleet in one command: nats-server, workers, coordinator, web page"),
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("nats", "infra.cmd_nats", "NATS server tools: check the shipped configs, run them as a loopback cluster"),
+    ("fuzz", "infra.cmd_fuzz", "throw hostile input at the decoders, a worker, the coordinator and the web socket"),
 ]
 
 

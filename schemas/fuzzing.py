@@ -32,6 +32,7 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
+from . import messages as _messages
 from .errors import ErrorCode, ProtocolError
 from .limits import MAX_PAYLOAD_BYTES, MAX_WIRE_ARRAY_LEN, MAX_WIRE_CONTAINERS, MAX_WIRE_DEPTH, MAX_WIRE_MAP_LEN
 from .messages import (
@@ -85,12 +86,14 @@ MARKER_BYTES = [
 ]
 BAD_DTYPES = [">f4", ">i8", "|O", "<c8", "<U4", "V8", "<M8[s]", "f4", "float32", "", "<f16", "|S4", "<f4 "]
 
-#: Which types `unpack` is fuzzed against in the `messages` target (the first input byte picks one).
-MESSAGE_TARGETS: list[Any] = [
-    StepRequest, StepReply, ErrorReply, JobRequest, JobAccepted, JobRejected, FrameEvent, DoneEvent,
-    FailedEvent, CancelRequest, CancelReply, FleetStatus, StepResult, SubmitReply, JobEvent,
-]
-MESSAGE_TYPES: list[type[Message]] = [t for t in MESSAGE_TARGETS if isinstance(t, type)]
+#: Which types `unpack` is fuzzed against in the `messages` target (the first input byte picks one):
+#: every message type (by name, so a new one is fuzzed without editing this file), then the unions.
+MESSAGE_TYPES: list[type[Message]] = sorted(
+    (obj for obj in vars(_messages).values()
+     if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message),
+    key=lambda cls: cls.__name__,
+)
+MESSAGE_TARGETS: list[Any] = [*MESSAGE_TYPES, StepResult, SubmitReply, JobEvent]
 
 
 def _wire(msg: Message) -> dict:
@@ -123,6 +126,8 @@ def message_seeds(image: tuple[int, int, int] = (1, 4, 4), rows: tuple[int, ...]
         CancelReply(job_id="j1", cancelled=False, reason="no such job"),
         FleetStatus(coordinator="c", active_jobs=1, num_experts=2, rows_per_s=10.5, unavailable_experts=[1]),
     ]
+    if hasattr(_messages, "JobStatus"):
+        out.append(_messages.JobStatus(job_id="j1", state="running", step=2, steps=4, coordinator="c"))
     return [_wire(m) for m in out]
 
 
@@ -467,6 +472,54 @@ class Mutator:
         if op == 7:
             return "text", "".join(chr(r.randint(1, 0xD7FF)) for _ in range(r.randint(0, 200)))
         return "text", r.choice(["", " ", "null", "true", "1", '"ping"', "{}", "[]", '{"type": "ping", "ref": 1.5}'])
+
+
+def step_request_variant(rng: random.Random, image: tuple[int, int, int] = (1, 32, 32)) -> bytes:
+    """A StepRequest that is well-formed msgpack with mostly plausible, often boundary, values:
+    row counts around the limits, other image sizes, every float dtype, labels out of range,
+    deadlines past / future / NaN / inf, odd row ids. Reaches the worker's own checks and model."""
+    b = rng.choice([1, 1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 513])
+    shape = image if rng.random() < 0.8 else rng.choice([(1, 28, 28), (3, 32, 32), (1, 32, 31), (1, 1, 1), (0, 32, 32)])
+    np_rng = np.random.default_rng(rng.randrange(2**32))
+    x = np_rng.standard_normal((b, *shape)).astype(rng.choice(["<f4", "<f4", "<f2", "<f8"]))
+    if rng.random() < 0.1:
+        x.flat[rng.randrange(x.size or 1) if x.size else 0:][:1] = rng.choice([np.nan, np.inf, 6e4])
+    t = np_rng.uniform(0, 1, b)
+    if rng.random() < 0.3:
+        t[rng.randrange(b)] = rng.choice([0.0, 1.0, -0.0, 1.0000001, -1e-9, np.nan])
+    y = np_rng.integers(0, 10, b)
+    if rng.random() < 0.2:
+        y[rng.randrange(b)] = rng.choice([-1, 10, 255, 2**31 - 1])
+    msg: dict[str, Any] = {
+        "v": 1, "kind": "step_request", "expert": rng.choice([0, 0, 0, 0, 1, 2, 2**63 - 1]),
+        "x_t": encode_tensor(x), "t": encode_tensor(t.astype(rng.choice(["<f4", "<f8", "<f2"]))),
+        "y": encode_tensor(y.astype(rng.choice(["<i8", "<i4", "|u1", "<u8", "|i1"]))),
+    }
+    if rng.random() < 0.5:
+        msg["row_ids"] = [rng.choice(["r", "é" * 3, "x" * 128, "\u2028", str(i)]) + str(i) for i in range(b)]
+    if rng.random() < 0.5:
+        msg["deadline"] = rng.choice([None, 0.0, -1.0, 1e10, 4.1e9, float("nan"), float("inf"), float("-inf"), 1])
+    if rng.random() < 0.3:
+        msg["request_id"] = rng.choice(["q", "x" * 128, "\r\nNats-Service-Error: forged", "é"])
+    return _packb(msg)
+
+
+def job_request_variant(rng: random.Random) -> bytes:
+    """A JobRequest with plausible, often boundary, values (reaches the coordinator's admission)."""
+    msg: dict[str, Any] = {"v": 1, "kind": "job_request"}
+    if rng.random() < 0.5:
+        msg["digits"] = [rng.choice([0, 1, 5, 9, 9, 10, -1]) if rng.random() < 0.1 else rng.randrange(10)
+                         for _ in range(rng.choice([1, 2, 3, 32, 33, 256, 257]))]
+    else:
+        msg["count"] = rng.choice([1, 2, 4, 31, 32, 33, 256, 257, 0])
+    for key, values in (("steps", [1, 2, 3, 1000, 1001, 0]), ("solver", ["euler", "heun", "rk4"]),
+                        ("strategy", ["top1", "topk", "full", "oracle", "best"]), ("top_k", [1, 2, 3, 64, 65]),
+                        ("seed", [0, 1, 2**63 - 1, 2**63]), ("stream", [True, False]),
+                        ("frame_every", [1, 2, 1000, 1001]), ("deadline_s", [0.001, 1.0, 3600.0, 3600.5, 0.0]),
+                        ("job_id", ["fuzz-dup", "j" + str(rng.randrange(10**6)), "x" * 64, "x" * 65, "a b"])):
+        if rng.random() < 0.35:
+            msg[key] = rng.choice(values)
+    return _packb(msg)
 
 
 def _copy(obj: Any) -> Any:

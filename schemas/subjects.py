@@ -19,11 +19,11 @@ PREFIX = f"ddm.v{PROTOCOL_VERSION}"
 JOBS_SUBMIT = f"{PREFIX}.jobs.submit"
 FLEET_STATUS = f"{PREFIX}.fleet.status"
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: "$" would also match before a final "\n"
 
 
 def _check_token(value: str, what: str) -> str:
-    if not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(f"{what} {value!r} is not a valid subject token: use 1-64 of [A-Za-z0-9_-]")
     return value
 
@@ -63,6 +63,6 @@ ALL_JOB_STATUS = f"{PREFIX}.jobs.*.status"
 def parse_job_subject(subject: str) -> str | None:
     """Job id from `ddm.v1.jobs.<id>.events|cancel|status`, or None if it is not one."""
     parts = subject.split(".")
-    if len(parts) == 5 and ".".join(parts[:3]) == f"{PREFIX}.jobs" and _ID_RE.match(parts[3]):
+    if len(parts) == 5 and ".".join(parts[:3]) == f"{PREFIX}.jobs" and _ID_RE.fullmatch(parts[3]):
         return parts[3]
     return None

@@ -23,8 +23,9 @@ Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / 
 Replies: `StepReply` (velocity [B, C, H, W] float32, in request row order) or `ErrorReply` with a
 stable `ErrorCode`; error replies also carry the micro `Nats-Service-Error(-Code)` headers.
 Bad input never stops the worker: undecodable bytes, wrong version, wrong expert, shapes that do
-not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), and
-model failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting)
+not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), a
+NaN/Inf velocity from absurd finite inputs (|x_t| over `SANE_ABS_X`: `non_finite`), and model
+failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting)
 answers `overloaded` at once, so a client can retry elsewhere instead of waiting.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
@@ -56,6 +57,11 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "ddm-expert"
 ENDPOINT_NAME = "velocity"
+
+#: |x_t| above this is no diffusion sample (x_t = (1 - t) * noise + t * data stays within a few
+#: units). A NaN/Inf velocity for such an input is answered `non_finite` (the request's fault),
+#: not `internal`. Finite inputs up to ~1e19 are computed as usual; past that float32 overflows.
+SANE_ABS_X = 1e4
 
 
 def package_version() -> str:
@@ -407,6 +413,11 @@ class ExpertWorker:
             return
         try:
             if not np.isfinite(result.velocity).all():
+                peak = float(np.abs(step.x_t).max()) if step.x_t.size else 0.0
+                if peak > SANE_ABS_X:  # the input's fault, not ours: a retry elsewhere would get the same
+                    raise ProtocolError(ErrorCode.NON_FINITE,
+                                        f"the model's velocity is NaN/Inf for x_t values up to {peak:.3g} (float32 "
+                                        f"overflow); a sample x_t stays within a few units of 0")
                 raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
             reply = StepReply(
                 expert=self.expert, velocity=result.velocity, row_ids=list(step.row_ids),
