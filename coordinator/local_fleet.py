@@ -111,8 +111,8 @@ class LocalFleet:
 
     def __init__(self, expert_checkpoints: Sequence[str | os.PathLike], router: Any, *, num_experts: int,
                  class_to_expert: Sequence[int] | None = None, nats_url: str | None = None,
-                 workers_per_expert: int = 1, backend: str = "torch", bf16: bool = False,
-                 buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), coordinator_options: dict | None = None):
+                 workers_per_expert: int = 1, backend: str = "torch", device: str | None = None,
+                 bf16: bool = False, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), coordinator_options: dict | None = None):
         if len(expert_checkpoints) != num_experts:
             raise ValueError(f"{len(expert_checkpoints)} expert checkpoints for {num_experts} experts")
         self.expert_checkpoints = [os.fspath(p) for p in expert_checkpoints]
@@ -122,6 +122,7 @@ class LocalFleet:
         self.url = nats_url
         self.workers_per_expert = workers_per_expert
         self.backend = backend
+        self.device = device  # the workers' device (None: the backend's default, the CPU for torch)
         self.bf16 = bf16
         self.buckets = tuple(buckets)
         self.coordinator_options = dict(coordinator_options or {})
@@ -155,7 +156,7 @@ class LocalFleet:
             # workers one after another: loading + warm-up is CPU bound anyway
             for k, path in enumerate(self.expert_checkpoints):
                 for _ in range(self.workers_per_expert):
-                    w = ExpertWorker(expert=k, checkpoint=path, backend=self.backend, bf16=self.bf16,
+                    w = ExpertWorker(expert=k, checkpoint=path, backend=self.backend, device=self.device, bf16=self.bf16,
                                      nats_url=self.url, buckets=self.buckets)
                     await w.start()
                     self.workers.append(w)
