@@ -73,7 +73,8 @@ class FuzzResult:
     unanswered: int = 0
     wall_s: float = 0.0
     check: str = ""  # the after-run liveness check (network targets)
-    codes: dict = dataclasses.field(default_factory=dict)  # error code -> count
+    codes: dict = dataclasses.field(default_factory=dict)  # clear: error code -> count
+    oks: dict = dataclasses.field(default_factory=dict)  # ok: what was served -> count
     samples: list = dataclasses.field(default_factory=list)  # first crashes: {"input", "len", "error"}
 
     def crash(self, data: Any, error: str) -> None:
@@ -85,6 +86,7 @@ class FuzzResult:
     def count(self, kind: str, detail: str = "") -> None:
         if kind == "ok":
             self.ok += 1
+            self.oks[detail or "ok"] = self.oks.get(detail or "ok", 0) + 1
         elif kind == "clear":
             self.clear += 1
             self.codes[detail] = self.codes.get(detail, 0) + 1
@@ -342,14 +344,17 @@ class Fleet:
 
 
 async def _drive(runs: int, concurrency: int, make: Callable[[int], Any], probe: Callable[[Any], Any],
-                 bar) -> None:
-    """Generate `runs` inputs in order; probe them with at most `concurrency` in flight."""
+                 bar, res: FuzzResult) -> None:
+    """Generate `runs` inputs in order; probe them with at most `concurrency` in flight. A probe
+    that raises (the connection to the server died, ...) counts as a crash of that input."""
     sem = asyncio.Semaphore(concurrency)
     tasks: set[asyncio.Task] = set()
 
     async def one(item) -> None:
         try:
             await probe(item)
+        except Exception as err:
+            res.crash(item[-1], f"probe failed: {type(err).__name__}: {err}")
         finally:
             sem.release()
             bar.update(1)
@@ -433,9 +438,9 @@ async def fuzz_worker(fleet: Fleet, runs: int, seed: int, concurrency: int, time
         if reply.velocity.shape != local.x_t.shape or reply.row_ids != local.row_ids or reply.expert != expert:
             return res.crash(data, f"dishonest reply: velocity {list(reply.velocity.shape)} for x_t "
                                    f"{list(local.x_t.shape)}, row_ids {reply.row_ids[:4]} for {local.row_ids[:4]}")
-        return res.count("ok")
+        return res.count("ok", "step_reply")
 
-    await _drive(runs, concurrency, make, probe, bar)
+    await _drive(runs, concurrency, make, probe, bar, res)
 
     # after the run: a valid request gets the model's own velocity
     worker = fleet.workers[0]
@@ -496,7 +501,7 @@ async def fuzz_coordinator(fleet: Fleet, runs: int, seed: int, concurrency: int,
         p = rng.random()
         if p < 0.3 and accepted:
             return rng.choice(accepted)
-        if p < 0.9:
+        if p < 0.97:
             return rng.choice(["j1", "fuzz-job", "web0011223344556677", "x", "A_-9" * 16])
         return rng.choice(["x" * 65, "bad%token", "é", "a" * 200])  # not a job id: see the module docstring
 
@@ -541,7 +546,7 @@ async def fuzz_coordinator(fleet: Fleet, runs: int, seed: int, concurrency: int,
         if what != "submit":
             if what == "cancel" and not reply.cancelled:
                 return res.count("clear", "cancel_refused")
-            return res.count("ok")
+            return res.count("ok", "cancelled" if what == "cancel" else what)
         local, local_code = _local(data, JobRequest)
         if isinstance(reply, JobAccepted):
             if local is None:
@@ -551,7 +556,7 @@ async def fuzz_coordinator(fleet: Fleet, runs: int, seed: int, concurrency: int,
                 await nc.publish(subjects.job_cancel(reply.job_id), pack(CancelRequest(job_id=reply.job_id)))
             except Exception as err:
                 log.warning("cancel publish failed: %s", err)
-            return res.count("ok")
+            return res.count("ok", "accepted")
         assert isinstance(reply, (JobRejected, ErrorReply))
         if reply.code is ErrorCode.INTERNAL:
             return res.crash(data, f"internal error: {getattr(reply, 'reason', None) or reply.message}")
@@ -561,7 +566,7 @@ async def fuzz_coordinator(fleet: Fleet, runs: int, seed: int, concurrency: int,
             return res.crash(data, f"valid job rejected with {reply.code.value}")
         return res.count("clear", reply.code.value)
 
-    await _drive(runs, concurrency, make, probe, bar)
+    await _drive(runs, concurrency, make, probe, bar, res)
 
     # after the run: the engine is alive and a real job completes
     try:
@@ -638,8 +643,13 @@ async def fuzz_websocket(fleet: Fleet, runs: int, seed: int, concurrency: int, t
             try:
                 for n, (kind, payload) in items:
                     res.tried += 1
-                    ws = await _ws_probe(ws, connect, res, f"{index}-{n}", kind, payload, timeout,
-                                         MAX_CLIENT_MESSAGE_BYTES)
+                    try:
+                        ws = await _ws_probe(ws, connect, res, f"{index}-{n}", kind, payload, timeout,
+                                             MAX_CLIENT_MESSAGE_BYTES)
+                    except Exception as err:  # e.g. the server no longer accepts sockets
+                        res.crash(payload, f"probe failed: {type(err).__name__}: {err}")
+                        await ws.close()
+                        ws = await connect()
                     bar.update(1)
             finally:
                 await ws.close()
@@ -734,7 +744,7 @@ async def _ws_probe(ws, connect, res: FuzzResult, tag: str, kind: str, payload: 
     if errors:
         res.count("clear", str(errors[0].get("code")))
     else:
-        res.count("ok")
+        res.count("ok", "answered" if kind == "text" else "binary")
     return ws
 
 
@@ -806,6 +816,9 @@ def format_table(results: list[FuzzResult]) -> str:
         top = sorted(r.codes.items(), key=lambda kv: -kv[1])[:8]
         if top:
             lines.append(f"{r.target}: clear errors by code: " + ", ".join(f"{k} {v}" for k, v in top))
+        top = sorted(r.oks.items(), key=lambda kv: -kv[1])[:6]
+        if top and r.target in NETWORK:
+            lines.append(f"{r.target}: ok: " + ", ".join(f"{k} {v}" for k, v in top))
         if r.check:
             lines.append(f"{r.target}: after the run: {r.check}")
         for s in r.samples:

@@ -587,7 +587,7 @@ def codec_one(data: bytes) -> tuple[str, str]:
         return "ok", "non-finite refused"
     if arr.dtype.kind == "f" and not np.isfinite(again).all():
         raise Crash("finite=True returned NaN/Inf")
-    return "ok", f"{arr.dtype.str}{list(arr.shape)}"
+    return "ok", arr.dtype.str
 
 
 def message_target(data: bytes) -> tuple[Any, bytes]:
@@ -598,7 +598,8 @@ def message_target(data: bytes) -> tuple[Any, bytes]:
 
 
 def _name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or repr(tp)[:40]
+    unions = {id(StepResult): "StepResult", id(SubmitReply): "SubmitReply", id(JobEvent): "JobEvent"}
+    return unions.get(id(tp)) or getattr(tp, "__name__", None) or repr(tp)[:40]
 
 
 def messages_one(data: bytes) -> tuple[str, str]:

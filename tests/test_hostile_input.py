@@ -577,7 +577,7 @@ def test_ddm_fleet_fuzz_finds_no_crash_in_the_decoders(engine):
 
 def test_ddm_fleet_fuzz_finds_no_crash_in_worker_coordinator_and_websocket():
     runs = 250
-    report = _fuzz("worker", "coordinator", "websocket", "--runs", str(runs), "--timeout", "3", "--seed", "5")
+    report = _fuzz("worker", "coordinator", "websocket", "--runs", str(runs), "--timeout", "8", "--seed", "5")
     assert report["crashes"] == 0, json.dumps(report, indent=1)[:4000]
     assert [t["target"] for t in report["targets"]] == ["worker", "coordinator", "websocket"]
     for t in report["targets"]:
