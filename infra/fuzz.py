@@ -171,6 +171,7 @@ def run_pure_atheris(target: str, runs: int, seed: int, progress: bool = False, 
         for key in ("tried", "ok", "clear", "crashes"):
             setattr(res, key, int(final.get(key, 0)))
         res.codes = final.get("codes", {})
+        res.oks = final.get("oks", {})
         res.samples = final.get("samples", [])
         if proc.returncode != 0 or res.tried < runs:
             tail = logfile.read_bytes()[-3000:].decode("utf-8", "replace")
