@@ -221,6 +221,8 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
                     raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no frame for {idle_timeout:g} s: is the "
                                     "coordinator still running?", job_id) from None
                 if probe_every is not None and (lost := await probe.check()) is not None:
+                    if sub.pending_msgs:  # events came while we asked (e.g. the result, published before an
+                        continue  # "unknown" from a coordinator that already forgot the job): read them first
                     raise JobFailed(ErrorCode.UNAVAILABLE, lost, job_id) from None
                 continue
             last_event = time.monotonic()
