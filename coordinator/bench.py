@@ -274,6 +274,8 @@ class _Child:
         self.name = name
         self.proc = proc
         self.tail: deque[str] = deque(maxlen=40)
+        self.warnings = 0  # log lines at WARNING or above
+        self.last_warning = ""
         self.ready = asyncio.Event()
         self._readers = [asyncio.create_task(self._read(proc.stdout, True)),
                          asyncio.create_task(self._read(proc.stderr, False))]
@@ -299,6 +301,9 @@ class _Child:
             for line in lines:
                 text = line.decode(errors="replace").rstrip()
                 self.tail.append(text[:2000])
+                if any(f" {lvl} " in text for lvl in ("WARNING", "ERROR", "CRITICAL")):
+                    self.warnings += 1
+                    self.last_warning = text[:300]
                 if is_stdout and text.startswith("ready"):
                     self.ready.set()
 
@@ -511,11 +516,14 @@ async def _fleet(args, models) -> dict:
             for level, c in enumerate(args.concurrency_list):
                 before = await _coordinator_counts(nc)
                 reset = {name: reset_peak(pid) for name, pid in pids.items()}
+                warned = {ch.name: ch.warnings for ch in children}
                 load0 = os.getloadavg()[0]
                 res = await _closed_loop(run_one, _requests(args, c, f"f{level}-"))
                 res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
                 res["peak_reset"] = all(reset.values())
+                res["log_warnings"] = {ch.name: {"count": ch.warnings - warned[ch.name], "last": ch.last_warning}
+                                       for ch in children if ch.warnings > warned[ch.name]}
                 check_alive()
                 after = await _coordinator_counts(nc)
                 if before is not None and after is not None:
@@ -623,6 +631,9 @@ def format_table(results: dict) -> str:
             lines.append(f"{path:<7} {conc:>5} | {x['submitted']:>9} {x['completed']:>9} {x['rejected']:>8} "
                          f"{x['failed']:>6} {x['lost']:>4} | {_codes(x['rejected_codes']):<16} "
                          f"{_codes(x['failed_codes']):<14} | {_num(x.get('answer_p99_s'), '.3f', 12)} | {cs} | {load}")
+    for r in results["rows"]:
+        for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
+            lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")
     mem_rows = [(str(r["concurrency"]), r["fleet"]) for r in results["rows"] if "memory" in r.get("fleet", {})]
     if mem_rows:
         scope = "reset before each level" if all(x.get("peak_reset") for _, x in mem_rows) else "since process start"
