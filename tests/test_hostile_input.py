@@ -1,6 +1,6 @@
 """Hostile input (issue 9): deep nesting, oversize payloads, wrong subjects, wrong key types, ext
 types, huge declared shapes, and the websocket equivalents, against the decoders and against a real
-worker, coordinator and web app on a private nats-server. Ends with `ddm-fleet fuzz` on every target.
+worker, coordinator and web app on a private nats-server; and `ddm-fleet fuzz` on every target.
 
 Every case asserts the documented answer: a `ProtocolError` / `ErrorReply` with a code, a
 `JobRejected`, `NoRespondersError`, the NATS max-payload error, or a websocket `error` message;
@@ -10,7 +10,6 @@ and that the process that got the input still serves a valid request afterwards.
 from __future__ import annotations
 
 import json
-import math
 import struct
 import time
 from pathlib import Path
