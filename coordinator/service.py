@@ -127,8 +127,11 @@ class Coordinator:
         from .transport import NatsTransport
 
         if self.nc is None:
+            async def on_error(err: Exception) -> None:  # one line per bus hiccup, not a traceback
+                log.warning("nats: %s: %s", type(err).__name__, err)
+
             self.nc = await nats.connect(self.nats_url, name=self.name, max_reconnect_attempts=-1,
-                                         reconnect_time_wait=1, pending_size=64 * 1024 * 1024)
+                                         reconnect_time_wait=1, pending_size=64 * 1024 * 1024, error_cb=on_error)
         if self.transport is None:
             opts = {"max_rows": self.request_rows} if self.request_rows else {}
             self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
@@ -140,6 +143,10 @@ class Coordinator:
             await self.nc.subscribe(subjects.ALL_JOB_STATUS, cb=self._on_job_status),
             await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status),
         ]
+        # nats-py writes a flush's PING straight to the socket, possibly ahead of SUBs still in its
+        # buffer; by the time that PONG is back the flusher task has written them, so a second
+        # round trip proves the server has every subscription (and clients find us at once).
+        await self.nc.flush()
         await self.nc.flush()
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         log.info("coordinator up: %d experts, max %d rows, %d queued jobs", self.config.num_experts,

@@ -11,8 +11,9 @@ A request is retried when:
   a velocity of the wrong shape or dtype, or with NaN/Inf (also after the cast to float32). Such
   a reply is logged with the worker id it claims and counted in `bad_replies` / `bad_workers`;
   a broken or hostile worker answers fast, so these get their own budget, `bad_reply_retries`;
-* the NATS connection was re-established meanwhile (the request or its reply went down with the
-  old connection): a free retry, at most `MAX_LOST_TO_RECONNECT` per request;
+* it timed out while the NATS connection was down or after it was re-established (the request
+  or its reply went down with the old connection): a free retry, at most `MAX_LOST_TO_RECONNECT`
+  per request (then time-outs count against `retries` again);
 * the expert has no responders within `reconnect_grace` seconds of a reconnect (its workers
   have not reconnected yet): wait a little and try again, until the grace period ends.
 
@@ -145,7 +146,8 @@ class NatsTransport:
                     continue
                 raise ExpertUnavailable(expert, "has no responders") from None
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                if self._observe_reconnects() != epoch and lost < MAX_LOST_TO_RECONNECT:
+                down = self._observe_reconnects() != epoch or not getattr(self.nc, "is_connected", True)
+                if down and lost < MAX_LOST_TO_RECONNECT:
                     lost += 1
                     log.warning("expert %d: request %s lost with the NATS connection; sending it again",
                                 expert, req.request_id)

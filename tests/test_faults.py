@@ -96,7 +96,10 @@ async def workers(server, files):
 async def connect(url: str, name: str, **kw):
     import nats
 
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, **kw)
+    async def quiet(err):  # reconnect attempts during an outage are expected here
+        pass
+
+    return await nats.connect(url, name=name, max_reconnect_attempts=-1, error_cb=quiet, **kw)
 
 
 async def settle(nc) -> None:
@@ -140,7 +143,9 @@ def finite_images(done: DoneEvent, n: int) -> bool:
 
 
 async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
-    """Promise: jobs in flight across a NATS restart complete, exactly as if nothing had happened."""
+    """Promise: jobs in flight (running or queued) across a NATS restart complete, exactly as if
+    nothing had happened: coordinator, workers and clients reconnect, the lost expert call is
+    retried, and a `done` published while a client was still away is published again when it asks."""
     client = await connect(server.url, "client", reconnect_time_wait=0.5)
     late = await connect(server.url, "late-client", reconnect_time_wait=4)  # comes back after the others
     try:
@@ -163,11 +168,15 @@ async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
             assert coord.engine.job_state("restart-queued")["state"] == "queued"
             assert not any(t.done() for t in tasks)
 
-            await asyncio.to_thread(server.restart)  # same port: everyone reconnects
+            # down for longer than a step's time-out: the expert request in flight is certainly lost
+            await asyncio.to_thread(server.stop)
+            await asyncio.sleep(3.0)  # the outage itself
+            await asyncio.to_thread(server.start)  # same port: everyone reconnects
             done = await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
             assert client.stats["reconnects"] >= 1 and late.stats["reconnects"] >= 1
             assert coord.nc.stats["reconnects"] >= 1
+            assert coord.transport.retried >= 1  # the step whose call was lost was sent again
             jobs = [*streaming, quiet, queued]
             for j, d in zip(jobs, done):
                 assert finite_images(d, len(j.digits)), j.job_id
@@ -328,9 +337,12 @@ async def test_coordinator_sigterm_fails_its_jobs_at_once(server, workers, files
         await client.close()
 
 
-async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, files):
+async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, files, aiohttp_client):
     """Promise: after kill -9 no client waits on: with no coordinator, run_job fails after lost_after;
-    a restarted coordinator answers "unknown", and running and queued jobs fail at once."""
+    a restarted coordinator answers "unknown", and running and queued jobs fail at once; a browser
+    tab's job is shown as failed."""
+    from web.app import WebConfig, create_app
+
     client = await connect(server.url, "client")
     first = Proc(*coordinator_args(files, server, "coordinator-crash"), files["logs"])
     second = Proc(*coordinator_args(files, server, "coordinator-restarted"), files["logs"])
@@ -352,6 +364,12 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
             JobRequest(job_id="crash-b", digits=[4, 9], steps=1000),
             JobRequest(job_id="crash-queued", digits=[1, 2, 3], steps=10))]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running.values()), queued.wait()), 60)
+        web = await aiohttp_client(create_app(WebConfig(nats_url=server.url, fleet_interval=5.0)))
+        tab = await web.ws_connect("/ws")
+        await tab.send_json({"type": "generate", "digits": "7", "steps": 20, "ref": "tab-job"})
+        while (msg := await tab.receive_json(timeout=30))["type"] != "accepted":
+            assert msg["type"] in ("hello", "fleet"), msg
+        tab_job = msg["job_id"]
 
         first.p.kill()  # kill -9: no FailedEvent is ever sent
         t0 = time.monotonic()
@@ -367,6 +385,12 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
             assert isinstance(res, JobFailed), res
             assert res.code == ErrorCode.UNAVAILABLE and "coordinator lost the job (restarted?)" in res.reason
         assert time.monotonic() - t1 < 15
+        # the tab (the web session probes its silent jobs too) shows its job as failed
+        while (msg := await tab.receive_json(timeout=30))["type"] != "failed":
+            assert msg["type"] in ("fleet", "frame"), msg
+        assert msg["job_id"] == tab_job and msg["code"] == "unavailable"
+        assert "coordinator lost the job" in msg["reason"]
+        await tab.close()
         done = await run_job(client, JobRequest(digits=[3, 8], steps=3, seed=5), timeout=60)  # and it serves again
         assert finite_images(done, 2)
     finally:
