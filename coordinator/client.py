@@ -12,7 +12,9 @@ No job is waited on forever: when no event has come for `probe_every` seconds, r
 coordinator about the job (`ddm.v1.jobs.<id>.status`, see `JobProbe`). queued / running: keep
 waiting. done / failed: the coordinator publishes the result again (it was lost, e.g. across a
 NATS reconnect). unknown (a restarted coordinator) or no coordinator at all for `lost_after`
-seconds: `JobFailed(unavailable, "coordinator lost the job ...")`.
+seconds: `JobFailed(unavailable, "coordinator lost the job ...")`. A coordinator that is connected
+but answers nothing (frozen: SIGSTOP, a hung host) for `unresponsive_after` seconds, neither an
+event nor a status request: `JobFailed(unavailable, "the coordinator has not answered for N s")`.
 """
 
 from __future__ import annotations
@@ -119,15 +121,37 @@ class JobProbe:
     * a coordinator answers "unknown": it lost the job (it was restarted since the submit);
     * nobody serves job status and nobody serves `ddm.v1.fleet.status` either (no coordinator is
       connected) for `lost_after` seconds in a row: the coordinator is gone;
-    * a time-out proves nothing (a busy coordinator, or a client not allowed to publish the status
-      subject): keep waiting. Whatever cannot be told here stays bounded by run_job's timeouts.
+    * one time-out proves nothing (a busy coordinator, or a client not allowed to publish the status
+      subject): keep waiting; but with `unresponsive_after` set, when nothing has answered for that
+      many seconds (no status reply, no fleet status reply, no event the caller reported with
+      `heard()`), the coordinator is frozen. Stretches with no coordinator connected at all are
+      `lost_after`'s to judge and do not count. `unresponsive` is True once that was the verdict.
     """
 
-    def __init__(self, nc, job_id: str, *, lost_after: float = 15.0, timeout: float = 2.0):
+    def __init__(self, nc, job_id: str, *, lost_after: float = 15.0, timeout: float = 2.0,
+                 unresponsive_after: float | None = None):
+        if unresponsive_after is not None and not unresponsive_after > 0:
+            raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
         self.nc, self.job_id = nc, job_id
         self.lost_after, self.timeout = lost_after, timeout
+        self.unresponsive_after = unresponsive_after
         self.last: JobStatus | None = None  # the last answer
+        self.unresponsive = False
         self._nobody_since: float | None = None
+        self._last_answer = time.monotonic()
+
+    def heard(self) -> None:
+        """The coordinator showed a sign of life outside check() (the submit reply, an event)."""
+        self._last_answer = time.monotonic()
+
+    def _silent(self) -> str | None:
+        """The verdict when a probe got no answer: None, or why the coordinator counts as frozen."""
+        if self.unresponsive_after is None or time.monotonic() - self._last_answer < self.unresponsive_after:
+            return None
+        self.unresponsive = True
+        why = "" if self.nc.is_connected else "; this client is not connected to NATS either"
+        return (f"the coordinator has not answered for {self.unresponsive_after:g} s: no event of job {self.job_id} "
+                f"and no reply to its status requests (frozen or hung?{why})")
 
     async def check(self) -> str | None:
         import nats.errors
@@ -135,10 +159,15 @@ class JobProbe:
         try:
             st = await job_status(self.nc, self.job_id, timeout=self.timeout)
         except nats.errors.NoRespondersError:
-            if not await self._no_coordinator():
+            fleet = await self._fleet_status()
+            if fleet is None:  # fleet status timed out too (or the request failed)
+                self._nobody_since = None
+                return self._silent()
+            now = time.monotonic()
+            self._last_answer = now  # an answer, or nobody there to answer (lost_after's case)
+            if fleet:
                 self._nobody_since = None  # a coordinator is there but serves no job status (older build)
                 return None
-            now = time.monotonic()
             if self._nobody_since is None:
                 self._nobody_since = now
             if now - self._nobody_since >= self.lost_after:
@@ -147,38 +176,42 @@ class JobProbe:
             return None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             log.info("job %s: status request unanswered within %g s", self.job_id, self.timeout)
-            return None
+            return self._silent()
         except ProtocolError as err:
+            self._last_answer = time.monotonic()  # something answered
             log.warning("job %s: undecodable status reply (%s)", self.job_id, err)
             return None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
             raise
         except nats.errors.Error as err:  # e.g. reconnecting with a full buffer: try again later
             log.info("job %s: status request failed: %r", self.job_id, err)
-            return None
+            return self._silent()
         self._nobody_since = None
+        self._last_answer = time.monotonic()
         self.last = st
         if st.state == "unknown":
             who = f"coordinator {st.coordinator!r}" if st.coordinator else "the coordinator"
             return f"coordinator lost the job (restarted?): {who} does not know job {self.job_id}"
         return None
 
-    async def _no_coordinator(self) -> bool:
+    async def _fleet_status(self) -> bool | None:
+        """True: a coordinator answered `ddm.v1.fleet.status`; False: no responders (none is
+        connected); None: it could not be told (time-out, connection trouble)."""
         import nats.errors
 
         try:
             await self.nc.request(subjects.FLEET_STATUS, b"", timeout=self.timeout)
         except nats.errors.NoRespondersError:
-            return True
-        except Exception:
             return False
-        return False
+        except Exception:
+            return None
+        return True
 
 
 async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None = None, *,
                   timeout: float | None = None, idle_timeout: float = 120.0,
                   submit_timeout: float = 10.0, probe_every: float | None = 3.0,
-                  lost_after: float = 15.0) -> DoneEvent:
+                  lost_after: float = 15.0, unresponsive_after: float | None = 60.0) -> DoneEvent:
     """Submit `request` and wait for its DoneEvent.
 
     on_event(event) (sync or async) sees JobAccepted, every FrameEvent, then the DoneEvent.
@@ -187,18 +220,29 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     about the job (again every probe_every s; None: never). It raises JobFailed(unavailable) as soon
     as a coordinator says it does not know the job (it was restarted), or when no coordinator has
     been connected for `lost_after` seconds; a queued or running job keeps waiting (see JobProbe).
+    unresponsive_after (with probing on; None: never): when neither an event nor any status request
+    has been answered for this many seconds, the coordinator is taken for frozen and run_job raises
+    JobFailed(unavailable, "the coordinator has not answered for N s"); the cancel it then sends is
+    published without waiting for a reply. Keep it above the longest tick the coordinator can take
+    under its limits (step_timeout x (retries + 1) per round of expert calls: 10 s x 3 by default),
+    although a live coordinator answers status requests while a tick waits on its experts. A client
+    whose account may not publish the status subject gets no answers either: a job of its that stays
+    silent that long fails the same way.
     """
     import nats.errors
 
     if probe_every is not None and probe_every <= 0:
         raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
+    if unresponsive_after is not None and not unresponsive_after > 0:
+        raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
     if request.job_id is None:
         request = request.model_copy(update={"job_id": new_job_id()})
     job_id = request.job_id
     sub = await nc.subscribe(subjects.job_events(job_id))
     submitted = False
     finished = False  # the coordinator told us the end (done or failed)
-    probe = JobProbe(nc, job_id, lost_after=lost_after, timeout=max(1.0, min(probe_every or 2.0, 5.0)))
+    probe = JobProbe(nc, job_id, lost_after=lost_after, timeout=max(1.0, min(probe_every or 2.0, 5.0)),
+                     unresponsive_after=unresponsive_after)
 
     async def deliver(ev) -> None:
         if on_event is not None:
@@ -226,6 +270,7 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
                     raise JobFailed(ErrorCode.UNAVAILABLE, lost, job_id) from None
                 continue
             last_event = time.monotonic()
+            probe.heard()
             try:
                 ev = unpack(msg.data, JobEvent)
             except ProtocolError as err:
@@ -254,6 +299,7 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
             submitted = True  # the coordinator may have taken the job all the same: cancel it below
             raise
         submitted = True
+        probe.heard()
         return await (asyncio.wait_for(wait_events(), timeout) if timeout else wait_events())
     except asyncio.TimeoutError:
         raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"job did not finish within {timeout:g} s", job_id) from None
@@ -264,9 +310,18 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
             pass
         if submitted and not finished:  # caller cancelled us, or we timed out: free the rows
             try:
-                await asyncio.shield(cancel_job(nc, job_id))
+                if probe.unresponsive:  # it would not answer: leave the cancel for it to read if it wakes up
+                    await asyncio.shield(_send_cancel(nc, job_id))
+                else:
+                    await asyncio.shield(cancel_job(nc, job_id))
             except BaseException:
                 pass
+
+
+async def _send_cancel(nc, job_id: str) -> None:
+    """Publish a cancel without waiting for the reply (the server has it once flush returns)."""
+    await nc.publish(subjects.job_cancel(job_id), pack(CancelRequest(job_id=job_id)))
+    await nc.flush(timeout=2)
 
 
 async def fleet_status(nc, *, timeout: float = 2.0) -> FleetStatus:

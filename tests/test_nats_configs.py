@@ -104,11 +104,50 @@ def test_permissions_use_the_protocol_subjects():
     """A protocol version bump (ddm.v2...) must update the permissions too."""
     perms = (CONFIG_DIR / "permissions.conf").read_text()
     for subject in (subjects.ALL_EXPERTS, subjects.JOBS_SUBMIT, subjects.ALL_JOB_EVENTS, subjects.ALL_JOB_CANCELS,
-                    subjects.FLEET_STATUS, subjects.expert_velocity(0), subjects.expert_velocity(1)):
+                    subjects.ALL_JOB_STATUS, subjects.FLEET_STATUS, subjects.expert_velocity(0),
+                    subjects.expert_velocity(1)):
         assert f'"{subject}"' in perms, subject
     used = set(re.findall(r'"(ddm\.[^"]+)"', perms))
     prefix = subjects.PREFIX + "."
     assert all(s.startswith(prefix) for s in used), f"subjects outside {prefix}*: {sorted(used)}"
+
+
+def _permission_sets() -> dict[str, dict[str, set[str]]]:
+    """permissions.conf as {set name: {"publish" | "subscribe": allowed subjects}}."""
+    perms = (CONFIG_DIR / "permissions.conf").read_text()
+    out = {}
+    for name, body in re.findall(r"^(\w+_PERMISSIONS) = \{(.*?)^\}", perms, re.M | re.S):
+        out[name] = {}
+        for verb in ("publish", "subscribe"):
+            m = re.search(verb + r":\s*\{\s*allow:\s*\[(.*?)\]", body, re.S)
+            out[name][verb] = set(re.findall(r'"([^"]+)"', m.group(1))) if m else set()
+    return out
+
+
+def test_job_status_probe_is_allowed_wherever_cancel_is():
+    """The status probe (run_job, the web viewer) goes where a cancel goes: every role that may
+    publish / subscribe ddm.v1.jobs.*.cancel may do the same with ddm.v1.jobs.*.status; the
+    coordinator serves it, clients, web and ops ask it, and workers and leaf links never see it."""
+    sets = _permission_sets()
+    assert {"COORDINATOR_PERMISSIONS", "CLIENT_PERMISSIONS", "OPS_PERMISSIONS", "WORKER_0_PERMISSIONS",
+            "LEAF_EXPERT_0_PERMISSIONS"} <= set(sets), sorted(sets)
+    for name, verbs in sets.items():
+        for verb, allowed in verbs.items():
+            if subjects.ALL_JOB_CANCELS in allowed:
+                assert subjects.ALL_JOB_STATUS in allowed, (name, verb)
+    assert subjects.ALL_JOB_STATUS in sets["COORDINATOR_PERMISSIONS"]["subscribe"]
+    assert subjects.ALL_JOB_STATUS not in sets["COORDINATOR_PERMISSIONS"]["publish"]
+    for name in ("CLIENT_PERMISSIONS", "OPS_PERMISSIONS"):
+        assert subjects.ALL_JOB_STATUS in sets[name]["publish"], name
+        assert subjects.ALL_JOB_STATUS not in sets[name]["subscribe"], name
+    for name, verbs in sets.items():
+        if name.startswith(("WORKER_", "LEAF_")):
+            assert not any("jobs" in s for s in verbs["publish"] | verbs["subscribe"]), name
+    # every user file hands out these sets: nkeys and passwords alike
+    for users in ("accounts.conf", "nkeys/accounts-nkeys.conf"):
+        text = (CONFIG_DIR / users).read_text()
+        for name in ("COORDINATOR_PERMISSIONS", "CLIENT_PERMISSIONS", "OPS_PERMISSIONS"):
+            assert f"${name}" in text, (users, name)
 
 
 def test_single_node_limits_fit_our_largest_batch(config_tree):

@@ -8,6 +8,7 @@ server (a permissions-violation error) and never delivered.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import numpy as np
@@ -17,9 +18,11 @@ from infra.nats_cluster import NatsCluster
 from schemas import (
     CancelReply,
     CancelRequest,
+    DoneEvent,
     FrameEvent,
     JobAccepted,
     JobRequest,
+    JobStatus,
     StepReply,
     StepRequest,
     SubmitReply,
@@ -144,12 +147,83 @@ async def test_client_can_cancel_and_ask_status(connect):
     async def on_status(msg):
         await msg.respond(b"status")
 
+    async def on_job_status(msg):
+        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject), state="queued")))
+
     await coord.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=on_cancel)
     await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
+    await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
     await synced(coord.nc)
     msg = await web.nc.request(subjects.job_cancel("j9"), pack(CancelRequest(job_id="j9")), timeout=2)
     assert unpack(msg.data, CancelReply).cancelled
     assert (await web.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
+    msg = await web.nc.request(subjects.job_status("j9"), b"", timeout=2)
+    assert unpack(msg.data, JobStatus).state == "queued"
+    assert coord.errors == [] and web.errors == []
+
+
+@pytest.mark.parametrize("user", ["web", "client"])
+async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(connect, server, user, caplog):
+    """run_job as a restricted client, against a real Coordinator running as the `coordinator` user: a
+    job kept silent (its only expert call held) for twice `unresponsive_after` must not fail, because
+    its status probes get answers; once released it completes. Without the status subject in the
+    client's publish rights or the coordinator's subscribe rights no probe is answered, and run_job
+    fails after `unresponsive_after` ("the coordinator has not answered")."""
+    from coordinator.client import run_job
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+
+    caplog.set_level(logging.WARNING, logger="coordinator.service")
+    worker, cli, ops = await connect("worker-0"), await connect(user), await connect("ops")
+    gate = asyncio.Event()
+
+    async def held_velocity(msg):  # expert 0's only worker answers once the gate opens
+        step = unpack(msg.data, StepRequest)
+        await gate.wait()
+        await msg.respond(pack(StepReply(expert=0, velocity=np.zeros_like(step.x_t), backend="test")))
+
+    await worker.nc.subscribe(subjects.expert_velocity(0), queue=subjects.expert_queue_group(0), cb=held_velocity)
+    await synced(worker.nc)
+
+    job_id = f"probe-{user}"
+    unresponsive_after = 1.5
+    answered: list[float] = []  # when ops saw a coordinator's job_status reply to this job's probes
+    long_enough = asyncio.Event()
+
+    async def tap(msg):  # ops may watch every subject, the reply inboxes too
+        try:
+            st = unpack(msg.data, JobStatus)
+        except Exception:
+            return  # submit replies, expert replies
+        if st.job_id == job_id and st.state in ("queued", "running"):
+            answered.append(time.monotonic())
+            if answered[-1] - answered[0] >= 2 * unresponsive_after:
+                long_enough.set()
+
+    await ops.nc.subscribe("_INBOX.>", cb=tap)
+    await synced(ops.nc)
+    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=server.url(0, "coordinator"),
+                           step_timeout=30, retries=0, name=f"perm-coordinator-{user}"):
+        job = asyncio.create_task(run_job(cli.nc, JobRequest(job_id=job_id, digits=[3], steps=2), probe_every=0.3,
+                                          lost_after=30, unresponsive_after=unresponsive_after))
+        waiter = asyncio.create_task(long_enough.wait())
+        try:
+            await asyncio.wait({job, waiter}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            if job.done():
+                job.result()  # raises the JobFailed that says why
+            assert long_enough.is_set(), f"status replies seen: {len(answered)}"
+            assert not job.done()
+            gate.set()
+            done = await asyncio.wait_for(job, 30)
+        finally:
+            gate.set()
+            waiter.cancel()
+            if not job.done():
+                job.cancel()
+        assert isinstance(done, DoneEvent) and done.images.shape == (1, 1, 32, 32)
+    assert len(answered) >= 5
+    assert cli.errors == [] and worker.errors == []
+    assert not [r.getMessage() for r in caplog.records if "ermission" in r.getMessage()]
 
 
 async def test_web_cannot_publish_to_experts(connect):
@@ -192,6 +266,28 @@ async def test_worker_cannot_publish_job_events(connect):
     await worker.violation(subjects.JOBS_SUBMIT)
     await asyncio.sleep(0.1)
     assert events == []
+
+
+async def test_worker_cannot_ask_or_serve_job_status(connect):
+    """A worker has no business with jobs: it may neither probe a job's status nor answer such probes."""
+    worker, coord, web = await connect("worker-0"), await connect("coordinator"), await connect("web")
+    probes: list[str] = []
+
+    async def on_job_status(msg):
+        probes.append(msg.subject)
+        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject), state="running")))
+
+    await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
+    await synced(coord.nc)
+    await worker.nc.publish(subjects.job_status("j1"), b"")
+    await worker.nc.flush()
+    await worker.violation(subjects.job_status("j1"))  # refused by the server: never routed
+    await worker.nc.subscribe(subjects.ALL_JOB_STATUS)
+    await worker.violation(subjects.ALL_JOB_STATUS)
+    # a client's probe, after the refused one, is the only one the coordinator ever got
+    msg = await web.nc.request(subjects.job_status("j2"), b"", timeout=2)
+    assert unpack(msg.data, JobStatus).state == "running"
+    assert probes == [subjects.job_status("j2")]
 
 
 async def test_worker_subscribes_only_to_its_own_expert(connect):
@@ -243,9 +339,11 @@ async def test_ops_watches_and_asks_but_changes_nothing(connect):
         await msg.respond(b"status")
 
     await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
+    await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_status)
     await synced(coord.nc)
     seen = await _collect(ops, "ddm.>")  # ops may watch every subject
     assert (await ops.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
+    assert (await ops.nc.request(subjects.job_status("j5"), b"", timeout=2)).data == b"status"
     await coord.nc.publish(subjects.job_events("j5"), b"frame")
     for _ in range(100):
         if any(m.subject == subjects.job_events("j5") for m in seen):
