@@ -15,6 +15,8 @@ Subjects (see `schemas.subjects`):
 * `ddm.v1.jobs.<id>.events`     published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
 * `ddm.v1.fleet.status`         anything -> FleetStatus
 
+A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
+[A-Za-z0-9_-]) is answered with ErrorReply(bad_request) at once.
 A bad request never takes the coordinator down: it gets an error reply, and the loop goes on.
 Leaving the context (SIGTERM for `ddm-fleet coordinator`) fails every queued or running job with
 `unavailable` ("coordinator shutting down"). A coordinator that crashed and was restarted answers
@@ -34,6 +36,7 @@ from schemas import (
     CancelReply,
     CancelRequest,
     ErrorCode,
+    ErrorReply,
     FleetStatus,
     JobRejected,
     JobRequest,
@@ -43,6 +46,7 @@ from schemas import (
     subjects,
     unpack,
 )
+from schemas.errors import shown
 
 from .engine import Engine, RouterLike, Transport
 from .scheduler import Rejected, Scheduler, SchedulerConfig
@@ -288,9 +292,18 @@ class Coordinator:
         await publish
         await self._reply(msg, accepted)
 
+    async def _not_a_job_id(self, msg, what: str) -> None:
+        """Answer a cancel / status request on `ddm.v1.jobs.<token>.<verb>` whose token is not a job id."""
+        parts = msg.subject.split(".")
+        token = parts[3] if len(parts) == 5 else msg.subject
+        await self._reply(msg, ErrorReply(code=ErrorCode.BAD_REQUEST, message=(
+            f"{what}: the job id in the subject, {shown(token)} ({len(token)} character{'s' * (len(token) != 1)}), "
+            "is not valid: use 1-64 characters of [A-Za-z0-9_-]")))
+
     async def _on_cancel(self, msg) -> None:
         job_id = subjects.parse_job_subject(msg.subject)
         if job_id is None:
+            await self._not_a_job_id(msg, "cancel")
             return
         if msg.data:
             try:
@@ -319,7 +332,10 @@ class Coordinator:
 
     async def _on_job_status(self, msg) -> None:
         job_id = subjects.parse_job_subject(msg.subject)
-        if job_id is None or not msg.reply:
+        if not msg.reply:
+            return
+        if job_id is None:
+            await self._not_a_job_id(msg, "job status")
             return
         try:
             status = await self.job_status(job_id)

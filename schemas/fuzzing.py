@@ -47,6 +47,7 @@ from .messages import (
     JobEvent,
     JobRejected,
     JobRequest,
+    JobStatus,
     Message,
     StepReply,
     StepRequest,
@@ -125,9 +126,10 @@ def message_seeds(image: tuple[int, int, int] = (1, 4, 4), rows: tuple[int, ...]
         CancelRequest(job_id="j1"),
         CancelReply(job_id="j1", cancelled=False, reason="no such job"),
         FleetStatus(coordinator="c", active_jobs=1, num_experts=2, rows_per_s=10.5, unavailable_experts=[1]),
+        JobStatus(job_id="j1", state="running", step=2, steps=4, coordinator="c"),
+        JobStatus(job_id="fuzz-job", state="queued", steps=40, queue_position=3),
+        JobStatus(job_id="j1", state="unknown", coordinator="c2"),
     ]
-    if hasattr(_messages, "JobStatus"):
-        out.append(_messages.JobStatus(job_id="j1", state="running", step=2, steps=4, coordinator="c"))
     return [_wire(m) for m in out]
 
 

@@ -360,6 +360,30 @@ async def test_messages_on_the_wrong_subject_get_a_clear_answer(fleet):
     await _still_serving(fleet)
 
 
+@pytest.mark.parametrize("token", ["x" * 65, "bad%token", "é", "a" * 200, "j1\u2028"])
+async def test_cancel_and_status_on_a_token_that_is_no_job_id_get_bad_request_at_once(fleet, token):
+    """Regression: the coordinator dropped cancel / status requests on `ddm.v1.jobs.<token>.*`
+    whose token is not a job id, so the requester waited out its whole time-out."""
+    from schemas import CancelRequest, ErrorReply, subjects
+
+    for verb, body in (("cancel", b""), ("cancel", pack(CancelRequest(job_id="j1"))), ("status", b""),
+                       ("status", b"\xc1")):
+        subject = f"{subjects.PREFIX}.jobs.{token}.{verb}"
+        assert subjects.parse_job_subject(subject) is None
+        start = time.perf_counter()
+        msg = await fleet.nc.request(subject, body, timeout=10)
+        assert time.perf_counter() - start < 2  # at once (an unknown job's answer waits 0.25-0.5 s)
+        reply = unpack(msg.data, ErrorReply)
+        assert reply.code is ErrorCode.BAD_REQUEST, reply
+        assert "job id" in reply.message and "1-64 characters of [A-Za-z0-9_-]" in reply.message, reply.message
+        assert f"({len(token)} character" in reply.message and len(reply.message) < 300, reply.message
+    # published without a reply subject: nothing to answer, nothing breaks
+    await fleet.nc.publish(f"{subjects.PREFIX}.jobs.{token}.cancel", b"")
+    await fleet.nc.publish(f"{subjects.PREFIX}.jobs.{token}.status", b"")
+    await fleet.nc.flush()
+    await _still_serving(fleet)
+
+
 @pytest.mark.parametrize("case", ["nested-100k", "nested-1000-kind", "nested-1000-v", "wide-8mib", "ext", "int-keys"])
 async def test_hostile_bytes_over_the_bus_get_clear_errors(fleet, case):
     """Regression (nested-1000-*): the worker answered `internal` and the coordinator did not
@@ -584,9 +608,40 @@ def test_ddm_fleet_fuzz_finds_no_crash_in_worker_coordinator_and_websocket():
         assert t["ok"] + t["clear"] + t["unanswered"] == runs and t["ok"] > 0 and t["clear"] > 0, t
         assert t["check"] and not t["check"].startswith("FAILED"), t["check"]
     worker, coordinator, websocket = report["targets"]
-    assert worker["unanswered"] == 0 and websocket["unanswered"] == 0
+    # every request is answered: cancel / status on a token that is no job id too (bad_request)
+    assert worker["unanswered"] == 0 and coordinator["unanswered"] == 0 and websocket["unanswered"] == 0
     assert "bad_request" in worker["codes"] and "no_responders" in worker["codes"]
     assert "bad_request" in coordinator["codes"] and "bad_request" in websocket["codes"]
+    assert coordinator["oks"].get("job_status", 0) > 0, coordinator["oks"]  # the status subject is fuzzed
+    assert coordinator["codes"].get("not_a_job_id", 0) > 0, coordinator["codes"]  # answered bad_request
+
+
+def test_fuzz_messages_target_covers_job_status():
+    """`ddm-fleet fuzz messages` decodes JobStatus (the status reply): it is a target, it has valid
+    seeds in every state family, and the generator reaches both its accepted and refused paths."""
+    import random
+
+    from schemas import JobStatus
+    from schemas.fuzzing import corpus, messages_one, pure_inputs
+
+    assert JobStatus in MESSAGE_TARGETS
+    seeds = [s for s in message_seeds() if s["kind"] == "job_status"]
+    assert {s["state"] for s in seeds} >= {"queued", "running", "unknown"}
+    index = MESSAGE_TARGETS.index(JobStatus)
+    assert sum(1 for c in corpus("messages") if c[0] == index) == len(seeds)
+    for c in corpus("messages"):
+        if c[0] == index:
+            assert messages_one(c) == ("ok", "JobStatus")
+    gen = pure_inputs("messages", random.Random("job-status"))
+    outcomes = {"ok": 0, "clear": 0}
+    for _ in range(4000):
+        data = gen()
+        if MESSAGE_TARGETS[data[0] % len(MESSAGE_TARGETS)] is JobStatus:
+            kind, detail = messages_one(data)
+            outcomes[kind] += 1
+            if kind == "ok":
+                assert detail == "JobStatus"
+    assert outcomes["ok"] > 0 and outcomes["clear"] > 0, outcomes
 
 
 def test_subject_tokens_refuse_a_trailing_newline():
