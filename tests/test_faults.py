@@ -10,7 +10,9 @@ images or in a JobFailed with a meaningful code, within a bounded time:
   `bad_reply` only when no expert is left; NaN never reaches a client;
 * `ddm-fleet coordinator` SIGTERM: `unavailable` / "coordinator shutting down" at once;
 * `ddm-fleet coordinator` kill -9: its clients learn that the job is lost, while it is down
-  (no coordinator) and at once when it is back (a restarted coordinator does not know the job).
+  (no coordinator) and at once when it is back (a restarted coordinator does not know the job);
+* `ddm-fleet coordinator` SIGSTOP (frozen, still connected): its clients give up after
+  `unresponsive_after` seconds without an event or a status reply.
 """
 
 from __future__ import annotations
@@ -396,4 +398,58 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
     finally:
         await first.stop()
         await second.stop()
+        await client.close()
+
+
+async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server, workers, files):
+    """Promise: a coordinator that stays connected but answers nothing (SIGSTOP) does not keep its
+    clients forever: once neither an event nor a status reply has come for `unresponsive_after`
+    seconds, queued and running jobs fail with `unavailable` "the coordinator has not answered";
+    while it is alive, a queued job silent for longer than that keeps waiting (its probes are answered)."""
+    unresponsive_after = 3.0
+    client = await connect(server.url, "client")
+    coord = Proc(*coordinator_args(files, server, "coordinator-frozen"), files["logs"])
+    try:
+        await wait_for_experts(client, 2, timeout=60)
+        await coord.start()
+        running, queued, silent_long = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        queued_at: list[float] = []
+
+        def on(ev):
+            if isinstance(ev, FrameEvent) and ev.step >= 2:
+                running.set()
+                if queued_at and time.monotonic() - queued_at[0] >= 2 * unresponsive_after:
+                    silent_long.set()  # the queued job has been silent that long, coordinator alive
+            if isinstance(ev, JobAccepted) and ev.queue_position > 0:
+                queued_at.append(time.monotonic())
+                queued.set()
+
+        jobs = [JobRequest(job_id="frozen-running", digits=[1, 6], steps=1000, seed=1),
+                JobRequest(job_id="frozen-queued", digits=[2, 3, 7], steps=10, seed=2)]  # 5 rows > --max-rows 4
+        tasks = [await start_job(client, j, on, probe_every=0.5, lost_after=120, unresponsive_after=unresponsive_after)
+                 for j in jobs]
+        await asyncio.wait_for(asyncio.gather(running.wait(), queued.wait(), silent_long.wait()), 90)
+        assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+
+        coord.p.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        for res in await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60):
+            assert isinstance(res, JobFailed), res
+            assert res.code == ErrorCode.UNAVAILABLE, res
+            assert f"the coordinator has not answered for {unresponsive_after:g} s" in res.reason, res.reason
+        # counted from the last answer: a frame or a status reply at most probe_every before the SIGSTOP
+        assert unresponsive_after - 1 <= time.monotonic() - t0 < unresponsive_after + 15
+
+        # woken up, it reads the cancels the clients left and stops cleanly
+        coord.p.send_signal(signal.SIGCONT)
+        coord.p.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(coord.p.wait(), 60) == 0, coord.log()
+    finally:
+        if coord.p is not None and coord.p.returncode is None:
+            coord.p.send_signal(signal.SIGCONT)
+            coord.p.terminate()
+            try:
+                await asyncio.wait_for(coord.p.wait(), 30)
+            except asyncio.TimeoutError:
+                await coord.stop()
         await client.close()
