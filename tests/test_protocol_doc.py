@@ -54,8 +54,9 @@ def test_every_error_code_is_documented():
 
 def test_every_subject_and_queue_group_is_documented():
     for subject in (subjects.JOBS_SUBMIT, subjects.FLEET_STATUS, subjects.ALL_EXPERTS, subjects.ALL_JOB_EVENTS,
-                    subjects.ALL_JOB_CANCELS):
+                    subjects.ALL_JOB_CANCELS, subjects.ALL_JOB_STATUS):
         assert f"`{subject}`" in DOC, subject
+    assert "`" + subjects.job_status("x").replace(".x.", ".<job_id>.") + "`" in DOC
     assert "`" + subjects.expert_velocity(0).replace(".0.", ".<expert_id>.") + "`" in DOC
     assert subjects.expert_queue_group(3).replace(".3.", ".<k>.") in DOC
     assert "`" + subjects.job_events("x").replace(".x.", ".<job_id>.") + "`" in DOC
@@ -84,3 +85,32 @@ def test_the_documented_example_bytes_are_what_the_codec_sends():
         line = f'"{field}":' + (" " * (4 - len(field))) + f'{{"dtype": "{spec["dtype"]}", "shape": {spec["shape"]}, ' \
                f'"data": h\'{spec["data"].hex().upper()}\'}}'
         assert line in DOC, f"example line for {field} should read: {line}"
+
+
+def _fault_table() -> str:
+    m = re.search(r"^\| fault \| what the client gets \|\n(?:\|.*\n)+", DOC, flags=re.M)
+    assert m, f"no per-fault table in section 9: {HINT}"
+    return m.group(0)
+
+
+def test_client_defaults_and_the_frozen_coordinator_are_documented():
+    """The per-fault table says what run_job does about a frozen coordinator, with the defaults and
+    the reason text the code uses."""
+    import inspect
+
+    from coordinator import client
+
+    params = inspect.signature(client.run_job).parameters
+    for name in ("probe_every", "lost_after", "unresponsive_after"):
+        assert f"`{name}`, default {params[name].default:g} s" in DOC, name
+    row = next((line for line in _fault_table().splitlines() if "SIGSTOP" in line), None)
+    assert row is not None, f"no row for a frozen (SIGSTOP) coordinator in the per-fault table: {HINT}"
+    after = params["unresponsive_after"].default
+    assert "`unresponsive_after`" in row and f"default {after:g} s" in row and "`unavailable`" in row, row
+    assert f'"the coordinator has not answered for {after:g} s"' in row, row
+
+
+def test_a_token_that_is_no_job_id_is_documented_as_bad_request():
+    for verb in ("cancel", "status"):
+        line = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.PREFIX}.jobs.<job_id>.{verb}`"))
+        assert "`error` / `bad_request` when the token is not a job id" in line, line
