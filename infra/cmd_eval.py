@@ -1,16 +1,21 @@
 """Measure generation quality: a monolith against the DDM with each routing strategy.
 
-Trains (once, then cached under the data dir) an MNIST classifier that must reach 99% test
-accuracy, generates the same digits with the same seeds for every configuration through the
-fleet's public path (a local in-process fleet by default, or --nats for a running fleet's DDM
-rows), and prints one table: conditional accuracy (classifier agrees with the requested digit),
-FID in the classifier's feature space against the 10k test images, experts used per step and
-inference GFLOPs per image.
+Trains (once, then cached under the data dir) two independent MNIST judges that must each reach
+99% test accuracy: judge 1, a torch CNN, and judge 2, a JAX/Flax residual CNN with its own recipe.
+Generates the same digits with the same seeds for every configuration through the fleet's public
+path (a local in-process fleet by default, or --nats for a running fleet's DDM rows), and prints one
+table: conditional accuracy (judge agrees with the requested digit) and FID in each judge's feature
+space against the 10k test images, side by side, how often the two judges agree, experts used per
+step and inference GFLOPs per image.
+
+--rescore DIR generates nothing: it re-scores every <configuration>.npz that --save-images wrote
+to DIR with both judges and prints the same side-by-side columns.
 
 examples:
   ddm-fleet eval                                   # monolith, top1, top2, full, oracle
   ddm-fleet eval --configs top1,oracle --per-class 20 --steps 20
   ddm-fleet eval --save-images out/eval --json     # keep the images for an independent re-score
+  ddm-fleet eval --rescore out/eval                # both judges on those same images
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="first job seed (default %(default)s)")
     parser.add_argument("--job-size", type=int, default=50, metavar="N", help="images per submitted job (default %(default)s)")
     parser.add_argument("--nats", default=None, metavar="URL", help="use a running fleet for the DDM rows instead of a local one")
+    parser.add_argument("--device", default=None,
+                        help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)")
     parser.add_argument("--data-dir", default=None, help="MNIST + classifier cache (default $DDM_DATA_DIR or ./data)")
     parser.add_argument("--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage")
+    parser.add_argument("--rescore", default=None, metavar="DIR",
+                        help="generate nothing; re-score every <configuration>.npz in DIR with both judges")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -43,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    from coordinator.evaluation.run import Config, EvalSpec, evaluate, format_table
+    if args.rescore:
+        return _rescore(args)
+    from coordinator.evaluation.judges import Judges
+    from coordinator.evaluation.run import Config, EvalSpec, baseline_row, evaluate, format_table
 
     try:
         configs = [Config.parse(c) for c in args.configs.split(",") if c.strip()]
@@ -53,15 +65,38 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("ddm-fleet eval: --per-class must be >= 2 and --steps >= 1")
     spec = EvalSpec(configs=configs, checkpoints=args.checkpoints, monolith=args.monolith, per_class=args.per_class,
                     steps=args.steps, solver=args.solver, seed=args.seed, job_size=args.job_size, nats_url=args.nats,
-                    data_dir=args.data_dir, save_dir=args.save_images, progress=not args.no_progress)
+                    data_dir=args.data_dir, save_dir=args.save_images, progress=not args.no_progress,
+                    device=args.device)
     try:
-        rows = asyncio.run(evaluate(spec))
+        judges = Judges.load(args.data_dir, progress=not args.no_progress)
+        rows = asyncio.run(evaluate(spec, judges))
     except FileNotFoundError as e:
         raise SystemExit(f"ddm-fleet eval: {e}")
-    print(format_table(rows, spec))
+    rows.append(baseline_row(judges, spec))  # real digits scored the same way, for scale
+    print(format_table(rows, spec, judges))
     if args.json:
-        print(json.dumps([{"config": r.config.name, "accuracy": r.accuracy, "fid": r.fid,
-                           "experts_per_step": r.experts_per_step, "flops_per_image": r.flops_per_image,
-                           "seconds": r.seconds, "n": r.n, "per_class_accuracy": r.per_class_accuracy,
-                           "predicted_counts": r.predicted_counts} for r in rows], indent=2))
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+    return 0
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    import json
+
+    from coordinator.evaluation.judges import Judges
+    from coordinator.evaluation.rescore import (SavedImagesError, format_rescore_table, real_baseline, rescore_dir,
+                                                saved_configurations)
+
+    try:
+        saved_configurations(args.rescore)  # fail on a wrong DIR before loading (or training) any judge
+        judges = Judges.load(args.data_dir, progress=not args.no_progress)
+        rows = rescore_dir(args.rescore, judges)
+        baseline = real_baseline(args.rescore, judges, args.data_dir)
+    except (SavedImagesError, ValueError) as e:
+        raise SystemExit(f"ddm-fleet eval --rescore: {e}")
+    print(format_rescore_table(rows, judges, args.rescore, baseline))
+    if args.json:
+        print(json.dumps({"judges": {"judge1_test_accuracy": judges.test_accuracy1,
+                                     "judge2_test_accuracy": judges.test_accuracy2,
+                                     "test_agreement": judges.test_agreement},
+                          "rows": [r.as_dict() for r in rows], "real_baseline": baseline.as_dict()}, indent=2))
     return 0

@@ -46,7 +46,8 @@ def test_score_real_vs_wrong_labels_and_noise(small_classifier):
 @pytest.fixture(scope="module")
 def eval_dirs(tmp_path_factory, small_classifier):
     """A checkpoints dir (tiny real experts, router, monolith, shipped partition) and a data dir
-    holding the MNIST cache and the small judge, so `evaluate` trains nothing."""
+    holding the MNIST cache, the small judge 1 and the cached judge 2 (trained here if ./data has
+    none), so `evaluate` trains nothing."""
     import os
     import shutil
 
@@ -66,7 +67,20 @@ def eval_dirs(tmp_path_factory, small_classifier):
     data = tmp_path_factory.mktemp("data")
     os.symlink(cache_path().resolve(), data / cache_path().name)
     small_classifier.save(data / f"{CACHE_NAME}.safetensors")
+    from coordinator.evaluation.classifier_jax import JaxClassifier
+
+    JaxClassifier.load_or_train()  # judge 2 must pass its 99% bar to be loaded at all
+    for path in JaxClassifier.cache_paths():
+        os.symlink(path.resolve(), data / path.name)
     return ck, data
+
+
+def small_classifier_meta(data):
+    import json
+
+    from coordinator.evaluation.classifier import CACHE_NAME
+
+    return json.loads((data / f"{CACHE_NAME}.json").read_text())
 
 
 async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_path):
@@ -76,10 +90,18 @@ async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_pat
     names = ["monolith", "top1", "top2", "full", "oracle"]
     spec = EvalSpec(configs=[Config.parse(n) for n in names], checkpoints=str(ck), per_class=2, steps=3,
                     job_size=8, data_dir=str(data), save_dir=str(tmp_path), progress=False)
-    rows = {r.config.name: r for r in await evaluate(spec)}
+    from coordinator.evaluation.judges import Judges
+    from coordinator.evaluation.rescore import rescore_dir
+
+    judges = Judges.load(str(data), progress=False)  # what `ddm-fleet eval` does: both judges from the data dir
+    assert judges.judge1.meta == small_classifier_meta(data) and judges.test_accuracy2 >= 0.99
+    rows = {r.config.name: r for r in await evaluate(spec, judges)}
     assert list(rows) == ["monolith", "ddm-top1", "ddm-top2", "ddm-full", "ddm-oracle"]
     for r in rows.values():
         assert r.n == 20 and 0.0 <= r.accuracy <= 1.0 and np.isfinite(r.fid) and sum(r.predicted_counts) == 20
+        # judge 2 scored the same images
+        assert 0.0 <= r.accuracy2 <= 1.0 and np.isfinite(r.fid2) and sum(r.predicted_counts2) == 20
+        assert 0.0 <= r.agreement <= 1.0 and r.as_dict()["fid_judge2"] == r.fid2
     # experts per step are measured from the jobs' usage, not assumed
     assert rows["monolith"].experts_per_step == pytest.approx(1.0)
     assert rows["ddm-top1"].experts_per_step == pytest.approx(1.0)
@@ -94,8 +116,22 @@ async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_pat
     # same seeds and digits, different models: the monolith's images are not the DDM's
     mono = np.load(tmp_path / "monolith.npz")["images"]
     assert not np.allclose(mono, saved["images"])
-    table = format_table(list(rows.values()), spec)
-    assert table.count("\n| ") == 6 and "ddm-top2" in table
+    from coordinator.evaluation.run import baseline_row
+
+    base = baseline_row(judges, spec)  # real val digits, the same 20 requested digits
+    assert base.n == 20 and base.accuracy2 >= 0.9 and base.as_dict()["experts_per_step"] is None
+    table = format_table([*rows.values(), base], spec, judges)
+    assert table.count("\n| ") == 7 and "ddm-top2" in table and "| real-val |" in table and "| - | - | - |" in table
+    assert "judge 2: jax/flax residual CNN" in table
+    assert "cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 | judges agree" in table
+    # the saved images re-score to the very numbers the run printed
+    again = {r.name: r for r in rescore_dir(tmp_path, judges)}
+    assert sorted(again) == sorted(rows)
+    for name, r in rows.items():
+        d = again[name].score
+        assert d.judge1.accuracy == r.accuracy and d.judge2.accuracy == r.accuracy2 and d.agreement == r.agreement
+        assert d.judge1.fid == pytest.approx(r.fid, rel=1e-6) and d.judge2.fid == pytest.approx(r.fid2, rel=1e-6)
+        assert again[name].experts_per_step == pytest.approx(r.experts_per_step)
 
 
 def test_eval_config_parsing():

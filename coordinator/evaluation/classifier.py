@@ -90,6 +90,17 @@ class Classifier:
         """[N,1,32,32] -> [N,256] penultimate features (for FID)."""
         return self._run(images, self.model.features)
 
+    def logits_and_features(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[N,1,32,32] -> ([N,10], [N,256]) in one pass through the body."""
+        feats = self.features(images)
+        return self._run_head(feats), feats
+
+    def _run_head(self, feats: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            return self.model.head(torch.from_numpy(np.ascontiguousarray(feats, np.float32))).float().numpy()
+
     # ------------------------------------------------------------ train / load
     @classmethod
     def load_or_train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 0,

@@ -2,7 +2,8 @@
 
 Every configuration generates the same requested digits with the same seeds through the
 fleet's public path (jobs submitted on NATS to a coordinator, experts served by workers),
-then the judge classifier scores them. `Config` names one row of the table.
+then two independent judge classifiers (torch CNN and JAX/Flax residual CNN, see `judges.py`)
+score them side by side. `Config` names one row of the table.
 
     rows = asyncio.run(evaluate(EvalSpec(...)))
 """
@@ -56,6 +57,7 @@ class EvalSpec:
     data_dir: str | None = None
     save_dir: str | None = None  # write <name>.npz (images, labels, usage) per configuration
     progress: bool = True
+    device: str | None = None  # the local fleet's worker device (cuda, cuda:1, ...); None = the CPU
 
 
 @dataclass
@@ -69,6 +71,22 @@ class Row:
     n: int
     per_class_accuracy: list[float] = field(default_factory=list)
     predicted_counts: list[int] = field(default_factory=list)
+    # judge 2 (the independent JAX classifier) on the same images, and how often the judges agree
+    accuracy2: float = float("nan")
+    fid2: float = float("nan")
+    agreement: float = float("nan")
+    per_class_accuracy2: list[float] = field(default_factory=list)
+    predicted_counts2: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        gen = self.config.model != "real"  # the real-digit baseline has no generation cost
+        return {"config": self.config.name, "accuracy": self.accuracy, "fid": self.fid,
+                "accuracy_judge2": self.accuracy2, "fid_judge2": self.fid2, "agreement": self.agreement,
+                "experts_per_step": self.experts_per_step if gen else None,
+                "flops_per_image": self.flops_per_image if gen else None, "seconds": self.seconds if gen else None,
+                "n": self.n, "per_class_accuracy": self.per_class_accuracy,
+                "predicted_counts": self.predicted_counts, "per_class_accuracy_judge2": self.per_class_accuracy2,
+                "predicted_counts_judge2": self.predicted_counts2}
 
 
 def requested_digits(per_class: int) -> np.ndarray:
@@ -99,7 +117,7 @@ async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: Eval
 def _fleet_for(model: str, spec: EvalSpec):
     from coordinator.local_fleet import LabelRouter, LocalFleet
 
-    opts = {"coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024}}
+    opts = {"coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024}, "device": spec.device}
     if model == "ddm":
         if spec.nats_url:
             return None
@@ -124,18 +142,16 @@ def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
     return spec.steps * evals * (router + experts_per_step * expert_flops(ckpt))
 
 
-async def evaluate(spec: EvalSpec) -> list[Row]:
+async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
+    """Generate and score every configuration. `judges` (a `judges.Judges`) defaults to both cached
+    judges, trained once if missing."""
     import nats
     from tqdm import tqdm
 
-    from coordinator.data import load_mnist
+    from .judges import Judges
 
-    from .classifier import Classifier
-    from .score import score_images
-
-    clf = await asyncio.to_thread(Classifier.load_or_train, spec.data_dir, progress=spec.progress)
-    x_test, _ = load_mnist("test", spec.data_dir)
-    ref = await asyncio.to_thread(clf.features, x_test)
+    if judges is None:
+        judges = await asyncio.to_thread(Judges.load, spec.data_dir, progress=spec.progress)
     digits = requested_digits(spec.per_class)
     rows: list[Row] = []
     by_model: dict[str, list[Config]] = {}
@@ -154,15 +170,19 @@ async def evaluate(spec: EvalSpec) -> list[Row]:
                 with tqdm(total=len(digits), desc=cfg.name, unit="img", disable=not spec.progress) as bar:
                     images, usage = await generate_through_fleet(nc, digits, cfg, spec, bar)
                 seconds = time.perf_counter() - t0
-                s = await asyncio.to_thread(score_images, clf, images, digits, ref)
+                d = await asyncio.to_thread(judges.score, images, digits)
+                s, s2 = d.judge1, d.judge2
                 eps = float(usage.sum(axis=1).mean())
                 rows.append(Row(cfg, s.accuracy, s.fid, eps, _flops(cfg, spec, eps), seconds, s.n,
-                                s.per_class_accuracy, s.predicted_counts))
+                                s.per_class_accuracy, s.predicted_counts, accuracy2=s2.accuracy, fid2=s2.fid,
+                                agreement=d.agreement, per_class_accuracy2=s2.per_class_accuracy,
+                                predicted_counts2=s2.predicted_counts))
                 if spec.save_dir:
                     Path(spec.save_dir).mkdir(parents=True, exist_ok=True)
                     np.savez_compressed(Path(spec.save_dir) / f"{cfg.name}.npz", images=images, labels=digits,
                                         usage=usage)
-                log.info("%s: accuracy %.4f FID %.3f", cfg.name, s.accuracy, s.fid)
+                log.info("%s: accuracy %.4f / %.4f, FID %.3f / %.3f (judge 1 / judge 2), judges agree %.4f",
+                         cfg.name, s.accuracy, s2.accuracy, s.fid, s2.fid, d.agreement)
         finally:
             if fleet is None:
                 await nc.drain()
@@ -171,15 +191,29 @@ async def evaluate(spec: EvalSpec) -> list[Row]:
     return rows
 
 
-def format_table(rows: Sequence[Row], spec: EvalSpec) -> str:
-    """Markdown table, one line per configuration."""
+def baseline_row(judges, spec: EvalSpec) -> Row:
+    """Real validation digits (the requested digits, one real image each) scored like the generated rows."""
+    d = judges.score_real(requested_digits(spec.per_class), spec.data_dir)
+    s, s2 = d.judge1, d.judge2
+    return Row(Config("real-val", "real"), s.accuracy, s.fid, float("nan"), float("nan"), 0.0, s.n,
+               s.per_class_accuracy, s.predicted_counts, accuracy2=s2.accuracy, fid2=s2.fid, agreement=d.agreement,
+               per_class_accuracy2=s2.per_class_accuracy, predicted_counts2=s2.predicted_counts)
+
+
+def format_table(rows: Sequence[Row], spec: EvalSpec, judges=None) -> str:
+    """Markdown table, one line per configuration; judge 1 and judge 2 side by side. A `baseline_row`
+    among `rows` prints with '-' for the generation-only columns."""
     lines = [
         f"{10 * spec.per_class} images ({spec.per_class} per digit), {spec.steps} {spec.solver} steps, seeds from {spec.seed}",
+        *([judges.describe()] if judges is not None else []),
         "",
-        "| configuration | cond. accuracy | FID (classifier features) | experts/step | GFLOPs/image | wall s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| configuration | cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 | judges agree "
+        "| experts/step | GFLOPs/image | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r.config.name} | {r.accuracy:.4f} | {r.fid:.3f} | {r.experts_per_step:.2f} | "
-                     f"{r.flops_per_image / 1e9:.2f} | {r.seconds:.1f} |")
+        gen = ("- | - | -" if r.config.model == "real" else
+               f"{r.experts_per_step:.2f} | {r.flops_per_image / 1e9:.2f} | {r.seconds:.1f}")
+        lines.append(f"| {r.config.name} | {r.accuracy:.4f} | {r.accuracy2:.4f} | {r.fid:.3f} | {r.fid2:.3f} | "
+                     f"{r.agreement:.4f} | {gen} |")
     return "\n".join(lines)

@@ -16,15 +16,22 @@ class Score:
     fid: float  # Fréchet distance to the reference set in classifier feature space
     predicted_counts: list[int] = field(default_factory=list)  # [10] how often each digit was seen
     per_class_accuracy: list[float] = field(default_factory=list)  # [10] accuracy per requested digit (nan if none)
+    predictions: np.ndarray | None = field(default=None, repr=False)  # [N] the judge's digit per image
 
     def as_dict(self) -> dict:
         return {"n": self.n, "accuracy": self.accuracy, "fid": self.fid,
                 "predicted_counts": self.predicted_counts, "per_class_accuracy": self.per_class_accuracy}
 
 
+def prepare_images(images: np.ndarray) -> np.ndarray:
+    """The one preprocessing every judge sees: float32 [N,1,32,32] clipped to [-1,1] (the generator's range)."""
+    return np.clip(np.asarray(images, np.float32), -1.0, 1.0)
+
+
 def score_images(classifier, images: np.ndarray, digits: np.ndarray, reference_features: np.ndarray) -> Score:
-    """images [N,1,32,32] in [-1,1], digits [N] requested classes, reference_features [M,256]."""
-    images = np.clip(np.asarray(images, np.float32), -1.0, 1.0)
+    """images [N,1,32,32] in [-1,1], digits [N] requested classes, reference_features [M,D] (the
+    same judge's features of the reference set). Works with any judge that has predict/features."""
+    images = prepare_images(images)
     digits = np.asarray(digits, np.int64)
     if len(images) != len(digits):
         raise ValueError(f"{len(images)} images but {len(digits)} labels")
@@ -40,4 +47,12 @@ def score_images(classifier, images: np.ndarray, digits: np.ndarray, reference_f
         fid=fid_from_features(feats, reference_features),
         predicted_counts=np.bincount(pred, minlength=10).astype(int).tolist(),
         per_class_accuracy=per_class,
+        predictions=np.asarray(pred, np.int64),
     )
+
+
+def agreement(a: Score, b: Score) -> float:
+    """Fraction of images two judges read as the same digit (whatever was requested)."""
+    if a.predictions is None or b.predictions is None or len(a.predictions) != len(b.predictions):
+        raise ValueError("agreement needs both scores' predictions on the same images")
+    return float((a.predictions == b.predictions).mean()) if len(a.predictions) else float("nan")
