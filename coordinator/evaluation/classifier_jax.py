@@ -18,11 +18,12 @@ Architecture ("judge 2"), NCHW in like judge 1, NHWC inside:
     head   dense 128 -> 10                                 -> logits
 
 Recipe: Adam without weight decay, batch 256, linear warm-up (1/15 of the steps) then cosine decay of
-the learning rate to 0 (peak 3e-3), no label smoothing, no dropout, seed 1; every batch is
-augmented inside the jitted step: each image, with probability 1/2, by a random affine warp
-(rotation +-12 degrees, scale 0.9-1.1, translation +-2 px, bilinear, background -1). Trained once on the 50k train split, cached as
-`<data dir>/mnist-classifier-jax-v1.safetensors` + `.json` (test accuracy, recipe, seconds), and
-refused (ValueError) below 99% test accuracy.
+the learning rate to 0 (peak 3e-3), no label smoothing, no dropout, seed 1, 3 epochs. Augmentation
+inside the jitted step: each image, with probability 1/2, gets a random affine warp (rotation +-12
+degrees, scale 0.9-1.1, translation +-2 px, bilinear, background -1). Trained once on the 50k train
+split (about 5 minutes on 2 CPU cores), cached as `<data dir>/mnist-classifier-jax-v1.safetensors`
++ `.json` (test accuracy, recipe, seconds), and refused (ValueError) below 99% test accuracy, both
+after training and when a cached one is loaded.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ RECIPE = {
     "optimizer": "Adam (b1 0.9, b2 0.999), no weight decay",
     "schedule": "linear warmup (1/15 of steps) + cosine to 0",
     "batch_size": 256,
-    "augmentation": "half of each batch random affine: rotation +-12 deg, scale 0.9-1.1, translation +-2 px, "
+    "augmentation": "each image with probability 1/2 a random affine: rotation +-12 deg, scale 0.9-1.1, translation +-2 px, "
                     "bilinear, fill -1",
     "label_smoothing": 0.0,
 }
@@ -232,8 +233,8 @@ class JaxClassifier:
 
     @classmethod
     def train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, batch_size: int = 256,
-              seed: int = 1, limit: int | None = None, peak_lr: float = 3e-3, augment_p: float = 0.5, progress: bool = True,
-              min_accuracy: float = MIN_TEST_ACCURACY) -> "JaxClassifier":
+              seed: int = 1, limit: int | None = None, peak_lr: float = 3e-3, augment_p: float = 0.5,
+              progress: bool = True, min_accuracy: float = MIN_TEST_ACCURACY) -> "JaxClassifier":
         """Train on the training split; refuse (ValueError) below `min_accuracy` on the test split."""
         import jax
         import jax.numpy as jnp
@@ -286,7 +287,8 @@ class JaxClassifier:
         acc = float((clf.predict(x_test) == y_test).mean())
         clf.meta = {"test_accuracy": acc, "epochs": epochs,
                     "train_images": int(len(x_train)), "seconds": round(seconds, 1), "seed": seed,
-                    "peak_lr": peak_lr, "augment_p": augment_p, "jax": jax.__version__, **RECIPE, "batch_size": batch_size}
+                    "peak_lr": peak_lr, "augment_p": augment_p, "jax": jax.__version__, **RECIPE,
+                    "batch_size": batch_size}
         log.info("judge 2 test accuracy %.4f after %d epochs (%.0fs)", acc, epochs, seconds)
         if acc < min_accuracy:
             raise ValueError(f"judge 2 reached only {acc:.4f} test accuracy (< {min_accuracy}); train longer")
