@@ -401,11 +401,14 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
         await client.close()
 
 
-async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server, workers, files):
+async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server, workers, files, aiohttp_client):
     """Promise: a coordinator that stays connected but answers nothing (SIGSTOP) does not keep its
     clients forever: once neither an event nor a status reply has come for `unresponsive_after`
     seconds, queued and running jobs fail with `unavailable` "the coordinator has not answered";
-    while it is alive, a queued job silent for longer than that keeps waiting (its probes are answered)."""
+    while it is alive, a queued job silent for longer than that keeps waiting (its probes are answered).
+    A browser tab's job is shown as failed the same way."""
+    from web.app import WebConfig, create_app
+
     unresponsive_after = 3.0
     client = await connect(server.url, "client")
     coord = Proc(*coordinator_args(files, server, "coordinator-frozen"), files["logs"])
@@ -430,6 +433,13 @@ async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server
                  for j in jobs]
         await asyncio.wait_for(asyncio.gather(running.wait(), queued.wait(), silent_long.wait()), 90)
         assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+        web = await aiohttp_client(create_app(WebConfig(nats_url=server.url, fleet_interval=5.0,
+                                                        unresponsive_after=unresponsive_after)))
+        tab = await web.ws_connect("/ws")
+        await tab.send_json({"type": "generate", "digits": "7", "steps": 1000, "ref": "tab-job"})
+        while (msg := await tab.receive_json(timeout=30))["type"] != "accepted":
+            assert msg["type"] in ("hello", "fleet"), msg
+        tab_job = msg["job_id"]
 
         coord.p.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -439,6 +449,11 @@ async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server
             assert f"the coordinator has not answered for {unresponsive_after:g} s" in res.reason, res.reason
         # counted from the last answer: a frame or a status reply at most probe_every before the SIGSTOP
         assert unresponsive_after - 1 <= time.monotonic() - t0 < unresponsive_after + 15
+        while (msg := await tab.receive_json(timeout=30))["type"] != "failed":
+            assert msg["type"] in ("fleet", "frame"), msg
+        assert msg["job_id"] == tab_job and msg["code"] == "unavailable", msg
+        assert f"the coordinator has not answered for {unresponsive_after:g} s" in msg["reason"], msg
+        await tab.close()
 
         # woken up, it reads the cancels the clients left and stops cleanly
         coord.p.send_signal(signal.SIGCONT)

@@ -41,13 +41,16 @@ STATIC_DIR = Path(__file__).parent / "static"
 class WebConfig:
     """nats_url: the bus.  fleet_interval: seconds between fleet snapshots.
     discovery_window: how long to collect $SRV replies.  submit_timeout: seconds to wait for
-    the coordinator to accept a job.  max_jobs_per_socket: unfinished jobs per tab."""
+    the coordinator to accept a job.  max_jobs_per_socket: unfinished jobs per tab.
+    unresponsive_after: a tab's job fails (`unavailable`) when the coordinator has answered nothing
+    (no event, no status reply) for this many seconds, e.g. it is frozen; None = wait on."""
 
     nats_url: str = "nats://127.0.0.1:4222"
     fleet_interval: float = 2.0
     discovery_window: float = 0.3
     submit_timeout: float = 5.0
     max_jobs_per_socket: int = MAX_JOBS_PER_SOCKET
+    unresponsive_after: float | None = 60.0
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -57,6 +60,8 @@ class WebConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_jobs_per_socket < 1:
             raise ValueError(f"max_jobs_per_socket must be >= 1, got {self.max_jobs_per_socket}")
+        if self.unresponsive_after is not None and not self.unresponsive_after > 0:
+            raise ValueError(f"unresponsive_after must be > 0 or None, got {self.unresponsive_after!r}")
 
 
 CONFIG = web.AppKey("ddm_config", WebConfig)
@@ -182,7 +187,7 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     app[SOCKETS].add(ws)
     session = Session(app[NATS], ws.send_json, submit_timeout=cfg.submit_timeout,
-                      max_jobs=cfg.max_jobs_per_socket)
+                      max_jobs=cfg.max_jobs_per_socket, unresponsive_after=cfg.unresponsive_after)
     app[SESSIONS].add(session)
     session.outbox.put(hello_message(cfg))
     if app[FLEET].latest.get("time") is not None:

@@ -4,8 +4,9 @@ A session owns the jobs its socket submitted (and only those): it picks each job
 subscribes to the job's event subject *before* submitting, forwards the events to its socket,
 and cancels every unfinished job when the socket closes. Other tabs never see its jobs.
 A job that has sent nothing for `probe_every` seconds is asked about (`coordinator.client.JobProbe`):
-if the coordinator lost it (restarted, or gone for `lost_after` s) the page gets `failed` /
-`unavailable` with the reason instead of waiting forever.
+if the coordinator lost it (restarted, or gone for `lost_after` s) or has answered nothing for
+`unresponsive_after` s (frozen), the page gets `failed` / `unavailable` with the reason instead of
+waiting forever.
 
 Outgoing messages go through an `Outbox`: control messages (accepted, done, errors, ...)
 are kept in order and never dropped; frames are coalesced per job, so a slow browser
@@ -122,13 +123,15 @@ class Session:
     """
 
     def __init__(self, nc, send: Callable[[dict[str, Any]], Awaitable[None]], *, submit_timeout: float = 5.0,
-                 max_jobs: int = MAX_JOBS_PER_SOCKET, probe_every: float = 3.0, lost_after: float = 15.0):
+                 max_jobs: int = MAX_JOBS_PER_SOCKET, probe_every: float = 3.0, lost_after: float = 15.0,
+                 unresponsive_after: float | None = 60.0):
         self.nc = nc
         self._send = send
         self.submit_timeout = submit_timeout
         self.max_jobs = max_jobs
         self.probe_every = probe_every
         self.lost_after = lost_after
+        self.unresponsive_after = unresponsive_after
         self._watcher: asyncio.Future | None = None
         self.outbox = Outbox()
         self.jobs: dict[str, _Job] = {}  # unfinished jobs of this socket only
@@ -247,7 +250,8 @@ class Session:
             return
         job.announced = True
         job.last_event = time.monotonic()
-        job.probe = JobProbe(self.nc, job_id, lost_after=self.lost_after, timeout=max(1.0, min(self.probe_every, 5.0)))
+        job.probe = JobProbe(self.nc, job_id, lost_after=self.lost_after, timeout=max(1.0, min(self.probe_every, 5.0)),
+                             unresponsive_after=self.unresponsive_after)
         if job_id in self.jobs and (self._watcher is None or self._watcher.done()):
             self._watcher = self._spawn(self._watch())
         msg = event_message(accepted)
@@ -271,6 +275,8 @@ class Session:
         if ev.job_id != job_id:
             return
         job.last_event = time.monotonic()
+        if job.probe is not None:
+            job.probe.heard()
         if isinstance(ev, JobAccepted):
             self._announce(job_id, ev)
             return
