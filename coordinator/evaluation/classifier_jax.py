@@ -201,9 +201,14 @@ class JaxClassifier:
     @classmethod
     def load_or_train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 1,
                       progress: bool = True) -> "JaxClassifier":
+        from .classifier import shipped_judge
+
         weights, meta_path = cls.cache_paths(data_dir)
         if weights.exists() and meta_path.exists():
             return cls.load(weights)
+        shipped = shipped_judge(CACHE_NAME)
+        if shipped is not None:
+            return cls.load(shipped)
         clf = cls.train(data_dir, epochs=epochs, seed=seed, progress=progress)
         clf.save(weights)
         return clf
