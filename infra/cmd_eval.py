@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
                     device=args.device)
     try:
         judges = Judges.load(args.data_dir, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"ddm-fleet eval: {e}")
+    try:
         rows = asyncio.run(evaluate(spec, judges))
     except FileNotFoundError as e:
         raise SystemExit(f"ddm-fleet eval: {e}")

@@ -48,9 +48,16 @@ class Judges:
         from .classifier import Classifier
         from .classifier_jax import JaxClassifier
 
+        from .classifier import MIN_TEST_ACCURACY
+
         j1 = Classifier.load_or_train(data_dir, progress=progress)
         j2 = JaxClassifier.load_or_train(data_dir, progress=progress)
-        return cls.from_judges(j1, j2, *load_mnist("test", data_dir))
+        judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir))
+        for name, acc in (("judge 1", judges.test_accuracy1), ("judge 2", judges.test_accuracy2)):
+            if acc < MIN_TEST_ACCURACY:  # measured now, whatever a cached JSON says
+                raise ValueError(f"{name} reads only {acc:.4f} of the 10k test digits correctly (< {MIN_TEST_ACCURACY}); "
+                                 "delete its cached files to retrain it")
+        return judges
 
     @classmethod
     def from_judges(cls, j1, j2, x_ref: np.ndarray, y_ref: np.ndarray) -> "Judges":
