@@ -264,6 +264,9 @@ class ExpertWorker:
             handler=self._on_request,
             metadata={"expert": str(self.expert), "request": "StepRequest", "reply": "StepReply|ErrorReply"},
         )
+        # Two round trips: with nats-py a single flush() was seen to return before the server had the
+        # queue subscription (a request right after start() then met "no responders" on a loaded box).
+        await self.nc.flush()
         await self.nc.flush()
 
     @property
