@@ -93,7 +93,9 @@ async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_pat
     from coordinator.evaluation.judges import Judges
     from coordinator.evaluation.rescore import rescore_dir
 
-    judges = Judges.load(str(data), progress=False)  # what `ddm-fleet eval` does: both judges from the data dir
+    with pytest.raises(ValueError, match="judge 1 reads only"):  # the small judge 1 is below the 99% floor
+        Judges.load(str(data), progress=False)
+    judges = Judges.load(str(data), progress=False, min_accuracy=0.9)  # what `ddm-fleet eval` does, floor lowered
     assert judges.judge1.meta == small_classifier_meta(data) and judges.test_accuracy2 >= 0.99
     rows = {r.config.name: r for r in await evaluate(spec, judges)}
     assert list(rows) == ["monolith", "ddm-top1", "ddm-top2", "ddm-full", "ddm-oracle"]

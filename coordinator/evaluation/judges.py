@@ -41,21 +41,22 @@ class Judges:
     test_agreement: float  # the judges agree on this fraction of real test digits
 
     @classmethod
-    def load(cls, data_dir: str | Path | None = None, *, progress: bool = True) -> "Judges":
-        """Load (or train once and cache) both judges; compute their test-set features and accuracy."""
+    def load(cls, data_dir: str | Path | None = None, *, progress: bool = True,
+             min_accuracy: float | None = None) -> "Judges":
+        """Load (or train once and cache) both judges; compute their test-set features and accuracy, and
+        refuse (ValueError) a judge that reads fewer than `min_accuracy` (default 0.99) of the test digits."""
         from coordinator.data import load_mnist
 
-        from .classifier import Classifier
+        from .classifier import MIN_TEST_ACCURACY, Classifier
         from .classifier_jax import JaxClassifier
 
-        from .classifier import MIN_TEST_ACCURACY
-
+        floor = MIN_TEST_ACCURACY if min_accuracy is None else min_accuracy
         j1 = Classifier.load_or_train(data_dir, progress=progress)
         j2 = JaxClassifier.load_or_train(data_dir, progress=progress)
         judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir))
         for name, acc in (("judge 1", judges.test_accuracy1), ("judge 2", judges.test_accuracy2)):
-            if acc < MIN_TEST_ACCURACY:  # measured now, whatever a cached JSON says
-                raise ValueError(f"{name} reads only {acc:.4f} of the 10k test digits correctly (< {MIN_TEST_ACCURACY}); "
+            if acc < floor:  # measured now, whatever a cached JSON says
+                raise ValueError(f"{name} reads only {acc:.4f} of the 10k test digits correctly (< {floor}); "
                                  "delete its cached files to retrain it")
         return judges
 
