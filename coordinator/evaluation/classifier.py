@@ -34,6 +34,16 @@ def shipped_judge(name: str) -> Path | None:
     return None
 
 
+def find_judge(name: str, data_dir: str | Path | None = None) -> Path | None:
+    """A trained judge's weights: cached in the data dir first, else shipped; None: train one."""
+    from coordinator.data import default_data_dir
+
+    cached = (Path(data_dir) if data_dir else default_data_dir()) / f"{name}.safetensors"
+    if cached.exists() and cached.with_suffix(".json").exists():
+        return cached
+    return shipped_judge(name)
+
+
 def _build():
     import torch
     from torch import nn
@@ -120,16 +130,12 @@ class Classifier:
                       progress: bool = True) -> "Classifier":
         from coordinator.data import default_data_dir
 
+        found = find_judge(CACHE_NAME, data_dir)
+        if found is not None:
+            return cls.load(found)
         root = Path(data_dir) if data_dir else default_data_dir()
-        weights = root / f"{CACHE_NAME}.safetensors"
-        meta_path = root / f"{CACHE_NAME}.json"
-        if weights.exists() and meta_path.exists():
-            return cls.load(weights)
-        shipped = shipped_judge(CACHE_NAME)
-        if shipped is not None:
-            return cls.load(shipped)
         clf = cls.train(root, epochs=epochs, seed=seed, progress=progress)
-        clf.save(weights)
+        clf.save(root / f"{CACHE_NAME}.safetensors")
         return clf
 
     @classmethod

@@ -201,16 +201,13 @@ class JaxClassifier:
     @classmethod
     def load_or_train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 1,
                       progress: bool = True) -> "JaxClassifier":
-        from .classifier import shipped_judge
+        from .classifier import find_judge
 
-        weights, meta_path = cls.cache_paths(data_dir)
-        if weights.exists() and meta_path.exists():
-            return cls.load(weights)
-        shipped = shipped_judge(CACHE_NAME)
-        if shipped is not None:
-            return cls.load(shipped)
+        found = find_judge(CACHE_NAME, data_dir)
+        if found is not None:
+            return cls.load(found)
         clf = cls.train(data_dir, epochs=epochs, seed=seed, progress=progress)
-        clf.save(weights)
+        clf.save(cls.cache_paths(data_dir)[0])
         return clf
 
     @classmethod
