@@ -2,41 +2,66 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# pyproject.toml gives torch as a range; this pins the CPU wheel the suite runs on (see the file).
+CONSTRAINTS := infra/constraints-cpu.txt
+# Stamps are keyed on pyproject.toml + the constraints: a second run with both unchanged does not reinstall.
+KEY := $(shell cat pyproject.toml $(CONSTRAINTS) | sha1sum | cut -c1-12)
+RUNTIME_STAMP := $(VENV)/.installed-all-$(KEY)
+TEST_STAMP := $(VENV)/.installed-test-$(KEY)
+# Browser tests drive Debian's Chromium (tests/web/test_browser.py); DDM_CHROMIUM points elsewhere.
+CHROMIUM := $(or $(DDM_CHROMIUM),/usr/bin/chromium)
 
-.PHONY: demo test install test-xla clean
+.PHONY: demo test test-fast install chromium test-xla clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+# Runtime only: every role but xla (pyproject.toml's `all` extra).
+$(RUNTIME_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[all]'
+	rm -f $(VENV)/.installed-all-*
+	touch $(RUNTIME_STAMP)
+
+# What the suite needs: every role and the test tools (a superset of the runtime install).
+$(TEST_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python chromium
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[all,test]'
 	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	touch $(RUNTIME_STAMP) $(TEST_STAMP)
 
-install: $(STAMP)
+# Chromium for the browser tests: present, or installed from Debian's packages when running as
+# root, or stop at once with the command to run.
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then exit 0; fi; \
+	if [ -z "$(DDM_CHROMIUM)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing Debian's chromium for the browser tests"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+	  echo "make: no Chromium at $(CHROMIUM) (browser tests); run: sudo apt-get install -y chromium (or set DDM_CHROMIUM)" >&2; exit 1; \
+	fi
 
-demo: $(STAMP)
+install: $(RUNTIME_STAMP)
+
+demo: $(RUNTIME_STAMP)
 	$(BIN)/ddm-fleet up
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-# XLA backend tests: a separate venv (torch 2.9.0 + torch-xla 2.9.0, ~7 GB, built once) and
-# XLA's CPU device. The project is installed there without its torch pin; tests/xla/ runs.
-XLA_VENV := .venv-xla
-XLA_STAMP := $(XLA_VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
-XLA_DEPS = $(shell $(PY) -c "import tomllib; p=tomllib.load(open('pyproject.toml','rb'))['project']; \
-	skip=('torch','jax','flax','optax','playwright'); \
-	print(' '.join(repr(d) for d in p['dependencies']+p['optional-dependencies']['test'] if not d.startswith(skip)))")
+# The suite without the tests marked slow.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
-$(XLA_STAMP): pyproject.toml
+# XLA backend tests: a separate venv with the [xla] extra (torch 2.9.0 + torch-xla 2.9.0 pinned by
+# infra/constraints-xla.txt, ~7 GB, built once) on XLA's CPU device; tests/xla/ runs.
+XLA_VENV := .venv-xla
+XLA_CONSTRAINTS := infra/constraints-xla.txt
+XLA_STAMP := $(XLA_VENV)/.installed-$(shell cat pyproject.toml $(XLA_CONSTRAINTS) | sha1sum | cut -c1-12)
+
+$(XLA_STAMP): pyproject.toml $(XLA_CONSTRAINTS)
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/pip install --quiet --upgrade pip
-	$(XLA_VENV)/bin/pip install --quiet 'torch==2.9.0' 'torch-xla==2.9.0'
-	$(XLA_VENV)/bin/pip install --quiet $(XLA_DEPS)
-	$(XLA_VENV)/bin/pip install --quiet --no-deps -e .
+	$(XLA_VENV)/bin/pip install --quiet -c $(XLA_CONSTRAINTS) -e '.[xla,test]'
 	rm -f $(XLA_VENV)/.installed-*
 	touch $(XLA_STAMP)
 

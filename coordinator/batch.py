@@ -5,7 +5,7 @@ Pure bookkeeping, no I/O. The engine drives it:
     batch.x, batch.t, batch.y                  router inputs for all R rows
     batch.route(router_w [R, K])               choose experts per row by its strategy
     for k, idx in batch.requests().items():    rows (indices into the batch) expert k must evaluate
-        batch.record(k, idx, v [len(idx), C, H, W])   ... or batch.mark_failed(k, reason)
+        batch.record(k, idx, v [len(idx), C, H, W])   ... or batch.mark_failed(k, reason, code)
     (repeat while batch.requests() is not empty: a failed expert reroutes its rows)
     u = batch.combined()                        [R, C, H, W]  u_r = sum_k w[r, k] v_k[r]
 
@@ -16,6 +16,8 @@ The batch's rows are the rows of its `groups` (one RowGroup per job), concatenat
 from __future__ import annotations
 
 import numpy as np
+
+from schemas import ErrorCode
 
 from . import strategies
 from .rows import RowGroup
@@ -46,6 +48,7 @@ class Batch:
             if 0 <= k < num_experts:
                 self.available[k] = False
         self.failed_reasons: dict[int, str] = {}
+        self.failed_codes: dict[int, ErrorCode] = {}  # why each failed expert failed, for the jobs it strands
         self.router_w: np.ndarray | None = None  # [R, K]
         self.weights: np.ndarray | None = None  # [R, K] combination weights
         self.ideal: np.ndarray | None = None  # [R, K] weights with every expert up
@@ -99,10 +102,12 @@ class Batch:
         self._v[expert, idx] = v
         self._have[idx, expert] = True
 
-    def mark_failed(self, expert: int, reason: str = "unavailable") -> None:
-        """Expert could not serve this tick: reroute the rows that still need it."""
+    def mark_failed(self, expert: int, reason: str = "unavailable", code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
+        """Expert could not serve this tick: reroute the rows that still need it. `code` is how the
+        jobs left without any expert fail (`bad_reply` when the expert answered only garbage)."""
         self.available[expert] = False
         self.failed_reasons[expert] = reason
+        self.failed_codes[expert] = ErrorCode(code)
         assert self.weights is not None
         waiting = np.nonzero((self.weights[:, expert] > 0) & ~self._have[:, expert])[0]
         if len(waiting):

@@ -12,13 +12,19 @@ concurrently; an expert that is unavailable (no responders, timeouts after retri
 failed for this tick and its rows are rerouted by their strategy (top1 -> next-best expert),
 then the scheduler advances every row one solver stage and the events go to `emit`.
 
+The engine only drives: `tick()` is literally `scheduler.schedule` -> `_execute` (router and
+expert calls, the only I/O) -> `scheduler.update`. Job state lives in the scheduler and is read
+through its methods (`job_progress`, `active_jobs`, `queued_jobs`, `stats`); the engine records
+`metrics` (a `CoordinatorMetrics`: expert call times and errors, rejections) and names the
+events subject of an accepted job (the scheduler knows no subjects).
+
 `transport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids) -> v [n, C, H, W]` raises
 `ExpertUnavailable` when no worker of that expert can answer (`BadExpertReply` when they answer
 garbage); the NATS transport lives in `coordinator.transport`, an in-process one (direct backend
 calls) in `coordinator.local_fleet`. Every velocity is checked here too (shape, float, finite):
 a bad one counts as a failed call, so NaN never reaches a job's samples. A job whose rows no
 expert could serve fails with `unavailable`, or with `bad_reply` when an expert it needed
-answered only garbage.
+answered only garbage (the failed expert's code travels with the batch: `Batch.mark_failed`).
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from schemas import ErrorCode, JobAccepted, JobRequest
+from schemas import ErrorCode, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
-from .scheduler import Scheduler
+from .metrics import CoordinatorMetrics
+from .scheduler import Rejected, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +76,15 @@ class RouterLike(Protocol):
 
 
 class Engine:
-    """Owns the tick loop. `emit(event)` (sync or async) receives every job event in order."""
+    """Owns the tick loop. `emit(event)` (sync or async) receives every job event in order.
+    `metrics` defaults to a new `CoordinatorMetrics(scheduler)`."""
 
     def __init__(self, scheduler: Scheduler, router: RouterLike, transport: Transport,
                  emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
-                 router_in_thread: bool = True, rate_window_s: float = 10.0):
+                 router_in_thread: bool = True, rate_window_s: float = 10.0,
+                 metrics: CoordinatorMetrics | None = None):
         self.scheduler = scheduler
+        self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
         self.router = router
         self.transport = transport
         self.emit = emit
@@ -93,9 +103,14 @@ class Engine:
     # ------------------------------------------------------------ intake
     def submit(self, request: JobRequest) -> JobAccepted:
         """Queue a job (joins at the next tick). Raises scheduler.Rejected."""
-        accepted = self.scheduler.submit(request, self.clock())
+        try:
+            admitted = self.scheduler.submit(request, self.clock())
+        except Rejected as err:
+            self.metrics.rejected(err.code)
+            raise
         self._wake.set()
-        return accepted
+        return JobAccepted(job_id=admitted.job_id, events_subject=subjects.job_events(admitted.job_id),
+                           digits=admitted.digits, seed=admitted.seed, queue_position=admitted.queue_position)
 
     async def cancel(self, job_id: str, reason: str = "cancelled by client") -> bool:
         ok = self.scheduler.cancel(job_id, self.clock(), reason)
@@ -144,22 +159,19 @@ class Engine:
             return False
         started = time.perf_counter()
         try:
-            codes = await self._execute(batch)
-            self._fail_bad_reply_rows(batch, codes)
+            await self._execute(batch)
             sched.update(batch, self.clock())
         except Exception as err:  # never die: fail this batch's jobs, keep serving the rest
             log.exception("tick failed")
-            for job_id in dict.fromkeys(g.job_id for g in batch.groups):
-                sched.fail(job_id, ErrorCode.INTERNAL, f"coordinator error: {type(err).__name__}: {err}")
+            sched.fail_batch(batch, ErrorCode.INTERNAL, f"coordinator error: {type(err).__name__}: {err}")
         self.tick_ms.append((time.perf_counter() - started) * 1000)
         self._count_rows(len(batch))
         await self.flush_events()
         return True
 
-    async def _execute(self, batch: Batch) -> dict[int, ErrorCode]:
-        """Route, then call every chosen expert (rerouting after failures). Returns the ErrorCode
-        of each expert that failed this tick."""
-        codes: dict[int, ErrorCode] = {}
+    async def _execute(self, batch: Batch) -> None:
+        """Route, then call every chosen expert (rerouting after failures); a failed expert is
+        marked on the batch with its ErrorCode."""
         if self.router_in_thread:
             w = await asyncio.to_thread(self.router.weights, batch.x, batch.t, batch.y)
         else:
@@ -172,43 +184,26 @@ class Engine:
             for k, res in zip(experts, results):
                 if isinstance(res, ExpertUnavailable):
                     self.last_unavailable[k] = res.reason
-                    codes[k] = res.code
-                    batch.mark_failed(k, res.reason)
+                    self.metrics.expert_error(k, res.code)
+                    batch.mark_failed(k, res.reason, res.code)
                 elif isinstance(res, BaseException):
                     if isinstance(res, asyncio.CancelledError):
                         raise res
                     log.warning("expert %d call failed: %r", k, res)
                     self.last_unavailable[k] = f"failed: {type(res).__name__}: {res}"
-                    codes[k] = ErrorCode.UNAVAILABLE
-                    batch.mark_failed(k, f"failed ({type(res).__name__}: {res})")
+                    self.metrics.expert_error(k, ErrorCode.UNAVAILABLE)
+                    batch.mark_failed(k, f"failed ({type(res).__name__}: {res})", ErrorCode.UNAVAILABLE)
                 else:
                     self.last_unavailable.pop(k, None)
                     batch.record(k, reqs[k], res)
-        return codes
-
-    def _fail_bad_reply_rows(self, batch: Batch, codes: dict[int, ErrorCode]) -> None:
-        """Jobs with rows left without a velocity, where an expert those rows wanted failed with a
-        code other than `unavailable` (bad replies), fail with that code (the scheduler would say
-        `unavailable`, which hides that a worker is broken)."""
-        bad = {k: c for k, c in codes.items() if c != ErrorCode.UNAVAILABLE}
-        if not bad:
-            return
-        complete = batch.row_complete()
-        sched = self.scheduler
-        for gi, group in enumerate(batch.groups):
-            rows = batch.group_rows(gi)
-            job = sched.active.get(group.job_id)
-            if complete[rows].all() or job is None or job.group is not group:
-                continue
-            wanted = np.nonzero((batch.ideal[rows] > 0).any(axis=0))[0]
-            culprits = [int(k) for k in wanted if int(k) in bad] or sorted(bad)
-            k = culprits[0]
-            sched.fail(group.job_id, bad[k], f"expert {k} never sent a usable velocity for a step "
-                       f"({batch.failed_reasons.get(k, 'bad reply')}) and no other expert could take its rows")
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
-        v = await self.transport.velocity(k, batch.x[idx], batch.t[idx], batch.y[idx],
-                                          [batch.row_ids[i] for i in idx])
+        started = time.perf_counter()
+        try:
+            v = await self.transport.velocity(k, batch.x[idx], batch.t[idx], batch.y[idx],
+                                              [batch.row_ids[i] for i in idx])
+        finally:
+            self.metrics.expert_call(k, time.perf_counter() - started)
         v = np.asarray(v)
         want = (len(idx),) + batch.x.shape[1:]
         if v.shape != want:
@@ -224,14 +219,7 @@ class Engine:
     # ------------------------------------------------------------ job state
     def job_state(self, job_id: str) -> dict[str, Any] | None:
         """{state: queued|running, step, steps, queue_position} of a job the scheduler holds, else None."""
-        sched = self.scheduler
-        job = sched.active.get(job_id)
-        if job is not None:
-            return dict(state="running", step=int(job.step), steps=int(job.request.steps), queue_position=0)
-        for i, job in enumerate(sched.queue):
-            if job.job_id == job_id:
-                return dict(state="queued", step=0, steps=int(job.request.steps), queue_position=i + 1)
-        return None
+        return self.scheduler.job_progress(job_id)
 
     # ------------------------------------------------------------ status
     def _count_rows(self, n: int) -> None:
@@ -255,7 +243,7 @@ class Engine:
         st = s.stats
         ticks = list(self.tick_ms)
         return dict(
-            active_jobs=len(s.active), active_rows=s.active_rows, queued_jobs=s.queued_jobs,
+            active_jobs=s.active_jobs, active_rows=s.active_rows, queued_jobs=s.queued_jobs,
             max_rows=s.config.max_rows, max_queued_jobs=s.config.max_queued_jobs,
             num_experts=s.config.num_experts, jobs_submitted=st.jobs_submitted, jobs_done=st.jobs_done,
             jobs_failed=st.jobs_failed, jobs_cancelled=st.jobs_cancelled, jobs_rejected=st.jobs_rejected,

@@ -51,7 +51,7 @@ def shipped_paths(directory: str | os.PathLike = DEFAULT_DIR) -> dict[str, Any]:
 class LabelRouter:
     """A router that ignores x_t and t: weight `confidence` on the expert owning the class label,
     the rest spread over the others. A stand-in where no trained router is at hand (benches,
-    tests); the real one is `coordinator.router.Router`.
+    tests); the real one is `models.router.Router`.
 
     weights(x_t [B, C, H, W], t [B], y [B]) -> [B, K] (rows sum to 1)."""
 
@@ -142,7 +142,7 @@ class LocalFleet:
     async def __aenter__(self) -> "LocalFleet":
         import nats
 
-        from infra.nats_server import NatsServer
+        from bus.nats_server import NatsServer
         from workers.service import ExpertWorker
 
         from .service import Coordinator

@@ -6,14 +6,15 @@ diffusers-style global step counter does not fit continuous batching). The rows 
 always share their position, so they are kept together in a `RowGroup` and stepped as arrays.
 
 Time convention: t = 0 is noise, t = 1 is data; a row integrates dx/dt = v(x, t, y) on the
-uniform grid `time_grid(steps)` = [0, 1/steps, ..., 1].
+uniform grid `solver.time_grid(steps)` = [0, 1/steps, ..., 1].
 
-Solvers, per step n (dt = t[n+1] - t[n]):
+The step arithmetic is `coordinator.solver`'s (the one implementation, shared with `sample()`);
+a row only keeps where it is. Per step n:
 
-* euler: one evaluation:  x[n+1] = x[n] + dt * v(x[n], t[n])
+* euler: one evaluation, one tick:  x[n+1] = euler_update(x[n], dt, v(x[n], t[n]))
 * heun:  two evaluations, one per engine tick (the stage is kept on the row):
       stage 0: v0 = v(x[n], t[n])
-      stage 1: v1 = v(x[n] + dt * v0, t[n+1]);   x[n+1] = x[n] + dt / 2 * (v0 + v1)
+      stage 1: v1 = v(heun_predict(x[n], dt, v0), t[n+1]);   x[n+1] = heun_correct(x[n], dt, v0, v1)
 
 Initial noise depends only on (seed, row index), so a seeded job gives the same image
 whether it runs alone or batched with a hundred others.
@@ -22,25 +23,10 @@ whether it runs alone or batched with a hundred others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
-SOLVER_EVALS = {"euler": 1, "heun": 2}
-
-
-@lru_cache(maxsize=256)
-def _grid(steps: int) -> np.ndarray:
-    g = np.linspace(0.0, 1.0, steps + 1, dtype=np.float64)
-    g.setflags(write=False)
-    return g
-
-
-def time_grid(steps: int) -> np.ndarray:
-    """Uniform grid [steps + 1] from 0 (noise) to 1 (data), float64, read-only."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    return _grid(int(steps))
+from .solver import check_method, euler_update, heun_correct, heun_predict, step_dt, time_grid
 
 
 def initial_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -86,8 +72,7 @@ class RowGroup:
     _grid: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.solver not in SOLVER_EVALS:
-            raise ValueError(f"unknown solver {self.solver!r}; use one of {sorted(SOLVER_EVALS)}")
+        check_method(self.solver)
         self.y = np.asarray(self.y, dtype=np.int64)
         self.x = np.asarray(self.x, dtype=np.float32)
         n = len(self.y)
@@ -125,8 +110,9 @@ class RowGroup:
         return float(self._grid[self.step])
 
     @property
-    def dt(self) -> float:
-        return float(self._grid[self.step + 1] - self._grid[self.step])
+    def dt(self) -> np.float32:
+        """Step size of the current step, float32 (as the update uses it)."""
+        return step_dt(self._grid[self.step], self._grid[self.step + 1])
 
     def eval_point(self) -> tuple[np.ndarray, float]:
         """(x [N, C, H, W], t) at which the next velocity must be evaluated."""
@@ -134,30 +120,29 @@ class RowGroup:
             raise RuntimeError(f"job {self.job_id} is finished; nothing to evaluate")
         if self.solver == "heun" and self.stage == 1:
             assert self.v0 is not None
-            with np.errstate(over="ignore", invalid="ignore"):
-                return self.x + np.float32(self.dt) * self.v0, float(self._grid[self.step + 1])
+            return heun_predict(self.x, self.dt, self.v0), float(self._grid[self.step + 1])
         return self.x, self.t
 
     def advance(self, u: np.ndarray) -> bool:
-        """Apply velocities u [N, C, H, W] at `eval_point()`. True if a full solver step completed."""
+        """Apply velocities u [N, C, H, W] at `eval_point()`. True if a full solver step completed.
+
+        Divergence (Inf/NaN in x) is not an error here: the scheduler checks for it."""
         if self.done:
             raise RuntimeError(f"job {self.job_id} is finished; cannot advance")
         u = np.asarray(u, dtype=np.float32)
         if u.shape != self.x.shape:
             raise ValueError(f"velocity shape {list(u.shape)} does not match rows {list(self.x.shape)}")
         self.evals += 1
-        dt = np.float32(self.dt)
-        with np.errstate(over="ignore", invalid="ignore"):  # divergence is caught by the scheduler
-            if self.solver == "euler":
-                self.x = self.x + dt * u
-            elif self.stage == 0:
-                self.v0 = u.copy()
-                self.stage = 1
-                return False
-            else:
-                assert self.v0 is not None
-                self.x = self.x + (dt / np.float32(2.0)) * (self.v0 + u)
-                self.v0 = None
-                self.stage = 0
+        if self.solver == "euler":
+            self.x = euler_update(self.x, self.dt, u)
+        elif self.stage == 0:
+            self.v0 = u.copy()
+            self.stage = 1
+            return False
+        else:
+            assert self.v0 is not None
+            self.x = heun_correct(self.x, self.dt, self.v0, u)
+            self.v0 = None
+            self.stage = 0
         self.step += 1
         return True

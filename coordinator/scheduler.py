@@ -2,12 +2,18 @@
 
 The engine loop is `schedule -> execute -> update` (as in vLLM):
 
-    sched.submit(JobRequest, now) -> JobAccepted         (raises Rejected when over the limits)
+    sched.submit(JobRequest, now) -> Admission           (raises Rejected when over the limits)
     batch = sched.schedule(now)                          admit queued jobs, expire deadlines;
                                                          a Batch of every active row, or None
-    ... engine: router on batch.x/t/y, batch.route(w), expert calls, batch.record(...) ...
-    sched.update(batch, now)                             advance each row one solver stage
+    ... engine: router on batch.x/t/y, batch.route(w), expert calls, batch.record(...)
+        or batch.mark_failed(k, reason, code) ...
+    sched.update(batch, now)                             advance each row one solver stage;
+                                                         fail jobs whose rows no expert served
     sched.pop_events()                                   FrameEvent / DoneEvent / FailedEvent
+
+What callers may read: `active_rows`, `active_jobs`, `queued_jobs`, `active_job_ids()`,
+`job_progress(job_id)`, `knows(job_id)`, `stats` (counters) and `config`. The scheduler does no
+I/O and knows no NATS subjects: whoever publishes (engine, service) names them.
 
 Jobs that arrive mid-run join at the next `schedule`; finished jobs leave in `update`;
 `cancel` frees a job's rows at once (a batch in flight simply skips them on update).
@@ -25,15 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from schemas import (
-    DoneEvent,
-    ErrorCode,
-    FailedEvent,
-    FrameEvent,
-    JobAccepted,
-    JobRequest,
-    subjects,
-)
+from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 
 from .batch import Batch
 from .rows import RowGroup, draw_digits
@@ -98,8 +96,20 @@ class Job:
         return len(self.digits)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A job the scheduler took: its id, labels, seed, and place in the queue (0 = running)."""
+
+    job_id: str
+    digits: list[int]
+    seed: int
+    queue_position: int
+
+
 @dataclass
 class Stats:
+    """Counters since start (never reset)."""
+
     jobs_submitted: int = 0
     jobs_done: int = 0
     jobs_failed: int = 0
@@ -107,30 +117,54 @@ class Stats:
     jobs_rejected: int = 0
     ticks: int = 0
     row_evals: int = 0  # velocity evaluations applied (one per row per tick)
+    row_fallbacks: int = 0  # row evaluations whose experts differ from the all-experts-up choice
     images_done: int = 0
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.queue: deque[Job] = deque()
-        self.active: dict[str, Job] = {}
+        self._queue: deque[Job] = deque()
+        self._active: dict[str, Job] = {}
         self.stats = Stats()
         self._events: list = []
 
-    # ------------------------------------------------------------ intake
+    # ------------------------------------------------------------ what callers may read
     @property
     def active_rows(self) -> int:
-        return sum(j.n for j in self.active.values())
+        """Rows (images) of the running jobs."""
+        return sum(j.n for j in self._active.values())
+
+    @property
+    def active_jobs(self) -> int:
+        """Jobs running (in the batch of the next tick)."""
+        return len(self._active)
 
     @property
     def queued_jobs(self) -> int:
-        return len(self.queue)
+        """Jobs waiting for rows (the queue depth)."""
+        return len(self._queue)
+
+    def active_job_ids(self) -> list[str]:
+        """Ids of the running jobs, in the order they started."""
+        return list(self._active)
 
     def knows(self, job_id: str) -> bool:
-        return job_id in self.active or any(j.job_id == job_id for j in self.queue)
+        return job_id in self._active or any(j.job_id == job_id for j in self._queue)
 
-    def submit(self, request: JobRequest, now: float) -> JobAccepted:
+    def job_progress(self, job_id: str) -> dict | None:
+        """{state: queued|running, step, steps, queue_position (1-based; 0 when running)} of a job
+        this scheduler holds, else None (never had it, or it finished)."""
+        job = self._active.get(job_id)
+        if job is not None:
+            return dict(state="running", step=int(job.step), steps=int(job.request.steps), queue_position=0)
+        for i, job in enumerate(self._queue):
+            if job.job_id == job_id:
+                return dict(state="queued", step=0, steps=int(job.request.steps), queue_position=i + 1)
+        return None
+
+    # ------------------------------------------------------------ intake
+    def submit(self, request: JobRequest, now: float) -> Admission:
         """Queue a validated job. Raises Rejected(code, reason) if it cannot run here."""
         try:
             return self._submit(request, now)
@@ -138,7 +172,7 @@ class Scheduler:
             self.stats.jobs_rejected += 1
             raise
 
-    def _submit(self, request: JobRequest, now: float) -> JobAccepted:
+    def _submit(self, request: JobRequest, now: float) -> Admission:
         cfg = self.config
         n = request.n_images
         if n > cfg.max_rows:
@@ -150,9 +184,9 @@ class Scheduler:
         job_id = request.job_id or secrets.token_hex(8)
         if self.knows(job_id):
             raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
-        starts_now = not self.queue and self.active_rows + n <= cfg.max_rows
-        if not starts_now and len(self.queue) >= cfg.max_queued_jobs:
-            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later")
+        starts_now = not self._queue and self.active_rows + n <= cfg.max_rows
+        if not starts_now and len(self._queue) >= cfg.max_queued_jobs:
+            raise Rejected(ErrorCode.OVERLOADED, f"{len(self._queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later")
         seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
         digits = list(request.digits) if request.digits is not None else draw_digits(seed, n, cfg.num_classes)
         deadline = now + request.deadline_s if request.deadline_s is not None else None
@@ -161,17 +195,16 @@ class Scheduler:
         if starts_now:  # rows are free and nobody waits: active now, in the batch of the next tick
             self._start(job, now)
         else:
-            self.queue.append(job)
-        return JobAccepted(job_id=job_id, events_subject=subjects.job_events(job_id), digits=digits, seed=seed,
-                           queue_position=len(self.queue) if not starts_now else 0)
+            self._queue.append(job)
+        return Admission(job_id=job_id, digits=digits, seed=seed, queue_position=0 if starts_now else len(self._queue))
 
     def _remove(self, job_id: str):
         """Take a job out of the active set or the queue; the job, or None if unknown."""
-        job = self.active.pop(job_id, None)
+        job = self._active.pop(job_id, None)
         if job is None:
-            for j in self.queue:
+            for j in self._queue:
                 if j.job_id == job_id:
-                    self.queue.remove(j)
+                    self._queue.remove(j)
                     return j
         return job
 
@@ -192,7 +225,13 @@ class Scheduler:
         return True
 
     def fail_all(self, code: ErrorCode, reason: str) -> None:
-        for job_id in [*self.active, *(j.job_id for j in self.queue)]:
+        """Fail every running and queued job."""
+        for job_id in [*self._active, *(j.job_id for j in self._queue)]:
+            self.fail(job_id, code, reason)
+
+    def fail_batch(self, batch: Batch, code: ErrorCode, reason: str) -> None:
+        """Fail the jobs of `batch` that are still running (e.g. the tick that carried them broke)."""
+        for job_id in dict.fromkeys(g.job_id for g in batch.groups):
             self.fail(job_id, code, reason)
 
     def pop_events(self) -> list:
@@ -202,16 +241,16 @@ class Scheduler:
     # ------------------------------------------------------------ schedule
     def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset()) -> Batch | None:
         """Expire deadlines, admit queued jobs that fit, return a Batch of all active rows."""
-        for job in [*self.active.values(), *self.queue]:
+        for job in [*self._active.values(), *self._queue]:
             if job.deadline is not None and now > job.deadline:
                 self.fail(job.job_id, ErrorCode.DEADLINE_EXCEEDED,
                           f"job did not finish within its deadline of {job.request.deadline_s:g} s")
         rows_in_use = self.active_rows
-        while self.queue and rows_in_use + self.queue[0].n <= self.config.max_rows:
-            job = self.queue.popleft()
+        while self._queue and rows_in_use + self._queue[0].n <= self.config.max_rows:
+            job = self._queue.popleft()
             self._start(job, now)
             rows_in_use += job.n
-        groups = [j.group for j in self.active.values()]
+        groups = [j.group for j in self._active.values()]
         if not groups:
             return None
         return Batch(groups, self.config.num_experts, unavailable)
@@ -224,11 +263,14 @@ class Scheduler:
             strategy=req.strategy, top_k=req.top_k, num_experts=cfg.num_experts,
             oracle_expert=np.array([c2e[y] if c2e is not None else -1 for y in job.digits], np.int64))
         job.started_at = now
-        self.active[job.job_id] = job
+        self._active[job.job_id] = job
 
     # ------------------------------------------------------------ update
     def update(self, batch: Batch, now: float) -> None:
-        """Apply the batch's combined velocities: one solver stage per job, then emit events."""
+        """Apply the batch's combined velocities: one solver stage per job, then emit events.
+
+        A job with rows that no expert served fails: with the code of an expert it wanted that
+        answered only garbage (`bad_reply`, see `Batch.mark_failed`), else `unavailable`."""
         self.stats.ticks += 1
         complete = batch.row_complete()
         u = batch.combined()
@@ -236,16 +278,14 @@ class Scheduler:
         experts = batch.experts_used()
         notes = batch.fallback_notes()
         for gi, group in enumerate(batch.groups):
-            job = self.active.get(group.job_id)
+            job = self._active.get(group.job_id)
             if job is None or job.group is not group:  # cancelled or failed meanwhile
                 continue
             rows = batch.group_rows(gi)
             row_notes = [notes[i] for i in range(rows.start, rows.stop) if i in notes]
+            self.stats.row_fallbacks += len(row_notes)
             if not complete[rows].all():
-                reasons = "; ".join(f"expert {k}: {r}" for k, r in batch.failed_reasons.items())
-                why = row_notes[0] if row_notes else "no expert could serve the step"
-                self.fail(job.job_id, ErrorCode.UNAVAILABLE,
-                          f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
+                self._fail_unserved(job, batch, rows, row_notes)
                 continue
             job.pending_notes.extend(row_notes)
             group.usage += used[rows]
@@ -254,6 +294,21 @@ class Scheduler:
             self.stats.row_evals += group.n
             if group.advance(u[rows]):
                 self._after_step(job, now)
+
+    def _fail_unserved(self, job: Job, batch: Batch, rows: slice, row_notes: list[str]) -> None:
+        """Fail a job with rows left without a velocity this tick. If an expert failed with a code
+        other than `unavailable` (bad replies), say so: `unavailable` would hide a broken worker."""
+        bad = {k: c for k, c in batch.failed_codes.items() if c != ErrorCode.UNAVAILABLE}
+        if bad:
+            wanted = np.nonzero((batch.ideal[rows] > 0).any(axis=0))[0]
+            k = ([int(k) for k in wanted if int(k) in bad] or sorted(bad))[0]
+            self.fail(job.job_id, bad[k], f"expert {k} never sent a usable velocity for a step "
+                      f"({batch.failed_reasons.get(k, 'bad reply')}) and no other expert could take its rows")
+            return
+        reasons = "; ".join(f"expert {k}: {r}" for k, r in batch.failed_reasons.items())
+        why = row_notes[0] if row_notes else "no expert could serve the step"
+        self.fail(job.job_id, ErrorCode.UNAVAILABLE,
+                  f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
 
     def _after_step(self, job: Job, now: float) -> None:
         g = job.group
@@ -272,7 +327,7 @@ class Scheduler:
                 experts=[int(e) for e in g.last_experts], weights=g.last_weights, notes=notes,
             ))
         if g.done:
-            del self.active[job.job_id]
+            del self._active[job.job_id]
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
             self._events.append(DoneEvent(

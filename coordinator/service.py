@@ -17,6 +17,7 @@ Subjects (see `schemas.subjects`):
 
 A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
 [A-Za-z0-9_-]) is answered with ErrorReply(bad_request) at once.
+With `metrics_port`, GET /metrics serves `coordinator.metrics.CoordinatorMetrics` (Prometheus text).
 A bad request never takes the coordinator down: it gets an error reply, and the loop goes on.
 Leaving the context (SIGTERM for `ddm-fleet coordinator`) fails every queued or running job with
 `unavailable` ("coordinator shutting down"). A coordinator that crashed and was restarted answers
@@ -62,8 +63,8 @@ NOT_MINE_DELAY = 0.25
 
 def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):
     """(router with .weights(x, t, y) -> [B, K], num_experts, class_to_expert list[10]) from files."""
-    from coordinator.partition import load_manifest
-    from coordinator.router import Router
+    from dataset.partition import load_manifest
+    from models.router import Router
 
     for p, what in ((router_path, "router"), (partition_path, "partition manifest")):
         if not os.path.exists(p):
@@ -87,14 +88,18 @@ class Coordinator:
     into concurrent requests that the queue group spreads over that expert's workers;
     bad_reply_retries: extra tries of an expert request after unusable replies (NaN, wrong shape, ...).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
-    `keep_finished_s` seconds old) are kept so a status request can publish them again."""
+    `keep_finished_s` seconds old) are kept so a status request can publish them again.
+    metrics_port: serve Prometheus metrics (`coordinator.metrics`) on http://metrics_host:P/metrics
+    (None: don't; 0: any free port, read back from `metrics_port`); metrics_optional: a taken port
+    is a warning, not an error."""
 
     def __init__(self, router: RouterLike, *, num_experts: int, class_to_expert: Sequence[int] | None = None,
                  nc: Any = None, nats_url: str | None = None, max_rows: int = 1024, max_queued_jobs: int = 256,
                  step_timeout: float = 10.0, retries: int = 2, request_rows: int | None = None,
                  bad_reply_retries: int = 4, transport: Transport | None = None,
                  image_shape: tuple[int, int, int] = (1, 32, 32), name: str = "coordinator",
-                 keep_finished: int = 256, keep_finished_mb: float = 64.0, keep_finished_s: float = 600.0):
+                 keep_finished: int = 256, keep_finished_mb: float = 64.0, keep_finished_s: float = 600.0,
+                 metrics_port: int | None = None, metrics_host: str = "0.0.0.0", metrics_optional: bool = False):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         self.config = SchedulerConfig(num_experts=num_experts, max_rows=max_rows, max_queued_jobs=max_queued_jobs,
@@ -115,9 +120,15 @@ class Coordinator:
         self._bg: set[asyncio.Task] = set()
         self.keep_finished, self.keep_finished_s = keep_finished, keep_finished_s
         self.keep_finished_bytes = int(keep_finished_mb * 1024 * 1024)
-        self._finished: OrderedDict[str, tuple[float, Any, int]] = OrderedDict()  # job id -> (t, event, bytes)
+        # job id -> (t, terminal event, bytes, (step, steps) reached)
+        self._finished: OrderedDict[str, tuple[float, Any, int, tuple[int, int]]] = OrderedDict()
         self._finished_bytes = 0
+        self._progress: dict[str, tuple[int, int]] = {}  # live job id -> (step, steps) last known
+        self.rejected_unread = 0  # submits rejected before the scheduler saw them (undecodable, invalid, internal)
         self.republished = 0  # terminal events published again for status requests
+        self.metrics_port, self.metrics_host, self.metrics_optional = metrics_port, metrics_host, metrics_optional
+        self.metrics = None  # CoordinatorMetrics, once entered
+        self._metrics_runner = None
 
     @classmethod
     def from_files(cls, router_path, partition_path, **kw) -> "Coordinator":
@@ -141,6 +152,8 @@ class Coordinator:
             self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
                                            bad_reply_retries=self.bad_reply_retries, **opts)
         self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish)
+        self.metrics = self.engine.metrics
+        await self._serve_metrics()
         self._subs = [
             await self.nc.subscribe(subjects.JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),
             await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel),
@@ -156,6 +169,25 @@ class Coordinator:
         log.info("coordinator up: %d experts, max %d rows, %d queued jobs", self.config.num_experts,
                  self.config.max_rows, self.config.max_queued_jobs)
         return self
+
+    async def _serve_metrics(self) -> None:
+        """Start GET /metrics when metrics_port is set (0: any free port, read back from metrics_port).
+        A taken port raises OSError, or with metrics_optional logs a warning and serves without it."""
+        if self.metrics_port is None:
+            return
+        from workers.metrics_http import bound_port, serve_metrics
+
+        try:
+            self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)
+        except OSError as err:
+            if not self.metrics_optional:
+                if self._own_nc:
+                    await self.nc.close()
+                raise
+            log.warning("%s; serving without /metrics", err)
+            self.metrics_port = None
+            return
+        self.metrics_port = bound_port(self._metrics_runner)
 
     async def __aexit__(self, *exc) -> None:
         for sub in self._subs:
@@ -182,6 +214,9 @@ class Coordinator:
                 pass
             if self._own_nc:
                 await self.nc.drain()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
 
     async def serve_forever(self) -> None:
         """Wait until the engine task ends (it does not, unless stopped)."""
@@ -194,33 +229,48 @@ class Coordinator:
         Returns JobAccepted; raises scheduler.Rejected."""
         assert self.engine is not None, "enter the context first"
         accepted = self.engine.submit(request)
+        self._progress[accepted.job_id] = (0, request.steps)
         await self._publish(accepted)
         return accepted
 
     async def cancel(self, job_id: str) -> bool:
         assert self.engine is not None, "enter the context first"
+        self._note_progress(job_id)
         return await self.engine.cancel(job_id)
 
     def status(self) -> FleetStatus:
         assert self.engine is not None, "enter the context first"
-        return FleetStatus(coordinator=self.name, **self.engine.status())
+        st = self.engine.status()
+        st["jobs_rejected"] = st.get("jobs_rejected", 0) + self.rejected_unread  # every submit answered `rejected`
+        return FleetStatus(coordinator=self.name, **st)
 
     # ------------------------------------------------------------ finished jobs
+    def _note_progress(self, job_id: str) -> None:
+        """Record how far a live job got (before a cancel removes it from the scheduler)."""
+        state = self.engine.job_state(job_id) if self.engine is not None else None
+        if state is not None:
+            self._progress[job_id] = (int(state["step"]), int(state["steps"]))
+
     def _remember(self, event) -> None:
-        """Keep a terminal event (bounded by count, bytes and age) for status requests."""
+        """Keep a terminal event (bounded by count, bytes and age) for status requests, with the
+        (step, steps) the job reached: all of them for `done`; for `failed` the step completed when it
+        was cancelled, else the last step a frame reported (0 without frames)."""
         job_id = event.job_id
         old = self._finished.pop(job_id, None)
         if old is not None:
             self._finished_bytes -= old[2]
         size = sum(int(getattr(event, f).nbytes) for f in ("images", "usage") if hasattr(event, f)) + 256
-        self._finished[job_id] = (time.monotonic(), event, size)
+        reached = self._progress.pop(job_id, None)
+        if event.kind == "done":
+            reached = (int(event.steps), int(event.steps))
+        self._finished[job_id] = (time.monotonic(), event, size, reached or (0, 0))
         self._finished_bytes += size
         self._forget_old()
 
     def _forget_old(self) -> None:
         now = time.monotonic()
         while self._finished:
-            t, _, size = next(iter(self._finished.values()))
+            t, _, size, _ = next(iter(self._finished.values()))
             if (len(self._finished) <= self.keep_finished and self._finished_bytes <= self.keep_finished_bytes
                     and now - t <= self.keep_finished_s):
                 break
@@ -246,12 +296,14 @@ class Coordinator:
         ev = self.finished_event(job_id)
         if ev is None:
             return None
-        steps = ev.steps if ev.kind == "done" else 0
-        return JobStatus(job_id=job_id, state="done" if ev.kind == "done" else "failed", step=steps, steps=steps,
+        step, steps = self._finished[job_id][3]
+        return JobStatus(job_id=job_id, state="done" if ev.kind == "done" else "failed", step=step, steps=steps,
                          coordinator=self.name)
 
     # ------------------------------------------------------------ NATS handlers
     async def _publish(self, event) -> None:
+        if event.kind == "frame" and event.job_id in self._progress:
+            self._progress[event.job_id] = (int(event.step), int(event.steps))
         if event.kind in ("done", "failed"):
             self._remember(event)
         await self._send_event(event)
@@ -272,20 +324,27 @@ class Coordinator:
                 log.exception("reply failed")
 
     async def _on_submit(self, msg) -> None:
+        # Every submit is answered `accepted` or `rejected`; each `rejected` counts in jobs_rejected
+        # (the scheduler counts its own refusals, this service the rest).
         try:
             request = unpack(msg.data, JobRequest)
         except ProtocolError as err:
+            self.rejected_unread += 1
+            self.metrics.rejected(err.code)
             await self._reply(msg, JobRejected(code=err.code, reason=err.message))
             return
         try:
             # submit + the accepted event are queued before any await, so the event
             # precedes every frame of this job on the events subject
             accepted = self.engine.submit(request)
+            self._progress[accepted.job_id] = (0, request.steps)
             publish = self._publish(accepted)
         except Rejected as err:
             await self._reply(msg, JobRejected(code=err.code, reason=err.reason))
             return
         except Exception as err:  # never die of one request
+            self.rejected_unread += 1
+            self.metrics.rejected(ErrorCode.INTERNAL)
             log.exception("submit failed")
             await self._reply(msg, JobRejected(code=ErrorCode.INTERNAL, reason=f"{type(err).__name__}: {err}"))
             return
@@ -315,6 +374,7 @@ class Coordinator:
                 await self._reply(msg, CancelReply(job_id=job_id, cancelled=False,
                                                    reason=f"body job_id {req.job_id!r} does not match the subject"))
                 return
+        self._note_progress(job_id)
         ok = await self.engine.cancel(job_id)
         if ok:
             await self._reply(msg, CancelReply(job_id=job_id, cancelled=True))

@@ -29,30 +29,97 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
     ("nats", "infra.cmd_nats", "NATS server tools: check the shipped configs, run them as a loopback cluster"),
     ("fuzz", "infra.cmd_fuzz", "throw hostile input at the decoders, a worker, the coordinator and the web socket"),
+    ("wait-ready", "infra.cmd_wait_ready", "wait until a worker / web / coordinator is ready (systemd, health checks)"),
 ]
+
+
+class _VersionAction(argparse.Action):
+    """`ddm-fleet --version`: the package and wire protocol versions, then exit 0 (imports on use only)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from infra.cmd_version import version_line
+
+        print(version_line())
+        parser.exit()
+
+
+def _global_options(parser: argparse.ArgumentParser, after_command: bool) -> None:
+    """Options every command takes, before or after the command name (`ddm-fleet -v worker` or
+    `ddm-fleet worker -v`). After the command they count into `_verbose_after` (absent unless
+    given), which `main` adds to `verbose`: a subparser's defaults would otherwise overwrite the
+    value given before the command."""
+    if after_command:
+        parser.add_argument("-v", "--verbose", action="count", dest="_verbose_after", default=argparse.SUPPRESS,
+                            help="more logging (-vv for debug); also accepted before the command")
+    else:
+        parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+
+
+def passthrough_options() -> tuple[str, ...]:
+    """Options whose value is a whole command line for a child (`up --worker-args "--bf16"`), from
+    each command module's VALUE_OPTIONS."""
+    out: list[str] = []
+    for _name, module, _help in COMMANDS:
+        out += getattr(importlib.import_module(module), "VALUE_OPTIONS", ())
+    return tuple(out)
+
+
+def join_option_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`--worker-args --bf16` -> `--worker-args=--bf16` for the given options, so that argparse takes
+    a value that starts with '-' (it would refuse it as "expected one argument")."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] in options and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddm-fleet",
         description="Serve and train Decentralized Diffusion Model ensembles over NATS.",
-        epilog="Run `ddm-fleet <command> --help` for a command's options.",
+        epilog="Run `ddm-fleet <command> --help` for a command's options. The bus URL of every command "
+               "defaults to $NATS_URL (else nats://127.0.0.1:4222).",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action=_VersionAction, help="print the package and protocol versions and exit")
+    _global_options(parser, after_command=False)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, after_command=True)
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(), parents=[common])
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a `ddm-fleet` command line (sys.argv[1:] when None); global options may come after the
+    command too, and `verbose` is their total."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(join_option_values(argv, passthrough_options()))
+    args.verbose = args.verbose + getattr(args, "_verbose_after", 0)
+    if hasattr(args, "_verbose_after"):
+        del args._verbose_after
+    args._parser = parser
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not getattr(args, "_run", None):
-        parser.print_help()
+        args._parser.print_help()
         return 2
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

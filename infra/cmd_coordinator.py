@@ -12,28 +12,32 @@ claims and retried (--bad-reply-retries); a job no expert could serve fails with
 SIGTERM / Ctrl-C: running and queued jobs fail with `unavailable` ("coordinator shutting down"),
 then exit 0. After a crash, a restarted coordinator answers `unknown` to the clients asking about
 the jobs it lost (ddm.v1.jobs.<id>.status), so they fail at once instead of waiting.
+Prometheus metrics (ticks, rows stepped, queue depth, admissions and rejections, expert call times
+and errors; see coordinator/metrics.py) are served on http://0.0.0.0:9478/metrics unless
+--metrics-port says otherwise (0: off). The default port is skipped with a warning when taken;
+a port given explicitly must be free.
 
 examples:
   ddm-fleet coordinator --router checkpoints/router.safetensors --partition checkpoints/partition.json
   ddm-fleet coordinator --router ... --partition ... --nats nats://10.0.0.5:4222 --max-rows 512 --step-timeout 5
+  ddm-fleet coordinator --router ... --partition ... --metrics-port 0        # no /metrics
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-
-DEFAULT_NATS = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.nats_server import default_nats_url
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--router", default="checkpoints/router.safetensors", metavar="PATH",
                         help="router checkpoint (.safetensors with its .json; default %(default)s)")
     parser.add_argument("--partition", default="checkpoints/partition.json", metavar="PATH",
                         help="partition manifest: number of experts and the class owners for --strategy oracle "
                              "(default %(default)s)")
-    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL", help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
+    parser.add_argument("--nats", default=default_nats_url(), metavar="URL", help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
                              "nats://127.0.0.1:4222)")
     parser.add_argument("--max-rows", type=int, default=1024, metavar="N",
                         help="most images denoised at once, over all jobs (default %(default)s); a job waits in the "
@@ -52,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most rows in one expert request (at most 512, default %(default)s); a smaller value "
                              "splits an expert's batch into concurrent requests that the queue group spreads over "
                              "several workers of that expert (one worker re-batches them)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                        help="serve Prometheus text metrics on http://0.0.0.0:P/metrics (default 9478, skipped with "
+                             "a warning when taken; 0 disables)")
     parser.add_argument("--wait-experts", type=float, default=0.0, metavar="S",
                         help="before serving, wait up to S seconds for every expert to have a worker (default: don't)")
 
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ddm.coordinator")
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
                              ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1),
-                             ("--bad-reply-retries", args.bad_reply_retries, 0)):
+                             ("--bad-reply-retries", args.bad_reply_retries, 0),
+                             ("--metrics-port", 0 if args.metrics_port is None else args.metrics_port, 0)):
         if value < low:
             print(f"ddm-fleet coordinator: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
@@ -77,13 +85,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddm-fleet coordinator: --step-timeout must be > 0, got {args.step_timeout}", file=sys.stderr)
         return 2
 
+    if args.metrics_port is not None and args.metrics_port > 65535:
+        print(f"ddm-fleet coordinator: --metrics-port must be a TCP port (0-65535), got {args.metrics_port}",
+              file=sys.stderr)
+        return 2
+
     async def main() -> int:
         import nats
 
         from coordinator.service import Coordinator, load_router_and_partition, wait_for_experts
+        from workers.metrics_http import DEFAULT_COORDINATOR_PORT
+
+        if args.metrics_port is None:  # the default: best effort
+            metrics = dict(metrics_port=DEFAULT_COORDINATOR_PORT, metrics_optional=True)
+        else:  # asked for: must work (0: off)
+            metrics = dict(metrics_port=args.metrics_port or None)
 
         router, k, c2e = load_router_and_partition(args.router, args.partition)
-        from infra.nats_server import nats_servers
+        from bus.nats_server import nats_servers
 
         async def on_error(err: Exception) -> None:  # one line per bus hiccup, not a traceback
             log.warning("nats: %s: %s", type(err).__name__, err)
@@ -102,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
             async with Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
                                    max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
                                    retries=args.retries, request_rows=args.request_rows,
-                                   bad_reply_retries=args.bad_reply_retries) as coord:
+                                   bad_reply_retries=args.bad_reply_retries, **metrics) as coord:
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
-                      f"{args.max_queued_jobs} queued jobs)", flush=True)
+                      f"{args.max_queued_jobs} queued jobs)"
+                      + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)
                 await stop.wait()
                 log.info("signal received: failing running jobs and draining")
                 st = coord.status()

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from coordinator.data import SPLITS, DataError, cache_path, prepare_mnist
+    from dataset.mnist import SPLITS, DataError, cache_path, prepare_mnist
 
     try:
         if args.action == "prepare":

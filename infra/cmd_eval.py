@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage")
     parser.add_argument("--rescore", default=None, metavar="DIR",
                         help="generate nothing; re-score every <configuration>.npz in DIR with both judges")
-    parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table (as bench and fuzz do)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     if args.rescore:
         return _rescore(args)
-    from coordinator.evaluation.judges import Judges
-    from coordinator.evaluation.run import Config, EvalSpec, baseline_row, evaluate, format_table
+    from evaluation.judges import Judges
+    from evaluation.run import Config, EvalSpec, baseline_row, evaluate, format_table
 
     try:
         configs = [Config.parse(c) for c in args.configs.split(",") if c.strip()]
@@ -76,18 +76,19 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise SystemExit(f"ddm-fleet eval: {e}")
     rows.append(baseline_row(judges, spec))  # real digits scored the same way, for scale
-    print(format_table(rows, spec, judges))
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
+    else:
+        print(format_table(rows, spec, judges))
     return 0
 
 
 def _rescore(args: argparse.Namespace) -> int:
     import json
 
-    from coordinator.evaluation.judges import Judges
-    from coordinator.evaluation.rescore import (SavedImagesError, format_rescore_table, real_baseline, rescore_dir,
-                                                saved_configurations)
+    from evaluation.judges import Judges
+    from evaluation.rescore import (SavedImagesError, format_rescore_table, real_baseline, rescore_dir,
+                                    saved_configurations)
 
     try:
         saved_configurations(args.rescore)  # fail on a wrong DIR before loading (or training) any judge
@@ -96,8 +97,9 @@ def _rescore(args: argparse.Namespace) -> int:
         baseline = real_baseline(args.rescore, judges, args.data_dir)
     except (SavedImagesError, ValueError) as e:
         raise SystemExit(f"ddm-fleet eval --rescore: {e}")
-    print(format_rescore_table(rows, judges, args.rescore, baseline))
-    if args.json:
+    if not args.json:
+        print(format_rescore_table(rows, judges, args.rescore, baseline))
+    else:
         print(json.dumps({"judges": {"judge1_test_accuracy": judges.test_accuracy1,
                                      "judge2_test_accuracy": judges.test_accuracy2,
                                      "test_agreement": judges.test_agreement},

@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from infra.fuzz import format_table
-    from infra.fuzz import run as fuzz
+    from fuzzing.run import format_table
+    from fuzzing.run import run as fuzz
 
     targets = list(args.targets) or list(TARGET_NAMES)
     bad = [t for t in targets if t not in TARGET_NAMES]

@@ -1,27 +1,46 @@
 """Generate digits through the fleet and save them as a PNG grid or an .npz file.
 
-Submits one job to the coordinator (subscribing to its events first, so no frame is missed),
-shows a progress bar from the streamed frames, and writes the final images. With --local it
-first starts an ephemeral fleet in this process (its own nats-server, one worker per expert,
-a coordinator) from the checkpoints in --checkpoints, so no running fleet is needed.
+Submits the images as generation jobs to the coordinator (subscribing to each job's events
+first, so no frame is missed), shows one progress bar over all images from the streamed frames,
+and writes the final images in the order asked for. With --local it first starts an ephemeral
+fleet in this process (its own nats-server, one worker per expert, a coordinator) from the
+checkpoints in --checkpoints, so no running fleet is needed.
 
 examples:
   ddm-fleet generate --digits 3,7,7 --out grid.png --local
   ddm-fleet generate --count 16 --steps 40 --strategy top1 --seed 1 --out samples.npz
+  ddm-fleet generate --count 1000 --seed 7 --out thousand.npz          # 4 jobs: 256 + 256 + 256 + 232
   ddm-fleet generate --digits 0,1,2,3,4,5,6,7,8,9 --solver heun --steps 20 --out g.png --json
   ddm-fleet generate --digits 5 --strategy full --nats nats://10.0.0.5:4222 --out five.png
 
+Any number of images: a job holds at most 256 (the protocol's limit), so more are split, in
+order, into jobs of M = --max-images-per-job images (job j holds images j*M .. j*M+M-1), at most
+--jobs-in-flight of them submitted at once.
+
+Seeds: job j runs with seed (S + j) mod 2^63, where S is --seed (random when not given, and
+printed). The coordinator draws row i's noise from (job seed, i) alone, so image n starts from
+the noise of row n mod M of seed S + n // M: the images depend on S, M and the classes only,
+never on --jobs-in-flight, timing or what else the fleet runs. A run of at most M images is one
+job with seed S, as before; the first M images of any run with seed S are those of that single
+job. --count draws all N classes at once from S, the way the coordinator draws a count job's
+classes, so the classes do not depend on M.
+
 --out: .png writes one grid (images in rows of --per-row); .npz writes `images` float32
 [N, 1, 32, 32] in [-1, 1], `labels` int64 [N] and `usage` float32 [N, K] (fraction of steps each
-expert contributed to each image). --json prints the job summary with per-image expert usage.
+expert contributed to each image). --json prints the run summary with per-image expert usage.
+The bus URL defaults to $NATS_URL, else nats://127.0.0.1:4222.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, field
 
-DEFAULT_NATS = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+#: Most images one `generate` run takes (about 400 MB of float32 images).
+MAX_RUN_IMAGES = 100_000
+#: Seeds are taken modulo this (the protocol's seed range is [0, 2^63)).
+SEED_RANGE = 2**63
 
 
 def parse_digits(text: str) -> list[int]:
@@ -48,14 +67,34 @@ def _positive(text: str) -> int:
     return v
 
 
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= v < SEED_RANGE:
+        raise argparse.ArgumentTypeError(f"the seed must lie in [0, 2^63), got {v}")
+    return v
+
+
+def _per_job(text: str) -> int:
+    from schemas.limits import MAX_JOB_IMAGES
+
+    v = _positive(text)
+    if v > MAX_JOB_IMAGES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_JOB_IMAGES} images per job (the protocol's limit), got {v}")
+    return v
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.nats_server import default_nats_url
     from schemas.limits import MAX_JOB_IMAGES, MAX_JOB_STEPS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--digits", type=parse_digits, metavar="D,D,...", help="the class of each image, e.g. 3,7,7")
     what.add_argument("--count", type=_positive, metavar="N",
-                      help=f"N images of random classes drawn from --seed (at most {MAX_JOB_IMAGES})")
+                      help=f"N images of random classes drawn from --seed (at most {MAX_RUN_IMAGES})")
     parser.add_argument("--steps", type=_positive, default=40, help=f"solver steps (default %(default)s, at most {MAX_JOB_STEPS})")
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
                         help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
@@ -63,7 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default 2)")
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
                         help="euler (1 expert call per step, default) or heun (2 per step, more accurate)")
-    parser.add_argument("--seed", type=int, default=None, help="seed: same seed, same images (default: random)")
+    parser.add_argument("--seed", type=_seed, default=None,
+                        help="seed S in [0, 2^63): same S (and --max-images-per-job), same images; job j of a split "
+                             "run gets seed S + j (default: random)")
+    parser.add_argument("--max-images-per-job", type=_per_job, default=MAX_JOB_IMAGES, metavar="M",
+                        help=f"split the images into jobs of at most M (default and most {MAX_JOB_IMAGES})")
+    parser.add_argument("--jobs-in-flight", type=_positive, default=4, metavar="J",
+                        help="most jobs submitted and not finished at once (default %(default)s)")
     parser.add_argument("--out", default="grid.png", metavar="PATH", help="output .png grid or .npz (default %(default)s)")
     parser.add_argument("--per-row", type=_positive, default=10, metavar="N", help="PNG grid images per row (default 10)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary with per-image expert usage")
@@ -71,9 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start an ephemeral fleet in this process (own nats-server, workers, coordinator)")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="--local: directory with expert<k>.safetensors, router.safetensors, partition.json")
-    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL",
-                        help="NATS server of a running fleet (default %(default)s, or $NATS_URL); ignored with --local")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (default 600)")
+    parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
+                        help="NATS server of a running fleet, or a comma-separated list of a cluster's nodes "
+                             "(default: $NATS_URL, else nats://127.0.0.1:4222); ignored with --local")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                        help="give up after S seconds, for the whole run (default 600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -88,6 +135,68 @@ def local_buckets(n_images: int, largest: int = 64) -> tuple[int, ...]:
         b *= 2
 
 
+def split_images(n_images: int, per_job: int) -> list[range]:
+    """Image index ranges of the jobs of an n-image run: [0, M), [M, 2M), ..., the last one shorter."""
+    if n_images < 1 or per_job < 1:
+        raise ValueError(f"need n_images >= 1 and per_job >= 1, got {n_images}, {per_job}")
+    return [range(a, min(a + per_job, n_images)) for a in range(0, n_images, per_job)]
+
+
+def job_seed(base_seed: int, job_index: int) -> int:
+    """Seed of job `job_index` of a run seeded `base_seed`: (base_seed + job_index) mod 2^63."""
+    return (int(base_seed) + int(job_index)) % SEED_RANGE
+
+
+def plan_requests(args: argparse.Namespace) -> tuple[list, int | None]:
+    """The JobRequests of a run, in image order, and the run's seed S (None: one job, seed chosen
+    by the coordinator). Raises pydantic's ValidationError / schemas.ProtocolError for bad values."""
+    import secrets
+
+    from coordinator.rows import draw_digits
+    from schemas import JobRequest
+
+    n = len(args.digits) if args.digits is not None else args.count
+    common = dict(steps=args.steps, strategy=args.strategy, top_k=args.top_k, solver=args.solver, stream=True,
+                  frame_every=max(1, args.steps // 100))
+    if n <= args.max_images_per_job:  # one job, exactly as the coordinator runs a single request
+        return [JobRequest(digits=args.digits, count=args.count, seed=args.seed, **common)], args.seed
+    base = args.seed if args.seed is not None else secrets.randbits(63)
+    digits = list(args.digits) if args.digits is not None else draw_digits(base, n)
+    return [JobRequest(digits=digits[r.start:r.stop], seed=job_seed(base, j), **common)
+            for j, r in enumerate(split_images(n, args.max_images_per_job))], base
+
+
+@dataclass
+class RunResult:
+    """A whole run, its jobs' results joined in image order. images [N, 1, 32, 32] float32 in [-1, 1],
+    digits [N], usage [N, K]; jobs: one {job_id, seed, first_image, images} per job."""
+
+    images: object
+    digits: list[int]
+    usage: object
+    elapsed_s: float
+    seed: int | None
+    jobs: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def join_results(dones: list, seeds: list[int], run_seed: int | None, elapsed_s: float) -> RunResult:
+    """DoneEvents of the jobs, in job order -> one RunResult (notes of a split run say their job)."""
+    import numpy as np
+
+    jobs, notes, first = [], [], 0
+    for j, done in enumerate(dones):
+        jobs.append({"job_id": done.job_id, "seed": seeds[j], "first_image": first, "images": len(done.digits)})
+        first += len(done.digits)
+        notes += [f"job {j + 1}/{len(dones)}: {n}" if len(dones) > 1 else n for n in done.notes]
+    if len(dones) == 1:
+        elapsed_s = dones[0].elapsed_s
+    return RunResult(images=np.concatenate([np.asarray(d.images, np.float32) for d in dones]),
+                     digits=[int(d) for done in dones for d in done.digits],
+                     usage=np.concatenate([np.asarray(d.usage, np.float32) for d in dones]),
+                     elapsed_s=elapsed_s, seed=run_seed if run_seed is not None else seeds[0], jobs=jobs, notes=notes)
+
+
 def save_output(done, path: str, per_row: int) -> None:
     import numpy as np
 
@@ -98,36 +207,102 @@ def save_output(done, path: str, per_row: int) -> None:
         np.savez_compressed(path, images=np.asarray(done.images, np.float32),
                             labels=np.asarray(done.digits, np.int64), usage=np.asarray(done.usage, np.float32))
     else:
-        from coordinator.grid import write_grid
+        from infra.grid import write_grid
 
         write_grid(path, np.asarray(done.images), nrow=min(per_row, len(done.digits)))
 
 
-def summary(done, accepted_seed, path: str) -> dict:
+def summary(result: RunResult, steps: int, strategy: str, path: str) -> dict:
     return {
-        "job_id": done.job_id, "seed": accepted_seed, "steps": done.steps, "strategy": done.strategy,
-        "elapsed_s": round(done.elapsed_s, 3), "out": path,
-        "images": [{"index": i, "digit": int(d), "usage": [round(float(u), 4) for u in done.usage[i]]}
-                   for i, d in enumerate(done.digits)],
-        "notes": list(done.notes),
+        "job_id": result.jobs[0]["job_id"], "seed": result.seed, "steps": steps, "strategy": strategy,
+        "elapsed_s": round(result.elapsed_s, 3), "out": path, "jobs": result.jobs,
+        "images": [{"index": i, "digit": int(d), "usage": [round(float(u), 4) for u in result.usage[i]]}
+                   for i, d in enumerate(result.digits)],
+        "notes": list(result.notes),
     }
+
+
+class _JobError(Exception):
+    """Job `index` (0-based) of a run failed with `err` (a coordinator.client.JobFailed)."""
+
+    def __init__(self, index: int, err: Exception):
+        super().__init__(str(err))
+        self.index, self.err = index, err
+
+
+async def run_jobs(nc, requests: list, *, in_flight: int, timeout: float, bar=None) -> tuple[list, list[int]]:
+    """Run the jobs, at most `in_flight` at once, within `timeout` seconds in all; (DoneEvents in job
+    order, the seed each job ran with). `bar` (a tqdm over all images) follows the frames. On the first
+    failure the other jobs are cancelled (on the coordinator too) and _JobError is raised."""
+    import asyncio
+    import time
+
+    from coordinator.client import JobFailed, run_job
+    from schemas import ErrorCode, JobAccepted
+
+    gate = asyncio.Semaphore(in_flight)
+    deadline = time.monotonic() + timeout
+    done_steps = [0] * len(requests)
+    seeds = [r.seed for r in requests]
+    many = len(requests) > 1
+
+    def show() -> None:
+        if bar is not None:
+            bar.n = round(sum(r.n_images * s / r.steps for r, s in zip(requests, done_steps)), 2)
+            bar.refresh()
+
+    def on_event_of(j: int):
+        def on_event(ev) -> None:
+            if isinstance(ev, JobAccepted):
+                seeds[j] = ev.seed
+            elif ev.kind in ("frame", "done"):
+                done_steps[j] = ev.step if ev.kind == "frame" else requests[j].steps
+                if bar is not None:
+                    for note in getattr(ev, "notes", []) if ev.kind == "frame" else []:
+                        bar.write(f"note: job {j + 1}/{len(requests)}: {note}" if many else f"note: {note}")
+                show()
+        return on_event
+
+    async def one(j: int, request):
+        async with gate:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"the run did not finish within {timeout:g} s")
+                return await run_job(nc, request, on_event_of(j), timeout=left)
+            except JobFailed as err:
+                raise _JobError(j, err) from None
+
+    tasks = [asyncio.create_task(one(j, r)) for j, r in enumerate(requests)]
+    try:
+        dones = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # run_job cancels its job on the coordinator
+        raise
+    return list(dones), seeds
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import json
     import sys
+    import time
 
-    from schemas import JobAccepted, JobRequest, ProtocolError
+    from schemas import ProtocolError
 
     ext = os.path.splitext(args.out)[1].lower()
     if ext not in (".png", ".npz"):
         print(f"ddm-fleet generate: --out must end in .png or .npz, got {args.out!r}", file=sys.stderr)
         return 2
+    n_images = len(args.digits) if args.digits is not None else args.count
+    if n_images > MAX_RUN_IMAGES:
+        print(f"ddm-fleet generate: {n_images} images asked for; one run makes at most {MAX_RUN_IMAGES} "
+              "(run it several times with different --seed)", file=sys.stderr)
+        return 2
     try:
-        request = JobRequest(digits=args.digits, count=args.count, steps=args.steps, strategy=args.strategy,
-                             top_k=args.top_k, solver=args.solver, seed=args.seed, stream=True,
-                             frame_every=max(1, args.steps // 100))
+        requests, run_seed = plan_requests(args)
     except Exception as err:  # pydantic validation: limits
         print(f"ddm-fleet generate: bad request: {err}", file=sys.stderr)
         return 2
@@ -135,47 +310,44 @@ def run(args: argparse.Namespace) -> int:
     async def job(nc) -> int:
         from tqdm import tqdm
 
-        from coordinator.client import JobFailed, run_job
-
-        bar = None if args.no_progress else tqdm(total=args.steps, desc="denoising", unit="step",
-                                                 file=sys.stderr, disable=None)
-        seed = {"value": args.seed}
-
-        def on_event(ev) -> None:
-            if isinstance(ev, JobAccepted):
-                seed["value"] = ev.seed
-            elif ev.kind == "frame" and bar is not None:
-                bar.update(ev.step - bar.n)
-                for note in ev.notes:
-                    bar.write(f"note: {note}")
-
+        bar = None if args.no_progress else tqdm(
+            total=n_images, desc=f"denoising ({len(requests)} job{'s' * (len(requests) > 1)})", unit="image",
+            file=sys.stderr, disable=None, bar_format="{l_bar}{bar}| {n:.1f}/{total} images [{elapsed}<{remaining}]")
+        started = time.monotonic()
         try:
-            done = await run_job(nc, request, on_event, timeout=args.timeout)
-        except JobFailed as err:
-            print(f"ddm-fleet generate: job failed ({err.code.value}): {err.reason}", file=sys.stderr)
+            dones, seeds = await run_jobs(nc, requests, in_flight=args.jobs_in_flight, timeout=args.timeout, bar=bar)
+        except _JobError as err:
+            which = f"job {err.index + 1} of {len(requests)}" if len(requests) > 1 else "job"
+            print(f"ddm-fleet generate: {which} failed ({err.err.code.value}): {err.err.reason}", file=sys.stderr)
             return 1
         finally:
             if bar is not None:
                 bar.close()
-        save_output(done, args.out, args.per_row)
+        result = join_results(dones, seeds, run_seed, time.monotonic() - started)
+        save_output(result, args.out, args.per_row)
         if args.json:
-            print(json.dumps(summary(done, seed["value"], args.out), indent=2))
+            print(json.dumps(summary(result, args.steps, args.strategy, args.out), indent=2))
         else:
-            print(f"wrote {len(done.digits)} images ({','.join(map(str, done.digits))}) to {args.out} "
-                  f"in {done.elapsed_s:.2f} s (seed {seed['value']})")
+            digits = ",".join(map(str, result.digits)) if len(result.digits) <= 64 else "..."
+            jobs = f" as {len(requests)} jobs" if len(requests) > 1 else ""
+            print(f"wrote {len(result.digits)} images ({digits}) to {args.out} in {result.elapsed_s:.2f} s{jobs} "
+                  f"(seed {result.seed})")
         return 0
 
     async def main() -> int:
         import nats
 
+        from bus.nats_server import nats_servers
+
         if args.local:
             from coordinator.local_fleet import LocalFleet
 
             print(f"starting a local fleet from {args.checkpoints}/ ...", file=sys.stderr, flush=True)
-            async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(request.n_images)) as fleet:
+            rows = min(n_images, args.max_images_per_job * args.jobs_in_flight)
+            async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(rows)) as fleet:
                 return await job(fleet.nc)
-        nc = await nats.connect(args.nats, name="ddm-generate", connect_timeout=5, max_reconnect_attempts=3,
-                                reconnect_time_wait=0.5)
+        nc = await nats.connect(nats_servers(args.nats), name="ddm-generate", connect_timeout=5,
+                                max_reconnect_attempts=3, reconnect_time_wait=0.5)
         try:
             return await job(nc)
         finally:
@@ -189,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     except ProtocolError as err:
         print(f"ddm-fleet generate: {err.code.value}: {err.message}", file=sys.stderr)
         return 1
-    except ValueError as err:  # unreadable / mismatched checkpoint, router or partition files
+    except ValueError as err:  # unreadable / mismatched checkpoint, router or partition files; a bad --nats URL
         print(f"ddm-fleet generate: {err}", file=sys.stderr)
         return 2
     except Exception as err:

@@ -52,7 +52,7 @@ def _check(args: argparse.Namespace) -> int:
     import sys
 
     from infra.nats_cluster import CONFIG_DIR
-    from infra.nats_server import check_config
+    from bus.nats_server import check_config
 
     files = args.files or [str(CONFIG_DIR / name) for name in RUNNABLE]
     env = {k: v for k, v in _example_env().items() if k not in os.environ} if args.example_env else None
@@ -99,7 +99,7 @@ def _cluster(args: argparse.Namespace) -> int:
         for user, leaf in zip(args.leaf, leaves):
             print(f"leaf ({user}): {leaf.url}  (no credentials; carries only what {user} may)")
         print("\nper role: node 0, then the failover list (every node, credentials in the first URL;")
-        print("for programs that pass --nats through infra.nats_server.nats_servers):")
+        print("for programs that pass --nats through bus.nats_server.nats_servers):")
         for user in cluster.passwords:
             if not user.startswith("leaf-"):
                 first, *rest = cluster.servers(user)

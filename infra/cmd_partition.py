@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from coordinator.data import DataError, load_mnist
-    from coordinator.partition import PartitionError, make_partition, parse_class_groups, save_manifest
+    from dataset.mnist import DataError, load_mnist
+    from dataset.partition import PartitionError, make_partition, parse_class_groups, save_manifest
 
     try:
         groups = parse_class_groups(args.classes) if args.classes else None

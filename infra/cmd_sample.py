@@ -61,8 +61,8 @@ def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, st
     import torch
     from tqdm import tqdm
 
-    from coordinator.solver import STEP_FUNCTIONS, time_grid
-    from workers.checkpoint import load_torch_model
+    from coordinator.solver import sample
+    from models.checkpoint import load_torch_model
 
     models, owner = [], {}
     for i, path in enumerate(checkpoints):
@@ -87,9 +87,8 @@ def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, st
                                       torch.from_numpy(yb[rows])).numpy()
         return out
 
-    step_fn, grid = STEP_FUNCTIONS[method], time_grid(steps)
-    for i in tqdm(range(steps), desc=f"sampling ({method})", disable=not progress, unit="step"):
-        x = step_fn(velocity, x, np.full(len(y), grid[i], np.float32), grid[i + 1] - grid[i], y)
+    with tqdm(total=steps, desc=f"sampling ({method})", disable=not progress, unit="step") as bar:
+        x = sample(velocity, x, y, steps, method, callback=lambda *_: bar.update(1))
     return x, y, which
 
 
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from coordinator.grid import write_grid
+        from infra.grid import write_grid
 
         x, y, which = sample_oracle(ckpts, classes, args.per_class, args.steps, args.method, args.seed)
     except (ValueError, FileNotFoundError) as e:

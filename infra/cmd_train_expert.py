@@ -1,8 +1,8 @@
 """Train one expert flow-matching UNet on ONLY its own data partition.
 
 Reads the partition manifest (`ddm-fleet partition`), keeps the images of `--expert`, and trains with
-the chosen backend: `torch` (CPU / CUDA / torch_xla, workers/train_torch.py) or `jax`
-(workers/train_jax.py). Writes the shipping checkpoint `<out>.safetensors` + `<out>.json` (EMA weights)
+the chosen backend: `torch` (CPU / CUDA / torch_xla, training/train_torch.py) or `jax`
+(training/train_jax.py). Writes the shipping checkpoint `<out>.safetensors` + `<out>.json` (EMA weights)
 every --save-every steps and at the end, plus `<run-dir>/resume.pt` (jax: `resume_jax.msgpack`) for --resume.
 
 Example (the shipped small expert 0):
@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.backend == "jax":
-        from workers.train_jax import train
+        from training.train_jax import train
     else:
-        from workers.train_torch import train
+        from training.train_torch import train
     try:
         return train(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -36,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from coordinator.data import DataError, load_mnist
-    from coordinator.partition import PartitionError, load_manifest
-    from coordinator.router import RouterError, save_router
-    from coordinator.train_router import RouterTrainConfig, accuracy_vs_t, format_accuracy_table, train_router
+    from dataset.mnist import DataError, load_mnist
+    from dataset.partition import PartitionError, load_manifest
+    from models.router import RouterError, save_router
+    from training.train_router import RouterTrainConfig, accuracy_vs_t, format_accuracy_table, train_router
 
     torch.set_num_threads(max(1, args.threads))
     try:

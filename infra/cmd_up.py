@@ -32,6 +32,9 @@ from pathlib import Path
 BACKENDS = ("torch", "xla", "jax")
 MAX_BACKEND_FLAGS = 8  # --backend-0 ... --backend-7
 CONFIG = Path(__file__).resolve().parent / "nats" / "local.conf"
+#: Options whose value is a child's command line; `ddm-fleet` joins `--worker-args --bf16` into
+#: `--worker-args=--bf16` before parsing (infra/cli.py), so a value starting with "-" is taken.
+VALUE_OPTIONS = ("--worker-args", "--coordinator-args", "--web-args")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from infra.launcher import RestartPolicy, Supervisor
-    from infra.nats_server import find_nats_server
+    from bus.nats_server import find_nats_server
 
     try:
         if args.workers < 1:

@@ -6,6 +6,13 @@ import argparse
 from importlib import metadata
 
 
+def version_line() -> str:
+    """One line for `ddm-fleet --version`: "ddm-fleet 0.1.0 (wire protocol v1)"."""
+    from schemas.version import PROTOCOL_VERSION
+
+    return f"ddm-fleet {metadata.version('ddm-fleet')} (wire protocol v{PROTOCOL_VERSION})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print as JSON")
 

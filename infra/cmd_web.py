@@ -12,20 +12,20 @@ Example:  ddm-fleet web --port 8080 --nats nats://127.0.0.1:4222
 from __future__ import annotations
 
 import argparse
-import os
-
-DEFAULT_NATS = os.environ.get("NATS_URL") or os.environ.get("DDM_NATS_URL") or "nats://127.0.0.1:4222"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.nats_server import default_nats_url
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on (default: 127.0.0.1; use 0.0.0.0 to serve other machines)")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default: 8080)")
-    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL",
+    parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
                         help="NATS server URL, e.g. nats://user:password@host:4222 (the `web` user of "
                              "infra/nats/single.conf), or a comma-separated list of a cluster's nodes "
-                             "(default: $NATS_URL, else $DDM_NATS_URL, else nats://127.0.0.1:4222)")
+                             "(default: $NATS_URL, else nats://127.0.0.1:4222; the old $DDM_NATS_URL still works, with a "
+                             "deprecation warning)")
     parser.add_argument("--fleet-interval", type=float, default=2.0, metavar="SECONDS",
                         help="how often the fleet panel is refreshed (default: 2)")
     parser.add_argument("--submit-timeout", type=float, default=5.0, metavar="SECONDS",

@@ -10,7 +10,7 @@ examples:
   ddm-fleet worker --expert 0 --checkpoint checkpoints/expert0.safetensors
   ddm-fleet worker --expert 1 --checkpoint checkpoints/expert1.safetensors --backend jax
   ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend xla   # PJRT_DEVICE=CPU|NEURON
-  ddm-fleet worker --expert 0 --checkpoint ... --bf16 --metrics-port 9100 --nats nats://10.0.0.5:4222
+  ddm-fleet worker --expert 0 --checkpoint ... --bf16 --metrics-port 9477 --nats nats://10.0.0.5:4222
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 
-DEFAULT_NATS = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.nats_server import default_nats_url
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--expert", type=int, required=True, metavar="K", help="expert id this worker serves")
     parser.add_argument("--checkpoint", required=True, metavar="PATH",
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model runtime (default: torch)")
     parser.add_argument("--device", default=None,
                         help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
-    parser.add_argument("--nats", default=DEFAULT_NATS, metavar="URL",
+    parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
                         help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
                              "nats://127.0.0.1:4222)")
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128",
@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer `overloaded` when this many rows already wait (default 4096)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                        help="also serve Prometheus text metrics on http://0.0.0.0:P/metrics")
+                        help="also serve Prometheus text metrics on http://0.0.0.0:P/metrics (conventional port: "
+                             "9477; default and 0: off)")
     parser.add_argument("--xla-cache", default=None, metavar="DIR",
                         help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)")
     parser.add_argument("--connect-attempts", type=int, default=10, metavar="N",
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
         worker = ExpertWorker(
             args.expert, args.checkpoint, args.backend, device=args.device, bf16=args.bf16, nats_url=args.nats,
-            buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port,
+            buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port or None,
             max_request_rows=args.max_request_rows or MAX_STEP_ROWS, backend_options=opts,
             connect_attempts=args.connect_attempts, max_queue_rows=args.max_queue_rows,
         )

@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .nats_server import NatsServer, free_port
+from bus.nats_server import NatsServer, free_port
 
 #: The shipped server configs (single, cluster, leaf, tls, nkeys examples).
 CONFIG_DIR = Path(__file__).resolve().parent / "nats"

@@ -106,9 +106,29 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_PAYLOAD_
             if int(m.group(1)) * (1 if m.group(2) == "array" else 2) <= len(data):
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"msgpack {m.group(2)} of {m.group(1)} entries; the limit is "
                                     f"{MAX_WIRE_ARRAY_LEN} array items, {MAX_WIRE_MAP_LEN} map entries") from None
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {type(err).__name__}: {err}") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {decode_failure(err)}") from None
     except Exception as err:  # msgpack raises several types for corrupt input
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {type(err).__name__}: {err}") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {decode_failure(err)}") from None
+
+
+#: What a msgpack decoder error means when it carries no text of its own (msgpack's C decoder
+#: raises FormatError and StackError with an empty message).
+_SILENT_DECODE_ERRORS = {
+    "FormatError": "a byte that starts no msgpack value (such as 0xc1, which msgpack never uses)",
+    "StackError": "arrays / maps nested deeper than the decoder's limit of 1024 levels",
+    "OutOfData": "the message ends in the middle of a value",
+    "ExtraData": "more bytes after the first msgpack value",
+}
+
+
+def decode_failure(err: BaseException) -> str:
+    """"FormatError: <reason>" for a msgpack decode error: the decoder's own text, or where it has
+    none a sentence saying what such an error means; never an empty reason."""
+    name = type(err).__name__
+    text = str(err).strip()
+    if not text:
+        text = _SILENT_DECODE_ERRORS.get(name, "the decoder gave no reason (corrupt or truncated msgpack)")
+    return f"{name}: {text}"
 
 
 @lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.nats_server import NatsServer
+from bus.nats_server import NatsServer
 
 # tests/xla/ needs torch_xla (.venv-xla): run by `make test-xla`, not collected by a plain `pytest`.
 collect_ignore = ["xla"]
@@ -34,18 +34,10 @@ async def nc(nats_url):
 
 @pytest.fixture(scope="session")
 def tiny_expert_checkpoint(tmp_path_factory) -> str:
-    """A tiny random-init expert UNet (widths 8,16) saved with save_checkpoint; expert_id 0.
+    """A tiny random-init expert UNet (widths 8,16) from `models.tiny`; expert_id 0, seed 1234.
 
     Returns the .safetensors path. Real model code, tiny enough for fast serving tests.
     """
-    import torch
+    from models.tiny import make_tiny_expert
 
-    from workers.checkpoint import save_checkpoint, torch_state_to_numpy
-    from workers.models.config import UNetConfig
-    from workers.models.unet_torch import UNet
-
-    cfg = UNetConfig(widths=(8, 16), time_dim=16, class_dim=16, groups=4)
-    torch.manual_seed(1234)
-    model = UNet(cfg)
-    path = tmp_path_factory.mktemp("tiny-expert") / "expert0"
-    return str(save_checkpoint(path, torch_state_to_numpy(model.state_dict()), {"config": cfg, "expert_id": 0}))
+    return str(make_tiny_expert(tmp_path_factory.mktemp("tiny-expert") / "expert0", expert_id=0, seed=1234))

@@ -102,7 +102,7 @@ def create_app(config: WebConfig | None = None) -> web.Application:
 async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
     import nats
 
-    from infra.nats_server import nats_servers
+    from bus.nats_server import nats_servers
 
     url = app[CONFIG].nats_url
 

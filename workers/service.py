@@ -196,7 +196,7 @@ class ExpertWorker:
         async def on_reconnect() -> None:
             log.warning("nats: reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
 
-        from infra.nats_server import nats_servers
+        from bus.nats_server import nats_servers
 
         servers = nats_servers(self.nats_url)  # one URL or a comma-separated list (ValueError if malformed)
         try:

@@ -27,7 +27,7 @@ def test_train_expert_on_xla_device_writes_a_loadable_checkpoint(tmp_path):
     assert "device xla" in proc.stdout + proc.stderr
 
     from workers.backends import get_backend
-    from workers.checkpoint import load_checkpoint
+    from models.checkpoint import load_checkpoint
 
     meta, state = load_checkpoint(out.with_suffix(".safetensors"))
     assert meta["training"]["steps"] == 4 and meta["training"]["device"] == "xla"

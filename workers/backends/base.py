@@ -56,7 +56,7 @@ class BackendBase:
         self.device = device or "cpu"
         self.bf16 = bool(bf16)
         self.meta: dict[str, Any] = {}
-        self.config = None  # workers.models.config.UNetConfig once loaded
+        self.config = None  # models.config.UNetConfig once loaded
         self.checkpoint_path: Optional[str] = None
         self.warmup_s: dict[int, float] = {}
 
@@ -101,8 +101,8 @@ class BackendBase:
     # ---------------------------------------------------------------- load / run
 
     def load(self, checkpoint_path: str | os.PathLike) -> None:
-        from workers.checkpoint import load_checkpoint
-        from workers.models.config import UNetConfig
+        from models.checkpoint import load_checkpoint
+        from models.config import UNetConfig
 
         path = os.fspath(checkpoint_path)
         if not os.path.exists(path):

@@ -47,8 +47,8 @@ class JaxBackend(BackendBase):
         jax = self._jax
         import jax.numpy as jnp
 
-        from workers.checkpoint import torch_to_flax_params
-        from workers.models.unet_flax import UNet
+        from models.checkpoint import torch_to_flax_params
+        from models.unet_flax import UNet
 
         model = UNet(cfg)
         params = torch_to_flax_params(state, cfg)

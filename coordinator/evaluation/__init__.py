@@ -1,1 +1,0 @@
-"""Generation quality: an MNIST classifier we trust, conditional accuracy and FID in its feature space."""

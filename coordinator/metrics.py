@@ -1,0 +1,99 @@
+"""Coordinator metrics with prometheus_client (a private registry per coordinator), for GET /metrics.
+
+    metrics = CoordinatorMetrics(scheduler)      # the engine makes one: engine.metrics
+    metrics.rejected(code)                       # a job refused at submit (scheduler or bad request)
+    metrics.expert_call(k, seconds)              # one expert's velocity call of one tick
+    metrics.expert_error(k, code)                # ... that failed (after the transport's retries)
+    runner = await serve_metrics(metrics, port)  # workers.metrics_http, shared with the worker
+
+Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordinator_rows_stepped_total[1m])):
+
+    ddm_coordinator_ticks_total                         counter    ticks that stepped rows
+    ddm_coordinator_rows_stepped_total                  counter    row evaluations applied (one per row per tick)
+    ddm_coordinator_row_fallbacks_total                 counter    row evaluations whose experts were not the
+                                                                   all-experts-up choice (fallback, or none left)
+    ddm_coordinator_jobs_accepted_total                 counter    jobs accepted at submit
+    ddm_coordinator_jobs_rejected_total{code}           counter    jobs refused at submit, by ErrorCode
+    ddm_coordinator_jobs_finished_total{outcome}        counter    done | failed | cancelled
+    ddm_coordinator_queued_jobs                         gauge      jobs waiting for rows (queue depth)
+    ddm_coordinator_active_jobs                         gauge      jobs running
+    ddm_coordinator_active_rows                         gauge      images being denoised
+    ddm_coordinator_expert_request_seconds{expert}      histogram  one expert's velocity call per tick (all of
+                                                                   its requests, retries included)
+    ddm_coordinator_expert_errors_total{expert,code}    counter    expert calls that failed, by ErrorCode
+
+The scheduler's counters and gauges are read at scrape time (`Scheduler.stats`, `queued_jobs`, ...),
+so they are never counted twice; the scrape runs on the event loop, between ticks' steps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from schemas import ErrorCode
+
+from .scheduler import Scheduler
+
+#: Expert call time bounds (seconds): a fast local tick to several step time-outs.
+REQUEST_BOUNDS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _SchedulerCollector:
+    """Scrape-time view of a scheduler's counters and queue state."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        sched = self.scheduler
+        st = sched.stats
+        yield CounterMetricFamily("ddm_coordinator_ticks", "Ticks that stepped rows.", value=st.ticks)
+        yield CounterMetricFamily("ddm_coordinator_rows_stepped", "Row evaluations applied (one per row per tick).",
+                                  value=st.row_evals)
+        yield CounterMetricFamily("ddm_coordinator_row_fallbacks",
+                                  "Row evaluations whose experts were not the all-experts-up choice.",
+                                  value=st.row_fallbacks)
+        yield CounterMetricFamily("ddm_coordinator_jobs_accepted", "Jobs accepted at submit.",
+                                  value=st.jobs_submitted)
+        finished = CounterMetricFamily("ddm_coordinator_jobs_finished", "Jobs that ended, by outcome.",
+                                       labels=["outcome"])
+        for outcome, n in (("done", st.jobs_done), ("failed", st.jobs_failed), ("cancelled", st.jobs_cancelled)):
+            finished.add_metric([outcome], n)
+        yield finished
+        yield GaugeMetricFamily("ddm_coordinator_queued_jobs", "Jobs waiting for rows (queue depth).",
+                                value=sched.queued_jobs)
+        yield GaugeMetricFamily("ddm_coordinator_active_jobs", "Jobs running.", value=sched.active_jobs)
+        yield GaugeMetricFamily("ddm_coordinator_active_rows", "Images being denoised.", value=sched.active_rows)
+
+
+class CoordinatorMetrics:
+    """The metrics of one coordinator (one scheduler). `registry` is what /metrics serves."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerCollector(scheduler))
+        self._rejected = Counter("ddm_coordinator_jobs_rejected", "Jobs refused at submit, by error code.",
+                                 ["code"], registry=self.registry)
+        self._request_s = Histogram("ddm_coordinator_expert_request_seconds",
+                                    "One expert's velocity call per tick (its requests and retries).", ["expert"],
+                                    buckets=REQUEST_BOUNDS, registry=self.registry)
+        self._expert_errors = Counter("ddm_coordinator_expert_errors", "Expert calls that failed, by error code.",
+                                      ["expert", "code"], registry=self.registry)
+
+    def rejected(self, code: ErrorCode | str) -> None:
+        """Count a job refused at submit with ErrorCode `code`."""
+        self._rejected.labels(code=ErrorCode(code).value).inc()
+
+    def expert_call(self, expert: int, seconds: float) -> None:
+        """Observe the duration of one expert's velocity call (successful or not)."""
+        self._request_s.labels(expert=str(int(expert))).observe(max(float(seconds), 0.0))
+
+    def expert_error(self, expert: int, code: ErrorCode | str) -> None:
+        """Count an expert call that failed with ErrorCode `code` (unavailable, bad_reply, ...)."""
+        self._expert_errors.labels(expert=str(int(expert)), code=ErrorCode(code).value).inc()
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The current value of one sample (e.g. "ddm_coordinator_ticks_total"), 0.0 if absent."""
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else float(value)

@@ -1,0 +1,1 @@
+"""Hostile-input fuzzing: input generators (`inputs`) and the engines and targets behind `ddm-fleet fuzz`."""

@@ -1,0 +1,84 @@
+"""Tiny random-init checkpoints in the shipped formats, for exercising the serving path cheaply.
+
+One factory for tests, the fuzzer and the benchmarks: real model code and real files (the same
+safetensors + JSON a trained expert ships as), small enough that a forward pass costs microseconds
+to milliseconds. They are NOT for quality: the weights are random.
+
+    make_tiny_expert(path, expert_id=0)              -> Path of <path>.safetensors
+    make_tiny_experts(directory, num_experts=2)      -> [Path, ...] named expert0, expert1, ...
+    make_tiny_router(path, num_experts=2)            -> Path of <path>.safetensors
+
+Every call with the same arguments writes the same weights (seeded), so two processes that build
+"the same" tiny fleet serve identical velocities.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+TINY_WIDTHS = (8, 16)
+
+
+def tiny_config(widths: Sequence[int] = TINY_WIDTHS, *, time_dim: int = 16, class_dim: int = 16, groups: int = 4):
+    """The UNetConfig the factory uses: channel `widths` per level, small embeddings."""
+    from .config import UNetConfig
+
+    return UNetConfig(widths=tuple(int(w) for w in widths), time_dim=time_dim, class_dim=class_dim, groups=groups)
+
+
+def make_tiny_expert(path: str | os.PathLike, *, expert_id: int = 0, widths: Sequence[int] = TINY_WIDTHS,
+                     seed: int | None = None, jitter: float = 0.0, classes: Sequence[int] | None = None,
+                     dtype: str = "float32", **config: Any) -> Path:
+    """Write one random-init expert checkpoint and return its ``.safetensors`` path.
+
+    ``seed`` defaults to ``100 + expert_id``; ``jitter`` adds ``jitter * N(0, 1)`` to every
+    parameter (random-init UNets output near-constant velocities; jitter makes experts differ
+    visibly); ``classes`` goes into the meta's partition summary (what the oracle strategy and
+    evaluation read); ``config`` overrides `tiny_config` keywords (time_dim, class_dim, groups).
+    """
+    import torch
+
+    from .checkpoint import save_checkpoint, torch_state_to_numpy
+    from .unet_torch import UNet
+
+    cfg = tiny_config(widths, **config)
+    torch.manual_seed(100 + expert_id if seed is None else seed)
+    model = UNet(cfg)
+    if jitter:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(jitter * torch.randn_like(p))
+    meta: dict[str, Any] = {"config": cfg.to_dict(), "expert_id": int(expert_id)}
+    if classes is not None:
+        meta["partition"] = {"classes": [int(c) for c in classes]}
+    return save_checkpoint(path, torch_state_to_numpy(model.state_dict()), meta, dtype=dtype)
+
+
+def make_tiny_experts(directory: str | os.PathLike, num_experts: int = 2, *, prefix: str = "expert",
+                      split_classes: bool = True, **kwargs: Any) -> list[Path]:
+    """``num_experts`` tiny experts ``<directory>/<prefix><k>``; with ``split_classes`` the ten
+    digits are dealt out in contiguous blocks (2 experts: 0-4 | 5-9), as the shipped partition."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for k in range(num_experts):
+        classes = None
+        if split_classes:
+            lo, hi = (10 * k) // num_experts, (10 * (k + 1)) // num_experts
+            classes = list(range(lo, hi))
+        out.append(make_tiny_expert(directory / f"{prefix}{k}", expert_id=k, classes=classes, **kwargs))
+    return out
+
+
+def make_tiny_router(path: str | os.PathLike, num_experts: int = 2, *, seed: int = 5, width: int = 8,
+                     emb_dim: int = 16, meta: dict[str, Any] | None = None) -> Path:
+    """Write a random-init RouterNet in the shipped router format; returns the ``.safetensors`` path."""
+    import torch
+
+    from .router import RouterConfig, RouterNet, save_router
+
+    torch.manual_seed(seed)
+    net = RouterNet(cfg=RouterConfig(num_experts=num_experts, width=width, emb_dim=emb_dim))
+    return save_router(path, net, {"tiny": True, **(meta or {})})

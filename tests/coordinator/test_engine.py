@@ -1,0 +1,159 @@
+"""The engine loop over in-memory transports: ordering of events, failures that must not stop it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from coordinator.engine import Engine, ExpertUnavailable
+from coordinator.local_fleet import LabelRouter
+from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
+from schemas import ErrorCode, JobRequest
+from tests.waiting import wait_until
+
+SHAPE = (1, 4, 4)
+C2E = [0] * 5 + [1] * 5
+
+
+class Velocities:
+    """v_k(x) = -(k + 1) x; experts in `down` raise ExpertUnavailable, in `broken` a RuntimeError."""
+
+    def __init__(self, down=(), broken=(), bad_shape=()):
+        self.down, self.broken, self.bad_shape = set(down), set(broken), set(bad_shape)
+        self.calls: list[tuple[int, int]] = []
+
+    async def velocity(self, k, x, t, y, row_ids):
+        self.calls.append((k, len(x)))
+        await asyncio.sleep(0)  # kept: stands in for the network round trip (a yield), orders nothing
+        if k in self.down:
+            raise ExpertUnavailable(k, "has no responders")
+        if k in self.broken:
+            raise RuntimeError("connection lost")
+        if k in self.bad_shape:
+            return np.zeros((len(x) + 1,) + x.shape[1:], np.float32)
+        return (-(k + 1) * x).astype(np.float32)
+
+
+def engine(transport, router=None, **cfg):
+    events = []
+    e = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
+               router or LabelRouter(C2E, 2), transport, events.append, router_in_thread=False)
+    return e, events
+
+
+async def drain(e):
+    while await e.tick():
+        pass
+
+
+async def test_events_per_job_are_ordered_and_end_with_done():
+    e, events = engine(Velocities())
+    e.submit(JobRequest(job_id="a", digits=[1, 7], steps=3))
+    e.submit(JobRequest(job_id="b", digits=[2], steps=2, solver="heun", stream=False))
+    await drain(e)
+    a = [ev.kind for ev in events if ev.job_id == "a"]
+    assert a == ["frame", "frame", "frame", "done"]
+    assert [ev.kind for ev in events if ev.job_id == "b"] == ["done"]
+    assert e.status()["jobs_done"] == 2 and e.status()["active_rows"] == 0
+
+
+async def test_broken_and_misbehaving_experts_fall_back():
+    for tr in (Velocities(broken={1}), Velocities(bad_shape={1})):
+        e, events = engine(tr)
+        e.submit(JobRequest(job_id="a", digits=[7], steps=2))
+        await drain(e)
+        (done,) = [ev for ev in events if ev.kind == "done"]
+        assert done.usage.tolist() == [[1.0, 0.0]] and "fell back to 0" in done.notes[0]
+        assert e.status()["unavailable_experts"] == [1]
+
+
+async def test_a_failing_router_fails_that_tick_and_the_engine_goes_on():
+    class Flaky:
+        calls = 0
+
+        def weights(self, x, t, y):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise ValueError("router exploded")
+            return LabelRouter(C2E, 2).weights(x, t, y)
+
+    e, events = engine(Velocities(), router=Flaky())
+    e.submit(JobRequest(job_id="first", digits=[1], steps=2))
+    await e.tick()
+    e.submit(JobRequest(job_id="second", digits=[1], steps=2))
+    await drain(e)
+    failed = [ev for ev in events if ev.kind == "failed"]
+    assert [(f.job_id, f.code) for f in failed] == [("first", ErrorCode.INTERNAL)]
+    assert "router exploded" in failed[0].reason
+    assert any(ev.kind == "done" and ev.job_id == "second" for ev in events)
+
+
+async def test_run_loop_sleeps_when_idle_and_wakes_on_submit():
+    e, events = engine(Velocities())
+    task = asyncio.create_task(e.run())
+    await asyncio.sleep(0.05)  # kept: the window in which an idle loop must do nothing (and not end)
+    assert not task.done() and events == []
+    e.submit(JobRequest(job_id="late", digits=[3], steps=2))
+    await wait_until(lambda: any(ev.kind == "done" for ev in events), timeout=5, what="the late job's done event")
+    assert any(ev.kind == "done" and ev.job_id == "late" for ev in events)
+    e.submit(JobRequest(job_id="never", digits=[3], steps=1000))
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+    assert events[-1].kind == "failed" and events[-1].code == ErrorCode.UNAVAILABLE
+
+
+async def test_rejections_propagate_to_the_caller():
+    e, _ = engine(Velocities(), max_rows=2)
+    with pytest.raises(Rejected) as err:
+        e.submit(JobRequest(digits=[1, 2, 3]))
+    assert err.value.code == ErrorCode.TOO_LARGE
+
+
+async def test_one_request_per_expert_per_tick():
+    tr = Velocities()
+    e, _ = engine(tr)
+    for i in range(10):
+        e.submit(JobRequest(digits=[i % 10, (i + 5) % 10], steps=1, strategy="top1"))
+    await e.tick()
+    assert sorted(tr.calls) == [(0, 10), (1, 10)]
+
+
+async def test_job_stranded_by_a_garbage_answering_expert_fails_with_bad_reply():
+    """Expert 1 answers with the wrong shape, expert 0 has no workers: a digit-7 job (wants 1)
+    fails with bad_reply naming expert 1; a digit-2 job (wants 0) fails with bad_reply too
+    (the only garbage of the tick), and both experts' errors are counted by code."""
+    e, events = engine(Velocities(down={0}, bad_shape={1}))
+    accepted = e.submit(JobRequest(job_id="seven", digits=[7], steps=2))
+    e.submit(JobRequest(job_id="two", digits=[2], steps=2))
+    assert accepted.events_subject == "ddm.v1.jobs.seven.events"  # the engine names subjects, not the scheduler
+    await drain(e)
+    failed = {ev.job_id: ev for ev in events if ev.kind == "failed"}
+    assert {j: f.code for j, f in failed.items()} == {"seven": ErrorCode.BAD_REPLY, "two": ErrorCode.BAD_REPLY}
+    assert failed["seven"].reason.startswith("expert 1 never sent a usable velocity")
+    m = e.metrics
+    assert m.sample("ddm_coordinator_expert_errors_total", expert="1", code="bad_reply") == 1
+    assert m.sample("ddm_coordinator_expert_errors_total", expert="0", code="unavailable") == 1
+    assert m.sample("ddm_coordinator_expert_request_seconds_count", expert="1") == 1
+    assert m.sample("ddm_coordinator_jobs_finished_total", outcome="failed") == 2
+
+
+async def test_engine_metrics_follow_the_scheduler():
+    e, _ = engine(Velocities(), max_rows=3, max_queued_jobs=1)
+    m = e.metrics
+    e.submit(JobRequest(job_id="a", digits=[1, 6], steps=2))
+    e.submit(JobRequest(job_id="b", digits=[1, 2], steps=2))  # waits: 2 + 2 rows > 3
+    assert (m.sample("ddm_coordinator_active_jobs"), m.sample("ddm_coordinator_queued_jobs")) == (1, 1)
+    for bad, code in (([1] * 4, "too_large"), ([1], "overloaded")):
+        with pytest.raises(Rejected):
+            e.submit(JobRequest(digits=bad))
+        assert m.sample("ddm_coordinator_jobs_rejected_total", code=code) == 1
+    await drain(e)
+    assert m.sample("ddm_coordinator_jobs_accepted_total") == 2
+    assert m.sample("ddm_coordinator_ticks_total") == 4 == e.status()["ticks"]
+    assert m.sample("ddm_coordinator_rows_stepped_total") == 2 * 2 + 2 * 2
+    assert m.sample("ddm_coordinator_jobs_finished_total", outcome="done") == 2
+    assert m.sample("ddm_coordinator_expert_request_seconds_count", expert="0") == 4
+    assert m.sample("ddm_coordinator_row_fallbacks_total") == 0
+    assert (m.sample("ddm_coordinator_active_rows"), m.sample("ddm_coordinator_queued_jobs")) == (0, 0)

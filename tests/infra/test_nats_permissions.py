@@ -1,0 +1,383 @@
+"""Per-role subject permissions (infra/nats/permissions.conf) enforced by a real nats-server.
+
+Each test connects as the shipped users (web, client, coordinator, worker-0, ...) and checks
+both sides: what a role may do works end to end, and what it may not do is refused by the
+server (a permissions-violation error) and never delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from infra.nats_cluster import NatsCluster
+from schemas import (
+    CancelReply,
+    CancelRequest,
+    DoneEvent,
+    FrameEvent,
+    JobAccepted,
+    JobRequest,
+    JobStatus,
+    StepReply,
+    StepRequest,
+    SubmitReply,
+    pack,
+    subjects,
+    unpack,
+)
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with NatsCluster(1, name="ddm-perm", log_dir=tmp_path_factory.mktemp("nats-logs")) as c:
+        yield c
+
+
+class Conn:
+    """A connection as one user, recording the asynchronous errors the server sends."""
+
+    def __init__(self, nc, errors: list[str]):
+        self.nc = nc
+        self.errors = errors
+
+    async def violation(self, subject: str, timeout: float = 3.0) -> str:
+        """Wait for the server's permissions-violation error naming `subject`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.errors:
+                if "permissions violation" in e.lower() and subject in e:
+                    return e
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no permissions violation for {subject!r}; errors seen: {self.errors}")
+
+
+@pytest.fixture
+async def connect(server):
+    import nats
+
+    opened: list = []
+
+    async def _connect(user: str) -> Conn:
+        errors: list[str] = []
+
+        async def on_error(err):
+            errors.append(str(err))
+
+        nc = await nats.connect(server.url(0, user), name=user, error_cb=on_error, connect_timeout=2,
+                                allow_reconnect=False)
+        opened.append(nc)
+        return Conn(nc, errors)
+
+    yield _connect
+    for nc in opened:
+        await nc.close()
+
+
+async def synced(nc) -> None:
+    """Return once the server has every SUB sent so far. nats-py 2.16's flush() writes its
+    PING straight to the socket while a SUB may still wait in the client's pending buffer,
+    so one flush can return before the server knows the subscription; the second PING goes
+    out after the flusher task has written it."""
+    await nc.flush()
+    await nc.flush()
+
+
+def _step(expert: int) -> StepRequest:
+    return StepRequest(expert=expert, x_t=np.ones((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32),
+                       y=np.zeros(2, np.int64))
+
+
+async def _collect(conn: Conn, subject: str, **kw) -> list:
+    got: list = []
+
+    async def cb(msg):
+        got.append(msg)
+
+    await conn.nc.subscribe(subject, cb=cb, **kw)
+    await synced(conn.nc)
+    return got
+
+
+# ---------------------------------------------------------------- web / client
+
+
+@pytest.mark.parametrize("user", ["web", "client"])
+async def test_client_roles_submit_jobs_and_read_events(connect, user):
+    coord, cli = await connect("coordinator"), await connect(user)
+
+    async def on_submit(msg):
+        req = unpack(msg.data, JobRequest)
+        await msg.respond(pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id),
+                                           digits=req.digits, seed=1)))
+
+    await coord.nc.subscribe(subjects.JOBS_SUBMIT, cb=on_submit)
+    await synced(coord.nc)
+    events = await _collect(cli, subjects.ALL_JOB_EVENTS)
+
+    msg = await cli.nc.request(subjects.JOBS_SUBMIT, pack(JobRequest(job_id="j1", digits=[3])), timeout=2)
+    accepted = unpack(msg.data, SubmitReply)
+    assert isinstance(accepted, JobAccepted) and accepted.job_id == "j1"
+
+    frame = FrameEvent(job_id="j1", step=0, steps=1, t=1.0, x=np.zeros((1, 1, 32, 32), np.float16), experts=[0],
+                       weights=np.ones((1, 2), np.float32))
+    await coord.nc.publish(subjects.job_events("j1"), pack(frame))
+    await coord.nc.flush()
+    await wait_until(lambda: events, timeout=2, what="the frame event")
+    assert len(events) == 1 and unpack(events[0].data, FrameEvent).job_id == "j1"
+    assert coord.errors == [] and cli.errors == []
+
+
+async def test_client_can_cancel_and_ask_status(connect):
+    coord, web = await connect("coordinator"), await connect("web")
+
+    async def on_cancel(msg):
+        req = unpack(msg.data, CancelRequest)
+        await msg.respond(pack(CancelReply(job_id=req.job_id, cancelled=True)))
+
+    async def on_status(msg):
+        await msg.respond(b"status")
+
+    async def on_job_status(msg):
+        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject), state="queued")))
+
+    await coord.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=on_cancel)
+    await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
+    await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
+    await synced(coord.nc)
+    msg = await web.nc.request(subjects.job_cancel("j9"), pack(CancelRequest(job_id="j9")), timeout=2)
+    assert unpack(msg.data, CancelReply).cancelled
+    assert (await web.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
+    msg = await web.nc.request(subjects.job_status("j9"), b"", timeout=2)
+    assert unpack(msg.data, JobStatus).state == "queued"
+    assert coord.errors == [] and web.errors == []
+
+
+@pytest.mark.slow  # ~3.5 s each: a real coordinator answers the status probe
+@pytest.mark.parametrize("user", ["web", "client"])
+async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(connect, server, user, caplog):
+    """run_job as a restricted client, against a real Coordinator running as the `coordinator` user: a
+    job kept silent (its only expert call held) for twice `unresponsive_after` must not fail, because
+    its status probes get answers; once released it completes. Without the status subject in the
+    client's publish rights or the coordinator's subscribe rights no probe is answered, and run_job
+    fails after `unresponsive_after` ("the coordinator has not answered")."""
+    from coordinator.client import run_job
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+
+    caplog.set_level(logging.WARNING, logger="coordinator.service")
+    worker, cli, ops = await connect("worker-0"), await connect(user), await connect("ops")
+    gate = asyncio.Event()
+
+    async def held_velocity(msg):  # expert 0's only worker answers once the gate opens
+        step = unpack(msg.data, StepRequest)
+        await gate.wait()
+        await msg.respond(pack(StepReply(expert=0, velocity=np.zeros_like(step.x_t), backend="test")))
+
+    await worker.nc.subscribe(subjects.expert_velocity(0), queue=subjects.expert_queue_group(0), cb=held_velocity)
+    await synced(worker.nc)
+
+    job_id = f"probe-{user}"
+    unresponsive_after = 1.5
+    answered: list[float] = []  # when ops saw a coordinator's job_status reply to this job's probes
+    long_enough = asyncio.Event()
+
+    async def tap(msg):  # ops may watch every subject, the reply inboxes too
+        try:
+            st = unpack(msg.data, JobStatus)
+        except Exception:
+            return  # submit replies, expert replies
+        if st.job_id == job_id and st.state in ("queued", "running"):
+            answered.append(time.monotonic())
+            if answered[-1] - answered[0] >= 2 * unresponsive_after:
+                long_enough.set()
+
+    await ops.nc.subscribe("_INBOX.>", cb=tap)
+    await synced(ops.nc)
+    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=server.url(0, "coordinator"),
+                           step_timeout=30, retries=0, name=f"perm-coordinator-{user}"):
+        job = asyncio.create_task(run_job(cli.nc, JobRequest(job_id=job_id, digits=[3], steps=2), probe_every=0.3,
+                                          lost_after=30, unresponsive_after=unresponsive_after))
+        waiter = asyncio.create_task(long_enough.wait())
+        try:
+            await asyncio.wait({job, waiter}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            if job.done():
+                job.result()  # raises the JobFailed that says why
+            assert long_enough.is_set(), f"status replies seen: {len(answered)}"
+            assert not job.done()
+            gate.set()
+            done = await asyncio.wait_for(job, 30)
+        finally:
+            gate.set()
+            waiter.cancel()
+            if not job.done():
+                job.cancel()
+        assert isinstance(done, DoneEvent) and done.images.shape == (1, 1, 32, 32)
+    assert len(answered) >= 5
+    assert cli.errors == [] and worker.errors == []
+    assert not [r.getMessage() for r in caplog.records if "ermission" in r.getMessage()]
+
+
+async def test_web_cannot_publish_to_experts(connect):
+    worker, web = await connect("worker-0"), await connect("web")
+    delivered = await _collect(worker, subjects.expert_velocity(0))
+
+    await web.nc.publish(subjects.expert_velocity(0), pack(_step(0)))
+    await web.nc.flush()
+    await web.violation(subjects.expert_velocity(0))
+
+    # A request is refused too: no reply, and the worker never sees it.
+    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+    with pytest.raises((NatsTimeout, NoRespondersError)):
+        await web.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=0.5)
+    await asyncio.sleep(0.1)  # grace for a message that must never arrive: no event marks its absence
+    assert delivered == []
+    assert web.nc.is_connected  # a violation is reported, the connection stays up
+
+
+async def test_web_cannot_impersonate_the_coordinator(connect):
+    web = await connect("web")
+    await web.nc.publish(subjects.job_events("j1"), b"fake frame")
+    await web.violation(subjects.job_events("j1"))
+    await web.nc.subscribe(subjects.JOBS_SUBMIT)
+    await web.violation(subjects.JOBS_SUBMIT)
+
+
+# ---------------------------------------------------------------- workers
+
+
+async def test_worker_cannot_publish_job_events(connect):
+    worker, web = await connect("worker-0"), await connect("web")
+    events = await _collect(web, subjects.ALL_JOB_EVENTS)
+
+    await worker.nc.publish(subjects.job_events("j1"), b"forged")
+    await worker.nc.flush()
+    await worker.violation(subjects.job_events("j1"))
+    await worker.nc.publish(subjects.JOBS_SUBMIT, b"forged")
+    await worker.violation(subjects.JOBS_SUBMIT)
+    await asyncio.sleep(0.1)  # grace for a message that must never arrive: no event marks its absence
+    assert events == []
+
+
+async def test_worker_cannot_ask_or_serve_job_status(connect):
+    """A worker has no business with jobs: it may neither probe a job's status nor answer such probes."""
+    worker, coord, web = await connect("worker-0"), await connect("coordinator"), await connect("web")
+    probes: list[str] = []
+
+    async def on_job_status(msg):
+        probes.append(msg.subject)
+        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject), state="running")))
+
+    await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
+    await synced(coord.nc)
+    await worker.nc.publish(subjects.job_status("j1"), b"")
+    await worker.nc.flush()
+    await worker.violation(subjects.job_status("j1"))  # refused by the server: never routed
+    await worker.nc.subscribe(subjects.ALL_JOB_STATUS)
+    await worker.violation(subjects.ALL_JOB_STATUS)
+    # a client's probe, after the refused one, is the only one the coordinator ever got
+    msg = await web.nc.request(subjects.job_status("j2"), b"", timeout=2)
+    assert unpack(msg.data, JobStatus).state == "running"
+    assert probes == [subjects.job_status("j2")]
+
+
+async def test_worker_subscribes_only_to_its_own_expert(connect):
+    worker = await connect("worker-0")
+    await worker.nc.subscribe(subjects.expert_velocity(1))
+    await worker.violation(subjects.expert_velocity(1))
+    await worker.nc.subscribe(subjects.ALL_JOB_EVENTS)
+    await worker.violation(subjects.ALL_JOB_EVENTS)
+
+
+async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(connect):
+    """The way a real worker runs: a nats.micro service on its expert subject. It replies to
+    the coordinator (allow_responses) and answers $SRV discovery that any client may send."""
+    import json
+
+    from nats import micro
+
+    worker, coord, web = await connect("worker-0"), await connect("coordinator"), await connect("web")
+
+    async def velocity(req):
+        step = unpack(req.data, StepRequest)
+        await req.respond(pack(StepReply(expert=0, velocity=-np.asarray(step.x_t), backend="test")))
+
+    svc = await micro.add_service(worker.nc, name="ddm-expert-0", version="1.0.0", description="test worker")
+    try:
+        await svc.add_endpoint(name="velocity", subject=subjects.expert_velocity(0),
+                               queue_group=subjects.expert_queue_group(0), handler=velocity)
+        await synced(worker.nc)
+        msg = await coord.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=2)
+        assert unpack(msg.data, StepReply).velocity.shape == (2, 1, 32, 32)
+
+        for verb in ("PING", "INFO", "STATS"):
+            info = json.loads((await web.nc.request(f"$SRV.{verb}.ddm-expert-0", b"", timeout=2)).data)
+            assert info["name"] == "ddm-expert-0", (verb, info)
+        info = json.loads((await coord.nc.request("$SRV.INFO", b"", timeout=2)).data)
+        assert [e["subject"] for e in info["endpoints"]] == [subjects.expert_velocity(0)]
+        assert worker.errors == []
+    finally:
+        await svc.stop()
+
+
+# ---------------------------------------------------------------- operators
+
+
+async def test_ops_watches_and_asks_but_changes_nothing(connect):
+    coord, ops = await connect("coordinator"), await connect("ops")
+
+    async def on_status(msg):
+        await msg.respond(b"status")
+
+    await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
+    await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_status)
+    await synced(coord.nc)
+    seen = await _collect(ops, "ddm.>")  # ops may watch every subject
+    assert (await ops.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
+    assert (await ops.nc.request(subjects.job_status("j5"), b"", timeout=2)).data == b"status"
+    await coord.nc.publish(subjects.job_events("j5"), b"frame")
+    await wait_until(lambda: any(m.subject == subjects.job_events("j5") for m in seen), timeout=2,
+                     what="ops to see the job event")
+    for subject in (subjects.expert_velocity(0), subjects.JOBS_SUBMIT, subjects.job_cancel("j5")):
+        await ops.nc.publish(subject, b"x")
+        await ops.violation(subject)
+
+
+async def test_sys_user_reaches_the_system_account(server):
+    """`nats server ls` and friends need the SYS account: a server ping answers."""
+    import json
+
+    import nats
+
+    nc = await nats.connect(server.url(0, "sys"), connect_timeout=2, allow_reconnect=False)
+    try:
+        msg = await nc.request("$SYS.REQ.SERVER.PING", b"", timeout=2)
+        assert json.loads(msg.data)["server"]["name"] == server.node_name(0)
+    finally:
+        await nc.close()
+
+
+# ---------------------------------------------------------------- authentication
+
+
+@pytest.mark.parametrize("password", [None, "wrong"])
+async def test_unknown_or_wrong_credentials_are_refused(server, password):
+    import nats
+
+    async def quiet(err):
+        pass
+
+    node = server.nodes[0]
+    userinfo = "" if password is None else f"web:{password}@"
+    with pytest.raises(nats.errors.Error) as err:
+        await nats.connect(f"nats://{userinfo}{node.host}:{node.port}", allow_reconnect=False, connect_timeout=2,
+                           error_cb=quiet)
+    assert "authorization violation" in str(err.value).lower()

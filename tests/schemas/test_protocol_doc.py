@@ -1,0 +1,198 @@
+"""docs/PROTOCOL.md stays in step with `schemas`: every subject, message kind, field, error
+code, dtype and limit the code defines is written down, with the value the code uses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import schemas
+from schemas import ErrorCode, StepRequest, limits, messages, pack, subjects
+from schemas.tensor import ALLOWED_DTYPES
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text()
+HINT = "update docs/PROTOCOL.md to match schemas/"
+
+MESSAGE_TYPES = sorted(
+    (obj for obj in vars(messages).values()
+     if isinstance(obj, type) and issubclass(obj, messages.Message) and obj is not messages.Message),
+    key=lambda c: c.__name__,
+)
+
+
+def _section(kind: str) -> str:
+    """The doc text of one message: from its `### \\`kind\\`` heading to the next heading."""
+    m = re.search(rf"^### `{re.escape(kind)}`.*?(?=^##)", DOC, flags=re.M | re.S)
+    assert m, f"no '### `{kind}`' section: {HINT}"
+    return m.group(0)
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_every_message_and_field_is_documented(cls):
+    kind = cls.model_fields["kind"].default
+    text = _section(kind)
+    for name in cls.model_fields:
+        if name in ("v", "kind"):
+            continue
+        assert f"`{name}`" in text, f"{cls.__name__}.{name} is not in its section: {HINT}"
+
+
+def test_every_documented_message_section_exists_in_code():
+    kinds = {c.model_fields["kind"].default for c in MESSAGE_TYPES}
+    documented = set(re.findall(r"^### `([a-z_]+)`", DOC, flags=re.M))
+    assert documented == kinds, HINT
+
+
+def test_every_error_code_is_documented():
+    for code in ErrorCode:
+        assert f"| `{code.value}` |" in DOC, f"error code {code.value}: {HINT}"
+
+
+def test_every_subject_and_queue_group_is_documented():
+    for subject in (subjects.JOBS_SUBMIT, subjects.FLEET_STATUS, subjects.ALL_EXPERTS, subjects.ALL_JOB_EVENTS,
+                    subjects.ALL_JOB_CANCELS, subjects.ALL_JOB_STATUS):
+        assert f"`{subject}`" in DOC, subject
+    assert "`" + subjects.job_status("x").replace(".x.", ".<job_id>.") + "`" in DOC
+    assert "`" + subjects.expert_velocity(0).replace(".0.", ".<expert_id>.") + "`" in DOC
+    assert subjects.expert_queue_group(3).replace(".3.", ".<k>.") in DOC
+    assert "`" + subjects.job_events("x").replace(".x.", ".<job_id>.") + "`" in DOC
+    assert "`" + subjects.job_cancel("x").replace(".x.", ".<job_id>.") + "`" in DOC
+    assert f"ddm.v{schemas.PROTOCOL_VERSION}" in DOC and f"`v: {schemas.PROTOCOL_VERSION}`" in DOC
+
+
+def test_dtypes_and_limits_match_the_code():
+    for dtype in ALLOWED_DTYPES:
+        assert f"`{dtype.replace('|', chr(92) + '|')}`" in DOC or f"`{dtype}`" in DOC, dtype
+    assert f"{limits.MAX_PAYLOAD_BYTES:,}".replace(",", " ") in DOC  # 8 388 608
+    assert f"| rows in one `step_request` | {limits.MAX_STEP_ROWS} |" in DOC
+    assert f"| tensor rank | {limits.MAX_TENSOR_NDIM} |" in DOC
+    assert f"| {limits.MAX_JOB_IMAGES} |" in DOC and f"| steps in one job | {limits.MAX_JOB_STEPS} |" in DOC
+    assert f"1-{limits.MAX_ID_LEN} characters" in DOC
+    assert f"{messages.MAX_MESSAGE_LEN} characters" in DOC
+    assert schemas.TIME_CONVENTION in DOC
+
+
+def test_the_documented_example_bytes_are_what_the_codec_sends():
+    msg = StepRequest(expert=0, x_t=np.array([1.0, 2.0], np.float32).reshape(1, 1, 1, 2),
+                      t=np.array([0.5], np.float32), y=np.array([3], np.int64))
+    wire = msgpack.unpackb(pack(msg), raw=False)
+    for field in ("x_t", "t", "y"):
+        spec = wire[field]
+        line = f'"{field}":' + (" " * (4 - len(field))) + f'{{"dtype": "{spec["dtype"]}", "shape": {spec["shape"]}, ' \
+               f'"data": h\'{spec["data"].hex().upper()}\'}}'
+        assert line in DOC, f"example line for {field} should read: {line}"
+
+
+def _fault_table() -> str:
+    m = re.search(r"^\| fault \| what the client gets \|\n(?:\|.*\n)+", DOC, flags=re.M)
+    assert m, f"no per-fault table in section 9: {HINT}"
+    return m.group(0)
+
+
+def test_client_defaults_and_the_frozen_coordinator_are_documented():
+    """The per-fault table says what run_job does about a frozen coordinator, with the defaults and
+    the reason text the code uses."""
+    import inspect
+
+    from coordinator import client
+
+    params = inspect.signature(client.run_job).parameters
+    for name in ("probe_every", "lost_after", "unresponsive_after"):
+        assert f"`{name}`, default {params[name].default:g} s" in DOC, name
+    row = next((line for line in _fault_table().splitlines() if "SIGSTOP" in line), None)
+    assert row is not None, f"no row for a frozen (SIGSTOP) coordinator in the per-fault table: {HINT}"
+    after = params["unresponsive_after"].default
+    assert "`unresponsive_after`" in row and f"default {after:g} s" in row and "`unavailable`" in row, row
+    assert f'"the coordinator has not answered for {after:g} s"' in row, row
+
+
+def test_a_token_that_is_no_job_id_is_documented_as_bad_request():
+    for verb in ("cancel", "status"):
+        line = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.PREFIX}.jobs.<job_id>.{verb}`"))
+        assert "`error` / `bad_request` when the token is not a job id" in line, line
+
+
+# ------------------------------------------------------------------ statements an independent client relies on
+# (each found missing or wrong by one; the behaviour itself is tested over a real nats-server in
+# tests/coordinator/test_protocol_replies.py)
+
+FLAT = " ".join(DOC.split())  # the doc with its line breaks folded, for phrases that wrap
+
+
+def test_a_submit_is_answered_accepted_or_rejected_never_error():
+    row = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.JOBS_SUBMIT}`"))
+    assert "`accepted` or `rejected` (never `error`" in row, row
+    assert "* submit reply: `accepted` | `rejected` (the coordinator never sends `error`" in DOC
+    assert "reply: accepted | rejected ─" in DOC and "accepted | rejected | error" not in DOC
+    import inspect
+
+    from coordinator.service import Coordinator
+
+    src = inspect.getsource(Coordinator._on_submit)
+    assert "ErrorReply" not in src and src.count("JobRejected(") >= 3
+
+
+def test_queue_position_is_documented_as_the_scheduler_counts_it():
+    from coordinator.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_experts=1, max_rows=1))
+    positions = [sched.submit(messages.JobRequest(digits=[1], seed=i), now=0.0).queue_position for i in range(3)]
+    assert positions == [0, 1, 2]  # runs at once; next to start; one job ahead
+    assert "0: the job runs at once" in FLAT and "n ≥ 1: it waits in the queue, n-th to start (n − 1 jobs ahead" in FLAT
+    assert "`queued`: place in the queue, 1 = next to start (n − 1 jobs ahead)" in FLAT
+
+
+def test_rejected_and_submitted_counters_say_what_they_count():
+    assert "| `jobs_submitted` | int | submits answered `accepted`" in DOC
+    assert "| `jobs_rejected` | int | submits answered `rejected`, since start, whatever the reason" in DOC
+    assert "Each one counts in `fleet_status.jobs_rejected`" in FLAT
+
+
+def test_the_documented_decode_error_text_is_the_codecs():
+    with pytest.raises(schemas.ProtocolError) as err:
+        schemas.unpack(b"\xc1", messages.JobRequest)
+    assert f"`{err.value.message}`" in FLAT, err.value.message
+
+
+def test_frame_versus_done_bound_is_float16_rounding():
+    """The doc's 2^-12: the largest float16 rounding error of a value in [-1, 1]."""
+    x = np.linspace(-1, 1, 200_001, dtype=np.float32)
+    assert np.abs(x.astype(np.float16).astype(np.float32) - x).max() <= 2.0**-12
+    assert np.abs(x.astype(np.float16).astype(np.float32) - x).max() > 2.0**-13
+    assert "at most 2^-12 (0.000244)" in FLAT and "clip(last frame `x`, −1, 1) equals `images` within 2^-12" in FLAT
+    assert "**not** clipped to [−1, 1]" in DOC
+
+
+def test_usage_counts_any_positive_weight_as_documented():
+    from coordinator import strategies
+
+    w = strategies.full(np.array([[1e-9, 1 - 1e-9]]), np.array([True, True]))
+    assert (w > 0).all()  # the near-zero expert is called and counts
+    assert "is above 0, however small: with `full` a router that gives an expert 1e-9 still calls it" in FLAT
+    assert "velocity evaluations (`steps` for euler, 2 × `steps` for heun)" in FLAT
+
+
+def test_padding_value_is_documented():
+    from dataset.mnist import to_model_range
+
+    img = to_model_range(np.full((1, 28, 28), 255, np.uint8))
+    assert img.shape == (1, 1, 32, 32) and img[0, 0, 2:30, 2:30].min() == 1.0
+    border = np.ones((32, 32), bool)
+    border[2:30, 2:30] = False
+    assert (img[0, 0][border] == -1.0).all()
+    assert to_model_range(np.zeros((1, 28, 28), np.uint8)).max() == -1.0
+    assert "padded to 32×32 by 2 pixels on each side with **−1** (background, not 0)" in FLAT
+
+
+def test_srv_replies_are_documented_as_json_and_cancel_mismatch_as_refused():
+    assert "The replies on `$SRV.*` are **JSON**" in FLAT
+    assert "`cancelled: false`" in DOC and "`body job_id 'x' does not match the subject`" in FLAT
+    import inspect
+
+    from coordinator.service import Coordinator
+
+    assert "does not match the subject" in inspect.getsource(Coordinator._on_cancel)

@@ -1,0 +1,192 @@
+"""The web viewer in real headless Chromium (Debian's /usr/bin/chromium driven by Playwright).
+
+These tests fail, never skip, when Chromium is missing: CI installs it (.ci/run).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from web.app import WebConfig, create_app
+from tests.web.fakes import FakeCoordinator
+from tests.waiting import wait_until
+
+CHROMIUM = os.environ.get("DDM_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "web.png"
+
+
+@pytest.fixture
+async def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install it with `apt-get install -y chromium` "
+                    "(or point DDM_CHROMIUM at a Chromium binary); browser tests do not skip")
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+@pytest.fixture
+async def web_server(nats_url):
+    server = TestServer(create_app(WebConfig(nats_url=nats_url, fleet_interval=0.5, discovery_window=0.15)),
+                        host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+async def open_page(browser, server):
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    await page.goto(str(server.make_url("/")))
+    await page.wait_for_selector("#conn[data-state=open]", timeout=30_000)
+    return page, errors
+
+
+async def test_page_bad_input_then_generate_with_fake_coordinator(browser, web_server, nc, tmp_path):
+    async with FakeCoordinator(nc, frame_delay=0.05):
+        page, errors = await open_page(browser, web_server)
+        # bad input: a visible error, and the page keeps working
+        await page.fill("#digits", "3,x,7")
+        await page.click("#generate")
+        err = page.locator("#errors li").first
+        await err.wait_for(timeout=20_000)
+        assert "'x' is not a digit" in await err.inner_text()
+        await page.check("input[name=mode][value=count]")
+        await page.fill("#count", "10000")
+        await page.click("#generate")
+        await page.wait_for_function("document.querySelector('#errors li').textContent.includes('256')", timeout=20_000)
+        await page.fill("#steps", "0")
+        await page.check("input[name=mode][value=digits]")
+        await page.fill("#digits", "1")
+        await page.click("#generate")
+        await page.wait_for_function("document.querySelector('#errors li').textContent.includes('steps')", timeout=20_000)
+        # a good job: tiles fill in, frames stream, final images come with PNG links
+        await page.fill("#digits", "1,6,9")
+        await page.fill("#steps", "20")
+        await page.click("#generate")
+        job = page.locator(".job[data-state=done]")
+        await job.wait_for(timeout=60_000)
+        assert int(await job.get_attribute("data-frames")) >= 1
+        assert await job.locator(".tile canvas").count() == 3
+        colours = await job.locator(".tile canvas").evaluate_all("cs => cs.map(c => c.dataset.expert)")
+        assert colours == ["0", "1", "1"]
+        assert await job.locator(".tile a.download").count() == 3
+        png = await job.locator(".tile canvas").first.evaluate("c => c.toDataURL('image/png')")
+        assert png.startswith("data:image/png;base64,")
+        await page.screenshot(path=str(tmp_path / "web-fake.png"), full_page=True)
+        if os.environ.get("DDM_WEB_SHOT_DIR"):
+            await page.screenshot(path=os.path.join(os.environ["DDM_WEB_SHOT_DIR"], "web-fake.png"), full_page=True)
+        assert errors == [], errors
+        await page.close()
+
+
+async def test_closing_the_tab_cancels_its_job(browser, web_server, nc):
+    async with FakeCoordinator(nc, frame_delay=0.05) as coordinator:
+        page, _ = await open_page(browser, web_server)
+        await page.fill("#digits", "2,2")
+        await page.fill("#steps", "500")
+        await page.click("#generate")
+        running = page.locator(".job[data-state=running]")
+        await running.wait_for(timeout=30_000)
+        job_id = await running.get_attribute("data-job-id")
+        await page.close()
+        await wait_until(lambda: job_id in coordinator.cancelled, timeout=20, what="the cancel from the closed page")
+
+
+# ---------------------------------------------------------------- end to end, real local fleet
+
+
+def _shipped(directory: Path) -> bool:
+    return all((directory / f).exists() for f in ("expert0.safetensors", "expert1.safetensors",
+                                                  "router.safetensors", "partition.json"))
+
+
+@pytest.fixture
+async def real_fleet(nats_url, request):
+    """nats-server (the session's) + real expert workers + real coordinator with a real router.
+
+    Uses the shipped checkpoints when they are there (real digits), else tiny random-init experts
+    and router built from the project's own model code (noise-like images, same machinery)."""
+    from coordinator.local_fleet import LocalFleet
+
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints"
+    if _shipped(shipped):
+        fleet = LocalFleet.from_dir(shipped, nats_url=nats_url, buckets=(1, 2, 4, 8, 16))
+    else:
+        from models.router import Router
+
+        files = request.getfixturevalue("tiny_fleet_files")  # tests/web/conftest.py
+        experts, router = files["experts"], Router.load(files["router"])
+        fleet = LocalFleet(experts, router, num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url,
+                           buckets=(1, 2, 4, 8, 16))
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # spinning OpenMP threads make tiny forwards far slower on a shared 2-core box
+    try:
+        async with fleet:
+            yield fleet
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow  # ~6 s: a real fleet driven from Chromium
+async def test_real_fleet_generate_in_the_browser(browser, web_server, real_fleet, tmp_path):
+    page, errors = await open_page(browser, web_server)
+    # the fleet panel discovers both experts' real workers (backend and device from their metadata)
+    await page.wait_for_function("document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
+    assert await page.locator("#fleet-experts .expert[data-expert='0'] tr.worker").count() >= 1
+    assert "torch" in await page.locator("#fleet-experts").inner_text()
+    await page.wait_for_selector("#fleet-coordinator table", timeout=30_000)  # FleetStatus answered
+    await page.fill("#digits", "0,1,2,3,4,5,6,7,8,9")
+    await page.fill("#steps", "24")
+    await page.select_option("#strategy", "top1")
+    await page.click("#generate")
+    # intermediate frames reach the screen before the final images
+    await page.wait_for_function("(j => j && +j.dataset.frames >= 1)(document.querySelector('.job'))", timeout=60_000)
+    await page.screenshot(path=str(tmp_path / "web-running.png"), full_page=True)
+    # ... and the final images arrive
+    done = page.locator(".job[data-state=done]")
+    await done.wait_for(timeout=120_000)
+    assert int(await done.get_attribute("data-frames")) >= 1
+    assert 1 <= int(await done.get_attribute("data-first-step")) < 24  # a partly denoised frame was drawn
+    canvases = done.locator(".tile canvas")
+    assert await canvases.count() == 10
+    assert await canvases.evaluate_all("cs => cs.every(c => c.dataset.final === '1')")
+    experts = await canvases.evaluate_all("cs => cs.map(c => c.dataset.expert)")
+    assert set(experts) <= {"0", "1"}, experts  # top-1: one expert per tile, outlined in its colour
+    # the canvas holds a real image (not all one grey level)
+    spread = await canvases.first.evaluate(
+        "c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        " let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        " return hi - lo; }")
+    assert spread > 0
+    await page.screenshot(path=str(tmp_path / "web-done.png"), full_page=True)
+    if os.environ.get("DDM_WEB_DOCS_SHOT"):  # refresh docs/web.png: DDM_WEB_DOCS_SHOT=1 pytest ...
+        await page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False)
+    # the full ensemble: every step mixes both experts -> tiles outlined as "several" (-1)
+    await page.fill("#digits", "2,7")
+    await page.fill("#steps", "6")
+    await page.select_option("#strategy", "full")
+    await page.click("#generate")
+    await page.wait_for_function("document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000)
+    newest = page.locator(".job").first  # new jobs go on top
+    assert await newest.locator(".tile canvas").evaluate_all("cs => cs.map(c => c.dataset.expert)") == ["-1", "-1"]
+    assert await newest.locator(".bars").first.locator("span").count() == 2  # one weight bar per expert
+    if os.environ.get("DDM_WEB_SHOT_DIR"):
+        await page.screenshot(path=os.path.join(os.environ["DDM_WEB_SHOT_DIR"], "web-real.png"), full_page=True)
+    assert errors == [], errors
+    await page.close()

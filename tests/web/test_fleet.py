@@ -1,0 +1,71 @@
+"""Fleet panel data: NATS micro discovery (several replies collected), rates from STATS,
+the coordinator's FLEET_STATUS, and workers leaving. Real nats-server, real nats.micro services."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from web.app import WebConfig, create_app
+from web.fleet import FleetMonitor, gather_replies
+from tests.web.fakes import FakeCoordinator, FakeWorkerService
+
+
+async def test_gather_replies_collects_every_service(nc):
+    async with FakeWorkerService(nc, 0, "torch", "cpu") as a, FakeWorkerService(nc, 1, "jax", "cpu") as b:
+        replies = await gather_replies(nc, "$SRV.PING.ddm-expert", window=0.3)
+        assert len(replies) >= 2
+        ids = {r.decode() for r in replies}
+        assert any(a.id in r for r in ids) and any(b.id in r for r in ids)
+
+
+async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
+    monitor = FleetMonitor(nc, window=0.2)
+    async with FakeCoordinator(nc, status={"active_jobs": 2, "queued_jobs": 3, "rows_per_s": 120.5,
+                                           "unavailable_experts": [1], "kind": "fleet_status"}):
+        async with FakeWorkerService(nc, 0, "torch", "cpu") as w0a, FakeWorkerService(nc, 0, "torch-xla", "xla:0") as w0b:
+            async with FakeWorkerService(nc, 1, "jax", "cuda:0") as w1:
+                snap1 = await monitor.snapshot()
+                w0a.rows += 640
+                await asyncio.sleep(0.2)  # not an ordering wait: the rate is rows over the time between snapshots
+                snap2 = await monitor.snapshot()
+            snap3 = await monitor.snapshot()  # w1 has left
+    experts = {e["expert"]: e["workers"] for e in snap2["experts"]}
+    assert {w["id"] for w in experts[0]} >= {w0a.id, w0b.id}
+    assert [w["backend"] for w in experts[1] if w["id"] == w1.id] == ["jax"]
+    row = next(w for w in experts[0] if w["id"] == w0a.id)
+    assert row["device"] == "cpu" and row["host"] == "testhost" and row["rate_unit"] == "rows/s"
+    assert row["rows"] == 640 and 640 / 2 < row["rows_per_s"] < 640 / 0.2 + 1  # 640 rows over ~0.4 s
+    first = next(w for e in snap1["experts"] for w in e["workers"] if w["id"] == w0a.id)
+    assert first["rows_per_s"] is None  # one snapshot is not a rate yet
+    assert snap2["coordinator"] == {"active_jobs": 2, "queued_jobs": 3, "rows_per_s": 120.5, "unavailable_experts": [1]}
+    assert w1.id not in {w["id"] for e in snap3["experts"] for w in e["workers"]}
+    assert w0a.id in {w["id"] for e in snap3["experts"] for w in e["workers"]}
+
+
+async def test_no_coordinator_means_null_status(nc):
+    snap = await FleetMonitor(nc, window=0.1, status_timeout=0.2).snapshot()
+    assert snap["coordinator"] is None and snap["type"] == "fleet"
+
+
+async def test_sockets_and_api_get_periodic_fleet_snapshots(aiohttp_client, nats_url, nc):
+    app = create_app(WebConfig(nats_url=nats_url, fleet_interval=0.2, discovery_window=0.1))
+    client = await aiohttp_client(app)
+    async with FakeWorkerService(nc, 3, "torch", "cpu") as w:
+        ws = await client.ws_connect("/ws")
+        for _ in range(30):
+            msg = await ws.receive_json(timeout=20)
+            if msg["type"] == "fleet" and any(e["expert"] == 3 for e in msg["experts"]):
+                break
+        else:
+            pytest.fail("no fleet snapshot listing the worker")
+        api = await (await client.get("/api/fleet")).json()
+        assert any(wk["id"] == w.id for e in api["experts"] for wk in e["workers"])
+    for _ in range(30):  # after the worker stops, a later snapshot no longer lists it
+        msg = await ws.receive_json(timeout=20)
+        if msg["type"] == "fleet" and not any(e["expert"] == 3 for e in msg["experts"]):
+            break
+    else:
+        pytest.fail("the stopped worker stayed in the fleet panel")
+    await ws.close()

@@ -1,0 +1,110 @@
+"""Pure units of the web viewer: parsing page messages, encoding tiles, the outbox."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from schemas import MAX_JOB_IMAGES, ErrorCode, FailedEvent, FrameEvent
+from web.frames import event_message, tiles_b64, to_uint8
+from web.protocol import BadInput, Cancel, Generate, Ping, parse_client_message, parse_digits
+from web.session import Outbox
+
+
+@pytest.mark.parametrize("text, digits", [("3,7,7", [3, 7, 7]), (" 0 9 ; 5 ", [0, 9, 5]), ("4", [4]),
+                                          ([1, 2], [1, 2])])
+def test_parse_digits_accepts(text, digits):
+    assert parse_digits(text) == digits
+
+
+@pytest.mark.parametrize("value, fragment", [("", "at least one digit"), ("3,a", "'a' is not a digit"),
+                                             ("10", "'10' is not a digit"), ("-1", "'-1' is not a digit"),
+                                             ([1, True], "integers 0-9"), ([11], "integers 0-9"),
+                                             (3, "string like")])
+def test_parse_digits_refuses_with_a_reason(value, fragment):
+    with pytest.raises(BadInput) as err:
+        parse_digits(value)
+    assert fragment in str(err.value)
+
+
+def test_generate_builds_a_schema_job_request():
+    cmd = parse_client_message(json.dumps({"type": "generate", "digits": "1,2", "steps": 12, "strategy": "full",
+                                           "solver": "heun", "seed": 3, "ref": "r1"}))
+    assert isinstance(cmd, Generate) and cmd.ref == "r1"
+    r = cmd.request
+    assert (r.digits, r.steps, r.strategy, r.solver, r.seed, r.job_id) == ([1, 2], 12, "full", "heun", 3, None)
+    assert r.n_images == 2
+    big = parse_client_message(json.dumps({"type": "generate", "count": 1, "seed": "9223372036854775807"})).request
+    assert big.seed == 2**63 - 1  # seeds come as text from the page; exact past 2**53
+    with pytest.raises(BadInput, match="seed"):
+        parse_client_message(json.dumps({"type": "generate", "count": 1, "seed": "9223372036854775808"}))
+    with pytest.raises(BadInput, match="seed"):
+        parse_client_message(json.dumps({"type": "generate", "count": 1, "seed": "12ab"}))
+
+
+def test_empty_fields_fall_back_to_defaults_and_limits_are_the_schemas():
+    r = parse_client_message(json.dumps({"type": "generate", "digits": "", "count": 5, "steps": None})).request
+    assert r.count == 5 and r.digits is None and r.steps == 40
+    with pytest.raises(BadInput) as err:
+        parse_client_message(json.dumps({"type": "generate", "count": MAX_JOB_IMAGES + 1}))
+    assert f"less than or equal to {MAX_JOB_IMAGES}" in str(err.value)
+
+
+def test_other_messages_and_refs():
+    assert parse_client_message('{"type": "ping", "ref": 4}') == Ping(4)
+    assert parse_client_message('{"type": "cancel", "job_id": "web1"}') == Cancel("web1")
+    with pytest.raises(BadInput, match="ref must be"):
+        parse_client_message(json.dumps({"type": "ping", "ref": {"a": 1}}))
+    with pytest.raises(BadInput, match="malformed JSON"):
+        parse_client_message("[" * 100_000)  # deep nesting is an error message, not a crash
+    with pytest.raises(BadInput) as err:
+        parse_client_message('{"type": "generate", "digits": "x", "ref": 7}')
+    assert err.value.ref == 7  # errors carry the ref so the page can match them
+
+
+def test_to_uint8_maps_range_and_survives_non_finite():
+    x = np.array([-1.0, 0.0, 1.0, 5.0, np.nan, np.inf, -np.inf, -3.0], np.float32).reshape(1, 1, 2, 4)
+    assert to_uint8(x).tolist() == [[[0, 128, 255, 255], [0, 255, 0, 0]]]
+    with pytest.raises(ValueError, match="N, C, H, W"):
+        to_uint8(np.zeros((2, 32, 32)))
+
+
+def test_tiles_are_raw_gray_bytes_per_image():
+    x = np.stack([np.full((1, 32, 32), -1.0), np.full((1, 32, 32), 1.0)]).astype(np.float16)
+    tiles = tiles_b64(x)
+    assert [set(base64.b64decode(t)) for t in tiles] == [{0}, {255}]
+    assert all(len(base64.b64decode(t)) == 1024 for t in tiles)
+
+
+def test_event_messages():
+    ev = FrameEvent(job_id="j1", step=3, steps=10, t=0.3, x=np.zeros((2, 1, 32, 32), np.float16),
+                    experts=[0, -1], weights=np.array([[0.12345, 0.87655], [0.5, 0.5]], np.float32))
+    msg = event_message(ev)
+    assert msg["type"] == "frame" and msg["size"] == [32, 32] and len(msg["tiles"]) == 2
+    assert msg["weights"][0] == [0.123, 0.877] and msg["experts"] == [0, -1]
+    fail = event_message(FailedEvent(job_id="j1", code=ErrorCode.UNAVAILABLE, reason="expert 1 gone"))
+    assert fail == {"type": "failed", "job_id": "j1", "code": "unavailable", "reason": "expert 1 gone"}
+    with pytest.raises(TypeError):
+        event_message(object())
+
+
+async def test_outbox_coalesces_frames_and_keeps_order():
+    box = Outbox()
+    box.put({"n": 1})
+    box.put_latest("a", "a1")
+    box.put_latest("b", "b1")
+    box.put_latest("a", "a2")  # replaces a1, keeps a's place before b
+    box.put({"n": 2})
+    box.put_latest("c", "c1")
+    box.drop("c")
+    got = [await box.get() for _ in range(4)]
+    assert got == [("msg", {"n": 1}), ("latest", "a2"), ("latest", "b1"), ("msg", {"n": 2})]
+    waiter = asyncio.ensure_future(box.get())
+    await asyncio.sleep(0.01)  # a chance to (wrongly) complete: there is no event for 'nothing happened'
+    assert not waiter.done()  # dropped 'c' is skipped; nothing else queued
+    box.close()
+    assert await waiter is None

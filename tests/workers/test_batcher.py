@@ -1,0 +1,233 @@
+"""workers.batcher: coalescing, bucket padding, chunking, deadlines, failures, loop stays free.
+
+The model here is a plain numpy function (a fake is fine for this pure unit): v = 2x + t + y,
+so every output row proves which input row it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from workers.batcher import (
+    Batcher,
+    BatcherClosed,
+    DeadlineExceeded,
+    ModelError,
+    bucket_for,
+    pad_rows,
+    parse_buckets,
+    plan_buckets,
+)
+from tests.waiting import wait_until
+
+
+class RecordingModel:
+    """v = 2 x + t + y per row; records the batch sizes it saw; optional delay and failure."""
+
+    def __init__(self, delay: float = 0.0):
+        self.calls: list[int] = []
+        self.delay = delay
+        self.fail_next = False
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()  # set when a forward pass has started (before the gate)
+
+    def __call__(self, x, t, y):
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(5)
+        if self.delay:
+            time.sleep(self.delay)
+        self.calls.append(x.shape[0])
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        return 2 * x + t[:, None, None, None] + y[:, None, None, None].astype(np.float32)
+
+
+def rows(n: int, start: float = 0.0):
+    x = (np.arange(n, dtype=np.float32)[:, None, None, None] + start) * np.ones((1, 1, 2, 2), np.float32)
+    return x, np.full(n, 0.5, np.float32), np.arange(n, dtype=np.int64) % 10
+
+
+def expected(x, t, y):
+    return 2 * x + t[:, None, None, None] + y[:, None, None, None]
+
+
+def test_parse_and_plan_buckets():
+    assert parse_buckets("8, 1,2,2,4") == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_buckets("1,two")
+    with pytest.raises(ValueError, match="positive"):
+        parse_buckets([0, 4])
+    assert plan_buckets((1, 2, 4, 8, 16), 6) == ((1, 2, 4, 8), 6)
+    assert plan_buckets((1, 2, 4), None) == ((1, 2, 4), 4)
+    with pytest.raises(ValueError, match="larger than the largest bucket"):
+        plan_buckets((1, 2, 4), 5)
+    assert bucket_for(3, (1, 2, 4, 8)) == 4 and bucket_for(8, (1, 2, 4, 8)) == 8
+    a = np.ones((3, 2), np.float32)
+    p = pad_rows(a, 4)
+    assert p.shape == (4, 2) and (p[3] == 0).all() and pad_rows(a, 3) is a
+
+
+async def test_single_request_padded_to_bucket_and_unpadded_back():
+    model = RecordingModel()
+    b = Batcher(model, buckets=(1, 2, 4, 8))
+    await b.start()
+    x, t, y = rows(3)
+    result = await b.submit(x, t, y)
+    await b.close()
+    assert model.calls == [4]
+    assert result.velocity.shape == (3, 1, 2, 2)
+    np.testing.assert_array_equal(result.velocity, expected(x, t, y))
+    assert result.info.rows == 3 and result.info.bucket == 4
+
+
+async def test_requests_arriving_while_busy_are_coalesced_into_one_pass():
+    model = RecordingModel()
+    model.gate = threading.Event()  # hold the first pass until the others are queued
+    b = Batcher(model, buckets=(1, 2, 4, 8, 16), max_batch=16)
+    await b.start()
+    first = b.submit(*rows(1))
+    await wait_until(model.entered.is_set, what="the first pass to block in the executor")
+    parts = [rows(n, start=10 * i) for i, n in enumerate((2, 3, 4))]
+    futs = [b.submit(*p) for p in parts]
+    model.gate.set()
+    results = await asyncio.gather(first, *futs)
+    await b.close()
+    assert model.calls == [1, 16]  # 2+3+4 = 9 rows -> one pass padded to 16
+    for p, r in zip(parts, results[1:]):
+        np.testing.assert_array_equal(r.velocity, expected(*p))
+        assert r.info.rows == 9 and r.info.bucket == 16
+
+
+async def test_max_batch_limits_coalescing():
+    model = RecordingModel()
+    model.gate = threading.Event()
+    b = Batcher(model, buckets=(1, 2, 4, 8), max_batch=4)
+    await b.start()
+    first = b.submit(*rows(1))
+    await wait_until(model.entered.is_set, what="the first pass to block in the executor")
+    futs = [b.submit(*rows(3)), b.submit(*rows(2)), b.submit(*rows(2))]
+    model.gate.set()
+    await asyncio.gather(first, *futs)
+    await b.close()
+    assert model.calls == [1, 4, 4]  # 3 | 2+2 (never 7 in one pass)
+
+
+async def test_request_larger_than_max_batch_is_split_into_chunks():
+    model = RecordingModel()
+    b = Batcher(model, buckets=(1, 2, 4, 8))
+    await b.start()
+    x, t, y = rows(19)
+    result = await b.submit(x, t, y)
+    await b.close()
+    assert model.calls == [8, 8, 4]  # 8 + 8 + 3 (padded to 4)
+    np.testing.assert_array_equal(result.velocity, expected(x, t, y))
+
+
+async def test_expired_requests_are_not_computed():
+    model = RecordingModel()
+    model.gate = threading.Event()
+    b = Batcher(model, buckets=(1, 2, 4, 8))
+    await b.start()
+    first = b.submit(*rows(1))
+    await wait_until(model.entered.is_set, what="the first pass to block in the executor")
+    late = b.submit(*rows(2), deadline=time.time() + 0.01)
+    fine = b.submit(*rows(3), deadline=time.time() + 60)
+    await asyncio.sleep(0.05)  # the thing under test: the first deadline expires while the model is busy
+    model.gate.set()
+    with pytest.raises(DeadlineExceeded):
+        await late
+    assert (await fine).velocity.shape[0] == 3
+    await first
+    await b.close()
+    assert model.calls == [1, 4]  # the expired 2 rows never reached the model
+
+
+async def test_model_failure_fails_that_batch_only():
+    model = RecordingModel()
+    b = Batcher(model, buckets=(1, 2, 4))
+    await b.start()
+    model.fail_next = True
+    with pytest.raises(ModelError, match="boom"):
+        await b.submit(*rows(2))
+    ok = await b.submit(*rows(2))
+    await b.close()
+    assert ok.velocity.shape[0] == 2
+
+
+async def test_close_finishes_queued_work_then_refuses_new():
+    model = RecordingModel(delay=0.05)
+    b = Batcher(model, buckets=(1, 2), max_batch=2)
+    await b.start()
+    futs = [b.submit(*rows(2)) for _ in range(4)]
+    await b.close()
+    assert all(f.done() and not f.exception() for f in futs)
+    with pytest.raises(BatcherClosed):
+        b.submit(*rows(1))
+
+
+async def test_event_loop_keeps_running_during_a_forward_pass():
+    model = RecordingModel(delay=0.4)
+    b = Batcher(model, buckets=(1,))
+    await b.start()
+    fut = b.submit(*rows(1))
+    ticks = 0
+    while not fut.done():
+        await asyncio.sleep(0.01)  # the thing under test: the loop keeps ticking during the pass
+        ticks += 1
+    await b.close()
+    assert ticks >= 10  # the loop ran ~40 times while the model slept in its thread
+
+
+async def test_observer_sees_rows_and_bucket():
+    seen = []
+    b = Batcher(RecordingModel(), buckets=(1, 2, 4), observer=lambda r, k, s: seen.append((r, k)))
+    await b.start()
+    await b.submit(*rows(3))
+    await b.close()
+    assert seen == [(3, 4)]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=12),
+    buckets=st.sets(st.sampled_from([1, 2, 3, 4, 8, 16]), min_size=1, max_size=6),
+    stagger=st.booleans(),
+)
+def test_any_mix_of_requests_gets_exactly_its_own_rows_back(sizes, buckets, stagger):
+    """Property: whatever the sizes and arrival pattern, each request gets model(its rows) and
+    every forward pass has a bucket's size."""
+    model = RecordingModel()
+
+    async def scenario():
+        b = Batcher(model, buckets=sorted(buckets))
+        await b.start()
+        inputs, futs = [], []
+        for i, n in enumerate(sizes):
+            p = rows(n, start=100 * i)
+            inputs.append(p)
+            futs.append(b.submit(*p))
+            if stagger and i % 3 == 0:
+                await asyncio.sleep(0)
+        results = await asyncio.gather(*futs)
+        await b.close()
+        return inputs, results
+
+    loop = asyncio.new_event_loop()  # a private loop: leaves pytest-asyncio's session loop alone
+    try:
+        inputs, results = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    for p, r in zip(inputs, results):
+        np.testing.assert_array_equal(r.velocity, expected(*p))
+    assert set(model.calls) <= set(buckets)
+    assert sum(model.calls) >= sum(sizes)

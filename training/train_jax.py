@@ -1,0 +1,359 @@
+"""Train one expert UNet with JAX/Flax on ONLY its partition's images (single device or data parallel).
+
+Entry point: `train(args)` (called by `ddm-fleet train-expert --backend jax`). Same run definition as the
+torch trainer (`training.train_torch.TrainConfig`, same flags, same data, same schedules):
+
+    batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
+    loss = flow-matching MSE (models/flow.py: x_t = (1-t) noise + t x, target v = x - noise)
+    optax: clip_by_global_norm(grad_clip) -> AdamW(b1=0.9, b2=0.99) with warmup + cosine LR (`lr_at`)
+    EMA of the params (what is saved), one jit-compiled step (loss, grads, update, EMA)
+
+Data parallel: with several JAX devices (`--devices N`, default all that the default backend has) the step
+runs SPMD over a 1-D `Mesh(devices, ("data",))`: params, optimizer state and EMA replicated
+(`NamedSharding(mesh, P())`), the global batch split on its first axis (`P("data")`); XLA inserts the
+gradient all-reduce. The result is the same step as on one device (up to float summation order), so
+`--batch-size` is always the global batch. Try it on a CPU with
+`XLA_FLAGS=--xla_force_host_platform_device_count=2`.
+
+Every `--save-every` steps and at the end it writes the shipping checkpoint (`--out`, EMA weights under
+torch state_dict names, models/checkpoint.py format: a torch or flax worker loads it alike) and a resume
+file `<run-dir>/resume_jax.msgpack` (flax.serialization msgpack: params, optimizer state, EMA, step, loss
+history, numpy RNG state), so an interrupted run is usable and `--resume` continues it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from training.train_torch import TrainConfig, config_from_args, load_expert_data, lr_at
+
+log = logging.getLogger(__name__)
+
+RESUME_NAME = "resume_jax.msgpack"
+
+
+class TrainState(NamedTuple):
+    """Everything the jitted step carries (a pytree). step: int32 scalar array."""
+
+    step: Any
+    params: Any
+    opt_state: Any
+    ema: Any
+
+
+def make_optimizer(cfg: TrainConfig):
+    """optax part of the torch trainer's update: global-norm clip, then Adam moments (b1=0.9, b2=0.99).
+
+    The learning rate (`lr_at(step)`, computed on the host like the torch trainer does) and the decoupled
+    weight decay are applied in the step: p <- p - lr * (adam + weight_decay * p), which is torch AdamW.
+    Keeping lr a step argument keeps the compiled step independent of --steps/--warmup/--lr.
+    """
+    import optax
+
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.scale_by_adam(b1=0.9, b2=0.99, eps=1e-8))
+
+
+def initial_params(cfg: TrainConfig) -> dict:
+    """Seeded initial weights: the torch UNet's init for `cfg.seed`, mapped 1:1 into the flax tree.
+
+    So `--seed S` starts the torch and the JAX trainer from the same weights, and no XLA compile is spent
+    on the initialisers (on a CPU, compiling flax's `init` costs as much as compiling the train step).
+    """
+    import torch
+
+    from models.checkpoint import torch_state_to_numpy, torch_to_flax_params
+    from models.config import UNetConfig
+    from models.unet_torch import UNet
+
+    ucfg = UNetConfig(widths=cfg.widths)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        state = torch_state_to_numpy(UNet(ucfg).state_dict())
+    return torch_to_flax_params(state, ucfg)
+
+
+def init_state(cfg: TrainConfig, tx) -> TrainState:
+    """Fresh params (`initial_params`), optimizer state and EMA (= params) on the default device."""
+    import jax
+    import jax.numpy as jnp
+
+    params = jax.tree_util.tree_map(jnp.asarray, initial_params(cfg))
+    ema = jax.tree_util.tree_map(jnp.copy, params)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), ema)
+
+
+def flow_loss(model, params, x, y, key):
+    """Flow-matching MSE of `model.apply(params, x_t, t, y)` on a data batch x [B,C,H,W], y [B] (scalar).
+
+    noise ~ N(0, 1) and t ~ U[0, 1) are drawn from `key` for the GLOBAL batch shape, so the values do not
+    depend on how the batch is sharded across devices.
+    """
+    import jax
+
+    from models.flow import interpolate, mse, target_velocity
+
+    k_noise, k_t = jax.random.split(key)
+    noise = jax.random.normal(k_noise, x.shape, x.dtype)
+    t = jax.random.uniform(k_t, (x.shape[0],), x.dtype)
+    v_pred = model.apply({"params": params}, interpolate(x, noise, t), t, y)
+    return mse(v_pred.astype("float32"), target_velocity(x, noise))
+
+
+def make_step_fn(cfg: TrainConfig, tx):
+    """Un-jitted step `(state, x [B,C,H,W], y [B], key, lr) -> (state, loss)`: grads, AdamW update, EMA."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import UNetConfig
+    from models.unet_flax import UNet
+
+    model = UNet(UNetConfig(widths=cfg.widths))
+    wd, ema_max = cfg.weight_decay, cfg.ema_decay
+
+    def step_fn(state: TrainState, x, y, key, lr):
+        key = jax.random.fold_in(key, state.step)  # same noise for a step whatever the sharding / resume
+        loss, grads = jax.value_and_grad(lambda p: flow_loss(model, p, x, y, key))(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.tree_util.tree_map(lambda p, u: p - lr * (u + wd * p), state.params, updates)
+        s = state.step.astype(jnp.float32)
+        decay = jnp.minimum(ema_max, (1 + s) / (10 + s))  # == train_torch.ema_decay_at(step, ema_decay)
+        ema = jax.tree_util.tree_map(lambda e, p: e + (1 - decay) * (p - e), state.ema, params)
+        return TrainState(state.step + 1, params, opt_state, ema), loss
+
+    return step_fn
+
+
+class Placement(NamedTuple):
+    """Where arrays live: `devices` used, replicated / batch-split shardings (None on one device)."""
+
+    devices: tuple
+    replicated: Any
+    batch: Any
+
+    @property
+    def n(self) -> int:
+        return len(self.devices)
+
+
+def make_placement(devices: int, batch_size: int) -> Placement:
+    """Pick the first `devices` JAX devices (0 = all) and build the data-parallel mesh over them."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    avail = jax.devices()
+    if devices < 0 or devices > len(avail):
+        raise ValueError(f"--devices {devices}: JAX sees {len(avail)} {avail[0].platform} device(s) "
+                         f"(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
+    use = tuple(avail[: devices or len(avail)])
+    if batch_size % len(use):
+        raise ValueError(f"--batch-size {batch_size} must be divisible by the {len(use)} devices used "
+                         f"(set --devices or the batch size)")
+    if len(use) == 1:
+        return Placement(use, None, None)
+    mesh = Mesh(np.array(use), ("data",))
+    return Placement(use, NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_step(widths: tuple, weight_decay: float, ema_decay: float, grad_clip: float, place: Placement):
+    """One jitted step per (model, update rule, placement): reused across runs in a process (no recompile).
+
+    Several devices: state, key and lr replicated, x and y split on the batch axis, loss replicated.
+    """
+    import jax
+
+    cfg = TrainConfig(expert=0, partition="", widths=widths, weight_decay=weight_decay, ema_decay=ema_decay,
+                      grad_clip=grad_clip)
+    step_fn = make_step_fn(cfg, make_optimizer(cfg))
+    if place.n == 1:
+        return jax.jit(step_fn, donate_argnums=0)
+    r, b = place.replicated, place.batch
+    return jax.jit(step_fn, in_shardings=(r, b, b, r, r), out_shardings=(r, r), donate_argnums=0)
+
+
+def jit_step(cfg: TrainConfig, place: Placement):
+    """The compiled `(state, x, y, key, lr) -> (state, loss)` for this run's config and devices."""
+    return _jitted_step(tuple(cfg.widths), cfg.weight_decay, cfg.ema_decay, cfg.grad_clip, place)
+
+
+def put_state(state, place: Placement):
+    import jax
+
+    return jax.device_put(state, place.replicated if place.n > 1 else place.devices[0])
+
+
+def put_batch(x: np.ndarray, y: np.ndarray, place: Placement):
+    import jax
+
+    target = place.batch if place.n > 1 else place.devices[0]
+    return jax.device_put(x, target), jax.device_put(y, target)
+
+
+# ----------------------------------------------------------------------------------------------- resume
+def save_resume(path: Path, state: TrainState, meta: dict) -> None:
+    """msgpack (flax.serialization) of the state's arrays + a JSON string of the rest; atomic rename."""
+    import jax
+    from flax import serialization
+
+    arrays = serialization.to_state_dict(jax.device_get(state._asdict()))
+    blob = serialization.msgpack_serialize({"arrays": arrays, "meta": json.dumps(meta)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(path)
+
+
+def load_resume(path: Path, template: TrainState) -> tuple[TrainState, dict]:
+    """Inverse of `save_resume`; `template` (a fresh state) gives the tree structure."""
+    from flax import serialization
+
+    if not path.exists():
+        raise FileNotFoundError(f"--resume: {path} does not exist (start without --resume)")
+    raw = serialization.msgpack_restore(path.read_bytes())
+    meta = json.loads(raw["meta"])
+    try:
+        restored = serialization.from_state_dict(template._asdict(), raw["arrays"])
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"--resume: {path} does not fit this model ({e})") from None
+    return TrainState(**restored), meta
+
+
+# ------------------------------------------------------------------------------------------------- loop
+def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, partition_info: dict,
+                 resume: bool = False, progress: bool = True, devices: int = 0) -> dict:
+    """Run the training loop; returns the training stats written into the checkpoint JSON.
+
+    images float32 [N,1,32,32] in [-1,1], labels int64 [N]: the expert's own data only.
+    devices: how many JAX devices to train on data-parallel (0 = all of the default backend's).
+    """
+    import jax
+    from tqdm import tqdm
+
+    from models.checkpoint import flax_to_torch_state, save_checkpoint
+    from models.config import UNetConfig
+    from models.unet_flax import count_params
+
+    place = make_placement(devices, cfg.batch_size)
+    ucfg = UNetConfig(widths=cfg.widths)
+    tx = make_optimizer(cfg)
+    state = init_state(cfg, tx)
+    run_dir = Path(cfg.run_dir)
+    resume_path = run_dir / RESUME_NAME
+    wall_before, history = 0.0, []
+    rng = np.random.default_rng(cfg.seed)
+    if resume:
+        state, rmeta = load_resume(resume_path, state)
+        if tuple(rmeta["widths"]) != tuple(cfg.widths) or rmeta["expert"] != cfg.expert:
+            raise ValueError(f"--resume: {resume_path} is for expert {rmeta['expert']} widths {rmeta['widths']}, "
+                             f"not expert {cfg.expert} widths {list(cfg.widths)}")
+        wall_before, history = rmeta["wall_s"], rmeta["history"]
+        rng.bit_generator.state = rmeta["np_rng"]
+        log.info("resumed from %s at step %d", resume_path, int(state.step))
+    step = int(state.step)
+    n_params = count_params(state.params)
+    state = put_state(state, place)
+    train_step = jit_step(cfg, place)
+    base_key = jax.random.PRNGKey(cfg.seed + 1)
+
+    def save(final: bool) -> dict:
+        recent = [h["loss"] for h in history[-5:]]
+        stats = {
+            "backend": "jax", "device": f"{place.devices[0].platform} x{place.n}", "data_parallel": place.n,
+            "steps": step, "images_seen": step * cfg.batch_size,
+            "wall_s": round(wall_before + (time.time() - t_start), 1),
+            "final_loss": round(float(np.mean(recent)), 5) if recent else None,
+            "loss_history": history, "complete": final and step >= cfg.steps,
+            "params": n_params, "jax": jax.__version__,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        }
+        host = jax.device_get(state)
+        meta = {"config": ucfg.to_dict(), "expert_id": cfg.expert, "partition": partition_info, "training": stats,
+                "weights": "ema"}
+        save_checkpoint(cfg.out, flax_to_torch_state(host.ema), meta, dtype=cfg.save_dtype)
+        save_resume(resume_path, host, {"step": step, "wall_s": stats["wall_s"], "history": history,
+                                        "np_rng": rng.bit_generator.state, "widths": list(cfg.widths),
+                                        "expert": cfg.expert})
+        return stats
+
+    n = len(images)
+    per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
+    labels = labels.astype(np.int32)
+    perm, pos = rng.permutation(n), 0
+    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"expert{cfg.expert} jax x{place.n}",
+               unit="step", dynamic_ncols=True, mininterval=2.0)
+    t_start = time.time()
+    window_loss, window_n, window_t = 0.0, 0, time.time()
+    smooth = None
+    pending = None  # the previous step's loss, read after the next step is dispatched (keeps the device busy)
+
+    def account(loss_arr, at_step: int) -> None:
+        nonlocal smooth, window_loss, window_n, window_t
+        lv = float(loss_arr)
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"loss became {lv} at step {at_step}; lower --lr")
+        smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
+        window_loss, window_n = window_loss + lv, window_n + 1
+        bar.update(1)
+        if at_step % 10 == 0:
+            bar.set_postfix(loss=f"{smooth:.4f}", lr=f"{lr_at(at_step, cfg):.1e}",
+                            img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}")
+        if at_step % cfg.log_every == 0 or at_step == cfg.steps:
+            ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
+            history.append({"step": at_step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
+            if not progress or at_step % (5 * cfg.log_every) == 0:
+                log.info("expert%d step %d loss %.4f %.0f img/s", cfg.expert, at_step, window_loss / window_n, ips)
+            window_loss, window_n, window_t = 0.0, 0, time.time()
+
+    while step < cfg.steps:
+        if pos + cfg.batch_size > per_epoch * cfg.batch_size:
+            perm, pos = rng.permutation(n), 0
+        idx = perm[pos: pos + cfg.batch_size]
+        pos += cfg.batch_size
+        x, y = put_batch(images[idx], labels[idx], place)
+        state, loss = train_step(state, x, y, base_key, np.float32(lr_at(step, cfg)))
+        step += 1
+        if pending is not None:
+            account(*pending)
+        pending = (loss, step)
+        if step % cfg.save_every == 0 and step < cfg.steps:
+            account(*pending)
+            pending = None
+            save(final=False)
+    if pending is not None:
+        account(*pending)
+    bar.close()
+    return save(final=True)
+
+
+def train(args: argparse.Namespace) -> int:
+    """CLI entry for `ddm-fleet train-expert --backend jax`."""
+    import jax
+
+    cfg = config_from_args(args)
+    devices = int(getattr(args, "devices", 0) or 0)
+    if cfg.device != "cpu":
+        log.warning("--device %s is for the torch backend; jax trains on its default platform (%s), "
+                    "choose it with JAX_PLATFORMS", cfg.device, jax.default_backend())
+    if cfg.bf16:
+        log.warning("--bf16 is ignored by the jax backend (fp32 training)")
+    images, labels, info = load_expert_data(cfg)
+    n_dev = devices or jax.device_count()
+    print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
+          f"jax {jax.default_backend()} x{n_dev} data-parallel, widths {list(cfg.widths)}, "
+          f"{cfg.steps} steps x batch {cfg.batch_size}", flush=True)
+    stats = train_expert(cfg, images, labels, info, resume=args.resume, progress=not args.no_progress,
+                         devices=devices)
+    print(f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
+          f"{stats['wall_s']} s", flush=True)
+    return 0

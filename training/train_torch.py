@@ -1,0 +1,339 @@
+"""Train one expert UNet with PyTorch (CPU, CUDA or torch_xla) on ONLY its partition's images.
+
+Entry point: `train(args)` (called by `ddm-fleet train-expert --backend torch`). The loop:
+
+    batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
+    loss = flow-matching MSE (models/flow.py), AdamW, warmup + cosine LR, grad-norm clip 1.0
+    EMA of the weights (what is saved), bf16 autocast optional, channels_last on CPU
+
+Every `--save-every` steps and at the end it writes the shipping checkpoint (`--out`, EMA weights,
+models/checkpoint.py format) and a resume file (`<run-dir>/resume.pt`: model, EMA, optimizer, step,
+loss history, RNG state), so an interrupted run is usable and `--resume` continues it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run (stored in the checkpoint JSON under `training.config`)."""
+
+    expert: int
+    partition: str
+    widths: tuple[int, ...] = (32, 64, 128)
+    steps: int = 2000
+    batch_size: int = 128
+    lr: float = 1e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    ema_decay: float = 0.999
+    grad_clip: float = 1.0
+    bf16: bool = False
+    device: str = "cpu"
+    seed: int = 0
+    out: str = ""
+    run_dir: str = ""
+    save_every: int = 250
+    log_every: int = 50  # steps per loss_history entry
+    save_dtype: str = "float16"
+    threads: int = 0
+    data_dir: str | None = None
+    limit: int | None = None  # use only the first N images of the partition (tests, smoke runs)
+
+    def __post_init__(self) -> None:
+        self.widths = tuple(self.widths)
+        if not self.out:
+            self.out = f"checkpoints/expert{self.expert}"
+        if not self.run_dir:
+            self.run_dir = f"runs/expert{self.expert}"
+        for name in ("steps", "batch_size", "save_every", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.device not in ("cpu", "cuda", "xla") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be cpu, cuda[:N] or xla, got {self.device!r}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over cfg.warmup steps, then cosine decay to min_lr_ratio * lr at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def ema_decay_at(step: int, decay: float) -> float:
+    """EMA decay with a warm start, so short runs are not dominated by the random init."""
+    return min(decay, (1 + step) / (10 + step))
+
+
+def load_expert_data(cfg: TrainConfig):
+    """-> (images float32 [N,1,32,32] in [-1,1], labels int64 [N], partition info dict) for this expert only."""
+    from dataset.mnist import load_mnist
+    from dataset.partition import load_manifest
+
+    manifest = load_manifest(cfg.partition)
+    if not 0 <= cfg.expert < manifest.num_experts:
+        raise ValueError(f"--expert {cfg.expert} not in partition {cfg.partition} (experts 0..{manifest.num_experts - 1})")
+    part = manifest.experts[cfg.expert]
+    images, labels = load_mnist(manifest.split, cfg.data_dir)
+    if len(images) != manifest.num_images:
+        raise ValueError(f"partition {cfg.partition} indexes {manifest.num_images} {manifest.split} images "
+                         f"but the data set has {len(images)}")
+    idx = np.asarray(part.indices, dtype=np.int64)
+    if cfg.limit is not None:
+        idx = idx[: cfg.limit]
+    if len(idx) < cfg.batch_size:
+        raise ValueError(f"expert {cfg.expert} has {len(idx)} images, fewer than --batch-size {cfg.batch_size}")
+    info = {"file": str(cfg.partition), "method": manifest.method, "seed": manifest.seed, "split": manifest.split,
+            "classes": list(part.classes), "num_images": int(len(idx)),
+            "class_counts": np.bincount(labels[idx], minlength=10).tolist()}
+    return images[idx], labels[idx], info
+
+
+class _Device:
+    """Device handling for cpu / cuda / xla: placement, autocast, step boundary."""
+
+    def __init__(self, name: str, bf16: bool):
+        import torch
+
+        self.name, self.bf16 = name, bf16
+        self.xla = name == "xla"
+        if self.xla:
+            try:
+                import torch_xla
+            except ImportError:
+                raise RuntimeError("--device xla needs torch_xla (install the '.[xla]' extra on the XLA host)") from None
+            self._torch_xla = torch_xla
+            self.device = torch_xla.device() if hasattr(torch_xla, "device") else __import__(
+                "torch_xla.core.xla_model", fromlist=["xla_device"]).xla_device()
+            self.autocast_type = "xla"
+        else:
+            if name.startswith("cuda") and not torch.cuda.is_available():
+                raise RuntimeError("--device cuda requested but torch.cuda.is_available() is False")
+            self.device = torch.device(name)
+            self.autocast_type = "cuda" if name.startswith("cuda") else "cpu"
+        self.channels_last = name == "cpu"
+        # Reading the loss back (float(loss)) waits for the GPU: on CUDA do it once per 25 steps so the
+        # host runs ahead of the device; on CPU it is free and XLA reads it after each step's graph anyway.
+        self.readback_every = 25 if self.autocast_type == "cuda" else 1
+
+    def autocast(self):
+        import contextlib
+
+        import torch
+
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast_type, dtype=torch.bfloat16)
+
+    def step_boundary(self) -> None:
+        """Cut the lazy graph once per step on XLA (one compiled graph per step)."""
+        if self.xla:
+            if hasattr(self._torch_xla, "sync"):
+                self._torch_xla.sync()
+            else:
+                import torch_xla.core.xla_model as xm
+
+                xm.mark_step()
+
+
+def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, partition_info: dict,
+                 resume: bool = False, progress: bool = True) -> dict:
+    """Run the training loop; returns the training stats written into the checkpoint JSON.
+
+    images float32 [N,1,32,32] in [-1,1], labels int64 [N]: the expert's own data only.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from models.checkpoint import save_checkpoint, torch_state_to_numpy
+    from models.flow import torch_flow_loss
+    from models.config import UNetConfig
+    from models.unet_torch import UNet, count_params
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    from training import distributed as ddp
+
+    dist_info = ddp.detect()  # torchrun: data parallel over WORLD_SIZE processes (training/distributed.py)
+    ddp.check_batch(cfg.batch_size, dist_info)
+    device = ddp.local_device(dist_info, cfg.device)
+    ddp.init(dist_info, device)
+    torch.manual_seed(cfg.seed)
+    dev = _Device(device, cfg.bf16)
+    ucfg = UNetConfig(widths=cfg.widths)
+    model = UNet(ucfg).to(dev.device)
+    if dev.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ema = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+
+    run_dir = Path(cfg.run_dir)
+    resume_path = run_dir / "resume.pt"
+    step, wall_before, history = 0, 0.0, []
+    rng = np.random.default_rng(cfg.seed)
+    if resume:
+        if not resume_path.exists():
+            raise FileNotFoundError(f"--resume: {resume_path} does not exist (start without --resume)")
+        ck = torch.load(resume_path, map_location="cpu", weights_only=False)
+        if tuple(ck["widths"]) != tuple(cfg.widths) or ck["expert"] != cfg.expert:
+            raise ValueError(f"--resume: {resume_path} is for expert {ck['expert']} widths {ck['widths']}, "
+                             f"not expert {cfg.expert} widths {list(cfg.widths)}")
+        model.load_state_dict(ck["model"])
+        with torch.no_grad():
+            for e, v in zip(ema, ck["ema"]):
+                e.copy_(v)
+        opt.load_state_dict(ck["optimizer"])
+        step, wall_before, history = ck["step"], ck["wall_s"], ck["history"]
+        rng.bit_generator.state = ck["np_rng"]
+        torch.set_rng_state(ck["torch_rng"])
+        log.info("resumed from %s at step %d", resume_path, step)
+
+    if dist_info.enabled and dist_info.rank > 0:  # own noise stream per rank (init weights come from rank 0)
+        torch.manual_seed(ddp.rank_seed(cfg.seed, dist_info.rank, step))
+    train_model = ddp.wrap(model, dist_info, device)
+    n = len(images)
+    data_x = torch.from_numpy(np.ascontiguousarray(images)).to(dev.device)
+    data_y = torch.from_numpy(labels.astype(np.int64)).to(dev.device)
+    per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
+    params = list(model.parameters())
+
+    def ema_state() -> dict:
+        sd = {k: v for k, v in model.state_dict().items()}
+        names = [k for k, _ in model.named_parameters()]
+        for k, e in zip(names, ema):
+            sd[k] = e
+        return torch_state_to_numpy(sd)
+
+    def save(final: bool, digests=None) -> dict:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recent = [h["loss"] for h in history[-5:]]
+        stats = {
+            "backend": "torch", "device": cfg.device, "steps": step, "images_seen": step * cfg.batch_size,
+            "wall_s": round(wall_before + (time.time() - t_start), 1),
+            "final_loss": round(float(np.mean(recent)), 5) if recent else None,
+            "loss_history": history, "complete": final and step >= cfg.steps,
+            "params": count_params(model), "torch": torch.__version__, "world_size": dist_info.world_size,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        }
+        if digests:
+            stats["param_digests"] = digests
+        if not dist_info.is_main:  # only rank 0 writes
+            return stats
+        meta = {"config": ucfg.to_dict(), "expert_id": cfg.expert, "partition": partition_info, "training": stats,
+                "weights": "ema"}
+        save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
+        tmp = resume_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "ema": [e.cpu() for e in ema], "optimizer": opt.state_dict(),
+                    "step": step, "wall_s": stats["wall_s"], "history": history, "np_rng": rng.bit_generator.state,
+                    "torch_rng": torch.get_rng_state(), "widths": list(cfg.widths), "expert": cfg.expert}, tmp)
+        tmp.replace(resume_path)
+        return stats
+
+    model.train()
+    t_start = time.time()
+    window_loss, window_n, window_t = 0.0, 0, time.time()
+    perm, pos = rng.permutation(n), 0
+    bar = tqdm(total=cfg.steps, initial=step, disable=not (progress and dist_info.is_main), desc=f"expert{cfg.expert}",
+               unit="step", dynamic_ncols=True, mininterval=2.0)
+    smooth = None
+    pending: list = []  # device losses not yet read back
+    while step < cfg.steps:
+        if pos + cfg.batch_size > per_epoch * cfg.batch_size:
+            perm, pos = rng.permutation(n), 0
+        idx = torch.from_numpy(ddp.shard(perm[pos: pos + cfg.batch_size], dist_info)).to(dev.device)
+        pos += cfg.batch_size
+        x, y = data_x[idx], data_y[idx]
+        if dev.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        with dev.autocast():
+            loss = torch_flow_loss(train_model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - ema_decay_at(step, cfg.ema_decay))
+        dev.step_boundary()
+        step += 1
+        bar.update(1)
+        pending.append(loss.detach())
+        if not (len(pending) >= dev.readback_every or step % cfg.log_every == 0 or step == cfg.steps
+                or step % cfg.save_every == 0):
+            continue
+        # one host<->device sync for the steps since the last read (on XLA after the step's graph ran)
+        values = torch.stack(pending).float().cpu().tolist() if len(pending) > 1 else [float(pending[0])]
+        pending.clear()
+        for lv in values:
+            lv = ddp.mean_across(lv, dist_info, dev.device)  # the global batch's loss
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"loss became {lv} by step {step}; lower --lr or disable --bf16")
+            smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
+            window_loss, window_n = window_loss + lv, window_n + 1
+        if step % 10 == 0 and smooth is not None:
+            bar.set_postfix(loss=f"{smooth:.4f}", img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
+                            lr=f"{lr_at(step, cfg):.1e}")
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
+            history.append({"step": step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
+            if dist_info.is_main and (not progress or step % (5 * cfg.log_every) == 0):
+                log.info("expert%d step %d loss %.4f %.0f img/s", cfg.expert, step, window_loss / window_n, ips)
+            window_loss, window_n, window_t = 0.0, 0, time.time()
+        if step % cfg.save_every == 0 and step < cfg.steps:
+            save(final=False)
+    bar.close()
+    digests = ddp.param_digests(params, dist_info)  # every rank must hold the same weights
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"data-parallel ranks diverged: parameter digests {digests}")
+    stats = save(final=True, digests=digests if dist_info.enabled else None)
+    ddp.shutdown(dist_info)
+    return stats
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from models.config import parse_widths
+
+    widths = parse_widths(args.widths) if isinstance(args.widths, str) else tuple(args.widths)
+    return TrainConfig(
+        expert=args.expert, partition=args.partition, widths=widths, steps=args.steps, batch_size=args.batch_size,
+        lr=args.lr, warmup=args.warmup, ema_decay=args.ema_decay, bf16=args.bf16, device=args.device,
+        seed=args.seed, out=args.out or "", run_dir=args.run_dir or "", save_every=args.save_every,
+        save_dtype=args.save_dtype, threads=args.threads, data_dir=args.data_dir, limit=args.limit,
+        log_every=getattr(args, "log_every", 50))
+
+
+def train(args: argparse.Namespace) -> int:
+    """CLI entry for `ddm-fleet train-expert --backend torch` (also under torchrun: data parallel)."""
+    from training.distributed import detect
+
+    cfg = config_from_args(args)
+    images, labels, info = load_expert_data(cfg)
+    dist_info = detect()
+    if dist_info.is_main:
+        print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
+              f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, widths {list(cfg.widths)}, "
+              f"{cfg.steps} steps x batch {cfg.batch_size}"
+              f"{f', data parallel x{dist_info.world_size}' if dist_info.enabled else ''}", flush=True)
+    stats = train_expert(cfg, images, labels, info, resume=args.resume, progress=not args.no_progress)
+    if dist_info.is_main:
+        print(f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
+              f"{stats['wall_s']} s", flush=True)
+    return 0
