@@ -377,6 +377,22 @@ def test_image_copies_every_package_and_installs_an_extra(dockerfile):
     assert "ddm-fleet --help" in text
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_every_image_has_a_health_check(dockerfile):
+    """docker run alone (no compose) still reports health: each image declares a HEALTHCHECK whose
+    command is a real probe (`ddm-fleet wait-ready` or the NATS monitoring endpoint)."""
+    text = (DOCKER_DIR / dockerfile).read_text()
+    m = re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (.+)$", text, re.M) or re.search(r"^HEALTHCHECK .*CMD (.+)$", text, re.M)
+    assert m, f"{dockerfile}: no HEALTHCHECK"
+    assert "wait-ready" in text or "/healthz" in m.group(1), m.group(1)
+
+
+def test_cpu_image_health_check_follows_its_role():
+    text = (DOCKER_DIR / "Dockerfile.cpu").read_text()
+    assert 'wait-ready 8080 --http /healthz --once' in text and "wait-ready 9478 --http /metrics --once" in text
+    assert "${DDM_HEALTHCHECK:-" in text  # another role overrides it
+
+
 def test_compose_file_runs_each_role_with_its_own_user():
     import yaml
 
