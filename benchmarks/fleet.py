@@ -178,8 +178,11 @@ def _models(args, tmpdir: str) -> dict:
 def _requests(args, c: int, tag: str):
     from schemas import JobRequest
 
+    # Each simulated client is its own session, so the coordinator's per-client quotas and fair
+    # admission see C clients (as C browser tabs would be), not one client with C x J jobs.
     return [[JobRequest(job_id=f"b{tag}{c}x{i}x{j}", count=args.images_per_job, steps=args.steps,
-                        strategy=args.strategy, solver=args.solver, seed=i * 1000 + j, stream=not args.no_stream)
+                        strategy=args.strategy, solver=args.solver, seed=i * 1000 + j, stream=not args.no_stream,
+                        session=f"bench-{i}")
              for j in range(args.jobs_per_client)] for i in range(c)]
 
 
@@ -347,6 +350,7 @@ async def _fleet(args, models) -> dict:
     import nats
 
     from bus.nats_server import NatsServer
+    from coordinator.client import client_connect_options, client_from_url
 
     buckets = _ints(args.buckets, "--buckets")
     with NatsServer() as srv:
@@ -367,7 +371,8 @@ async def _fleet(args, models) -> dict:
                 "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
-            nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1)
+            nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
+                                    **client_connect_options(client_from_url(srv.url)))
             pids = {c.name: c.pid for c in children}
             pids["nats-server"] = srv.proc.pid
             pids["bench (clients)"] = os.getpid()

@@ -53,13 +53,25 @@ _DEPRECATED_ENV_WARNED = False
 
 def default_nats_url(environ: dict[str, str] | None = None) -> str:
     """The bus URL a command uses without --nats: $NATS_URL (the variable the `nats` CLI reads), else
-    the deprecated $DDM_NATS_URL (with one warning on stderr per process), else nats://127.0.0.1:4222.
-    Either variable may hold one URL or a comma-separated list (see `nats_servers`)."""
+    the contents of the file $NATS_URL_FILE names (first non-blank line; e.g. a 0600 file or a
+    container secret, so the credentials are in neither argv nor the environment), else the
+    deprecated $DDM_NATS_URL (with one warning on stderr per process), else nats://127.0.0.1:4222.
+    Each may hold one URL or a comma-separated list (see `nats_servers`). An unreadable or empty
+    $NATS_URL_FILE exits with status 2 and a one-line error naming it."""
     global _DEPRECATED_ENV_WARNED
 
     env = os.environ if environ is None else environ
     if env.get("NATS_URL"):
         return env["NATS_URL"]
+    if env.get("NATS_URL_FILE"):
+        path = env["NATS_URL_FILE"]
+        try:
+            lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        except OSError as err:
+            raise SystemExit(f"ddm-fleet: cannot read NATS_URL_FILE {path}: {err.strerror or err}") from None
+        if not lines:
+            raise SystemExit(f"ddm-fleet: NATS_URL_FILE {path} holds no URL")
+        return lines[0]
     if env.get("DDM_NATS_URL"):
         if not _DEPRECATED_ENV_WARNED:
             _DEPRECATED_ENV_WARNED = True
@@ -69,14 +81,69 @@ def default_nats_url(environ: dict[str, str] | None = None) -> str:
     return DEFAULT_NATS_URL
 
 
+#: The placeholder passwords the shipped examples carry (nats.env.example, systemd env examples,
+#: docs). A command refuses to start with any of them: they are public.
+EXAMPLE_PASSWORDS = frozenset({"change-me", "CHANGE-ME", "changeme", "CHANGEME", "change_me", "CHANGE_ME", "PW", "pw",
+                               "password", "secret", "example", "example-password"})
+
+#: Environment variables that hold NATS passwords (infra/nats/nats.env: DDM_NATS_<ROLE>_PASSWORD).
+PASSWORD_ENV_PREFIX, PASSWORD_ENV_SUFFIX = "DDM_NATS_", "_PASSWORD"
+
+
+class ExamplePasswordError(ValueError):
+    """A credential equals a shipped example password. The message is one line naming where it was."""
+
+
+def refuse_example_passwords(urls: str | list[str] | None = None, environ: dict[str, str] | None = None,
+                             source: str = "--nats / $NATS_URL") -> None:
+    """Raise ExamplePasswordError when a NATS URL's password (or user token) or a DDM_NATS_*_PASSWORD
+    variable in `environ` (default os.environ) is one of EXAMPLE_PASSWORDS. `source` names where the
+    URLs came from, for the message."""
+    from urllib.parse import unquote, urlsplit
+
+    import re
+
+    env = os.environ if environ is None else environ
+    for name in sorted(env):
+        if not name.startswith(PASSWORD_ENV_PREFIX):
+            continue
+        if name.endswith(PASSWORD_ENV_SUFFIX) and env[name] in EXAMPLE_PASSWORDS:
+            raise ExamplePasswordError(f"{name} is the example password {env[name]!r}: set a real one "
+                                       f"(e.g. openssl rand -hex 24) in its env file before starting")
+        if name.endswith("_URLS"):  # DDM_NATS_ROUTE_URLS, DDM_NATS_HUB_URLS: lists of URLs with credentials
+            for user, password in re.findall(r"[a-z-]+://([^:@/\s\"',]+):([^@/\s\"',]+)@", env[name]):
+                if unquote(password) in EXAMPLE_PASSWORDS:
+                    raise ExamplePasswordError(f"{name} uses the example password {unquote(password)!r} for user "
+                                               f"{unquote(user)!r}: set the real one in its env file")
+    items = (urls.split(",") if isinstance(urls, str) else list(urls)) if urls else []
+    for url in items:
+        url = url.strip()
+        if "@" not in url:
+            continue
+        netloc = urlsplit(url if "://" in url else "nats://" + url).netloc
+        userinfo = netloc.rsplit("@", 1)[0]
+        user, _, password = userinfo.partition(":")
+        secret = unquote(password if password else user)  # nats://TOKEN@host carries a token
+        if secret in EXAMPLE_PASSWORDS:
+            who = f"for user {unquote(user)!r}" if password else "as its token"
+            raise ExamplePasswordError(f"the NATS URL in {source} uses the example password {secret!r} {who}: "
+                                       f"set the real one")
+
+
 def nats_servers(urls: str | list[str]) -> list[str]:
     """Server list for `nats.connect(servers=...)` from a `--nats` value.
 
     Accepts one URL, a comma-separated list, or a list. A URL without a scheme gets
     `nats://`; URLs without credentials get the first URL's `user:password@`, so
     `nats://worker-0:pw@nats-1:4222,nats-2:4222,nats-3:4222` reconnects to any node with
-    the same credentials (nats-py sends only the credentials of the URL it dials)."""
+    the same credentials (nats-py sends only the credentials of the URL it dials).
+
+    Raises ExamplePasswordError (a ValueError) when a URL, or a DDM_NATS_*_PASSWORD variable in the
+    environment, carries a shipped example password such as `change-me` (see
+    `refuse_example_passwords`): every command that connects parses its URL here."""
     from urllib.parse import urlsplit
+
+    refuse_example_passwords(urls)
 
     items = urls.split(",") if isinstance(urls, str) else list(urls)
     items = [u.strip() for u in items if u and u.strip()]

@@ -8,13 +8,20 @@ BEFORE submitting (so no frame is missed), submits, and returns the DoneEvent; i
 `JobFailed` (with the ErrorCode) on rejection, failure, cancellation or timeout, and cancels
 the job on the coordinator if the caller is cancelled.
 
+Every job lives in its client's namespace (`ddm.v1.c.<client>.jobs.…`, see schemas.subjects):
+`client=` names it; by default it is the NATS user of the connection (`nats://alice:pw@…` ->
+"alice"), else "anon". On an authenticated bus connect with `client_connect_options(client)`
+(the reply inbox `_INBOX_<client>` that user's permissions allow).
+
 No job is waited on forever: when no event has come for `probe_every` seconds, run_job asks the
-coordinator about the job (`ddm.v1.jobs.<id>.status`, see `JobProbe`). queued / running: keep
+coordinator about the job (`ddm.v1.c.<client>.jobs.<id>.status`, see `JobProbe`). queued / running: keep
 waiting. done / failed: the coordinator publishes the result again (it was lost, e.g. across a
-NATS reconnect). unknown (a restarted coordinator) or no coordinator at all for `lost_after`
-seconds: `JobFailed(unavailable, "coordinator lost the job ...")`. A coordinator that is connected
-but answers nothing (frozen: SIGSTOP, a hung host) for `unresponsive_after` seconds, neither an
-event nor a status request: `JobFailed(unavailable, "the coordinator has not answered for N s")`.
+NATS reconnect). unknown from the job's own coordinator (the name in its `accepted`: a restart of
+it; other coordinators sharing the bus say unknown for every job not theirs, and are not believed)
+or no coordinator at all for `lost_after` seconds: `JobFailed(unavailable, "coordinator lost the job
+...")`. A coordinator that is connected but answers nothing (frozen: SIGSTOP, a hung host) for
+`unresponsive_after` seconds, neither an event nor a status request:
+`JobFailed(unavailable, "the coordinator has not answered for N s")`.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ from schemas import (
 
 log = logging.getLogger(__name__)
 
+#: The status header of the server's reply to a request nobody subscribes to.
+_NO_RESPONDERS = "503"
+
 
 class JobFailed(Exception):
     """The job did not produce images. `code` is an ErrorCode, `reason` a sentence."""
@@ -68,14 +78,67 @@ def new_job_id() -> str:
     return "j" + secrets.token_hex(8)
 
 
-async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0) -> JobAccepted:
-    """Submit only (caller subscribes to events itself, first). Raises JobFailed if refused."""
+def _checked_user(user: str, where: str) -> str:
+    if not subjects.is_token(user):
+        raise ValueError(f"the NATS user {user!r} of {where} cannot name a client: a client name is 1-64 characters "
+                         "of [A-Za-z0-9_-]; pass a client name explicitly")
+    return user
+
+
+def client_from_url(urls: str | list[str] | None) -> str:
+    """The client name for a connection to `urls` (one URL, a comma-separated list, or a list):
+    the NATS user of the first URL that has one (`nats://alice:pw@host` -> "alice"), else
+    `subjects.DEFAULT_CLIENT` ("anon"). Raises ValueError if that user is no valid client token."""
+    from urllib.parse import unquote, urlsplit
+
+    items = urls.split(",") if isinstance(urls, str) else list(urls or [])
+    for url in (u.strip() for u in items):
+        if not url:
+            continue
+        parts = urlsplit(url if "://" in url else "nats://" + url)
+        if parts.username:
+            return _checked_user(unquote(parts.username), "the URL")
+    return subjects.DEFAULT_CLIENT
+
+
+def client_of(nc) -> str:
+    """The client name of an open nats-py connection: `<client>` of its inbox prefix
+    `_INBOX_<client>` (see `client_connect_options`), else its `user` option, else the user of the
+    URL it is connected to, else "anon"."""
+    prefix = bytes(getattr(nc, "_inbox_prefix", b"") or b"").decode("ascii", "replace")
+    if prefix.startswith(subjects.INBOX + "_") and subjects.is_token(prefix[len(subjects.INBOX) + 1:]):
+        return prefix[len(subjects.INBOX) + 1:]
+    user = (getattr(nc, "options", None) or {}).get("user")
+    if user:
+        return _checked_user(user, "the connection")
+    url = getattr(nc, "connected_url", None)
+    if url is not None and url.username:
+        from urllib.parse import unquote
+
+        return _checked_user(unquote(url.username), "the connection")
+    return subjects.DEFAULT_CLIENT
+
+
+def client_connect_options(client: str) -> dict[str, str]:
+    """Keyword arguments for `nats.connect` for a connection acting as `client`: its reply inbox
+    prefix `_INBOX_<client>` (the only inbox its permissions let it subscribe to)."""
+    return {"inbox_prefix": subjects.inbox_prefix(client)}
+
+
+def _client(nc, client: str | None) -> str:
+    return subjects.check_client(client) if client is not None else client_of(nc)
+
+
+async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: str | None = None) -> JobAccepted:
+    """Submit only, as `client` (default `client_of(nc)`; the caller subscribes to the job's events
+    itself, first). Raises JobFailed if refused."""
     import nats.errors
 
+    subject = subjects.jobs_submit(_client(nc, client))
     try:
-        msg = await nc.request(subjects.JOBS_SUBMIT, pack(request), timeout=timeout)
+        msg = await nc.request(subject, pack(request), timeout=timeout)
     except nats.errors.NoRespondersError:
-        raise JobFailed(ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subjects.JOBS_SUBMIT}",
+        raise JobFailed(ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subject}",
                         request.job_id) from None
     except nats.errors.TimeoutError:
         raise _NoSubmitReply(ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s",
@@ -88,12 +151,14 @@ async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0) -> JobAc
     return reply
 
 
-async def cancel_job(nc, job_id: str, *, timeout: float = 5.0) -> bool:
-    """Ask the coordinator to cancel; True if it did."""
+async def cancel_job(nc, job_id: str, *, timeout: float = 5.0, client: str | None = None) -> bool:
+    """Ask the coordinator to cancel `client`'s job (default `client_of(nc)`); True if it did
+    (False for a job of another client: it is not ours to cancel)."""
     import nats.errors
 
+    subject = subjects.job_cancel(_client(nc, client), job_id)
     try:
-        msg = await nc.request(subjects.job_cancel(job_id), pack(CancelRequest(job_id=job_id)), timeout=timeout)
+        msg = await nc.request(subject, pack(CancelRequest(job_id=job_id)), timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         return False
     try:
@@ -102,23 +167,32 @@ async def cancel_job(nc, job_id: str, *, timeout: float = 5.0) -> bool:
         return False
 
 
-async def job_status(nc, job_id: str, *, timeout: float = 2.0) -> JobStatus:
-    """What the coordinators know of a job (JobStatus; state "unknown" if none has it).
+async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | None = None) -> JobStatus:
+    """What the coordinators know of `client`'s job (default `client_of(nc)`; JobStatus, state
+    "unknown" if none has it, or if it is another client's).
     Raises nats.errors.NoRespondersError when no coordinator serves job status, and
     nats.errors.TimeoutError when none answered in time."""
-    msg = await nc.request(subjects.job_status(job_id), b"", timeout=timeout)
+    msg = await nc.request(subjects.job_status(_client(nc, client), job_id), b"", timeout=timeout)
     return unpack(msg.data, JobStatus)
 
 
 class JobProbe:
     """Decides, from status requests, whether the fleet has lost a job its client waits for.
 
-        probe = JobProbe(nc, job_id, lost_after=15)
+        probe = JobProbe(nc, job_id, lost_after=15, accepted=accepted)
         reason = await probe.check()     # None: keep waiting; a sentence: the job is lost
 
+    Every coordinator on the bus answers a status request (one that does not hold the job says
+    "unknown" after half a second); check() reads the answers for up to `timeout` seconds and
+    weighs the job's own coordinator's: the one named in its `accepted` (`accepted=`, or
+    `accepted_by()`; else the first coordinator that reported the job alive).
     * a coordinator knows the job (queued, running; done / failed: it publishes the result
       again): keep waiting;
-    * a coordinator answers "unknown": it lost the job (it was restarted since the submit);
+    * the job's own coordinator (by name: itself, or its restart) answers "unknown": it lost the
+      job (it was restarted since the submit). "unknown" from a coordinator of another name says
+      nothing about this job and is no sign of life of its owner either: a lagging owner is waited
+      for (`unresponsive_after` judges one that never answers). Without a known owner (a
+      coordinator that does not name itself), the first answer counts, "unknown" included;
     * nobody serves job status and nobody serves `ddm.v1.fleet.status` either (no coordinator is
       connected) for `lost_after` seconds in a row: the coordinator is gone;
     * one time-out proves nothing (a busy coordinator, or a client not allowed to publish the status
@@ -129,16 +203,28 @@ class JobProbe:
     """
 
     def __init__(self, nc, job_id: str, *, lost_after: float = 15.0, timeout: float = 2.0,
-                 unresponsive_after: float | None = None):
+                 unresponsive_after: float | None = None, client: str | None = None,
+                 accepted: JobAccepted | None = None):
         if unresponsive_after is not None and not unresponsive_after > 0:
             raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
         self.nc, self.job_id = nc, job_id
+        self.client = _client(nc, client)
         self.lost_after, self.timeout = lost_after, timeout
         self.unresponsive_after = unresponsive_after
         self.last: JobStatus | None = None  # the last answer
         self.unresponsive = False
         self._nobody_since: float | None = None
         self._last_answer = time.monotonic()
+        self.owner: str | None = None  # name of the coordinator that holds the job, once known
+        self.owner_instance: str | None = None  # its run that accepted the job, if it said
+        self.ignored = 0  # "unknown" answers of other coordinators, not counted
+        if accepted is not None:
+            self.accepted_by(accepted)
+
+    def accepted_by(self, accepted: JobAccepted) -> None:
+        """Note the coordinator that took the job (the submit reply, or the `accepted` event)."""
+        if accepted.coordinator and self.owner is None:
+            self.owner, self.owner_instance = accepted.coordinator, accepted.instance or None
 
     def heard(self) -> None:
         """The coordinator showed a sign of life outside check() (the submit reply, an event)."""
@@ -157,7 +243,7 @@ class JobProbe:
         import nats.errors
 
         try:
-            st = await job_status(self.nc, self.job_id, timeout=self.timeout)
+            st = await self._ask()
         except nats.errors.NoRespondersError:
             fleet = await self._fleet_status()
             if fleet is None:  # fleet status timed out too (or the request failed)
@@ -187,12 +273,62 @@ class JobProbe:
             log.info("job %s: status request failed: %r", self.job_id, err)
             return self._silent()
         self._nobody_since = None
+        if st is None:  # only other coordinators answered ("unknown"): the job's own one said nothing
+            log.info("job %s: no answer from its coordinator %r within %g s (other coordinators do not know the "
+                     "job)", self.job_id, self.owner, self.timeout)
+            return self._silent()
         self._last_answer = time.monotonic()
         self.last = st
         if st.state == "unknown":
             who = f"coordinator {st.coordinator!r}" if st.coordinator else "the coordinator"
+            if self.owner_instance and st.instance and st.instance != self.owner_instance:
+                who += f" (run {st.instance}, not {self.owner_instance} that accepted it)"
             return f"coordinator lost the job (restarted?): {who} does not know job {self.job_id}"
+        if self.owner is None and st.coordinator:
+            self.owner, self.owner_instance = st.coordinator, st.instance or None
         return None
+
+    async def _ask(self) -> JobStatus | None:
+        """Send one status request and read the answers for up to `timeout` s: the first one that
+        counts (any state from the owner, or not "unknown" from anyone; without a known owner, the
+        first), or None when only other coordinators' "unknown"s came. Raises NoRespondersError
+        (nobody serves job status), TimeoutError (no answer at all), ProtocolError (only
+        undecodable answers)."""
+        import nats.errors
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        others = 0
+        garbled: ProtocolError | None = None
+        try:
+            await self.nc.publish(subjects.job_status(self.client, self.job_id), b"", reply=inbox)
+            deadline = time.monotonic() + self.timeout
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:  # the server: nobody subscribes
+                    raise nats.errors.NoRespondersError
+                try:
+                    st = unpack(msg.data, JobStatus)
+                except ProtocolError as err:
+                    garbled = err
+                    continue
+                if st.state != "unknown" or self.owner is None or st.coordinator == self.owner:
+                    return st
+                others += 1
+                self.ignored += 1
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        if others:
+            return None
+        if garbled is not None:
+            raise garbled
+        raise nats.errors.TimeoutError
 
     async def _fleet_status(self) -> bool | None:
         """True: a coordinator answered `ddm.v1.fleet.status`; False: no responders (none is
@@ -211,14 +347,17 @@ class JobProbe:
 async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None = None, *,
                   timeout: float | None = None, idle_timeout: float = 120.0,
                   submit_timeout: float = 10.0, probe_every: float | None = 3.0,
-                  lost_after: float = 15.0, unresponsive_after: float | None = 60.0) -> DoneEvent:
-    """Submit `request` and wait for its DoneEvent.
+                  lost_after: float = 15.0, unresponsive_after: float | None = 60.0,
+                  client: str | None = None) -> DoneEvent:
+    """Submit `request` as `client` (default `client_of(nc)`: the NATS user, else "anon") and wait
+    for its DoneEvent.
 
     on_event(event) (sync or async) sees JobAccepted, every FrameEvent, then the DoneEvent.
     timeout: whole-job limit in seconds (None = none); idle_timeout: longest gap between frames once
     the job streams. probe_every: after this many seconds without an event, ask the coordinator
     about the job (again every probe_every s; None: never). It raises JobFailed(unavailable) as soon
-    as a coordinator says it does not know the job (it was restarted), or when no coordinator has
+    as the job's own coordinator (by the name in `accepted`) says it does not know the job (it was
+    restarted; another coordinator's "unknown" does not count), or when no coordinator has
     been connected for `lost_after` seconds; a queued or running job keeps waiting (see JobProbe).
     unresponsive_after (with probing on; None: never): when neither an event nor any status request
     has been answered for this many seconds, the coordinator is taken for frozen and run_job raises
@@ -238,11 +377,12 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     if request.job_id is None:
         request = request.model_copy(update={"job_id": new_job_id()})
     job_id = request.job_id
-    sub = await nc.subscribe(subjects.job_events(job_id))
+    client = _client(nc, client)
+    sub = await nc.subscribe(subjects.job_events(client, job_id))
     submitted = False
     finished = False  # the coordinator told us the end (done or failed)
     probe = JobProbe(nc, job_id, lost_after=lost_after, timeout=max(1.0, min(probe_every or 2.0, 5.0)),
-                     unresponsive_after=unresponsive_after)
+                     unresponsive_after=unresponsive_after, client=client)
 
     async def deliver(ev) -> None:
         if on_event is not None:
@@ -282,6 +422,7 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
                 if accepted_seen:
                     continue
                 accepted_seen = True
+                probe.accepted_by(ev)
             if isinstance(ev, FailedEvent):
                 finished = True
                 raise JobFailed(ev.code, ev.reason, job_id)
@@ -294,7 +435,7 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     try:
         await nc.flush()
         try:
-            await submit_job(nc, request, timeout=submit_timeout)
+            probe.accepted_by(await submit_job(nc, request, timeout=submit_timeout, client=client))
         except _NoSubmitReply:
             submitted = True  # the coordinator may have taken the job all the same: cancel it below
             raise
@@ -311,16 +452,16 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
         if submitted and not finished:  # caller cancelled us, or we timed out: free the rows
             try:
                 if probe.unresponsive:  # it would not answer: leave the cancel for it to read if it wakes up
-                    await asyncio.shield(_send_cancel(nc, job_id))
+                    await asyncio.shield(_send_cancel(nc, job_id, client))
                 else:
-                    await asyncio.shield(cancel_job(nc, job_id))
+                    await asyncio.shield(cancel_job(nc, job_id, client=client))
             except BaseException:
                 pass
 
 
-async def _send_cancel(nc, job_id: str) -> None:
+async def _send_cancel(nc, job_id: str, client: str) -> None:
     """Publish a cancel without waiting for the reply (the server has it once flush returns)."""
-    await nc.publish(subjects.job_cancel(job_id), pack(CancelRequest(job_id=job_id)))
+    await nc.publish(subjects.job_cancel(client, job_id), pack(CancelRequest(job_id=job_id)))
     await nc.flush(timeout=2)
 
 

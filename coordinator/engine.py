@@ -25,6 +25,14 @@ calls) in `coordinator.local_fleet`. Every velocity is checked here too (shape, 
 a bad one counts as a failed call, so NaN never reaches a job's samples. A job whose rows no
 expert could serve fails with `unavailable`, or with `bad_reply` when an expert it needed
 answered only garbage (the failed expert's code travels with the batch: `Batch.mark_failed`).
+
+Supervision: an error inside a tick fails the jobs it concerns (after `schedule`: that batch's
+jobs; in `schedule` itself: every job the scheduler holds, none of which could be scheduled) and
+the loop goes on. If the loop itself dies (an error while failing or flushing), `run()` fails every
+job with `internal` ("coordinator engine stopped: ..."), publishes those events, marks the engine
+`dead` (later submits raise `Rejected(unavailable)`) and re-raises, so that whoever awaits the
+task (the service, `ddm-fleet coordinator`) exits and a supervisor restarts the process.
+Bounds: `tick_ms` keeps the last 100 tick times, the rows/s window at most `MAX_RATE_SAMPLES` ticks.
 """
 
 from __future__ import annotations
@@ -38,13 +46,16 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from schemas import ErrorCode, JobAccepted, JobRequest, subjects
+from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
 from .metrics import CoordinatorMetrics
-from .scheduler import Rejected, Scheduler
+from .scheduler import DEFAULT_CLIENT, Rejected, Scheduler
 
 log = logging.getLogger(__name__)
+
+#: Most ticks kept for rows_per_s (older ones drop out even within rate_window_s).
+MAX_RATE_SAMPLES = 4096
 
 
 class ExpertUnavailable(Exception):
@@ -94,22 +105,31 @@ class Engine:
         self._stopping = False
         self._running = False
         self._emit_lock = asyncio.Lock()
-        self._rate: deque[tuple[float, int]] = deque()
+        self._rate: deque[tuple[float, int]] = deque(maxlen=MAX_RATE_SAMPLES)
         self._rate_window = rate_window_s
         self.started_at = clock()
         self.last_unavailable: dict[int, str] = {}
         self.tick_ms: deque[float] = deque(maxlen=100)
+        self.dead: str | None = None  # why the loop died (then submits are refused), else None
 
     # ------------------------------------------------------------ intake
-    def submit(self, request: JobRequest) -> JobAccepted:
-        """Queue a job (joins at the next tick). Raises scheduler.Rejected."""
+    def submit(self, request: JobRequest, client: str = DEFAULT_CLIENT) -> JobAccepted:
+        """Queue a job of `client` (the scheduler's fairness key; joins at the next tick).
+        Raises scheduler.Rejected (`unavailable` once the loop has died)."""
         try:
-            admitted = self.scheduler.submit(request, self.clock())
+            if self.dead is not None:
+                raise Rejected(ErrorCode.UNAVAILABLE, f"{self.dead}; submit to another coordinator or retry "
+                               "after it restarts")
+            owner = client.split("/", 1)[0] if isinstance(client, str) else None  # the client token;
+            if not subjects.is_token(owner):  # "/<session>" is only for fairness
+                raise Rejected(ErrorCode.BAD_REQUEST, f"client key {client!r:.80} must start with a client name "
+                               "(1-64 of [A-Za-z0-9_-]), optionally followed by /<session>")
+            admitted = self.scheduler.submit(request, self.clock(), client=client)
         except Rejected as err:
-            self.metrics.rejected(err.code)
+            self.metrics.rejected(err.code, err.limit)
             raise
         self._wake.set()
-        return JobAccepted(job_id=admitted.job_id, events_subject=subjects.job_events(admitted.job_id),
+        return JobAccepted(job_id=admitted.job_id, events_subject=subjects.job_events(owner, admitted.job_id),
                            digits=admitted.digits, seed=admitted.seed, queue_position=admitted.queue_position)
 
     async def cancel(self, job_id: str, reason: str = "cancelled by client") -> bool:
@@ -121,14 +141,17 @@ class Engine:
         """Send pending scheduler events to `emit`, in order."""
         async with self._emit_lock:
             for ev in self.scheduler.pop_events():
-                if self.emit is None:
-                    continue
-                try:
-                    out = self.emit(ev)
-                    if inspect.isawaitable(out):
-                        await out
-                except Exception:  # a broken listener must not stop the fleet
-                    log.exception("emitting %s for job %s failed", ev.kind, getattr(ev, "job_id", "?"))
+                await self._emit_one(ev)
+
+    async def _emit_one(self, ev) -> None:
+        if self.emit is None:
+            return
+        try:
+            out = self.emit(ev)
+            if inspect.isawaitable(out):
+                await out
+        except Exception:  # a broken listener must not stop the fleet
+            log.exception("emitting %s for job %s failed", ev.kind, getattr(ev, "job_id", "?"))
 
     # ------------------------------------------------------------ loop
     async def run(self) -> None:
@@ -140,8 +163,35 @@ class Engine:
                 worked = await self.tick()
                 if not worked and not self._stopping:
                     await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            await self._die(err)
+            raise
         finally:
             self._running = False
+
+    async def _die(self, err: BaseException) -> None:
+        """The loop broke: refuse new jobs, fail every held job with `internal`, publish the events
+        (each one guarded: the scheduler or emit may be what broke)."""
+        self.dead = f"coordinator engine stopped: {type(err).__name__}: {err}"
+        log.critical("engine loop died; failing every job", exc_info=err)
+        sched = self.scheduler
+        try:
+            sched.fail_all(ErrorCode.INTERNAL, self.dead)
+        except Exception:
+            log.exception("failing the jobs of a dead engine failed")
+            try:  # at least tell the clients of the jobs we can name, straight to emit
+                ids = list(dict.fromkeys([*sched.active_job_ids(), *sched.queued_job_ids()]))
+            except Exception:
+                log.exception("cannot name the jobs of a dead engine")
+                ids = []
+            for job_id in ids:
+                await self._emit_one(FailedEvent(job_id=job_id, code=ErrorCode.INTERNAL, reason=self.dead))
+        try:
+            await self.flush_events()
+        except Exception:
+            log.exception("publishing the failures of a dead engine failed")
 
     async def stop(self, reason: str = "coordinator shutting down") -> None:
         """Stop after the current tick; jobs still queued or running fail with `unavailable`."""
@@ -153,19 +203,26 @@ class Engine:
     async def tick(self) -> bool:
         """One schedule -> execute -> update round. Returns False when there was nothing to do."""
         sched = self.scheduler
-        batch = sched.schedule(self.clock())
-        await self.flush_events()
-        if batch is None:
-            return False
+        batch = None
         started = time.perf_counter()
         try:
+            batch = sched.schedule(self.clock())
+            await self.flush_events()
+            if batch is None:
+                return False
+            started = time.perf_counter()
             await self._execute(batch)
             sched.update(batch, self.clock())
-        except Exception as err:  # never die: fail this batch's jobs, keep serving the rest
+        except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
-            sched.fail_batch(batch, ErrorCode.INTERNAL, f"coordinator error: {type(err).__name__}: {err}")
-        self.tick_ms.append((time.perf_counter() - started) * 1000)
-        self._count_rows(len(batch))
+            reason = f"coordinator error: {type(err).__name__}: {err}"
+            if batch is not None:
+                sched.fail_batch(batch, ErrorCode.INTERNAL, reason)
+            else:  # schedule() itself broke: none of its jobs could be scheduled
+                sched.fail_all(ErrorCode.INTERNAL, reason)
+        if batch is not None:
+            self.tick_ms.append((time.perf_counter() - started) * 1000)
+            self._count_rows(len(batch))
         await self.flush_events()
         return True
 

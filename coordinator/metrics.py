@@ -1,7 +1,7 @@
 """Coordinator metrics with prometheus_client (a private registry per coordinator), for GET /metrics.
 
     metrics = CoordinatorMetrics(scheduler)      # the engine makes one: engine.metrics
-    metrics.rejected(code)                       # a job refused at submit (scheduler or bad request)
+    metrics.rejected(code, limit=None)           # a job refused at submit (scheduler or bad request)
     metrics.expert_call(k, seconds)              # one expert's velocity call of one tick
     metrics.expert_error(k, code)                # ... that failed (after the transport's retries)
     runner = await serve_metrics(metrics, port)  # workers.metrics_http, shared with the worker
@@ -14,6 +14,10 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
                                                                    all-experts-up choice (fallback, or none left)
     ddm_coordinator_jobs_accepted_total                 counter    jobs accepted at submit
     ddm_coordinator_jobs_rejected_total{code}           counter    jobs refused at submit, by ErrorCode
+    ddm_coordinator_jobs_rejected_by_limit_total{limit} counter    ... of those, refused by an admission limit
+                                                                   (max_rows, max_queued_jobs, max_client_rows,
+                                                                   max_client_queued_jobs, max_job_cost)
+    ddm_coordinator_jobs_over_run_time_total            counter    jobs failed for running past max_job_run_s
     ddm_coordinator_jobs_finished_total{outcome}        counter    done | failed | cancelled
     ddm_coordinator_queued_jobs                         gauge      jobs waiting for rows (queue depth)
     ddm_coordinator_active_jobs                         gauge      jobs running
@@ -56,6 +60,9 @@ class _SchedulerCollector:
                                   value=st.row_fallbacks)
         yield CounterMetricFamily("ddm_coordinator_jobs_accepted", "Jobs accepted at submit.",
                                   value=st.jobs_submitted)
+        yield CounterMetricFamily("ddm_coordinator_jobs_over_run_time",
+                                  "Jobs failed with deadline_exceeded for running longer than max_job_run_s.",
+                                  value=st.jobs_over_run_time)
         finished = CounterMetricFamily("ddm_coordinator_jobs_finished", "Jobs that ended, by outcome.",
                                        labels=["outcome"])
         for outcome, n in (("done", st.jobs_done), ("failed", st.jobs_failed), ("cancelled", st.jobs_cancelled)):
@@ -75,15 +82,21 @@ class CoordinatorMetrics:
         self.registry.register(_SchedulerCollector(scheduler))
         self._rejected = Counter("ddm_coordinator_jobs_rejected", "Jobs refused at submit, by error code.",
                                  ["code"], registry=self.registry)
+        self._rejected_by_limit = Counter("ddm_coordinator_jobs_rejected_by_limit",
+                                          "Jobs refused at submit by an admission limit, by the limit's name.",
+                                          ["limit"], registry=self.registry)
         self._request_s = Histogram("ddm_coordinator_expert_request_seconds",
                                     "One expert's velocity call per tick (its requests and retries).", ["expert"],
                                     buckets=REQUEST_BOUNDS, registry=self.registry)
         self._expert_errors = Counter("ddm_coordinator_expert_errors", "Expert calls that failed, by error code.",
                                       ["expert", "code"], registry=self.registry)
 
-    def rejected(self, code: ErrorCode | str) -> None:
-        """Count a job refused at submit with ErrorCode `code`."""
+    def rejected(self, code: ErrorCode | str, limit: str | None = None) -> None:
+        """Count a job refused at submit with ErrorCode `code`; `limit` names the admission limit
+        that refused it (`Rejected.limit`, e.g. "max_client_queued_jobs"), if any."""
         self._rejected.labels(code=ErrorCode(code).value).inc()
+        if limit is not None:
+            self._rejected_by_limit.labels(limit=str(limit)).inc()
 
     def expert_call(self, expert: int, seconds: float) -> None:
         """Observe the duration of one expert's velocity call (successful or not)."""

@@ -2,7 +2,7 @@
 
 The engine loop is `schedule -> execute -> update` (as in vLLM):
 
-    sched.submit(JobRequest, now) -> Admission           (raises Rejected when over the limits)
+    sched.submit(JobRequest, now, client) -> Admission   (raises Rejected when over the limits)
     batch = sched.schedule(now)                          admit queued jobs, expire deadlines;
                                                          a Batch of every active row, or None
     ... engine: router on batch.x/t/y, batch.route(w), expert calls, batch.record(...)
@@ -12,14 +12,30 @@ The engine loop is `schedule -> execute -> update` (as in vLLM):
     sched.pop_events()                                   FrameEvent / DoneEvent / FailedEvent
 
 What callers may read: `active_rows`, `active_jobs`, `queued_jobs`, `active_job_ids()`,
-`job_progress(job_id)`, `knows(job_id)`, `stats` (counters) and `config`. The scheduler does no
-I/O and knows no NATS subjects: whoever publishes (engine, service) names them.
+`job_progress(job_id)`, `knows(job_id)`, `owner_of(job_id)`, `client_usage(client)`, `stats`
+(counters) and `config`. The scheduler does no I/O and knows no NATS subjects: whoever publishes
+(engine, service) names them.
 
 Jobs that arrive mid-run join at the next `schedule`; finished jobs leave in `update`;
 `cancel` frees a job's rows at once (a batch in flight simply skips them on update).
-Admission: at most `max_rows` active rows (a job is admitted whole, in arrival order; it starts
-at once when its rows are free and nobody waits) and at most `max_queued_jobs` waiting jobs;
-beyond that `submit` raises `Rejected(overloaded)`.
+
+Fair sharing. Every job belongs to a `client` (an opaque key given at submit; "anon" by default).
+Limits (each refusal names the limit and its value; `Rejected.limit` is its config name):
+
+* `max_rows` active rows in all, `max_queued_jobs` waiting jobs in all (`overloaded` beyond);
+* `max_client_rows` active rows per client (None: `max_rows`): a client at its quota waits in the
+  queue (throttled), a job larger than the quota is refused `too_large`;
+* `max_client_queued_jobs` waiting jobs per client (`overloaded` beyond), so one client cannot
+  fill the queue and starve the rest;
+* `max_job_cost` row-evaluations per job (`too_large` beyond), see `job_cost`;
+* `max_job_run_s` seconds a job may run once started (`deadline_exceeded` beyond).
+
+Admission is fair across clients and FIFO within one: when rows free up, the head job of the
+client with the fewest running rows is admitted first (ties: round robin, the client admitted least
+recently goes first); a client at its row quota is skipped. A job is admitted whole; if the
+chosen job does not fit the free rows, admission stops there (it keeps its turn, so large jobs are
+not starved by small ones). A job starts at once when its rows are free and no other client could
+take them. With one client this is today's FIFO queue.
 """
 
 from __future__ import annotations
@@ -38,19 +54,54 @@ from .rows import RowGroup, draw_digits
 
 MAX_NOTES = 50
 
+#: Client key used when the caller names none (an open bus's anonymous clients share it).
+DEFAULT_CLIENT = "anon"
+
+#: Longest client key (the service builds "<client token>/<session>", 64 + 1 + 64 characters).
+MAX_CLIENT_KEY_LEN = 129
+
+#: Most clients whose last admission is remembered for the round robin (the least recently
+#: served are forgotten first, which keeps their place: never served counts as longest ago).
+MAX_TRACKED_CLIENTS = 4096
+
+#: Velocity evaluations per solver step, by solver.
+EVALS_PER_STEP = {"euler": 1, "heun": 2}
+
 
 class Rejected(Exception):
-    """A job the scheduler will not take. `code` is an ErrorCode, `reason` a sentence."""
+    """A job the scheduler will not take. `code` is an ErrorCode, `reason` a sentence; `limit` names
+    the SchedulerConfig limit that refused it (e.g. "max_client_queued_jobs"), or None."""
 
-    def __init__(self, code: ErrorCode, reason: str):
+    def __init__(self, code: ErrorCode, reason: str, limit: str | None = None):
         super().__init__(reason)
         self.code = ErrorCode(code)
         self.reason = reason
+        self.limit = limit
+
+
+def experts_per_row(request: JobRequest, num_experts: int) -> int:
+    """Experts evaluated for each row per evaluation: top1 1, topk min(k, K), full K, oracle 1."""
+    if request.strategy == "full":
+        return num_experts
+    if request.strategy == "topk":
+        return min(int(request.top_k), num_experts)
+    return 1
+
+
+def job_cost(request: JobRequest, num_experts: int) -> int:
+    """Row-evaluations a job costs the fleet: images x steps x evaluations per step (heun 2)
+    x experts evaluated per row (`experts_per_row`)."""
+    return (request.n_images * int(request.steps) * EVALS_PER_STEP.get(request.solver, 1)
+            * experts_per_row(request, num_experts))
 
 
 @dataclass
 class SchedulerConfig:
-    """Limits and shapes. `class_to_expert[y]` is the partition owning class y (oracle)."""
+    """Limits and shapes. `class_to_expert[y]` is the partition owning class y (oracle).
+
+    Per-client limits (see the module docstring): max_client_rows (None: max_rows),
+    max_client_queued_jobs (clamped to max_queued_jobs), max_job_cost (row-evaluations, `job_cost`;
+    None: no limit), max_job_run_s (seconds from start; None: no limit)."""
 
     num_experts: int
     max_rows: int = 1024
@@ -58,6 +109,10 @@ class SchedulerConfig:
     image_shape: tuple[int, int, int] = (1, 32, 32)
     num_classes: int = 10
     class_to_expert: Sequence[int] | None = None
+    max_client_rows: int | None = None
+    max_client_queued_jobs: int = 64
+    max_job_cost: int | None = 256_000
+    max_job_run_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -67,6 +122,16 @@ class SchedulerConfig:
         if self.max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1 (a new job waits in the queue until the next tick), "
                              f"got {self.max_queued_jobs}")
+        if self.max_client_rows is not None and self.max_client_rows < 1:
+            raise ValueError(f"max_client_rows must be >= 1 (rows one client may run at once) or None, "
+                             f"got {self.max_client_rows}")
+        if self.max_client_queued_jobs < 1:
+            raise ValueError(f"max_client_queued_jobs must be >= 1 (jobs one client may have waiting), "
+                             f"got {self.max_client_queued_jobs}")
+        if self.max_job_cost is not None and self.max_job_cost < 1:
+            raise ValueError(f"max_job_cost must be >= 1 row-evaluation or None, got {self.max_job_cost}")
+        if self.max_job_run_s is not None and not self.max_job_run_s > 0:
+            raise ValueError(f"max_job_run_s must be > 0 seconds or None, got {self.max_job_run_s}")
         if self.class_to_expert is not None:
             c2e = list(self.class_to_expert)
             if len(c2e) != self.num_classes or any(not (0 <= int(k) < self.num_experts) for k in c2e):
@@ -75,6 +140,16 @@ class SchedulerConfig:
                     f"{self.num_classes} classes, got {c2e}"
                 )
             self.class_to_expert = [int(k) for k in c2e]
+
+    @property
+    def client_rows(self) -> int:
+        """Rows one client may run at once (max_client_rows, at most max_rows)."""
+        return min(self.max_client_rows or self.max_rows, self.max_rows)
+
+    @property
+    def client_queued_jobs(self) -> int:
+        """Jobs one client may have waiting (max_client_queued_jobs, at most max_queued_jobs)."""
+        return min(self.max_client_queued_jobs, self.max_queued_jobs)
 
 
 @dataclass(eq=False)
@@ -85,6 +160,8 @@ class Job:
     seed: int
     submitted_at: float
     deadline: float | None
+    client: str = DEFAULT_CLIENT
+    seq: int = 0  # arrival order (ties in fair admission)
     group: RowGroup | None = None  # created when the job is admitted
     step: int = 0
     started_at: float | None = None
@@ -115,6 +192,8 @@ class Stats:
     jobs_failed: int = 0
     jobs_cancelled: int = 0
     jobs_rejected: int = 0
+    jobs_over_run_time: int = 0  # failed for running longer than max_job_run_s
+    rejected_by_limit: dict[str, int] = field(default_factory=dict)  # config limit name -> refusals
     ticks: int = 0
     row_evals: int = 0  # velocity evaluations applied (one per row per tick)
     row_fallbacks: int = 0  # row evaluations whose experts differ from the all-experts-up choice
@@ -124,8 +203,13 @@ class Stats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self._queue: deque[Job] = deque()
+        self._queue: deque[Job] = deque()  # waiting jobs, in arrival order
         self._active: dict[str, Job] = {}
+        self._client_rows: dict[str, int] = {}  # client -> running rows (no zero entries)
+        self._client_queued: dict[str, int] = {}  # client -> waiting jobs (no zero entries)
+        self._served: dict[str, int] = {}  # client -> admission count at its last admission (LRU order)
+        self._seq = 0
+        self._admissions = 0
         self.stats = Stats()
         self._events: list = []
 
@@ -149,8 +233,23 @@ class Scheduler:
         """Ids of the running jobs, in the order they started."""
         return list(self._active)
 
+    def queued_job_ids(self) -> list[str]:
+        """Ids of the waiting jobs, in arrival order."""
+        return [j.job_id for j in self._queue]
+
     def knows(self, job_id: str) -> bool:
         return job_id in self._active or any(j.job_id == job_id for j in self._queue)
+
+    def owner_of(self, job_id: str) -> str | None:
+        """The client key given when a queued or running job was submitted, else None."""
+        job = self._active.get(job_id)
+        if job is None:
+            job = next((j for j in self._queue if j.job_id == job_id), None)
+        return job.client if job is not None else None
+
+    def client_usage(self, client: str) -> dict[str, int]:
+        """{running_rows, queued_jobs} of one client key (zeros for a client with nothing here)."""
+        return dict(running_rows=self._client_rows.get(client, 0), queued_jobs=self._client_queued.get(client, 0))
 
     def job_progress(self, job_id: str) -> dict | None:
         """{state: queued|running, step, steps, queue_position (1-based; 0 when running)} of a job
@@ -164,19 +263,37 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------ intake
-    def submit(self, request: JobRequest, now: float) -> Admission:
-        """Queue a validated job. Raises Rejected(code, reason) if it cannot run here."""
+    def submit(self, request: JobRequest, now: float, client: str = DEFAULT_CLIENT) -> Admission:
+        """Queue a validated job for `client` (an opaque fairness key). Raises Rejected(code, reason,
+        limit) if it cannot run here."""
         try:
-            return self._submit(request, now)
-        except Rejected:
+            return self._submit(request, now, client)
+        except Rejected as err:
             self.stats.jobs_rejected += 1
+            if err.limit is not None:
+                self.stats.rejected_by_limit[err.limit] = self.stats.rejected_by_limit.get(err.limit, 0) + 1
             raise
 
-    def _submit(self, request: JobRequest, now: float) -> Admission:
+    def _submit(self, request: JobRequest, now: float, client: str) -> Admission:
         cfg = self.config
+        if not isinstance(client, str) or not 1 <= len(client) <= MAX_CLIENT_KEY_LEN:
+            raise Rejected(ErrorCode.BAD_REQUEST, f"client key must be a string of 1-{MAX_CLIENT_KEY_LEN} characters, "
+                           f"got {client!r:.80}")
         n = request.n_images
         if n > cfg.max_rows:
-            raise Rejected(ErrorCode.TOO_LARGE, f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} rows at once")
+            raise Rejected(ErrorCode.TOO_LARGE, f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} "
+                           f"rows at once", "max_rows")
+        if n > cfg.client_rows:
+            raise Rejected(ErrorCode.TOO_LARGE, f"client quota: job asks for {n} images but one client runs at most "
+                           f"{cfg.client_rows} rows at once (limit {cfg.client_rows})", "max_client_rows")
+        if cfg.max_job_cost is not None:
+            cost = job_cost(request, cfg.num_experts)
+            if cost > cfg.max_job_cost:
+                raise Rejected(ErrorCode.TOO_LARGE, (
+                    f"job cost {cost} row-evaluations ({n} images x {request.steps} steps x "
+                    f"{EVALS_PER_STEP.get(request.solver, 1)} evaluations per step ({request.solver}) x "
+                    f"{experts_per_row(request, cfg.num_experts)} experts per row ({request.strategy})) is over "
+                    f"the limit of {cfg.max_job_cost} per job; ask for fewer images or steps"), "max_job_cost")
         if request.strategy == "oracle" and cfg.class_to_expert is None:
             raise Rejected(ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none")
         if request.digits is not None and any(d >= cfg.num_classes for d in request.digits):
@@ -184,29 +301,76 @@ class Scheduler:
         job_id = request.job_id or secrets.token_hex(8)
         if self.knows(job_id):
             raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
-        starts_now = not self._queue and self.active_rows + n <= cfg.max_rows
-        if not starts_now and len(self._queue) >= cfg.max_queued_jobs:
-            raise Rejected(ErrorCode.OVERLOADED, f"{len(self._queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later")
+        starts_now = self._starts_now(client, n)
+        if not starts_now:
+            if len(self._queue) >= cfg.max_queued_jobs:
+                raise Rejected(ErrorCode.OVERLOADED, f"{len(self._queue)} jobs already queued (limit "
+                               f"{cfg.max_queued_jobs}); retry later", "max_queued_jobs")
+            queued = self._client_queued.get(client, 0)
+            if queued >= cfg.client_queued_jobs:
+                raise Rejected(ErrorCode.OVERLOADED, (
+                    f"client quota: {queued} queued jobs (limit {cfg.client_queued_jobs}) and "
+                    f"{self._client_rows.get(client, 0)} running rows; retry when one finishes"),
+                    "max_client_queued_jobs")
         seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
         digits = list(request.digits) if request.digits is not None else draw_digits(seed, n, cfg.num_classes)
         deadline = now + request.deadline_s if request.deadline_s is not None else None
-        job = Job(request=request, job_id=job_id, digits=digits, seed=seed, submitted_at=now, deadline=deadline)
+        self._seq += 1
+        job = Job(request=request, job_id=job_id, digits=digits, seed=seed, submitted_at=now, deadline=deadline,
+                  client=client, seq=self._seq)
         self.stats.jobs_submitted += 1
-        if starts_now:  # rows are free and nobody waits: active now, in the batch of the next tick
+        if starts_now:  # rows are free and nobody else could take them: active now, in the next tick's batch
             self._start(job, now)
         else:
             self._queue.append(job)
+            self._client_queued[client] = self._client_queued.get(client, 0) + 1
         return Admission(job_id=job_id, digits=digits, seed=seed, queue_position=0 if starts_now else len(self._queue))
+
+    def _starts_now(self, client: str, n: int) -> bool:
+        """A new job of `client` with n rows may start at once: its client has nothing waiting, it
+        fits the free rows and the client's quota, and every waiting job is held by its own client's
+        row quota (so none of them could take these rows)."""
+        cfg = self.config
+        if self._client_queued.get(client, 0) or self.active_rows + n > cfg.max_rows:
+            return False
+        if self._client_rows.get(client, 0) + n > cfg.client_rows:
+            return False
+        return all(self._client_rows.get(c, 0) + j.n > cfg.client_rows for c, j in self._heads().items())
+
+    def _heads(self) -> dict[str, Job]:
+        """{client: its longest-waiting job}, clients in the order their head jobs arrived."""
+        heads: dict[str, Job] = {}
+        for job in self._queue:
+            heads.setdefault(job.client, job)
+        return heads
+
+    def _dequeue(self, job: Job) -> None:
+        self._queue.remove(job)
+        left = self._client_queued[job.client] - 1
+        if left:
+            self._client_queued[job.client] = left
+        else:
+            del self._client_queued[job.client]
+
+    def _deactivate(self, job: Job) -> None:
+        del self._active[job.job_id]
+        left = self._client_rows[job.client] - job.n
+        if left:
+            self._client_rows[job.client] = left
+        else:
+            del self._client_rows[job.client]
 
     def _remove(self, job_id: str):
         """Take a job out of the active set or the queue; the job, or None if unknown."""
-        job = self._active.pop(job_id, None)
-        if job is None:
-            for j in self._queue:
-                if j.job_id == job_id:
-                    self._queue.remove(j)
-                    return j
-        return job
+        job = self._active.get(job_id)
+        if job is not None:
+            self._deactivate(job)
+            return job
+        for j in self._queue:
+            if j.job_id == job_id:
+                self._dequeue(j)
+                return j
+        return None
 
     def cancel(self, job_id: str, now: float, reason: str = "cancelled by client") -> bool:
         """Drop a queued or running job now; emits FailedEvent(cancelled). False if unknown."""
@@ -240,14 +404,24 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
     def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset()) -> Batch | None:
-        """Expire deadlines, admit queued jobs that fit, return a Batch of all active rows."""
+        """Expire deadlines and run times, admit queued jobs fairly (see the module docstring),
+        return a Batch of all active rows."""
+        cfg = self.config
         for job in [*self._active.values(), *self._queue]:
             if job.deadline is not None and now > job.deadline:
                 self.fail(job.job_id, ErrorCode.DEADLINE_EXCEEDED,
                           f"job did not finish within its deadline of {job.request.deadline_s:g} s")
+            elif (cfg.max_job_run_s is not None and job.started_at is not None
+                  and now - job.started_at > cfg.max_job_run_s):
+                self.stats.jobs_over_run_time += 1
+                self.fail(job.job_id, ErrorCode.DEADLINE_EXCEEDED,
+                          f"job ran longer than this coordinator's maximum run time of {cfg.max_job_run_s:g} s "
+                          f"per job (max_job_run_s); ask for fewer images or steps")
         rows_in_use = self.active_rows
-        while self._queue and rows_in_use + self._queue[0].n <= self.config.max_rows:
-            job = self._queue.popleft()
+        while job := self._next_admission():
+            if rows_in_use + job.n > cfg.max_rows:
+                break  # it keeps its turn: admitted when enough rows are free
+            self._dequeue(job)
             self._start(job, now)
             rows_in_use += job.n
         groups = [j.group for j in self._active.values()]
@@ -264,6 +438,28 @@ class Scheduler:
             oracle_expert=np.array([c2e[y] if c2e is not None else -1 for y in job.digits], np.int64))
         job.started_at = now
         self._active[job.job_id] = job
+        self._client_rows[job.client] = self._client_rows.get(job.client, 0) + job.n
+        self._admissions += 1
+        self._served.pop(job.client, None)
+        self._served[job.client] = self._admissions
+        if len(self._served) > MAX_TRACKED_CLIENTS:
+            del self._served[next(iter(self._served))]
+
+    def _next_admission(self) -> Job | None:
+        """The waiting job to admit next: the head job of the client with the fewest running rows
+        (ties: the client admitted least recently, then the job that waited longest), skipping
+        clients at their row quota; None if none."""
+        quota = self.config.client_rows
+        best: tuple[int, int, int] | None = None
+        pick = None
+        for client, job in self._heads().items():
+            running = self._client_rows.get(client, 0)
+            if running + job.n > quota:
+                continue
+            key = (running, self._served.get(client, -1), job.seq)
+            if best is None or key < best:
+                best, pick = key, job
+        return pick
 
     # ------------------------------------------------------------ update
     def update(self, batch: Batch, now: float) -> None:
@@ -327,7 +523,7 @@ class Scheduler:
                 experts=[int(e) for e in g.last_experts], weights=g.last_weights, notes=notes,
             ))
         if g.done:
-            del self._active[job.job_id]
+            self._deactivate(job)
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
             self._events.append(DoneEvent(

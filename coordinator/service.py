@@ -4,17 +4,23 @@
                            nats_url="nats://127.0.0.1:4222") as coord:
         ...   # serves until the block exits
 
-Subjects (see `schemas.subjects`):
-* `ddm.v1.jobs.submit`          JobRequest -> JobAccepted | JobRejected (validation and
-                                admission errors carry their ErrorCode); queue group
-                                `ddm.v1.coordinators`, so several coordinators share the load.
-* `ddm.v1.jobs.<id>.cancel`     CancelRequest (or empty body) -> CancelReply
-* `ddm.v1.jobs.<id>.status`     anything -> JobStatus (queued | running | done | failed | unknown);
-                                for a job that finished recently the terminal event is published
-                                again first, for a client that missed it (e.g. across a reconnect)
-* `ddm.v1.jobs.<id>.events`     published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
-* `ddm.v1.fleet.status`         anything -> FleetStatus
+Subjects (see `schemas.subjects`; `<c>` is the client token, the job's owner):
+* `ddm.v1.c.<c>.jobs.submit`        JobRequest -> JobAccepted | JobRejected (validation and
+                                    admission errors carry their ErrorCode); queue group
+                                    `ddm.v1.coordinators`, so several coordinators share the load.
+                                    The job is owned by `<c>`; its fairness key is "<c>" or
+                                    "<c>/<session>" (JobRequest.session).
+* `ddm.v1.c.<c>.jobs.<id>.cancel`   CancelRequest (or empty body) -> CancelReply
+* `ddm.v1.c.<c>.jobs.<id>.status`   anything -> JobStatus (queued | running | done | failed | unknown);
+                                    for a job that finished recently the terminal event is published
+                                    again first, for a client that missed it (e.g. across a reconnect)
+* `ddm.v1.c.<c>.jobs.<id>.events`   published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
+* `ddm.v1.fleet.status`             anything -> FleetStatus
 
+Ownership: a cancel or status request in a namespace `<c>` that does not own the job is
+answered exactly as for an unknown job (same reply, same delay) and never acted on.
+Replies go only to reply subjects under `_INBOX` (`_INBOX.…`, or `_INBOX_<c>.…` for a request
+in `<c>`'s namespace); a request with any other reply subject is dropped (rate-limited log line).
 A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
 [A-Za-z0-9_-]) is answered with ErrorReply(bad_request) at once.
 With `metrics_port`, GET /metrics serves `coordinator.metrics.CoordinatorMetrics` (Prometheus text).
@@ -22,6 +28,9 @@ A bad request never takes the coordinator down: it gets an error reply, and the 
 Leaving the context (SIGTERM for `ddm-fleet coordinator`) fails every queued or running job with
 `unavailable` ("coordinator shutting down"). A coordinator that crashed and was restarted answers
 `unknown` for the jobs it lost, which is how `client.run_job` tells its caller at once.
+Every `accepted` and `job_status` names the answering coordinator (`name`, stable across restarts:
+give each coordinator sharing a bus its own) and its run (`instance`, new at each start), so a
+client believes `unknown` only from the job's own coordinator, not from the others that all answer.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -39,6 +49,7 @@ from schemas import (
     ErrorCode,
     ErrorReply,
     FleetStatus,
+    JobAccepted,
     JobRejected,
     JobRequest,
     JobStatus,
@@ -48,6 +59,7 @@ from schemas import (
     unpack,
 )
 from schemas.errors import shown
+from schemas.messages import MAX_COORDINATOR_NAME_LEN
 
 from .engine import Engine, RouterLike, Transport
 from .scheduler import Rejected, Scheduler, SchedulerConfig
@@ -56,9 +68,40 @@ log = logging.getLogger(__name__)
 
 COORDINATOR_QUEUE = f"{subjects.PREFIX}.coordinators"
 
+
+class EngineDied(RuntimeError):
+    """The coordinator's engine loop died; every job failed with `internal` and submits are refused."""
+
 #: Seconds a coordinator that does not own a job waits before answering cancel / status with
 #: "unknown", so that the owner (if another coordinator runs it) answers first.
 NOT_MINE_DELAY = 0.25
+#: Most delayed "unknown" answers pending at once; beyond it they are sent at once (a flood of
+#: probes must not grow the task set without bound).
+MAX_DELAYED_REPLIES = 1024
+#: The reason of a cancel that is not acted on: no such job in the requester's namespace
+#: (never had it, finished, cancelled, or another client's: indistinguishable on purpose).
+UNKNOWN_JOB = "unknown job"
+
+
+class RateLimitedLog:
+    """At most one log line per `every_s` seconds; the lines held back are counted in the next one."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0, clock=time.monotonic):
+        self.logger, self.every_s, self.clock = logger, every_s, clock
+        self._last = -float("inf")
+        self.suppressed = 0
+        self.total = 0
+
+    def warning(self, fmt: str, *args) -> bool:
+        """Log (returns True) unless a line went out less than `every_s` ago (then counts it)."""
+        self.total += 1
+        now = self.clock()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            return False
+        held, self.suppressed, self._last = self.suppressed, 0, now
+        self.logger.warning(fmt + (f" ({held} more since the last such line)" if held else ""), *args)
+        return True
 
 
 def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):
@@ -89,6 +132,9 @@ class Coordinator:
     bad_reply_retries: extra tries of an expert request after unusable replies (NaN, wrong shape, ...).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
     `keep_finished_s` seconds old) are kept so a status request can publish them again.
+    name: this coordinator's name (1-128 characters), in every `accepted`, `job_status` and
+    `fleet_status`; keep it across restarts and give each coordinator on a bus its own (a client
+    believes "unknown" only from the name that accepted its job).
     metrics_port: serve Prometheus metrics (`coordinator.metrics`) on http://metrics_host:P/metrics
     (None: don't; 0: any free port, read back from `metrics_port`); metrics_optional: a taken port
     is a warning, not an error."""
@@ -99,11 +145,18 @@ class Coordinator:
                  bad_reply_retries: int = 4, transport: Transport | None = None,
                  image_shape: tuple[int, int, int] = (1, 32, 32), name: str = "coordinator",
                  keep_finished: int = 256, keep_finished_mb: float = 64.0, keep_finished_s: float = 600.0,
-                 metrics_port: int | None = None, metrics_host: str = "0.0.0.0", metrics_optional: bool = False):
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1", metrics_optional: bool = False,
+                 max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
+                 max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_COORDINATOR_NAME_LEN:
+            raise ValueError(f"a coordinator name is 1-{MAX_COORDINATOR_NAME_LEN} characters, got {name!r:.80}")
+        # fair-sharing limits: passed through to the scheduler (see coordinator.scheduler)
         self.config = SchedulerConfig(num_experts=num_experts, max_rows=max_rows, max_queued_jobs=max_queued_jobs,
-                                      image_shape=tuple(image_shape), class_to_expert=class_to_expert)
+                                      image_shape=tuple(image_shape), class_to_expert=class_to_expert,
+                                      max_client_rows=max_client_rows, max_client_queued_jobs=max_client_queued_jobs,
+                                      max_job_cost=max_job_cost, max_job_run_s=max_job_run_s)
         self.router = router
         self.nc = nc
         self._own_nc = nc is None
@@ -114,17 +167,23 @@ class Coordinator:
         self.bad_reply_retries = bad_reply_retries
         self.transport = transport
         self.name = name
+        # this run of the coordinator: a restart (same name) has another instance
+        self.instance = new_instance_id()
         self.engine: Engine | None = None
         self._task: asyncio.Task | None = None
         self._subs: list = []
         self._bg: set[asyncio.Task] = set()
         self.keep_finished, self.keep_finished_s = keep_finished, keep_finished_s
         self.keep_finished_bytes = int(keep_finished_mb * 1024 * 1024)
-        # job id -> (t, terminal event, bytes, (step, steps) reached)
-        self._finished: OrderedDict[str, tuple[float, Any, int, tuple[int, int]]] = OrderedDict()
+        # job id -> (t, terminal event, bytes, (step, steps) reached, owner client token)
+        self._finished: OrderedDict[str, tuple[float, Any, int, tuple[int, int], str]] = OrderedDict()
         self._finished_bytes = 0
         self._progress: dict[str, tuple[int, int]] = {}  # live job id -> (step, steps) last known
+        # live job id -> owner client token, until its terminal event (then kept in _finished)
+        self._owners: dict[str, str] = {}
         self.rejected_unread = 0  # submits rejected before the scheduler saw them (undecodable, invalid, internal)
+        self._dropped_log = RateLimitedLog(log)  # requests whose reply subject is outside _INBOX
+        self.replies_dropped = 0
         self.republished = 0  # terminal events published again for status requests
         self.metrics_port, self.metrics_host, self.metrics_optional = metrics_port, metrics_host, metrics_optional
         self.metrics = None  # CoordinatorMetrics, once entered
@@ -155,7 +214,7 @@ class Coordinator:
         self.metrics = self.engine.metrics
         await self._serve_metrics()
         self._subs = [
-            await self.nc.subscribe(subjects.JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),
+            await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),
             await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel),
             await self.nc.subscribe(subjects.ALL_JOB_STATUS, cb=self._on_job_status),
             await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status),
@@ -166,6 +225,7 @@ class Coordinator:
         await self.nc.flush()
         await self.nc.flush()
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
+        self._task.add_done_callback(self._engine_ended)
         log.info("coordinator up: %d experts, max %d rows, %d queued jobs", self.config.num_experts,
                  self.config.max_rows, self.config.max_queued_jobs)
         return self
@@ -219,22 +279,52 @@ class Coordinator:
             self._metrics_runner = None
 
     async def serve_forever(self) -> None:
-        """Wait until the engine task ends (it does not, unless stopped)."""
+        """Wait until the engine task ends (it does not, unless stopped); raises its error if it died."""
         assert self._task is not None, "enter the context first"
         await self._task
 
+    # ------------------------------------------------------------ engine supervision
+    def _engine_ended(self, task: asyncio.Task) -> None:
+        """Done-callback of the engine task: a loop that died has already failed every job with
+        `internal` and refuses submits (`unavailable`); say so loudly here."""
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("coordinator engine died (%s): every job failed, submits are refused; "
+                         "the process should exit and be restarted", self.engine_error)
+
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine loop died ("coordinator engine stopped: ..."), or None while it is healthy."""
+        return self.engine.dead if self.engine is not None else None
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set. Raises EngineDied if the engine loop dies first (its jobs have
+        failed with `internal`): the caller should exit non-zero so a supervisor restarts it."""
+        assert self._task is not None, "enter the context first"
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({stopper, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if self._task.done() and not stop.is_set():
+            raise EngineDied(self.engine_error or "coordinator engine stopped")
+
     # ------------------------------------------------------------ in-process API
-    async def submit(self, request: JobRequest):
-        """Queue a job without NATS for the request (events still go to its events subject).
-        Returns JobAccepted; raises scheduler.Rejected."""
+    async def submit(self, request: JobRequest, client: str = subjects.DEFAULT_CLIENT):
+        """Queue a job of `client` without NATS for the request (events still go to its events
+        subject, in `client`'s namespace). Returns JobAccepted; raises scheduler.Rejected."""
         assert self.engine is not None, "enter the context first"
-        accepted = self.engine.submit(request)
+        accepted = self._signed(self.engine.submit(request, client=fairness_key(subjects.check_client(client),
+                                                                                request)))
+        self._own(accepted.job_id, client)
         self._progress[accepted.job_id] = (0, request.steps)
         await self._publish(accepted)
         return accepted
 
-    async def cancel(self, job_id: str) -> bool:
+    async def cancel(self, job_id: str, client: str | None = None) -> bool:
+        """Cancel a queued or running job; with `client`, only if that client owns it."""
         assert self.engine is not None, "enter the context first"
+        if client is not None and self.owner_of(job_id) != client:
+            return False
         self._note_progress(job_id)
         return await self.engine.cancel(job_id)
 
@@ -244,6 +334,11 @@ class Coordinator:
         st["jobs_rejected"] = st.get("jobs_rejected", 0) + self.rejected_unread  # every submit answered `rejected`
         return FleetStatus(coordinator=self.name, **st)
 
+    def _signed(self, accepted: JobAccepted) -> JobAccepted:
+        """`accepted` naming this coordinator and its run, so the client can tell its answers from
+        other coordinators' (whose `unknown` says nothing about this job)."""
+        return accepted.model_copy(update={"coordinator": self.name, "instance": self.instance})
+
     # ------------------------------------------------------------ finished jobs
     def _note_progress(self, job_id: str) -> None:
         """Record how far a live job got (before a cancel removes it from the scheduler)."""
@@ -251,11 +346,30 @@ class Coordinator:
         if state is not None:
             self._progress[job_id] = (int(state["step"]), int(state["steps"]))
 
+    def owner_of(self, job_id: str) -> str | None:
+        """The client token that owns a live or recently finished job, else None."""
+        owner = self._owners.get(job_id)
+        if owner is None:
+            item = self._finished.get(job_id)
+            owner = item[4] if item else None
+        return owner
+
+    def _own(self, job_id: str, client: str) -> None:
+        """Record the owner of a job just admitted. The map holds live jobs only (each leaves with its
+        terminal event); should one ever leave without one, entries the scheduler no longer knows are
+        dropped once the map outgrows the scheduler's limits."""
+        self._owners[job_id] = client
+        if len(self._owners) > 2 * (self.config.max_queued_jobs + self.config.max_rows) + 64:
+            sched = self.engine.scheduler
+            for stale in [j for j in self._owners if sched.owner_of(j) is None and j != job_id]:
+                del self._owners[stale]
+
     def _remember(self, event) -> None:
         """Keep a terminal event (bounded by count, bytes and age) for status requests, with the
         (step, steps) the job reached: all of them for `done`; for `failed` the step completed when it
         was cancelled, else the last step a frame reported (0 without frames)."""
         job_id = event.job_id
+        owner = self._owners.pop(job_id, None) or self.owner_of(job_id)
         old = self._finished.pop(job_id, None)
         if old is not None:
             self._finished_bytes -= old[2]
@@ -263,14 +377,14 @@ class Coordinator:
         reached = self._progress.pop(job_id, None)
         if event.kind == "done":
             reached = (int(event.steps), int(event.steps))
-        self._finished[job_id] = (time.monotonic(), event, size, reached or (0, 0))
+        self._finished[job_id] = (time.monotonic(), event, size, reached or (0, 0), owner)
         self._finished_bytes += size
         self._forget_old()
 
     def _forget_old(self) -> None:
         now = time.monotonic()
         while self._finished:
-            t, _, size, _ = next(iter(self._finished.values()))
+            t, _, size = next(iter(self._finished.values()))[:3]
             if (len(self._finished) <= self.keep_finished and self._finished_bytes <= self.keep_finished_bytes
                     and now - t <= self.keep_finished_s):
                 break
@@ -283,22 +397,25 @@ class Coordinator:
         item = self._finished.get(job_id)
         return item[1] if item else None
 
-    async def job_status(self, job_id: str) -> JobStatus | None:
-        """What this coordinator knows of a job; None if nothing (never had it, or forgot it)."""
+    async def job_status(self, job_id: str, client: str | None = None) -> JobStatus | None:
+        """What this coordinator knows of a job; None if nothing (never had it, or forgot it), or,
+        with `client`, if the job is not that client's."""
         assert self.engine is not None, "enter the context first"
+        if client is not None and self.owner_of(job_id) not in (client, None):
+            return None
         state = self.engine.job_state(job_id)
         if state is None and self.finished_event(job_id) is None:
             # A tick may have finished the job and still be publishing its events: wait for that.
             await self.engine.flush_events()
             state = self.engine.job_state(job_id)
         if state is not None:
-            return JobStatus(job_id=job_id, coordinator=self.name, **state)
+            return JobStatus(job_id=job_id, coordinator=self.name, instance=self.instance, **state)
         ev = self.finished_event(job_id)
-        if ev is None:
+        if ev is None or (client is not None and self._finished[job_id][4] != client):
             return None
         step, steps = self._finished[job_id][3]
         return JobStatus(job_id=job_id, state="done" if ev.kind == "done" else "failed", step=step, steps=steps,
-                         coordinator=self.name)
+                         coordinator=self.name, instance=self.instance)
 
     # ------------------------------------------------------------ NATS handlers
     async def _publish(self, event) -> None:
@@ -309,12 +426,41 @@ class Coordinator:
         await self._send_event(event)
 
     async def _send_event(self, event) -> None:
+        owner = self.owner_of(event.job_id)
+        if owner is None:  # cannot happen for a job this coordinator admitted; never guess a namespace
+            log.error("not publishing %s for job %s: its owner is not known", event.kind, event.job_id)
+            return
         try:
-            await self.nc.publish(subjects.job_events(event.job_id), pack(event))
+            await self.nc.publish(subjects.job_events(owner, event.job_id), pack(event))
         except ProtocolError as err:
             log.error("cannot publish %s for job %s: %s", event.kind, event.job_id, err.message)
         except Exception as err:  # connection trouble: the client will time out; keep serving
             log.error("cannot publish %s for job %s: %r", event.kind, event.job_id, err)
+
+    def _may_reply(self, msg, client: str | None = None) -> bool:
+        """True if `msg` wants a reply and its reply subject is an inbox (`_INBOX.…`, or with
+        `client` also `_INBOX_<client>.…`; without, any `_INBOX_<token>.…`); a request with any
+        other reply subject is dropped, with a rate-limited log line."""
+        if not msg.reply:
+            return False
+        if subjects.is_reply_inbox(msg.reply, client) and not self._is_own_inbox(msg.reply):
+            return True
+        self.replies_dropped += 1
+        self._dropped_log.warning("dropped a request on %s: its reply subject %s is not an inbox of the requester "
+                                  "(replies go only to _INBOX.… or _INBOX_<client>.…)", shown(msg.subject),
+                                  shown(msg.reply))
+        return False
+
+    def _is_own_inbox(self, reply: str) -> bool:
+        """True if `reply` is under one of this coordinator's own reply inboxes (where experts answer
+        it): nobody may direct a reply there."""
+        own = [getattr(self.nc, "_resp_sub_prefix", None), getattr(self.transport, "_prefix", None)]
+        for prefix in own:
+            if prefix:
+                text = bytes(prefix).decode() if isinstance(prefix, (bytes, bytearray)) else str(prefix)
+                if reply.startswith(text.rstrip(".") + "."):
+                    return True
+        return False
 
     async def _reply(self, msg, message) -> None:
         if msg.reply:
@@ -326,6 +472,16 @@ class Coordinator:
     async def _on_submit(self, msg) -> None:
         # Every submit is answered `accepted` or `rejected`; each `rejected` counts in jobs_rejected
         # (the scheduler counts its own refusals, this service the rest).
+        client = subjects.parse_submit_subject(msg.subject)
+        if msg.reply and not self._may_reply(msg, client):
+            return  # a reply subject outside _INBOX: not even the job is taken
+        if client is None:
+            self.rejected_unread += 1
+            self.metrics.rejected(ErrorCode.BAD_REQUEST)
+            await self._reply(msg, JobRejected(code=ErrorCode.BAD_REQUEST, reason=(
+                f"the client name in the subject {shown(msg.subject)} is not valid: use 1-64 characters of "
+                "[A-Za-z0-9_-]")))
+            return
         try:
             request = unpack(msg.data, JobRequest)
         except ProtocolError as err:
@@ -336,7 +492,8 @@ class Coordinator:
         try:
             # submit + the accepted event are queued before any await, so the event
             # precedes every frame of this job on the events subject
-            accepted = self.engine.submit(request)
+            accepted = self._signed(self.engine.submit(request, client=fairness_key(client, request)))
+            self._own(accepted.job_id, client)
             self._progress[accepted.job_id] = (0, request.steps)
             publish = self._publish(accepted)
         except Rejected as err:
@@ -352,18 +509,24 @@ class Coordinator:
         await self._reply(msg, accepted)
 
     async def _not_a_job_id(self, msg, what: str) -> None:
-        """Answer a cancel / status request on `ddm.v1.jobs.<token>.<verb>` whose token is not a job id."""
-        parts = msg.subject.split(".")
-        token = parts[3] if len(parts) == 5 else msg.subject
+        """Answer a cancel / status request on `ddm.v1.c.<client>.jobs.<token>.<verb>` whose client
+        or job token is not valid."""
+        found = subjects.parse_job_namespace(msg.subject)
+        what_token, token = ("job id", found[1]) if found else ("client name", msg.subject.split(".")[3]
+                                                                 if msg.subject.count(".") >= 3 else msg.subject)
         await self._reply(msg, ErrorReply(code=ErrorCode.BAD_REQUEST, message=(
-            f"{what}: the job id in the subject, {shown(token)} ({len(token)} character{'s' * (len(token) != 1)}), "
-            "is not valid: use 1-64 characters of [A-Za-z0-9_-]")))
+            f"{what}: the {what_token} in the subject, {shown(token)} ({len(token)} "
+            f"character{'s' * (len(token) != 1)}), is not valid: use 1-64 characters of [A-Za-z0-9_-]")))
 
     async def _on_cancel(self, msg) -> None:
-        job_id = subjects.parse_job_subject(msg.subject)
-        if job_id is None:
+        parsed = subjects.parse_job_subject(msg.subject)
+        found = subjects.parse_job_namespace(msg.subject)
+        if msg.reply and not self._may_reply(msg, found[0] if found else None):
+            return  # a reply subject outside _INBOX: not acted on either
+        if parsed is None:
             await self._not_a_job_id(msg, "cancel")
             return
+        client, job_id = parsed.client, parsed.job_id
         if msg.data:
             try:
                 req = unpack(msg.data, CancelRequest)
@@ -374,14 +537,18 @@ class Coordinator:
                 await self._reply(msg, CancelReply(job_id=job_id, cancelled=False,
                                                    reason=f"body job_id {req.job_id!r} does not match the subject"))
                 return
-        self._note_progress(job_id)
-        ok = await self.engine.cancel(job_id)
+        ok = await self.cancel(job_id, client=client)  # another client's job: not acted on, "unknown"
         if ok:
             await self._reply(msg, CancelReply(job_id=job_id, cancelled=True))
         else:  # answer "unknown" a little later, so the coordinator that owns the job (if any) answers first
-            self._reply_later(msg, CancelReply(job_id=job_id, cancelled=False, reason="no such queued or running job"))
+            self._reply_later(msg, CancelReply(job_id=job_id, cancelled=False, reason=UNKNOWN_JOB))
 
     def _reply_later(self, msg, message, delay: float = NOT_MINE_DELAY) -> None:
+        if not msg.reply:
+            return
+        if len(self._bg) >= MAX_DELAYED_REPLIES:  # flooded: answer at once rather than hold more tasks
+            delay = 0.0
+
         async def later() -> None:
             await asyncio.sleep(delay)
             await self._reply(msg, message)
@@ -391,16 +558,20 @@ class Coordinator:
         task.add_done_callback(self._bg.discard)
 
     async def _on_job_status(self, msg) -> None:
-        job_id = subjects.parse_job_subject(msg.subject)
-        if not msg.reply:
+        parsed = subjects.parse_job_subject(msg.subject)
+        found = subjects.parse_job_namespace(msg.subject)
+        if not self._may_reply(msg, found[0] if found else None):
             return
-        if job_id is None:
+        if parsed is None:
             await self._not_a_job_id(msg, "job status")
             return
+        client, job_id = parsed.client, parsed.job_id
         try:
-            status = await self.job_status(job_id)
-            if status is None:  # not ours (or lost in a restart): "unknown", after the owner had its chance
-                self._reply_later(msg, JobStatus(job_id=job_id, state="unknown", coordinator=self.name),
+            status = await self.job_status(job_id, client=client)
+            # not ours, not this client's, or lost in a restart: "unknown", after the owner had its chance
+            if status is None:
+                self._reply_later(msg, JobStatus(job_id=job_id, state="unknown", coordinator=self.name,
+                                                 instance=self.instance),
                                   delay=2 * NOT_MINE_DELAY)
                 return
             if status.state in ("done", "failed"):  # publish the result again, then say so
@@ -413,10 +584,23 @@ class Coordinator:
             log.exception("job status failed")
 
     async def _on_status(self, msg) -> None:
+        if not self._may_reply(msg):
+            return
         try:
             await self._reply(msg, self.status())
         except Exception:
             log.exception("status failed")
+
+
+def new_instance_id() -> str:
+    """An id for one run of a coordinator: its UTC start time and 6 random hex digits,
+    e.g. "20261126T085649Z-3fa2c1"."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def fairness_key(client: str, request: JobRequest) -> str:
+    """The scheduler's fairness key of a job: "<client>", or "<client>/<session>" with a session."""
+    return f"{client}/{request.session}" if request.session else client
 
 
 async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:

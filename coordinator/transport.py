@@ -19,6 +19,17 @@ A request is retried when:
 
 It raises `ExpertUnavailable` when the expert has no responders at all, or every try failed, and
 `BadExpertReply` (an ExpertUnavailable with code `bad_reply`) when it only ever got bad replies.
+
+Forged replies: every request (every try) gets its own reply subject
+`<inbox prefix>.<per-transport NUID>.<secrets.token_hex(16)>` (128 random bits), served by one
+wildcard subscription whose callback accepts a message only on the token of a request this
+transport has outstanding, and only once (the token is forgotten on the first reply, on time-out
+and on give-up). A reply on any other subject under the prefix (a guessed or replayed token, a
+second reply, a reply after its time-out) is dropped and counted in `stray_replies`. A process
+that sees one request (a worker of that expert) learns only that request's token, so it cannot
+answer anyone else's. The reply must also name the requested expert and echo its row ids.
+`bad_workers` keeps the `BAD_WORKERS_KEPT` worker ids most recently blamed (LRU), so a reply
+stream claiming ever new ids cannot grow it without bound.
 """
 
 from __future__ import annotations
@@ -26,8 +37,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
-from collections import Counter
+from collections import OrderedDict
 
 import numpy as np
 
@@ -47,6 +59,39 @@ MAX_LOST_TO_RECONNECT = 3
 
 #: Pause between tries while an expert has no responders just after a reconnect (s).
 NO_RESPONDERS_BACKOFF = 0.25
+
+#: Most worker ids `NatsTransport.bad_workers` remembers (least recently blamed dropped first).
+BAD_WORKERS_KEPT = 256
+
+#: Seconds between two log lines about stray (unexpected or forged) replies.
+STRAY_LOG_INTERVAL = 10.0
+
+#: The status nats-server puts on the reply of a request nobody subscribes to.
+_NO_RESPONDERS = "503"
+
+
+class BoundedCounter(OrderedDict):
+    """A Counter of at most `maxlen` keys: adding a new key past the bound forgets the key
+    least recently counted. `c[key] += 1` works as with collections.Counter (missing -> 0)."""
+
+    def __init__(self, maxlen: int = BAD_WORKERS_KEPT):
+        super().__init__()
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+        self.maxlen = maxlen
+
+    def __missing__(self, key) -> int:
+        return 0
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.maxlen:
+            self.popitem(last=False)
+
+    def most_common(self, n: int | None = None) -> list[tuple[str, int]]:
+        ranked = sorted(self.items(), key=lambda kv: kv[1], reverse=True)
+        return ranked if n is None else ranked[:n]
 
 
 class _BadReply(Exception):
@@ -91,9 +136,14 @@ class NatsTransport:
         self._ids = itertools.count()
         self.retried = 0  # requests that needed another try (for status / tests)
         self.bad_replies = 0  # unusable replies received
-        self.bad_workers: Counter[str] = Counter()  # worker id ("?" if none claimed) -> bad replies
+        self.bad_workers = BoundedCounter(BAD_WORKERS_KEPT)  # worker id ("?" if none claimed) -> bad replies
+        self.stray_replies = 0  # replies on a token with no outstanding request (forged, duplicate, late)
         self._reconnects_seen = self._reconnects()
         self._reconnected_at = float("-inf")
+        self._prefix: str | None = None  # "<inbox prefix>.<nuid>": the reply mux's subject is prefix + ".*"
+        self._pending: dict[str, asyncio.Future] = {}  # reply token -> the request's future
+        self._mux_lock = asyncio.Lock()
+        self._stray_logged_at = float("-inf")
 
     async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
                        row_ids: list[str]) -> np.ndarray:
@@ -121,6 +171,55 @@ class NatsTransport:
         self._observe_reconnects()
         return time.monotonic() - self._reconnected_at < self.reconnect_grace
 
+    # ------------------------------------------------------------ reply mux
+    async def _ensure_mux(self) -> str:
+        """Subscribe the reply wildcard once; returns the reply prefix."""
+        if self._prefix is None:
+            async with self._mux_lock:
+                if self._prefix is None:
+                    prefix = self.nc.new_inbox()  # "<inbox prefix>.<nuid>": unique per transport
+                    await self.nc.subscribe(prefix + ".*", cb=self._on_reply)
+                    self._prefix = prefix
+        return self._prefix
+
+    async def _on_reply(self, msg) -> None:
+        token = msg.subject.rsplit(".", 1)[-1]
+        fut = self._pending.pop(token, None)  # accepted once: a second reply finds nothing
+        if fut is None or fut.done():
+            self._stray(msg.subject)
+            return
+        fut.set_result(msg)
+
+    def _stray(self, subject: str) -> None:
+        self.stray_replies += 1
+        now = time.monotonic()
+        if now - self._stray_logged_at >= STRAY_LOG_INTERVAL:
+            self._stray_logged_at = now
+            log.warning("dropped a reply on %s: no request of ours is waiting on that subject (forged, "
+                        "duplicate or late; %d so far)", subject[:200], self.stray_replies)
+
+    async def _ask(self, subject: str, payload: bytes, timeout: float):
+        """Publish a request with a fresh unguessable reply subject; the reply message.
+        Raises nats.errors.TimeoutError or NoRespondersError like `nc.request`."""
+        import nats.errors
+        from nats.js.api import Header
+
+        prefix = await self._ensure_mux()
+        token = secrets.token_hex(16)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[token] = fut
+        try:
+            await self.nc.publish(subject, payload, reply=f"{prefix}.{token}")
+            try:
+                msg = await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise nats.errors.TimeoutError from None
+        finally:
+            self._pending.pop(token, None)
+        if msg.headers and msg.headers.get(Header.STATUS) == _NO_RESPONDERS and not msg.data:
+            raise nats.errors.NoRespondersError
+        return msg
+
     # ------------------------------------------------------------ one request
     async def _request(self, expert: int, x, t, y, row_ids) -> np.ndarray:
         import nats.errors
@@ -139,7 +238,7 @@ class NatsTransport:
             req = StepRequest(expert=expert, x_t=x32, t=t32, y=y64, row_ids=list(row_ids),
                               deadline=time.time() + self.step_timeout, request_id=f"s{next(self._ids)}")
             try:
-                msg = await self.nc.request(subject, pack(req), timeout=self.step_timeout)
+                msg = await self._ask(subject, pack(req), self.step_timeout)
             except nats.errors.NoRespondersError:
                 if self._in_reconnect_grace():
                     await asyncio.sleep(NO_RESPONDERS_BACKOFF)

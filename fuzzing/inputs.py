@@ -78,7 +78,7 @@ INTERESTING_STRS = [
     "step_request", "step_reply", "job_request", "error", "cancel", "frame", "done", "failed", "accepted",
     "rejected", "cancel_reply", "fleet_status", "<f4", ">f4", "<f2", "<f8", "|b1", "|O", "<c8", "<U4", "V8", "|u1",
     "<i8", "top1", "topk", "full", "oracle", "euler", "heun", "bad_request", "internal", "too_large",
-    "ddm.v1.jobs.submit", "Nats-Service-Error: x", "😀" * 3, " ", "NaN", "-1",
+    "ddm.v1.c.anon.jobs.submit", "_INBOX_web.x", "Nats-Service-Error: x", "😀" * 3, " ", "NaN", "-1",
 ]
 #: msgpack marker bytes worth planting: nil, never-used (0xc1), bools, bin/ext/str/array/map headers, fixext.
 MARKER_BYTES = [
@@ -116,7 +116,8 @@ def message_seeds(image: tuple[int, int, int] = (1, 4, 4), rows: tuple[int, ...]
         JobRequest(digits=[3, 7, 7], steps=4),
         JobRequest(job_id="fuzz-job", count=2, steps=3, solver="heun", strategy="topk", top_k=2, seed=11,
                    frame_every=2, deadline_s=30.0, stream=False),
-        JobAccepted(job_id="j1", events_subject="ddm.v1.jobs.j1.events", digits=[1, 2], seed=5, queue_position=1),
+        JobAccepted(job_id="j1", events_subject="ddm.v1.c.anon.jobs.j1.events", digits=[1, 2], seed=5,
+                    queue_position=1),
         JobRejected(code=ErrorCode.OVERLOADED, reason="queue full"),
         FrameEvent(job_id="j1", step=1, steps=4, t=0.25, x=rng.standard_normal((2, *image)).astype(np.float16),
                    experts=[0, -1], weights=np.array([[0.9, 0.1], [0.5, 0.5]], np.float32), notes=["row 1: x"]),

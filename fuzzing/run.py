@@ -5,7 +5,7 @@ Targets (inputs come from `fuzzing.inputs`):
     codec        msgpack bytes -> schemas.loads -> decode_tensor                 (pure, in-process)
     messages     byte 0 picks a message type or union, the rest -> schemas.unpack (pure, in-process)
     worker       raw and mutated StepRequests (and other messages) over NATS to a real ExpertWorker
-    coordinator  raw and mutated bytes on jobs.submit, jobs.<id>.cancel, jobs.<id>.status, fleet.status
+    coordinator  raw and mutated bytes on c.<client>.jobs.submit, c.<client>.jobs.<id>.cancel|status, fleet.status
     websocket    random and mutated text / binary frames to the real web app's /ws
 
 The network targets run a private fleet: a nats-server on a free port (max_payload 16 MiB, so
@@ -32,9 +32,10 @@ since atheris.Fuzz() never returns; `pip install atheris`, part of the `test` ex
 The network targets always use the generator: their inputs must mostly be well-formed to get
 past the first check, and coverage would be measured in the wrong place (the client).
 
-A cancel / job-status request whose subject token is not a job id (`ddm.v1.jobs.<65 chars>.cancel`,
-`bad%token`, non-ASCII) must get an `error` reply with `bad_request` (counted as the clear error
-`not_a_job_id`); any other answer, or none in time, is a crash. A status reply must be a
+A cancel / job-status request whose subject token is not a job id or client name
+(`ddm.v1.c.fuzz.jobs.<65 chars>.cancel`, `bad%token`, non-ASCII) must get an `error` reply with
+`bad_request` (counted as the clear error `not_a_job_id`); any other answer, or none in time, is a
+crash. Requests in another client's namespace ("other") must be answered as for an unknown job. A status reply must be a
 `job_status` for the job asked about.
 """
 

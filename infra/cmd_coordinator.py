@@ -1,7 +1,8 @@
 """Run the coordinator: router + continuous step-level batching of every job over NATS.
 
-Serves ddm.v1.jobs.submit (JobRequest -> JobAccepted | JobRejected), ddm.v1.jobs.<id>.cancel and
-ddm.v1.fleet.status, and publishes each job's frames and final images on ddm.v1.jobs.<id>.events.
+Serves every client's ddm.v1.c.<client>.jobs.submit (JobRequest -> JobAccepted | JobRejected),
+ddm.v1.c.<client>.jobs.<id>.cancel|status (only the owning client's) and ddm.v1.fleet.status, and
+publishes each job's frames and final images on its owner's ddm.v1.c.<client>.jobs.<id>.events.
 Each tick it runs the router on every active row at once, sends ONE batched request per chosen
 expert (all experts concurrently), combines the velocities and advances every row one solver
 step; jobs join at the next tick and leave when done. Expert workers (`ddm-fleet worker`) may be
@@ -9,11 +10,19 @@ started before or after; a step whose expert has no workers falls back to the ne
 Every expert reply is checked (shape, dtype, finite): a bad one is logged with the worker id it
 claims and retried (--bad-reply-retries); a job no expert could serve fails with `bad_reply` or
 `unavailable`. A NATS server restart costs the requests in flight a retry, not the jobs.
+Fair sharing across clients (the NATS user / client token, plus the viewer's socket): at most
+--max-client-rows running rows and --max-client-queued-jobs waiting jobs per client, at most
+--max-job-cost row-evaluations per job and --max-job-run-s seconds of running per job; freed rows go
+to the client with the fewest running rows. Refusals name the limit and its value.
 SIGTERM / Ctrl-C: running and queued jobs fail with `unavailable` ("coordinator shutting down"),
-then exit 0. After a crash, a restarted coordinator answers `unknown` to the clients asking about
-the jobs it lost (ddm.v1.jobs.<id>.status), so they fail at once instead of waiting.
+then exit 0. If the engine loop dies, every job fails with `internal`, submits are refused with
+`unavailable` and the process exits 1, so that its supervisor restarts it. After a crash, a
+restarted coordinator answers `unknown` to the clients asking about the jobs it lost
+(ddm.v1.c.<client>.jobs.<id>.status), so they fail at once instead of waiting. Several coordinators
+may share a bus (the submit queue group spreads the jobs): give each its own --name, kept across
+its restarts; a client believes "unknown" only from the coordinator named in its job's `accepted`.
 Prometheus metrics (ticks, rows stepped, queue depth, admissions and rejections, expert call times
-and errors; see coordinator/metrics.py) are served on http://0.0.0.0:9478/metrics unless
+and errors; see coordinator/metrics.py) are served on http://127.0.0.1:9478/metrics (--metrics-host) unless
 --metrics-port says otherwise (0: off). The default port is skipped with a warning when taken;
 a port given explicitly must be free.
 
@@ -21,6 +30,8 @@ examples:
   ddm-fleet coordinator --router checkpoints/router.safetensors --partition checkpoints/partition.json
   ddm-fleet coordinator --router ... --partition ... --nats nats://10.0.0.5:4222 --max-rows 512 --step-timeout 5
   ddm-fleet coordinator --router ... --partition ... --metrics-port 0        # no /metrics
+  ddm-fleet coordinator --router ... --partition ... --name coord-b          # a second coordinator on the bus
+  ddm-fleet coordinator --router ... --partition ... --max-client-rows 256 --max-client-queued-jobs 16
 """
 
 from __future__ import annotations
@@ -39,11 +50,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--nats", default=default_nats_url(), metavar="URL", help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
                              "nats://127.0.0.1:4222)")
+    parser.add_argument("--name", default="coordinator", metavar="NAME",
+                        help="this coordinator's name in its replies (1-128 characters, default %(default)s): give "
+                             "each coordinator on a bus its own, and keep it across restarts")
     parser.add_argument("--max-rows", type=int, default=1024, metavar="N",
                         help="most images denoised at once, over all jobs (default %(default)s); a job waits in the "
                              "queue until its rows fit")
     parser.add_argument("--max-queued-jobs", type=int, default=256, metavar="N",
                         help="most jobs waiting for rows; more are rejected with `overloaded` (default %(default)s)")
+    parser.add_argument("--max-client-rows", type=int, default=None, metavar="N",
+                        help="most images one client runs at once (default: --max-rows); its further jobs wait, a "
+                             "larger job is rejected with `too_large`. Below --max-rows it keeps rows free for others")
+    parser.add_argument("--max-client-queued-jobs", type=int, default=64, metavar="N",
+                        help="most jobs one client may have waiting; more are rejected with `overloaded` "
+                             "(default %(default)s, at most --max-queued-jobs)")
+    parser.add_argument("--max-job-cost", type=int, default=256_000, metavar="N",
+                        help="most row-evaluations per job: images x steps x evaluations per step (heun 2) x experts "
+                             "per row (top1/oracle 1, topk k, full all); more is rejected with `too_large` "
+                             "(default %(default)s: 256 images x 1000 euler top1 steps; 0: no limit)")
+    parser.add_argument("--max-job-run-s", type=float, default=600.0, metavar="S",
+                        help="most seconds a job may run once started; longer fails with `deadline_exceeded` "
+                             "(default %(default)s; 0: no limit)")
     parser.add_argument("--step-timeout", type=float, default=10.0, metavar="S",
                         help="seconds to wait for an expert's reply before retrying (default %(default)s)")
     parser.add_argument("--retries", type=int, default=2, metavar="N",
@@ -57,8 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "splits an expert's batch into concurrent requests that the queue group spreads over "
                              "several workers of that expert (one worker re-batches them)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                        help="serve Prometheus text metrics on http://0.0.0.0:P/metrics (default 9478, skipped with "
+                        help="serve Prometheus text metrics on http://HOST:P/metrics (default 9478, skipped with "
                              "a warning when taken; 0 disables)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                        help="interface the metrics bind (default %(default)s, loopback only; 0.0.0.0 for a "
+                             "Prometheus on another machine)")
     parser.add_argument("--wait-experts", type=float, default=0.0, metavar="S",
                         help="before serving, wait up to S seconds for every expert to have a worker (default: don't)")
 
@@ -73,10 +103,16 @@ def run(args: argparse.Namespace) -> int:
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
                              ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1),
                              ("--bad-reply-retries", args.bad_reply_retries, 0),
+                             ("--max-client-rows", 1 if args.max_client_rows is None else args.max_client_rows, 1),
+                             ("--max-client-queued-jobs", args.max_client_queued_jobs, 1),
+                             ("--max-job-cost", args.max_job_cost, 0), ("--max-job-run-s", args.max_job_run_s, 0),
                              ("--metrics-port", 0 if args.metrics_port is None else args.metrics_port, 0)):
         if value < low:
             print(f"ddm-fleet coordinator: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if not 1 <= len(args.name) <= 128:
+        print(f"ddm-fleet coordinator: --name must be 1-128 characters, got {len(args.name)}", file=sys.stderr)
+        return 2
     if args.request_rows > 512:
         print(f"ddm-fleet coordinator: --request-rows must be <= 512 (schemas.MAX_STEP_ROWS), got {args.request_rows}",
               file=sys.stderr)
@@ -93,13 +129,14 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         import nats
 
-        from coordinator.service import Coordinator, load_router_and_partition, wait_for_experts
+        from coordinator.service import Coordinator, EngineDied, load_router_and_partition, wait_for_experts
         from workers.metrics_http import DEFAULT_COORDINATOR_PORT
 
         if args.metrics_port is None:  # the default: best effort
             metrics = dict(metrics_port=DEFAULT_COORDINATOR_PORT, metrics_optional=True)
         else:  # asked for: must work (0: off)
             metrics = dict(metrics_port=args.metrics_port or None)
+        metrics["metrics_host"] = args.metrics_host
 
         router, k, c2e = load_router_and_partition(args.router, args.partition)
         from bus.nats_server import nats_servers
@@ -121,11 +158,19 @@ def run(args: argparse.Namespace) -> int:
             async with Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
                                    max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
                                    retries=args.retries, request_rows=args.request_rows,
-                                   bad_reply_retries=args.bad_reply_retries, **metrics) as coord:
+                                   bad_reply_retries=args.bad_reply_retries, max_client_rows=args.max_client_rows,
+                                   max_client_queued_jobs=args.max_client_queued_jobs,
+                                   max_job_cost=args.max_job_cost or None, max_job_run_s=args.max_job_run_s or None,
+                                   name=args.name, **metrics) as coord:
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)"
                       + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)
-                await stop.wait()
+                try:
+                    await coord.serve_until(stop)
+                except EngineDied as err:  # every job has failed with `internal`; let the supervisor restart us
+                    print(f"ddm-fleet coordinator: {err}; exiting so that a supervisor restarts it",
+                          file=sys.stderr, flush=True)
+                    return 1
                 log.info("signal received: failing running jobs and draining")
                 st = coord.status()
             print(f"stopped: {st.jobs_done} jobs done, {st.images_done} images", flush=True)

@@ -4,7 +4,7 @@ targets (default: all, in this order):
   codec        msgpack bytes -> schemas.loads -> decode_tensor (in-process)
   messages     bytes -> schemas.unpack for every message type and union (in-process)
   worker       raw / mutated requests over NATS to a real expert worker
-  coordinator  raw / mutated bytes on jobs.submit, jobs.<id>.cancel, jobs.<id>.status, fleet.status
+  coordinator  raw / mutated bytes on c.<client>.jobs.submit, c.<client>.jobs.<id>.cancel|status, fleet.status
   websocket    random / mutated frames to the real web app's /ws
 
 The network targets start a private fleet in this process (nats-server on a free port, two tiny

@@ -346,8 +346,15 @@ def run(args: argparse.Namespace) -> int:
             rows = min(n_images, args.max_images_per_job * args.jobs_in_flight)
             async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(rows)) as fleet:
                 return await job(fleet.nc)
+        from coordinator.client import client_connect_options, client_from_url
+
+        try:  # the jobs belong to the NATS user of --nats ("anon" without one)
+            client = client_from_url(args.nats)
+        except ValueError as err:
+            print(f"ddm-fleet generate: {err}", file=sys.stderr)
+            return 2
         nc = await nats.connect(nats_servers(args.nats), name="ddm-generate", connect_timeout=5,
-                                max_reconnect_attempts=3, reconnect_time_wait=0.5)
+                                max_reconnect_attempts=3, reconnect_time_wait=0.5, **client_connect_options(client))
         try:
             return await job(nc)
         finally:

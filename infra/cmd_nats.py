@@ -39,11 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _example_env() -> dict[str, str]:
-    from infra.nats_cluster import PASSWORD_VARS
+    from infra.nats_cluster import LEAF_LOCAL_PASSWORD_VAR, PASSWORD_VARS, ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR
 
-    env = {var: "example-password" for var in PASSWORD_VARS.values()}
+    env = {var: "example-password" for var in (*PASSWORD_VARS.values(), ROUTE_PASSWORD_VAR, LEAF_LOCAL_PASSWORD_VAR)}
     env["DDM_NATS_SERVER_NAME"] = "example"
     env["DDM_NATS_HUB_URLS"] = '["nats-leaf://leaf-expert-0:example@nats-1.ddm.internal:7422"]'
+    env[ROUTE_URLS_VAR] = '["nats-route://route:example@nats-1.ddm.internal:6222"]'
     return env
 
 
@@ -56,6 +57,14 @@ def _check(args: argparse.Namespace) -> int:
 
     files = args.files or [str(CONFIG_DIR / name) for name in RUNNABLE]
     env = {k: v for k, v in _example_env().items() if k not in os.environ} if args.example_env else None
+    if not args.example_env:
+        from bus.nats_server import ExamplePasswordError, refuse_example_passwords
+
+        try:  # the deployment's own nats.env, exported: its passwords must not be the shipped examples
+            refuse_example_passwords()
+        except ExamplePasswordError as err:
+            print(f"ddm-fleet nats check: {err}", file=sys.stderr)
+            return 1
     failed = 0
     for path in files:
         try:
@@ -79,6 +88,13 @@ def _cluster(args: argparse.Namespace) -> int:
     if args.size < 1:
         print(f"ddm-fleet nats cluster: --size must be >= 1, got {args.size}", file=sys.stderr)
         return 2
+    from bus.nats_server import ExamplePasswordError, refuse_example_passwords
+
+    try:
+        refuse_example_passwords()
+    except ExamplePasswordError as err:
+        print(f"ddm-fleet nats cluster: {err}", file=sys.stderr)
+        return 2
     cluster = NatsCluster(args.size, name="ddm-dev", log_dir=args.log_dir)
     try:
         cluster.start()
@@ -97,7 +113,7 @@ def _cluster(args: argparse.Namespace) -> int:
             print(f"node {i}: {node.url}  monitor http://{node.host}:{node.http_port}  "
                   f"leaf port {cluster.leaf_ports[i]}")
         for user, leaf in zip(args.leaf, leaves):
-            print(f"leaf ({user}): {leaf.url}  (no credentials; carries only what {user} may)")
+            print(f"leaf ({user}): {leaf.client_url}  (this host's workers; carries only what {user} may)")
         print("\nper role: node 0, then the failover list (every node, credentials in the first URL;")
         print("for programs that pass --nats through bus.nats_server.nats_servers):")
         for user in cluster.passwords:

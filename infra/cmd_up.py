@@ -146,7 +146,7 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
                                   stop_group="workers"))
     coord = cli + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]),
                    "--nats", nats_url] + shlex.split(args.coordinator_args)
-    rest.append(ChildSpec("coordinator", coord, role="coordinator", where=subjects.JOBS_SUBMIT,
+    rest.append(ChildSpec("coordinator", coord, role="coordinator", where=subjects.ALL_JOBS_SUBMIT,
                           probe=probes.coordinator, env=env))
     if not args.no_web:
         web = cli + ["web", "--host", args.host, "--port", str(args.port), "--nats", nats_url] + shlex.split(args.web_args)

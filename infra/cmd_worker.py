@@ -11,6 +11,10 @@ examples:
   ddm-fleet worker --expert 1 --checkpoint checkpoints/expert1.safetensors --backend jax
   ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend xla   # PJRT_DEVICE=CPU|NEURON
   ddm-fleet worker --expert 0 --checkpoint ... --bf16 --metrics-port 9477 --nats nats://10.0.0.5:4222
+  NATS_URL_FILE=/etc/ddm-fleet/worker.url ddm-fleet worker --expert 0 --checkpoint ...   # URL with a password
+
+Metrics bind 127.0.0.1 unless --metrics-host says otherwise. Replies go only to `_INBOX` reply
+subjects; at most --max-inflight requests are held (then `overloaded`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
     parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
-                        help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL or "
-                             "nats://127.0.0.1:4222)")
+                        help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL, else "
+                             "the URL in the file $NATS_URL_FILE, else nats://127.0.0.1:4222). Prefer the environment "
+                             "or the file for URLs with a password: the command line is visible in `ps`; a shipped "
+                             "example password (change-me) is refused")
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128",
                         help="batch sizes compiled and padded to (default: 1,2,4,8,16,32,64,128)")
     parser.add_argument("--max-batch", type=int, default=None, metavar="N",
@@ -43,8 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer `overloaded` when this many rows already wait (default 4096)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                        help="also serve Prometheus text metrics on http://0.0.0.0:P/metrics (conventional port: "
+                        help="also serve Prometheus text metrics on http://HOST:P/metrics (conventional port: "
                              "9477; default and 0: off)")
+    parser.add_argument("--metrics-host", default=None, metavar="HOST",
+                        help="interface the metrics bind (default 127.0.0.1, loopback only; 0.0.0.0 for a "
+                             "Prometheus on another machine)")
+    parser.add_argument("--max-inflight", type=int, default=None, metavar="N",
+                        help="answer `overloaded` while this many requests are held (default 4096)")
     parser.add_argument("--xla-cache", default=None, metavar="DIR",
                         help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)")
     parser.add_argument("--connect-attempts", type=int, default=10, metavar="N",
@@ -86,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port or None,
             max_request_rows=args.max_request_rows or MAX_STEP_ROWS, backend_options=opts,
             connect_attempts=args.connect_attempts, max_queue_rows=args.max_queue_rows,
+            **({"metrics_host": args.metrics_host} if args.metrics_host else {}),
+            **({"max_inflight": args.max_inflight} if args.max_inflight is not None else {}),
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -110,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         meta = worker.metadata()
         print(f"ready: expert {args.expert} on {meta['subject']} backend={meta['backend']} device={meta['device']} "
               f"buckets={meta['buckets']} service_id={worker.service_id}"
-              + (f" metrics=:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
+              + (f" metrics={worker.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
         await waiter
         log.info("signal received: finishing held requests and draining")
         await worker.stop()

@@ -10,7 +10,10 @@ systemd passes `/etc/ddm-fleet/nats.env` in production.
         cluster.servers("worker-0")        # every node's URL, for failover
         cluster.stop_node(1)               # clients on node 1 reconnect elsewhere
         leaf = cluster.leaf("leaf-expert-0")  # a worker host's leaf node (started)
-        leaf.url                           # local workers connect here, no credentials
+        leaf.client_url                    # nats://worker:<pw>@127.0.0.1:<port>: local workers connect here
+
+Routes authenticate (cluster.conf's `authorization`, user `route`, a fresh random password) and the
+leaf's local port does too (leaf.conf, user `worker`), as in a deployment.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ PASSWORD_VARS: dict[str, str] = {
     "sys": "DDM_NATS_SYS_PASSWORD",
 }
 
+#: cluster.conf: the route user's password, and every node's route URL (with those credentials).
+ROUTE_USER, ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR = "route", "DDM_NATS_ROUTE_PASSWORD", "DDM_NATS_ROUTE_URLS"
+#: leaf.conf: the password this host's workers connect to their leaf node with (user `worker`).
+LEAF_LOCAL_USER, LEAF_LOCAL_PASSWORD_VAR = "worker", "DDM_NATS_LEAF_LOCAL_PASSWORD"
+
 # Later keys win in a nats-server config, and a block (cluster, leafnodes) is replaced whole,
 # so the blocks below repeat every setting of cluster.conf's blocks except the addresses.
 _NODE_OVERRIDES = """\
@@ -55,7 +63,12 @@ cluster {{
   name: {cluster_name}
   listen: {host}:{cluster_port}
   no_advertise: true
-  routes: [{routes}]
+  authorization {{
+    user: {route_user}
+    password: ${route_password_var}
+    timeout: 2
+  }}
+  routes: ${route_urls_var}
 }}
 leafnodes {{
   listen: {host}:{leaf_port}
@@ -125,7 +138,8 @@ class NatsCluster:
         self.host = host
         self.name = name
         self.passwords = dict(passwords) if passwords else random_passwords()
-        self.env = password_env(self.passwords)
+        self.route_password = secrets.token_hex(12)
+        self.env = {**password_env(self.passwords), ROUTE_PASSWORD_VAR: self.route_password}
         self.log_dir = Path(log_dir) if log_dir else None
         self.nodes: list[NatsServer] = []
         self.cluster_ports: list[int] = []
@@ -168,7 +182,8 @@ class NatsCluster:
             shutil.copy(conf, workdir / conf.name)
         self.cluster_ports = [free_port(self.host) for _ in range(self.size)]
         self.leaf_ports = [free_port(self.host) for _ in range(self.size)]
-        routes = ", ".join(f"nats-route://{self.host}:{p}" for p in self.cluster_ports)
+        routes = [f"nats-route://{ROUTE_USER}:{self.route_password}@{self.host}:{p}" for p in self.cluster_ports]
+        self.env[ROUTE_URLS_VAR] = "[" + ", ".join(json.dumps(r) for r in routes) + "]"  # as nats.env holds it
         try:
             for i in range(self.size):
                 env = {**self.env, "DDM_NATS_SERVER_NAME": self.node_name(i)}
@@ -177,8 +192,9 @@ class NatsCluster:
                 cfg.write_text(
                     _NODE_OVERRIDES.format(
                         name=self.node_name(i), host=self.host, port=node.port, http_port=node.http_port,
-                        cluster_name=self.name, cluster_port=self.cluster_ports[i], routes=routes,
-                        leaf_port=self.leaf_ports[i],
+                        cluster_name=self.name, cluster_port=self.cluster_ports[i], route_urls_var=ROUTE_URLS_VAR,
+                        leaf_port=self.leaf_ports[i], route_user=ROUTE_USER,
+                        route_password_var=ROUTE_PASSWORD_VAR,
                     )
                 )
                 node.config_file = cfg
@@ -216,9 +232,10 @@ class NatsCluster:
     def leaf(self, user: str, *, name: str | None = None, timeout: float = 10.0) -> NatsServer:
         """A leaf node running the shipped `leaf.conf` and dialling every hub node as `user`.
 
-        Returns a started NatsServer (no client auth, loopback), already linked to the hub;
-        `leaf.stop()` takes it down, and the cluster stops it with itself. Do not use the
-        returned server as a context manager (that would start it a second time).
+        Returns a started NatsServer (loopback), already linked to the hub; local clients
+        authenticate as `worker` with a fresh password: `leaf.client_url` carries it (`leaf.url`
+        has none, and is refused). `leaf.stop()` takes it down, and the cluster stops it with
+        itself. Do not use the returned server as a context manager (that would start it twice).
         """
         if self._tmp is None:
             raise RuntimeError("start the cluster before adding a leaf node")
@@ -226,11 +243,14 @@ class NatsCluster:
         name = name or f"leaf-{len(self._leaves)}"
         workdir = Path(self._tmp.name)
         hub_urls = "[" + ", ".join(json.dumps(u) for u in self.leaf_urls(user)) + "]"
+        local_password = secrets.token_hex(12)
         leaf = NatsServer(
             self.host,
-            env={"DDM_NATS_SERVER_NAME": f"{self.name}-{name}", "DDM_NATS_HUB_URLS": hub_urls},
+            env={"DDM_NATS_SERVER_NAME": f"{self.name}-{name}", "DDM_NATS_HUB_URLS": hub_urls,
+                 LEAF_LOCAL_PASSWORD_VAR: local_password},
             log_file=self._log(f"{name}"),
         )
+        leaf.client_url = f"nats://{LEAF_LOCAL_USER}:{local_password}@{leaf.host}:{leaf.port}"
         cfg = workdir / f"leafnode-{name}.conf"
         cfg.write_text(_LEAF_OVERRIDES.format(host=self.host, port=leaf.port, http_port=leaf.http_port))
         leaf.config_file = cfg

@@ -91,6 +91,12 @@ def _clip(value: Any) -> Any:
 
 #: A human sentence; never rejected for length, clipped to MAX_MESSAGE_LEN instead.
 Text = Annotated[str, BeforeValidator(_clip)]
+
+#: Longest coordinator name / instance id (`accepted`, `job_status`).
+MAX_COORDINATOR_NAME_LEN = 128
+
+#: A coordinator's name or instance id: at most MAX_COORDINATOR_NAME_LEN characters ("" = not said).
+CoordinatorName = Annotated[str, Field(max_length=MAX_COORDINATOR_NAME_LEN)]
 Strategy = Literal["top1", "topk", "full", "oracle"]
 Solver = Literal["euler", "heun"]
 
@@ -208,11 +214,14 @@ class ErrorReply(Message):
 
 
 class JobRequest(Message):
-    """Client -> coordinator (on `ddm.v1.jobs.submit`): generate images.
+    """Client -> coordinator (on `ddm.v1.c.<client>.jobs.submit`): generate images.
 
     Exactly one of `digits` (the class of each image) or `count` (that many random
-    classes, drawn from `seed`). Subscribe to `ddm.v1.jobs.<job_id>.events` *before*
-    submitting when you choose `job_id` yourself, so no event is missed.
+    classes, drawn from `seed`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
+    *before* submitting when you choose `job_id` yourself, so no event is missed.
+    `session` (optional, 1-64 of [A-Za-z0-9_-]): a sub-client tag for fair sharing, e.g. one
+    per viewer socket; the scheduler's fairness key is "<client>/<session>" when given, else
+    "<client>". It does not change who owns the job (the client token of the subject does).
     """
 
     kind: Literal["job_request"] = "job_request"
@@ -227,6 +236,7 @@ class JobRequest(Message):
     stream: bool = True
     frame_every: int = Field(default=1, ge=1, le=MAX_JOB_STEPS)
     deadline_s: Optional[float] = Field(default=None, gt=0, le=3600)
+    session: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
 
     @model_validator(mode="after")
     def _check(self) -> "JobRequest":
@@ -245,7 +255,11 @@ class JobRequest(Message):
 
 
 class JobAccepted(Message):
-    """Coordinator -> client (reply to submit): the job is queued."""
+    """Coordinator -> client (reply to submit): the job is queued.
+
+    `coordinator` / `instance`: the name of the coordinator that took the job (stable across its
+    restarts) and its run ("" from a coordinator that does not say): a client believes a later
+    `unknown` job status only from a coordinator of that name (see JobStatus)."""
 
     kind: Literal["accepted"] = "accepted"
     job_id: Id
@@ -253,6 +267,8 @@ class JobAccepted(Message):
     digits: list[int]
     seed: int
     queue_position: int = 0
+    coordinator: CoordinatorName = ""
+    instance: CoordinatorName = ""
 
 
 class JobRejected(Message):
@@ -333,7 +349,7 @@ class FailedEvent(Message):
 
 
 class CancelRequest(Message):
-    """Client -> coordinator on `ddm.v1.jobs.<job_id>.cancel`."""
+    """Client -> coordinator on `ddm.v1.c.<client>.jobs.<job_id>.cancel`."""
 
     kind: Literal["cancel"] = "cancel"
     job_id: Id
@@ -350,13 +366,15 @@ JobState = Literal["queued", "running", "done", "failed", "unknown"]
 
 
 class JobStatus(Message):
-    """Coordinator -> client (reply on `ddm.v1.jobs.<job_id>.status`): what it knows of the job.
+    """Coordinator -> client (reply on `ddm.v1.c.<client>.jobs.<job_id>.status`): what it knows of the job.
 
     queued / running: the job is alive (step = steps completed, queue_position = its place in
     the queue, 1 = next). done / failed: it finished recently, and its terminal event has just
     been published again on the events subject (for a client that missed it, e.g. across a
     NATS reconnect). unknown: this coordinator has no such job: it never had it, forgot it long
-    after it finished, or was restarted since (the job is lost)."""
+    after it finished, or was restarted since (the job is lost). Every coordinator answers, so
+    `coordinator` (its name) and `instance` (its run) say who: a client takes `unknown` as lost
+    only from the coordinator named in the job's `accepted` (itself, or its restart)."""
 
     kind: Literal["job_status"] = "job_status"
     job_id: Id
@@ -365,6 +383,7 @@ class JobStatus(Message):
     steps: int = Field(default=0, ge=0)
     queue_position: int = Field(default=0, ge=0)
     coordinator: str = ""
+    instance: CoordinatorName = ""
 
 
 class FleetStatus(Message):

@@ -162,4 +162,7 @@ def shutdown(info: DistInfo) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            # Every rank reaches teardown before any leaves: a rank that exits while another still
+            # has gloo work in flight can abort ("terminate called without an active exception").
+            dist.barrier()
             dist.destroy_process_group()

@@ -191,7 +191,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     if resume:
         if not resume_path.exists():
             raise FileNotFoundError(f"--resume: {resume_path} does not exist (start without --resume)")
-        ck = torch.load(resume_path, map_location="cpu", weights_only=False)
+        ck = torch.load(resume_path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
         if tuple(ck["widths"]) != tuple(cfg.widths) or ck["expert"] != cfg.expert:
             raise ValueError(f"--resume: {resume_path} is for expert {ck['expert']} widths {ck['widths']}, "
                              f"not expert {cfg.expert} widths {list(cfg.widths)}")

@@ -13,6 +13,12 @@ Routes:
 The server is just another bus client: one NATS connection (opened and drained in
 `cleanup_ctx`), one fleet poller task, one `Session` per socket. Sockets are closed on
 shutdown, which cancels their unfinished jobs.
+
+Who may use it (web/guard.py): every request's Host and Origin are checked (421 / 403 otherwise),
+every response carries CSP and frame headers, the websocket and /api/* need the token when one is
+configured. Per client address at most `max_sockets_per_client` sockets (429 otherwise); per socket at
+most `max_messages_per_second` messages (the socket is closed with 1008 beyond a burst of
+`2 x` that) and `max_queued_messages` unsent control messages (closed with 1008: not reading).
 """
 
 from __future__ import annotations
@@ -20,17 +26,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS
+from coordinator.client import client_connect_options, client_from_url
+from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
 
 from .fleet import FleetMonitor
+from .guard import (POLICY, REFUSALS, SUBPROTOCOL, AccessPolicy, LogLimiter, RateLimit, add_security_headers,
+                    guard_middleware, offered_tokens, refuse_log)
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
-from .session import MAX_JOBS_PER_SOCKET, Session
+from .session import MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +53,10 @@ class WebConfig:
     discovery_window: how long to collect $SRV replies.  submit_timeout: seconds to wait for
     the coordinator to accept a job.  max_jobs_per_socket: unfinished jobs per tab.
     unresponsive_after: a tab's job fails (`unavailable`) when the coordinator has answered nothing
-    (no event, no status reply) for this many seconds, e.g. it is frozen; None = wait on."""
+    (no event, no status reply) for this many seconds, e.g. it is frozen; None = wait on.
+    allow_origins / allow_hosts / token: see web/guard.py `AccessPolicy` (token None: none required).
+    max_sockets_per_client: open sockets per client IP address. max_messages_per_second: per socket.
+    max_queued_messages: unsent control messages per socket before it is closed as not reading."""
 
     nats_url: str = "nats://127.0.0.1:4222"
     fleet_interval: float = 2.0
@@ -51,6 +64,12 @@ class WebConfig:
     submit_timeout: float = 5.0
     max_jobs_per_socket: int = MAX_JOBS_PER_SOCKET
     unresponsive_after: float | None = 60.0
+    allow_origins: tuple[str, ...] = ()
+    allow_hosts: tuple[str, ...] = ()
+    token: str | None = field(default=None, repr=False)
+    max_sockets_per_client: int = 16
+    max_messages_per_second: float = 20.0
+    max_queued_messages: int = MAX_QUEUED_MESSAGES
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -62,12 +81,24 @@ class WebConfig:
             raise ValueError(f"max_jobs_per_socket must be >= 1, got {self.max_jobs_per_socket}")
         if self.unresponsive_after is not None and not self.unresponsive_after > 0:
             raise ValueError(f"unresponsive_after must be > 0 or None, got {self.unresponsive_after!r}")
+        for name in ("max_sockets_per_client", "max_queued_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.max_messages_per_second > 0:
+            raise ValueError(f"max_messages_per_second must be > 0, got {self.max_messages_per_second!r}")
+        object.__setattr__(self, "allow_origins", tuple(self.allow_origins))
+        object.__setattr__(self, "allow_hosts", tuple(self.allow_hosts))
+        self.policy()  # raises ValueError for a bad origin, host or token
+
+    def policy(self) -> AccessPolicy:
+        return AccessPolicy(allow_origins=self.allow_origins, allow_hosts=self.allow_hosts, token=self.token)
 
 
 CONFIG = web.AppKey("ddm_config", WebConfig)
 NATS = web.AppKey("ddm_nats", Any)
 SOCKETS = web.AppKey("ddm_sockets", weakref.WeakSet)
 SESSIONS = web.AppKey("ddm_sessions", weakref.WeakSet)
+PER_CLIENT = web.AppKey("ddm_sockets_per_client", Counter)
 @dataclass
 class FleetView:
     """The latest fleet snapshot (mutable holder: app state itself is frozen once started)."""
@@ -80,8 +111,12 @@ FLEET = web.AppKey("ddm_fleet", FleetView)
 
 def create_app(config: WebConfig | None = None) -> web.Application:
     """App factory. Nothing connects until the app starts (cleanup_ctx)."""
-    app = web.Application()
+    app = web.Application(middlewares=[guard_middleware])
     app[CONFIG] = config or WebConfig()
+    app[POLICY] = app[CONFIG].policy()
+    app[REFUSALS] = LogLimiter()
+    app[PER_CLIENT] = Counter()
+    app.on_response_prepare.append(add_security_headers)
     app[SOCKETS] = weakref.WeakSet()
     app[SESSIONS] = weakref.WeakSet()
     app[FLEET] = FleetView({"type": "fleet", "experts": [], "services": [], "coordinator": None, "time": None})
@@ -109,9 +144,11 @@ async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
     async def on_error(err: Exception) -> None:
         log.warning("nats: %s", err)
 
+    client = client_from_url(url)  # the NATS user owns the viewer's jobs; "web" on an open bus
     try:
         nc = await nats.connect(nats_servers(url), name="ddm-web", max_reconnect_attempts=2, reconnect_time_wait=1,
-                                connect_timeout=3, error_cb=on_error, allow_reconnect=True)
+                                connect_timeout=3, error_cb=on_error, allow_reconnect=True,
+                                **client_connect_options(WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client))
     except Exception as err:
         raise RuntimeError(f"cannot connect to NATS at {url}: {err}. Is a nats-server running "
                            "(`ddm-fleet up` starts one)? Pass another with --nats.") from err
@@ -180,14 +217,48 @@ def hello_message(cfg: WebConfig) -> dict[str, Any]:
             "solvers": ["euler", "heun"]}
 
 
-async def websocket(request: web.Request) -> web.WebSocketResponse:
+async def websocket(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[CONFIG]
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_CLIENT_MESSAGE_BYTES)
+    client = request.remote or "?"
+    per_client = app[PER_CLIENT]
+    if per_client[client] >= cfg.max_sockets_per_client:
+        refuse_log(request, "refused a websocket from %s: it has %d open (limit %d)", client, per_client[client],
+                   cfg.max_sockets_per_client)
+        return web.Response(status=429, text=f"refused: {per_client[client]} sockets open from {client} "
+                                             f"(limit {cfg.max_sockets_per_client})\n")
+    per_client[client] += 1
+    try:
+        return await _serve_socket(request, cfg)
+    finally:
+        per_client[client] -= 1
+        if per_client[client] <= 0:
+            del per_client[client]
+
+
+async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketResponse:
+    app = request.app
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,))
     await ws.prepare(request)
+
+    async def close_socket(code: int, reason: str) -> None:
+        """Close with a reason; a client that does not read cannot stall it (the transport is cut)."""
+        try:
+            await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), 3)
+        except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+            pass
+
+    if not app[POLICY].token_ok(offered_tokens(request)):
+        refuse_log(request, "refused a websocket from %s: missing or wrong token (Origin %r)", request.remote,
+                   (request.headers.get("Origin") or "")[:100])
+        await close_socket(WSCloseCode.POLICY_VIOLATION,
+                           "token required: open the viewer with #token=<token> (see ddm-fleet web --help)")
+        return ws
     app[SOCKETS].add(ws)
     session = Session(app[NATS], ws.send_json, submit_timeout=cfg.submit_timeout,
-                      max_jobs=cfg.max_jobs_per_socket, unresponsive_after=cfg.unresponsive_after)
+                      max_jobs=cfg.max_jobs_per_socket, unresponsive_after=cfg.unresponsive_after,
+                      max_queued=cfg.max_queued_messages, close_socket=close_socket)
+    rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
     app[SESSIONS].add(session)
     session.outbox.put(hello_message(cfg))
     if app[FLEET].latest.get("time") is not None:
@@ -195,6 +266,11 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     sender = asyncio.create_task(session.run_sender(), name="ddm-web-sender")
     try:
         async for msg in ws:
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY) and not rate.allow():
+                reason = f"too many messages: over {cfg.max_messages_per_second:g} per second"
+                log.warning("closing the websocket of %s: %s", request.remote, reason)
+                await close_socket(WSCloseCode.POLICY_VIOLATION, reason)
+                break
             if msg.type == WSMsgType.TEXT:
                 session.handle(msg.data)
             elif msg.type == WSMsgType.BINARY:

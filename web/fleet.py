@@ -11,6 +11,10 @@
   fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
 
 A worker that stops answering disappears from the next snapshot.
+
+Bounded: at most `MAX_DISCOVERY_REPLIES` replies per request, each at most `MAX_REPLY_BYTES` (bigger
+ones are skipped) and `MAX_DISCOVERY_BYTES` in all (the subscription's pending limits drop the rest);
+a coordinator status over `MAX_REPLY_BYTES` counts as no answer.
 """
 
 from __future__ import annotations
@@ -25,16 +29,25 @@ from schemas import subjects
 
 log = logging.getLogger(__name__)
 
+#: Replies kept per discovery request; a service's INFO / STATS reply is ~1 KiB.
+MAX_DISCOVERY_REPLIES = 256
+MAX_REPLY_BYTES = 64 * 1024
+MAX_DISCOVERY_BYTES = 4 * 1024 * 1024
+
 INFO_SUBJECT = "$SRV.INFO"
 STATS_SUBJECT = "$SRV.STATS"
 
 
-async def gather_replies(nc, subject: str, *, window: float = 0.3, max_replies: int = 1000,
-                         payload: bytes = b"") -> list[bytes]:
-    """Publish one request on `subject` and collect every reply for `window` seconds."""
+async def gather_replies(nc, subject: str, *, window: float = 0.3, max_replies: int = MAX_DISCOVERY_REPLIES,
+                         payload: bytes = b"", max_reply_bytes: int = MAX_REPLY_BYTES,
+                         max_bytes: int = MAX_DISCOVERY_BYTES) -> list[bytes]:
+    """Publish one request on `subject` and collect the replies of `window` seconds: at most
+    `max_replies` of at most `max_reply_bytes` each (larger ones skipped), `max_bytes` in all."""
     inbox = nc.new_inbox()
     replies: list[bytes] = []
-    sub = await nc.subscribe(inbox, max_msgs=max_replies)
+    total = 0
+    sub = await nc.subscribe(inbox, max_msgs=max_replies, pending_msgs_limit=max_replies,
+                             pending_bytes_limit=max_bytes)
     try:
         await nc.publish(subject, payload, reply=inbox)  # no flush(): see Session.close
         deadline = time.monotonic() + window
@@ -45,6 +58,12 @@ async def gather_replies(nc, subject: str, *, window: float = 0.3, max_replies: 
             try:
                 msg = await sub.next_msg(timeout=left)
             except Exception:  # nats TimeoutError: window over
+                break
+            if len(msg.data) > max_reply_bytes:
+                log.info("skipping a %d-byte reply on %s (limit %d)", len(msg.data), subject, max_reply_bytes)
+                continue
+            total += len(msg.data)
+            if total > max_bytes:
                 break
             replies.append(msg.data)
     finally:
@@ -123,6 +142,8 @@ class FleetMonitor:
         try:
             msg = await self.nc.request(subjects.FLEET_STATUS, b"", timeout=self.status_timeout)
         except Exception:
+            return None
+        if len(msg.data) > MAX_REPLY_BYTES:
             return None
         obj = _decode_status(msg.data)
         return _scalars(obj) if obj is not None else None

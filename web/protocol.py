@@ -6,6 +6,8 @@ Every message is one JSON object with a `type`. Client -> server:
     {"type": "generate", "count": 8, "steps": 40, "strategy": "top1", "solver": "euler",
      "top_k": 2, "seed": "1", "frame_every": 1, "ref": "anything"} `count` random digits
                                                          (seed: int or decimal string)
+    {"type": "generate", "digits": "3", "deadline_s": 30}          fail the job (deadline_exceeded)
+                                                         if not done within 1-3600 s
     {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
     {"type": "ping"}                                                 answered with {"type": "pong"}
 
@@ -26,13 +28,20 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Union
 
-from schemas import PROTOCOL_VERSION, JobRequest, ProtocolError, validate
+from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, JobRequest, ProtocolError, validate
 
 #: Largest websocket text message the server reads (bytes); larger ones close the socket.
 MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
 
 #: Job parameters a page may set; everything else in a `generate` message is refused.
-GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every")
+GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every", "deadline_s")
+
+#: Bounds of a page's `deadline_s` (seconds from the submit; JobRequest.deadline_s).
+MIN_DEADLINE_S, MAX_DEADLINE_S = 1, 3600
+
+#: Longest `digits` string parsed: MAX_JOB_IMAGES digits with generous separators. Checked before splitting,
+#: so an oversized string costs a length check, not a split of 256 KiB.
+MAX_DIGITS_CHARS = 8 * MAX_JOB_IMAGES + 64
 
 _SPLIT = re.compile(r"[\s,;]+")
 _REPR = reprlib.Repr()
@@ -75,10 +84,13 @@ ClientMessage = Union[Generate, Cancel, Ping]
 def parse_digits(value: Any) -> list[int]:
     """'3,7,7' / '3 7 7' / [3, 7, 7] -> [3, 7, 7]. Each entry must be one digit 0-9.
 
-    Raises BadInput naming the first offending entry. The count is not checked here:
-    `JobRequest` owns that limit.
+    Raises BadInput naming the first offending entry. Input far over the count limit is refused
+    before it is split or walked (length check); the exact count limit is `JobRequest`'s.
     """
     if isinstance(value, str):
+        if len(value) > MAX_DIGITS_CHARS:
+            raise BadInput(f"digits: {len(value)} characters is far too long; the limit is {MAX_JOB_IMAGES} "
+                           "images per job")
         tokens = [tok for tok in _SPLIT.split(value.strip()) if tok]
         if not tokens:
             raise BadInput("enter at least one digit, e.g. 3,7,7")
@@ -102,12 +114,16 @@ def parse_digits(value: Any) -> list[int]:
 def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
     unknown = sorted(set(msg) - set(GENERATE_FIELDS) - {"type", "ref"})
     if unknown:
-        raise BadInput(f"unknown field(s) in generate: {', '.join(map(str, unknown))}; "
+        shown = ", ".join(_shown(name) if len(str(name)) > 40 else str(name) for name in unknown[:8])
+        more = f" (and {len(unknown) - 8} more)" if len(unknown) > 8 else ""
+        raise BadInput(f"unknown field(s) in generate: {shown}{more}; "
                        f"allowed: {', '.join(GENERATE_FIELDS)}", ref=ref)
     fields = {k: msg[k] for k in GENERATE_FIELDS if k in msg and msg[k] not in (None, "")}
     seed = fields.get("seed")
     if isinstance(seed, str) and seed.strip().isascii() and seed.strip().isdigit() and len(seed.strip()) <= 20:
         fields["seed"] = int(seed)  # the page sends seeds as text: JS numbers lose digits past 2**53
+    if "deadline_s" in fields:
+        fields["deadline_s"] = _deadline(fields["deadline_s"], ref)
     if "digits" in fields:
         try:
             fields["digits"] = parse_digits(fields["digits"])
@@ -117,6 +133,17 @@ def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
         return validate({"v": PROTOCOL_VERSION, "kind": "job_request", **fields}, JobRequest)
     except ProtocolError as err:
         raise BadInput(err.message, ref=ref, code=err.code.value) from None
+
+
+def _deadline(value: Any, ref: Any) -> float:
+    """A page's `deadline_s`: a JSON number (not a string, not a boolean) from MIN_DEADLINE_S to
+    MAX_DEADLINE_S seconds. Raises BadInput saying the bounds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise BadInput(f"deadline_s must be a number of seconds ({MIN_DEADLINE_S}-{MAX_DEADLINE_S}), got "
+                       f"{_shown(value)}", ref=ref)
+    if not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:
+        raise BadInput(f"deadline_s must be {MIN_DEADLINE_S}-{MAX_DEADLINE_S} seconds, got {_shown(value)}", ref=ref)
+    return float(value)
 
 
 def parse_client_message(text: Any) -> ClientMessage:

@@ -10,7 +10,13 @@ waiting forever.
 
 Outgoing messages go through an `Outbox`: control messages (accepted, done, errors, ...)
 are kept in order and never dropped; frames are coalesced per job, so a slow browser
-skips intermediate frames instead of piling them up in memory.
+skips intermediate frames instead of piling them up in memory; pongs coalesce too (a page that
+pings faster than it reads gets the latest one). At most `max_queued` control messages wait: a
+client that lets more pile up is not reading, and its socket is closed (1008, with the reason).
+
+A job this tab gave up on is cancelled, never left running for nobody: the socket closed, the
+page cancelled it, its submit timed out (the coordinator may still have accepted it), or its
+probe declared it lost.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from schemas import (
     unpack,
 )
 
-from coordinator.client import JobProbe
+from coordinator.client import JobProbe, client_of
 
 from .frames import event_message
 from .protocol import BadInput, Cancel, Generate, Ping, parse_client_message
@@ -48,6 +54,12 @@ log = logging.getLogger(__name__)
 
 #: Unfinished jobs one tab may have at a time.
 MAX_JOBS_PER_SOCKET = 8
+#: Control messages (not frames, not the fleet snapshot, not pongs) that may wait for a socket.
+MAX_QUEUED_MESSAGES = 256
+#: Websocket close code for a client that does not read (policy violation).
+CLOSE_NOT_READING = 1008
+#: The client token of a viewer whose NATS connection names none (an open bus).
+WEB_CLIENT = "web"
 
 
 class Outbox:
@@ -57,18 +69,41 @@ class Outbox:
     that has not been sent yet (keeping the queue position of the first one): a job's frames,
     the fleet snapshot. `drop(key)` forgets a pending item (a job that finished). `get()` waits
     for the next item; latest-items come back as whatever `item` was (rendered lazily).
+    At most `max_messages` `put` messages wait: one more closes the outbox (pending items are
+    dropped, `overflowed` is set) and calls `on_overflow()`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_messages: int = MAX_QUEUED_MESSAGES, on_overflow: Callable[[], None] | None = None) -> None:
+        if max_messages < 1:
+            raise ValueError(f"max_messages must be >= 1, got {max_messages}")
         self._queue: deque[tuple[str, Any]] = deque()
         self._frames: dict[str, Any] = {}
         self._ready = asyncio.Event()
         self.closed = False
+        self.max_messages = max_messages
+        self.on_overflow = on_overflow
+        self.overflowed = False
+        self.queued_messages = 0  # "msg" items waiting
+
+    def __len__(self) -> int:
+        """Items waiting (messages + latest-slots): what this socket holds in memory."""
+        return len(self._queue)
 
     def put(self, msg: dict[str, Any]) -> None:
-        if not self.closed:
-            self._queue.append(("msg", msg))
-            self._ready.set()
+        if self.closed:
+            return
+        if self.queued_messages >= self.max_messages:
+            self.overflowed = True
+            self.close()
+            self._queue.clear()
+            self._frames.clear()
+            self.queued_messages = 0
+            if self.on_overflow is not None:
+                self.on_overflow()
+            return
+        self._queue.append(("msg", msg))
+        self.queued_messages += 1
+        self._ready.set()
 
     def put_latest(self, key: str, item: Any) -> None:
         if self.closed:
@@ -94,6 +129,7 @@ class Outbox:
                     if value not in self._frames:
                         continue  # dropped: e.g. the job ended before its frame went out
                     return "latest", self._frames.pop(value)
+                self.queued_messages -= 1
                 return kind, value
             if self.closed:
                 return None
@@ -124,20 +160,30 @@ class Session:
 
     def __init__(self, nc, send: Callable[[dict[str, Any]], Awaitable[None]], *, submit_timeout: float = 5.0,
                  max_jobs: int = MAX_JOBS_PER_SOCKET, probe_every: float = 3.0, lost_after: float = 15.0,
-                 unresponsive_after: float | None = 60.0):
+                 unresponsive_after: float | None = 60.0, max_queued: int = MAX_QUEUED_MESSAGES,
+                 close_socket: Callable[[int, str], Awaitable[None]] | None = None):
+        """close_socket(code, reason): closes this session's socket (called when the client does not read)."""
         self.nc = nc
         self._send = send
+        self._close_socket = close_socket
+        self._closer: asyncio.Future | None = None
         self.submit_timeout = submit_timeout
         self.max_jobs = max_jobs
         self.probe_every = probe_every
         self.lost_after = lost_after
         self.unresponsive_after = unresponsive_after
         self._watcher: asyncio.Future | None = None
-        self.outbox = Outbox()
+        self.outbox = Outbox(max_queued, on_overflow=self._on_overflow)
         self.jobs: dict[str, _Job] = {}  # unfinished jobs of this socket only
         self._ended_early: dict[str, _Job] = {}  # finished before their submit reply was read
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        # Ownership (schemas.subjects): this tab's jobs live in the namespace of the viewer's client
+        # token (its NATS user, or its inbox prefix `_INBOX_<client>`; else "web"), and carry a
+        # per-socket session tag, the scheduler's fairness key "<client>/<session>".
+        client = client_of(nc)
+        self.client = WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client
+        self.session_tag = "s" + secrets.token_hex(8)
 
     # ------------------------------------------------------------ sending
 
@@ -148,6 +194,13 @@ class Session:
         if job_id is not None:
             msg["job_id"] = job_id
         self.outbox.put(msg)
+
+    def _on_overflow(self) -> None:
+        reason = f"not reading: over {self.outbox.max_messages} messages waiting for this socket"
+        log.warning("closing a websocket: %s", reason)
+        if self._close_socket is not None and not self._closed:
+            # not in self._tasks: close() must not cancel the closing of the socket
+            self._closer = asyncio.ensure_future(self._close_socket(CLOSE_NOT_READING, reason))
 
     async def run_sender(self) -> None:
         """Drain the outbox into the socket until it is closed."""
@@ -173,7 +226,7 @@ class Session:
             self.error(err.message, code=err.code, ref=err.ref)
             return
         if isinstance(cmd, Ping):
-            self.outbox.put({"type": "pong", **({"ref": cmd.ref} if cmd.ref is not None else {})})
+            self.outbox.put_latest("__pong__", {"type": "pong", **({"ref": cmd.ref} if cmd.ref is not None else {})})
         elif isinstance(cmd, Cancel):
             self._spawn(self.cancel(cmd.job_id, ref=cmd.ref))
         elif isinstance(cmd, Generate):
@@ -205,17 +258,18 @@ class Session:
                     log.warning("job %s: status probe failed: %r", job_id, lost)
                 elif lost is not None and self.jobs.get(job_id) is job:
                     await self._forget(job_id)
+                    await self._publish_cancel(job_id)  # a frozen coordinator may wake up: not for nobody
                     self.outbox.drop(job_id)
                     self.outbox.put(event_message(FailedEvent(job_id=job_id, code=ErrorCode.UNAVAILABLE, reason=lost)))
 
     async def submit(self, job_id: str, request) -> None:
         """Subscribe to the job's events, then submit it; report the outcome to the page."""
-        req = request.model_copy(update={"job_id": job_id})
+        req = request.model_copy(update={"job_id": job_id, "session": self.session_tag})
         job = self.jobs.get(job_id)
         if job is None:
             return
         try:
-            sub = await self.nc.subscribe(subjects.job_events(job_id), cb=self._on_event)
+            sub = await self.nc.subscribe(subjects.job_events(self.client, job_id), cb=self._on_event)
         except Exception as err:  # connection closed / draining
             self.jobs.pop(job_id, None)
             self.error(f"the bus is unavailable: {err}", code="unavailable", ref=job.ref)
@@ -225,11 +279,13 @@ class Session:
             return
         job.sub = sub
         try:
-            reply_msg = await self.nc.request(subjects.JOBS_SUBMIT, pack(req), timeout=self.submit_timeout)
+            reply_msg = await self.nc.request(subjects.jobs_submit(self.client), pack(req), timeout=self.submit_timeout)
             reply = unpack(reply_msg.data, SubmitReply)
         except Exception as err:
             await self._forget(job_id)
             self._ended_early.pop(job_id, None)
+            if not _nobody_got_it(err):  # a time-out: the coordinator may have accepted it after all
+                await self._publish_cancel(job_id)
             self.error(_submit_error_text(err), code=_submit_error_code(err), ref=job.ref, job_id=job_id)
             return
         if isinstance(reply, JobAccepted):
@@ -251,7 +307,7 @@ class Session:
         job.announced = True
         job.last_event = time.monotonic()
         job.probe = JobProbe(self.nc, job_id, lost_after=self.lost_after, timeout=max(1.0, min(self.probe_every, 5.0)),
-                             unresponsive_after=self.unresponsive_after)
+                             unresponsive_after=self.unresponsive_after, client=self.client, accepted=accepted)
         if job_id in self.jobs and (self._watcher is None or self._watcher.done()):
             self._watcher = self._spawn(self._watch())
         msg = event_message(accepted)
@@ -263,7 +319,8 @@ class Session:
         job.early.clear()
 
     async def _on_event(self, msg) -> None:
-        job_id = subjects.parse_job_subject(msg.subject)
+        parsed = subjects.parse_job_subject(msg.subject)
+        job_id = parsed.job_id if parsed is not None and parsed.client == self.client else None
         job = self.jobs.get(job_id) if job_id else None
         if job is None:
             return
@@ -310,15 +367,19 @@ class Session:
             return
         await self._forget(job_id)
         self.outbox.drop(job_id)
-        try:
-            await self.nc.publish(subjects.job_cancel(job_id), pack(CancelRequest(job_id=job_id)))
-        except Exception as err:
-            log.warning("could not publish cancel for %s: %s", job_id, err)
+        await self._publish_cancel(job_id)
         if notify:
             msg = {"type": "cancelled", "job_id": job_id}
             if ref is not None:
                 msg["ref"] = ref
             self.outbox.put(msg)
+
+    async def _publish_cancel(self, job_id: str) -> None:
+        """Tell the coordinator to drop a job this tab gave up on (plain publish; never raises)."""
+        try:
+            await self.nc.publish(subjects.job_cancel(self.client, job_id), pack(CancelRequest(job_id=job_id)))
+        except Exception as err:
+            log.warning("could not publish cancel for %s: %s", job_id, err)
 
     async def close(self) -> None:
         """Socket gone: cancel every unfinished job of this tab and stop sending.
@@ -340,11 +401,18 @@ async def _unsubscribe(sub) -> None:
         pass
 
 
+def _nobody_got_it(err: Exception) -> bool:
+    """True when the submit certainly reached no coordinator (no responders, bus closed)."""
+    import nats.errors
+
+    return isinstance(err, (nats.errors.NoRespondersError, nats.errors.ConnectionClosedError))
+
+
 def _submit_error_text(err: Exception) -> str:
     import nats.errors
 
     if isinstance(err, nats.errors.NoRespondersError):
-        return f"no coordinator is running: nothing answers on {subjects.JOBS_SUBMIT}"
+        return f"no coordinator is running: nothing answers on {subjects.ALL_JOBS_SUBMIT}"
     if isinstance(err, nats.errors.TimeoutError):
         return "the coordinator did not answer in time; try again"
     if isinstance(err, ProtocolError):

@@ -1,6 +1,6 @@
 """Serve a prometheus_client registry on GET /metrics (aiohttp, on the running event loop).
 
-    runner = await serve_metrics(registry_or_metrics, port, host="0.0.0.0")
+    runner = await serve_metrics(registry_or_metrics, port, host="127.0.0.1")
     ...
     await runner.cleanup()
 
@@ -12,11 +12,17 @@ Default ports (the Prometheus exporter range 9100-9999 is fully allocated on the
 wiki's "default port allocations" page; 9100 is node_exporter's, 9464 OpenTelemetry's, so
 ddm-fleet uses neither): worker 9477, coordinator 9478 (`DEFAULT_WORKER_PORT`,
 `DEFAULT_COORDINATOR_PORT`). Both are plain defaults: pass another with `--metrics-port`.
+
+Both bind `DEFAULT_METRICS_HOST` (127.0.0.1, loopback) unless told otherwise (`--metrics-host
+0.0.0.0` for a Prometheus on another machine): the metrics name worker hosts, devices and load.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+#: Interface the worker's and the coordinator's /metrics bind unless `--metrics-host` says otherwise.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 #: Conventional metrics port of an expert worker (`ddm-fleet worker --metrics-port`).
 DEFAULT_WORKER_PORT = 9477
@@ -36,7 +42,7 @@ def _registry(source: Any):
     return registry
 
 
-async def serve_metrics(source: Any, port: int, host: str = "0.0.0.0"):
+async def serve_metrics(source: Any, port: int, host: str = DEFAULT_METRICS_HOST):
     """Serve GET /metrics (Prometheus text) for `source` on host:port; returns the aiohttp AppRunner.
 
     port 0 picks a free port (read it back with `bound_port(runner)`). Raises OSError("cannot serve

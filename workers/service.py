@@ -25,8 +25,12 @@ stable `ErrorCode`; error replies also carry the micro `Nats-Service-Error(-Code
 Bad input never stops the worker: undecodable bytes, wrong version, wrong expert, shapes that do
 not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), a
 NaN/Inf velocity from absurd finite inputs (|x_t| over `SANE_ABS_X`: `non_finite`), and model
-failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting)
-answers `overloaded` at once, so a client can retry elsewhere instead of waiting.
+failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting, or
+`max_inflight` requests held) answers `overloaded` at once, so a client can retry elsewhere
+instead of waiting. Replies go only to reply subjects under `_INBOX` (`_INBOX.` or
+`_INBOX_<token>.`, what NATS clients use); a request naming any other reply subject (e.g. another
+client's job events) is dropped unanswered and logged at most every `DROP_LOG_INTERVAL` seconds.
+Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
 max_batch, input_shape, num_classes, protocol, version, worker_id, host, pid, checkpoint.
@@ -52,6 +56,7 @@ from schemas.version import PROTOCOL_VERSION
 
 from .batcher import DEFAULT_BUCKETS, Batcher, BatcherClosed, DeadlineExceeded, ModelError, plan_buckets
 from .metrics import WorkerMetrics, serve_metrics
+from .metrics_http import DEFAULT_METRICS_HOST
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,24 @@ ENDPOINT_NAME = "velocity"
 #: units). A NaN/Inf velocity for such an input is answered `non_finite` (the request's fault),
 #: not `internal`. Finite inputs up to ~1e19 are computed as usual; past that float32 overflows.
 SANE_ABS_X = 1e4
+
+#: Requests a worker holds at once (queued or computing, awaiting their reply) before it answers
+#: `overloaded`: bounds the reply tasks whatever the row count of each request.
+DEFAULT_MAX_INFLIGHT = 4096
+
+#: Reply subjects a worker answers: a NATS client's inboxes (`_INBOX.` / `_INBOX_<client>.`).
+REPLY_PREFIX = "_INBOX"
+
+#: Seconds between two log lines about dropped requests (reply subject outside `_INBOX`).
+DROP_LOG_INTERVAL = 10.0
+
+
+def is_inbox(reply: str) -> bool:
+    """True for a reply subject a worker may publish to: `_INBOX.<...>` or `_INBOX_<token>.<...>`."""
+    if not reply.startswith(REPLY_PREFIX):
+        return False
+    rest = reply[len(REPLY_PREFIX):]
+    return rest.startswith(".") or (rest.startswith("_") and "." in rest)
 
 
 def package_version() -> str:
@@ -88,7 +111,8 @@ class ExpertWorker:
         max_request_rows: int = MAX_STEP_ROWS,
         max_queue_rows: Optional[int] = 4096,
         metrics_port: Optional[int] = None,
-        metrics_host: str = "0.0.0.0",
+        metrics_host: str = DEFAULT_METRICS_HOST,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
         nc: Any = None,
         reconnect_wait: float = 1.0,
         connect_attempts: int = 10,
@@ -105,6 +129,11 @@ class ExpertWorker:
         if max_queue_rows is not None and max_queue_rows <= 0:
             raise ValueError(f"max_queue_rows must be positive or None, got {max_queue_rows}")
         self.max_queue_rows = max_queue_rows
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.max_inflight = int(max_inflight)
+        self.dropped_requests = 0  # requests with a reply subject outside _INBOX (never answered)
+        self._drop_logged_at = float("-inf")
         if isinstance(backend, str):
             if checkpoint is None:
                 raise ValueError("give checkpoint=PATH (the .safetensors file) when backend is a name")
@@ -353,7 +382,15 @@ class ExpertWorker:
     async def _on_request(self, req) -> None:
         """micro handler: validate and queue; never waits for the model (callbacks are serial)."""
         received = time.perf_counter()
+        reply_to = req._msg.reply or ""
+        if not is_inbox(reply_to):
+            self._drop(reply_to)
+            return
         try:
+            if len(self._inflight) >= self.max_inflight:
+                raise ProtocolError(ErrorCode.OVERLOADED,
+                                    f"worker holds {len(self._inflight)} requests (limit {self.max_inflight}); "
+                                    f"retry or send to another worker")
             step, x, t, y = self._decode(req.data)
             if self.max_queue_rows is not None and self._batcher.queued_rows + x.shape[0] > self.max_queue_rows:
                 raise ProtocolError(ErrorCode.OVERLOADED,
@@ -374,6 +411,14 @@ class ExpertWorker:
         task = asyncio.create_task(self._complete(req, step, fut, received))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
+
+    def _drop(self, reply_to: str) -> None:
+        self.dropped_requests += 1
+        now = time.monotonic()
+        if now - self._drop_logged_at >= DROP_LOG_INTERVAL:
+            self._drop_logged_at = now
+            log.warning("dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* "
+                        "(%d dropped so far)", reply_to[:200], REPLY_PREFIX, REPLY_PREFIX, self.dropped_requests)
 
     def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
         """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad."""

@@ -4,11 +4,16 @@ It shows the three things a client does:
 
 * `step(...)`: call one expert directly (a `step_request` on `ddm.v1.expert.<k>.velocity`);
 * `generate(...)`: run a generation job (subscribe to the job's events subject FIRST, then
-  submit on `ddm.v1.jobs.submit`, then read accepted / frame* / done|failed events);
-* `cancel(...)`: cancel a job on `ddm.v1.jobs.<job_id>.cancel`.
+  submit on `ddm.v1.c.<client>.jobs.submit`, then read accepted / frame* / done|failed events);
+* `cancel(...)`: cancel a job on `ddm.v1.c.<client>.jobs.<job_id>.cancel`.
+
+Jobs live in the client's namespace `ddm.v1.c.<client>.`: on an authenticated bus `<client>` is
+your NATS user, and you must connect with the reply inbox prefix `_INBOX_<client>` (the only inbox
+your permissions allow); on an open bus any token of 1-64 [A-Za-z0-9_-] (default "anon").
 
     python docs/examples/raw_client.py --url nats://127.0.0.1:4222 step --expert 0
     python docs/examples/raw_client.py --url nats://127.0.0.1:4222 generate --digits 3 7 --steps 20
+    python docs/examples/raw_client.py --url nats://client:PASSWORD@host:4222 generate --digits 1
 
 Copy it into another project and it still runs; port it to another language line by line.
 """
@@ -20,6 +25,7 @@ import asyncio
 import secrets
 import sys
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 import msgpack
 import nats
@@ -117,27 +123,29 @@ async def step(nc, expert: int, x_t: np.ndarray, t: np.ndarray, y: np.ndarray, *
 
 
 async def generate(nc, digits: list[int], *, steps: int = 40, strategy: str = "top1", seed: Optional[int] = None,
-                   on_event: Optional[Callable[[dict], None]] = None, timeout: float = 120.0) -> dict:
+                   on_event: Optional[Callable[[dict], None]] = None, timeout: float = 120.0,
+                   client: str = "anon") -> dict:
     """Run one job; returns the "done" event with "images" decoded to [N, 1, 32, 32] float32 in [-1, 1].
 
     Order matters: choose the job id, subscribe to its events subject, flush (so the server
     has the subscription), and only then submit. Otherwise the first frames can be missed.
     """
     job_id = "raw-" + secrets.token_hex(8)
-    events = await nc.subscribe(f"{PREFIX}.jobs.{job_id}.events")
+    jobs = f"{PREFIX}.c.{client}.jobs"  # this client's namespace: the job is ours alone
+    events = await nc.subscribe(f"{jobs}.{job_id}.events")
     try:
         await nc.flush()
         request = {"kind": "job_request", "job_id": job_id, "digits": digits, "steps": steps, "strategy": strategy,
                    "stream": True, "frame_every": 1}
         if seed is not None:
             request["seed"] = seed
-        reply = raise_if_error(decode((await nc.request(f"{PREFIX}.jobs.submit", encode(request), timeout=10)).data))
+        reply = raise_if_error(decode((await nc.request(f"{jobs}.submit", encode(request), timeout=10)).data))
         assert reply["kind"] == "accepted" and reply["job_id"] == job_id, reply
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                await cancel(nc, job_id)
+                await cancel(nc, job_id, client=client)
                 raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
             event = decode((await events.next_msg(timeout=left)).data)
             kind = event["kind"]
@@ -158,9 +166,11 @@ async def generate(nc, digits: list[int], *, steps: int = 40, strategy: str = "t
         await events.unsubscribe()
 
 
-async def cancel(nc, job_id: str) -> bool:
-    """Ask the coordinator to cancel `job_id`; the job's events then end with failed/cancelled."""
-    reply = await nc.request(f"{PREFIX}.jobs.{job_id}.cancel", encode({"kind": "cancel", "job_id": job_id}), timeout=5)
+async def cancel(nc, job_id: str, *, client: str = "anon") -> bool:
+    """Ask the coordinator to cancel `client`'s job `job_id`; its events then end with failed/cancelled.
+    False for a job that is not (or no longer) queued or running, or that is another client's."""
+    subject = f"{PREFIX}.c.{client}.jobs.{job_id}.cancel"
+    reply = await nc.request(subject, encode({"kind": "cancel", "job_id": job_id}), timeout=5)
     return bool(decode(reply.data)["cancelled"])
 
 
@@ -170,6 +180,8 @@ async def cancel(nc, job_id: str) -> bool:
 async def _main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="ddm-fleet raw protocol client (nats-py + msgpack only)")
     parser.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS server URL")
+    parser.add_argument("--client", default=None,
+                        help="client name (default: the user in --url, else anon)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_step = sub.add_parser("step", help="one velocity evaluation by one expert")
     p_step.add_argument("--expert", type=int, default=0)
@@ -179,7 +191,8 @@ async def _main(argv: Optional[list[str]] = None) -> int:
     p_gen.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)
 
-    nc = await nats.connect(args.url, name="raw-client")
+    client = args.client or urlsplit(args.url).username or "anon"
+    nc = await nats.connect(args.url, name="raw-client", inbox_prefix=f"_INBOX_{client}")
     try:
         if args.command == "step":
             rng = np.random.default_rng(0)
@@ -189,7 +202,7 @@ async def _main(argv: Optional[list[str]] = None) -> int:
             print(f"expert {reply['expert']} ({reply['backend'] or '?'} on {reply['device'] or '?'}): "
                   f"velocity {list(v.shape)} {v.dtype}, mean |v| = {float(np.abs(v).mean()):.4f}")
         else:
-            done = await generate(nc, args.digits, steps=args.steps,
+            done = await generate(nc, args.digits, steps=args.steps, client=client,
                                   on_event=lambda e: print(f"  {e['kind']}" + (f" step {e['step']}/{e['steps']}"
                                                                                if e["kind"] == "frame" else "")))
             print(f"done: images {list(done['images'].shape)} for digits {done['digits']} in {done['elapsed_s']:.2f} s")

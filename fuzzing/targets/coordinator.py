@@ -1,4 +1,6 @@
-"""Fuzz target `coordinator`: raw and mutated bytes on jobs.submit, jobs.<id>.cancel, jobs.<id>.status, fleet.status."""
+"""Fuzz target `coordinator`: raw and mutated bytes on c.<client>.jobs.submit, c.<client>.jobs.<id>.cancel,
+c.<client>.jobs.<id>.status (the fuzzer's own namespace, another one, and client tokens that are not
+valid) and fleet.status."""
 
 from __future__ import annotations
 
@@ -52,17 +54,23 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
             return rng.choice(["j1", "fuzz-job", "web0011223344556677", "x", "A_-9" * 16])
         return rng.choice(["x" * 65, "bad%token", "é", "a" * 200, "j1\u2028"])  # not a job id: a bad_request error
 
+    def client_token() -> str:
+        """Mostly the fuzzer's own namespace; sometimes another client's (the job is not theirs:
+        "unknown"), rarely a token that is no client name (a bad_request error)."""
+        p = rng.random()
+        return "fuzz" if p < 0.7 else "other" if p < 0.95 else rng.choice(["c" * 65, "bad%client", "é"])
+
     def make(_i: int) -> tuple[str, str, bytes]:
         p = rng.random()
         if p < 0.6:
-            return "submit", subjects.JOBS_SUBMIT, job_request_variant(rng) if rng.random() < 0.25 else \
-                mut.message_bytes()
-        token = job_token()
+            return "submit", subjects.jobs_submit(rng.choice(["fuzz", "fuzz", "other"])), \
+                job_request_variant(rng) if rng.random() < 0.25 else mut.message_bytes()
+        token, client = job_token(), client_token()
         body = b"" if rng.random() < 0.15 else mut.message_bytes()
         if p < 0.78:
-            return "cancel", f"{subjects.PREFIX}.jobs.{token}.cancel", body
+            return "cancel", f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{token}.cancel", body
         if p < 0.93:
-            return "job_status", f"{subjects.PREFIX}.jobs.{token}.status", body
+            return "job_status", f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{token}.status", body
         return "fleet_status", subjects.FLEET_STATUS, body
 
     async def probe(item: tuple[str, str, bytes]) -> None:
@@ -83,7 +91,7 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
             except ProtocolError as e:
                 return res.crash(data, f"{what} on {subject!r} (not a job id) answered with something other than "
                                        f"an error reply: {e.code.value}: {e.message}")
-            if err.code is not ErrorCode.BAD_REQUEST or "job id" not in err.message:
+            if err.code is not ErrorCode.BAD_REQUEST or not ("job id" in err.message or "client name" in err.message):
                 return res.crash(data, f"{what} on {subject!r} (not a job id) answered {err.code.value}: {err.message}")
             return res.count("clear", "not_a_job_id")
         try:
@@ -98,7 +106,7 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
         except ProtocolError as err:
             return res.crash(data, f"undecodable {what} reply: {err.code.value}: {err.message}")
         if what != "submit":
-            if what == "job_status" and reply.job_id != subjects.parse_job_subject(subject):
+            if what == "job_status" and reply.job_id != subjects.parse_job_subject(subject).job_id:
                 return res.crash(data, f"status request on {subject!r} answered for job {reply.job_id!r}")
             if what == "cancel" and not reply.cancelled:
                 return res.count("clear", "cancel_refused")
@@ -109,7 +117,8 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
                 return res.crash(data, f"coordinator accepted a job the schema refuses ({local_code.value})")
             accepted.append(reply.job_id)
             try:  # do not let accepted fuzz jobs pile up
-                await nc.publish(subjects.job_cancel(reply.job_id), pack(CancelRequest(job_id=reply.job_id)))
+                await nc.publish(subjects.job_cancel(subjects.parse_submit_subject(subject), reply.job_id),
+                                 pack(CancelRequest(job_id=reply.job_id)))
             except Exception as err:
                 log.warning("cancel publish failed: %s", err)
             return res.count("ok", "accepted")
@@ -142,9 +151,9 @@ async def _real_job(nc, job_id: str, timeout: float) -> str:
     from schemas import DoneEvent, FailedEvent, JobAccepted, JobEvent, JobRequest, SubmitReply, pack, subjects, unpack
 
     events: asyncio.Queue = asyncio.Queue()
-    sub = await nc.subscribe(subjects.job_events(job_id), cb=events.put)
+    sub = await nc.subscribe(subjects.job_events("fuzz", job_id), cb=events.put)
     try:
-        msg = await nc.request(subjects.JOBS_SUBMIT, pack(JobRequest(job_id=job_id, digits=[1, 6], steps=3)),
+        msg = await nc.request(subjects.jobs_submit("fuzz"), pack(JobRequest(job_id=job_id, digits=[1, 6], steps=3)),
                                timeout=10)
         reply = unpack(msg.data, SubmitReply)
         if not isinstance(reply, JobAccepted):

@@ -127,7 +127,8 @@ async def test_job_stranded_by_a_garbage_answering_expert_fails_with_bad_reply()
     e, events = engine(Velocities(down={0}, bad_shape={1}))
     accepted = e.submit(JobRequest(job_id="seven", digits=[7], steps=2))
     e.submit(JobRequest(job_id="two", digits=[2], steps=2))
-    assert accepted.events_subject == "ddm.v1.jobs.seven.events"  # the engine names subjects, not the scheduler
+    # the engine names subjects (in the owner's namespace), not the scheduler
+    assert accepted.events_subject == "ddm.v1.c.anon.jobs.seven.events"
     await drain(e)
     failed = {ev.job_id: ev for ev in events if ev.kind == "failed"}
     assert {j: f.code for j, f in failed.items()} == {"seven": ErrorCode.BAD_REPLY, "two": ErrorCode.BAD_REPLY}
@@ -157,3 +158,86 @@ async def test_engine_metrics_follow_the_scheduler():
     assert m.sample("ddm_coordinator_expert_request_seconds_count", expert="0") == 4
     assert m.sample("ddm_coordinator_row_fallbacks_total") == 0
     assert (m.sample("ddm_coordinator_active_rows"), m.sample("ddm_coordinator_queued_jobs")) == (0, 0)
+
+
+def engine_with(scheduler_cls, transport, **cfg):
+    """Like `engine`, with a Scheduler subclass that injects a failure."""
+    events = []
+    e = Engine(scheduler_cls(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
+               LabelRouter(C2E, 2), transport, events.append, router_in_thread=False)
+    return e, events
+
+
+async def test_a_failing_schedule_fails_its_jobs_and_the_loop_goes_on():
+    """schedule() sat outside the tick's try block: an error there killed the loop silently."""
+    class ScheduleBreaksOnce(Scheduler):
+        broke = False
+
+        def schedule(self, now, unavailable=frozenset()):
+            if not self.broke:
+                self.broke = True
+                raise KeyError("scheduler bug")
+            return super().schedule(now, unavailable)
+
+    e, events = engine_with(ScheduleBreaksOnce, Velocities(), max_rows=1)
+    task = asyncio.create_task(e.run())
+    e.submit(JobRequest(job_id="running", digits=[1], steps=2))
+    e.submit(JobRequest(job_id="queued", digits=[1], steps=2))
+    await wait_until(lambda: len(events) >= 2, timeout=5, what="the failures of the broken tick")
+    assert {(ev.job_id, ev.kind, ev.code) for ev in events} == {("running", "failed", ErrorCode.INTERNAL),
+                                                               ("queued", "failed", ErrorCode.INTERNAL)}
+    assert "scheduler bug" in events[0].reason
+    e.submit(JobRequest(job_id="after", digits=[1], steps=2))  # the loop still runs
+    await wait_until(lambda: any(ev.kind == "done" for ev in events), timeout=5, what="the next job's done event")
+    assert not task.done() and e.dead is None
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_dying_loop_fails_every_job_with_internal_and_refuses_submits():
+    """An error while handling a tick's error kills the loop: every running and queued job fails with
+    `internal` (events emitted), submits are refused `unavailable`, and run() raises for its supervisor."""
+    class Doomed(Scheduler):
+        def update(self, batch, now):
+            raise RuntimeError("update bug")
+
+        def fail_batch(self, batch, code, reason):
+            raise RuntimeError("fail_batch bug")
+
+    e, events = engine_with(Doomed, Velocities(), max_rows=1)
+    e.submit(JobRequest(job_id="running", digits=[1], steps=2))
+    e.submit(JobRequest(job_id="queued", digits=[1], steps=2))
+    with pytest.raises(RuntimeError, match="fail_batch bug"):
+        await asyncio.wait_for(e.run(), 5)
+    assert {(ev.job_id, ev.kind, ev.code) for ev in events} == {("running", "failed", ErrorCode.INTERNAL),
+                                                               ("queued", "failed", ErrorCode.INTERNAL)}
+    assert all(ev.reason.startswith("coordinator engine stopped: RuntimeError: fail_batch bug") for ev in events)
+    assert e.scheduler.active_jobs == 0 and e.scheduler.queued_jobs == 0
+    with pytest.raises(Rejected) as err:
+        e.submit(JobRequest(digits=[1]))
+    assert err.value.code == ErrorCode.UNAVAILABLE and "engine stopped" in err.value.reason
+    assert e.metrics.sample("ddm_coordinator_jobs_rejected_total", code="unavailable") == 1
+
+
+async def test_client_keys_reach_the_scheduler_and_name_the_events_subject():
+    e, _ = engine(Velocities(), max_rows=1, max_client_queued_jobs=1)
+    acc = e.submit(JobRequest(job_id="w1", digits=[1]), client="web/tab-7")
+    assert acc.events_subject == "ddm.v1.c.web.jobs.w1.events"  # the session only keys fairness
+    assert e.scheduler.owner_of("w1") == "web/tab-7"
+    e.submit(JobRequest(job_id="w2", digits=[1]), client="web/tab-7")  # queued: its client's one place
+    with pytest.raises(Rejected) as err:
+        e.submit(JobRequest(digits=[1]), client="web/tab-7")
+    assert err.value.limit == "max_client_queued_jobs"
+    e.submit(JobRequest(job_id="w3", digits=[1]), client="web/tab-8")  # another socket still gets in
+    assert e.metrics.sample("ddm_coordinator_jobs_rejected_by_limit_total", limit="max_client_queued_jobs") == 1
+    with pytest.raises(Rejected, match="client name"):
+        e.submit(JobRequest(digits=[1]), client="no.dots/x")
+
+
+def test_rate_window_is_bounded_by_count():
+    from coordinator.engine import MAX_RATE_SAMPLES
+
+    e, _ = engine(Velocities())
+    for _ in range(MAX_RATE_SAMPLES + 100):
+        e._count_rows(1)
+    assert len(e._rate) == MAX_RATE_SAMPLES and e.rows_per_s() > 0

@@ -104,7 +104,7 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
     try:
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, max_rows=8) as coord:
             async def submit_raw(data: bytes):
-                return unpack((await nc.request(subjects.JOBS_SUBMIT, data, timeout=5)).data, SubmitReply)
+                return unpack((await nc.request(subjects.jobs_submit("anon"), data, timeout=5)).data, SubmitReply)
 
             r = await submit_raw(b"\x00garbage")
             assert isinstance(r, JobRejected) and r.code == ErrorCode.BAD_REQUEST
@@ -121,14 +121,15 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
             with pytest.raises(Rejected) as rej:
                 await coord.submit(JobRequest(digits=[1] * 9))
             assert rej.value.code == ErrorCode.TOO_LARGE
-            sub = await nc.subscribe(subjects.job_events("inproc"))
+            sub = await nc.subscribe(subjects.job_events("anon", "inproc"))
             # the server must have the SUB before the coordinator (another connection) publishes `accepted`;
             # nats-py writes the first flush's PING ahead of the buffered SUB, the second one after it
             await nc.flush()
             await nc.flush()
             accepted = await coord.submit(JobRequest(job_id="inproc", digits=[4], steps=2, stream=False))
             kinds = [unpack((await sub.next_msg(timeout=30)).data, JobEvent).kind for _ in range(2)]
-            assert accepted.events_subject == subjects.job_events("inproc") and kinds == ["accepted", "done"]
+            assert accepted.events_subject == subjects.job_events("anon", "inproc")
+            assert kinds == ["accepted", "done"]
             assert coord.status().jobs_rejected == 5  # 2 undecodable / wrong-version submits + 3 refused by the scheduler
     finally:
         await _stop(ws)
@@ -163,7 +164,7 @@ async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
             await run_job(nc, JobRequest(digits=[7], steps=2, seed=2, solver="heun"))
             with pytest.raises(JobFailed):
                 await run_job(nc, JobRequest(digits=[1] * 9))
-            r = unpack((await nc.request(subjects.JOBS_SUBMIT, b"\x00garbage", timeout=5)).data, SubmitReply)
+            r = unpack((await nc.request(subjects.jobs_submit("anon"), b"\x00garbage", timeout=5)).data, SubmitReply)
             assert isinstance(r, JobRejected)
             after = await _scrape(port)
 

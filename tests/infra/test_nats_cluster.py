@@ -149,8 +149,8 @@ async def test_leaf_node_carries_only_its_experts_requests(cluster, served_exper
 
     other = 1 - served_expert
     leaf = cluster.leaf(f"leaf-expert-{served_expert}")
-    w_ok, _ = await _expert_responder([leaf.url], served_expert, "leaf-ok")
-    w_other, served_other = await _expert_responder([leaf.url], other, "leaf-other")
+    w_ok, _ = await _expert_responder([leaf.client_url], served_expert, "leaf-ok")
+    w_other, served_other = await _expert_responder([leaf.client_url], other, "leaf-other")
     client = await nats.connect(cluster.url(2, "coordinator"), connect_timeout=2)
     try:
         req = _step_request(served_expert)
@@ -174,7 +174,7 @@ async def test_leaf_node_fails_over_to_another_hub_node(cluster):
     import nats
 
     leaf = cluster.leaf("leaf-expert-0")
-    worker, served = await _expert_responder([leaf.url], 0, "leaf-w0")
+    worker, served = await _expert_responder([leaf.client_url], 0, "leaf-w0")
     hub = cluster.leaf_hub(leaf)
     assert hub is not None
     other = next(i for i in range(cluster.size) if i != hub)
@@ -200,13 +200,15 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
 
     import nats
 
+    from coordinator.client import client_connect_options
     from workers.service import SERVICE_NAME, ExpertWorker
 
     caplog.set_level(logging.WARNING)
     async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=cluster.url(1, "worker-0"),
                             buckets=(1, 4)) as worker:
         coord = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
-        web = await nats.connect(cluster.url(2, "web"), connect_timeout=2)
+        # a client user receives replies only on its own inbox prefix (_INBOX_web.>)
+        web = await nats.connect(cluster.url(2, "web"), connect_timeout=2, **client_connect_options("web"))
         try:
             req = _step_request(0, rows=3)
             reply = await _request_until_ok(coord, req)
@@ -229,12 +231,14 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     1's worker behind a leaf node (`leaf-expert-1`), the real coordinator on node 0 as
     `coordinator`, a `client` on node 2 running jobs, cancelling and asking status. Every
     message the real code sends fits its role: jobs finish and nothing is refused."""
+    import json
     import logging
 
     import nats
+    import nats.errors
     import torch
 
-    from coordinator.client import cancel_job, fleet_status, run_job
+    from coordinator.client import cancel_job, client_connect_options, fleet_status, run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator, wait_for_experts
     from tests.coordinator.helpers import make_tiny_experts
@@ -248,14 +252,15 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     paths = make_tiny_experts(tmp_path)
     leaf = cluster.leaf("leaf-expert-1")
     workers = [ExpertWorker(0, paths[0], nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)),
-               ExpertWorker(1, paths[1], nats_url=leaf.url, buckets=(1, 4))]
+               ExpertWorker(1, paths[1], nats_url=leaf.client_url, buckets=(1, 4))]
     client = None
     try:
         for w in workers:
             await w.start()
         async with Coordinator(LabelRouter(c2e, 2), num_experts=2, class_to_expert=c2e,
                                nats_url=cluster.url(0, "coordinator"), step_timeout=10):
-            client = await nats.connect(cluster.url(2, "client"), connect_timeout=2)
+            client = await nats.connect(cluster.url(2, "client"), connect_timeout=2,
+                                        **client_connect_options("client"))
             probe = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
             try:  # until both experts' interest has reached node 0 (across a route and a leaf link)
                 await wait_for_experts(probe, 2, timeout=15)
@@ -268,6 +273,19 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
             status = await fleet_status(client)
             assert status.jobs_done >= 1
             assert await cancel_job(client, "j-nonexistent") is False
+            # discovery from the client user reaches both workers, the leaf one too (its reply goes
+            # up the leaf link to the client's own inbox prefix, _INBOX_client.>)
+            inbox = client.new_inbox()
+            pongs = await client.subscribe(inbox)
+            await client.publish("$SRV.PING.ddm-expert", b"", reply=inbox)
+            ids = set()
+            deadline = time.monotonic() + 5
+            while len(ids) < 2 and time.monotonic() < deadline:
+                try:
+                    ids.add(json.loads((await pongs.next_msg(timeout=0.5)).data)["id"])
+                except nats.errors.TimeoutError:
+                    pass
+            assert ids == {w.service_id for w in workers}, ids
     finally:
         if client is not None:
             await client.close()
@@ -276,3 +294,53 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
         torch.set_num_threads(threads)
     refused = [r.getMessage() for r in caplog.records if "permission" in r.getMessage().lower()]
     assert refused == []
+
+
+def test_routes_need_the_route_credentials(cluster, tmp_path):
+    """cluster.conf's routes authenticate: a server that dials a node's route port without the
+    route password (no credentials, a client user's, or a wrong one) never joins the mesh, so
+    it cannot relay messages past the permissions; the members keep their full mesh."""
+    from bus.nats_server import NatsServer, free_port
+    from infra.nats_cluster import monitor
+
+    target = cluster.cluster_ports[0]
+    attempts = {"none": "", "client": f"client:{cluster.passwords['client']}@", "wrong": "route:not-the-password@"}
+    rogues = []
+    try:
+        for name, userinfo in attempts.items():
+            rogue = NatsServer(extra_config=(f"server_name: rogue-{name}\ncluster {{ name: {cluster.name}, "
+                                             f"listen: 127.0.0.1:{free_port()}, "
+                                             f"routes: [\"nats-route://{userinfo}127.0.0.1:{target}\"] }}\n"),
+                               log_file=tmp_path / f"rogue-{name}.log")
+            rogue.start()
+            rogues.append(rogue)
+        time.sleep(1.5)  # several route attempts (the rogue retries every second)
+        peers = {r.get("remote_name") for r in monitor(cluster.nodes[0], "routez").get("routes", [])}
+        assert peers == {cluster.node_name(1), cluster.node_name(2)}, peers
+        for rogue in rogues:
+            assert monitor(rogue, "routez").get("routes", []) == []
+        logs = "".join((tmp_path / f"rogue-{n}.log").read_text() for n in attempts)
+        assert "Authorization Violation" in logs or "authentication" in logs.lower(), logs[-2000:]
+    finally:
+        for rogue in rogues:
+            rogue.stop()
+    cluster.wait_formed(5)
+
+
+async def test_leaf_port_refuses_local_clients_without_the_password(cluster):
+    """leaf.conf: a process on the worker host cannot use the leaf without its local password."""
+    import nats
+    from nats.errors import NoServersError
+
+    leaf = cluster.leaf("leaf-expert-0")
+
+    async def quiet(_err):
+        pass
+
+    for url in (leaf.url, leaf.client_url.replace("@", "x@")):  # no credentials / a wrong password
+        with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+            await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0,
+                               error_cb=quiet)
+    nc = await nats.connect(leaf.client_url, connect_timeout=2, allow_reconnect=False)
+    await nc.flush()
+    await nc.close()

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.nats_cluster import CONFIG_DIR, PASSWORD_VARS, monitor, password_env, random_passwords
+from infra.nats_cluster import (CONFIG_DIR, LEAF_LOCAL_PASSWORD_VAR, PASSWORD_VARS, ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR,
+                                 monitor, password_env, random_passwords)
 from bus.nats_server import NatsServer, check_config, free_port
 from schemas import MAX_PAYLOAD_BYTES, MAX_STEP_ROWS, subjects
 
@@ -32,9 +33,14 @@ TLS_DIR = "/etc/ddm-fleet/tls/"
 
 
 def deployment_env() -> dict[str, str]:
-    """What systemd supplies: passwords, this node's name, the hub URLs of a leaf."""
+    """What systemd supplies: passwords, this node's name, the route URLs of a hub node, the hub
+    URLs and local password of a leaf."""
     return {
         **password_env(random_passwords()),
+        ROUTE_PASSWORD_VAR: "route-pw-1",
+        ROUTE_URLS_VAR: '["nats-route://route:route-pw-1@nats-1.ddm.internal:6222", '
+                        '"nats-route://route:route-pw-1@nats-2.ddm.internal:6222"]',
+        LEAF_LOCAL_PASSWORD_VAR: "leaf-local-pw",
         "DDM_NATS_SERVER_NAME": "nats-test-1",
         "DDM_NATS_HUB_URLS": '["nats-leaf://leaf-expert-0:pw@nats-1.ddm.internal:7422", '
                              '"nats-leaf://leaf-expert-0:pw@nats-2.ddm.internal:7422"]',
@@ -97,13 +103,14 @@ def test_passwords_users_and_env_example_agree():
     users = dict(re.findall(r"user:\s*([\w-]+),\s*password:\s*\$(\w+)", accounts))
     assert users == PASSWORD_VARS
     example = (CONFIG_DIR / "nats.env.example").read_text()
-    assert sorted(re.findall(r"^(DDM_NATS_\w+)=", example, re.M)) == sorted(PASSWORD_VARS.values())
+    assert sorted(re.findall(r"^(DDM_NATS_\w+)=", example, re.M)) == sorted(
+        [*PASSWORD_VARS.values(), ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR])
 
 
 def test_permissions_use_the_protocol_subjects():
     """A protocol version bump (ddm.v2...) must update the permissions too."""
     perms = (CONFIG_DIR / "permissions.conf").read_text()
-    for subject in (subjects.ALL_EXPERTS, subjects.JOBS_SUBMIT, subjects.ALL_JOB_EVENTS, subjects.ALL_JOB_CANCELS,
+    for subject in (subjects.ALL_EXPERTS, subjects.ALL_JOBS_SUBMIT, subjects.ALL_JOB_EVENTS, subjects.ALL_JOB_CANCELS,
                     subjects.ALL_JOB_STATUS, subjects.FLEET_STATUS, subjects.expert_velocity(0),
                     subjects.expert_velocity(1)):
         assert f'"{subject}"' in perms, subject
@@ -126,20 +133,22 @@ def _permission_sets() -> dict[str, dict[str, set[str]]]:
 
 def test_job_status_probe_is_allowed_wherever_cancel_is():
     """The status probe (run_job, the web viewer) goes where a cancel goes: every role that may
-    publish / subscribe ddm.v1.jobs.*.cancel may do the same with ddm.v1.jobs.*.status; the
+    publish / subscribe a job's cancel subject may do the same with its status subject; the
     coordinator serves it, clients, web and ops ask it, and workers and leaf links never see it."""
     sets = _permission_sets()
     assert {"COORDINATOR_PERMISSIONS", "CLIENT_PERMISSIONS", "OPS_PERMISSIONS", "WORKER_0_PERMISSIONS",
             "LEAF_EXPERT_0_PERMISSIONS"} <= set(sets), sorted(sets)
     for name, verbs in sets.items():
         for verb, allowed in verbs.items():
-            if subjects.ALL_JOB_CANCELS in allowed:
-                assert subjects.ALL_JOB_STATUS in allowed, (name, verb)
+            for cancel in [s for s in allowed if s.endswith(".jobs.*.cancel")]:
+                assert cancel.replace(".cancel", ".status") in allowed, (name, verb)
     assert subjects.ALL_JOB_STATUS in sets["COORDINATOR_PERMISSIONS"]["subscribe"]
     assert subjects.ALL_JOB_STATUS not in sets["COORDINATOR_PERMISSIONS"]["publish"]
-    for name in ("CLIENT_PERMISSIONS", "OPS_PERMISSIONS"):
-        assert subjects.ALL_JOB_STATUS in sets[name]["publish"], name
-        assert subjects.ALL_JOB_STATUS not in sets[name]["subscribe"], name
+    for name, status in (("CLIENT_PERMISSIONS", f"{subjects.client_namespace('client')}.jobs.*.status"),
+                         ("WEB_PERMISSIONS", f"{subjects.client_namespace('web')}.jobs.*.status"),
+                         ("OPS_PERMISSIONS", subjects.ALL_JOB_STATUS)):
+        assert status in sets[name]["publish"], name
+        assert status not in sets[name]["subscribe"], name
     for name, verbs in sets.items():
         if name.startswith(("WORKER_", "LEAF_")):
             assert not any("jobs" in s for s in verbs["publish"] | verbs["subscribe"]), name
@@ -148,6 +157,16 @@ def test_job_status_probe_is_allowed_wherever_cancel_is():
         text = (CONFIG_DIR / users).read_text()
         for name in ("COORDINATOR_PERMISSIONS", "CLIENT_PERMISSIONS", "OPS_PERMISSIONS"):
             assert f"${name}" in text, (users, name)
+
+
+def test_leaf_links_may_answer_every_inbox_and_nothing_else():
+    """Leaf links carry replies only: they may publish to `_INBOX.>` and to every client user's
+    own inbox prefix (discovery replies from leaf workers), and to nothing outside an inbox."""
+    sets = _permission_sets()
+    inboxes = {s for verbs in sets.values() for s in verbs["subscribe"] if s.startswith("_INBOX")}
+    assert "_INBOX.>" in inboxes and len(inboxes) >= 3, inboxes
+    for name in ("LEAF_EXPERT_0_PERMISSIONS", "LEAF_EXPERT_1_PERMISSIONS"):
+        assert sets[name]["publish"] == inboxes, (name, sets[name]["publish"], inboxes)
 
 
 def test_single_node_limits_fit_our_largest_batch(config_tree):
@@ -258,13 +277,90 @@ def test_worker_units_pass_the_worker_flags():
         text = (SYSTEMD_DIR / unit).read_text()
         exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
         for flag in ("worker", "--expert ${DDM_EXPERT}", "--checkpoint ${DDM_CHECKPOINT}", "--backend",
-                     "--nats ${NATS_URL}", "--metrics-port ${DDM_METRICS_PORT}"):
+                     "--metrics-port ${DDM_METRICS_PORT}"):
             assert flag in exec_start, (unit, flag)
+        assert "--nats" not in exec_start  # the worker reads $NATS_URL from the env file itself
         assert "ExecStartPost=/opt/ddm-fleet/venv/bin/ddm-fleet wait-ready ${DDM_METRICS_PORT} --pid $MAINPID" in text
     neuron = (SYSTEMD_DIR / "ddm-worker-neuron@.service").read_text()
     for needle in ("PJRT_DEVICE=NEURON", "NEURON_CC_FLAGS=", "--cache_dir=/var/cache/ddm-fleet/neuron",
                    "TimeoutStartSec=45min"):
         assert needle in neuron
+
+
+def test_units_keep_credentials_off_the_command_line():
+    """No unit puts a NATS URL (user:password@) on a command line, where `ps` shows it to every
+    user: ddm-fleet commands read $NATS_URL from their EnvironmentFile. The NATS units check
+    their config (and refuse example passwords) with `ddm-fleet nats check` before starting."""
+    for unit in sorted(SYSTEMD_DIR.glob("*.service")):
+        text = unit.read_text()
+        for line in text.splitlines():
+            if line.startswith(("ExecStart", "ExecStartPre", "ExecStartPost", "Environment=")):
+                assert "--nats" not in line and "NATS_URL" not in line, (unit.name, line)
+                assert not re.search(r"://[^\s/]*@", line), (unit.name, line)
+        if "ddm-fleet " in text and "nats-server -c" not in text:
+            assert "EnvironmentFile=/etc/ddm-fleet/" in text, unit.name
+    for unit in ("ddm-nats.service", "ddm-nats-leaf.service"):
+        text = (SYSTEMD_DIR / unit).read_text()
+        assert "ExecStartPre=/opt/ddm-fleet/venv/bin/ddm-fleet nats check ${DDM_NATS_CONFIG}" in text, unit
+
+
+def test_shipped_example_env_files_are_refused():
+    """Every example env file (systemd and nats.env.example) still holds a placeholder password;
+    loaded as is, the start-up check refuses it with one line naming the variable."""
+    from bus.nats_server import ExamplePasswordError, nats_servers, refuse_example_passwords
+
+    examples = sorted(SYSTEMD_DIR.glob("env/*.env.example")) + [CONFIG_DIR / "nats.env.example"]
+    refused = 0
+    for path in examples:
+        env = dict(re.findall(r"^(\w+)=(.*)$", path.read_text(), re.M))
+        if not any("CHANGE-ME" in v or "change-me" in v for v in env.values()):
+            continue
+        with pytest.raises(ExamplePasswordError) as err:
+            refuse_example_passwords(env.get("NATS_URL"), environ=env)
+            if env.get("NATS_URL"):
+                nats_servers(env["NATS_URL"])
+        assert "\n" not in str(err.value) and "example password" in str(err.value), path.name
+        refused += 1
+    assert refused >= 6
+
+
+def test_example_passwords_are_refused_wherever_they_appear():
+    from bus.nats_server import ExamplePasswordError, nats_servers, refuse_example_passwords
+
+    for url in ("nats://web:change-me@h:4222", "nats://web:CHANGE-ME@h1:4222,h2:4222", "tls://coordinator:change-me@h",
+                "h1:4222,nats://x:CHANGE-ME@h2", "nats://change-me@h:4222"):
+        with pytest.raises(ExamplePasswordError, match="example password"):
+            nats_servers(url)
+    assert nats_servers("nats://web:9f0c2b7d@h1:4222,h2:4222") == ["nats://web:9f0c2b7d@h1:4222",
+                                                                   "nats://web:9f0c2b7d@h2:4222"]
+    with pytest.raises(ExamplePasswordError, match="DDM_NATS_ROUTE_PASSWORD"):
+        refuse_example_passwords(None, {"DDM_NATS_ROUTE_PASSWORD": "change-me"})
+    with pytest.raises(ExamplePasswordError, match="DDM_NATS_HUB_URLS"):
+        refuse_example_passwords(None, {"DDM_NATS_HUB_URLS": '["nats-leaf://leaf-expert-0:CHANGE-ME@n1:7422"]'})
+    refuse_example_passwords("nats://web:real@h", {"DDM_NATS_WEB_PASSWORD": "a1b2c3", "OTHER": "change-me"})
+
+
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DDM_NATS_", "NATS_URL"))}
+    return subprocess.run([sys.executable, "-m", "infra.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**clean, **(env or {})})
+
+
+def test_commands_refuse_an_example_password_at_start(tmp_path):
+    """`ddm-fleet worker` with a change-me URL (flag or $NATS_URL), and `nats cluster` / `nats check`
+    with a change-me password in the environment: exit non-zero with one line naming it."""
+    from models.tiny import make_tiny_expert
+
+    ck = make_tiny_expert(tmp_path / "e0", expert_id=0)
+    res = _cli("worker", "--expert", "0", "--checkpoint", str(ck), "--nats", "nats://worker-0:change-me@127.0.0.1:1")
+    assert res.returncode == 1 and "example password 'change-me'" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = _cli("worker", "--expert", "0", "--checkpoint", str(ck), env={"NATS_URL": "nats://worker-0:CHANGE-ME@127.0.0.1:1"})
+    assert res.returncode == 1 and "example password 'CHANGE-ME'" in res.stderr, res.stderr
+    res = _cli("nats", "cluster", "--size", "1", env={"DDM_NATS_WEB_PASSWORD": "change-me"})
+    assert res.returncode == 2 and "DDM_NATS_WEB_PASSWORD is the example password" in res.stderr, res.stderr
+    res = _cli("nats", "check", str(CONFIG_DIR / "local.conf"), env={"DDM_NATS_ROUTE_PASSWORD": "change-me"})
+    assert res.returncode == 1 and "DDM_NATS_ROUTE_PASSWORD" in res.stderr, res.stderr
 
 
 def wait_ready(*args) -> subprocess.CompletedProcess:
@@ -403,8 +499,21 @@ def test_compose_file_runs_each_role_with_its_own_user():
     expected = {"coordinator": "coordinator", "worker0": "worker-0", "worker1": "worker-1", "web": "web"}
     for name, user in expected.items():
         cmd = " ".join(services[name]["command"])
-        assert cmd.startswith(f"exec ddm-fleet {name.rstrip('01')} "), cmd
-        assert f"nats://{user}:$${{{PASSWORD_VARS[user]}}}@nats:4222" in cmd, cmd
+        # the URL goes into the environment ($NATS_URL), never onto the command's argv
+        prefix = f'export NATS_URL="nats://{user}:$${{{PASSWORD_VARS[user]}}}@nats:4222" && '
+        assert cmd.startswith(prefix + f"exec ddm-fleet {name.rstrip('01')} "), cmd
+        assert "--nats" not in cmd and cmd.count("@") == 1, cmd
+
+
+def test_compose_publishes_ports_on_loopback_only():
+    import yaml
+
+    services = yaml.safe_load((DOCKER_DIR / "compose.yaml").read_text())["services"]
+    published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+    assert set(published) == {"nats", "web"}, published
+    for name, ports in published.items():
+        for port in ports:
+            assert str(port).startswith("127.0.0.1:"), (name, port)
 
 
 def test_compose_services_have_health_checks():
@@ -442,11 +551,13 @@ def test_cluster_helper_mirrors_every_block_setting():
     def keys(block: str) -> set[str]:
         body = re.search(block + r"\s*\{(.*?)\n\}", text, re.S).group(1)
         body = re.sub(r"\[.*?\]", "", body, flags=re.S)  # route lists
-        return {m for m in re.findall(r"^\s*(\w+)\s*:", body, re.M)}
+        nested = set(re.findall(r"^\s*(\w+)\s*\{", body, re.M))  # e.g. authorization { ... }
+        body = re.sub(r"^\s*\w+\s*\{.*?^\s*\}", "", body, flags=re.S | re.M)
+        return {m for m in re.findall(r"^\s*(\w+)\s*:", body, re.M)} | nested
 
-    assert keys("cluster") == {"name", "listen", "routes", "no_advertise"}
+    assert keys("cluster") == {"name", "listen", "routes", "no_advertise", "authorization"}
     assert keys("leafnodes") == {"listen", "no_advertise"}
-    for key in ("name", "listen", "routes", "no_advertise: true"):
+    for key in ("name", "listen", "routes", "no_advertise: true", "authorization", "password: $"):
         assert key in nats_cluster._NODE_OVERRIDES
 
 
@@ -513,3 +624,46 @@ def test_embedded_server_uses_the_shipped_limits():
         shipped = re.search(rf"^{key}:\s*(\S+)", limits, re.M).group(1)
         embedded = re.search(rf"^{key}:\s*(\S+)", DEFAULT_CONFIG, re.M).group(1)
         assert shipped == embedded, key
+
+
+def test_tls_routes_trust_only_the_route_ca(config_tree, dev_certs, tmp_path):
+    """tls.conf's route TLS (verify: true against route-ca.pem): a node with a route certificate
+    joins; a server presenting a client certificate (signed by the clients' CA) is refused even
+    when it trusts the route CA, so a client credential cannot join the cluster as a route."""
+    tls_conf = (config_tree / "tls" / "tls.conf").read_text()
+    cluster_block = re.search(r"^cluster \{(.*?)^\}", tls_conf, re.M | re.S).group(1)
+    route_tls = re.search(r"^(\s*tls \{.*?^\s*\})", cluster_block, re.M | re.S).group(1)
+    assert f"{dev_certs}/route-ca.pem" in route_tls and f"{dev_certs}/ca.pem" not in route_tls
+    assert "verify: true" in route_tls
+    rogue_tls = (route_tls.replace("route-cert.pem", "client-cert.pem").replace("route-key.pem", "client-key.pem"))
+
+    ports = [free_port() for _ in range(3)]
+    routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in ports[:2])
+
+    def node(name: str, i: int, tls_block: str, route_list: str) -> NatsServer:
+        srv = NatsServer(log_file=tmp_path / f"{name}.log")
+        conf = tmp_path / f"{name}.conf"
+        conf.write_text(f"server_name: {name}\nlisten: 127.0.0.1:{srv.port}\nhttp: 127.0.0.1:{srv.http_port}\n"
+                        f"cluster {{\n  name: t\n  listen: 127.0.0.1:{ports[i]}\n{tls_block}\n"
+                        f"  routes: [{route_list}]\n}}\n")
+        srv.config_file = conf
+        return srv
+
+    a = node("a", 0, route_tls, routes)
+    b = node("b", 1, route_tls, routes)
+    rogue = node("rogue", 2, rogue_tls, f"nats-route://127.0.0.1:{ports[0]}")
+    with a, b, rogue:
+        import time
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            peers = {r.get("remote_name") for r in monitor(a, "routez").get("routes", [])}
+            if "b" in peers:
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)  # the rogue keeps retrying meanwhile
+        peers = {r.get("remote_name") for r in monitor(a, "routez").get("routes", [])}
+        assert peers == {"b"}, peers
+        assert monitor(rogue, "routez").get("routes", []) == []
+    log = (tmp_path / "a.log").read_text() + (tmp_path / "rogue.log").read_text()
+    assert "certificate" in log.lower() or "tls" in log.lower(), log[-2000:]

@@ -2,7 +2,9 @@
 
 Each test connects as the shipped users (web, client, coordinator, worker-0, ...) and checks
 both sides: what a role may do works end to end, and what it may not do is refused by the
-server (a permissions-violation error) and never delivered.
+server (a permissions-violation error) and never delivered. Client users (web, client) connect
+as our code does, with the inbox prefix `_INBOX_<user>`, and own the job namespace
+`ddm.v1.c.<user>.`: one cannot cancel, probe or watch the other's jobs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from coordinator.client import client_connect_options
 from infra.nats_cluster import NatsCluster
 from schemas import (
     CancelReply,
@@ -34,6 +37,9 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
+#: The shipped client users; each owns the job namespace ddm.v1.c.<user>. and the inbox _INBOX_<user>.
+CLIENT_USERS = ("web", "client")
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -53,7 +59,7 @@ class Conn:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for e in self.errors:
-                if "permissions violation" in e.lower() and subject in e:
+                if "permissions violation" in e.lower() and subject.lower() in e.lower():  # nats-py lowercases it
                     return e
             await asyncio.sleep(0.02)
         raise AssertionError(f"no permissions violation for {subject!r}; errors seen: {self.errors}")
@@ -71,8 +77,9 @@ async def connect(server):
         async def on_error(err):
             errors.append(str(err))
 
+        opts = client_connect_options(user) if user in CLIENT_USERS else {}
         nc = await nats.connect(server.url(0, user), name=user, error_cb=on_error, connect_timeout=2,
-                                allow_reconnect=False)
+                                allow_reconnect=False, **opts)
         opened.append(nc)
         return Conn(nc, errors)
 
@@ -115,20 +122,21 @@ async def test_client_roles_submit_jobs_and_read_events(connect, user):
 
     async def on_submit(msg):
         req = unpack(msg.data, JobRequest)
-        await msg.respond(pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id),
+        owner = subjects.parse_submit_subject(msg.subject)
+        await msg.respond(pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(owner, req.job_id),
                                            digits=req.digits, seed=1)))
 
-    await coord.nc.subscribe(subjects.JOBS_SUBMIT, cb=on_submit)
+    await coord.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=on_submit)
     await synced(coord.nc)
-    events = await _collect(cli, subjects.ALL_JOB_EVENTS)
+    events = await _collect(cli, f"{subjects.client_namespace(user)}.jobs.*.events")
 
-    msg = await cli.nc.request(subjects.JOBS_SUBMIT, pack(JobRequest(job_id="j1", digits=[3])), timeout=2)
+    msg = await cli.nc.request(subjects.jobs_submit(user), pack(JobRequest(job_id="j1", digits=[3])), timeout=2)
     accepted = unpack(msg.data, SubmitReply)
     assert isinstance(accepted, JobAccepted) and accepted.job_id == "j1"
 
     frame = FrameEvent(job_id="j1", step=0, steps=1, t=1.0, x=np.zeros((1, 1, 32, 32), np.float16), experts=[0],
                        weights=np.ones((1, 2), np.float32))
-    await coord.nc.publish(subjects.job_events("j1"), pack(frame))
+    await coord.nc.publish(subjects.job_events(user, "j1"), pack(frame))
     await coord.nc.flush()
     await wait_until(lambda: events, timeout=2, what="the frame event")
     assert len(events) == 1 and unpack(events[0].data, FrameEvent).job_id == "j1"
@@ -146,16 +154,16 @@ async def test_client_can_cancel_and_ask_status(connect):
         await msg.respond(b"status")
 
     async def on_job_status(msg):
-        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject), state="queued")))
+        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject).job_id, state="queued")))
 
     await coord.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=on_cancel)
     await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
     await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
     await synced(coord.nc)
-    msg = await web.nc.request(subjects.job_cancel("j9"), pack(CancelRequest(job_id="j9")), timeout=2)
+    msg = await web.nc.request(subjects.job_cancel("web", "j9"), pack(CancelRequest(job_id="j9")), timeout=2)
     assert unpack(msg.data, CancelReply).cancelled
     assert (await web.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
-    msg = await web.nc.request(subjects.job_status("j9"), b"", timeout=2)
+    msg = await web.nc.request(subjects.job_status("web", "j9"), b"", timeout=2)
     assert unpack(msg.data, JobStatus).state == "queued"
     assert coord.errors == [] and web.errors == []
 
@@ -199,7 +207,7 @@ async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(conne
             if answered[-1] - answered[0] >= 2 * unresponsive_after:
                 long_enough.set()
 
-    await ops.nc.subscribe("_INBOX.>", cb=tap)
+    await ops.nc.subscribe(f"{subjects.inbox_prefix(user)}.>", cb=tap)
     await synced(ops.nc)
     async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=server.url(0, "coordinator"),
                            step_timeout=30, retries=0, name=f"perm-coordinator-{user}"):
@@ -245,10 +253,114 @@ async def test_web_cannot_publish_to_experts(connect):
 
 async def test_web_cannot_impersonate_the_coordinator(connect):
     web = await connect("web")
-    await web.nc.publish(subjects.job_events("j1"), b"fake frame")
-    await web.violation(subjects.job_events("j1"))
-    await web.nc.subscribe(subjects.JOBS_SUBMIT)
-    await web.violation(subjects.JOBS_SUBMIT)
+    await web.nc.publish(subjects.job_events("web", "j1"), b"fake frame")
+    await web.violation(subjects.job_events("web", "j1"))
+    await web.nc.subscribe(subjects.ALL_JOBS_SUBMIT)
+    await web.violation(subjects.ALL_JOBS_SUBMIT)
+    await web.nc.subscribe(subjects.jobs_submit("web"))
+    await web.violation(subjects.jobs_submit("web"))
+
+
+# ---------------------------------------------------------------- ownership: one client user vs another's jobs
+
+
+async def test_client_user_cannot_reach_into_another_users_namespace_or_inbox(connect):
+    """The server refuses `client` every subject of `web`'s namespace and inbox: no cancel, no status
+    probe, no submit in its name, no watching its events or replies; nothing reaches the coordinator."""
+    coord, client = await connect("coordinator"), await connect("client")
+    seen = await _collect(coord, f"{subjects.CLIENTS_PREFIX}.>")
+    for subject in (subjects.job_cancel("web", "wj"), subjects.job_status("web", "wj"), subjects.jobs_submit("web")):
+        await client.nc.publish(subject, pack(CancelRequest(job_id="wj")))
+        await client.violation(subject)
+    for subject in (subjects.job_events("web", "wj"), f"{subjects.client_namespace('web')}.jobs.*.events",
+                    subjects.ALL_JOB_EVENTS, f"{subjects.inbox_prefix('web')}.>", "_INBOX.>", ">"):
+        await client.nc.subscribe(subject)
+        await client.violation(subject)
+    await client.nc.flush()
+    await asyncio.sleep(0.1)  # grace for a message that must never arrive: no event marks its absence
+    assert seen == []
+
+
+@pytest.mark.slow  # ~2 s: a real coordinator and a held expert
+async def test_client_user_cannot_cancel_probe_or_watch_a_web_users_job(connect, server, caplog):
+    """A real Coordinator as the `coordinator` user; `web` runs a job (its expert call held). User
+    `client` tries everything its permissions let it publish: a cancel and a status probe of the job
+    in its own namespace (answered "unknown job" / `unknown`, never acted on), `fleet.status` with the
+    victim's events subject as reply subject (no reply at all: replies go only to _INBOX). The job
+    then completes for `web`, whose events subject got only the job's own events."""
+    from coordinator.client import cancel_job, job_status, run_job
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import UNKNOWN_JOB, Coordinator
+
+    caplog.set_level(logging.WARNING, logger="coordinator.service")
+    worker, web, client = await connect("worker-0"), await connect("web"), await connect("client")
+    gate, called = asyncio.Event(), asyncio.Event()
+
+    async def held_velocity(msg):
+        step = unpack(msg.data, StepRequest)
+        called.set()
+        await gate.wait()
+        await msg.respond(pack(StepReply(expert=0, velocity=np.zeros_like(step.x_t), backend="test")))
+
+    await worker.nc.subscribe(subjects.expert_velocity(0), queue=subjects.expert_queue_group(0), cb=held_velocity)
+    await synced(worker.nc)
+    events: list = []
+    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=server.url(0, "coordinator"),
+                           step_timeout=30, retries=0, name="perm-owner") as coord:
+        job = asyncio.create_task(run_job(web.nc, JobRequest(job_id="webjob", digits=[3], steps=2),
+                                          on_event=events.append, probe_every=5))
+        try:
+            await asyncio.wait_for(called.wait(), 10)
+            assert coord.owner_of("webjob") == "web"
+            # what the server lets `client` publish, in its own namespace: not acted on, nothing told
+            msg = await client.nc.request(subjects.job_cancel("client", "webjob"), pack(CancelRequest(job_id="webjob")),
+                                          timeout=5)
+            assert (unpack(msg.data, CancelReply).cancelled, unpack(msg.data, CancelReply).reason) == \
+                (False, UNKNOWN_JOB)
+            assert await cancel_job(client.nc, "webjob") is False  # client_of(nc) -> "client"
+            assert (await job_status(client.nc, "webjob")).state == "unknown"
+            # what it may not publish: web's namespace
+            await client.nc.publish(subjects.job_cancel("web", "webjob"), b"")
+            await client.violation(subjects.job_cancel("web", "webjob"))
+            # a reply subject that is not an inbox: the victim's events subject gets nothing from it
+            before = len(events)
+            await client.nc.publish(subjects.FLEET_STATUS, b"", reply=subjects.job_events("web", "webjob"))
+            await client.nc.flush()
+            await wait_until(lambda: coord.replies_dropped == 1, timeout=5, what="the coordinator to drop the request")
+            assert (await job_status(web.nc, "webjob")).state == "running"  # web's own probe: alive
+            assert len(events) == before and not job.done()
+            gate.set()
+            done = await asyncio.wait_for(job, 30)
+        finally:
+            gate.set()
+            if not job.done():
+                job.cancel()
+    assert isinstance(done, DoneEvent) and done.job_id == "webjob"
+    assert [type(e).__name__ for e in events if not isinstance(e, FrameEvent)] == ["JobAccepted", "DoneEvent"]
+    assert web.errors == [] and worker.errors == []
+    assert any("is not an inbox" in r.getMessage() for r in caplog.records)
+
+
+def test_each_client_users_permissions_name_only_its_own_namespace_and_inbox():
+    """Static check of permissions.conf / accounts.conf: every client permission set (one per client
+    user) allows job subjects only under ddm.v1.c.<that user>. and inboxes only under _INBOX_<user>.;
+    the password users `web` and `client` get their own sets."""
+    import re
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parents[2] / "infra" / "nats"
+    perms = (conf / "permissions.conf").read_text()
+    accounts = (conf / "accounts.conf").read_text()
+    given = dict(re.findall(r"user:\s*([\w-]+),\s*password:\s*\$\w+,\s*permissions:\s*\$(\w+)", accounts))
+    assert given["web"] == "WEB_PERMISSIONS" and given["client"] == "CLIENT_PERMISSIONS"
+    for user in CLIENT_USERS:
+        body = re.search(r"^" + given[user] + r" = \{(.*?)^\}", perms, re.M | re.S).group(1)
+        named = set(re.findall(r'"([^"]+)"', body))
+        jobs = {s for s in named if s.startswith(subjects.CLIENTS_PREFIX + ".")}
+        assert jobs == {subjects.jobs_submit(user), f"{subjects.client_namespace(user)}.jobs.*.cancel",
+                        f"{subjects.client_namespace(user)}.jobs.*.status",
+                        f"{subjects.client_namespace(user)}.jobs.*.events"}, (user, jobs)
+        assert {s for s in named if s.startswith(subjects.INBOX)} == {f"{subjects.inbox_prefix(user)}.>"}, user
 
 
 # ---------------------------------------------------------------- workers
@@ -256,13 +368,13 @@ async def test_web_cannot_impersonate_the_coordinator(connect):
 
 async def test_worker_cannot_publish_job_events(connect):
     worker, web = await connect("worker-0"), await connect("web")
-    events = await _collect(web, subjects.ALL_JOB_EVENTS)
+    events = await _collect(web, f"{subjects.client_namespace('web')}.jobs.*.events")
 
-    await worker.nc.publish(subjects.job_events("j1"), b"forged")
+    await worker.nc.publish(subjects.job_events("web", "j1"), b"forged")
     await worker.nc.flush()
-    await worker.violation(subjects.job_events("j1"))
-    await worker.nc.publish(subjects.JOBS_SUBMIT, b"forged")
-    await worker.violation(subjects.JOBS_SUBMIT)
+    await worker.violation(subjects.job_events("web", "j1"))
+    await worker.nc.publish(subjects.jobs_submit("web"), b"forged")
+    await worker.violation(subjects.jobs_submit("web"))
     await asyncio.sleep(0.1)  # grace for a message that must never arrive: no event marks its absence
     assert events == []
 
@@ -274,19 +386,19 @@ async def test_worker_cannot_ask_or_serve_job_status(connect):
 
     async def on_job_status(msg):
         probes.append(msg.subject)
-        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject), state="running")))
+        await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject).job_id, state="running")))
 
     await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
     await synced(coord.nc)
-    await worker.nc.publish(subjects.job_status("j1"), b"")
+    await worker.nc.publish(subjects.job_status("web", "j1"), b"")
     await worker.nc.flush()
-    await worker.violation(subjects.job_status("j1"))  # refused by the server: never routed
+    await worker.violation(subjects.job_status("web", "j1"))  # refused by the server: never routed
     await worker.nc.subscribe(subjects.ALL_JOB_STATUS)
     await worker.violation(subjects.ALL_JOB_STATUS)
     # a client's probe, after the refused one, is the only one the coordinator ever got
-    msg = await web.nc.request(subjects.job_status("j2"), b"", timeout=2)
+    msg = await web.nc.request(subjects.job_status("web", "j2"), b"", timeout=2)
     assert unpack(msg.data, JobStatus).state == "running"
-    assert probes == [subjects.job_status("j2")]
+    assert probes == [subjects.job_status("web", "j2")]
 
 
 async def test_worker_subscribes_only_to_its_own_expert(connect):
@@ -342,11 +454,11 @@ async def test_ops_watches_and_asks_but_changes_nothing(connect):
     await synced(coord.nc)
     seen = await _collect(ops, "ddm.>")  # ops may watch every subject
     assert (await ops.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
-    assert (await ops.nc.request(subjects.job_status("j5"), b"", timeout=2)).data == b"status"
-    await coord.nc.publish(subjects.job_events("j5"), b"frame")
-    await wait_until(lambda: any(m.subject == subjects.job_events("j5") for m in seen), timeout=2,
+    assert (await ops.nc.request(subjects.job_status("web", "j5"), b"", timeout=2)).data == b"status"
+    await coord.nc.publish(subjects.job_events("web", "j5"), b"frame")
+    await wait_until(lambda: any(m.subject == subjects.job_events("web", "j5") for m in seen), timeout=2,
                      what="ops to see the job event")
-    for subject in (subjects.expert_velocity(0), subjects.JOBS_SUBMIT, subjects.job_cancel("j5")):
+    for subject in (subjects.expert_velocity(0), subjects.jobs_submit("web"), subjects.job_cancel("web", "j5")):
         await ops.nc.publish(subject, b"x")
         await ops.violation(subject)
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +18,8 @@ CLI = [str(Path(sys.executable).parent / "ddm-fleet")]
 def test_help_explains_the_options():
     out = subprocess.run([*CLI, "web", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for flag in ("--port", "--host", "--nats", "--fleet-interval"):
+    for flag in ("--port", "--host", "--nats", "--fleet-interval", "--allow-origin", "--allow-host", "--token-file",
+                 "--insecure-no-token", "--max-sockets-per-client", "--max-messages-per-second"):
         assert flag in out.stdout
     assert "denoise" in out.stdout
 
@@ -63,3 +65,65 @@ def test_serves_the_page_and_stops_on_sigint(nats_url):
     assert proc.returncode in (0, 130), err
     assert f"serving http://127.0.0.1:{port}/" in out
     assert "Traceback" not in err
+
+
+def test_beyond_loopback_needs_a_token_or_an_explicit_insecure_flag(capsys, tmp_path, monkeypatch):
+    from infra.cli import main
+
+    monkeypatch.delenv("DDM_WEB_TOKEN", raising=False)
+    assert main(["web", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to serve 0.0.0.0 (beyond loopback) without a token" in err and "--insecure-no-token" in err
+    short = tmp_path / "short.token"
+    short.write_text("abc\n")
+    assert main(["web", "--host", "0.0.0.0", "--token-file", str(short)]) == 2
+    assert "16-256 characters" in capsys.readouterr().err
+    assert main(["web", "--token-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read --token-file" in capsys.readouterr().err
+    monkeypatch.setenv("DDM_WEB_TOKEN", "bad token")
+    assert main(["web", "--host", "10.0.0.1"]) == 2
+    assert "16-256 characters" in capsys.readouterr().err
+    monkeypatch.delenv("DDM_WEB_TOKEN")
+    assert main(["web", "--allow-origin", "viewer.example.com"]) == 2
+    assert "is not an origin" in capsys.readouterr().err
+    assert main(["web", "--max-sockets-per-client", "0"]) == 2
+    assert "max_sockets_per_client must be >= 1" in capsys.readouterr().err
+
+
+def test_token_file_protects_the_api_and_host_is_checked(nats_url, tmp_path):
+    token = "cli-test-token-0123456789abcdef"
+    path = tmp_path / "web.token"
+    path.write_text(token + "\n")
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "web", "--port", str(port), "--nats", nats_url, "--token-file", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def get(path: str, headers: dict) -> tuple[int, str, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read().decode(), dict(r.headers)
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode(), dict(err.headers)
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert get("/healthz", {})[0] == 200
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "ddm-fleet web did not come up"
+                time.sleep(0.2)
+        assert get("/api/fleet", {})[0] == 401
+        status, body, headers = get("/api/fleet", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and '"type": "fleet"' in body
+        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"] and headers["X-Frame-Options"] == "DENY"
+        status, body, _ = get("/api/fleet", {"Authorization": f"Bearer {token}", "Host": "evil.example"})
+        assert status == 421 and "evil.example" in body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert f"open http://127.0.0.1:{port}/#token=<token>" in out and token not in out + err
+    assert "refused GET /api/fleet" in err and "evil.example" in err

@@ -60,8 +60,8 @@ SAMPLES: list[BaseModel] = [
     ErrorReply(code=ErrorCode.TOO_LARGE, message="batch of 600 rows exceeds the limit of 512", request_id="req-9"),
     JobRequest(job_id="job_1", digits=[0, 1, 9], steps=20, solver="heun", strategy="topk", top_k=2, seed=42,
                stream=False, frame_every=5, deadline_s=30.0),
-    JobRequest(count=4),
-    JobAccepted(job_id="job_1", events_subject=schemas.subjects.job_events("job_1"), digits=[0, 1, 9], seed=42,
+    JobRequest(count=4, session="tab-1"),
+    JobAccepted(job_id="job_1", events_subject=schemas.subjects.job_events("anon", "job_1"), digits=[0, 1, 9], seed=42,
                 queue_position=3),
     JobRejected(code=ErrorCode.OVERLOADED, reason="too many jobs in flight"),
     FrameEvent(job_id="job_1", step=5, steps=20, t=0.25, x=_x(3, dtype=np.float16), experts=[0, 1, -1],
@@ -83,6 +83,11 @@ if hasattr(messages_mod, "FleetStatus"):  # added alongside the coordinator's st
 if hasattr(messages_mod, "JobStatus"):  # added alongside the coordinator's job status endpoint
     SAMPLES.append(messages_mod.JobStatus(job_id="job_1", state="running", step=5, steps=20, coordinator="coord-1"))
     SAMPLES.append(messages_mod.JobStatus(job_id="job_2", state="unknown"))
+    SAMPLES.append(messages_mod.JobStatus(job_id="job_3", state="unknown", coordinator="coord-b",
+                                          instance="20261126T085650Z-00aa11"))
+
+SAMPLES.append(JobAccepted(job_id="job_2", events_subject=schemas.subjects.job_events("anon", "job_2"), digits=[4],
+                           seed=1, coordinator="coord-a", instance="20261126T085649Z-3fa2c1"))
 
 UNIONS = {JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent), SubmitReply: (JobAccepted, JobRejected, ErrorReply),
           StepResult: (StepReply, ErrorReply)}
@@ -352,3 +357,20 @@ def test_in_process_construction_rejects_the_same_things():
         StepReply(expert=0, velocity=np.full((1, 1, 2, 2), np.nan, np.float32))
     with pytest.raises(ValidationError):
         FrameEvent(job_id="a", step=0, steps=1, t=0.5, x=np.array([object()]), experts=[0], weights=np.zeros((1, 2)))
+
+
+def test_coordinator_name_and_instance_are_optional_and_bounded():
+    """`accepted` / `job_status` name the answering coordinator and its run; an old peer that sends
+    neither decodes to "" (no owner known), and a name or instance over 128 characters is refused."""
+    bare = msgpack.packb({"v": 1, "kind": "accepted", "job_id": "j1", "events_subject": "e", "digits": [1], "seed": 0})
+    accepted = unpack(bare, JobAccepted)
+    assert (accepted.coordinator, accepted.instance) == ("", "")
+    for field in ("coordinator", "instance"):
+        with pytest.raises(ProtocolError) as err:
+            unpack(msgpack.packb({"v": 1, "kind": "accepted", "job_id": "j1", "events_subject": "e", "digits": [1],
+                                  "seed": 0, field: "x" * 129}), JobAccepted)
+        assert err.value.code == ErrorCode.BAD_REQUEST and field in err.value.message
+    with pytest.raises(ProtocolError) as err:
+        unpack(msgpack.packb({"v": 1, "kind": "job_status", "job_id": "j1", "state": "unknown",
+                              "instance": "x" * 129}), messages_mod.JobStatus)
+    assert err.value.code == ErrorCode.BAD_REQUEST and "instance" in err.value.message

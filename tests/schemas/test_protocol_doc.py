@@ -53,14 +53,19 @@ def test_every_error_code_is_documented():
 
 
 def test_every_subject_and_queue_group_is_documented():
-    for subject in (subjects.JOBS_SUBMIT, subjects.FLEET_STATUS, subjects.ALL_EXPERTS, subjects.ALL_JOB_EVENTS,
+    for subject in (subjects.ALL_JOBS_SUBMIT, subjects.FLEET_STATUS, subjects.ALL_EXPERTS, subjects.ALL_JOB_EVENTS,
                     subjects.ALL_JOB_CANCELS, subjects.ALL_JOB_STATUS):
         assert f"`{subject}`" in DOC, subject
-    assert "`" + subjects.job_status("x").replace(".x.", ".<job_id>.") + "`" in DOC
+
+    def spelled(subject: str) -> str:
+        return "`" + subject.replace(".C.", ".<client>.").replace(".x.", ".<job_id>.") + "`"
+
+    assert spelled(subjects.jobs_submit("C")) in DOC
+    for make in (subjects.job_events, subjects.job_cancel, subjects.job_status):
+        assert spelled(make("C", "x")) in DOC, make
     assert "`" + subjects.expert_velocity(0).replace(".0.", ".<expert_id>.") + "`" in DOC
     assert subjects.expert_queue_group(3).replace(".3.", ".<k>.") in DOC
-    assert "`" + subjects.job_events("x").replace(".x.", ".<job_id>.") + "`" in DOC
-    assert "`" + subjects.job_cancel("x").replace(".x.", ".<job_id>.") + "`" in DOC
+    assert f"`{subjects.INBOX}.`" in DOC and f"`{subjects.INBOX}_<client>.`" in DOC
     assert f"ddm.v{schemas.PROTOCOL_VERSION}" in DOC and f"`v: {schemas.PROTOCOL_VERSION}`" in DOC
 
 
@@ -112,7 +117,8 @@ def test_client_defaults_and_the_frozen_coordinator_are_documented():
 
 def test_a_token_that_is_no_job_id_is_documented_as_bad_request():
     for verb in ("cancel", "status"):
-        line = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.PREFIX}.jobs.<job_id>.{verb}`"))
+        line = next(line for line in DOC.splitlines()
+                    if line.startswith(f"| `{subjects.CLIENTS_PREFIX}.<client>.jobs.<job_id>.{verb}`"))
         assert "`error` / `bad_request` when the token is not a job id" in line, line
 
 
@@ -124,7 +130,7 @@ FLAT = " ".join(DOC.split())  # the doc with its line breaks folded, for phrases
 
 
 def test_a_submit_is_answered_accepted_or_rejected_never_error():
-    row = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.JOBS_SUBMIT}`"))
+    row = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.CLIENTS_PREFIX}.<client>.jobs.submit`"))
     assert "`accepted` or `rejected` (never `error`" in row, row
     assert "* submit reply: `accepted` | `rejected` (the coordinator never sends `error`" in DOC
     assert "reply: accepted | rejected ─" in DOC and "accepted | rejected | error" not in DOC
@@ -196,3 +202,11 @@ def test_srv_replies_are_documented_as_json_and_cancel_mismatch_as_refused():
     from coordinator.service import Coordinator
 
     assert "does not match the subject" in inspect.getsource(Coordinator._on_cancel)
+
+
+def test_ownership_reason_and_reply_rule_are_documented_as_the_coordinator_answers():
+    from coordinator.service import UNKNOWN_JOB
+
+    assert f"reason `{UNKNOWN_JOB}`" in FLAT and f"hold in the requester's namespace: `{UNKNOWN_JOB}`" in FLAT
+    assert "gets no reply at all" in FLAT and "inbox_prefix=\"_INBOX_alice\"" in FLAT
+    assert "`<client>/<session>`" in FLAT

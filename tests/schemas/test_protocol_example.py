@@ -131,7 +131,8 @@ class FakeCoordinator:
         self.tasks: list[asyncio.Task] = []
 
     async def start(self):
-        self.subs = [await self.nc.subscribe(subjects.JOBS_SUBMIT, cb=self.on_submit),
+        self.owner: dict[str, str] = {}  # job id -> client token of its submit subject
+        self.subs = [await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=self.on_submit),
                      await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self.on_cancel)]
         await self.nc.flush()
 
@@ -142,13 +143,14 @@ class FakeCoordinator:
             t.cancel()
 
     async def publish(self, event):
-        await self.nc.publish(subjects.job_events(event.job_id), pack(event))
+        await self.nc.publish(subjects.job_events(self.owner[event.job_id], event.job_id), pack(event))
 
     async def on_submit(self, msg):
         req = unpack(msg.data, JobRequest)
         self.requests.append(req)
-        accepted = JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id), digits=req.digits,
-                               seed=req.seed or 0)
+        self.owner[req.job_id] = subjects.parse_submit_subject(msg.subject)
+        events = subjects.job_events(self.owner[req.job_id], req.job_id)
+        accepted = JobAccepted(job_id=req.job_id, events_subject=events, digits=req.digits, seed=req.seed or 0)
         await self.publish(accepted)
         await self.publish(self.frame(req, 0))
         await self.nc.flush()
@@ -174,10 +176,10 @@ class FakeCoordinator:
                                      strategy=req.strategy, elapsed_s=0.01))
 
     async def on_cancel(self, msg):
-        job_id = subjects.parse_job_subject(msg.subject)
+        client, job_id, _ = subjects.parse_job_subject(msg.subject)
         req = unpack(msg.data, CancelRequest)
         assert req.job_id == job_id
-        known = any(r.job_id == job_id for r in self.requests)
+        known = self.owner.get(job_id) == client  # only the owner's namespace may cancel
         if known:
             self.cancelled.add(job_id)
         await msg.respond(pack(CancelReply(job_id=job_id, cancelled=known, reason="" if known else "no such job")))
@@ -207,11 +209,13 @@ async def test_raw_cancel_ends_the_job_with_failed_cancelled(nc, raw):
 
     def on_event(e):
         if e["kind"] == "frame" and e["step"] == 1:
-            cancels.append(asyncio.ensure_future(raw.cancel(nc, e["job_id"])))
+            cancels.append(asyncio.ensure_future(raw.cancel(nc, e["job_id"], client="someone-else")))
+            cancels.append(asyncio.ensure_future(raw.cancel(nc, e["job_id"], client="alice")))
 
     with pytest.raises(raw.ProtocolFailure) as info:
-        await raw.generate(nc, [1], steps=200, on_event=on_event)
+        await raw.generate(nc, [1], steps=200, on_event=on_event, client="alice")
     assert info.value.code == "cancelled"
-    assert await cancels[0] is True
+    assert await cancels[0] is False and await cancels[1] is True  # the example cancels in its own namespace
+    assert coord.owner[coord.requests[-1].job_id] == "alice"
     assert await raw.cancel(nc, "raw-nonexistent") is False
     await coord.stop()

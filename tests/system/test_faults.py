@@ -191,7 +191,7 @@ async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
                 np.testing.assert_allclose(d.images, a.images, atol=2e-4, err_msg=j.job_id)
 
             # a client that missed a job's end (it was away) gets it by asking: the coordinator publishes it again
-            sub = await late.subscribe(subjects.job_events("restart-quiet"))
+            sub = await late.subscribe(subjects.job_events("anon", "restart-quiet"))
             await late.flush()
             st = await job_status(late, "restart-quiet")
             assert (st.state, st.step, st.steps) == ("done", 16, 16)

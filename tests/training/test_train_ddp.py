@@ -68,7 +68,7 @@ def test_torchrun_two_ranks(tmp_path):
     from models.config import UNetConfig
     from models.unet_torch import UNet
 
-    ck = torch.load(tmp_path / "run" / "resume.pt", map_location="cpu", weights_only=False)
+    ck = torch.load(tmp_path / "run" / "resume.pt", map_location="cpu", weights_only=True)
     model = UNet(UNetConfig(widths=(8, 16, 16)))
     model.load_state_dict(ck["model"])
     assert ddp.param_digests(model.parameters(), ddp.DistInfo()) == [digests[0]]

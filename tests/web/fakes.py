@@ -39,13 +39,14 @@ class FakeCoordinator:
         self.reject_over = reject_over
         self.status = status
         self.jobs: dict[str, JobRequest] = {}
+        self.owners: dict[str, str] = {}  # job id -> client token of the submit subject
         self.cancelled: list[str] = []
         self.finished: list[str] = []
         self._subs = []
         self._tasks: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> "FakeCoordinator":
-        self._subs.append(await self.nc.subscribe(subjects.JOBS_SUBMIT, cb=self._on_submit))
+        self._subs.append(await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=self._on_submit))
         self._subs.append(await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel))
         if self.status is not None:
             self._subs.append(await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status))
@@ -53,7 +54,7 @@ class FakeCoordinator:
         # pending buffer, so it does not prove the server has our interest. A request through the
         # same buffer (queued after the SUBs) that our own handler answers does.
         if self.probe:
-            reply = await self.nc.request(subjects.JOBS_SUBMIT, b"", timeout=10)
+            reply = await self.nc.request(subjects.jobs_submit("probe"), b"", timeout=10)
             assert unpack(reply.data, ErrorReply).code == ErrorCode.BAD_REQUEST
         else:  # the second PING leaves after the flusher task has written the SUBs
             await self.nc.flush()
@@ -84,7 +85,9 @@ class FakeCoordinator:
         rng = np.random.default_rng(req.seed or 0)
         digits = req.digits if req.digits is not None else [int(d) for d in rng.integers(0, 10, req.count)]
         self.jobs[req.job_id] = req
-        accepted = pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(req.job_id),
+        self.owners[req.job_id] = subjects.parse_submit_subject(msg.subject)
+        accepted = pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(self.owners[req.job_id],
+                                                                                          req.job_id),
                                     digits=digits, seed=req.seed or 0))
         if self.reply_late:
             await self._run(req, digits, rng)
@@ -102,7 +105,7 @@ class FakeCoordinator:
 
     async def _run(self, req: JobRequest, digits: list[int], rng) -> None:
         n = len(digits)
-        subject = subjects.job_events(req.job_id)
+        subject = subjects.job_events(self.owners[req.job_id], req.job_id)
         noise = rng.standard_normal((n, 1, 32, 32)).astype(np.float32)
         target = np.array([(d / 4.5) - 1.0 for d in digits], np.float32).reshape(n, 1, 1, 1) * np.ones((1, 1, 32, 32), np.float32)
         experts = [0 if d < 5 else 1 for d in digits]

@@ -67,12 +67,12 @@ async def test_page_bad_input_then_generate_with_fake_coordinator(browser, web_s
         await page.check("input[name=mode][value=count]")
         await page.fill("#count", "10000")
         await page.click("#generate")
-        await page.wait_for_function("document.querySelector('#errors li').textContent.includes('256')", timeout=20_000)
+        await page.wait_for_function("() => document.querySelector('#errors li').textContent.includes('256')", timeout=20_000)
         await page.fill("#steps", "0")
         await page.check("input[name=mode][value=digits]")
         await page.fill("#digits", "1")
         await page.click("#generate")
-        await page.wait_for_function("document.querySelector('#errors li').textContent.includes('steps')", timeout=20_000)
+        await page.wait_for_function("() => document.querySelector('#errors li').textContent.includes('steps')", timeout=20_000)
         # a good job: tiles fill in, frames stream, final images come with PNG links
         await page.fill("#digits", "1,6,9")
         await page.fill("#steps", "20")
@@ -104,6 +104,79 @@ async def test_closing_the_tab_cancels_its_job(browser, web_server, nc):
         job_id = await running.get_attribute("data-job-id")
         await page.close()
         await wait_until(lambda: job_id in coordinator.cancelled, timeout=20, what="the cancel from the closed page")
+
+
+EVIL_PAGE = """<!doctype html><title>another site</title><script>
+window.result = {events: [], messages: []};
+const ws = new WebSocket("ws://VIEWER/ws");
+ws.onopen = () => window.result.events.push("open");
+ws.onmessage = (ev) => window.result.messages.push(ev.data);
+ws.onerror = () => window.result.events.push("error");
+ws.onclose = (ev) => { window.result.events.push("close"); window.result.code = ev.code; };
+fetch("http://VIEWER/api/fleet").then(r => r.text()).then(t => window.result.fleet = t,
+                                                          e => window.result.fleet_error = String(e));
+</script>"""
+
+
+async def test_another_origin_cannot_use_the_viewer_socket_but_its_own_page_can(browser, web_server, caplog):
+    """Cross-site websocket hijacking: a page served from another origin (another port of the same host)
+    opens ws://<viewer>/ws in real Chromium; the upgrade is refused (403, logged), no message reaches it."""
+    import logging
+
+    from aiohttp import web
+
+    caplog.set_level(logging.WARNING, logger="web.guard")
+    viewer = f"127.0.0.1:{web_server.port}"
+    async def evil_page(_request):
+        return web.Response(text=EVIL_PAGE.replace("VIEWER", viewer), content_type="text/html")
+
+    evil_app = web.Application()
+    evil_app.router.add_get("/", evil_page)
+    evil = TestServer(evil_app, host="127.0.0.1")
+    await evil.start_server()
+    try:
+        page = await browser.new_page()
+        await page.goto(str(evil.make_url("/")))
+        await page.wait_for_function("() => window.result && window.result.events.includes('close')", timeout=30_000)
+        result = await page.evaluate("window.result")
+        assert "open" not in result["events"] and result["messages"] == [], result
+        assert result["code"] == 1006, result  # the handshake failed
+        await page.wait_for_function("() => window.result.fleet !== undefined || window.result.fleet_error !== undefined",
+                                     timeout=30_000)
+        assert "fleet" not in await page.evaluate("window.result"), "the other origin read /api/fleet"
+        evil_origin = f"http://127.0.0.1:{evil.port}"
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert any(evil_origin in line and "/ws" in line for line in refused), refused
+        await page.close()
+    finally:
+        await evil.close()
+    # ... while the viewer's own page connects and works, with no CSP violation in its console
+    own, errors = await open_page(browser, web_server)
+    assert await own.locator("#conn").get_attribute("data-state") == "open"
+    assert errors == [], errors
+    await own.close()
+
+
+async def test_token_from_the_url_fragment_opens_the_socket(browser, nats_url):
+    token = "browser-test-token-0123456789"
+    server = TestServer(create_app(WebConfig(nats_url=nats_url, token=token)), host="127.0.0.1")
+    await server.start_server()
+    try:
+        page = await browser.new_page()
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        await page.goto(str(server.make_url("/")))  # no token: the server says why, the page shows it
+        await page.wait_for_function("() => document.querySelector('#errors li') !== null", timeout=30_000)
+        assert "token required" in await page.locator("#errors li").first.inner_text()
+        await page.goto(str(server.make_url("/")) + f"#token={token}")
+        await page.reload()  # a fresh page load with the fragment
+        await page.wait_for_selector("#conn[data-state=open]", timeout=30_000)
+        assert token not in page.url  # removed from the address bar (kept for the tab only)
+        await page.reload()  # the tab remembers it
+        await page.wait_for_selector("#conn[data-state=open]", timeout=30_000)
+        await page.close()
+    finally:
+        await server.close()
 
 
 # ---------------------------------------------------------------- end to end, real local fleet
@@ -147,7 +220,7 @@ async def real_fleet(nats_url, request):
 async def test_real_fleet_generate_in_the_browser(browser, web_server, real_fleet, tmp_path):
     page, errors = await open_page(browser, web_server)
     # the fleet panel discovers both experts' real workers (backend and device from their metadata)
-    await page.wait_for_function("document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
+    await page.wait_for_function("() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
     assert await page.locator("#fleet-experts .expert[data-expert='0'] tr.worker").count() >= 1
     assert "torch" in await page.locator("#fleet-experts").inner_text()
     await page.wait_for_selector("#fleet-coordinator table", timeout=30_000)  # FleetStatus answered
@@ -156,7 +229,7 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     await page.select_option("#strategy", "top1")
     await page.click("#generate")
     # intermediate frames reach the screen before the final images
-    await page.wait_for_function("(j => j && +j.dataset.frames >= 1)(document.querySelector('.job'))", timeout=60_000)
+    await page.wait_for_function("() => (j => j && +j.dataset.frames >= 1)(document.querySelector('.job'))", timeout=60_000)
     await page.screenshot(path=str(tmp_path / "web-running.png"), full_page=True)
     # ... and the final images arrive
     done = page.locator(".job[data-state=done]")
@@ -182,7 +255,7 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     await page.fill("#steps", "6")
     await page.select_option("#strategy", "full")
     await page.click("#generate")
-    await page.wait_for_function("document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000)
+    await page.wait_for_function("() => document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000)
     newest = page.locator(".job").first  # new jobs go on top
     assert await newest.locator(".tile canvas").evaluate_all("cs => cs.map(c => c.dataset.expert)") == ["-1", "-1"]
     assert await newest.locator(".bars").first.locator("span").count() == 2  # one weight bar per expert

@@ -54,6 +54,23 @@ def test_empty_fields_fall_back_to_defaults_and_limits_are_the_schemas():
     assert f"less than or equal to {MAX_JOB_IMAGES}" in str(err.value)
 
 
+@pytest.mark.parametrize("value, expected", [(1, 1.0), (30, 30.0), (2.5, 2.5), (3600, 3600.0), (None, None)])
+def test_generate_passes_a_deadline_into_the_job_request(value, expected):
+    r = parse_client_message(json.dumps({"type": "generate", "digits": "3", "deadline_s": value})).request
+    assert r.deadline_s == expected
+
+
+@pytest.mark.parametrize("value, fragment", [
+    (0.5, "deadline_s must be 1-3600 seconds, got 0.5"), (0, "1-3600 seconds, got 0"), (-5, "got -5"),
+    (3601, "1-3600 seconds, got 3601"), (1e300, "1-3600 seconds"),
+    ("30", "deadline_s must be a number of seconds (1-3600), got '30'"), (True, "a number of seconds"),
+    ([30], "a number of seconds"), ({"s": 1}, "a number of seconds")])
+def test_generate_refuses_a_deadline_out_of_bounds_with_the_bounds(value, fragment):
+    with pytest.raises(BadInput) as err:
+        parse_client_message(json.dumps({"type": "generate", "digits": "3", "deadline_s": value, "ref": 9}))
+    assert fragment in err.value.message and err.value.ref == 9 and err.value.code == "bad_request"
+
+
 def test_other_messages_and_refs():
     assert parse_client_message('{"type": "ping", "ref": 4}') == Ping(4)
     assert parse_client_message('{"type": "cancel", "job_id": "web1"}') == Cancel("web1")

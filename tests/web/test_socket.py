@@ -92,7 +92,8 @@ async def test_count_and_options_reach_the_coordinator(client, coordinator):
     ({"type": "generate", "digits": "3,x,7"}, "'x' is not a digit"),
     ({"type": "generate", "digits": "12"}, "'12' is not a digit"),
     ({"type": "generate", "count": 10000}, "count: Input should be less than or equal to 256"),
-    ({"type": "generate", "digits": ",".join(["1"] * 10000)}, "10000 images requested; the limit is 256"),
+    ({"type": "generate", "digits": ",".join(["1"] * 10000)}, "far too long; the limit is 256 images"),
+    ({"type": "generate", "digits": [1] * 10000}, "10000 images requested; the limit is 256"),
     ({"type": "generate", "digits": "1", "steps": 0}, "steps: Input should be greater than or equal to 1"),
     ({"type": "generate", "digits": "1", "steps": "many"}, "steps: Input should be a valid integer"),
     ({"type": "generate", "digits": "1", "steps": 2.5}, "steps: Input should be a valid integer"),
@@ -100,6 +101,8 @@ async def test_count_and_options_reach_the_coordinator(client, coordinator):
     ({"type": "generate", "digits": "1", "count": 3}, "give exactly one of digits"),
     ({"type": "generate"}, "give exactly one of digits"),
     ({"type": "generate", "digits": "1", "job_id": "mine"}, "unknown field(s) in generate: job_id"),
+    ({"type": "generate", "digits": "1", "deadline_s": 0.5}, "deadline_s must be 1-3600 seconds, got 0.5"),
+    ({"type": "generate", "digits": "1", "deadline_s": "30"}, "deadline_s must be a number of seconds"),
     ({"type": "launch"}, "unknown message type 'launch'"),
     ({"kind": "generate"}, "message has no 'type'"),
     ({"type": "cancel", "job_id": "someone-elses"}, "no running job 'someone-elses' in this tab"),
@@ -203,7 +206,7 @@ async def test_undecodable_event_is_reported_not_fatal(client, coordinator, nc):
     ws = await client.ws_connect("/ws")
     await ws.send_json({"type": "generate", "digits": "2", "steps": 40})
     job_id = (await next_msg(ws, {"accepted"}))["job_id"]
-    await nc.publish(subjects.job_events(job_id), b"\xc1 garbage")
+    await nc.publish(subjects.job_events(coordinator.owners[job_id], job_id), b"\xc1 garbage")
     err = await next_msg(ws, {"error"})
     assert err["job_id"] == job_id and "undecodable event" in err["message"]
     msgs = await collect_job(ws)
@@ -252,3 +255,105 @@ async def test_server_shutdown_closes_sockets_and_cancels_their_jobs(nats_url, n
         finally:
             await client.close()
         await wait_until(lambda: job_id in coordinator.cancelled, timeout=5, what="the cancel at shutdown")
+
+
+async def test_jobs_are_submitted_in_the_viewers_namespace_with_one_session_tag_per_socket(client, coordinator):
+    """Ownership: on an open bus the viewer's jobs belong to client "web" (its inbox prefix is
+    `_INBOX_web`); each socket tags its jobs with its own session, the scheduler's fairness key."""
+    tags = []
+    for _ in range(2):
+        ws = await client.ws_connect("/ws")
+        for _ in range(2):
+            await ws.send_json({"type": "generate", "digits": "3", "steps": 2})
+            job_id = (await next_msg(ws, {"accepted"}))["job_id"]
+            await collect_job(ws)
+            assert coordinator.owners[job_id] == "web"
+            tags.append(coordinator.jobs[job_id].session)
+        await ws.close()
+    assert tags[0] == tags[1] and tags[2] == tags[3] and tags[0] != tags[2]
+    assert all(subjects.is_token(t) for t in tags)
+
+
+async def test_a_deadline_from_the_page_fails_the_job_with_deadline_exceeded(client, nats_url, nc, tiny_fleet_files):
+    """`deadline_s` reaches the real coordinator as the job's deadline: a page job that waits in the
+    queue (behind another client's long job, one row in all) past its 1 s deadline ends `failed` /
+    `deadline_exceeded`; the job without one runs on."""
+    from coordinator.client import cancel_job, submit_job
+    from coordinator.service import Coordinator
+    from models.router import Router
+    from schemas import JobRequest
+    from workers.service import ExpertWorker
+
+    workers = []
+    try:
+        for k, path in enumerate(tiny_fleet_files["experts"]):
+            workers.append(ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1,)))
+            await workers[-1].start()
+        router = Router.load(tiny_fleet_files["router"])
+        async with Coordinator(router, num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url,
+                               max_rows=1, name="deadline-coordinator") as coord:
+            blocker = await submit_job(nc, JobRequest(job_id="blocker", digits=[1], steps=1000, stream=False))
+            assert blocker.queue_position == 0
+            ws = await client.ws_connect("/ws")
+            await ws.send_json({"type": "generate", "digits": "3", "steps": 5, "deadline_s": 1, "ref": "late"})
+            msgs = await collect_job(ws, timeout=30)
+            accepted, end = msgs[0], msgs[-1]
+            assert accepted["type"] == "accepted" and accepted["queue_position"] == 1, msgs
+            assert end["type"] == "failed" and end["job_id"] == accepted["job_id"], msgs
+            assert end["code"] == "deadline_exceeded" and "deadline of 1 s" in end["reason"], end
+            assert coord.engine.job_state("blocker")["state"] == "running"  # no deadline: it runs on
+            await ws.close()
+            assert await cancel_job(nc, "blocker")
+    finally:
+        for w in workers:
+            await w.stop()
+
+
+async def test_the_viewers_probe_ignores_another_coordinators_unknown(nats_url, nc, tiny_fleet_files):
+    """Two coordinators on the bus: a tab's job waits (silent) in coord-a's queue while coord-a
+    answers status 1 s late and coord-b says `unknown` after 0.5 s. The viewer's probe knows the
+    job's coordinator from `accepted` and does not fail the job; it completes once it gets rows."""
+    from coordinator.client import cancel_job, submit_job
+    from models.router import Router
+    from schemas import JobRequest
+    from tests.coordinator.lagging import LaggingCoordinator
+    from web.session import Session
+    from workers.service import ExpertWorker
+
+    sent: list[dict] = []
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    def of(kind: str) -> list[dict]:
+        return [m for m in sent if m["type"] == kind]
+
+    router = Router.load(tiny_fleet_files["router"])
+    opts = dict(num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url, max_rows=1)
+    workers = []
+    session = Session(nc, send, probe_every=0.3, lost_after=5, unresponsive_after=60)
+    sender = asyncio.ensure_future(session.run_sender())
+    try:
+        for k, path in enumerate(tiny_fleet_files["experts"]):
+            workers.append(ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1,)))
+            await workers[-1].start()
+        async with LaggingCoordinator(router, name="coord-a", status_lag=1.0, **opts) as a:
+            await submit_job(nc, JobRequest(job_id="tab-blocker", digits=[1], steps=1000, stream=False))
+            session.handle(json.dumps({"type": "generate", "digits": "3", "steps": 5}))
+            await wait_until(lambda: of("accepted") or of("error") or of("rejected"), timeout=10, what="accepted")
+            assert of("accepted") and of("accepted")[0]["queue_position"] == 1, sent
+            a.ticking.clear()  # hold the tab's job queued (silent) however fast the blocker would run
+            async with LaggingCoordinator(router, name="coord-b", **opts) as b:
+                await wait_until(lambda: b.status_requests >= 3 or of("failed"), timeout=30, what="3 probes")
+                assert not of("failed"), of("failed")  # coord-b's "unknown" did not fail the tab's job
+                assert not of("done"), "the tab's job must still have been queued while probed"
+                assert await cancel_job(nc, "tab-blocker")
+                a.ticking.set()
+                await wait_until(lambda: of("done") or of("failed"), timeout=60, what="the tab's job to end")
+            assert of("done") and not of("failed"), sent[-3:]
+    finally:
+        await session.close()
+        sender.cancel()
+        await cancel_job(nc, "tab-blocker")
+        for w in workers:
+            await w.stop()

@@ -24,19 +24,39 @@ const state = {
   pending: new Map(),   // ref -> request summary, until accepted / rejected
   nextRef: 1,
   retryMs: 500,
+  token: null,          // the viewer's token, when it needs one (URL fragment #token=...)
   experts: 0,           // K, learned from weights and the fleet panel
 };
 
 // ------------------------------------------------------------------ socket
 
+// A viewer exposed beyond loopback needs a token: open it as http://host:port/#token=...  The token is
+// kept for this tab (sessionStorage), removed from the address bar, and offered as a websocket subprotocol.
+function viewerToken() {
+  const m = /(?:^#|&)token=([A-Za-z0-9._~-]+)/.exec(location.hash);
+  if (m) {
+    try { sessionStorage.setItem("ddm-token", m[1]); } catch (e) { /* storage off: keep it in memory */ }
+    state.token = m[1];
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  if (!state.token) {
+    try { state.token = sessionStorage.getItem("ddm-token"); } catch (e) { state.token = null; }
+  }
+  return state.token;
+}
+
 function connect() {
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
-  const ws = new WebSocket(`${proto}//${location.host}/ws`);
+  const token = viewerToken();
+  const protocols = token ? ["ddm.v1", `ddm-token.${token}`] : ["ddm.v1"];
+  const ws = new WebSocket(`${proto}//${location.host}/ws`, protocols);
   state.ws = ws;
   setConn("connecting");
   ws.onopen = () => { setConn("open"); state.retryMs = 500; };
-  ws.onclose = () => {
+  ws.onclose = (ev) => {
     setConn("closed");
+    if (ev.code === 1008 && ev.reason) showError(`the server closed the connection: ${ev.reason}`);
+    if (ev.code === 1008 && ev.reason.startsWith("token")) state.retryMs = 30000;  // retrying cannot help
     for (const job of state.jobs.values()) {
       if (job.state === "running" || job.state === "submitted") setJobState(job, "failed", "connection lost");
     }
