@@ -51,10 +51,21 @@ def run(args: argparse.Namespace) -> int:
         from training.train_jax import train
     else:
         from training.train_torch import train
-    try:
-        return train(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        import sys
+    import os
+    import sys
 
+    try:
+        code = train(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"train-expert: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        # A torchrun rank whose work is done and saved (every rank passed the final barrier in
+        # training.distributed.shutdown) ends here without interpreter teardown: on a loaded box the
+        # C++ threads of torch.distributed occasionally race their static destructors at exit and
+        # abort the rank ("terminate called without an active exception", exit -6), which torchrun
+        # reports as a failed run although nothing failed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code or 0))
+    return code

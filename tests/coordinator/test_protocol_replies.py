@@ -16,6 +16,7 @@ from coordinator.service import Coordinator
 from schemas import (CancelReply, CancelRequest, ErrorCode, FrameEvent, JobAccepted, JobRejected, JobRequest,
                      SubmitReply, pack, subjects, unpack)
 from tests.coordinator.helpers import make_tiny_experts
+from tests.waiting import wait_until
 
 C2E = [0] * 5 + [1] * 5
 
@@ -224,7 +225,17 @@ async def test_replies_go_only_to_inboxes(nats_url, nc, workers):
 
         await nc.subscribe("test.echo", cb=echo)
         await nc.flush()
-        await coord.nc.request("test.echo", b"", timeout=5)  # nats-py opens its reply mux
+
+        async def mux_open() -> bool:  # nats-py opens its reply mux on the first request
+            import nats.errors
+
+            try:
+                await coord.nc.request("test.echo", b"", timeout=5)
+                return True
+            except nats.errors.NoRespondersError:  # the echo's interest not seen yet (a loaded server)
+                return False
+
+        await wait_until(mux_open, timeout=15, what="the coordinator's connection to reach the echo responder")
         own = coord.nc._resp_sub_prefix.decode() + "x"
         await nc.publish(subjects.FLEET_STATUS, b"", reply=own)
         await fleet_status(nc)
