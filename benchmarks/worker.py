@@ -2,7 +2,9 @@
 in-process (backend.forward) and through NATS (StepRequest -> ExpertWorker -> StepReply, with
 msgpack encode/decode, one request in flight), and their ratio. The two paths are timed
 alternately and medians are reported, so background load hits both alike. Starts its own nats-server
-unless --nats is given. Uses a random UNet of --widths when no --checkpoint is given.
+unless --nats is given. Uses a random UNet of --widths when no --checkpoint is given. `--backend sim`
+measures the simulated expert (`workers.backends.sim_backend`): its in-process column is the latency
+model itself, so the NATS column shows what the wire adds to a worker of that speed.
 """
 
 from __future__ import annotations
@@ -10,12 +12,24 @@ from __future__ import annotations
 import argparse
 
 
+#: `workers.backends.sim_backend.PRESETS` names (listed here so building the parser imports no numpy).
+SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, metavar="PATH",
                         help="expert checkpoint; default: a randomly initialised UNet of --widths")
     parser.add_argument("--widths", default="32,64,128",
                         help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)")
-    parser.add_argument("--backend", choices=("torch", "xla", "jax"), default="torch")
+    parser.add_argument("--backend", choices=("torch", "xla", "jax", "sim"), default="torch",
+                        help="model runtime (default torch); sim: the simulated expert of `ddm-fleet worker "
+                             "--backend sim` (latency model, closed-form velocity, real wire work)")
+    parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
+                        help="sim backend latency preset: h200-torch (default), h200-jax, instant")
+    parser.add_argument("--sim-batch-ms", type=float, default=None, metavar="MS",
+                        help="sim backend: fixed milliseconds per batch (overrides the preset)")
+    parser.add_argument("--sim-row-ms", type=float, default=None, metavar="MS",
+                        help="sim backend: milliseconds per padded row (overrides the preset)")
     parser.add_argument("--device", default=None, help="backend device (see `ddm-fleet worker --help`)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute")
     parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default 1,8,64)")
@@ -108,7 +122,11 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
         ckpt = args.checkpoint
         if ckpt is None:
             ckpt = _random_checkpoint(args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-")))
-        backend = get_backend(args.backend, device=args.device, bf16=args.bf16)
+        opts = {}
+        if args.backend == "sim":
+            opts = {k: v for k, v in (("preset", args.sim_preset), ("batch_ms", args.sim_batch_ms),
+                                      ("row_ms", args.sim_row_ms)) if v is not None}
+        backend = get_backend(args.backend, device=args.device, bf16=args.bf16, **opts)
         await asyncio.to_thread(backend.load, ckpt)
         expert = backend.expert if backend.expert is not None else 0
         url = args.nats or stack.enter_context(NatsServer()).url

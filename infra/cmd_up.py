@@ -29,7 +29,7 @@ import socket
 import sys
 from pathlib import Path
 
-BACKENDS = ("torch", "xla", "jax")
+BACKENDS = ("torch", "xla", "jax", "sim")  # sim: simulated expert (`ddm-fleet worker --help`)
 MAX_BACKEND_FLAGS = 8  # --backend-0 ... --backend-7
 CONFIG = Path(__file__).resolve().parent / "nats" / "local.conf"
 #: Options whose value is a child's command line; `ddm-fleet` joins `--worker-args --bf16` into
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-monitor-port", type=int, default=8222, metavar="P",
                         help="nats-server monitoring HTTP port (default %(default)s; 0 = off)")
     for k in range(MAX_BACKEND_FLAGS):
-        default_help = (f"backend of expert {k}'s workers: torch | xla | jax (default {_default_backend(k)})"
+        default_help = (f"backend of expert {k}'s workers: torch | xla | jax | sim (default {_default_backend(k)})"
                         if k < 2 else argparse.SUPPRESS)
         parser.add_argument(f"--backend-{k}", choices=BACKENDS, default=None, metavar="NAME", help=default_help)
     parser.add_argument("--buckets", default=None, metavar="LIST",

@@ -11,6 +11,7 @@ examples:
   ddm-fleet worker --expert 1 --checkpoint checkpoints/expert1.safetensors --backend jax
   ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend xla   # PJRT_DEVICE=CPU|NEURON
   ddm-fleet worker --expert 0 --checkpoint ... --bf16 --metrics-port 9477 --nats nats://10.0.0.5:4222
+  ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend sim --sim-preset h200-jax  # no model
   NATS_URL_FILE=/etc/ddm-fleet/worker.url ddm-fleet worker --expert 0 --checkpoint ...   # URL with a password
 
 Metrics bind 127.0.0.1 unless --metrics-host says otherwise. Replies go only to `_INBOX` reply
@@ -23,6 +24,16 @@ import argparse
 import os
 
 
+#: `workers.backends.sim_backend.PRESETS` names (listed here so building the parser imports no numpy).
+SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
+
+
+def sim_options(args: argparse.Namespace) -> dict:
+    """Backend options for `--backend sim` from --sim-preset / --sim-batch-ms / --sim-row-ms."""
+    opts = {"preset": args.sim_preset, "batch_ms": args.sim_batch_ms, "row_ms": args.sim_row_ms}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.nats_server import default_nats_url
 
@@ -30,8 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert", type=int, required=True, metavar="K", help="expert id this worker serves")
     parser.add_argument("--checkpoint", required=True, metavar="PATH",
                         help="expert checkpoint (.safetensors with its .json next to it)")
-    parser.add_argument("--backend", choices=("torch", "xla", "jax"), default="torch",
-                        help="model runtime (default: torch)")
+    parser.add_argument("--backend", choices=("torch", "xla", "jax", "sim"), default="torch",
+                        help="model runtime (default: torch). sim: a simulated expert, no model: it sleeps "
+                             "batch_ms + row_ms * padded rows per batch and returns a closed-form velocity "
+                             "toward a fixed per-class image; decoding, validation, batching and replies stay "
+                             "real (the checkpoint still gives shape, classes and expert id), so dozens of "
+                             "'GPU' workers fit on one CPU box")
+    parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
+                        help="sim backend latency: h200-torch (3.33 ms + 0.00575 ms/row, the default), h200-jax "
+                             "(2.20 ms + 0.0165 ms/row; both fitted to the H200 table in docs/DEPLOYMENT.md), "
+                             "instant (0 + 0)")
+    parser.add_argument("--sim-batch-ms", type=float, default=None, metavar="MS",
+                        help="sim backend: fixed milliseconds per batch (overrides the preset)")
+    parser.add_argument("--sim-row-ms", type=float, default=None, metavar="MS",
+                        help="sim backend: milliseconds per padded row (overrides the preset)")
     parser.add_argument("--device", default=None,
                         help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
     parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
@@ -86,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
         opts["cache_path"] = args.xla_cache
     if args.backend == "torch" and args.threads:
         opts["threads"] = args.threads
+    if args.backend == "sim":
+        opts.update(sim_options(args))
+    elif any(v is not None for v in (args.sim_preset, args.sim_batch_ms, args.sim_row_ms)):
+        print("ddm-fleet worker: --sim-preset / --sim-batch-ms / --sim-row-ms need --backend sim", file=sys.stderr)
+        return 2
 
     async def main() -> int:
         from workers.service import ExpertWorker

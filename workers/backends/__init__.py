@@ -1,7 +1,7 @@
 """Model runtimes for expert workers: one file per backend, imported only when asked for.
 
     from workers.backends import get_backend
-    be = get_backend("torch", device="cpu", bf16=True)     # or "xla", "jax"
+    be = get_backend("torch", device="cpu", bf16=True)     # or "xla", "jax", "sim" (simulated expert)
     be.load(path); be.warmup([1, 2, 4]); v = be.forward(x, t, y)
 
 See `workers.backends.base` for the `Backend` protocol.
@@ -14,11 +14,12 @@ from typing import Any
 
 from .base import Backend, BackendBase, BackendError
 
-#: name -> (module, class). Modules import torch / torch_xla / jax lazily.
+#: name -> (module, class). Modules import torch / torch_xla / jax lazily; "sim" needs numpy only.
 BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("workers.backends.torch_backend", "TorchBackend"),
     "xla": ("workers.backends.xla_backend", "XlaBackend"),
     "jax": ("workers.backends.jax_backend", "JaxBackend"),
+    "sim": ("workers.backends.sim_backend", "SimBackend"),  # simulated expert: latency model, numpy only
 }
 
 
