@@ -72,19 +72,8 @@ SANE_ABS_X = 1e4
 #: `overloaded`: bounds the reply tasks whatever the row count of each request.
 DEFAULT_MAX_INFLIGHT = 4096
 
-#: Reply subjects a worker answers: a NATS client's inboxes (`_INBOX.` / `_INBOX_<client>.`).
-REPLY_PREFIX = "_INBOX"
-
 #: Seconds between two log lines about dropped requests (reply subject outside `_INBOX`).
 DROP_LOG_INTERVAL = 10.0
-
-
-def is_inbox(reply: str) -> bool:
-    """True for a reply subject a worker may publish to: `_INBOX.<...>` or `_INBOX_<token>.<...>`."""
-    if not reply.startswith(REPLY_PREFIX):
-        return False
-    rest = reply[len(REPLY_PREFIX):]
-    return rest.startswith(".") or (rest.startswith("_") and "." in rest)
 
 
 def package_version() -> str:
@@ -383,7 +372,7 @@ class ExpertWorker:
         """micro handler: validate and queue; never waits for the model (callbacks are serial)."""
         received = time.perf_counter()
         reply_to = req._msg.reply or ""
-        if not is_inbox(reply_to):
+        if not subjects.is_reply_inbox(reply_to):  # a NATS client's inbox, the rule the coordinator keeps too
             self._drop(reply_to)
             return
         try:
@@ -418,7 +407,7 @@ class ExpertWorker:
         if now - self._drop_logged_at >= DROP_LOG_INTERVAL:
             self._drop_logged_at = now
             log.warning("dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* "
-                        "(%d dropped so far)", reply_to[:200], REPLY_PREFIX, REPLY_PREFIX, self.dropped_requests)
+                        "(%d dropped so far)", reply_to[:200], subjects.INBOX, subjects.INBOX, self.dropped_requests)
 
     def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
         """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad."""

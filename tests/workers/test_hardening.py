@@ -12,7 +12,8 @@ import pytest
 from bus.nats_server import free_port
 from schemas import ErrorCode, ErrorReply, StepReply, StepRequest, StepResult, pack, subjects, unpack
 from workers.metrics_http import DEFAULT_METRICS_HOST
-from workers.service import ExpertWorker, is_inbox
+from schemas.subjects import is_reply_inbox  # the rule the worker applies
+from workers.service import ExpertWorker
 
 from tests.waiting import wait_until
 
@@ -28,9 +29,9 @@ def _request(n: int = 2, request_id: str = "q") -> bytes:
 
 def test_inbox_subjects():
     for ok in ("_INBOX.abc.def", "_INBOX_web.x", "_INBOX_client-1.a.b"):
-        assert is_inbox(ok), ok
+        assert is_reply_inbox(ok), ok
     for bad in ("", "ddm.v1.jobs.j1.events", "_INBOX", "_INBOXfoo.x", "_INBOX_", "_inbox.x", "x._INBOX.y"):
-        assert not is_inbox(bad), bad
+        assert not is_reply_inbox(bad), bad
 
 
 async def test_metrics_bind_loopback_by_default(nats_url, tiny_expert_checkpoint):
