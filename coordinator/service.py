@@ -43,6 +43,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
+from bus.ratelimited_log import RateLimitedLog
 from schemas import (
     CancelReply,
     CancelRequest,
@@ -81,27 +82,6 @@ MAX_DELAYED_REPLIES = 1024
 #: The reason of a cancel that is not acted on: no such job in the requester's namespace
 #: (never had it, finished, cancelled, or another client's: indistinguishable on purpose).
 UNKNOWN_JOB = "unknown job"
-
-
-class RateLimitedLog:
-    """At most one log line per `every_s` seconds; the lines held back are counted in the next one."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0, clock=time.monotonic):
-        self.logger, self.every_s, self.clock = logger, every_s, clock
-        self._last = -float("inf")
-        self.suppressed = 0
-        self.total = 0
-
-    def warning(self, fmt: str, *args) -> bool:
-        """Log (returns True) unless a line went out less than `every_s` ago (then counts it)."""
-        self.total += 1
-        now = self.clock()
-        if now - self._last < self.every_s:
-            self.suppressed += 1
-            return False
-        held, self.suppressed, self._last = self.suppressed, 0, now
-        self.logger.warning(fmt + (f" ({held} more since the last such line)" if held else ""), *args)
-        return True
 
 
 def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):

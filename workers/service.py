@@ -29,7 +29,7 @@ failures (`internal`) each get an error reply. A full queue (`max_queue_rows` ro
 `max_inflight` requests held) answers `overloaded` at once, so a client can retry elsewhere
 instead of waiting. Replies go only to reply subjects under `_INBOX` (`_INBOX.` or
 `_INBOX_<token>.`, what NATS clients use); a request naming any other reply subject (e.g. another
-client's job events) is dropped unanswered and logged at most every `DROP_LOG_INTERVAL` seconds.
+client's job events) is dropped unanswered and logged at most every `DROP_LOG_EVERY_S` seconds (`bus.ratelimited_log`).
 Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
@@ -50,6 +50,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from bus.ratelimited_log import RateLimitedLog
 from schemas import ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
 from schemas.limits import MAX_STEP_ROWS
 from schemas.version import PROTOCOL_VERSION
@@ -73,7 +74,7 @@ SANE_ABS_X = 1e4
 DEFAULT_MAX_INFLIGHT = 4096
 
 #: Seconds between two log lines about dropped requests (reply subject outside `_INBOX`).
-DROP_LOG_INTERVAL = 10.0
+DROP_LOG_EVERY_S = 10.0
 
 
 def package_version() -> str:
@@ -122,7 +123,7 @@ class ExpertWorker:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.max_inflight = int(max_inflight)
         self.dropped_requests = 0  # requests with a reply subject outside _INBOX (never answered)
-        self._drop_logged_at = float("-inf")
+        self._drop_log = RateLimitedLog(log, every_s=DROP_LOG_EVERY_S)
         if isinstance(backend, str):
             if checkpoint is None:
                 raise ValueError("give checkpoint=PATH (the .safetensors file) when backend is a name")
@@ -403,11 +404,9 @@ class ExpertWorker:
 
     def _drop(self, reply_to: str) -> None:
         self.dropped_requests += 1
-        now = time.monotonic()
-        if now - self._drop_logged_at >= DROP_LOG_INTERVAL:
-            self._drop_logged_at = now
-            log.warning("dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* "
-                        "(%d dropped so far)", reply_to[:200], subjects.INBOX, subjects.INBOX, self.dropped_requests)
+        self._drop_log.warning("dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* "
+                               "(%d dropped so far)", reply_to[:200], subjects.INBOX, subjects.INBOX,
+                               self.dropped_requests)
 
     def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
         """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad."""

@@ -246,7 +246,7 @@ async def test_replies_go_only_to_inboxes(nats_url, nc, workers):
 def test_the_dropped_reply_log_is_rate_limited_and_counts_what_it_held_back(caplog):
     import logging
 
-    from coordinator.service import RateLimitedLog
+    from bus.ratelimited_log import RateLimitedLog
 
     now = [100.0]
     limited = RateLimitedLog(logging.getLogger("test.ratelimit"), every_s=10.0, clock=lambda: now[0])
