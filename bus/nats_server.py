@@ -166,10 +166,24 @@ def nats_servers(urls: str | list[str]) -> list[str]:
     return out
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and one this process has not handed out before.
+
+    The port is free only until someone binds it: a server started later can still lose it
+    to another process (callers that start several servers retry on "address already in
+    use"). Within one process the same port is never returned twice, so a cluster whose
+    ports are all chosen up front cannot collide with itself."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no fresh free port on {host} after 64 tries")
 
 
 def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:

@@ -19,6 +19,7 @@ leaf's local port does too (leaf.conf, user `worker`), as in a deployment.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -28,6 +29,8 @@ import urllib.request
 from pathlib import Path
 
 from bus.nats_server import NatsServer, free_port
+
+log = logging.getLogger(__name__)
 
 #: The shipped server configs (single, cluster, leaf, tls, nkeys examples).
 CONFIG_DIR = Path(__file__).resolve().parent / "nats"
@@ -175,7 +178,22 @@ class NatsCluster:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self, timeout: float = 10.0) -> "NatsCluster":
+    def start(self, timeout: float = 10.0, attempts: int = 3) -> "NatsCluster":
+        """Start every node and wait for the full mesh.
+
+        Ports are chosen before the servers bind them, so another process can take one in
+        between; a node that exits at start is retried on fresh ports, `attempts` times in all
+        (a config the server refuses fails every attempt and raises the last error)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError as err:  # a node exited at start (stop() already ran)
+                if attempt == attempts:
+                    raise
+                log.warning("cluster start attempt %d failed (%s); retrying on fresh ports", attempt, err)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "NatsCluster":
         self._tmp = tempfile.TemporaryDirectory(prefix="ddm-nats-cluster-")
         workdir = Path(self._tmp.name)
         for conf in CONFIG_DIR.glob("*.conf"):

@@ -344,3 +344,38 @@ async def test_leaf_port_refuses_local_clients_without_the_password(cluster):
     nc = await nats.connect(leaf.client_url, connect_timeout=2, allow_reconnect=False)
     await nc.flush()
     await nc.close()
+
+
+def test_cluster_start_retries_on_fresh_ports_when_a_port_is_taken(tmp_path, monkeypatch):
+    """A port chosen up front can be bound by someone else before the node starts (a CI run lost
+    this race once): the node exits, and the cluster starts again on fresh ports."""
+    import socket
+
+    import infra.nats_cluster as nc
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    taken = squatter.getsockname()[1]
+    real_free_port, calls = nc.free_port, []
+
+    def first_one_taken(host="127.0.0.1"):
+        calls.append(host)
+        return taken if len(calls) == 1 else real_free_port(host)
+
+    monkeypatch.setattr(nc, "free_port", first_one_taken)
+    try:
+        with NatsCluster(2, log_dir=tmp_path / "logs") as c:
+            assert taken not in c.cluster_ports + c.leaf_ports
+            assert len(c.nodes) == 2 and all(n.proc is not None for n in c.nodes)
+        log_text = (tmp_path / "logs" / "ddm-test-0.log").read_text().lower()
+        assert "address already in use" in log_text  # the first attempt really lost its port
+    finally:
+        squatter.close()
+
+
+def test_free_port_never_hands_out_the_same_port_twice():
+    from bus.nats_server import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
