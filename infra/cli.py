@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("sample", "infra.cmd_sample", "sample digits in-process from expert checkpoints to a PNG grid"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
     ("train-router", "infra.cmd_train_router", "train the router that predicts a noisy sample's expert partition"),
+    ("distill", "infra.cmd_distill", "distil the experts + router ensemble into one dense UNet (served like a monolith)"),
     ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routing strategies (accuracy, FID, FLOPs)"),
     ("up", "infra.cmd_up", "run the local fleet in one command: nats-server, workers, coordinator, web page"),
     ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),

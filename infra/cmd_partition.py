@@ -1,11 +1,18 @@
 """Split the MNIST train split into K disjoint expert partitions and write a JSON manifest.
 
 Methods: `classes` (digit lists per expert; default for 2 experts 0-4 / 5-9), `kmeans` (two-stage
-k-means on PCA'd pooled pixels, the DDM paper's recipe on cheap features), `random`. Prints a table
-of images and the class histogram per expert. The manifest lists each expert's train indices, its
-classes and `class_to_expert` (the oracle route). Example:
+k-means on PCA'd pooled pixels, the DDM paper's recipe on cheap features), `features` (the same
+k-means in the feature space of a pretrained network trained for another purpose, the paper's
+DINOv2 recipe: here judge 2's penultimate layer `embed`, 128-d, see evaluation/features.py),
+`random`. Prints a table of images and the class histogram per expert. The manifest lists each
+expert's train indices, its classes and `class_to_expert` (the oracle route). Examples:
 
     ddm-fleet partition --method classes --experts 2 --classes 0-4,5-9 --out checkpoints/partition.json
+    ddm-fleet partition --method features --num-experts 8 --out checkpoints/features8/partition.json
+
+Cost of `features`: judge 2 loads from checkpoints/judges/ (or the data dir's cache) in about a
+second; without either it is trained once (about 5 minutes on 2 CPU cores) and cached. Its features
+of the 50k train images take well under a minute on a CPU, the k-means a few seconds.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", choices=("classes", "kmeans", "random"), default="classes", help="how to split (default: classes)")
-    parser.add_argument("--experts", "-k", type=int, default=2, help="number of experts K (default: 2)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--method", choices=("classes", "kmeans", "features", "random"), default="classes",
+                        help="how to split (default: classes); features = k-means of judge 2's penultimate features")
+    parser.add_argument("--experts", "--num-experts", "-k", dest="experts", type=int, default=2,
+                        help="number of experts K (default: 2)")
     parser.add_argument("--classes", default=None,
                         help="classes method: comma-separated groups, one per expert, ranges joined with '+' "
                              "(e.g. 0-4,5-9 or 0-2+7,3-6,8+9); default: contiguous near-equal ranges")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (kmeans, random)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (kmeans, features, random)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N train images (quick experiments)")
     parser.add_argument("--data-dir", default=None, help="data directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--out", required=True, help="manifest JSON to write, e.g. checkpoints/partition.json")
@@ -38,9 +48,15 @@ def run(args: argparse.Namespace) -> int:
         if groups is not None and len(groups) != args.experts:
             raise PartitionError(f"--classes gives {len(groups)} groups but --experts is {args.experts}")
         images, labels = load_mnist("train", args.data_dir, limit=args.limit)
-        m = make_partition(args.method, labels, images, args.experts, seed=args.seed, classes=groups, progress=True)
+        features, extractor = None, "unnamed"
+        if args.method == "features":
+            from evaluation.features import partition_features
+
+            features, extractor = partition_features(images, args.data_dir)
+        m = make_partition(args.method, labels, images, args.experts, seed=args.seed, classes=groups, progress=True,
+                           features=features, extractor=extractor)
         path = save_manifest(m, args.out)
-    except (PartitionError, DataError) as exc:
+    except (PartitionError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(m.summary())

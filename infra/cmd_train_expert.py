@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--data-dir", default=None, help="MNIST cache dir (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N images of the partition (smoke runs)")
+    parser.add_argument("--label-dropout", type=float, default=0.0,
+                        help="probability that a training label is replaced by 'unknown' (-1); > 0 gives the model "
+                             "a null label so it also generates unconditionally (y = -1), classifier-free style; "
+                             "torch backend only (default: %(default)s = conditional only, as before)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
 
 

@@ -2,7 +2,8 @@
 belongs to, under the experts' own noising (t ~ U[0, 1], x_t = (1 - t) noise + t x).
 
 Reads the partition manifest, trains a small CNN on CPU with a tqdm bar (loss, accuracy), measures
-top-1 accuracy in 10 t bins on the val split (label given and label unknown), and writes
+top-1 accuracy in 10 t bins on the val split (label given and label unknown; for a `features`
+partition the val images are assigned through judge 2's features, evaluation/features.py), and writes
 <out>.safetensors + <out>.json (the accuracy table is in the JSON under "accuracy_vs_t"). Example:
 
     ddm-fleet train-router --partition checkpoints/partition.json --steps 1500 --out checkpoints/router
@@ -50,7 +51,15 @@ def run(args: argparse.Namespace) -> int:
         net, stats = train_router(manifest, images, labels, cfg)
         del images
         xv, yv = load_mnist("val", args.data_dir, limit=args.val_limit)
-        acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True)
+        fv = None
+        if manifest.method == "features":  # val targets come from the same extractor's features
+            from evaluation.features import partition_features
+
+            fv, extractor = partition_features(xv, args.data_dir)
+            if manifest.features is not None and extractor != manifest.features.extractor:
+                raise PartitionError(f"the partition was clustered with {manifest.features.extractor} but this "
+                                     f"checkout's extractor is {extractor}; val targets would not match")
+        acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, features=fv)
         meta = {
             "partition": {"file": str(args.partition), "method": manifest.method, "num_experts": manifest.num_experts,
                           "classes": [e.classes for e in manifest.experts],

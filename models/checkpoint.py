@@ -57,7 +57,7 @@ def state_shapes(cfg: UNetConfig) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {
         "time_fc1.weight": (td, td), "time_fc1.bias": (td,),
         "time_fc2.weight": (td, td), "time_fc2.bias": (td,),
-        "class_emb.weight": (cfg.num_classes, cfg.class_dim),
+        "class_emb.weight": (cfg.num_classes + int(cfg.null_label), cfg.class_dim),  # + null row
         "conv_in.weight": (w[0], cfg.in_channels, 3, 3), "conv_in.bias": (w[0],),
     }
     prev = w[0]

@@ -18,6 +18,8 @@ class UNetConfig:
     time_dim: size of the sinusoidal time embedding (and of its MLP output).
     class_dim: size of the learned class embedding; the conditioning vector is their concatenation.
     groups: GroupNorm groups; every width must be divisible by it.
+    null_label: the class embedding has one more row, index num_classes, that label -1 ("unknown")
+    maps to (trained with label dropout); False for checkpoints made before it, which refuse -1.
     """
 
     in_channels: int = 1
@@ -27,6 +29,7 @@ class UNetConfig:
     time_dim: int = 128
     class_dim: int = 128
     groups: int = 8
+    null_label: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
@@ -54,6 +57,8 @@ class UNetConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["widths"] = list(self.widths)
+        if not self.null_label:  # written only when set: other checkpoints keep their exact JSON
+            del d["null_label"]
         return d
 
     @classmethod

@@ -58,7 +58,11 @@ class ResBlock(nn.Module):
 
 
 class UNet(nn.Module):
-    """Class-conditional velocity model: __call__(x [B,C,H,W], t [B], y [B] int) -> v [B,C,H,W]."""
+    """Class-conditional velocity model: __call__(x [B,C,H,W], t [B], y [B] int) -> v [B,C,H,W].
+
+    y = -1 (unknown) selects the null row when cfg.null_label (as `unet_torch.UNet`); without it
+    nothing checks -1 inside jit, so callers (the worker) must validate labels first.
+    """
 
     cfg: UNetConfig
 
@@ -68,7 +72,10 @@ class UNet(nn.Module):
         w, g = cfg.widths, cfg.groups
         te = timestep_embedding(t, cfg.time_dim)
         te = nn.Dense(cfg.time_dim, name="time_fc2")(nn.silu(nn.Dense(cfg.time_dim, name="time_fc1")(te)))
-        ce = nn.Embed(cfg.num_classes, cfg.class_dim, name="class_emb")(y.astype(jnp.int32))
+        y = y.astype(jnp.int32)
+        if cfg.null_label:  # y = -1 (unknown) -> the extra last row, as the torch model
+            y = jnp.where(y < 0, cfg.num_classes, y)
+        ce = nn.Embed(cfg.num_classes + int(cfg.null_label), cfg.class_dim, name="class_emb")(y)
         emb = jnp.concatenate([te, ce], axis=1)
 
         h = jnp.transpose(x, (0, 2, 3, 1))  # NCHW -> NHWC

@@ -12,6 +12,10 @@ Resampling has no parameters, so almost all weights sit in the ResBlocks: 6.69M 
 widths (64, 128, 256), 1.79M at (32, 64, 128).
     out   = conv_out(SiLU(norm_out(h)))                                   [B, in_channels, 32, 32]
 
+Unknown label: with `cfg.null_label` the class embedding has num_classes + 1 rows and y = -1 selects
+the last one (trained by label dropout, classifier-free style); without it y = -1 is refused
+(`NullLabelError`) where the check is free (labels on the CPU; the worker validates y before that).
+
 ResBlock(cin, cout): GroupNorm -> SiLU -> conv3x3 -> + Linear(SiLU(emb)) -> GroupNorm -> SiLU -> conv3x3,
 plus a 1x1 conv shortcut when cin != cout.
 
@@ -28,6 +32,28 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import UNetConfig
+
+
+UNKNOWN_LABEL = -1
+
+
+class NullLabelError(ValueError):
+    """y = -1 (label unknown) given to a model trained without a null label."""
+
+
+def map_labels(y: torch.Tensor, cfg: UNetConfig) -> torch.Tensor:
+    """y [B] int in 0..num_classes-1 or -1 -> embedding rows [B] int64 (-1 -> num_classes with null_label).
+
+    Raises NullLabelError for -1 when the model has no null label, checked only on CPU tensors (a
+    check on a GPU / XLA tensor would stall the device; serving validates labels before the model).
+    """
+    y = y.long()
+    if cfg.null_label:
+        return torch.where(y < 0, torch.full_like(y, cfg.num_classes), y)
+    if y.device.type == "cpu" and y.numel() and int(y.min()) < 0:
+        raise NullLabelError("this model was trained without a null label, so it cannot generate with an unknown "
+                             "label (y = -1); train one with --label-dropout > 0")
+    return y
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -60,7 +86,8 @@ class ResBlock(nn.Module):
 class UNet(nn.Module):
     """Class-conditional velocity model v(x_t, t, y).
 
-    forward(x [B, C, H, W] float, t [B] float in [0, 1], y [B] int64 class ids) -> v [B, C, H, W].
+    forward(x [B, C, H, W] float, t [B] float in [0, 1], y [B] int64 class ids, -1 = unknown (needs
+    cfg.null_label)) -> v [B, C, H, W].
     """
 
     def __init__(self, cfg: UNetConfig):
@@ -69,7 +96,7 @@ class UNet(nn.Module):
         w, g, e = cfg.widths, cfg.groups, cfg.emb_dim
         self.time_fc1 = nn.Linear(cfg.time_dim, cfg.time_dim)
         self.time_fc2 = nn.Linear(cfg.time_dim, cfg.time_dim)
-        self.class_emb = nn.Embedding(cfg.num_classes, cfg.class_dim)
+        self.class_emb = nn.Embedding(cfg.num_classes + int(cfg.null_label), cfg.class_dim)  # + null row
         self.conv_in = nn.Conv2d(cfg.in_channels, w[0], 3, padding=1)
         self.enc = nn.ModuleList()
         prev = w[0]
@@ -85,9 +112,9 @@ class UNet(nn.Module):
         self.conv_out = nn.Conv2d(w[0], cfg.in_channels, 3, padding=1)
 
     def embed(self, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """t [B], y [B] -> conditioning vector [B, time_dim + class_dim]."""
+        """t [B], y [B] (-1 = unknown, with cfg.null_label) -> conditioning vector [B, time_dim + class_dim]."""
         te = self.time_fc2(F.silu(self.time_fc1(timestep_embedding(t, self.cfg.time_dim))))
-        return torch.cat([te, self.class_emb(y.long())], dim=1)
+        return torch.cat([te, self.class_emb(map_labels(y, self.cfg))], dim=1)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         emb = self.embed(t, y)

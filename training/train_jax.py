@@ -244,6 +244,9 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     from models.config import UNetConfig
     from models.unet_flax import count_params
 
+    if cfg.label_dropout > 0:
+        raise ValueError("--label-dropout (null label for unconditional generation) is in the torch trainer only "
+                         "so far; use --backend torch")
     place = make_placement(devices, cfg.batch_size)
     ucfg = UNetConfig(widths=cfg.widths)
     tx = make_optimizer(cfg)

@@ -5,7 +5,8 @@ t ~ U[0, 1], noise ~ N(0, I), x_t = (1 - t) noise + t x (the experts' own noisin
 label to "unknown" with probability ``label_dropout``, and minimise cross-entropy(r(x_t, t, y), k).
 
 Evaluation (:func:`accuracy_vs_t`): on held-out images whose expert comes from
-``Manifest.assign`` (classes: by label; kmeans: nearest stored centroid), top-1 accuracy in
+``Manifest.assign`` (classes: by label; kmeans: nearest stored centroid; features: nearest stored
+centroid of the caller's features of those images), top-1 accuracy in
 ``bins`` equal-width t bins, with the label given and with the label unknown.
 """
 
@@ -110,8 +111,12 @@ def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg
 
 
 def accuracy_vs_t(net, manifest: Manifest, images: np.ndarray, labels: np.ndarray, bins: int = 10,
-                  seed: int = 1234, batch_size: int = 500, progress: bool = False) -> dict[str, Any]:
+                  seed: int = 1234, batch_size: int = 500, progress: bool = False,
+                  features: np.ndarray | None = None) -> dict[str, Any]:
     """Top-1 router accuracy per t bin on held-out images (float32 [N, 1, 32, 32], labels int64 [N]).
+
+    ``features`` float32 [N, D]: the held-out images' features, needed for a ``features`` partition
+    (made by the extractor its manifest names; the caller computes them).
 
     Each image is noised once per bin at a t drawn uniformly inside the bin (seeded). Returns
     {"bins": [[lo, hi], ...], "acc_label": [...], "acc_no_label": [...], "chance": majority-class rate, "n": N}.
@@ -119,7 +124,7 @@ def accuracy_vs_t(net, manifest: Manifest, images: np.ndarray, labels: np.ndarra
     import torch
     from tqdm.auto import tqdm
 
-    targets = manifest.assign(images, labels, seed=seed)
+    targets = manifest.assign(images, labels, seed=seed, features=features)
     rng = np.random.default_rng(seed)
     edges = np.linspace(0.0, 1.0, bins + 1)
     acc_label, acc_none = [], []

@@ -5,6 +5,9 @@ Entry point: `train(args)` (called by `ddm-fleet train-expert --backend torch`).
     batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
     loss = flow-matching MSE (models/flow.py), AdamW, warmup + cosine LR, grad-norm clip 1.0
     EMA of the weights (what is saved), bf16 autocast optional, channels_last on CPU
+    --label-dropout p > 0: each label becomes -1 ("unknown") with probability p, and the model gets a
+    null class row (UNetConfig.null_label, recorded in the checkpoint's config), so one network
+    generates with and without a label (classifier-free style); p = 0 (default) trains as before
 
 Every `--save-every` steps and at the end it writes the shipping checkpoint (`--out`, EMA weights,
 models/checkpoint.py format) and a resume file (`<run-dir>/resume.pt`: model, EMA, optimizer, step,
@@ -51,6 +54,7 @@ class TrainConfig:
     threads: int = 0
     data_dir: str | None = None
     limit: int | None = None  # use only the first N images of the partition (tests, smoke runs)
+    label_dropout: float = 0.0  # > 0: labels -> -1 with this probability, model gets a null label
 
     def __post_init__(self) -> None:
         self.widths = tuple(self.widths)
@@ -65,6 +69,8 @@ class TrainConfig:
             raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0.0 <= self.label_dropout < 1.0:
+            raise ValueError(f"--label-dropout must be in [0, 1), got {self.label_dropout}")
         if self.device not in ("cpu", "cuda", "xla") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu, cuda[:N] or xla, got {self.device!r}")
 
@@ -177,7 +183,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     ddp.init(dist_info, device)
     torch.manual_seed(cfg.seed)
     dev = _Device(device, cfg.bf16)
-    ucfg = UNetConfig(widths=cfg.widths)
+    ucfg = UNetConfig(widths=cfg.widths, null_label=cfg.label_dropout > 0)
     model = UNet(ucfg).to(dev.device)
     if dev.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -195,6 +201,9 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         if tuple(ck["widths"]) != tuple(cfg.widths) or ck["expert"] != cfg.expert:
             raise ValueError(f"--resume: {resume_path} is for expert {ck['expert']} widths {ck['widths']}, "
                              f"not expert {cfg.expert} widths {list(cfg.widths)}")
+        if bool(ck.get("null_label", False)) != ucfg.null_label:
+            raise ValueError(f"--resume: {resume_path} was trained with{'' if ck.get('null_label') else 'out'} a null "
+                             f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it")
         model.load_state_dict(ck["model"])
         with torch.no_grad():
             for e, v in zip(ema, ck["ema"]):
@@ -242,7 +251,8 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         tmp = resume_path.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "ema": [e.cpu() for e in ema], "optimizer": opt.state_dict(),
                     "step": step, "wall_s": stats["wall_s"], "history": history, "np_rng": rng.bit_generator.state,
-                    "torch_rng": torch.get_rng_state(), "widths": list(cfg.widths), "expert": cfg.expert}, tmp)
+                    "torch_rng": torch.get_rng_state(), "widths": list(cfg.widths), "expert": cfg.expert,
+                    "null_label": ucfg.null_label}, tmp)
         tmp.replace(resume_path)
         return stats
 
@@ -260,6 +270,8 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         idx = torch.from_numpy(ddp.shard(perm[pos: pos + cfg.batch_size], dist_info)).to(dev.device)
         pos += cfg.batch_size
         x, y = data_x[idx], data_y[idx]
+        if cfg.label_dropout > 0:  # classifier-free style: some labels become "unknown" (-1 -> null row)
+            y = torch.where(torch.rand(y.shape, device=y.device) < cfg.label_dropout, torch.full_like(y, -1), y)
         if dev.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         for g in opt.param_groups:
@@ -317,7 +329,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr, warmup=args.warmup, ema_decay=args.ema_decay, bf16=args.bf16, device=args.device,
         seed=args.seed, out=args.out or "", run_dir=args.run_dir or "", save_every=args.save_every,
         save_dtype=args.save_dtype, threads=args.threads, data_dir=args.data_dir, limit=args.limit,
-        log_every=getattr(args, "log_every", 50))
+        log_every=getattr(args, "log_every", 50), label_dropout=getattr(args, "label_dropout", 0.0) or 0.0)
 
 
 def train(args: argparse.Namespace) -> int:

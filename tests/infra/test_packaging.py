@@ -36,14 +36,16 @@ LOCAL = set(SHIPPED) | {"tests"}
 #: gets; every other role is the extra of that name.
 ROLES: dict[str, list[str]] = {
     "base": ["schemas/*", "bus/*", "dataset/*", "infra/__init__.py", "infra/cli.py", "infra/cmd_version.py",
-             "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py", "infra/cmd_partition.py",
+             "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py",
              "infra/cmd_wait_ready.py"],
     "worker": ["workers/*", "models/*", "infra/cmd_worker.py"],
     "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py"],
     "xla": ["workers/backends/xla_backend.py"],
     "coordinator": ["coordinator/*", "infra/cmd_coordinator.py", "infra/cmd_generate.py", "infra/grid.py"],
     "web": ["web/*", "infra/cmd_web.py"],
-    "training": ["training/*", "infra/cmd_train_expert.py", "infra/cmd_train_router.py", "infra/cmd_sample.py"],
+    # partition: `--method features` reads judge 2 (evaluation.features: flax, torch)
+    "training": ["training/*", "infra/cmd_train_expert.py", "infra/cmd_train_router.py", "infra/cmd_sample.py",
+                 "infra/cmd_partition.py", "infra/cmd_distill.py"],
     "eval": ["evaluation/*", "infra/cmd_eval.py", "benchmarks/*", "infra/cmd_bench.py"],
     "fuzz": ["fuzzing/*", "infra/cmd_fuzz.py"],
     "all": ["infra/cmd_up.py", "infra/launcher.py", "infra/gpu/*"],
