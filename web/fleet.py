@@ -7,6 +7,11 @@
   expert id are listed as "other services".
 * Throughput: rows/s from the difference of two STATS snapshots (endpoint stats `data.rows`
   when the worker reports it, else requests/s).
+* Latency: `latency_ms`, the mean receive-to-reply time of the requests served between two
+  snapshots: from the worker's `data.latency_seconds` histogram (`sum`, `count`) when it reports
+  one, else from the endpoints' `processing_time` (ns) over `num_requests` (what nats.micro
+  measures: the handler's own time). None until two snapshots exist or while no request came in between. `host` is the worker's metadata
+  `host` (its hostname), so the page can say which worker runs where.
 * Coordinator: a request on `schemas.subjects.FLEET_STATUS` (msgpack or JSON map); its scalar
   fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
 
@@ -136,7 +141,8 @@ class FleetMonitor:
         self.nc = nc
         self.window = window
         self.status_timeout = status_timeout
-        self._prev: dict[str, tuple[float, float]] = {}  # worker id -> (monotonic time, rows or requests)
+        # worker id -> (monotonic time, rows or requests, requests, (latency seconds, latency count))
+        self._prev: dict[str, tuple[float, float, int, tuple[float, int]]] = {}
 
     async def coordinator_status(self) -> dict[str, Any] | None:
         try:
@@ -169,7 +175,7 @@ class FleetMonitor:
                 "id": wid, "name": str(info.get("name", "")), "version": str(info.get("version", "")),
                 "backend": str(meta.get("backend", "")), "device": str(meta.get("device", "")),
                 "host": str(meta.get("host", meta.get("hostname", ""))),
-                "requests": None, "errors": None, "rows_per_s": None, "rate_unit": "rows/s",
+                "requests": None, "errors": None, "rows_per_s": None, "rate_unit": "rows/s", "latency_ms": None,
             }
             st = stats.get(wid)
             if st is not None:
@@ -191,13 +197,15 @@ class FleetMonitor:
         }
 
     def _add_rates(self, row: dict[str, Any], st: dict[str, Any], now: float) -> None:
-        requests = errors = 0
+        requests = errors = busy_ns = 0
         rows: float | None = 0.0
+        lat_sum = lat_count = None  # the worker's latency histogram, seconds
         for ep in st.get("endpoints") or []:
             if not isinstance(ep, dict):
                 continue
             requests += _num(ep.get("num_requests"))
             errors += _num(ep.get("num_errors"))
+            busy_ns += _num(ep.get("processing_time"))
             data = ep.get("data")
             got = None
             if isinstance(data, dict):
@@ -205,6 +213,9 @@ class FleetMonitor:
                     if isinstance(data.get(key), (int, float)):
                         got = data[key]
                         break
+            hist = data.get("latency_seconds") if isinstance(data, dict) else None
+            if isinstance(hist, dict) and isinstance(hist.get("sum"), (int, float)) and isinstance(hist.get("count"), int):
+                lat_sum, lat_count = float(hist["sum"]), int(hist["count"])
             if got is None:
                 rows = None
             elif rows is not None:  # one metrics object per service: max, not sum, across endpoints
@@ -215,9 +226,14 @@ class FleetMonitor:
         if rows is not None:
             row["rows"] = int(rows)
         prev = self._prev.get(row["id"])
+        # latency counters: (seconds, requests) from the histogram, else (ns / 1e9, requests) from micro
+        lat = (lat_sum, lat_count) if lat_sum is not None else (busy_ns / 1e9, int(requests))
         if prev is not None and now > prev[0]:
             row["rows_per_s"] = round(max(0.0, counter - prev[1]) / (now - prev[0]), 1)
-        self._prev[row["id"]] = (now, counter)
+            served = lat[1] - prev[3][1]
+            if served > 0 and lat[0] >= prev[3][0]:
+                row["latency_ms"] = round((lat[0] - prev[3][0]) / served * 1e3, 3)
+        self._prev[row["id"]] = (now, counter, int(requests), lat)
 
 
 def _num(value: Any) -> int:

@@ -49,14 +49,18 @@ def accepted_message(ev: JobAccepted) -> dict[str, Any]:
 
 
 def frame_message(ev: FrameEvent) -> dict[str, Any]:
-    """FrameEvent -> {"type": "frame", job_id, step, steps, t, size: [H, W], tiles, experts, weights, notes}."""
+    """FrameEvent -> {"type": "frame", job_id, step, steps, t, size: [H, W], tiles, experts, weights, notes}
+    plus `x1` (tiles of the predicted final image, same encoding) when the event carries it."""
     x = np.asarray(ev.x)
     n = x.shape[0] if x.ndim == 4 else 0
-    return {
+    msg = {
         "type": "frame", "job_id": ev.job_id, "step": ev.step, "steps": ev.steps, "t": round(float(ev.t), 4),
         "size": list(x.shape[2:4]) if n else [0, 0], "tiles": tiles_b64(x) if n else [],
         "experts": list(ev.experts), "weights": _weights(ev.weights, n), "notes": list(ev.notes),
     }
+    if ev.x1 is not None and n:
+        msg["x1"] = tiles_b64(ev.x1)
+    return msg
 
 
 def done_message(ev: DoneEvent) -> dict[str, Any]:

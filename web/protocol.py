@@ -8,6 +8,8 @@ Every message is one JSON object with a `type`. Client -> server:
                                                          (seed: int or decimal string)
     {"type": "generate", "digits": "3", "deadline_s": 30}          fail the job (deadline_exceeded)
                                                          if not done within 1-3600 s
+    {"type": "generate", "digits": "3", "frame_x1": true}          frames also carry the predicted
+                                                         final image x1 (JSON true/false only)
     {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
     {"type": "ping"}                                                 answered with {"type": "pong"}
 
@@ -34,7 +36,8 @@ from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, JobRequest, ProtocolError,
 MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
 
 #: Job parameters a page may set; everything else in a `generate` message is refused.
-GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every", "deadline_s")
+GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every", "deadline_s",
+                   "frame_x1")
 
 #: Bounds of a page's `deadline_s` (seconds from the submit; JobRequest.deadline_s).
 MIN_DEADLINE_S, MAX_DEADLINE_S = 1, 3600

@@ -134,6 +134,13 @@ class FakeWorkerService:
         self.nc, self.expert, self.backend, self.device = nc, expert, backend, device
         self.subject = subject or f"test.fleet.{id(self)}"
         self.rows = 0
+        self.latency: tuple[float, int] | None = None  # (seconds, requests): reported like a worker's histogram
+
+    def _stats(self) -> dict:
+        out: dict = {"rows": self.rows}
+        if self.latency is not None:
+            out["latency_seconds"] = {"buckets": {}, "sum": self.latency[0], "count": self.latency[1]}
+        return out
 
     async def __aenter__(self):
         from nats.micro import add_service
@@ -141,7 +148,7 @@ class FakeWorkerService:
         self.svc = await add_service(
             self.nc, name="ddm-expert", version="0.1.0",
             metadata={"expert": str(self.expert), "backend": self.backend, "device": self.device, "host": "testhost"},
-            stats_handler=lambda _ep: {"rows": self.rows},
+            stats_handler=lambda _ep: self._stats(),
         )
 
         async def handler(req):

@@ -248,8 +248,6 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
         " return hi - lo; }")
     assert spread > 0
     await page.screenshot(path=str(tmp_path / "web-done.png"), full_page=True)
-    if os.environ.get("DDM_WEB_DOCS_SHOT"):  # refresh docs/web.png: DDM_WEB_DOCS_SHOT=1 pytest ...
-        await page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False)
     # the full ensemble: every step mixes both experts -> tiles outlined as "several" (-1)
     await page.fill("#digits", "2,7")
     await page.fill("#steps", "6")

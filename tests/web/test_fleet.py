@@ -44,6 +44,24 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
     assert w0a.id in {w["id"] for e in snap3["experts"] for w in e["workers"]}
 
 
+async def test_latency_per_worker_from_its_histogram_else_from_micro_processing_time(nc):
+    monitor = FleetMonitor(nc, window=0.2)
+    async with FakeWorkerService(nc, 0, "sim", "sim:instant") as w, FakeWorkerService(nc, 1, "sim", "sim:instant") as v:
+        w.latency = (1.0, 10)
+        snap1 = await monitor.snapshot()
+        w.latency = (1.5, 20)  # 10 more requests took 0.5 s: 50 ms each
+        for _ in range(3):  # v reports no histogram: nats.micro's own processing time counts
+            assert (await nc.request(v.subject, b"x", timeout=5)).data == b"ok"
+        snap2 = await monitor.snapshot()
+        snap3 = await monitor.snapshot()  # nothing served since: no latency to show
+    rows = lambda snap: {r["id"]: r for e in snap["experts"] for r in e["workers"]}  # noqa: E731
+    assert rows(snap1)[w.id]["latency_ms"] is None  # one snapshot is not a rate yet
+    assert rows(snap2)[w.id]["latency_ms"] == 50.0
+    assert rows(snap2)[v.id]["latency_ms"] is not None and 0 <= rows(snap2)[v.id]["latency_ms"] < 1000
+    assert rows(snap3)[w.id]["latency_ms"] is None and rows(snap3)[v.id]["latency_ms"] is None
+    assert rows(snap2)[w.id]["host"] == "testhost"
+
+
 async def test_no_coordinator_means_null_status(nc):
     snap = await FleetMonitor(nc, window=0.1, status_timeout=0.2).snapshot()
     assert snap["coordinator"] is None and snap["type"] == "fleet"

@@ -125,3 +125,26 @@ async def test_outbox_coalesces_frames_and_keeps_order():
     assert not waiter.done()  # dropped 'c' is skipped; nothing else queued
     box.close()
     assert await waiter is None
+
+
+def test_generate_passes_frame_x1_through_as_a_strict_boolean():
+    base = {"type": "generate", "digits": "1,2"}
+    assert parse_client_message(json.dumps(base)).request.frame_x1 is False  # off unless asked
+    assert parse_client_message(json.dumps({**base, "frame_x1": True})).request.frame_x1 is True
+    assert parse_client_message(json.dumps({**base, "frame_x1": False})).request.frame_x1 is False
+    for bad in ("yes", 1, [True]):
+        with pytest.raises(BadInput) as err:
+            parse_client_message(json.dumps({**base, "frame_x1": bad, "ref": 7}))
+        assert "frame_x1" in err.value.message and err.value.ref == 7
+
+
+def test_frame_message_forwards_x1_tiles_only_when_the_event_has_them():
+    x = np.zeros((2, 1, 4, 4), np.float16)
+    x1 = np.ones((2, 1, 4, 4), np.float16)
+    w = np.full((2, 2), 0.5, np.float32)
+    plain = event_message(FrameEvent(job_id="j", step=1, steps=4, t=0.25, x=x, experts=[0, 1], weights=w))
+    assert "x1" not in plain
+    msg = event_message(FrameEvent(job_id="j", step=1, steps=4, t=0.25, x=x, x1=x1, experts=[0, 1], weights=w))
+    assert len(msg["x1"]) == 2 and msg["tiles"] == plain["tiles"]
+    assert base64.b64decode(msg["x1"][0]) == bytes([255] * 16)  # +1 -> white
+    assert base64.b64decode(msg["tiles"][0]) == bytes([128] * 16)  # 0 -> mid grey
