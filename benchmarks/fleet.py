@@ -73,6 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job-timeout", type=float, default=900.0, metavar="S",
                         help="a job with neither images nor a failure after S seconds counts as LOST "
                              "(default %(default)s)")
+    parser.add_argument("--workers-per-expert", type=int, default=1, metavar="N",
+                        help="fleet: worker processes per expert, in its queue group (default %(default)s)")
+    parser.add_argument("--cohorts", type=int, default=2, metavar="N",
+                        help="batches out at once, both paths (`ddm-fleet coordinator --cohorts`; default "
+                             "%(default)s; 1: the lock-step tick)")
+    parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                        help="fleet: `ddm-fleet coordinator --wire-dtype` (default %(default)s)")
+    parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
+                        help="fleet: `ddm-fleet coordinator --hedge` (default %(default)s); the report gives the "
+                             "hedges per expert request of each level")
+    parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
+                        help="fleet: `ddm-fleet coordinator --hedge-after-s` (default: the measured p99)")
     parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
@@ -91,7 +103,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first bad option; sets args.concurrency_list."""
     args.concurrency_list = _ints(args.concurrency, "--concurrency")
     _ints(args.buckets, "--buckets")
-    for name in ("steps", "images_per_job", "jobs_per_client", "max_rows", "max_queued_jobs"):
+    for name in ("steps", "images_per_job", "jobs_per_client", "max_rows", "max_queued_jobs", "workers_per_expert"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
@@ -262,7 +274,7 @@ async def _ceiling(args, models) -> dict:
 
     engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
                                               max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
-                    router, InProcessTransport(backends), emit)
+                    router, InProcessTransport(backends), emit, cohorts=getattr(args, "cohorts", 2))
     task = asyncio.create_task(engine.run())
 
     async def run_one(req):
@@ -344,6 +356,31 @@ async def _coordinator_counts(nc) -> dict | None:
 COUNTERS = ("jobs_submitted", "jobs_done", "jobs_failed", "jobs_cancelled", "jobs_rejected")
 
 
+async def _hedge_counts(port: int) -> dict[str, float] | None:
+    """{"requests": n, "won": n, "lost": n, "failed": n} summed over experts, scraped from the
+    coordinator's /metrics (ddm_coordinator_expert_requests_total / _hedges_total); None if unreadable."""
+    import asyncio
+    import re
+    import urllib.request
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    try:
+        text = await asyncio.to_thread(get)
+    except OSError:
+        return None
+    out = {"requests": 0.0, "won": 0.0, "lost": 0.0, "failed": 0.0}
+    for line in text.splitlines():
+        if line.startswith("ddm_coordinator_expert_requests_total{"):
+            out["requests"] += float(line.rsplit(" ", 1)[1])
+        m = re.match(r'ddm_coordinator_expert_hedges_total\{.*outcome="(\w+)".*\} (\S+)', line)
+        if m and m.group(1) in out:
+            out[m.group(1)] += float(m.group(2))
+    return out
+
+
 async def _fleet(args, models) -> dict:
     import asyncio
 
@@ -357,18 +394,27 @@ async def _fleet(args, models) -> dict:
         children: list[Child] = []
         nc = None
         try:
+            per = getattr(args, "workers_per_expert", 1)
             for i, path in enumerate(models["experts"]):
-                cmd = cli_argv("worker", "--expert", i, "--checkpoint", path, "--nats", srv.url, "--buckets", args.buckets,
-                           "--max-batch", max(buckets))
-                cmd += ["--bf16"] if args.bf16 else []
-                cmd += ["--threads", str(args.threads)] if args.threads else []
-                children.append(await Child.start(f"worker{i}", cmd))
+                for j in range(per):
+                    cmd = cli_argv("worker", "--expert", i, "--checkpoint", path, "--nats", srv.url, "--buckets",
+                                   args.buckets, "--max-batch", max(buckets))
+                    cmd += ["--bf16"] if args.bf16 else []
+                    cmd += ["--threads", str(args.threads)] if args.threads else []
+                    children.append(await Child.start(f"worker{i}" + (f".{j}" if per > 1 else ""), cmd))
             await asyncio.gather(*(c.wait_ready(600) for c in children))
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+            from bus.nats_server import free_port
+
+            metrics_port = free_port()
+            wire = ["--wire-dtype", getattr(args, "wire_dtype", "float32"), "--hedge", getattr(args, "hedge", "auto")]
+            if getattr(args, "hedge_after_s", None):
+                wire += ["--hedge-after-s", args.hedge_after_s]
             coordinator = await Child.start("coordinator", cli_argv(
                 "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
                 "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
-                "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120), env)
+                "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120,
+                "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", 2), *wire), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
             nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
@@ -394,6 +440,7 @@ async def _fleet(args, models) -> dict:
             out = []
             for level, c in enumerate(args.concurrency_list):
                 before = await _coordinator_counts(nc)
+                hedges_before = await _hedge_counts(metrics_port)
                 reset = {name: reset_peak(pid) for name, pid in pids.items()}
                 warned = {ch.name: ch.warnings for ch in children}
                 load0 = os.getloadavg()[0]
@@ -411,6 +458,12 @@ async def _fleet(args, models) -> dict:
                                           "queued_jobs_after": after["queued_jobs"]}
                 else:
                     res["coordinator"] = None
+                hedges_after = await _hedge_counts(metrics_port)
+                if hedges_before is not None and hedges_after is not None:
+                    h = {k: hedges_after[k] - hedges_before[k] for k in hedges_after}
+                    sent = h["won"] + h["lost"] + h["failed"]
+                    res["hedges"] = {**{k: int(v) for k, v in h.items()}, "sent": int(sent),
+                                     "rate": round(sent / h["requests"], 4) if h["requests"] else 0.0}
                 out.append(res)
             return start_memory, out
         finally:
@@ -450,6 +503,9 @@ async def bench_fleet(args) -> dict:
              "threads": args.threads, "cpus": os.cpu_count(), "max_rows": args.max_rows,
              "max_queued_jobs": args.max_queued_jobs, "job_timeout_s": args.job_timeout,
              "step_timeout_s": args.step_timeout, "retries": args.retries,
+             "workers_per_expert": getattr(args, "workers_per_expert", 1),
+             "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
+             "cohorts": getattr(args, "cohorts", 2),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}
@@ -510,6 +566,12 @@ def format_table(results: dict) -> str:
             lines.append(f"{path:<7} {conc:>5} | {x['submitted']:>9} {x['completed']:>9} {x['rejected']:>8} "
                          f"{x['failed']:>6} {x['lost']:>4} | {_codes(x['rejected_codes']):<16} "
                          f"{_codes(x['failed_codes']):<14} | {_num(x.get('answer_p99_s'), '.3f', 12)} | {cs} | {load}")
+    for r in results["rows"]:
+        h = r.get("fleet", {}).get("hedges")
+        if h:
+            lines.append(f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
+                         f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
+                         f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert")
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
             lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")

@@ -5,6 +5,9 @@ alternately and medians are reported, so background load hits both alike. Starts
 unless --nats is given. Uses a random UNet of --widths when no --checkpoint is given. `--backend sim`
 measures the simulated expert (`workers.backends.sim_backend`): its in-process column is the latency
 model itself, so the NATS column shows what the wire adds to a worker of that speed.
+`--wire-dtype float32,float16` measures the NATS path once per wire precision (x_t sent in it and
+the velocity asked back in it, `StepRequest.reply_dtype`, widened to float32 as the coordinator
+does), all paths alternating within each bucket, one row per bucket and precision.
 """
 
 from __future__ import annotations
@@ -39,7 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
                         help="seconds to measure each bucket on each path (default 2; the paths alternate)")
     parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
+    parser.add_argument("--wire-dtype", default="float32", metavar="D[,D...]",
+                        help="wire precision(s) of the NATS path, from float32, float16, bfloat16; several "
+                             "(comma-separated) are measured side by side (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+
+def parse_wire_dtypes(text: str) -> tuple[str, ...]:
+    """"float32,float16" -> ("float32", "float16"); ValueError naming the allowed ones."""
+    allowed = ("float32", "float16", "bfloat16")
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names or any(n not in allowed for n in names):
+        raise ValueError(f"--wire-dtype must be a comma-separated list of {', '.join(allowed)}, got {text!r}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         buckets = parse_buckets(args.buckets)
+        args.wire_dtypes = parse_wire_dtypes(args.wire_dtype)
     except ValueError as err:
         print(f"ddm-fleet bench worker: {err}", file=sys.stderr)
         return 2
@@ -82,26 +98,28 @@ def _random_checkpoint(widths: str, directory: str) -> str:
                                 time_dim=full.time_dim, class_dim=full.class_dim, groups=full.groups))
 
 
-async def _alternating(local, remote, min_time: float, min_iters: int) -> tuple[list[float], list[float]]:
-    """Time blocking `local()` (in a thread) and awaitable `remote()` alternately, one warm call
-    each first; returns per-call seconds for each. Alternating keeps both paths under the same
-    background load, which matters on a shared machine."""
+async def _alternating(local, remotes, min_time: float, min_iters: int) -> tuple[list[float], list[list[float]]]:
+    """Time blocking `local()` (in a thread) and each awaitable `remotes[i]()` in turn, one warm
+    call each first; returns per-call seconds of local and of each remote. Alternating keeps every
+    path under the same background load, which matters on a shared machine."""
     import asyncio
     import time
 
     await asyncio.to_thread(local)
-    await remote()
+    for remote in remotes:
+        await remote()
     a: list[float] = []
-    b: list[float] = []
+    bs: list[list[float]] = [[] for _ in remotes]
     start = time.perf_counter()
-    while len(a) < min_iters or time.perf_counter() - start < 2 * min_time:
+    while len(a) < min_iters or time.perf_counter() - start < (1 + len(remotes)) * min_time:
         t0 = time.perf_counter()
         await asyncio.to_thread(local)
         a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        await remote()
-        b.append(time.perf_counter() - t0)
-    return a, b
+        for remote, b in zip(remotes, bs):
+            t0 = time.perf_counter()
+            await remote()
+            b.append(time.perf_counter() - t0)
+    return a, bs
 
 
 async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> dict:
@@ -115,6 +133,7 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
 
     from bus.nats_server import NatsServer
     from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
+    from schemas.tensor import to_wire_dtype
     from workers.backends import get_backend
     from workers.service import ExpertWorker
 
@@ -144,25 +163,37 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
                     t = rng.uniform(0, 1, b).astype(np.float32)
                     y = rng.integers(0, backend.num_classes, b).astype(np.int64)
 
-                    async def call() -> None:
-                        req = StepRequest(expert=expert, x_t=x, t=t, y=y)
-                        msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
-                        reply = unpack(msg.data, StepResult)
-                        if not isinstance(reply, StepReply):
-                            raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
-                        if reply.worker_id != worker.worker_id:
-                            raise ValueError(f"another worker of expert {expert} on {url} answered; bench against "
-                                             "a server without workers of that expert, or omit --nats")
+                    def make_call(wire: str):
+                        async def call() -> None:  # what the coordinator's transport does per request
+                            reply_dtype = None if wire == "float32" else wire
+                            req = StepRequest(expert=expert, x_t=to_wire_dtype(x, wire), t=t, y=y,
+                                              reply_dtype=reply_dtype)
+                            msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
+                            reply = unpack(msg.data, StepResult)
+                            if not isinstance(reply, StepReply):
+                                raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
+                            if reply.worker_id != worker.worker_id:
+                                raise ValueError(f"another worker of expert {expert} on {url} answered; bench "
+                                                 "against a server without workers of that expert, or omit --nats")
+                            v = reply.velocity.astype(np.float32, copy=False)
+                            if not np.isfinite(v).all():
+                                raise RuntimeError(f"the {wire} velocity has NaN/Inf values")
 
-                    local, bus = await _alternating(lambda: backend.forward(x, t, y), call, args.min_time,
-                                                    args.min_iters)
-                    local_s, bus_s = statistics.median(local), statistics.median(bus)
-                    rows.append({
-                        "bucket": b,
-                        "inprocess_ms": round(local_s * 1000, 3), "inprocess_rows_per_s": round(b / local_s, 1),
-                        "nats_ms": round(bus_s * 1000, 3), "nats_rows_per_s": round(b / bus_s, 1),
-                        "ratio": round(local_s / bus_s, 3), "iters": len(local),
-                    })
+                        return call
+
+                    wires = getattr(args, "wire_dtypes", ("float32",))
+                    local, buses = await _alternating(lambda: backend.forward(x, t, y),
+                                                      [make_call(wd) for wd in wires], args.min_time,
+                                                      args.min_iters)
+                    local_s = statistics.median(local)
+                    for wire, bus in zip(wires, buses):
+                        bus_s = statistics.median(bus)
+                        rows.append({
+                            "bucket": b, "wire_dtype": wire,
+                            "inprocess_ms": round(local_s * 1000, 3), "inprocess_rows_per_s": round(b / local_s, 1),
+                            "nats_ms": round(bus_s * 1000, 3), "nats_rows_per_s": round(b / bus_s, 1),
+                            "ratio": round(local_s / bus_s, 3), "iters": len(local),
+                        })
             finally:
                 await nc.close()
         setup = {"backend": backend.name, "device": backend.device, "precision": backend.precision,
@@ -175,8 +206,10 @@ def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
              f"model={s['checkpoint']} (1 request in flight, median of alternating calls)",
-             f"{'bucket':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} {'nats rows/s':>12} {'ratio':>6}"]
+             f"{'bucket':>6} {'wire':>8} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} {'nats rows/s':>12} "
+             f"{'ratio':>6}"]
     for r in results["rows"]:
-        lines.append(f"{r['bucket']:>6} {r['inprocess_ms']:>11.2f} {r['inprocess_rows_per_s']:>15.1f} "
-                     f"{r['nats_ms']:>9.2f} {r['nats_rows_per_s']:>12.1f} {r['ratio']:>6.3f}")
+        lines.append(f"{r['bucket']:>6} {r.get('wire_dtype', 'float32'):>8} {r['inprocess_ms']:>11.2f} "
+                     f"{r['inprocess_rows_per_s']:>15.1f} {r['nats_ms']:>9.2f} {r['nats_rows_per_s']:>12.1f} "
+                     f"{r['ratio']:>6.3f}")
     return "\n".join(lines)

@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 #: Most ticks kept for rows_per_s (older ones drop out even within rate_window_s).
 MAX_RATE_SAMPLES = 4096
 
+#: Batches out at once (see Scheduler.schedule): 2 lets one cohort be routed and updated while
+#: the experts work on the other.
+DEFAULT_COHORTS = 2
+
 
 class ExpertUnavailable(Exception):
     """No worker of `expert` could produce this step's velocity. `code` says why, for the jobs
@@ -93,7 +97,9 @@ class Engine:
     def __init__(self, scheduler: Scheduler, router: RouterLike, transport: Transport,
                  emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
                  router_in_thread: bool = True, rate_window_s: float = 10.0,
-                 metrics: CoordinatorMetrics | None = None):
+                 metrics: CoordinatorMetrics | None = None, cohorts: int = DEFAULT_COHORTS):
+        if not isinstance(cohorts, int) or cohorts < 1:
+            raise ValueError(f"cohorts must be an int >= 1 (batches out at once), got {cohorts!r}")
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
         self.router = router
@@ -101,7 +107,9 @@ class Engine:
         self.emit = emit
         self.clock = clock
         self.router_in_thread = router_in_thread
-        self._wake = asyncio.Event()
+        self.cohorts = cohorts
+        self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
+        self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._stopping = False
         self._running = False
         self._emit_lock = asyncio.Lock()
@@ -128,7 +136,7 @@ class Engine:
         except Rejected as err:
             self.metrics.rejected(err.code, err.limit)
             raise
-        self._wake.set()
+        self._poke()
         return JobAccepted(job_id=admitted.job_id, events_subject=subjects.job_events(owner, admitted.job_id),
                            digits=admitted.digits, seed=admitted.seed, queue_position=admitted.queue_position)
 
@@ -154,22 +162,40 @@ class Engine:
             log.exception("emitting %s for job %s failed", ev.kind, getattr(ev, "job_id", "?"))
 
     # ------------------------------------------------------------ loop
+    def _poke(self) -> None:
+        """Wake every idle lane (a job arrived, a batch came back, or we stop)."""
+        self._wake.set()
+        self._wake = asyncio.Event()
+
     async def run(self) -> None:
-        """Tick while there is work; sleep until a job arrives otherwise."""
+        """Run `cohorts` lanes; each ticks while it finds free rows and sleeps otherwise. If a lane
+        dies, the others are stopped and every job fails (see `_die`)."""
         self._running = True
+        lanes = [asyncio.create_task(self._lane(), name=f"engine-lane-{i}") for i in range(self.cohorts)]
         try:
-            while not self._stopping:
-                self._wake.clear()
-                worked = await self.tick()
-                if not worked and not self._stopping:
-                    await self._wake.wait()
+            done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
         except asyncio.CancelledError:
             raise
         except Exception as err:
+            for task in lanes:
+                task.cancel()
+            await asyncio.gather(*lanes, return_exceptions=True)
             await self._die(err)
             raise
         finally:
+            for task in lanes:
+                task.cancel()
             self._running = False
+
+    async def _lane(self) -> None:
+        while not self._stopping:
+            wake = self._wake  # taken before the tick: a poke during it is not missed
+            worked = await self.tick()
+            if not worked and not self._stopping:
+                await wake.wait()
 
     async def _die(self, err: BaseException) -> None:
         """The loop broke: refuse new jobs, fail every held job with `internal`, publish the events
@@ -196,7 +222,7 @@ class Engine:
     async def stop(self, reason: str = "coordinator shutting down") -> None:
         """Stop after the current tick; jobs still queued or running fail with `unavailable`."""
         self._stopping = True
-        self._wake.set()
+        self._poke()
         self.scheduler.fail_all(ErrorCode.UNAVAILABLE, reason)
         await self.flush_events()
 
@@ -206,7 +232,7 @@ class Engine:
         batch = None
         started = time.perf_counter()
         try:
-            batch = sched.schedule(self.clock())
+            batch = sched.schedule(self.clock(), cohorts=self.cohorts)
             await self.flush_events()
             if batch is None:
                 return False
@@ -218,21 +244,25 @@ class Engine:
             reason = f"coordinator error: {type(err).__name__}: {err}"
             if batch is not None:
                 sched.fail_batch(batch, ErrorCode.INTERNAL, reason)
-            else:  # schedule() itself broke: none of its jobs could be scheduled
-                sched.fail_all(ErrorCode.INTERNAL, reason)
+            else:  # schedule() itself broke: none of its jobs could be scheduled; sleep until the
+                sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
+                await self.flush_events()
+                return False
         if batch is not None:
             self.tick_ms.append((time.perf_counter() - started) * 1000)
             self._count_rows(len(batch))
+            self._poke()  # its jobs are free again: an idle lane may take them
         await self.flush_events()
         return True
 
     async def _execute(self, batch: Batch) -> None:
         """Route, then call every chosen expert (rerouting after failures); a failed expert is
         marked on the batch with its ErrorCode."""
-        if self.router_in_thread:
-            w = await asyncio.to_thread(self.router.weights, batch.x, batch.t, batch.y)
-        else:
-            w = self.router.weights(batch.x, batch.t, batch.y)
+        async with self._router_lock:
+            if self.router_in_thread:
+                w = await asyncio.to_thread(self.router.weights, batch.x, batch.t, batch.y)
+            else:
+                w = self.router.weights(batch.x, batch.t, batch.y)
         batch.route(np.asarray(w))
         while reqs := batch.requests():
             experts = list(reqs)

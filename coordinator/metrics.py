@@ -4,6 +4,7 @@
     metrics.rejected(code, limit=None)           # a job refused at submit (scheduler or bad request)
     metrics.expert_call(k, seconds)              # one expert's velocity call of one tick
     metrics.expert_error(k, code)                # ... that failed (after the transport's retries)
+    metrics.watch_transport(transport)           # the NATS transport's request and hedge counters
     runner = await serve_metrics(metrics, port)  # workers.metrics_http, shared with the worker
 
 Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordinator_rows_stepped_total[1m])):
@@ -25,6 +26,13 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
     ddm_coordinator_expert_request_seconds{expert}      histogram  one expert's velocity call per tick (all of
                                                                    its requests, retries included)
     ddm_coordinator_expert_errors_total{expert,code}    counter    expert calls that failed, by ErrorCode
+    ddm_coordinator_expert_requests_total{expert}       counter    expert requests sent (tries; hedge copies not
+                                                                   counted), once a transport is watched
+    ddm_coordinator_expert_hedges_total{expert,outcome} counter    hedged tries (a second copy sent), by outcome:
+                                                                   won (the copy answered first), lost (the
+                                                                   original did), failed (neither usable);
+                                                                   hedges sent = the sum; hedge rate = that /
+                                                                   requests
 
 The scheduler's counters and gauges are read at scrape time (`Scheduler.stats`, `queued_jobs`, ...),
 so they are never counted twice; the scrape runs on the event loop, between ticks' steps.
@@ -74,6 +82,26 @@ class _SchedulerCollector:
         yield GaugeMetricFamily("ddm_coordinator_active_rows", "Images being denoised.", value=sched.active_rows)
 
 
+class _TransportCollector:
+    """Scrape-time view of a transport's `requests_sent` and `hedge_counts` (coordinator.transport)."""
+
+    def __init__(self, transport):
+        self.transport = transport
+
+    def collect(self):
+        requests = CounterMetricFamily("ddm_coordinator_expert_requests",
+                                       "Expert requests sent (tries; hedge copies not counted).", labels=["expert"])
+        for expert, n in sorted(dict(getattr(self.transport, "requests_sent", {})).items()):
+            requests.add_metric([str(expert)], n)
+        yield requests
+        hedges = CounterMetricFamily("ddm_coordinator_expert_hedges",
+                                     "Hedged expert requests (a second copy sent), by outcome: won, lost, failed.",
+                                     labels=["expert", "outcome"])
+        for (expert, outcome), n in sorted(dict(getattr(self.transport, "hedge_counts", {})).items()):
+            hedges.add_metric([str(expert), outcome], n)
+        yield hedges
+
+
 class CoordinatorMetrics:
     """The metrics of one coordinator (one scheduler). `registry` is what /metrics serves."""
 
@@ -105,6 +133,13 @@ class CoordinatorMetrics:
     def expert_error(self, expert: int, code: ErrorCode | str) -> None:
         """Count an expert call that failed with ErrorCode `code` (unavailable, bad_reply, ...)."""
         self._expert_errors.labels(expert=str(int(expert)), code=ErrorCode(code).value).inc()
+
+    def watch_transport(self, transport) -> None:
+        """Export `transport.requests_sent` / `hedge_counts` (read at scrape time) as
+        ddm_coordinator_expert_requests_total and ddm_coordinator_expert_hedges_total. Once."""
+        if getattr(self, "_transport_collector", None) is None:
+            self._transport_collector = _TransportCollector(transport)
+            self.registry.register(self._transport_collector)
 
     def sample(self, name: str, **labels: str) -> float:
         """The current value of one sample (e.g. "ddm_coordinator_ticks_total"), 0.0 if absent."""

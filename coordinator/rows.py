@@ -65,6 +65,7 @@ class RowGroup:
     step: int = 0  # completed solver steps
     stage: int = 0  # heun: 0 = predictor evaluation next, 1 = corrector evaluation next
     v0: np.ndarray | None = None  # heun: stage-0 velocity [N, C, H, W]
+    last_u: np.ndarray | None = None  # the last combined velocity applied [N, C, H, W] (for x1 = x + (1 - t) u)
     evals: int = 0  # velocity evaluations applied
     usage: np.ndarray = field(init=False)
     last_weights: np.ndarray = field(init=False)
@@ -133,6 +134,7 @@ class RowGroup:
         if u.shape != self.x.shape:
             raise ValueError(f"velocity shape {list(u.shape)} does not match rows {list(self.x.shape)}")
         self.evals += 1
+        self.last_u = u
         if self.solver == "euler":
             self.x = euler_update(self.x, self.dt, u)
         elif self.stage == 0:

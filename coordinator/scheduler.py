@@ -210,6 +210,7 @@ class Scheduler:
         self._served: dict[str, int] = {}  # client -> admission count at its last admission (LRU order)
         self._seq = 0
         self._admissions = 0
+        self._in_flight: set[str] = set()  # ids of running jobs whose batch has not come back (see schedule)
         self.stats = Stats()
         self._events: list = []
 
@@ -354,6 +355,7 @@ class Scheduler:
 
     def _deactivate(self, job: Job) -> None:
         del self._active[job.job_id]
+        self._in_flight.discard(job.job_id)
         left = self._client_rows[job.client] - job.n
         if left:
             self._client_rows[job.client] = left
@@ -395,17 +397,33 @@ class Scheduler:
 
     def fail_batch(self, batch: Batch, code: ErrorCode, reason: str) -> None:
         """Fail the jobs of `batch` that are still running (e.g. the tick that carried them broke)."""
-        for job_id in dict.fromkeys(g.job_id for g in batch.groups):
-            self.fail(job_id, code, reason)
+        for g in batch.groups:
+            job = self._active.get(g.job_id)
+            if job is not None and job.group is g:
+                self.fail(g.job_id, code, reason)
 
     def pop_events(self) -> list:
         ev, self._events = self._events, []
         return ev
 
     # ------------------------------------------------------------ schedule
-    def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset()) -> Batch | None:
+    @property
+    def in_flight_rows(self) -> int:
+        """Rows of the jobs whose batch is out (scheduled, not yet updated)."""
+        return sum(self._active[j].n for j in self._in_flight)
+
+    def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset(), *,
+                 cohorts: int = 1) -> Batch | None:
         """Expire deadlines and run times, admit queued jobs fairly (see the module docstring),
-        return a Batch of all active rows."""
+        return a Batch of the active rows that are not already in a batch, or None.
+
+        Cohorts (no lock-step): a job sits in at most one batch at a time; it is "in flight" from
+        `schedule` until `update` (or `fail_batch`, `cancel`, `fail`) and the next `schedule`
+        leaves it out. With `cohorts=C` a batch takes free jobs, oldest first, up to
+        ceil(active rows / C) rows (at least one job), so C batches can be out at once: while one
+        cohort waits on the experts, the others are routed and updated. `cohorts=1` takes every
+        free job (with one batch out at a time: the lock-step tick). Which batch a job rides in
+        never changes its result (every per-row operation is elementwise)."""
         cfg = self.config
         for job in [*self._active.values(), *self._queue]:
             if job.deadline is not None and now > job.deadline:
@@ -424,9 +442,20 @@ class Scheduler:
             self._dequeue(job)
             self._start(job, now)
             rows_in_use += job.n
-        groups = [j.group for j in self._active.values()]
+        if cohorts < 1:
+            raise ValueError(f"cohorts must be >= 1, got {cohorts}")
+        cap = -(-rows_in_use // cohorts)
+        groups, rows = [], 0
+        for job_id, job in self._active.items():
+            if job_id in self._in_flight:
+                continue
+            if groups and rows + job.n > cap:
+                break
+            groups.append(job.group)
+            rows += job.n
         if not groups:
             return None
+        self._in_flight.update(g.job_id for g in groups)
         return Batch(groups, self.config.num_experts, unavailable)
 
     def _start(self, job: Job, now: float) -> None:
@@ -468,6 +497,10 @@ class Scheduler:
         A job with rows that no expert served fails: with the code of an expert it wanted that
         answered only garbage (`bad_reply`, see `Batch.mark_failed`), else `unavailable`."""
         self.stats.ticks += 1
+        for g in batch.groups:  # these jobs may be scheduled again (a cancelled job is gone already)
+            job = self._active.get(g.job_id)
+            if job is not None and job.group is g:
+                self._in_flight.discard(g.job_id)
         complete = batch.row_complete()
         u = batch.combined()
         used = batch.weights > 0
@@ -521,6 +554,8 @@ class Scheduler:
                 job_id=job.job_id, step=job.step, steps=req.steps, t=g.t,
                 x=np.clip(g.x, -6e4, 6e4).astype(np.float16),
                 experts=[int(e) for e in g.last_experts], weights=g.last_weights, notes=notes,
+                x1=(np.clip(g.x + (1.0 - g.t) * g.last_u, -6e4, 6e4).astype(np.float16)
+                    if req.frame_x1 and g.last_u is not None else None),
             ))
         if g.done:
             self._deactivate(job)

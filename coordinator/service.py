@@ -62,7 +62,7 @@ from schemas import (
 from schemas.errors import shown
 from schemas.messages import MAX_COORDINATOR_NAME_LEN
 
-from .engine import Engine, RouterLike, Transport
+from .engine import DEFAULT_COHORTS, Engine, RouterLike, Transport
 from .scheduler import Rejected, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,10 @@ class Coordinator:
     request_rows (<= MAX_STEP_ROWS) caps the rows of one expert request, so an expert's batch is split
     into concurrent requests that the queue group spreads over that expert's workers;
     bad_reply_retries: extra tries of an expert request after unusable replies (NaN, wrong shape, ...).
+    wire_dtype ("float32" | "float16" | "bfloat16"), hedge ("auto" | "off") and hedge_after_s go to
+    the default NatsTransport: the precision of x_t and the velocity on the wire, and hedged requests
+    (see coordinator.transport). cohorts: batches the engine keeps out at once (see
+    Scheduler.schedule; 1 is the lock-step tick).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
     `keep_finished_s` seconds old) are kept so a status request can publish them again.
     name: this coordinator's name (1-128 characters), in every `accepted`, `job_status` and
@@ -127,7 +131,9 @@ class Coordinator:
                  keep_finished: int = 256, keep_finished_mb: float = 64.0, keep_finished_s: float = 600.0,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1", metrics_optional: bool = False,
                  max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
-                 max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0):
+                 max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
+                 wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
+                 cohorts: int = DEFAULT_COHORTS):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_COORDINATOR_NAME_LEN:
@@ -145,6 +151,10 @@ class Coordinator:
         self.retries = retries
         self.request_rows = request_rows
         self.bad_reply_retries = bad_reply_retries
+        self.wire_dtype, self.hedge, self.hedge_after_s = wire_dtype, hedge, hedge_after_s
+        if not isinstance(cohorts, int) or cohorts < 1:
+            raise ValueError(f"cohorts must be an int >= 1, got {cohorts!r}")
+        self.cohorts = cohorts
         self.transport = transport
         self.name = name
         # this run of the coordinator: a restart (same name) has another instance
@@ -189,9 +199,12 @@ class Coordinator:
         if self.transport is None:
             opts = {"max_rows": self.request_rows} if self.request_rows else {}
             self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
-                                           bad_reply_retries=self.bad_reply_retries, **opts)
-        self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish)
+                                           bad_reply_retries=self.bad_reply_retries, wire_dtype=self.wire_dtype,
+                                           hedge=self.hedge, hedge_after_s=self.hedge_after_s, **opts)
+        self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish, cohorts=self.cohorts)
         self.metrics = self.engine.metrics
+        if hasattr(self.transport, "hedge_counts"):
+            self.metrics.watch_transport(self.transport)
         await self._serve_metrics()
         self._subs = [
             await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),

@@ -30,6 +30,25 @@ that sees one request (a worker of that expert) learns only that request's token
 answer anyone else's. The reply must also name the requested expert and echo its row ids.
 `bad_workers` keeps the `BAD_WORKERS_KEPT` worker ids most recently blamed (LRU), so a reply
 stream claiming ever new ids cannot grow it without bound.
+
+Wire precision (`wire_dtype`): "float32" (default, what every peer has always sent), "float16" or
+"bfloat16": x_t is sent in that precision and the request asks for the velocity back in it
+(`StepRequest.reply_dtype`); the reply is widened to float32 here and checked for NaN/Inf as always.
+An x_t that does not fit float16 is sent as float32; a worker's `non_finite` answer to a
+reduced-precision request (its velocity overflowed float16) is retried once in float32
+(`wire_fallbacks`), so the overflow costs a round trip, never a NaN in a sample.
+
+Hedged requests (`hedge="auto"`, see `HedgePolicy`): when a try has no reply after the expert's
+hedge delay (1.5 x the p99 of its recent call latencies, `HEDGE_FLOOR_S` at least, `HEDGE_START_S`
+before `HEDGE_MIN_SAMPLES` calls; or a fixed `hedge_after_s`), the same request bytes (same
+`request_id`, same deadline) are published once more with a new reply subject, so the queue group
+can hand the copy to another worker. The first usable reply wins; the other leg is cancelled and
+its reply, if it comes, is dropped quietly (`late_replies`, not a stray). At most one hedge per try,
+and only for an expert whose recent replies came from at least two workers (a copy sent to a single
+worker only queues behind the original); a token bucket (`HEDGE_BUDGET` hedges per request,
+`HEDGE_BURST` at once) keeps a slow expert from doubling its own load. Both legs share the try's
+`step_timeout`. Counted in `hedge_counts[(expert, outcome)]`: won (the copy answered first), lost
+(the original did), failed (neither gave a usable reply).
 """
 
 from __future__ import annotations
@@ -37,15 +56,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
 from schemas import (ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, StepResult, loads, pack, subjects,
                      validate)
 from schemas.limits import MAX_STEP_ROWS
+from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
 from .engine import BadExpertReply, ExpertUnavailable
 
@@ -68,6 +89,127 @@ STRAY_LOG_INTERVAL = 10.0
 
 #: The status nats-server puts on the reply of a request nobody subscribes to.
 _NO_RESPONDERS = "503"
+
+#: Hedging: recent successful call latencies kept per expert.
+HEDGE_WINDOW = 256
+#: ... the quantile of them a try may take before it is hedged.
+HEDGE_QUANTILE = 0.99
+#: ... times this margin: a try is hedged when clearly late, not merely in the slowest 1%.
+HEDGE_MARGIN = 1.5
+#: ... calls needed before that quantile is trusted; until then the delay is HEDGE_START_S.
+HEDGE_MIN_SAMPLES = 20
+#: ... the hedge delay before HEDGE_MIN_SAMPLES calls (s): patient, since the expert's speed is unknown.
+HEDGE_START_S = 1.0
+#: ... the shortest hedge delay (s), however fast the expert.
+HEDGE_FLOOR_S = 0.05
+#: ... long-run hedges per request (token bucket refill) and hedges that may go out back to back.
+HEDGE_BUDGET = 0.1
+HEDGE_BURST = 8.0
+#: ... recent replies whose worker ids say whether an expert has several workers.
+HEDGE_WORKERS_WINDOW = 64
+#: Tokens of cancelled hedge legs remembered, so that their late replies are dropped quietly.
+RETIRED_TOKENS_KEPT = 4096
+
+HEDGE_MODES = ("auto", "off")
+HEDGE_OUTCOMES = ("won", "lost", "failed")
+
+
+class LatencyWindow:
+    """The last `size` latencies (s) of one expert's successful calls, and quantiles over them."""
+
+    def __init__(self, size: int = HEDGE_WINDOW):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self._samples: deque[float] = deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds >= 0:
+            self._samples.append(float(seconds))
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0..1, nearest rank, so p99 of 20 samples is their maximum); None when empty."""
+        if not self._samples:
+            return None
+        ordered = sorted(self._samples)
+        rank = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+        return ordered[rank]
+
+
+class HedgePolicy:
+    """When to send a second copy of an expert request (pure: feed it observations, ask it).
+
+    mode: "auto" (hedge as below) or "off" (never). after_s: a fixed hedge delay instead of the
+    latency quantile. A try of expert k is hedged after `delay(k)` seconds without a reply, when
+    `delay(k)` is not None and `take(k)` grants a token:
+
+    * delay: None when off, or when the last `workers_window` replies of k came from fewer than
+      two distinct worker ids (one worker: a copy would only queue behind the original); else
+      after_s if given, else max(floor_s, margin x the `quantile` of the last `window`
+      latencies), or max(floor_s, start_s) while fewer than `min_samples` latencies are known.
+    * take: a token bucket per expert, `budget` tokens per request sent (`on_request`), at most
+      `burst`, starting full; a hedge spends one.
+    """
+
+    def __init__(self, mode: str = "auto", *, after_s: float | None = None, quantile: float = HEDGE_QUANTILE,
+                 margin: float = HEDGE_MARGIN, floor_s: float = HEDGE_FLOOR_S, start_s: float = HEDGE_START_S,
+                 min_samples: int = HEDGE_MIN_SAMPLES, window: int = HEDGE_WINDOW, budget: float = HEDGE_BUDGET,
+                 burst: float = HEDGE_BURST, workers_window: int = HEDGE_WORKERS_WINDOW):
+        if mode not in HEDGE_MODES:
+            raise ValueError(f"hedge mode must be one of {list(HEDGE_MODES)}, got {mode!r}")
+        if after_s is not None and not after_s > 0:
+            raise ValueError(f"hedge_after_s must be > 0 seconds, got {after_s}")
+        if not 0 < quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        if not margin >= 1:
+            raise ValueError(f"margin must be >= 1, got {margin}")
+        if floor_s < 0 or start_s <= 0 or min_samples < 1 or budget < 0 or burst < 1 or workers_window < 1:
+            raise ValueError("hedge floor_s >= 0, start_s > 0, min_samples >= 1, budget >= 0, burst >= 1 and "
+                             "workers_window >= 1 are required")
+        self.mode, self.after_s, self.q, self.margin = mode, after_s, quantile, margin
+        self.floor_s, self.start_s, self.min_samples = floor_s, start_s, min_samples
+        self.window, self.budget, self.burst, self.workers_window = window, budget, burst, workers_window
+        self._latency: dict[int, LatencyWindow] = {}
+        self._workers: dict[int, deque[str]] = {}
+        self._tokens: dict[int, float] = {}
+
+    def observe(self, expert: int, seconds: float, worker: str) -> None:
+        """A successful call of `expert` that took `seconds`, answered by worker id `worker`."""
+        self._latency.setdefault(expert, LatencyWindow(self.window)).add(seconds)
+        self._workers.setdefault(expert, deque(maxlen=self.workers_window)).append(worker)
+
+    def on_request(self, expert: int) -> None:
+        """A try of `expert` is being sent: refill its hedge budget."""
+        self._tokens[expert] = min(self.burst, self._tokens.get(expert, self.burst) + self.budget)
+
+    def workers_seen(self, expert: int) -> int:
+        """Distinct worker ids among `expert`'s recent replies."""
+        return len(set(self._workers.get(expert, ())))
+
+    def estimate(self, expert: int) -> float:
+        """The latency-based hedge delay of `expert` (s), whatever the mode and worker count."""
+        if self.after_s is not None:
+            return self.after_s
+        lat = self._latency.get(expert)
+        if lat is None or len(lat) < self.min_samples:
+            return max(self.floor_s, self.start_s)
+        return max(self.floor_s, self.margin * (lat.quantile(self.q) or 0.0))
+
+    def delay(self, expert: int) -> float | None:
+        """Seconds without a reply after which a try of `expert` is hedged; None: never."""
+        if self.mode == "off" or self.workers_seen(expert) < 2:
+            return None
+        return self.estimate(expert)
+
+    def take(self, expert: int) -> bool:
+        """Spend one hedge token of `expert`; False (send no hedge) when its bucket is empty."""
+        left = self._tokens.get(expert, self.burst)
+        if left < 1:
+            return False
+        self._tokens[expert] = left - 1
+        return True
 
 
 class BoundedCounter(OrderedDict):
@@ -118,7 +260,8 @@ class NatsTransport:
     which "no responders" means "workers still reconnecting" (wait and retry), not "no workers"."""
 
     def __init__(self, nc, *, step_timeout: float = 10.0, retries: int = 2, max_rows: int = MAX_STEP_ROWS,
-                 bad_reply_retries: int = 4, reconnect_grace: float = 10.0):
+                 bad_reply_retries: int = 4, reconnect_grace: float = 10.0, wire_dtype: str = "float32",
+                 hedge: str = "auto", hedge_after_s: float | None = None):
         if step_timeout <= 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         if retries < 0:
@@ -127,6 +270,15 @@ class NatsTransport:
             raise ValueError(f"bad_reply_retries must be >= 0, got {bad_reply_retries}")
         if not 1 <= max_rows <= MAX_STEP_ROWS:
             raise ValueError(f"max_rows must be in [1, {MAX_STEP_ROWS}], got {max_rows}")
+        if wire_dtype not in WIRE_FLOATS:
+            raise ValueError(f"wire_dtype must be one of {list(WIRE_FLOATS)}, got {wire_dtype!r}")
+        self.wire_dtype = wire_dtype
+        self.hedging = HedgePolicy(hedge, after_s=hedge_after_s)  # ValueError for a bad mode / delay
+        self.hedge_counts: dict[tuple[int, str], int] = {}  # (expert, won | lost | failed) -> hedges
+        self.requests_sent: dict[int, int] = {}  # expert -> tries sent (hedge copies not counted)
+        self.late_replies = 0  # replies to a hedge leg cancelled because the other one won
+        self.wire_fallbacks = 0  # reduced-precision tries answered non_finite and sent again in float32
+        self._retired: OrderedDict[str, None] = OrderedDict()  # tokens of cancelled hedge legs
         self.nc = nc
         self.step_timeout = step_timeout
         self.retries = retries
@@ -186,6 +338,10 @@ class NatsTransport:
         token = msg.subject.rsplit(".", 1)[-1]
         fut = self._pending.pop(token, None)  # accepted once: a second reply finds nothing
         if fut is None or fut.done():
+            if fut is None and token in self._retired:  # the losing leg of a hedged try: expected
+                del self._retired[token]
+                self.late_replies += 1
+                return
             self._stray(msg.subject)
             return
         fut.set_result(msg)
@@ -214,6 +370,11 @@ class NatsTransport:
                 msg = await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
                 raise nats.errors.TimeoutError from None
+        except asyncio.CancelledError:  # a hedge leg that lost: its reply may still come, quietly dropped
+            self._retired[token] = None
+            while len(self._retired) > RETIRED_TOKENS_KEPT:
+                self._retired.popitem(last=False)
+            raise
         finally:
             self._pending.pop(token, None)
         if msg.headers and msg.headers.get(Header.STATUS) == _NO_RESPONDERS and not msg.data:
@@ -221,12 +382,23 @@ class NatsTransport:
         return msg
 
     # ------------------------------------------------------------ one request
+    def _wire_x(self, expert: int, x32: np.ndarray) -> tuple[np.ndarray, str | None]:
+        """x_t as it travels and the reply_dtype to ask for (None: float32, the field left out)."""
+        if self.wire_dtype == "float32":
+            return x32, None
+        try:
+            return to_wire_dtype(x32, self.wire_dtype, name="x_t"), self.wire_dtype
+        except ProtocolError as err:  # an x_t beyond float16's range: this request goes as float32
+            log.warning("expert %d: %s; sending this request in float32", expert, err.message)
+            return x32, None
+
     async def _request(self, expert: int, x, t, y, row_ids) -> np.ndarray:
         import nats.errors
 
         subject = subjects.expert_velocity(expert)
         x32 = np.ascontiguousarray(x, np.float32)
         t32, y64 = t.astype(np.float32), y.astype(np.int64)
+        x_wire, reply_dtype = self._wire_x(expert, x32)
         tries = bad_tries = lost = 0
         last = "no attempt"
         attempt = 0
@@ -235,10 +407,11 @@ class NatsTransport:
                 self.retried += 1
             attempt += 1
             epoch = self._observe_reconnects()
-            req = StepRequest(expert=expert, x_t=x32, t=t32, y=y64, row_ids=list(row_ids),
-                              deadline=time.time() + self.step_timeout, request_id=f"s{next(self._ids)}")
+            req = StepRequest(expert=expert, x_t=x_wire, t=t32, y=y64, row_ids=list(row_ids),
+                              deadline=time.time() + self.step_timeout, request_id=f"s{next(self._ids)}",
+                              reply_dtype=reply_dtype)
             try:
-                msg = await self._ask(subject, pack(req), self.step_timeout)
+                return await self._exchange(expert, subject, pack(req), x32.shape, row_ids)
             except nats.errors.NoRespondersError:
                 if self._in_reconnect_grace():
                     await asyncio.sleep(NO_RESPONDERS_BACKOFF)
@@ -265,8 +438,6 @@ class NatsTransport:
                     break
                 await asyncio.sleep(min(self.step_timeout, 1.0))
                 continue
-            try:
-                return self._check(expert, msg.data, x32.shape, row_ids)
             except _BadReply as bad:
                 bad_tries += 1
                 self.bad_replies += 1
@@ -280,6 +451,13 @@ class NatsTransport:
                 continue
             except _ErrorReply as err:
                 last = f"error reply {err.code.value}: {err.message}"
+                if err.code == ErrorCode.NON_FINITE and reply_dtype is not None:
+                    # e.g. a velocity beyond float16's range: the worker said so; ask again in float32
+                    self.wire_fallbacks += 1
+                    log.warning("expert %d: request %s in %s: %s; sending it again in float32", expert,
+                                req.request_id, reply_dtype, last)
+                    x_wire, reply_dtype = x32, None
+                    continue
                 if err.code not in TRANSIENT:
                     raise ExpertUnavailable(expert, last) from None
                 tries += 1
@@ -292,8 +470,62 @@ class NatsTransport:
             raise BadExpertReply(expert, summary)
         raise ExpertUnavailable(expert, summary)
 
-    def _check(self, expert: int, data: bytes, shape: tuple[int, ...], row_ids) -> np.ndarray:
-        """The reply's velocity as float32 [n, C, H, W]; raises _BadReply or _ErrorReply."""
+    # ------------------------------------------------------------ one try, maybe hedged
+    async def _leg(self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids):
+        """Send the request once and check the reply: (velocity float32, worker id)."""
+        msg = await self._ask(subject, payload, timeout)
+        return self._check(expert, msg.data, shape, row_ids)
+
+    async def _exchange(self, expert: int, subject: str, payload: bytes, shape, row_ids) -> np.ndarray:
+        """One try: the velocity float32 [n, C, H, W], or the exception of its failure (NATS
+        timeout / no responders, _BadReply, _ErrorReply). Hedged as the module docstring says."""
+        loop = asyncio.get_running_loop()
+        self.requests_sent[expert] = self.requests_sent.get(expert, 0) + 1
+        self.hedging.on_request(expert)
+        delay = self.hedging.delay(expert)
+        sent = loop.time()
+        primary = asyncio.ensure_future(self._leg(expert, subject, payload, self.step_timeout, shape, row_ids))
+        hedge = None
+        try:
+            if delay is not None and delay < self.step_timeout:
+                await asyncio.wait({primary}, timeout=delay)
+            if primary.done() or delay is None or delay >= self.step_timeout or not self.hedging.take(expert):
+                v, worker = await primary
+                self.hedging.observe(expert, loop.time() - sent, worker)
+                return v
+            left = self.step_timeout - (loop.time() - sent)
+            hedge = asyncio.ensure_future(self._leg(expert, subject, payload, max(left, 0.001), shape, row_ids))
+            outcome_if_first = {primary: "lost", hedge: "won"}
+            pending: set = {primary, hedge}
+            failure: BaseException | None = None
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for leg in done:
+                    err = leg.exception()
+                    if err is None:
+                        v, worker = leg.result()
+                        self._count_hedge(expert, outcome_if_first[leg])
+                        self.hedging.observe(expert, loop.time() - sent, worker)  # censored when the copy won
+                        return v
+                    failure = _worse(failure, err)
+            self._count_hedge(expert, "failed")
+            raise failure
+        finally:
+            for leg in (primary, hedge):
+                if leg is not None and not leg.done():
+                    leg.cancel()  # its token is retired: a reply that still comes is dropped quietly
+
+    def _count_hedge(self, expert: int, outcome: str) -> None:
+        key = (expert, outcome)
+        self.hedge_counts[key] = self.hedge_counts.get(key, 0) + 1
+
+    @property
+    def hedges_sent(self) -> int:
+        return sum(self.hedge_counts.values())
+
+    def _check(self, expert: int, data: bytes, shape: tuple[int, ...], row_ids) -> tuple[np.ndarray, str]:
+        """The reply's velocity as float32 [n, C, H, W] and the worker id it claims; raises
+        _BadReply or _ErrorReply."""
         try:
             raw = loads(data)
         except ProtocolError as err:
@@ -315,11 +547,29 @@ class NatsTransport:
             raise _BadReply(f"velocity shape {list(v.shape)} != request {list(shape)}", worker)
         if v.dtype.kind != "f":
             raise _BadReply(f"velocity dtype {v.dtype.str} is not float", worker)
-        with np.errstate(over="ignore", invalid="ignore"):
-            v = v.astype(np.float32, copy=False)
+        v = widen_float32(v)  # float32: the received bytes' read-only view, no copy
         if not np.isfinite(v).all():  # e.g. float64 values beyond float32's range
             raise _BadReply("velocity has NaN/Inf values as float32", worker)
-        return v
+        return v, worker
+
+
+def _worse(a: BaseException | None, b: BaseException) -> BaseException:
+    """Of two failed legs of one try, the failure to report: a reply (error or unusable) says more
+    than "no responders", which says more than a time-out."""
+    import nats.errors
+
+    def rank(e: BaseException | None) -> int:
+        if e is None:
+            return -1
+        if isinstance(e, (_BadReply, _ErrorReply)):
+            return 3
+        if isinstance(e, nats.errors.NoRespondersError):
+            return 2
+        if isinstance(e, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+            return 0
+        return 1
+
+    return b if rank(b) >= rank(a) else a
 
 
 class _ErrorReply(Exception):

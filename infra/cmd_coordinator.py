@@ -9,7 +9,9 @@ step; jobs join at the next tick and leave when done. Expert workers (`ddm-fleet
 started before or after; a step whose expert has no workers falls back to the next-best expert.
 Every expert reply is checked (shape, dtype, finite): a bad one is logged with the worker id it
 claims and retried (--bad-reply-retries); a job no expert could serve fails with `bad_reply` or
-`unavailable`. A NATS server restart costs the requests in flight a retry, not the jobs.
+`unavailable`. A NATS server restart costs the requests in flight a retry, not the jobs. A request with no reply
+after the expert's usual p99 is sent once more (--hedge), so a killed worker stalls its jobs for about
+that long, not for --step-timeout.
 Fair sharing across clients (the NATS user / client token, plus the viewer's socket): at most
 --max-client-rows running rows and --max-client-queued-jobs waiting jobs per client, at most
 --max-job-cost row-evaluations per job and --max-job-run-s seconds of running per job; freed rows go
@@ -32,6 +34,7 @@ examples:
   ddm-fleet coordinator --router ... --partition ... --metrics-port 0        # no /metrics
   ddm-fleet coordinator --router ... --partition ... --name coord-b          # a second coordinator on the bus
   ddm-fleet coordinator --router ... --partition ... --max-client-rows 256 --max-client-queued-jobs 16
+  ddm-fleet coordinator --router ... --partition ... --wire-dtype float16 --hedge-after-s 0.2
 """
 
 from __future__ import annotations
@@ -83,6 +86,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most rows in one expert request (at most 512, default %(default)s); a smaller value "
                              "splits an expert's batch into concurrent requests that the queue group spreads over "
                              "several workers of that expert (one worker re-batches them)")
+    parser.add_argument("--cohorts", type=int, default=2, metavar="N",
+                        help="batches of rows out at once (default %(default)s): the active jobs are dealt into N "
+                             "cohorts, so one cohort is routed and stepped while the experts work on another "
+                             "(no lock-step); 1 is the lock-step tick. A job's images do not depend on it")
+    parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                        help="precision of x_t and of the velocity on the coordinator<->worker wire (default "
+                             "%(default)s). float16 / bfloat16 halve the bytes; the velocity is widened to float32 "
+                             "and checked for NaN/Inf here. Every worker must be of this release or later (older "
+                             "ones answer `bad_request`). An x_t or velocity that overflows float16 is sent again "
+                             "in float32")
+    parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
+                        help="hedged requests (default %(default)s): a try of an expert with no reply after 1.5 x "
+                             "the p99 of its recent call times (at least 0.05 s; 1 s until 20 calls are known) is sent "
+                             "once more, so that another worker of its queue group can answer; the first usable "
+                             "reply wins. Only for experts whose recent replies came from 2+ workers, and at most "
+                             "~10%% of requests. A killed worker then costs its jobs ~that delay, not --step-timeout")
+    parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
+                        help="with --hedge auto: hedge after a fixed S seconds instead of the measured p99")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
                         help="serve Prometheus text metrics on http://HOST:P/metrics (default 9478, skipped with "
                              "a warning when taken; 0 disables)")
@@ -102,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ddm.coordinator")
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
                              ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1),
+                             ("--cohorts", args.cohorts, 1),
                              ("--bad-reply-retries", args.bad_reply_retries, 0),
                              ("--max-client-rows", 1 if args.max_client_rows is None else args.max_client_rows, 1),
                              ("--max-client-queued-jobs", args.max_client_queued_jobs, 1),
@@ -119,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.step_timeout <= 0:
         print(f"ddm-fleet coordinator: --step-timeout must be > 0, got {args.step_timeout}", file=sys.stderr)
+        return 2
+    if args.hedge_after_s is not None and not args.hedge_after_s > 0:
+        print(f"ddm-fleet coordinator: --hedge-after-s must be > 0 seconds, got {args.hedge_after_s}", file=sys.stderr)
         return 2
 
     if args.metrics_port is not None and args.metrics_port > 65535:
@@ -161,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
                                    bad_reply_retries=args.bad_reply_retries, max_client_rows=args.max_client_rows,
                                    max_client_queued_jobs=args.max_client_queued_jobs,
                                    max_job_cost=args.max_job_cost or None, max_job_run_s=args.max_job_run_s or None,
-                                   name=args.name, **metrics) as coord:
+                                   wire_dtype=args.wire_dtype, hedge=args.hedge, hedge_after_s=args.hedge_after_s,
+                                   cohorts=args.cohorts, name=args.name, **metrics) as coord:
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)"
                       + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)

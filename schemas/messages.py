@@ -22,6 +22,7 @@ from pydantic import (
     PlainSerializer,
     WithJsonSchema,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -98,6 +99,8 @@ MAX_COORDINATOR_NAME_LEN = 128
 #: A coordinator's name or instance id: at most MAX_COORDINATOR_NAME_LEN characters ("" = not said).
 CoordinatorName = Annotated[str, Field(max_length=MAX_COORDINATOR_NAME_LEN)]
 Strategy = Literal["top1", "topk", "full", "oracle"]
+#: A float precision an expert step may travel in (`schemas.tensor.WIRE_FLOATS`).
+WireFloat = Literal["float32", "float16", "bfloat16"]
 Solver = Literal["euler", "heun"]
 
 
@@ -143,7 +146,10 @@ class StepRequest(Message):
 
     x_t: [B, C, H, W] float, finite.  t: [B] float in [0, 1].  y: [B] int class labels.
     row_ids: B opaque ids echoed back.  deadline: unix time (s) after which the
-    worker drops the request instead of computing it.
+    worker drops the request instead of computing it.  reply_dtype: the precision the velocity
+    should travel back in ("float32" | "float16" | "bfloat16"; None = float32, and then the field
+    is left out of the wire map so that workers older than the field accept the request).
+    request_id: the same for every copy of one try (a hedged request is sent twice with it).
     """
 
     kind: Literal["step_request"] = "step_request"
@@ -154,6 +160,14 @@ class StepRequest(Message):
     row_ids: list[Id] = Field(default_factory=list)
     deadline: Optional[float] = None
     request_id: Optional[Id] = None
+    reply_dtype: Optional[WireFloat] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_default_reply_dtype(self, handler):  # not on the wire unless asked: older workers refuse unknown keys
+        out = handler(self)
+        if isinstance(out, dict) and self.reply_dtype is None:
+            out.pop("reply_dtype", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "StepRequest":
@@ -179,7 +193,8 @@ class StepRequest(Message):
 
 
 class StepReply(Message):
-    """Expert worker -> coordinator: velocity [B, C, H, W] for the request's rows, in order."""
+    """Expert worker -> coordinator: velocity [B, C, H, W] for the request's rows, in order
+    (float32, or the request's `reply_dtype`)."""
 
     kind: Literal["step_reply"] = "step_reply"
     expert: int = Field(ge=0)
@@ -237,6 +252,14 @@ class JobRequest(Message):
     frame_every: int = Field(default=1, ge=1, le=MAX_JOB_STEPS)
     deadline_s: Optional[float] = Field(default=None, gt=0, le=3600)
     session: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
+    frame_x1: bool = False  # frames also carry x1, the model's estimate of the final sample
+
+    @model_serializer(mode="wrap")
+    def _omit_default_frame_x1(self, handler):  # not on the wire unless asked: older coordinators refuse unknown keys
+        out = handler(self)
+        if isinstance(out, dict) and not self.frame_x1:
+            out.pop("frame_x1", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "JobRequest":
@@ -285,6 +308,8 @@ class FrameEvent(Message):
     x: [N, C, H, W] current samples (float16 to save bandwidth).
     t: time reached after this step.  experts: [N] expert that produced each row's
     step (-1 = several, see weights).  weights: [N, K] router weights used.
+    x1: [N, C, H, W] float16, the predicted final sample x + (1 - t) * u (u: the last combined
+    velocity), only when the job asked (`JobRequest.frame_x1`); else None.
     """
 
     kind: Literal["frame"] = "frame"
@@ -296,6 +321,14 @@ class FrameEvent(Message):
     experts: list[int]
     weights: Tensor
     notes: list[str] = Field(default_factory=list)  # e.g. "row 2: expert 1 unavailable, fell back to 0"
+    x1: Optional[Tensor] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_x1(self, handler):  # not on the wire unless asked: older clients refuse unknown keys
+        out = handler(self)
+        if isinstance(out, dict) and self.x1 is None:
+            out.pop("x1", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "FrameEvent":
@@ -310,6 +343,10 @@ class FrameEvent(Message):
             raise _err(ErrorCode.BAD_SHAPE, f"weights must be [N, K] with N = {n}, got {list(self.weights.shape)}")
         if self.step > self.steps:
             raise _err(ErrorCode.BAD_REQUEST, f"step {self.step} is past steps {self.steps}")
+        if self.x1 is not None:
+            _need_float(self.x1, "x1")
+            if self.x1.shape != self.x.shape:
+                raise _err(ErrorCode.BAD_SHAPE, f"x1 must have the shape of x {list(self.x.shape)}, got {list(self.x1.shape)}")
         return self
 
 

@@ -21,7 +21,10 @@ Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / 
 `checkpoint` may be None). Pass `nc=` to share an existing NATS connection (it is not closed).
 
 Replies: `StepReply` (velocity [B, C, H, W] float32, in request row order) or `ErrorReply` with a
-stable `ErrorCode`; error replies also carry the micro `Nats-Service-Error(-Code)` headers.
+stable `ErrorCode`; error replies also carry the micro `Nats-Service-Error(-Code)` headers. A request
+may carry `x_t` as float16 or bfloat16 and ask for the velocity back in `reply_dtype` (float16 /
+bfloat16): the model still runs in its own precision on float32 inputs, and the velocity is cast on
+reply; one that does not fit float16 (|v| > 65504) is answered `non_finite` with the peak value.
 Bad input never stops the worker: undecodable bytes, wrong version, wrong expert, shapes that do
 not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), a
 NaN/Inf velocity from absurd finite inputs (|x_t| over `SANE_ABS_X`: `non_finite`), and model
@@ -53,6 +56,7 @@ import numpy as np
 from bus.ratelimited_log import RateLimitedLog
 from schemas import ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
 from schemas.limits import MAX_STEP_ROWS
+from schemas.tensor import to_wire_dtype, widen_float32
 from schemas.version import PROTOCOL_VERSION
 
 from .batcher import DEFAULT_BUCKETS, Batcher, BatcherClosed, DeadlineExceeded, ModelError, plan_buckets
@@ -409,7 +413,10 @@ class ExpertWorker:
                                self.dropped_requests)
 
     def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
-        """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad."""
+        """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad.
+
+        float32 x_t / t are read-only views over the received bytes (no copy; the batcher and
+        backends only read them); float16 x_t is widened to float32 here (one pass)."""
         step = unpack(data, StepRequest)
         if step.expert != self.expert:
             raise ProtocolError(ErrorCode.UNKNOWN_EXPERT,
@@ -429,7 +436,7 @@ class ExpertWorker:
         if step.deadline is not None and time.time() > step.deadline:
             raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED,
                                 f"deadline passed {time.time() - step.deadline:.3f} s before the request arrived")
-        x = np.asarray(step.x_t, dtype=np.float32)
+        x = widen_float32(step.x_t)
         t = np.asarray(step.t, dtype=np.float32)
         y = np.asarray(step.y, dtype=np.int64)
         return step, x, t, y
@@ -455,8 +462,10 @@ class ExpertWorker:
                                         f"the model's velocity is NaN/Inf for x_t values up to {peak:.3g} (float32 "
                                         f"overflow); a sample x_t stays within a few units of 0")
                 raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
+            # float32, or the precision the request asked for (float16 overflow: `non_finite`, saying so)
+            velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
             reply = StepReply(
-                expert=self.expert, velocity=result.velocity, row_ids=list(step.row_ids),
+                expert=self.expert, velocity=velocity, row_ids=list(step.row_ids),
                 backend=self.backend.name, device=str(self.backend.device), worker_id=self.worker_id,
                 compute_ms=round(result.info.compute_s * 1000.0, 3), batch_rows=result.info.bucket,
             )

@@ -36,10 +36,11 @@ class Velocities:
         return (-(k + 1) * x).astype(np.float32)
 
 
-def engine(transport, router=None, **cfg):
+def engine(transport, router=None, cohorts=1, **cfg):
+    """An engine whose `tick()` steps every active row (cohorts=1: the lock-step tick these tests drive)."""
     events = []
     e = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
-               router or LabelRouter(C2E, 2), transport, events.append, router_in_thread=False)
+               router or LabelRouter(C2E, 2), transport, events.append, router_in_thread=False, cohorts=cohorts)
     return e, events
 
 
@@ -164,7 +165,7 @@ def engine_with(scheduler_cls, transport, **cfg):
     """Like `engine`, with a Scheduler subclass that injects a failure."""
     events = []
     e = Engine(scheduler_cls(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
-               LabelRouter(C2E, 2), transport, events.append, router_in_thread=False)
+               LabelRouter(C2E, 2), transport, events.append, router_in_thread=False, cohorts=1)
     return e, events
 
 
@@ -173,11 +174,11 @@ async def test_a_failing_schedule_fails_its_jobs_and_the_loop_goes_on():
     class ScheduleBreaksOnce(Scheduler):
         broke = False
 
-        def schedule(self, now, unavailable=frozenset()):
+        def schedule(self, now, unavailable=frozenset(), **kw):
             if not self.broke:
                 self.broke = True
                 raise KeyError("scheduler bug")
-            return super().schedule(now, unavailable)
+            return super().schedule(now, unavailable, **kw)
 
     e, events = engine_with(ScheduleBreaksOnce, Velocities(), max_rows=1)
     task = asyncio.create_task(e.run())

@@ -18,6 +18,11 @@ def make(**kw) -> Scheduler:
 
 def tick(sched: Scheduler, now: float) -> list:
     """One schedule -> execute -> update round with expert 0 answering v = -x; the events."""
+    return round_(sched, now)[1]
+
+
+def round_(sched: Scheduler, now: float):
+    """`tick`, returning (the batch's job ids or None, the events)."""
     batch = sched.schedule(now)
     if batch is not None:
         w = np.zeros((len(batch), 2))
@@ -27,7 +32,7 @@ def tick(sched: Scheduler, now: float) -> list:
             for k, idx in reqs.items():
                 batch.record(k, idx, -batch.x[idx])
         sched.update(batch, now)
-    return sched.pop_events()
+    return (batch.job_ids if batch is not None else None), sched.pop_events()
 
 
 def started_at_tick(sched: Scheduler, job_ids, ticks: int) -> dict[str, int]:
@@ -71,12 +76,10 @@ def test_ties_go_round_robin_not_to_the_earliest_job():
     s.submit(JobRequest(job_id="b0", digits=[1], steps=1, stream=False), 0.0, client="B")
     order = []
     for i in range(6):
-        batch = s.schedule(float(i))
-        if batch is None:
+        ids, _ = round_(s, float(i))  # admits one job and finishes it (steps=1)
+        if ids is None:
             break
-        order.append(batch.job_ids[0])
-        s.pop_events()
-        tick(s, float(i))  # schedules the same job again (nothing freed) and finishes it
+        order.append(ids[0])
     assert order == ["a0", "b0", "a1", "a2"]
 
 

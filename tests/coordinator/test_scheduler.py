@@ -207,9 +207,8 @@ def test_admission_limits_and_fifo_queue():
         s.submit(JobRequest(job_id="a", digits=[1]), 0.0)
     with pytest.raises(Rejected, match="already in use"):
         s.submit(JobRequest(job_id="b", digits=[1]), 0.0)
-    assert s.schedule(0.0).job_ids == ["a"] * 3  # b waits (FIFO), so c waits behind it
+    assert tick(s, prefer(0), V2).job_ids == ["a"] * 3  # b waits (FIFO), so c waits behind it
     assert s.active_job_ids() == ["a"] and s.active_jobs == 1 and s.queued_jobs == 2 and s.active_rows == 3
-    tick(s, prefer(0), V2)
     tick(s, prefer(0), V2)  # a finishes
     assert s.schedule(0.0).job_ids == ["b", "b", "c"]
     assert s.stats.jobs_rejected == 4
