@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute in workers and in the ceiling")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads per expert, both paths; also the coordinator's router "
-                             "(default: torch's choice)")
+                             "(default: this machine's cores shared out among the worker processes, at least 1, "
+                             "as docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives "
+                             "every process all the cores, and their spinning threads then fight)")
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128", help="worker batch buckets (default %(default)s)")
     parser.add_argument("--max-rows", type=int, default=4096, metavar="N",
                         help="admission limit: most images denoised at once (`ddm-fleet coordinator --max-rows`, and "
@@ -78,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cohorts", type=int, default=2, metavar="N",
                         help="batches out at once, both paths (`ddm-fleet coordinator --cohorts`; default "
                              "%(default)s; 1: the lock-step tick)")
+    parser.add_argument("--route-every", type=int, default=1, metavar="N",
+                        help="router every N evaluations of a job, both paths (`ddm-fleet coordinator "
+                             "--route-every`; default %(default)s)")
     parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                         help="fleet: `ddm-fleet coordinator --wire-dtype` (default %(default)s)")
     parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
@@ -274,7 +279,8 @@ async def _ceiling(args, models) -> dict:
 
     engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
                                               max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
-                    router, InProcessTransport(backends), emit, cohorts=getattr(args, "cohorts", 2))
+                    router, InProcessTransport(backends), emit, cohorts=getattr(args, "cohorts", 2),
+                    route_every=getattr(args, "route_every", 1))
     task = asyncio.create_task(engine.run())
 
     async def run_one(req):
@@ -414,7 +420,8 @@ async def _fleet(args, models) -> dict:
                 "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
                 "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
                 "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120,
-                "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", 2), *wire), env)
+                "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", 2),
+                "--route-every", getattr(args, "route_every", 1), *wire), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
             nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
@@ -485,6 +492,8 @@ async def bench_fleet(args) -> dict:
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ddm-bench-fleet-") as tmp:
         models = _models(args, tmp)
+        if args.threads is None:  # share the cores out among the worker processes
+            args.threads = max(1, (os.cpu_count() or 1) // (models["k"] * getattr(args, "workers_per_expert", 1)))
         ceiling = await _ceiling(args, models) if args.only != "fleet" else None
         start_memory, fleet = await _fleet(args, models) if args.only != "ceiling" else (None, None)
     rows = []
@@ -505,7 +514,7 @@ async def bench_fleet(args) -> dict:
              "step_timeout_s": args.step_timeout, "retries": args.retries,
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
              "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
-             "cohorts": getattr(args, "cohorts", 2),
+             "cohorts": getattr(args, "cohorts", 2), "route_every": getattr(args, "route_every", 1),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}

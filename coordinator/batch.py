@@ -62,14 +62,36 @@ class Batch:
         return slice(int(self.bounds[g]), int(self.bounds[g + 1]))
 
     # ------------------------------------------------------------ routing
-    def route(self, router_w: np.ndarray) -> "Batch":
-        """Set router weights [R, K] and choose each row's experts by its strategy."""
+    def routing_plan(self, every: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(fresh [R] bool, w [R, K] float64): the rows whose groups ask the router afresh at this
+        evaluation (`RowGroup.needs_routing(every)`), and the weights of the others, reused from the
+        group's last routing (fresh rows hold zeros: the router fills them)."""
+        if every < 1:
+            raise ValueError(f"route every must be >= 1 evaluation, got {every}")
+        fresh = np.zeros(len(self), bool)
+        w = np.zeros((len(self), self.num_experts), np.float64)
+        for gi, g in enumerate(self.groups):
+            rows = self.group_rows(gi)
+            if g.needs_routing(every):
+                fresh[rows] = True
+            else:
+                w[rows] = g.route_w
+        return fresh, w
+
+    def route(self, router_w: np.ndarray, fresh: np.ndarray | None = None) -> "Batch":
+        """Set router weights [R, K] and choose each row's experts by its strategy. `fresh` [R] bool
+        (default: every row) marks the rows whose weights the router just computed: their groups
+        remember them for the evaluations that reuse them (see `routing_plan`)."""
         router_w = np.asarray(router_w, dtype=np.float64)
         if router_w.shape != (len(self), self.num_experts):
             raise ValueError(f"router weights must be [R, K] = [{len(self)}, {self.num_experts}], got {list(router_w.shape)}")
         if not np.isfinite(router_w).all():
             raise ValueError("router weights contain NaN/Inf")
         self.router_w = router_w
+        for gi, g in enumerate(self.groups):
+            rows = self.group_rows(gi)
+            if fresh is None or fresh[rows.start]:
+                g.remember_route(router_w[rows])
         self.ideal = self._select(np.ones(self.num_experts, bool))
         self.weights = self._select(self.available)
         return self

@@ -6,8 +6,9 @@
     ...
     await engine.stop()
 
-Each tick: the scheduler hands over every active row; the router weighs all of them in one
-call (off the event loop); each chosen expert gets ONE batched velocity call, all experts
+The engine runs `cohorts` lanes (no lock-step; see Scheduler.schedule): each lane ticks on its own.
+Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
+time); the router weighs all of them in one call (off the event loop, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently; an expert that is unavailable (no responders, timeouts after retries) is marked
 failed for this tick and its rows are rerouted by their strategy (top1 -> next-best expert),
 then the scheduler advances every row one solver stage and the events go to `emit`.
@@ -97,7 +98,8 @@ class Engine:
     def __init__(self, scheduler: Scheduler, router: RouterLike, transport: Transport,
                  emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
                  router_in_thread: bool = True, rate_window_s: float = 10.0,
-                 metrics: CoordinatorMetrics | None = None, cohorts: int = DEFAULT_COHORTS):
+                 metrics: CoordinatorMetrics | None = None, cohorts: int = DEFAULT_COHORTS,
+                 route_every: int = 1):
         if not isinstance(cohorts, int) or cohorts < 1:
             raise ValueError(f"cohorts must be an int >= 1 (batches out at once), got {cohorts!r}")
         self.scheduler = scheduler
@@ -108,6 +110,10 @@ class Engine:
         self.clock = clock
         self.router_in_thread = router_in_thread
         self.cohorts = cohorts
+        if not isinstance(route_every, int) or route_every < 1:
+            raise ValueError(f"route_every must be an int >= 1 (evaluations per router call), got {route_every!r}")
+        self.route_every = route_every
+        self.rows_routed = 0  # rows the router weighed (the rest reused their job's last weights)
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._stopping = False
@@ -258,12 +264,21 @@ class Engine:
     async def _execute(self, batch: Batch) -> None:
         """Route, then call every chosen expert (rerouting after failures); a failed expert is
         marked on the batch with its ErrorCode."""
-        async with self._router_lock:
-            if self.router_in_thread:
-                w = await asyncio.to_thread(self.router.weights, batch.x, batch.t, batch.y)
-            else:
-                w = self.router.weights(batch.x, batch.t, batch.y)
-        batch.route(np.asarray(w))
+        fresh, w = batch.routing_plan(self.route_every)
+        if fresh.any():
+            idx = slice(None) if fresh.all() else np.nonzero(fresh)[0]
+            x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
+            async with self._router_lock:
+                if self.router_in_thread:
+                    got = await asyncio.to_thread(self.router.weights, x, t, y)
+                else:
+                    got = self.router.weights(x, t, y)
+            got = np.asarray(got, dtype=np.float64)
+            if got.shape != (len(y), w.shape[1]):
+                raise ValueError(f"router weights must be [R, K] = [{len(y)}, {w.shape[1]}], got {list(got.shape)}")
+            w[idx] = got
+            self.rows_routed += len(y)
+        batch.route(w, fresh)
         while reqs := batch.requests():
             experts = list(reqs)
             results = await asyncio.gather(

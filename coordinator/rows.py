@@ -67,6 +67,8 @@ class RowGroup:
     v0: np.ndarray | None = None  # heun: stage-0 velocity [N, C, H, W]
     last_u: np.ndarray | None = None  # the last combined velocity applied [N, C, H, W] (for x1 = x + (1 - t) u)
     evals: int = 0  # velocity evaluations applied
+    route_w: np.ndarray | None = None  # [N, K] float64 router weights last computed for these rows
+    routed_at: int = -1  # `evals` when route_w was computed
     usage: np.ndarray = field(init=False)
     last_weights: np.ndarray = field(init=False)
     last_experts: np.ndarray = field(init=False)
@@ -114,6 +116,17 @@ class RowGroup:
     def dt(self) -> np.float32:
         """Step size of the current step, float32 (as the update uses it)."""
         return step_dt(self._grid[self.step], self._grid[self.step + 1])
+
+    def needs_routing(self, every: int) -> bool:
+        """Whether this evaluation asks the router afresh: the first one, then every `every`-th
+        (counted in evaluations, so Heun's two stages count twice). Depends only on the group's own
+        progress, never on the batch it rides in."""
+        return self.route_w is None or self.evals - self.routed_at >= every
+
+    def remember_route(self, w: np.ndarray) -> None:
+        """Keep router weights w [N, K] computed for this evaluation."""
+        self.route_w = np.array(w, dtype=np.float64)
+        self.routed_at = self.evals
 
     def eval_point(self) -> tuple[np.ndarray, float]:
         """(x [N, C, H, W], t) at which the next velocity must be evaluated."""

@@ -113,7 +113,8 @@ class Coordinator:
     wire_dtype ("float32" | "float16" | "bfloat16"), hedge ("auto" | "off") and hedge_after_s go to
     the default NatsTransport: the precision of x_t and the velocity on the wire, and hedged requests
     (see coordinator.transport). cohorts: batches the engine keeps out at once (see
-    Scheduler.schedule; 1 is the lock-step tick).
+    Scheduler.schedule; 1 is the lock-step tick). route_every: ask the router every N evaluations of
+    a job and reuse its weights in between (1: every evaluation; see Batch.routing_plan).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
     `keep_finished_s` seconds old) are kept so a status request can publish them again.
     name: this coordinator's name (1-128 characters), in every `accepted`, `job_status` and
@@ -133,7 +134,7 @@ class Coordinator:
                  max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
                  max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
                  wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
-                 cohorts: int = DEFAULT_COHORTS):
+                 cohorts: int = DEFAULT_COHORTS, route_every: int = 1):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_COORDINATOR_NAME_LEN:
@@ -155,6 +156,7 @@ class Coordinator:
         if not isinstance(cohorts, int) or cohorts < 1:
             raise ValueError(f"cohorts must be an int >= 1, got {cohorts!r}")
         self.cohorts = cohorts
+        self.route_every = route_every
         self.transport = transport
         self.name = name
         # this run of the coordinator: a restart (same name) has another instance
@@ -201,7 +203,8 @@ class Coordinator:
             self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
                                            bad_reply_retries=self.bad_reply_retries, wire_dtype=self.wire_dtype,
                                            hedge=self.hedge, hedge_after_s=self.hedge_after_s, **opts)
-        self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish, cohorts=self.cohorts)
+        self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish, cohorts=self.cohorts,
+                             route_every=self.route_every)
         self.metrics = self.engine.metrics
         if hasattr(self.transport, "hedge_counts"):
             self.metrics.watch_transport(self.transport)

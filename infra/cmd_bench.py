@@ -3,12 +3,15 @@
   worker   one expert worker: rows/s per bucket through NATS next to the same model called in-process
   fleet    whole fleet (client -> coordinator process -> worker processes): images/s and job latency vs
            in-process; every job's outcome (completed / rejected / failed / lost) and peak RSS per process
+  scale    fleet rows/s as sim workers and coordinators are added, against the workers' capacity; one
+           coordinator's own capacity (--coordinator-capacity); its CPU per 1000 rows and peak RSS
 
 examples:
   ddm-fleet bench worker                                  # random small UNet, torch, own nats-server
   ddm-fleet bench worker --checkpoint checkpoints/expert0.safetensors --bf16 --buckets 1,8,64,128
   ddm-fleet bench worker --backend jax --nats nats://127.0.0.1:4222
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
+  ddm-fleet bench scale --coordinator-capacity --workers 1,2,4,8 --coordinators 1,2
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ BENCHES: list[tuple[str, str, str]] = [
     ("worker", "benchmarks.worker", "expert worker rows/s per bucket: through NATS vs in-process"),
     ("fleet", "benchmarks.fleet", "images/s, p50/p99 job latency, job outcomes (lost must be 0) and peak RSS "
                                    "per process through the whole fleet vs in-process"),
+    ("scale", "benchmarks.scale", "fleet rows/s vs sim workers (1,2,4,8 per expert) and coordinators, efficiency "
+                                  "against capacity, coordinator CPU per 1000 rows and peak RSS"),
 ]
 
 

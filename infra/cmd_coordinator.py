@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batches of rows out at once (default %(default)s): the active jobs are dealt into N "
                              "cohorts, so one cohort is routed and stepped while the experts work on another "
                              "(no lock-step); 1 is the lock-step tick. A job's images do not depend on it")
+    parser.add_argument("--route-every", type=int, default=1, metavar="N",
+                        help="ask the router every N evaluations of a job and reuse its weights in between "
+                             "(default %(default)s: every evaluation). N > 1 cuts the coordinator's router cost N-fold; "
+                             "it can change images (see docs/CAPACITY.md for the measured effect)")
     parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                         help="precision of x_t and of the velocity on the coordinator<->worker wire (default "
                              "%(default)s). float16 / bfloat16 halve the bytes; the velocity is widened to float32 "
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ddm.coordinator")
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
                              ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1),
-                             ("--cohorts", args.cohorts, 1),
+                             ("--cohorts", args.cohorts, 1), ("--route-every", args.route_every, 1),
                              ("--bad-reply-retries", args.bad_reply_retries, 0),
                              ("--max-client-rows", 1 if args.max_client_rows is None else args.max_client_rows, 1),
                              ("--max-client-queued-jobs", args.max_client_queued_jobs, 1),
@@ -187,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                                    max_client_queued_jobs=args.max_client_queued_jobs,
                                    max_job_cost=args.max_job_cost or None, max_job_run_s=args.max_job_run_s or None,
                                    wire_dtype=args.wire_dtype, hedge=args.hedge, hedge_after_s=args.hedge_after_s,
-                                   cohorts=args.cohorts, name=args.name, **metrics) as coord:
+                                   cohorts=args.cohorts, route_every=args.route_every, name=args.name, **metrics) as coord:
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)"
                       + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)

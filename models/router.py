@@ -189,10 +189,20 @@ def load_router_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-class Router:
-    """A loaded router for inference (CPU, no grad). Use :meth:`load`, then :meth:`weights`."""
+#: Rows per router forward pass: a larger batch is cut into pieces of this size. On a 2-core CPU the
+#: shipped router weighs ~23k rows/s at 64 rows per pass against ~8k at 512 (big convolutions spill
+#: the caches and allocate large temporaries, which also set the coordinator's peak memory).
+ROUTER_CHUNK_ROWS = 64
 
-    def __init__(self, net, meta: dict[str, Any] | None = None):
+
+class Router:
+    """A loaded router for inference (CPU, no grad). Use :meth:`load`, then :meth:`weights`.
+    `chunk_rows`: most rows per forward pass (see ROUTER_CHUNK_ROWS)."""
+
+    def __init__(self, net, meta: dict[str, Any] | None = None, chunk_rows: int = ROUTER_CHUNK_ROWS):
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        self.chunk_rows = chunk_rows
         self.net = net.eval()
         self.meta = meta or {}
         self.cfg: RouterConfig = net.cfg
@@ -234,9 +244,13 @@ class Router:
         import torch
 
         x, tt, yy = self._check(x_t, t, y)
-        with torch.no_grad():
-            out = self.net(torch.from_numpy(x), torch.from_numpy(tt), torch.from_numpy(yy))
-        return out.numpy()
+        step = self.chunk_rows
+        with torch.inference_mode():
+            if len(x) <= step:
+                return self.net(torch.from_numpy(x), torch.from_numpy(tt), torch.from_numpy(yy)).numpy()
+            parts = [self.net(torch.from_numpy(x[i:i + step]), torch.from_numpy(tt[i:i + step]),
+                              torch.from_numpy(yy[i:i + step])).numpy() for i in range(0, len(x), step)]
+        return np.concatenate(parts)
 
     def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray | None = None) -> np.ndarray:
         """Softmax routing weights, float32 [B, K], rows sum to 1."""

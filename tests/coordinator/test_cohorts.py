@@ -188,3 +188,56 @@ async def test_seeded_images_are_bit_identical_whatever_the_cohorts_crowd_or_wor
         assert isinstance(a, DoneEvent) and isinstance(b, DoneEvent)
         assert np.array_equal(a.images, b.images), (p.strategy, p.solver, float(np.abs(a.images - b.images).max()))
         assert np.array_equal(a.usage, b.usage)
+
+
+# ---------------------------------------------------------------- routing less often
+
+
+class CountingRouter:
+    """Row-independent weights (label decides, t nudges the second expert) that count rows weighed."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def weights(self, x, t, y):
+        self.rows += len(y)
+        w = np.zeros((len(y), 2))
+        w[:, 0] = 0.7 + 0.2 * (np.asarray(y) < 5) - 0.1 * t
+        w[:, 1] = 1.0 - w[:, 0]
+        return w
+
+
+class EchoTransport:
+    async def velocity(self, k, x, t, y, row_ids):
+        return (-(k + 1) * x).astype(np.float32)
+
+
+async def _run_engine(route_every: int, cohorts: int, jobs: list[JobRequest]):
+    events, router = [], CountingRouter()
+    e = Engine(make(), router, EchoTransport(), events.append, router_in_thread=False, cohorts=cohorts,
+               route_every=route_every)
+    task = asyncio.create_task(e.run())
+    for j in jobs:
+        e.submit(j)
+    await wait_until(lambda: sum(ev.kind == "done" for ev in events) == len(jobs), timeout=10, what="all done")
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+    done = {ev.job_id: ev for ev in events if ev.kind == "done"}
+    return done, router.rows, e.rows_routed
+
+
+async def test_route_every_asks_the_router_every_nth_evaluation_whatever_the_cohorts():
+    jobs = [JobRequest(job_id="e", digits=[1, 7], steps=8, seed=1, strategy="full", stream=False),
+            JobRequest(job_id="h", digits=[3], steps=4, seed=2, strategy="full", solver="heun", stream=False)]
+    every1, rows1, _ = await _run_engine(1, 1, jobs)
+    assert rows1 == 2 * 8 + 1 * 8  # every evaluation: heun evaluates twice per step
+    every4, rows4, routed = await _run_engine(4, 1, jobs)
+    assert rows4 == routed == 2 * 2 + 1 * 2  # evaluations 0 and 4 of each job
+    every4_c3, _, _ = await _run_engine(4, 3, jobs)
+    for j in ("e", "h"):
+        assert np.array_equal(every4[j].images, every4_c3[j].images)  # cohorts change nothing
+    # the router's weights move with t, so reusing them changes the mix a little, not much
+    diff = float(np.abs(every1["e"].images - every4["e"].images).max())
+    assert 0 < diff < 0.5, diff
+    with pytest.raises(ValueError, match="route_every"):
+        Engine(make(), CountingRouter(), EchoTransport(), route_every=0)
