@@ -50,6 +50,7 @@ import numpy as np
 from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 
 from .batch import Batch
+from .checkpoint import JobCheckpoint
 from .rows import RowGroup, draw_digits
 
 MAX_NOTES = 50
@@ -402,6 +403,108 @@ class Scheduler:
             if job is not None and job.group is g:
                 self.fail(g.job_id, code, reason)
 
+    def drop(self, job_id: str) -> bool:
+        """Forget a queued or running job without any event (its client hears nothing from here):
+        for a durable coordinator that lost the job to another one, or hands it over. False if unknown."""
+        return self._remove(job_id) is not None
+
+    # ------------------------------------------------------------ checkpoint / restore
+    def checkpoint(self, job_id: str) -> JobCheckpoint | None:
+        """A copy of a held job's state (`coordinator.checkpoint.JobCheckpoint`), or None if unknown.
+        A running job's committed state is taken (a batch in flight has not touched it yet); a
+        queued job's has `x = None`."""
+        job = self._active.get(job_id) or next((j for j in self._queue if j.job_id == job_id), None)
+        if job is None:
+            return None
+        cp = JobCheckpoint(request=job.request, job_id=job.job_id, client=job.client, digits=list(job.digits),
+                           seed=int(job.seed), submitted_at=float(job.submitted_at), started_at=job.started_at,
+                           notes=list(job.notes), pending_notes=list(job.pending_notes))
+        g = job.group
+        if job_id in self._active and g is not None:
+            cp.x = np.array(g.x, np.float32, copy=True)
+            cp.step, cp.stage, cp.evals, cp.routed_at = int(g.step), int(g.stage), int(g.evals), int(g.routed_at)
+            cp.v0 = None if g.v0 is None else np.array(g.v0, np.float32, copy=True)
+            cp.usage = np.array(g.usage, np.int64, copy=True)
+            cp.route_w = None if g.route_w is None else np.array(g.route_w, np.float64, copy=True)
+            cp.oracle_expert = np.array(g.oracle_expert, np.int64, copy=True)
+        return cp
+
+    def restore(self, cp: JobCheckpoint, now: float) -> Admission:
+        """Take a job back from its checkpoint (taken here or by another coordinator) exactly where it
+        was: it runs on from `cp.step` and ends with the same images as if it had never stopped.
+        The admission limits apply as for a submit: it starts now if its rows are free, else waits in
+        the queue (keeping its rows); raises Rejected (code, reason, limit) when it is too large for
+        this coordinator, the queue is full, or the checkpoint does not fit this configuration
+        (experts, image shape, job id in use)."""
+        cfg, req, n = self.config, cp.request, cp.n
+        client = cp.client
+        if not isinstance(client, str) or not 1 <= len(client) <= MAX_CLIENT_KEY_LEN:
+            raise Rejected(ErrorCode.BAD_REQUEST, f"restore: client key must be 1-{MAX_CLIENT_KEY_LEN} characters")
+        if self.knows(cp.job_id):
+            raise Rejected(ErrorCode.BAD_REQUEST, f"restore: job id {cp.job_id!r} is already in use here")
+        if n < 1 or n != req.n_images:
+            raise Rejected(ErrorCode.BAD_REQUEST, f"restore: {n} digits for a job of {req.n_images} images")
+        if any(not 0 <= int(d) < cfg.num_classes for d in cp.digits):
+            raise Rejected(ErrorCode.BAD_REQUEST, f"restore: digits must be in [0, {cfg.num_classes})")
+        if n > cfg.max_rows:
+            raise Rejected(ErrorCode.TOO_LARGE, f"restore: job has {n} images but this coordinator runs at most "
+                           f"{cfg.max_rows} rows at once", "max_rows")
+        if n > cfg.client_rows:
+            raise Rejected(ErrorCode.TOO_LARGE, f"restore: job has {n} images but one client runs at most "
+                           f"{cfg.client_rows} rows at once here", "max_client_rows")
+        if cfg.max_job_cost is not None and job_cost(req, cfg.num_experts) > cfg.max_job_cost:
+            raise Rejected(ErrorCode.TOO_LARGE, f"restore: job cost {job_cost(req, cfg.num_experts)} row-evaluations "
+                           f"is over this coordinator's limit of {cfg.max_job_cost}", "max_job_cost")
+        if req.strategy == "oracle" and cfg.class_to_expert is None:
+            raise Rejected(ErrorCode.BAD_REQUEST, "restore: oracle strategy needs a partition manifest; none here")
+        group = None
+        if cp.x is not None:
+            shape = (n, *cfg.image_shape)
+            if tuple(cp.x.shape) != shape:
+                raise Rejected(ErrorCode.BAD_REQUEST, f"restore: checkpoint rows {list(cp.x.shape)} do not match "
+                               f"this coordinator's {list(shape)}")
+            if cp.usage is None or cp.usage.shape != (n, cfg.num_experts):
+                got = None if cp.usage is None else list(cp.usage.shape)
+                raise Rejected(ErrorCode.BAD_REQUEST, f"restore: checkpoint usage {got} does not match "
+                               f"{cfg.num_experts} experts here")
+            if not 0 <= cp.step <= req.steps or (cp.stage == 1) != (cp.v0 is not None) or (
+                    cp.stage == 1 and req.solver != "heun"):
+                raise Rejected(ErrorCode.BAD_REQUEST, f"restore: inconsistent solver state (step {cp.step} of "
+                               f"{req.steps}, stage {cp.stage}, {req.solver})")
+            c2e = cfg.class_to_expert
+            oracle = cp.oracle_expert if cp.oracle_expert is not None else np.array(
+                [c2e[y] if c2e is not None else -1 for y in cp.digits], np.int64)
+            group = RowGroup(job_id=cp.job_id, y=np.asarray(cp.digits, np.int64), x=np.array(cp.x, np.float32),
+                             steps=req.steps, solver=req.solver, strategy=req.strategy, top_k=req.top_k,
+                             oracle_expert=oracle, num_experts=cfg.num_experts, step=int(cp.step),
+                             stage=int(cp.stage), v0=None if cp.v0 is None else np.array(cp.v0, np.float32),
+                             evals=int(cp.evals),
+                             route_w=None if cp.route_w is None else np.array(cp.route_w, np.float64),
+                             routed_at=int(cp.routed_at))
+            group.usage = np.array(cp.usage, np.int64)
+        starts_now = self._starts_now(client, n)
+        if not starts_now:
+            if len(self._queue) >= cfg.max_queued_jobs:
+                raise Rejected(ErrorCode.OVERLOADED, f"restore: {len(self._queue)} jobs already queued (limit "
+                               f"{cfg.max_queued_jobs})", "max_queued_jobs")
+            if self._client_queued.get(client, 0) >= cfg.client_queued_jobs:
+                raise Rejected(ErrorCode.OVERLOADED, f"restore: client quota of {cfg.client_queued_jobs} queued "
+                               "jobs reached", "max_client_queued_jobs")
+        deadline = cp.submitted_at + req.deadline_s if req.deadline_s is not None else None
+        self._seq += 1
+        job = Job(request=req, job_id=cp.job_id, digits=[int(d) for d in cp.digits], seed=int(cp.seed),
+                  submitted_at=float(cp.submitted_at), deadline=deadline, client=client, seq=self._seq, group=group,
+                  step=int(cp.step) if group is not None else 0,
+                  started_at=cp.started_at if group is not None else None,
+                  notes=list(cp.notes)[:MAX_NOTES], pending_notes=list(cp.pending_notes))
+        if starts_now:
+            self._start(job, now)
+        else:
+            self._queue.append(job)
+            self._client_queued[client] = self._client_queued.get(client, 0) + 1
+        return Admission(job_id=job.job_id, digits=job.digits, seed=job.seed,
+                         queue_position=0 if starts_now else len(self._queue))
+
     def pop_events(self) -> list:
         ev, self._events = self._events, []
         return ev
@@ -461,11 +564,13 @@ class Scheduler:
     def _start(self, job: Job, now: float) -> None:
         req, cfg = job.request, self.config
         c2e = cfg.class_to_expert
-        job.group = RowGroup.from_seed(
-            job.job_id, job.seed, job.digits, cfg.image_shape, steps=req.steps, solver=req.solver,
-            strategy=req.strategy, top_k=req.top_k, num_experts=cfg.num_experts,
-            oracle_expert=np.array([c2e[y] if c2e is not None else -1 for y in job.digits], np.int64))
-        job.started_at = now
+        if job.group is None:  # (a restored job brings its rows: see restore)
+            job.group = RowGroup.from_seed(
+                job.job_id, job.seed, job.digits, cfg.image_shape, steps=req.steps, solver=req.solver,
+                strategy=req.strategy, top_k=req.top_k, num_experts=cfg.num_experts,
+                oracle_expert=np.array([c2e[y] if c2e is not None else -1 for y in job.digits], np.int64))
+        if job.started_at is None:  # (a restored job keeps its first start)
+            job.started_at = now
         self._active[job.job_id] = job
         self._client_rows[job.client] = self._client_rows.get(job.client, 0) + job.n
         self._admissions += 1

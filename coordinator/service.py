@@ -62,6 +62,9 @@ from schemas import (
 from schemas.errors import shown
 from schemas.messages import MAX_COORDINATOR_NAME_LEN
 
+from .checkpoint import decode as decode_checkpoint
+from .checkpoint import encode as encode_checkpoint
+from .durable import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S, CheckpointingScheduler, JobLost, JobStore
 from .engine import DEFAULT_COHORTS, Engine, RouterLike, Transport
 from .scheduler import Rejected, Scheduler, SchedulerConfig
 
@@ -134,7 +137,8 @@ class Coordinator:
                  max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
                  max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
                  wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
-                 cohorts: int = DEFAULT_COHORTS, route_every: int = 1):
+                 cohorts: int = DEFAULT_COHORTS, route_every: int = 1, durable: bool = False,
+                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, lease_s: float = DEFAULT_LEASE_S):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_COORDINATOR_NAME_LEN:
@@ -180,6 +184,16 @@ class Coordinator:
         self.metrics_port, self.metrics_host, self.metrics_optional = metrics_port, metrics_host, metrics_optional
         self.metrics = None  # CoordinatorMetrics, once entered
         self._metrics_runner = None
+        # durable jobs (coordinator.durable): off unless durable=True
+        if durable and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be an int >= 1 (solver steps), got {checkpoint_every!r}")
+        self.durable, self.checkpoint_every, self.lease_s = bool(durable), checkpoint_every, lease_s
+        self.store: JobStore | None = None
+        self._durable_ops: list[tuple[str, str]] = []  # ("adopt" | "release", job id), in order
+        self._durable_wake: asyncio.Event | None = None
+        self._durable_task: asyncio.Task | None = None
+        self._fenced: OrderedDict[str, None] = OrderedDict()  # jobs lost to another coordinator: publish nothing
+        self.jobs_resumed = 0
 
     @classmethod
     def from_files(cls, router_path, partition_path, **kw) -> "Coordinator":
@@ -203,7 +217,18 @@ class Coordinator:
             self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
                                            bad_reply_retries=self.bad_reply_retries, wire_dtype=self.wire_dtype,
                                            hedge=self.hedge, hedge_after_s=self.hedge_after_s, **opts)
-        self.engine = Engine(Scheduler(self.config), self.router, self.transport, self._publish, cohorts=self.cohorts,
+        if self.durable:
+            try:
+                self.store = await JobStore(self.nc, self.name, self.instance, lease_s=self.lease_s).open()
+            except Exception:
+                if self._own_nc:
+                    await self.nc.close()
+                raise
+            self._durable_wake = asyncio.Event()
+            sched = CheckpointingScheduler(self.config, self.checkpoint_every, on_due=self._durable_wake.set)
+        else:
+            sched = Scheduler(self.config)
+        self.engine = Engine(sched, self.router, self.transport, self._publish, cohorts=self.cohorts,
                              route_every=self.route_every)
         self.metrics = self.engine.metrics
         if hasattr(self.transport, "hedge_counts"):
@@ -220,6 +245,9 @@ class Coordinator:
         # round trip proves the server has every subscription (and clients find us at once).
         await self.nc.flush()
         await self.nc.flush()
+        if self.durable:  # before serving status: a job of this name's previous run is never "unknown"
+            await self._resume_orphans()
+            self._durable_task = asyncio.create_task(self._durable_loop(), name="coordinator-durable")
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         self._task.add_done_callback(self._engine_ended)
         log.info("coordinator up: %d experts, max %d rows, %d queued jobs", self.config.num_experts,
@@ -254,6 +282,8 @@ class Coordinator:
         self._subs = []
         for task in list(self._bg):
             task.cancel()
+        if self.durable:
+            await self._hand_over()
         if self.engine is not None:
             await self.engine.stop()
         if self._task is not None:
@@ -313,6 +343,8 @@ class Coordinator:
                                                                                 request)))
         self._own(accepted.job_id, client)
         self._progress[accepted.job_id] = (0, request.steps)
+        if self.durable:
+            self._durable_op("adopt", accepted.job_id)
         await self._publish(accepted)
         return accepted
 
@@ -334,6 +366,151 @@ class Coordinator:
         """`accepted` naming this coordinator and its run, so the client can tell its answers from
         other coordinators' (whose `unknown` says nothing about this job)."""
         return accepted.model_copy(update={"coordinator": self.name, "instance": self.instance})
+
+    # ------------------------------------------------------------ durable jobs (durable=True only)
+    def _durable_op(self, op: str, job_id: str) -> None:
+        """Queue a bucket write for the durable loop: "adopt" (a job admitted here) or "release"."""
+        self._durable_ops.append((op, job_id))
+        self._durable_wake.set()
+
+    def _encoded(self, job_id: str) -> bytes | None:
+        """The job's checkpoint bytes now, or None if the scheduler no longer holds it."""
+        cp = self.engine.scheduler.checkpoint(job_id)
+        return None if cp is None else encode_checkpoint(cp, owner=self.name, written_at=time.time())
+
+    async def _durable_loop(self) -> None:
+        """Write checkpoints (admission, every checkpoint_every steps), delete them when jobs end,
+        renew this run's leases every lease_s / 3 and take over orphaned jobs as often."""
+        period = self.lease_s / 3
+        next_renew = next_scan = time.monotonic() + period
+        while True:
+            try:
+                await asyncio.wait_for(self._durable_wake.wait(),
+                                       timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                pass
+            self._durable_wake.clear()
+            try:
+                await self._durable_round()
+                now = time.monotonic()
+                if now >= next_renew:
+                    next_renew = now + period
+                    for job_id in await self.store.renew():
+                        self._fence(job_id, "another coordinator took over its lease")
+                    if self.store.expired():
+                        for job_id in self.store.held:
+                            self.store.forget(job_id)
+                            self._fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
+                if now >= next_scan:
+                    next_scan = now + period
+                    await self._resume_orphans()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("durable jobs: a round of bucket writes failed")
+                await asyncio.sleep(min(period, 1.0))
+
+    async def _durable_round(self) -> None:
+        ops, self._durable_ops = self._durable_ops, []
+        store, sched = self.store, self.engine.scheduler
+        for op, job_id in ops:
+            try:
+                if op == "adopt":
+                    data = self._encoded(job_id)
+                    if data is not None:
+                        await store.adopt(job_id, data)
+                elif store.holds(job_id):
+                    await store.release(job_id)
+            except Exception as err:  # e.g. the bucket is full: the job runs on, not durable
+                log.warning("durable jobs: %s of job %s failed: %r", op, job_id, err)
+        for job_id in sched.take_due():
+            data = self._encoded(job_id) if store.holds(job_id) else None
+            if data is None:
+                continue
+            try:
+                await store.save(job_id, data)
+            except JobLost as err:
+                self._fence(job_id, str(err))
+            except Exception as err:
+                log.warning("durable jobs: checkpoint of job %s failed: %r", job_id, err)
+
+    def _fence(self, job_id: str, why: str) -> None:
+        """This run lost the job to another coordinator: forget it and publish nothing more for it."""
+        self.engine.scheduler.drop(job_id)
+        self._fenced[job_id] = None
+        while len(self._fenced) > 4096:
+            self._fenced.popitem(last=False)
+        self._owners.pop(job_id, None)
+        self._progress.pop(job_id, None)
+        log.warning("job %s: %s; this coordinator stops publishing for it", job_id, why)
+
+    async def _resume_orphans(self) -> int:
+        """Take over and resume every checkpointed job nobody else owns (see coordinator.durable);
+        returns how many were resumed."""
+        sched, resumed = self.engine.scheduler, 0
+        for job_id, owner_rev in await self.store.orphans():
+            if sched.knows(job_id):
+                continue
+            data = await self.store.take(job_id, owner_rev)
+            if data is None:
+                continue
+            try:
+                cp, rec = decode_checkpoint(data)
+                owner = cp.client.split("/", 1)[0]
+                if cp.job_id != job_id or not subjects.is_token(owner):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"checkpoint names job {cp.job_id!r} of {owner!r}")
+                sched.restore(cp, self.engine.clock())
+            except (ProtocolError, Rejected) as err:
+                why = getattr(err, "reason", None) or getattr(err, "message", str(err))
+                log.error("job %s: cannot resume its checkpoint here (%s); left for another coordinator", job_id, why)
+                await self.store.release(job_id, keep_checkpoint=True)
+                continue
+            self._fenced.pop(job_id, None)
+            self._own(job_id, owner)
+            self._progress[job_id] = (int(cp.step), int(cp.request.steps))
+            self.jobs_resumed += 1
+            resumed += 1
+            log.info("job %s resumed at step %d/%d from the checkpoint of %s", job_id, cp.step, cp.request.steps,
+                     rec.owner or "?")
+        if resumed:
+            self.engine._poke()  # wake idle engine lanes (submit does the same)
+        return resumed
+
+    async def _hand_over(self) -> None:
+        """Clean exit of a durable coordinator: write a last checkpoint of every job it owns, give up
+        their leases and forget them (no `failed` event), so that its restart or another coordinator
+        goes on with them."""
+        if self._durable_task is not None:
+            self._durable_task.cancel()
+            try:
+                await self._durable_task
+            except BaseException:
+                pass
+            self._durable_task = None
+        if self.store is None or self.engine is None:
+            return
+        try:
+            await self._durable_round()
+        except Exception as err:
+            log.warning("durable jobs: last round failed: %r", err)
+        handed = 0
+        for job_id in self.store.held:
+            data = self._encoded(job_id)
+            try:
+                if data is not None:
+                    await self.store.save(job_id, data)
+                await self.store.release(job_id, keep_checkpoint=data is not None)
+            except JobLost as err:
+                self._fence(job_id, str(err))
+                continue
+            except Exception as err:
+                log.warning("durable jobs: handing over job %s failed: %r", job_id, err)
+                continue
+            self.engine.scheduler.drop(job_id)
+            self._owners.pop(job_id, None)
+            handed += 1
+        if handed:
+            log.info("handed over %d durable jobs (checkpoints kept in JetStream)", handed)
 
     # ------------------------------------------------------------ finished jobs
     def _note_progress(self, job_id: str) -> None:
@@ -415,6 +592,10 @@ class Coordinator:
 
     # ------------------------------------------------------------ NATS handlers
     async def _publish(self, event) -> None:
+        if self.durable and event.job_id in self._fenced:
+            return  # another coordinator runs this job now
+        if self.durable and event.kind in ("done", "failed"):
+            self._durable_op("release", event.job_id)
         if event.kind == "frame" and event.job_id in self._progress:
             self._progress[event.job_id] = (int(event.step), int(event.steps))
         if event.kind in ("done", "failed"):
@@ -491,6 +672,8 @@ class Coordinator:
             accepted = self._signed(self.engine.submit(request, client=fairness_key(client, request)))
             self._own(accepted.job_id, client)
             self._progress[accepted.job_id] = (0, request.steps)
+            if self.durable:
+                self._durable_op("adopt", accepted.job_id)
             publish = self._publish(accepted)
         except Rejected as err:
             await self._reply(msg, JobRejected(code=err.code, reason=err.reason))

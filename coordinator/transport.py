@@ -90,6 +90,11 @@ STRAY_LOG_INTERVAL = 10.0
 #: The status nats-server puts on the reply of a request nobody subscribes to.
 _NO_RESPONDERS = "503"
 
+#: Bytes a request or reply spends per row beside its tensor (t, y, row id), and per message
+#: (headers, expert, ids, deadline, ...): generous bounds for splitting under max_payload.
+ROW_OVERHEAD_BYTES = 96
+MESSAGE_OVERHEAD_BYTES = 4096
+
 #: Hedging: recent successful call latencies kept per expert.
 HEDGE_WINDOW = 256
 #: ... the quantile of them a try may take before it is hedged.
@@ -300,11 +305,24 @@ class NatsTransport:
     async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
                        row_ids: list[str]) -> np.ndarray:
         n = len(x)
-        if n <= self.max_rows:
+        per = self.rows_per_request(x)
+        if n <= per:
             return await self._request(expert, x, t, y, row_ids)
-        parts = [slice(i, i + self.max_rows) for i in range(0, n, self.max_rows)]
+        parts = [slice(i, i + per) for i in range(0, n, per)]
         outs = await asyncio.gather(*(self._request(expert, x[s], t[s], y[s], row_ids[s]) for s in parts))
         return np.concatenate(outs, axis=0)
+
+    def rows_per_request(self, x: np.ndarray) -> int:
+        """Most rows of x [n, C, H, W] in one request: `max_rows`, and fewer when a request or its
+        float32 reply would pass the server's max_payload (1 MiB by default: 512 rows of 1x32x32
+        float32 are 2 MiB; nats-py refuses such a publish with MaxPayloadError)."""
+        limit = getattr(self.nc, "max_payload", None)
+        if callable(limit):
+            limit = limit()
+        if not isinstance(limit, int) or limit <= 0:
+            return self.max_rows
+        row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * 4 + ROW_OVERHEAD_BYTES
+        return max(1, min(self.max_rows, (limit - MESSAGE_OVERHEAD_BYTES) // row_bytes))
 
     # ------------------------------------------------------------ connection epochs
     def _reconnects(self) -> int:

@@ -114,6 +114,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                         help="interface the metrics bind (default %(default)s, loopback only; 0.0.0.0 for a "
                              "Prometheus on another machine)")
+    parser.add_argument("--durable", action="store_true",
+                        help="durable jobs (off by default): keep each running job's checkpoint in the NATS "
+                             "JetStream KV bucket ddm_jobs (on admission and every --checkpoint-every steps), so "
+                             "that this coordinator's restart (same --name, at once) or another coordinator (once "
+                             "this one's lease of --lease-s has expired) resumes it mid-trajectory with bit-identical "
+                             "images; SIGTERM then hands the jobs over instead of failing them. Needs a server with "
+                             "JetStream (exit 2 without); see docs/COORDINATOR.md")
+    parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                        help="with --durable: solver steps between two checkpoint writes of a job (default "
+                             "%(default)s); a crash repeats at most N steps of each job")
+    parser.add_argument("--lease-s", type=float, default=6.0, metavar="S",
+                        help="with --durable: seconds a job's ownership lease lives unrenewed (default %(default)s); "
+                             "another coordinator takes a dead one's jobs within about 1.3 x S")
     parser.add_argument("--wait-experts", type=float, default=0.0, metavar="S",
                         help="before serving, wait up to S seconds for every expert to have a worker (default: don't)")
 
@@ -146,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
     if args.step_timeout <= 0:
         print(f"ddm-fleet coordinator: --step-timeout must be > 0, got {args.step_timeout}", file=sys.stderr)
         return 2
+    if args.checkpoint_every < 1 or not args.lease_s > 0:
+        print(f"ddm-fleet coordinator: --checkpoint-every must be >= 1 and --lease-s > 0, got "
+              f"{args.checkpoint_every} and {args.lease_s}", file=sys.stderr)
+        return 2
     if args.hedge_after_s is not None and not args.hedge_after_s > 0:
         print(f"ddm-fleet coordinator: --hedge-after-s must be > 0 seconds, got {args.hedge_after_s}", file=sys.stderr)
         return 2
@@ -158,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         import nats
 
+        from coordinator.durable import JetStreamUnavailable
         from coordinator.service import Coordinator, EngineDied, load_router_and_partition, wait_for_experts
         from workers.metrics_http import DEFAULT_COORDINATOR_PORT
 
@@ -184,14 +202,28 @@ def run(args: argparse.Namespace) -> int:
             if args.wait_experts > 0:
                 print(f"waiting up to {args.wait_experts:g} s for workers of {k} experts ...", flush=True)
                 await wait_for_experts(nc, k, timeout=args.wait_experts)
-            async with Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
+            durable = dict(durable=True, checkpoint_every=args.checkpoint_every,
+                           lease_s=args.lease_s) if args.durable else {}
+            try:
+                coordinator = Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
                                    max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
                                    retries=args.retries, request_rows=args.request_rows,
                                    bad_reply_retries=args.bad_reply_retries, max_client_rows=args.max_client_rows,
                                    max_client_queued_jobs=args.max_client_queued_jobs,
                                    max_job_cost=args.max_job_cost or None, max_job_run_s=args.max_job_run_s or None,
                                    wire_dtype=args.wire_dtype, hedge=args.hedge, hedge_after_s=args.hedge_after_s,
-                                   cohorts=args.cohorts, route_every=args.route_every, name=args.name, **metrics) as coord:
+                                   cohorts=args.cohorts, route_every=args.route_every, name=args.name, **metrics,
+                                   **durable)
+                await coordinator.__aenter__()
+            except JetStreamUnavailable as err:
+                print(f"ddm-fleet coordinator: --durable needs NATS JetStream on {args.nats}: {err}", file=sys.stderr,
+                      flush=True)
+                return 2
+            async with _Entered(coordinator) as coord:
+                if args.durable:  # (without --durable nothing is printed: the first line stays "ready: ...")
+                    print(f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, checkpoint every "
+                          f"{args.checkpoint_every} steps, lease {args.lease_s:g} s; resumed {coord.jobs_resumed} "
+                          f"jobs)", flush=True)
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)"
                       + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)
@@ -207,6 +239,16 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await nc.drain()
         return 0
+
+    class _Entered:  # `async with` over a Coordinator already entered (so entering errors are told apart)
+        def __init__(self, coord):
+            self.coord = coord
+
+        async def __aenter__(self):
+            return self.coord
+
+        async def __aexit__(self, *exc):
+            await self.coord.__aexit__(*exc)
 
     try:
         return asyncio.run(main())

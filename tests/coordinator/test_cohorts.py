@@ -241,3 +241,33 @@ async def test_route_every_asks_the_router_every_nth_evaluation_whatever_the_coh
     assert 0 < diff < 0.5, diff
     with pytest.raises(ValueError, match="route_every"):
         Engine(make(), CountingRouter(), EchoTransport(), route_every=0)
+
+
+async def test_an_experts_batch_is_split_to_fit_the_servers_max_payload(sim_experts):
+    """A nats-server with its default 1 MiB max_payload (the project's configs raise it to 8 MB):
+    512 rows of 1x32x32 float32 are 2 MiB. The transport splits under max_payload, so two 128-image
+    `full` jobs (one 256-row batch for each expert) run instead of failing with MaxPayloadError."""
+    import nats
+
+    from bus.nats_server import NatsServer
+    from coordinator.transport import NatsTransport
+
+    with NatsServer(extra_config="max_payload: 1048576") as srv:
+        nc = await nats.connect(srv.url)
+        try:
+            assert nc.max_payload == 1024 * 1024
+            assert NatsTransport(nc).rows_per_request(np.zeros((512, 1, 32, 32), np.float32)) < 256
+            ws = await _sim_workers(srv.url, sim_experts, 1)
+            try:
+                async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=srv.url,
+                                       step_timeout=10, cohorts=1) as coord:
+                    done = await asyncio.wait_for(asyncio.gather(*(
+                        run_job(nc, JobRequest(count=128, steps=2, seed=i, strategy="full", stream=False))
+                        for i in range(2))), 60)  # one batch of 256 rows for each expert
+                    assert [d.images.shape for d in done] == [(128, 1, 32, 32)] * 2
+                    assert coord.engine.scheduler.stats.jobs_failed == 0
+            finally:
+                for w in ws:
+                    await w.stop()
+        finally:
+            await nc.close()

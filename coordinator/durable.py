@@ -1,0 +1,272 @@
+"""Durable jobs: running jobs' checkpoints in a NATS JetStream KV bucket, so that a job outlives
+its coordinator (see docs/COORDINATOR.md, "Durable jobs (JetStream)"). Off unless
+`Coordinator(durable=True)` / `ddm-fleet coordinator --durable`.
+
+Two buckets (created on first use, history 1):
+
+* `ddm_jobs`        key <job id> -> a `job_checkpoint` message (coordinator.checkpoint), written on
+                    admission, every `checkpoint_every` solver steps, and on a clean shutdown;
+                    deleted when the job ends (done, failed, cancelled). Bucket TTL `jobs_ttl_s`,
+                    size bound `jobs_max_bytes`.
+* `ddm_job_owners`  key <job id> -> {"name", "instance"} of the coordinator running the job: its
+                    lease. Bucket TTL `lease_s`: the owner rewrites it every lease_s / 3, so a dead
+                    owner's entry vanishes within lease_s.
+
+Every write is revision-checked (`kv.update(key, value, last=revision)`): a coordinator takes a
+job over only with a create (no owner entry) or an update of the revision it read, so two
+coordinators cannot both take it; the taker then rewrites the checkpoint, which moves its
+revision. A coordinator whose lease renewal or checkpoint write fails with a wrong revision has
+lost the job (`JobLost`) and must stop publishing for it (fencing); one that could not renew its
+leases for lease_s (a partition, a stall) drops every durable job itself.
+
+A coordinator restarted under the same `--name` takes back its previous run's jobs at once
+(same name, another instance); a coordinator of another name takes a job once its owner's lease
+has expired.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from .checkpoint import MAX_CHECKPOINT_BYTES
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+JOBS_BUCKET = "ddm_jobs"
+OWNERS_BUCKET = "ddm_job_owners"
+
+#: Solver steps between two checkpoint writes of a job (see docs/COORDINATOR.md for the cost).
+DEFAULT_CHECKPOINT_EVERY = 10
+#: Seconds an owner's lease lives without renewal (renewed every third of it).
+DEFAULT_LEASE_S = 6.0
+#: Seconds a checkpoint lives without being rewritten (a job runs at most max_job_run_s).
+DEFAULT_JOBS_TTL_S = 3600.0
+#: Bytes the checkpoint bucket may hold (writes beyond are refused: those jobs are not durable).
+DEFAULT_JOBS_MAX_BYTES = 1024 * 1024 * 1024
+
+
+class JetStreamUnavailable(RuntimeError):
+    """The NATS server has no JetStream (or this account may not use it)."""
+
+
+class JobLost(Exception):
+    """Another coordinator took the job (a wrong-revision error): stop publishing for it."""
+
+    def __init__(self, job_id: str, why: str):
+        super().__init__(f"job {job_id}: {why}")
+        self.job_id = job_id
+
+
+class CheckpointingScheduler(Scheduler):
+    """A Scheduler that notes the jobs due for a checkpoint: those whose solver step just reached a
+    multiple of `every` (read and cleared by the durable writer through `take_due`). Pure."""
+
+    def __init__(self, config: SchedulerConfig, every: int, on_due: Any = None):
+        super().__init__(config)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1 (solver steps), got {every!r}")
+        self.every = every
+        self.on_due = on_due
+        self._due: set[str] = set()
+
+    def update(self, batch, now: float) -> None:
+        before = [(g, g.step) for g in batch.groups]
+        super().update(batch, now)
+        for g, step in before:
+            if g.step != step and g.step % self.every == 0 and not g.done and self.knows(g.job_id):
+                self._due.add(g.job_id)
+        if self._due and self.on_due is not None:
+            self.on_due()
+
+    def take_due(self) -> list[str]:
+        due, self._due = sorted(self._due), set()
+        return due
+
+
+async def jetstream_available(nc) -> str | None:
+    """None if the server offers JetStream to this connection, else why not (a sentence)."""
+    import nats.errors
+    import nats.js.errors
+
+    try:
+        await nc.jetstream().account_info()
+    except nats.errors.NoRespondersError:
+        return "the NATS server has no JetStream (start it with `jetstream: enabled` or `-js`)"
+    except (nats.errors.TimeoutError, nats.js.errors.Error) as err:
+        return f"JetStream is not usable on this server: {type(err).__name__}: {err}"
+    return None
+
+
+class JobStore:
+    """The two KV buckets, seen by one coordinator run (`name`, `instance`). Remembers the
+    revisions it wrote, so each of its writes is checked against them."""
+
+    def __init__(self, nc, name: str, instance: str, *, lease_s: float = DEFAULT_LEASE_S,
+                 jobs_ttl_s: float = DEFAULT_JOBS_TTL_S, jobs_max_bytes: int = DEFAULT_JOBS_MAX_BYTES):
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
+        self.nc, self.name, self.instance = nc, name, instance
+        self.lease_s, self.jobs_ttl_s, self.jobs_max_bytes = float(lease_s), float(jobs_ttl_s), int(jobs_max_bytes)
+        self.jobs = self.owners = None
+        self._cp_rev: dict[str, int] = {}  # job id -> revision of our last checkpoint write
+        self._lease_rev: dict[str, int] = {}  # job id -> revision of our lease
+        self.last_renewed = time.monotonic()
+        self.writes = 0
+        self.bytes_written = 0
+
+    @property
+    def held(self) -> list[str]:
+        """Ids of the jobs this run owns."""
+        return list(self._lease_rev)
+
+    def holds(self, job_id: str) -> bool:
+        return job_id in self._lease_rev
+
+    async def open(self) -> "JobStore":
+        """Create (or bind) both buckets; raises JetStreamUnavailable with the reason."""
+        why = await jetstream_available(self.nc)
+        if why is not None:
+            raise JetStreamUnavailable(why)
+        js = self.nc.jetstream()
+        self.jobs = await self._bucket(js, JOBS_BUCKET, ttl=self.jobs_ttl_s, max_bytes=self.jobs_max_bytes,
+                                       max_value_size=MAX_CHECKPOINT_BYTES)
+        self.owners = await self._bucket(js, OWNERS_BUCKET, ttl=self.lease_s, max_bytes=64 * 1024 * 1024)
+        return self
+
+    @staticmethod
+    async def _bucket(js, bucket: str, **cfg):
+        import nats.js.errors
+
+        try:
+            return await js.create_key_value(bucket=bucket, history=1, **cfg)
+        except nats.js.errors.BadRequestError:  # exists with other settings (another release): use it as is
+            log.warning("KV bucket %s exists with other settings; using it as it is", bucket)
+            return await js.key_value(bucket)
+
+    def _lease(self) -> bytes:
+        return json.dumps({"name": self.name, "instance": self.instance}).encode()
+
+    # ------------------------------------------------------------ this run's jobs
+    async def adopt(self, job_id: str, checkpoint: bytes) -> bool:
+        """Own a job just admitted here: create its lease and write its first checkpoint. False if
+        another coordinator already holds a job of that id (then it is not durable here)."""
+        import nats.js.errors
+
+        try:
+            self._lease_rev[job_id] = await self.owners.create(job_id, self._lease())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            log.warning("job %s: another coordinator holds a durable job of that id; not durable here", job_id)
+            return False
+        self._cp_rev[job_id] = await self._write(job_id, checkpoint, last=None)
+        return True
+
+    async def _write(self, job_id: str, data: bytes, last: int | None) -> int:
+        rev = await (self.jobs.put(job_id, data) if last is None else self.jobs.update(job_id, data, last=last))
+        self.writes += 1
+        self.bytes_written += len(data)
+        return rev
+
+    async def save(self, job_id: str, checkpoint: bytes) -> None:
+        """Rewrite a held job's checkpoint; raises JobLost if someone else wrote it since."""
+        import nats.js.errors
+
+        if job_id not in self._lease_rev:
+            return
+        try:
+            self._cp_rev[job_id] = await self._write(job_id, checkpoint, last=self._cp_rev.get(job_id))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self.forget(job_id)
+            raise JobLost(job_id, "its checkpoint was written by another coordinator") from None
+
+    async def renew(self) -> list[str]:
+        """Renew every lease; returns the ids of the jobs lost (wrong revision, or the lease expired).
+        Other errors (timeouts) leave the lease as it is; see `expired`."""
+        import nats.errors
+        import nats.js.errors
+
+        lost, ok = [], True
+        for job_id, rev in list(self._lease_rev.items()):
+            try:
+                self._lease_rev[job_id] = await self.owners.update(job_id, self._lease(), last=rev)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                self.forget(job_id)
+                lost.append(job_id)
+            except (nats.errors.Error, OSError) as err:
+                ok = False
+                log.warning("renewing the lease of job %s failed: %r", job_id, err)
+        if ok:
+            self.last_renewed = time.monotonic()
+        return lost
+
+    def expired(self) -> bool:
+        """True when the leases could not be renewed for lease_s: others may have taken the jobs."""
+        return bool(self._lease_rev) and time.monotonic() - self.last_renewed > self.lease_s
+
+    async def release(self, job_id: str, *, keep_checkpoint: bool = False) -> None:
+        """Give a held job up: delete its checkpoint (unless keep_checkpoint: a hand-over) and its
+        lease, each only at the revision this run wrote (never a newer owner's)."""
+        cp_rev, lease_rev = self._cp_rev.pop(job_id, None), self._lease_rev.pop(job_id, None)
+        try:
+            if not keep_checkpoint and cp_rev is not None:
+                await self.jobs.delete(job_id, last=cp_rev)
+            if lease_rev is not None:
+                await self.owners.delete(job_id, last=lease_rev)
+        except Exception as err:  # a newer owner's revision, or the bus: nothing of ours to clean
+            log.info("releasing job %s: %r", job_id, err)
+
+    def forget(self, job_id: str) -> None:
+        self._cp_rev.pop(job_id, None)
+        self._lease_rev.pop(job_id, None)
+
+    # ------------------------------------------------------------ other runs' jobs
+    async def orphans(self) -> list[tuple[str, int | None]]:
+        """(job id, owner revision or None) of the checkpoints this run may take: no live lease, or
+        a lease of this coordinator's name from another run (a restart of this coordinator)."""
+        import nats.js.errors
+
+        try:
+            keys = await self.jobs.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        found = []
+        for job_id in keys:
+            if job_id in self._lease_rev:
+                continue
+            try:
+                entry = await self.owners.get(job_id)
+            except nats.js.errors.KeyNotFoundError:
+                found.append((job_id, None))
+                continue
+            try:
+                lease = json.loads(bytes(entry.value or b"{}"))
+            except ValueError:
+                lease = {}
+            if lease.get("name") == self.name and lease.get("instance") != self.instance:
+                found.append((job_id, entry.revision))
+        return found
+
+    async def take(self, job_id: str, owner_rev: int | None) -> bytes | None:
+        """Take a job over (revision-checked) and return its checkpoint bytes; None if another
+        coordinator was first or the checkpoint is gone. The checkpoint is rewritten at once, so
+        its previous owner's next write fails (fencing)."""
+        import nats.js.errors
+
+        try:
+            if owner_rev is None:
+                rev = await self.owners.create(job_id, self._lease())
+            else:
+                rev = await self.owners.update(job_id, self._lease(), last=owner_rev)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+        self._lease_rev[job_id] = rev
+        try:
+            entry = await self.jobs.get(job_id)
+            self._cp_rev[job_id] = await self._write(job_id, entry.value, last=entry.revision)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyWrongLastSequenceError):
+            await self.release(job_id, keep_checkpoint=True)
+            return None
+        return bytes(entry.value)
