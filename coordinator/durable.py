@@ -17,7 +17,10 @@ job over only with a create (no owner entry) or an update of the revision it rea
 coordinators cannot both take it; the taker then rewrites the checkpoint, which moves its
 revision. A coordinator whose lease renewal or checkpoint write fails with a wrong revision has
 lost the job (`JobLost`) and must stop publishing for it (fencing); one that could not renew its
-leases for lease_s (a partition, a stall) drops every durable job itself.
+leases for lease_s (a partition, a stall, SIGSTOP) drops every durable job itself, and checks
+`expired()` before each event it publishes, so it sends nothing once others may own its jobs.
+The owners bucket's TTL is the lease: set by the coordinator that created the bucket, and
+adopted (with a warning) by one asking for another lease_s.
 
 A coordinator restarted under the same `--name` takes back its previous run's jobs at once
 (same name, another instance); a coordinator of another name takes a job once its owner's lease
@@ -135,6 +138,13 @@ class JobStore:
         self.jobs = await self._bucket(js, JOBS_BUCKET, ttl=self.jobs_ttl_s, max_bytes=self.jobs_max_bytes,
                                        max_value_size=MAX_CHECKPOINT_BYTES)
         self.owners = await self._bucket(js, OWNERS_BUCKET, ttl=self.lease_s, max_bytes=64 * 1024 * 1024)
+        # a lease lives as long as the bucket's TTL, set by the coordinator that created the bucket:
+        # renew (and judge expiry) by that, or leases would lapse between renewals
+        ttl = (await self.owners.status()).ttl
+        if ttl and abs(ttl - self.lease_s) > 1e-3:
+            log.warning("KV bucket %s keeps leases %g s (set by the coordinator that created it), not %g s: "
+                        "using %g s", OWNERS_BUCKET, ttl, self.lease_s, ttl)
+            self.lease_s = float(ttl)
         return self
 
     @staticmethod
@@ -188,7 +198,8 @@ class JobStore:
         import nats.errors
         import nats.js.errors
 
-        lost, ok = [], True
+        # the leases written below expire lease_s after their write, so count from before it
+        lost, ok, started = [], True, time.monotonic()
         for job_id, rev in list(self._lease_rev.items()):
             try:
                 self._lease_rev[job_id] = await self.owners.update(job_id, self._lease(), last=rev)
@@ -199,11 +210,13 @@ class JobStore:
                 ok = False
                 log.warning("renewing the lease of job %s failed: %r", job_id, err)
         if ok:
-            self.last_renewed = time.monotonic()
+            self.last_renewed = started
         return lost
 
     def expired(self) -> bool:
-        """True when the leases could not be renewed for lease_s: others may have taken the jobs."""
+        """True when the leases could not be renewed for lease_s: others may have taken the jobs
+        (e.g. this process was stopped, SIGSTOP, longer than that). Checked before every event a
+        durable coordinator publishes, so a process that wakes up publishes nothing stale."""
         return bool(self._lease_rev) and time.monotonic() - self.last_renewed > self.lease_s
 
     async def release(self, job_id: str, *, keep_checkpoint: bool = False) -> None:

@@ -220,6 +220,7 @@ class Coordinator:
         if self.durable:
             try:
                 self.store = await JobStore(self.nc, self.name, self.instance, lease_s=self.lease_s).open()
+                self.lease_s = self.store.lease_s  # the owners bucket's TTL, if another coordinator set it
             except Exception:
                 if self._own_nc:
                     await self.nc.close()
@@ -594,6 +595,12 @@ class Coordinator:
     async def _publish(self, event) -> None:
         if self.durable and event.job_id in self._fenced:
             return  # another coordinator runs this job now
+        if self.durable and self.store.holds(event.job_id) and self.store.expired():
+            # this run could not renew its leases for lease_s (it was stopped, e.g. SIGSTOP, or cut
+            # off): another coordinator may run the job already; publish nothing, let the lease lapse
+            self.store.forget(event.job_id)
+            self._fence(event.job_id, f"its lease could not be renewed for {self.lease_s:g} s")
+            return
         if self.durable and event.kind in ("done", "failed"):
             self._durable_op("release", event.job_id)
         if event.kind == "frame" and event.job_id in self._progress:
@@ -745,6 +752,8 @@ class Coordinator:
             await self._not_a_job_id(msg, "job status")
             return
         client, job_id = parsed.client, parsed.job_id
+        if self.durable and job_id in self._fenced:
+            return  # another coordinator took the job over: its answer counts, not our "unknown"
         try:
             status = await self.job_status(job_id, client=client)
             # not ours, not this client's, or lost in a restart: "unknown", after the owner had its chance

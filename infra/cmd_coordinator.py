@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             async with _Entered(coordinator) as coord:
                 if args.durable:  # (without --durable nothing is printed: the first line stays "ready: ...")
                     print(f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, checkpoint every "
-                          f"{args.checkpoint_every} steps, lease {args.lease_s:g} s; resumed {coord.jobs_resumed} "
+                          f"{args.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed {coord.jobs_resumed} "
                           f"jobs)", flush=True)
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)"

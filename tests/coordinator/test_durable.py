@@ -1,7 +1,10 @@
 """Durable jobs (coordinator.durable, `ddm-fleet coordinator --durable`): a real nats-server with
 JetStream, a real coordinator process killed with SIGKILL mid-run, its restart under the same
 name resumes every job from its JetStream checkpoint, and the waiting clients get images
-bit-identical to an undisturbed run."""
+bit-identical to an undisturbed run. Two durable coordinators on one bus: when the owner of jobs
+is SIGKILLed, or SIGSTOPped past its lease and then SIGCONTed, the other takes the jobs over, each
+client gets exactly one `done` with bit-identical images, and a woken owner publishes nothing for
+the jobs it lost."""
 
 from __future__ import annotations
 
@@ -145,4 +148,241 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
             await stop(p)
         for w in ws:
             await w.stop()
+        await nc.drain()
+
+
+# ---------------------------------------------------------------- two durable coordinators on one bus
+LEASE_S = 2.0
+#: a dead owner's jobs are taken within lease_s (its lease's TTL) + lease_s / 3 (the survivor's scan
+#: period) + a restore; 5 x lease_s leaves room for a loaded test box
+TAKEOVER_BOUND_S = 5 * LEASE_S
+#: sim expert latency per batch: a 60-step job lasts 4-8 s, so every job is still running when the
+#: last one submitted passed step 12 (the first checkpoint) and the owner is killed / stopped
+PAIR_BATCH_MS = 60.0
+
+
+@pytest.fixture
+def js_bus(tmp_path):
+    """A fresh JetStream server per test: the owners bucket's TTL is the first coordinator's --lease-s."""
+    with NatsServer(extra_config=f"jetstream {{ store_dir: \"{tmp_path / 'js'}\" }}") as srv:
+        yield srv
+
+
+async def owners_of(nc, job_ids) -> dict[str, str | None]:
+    """job id -> name of the coordinator holding its lease in ddm_job_owners (None: no lease)."""
+    import json
+
+    import nats.js.errors
+
+    kv = await nc.jetstream().key_value("ddm_job_owners")
+    out = {}
+    for j in job_ids:
+        try:
+            out[j] = json.loads(bytes((await kv.get(j)).value))["name"]
+        except nats.js.errors.KeyNotFoundError:
+            out[j] = None
+    return out
+
+
+def pair_jobs(tag: str, round_: int) -> list[JobRequest]:
+    kinds = [("top1", "euler"), ("top1", "heun"), ("oracle", "euler"), ("oracle", "heun")]
+    return [JobRequest(job_id=f"{tag}-{round_}-{i}", digits=[(round_ + i) % 10, (7 + 3 * i) % 10], steps=60,
+                       seed=1000 + 10 * round_ + i, strategy=s, solver=v)
+            for i, (s, v) in enumerate(kinds + kinds)]
+
+
+class EventLog:
+    """Every event of the watched jobs, in arrival order: (monotonic time, kind, step or None)."""
+
+    def __init__(self):
+        self.events: dict[str, list[tuple[float, str, int | None]]] = {}
+
+    def __call__(self, ev):
+        import time
+
+        self.events.setdefault(ev.job_id, []).append((time.monotonic(), ev.kind, getattr(ev, "step", None)))
+
+    def steps(self, job_id) -> list[int]:
+        return [s for _, k, s in self.events.get(job_id, []) if k == "frame"]
+
+    def dones(self, job_id) -> int:
+        return sum(k == "done" for _, k, _ in self.events.get(job_id, []))
+
+
+async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list, tag: str):
+    """Start durable coordinators "dura" and "durb" (lease LEASE_S, checkpoint every 10 steps) and
+    submit rounds of 8 jobs (at once, so that they progress together) until each owns some;
+    returns (requests, run_job futures, owner map)."""
+    for name in ("dura", "durb"):
+        proc, head = await start_coordinator(url, router, "--durable", "--checkpoint-every", "10",
+                                             "--lease-s", str(LEASE_S), "--name", name)
+        assert b"durable jobs: on" in head, head
+        procs.append(proc)
+    reqs, runs = [], []
+    for round_ in range(6):
+        batch = pair_jobs(tag, round_)
+        reqs += batch
+        runs += [asyncio.ensure_future(run_job(nc, r, log, timeout=120, probe_every=1.0)) for r in batch]
+        ids = [r.job_id for r in reqs]
+        owners = await wait_until(lambda: _all_owned(nc, ids), timeout=20, what="every job has a lease")
+        if len(set(owners.values())) == 2:
+            return reqs, runs, owners
+    raise AssertionError(f"the queue group gave every job to one coordinator: {owners}")
+
+
+async def mid_run_victim(nc, log: EventLog, ids) -> tuple[str, str, list[str]]:
+    """Once every job passed step 12 (its first checkpoint) or ended: the coordinator holding the
+    most running jobs, the other one, and the running jobs it holds. (Jobs progress at different
+    rates on the two coordinators, so some may be done already.)"""
+    from collections import Counter
+
+    await wait_until(lambda: all(log.dones(j) or max(log.steps(j), default=0) >= 12 for j in ids), timeout=60,
+                     what="every job past step 12")
+    running = [j for j in ids if not log.dones(j)]
+    owners = await owners_of(nc, running)
+    held = Counter(o for o in owners.values() if o)
+    assert held, ("every job ended before the fault: make the jobs longer", log.events)
+    victim = held.most_common(1)[0][0]
+    return victim, ("durb" if victim == "dura" else "dura"), [j for j in running if owners[j] == victim]
+
+
+async def _taken(nc, log: EventLog, ids, name) -> bool:
+    """Every job of ids is held by coordinator `name` or ended (a done raced the fault)."""
+    return all(o == name or log.dones(j) for j, o in (await owners_of(nc, ids)).items())
+
+
+async def _all_owned(nc, ids):
+    owners = await owners_of(nc, ids)
+    return owners if all(owners.values()) else None
+
+
+async def reference_images(nc, reqs, tag):
+    """The same requests, run undisturbed (new job ids): {job id of reqs: DoneEvent}."""
+    refs = [r.model_copy(update={"job_id": f"{tag}-{i}"}) for i, r in enumerate(reqs)]
+    got = await asyncio.gather(*(run_job(nc, r, timeout=120) for r in refs))
+    return {r.job_id: g for r, g in zip(reqs, got)}
+
+
+@pytest.mark.slow
+async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus, tiny_files):
+    import time
+
+    import nats
+
+    experts, router = tiny_files
+    url = js_bus.url
+    nc = await nats.connect(url, name="pytest-durable-pair")
+    ws = await sim_workers(url, experts, batch_ms=PAIR_BATCH_MS)
+    procs: list = []
+    log = EventLog()
+    try:
+        reqs, runs, _ = await two_coordinators_with_jobs(nc, url, router, log, procs, "pk")
+        ids = [r.job_id for r in reqs]
+        victim_name, survivor_name, theirs = await mid_run_victim(nc, log, ids)
+        victim = procs[0] if victim_name == "dura" else procs[1]
+        victim.kill()  # SIGKILL: no hand-over
+        killed_at = time.monotonic()
+        await victim.wait()
+        await wait_until(lambda: _taken(nc, log, theirs, survivor_name), timeout=30, interval=0.05,
+                         what=f"{survivor_name} holds the jobs of {victim_name}")
+        takeover_s = time.monotonic() - killed_at
+        print(f"\ntake-over of {len(theirs)}/{len(ids)} jobs after kill -9 of {victim_name}: {takeover_s:.2f} s "
+              f"(lease {LEASE_S:g} s)")
+        assert takeover_s < TAKEOVER_BOUND_S, takeover_s
+        # the same requests, undisturbed, beside them (top1 / oracle images do not depend on the batch)
+        want_f = asyncio.ensure_future(reference_images(nc, reqs, "pkref"))
+        got = await asyncio.wait_for(asyncio.gather(*runs), 120)  # 0 failed, 0 lost: run_job raises otherwise
+        want = await asyncio.wait_for(want_f, 120)
+        for g in got:
+            w = want[g.job_id]
+            assert np.array_equal(w.images, g.images), g.job_id
+            assert np.array_equal(w.usage, g.usage) and w.digits == g.digits
+        for j in ids:
+            assert log.dones(j) == 1 and log.steps(j)[-1] == 60, (j, log.events[j])
+    finally:
+        for p in procs:
+            await stop(p)
+        for w in ws:
+            await w.stop()
+        await nc.drain()
+
+
+
+
+@pytest.mark.slow
+async def test_sigstopped_owner_loses_its_jobs_and_publishes_nothing_for_them_after_sigcont(js_bus, tiny_files):
+    import signal
+    import time
+
+    import nats
+
+    experts, router = tiny_files
+    url = js_bus.url
+    nc = await nats.connect(url, name="pytest-durable-stop")
+    ws = await sim_workers(url, experts, batch_ms=PAIR_BATCH_MS)
+    procs: list = []
+    log = EventLog()
+    victim = None
+    try:
+        reqs, runs, _ = await two_coordinators_with_jobs(nc, url, router, log, procs, "ps")
+        ids = [r.job_id for r in reqs]
+        victim_name, survivor_name, theirs = await mid_run_victim(nc, log, ids)
+        victim = procs[0] if victim_name == "dura" else procs[1]
+        os.kill(victim.pid, signal.SIGSTOP)  # frozen mid-run: its leases lapse, its frames stop
+        stopped_at = time.monotonic()
+        await wait_until(lambda: _taken(nc, log, theirs, survivor_name), timeout=30, interval=0.05,
+                         what=f"{survivor_name} holds the jobs of the stopped {victim_name}")
+        taken_at = time.monotonic()
+        # (a done that raced the SIGSTOP: its job ended on the old owner)
+        theirs = [j for j in theirs if not any(k == "done" and t < taken_at for t, k, _ in log.events[j])]
+        print(f"\ntake-over of {len(theirs)}/{len(ids)} jobs from SIGSTOPped {victim_name}: "
+              f"{taken_at - stopped_at:.2f} s (lease {LEASE_S:g} s)")
+        assert taken_at - stopped_at < TAKEOVER_BOUND_S
+        # the survivor streams them; wake the old owner while they still run
+        assert theirs, "the stopped owner's jobs all ended before it was stopped"
+        await wait_until(lambda: all(any(t > taken_at for t, _, _ in log.events[j]) for j in theirs), timeout=20,
+                         what="frames of the survivor")
+        assert any(log.dones(j) == 0 for j in theirs), "the jobs ended before SIGCONT: make them longer"
+        os.kill(victim.pid, signal.SIGCONT)
+        victim = None
+        # undisturbed reference runs beside them; the woken coordinator takes its share of them
+        want_f = asyncio.ensure_future(reference_images(nc, reqs, "psref"))
+        got = await asyncio.wait_for(asyncio.gather(*runs), 120)  # 0 failed, 0 lost
+        want = await asyncio.wait_for(want_f, 120)
+        for g in got:
+            assert np.array_equal(want[g.job_id].images, g.images), g.job_id
+        for j in ids:
+            assert log.dones(j) == 1, (j, log.events[j])
+        for j in theirs:  # from the take-over on, one publisher: steps strictly increase up to the end
+            after = [s for t, k, s in log.events[j] if k == "frame" and t > taken_at]
+            assert after and after[-1] == 60 and all(b > a for a, b in zip(after, after[1:])), (j, after)
+            done_at = next(t for t, k, _ in log.events[j] if k == "done")
+            assert all(t <= done_at for t, _, _ in log.events[j]), (j, log.events[j])
+        err = await stop(procs[0] if victim_name == "dura" else procs[1])
+        for j in theirs:  # it woke up, saw it lost them, and said so
+            assert f"job {j}: ".encode() in err and b"stops publishing for it" in err, err[-3000:]
+    finally:
+        if victim is not None:
+            os.kill(victim.pid, signal.SIGCONT)
+        for p in procs:
+            await stop(p)
+        for w in ws:
+            await w.stop()
+        await nc.drain()
+
+
+async def test_lease_follows_the_owners_bucket_ttl_set_by_the_first_coordinator(js_bus):
+    """The owners bucket's TTL is fixed when it is created; a coordinator asking another --lease-s
+    renews by the bucket's (else its leases would lapse between renewals, or be judged too late)."""
+    import nats
+
+    from coordinator.durable import JobStore
+
+    nc = await nats.connect(js_bus.url)
+    try:
+        first = await JobStore(nc, "a", "run-a", lease_s=LEASE_S).open()
+        second = await JobStore(nc, "b", "run-b", lease_s=6.0).open()
+        assert first.lease_s == LEASE_S and second.lease_s == LEASE_S
+        assert (await second.owners.status()).ttl == LEASE_S
+    finally:
         await nc.drain()
