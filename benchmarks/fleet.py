@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .processes import Child, cli_argv, proc_memory, reset_peak
+from .processes import Child, cli_argv, proc_memory, reset_peak, run_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,34 +119,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-    import sys
-
-    try:
-        check_args(args)
-    except ValueError as err:
-        print(f"ddm-fleet bench fleet: {err}", file=sys.stderr)
-        return 2
-
-    async def main():
-        import signal
-
-        task = asyncio.current_task()
-        # SIGTERM unwinds like Ctrl-C, so the coordinator, worker processes and nats-server are stopped
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await bench_fleet(args)
-
-    try:
-        results = asyncio.run(main())
-    except asyncio.CancelledError:
-        print("ddm-fleet bench fleet: stopped", file=sys.stderr)
-        return 130
-    except (ValueError, OSError, RuntimeError, TimeoutError) as err:
-        print(f"ddm-fleet bench fleet: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    print(json.dumps(results, indent=2) if args.json else format_table(results))
-    return 0
+    return run_bench("fleet", args, check_args, bench_fleet, format_table)
 
 
 # ----------------------------------------------------------------------------- models

@@ -5,9 +5,46 @@ would block it mid-run), keeping the last lines for error messages, counting WAR
 and noticing the `ready ...` line the worker and coordinator print. `infra/launcher.py` supervises
 long-lived fleets (log files, restarts); this is the bench's short-lived, pipe-reading kind.
 `proc_memory` / `reset_peak` read and reset a process's RSS and peak RSS from /proc (Linux).
+`run_bench` is the command body of the benches that start such processes (`bench fleet`, `bench scale`).
 """
 
 from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+
+def run_bench(name: str, args, check_args: Callable[[Any], None], bench: Callable[[Any], Awaitable[dict]],
+              format_table: Callable[[dict], str]) -> int:
+    """Check `args` (ValueError: exit 2), run `bench(args)` with SIGTERM unwinding like Ctrl-C (so its
+    child processes and nats-server are stopped; exit 130), print the results as a table or `--json`.
+    A ValueError, OSError, RuntimeError or TimeoutError from the bench is one line on stderr, exit 1."""
+    import asyncio
+    import json
+    import sys
+
+    try:
+        check_args(args)
+    except ValueError as err:
+        print(f"ddm-fleet bench {name}: {err}", file=sys.stderr)
+        return 2
+
+    async def main():
+        import signal
+
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await bench(args)
+
+    try:
+        results = asyncio.run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print(f"ddm-fleet bench {name}: stopped", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, TimeoutError) as err:
+        print(f"ddm-fleet bench {name}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    return 0
 
 
 def proc_memory(pid: int) -> dict | None:

@@ -53,7 +53,7 @@ import argparse
 import math
 import os
 
-from .processes import Child, cli_argv, proc_memory, reset_peak
+from .processes import Child, cli_argv, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
 #: enough that 16 workers (8 per expert, 2 experts) stay under one coordinator on a 2-core box.
@@ -184,34 +184,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-    import sys
-
-    try:
-        check_args(args)
-    except ValueError as err:
-        print(f"ddm-fleet bench scale: {err}", file=sys.stderr)
-        return 2
-
-    async def main():
-        import signal
-
-        task = asyncio.current_task()
-        # SIGTERM unwinds like Ctrl-C, so the coordinators, workers and nats-server are stopped
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await bench_scale(args)
-
-    try:
-        results = asyncio.run(main())
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        print("ddm-fleet bench scale: stopped", file=sys.stderr)
-        return 130
-    except (ValueError, OSError, RuntimeError, TimeoutError) as err:
-        print(f"ddm-fleet bench scale: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    print(json.dumps(results, indent=2) if args.json else format_table(results))
-    return 0
+    return run_bench("scale", args, check_args, bench_scale, format_table)
 
 
 # ----------------------------------------------------------------------------- models and processes

@@ -207,7 +207,7 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
     from models.checkpoint import save_checkpoint, torch_state_to_numpy
     from models.config import UNetConfig
     from models.unet_torch import UNet, count_params
-    from training.train_torch import ema_decay_at, lr_at
+    from training.train_torch import ema_decay_at, lr_at, restore_resume_state, save_resume_state
 
     if len(images) != len(labels) or len(images) < cfg.batch_size:
         raise DistillError(f"{len(images)} images / {len(labels)} labels: need equal counts and at least "
@@ -243,14 +243,7 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
             raise DistillError(f"--resume: {resume_path} holds a student {ck['student_config']}, not {scfg.to_dict()}")
         if ck["teacher"] != teacher_ids or ck["strategy"] != cfg.strategy:
             raise DistillError(f"--resume: {resume_path} was distilled from another teacher or strategy")
-        student.load_state_dict(ck["model"])
-        with torch.no_grad():
-            for e, v in zip(ema, ck["ema"]):
-                e.copy_(v)
-        opt.load_state_dict(ck["optimizer"])
-        step, wall_before, history = ck["step"], ck["wall_s"], ck["history"]
-        rng.bit_generator.state = ck["np_rng"]
-        torch.set_rng_state(ck["torch_rng"])
+        step, wall_before, history = restore_resume_state(ck, student, ema, opt, rng)
         log.info("resumed distillation from %s at step %d", resume_path, step)
 
     data_x = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).to(device)
@@ -279,12 +272,8 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
                 "training": stats}
         save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = resume_path.with_suffix(".tmp")
-        torch.save({"model": student.state_dict(), "ema": [e.cpu() for e in ema], "optimizer": opt.state_dict(),
-                    "step": step, "wall_s": stats["wall_s"], "history": history, "np_rng": rng.bit_generator.state,
-                    "torch_rng": torch.get_rng_state(), "student_config": scfg.to_dict(), "teacher": teacher_ids,
-                    "strategy": cfg.strategy}, tmp)
-        tmp.replace(resume_path)
+        save_resume_state(resume_path, student, ema, opt, rng, step=step, wall_s=stats["wall_s"], history=history,
+                          student_config=scfg.to_dict(), teacher=teacher_ids, strategy=cfg.strategy)
         return stats
 
     student.train()

@@ -204,14 +204,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         if bool(ck.get("null_label", False)) != ucfg.null_label:
             raise ValueError(f"--resume: {resume_path} was trained with{'' if ck.get('null_label') else 'out'} a null "
                              f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it")
-        model.load_state_dict(ck["model"])
-        with torch.no_grad():
-            for e, v in zip(ema, ck["ema"]):
-                e.copy_(v)
-        opt.load_state_dict(ck["optimizer"])
-        step, wall_before, history = ck["step"], ck["wall_s"], ck["history"]
-        rng.bit_generator.state = ck["np_rng"]
-        torch.set_rng_state(ck["torch_rng"])
+        step, wall_before, history = restore_resume_state(ck, model, ema, opt, rng)
         log.info("resumed from %s at step %d", resume_path, step)
 
     if dist_info.enabled and dist_info.rank > 0:  # own noise stream per rank (init weights come from rank 0)
@@ -248,12 +241,8 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         meta = {"config": ucfg.to_dict(), "expert_id": cfg.expert, "partition": partition_info, "training": stats,
                 "weights": "ema"}
         save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
-        tmp = resume_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "ema": [e.cpu() for e in ema], "optimizer": opt.state_dict(),
-                    "step": step, "wall_s": stats["wall_s"], "history": history, "np_rng": rng.bit_generator.state,
-                    "torch_rng": torch.get_rng_state(), "widths": list(cfg.widths), "expert": cfg.expert,
-                    "null_label": ucfg.null_label}, tmp)
-        tmp.replace(resume_path)
+        save_resume_state(resume_path, model, ema, opt, rng, step=step, wall_s=stats["wall_s"], history=history,
+                          widths=list(cfg.widths), expert=cfg.expert, null_label=ucfg.null_label)
         return stats
 
     model.train()
@@ -331,6 +320,33 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         save_dtype=args.save_dtype, threads=args.threads, data_dir=args.data_dir, limit=args.limit,
         log_every=getattr(args, "log_every", 50), label_dropout=getattr(args, "label_dropout", 0.0) or 0.0)
 
+
+
+def save_resume_state(path: Path, model, ema, opt, rng: np.random.Generator, *, step: int, wall_s: float,
+                      history: list, **extra) -> None:
+    """Write what `--resume` needs (weights, EMA, optimizer, step, history, both RNG states, and
+    `extra` for the caller's own checks) to `path`, atomically (a tmp file, then a rename)."""
+    import torch
+
+    tmp = Path(path).with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "ema": [e.cpu() for e in ema], "optimizer": opt.state_dict(),
+                "step": step, "wall_s": wall_s, "history": history, "np_rng": rng.bit_generator.state,
+                "torch_rng": torch.get_rng_state(), **extra}, tmp)
+    tmp.replace(path)
+
+
+def restore_resume_state(ck: dict, model, ema, opt, rng: np.random.Generator) -> tuple[int, float, list]:
+    """Load a `save_resume_state` dict into model, EMA, optimizer and RNGs; (step, wall_s, history)."""
+    import torch
+
+    model.load_state_dict(ck["model"])
+    with torch.no_grad():
+        for e, v in zip(ema, ck["ema"]):
+            e.copy_(v)
+    opt.load_state_dict(ck["optimizer"])
+    rng.bit_generator.state = ck["np_rng"]
+    torch.set_rng_state(ck["torch_rng"])
+    return ck["step"], ck["wall_s"], ck["history"]
 
 def train(args: argparse.Namespace) -> int:
     """CLI entry for `ddm-fleet train-expert --backend torch` (also under torchrun: data parallel)."""
