@@ -9,6 +9,7 @@ the jobs it lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 
@@ -263,22 +264,38 @@ async def reference_images(nc, reqs, tag):
     return {r.job_id: g for r, g in zip(reqs, got)}
 
 
-@pytest.mark.slow
-async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus, tiny_files):
-    import time
-
+@contextlib.asynccontextmanager
+async def durable_pair(js_bus, tiny_files, tag: str):
+    """Two durable coordinators and one sim worker per expert on the JetStream bus, with seeded jobs
+    running on both: yields (nc, procs [dura, durb], log, reqs, runs, the victim's name, the survivor's
+    name, the victim's job ids); stops everything after."""
     import nats
 
     experts, router = tiny_files
     url = js_bus.url
-    nc = await nats.connect(url, name="pytest-durable-pair")
+    nc = await nats.connect(url, name=f"pytest-durable-{tag}")
     ws = await sim_workers(url, experts, batch_ms=PAIR_BATCH_MS)
     procs: list = []
     log = EventLog()
     try:
-        reqs, runs, _ = await two_coordinators_with_jobs(nc, url, router, log, procs, "pk")
+        reqs, runs, _ = await two_coordinators_with_jobs(nc, url, router, log, procs, tag)
+        victim_name, survivor_name, theirs = await mid_run_victim(nc, log, [r.job_id for r in reqs])
+        yield nc, procs, log, reqs, runs, victim_name, survivor_name, theirs
+    finally:
+        for p in procs:
+            await stop(p)
+        for w in ws:
+            await w.stop()
+        await nc.drain()
+
+
+@pytest.mark.slow
+async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus, tiny_files):
+    import time
+
+    async with durable_pair(js_bus, tiny_files, "pk") as (nc, procs, log, reqs, runs, victim_name, survivor_name,
+                                                           theirs):
         ids = [r.job_id for r in reqs]
-        victim_name, survivor_name, theirs = await mid_run_victim(nc, log, ids)
         victim = procs[0] if victim_name == "dura" else procs[1]
         victim.kill()  # SIGKILL: no hand-over
         killed_at = time.monotonic()
@@ -299,12 +316,6 @@ async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus,
             assert np.array_equal(w.usage, g.usage) and w.digits == g.digits
         for j in ids:
             assert log.dones(j) == 1 and log.steps(j)[-1] == 60, (j, log.events[j])
-    finally:
-        for p in procs:
-            await stop(p)
-        for w in ws:
-            await w.stop()
-        await nc.drain()
 
 
 
@@ -314,61 +325,48 @@ async def test_sigstopped_owner_loses_its_jobs_and_publishes_nothing_for_them_af
     import signal
     import time
 
-    import nats
-
-    experts, router = tiny_files
-    url = js_bus.url
-    nc = await nats.connect(url, name="pytest-durable-stop")
-    ws = await sim_workers(url, experts, batch_ms=PAIR_BATCH_MS)
-    procs: list = []
-    log = EventLog()
     victim = None
-    try:
-        reqs, runs, _ = await two_coordinators_with_jobs(nc, url, router, log, procs, "ps")
-        ids = [r.job_id for r in reqs]
-        victim_name, survivor_name, theirs = await mid_run_victim(nc, log, ids)
-        victim = procs[0] if victim_name == "dura" else procs[1]
-        os.kill(victim.pid, signal.SIGSTOP)  # frozen mid-run: its leases lapse, its frames stop
-        stopped_at = time.monotonic()
-        await wait_until(lambda: _taken(nc, log, theirs, survivor_name), timeout=30, interval=0.05,
-                         what=f"{survivor_name} holds the jobs of the stopped {victim_name}")
-        taken_at = time.monotonic()
-        # (a done that raced the SIGSTOP: its job ended on the old owner)
-        theirs = [j for j in theirs if not any(k == "done" and t < taken_at for t, k, _ in log.events[j])]
-        print(f"\ntake-over of {len(theirs)}/{len(ids)} jobs from SIGSTOPped {victim_name}: "
-              f"{taken_at - stopped_at:.2f} s (lease {LEASE_S:g} s)")
-        assert taken_at - stopped_at < TAKEOVER_BOUND_S
-        # the survivor streams them; wake the old owner while they still run
-        assert theirs, "the stopped owner's jobs all ended before it was stopped"
-        await wait_until(lambda: all(any(t > taken_at for t, _, _ in log.events[j]) for j in theirs), timeout=20,
-                         what="frames of the survivor")
-        assert any(log.dones(j) == 0 for j in theirs), "the jobs ended before SIGCONT: make them longer"
-        os.kill(victim.pid, signal.SIGCONT)
-        victim = None
-        # undisturbed reference runs beside them; the woken coordinator takes its share of them
-        want_f = asyncio.ensure_future(reference_images(nc, reqs, "psref"))
-        got = await asyncio.wait_for(asyncio.gather(*runs), 120)  # 0 failed, 0 lost
-        want = await asyncio.wait_for(want_f, 120)
-        for g in got:
-            assert np.array_equal(want[g.job_id].images, g.images), g.job_id
-        for j in ids:
-            assert log.dones(j) == 1, (j, log.events[j])
-        for j in theirs:  # from the take-over on, one publisher: steps strictly increase up to the end
-            after = [s for t, k, s in log.events[j] if k == "frame" and t > taken_at]
-            assert after and after[-1] == 60 and all(b > a for a, b in zip(after, after[1:])), (j, after)
-            done_at = next(t for t, k, _ in log.events[j] if k == "done")
-            assert all(t <= done_at for t, _, _ in log.events[j]), (j, log.events[j])
-        err = await stop(procs[0] if victim_name == "dura" else procs[1])
-        for j in theirs:  # it woke up, saw it lost them, and said so
-            assert f"job {j}: ".encode() in err and b"stops publishing for it" in err, err[-3000:]
-    finally:
-        if victim is not None:
+    async with durable_pair(js_bus, tiny_files, "ps") as (nc, procs, log, reqs, runs, victim_name, survivor_name,
+                                                           theirs):
+        try:
+            ids = [r.job_id for r in reqs]
+            victim = procs[0] if victim_name == "dura" else procs[1]
+            os.kill(victim.pid, signal.SIGSTOP)  # frozen mid-run: its leases lapse, its frames stop
+            stopped_at = time.monotonic()
+            await wait_until(lambda: _taken(nc, log, theirs, survivor_name), timeout=30, interval=0.05,
+                             what=f"{survivor_name} holds the jobs of the stopped {victim_name}")
+            taken_at = time.monotonic()
+            # (a done that raced the SIGSTOP: its job ended on the old owner)
+            theirs = [j for j in theirs if not any(k == "done" and t < taken_at for t, k, _ in log.events[j])]
+            print(f"\ntake-over of {len(theirs)}/{len(ids)} jobs from SIGSTOPped {victim_name}: "
+                  f"{taken_at - stopped_at:.2f} s (lease {LEASE_S:g} s)")
+            assert taken_at - stopped_at < TAKEOVER_BOUND_S
+            # the survivor streams them; wake the old owner while they still run
+            assert theirs, "the stopped owner's jobs all ended before it was stopped"
+            await wait_until(lambda: all(any(t > taken_at for t, _, _ in log.events[j]) for j in theirs), timeout=20,
+                             what="frames of the survivor")
+            assert any(log.dones(j) == 0 for j in theirs), "the jobs ended before SIGCONT: make them longer"
             os.kill(victim.pid, signal.SIGCONT)
-        for p in procs:
-            await stop(p)
-        for w in ws:
-            await w.stop()
-        await nc.drain()
+            victim = None
+            # undisturbed reference runs beside them; the woken coordinator takes its share of them
+            want_f = asyncio.ensure_future(reference_images(nc, reqs, "psref"))
+            got = await asyncio.wait_for(asyncio.gather(*runs), 120)  # 0 failed, 0 lost
+            want = await asyncio.wait_for(want_f, 120)
+            for g in got:
+                assert np.array_equal(want[g.job_id].images, g.images), g.job_id
+            for j in ids:
+                assert log.dones(j) == 1, (j, log.events[j])
+            for j in theirs:  # from the take-over on, one publisher: steps strictly increase up to the end
+                after = [s for t, k, s in log.events[j] if k == "frame" and t > taken_at]
+                assert after and after[-1] == 60 and all(b > a for a, b in zip(after, after[1:])), (j, after)
+                done_at = next(t for t, k, _ in log.events[j] if k == "done")
+                assert all(t <= done_at for t, _, _ in log.events[j]), (j, log.events[j])
+            err = await stop(procs[0] if victim_name == "dura" else procs[1])
+            for j in theirs:  # it woke up, saw it lost them, and said so
+                assert f"job {j}: ".encode() in err and b"stops publishing for it" in err, err[-3000:]
+        finally:
+            if victim is not None:  # never leave a stopped process behind
+                os.kill(victim.pid, signal.SIGCONT)
 
 
 async def test_lease_follows_the_owners_bucket_ttl_set_by_the_first_coordinator(js_bus):
