@@ -29,6 +29,7 @@ examples:
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
   ddm-fleet bench fleet --widths 32,64,128 --concurrency 1,8 --steps 10 --json
+  ddm-fleet bench fleet --concurrency 64 --steps 40 --only fleet --durable   # the cost of durable jobs
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
                         help="fleet: `ddm-fleet coordinator --hedge-after-s` (default: the measured p99)")
     parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
+    parser.add_argument("--durable", action="store_true",
+                        help="fleet: durable jobs (the nats-server with JetStream, store in a temp dir; "
+                             "`ddm-fleet coordinator --durable`, checkpoint every 10 steps): compare with a run "
+                             "without it for the cost of checkpointing")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
@@ -362,6 +367,7 @@ async def _hedge_counts(port: int) -> dict[str, float] | None:
 
 async def _fleet(args, models) -> dict:
     import asyncio
+    import tempfile
 
     import nats
 
@@ -369,7 +375,10 @@ async def _fleet(args, models) -> dict:
     from coordinator.client import client_connect_options, client_from_url
 
     buckets = _ints(args.buckets, "--buckets")
-    with NatsServer() as srv:
+    durable = getattr(args, "durable", False)
+    store = tempfile.TemporaryDirectory(prefix="ddm-bench-js-") if durable else None
+    js = f'jetstream {{ store_dir: "{store.name}" }}' if store else ""
+    with NatsServer(extra_config=js) as srv:
         children: list[Child] = []
         nc = None
         try:
@@ -394,7 +403,7 @@ async def _fleet(args, models) -> dict:
                 "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
                 "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120,
                 "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", 2),
-                "--route-every", getattr(args, "route_every", 1), *wire), env)
+                "--route-every", getattr(args, "route_every", 1), *wire, *(["--durable"] if durable else [])), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
             nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
@@ -455,6 +464,8 @@ async def _fleet(args, models) -> dict:
             # coordinator first (its running jobs fail), then the workers
             for group in (children[:1], children[1:]):
                 await asyncio.gather(*(c.stop() for c in group), return_exceptions=True)
+    if store is not None:
+        store.cleanup()
 
 
 async def bench_fleet(args) -> dict:
@@ -488,6 +499,7 @@ async def bench_fleet(args) -> dict:
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
              "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
              "cohorts": getattr(args, "cohorts", 2), "route_every": getattr(args, "route_every", 1),
+             "durable": getattr(args, "durable", False),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}
@@ -515,7 +527,7 @@ def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
              f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client, stream={s['stream']}, "
-             f"bf16={s['bf16']}, {s['cpus']} cpus"]
+             f"bf16={s['bf16']}, {s['cpus']} cpus" + (", durable jobs" if s.get("durable") else "")]
     if "max_rows" in s:
         lines.append(f"admission limits (coordinator process and ceiling): max_rows={s['max_rows']}, "
                      f"max_queued_jobs={s['max_queued_jobs']}; coordinator step timeout {s['step_timeout_s']:g} s, "

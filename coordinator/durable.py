@@ -22,6 +22,17 @@ leases for lease_s (a partition, a stall, SIGSTOP) drops every durable job itsel
 The owners bucket's TTL is the lease: set by the coordinator that created the bucket, and
 adopted (with a warning) by one asking for another lease_s.
 
+Replication: `replicas` (`--js-replicas`, default 1) is the number of copies of each bucket kept
+on the servers of a JetStream cluster; with 3 (R3, infra/nats/cluster.conf) a job's checkpoint and
+lease survive the loss of any one NATS node (a write needs 2 of the 3). Like the TTL it is fixed by
+the coordinator that creates a bucket; a bucket that exists with other settings is used as it is.
+A single server has only R1.
+
+Counters (exported on /metrics by coordinator.metrics, read at scrape time): `writes` and
+`bytes_written` (checkpoint writes and their bytes), `takeovers` (jobs this run took from another
+run: a dead or stalled owner's, or its own previous run's), `leases_lost` (jobs this run lost:
+another coordinator took them, or it could not renew their leases in time).
+
 A coordinator restarted under the same `--name` takes back its previous run's jobs at once
 (same name, another instance); a coordinator of another name takes a job once its owner's lease
 has expired.
@@ -50,6 +61,12 @@ DEFAULT_LEASE_S = 6.0
 DEFAULT_JOBS_TTL_S = 3600.0
 #: Bytes the checkpoint bucket may hold (writes beyond are refused: those jobs are not durable).
 DEFAULT_JOBS_MAX_BYTES = 1024 * 1024 * 1024
+#: Tries at creating a bucket (0.5 s apart) while the JetStream cluster refuses it (peers still joining).
+BUCKET_ATTEMPTS = 10
+#: JetStream's error code for "stream name already in use with a different configuration".
+STREAM_NAME_IN_USE = 10058
+#: ... for "no suitable peers for placement" (a cluster whose peers are still joining; or too few).
+NO_SUITABLE_PEERS = 10005
 
 
 class JetStreamUnavailable(RuntimeError):
@@ -109,17 +126,23 @@ class JobStore:
     revisions it wrote, so each of its writes is checked against them."""
 
     def __init__(self, nc, name: str, instance: str, *, lease_s: float = DEFAULT_LEASE_S,
-                 jobs_ttl_s: float = DEFAULT_JOBS_TTL_S, jobs_max_bytes: int = DEFAULT_JOBS_MAX_BYTES):
+                 jobs_ttl_s: float = DEFAULT_JOBS_TTL_S, jobs_max_bytes: int = DEFAULT_JOBS_MAX_BYTES,
+                 replicas: int = 1):
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
+        if not isinstance(replicas, int) or not 1 <= replicas <= 5:
+            raise ValueError(f"replicas must be an int 1-5 (JetStream's limit), got {replicas!r}")
+        self.replicas = replicas
         self.nc, self.name, self.instance = nc, name, instance
         self.lease_s, self.jobs_ttl_s, self.jobs_max_bytes = float(lease_s), float(jobs_ttl_s), int(jobs_max_bytes)
         self.jobs = self.owners = None
         self._cp_rev: dict[str, int] = {}  # job id -> revision of our last checkpoint write
         self._lease_rev: dict[str, int] = {}  # job id -> revision of our lease
         self.last_renewed = time.monotonic()
-        self.writes = 0
+        self.writes = 0  # checkpoint writes (admission, periodic, take-over, hand-over)
         self.bytes_written = 0
+        self.takeovers = 0  # jobs taken from another run (take())
+        self.leases_lost = 0  # jobs lost to another coordinator or to an expired lease (forget())
 
     @property
     def held(self) -> list[str]:
@@ -136,8 +159,9 @@ class JobStore:
             raise JetStreamUnavailable(why)
         js = self.nc.jetstream()
         self.jobs = await self._bucket(js, JOBS_BUCKET, ttl=self.jobs_ttl_s, max_bytes=self.jobs_max_bytes,
-                                       max_value_size=MAX_CHECKPOINT_BYTES)
-        self.owners = await self._bucket(js, OWNERS_BUCKET, ttl=self.lease_s, max_bytes=64 * 1024 * 1024)
+                                       max_value_size=MAX_CHECKPOINT_BYTES, replicas=self.replicas)
+        self.owners = await self._bucket(js, OWNERS_BUCKET, ttl=self.lease_s, max_bytes=64 * 1024 * 1024,
+                                         replicas=self.replicas)
         # a lease lives as long as the bucket's TTL, set by the coordinator that created the bucket:
         # renew (and judge expiry) by that, or leases would lapse between renewals
         ttl = (await self.owners.status()).ttl
@@ -148,14 +172,29 @@ class JobStore:
         return self
 
     @staticmethod
-    async def _bucket(js, bucket: str, **cfg):
+    async def _bucket(js, bucket: str, attempts: int = BUCKET_ATTEMPTS, **cfg):
+        """Create the bucket, or bind it if it exists with other settings (another release, another
+        --lease-s or --js-replicas: used as it is). "No suitable peers for placement" (a JetStream
+        cluster whose peers are not all up yet) and 503s are retried `attempts` times, 0.5 s apart;
+        every refusal ends as JetStreamUnavailable with the server's reason."""
+        import asyncio
+
         import nats.js.errors
 
-        try:
-            return await js.create_key_value(bucket=bucket, history=1, **cfg)
-        except nats.js.errors.BadRequestError:  # exists with other settings (another release): use it as is
-            log.warning("KV bucket %s exists with other settings; using it as it is", bucket)
-            return await js.key_value(bucket)
+        for attempt in range(1, attempts + 1):
+            try:
+                return await js.create_key_value(bucket=bucket, history=1, **cfg)
+            except nats.js.errors.APIError as err:
+                if err.err_code == STREAM_NAME_IN_USE:
+                    log.warning("KV bucket %s exists with other settings; using it as it is", bucket)
+                    return await js.key_value(bucket)
+                if attempt == attempts or not (err.err_code == NO_SUITABLE_PEERS or err.code == 503):
+                    raise JetStreamUnavailable(
+                        f"cannot create the KV bucket {bucket} with {cfg.get('replicas', 1)} replica(s): "
+                        f"{err.description or err} (--js-replicas must not exceed the JetStream servers of the "
+                        f"cluster, all of them up; a single server takes 1)") from None
+                log.warning("creating KV bucket %s: %s; retrying", bucket, err.description or err)
+                await asyncio.sleep(0.5)
 
     def _lease(self) -> bytes:
         return json.dumps({"name": self.name, "instance": self.instance}).encode()
@@ -232,18 +271,28 @@ class JobStore:
             log.info("releasing job %s: %r", job_id, err)
 
     def forget(self, job_id: str) -> None:
+        """This run lost a held job (another coordinator took it, or its lease lapsed): drop it here
+        without touching the buckets (counted in `leases_lost`)."""
         self._cp_rev.pop(job_id, None)
-        self._lease_rev.pop(job_id, None)
+        if self._lease_rev.pop(job_id, None) is not None:
+            self.leases_lost += 1
 
     # ------------------------------------------------------------ other runs' jobs
     async def orphans(self) -> list[tuple[str, int | None]]:
         """(job id, owner revision or None) of the checkpoints this run may take: no live lease, or
-        a lease of this coordinator's name from another run (a restart of this coordinator)."""
+        a lease of this coordinator's name from another run (a restart of this coordinator). A bus
+        error (a timeout while a JetStream cluster elects a leader) is one warning and an empty or
+        shorter list: the next scan, lease_s / 3 later, tries again."""
+        import nats.errors
         import nats.js.errors
 
         try:
             keys = await self.jobs.keys()
         except nats.js.errors.NoKeysError:
+            return []
+        except (nats.errors.Error, OSError) as err:
+            log.warning("listing the checkpoints in %s failed (%s: %s); trying again at the next scan",
+                        JOBS_BUCKET, type(err).__name__, err)
             return []
         found = []
         for job_id in keys:
@@ -253,6 +302,9 @@ class JobStore:
                 entry = await self.owners.get(job_id)
             except nats.js.errors.KeyNotFoundError:
                 found.append((job_id, None))
+                continue
+            except (nats.errors.Error, OSError) as err:
+                log.warning("reading the lease of job %s failed (%s: %s)", job_id, type(err).__name__, err)
                 continue
             try:
                 lease = json.loads(bytes(entry.value or b"{}"))
@@ -265,7 +317,9 @@ class JobStore:
     async def take(self, job_id: str, owner_rev: int | None) -> bytes | None:
         """Take a job over (revision-checked) and return its checkpoint bytes; None if another
         coordinator was first or the checkpoint is gone. The checkpoint is rewritten at once, so
-        its previous owner's next write fails (fencing)."""
+        its previous owner's next write fails (fencing). A bus error (timeout) also gives None, with
+        a warning: a lease that was written all the same expires, and the job is taken later."""
+        import nats.errors
         import nats.js.errors
 
         try:
@@ -275,6 +329,10 @@ class JobStore:
                 rev = await self.owners.update(job_id, self._lease(), last=owner_rev)
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
+        except (nats.errors.Error, OSError) as err:
+            log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id,
+                        type(err).__name__, err)
+            return None
         self._lease_rev[job_id] = rev
         try:
             entry = await self.jobs.get(job_id)
@@ -282,4 +340,10 @@ class JobStore:
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyWrongLastSequenceError):
             await self.release(job_id, keep_checkpoint=True)
             return None
+        except (nats.errors.Error, OSError) as err:
+            log.warning("taking job %s: its checkpoint could not be read or rewritten (%s: %s)", job_id,
+                        type(err).__name__, err)
+            await self.release(job_id, keep_checkpoint=True)
+            return None
+        self.takeovers += 1
         return bytes(entry.value)

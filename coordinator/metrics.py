@@ -5,6 +5,7 @@
     metrics.expert_call(k, seconds)              # one expert's velocity call of one tick
     metrics.expert_error(k, code)                # ... that failed (after the transport's retries)
     metrics.watch_transport(transport)           # the NATS transport's request and hedge counters
+    metrics.watch_store(store)                   # --durable: the JobStore's checkpoint and lease counters
     runner = await serve_metrics(metrics, port)  # workers.metrics_http, shared with the worker
 
 Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordinator_rows_stepped_total[1m])):
@@ -33,6 +34,14 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
                                                                    original did), failed (neither usable);
                                                                    hedges sent = the sum; hedge rate = that /
                                                                    requests
+    ddm_coordinator_checkpoints_written_total           counter    --durable: job checkpoints written to JetStream
+                                                                   (admission, every --checkpoint-every steps,
+                                                                   take-over, hand-over)
+    ddm_coordinator_checkpoint_bytes_total              counter    --durable: bytes of those checkpoints
+    ddm_coordinator_job_takeovers_total                 counter    --durable: jobs this coordinator took from another
+                                                                   run (a dead or stalled owner, or its own restart)
+    ddm_coordinator_job_leases_lost_total               counter    --durable: jobs it lost (another coordinator took
+                                                                   them, or it could not renew their leases in time)
 
 The scheduler's counters and gauges are read at scrape time (`Scheduler.stats`, `queued_jobs`, ...),
 so they are never counted twice; the scrape runs on the event loop, between ticks' steps.
@@ -102,6 +111,24 @@ class _TransportCollector:
         yield hedges
 
 
+class _StoreCollector:
+    """Scrape-time view of a durable JobStore's counters (coordinator.durable): `writes`,
+    `bytes_written`, `takeovers`, `leases_lost`."""
+
+    SERIES = (("ddm_coordinator_checkpoints_written", "writes", "Job checkpoints written to JetStream."),
+              ("ddm_coordinator_checkpoint_bytes", "bytes_written", "Bytes of the job checkpoints written."),
+              ("ddm_coordinator_job_takeovers", "takeovers", "Jobs taken over from another coordinator run."),
+              ("ddm_coordinator_job_leases_lost", "leases_lost",
+               "Jobs lost to another coordinator or to a lease not renewed in time."))
+
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        for name, attr, doc in self.SERIES:
+            yield CounterMetricFamily(name, doc, value=int(getattr(self.store, attr, 0)))
+
+
 class CoordinatorMetrics:
     """The metrics of one coordinator (one scheduler). `registry` is what /metrics serves."""
 
@@ -140,6 +167,14 @@ class CoordinatorMetrics:
         if getattr(self, "_transport_collector", None) is None:
             self._transport_collector = _TransportCollector(transport)
             self.registry.register(self._transport_collector)
+
+    def watch_store(self, store) -> None:
+        """Export a durable coordinator's JobStore counters (read at scrape time) as
+        ddm_coordinator_checkpoints_written_total, _checkpoint_bytes_total, _job_takeovers_total and
+        _job_leases_lost_total. Once."""
+        if getattr(self, "_store_collector", None) is None:
+            self._store_collector = _StoreCollector(store)
+            self.registry.register(self._store_collector)
 
     def sample(self, name: str, **labels: str) -> float:
         """The current value of one sample (e.g. "ddm_coordinator_ticks_total"), 0.0 if absent."""

@@ -138,7 +138,8 @@ class Coordinator:
                  max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
                  wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
                  cohorts: int = DEFAULT_COHORTS, route_every: int = 1, durable: bool = False,
-                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, lease_s: float = DEFAULT_LEASE_S):
+                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, lease_s: float = DEFAULT_LEASE_S,
+                 js_replicas: int = 1):
         if nc is None and nats_url is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_COORDINATOR_NAME_LEN:
@@ -188,6 +189,7 @@ class Coordinator:
         if durable and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be an int >= 1 (solver steps), got {checkpoint_every!r}")
         self.durable, self.checkpoint_every, self.lease_s = bool(durable), checkpoint_every, lease_s
+        self.js_replicas = js_replicas  # copies of each KV bucket in a JetStream cluster (coordinator.durable)
         self.store: JobStore | None = None
         self._durable_ops: list[tuple[str, str]] = []  # ("adopt" | "release", job id), in order
         self._durable_wake: asyncio.Event | None = None
@@ -219,7 +221,8 @@ class Coordinator:
                                            hedge=self.hedge, hedge_after_s=self.hedge_after_s, **opts)
         if self.durable:
             try:
-                self.store = await JobStore(self.nc, self.name, self.instance, lease_s=self.lease_s).open()
+                self.store = await JobStore(self.nc, self.name, self.instance, lease_s=self.lease_s,
+                                            replicas=self.js_replicas).open()
                 self.lease_s = self.store.lease_s  # the owners bucket's TTL, if another coordinator set it
             except Exception:
                 if self._own_nc:
@@ -234,6 +237,8 @@ class Coordinator:
         self.metrics = self.engine.metrics
         if hasattr(self.transport, "hedge_counts"):
             self.metrics.watch_transport(self.transport)
+        if self.store is not None:
+            self.metrics.watch_store(self.store)
         await self._serve_metrics()
         self._subs = [
             await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=self._on_submit),

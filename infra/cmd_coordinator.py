@@ -35,6 +35,8 @@ examples:
   ddm-fleet coordinator --router ... --partition ... --name coord-b          # a second coordinator on the bus
   ddm-fleet coordinator --router ... --partition ... --max-client-rows 256 --max-client-queued-jobs 16
   ddm-fleet coordinator --router ... --partition ... --wire-dtype float16 --hedge-after-s 0.2
+  ddm-fleet coordinator --router ... --partition ... --durable --js-replicas 3 --name coord-a   # with $NATS_URL
+      listing every node of the JetStream cluster: jobs survive a coordinator or a NATS node
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=6.0, metavar="S",
                         help="with --durable: seconds a job's ownership lease lives unrenewed (default %(default)s); "
                              "another coordinator takes a dead one's jobs within about 1.3 x S")
+    parser.add_argument("--js-replicas", type=int, default=1, metavar="N",
+                        help="with --durable: copies of each KV bucket on the servers of a JetStream cluster "
+                             "(default %(default)s; 1-5). Use 3 with the shipped 3-node cluster.conf, so that jobs "
+                             "survive the loss of a NATS node; a single server takes only 1. Fixed by the "
+                             "coordinator that creates the buckets")
     parser.add_argument("--wait-experts", type=float, default=0.0, metavar="S",
                         help="before serving, wait up to S seconds for every expert to have a worker (default: don't)")
 
@@ -158,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.step_timeout <= 0:
         print(f"ddm-fleet coordinator: --step-timeout must be > 0, got {args.step_timeout}", file=sys.stderr)
+        return 2
+    if not 1 <= args.js_replicas <= 5:
+        print(f"ddm-fleet coordinator: --js-replicas must be 1-5, got {args.js_replicas}", file=sys.stderr)
         return 2
     if args.checkpoint_every < 1 or not args.lease_s > 0:
         print(f"ddm-fleet coordinator: --checkpoint-every must be >= 1 and --lease-s > 0, got "
@@ -203,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"waiting up to {args.wait_experts:g} s for workers of {k} experts ...", flush=True)
                 await wait_for_experts(nc, k, timeout=args.wait_experts)
             durable = dict(durable=True, checkpoint_every=args.checkpoint_every,
-                           lease_s=args.lease_s) if args.durable else {}
+                           lease_s=args.lease_s, js_replicas=args.js_replicas) if args.durable else {}
             try:
                 coordinator = Coordinator(router, num_experts=k, class_to_expert=c2e, nc=nc, max_rows=args.max_rows,
                                    max_queued_jobs=args.max_queued_jobs, step_timeout=args.step_timeout,
@@ -221,9 +231,9 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             async with _Entered(coordinator) as coord:
                 if args.durable:  # (without --durable nothing is printed: the first line stays "ready: ...")
-                    print(f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, checkpoint every "
-                          f"{args.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed {coord.jobs_resumed} "
-                          f"jobs)", flush=True)
+                    print(f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, R{args.js_replicas}, "
+                          f"checkpoint every {args.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed "
+                          f"{coord.jobs_resumed} jobs)", flush=True)
                 print(f"ready: coordinator for {k} experts on {args.nats} (max {args.max_rows} rows, "
                       f"{args.max_queued_jobs} queued jobs)"
                       + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)

@@ -1,11 +1,17 @@
 """Run the whole local fleet in one command (what `make demo` runs).
 
-Starts, each as its own process: a nats-server (infra/nats/local.conf, loopback only, no auth),
-one `ddm-fleet worker` per expert checkpoint (expert 0 on torch, expert 1 on jax, like the
+Starts, each as its own process: a nats-server (infra/nats/local.conf, loopback only, no auth,
+with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet worker` per expert checkpoint (expert 0 on torch, expert 1 on jax, like the
 reference demo's two frameworks; --backend-K picks another, unset experts alternate torch/jax),
 the `ddm-fleet coordinator` and the `ddm-fleet web` page. Waits until each is ready (the bus
 accepts connections, every worker answers $SRV.PING, the coordinator answers ddm.v1.fleet.status,
 the page answers HTTP 200), then prints what runs where and the URL to open.
+
+Jobs are durable by default (`ddm-fleet coordinator --durable`, docs/COORDINATOR.md): the coordinator
+checkpoints every running job in JetStream, so a coordinator that crashes and is restarted here resumes
+its jobs mid-trajectory (clients see a pause, then the same images), and Ctrl-C hands running jobs
+over to the next `ddm-fleet up` on the same --js-store instead of failing them. --no-durable runs
+the bus without JetStream and the coordinator without checkpoints (failed jobs on a crash, as before).
 
 A child that crashes is reported (exit code, last lines of its log) and restarted with backoff;
 after --max-crashes fast crashes it is given up (a worker: the rest keeps running; the bus, the
@@ -16,6 +22,7 @@ examples:
   ddm-fleet up                                  # checkpoints/, http://127.0.0.1:8080/
   ddm-fleet up --workers 2 --backend-1 torch    # two torch workers per expert
   ddm-fleet up --checkpoints ck --port 8081 --nats-port 4333 --buckets 1,2,4,8 --follow
+  ddm-fleet up --no-durable                     # no JetStream, no job checkpoints
   ddm-fleet generate --digits 3,7 --nats nats://127.0.0.1:4222 --out grid.png   # from another shell
 """
 
@@ -64,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='extra `ddm-fleet coordinator` options, e.g. "--max-rows 256"')
     parser.add_argument("--web-args", default="", metavar="ARGS", help="extra `ddm-fleet web` options")
     parser.add_argument("--no-web", action="store_true", help="do not start the web page")
+    parser.add_argument("--no-durable", action="store_true",
+                        help="no JetStream on the bus and no `--durable` coordinator: a coordinator crash fails its "
+                             "running jobs (by default they are checkpointed and resumed)")
+    parser.add_argument("--js-store", default="out/nats-js", metavar="DIR",
+                        help="the nats-server's JetStream store: the durable jobs' checkpoints, kept across runs "
+                             "(default %(default)s)")
     parser.add_argument("--log-dir", default="out/up", metavar="DIR",
                         help="children's logs, one <process>.log each (default %(default)s)")
     parser.add_argument("--follow", action="store_true", help="also echo every child's log lines, prefixed")
@@ -130,9 +143,14 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
     cli = [sys.executable, "-m", "infra.cli"] + (["-v"] if args.verbose else [])
     env = {"NATS_URL": nats_url}
     monitor = f" (monitor http://127.0.0.1:{args.nats_monitor_port})" if args.nats_monitor_port else ""
+    durable = not getattr(args, "no_durable", False)
+    # JetStream from the command line (local.conf has none): -js, its store
+    store = Path(getattr(args, "js_store", "out/nats-js")).resolve()
+    jetstream = ["-js", "-sd", str(store)] if durable else []
     bus = ChildSpec("nats-server", [nats_bin, "-c", str(CONFIG), "-a", "127.0.0.1", "-p", str(args.nats_port),
-                                    "-m", str(args.nats_monitor_port)],
-                    role="bus", where=nats_url + monitor, probe=probes.port(args.nats_port))
+                                    "-m", str(args.nats_monitor_port), *jetstream],
+                    role="bus", where=nats_url + monitor + (" JetStream" if durable else ""),
+                    probe=probes.port(args.nats_port))
     rest = []
     for k, path in enumerate(ck["experts"]):
         backend = getattr(args, f"backend_{k}", None) if k < MAX_BACKEND_FLAGS else None
@@ -145,7 +163,7 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
                                   where=subjects.expert_velocity(k), probe=probes.worker, critical=False, env=env,
                                   stop_group="workers"))
     coord = cli + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]),
-                   "--nats", nats_url] + shlex.split(args.coordinator_args)
+                   "--nats", nats_url] + (["--durable"] if durable else []) + shlex.split(args.coordinator_args)
     rest.append(ChildSpec("coordinator", coord, role="coordinator", where=subjects.ALL_JOBS_SUBMIT,
                           probe=probes.coordinator, env=env))
     if not args.no_web:
@@ -286,6 +304,12 @@ def run(args: argparse.Namespace) -> int:
             check_port_free(args.host, args.port, "web", "--port")
         for name in ("worker_args", "coordinator_args", "web_args"):
             shlex.split(getattr(args, name))  # raises ValueError on unbalanced quotes
+        if not args.no_durable:
+            try:
+                Path(args.js_store).mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise UpError(f"--js-store {args.js_store}: cannot create it ({err.strerror}); pass another "
+                              "DIR or --no-durable") from None
         policy = RestartPolicy(max_crashes=args.max_crashes)
     except (UpError, ValueError) as err:
         print(f"ddm-fleet up: {err}", file=sys.stderr)

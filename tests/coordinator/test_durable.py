@@ -20,6 +20,8 @@ from bus.nats_server import NatsServer
 from coordinator.client import run_job
 from schemas import FrameEvent, JobRequest
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
+from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers,
+                                             start_coordinator, stop)
 from tests.waiting import wait_until
 
 
@@ -34,44 +36,6 @@ def js_server(tmp_path_factory):
 def tiny_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("durable-models")
     return make_tiny_experts(d), make_tiny_router(d / "router")
-
-
-async def start_coordinator(url: str, router, *extra: str):
-    """A `ddm-fleet coordinator --durable` process; returns it once it printed its ready line, and
-    the lines before it."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infra.cli", "coordinator", "--router", str(router), "--partition",
-        "checkpoints/partition.json", "--nats", url, "--metrics-port", "0", "--step-timeout", "5", *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-    lines = []
-    while True:
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        if not line:
-            raise AssertionError(b"".join(lines) + await proc.stderr.read())
-        lines.append(line)
-        if line.startswith(b"ready: coordinator"):
-            return proc, b"".join(lines)
-
-
-async def stop(proc) -> bytes:
-    if proc.returncode is None:
-        proc.kill()
-    await proc.wait()
-    return await proc.stderr.read()
-
-
-async def sim_workers(url, experts, batch_ms=15.0):
-    from workers.backends import get_backend
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=url, buckets=(1, 4, 16),
-                         backend=get_backend("sim", preset="instant", batch_ms=batch_ms))
-        await w.start()
-        ws.append(w)
-    return ws
 
 
 def jobs(tag: str) -> list[JobRequest]:
@@ -169,45 +133,11 @@ def js_bus(tmp_path):
         yield srv
 
 
-async def owners_of(nc, job_ids) -> dict[str, str | None]:
-    """job id -> name of the coordinator holding its lease in ddm_job_owners (None: no lease)."""
-    import json
-
-    import nats.js.errors
-
-    kv = await nc.jetstream().key_value("ddm_job_owners")
-    out = {}
-    for j in job_ids:
-        try:
-            out[j] = json.loads(bytes((await kv.get(j)).value))["name"]
-        except nats.js.errors.KeyNotFoundError:
-            out[j] = None
-    return out
-
-
 def pair_jobs(tag: str, round_: int) -> list[JobRequest]:
     kinds = [("top1", "euler"), ("top1", "heun"), ("oracle", "euler"), ("oracle", "heun")]
     return [JobRequest(job_id=f"{tag}-{round_}-{i}", digits=[(round_ + i) % 10, (7 + 3 * i) % 10], steps=60,
                        seed=1000 + 10 * round_ + i, strategy=s, solver=v)
             for i, (s, v) in enumerate(kinds + kinds)]
-
-
-class EventLog:
-    """Every event of the watched jobs, in arrival order: (monotonic time, kind, step or None)."""
-
-    def __init__(self):
-        self.events: dict[str, list[tuple[float, str, int | None]]] = {}
-
-    def __call__(self, ev):
-        import time
-
-        self.events.setdefault(ev.job_id, []).append((time.monotonic(), ev.kind, getattr(ev, "step", None)))
-
-    def steps(self, job_id) -> list[int]:
-        return [s for _, k, s in self.events.get(job_id, []) if k == "frame"]
-
-    def dones(self, job_id) -> int:
-        return sum(k == "done" for _, k, _ in self.events.get(job_id, []))
 
 
 async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list, tag: str):
@@ -255,13 +185,6 @@ async def _taken(nc, log: EventLog, ids, name) -> bool:
 async def _all_owned(nc, ids):
     owners = await owners_of(nc, ids)
     return owners if all(owners.values()) else None
-
-
-async def reference_images(nc, reqs, tag):
-    """The same requests, run undisturbed (new job ids): {job id of reqs: DoneEvent}."""
-    refs = [r.model_copy(update={"job_id": f"{tag}-{i}"}) for i, r in enumerate(reqs)]
-    got = await asyncio.gather(*(run_job(nc, r, timeout=120) for r in refs))
-    return {r.job_id: g for r, g in zip(reqs, got)}
 
 
 @contextlib.asynccontextmanager

@@ -379,3 +379,70 @@ def test_free_port_never_hands_out_the_same_port_twice():
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+# ---------------------------------------------------------------- JetStream (NatsCluster(jetstream=True))
+
+
+async def test_jetstream_is_off_unless_asked(cluster):
+    """cluster.conf runs JetStream; NatsCluster turns it off by default (`jetstream: disabled`), and a
+    durable coordinator is told so."""
+    import nats
+
+    from coordinator.durable import jetstream_available
+
+    nc = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
+    try:
+        assert await jetstream_available(nc) is not None
+    finally:
+        await nc.close()
+    assert cluster.jetstream_leader() is None
+
+
+async def test_jetstream_r3_buckets_survive_a_node_kill_under_the_coordinator_role(tmp_path):
+    """cluster.conf's JetStream on all three nodes, each with its own store: the `coordinator` user
+    (its permissions name only the durable buckets) creates the R3 buckets, writes a checkpoint and a
+    lease; the node leading the checkpoint bucket is SIGKILLed; after the election the survivors
+    serve the same value and take revision-checked writes again."""
+    import nats
+    import nats.js.errors
+
+    from coordinator.durable import JobStore
+    from infra.nats_cluster import monitor
+    from tests.waiting import wait_until
+
+    with NatsCluster(3, jetstream=True, log_dir=tmp_path / "nats-logs") as cluster:
+        assert cluster.jetstream_leader() is not None
+        from pathlib import Path
+
+        stores = sorted(p.name for p in Path(cluster._tmp.name).glob("js-*"))  # one store per node
+        assert stores == [f"js-{cluster.node_name(i)}" for i in range(3)], stores
+        nc = await nats.connect(servers=cluster.servers("coordinator"), max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.2, connect_timeout=2)
+        try:
+            store = await JobStore(nc, "c", "run-1", lease_s=30.0, replicas=3).open()
+            assert await store.adopt("job-1", b"checkpoint-1")
+            leader = cluster.jetstream_leader(stream="KV_ddm_jobs")
+            assert leader is not None
+            jsz = monitor(cluster.nodes[leader], "jsz?acc=DDM&streams=true&config=true")
+            (stream,) = [s for a in jsz["account_details"] for s in a["stream_detail"] if s["name"] == "KV_ddm_jobs"]
+            assert stream["config"]["num_replicas"] == 3 and len(stream["cluster"]["replicas"]) == 2
+
+            cluster.kill_node(leader)
+
+            async def saved():
+                try:
+                    await store.save("job-1", b"checkpoint-2")
+                    return True
+                except (nats.errors.Error, OSError):
+                    return False
+
+            await wait_until(saved, timeout=30, interval=0.2, what="a checkpoint write after the election")
+            survivor = next(i for i in range(3) if i != leader)
+            assert cluster.jetstream_leader(survivor, "KV_ddm_jobs") not in (None, leader)
+            assert bytes((await store.jobs.get("job-1")).value) == b"checkpoint-2"
+            assert await store.renew() == [] and store.holds("job-1")
+            with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):  # still revision-checked
+                await store.jobs.update("job-1", b"stale", last=1)
+        finally:
+            await nc.close()

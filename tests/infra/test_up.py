@@ -247,7 +247,8 @@ async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
     url = f"nats://127.0.0.1:{nats_port}"
     cmd = [sys.executable, "-m", "infra.cli", "up", "--checkpoints", str(tiny_fleet_dir), "--nats-port", str(nats_port),
            "--nats-monitor-port", "0", "--port", str(web_port), "--buckets", "1,2", "--log-dir", str(tmp_path / "logs"),
-           "--backend-1", "torch", "--worker-args", "--threads 1", "--stop-timeout", "60"]
+           "--backend-1", "torch", "--worker-args", "--threads 1", "--stop-timeout", "60",
+           "--js-store", str(tmp_path / "nats-js")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     out = Lines(proc.stdout)
     pids: dict[str, int] = {}
@@ -257,6 +258,9 @@ async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
             pids[name] = int((await asyncio.to_thread(out.wait_for, rf"^{name}\s+(\d+)\s", 1)).group(1))
         assert re.search(r"^worker-e1-0\s+\d+\s+expert 1\s+torch\s+ddm\.v1\.expert\.1\.velocity", "\n".join(out.lines), re.M)
         assert (tmp_path / "logs" / "coordinator.log").exists()
+        # durable by default: JetStream on the bus (its store where asked), a --durable coordinator
+        assert "durable jobs: on" in (tmp_path / "logs" / "coordinator.log").read_text()
+        assert (tmp_path / "nats-js" / "jetstream").is_dir()
 
         with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=10) as resp:
             assert resp.status == 200
@@ -304,6 +308,12 @@ def test_backends_default_and_override(tiny_fleet_dir):
 
     bus, rest = stages()
     assert bus[0].argv[:3] == ["/bin/nats-server", "-c", str(REPO / "infra" / "nats" / "local.conf")]
+    # durable jobs by default: JetStream with its store under out/, and a --durable coordinator
+    assert bus[0].argv[-3:] == ["-js", "-sd", str(Path("out/nats-js").resolve())]
+    assert "--durable" in next(c for c in rest if c.name == "coordinator").argv
+    plain_bus, plain_rest = stages("--no-durable")
+    assert "-js" not in plain_bus[0].argv and "--durable" not in plain_rest[-2].argv
+    assert stages("--js-store", "/tmp/elsewhere")[0][0].argv[-1] == "/tmp/elsewhere"
     assert [(c.name, c.backend) for c in rest] == [("worker-e0-0", "torch"), ("worker-e1-0", "jax"),
                                                    ("coordinator", "-"), ("web", "-")]
     assert all(c.argv[:3] == [sys.executable, "-m", "infra.cli"] for c in rest)

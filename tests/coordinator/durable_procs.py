@@ -1,0 +1,92 @@
+"""Process helpers shared by the durable-job tests (test_durable.py, test_durable_cluster.py): a real
+`ddm-fleet coordinator` process, sim expert workers, and what the tests read back (the owner of each
+job in the ddm_job_owners bucket, every event each job's client saw)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+
+async def start_coordinator(url: str, router, *extra: str):
+    """A `ddm-fleet coordinator` process on `url` (one URL, or a comma-separated list of a cluster's
+    nodes); returns it once it printed its ready line, and the lines before it. `extra`: more options
+    (e.g. "--durable")."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infra.cli", "coordinator", "--router", str(router), "--partition",
+        "checkpoints/partition.json", "--nats", url, "--metrics-port", "0", "--step-timeout", "5", *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+    lines = []
+    while True:
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        if not line:
+            raise AssertionError(b"".join(lines) + await proc.stderr.read())
+        lines.append(line)
+        if line.startswith(b"ready: coordinator"):
+            return proc, b"".join(lines)
+
+
+async def stop(proc) -> bytes:
+    """SIGKILL `proc` unless it ended; returns its stderr."""
+    if proc.returncode is None:
+        proc.kill()
+    await proc.wait()
+    return await proc.stderr.read()
+
+
+async def sim_workers(url, experts, batch_ms=15.0):
+    """One started sim-backend ExpertWorker per expert checkpoint (`batch_ms` per batch) on `url`."""
+    from workers.backends import get_backend
+    from workers.service import ExpertWorker
+
+    ws = []
+    for k, path in enumerate(experts):
+        w = ExpertWorker(expert=k, checkpoint=path, nats_url=url, buckets=(1, 4, 16),
+                         backend=get_backend("sim", preset="instant", batch_ms=batch_ms))
+        await w.start()
+        ws.append(w)
+    return ws
+
+
+async def owners_of(nc, job_ids) -> dict[str, str | None]:
+    """job id -> name of the coordinator holding its lease in ddm_job_owners (None: no lease)."""
+    import json
+
+    import nats.js.errors
+
+    kv = await nc.jetstream().key_value("ddm_job_owners")
+    out = {}
+    for j in job_ids:
+        try:
+            out[j] = json.loads(bytes((await kv.get(j)).value))["name"]
+        except nats.js.errors.KeyNotFoundError:
+            out[j] = None
+    return out
+
+
+async def reference_images(nc, reqs, tag):
+    """The same requests, run undisturbed (new job ids "<tag>-<i>"): {job id of reqs: DoneEvent}."""
+    from coordinator.client import run_job
+
+    refs = [r.model_copy(update={"job_id": f"{tag}-{i}"}) for i, r in enumerate(reqs)]
+    got = await asyncio.gather(*(run_job(nc, r, timeout=120) for r in refs))
+    return {r.job_id: g for r, g in zip(reqs, got)}
+
+
+class EventLog:
+    """Every event of the watched jobs, in arrival order: (monotonic time, kind, step or None)."""
+
+    def __init__(self):
+        self.events: dict[str, list[tuple[float, str, int | None]]] = {}
+
+    def __call__(self, ev):
+        self.events.setdefault(ev.job_id, []).append((time.monotonic(), ev.kind, getattr(ev, "step", None)))
+
+    def steps(self, job_id) -> list[int]:
+        return [s for _, k, s in self.events.get(job_id, []) if k == "frame"]
+
+    def dones(self, job_id) -> int:
+        return sum(k == "done" for _, k, _ in self.events.get(job_id, []))
