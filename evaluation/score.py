@@ -17,6 +17,7 @@ class Score:
     predicted_counts: list[int] = field(default_factory=list)  # [10] how often each digit was seen
     per_class_accuracy: list[float] = field(default_factory=list)  # [10] accuracy per requested digit (nan if none)
     predictions: np.ndarray | None = field(default=None, repr=False)  # [N] the judge's digit per image
+    features: np.ndarray | None = field(default=None, repr=False)  # [N, D] the judge's features (bootstrap FID)
 
     def as_dict(self) -> dict:
         return {"n": self.n, "accuracy": self.accuracy, "fid": self.fid,
@@ -29,25 +30,28 @@ def prepare_images(images: np.ndarray) -> np.ndarray:
 
 
 def score_images(classifier, images: np.ndarray, digits: np.ndarray, reference_features: np.ndarray) -> Score:
-    """images [N,1,32,32] in [-1,1], digits [N] requested classes, reference_features [M,D] (the
-    same judge's features of the reference set). Works with any judge that has predict/features."""
+    """images [N,1,32,32] in [-1,1], digits [N] requested classes (-1: unconditional, no class asked
+    for; accuracy counts only the rows with a digit, nan when there are none), reference_features [M,D]
+    (the same judge's features of the reference set). Works with any judge that has predict/features."""
     images = prepare_images(images)
     digits = np.asarray(digits, np.int64)
     if len(images) != len(digits):
         raise ValueError(f"{len(images)} images but {len(digits)} labels")
     pred = classifier.predict(images)
     feats = classifier.features(images)
+    asked = digits >= 0
     per_class = []
     for c in range(10):
         mask = digits == c
         per_class.append(float((pred[mask] == c).mean()) if mask.any() else float("nan"))
     return Score(
         n=int(len(images)),
-        accuracy=float((pred == digits).mean()),
+        accuracy=float((pred[asked] == digits[asked]).mean()) if asked.any() else float("nan"),
         fid=fid_from_features(feats, reference_features),
         predicted_counts=np.bincount(pred, minlength=10).astype(int).tolist(),
         per_class_accuracy=per_class,
         predictions=np.asarray(pred, np.int64),
+        features=np.asarray(feats, np.float32),
     )
 
 

@@ -8,14 +8,28 @@ table: conditional accuracy (judge agrees with the requested digit) and FID in e
 space against the 10k test images, side by side, how often the two judges agree, experts used per
 step and inference GFLOPs per image.
 
---rescore DIR generates nothing: it re-scores every <configuration>.npz that --save-images wrote
-to DIR with both judges and prints the same side-by-side columns.
+--rescore DIR generates nothing: it re-scores every <configuration>.npz in DIR with both judges:
+images float32 [N,1,32,32] in [-1,1] or uint8 0..255 (read as x/127.5 - 1), labels int [N] (the
+requested digits; -1 on every row of an unconditional file), usage [N,K] optional.
+  conditional files: accuracy per judge with a 95% Wilson interval, FID with a 95% bootstrap
+    interval, judge agreement, next to real validation digits with the same labels (real-val);
+  unconditional files: no accuracy (no digit was asked for); each judge's predicted class histogram,
+    its total variation (TV) distance to uniform with a bootstrap interval, entropy and chi-square p,
+    and FID, next to as many random real validation digits;
+  paired comparisons (rows share digits and seeds row for row): McNemar's test on per-image
+    correctness (exact binomial p), accuracy / TV / FID differences with paired bootstrap intervals.
+    By default every ddm-* row and distilled against monolith and every ddm-* row against distilled,
+    within each kind; --compare A,B picks pairs instead.
+  The quality study's names: monolith, ddm-top1, ddm-top2, ddm-full, ddm-oracle, distilled (.npz),
+  and uncond-monolith, uncond-ddm-top1, ..., uncond-distilled for unconditional files.
 
 examples:
   ddm-fleet eval                                   # monolith, top1, top2, full, oracle
   ddm-fleet eval --configs top1,oracle --per-class 20 --steps 20
   ddm-fleet eval --save-images out/eval --json     # keep the images for an independent re-score
-  ddm-fleet eval --rescore out/eval                # both judges on those same images
+  ddm-fleet eval --rescore out/eval                # both judges on those same images, paired tests
+  ddm-fleet eval --rescore out/eval --compare ddm-top1,monolith --compare ddm-top1,ddm-full
+  ddm-fleet eval --rescore out/eval --bootstrap 1000 --json   # steadier interval ends, machine-readable
 """
 
 from __future__ import annotations
@@ -42,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage")
     parser.add_argument("--rescore", default=None, metavar="DIR",
                         help="generate nothing; re-score every <configuration>.npz in DIR with both judges")
+    parser.add_argument("--compare", action="append", default=None, metavar="A,B",
+                        help="with --rescore: paired tests of configuration A against B (file stems, e.g. "
+                             "ddm-top1,monolith); repeatable; default: every ddm-* row and distilled vs monolith, "
+                             "every ddm-* row vs distilled")
+    parser.add_argument("--bootstrap", type=int, default=200, metavar="B",
+                        help="with --rescore: bootstrap resamples for the FID/TV intervals and paired differences "
+                             "(fixed seed 0; 0 turns them off; default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table (as bench and fuzz do)")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -87,21 +108,54 @@ def _rescore(args: argparse.Namespace) -> int:
     import json
 
     from evaluation.judges import Judges
-    from evaluation.rescore import (SavedImagesError, format_rescore_table, real_baseline, rescore_dir,
-                                    saved_configurations)
+    from evaluation.rescore import (UNCONDITIONAL, SavedImagesError, comparisons, format_rescore_table, load_dir,
+                                    real_baseline, real_baseline_unconditional, rescore_dir)
 
+    pairs = None
+    if args.compare:
+        pairs = [tuple(p.strip() for p in c.split(",")) for c in args.compare]
+        if any(len(p) != 2 or not all(p) for p in pairs):
+            raise SystemExit(f"ddm-fleet eval: --compare takes A,B (two configuration names), got {args.compare}")
+    if args.bootstrap < 0:
+        raise SystemExit("ddm-fleet eval: --bootstrap must be >= 0")
+    boot = {"resamples": args.bootstrap, "seed": 0}
+    notes: list[str] = []
     try:
-        saved_configurations(args.rescore)  # fail on a wrong DIR before loading (or training) any judge
+        # fail on a wrong DIR, a bad file or a --compare name before loading (or training) any judge
+        saved = load_dir(args.rescore)
+        found = sorted(s.name for s in saved)
+        missing = sorted({n for pair in pairs or () for n in pair} - set(found))
+        if missing:
+            raise SavedImagesError(f"--compare names {', '.join(missing)}; the saved configurations are {found}")
         judges = Judges.load(args.data_dir, progress=not args.no_progress)
-        rows = rescore_dir(args.rescore, judges)
-        baseline = real_baseline(args.rescore, judges, args.data_dir)
+        rows = rescore_dir(args.rescore, judges, progress=not args.no_progress, saved=saved, **boot)
+        del saved
+        pairs_done, pair_notes = comparisons(rows, pairs)
+        notes += pair_notes
+        try:  # real digits for scale; too many of one digit for the validation split is a note, not a failure
+            baseline = real_baseline(args.rescore, judges, args.data_dir, **boot)
+        except ValueError as e:
+            baseline = None
+            notes.append(f"no conditional real-digit row: {e}")
+        uncond = [r for r in rows if r.kind == UNCONDITIONAL]
+        uncond_baseline = None
+        if uncond:
+            try:
+                uncond_baseline = real_baseline_unconditional(uncond[0].score.judge1.n, judges, args.data_dir, **boot)
+            except ValueError as e:
+                notes.append(f"no unconditional real-digit row: {e}")
     except (SavedImagesError, ValueError) as e:
         raise SystemExit(f"ddm-fleet eval --rescore: {e}")
     if not args.json:
-        print(format_rescore_table(rows, judges, args.rescore, baseline))
+        print(format_rescore_table(rows, judges, args.rescore, baseline, unconditional_baseline=uncond_baseline,
+                                   comparisons=pairs_done, notes=notes, resamples=args.bootstrap))
     else:
         print(json.dumps({"judges": {"judge1_test_accuracy": judges.test_accuracy1,
                                      "judge2_test_accuracy": judges.test_accuracy2,
                                      "test_agreement": judges.test_agreement},
-                          "rows": [r.as_dict() for r in rows], "real_baseline": baseline.as_dict()}, indent=2))
+                          "bootstrap": boot,
+                          "rows": [r.as_dict() for r in rows],
+                          "real_baseline": baseline.as_dict() if baseline is not None else None,
+                          "real_baseline_unconditional": uncond_baseline.as_dict() if uncond_baseline else None,
+                          "comparisons": [c.as_dict() for c in pairs_done], "notes": notes}, indent=2))
     return 0

@@ -1,0 +1,236 @@
+"""Generate a study's images in ONE process, without NATS: the experts, the router and the solver
+called directly on large batches (thousands of rows) on one device.
+
+The fleet (`ddm-fleet eval`, `evaluation/run.py`) is the public path and what the shipped numbers
+use; this module exists for studies that need many images per configuration (5,000+ for paired
+tests) on a GPU in minutes. It keeps the fleet's conventions so the two are comparable image for
+image: the same requested digits (`requested_digits`), jobs of `job_size` rows seeded
+`seed + j`, row i of a job starting from `coordinator.rows.initial_noise(seed, i)`, the same
+solver (`coordinator.solver`) and routing strategies (`coordinator.strategies.select`), and
+the router asked at every evaluation. Unconditional rows (y = -1) use the same seeds, so an
+unconditional file pairs row for row with its conditional one.
+
+Each configuration is written as `<name>.npz` in the format `ddm-fleet eval --save-images` writes
+(`images` [N, 1, 32, 32], `labels` [N] (-1 = unconditional), `usage` [N, K]); with `uint8=True`
+the images are stored as uint8 (x + 1) * 127.5 rounded, 4x smaller (`evaluation.rescore` reads
+both).
+
+    python -m evaluation.sample_inprocess --checkpoints out/study/k4 --configs top1,full,oracle \
+        --monolith out/study/monolith.safetensors --per-class 500 --device cuda --out out/study/images
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """One output file: `model` is 'ddm' (router + experts) or a path to one checkpoint (a monolith or
+    a distilled student, served alone); `strategy` top1 / topk / full / oracle (ddm only)."""
+
+    name: str
+    model: str
+    strategy: str = "top1"
+    top_k: int = 2
+    unconditional: bool = False
+
+
+def requested_digits(per_class: int) -> np.ndarray:
+    """The same digits `ddm-fleet eval` requests: 0..9 repeated, [10 * per_class] int64."""
+    return np.tile(np.arange(10), per_class).astype(np.int64)
+
+
+def initial_batch(n: int, job_size: int, seed: int, shape=(1, 32, 32)) -> np.ndarray:
+    """[n, *shape] float32: row r = row r % job_size of job r // job_size, seeded seed + job."""
+    from coordinator.rows import initial_noise
+
+    return np.stack([initial_noise(seed + r // job_size, r % job_size, shape) for r in range(n)])
+
+
+class _TorchRouter:
+    """The router CNN on a torch device: weights(x [B,1,32,32], t [B], y [B]) -> softmax [B, K] float32."""
+
+    def __init__(self, path: str, device: str):
+        import torch
+
+        from models.router import Router
+
+        r = Router.load(path)
+        self.num_experts = r.num_experts
+        self.device = torch.device(device)
+        self.net = r.net.to(self.device).eval()
+
+    def weights(self, x: np.ndarray, t: np.ndarray, y: np.ndarray, chunk: int = 4096) -> np.ndarray:
+        import torch
+
+        out = []
+        with torch.inference_mode():
+            for s in range(0, len(x), chunk):
+                z = self.net(torch.from_numpy(x[s:s + chunk]).to(self.device),
+                             torch.from_numpy(np.asarray(t[s:s + chunk], np.float32)).to(self.device),
+                             torch.from_numpy(np.asarray(y[s:s + chunk], np.int64)).to(self.device))
+                out.append(torch.softmax(z.double(), dim=1).float().cpu().numpy())
+        return np.concatenate(out)
+
+
+class _Experts:
+    """K expert backends (torch) on one device; forward(k, x, t, y) in chunks of `chunk` rows."""
+
+    def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048):
+        from workers.backends import get_backend
+
+        self.backends = []
+        for p in paths:
+            b = get_backend("torch", device=device, bf16=False)
+            b.load(p)
+            self.backends.append(b)
+        self.chunk = chunk
+
+    def forward(self, k: int, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        b = self.backends[k]
+        parts = [b.forward(np.ascontiguousarray(x[s:s + self.chunk]), t[s:s + self.chunk], y[s:s + self.chunk])
+                 for s in range(0, len(x), self.chunk)]
+        return np.concatenate(parts) if parts else np.zeros_like(x)
+
+
+def _ddm_velocity(experts: _Experts, router: _TorchRouter, strategy: str, top_k: int, owner: np.ndarray,
+                  usage: np.ndarray):
+    """velocity(x, t, y) = sum_k w_k v_k with w from `strategy`; only experts with weight run on a row.
+
+    Adds each row's nonzero weights' indicator to `usage` [N, K] (divide by the number of calls)."""
+    from coordinator.strategies import select
+
+    k_all = router.num_experts
+    available = np.ones(k_all, bool)
+
+    def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        w = select(strategy, router.weights(x, t, y), available, top_k=top_k, owner=owner)
+        usage[:] += w > 0
+        u = np.zeros_like(x)
+        for k in range(k_all):
+            rows = np.nonzero(w[:, k] > 0)[0]
+            if len(rows):
+                v = experts.forward(k, x[rows], t[rows], y[rows])
+                u[rows] += (w[rows, k].astype(np.float32)[:, None, None, None] * v)
+        return u
+
+    return velocity
+
+
+def generate(cfg: SampleConfig, *, digits: np.ndarray, noise: np.ndarray, steps: int, solver: str,
+             device: str, checkpoints: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """-> (images [N,1,32,32] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32)."""
+    from coordinator.solver import sample
+
+    y = np.full(len(digits), -1, np.int64) if cfg.unconditional else np.asarray(digits, np.int64)
+    evals = steps * (2 if solver == "heun" else 1)
+    if cfg.model == "ddm":
+        d = Path(checkpoints or ".")
+        part = json.loads((d / "partition.json").read_text())
+        k = int(part["num_experts"])
+        experts = _Experts([str(d / f"expert{i}.safetensors") for i in range(k)], device)
+        router = _TorchRouter(str(d / "router.safetensors"), device)
+        if router.num_experts != k:
+            raise ValueError(f"{d}: router has {router.num_experts} experts, partition {k}")
+        if cfg.strategy == "oracle" and cfg.unconditional:
+            raise ValueError("oracle routing needs the label; it is undefined for unconditional rows")
+        owner = np.asarray(part["class_to_expert"], np.int64)[np.clip(y, 0, 9)]
+        usage = np.zeros((len(y), k), np.float64)
+        velocity = _ddm_velocity(experts, router, cfg.strategy, cfg.top_k, owner, usage)
+    else:
+        experts = _Experts([cfg.model], device)
+        usage = np.zeros((len(y), 1), np.float64)
+
+        def velocity(x, t, yy):
+            usage[:] += 1
+            return experts.forward(0, x, t, yy)
+
+    x = sample(velocity, noise, y, steps, method=solver)
+    return np.clip(x, -1.0, 1.0).astype(np.float32), (usage / evals).astype(np.float32)  # as a job's `done` holds
+
+
+def save_npz(path: Path, images: np.ndarray, labels: np.ndarray, usage: np.ndarray, uint8: bool, meta: dict) -> None:
+    if uint8:
+        images = np.clip(np.rint((np.clip(images, -1, 1) + 1) * 127.5), 0, 255).astype(np.uint8)
+    np.savez_compressed(path, images=images, labels=labels.astype(np.int64), usage=usage,
+                        meta=np.asarray(json.dumps(meta)))
+
+
+def parse_configs(text: str, checkpoints: str | None, monolith: str | None, distilled: str | None,
+                  unconditional: bool) -> list[SampleConfig]:
+    """'monolith,top1,top2,full,oracle,distilled' -> configs (uncond- prefix when unconditional)."""
+    out = []
+    pre = "uncond-" if unconditional else ""
+    for item in [s.strip().lower() for s in text.split(",") if s.strip()]:
+        if item == "monolith":
+            if not monolith:
+                raise ValueError("'monolith' needs --monolith")
+            out.append(SampleConfig(pre + "monolith", monolith, unconditional=unconditional))
+        elif item == "distilled":
+            if not distilled:
+                raise ValueError("'distilled' needs --distilled")
+            out.append(SampleConfig(pre + "distilled", distilled, unconditional=unconditional))
+        elif item in ("top1", "full", "oracle"):
+            out.append(SampleConfig(f"{pre}ddm-{item}", "ddm", item, unconditional=unconditional))
+        elif item.startswith("top") and item[3:].isdigit():
+            out.append(SampleConfig(f"{pre}ddm-{item}", "ddm", "topk", int(item[3:]), unconditional=unconditional))
+        else:
+            raise ValueError(f"unknown configuration {item!r}: monolith, distilled, top1, topK, full, oracle")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m evaluation.sample_inprocess", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoints", help="DDM directory: partition.json, router.safetensors, expert<k>.safetensors")
+    p.add_argument("--monolith", help="monolith checkpoint (.safetensors) for the 'monolith' configuration")
+    p.add_argument("--distilled", help="distilled student checkpoint for the 'distilled' configuration")
+    p.add_argument("--configs", default="monolith,top1,top2,full,oracle",
+                   help="comma list of monolith, distilled, top1, topK, full, oracle (default %(default)s)")
+    p.add_argument("--unconditional", action="store_true",
+                   help="label unknown (y = -1) for every row; files are named uncond-<config>.npz; no oracle")
+    p.add_argument("--per-class", type=int, default=500, help="images per digit: N = 10 x this (default %(default)s)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--solver", choices=("euler", "heun"), default="euler")
+    p.add_argument("--seed", type=int, default=0, help="first job seed (as ddm-fleet eval --seed)")
+    p.add_argument("--job-size", type=int, default=50, help="rows per seeded job (as ddm-fleet eval --job-size)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
+    p.add_argument("--out", required=True, help="directory for <config>.npz")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from tqdm import tqdm
+
+    configs = parse_configs(args.configs, args.checkpoints, args.monolith, args.distilled, args.unconditional)
+    digits = requested_digits(args.per_class)
+    noise = initial_batch(len(digits), args.job_size, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for cfg in tqdm(configs, desc="configurations", unit="config"):
+        start = time.perf_counter()
+        images, usage = generate(cfg, digits=digits, noise=noise, steps=args.steps, solver=args.solver,
+                                 device=args.device, checkpoints=args.checkpoints)
+        labels = np.full(len(digits), -1, np.int64) if cfg.unconditional else digits
+        meta = {"config": cfg.__dict__, "steps": args.steps, "solver": args.solver, "seed": args.seed,
+                "job_size": args.job_size, "per_class": args.per_class, "device": args.device,
+                "seconds": round(time.perf_counter() - start, 2)}
+        save_npz(out / f"{cfg.name}.npz", images, labels, usage, not args.float_images, meta)
+        print(json.dumps({"wrote": str(out / f"{cfg.name}.npz"), "n": len(labels),
+                          "experts_per_eval": round(float(usage.sum(1).mean()), 3),
+                          "finite": bool(np.isfinite(images).all()), "seconds": meta["seconds"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

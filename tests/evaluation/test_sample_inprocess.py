@@ -1,0 +1,84 @@
+"""evaluation.sample_inprocess: the study's batch sampler keeps the fleet's conventions, image for image."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_ddm(tmp_path_factory):
+    from models.tiny import make_tiny_expert, make_tiny_experts, make_tiny_router
+    from tests.coordinator.helpers import JITTER, TINY_WIDTHS
+
+    ck = tmp_path_factory.mktemp("ck")  # experts with a null label, so unconditional rows (y = -1) run
+    make_tiny_experts(ck, 2, widths=TINY_WIDTHS, jitter=JITTER, groups=8, null_label=True)
+    make_tiny_router(ck / "router", 2)
+    shutil.copy("checkpoints/partition.json", ck / "partition.json")
+    make_tiny_expert(ck / "monolith", expert_id=0, seed=101, widths=TINY_WIDTHS, jitter=JITTER, groups=8,
+                     classes=range(10), null_label=True)
+    return ck
+
+
+async def _fleet_images(ck, strategy: str, digits, steps: int, job_size: int, monolith: bool = False):
+    from coordinator.local_fleet import LabelRouter, LocalFleet
+    from evaluation.run import Config, EvalSpec, generate_through_fleet
+
+    if monolith:
+        fleet = LocalFleet([str(ck / "monolith.safetensors")], LabelRouter([0] * 10, 1), num_experts=1,
+                           class_to_expert=[0] * 10)
+        cfg = Config("monolith", "monolith")
+    else:
+        fleet = LocalFleet.from_dir(ck)
+        cfg = Config.parse(strategy)
+    spec = EvalSpec(configs=[cfg], checkpoints=str(ck), per_class=2, steps=steps, job_size=job_size, progress=False)
+    async with fleet:
+        return await generate_through_fleet(fleet.nc, digits, cfg, spec)
+
+
+@pytest.mark.parametrize("strategy", ["top1", "oracle", "full", "monolith"])
+async def test_same_images_as_the_fleet(tiny_ddm, strategy):
+    """Same digits, seeds (jobs of job_size seeded seed + j) and solver as `ddm-fleet eval`: the images
+    match the fleet's to float rounding (the fleet's experts see other batch sizes, which can move the
+    last bits of a convolution)."""
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch, requested_digits
+
+    digits = requested_digits(2)
+    steps, job_size = 3, 8
+    mono = strategy == "monolith"
+    want, want_usage = await _fleet_images(tiny_ddm, strategy, digits, steps, job_size, monolith=mono)
+    cfg = (SampleConfig("monolith", str(tiny_ddm / "monolith.safetensors")) if mono
+           else SampleConfig(f"ddm-{strategy}", "ddm", strategy))
+    got, usage = generate(cfg, digits=digits, noise=initial_batch(len(digits), job_size, 0), steps=steps,
+                          solver="euler", device="cpu", checkpoints=str(tiny_ddm))
+    assert got.shape == (20, 1, 32, 32) and usage.shape == want_usage.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.abs(got).max() <= 1.0 and np.abs(got - want).max() < 1e-5
+    np.testing.assert_allclose(usage, want_usage, atol=1e-6)
+
+
+def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
+    """The CLI writes <config>.npz (uint8 images by default), labels -1 for unconditional, no oracle there."""
+    from evaluation.sample_inprocess import main, parse_configs
+
+    out = tmp_path / "img"
+    assert main(["--checkpoints", str(tiny_ddm), "--monolith", str(tiny_ddm / "monolith.safetensors"),
+                 "--configs", "monolith,top1,top2", "--per-class", "1", "--steps", "2", "--out", str(out)]) == 0
+    assert main(["--checkpoints", str(tiny_ddm), "--configs", "top1", "--unconditional", "--per-class", "1",
+                 "--steps", "2", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["ddm-top1.npz", "ddm-top2.npz", "monolith.npz",
+                                                     "uncond-ddm-top1.npz"]
+    d = np.load(out / "ddm-top2.npz")
+    assert d["images"].dtype == np.uint8 and d["images"].shape == (10, 1, 32, 32)
+    assert d["labels"].tolist() == list(range(10)) and np.allclose(d["usage"].sum(1), 2.0)
+    assert json.loads(str(d["meta"]))["steps"] == 2
+    u = np.load(out / "uncond-ddm-top1.npz")
+    assert (u["labels"] == -1).all()
+    with pytest.raises(ValueError, match="oracle"):
+        from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
+
+        generate(SampleConfig("x", "ddm", "oracle", unconditional=True), digits=np.arange(2),
+                 noise=initial_batch(2, 8, 0), steps=1, solver="euler", device="cpu", checkpoints=str(tiny_ddm))
+    with pytest.raises(ValueError, match="unknown configuration"):
+        parse_configs("top1,bogus", None, None, None, False)
