@@ -38,9 +38,10 @@ class Batch:
         self.t = np.repeat(np.array([p[1] for p in pts], np.float32), sizes)
         self.y = np.concatenate([g.y for g in groups])
         self.row_ids = [rid for g in groups for rid in g.row_ids]
-        self.job_ids = [g.job_id for g in groups for _ in range(g.n)]  # [R]
-        self.index_in_job = np.concatenate([np.arange(g.n) for g in groups])  # [R]
-        self.strategy = np.repeat(np.array([g.strategy for g in groups]), sizes)  # [R] str
+        self.index_in_job = np.arange(int(self.bounds[-1])) - np.repeat(self.bounds[:-1], sizes)  # [R]
+        strategies_ = [g.strategy for g in groups]
+        self._strategies = sorted(set(strategies_))  # the strategies present
+        self.strategy = np.repeat(np.array(strategies_), sizes)  # [R] str
         self.top_k = np.repeat(np.array([g.top_k for g in groups], np.int64), sizes)  # [R]
         self.owner = np.concatenate([g.oracle_expert for g in groups])  # [R]
         self.available = np.ones(num_experts, bool)
@@ -54,6 +55,11 @@ class Batch:
         self.ideal: np.ndarray | None = None  # [R, K] weights with every expert up
         self._v = np.zeros((num_experts,) + self.x.shape, np.float32)  # [K, R, C, H, W]
         self._have = np.zeros((len(self.y), num_experts), bool)
+
+    @property
+    def job_ids(self) -> list[str]:
+        """[R] the job id of every row (built on use)."""
+        return [g.job_id for g in self.groups for _ in range(g.n)]
 
     def __len__(self) -> int:
         return len(self.y)
@@ -82,7 +88,8 @@ class Batch:
         """Set router weights [R, K] and choose each row's experts by its strategy. `fresh` [R] bool
         (default: every row) marks the rows whose weights the router just computed: their groups
         remember them for the evaluations that reuse them (see `routing_plan`)."""
-        router_w = np.asarray(router_w, dtype=np.float64)
+        router_w = np.array(router_w, dtype=np.float64)  # the batch's own copy, read-only: its groups
+        router_w.setflags(write=False)  # keep slices of it (RowGroup.remember_route)
         if router_w.shape != (len(self), self.num_experts):
             raise ValueError(f"router weights must be [R, K] = [{len(self)}, {self.num_experts}], got {list(router_w.shape)}")
         if not np.isfinite(router_w).all():
@@ -100,6 +107,10 @@ class Batch:
         assert self.router_w is not None
         idx = np.arange(len(self)) if rows is None else rows
         out = np.zeros((len(idx), self.num_experts), np.float64)
+        if len(self._strategies) == 1:  # the usual case: no per-strategy masks to build
+            s = self._strategies[0]
+            out[:] = strategies.select(s, self.router_w[idx], available, top_k=self.top_k[idx], owner=self.owner[idx])
+            return out
         strat = self.strategy[idx]
         for s in np.unique(strat):
             sel = np.nonzero(strat == s)[0]

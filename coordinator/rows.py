@@ -23,6 +23,7 @@ whether it runs alone or batched with a hundred others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -35,6 +36,16 @@ def initial_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
     Depends only on (seed, index): never on batch composition or arrival order."""
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 1, int(index)]))
     return rng.standard_normal(shape, dtype=np.float32)
+
+
+@lru_cache(maxsize=64)
+def step_dts(steps: int) -> np.ndarray:
+    """[steps] float32: `step_dt(grid[n], grid[n + 1])` of every step n of `time_grid(steps)` (read-only,
+    cached; the same values as computing each step's dt on its own)."""
+    grid = time_grid(steps)
+    dts = step_dt(grid[:-1], grid[1:])
+    dts.setflags(write=False)
+    return dts
 
 
 def draw_digits(seed: int, count: int, num_classes: int = 10) -> list[int]:
@@ -73,6 +84,8 @@ class RowGroup:
     last_weights: np.ndarray = field(init=False)
     last_experts: np.ndarray = field(init=False)
     _grid: np.ndarray = field(init=False, repr=False)
+    _dts: np.ndarray = field(init=False, repr=False)
+    _row_ids: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_method(self.solver)
@@ -88,6 +101,8 @@ class RowGroup:
         self.last_weights = np.zeros((n, self.num_experts), np.float32)
         self.last_experts = np.full(n, -1, np.int64)
         self._grid = time_grid(self.steps)
+        self._dts = step_dts(int(self.steps))
+        self._row_ids = [f"{self.job_id}:{i}" for i in range(n)]
 
     @classmethod
     def from_seed(cls, job_id: str, seed: int, digits: list[int], image_shape: tuple[int, ...], **kw) -> "RowGroup":
@@ -101,7 +116,8 @@ class RowGroup:
 
     @property
     def row_ids(self) -> list[str]:
-        return [f"{self.job_id}:{i}" for i in range(self.n)]
+        """["<job_id>:0", ..., "<job_id>:<N-1>"] (built once; do not modify the list)."""
+        return self._row_ids
 
     @property
     def done(self) -> bool:
@@ -115,7 +131,7 @@ class RowGroup:
     @property
     def dt(self) -> np.float32:
         """Step size of the current step, float32 (as the update uses it)."""
-        return step_dt(self._grid[self.step], self._grid[self.step + 1])
+        return self._dts[self.step]
 
     def needs_routing(self, every: int) -> bool:
         """Whether this evaluation asks the router afresh: the first one, then every `every`-th
@@ -124,8 +140,10 @@ class RowGroup:
         return self.route_w is None or self.evals - self.routed_at >= every
 
     def remember_route(self, w: np.ndarray) -> None:
-        """Keep router weights w [N, K] computed for this evaluation."""
-        self.route_w = np.array(w, dtype=np.float64)
+        """Keep router weights w [N, K] computed for this evaluation: kept as given when it is a
+        read-only float64 array (a slice of a batch's weights, which nothing changes), else copied."""
+        w = np.asarray(w)
+        self.route_w = w if w.dtype == np.float64 and not w.flags.writeable else np.array(w, dtype=np.float64)
         self.routed_at = self.evals
 
     def eval_point(self) -> tuple[np.ndarray, float]:
@@ -137,19 +155,30 @@ class RowGroup:
             return heun_predict(self.x, self.dt, self.v0), float(self._grid[self.step + 1])
         return self.x, self.t
 
-    def advance(self, u: np.ndarray) -> bool:
+    @property
+    def euler_next(self) -> bool:
+        """Whether the next `advance` is an Euler update x + dt * u (solver euler), which a caller
+        may compute for many groups at once and hand over as `advance(u, x_next=...)`."""
+        return self.solver == "euler"
+
+    def advance(self, u: np.ndarray, x_next: np.ndarray | None = None) -> bool:
         """Apply velocities u [N, C, H, W] at `eval_point()`. True if a full solver step completed.
 
-        Divergence (Inf/NaN in x) is not an error here: the scheduler checks for it."""
+        `x_next` [N, C, H, W] float32, only when `euler_next`: `euler_update(x, dt, u)` already
+        computed by the caller (the scheduler does it for a whole batch in one pass; elementwise,
+        so the same bits as this group's own update). Divergence (Inf/NaN in x) is not an error
+        here: the scheduler checks for it."""
         if self.done:
             raise RuntimeError(f"job {self.job_id} is finished; cannot advance")
         u = np.asarray(u, dtype=np.float32)
         if u.shape != self.x.shape:
             raise ValueError(f"velocity shape {list(u.shape)} does not match rows {list(self.x.shape)}")
+        if x_next is not None and (self.solver != "euler" or x_next.shape != self.x.shape):
+            raise ValueError(f"x_next is only for an Euler step of rows {list(self.x.shape)}")
         self.evals += 1
         self.last_u = u
         if self.solver == "euler":
-            self.x = euler_update(self.x, self.dt, u)
+            self.x = euler_update(self.x, self.dt, u) if x_next is None else x_next
         elif self.stage == 0:
             self.v0 = u.copy()
             self.stage = 1

@@ -52,6 +52,7 @@ from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 from .batch import Batch
 from .checkpoint import JobCheckpoint
 from .rows import RowGroup, draw_digits
+from .solver import euler_update
 
 MAX_NOTES = 50
 
@@ -212,6 +213,7 @@ class Scheduler:
         self._seq = 0
         self._admissions = 0
         self._in_flight: set[str] = set()  # ids of running jobs whose batch has not come back (see schedule)
+        self._active_rows = 0  # sum of n over self._active (kept by _start / _deactivate)
         self.stats = Stats()
         self._events: list = []
 
@@ -219,7 +221,7 @@ class Scheduler:
     @property
     def active_rows(self) -> int:
         """Rows (images) of the running jobs."""
-        return sum(j.n for j in self._active.values())
+        return self._active_rows
 
     @property
     def active_jobs(self) -> int:
@@ -356,6 +358,7 @@ class Scheduler:
 
     def _deactivate(self, job: Job) -> None:
         del self._active[job.job_id]
+        self._active_rows -= job.n
         self._in_flight.discard(job.job_id)
         left = self._client_rows[job.client] - job.n
         if left:
@@ -444,8 +447,8 @@ class Scheduler:
             raise Rejected(ErrorCode.BAD_REQUEST, f"restore: job id {cp.job_id!r} is already in use here")
         if n < 1 or n != req.n_images:
             raise Rejected(ErrorCode.BAD_REQUEST, f"restore: {n} digits for a job of {req.n_images} images")
-        if any(not 0 <= int(d) < cfg.num_classes for d in cp.digits):
-            raise Rejected(ErrorCode.BAD_REQUEST, f"restore: digits must be in [0, {cfg.num_classes})")
+        if any(not -1 <= int(d) < cfg.num_classes for d in cp.digits):  # -1: label unknown
+            raise Rejected(ErrorCode.BAD_REQUEST, f"restore: digits must be in [0, {cfg.num_classes}) or -1")
         if n > cfg.max_rows:
             raise Rejected(ErrorCode.TOO_LARGE, f"restore: job has {n} images but this coordinator runs at most "
                            f"{cfg.max_rows} rows at once", "max_rows")
@@ -473,7 +476,7 @@ class Scheduler:
                                f"{req.steps}, stage {cp.stage}, {req.solver})")
             c2e = cfg.class_to_expert
             oracle = cp.oracle_expert if cp.oracle_expert is not None else np.array(
-                [c2e[y] if c2e is not None else -1 for y in cp.digits], np.int64)
+                [c2e[y] if c2e is not None and y >= 0 else -1 for y in cp.digits], np.int64)
             group = RowGroup(job_id=cp.job_id, y=np.asarray(cp.digits, np.int64), x=np.array(cp.x, np.float32),
                              steps=req.steps, solver=req.solver, strategy=req.strategy, top_k=req.top_k,
                              oracle_expert=oracle, num_experts=cfg.num_experts, step=int(cp.step),
@@ -568,10 +571,11 @@ class Scheduler:
             job.group = RowGroup.from_seed(
                 job.job_id, job.seed, job.digits, cfg.image_shape, steps=req.steps, solver=req.solver,
                 strategy=req.strategy, top_k=req.top_k, num_experts=cfg.num_experts,
-                oracle_expert=np.array([c2e[y] if c2e is not None else -1 for y in job.digits], np.int64))
+                oracle_expert=np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in job.digits], np.int64))
         if job.started_at is None:  # (a restored job keeps its first start)
             job.started_at = now
         self._active[job.job_id] = job
+        self._active_rows += job.n
         self._client_rows[job.client] = self._client_rows.get(job.client, 0) + job.n
         self._admissions += 1
         self._served.pop(job.client, None)
@@ -611,22 +615,27 @@ class Scheduler:
         used = batch.weights > 0
         experts = batch.experts_used()
         notes = batch.fallback_notes()
+        weights32 = batch.router_w.astype(np.float32)
+        euler = _EulerRows(batch, u)
         for gi, group in enumerate(batch.groups):
             job = self._active.get(group.job_id)
             if job is None or job.group is not group:  # cancelled or failed meanwhile
                 continue
             rows = batch.group_rows(gi)
-            row_notes = [notes[i] for i in range(rows.start, rows.stop) if i in notes]
+            row_notes = [notes[i] for i in range(rows.start, rows.stop) if i in notes] if notes else []
             self.stats.row_fallbacks += len(row_notes)
             if not complete[rows].all():
                 self._fail_unserved(job, batch, rows, row_notes)
                 continue
             job.pending_notes.extend(row_notes)
             group.usage += used[rows]
-            group.last_weights = batch.router_w[rows].astype(np.float32)
+            group.last_weights = weights32[rows]
             group.last_experts = experts[rows]
             self.stats.row_evals += group.n
-            if group.advance(u[rows]):
+            if group.euler_next:
+                if group.advance(u[rows], x_next=euler.x_next[rows]):
+                    self._after_step(job, now, euler, rows)
+            elif group.advance(u[rows]):
                 self._after_step(job, now)
 
     def _fail_unserved(self, job: Job, batch: Batch, rows: slice, row_notes: list[str]) -> None:
@@ -644,9 +653,12 @@ class Scheduler:
         self.fail(job.job_id, ErrorCode.UNAVAILABLE,
                   f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
 
-    def _after_step(self, job: Job, now: float) -> None:
+    def _after_step(self, job: Job, now: float, euler: "_EulerRows | None" = None, rows: slice | None = None) -> None:
+        """A job completed a solver step: check it, emit its frame and, at the end, its images.
+        `euler` / `rows`: the batch-wide Euler update the job's new x came from (its finite check
+        and float16 frame are taken from there, computed once for the whole batch)."""
         g = job.group
-        if not np.isfinite(g.x).all():
+        if not (euler.finite[rows].all() if euler is not None else np.isfinite(g.x).all()):
             self.fail(job.job_id, ErrorCode.NON_FINITE, f"samples became NaN/Inf at step {g.step}")
             return
         job.step = g.step
@@ -657,8 +669,8 @@ class Scheduler:
         if req.stream and (job.step % req.frame_every == 0 or g.done):
             self._events.append(FrameEvent(
                 job_id=job.job_id, step=job.step, steps=req.steps, t=g.t,
-                x=np.clip(g.x, -6e4, 6e4).astype(np.float16),
-                experts=[int(e) for e in g.last_experts], weights=g.last_weights, notes=notes,
+                x=euler.frame16[rows] if euler is not None else np.clip(g.x, -6e4, 6e4).astype(np.float16),
+                experts=g.last_experts.tolist(), weights=g.last_weights, notes=notes,
                 x1=(np.clip(g.x + (1.0 - g.t) * g.last_u, -6e4, 6e4).astype(np.float16)
                     if req.frame_x1 and g.last_u is not None else None),
             ))
@@ -671,3 +683,31 @@ class Scheduler:
                 usage=(g.usage / max(g.evals, 1)).astype(np.float32), steps=req.steps,
                 strategy=req.strategy, elapsed_s=max(now - job.submitted_at, 0.0), notes=job.notes,
             ))
+
+
+class _EulerRows:
+    """The Euler update of every row of a batch in one pass, for the groups whose next stage is
+    one (`RowGroup.euler_next`): x_next [R, C, H, W] float32 = euler_update(batch.x, dt per row, u),
+    and, computed on first use, `finite` [R] (no NaN/Inf in the row) and `frame16` [R, C, H, W]
+    (x_next clipped to +-6e4, float16: a frame's x). Rows of other groups hold values nobody
+    reads. Elementwise, so each group's slice has the bits its own update would have given."""
+
+    def __init__(self, batch: Batch, u: np.ndarray):
+        groups = batch.groups
+        dts = np.array([g.dt if g.euler_next else 0.0 for g in groups], np.float32)
+        self.x_next = euler_update(batch.x, np.repeat(dts, np.diff(batch.bounds)), u)
+        self._finite: np.ndarray | None = None
+        self._frame16: np.ndarray | None = None
+
+    @property
+    def finite(self) -> np.ndarray:
+        if self._finite is None:
+            self._finite = np.isfinite(self.x_next).reshape(len(self.x_next), -1).all(axis=1)
+        return self._finite
+
+    @property
+    def frame16(self) -> np.ndarray:
+        if self._frame16 is None:
+            self._frame16 = np.clip(self.x_next, -6e4, 6e4).astype(np.float16)
+        return self._frame16
+
