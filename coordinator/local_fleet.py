@@ -51,7 +51,8 @@ def shipped_paths(directory: str | os.PathLike = DEFAULT_DIR) -> dict[str, Any]:
 class LabelRouter:
     """A router that ignores x_t and t: weight `confidence` on the expert owning the class label,
     the rest spread over the others. A stand-in where no trained router is at hand (benches,
-    tests); the real one is `models.router.Router`.
+    tests); the real one is `models.router.Router`. A row whose label is unknown (y = -1, an
+    unconditional row) has no owner: it gets uniform weights 1/K (top1 then picks expert 0).
 
     weights(x_t [B, C, H, W], t [B], y [B]) -> [B, K] (rows sum to 1)."""
 
@@ -70,7 +71,9 @@ class LabelRouter:
         if k == 1:
             return np.ones((len(y), 1))
         w = np.full((len(y), k), (1.0 - self.confidence) / (k - 1))
-        w[np.arange(len(y)), self.class_to_expert[y]] = self.confidence
+        known = np.nonzero(y >= 0)[0]
+        w[known, self.class_to_expert[y[known]]] = self.confidence
+        w[y < 0] = 1.0 / k
         return w
 
 

@@ -9,7 +9,10 @@ Subjects (see `schemas.subjects`; `<c>` is the client token, the job's owner):
                                     admission errors carry their ErrorCode); queue group
                                     `ddm.v1.coordinators`, so several coordinators share the load.
                                     The job is owned by `<c>`; its fairness key is "<c>" or
-                                    "<c>/<session>" (JobRequest.session).
+                                    "<c>/<session>" (JobRequest.session). A job with digit -1
+                                    rows (label unknown) is refused `bad_request` when an expert
+                                    has no null label (a one-row probe per expert, kept
+                                    NULL_LABEL_TTL_S).
 * `ddm.v1.c.<c>.jobs.<id>.cancel`   CancelRequest (or empty body) -> CancelReply
 * `ddm.v1.c.<c>.jobs.<id>.status`   anything -> JobStatus (queued | running | done | failed | unknown);
                                     for a job that finished recently the terminal event is published
@@ -85,6 +88,11 @@ MAX_DELAYED_REPLIES = 1024
 #: The reason of a cancel that is not acted on: no such job in the requester's namespace
 #: (never had it, finished, cancelled, or another client's: indistinguishable on purpose).
 UNKNOWN_JOB = "unknown job"
+#: Seconds a coordinator trusts what a probe told it about an expert's null label (see
+#: Coordinator._refuse_unconditional); then it asks again, so a redeployed expert is seen.
+NULL_LABEL_TTL_S = 30.0
+#: Longest wait for one expert's answer to that probe (at most the step timeout).
+NULL_LABEL_PROBE_S = 2.0
 
 
 def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):
@@ -179,6 +187,8 @@ class Coordinator:
         # live job id -> owner client token, until its terminal event (then kept in _finished)
         self._owners: dict[str, str] = {}
         self.rejected_unread = 0  # submits rejected before the scheduler saw them (undecodable, invalid, internal)
+        # expert -> (has a null label, the worker's refusal message, monotonic time the answer expires)
+        self._null_label: dict[int, tuple[bool, str, float]] = {}
         self._dropped_log = RateLimitedLog(log)  # requests whose reply subject is outside _INBOX
         self.replies_dropped = 0
         self.republished = 0  # terminal events published again for status requests
@@ -345,6 +355,7 @@ class Coordinator:
         """Queue a job of `client` without NATS for the request (events still go to its events
         subject, in `client`'s namespace). Returns JobAccepted; raises scheduler.Rejected."""
         assert self.engine is not None, "enter the context first"
+        await self._refuse_unconditional(request)
         accepted = self._signed(self.engine.submit(request, client=fairness_key(subjects.check_client(client),
                                                                                 request)))
         self._own(accepted.job_id, client)
@@ -679,6 +690,15 @@ class Coordinator:
             await self._reply(msg, JobRejected(code=err.code, reason=err.message))
             return
         try:
+            await self._refuse_unconditional(request)
+        except Rejected as err:
+            self.rejected_unread += 1
+            self.metrics.rejected(err.code)
+            await self._reply(msg, JobRejected(code=err.code, reason=err.reason))
+            return
+        except Exception:  # a failed probe never costs the job: its rows meet the workers' own check
+            log.exception("null-label probe failed")
+        try:
             # submit + the accepted event are queued before any await, so the event
             # precedes every frame of this job on the events subject
             accepted = self._signed(self.engine.submit(request, client=fairness_key(client, request)))
@@ -698,6 +718,56 @@ class Coordinator:
             return
         await publish
         await self._reply(msg, accepted)
+
+    async def _refuse_unconditional(self, request: JobRequest) -> None:
+        """Admission of a job with unconditional rows (digit -1, label unknown): raise
+        Rejected(bad_request) when some expert's workers have no null label. Such a worker refuses a
+        whole step request that carries y = -1, which would fail the tick for every job sharing that
+        request, so the rows must not reach it. Each expert is probed with a one-row y = -1 step at most
+        once per NULL_LABEL_TTL_S (concurrently); an expert that does not answer, or answers anything
+        but a step or `bad_request`, is not held against the job (its rows go to the others as usual)."""
+        if not request.n_unconditional or self.nc is None:
+            return
+        now = time.monotonic()
+        stale = [k for k in range(self.config.num_experts)
+                 if k not in self._null_label or self._null_label[k][2] <= now]
+        if stale:
+            found = await asyncio.gather(*(self._probe_null_label(k) for k in stale))
+            for k, got in zip(stale, found):
+                if got is None:
+                    self._null_label.pop(k, None)
+                else:
+                    self._null_label[k] = (got[0], got[1], time.monotonic() + NULL_LABEL_TTL_S)
+        lacking = sorted(k for k, (has, _, _) in self._null_label.items() if not has)
+        if lacking:
+            raise Rejected(ErrorCode.BAD_REQUEST, (
+                f"{request.n_unconditional} of {request.n_images} digits are -1 (label unknown), but expert"
+                f"{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} of this fleet "
+                f"{'have' if len(lacking) > 1 else 'has'} no null label (its worker said: "
+                f"{self._null_label[lacking[0]][1]}): ask for digits 0-9, or serve experts trained with "
+                "train-expert --label-dropout > 0"))
+
+    async def _probe_null_label(self, expert: int) -> tuple[bool, str] | None:
+        """Ask one worker of `expert` for a one-row y = -1 step: (True, "") when it serves it,
+        (False, its message) when it refuses with `bad_request`, None when it cannot tell."""
+        import numpy as np
+
+        from schemas import UNCONDITIONAL, StepReply, StepRequest, StepResult
+
+        shape = (1, *self.config.image_shape)
+        probe = StepRequest(expert=expert, x_t=np.zeros(shape, np.float32), t=np.zeros(1, np.float32),
+                            y=np.full(1, UNCONDITIONAL, np.int64))
+        try:
+            msg = await self.nc.request(subjects.expert_velocity(expert), pack(probe),
+                                        timeout=min(self.step_timeout, NULL_LABEL_PROBE_S))
+            reply = unpack(msg.data, StepResult)
+        except Exception:  # no responders, timeout, an undecodable reply: unknown
+            return None
+        if isinstance(reply, StepReply):
+            return True, ""
+        if reply.code == ErrorCode.BAD_REQUEST:
+            return False, reply.message
+        return None
 
     async def _not_a_job_id(self, msg, what: str) -> None:
         """Answer a cancel / status request on `ddm.v1.c.<client>.jobs.<token>.<verb>` whose client

@@ -12,6 +12,7 @@ examples:
   ddm-fleet generate --count 1000 --seed 7 --out thousand.npz          # 4 jobs: 256 + 256 + 256 + 232
   ddm-fleet generate --digits 0,1,2,3,4,5,6,7,8,9 --solver heun --steps 20 --out g.png --json
   ddm-fleet generate --digits 5 --strategy full --nats nats://10.0.0.5:4222 --out five.png
+  ddm-fleet generate --unconditional --count 16 --seed 3 --out free.png --local   # label unknown
 
 Any number of images: a job holds at most 256 (the protocol's limit), so more are split, in
 order, into jobs of M = --max-images-per-job images (job j holds images j*M .. j*M+M-1), at most
@@ -24,6 +25,12 @@ never on --jobs-in-flight, timing or what else the fleet runs. A run of at most 
 job with seed S, as before; the first M images of any run with seed S are those of that single
 job. --count draws all N classes at once from S, the way the coordinator draws a count job's
 classes, so the classes do not depend on M.
+
+--unconditional --count N: N images with the label unknown (digit -1 in the jobs, see
+docs/PROTOCOL.md): the router alone picks the experts, from x_t and t. Every expert needs a null
+label (`train-expert --label-dropout > 0`); a fleet whose experts have none refuses the job
+(`bad_request`). --strategy oracle needs the label, so it is refused with --unconditional. Their
+label is -1 in the .npz `labels` and in --json.
 
 --out: .png writes one grid (images in rows of --per-row); .npz writes `images` float32
 [N, 1, 32, 32] in [-1, 1], `labels` int64 [N] and `usage` float32 [N, K] (fraction of steps each
@@ -95,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--digits", type=parse_digits, metavar="D,D,...", help="the class of each image, e.g. 3,7,7")
     what.add_argument("--count", type=_positive, metavar="N",
                       help=f"N images of random classes drawn from --seed (at most {MAX_RUN_IMAGES})")
+    parser.add_argument("--unconditional", action="store_true",
+                        help="with --count N: N images with the label unknown (-1); the router alone picks the "
+                             "experts (they need a null label: train-expert --label-dropout > 0; not with oracle)")
     parser.add_argument("--steps", type=_positive, default=40, help=f"solver steps (default %(default)s, at most {MAX_JOB_STEPS})")
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
                         help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
@@ -153,9 +163,11 @@ def plan_requests(args: argparse.Namespace) -> tuple[list, int | None]:
     import secrets
 
     from coordinator.rows import draw_digits
-    from schemas import JobRequest
+    from schemas import UNCONDITIONAL, JobRequest
 
     n = len(args.digits) if args.digits is not None else args.count
+    if getattr(args, "unconditional", False):  # the label unknown on every row: a digits job of -1
+        args = argparse.Namespace(**{**vars(args), "digits": [UNCONDITIONAL] * n, "count": None})
     common = dict(steps=args.steps, strategy=args.strategy, top_k=args.top_k, solver=args.solver, stream=True,
                   frame_every=max(1, args.steps // 100))
     if n <= args.max_images_per_job:  # one job, exactly as the coordinator runs a single request
@@ -297,6 +309,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddm-fleet generate: --out must end in .png or .npz, got {args.out!r}", file=sys.stderr)
         return 2
     n_images = len(args.digits) if args.digits is not None else args.count
+    if args.unconditional and args.digits is not None:
+        print("ddm-fleet generate: --unconditional takes --count N (every image's label is unknown), "
+              "not --digits", file=sys.stderr)
+        return 2
+    if args.unconditional and args.strategy == "oracle":
+        print("ddm-fleet generate: --strategy oracle needs each image's class; use top1, topk or full with "
+              "--unconditional", file=sys.stderr)
+        return 2
     if n_images > MAX_RUN_IMAGES:
         print(f"ddm-fleet generate: {n_images} images asked for; one run makes at most {MAX_RUN_IMAGES} "
               "(run it several times with different --seed)", file=sys.stderr)

@@ -9,6 +9,7 @@ from .errors import ErrorCode, ProtocolError
 from .limits import MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_PAYLOAD_BYTES, MAX_STEP_ROWS
 from .messages import (
     TIME_CONVENTION,
+    UNCONDITIONAL,
     CancelReply,
     CancelRequest,
     DoneEvent,
@@ -32,7 +33,7 @@ from .wire import loads, pack, unpack, validate
 
 __all__ = [
     "subjects", "ErrorCode", "ProtocolError", "MAX_JOB_IMAGES", "MAX_JOB_STEPS", "MAX_PAYLOAD_BYTES",
-    "MAX_STEP_ROWS", "TIME_CONVENTION", "CancelReply", "CancelRequest", "DoneEvent", "ErrorReply",
+    "MAX_STEP_ROWS", "TIME_CONVENTION", "UNCONDITIONAL", "CancelReply", "CancelRequest", "DoneEvent", "ErrorReply",
     "FailedEvent", "FleetStatus", "FrameEvent", "JobAccepted", "JobEvent", "JobRejected", "JobRequest", "JobStatus", "StepReply",
     "StepRequest", "StepResult", "SubmitReply", "decode_tensor", "encode_tensor", "PROTOCOL_VERSION",
     "loads", "pack", "unpack", "validate",

@@ -102,6 +102,10 @@ Strategy = Literal["top1", "topk", "full", "oracle"]
 #: A float precision an expert step may travel in (`schemas.tensor.WIRE_FLOATS`).
 WireFloat = Literal["float32", "float16", "bfloat16"]
 Solver = Literal["euler", "heun"]
+#: The label of an unconditional row ("label unknown"): a `JobRequest.digits` entry and a
+#: `StepRequest.y` value. Experts trained with a null label (`train-expert --label-dropout`) and
+#: the router map it to their learned null embedding; other experts refuse it (`bad_request`).
+UNCONDITIONAL = -1
 
 
 def _err(code: ErrorCode, msg: str) -> PydanticCustomError:
@@ -231,8 +235,10 @@ class ErrorReply(Message):
 class JobRequest(Message):
     """Client -> coordinator (on `ddm.v1.c.<client>.jobs.submit`): generate images.
 
-    Exactly one of `digits` (the class of each image) or `count` (that many random
-    classes, drawn from `seed`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
+    Exactly one of `digits` (the class of each image, 0-9, or -1 = label unknown: an
+    unconditional image, the router alone picks the experts) or `count` (that many random
+    classes, drawn from `seed`). `strategy` "oracle" needs every label, so it refuses -1 rows
+    (`UNCONDITIONAL`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
     *before* submitting when you choose `job_id` yourself, so no event is missed.
     `session` (optional, 1-64 of [A-Za-z0-9_-]): a sub-client tag for fair sharing, e.g. one
     per viewer socket; the scheduler's fairness key is "<client>/<session>" when given, else
@@ -241,7 +247,7 @@ class JobRequest(Message):
 
     kind: Literal["job_request"] = "job_request"
     job_id: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
-    digits: Optional[list[Annotated[int, Field(ge=0, le=9)]]] = None
+    digits: Optional[list[Annotated[int, Field(ge=UNCONDITIONAL, le=9)]]] = None
     count: Optional[int] = Field(default=None, ge=1, le=MAX_JOB_IMAGES)
     steps: int = Field(default=40, ge=1, le=MAX_JOB_STEPS)
     solver: Solver = "euler"
@@ -270,11 +276,22 @@ class JobRequest(Message):
                 raise _err(ErrorCode.BAD_REQUEST, "digits must not be empty")
             if len(self.digits) > MAX_JOB_IMAGES:
                 raise _err(ErrorCode.TOO_LARGE, f"{len(self.digits)} images requested; the limit is {MAX_JOB_IMAGES} per job")
+            if self.strategy == "oracle" and self.n_unconditional:
+                rows = [i for i, d in enumerate(self.digits) if d == UNCONDITIONAL]
+                raise _err(ErrorCode.BAD_REQUEST, (
+                    f"strategy oracle needs each image's class (it runs the expert whose partition owns it), but "
+                    f"{len(rows)} of {len(self.digits)} digits are {UNCONDITIONAL} (label unknown), e.g. row {rows[0]}: "
+                    "use strategy top1, topk or full for unconditional images"))
         return self
 
     @property
     def n_images(self) -> int:
         return len(self.digits) if self.digits is not None else int(self.count or 0)
+
+    @property
+    def n_unconditional(self) -> int:
+        """Rows whose label is unknown (digit -1): the router alone picks their experts."""
+        return sum(1 for d in self.digits if d == UNCONDITIONAL) if self.digits is not None else 0
 
 
 class JobAccepted(Message):

@@ -26,7 +26,8 @@ may carry `x_t` as float16 or bfloat16 and ask for the velocity back in `reply_d
 bfloat16): the model still runs in its own precision on float32 inputs, and the velocity is cast on
 reply; one that does not fit float16 (|v| > 65504) is answered `non_finite` with the peak value.
 Bad input never stops the worker: undecodable bytes, wrong version, wrong expert, shapes that do
-not fit the model, NaN, too many rows, labels out of range, expired deadline (never computed), a
+not fit the model, NaN, too many rows, labels out of range (y = -1, label unknown, is served only by
+a model with a null label: `train-expert --label-dropout`), expired deadline (never computed), a
 NaN/Inf velocity from absurd finite inputs (|x_t| over `SANE_ABS_X`: `non_finite`), and model
 failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting, or
 `max_inflight` requests held) answers `overloaded` at once, so a client can retry elsewhere
@@ -36,7 +37,8 @@ client's job events) is dropped unanswered and logged at most every `DROP_LOG_EV
 Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
-max_batch, input_shape, num_classes, protocol, version, worker_id, host, pid, checkpoint.
+max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
+worker_id, host, pid, checkpoint.
 STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
 """
 
@@ -54,7 +56,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from bus.ratelimited_log import RateLimitedLog
-from schemas import ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
+from schemas import UNCONDITIONAL, ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
 from schemas.limits import MAX_STEP_ROWS
 from schemas.tensor import to_wire_dtype, widen_float32
 from schemas.version import PROTOCOL_VERSION
@@ -266,6 +268,8 @@ class ExpertWorker:
         classes = getattr(be, "num_classes", None)
         if classes:
             meta["num_classes"] = str(classes)
+        if getattr(be, "null_label", False):  # serves y = -1 (label unknown); absent: it does not
+            meta["null_label"] = "true"
         return meta
 
     async def _advertise(self) -> None:
@@ -430,9 +434,8 @@ class ExpertWorker:
             raise ProtocolError(ErrorCode.TOO_LARGE,
                                 f"request has {b} rows; this worker accepts at most {self.max_request_rows} per request")
         classes = getattr(self.backend, "num_classes", None)
-        if classes is not None and b and (int(step.y.min()) < 0 or int(step.y.max()) >= classes):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"class labels y must lie in [0, {classes - 1}], "
-                                                       f"got min {int(step.y.min())} max {int(step.y.max())}")
+        if classes is not None and b:
+            self._check_labels(step.y, classes)
         if step.deadline is not None and time.time() > step.deadline:
             raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED,
                                 f"deadline passed {time.time() - step.deadline:.3f} s before the request arrived")
@@ -440,6 +443,20 @@ class ExpertWorker:
         t = np.asarray(step.t, dtype=np.float32)
         y = np.asarray(step.y, dtype=np.int64)
         return step, x, t, y
+
+    def _check_labels(self, y: np.ndarray, classes: int) -> None:
+        """y [B] int: each label in [0, classes), or -1 (label unknown) when the model has a null
+        label; ProtocolError(bad_request) saying which otherwise."""
+        lo, hi = int(y.min()), int(y.max())
+        has_null = bool(getattr(self.backend, "null_label", False))
+        if lo == UNCONDITIONAL and hi < classes and not has_null:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, (
+                f"y = {UNCONDITIONAL} (label unknown: an unconditional row) needs an expert trained with a null "
+                f"label (train-expert --label-dropout > 0); expert {self.expert}'s model on this worker has none: "
+                f"send class labels 0-{classes - 1}, or serve a checkpoint that has a null label"))
+        if lo < (UNCONDITIONAL if has_null else 0) or hi >= classes:
+            allowed = f"[0, {classes - 1}]" + (f" or {UNCONDITIONAL} (label unknown)" if has_null else "")
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"class labels y must lie in {allowed}, got min {lo} max {hi}")
 
     async def _complete(self, req, step: StepRequest, fut: asyncio.Future, received: float) -> None:
         try:

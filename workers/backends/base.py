@@ -79,6 +79,13 @@ class BackendBase:
         return self.config.num_classes
 
     @property
+    def null_label(self) -> bool:
+        """The model has a null label (`train-expert --label-dropout > 0`): y = -1 ("label unknown",
+        an unconditional row) selects it. Without one the worker refuses y = -1 (`bad_request`)."""
+        self._need_loaded()
+        return bool(getattr(self.config, "null_label", False))
+
+    @property
     def expert(self) -> Optional[int]:
         """Expert id recorded in the checkpoint, if any."""
         value = self.meta.get("expert", self.meta.get("expert_id"))

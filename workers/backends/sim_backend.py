@@ -23,6 +23,11 @@ flow-matching velocity toward the data point T under the convention x_t = (1 - t
 v(T, 1) = 0 and stops short of T on its final step). Labels outside [0, num_classes) (only padded
 rows can carry them: the worker refuses such requests) are clipped for the lookup.
 
+Label unknown (y = -1, an unconditional row): the sim always serves it (`null_label` is True whatever
+the checkpoint says), with the exact flow-matching velocity of the uniform mixture of expert k's
+templates: v = (E[T | x_t] - x) / max(1 - t, 1e-3), the posterior over the classes c having logits
+-|x - t T[k, c]|^2 / (2 max(1 - t, 1e-3)^2); an Euler integration lands near one template.
+
 Latency: each `forward` lasts `batch_ms + row_ms * B` milliseconds, B = rows as given (the batcher has
 already padded to the bucket), spent in the calling thread (the batcher's executor, like a real
 forward pass): the velocity is computed, then the thread sleeps for what is left.
@@ -45,6 +50,8 @@ import time
 from typing import Optional
 
 import numpy as np
+
+from schemas import UNCONDITIONAL
 
 from .base import BackendBase, BackendError
 
@@ -101,6 +108,26 @@ class SimBackend(BackendBase):
         out["sim"] = f"{self.preset} batch_ms={self.batch_ms:g} row_ms={self.row_ms:g}"
         return out
 
+    @property
+    def null_label(self) -> bool:
+        """Always True: y = -1 (label unknown) gets the templates' mixture velocity (module docstring)."""
+        self._need_loaded()
+        return True
+
+    def _posterior_targets(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """x [r, C, H, W] float32, t [r] -> E[T | x_t] [r, C, H, W] over the uniform mixture of templates."""
+        r = x.shape[0]
+        temps = self._templates.reshape(len(self._templates), -1).astype(np.float64)  # [classes, D]
+        flat = x.reshape(r, -1).astype(np.float64)
+        tt = t.astype(np.float64)[:, None]
+        s2 = np.maximum(1.0 - tt, MIN_ONE_MINUS_T) ** 2
+        # elementwise, no BLAS: a row's result never depends on the batch it rode in
+        dist2 = ((flat[:, None, :] - tt[:, :, None] * temps[None]) ** 2).sum(axis=2)  # [r, classes]
+        logits = -dist2 / (2.0 * s2)
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        return (p[:, :, None] * temps[None]).sum(axis=1).astype(np.float32).reshape(x.shape)
+
     def _build(self, cfg, state: dict[str, np.ndarray]) -> None:
         shape = (cfg.in_channels, cfg.image_size, cfg.image_size)
         expert = self.expert if self.expert is not None else 0
@@ -114,9 +141,13 @@ class SimBackend(BackendBase):
                                f"got {list(x.shape)}")
         rows = x.shape[0]
         t = np.asarray(t, np.float32).reshape(rows)
-        labels = np.clip(np.asarray(y).reshape(rows).astype(np.int64), 0, len(self._templates) - 1)
+        y = np.asarray(y).reshape(rows).astype(np.int64)
+        targets = self._templates[np.clip(y, 0, len(self._templates) - 1)]  # a copy: [rows, C, H, W]
+        unknown = y == UNCONDITIONAL
+        if unknown.any():
+            targets[unknown] = self._posterior_targets(x[unknown], t[unknown])
         denom = np.maximum(np.float32(1.0) - t, np.float32(MIN_ONE_MINUS_T)).reshape(rows, 1, 1, 1)
-        v = (self._templates[labels] - x) / denom
+        v = (targets - x) / denom
         left = self.latency_s(rows) - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)
