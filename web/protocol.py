@@ -10,6 +10,9 @@ Every message is one JSON object with a `type`. Client -> server:
                                                          if not done within 1-3600 s
     {"type": "generate", "digits": "3", "frame_x1": true}          frames also carry the predicted
                                                          final image x1 (JSON true/false only)
+    {"type": "generate", "digits": "?,?,4" | [-1, -1, 4]}          "?" / "-1" / -1: no digit (label
+                                                         unknown, unconditional: the router alone picks the
+                                                         experts); not with strategy "oracle"
     {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
     {"type": "ping"}                                                 answered with {"type": "pong"}
 
@@ -30,7 +33,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Union
 
-from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, JobRequest, ProtocolError, validate
+from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, UNCONDITIONAL, JobRequest, ProtocolError, validate
 
 #: Largest websocket text message the server reads (bytes); larger ones close the socket.
 MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
@@ -47,6 +50,8 @@ MIN_DEADLINE_S, MAX_DEADLINE_S = 1, 3600
 MAX_DIGITS_CHARS = 8 * MAX_JOB_IMAGES + 64
 
 _SPLIT = re.compile(r"[\s,;]+")
+#: Tokens of a `digits` string that mean "no digit" (label unknown): the page's "?" and the wire's -1.
+NO_DIGIT_TOKENS = ("?", "-1")
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 40
 
@@ -85,7 +90,9 @@ ClientMessage = Union[Generate, Cancel, Ping]
 
 
 def parse_digits(value: Any) -> list[int]:
-    """'3,7,7' / '3 7 7' / [3, 7, 7] -> [3, 7, 7]. Each entry must be one digit 0-9.
+    """'3,7,7' / '3 7 7' / [3, 7, 7] -> [3, 7, 7]. Each entry is one digit 0-9, or "no digit"
+    (label unknown, an unconditional image): "?" or "-1" in a string, -1 in a list -> -1
+    (`schemas.UNCONDITIONAL`).
 
     Raises BadInput naming the first offending entry. Input far over the count limit is refused
     before it is split or walked (length check); the exact count limit is `JobRequest`'s.
@@ -99,19 +106,34 @@ def parse_digits(value: Any) -> list[int]:
             raise BadInput("enter at least one digit, e.g. 3,7,7")
         out = []
         for tok in tokens:
+            if tok in NO_DIGIT_TOKENS:
+                out.append(UNCONDITIONAL)
+                continue
             if len(tok) != 1 or tok not in "0123456789":
                 shown = tok if len(tok) <= 12 else tok[:12] + "…"
-                raise BadInput(f"{shown!r} is not a digit: enter digits 0-9 separated by commas, e.g. 3,7,7")
+                raise BadInput(f"{shown!r} is not a digit: enter digits 0-9 separated by commas, e.g. 3,7,7 "
+                               "(? for no digit)")
             out.append(int(tok))
         return out
     if isinstance(value, list):
         out = []
         for item in value:
-            if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= 9:
-                raise BadInput(f"digits must be integers 0-9, got {_shown(item)}")
+            if isinstance(item, bool) or not isinstance(item, int) or not UNCONDITIONAL <= item <= 9:
+                raise BadInput(f"digits must be integers 0-9, got {_shown(item)} (or {UNCONDITIONAL}: no digit)")
             out.append(item)
         return out
     raise BadInput(f"digits must be a string like '3,7,7' or a list of integers, got {type(value).__name__}")
+
+
+def _refuse_oracle_without_labels(digits: list[int], strategy: Any, ref: Any) -> None:
+    """Routing "oracle" runs the expert whose partition owns each image's digit: an image with no
+    digit (-1) has none. Raises BadInput saying so and what to pick instead."""
+    unknown = [i for i, d in enumerate(digits) if d == UNCONDITIONAL]
+    if strategy == "oracle" and unknown:
+        verb = "has" if len(unknown) == 1 else "have"
+        raise BadInput(f"routing oracle (by label) needs every image's digit, but {len(unknown)} of {len(digits)} "
+                       f"images {verb} no digit (? / {UNCONDITIONAL}, e.g. image {unknown[0]}): choose top-1, top-k "
+                       "or full ensemble for unconditional images", ref=ref)
 
 
 def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
@@ -132,6 +154,7 @@ def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
             fields["digits"] = parse_digits(fields["digits"])
         except BadInput as err:
             raise BadInput(err.message, ref=ref) from None
+        _refuse_oracle_without_labels(fields["digits"], fields.get("strategy"), ref)
     try:  # strict, like the wire: the page sends numbers as JSON numbers
         return validate({"v": PROTOCOL_VERSION, "kind": "job_request", **fields}, JobRequest)
     except ProtocolError as err:

@@ -22,7 +22,7 @@ def test_parse_digits_accepts(text, digits):
 
 
 @pytest.mark.parametrize("value, fragment", [("", "at least one digit"), ("3,a", "'a' is not a digit"),
-                                             ("10", "'10' is not a digit"), ("-1", "'-1' is not a digit"),
+                                             ("10", "'10' is not a digit"), ("-2", "'-2' is not a digit"),
                                              ([1, True], "integers 0-9"), ([11], "integers 0-9"),
                                              (3, "string like")])
 def test_parse_digits_refuses_with_a_reason(value, fragment):

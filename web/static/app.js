@@ -4,6 +4,10 @@
 const PALETTE = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45",
                  "#fabed4", "#469990", "#dcbeff", "#9a6324"];
 const MIXED = "#9aa0aa";
+// A digit of -1 is "no digit": the label is unknown (an unconditional image; the router alone picks the experts).
+const NO_DIGIT = -1;
+const digitText = (d) => (d === NO_DIGIT ? "?" : String(d));
+const NO_DIGIT_TITLE = "no digit: label unknown (unconditional), the router alone picked the experts";
 const expertColor = (e) => (e === null || e === undefined || e < 0) ? MIXED : PALETTE[e % PALETTE.length];
 
 const $ = (sel, root = document) => root.querySelector(sel);
@@ -239,7 +243,8 @@ function ensureTiles(job, n) {
                               "aria-label": "router weight per expert over t" });
     plot.style.display = "none";
     const digit = job.digits[i];
-    const label = el("div", { class: "label" }, el("span", { text: digit === undefined ? `#${i}` : `digit ${digit}` }));
+    const label = el("div", { class: "label" }, el("span", { text: digit === undefined ? `#${i}` : `digit ${digitText(digit)}` }));
+    if (digit === NO_DIGIT) label.title = NO_DIGIT_TITLE;
     box.append(el("div", { class: "tile" }, canvas, bars, plot, label));
     const tile = { canvas, bars, plot, label, link: null, cursor: null };
     plot.addEventListener("mousemove", (ev) => hoverPlot(job, i, ev));
@@ -382,7 +387,7 @@ function onDone(msg) {
     if (!tile.link) {
       const digit = msg.digits[i];
       tile.link = el("a", { href: "#", class: "download", text: "PNG", title: "download this image",
-                            download: `ddm-${msg.job_id}-${i}-digit${digit}.png` });
+                            download: `ddm-${msg.job_id}-${i}-${digit === NO_DIGIT ? "nodigit" : `digit${digit}`}.png` });
       tile.link.onclick = () => { tile.link.href = pngURL([tile.canvas], 4); };
       tile.label.append(tile.link);
     }
@@ -560,7 +565,7 @@ function hoverPlot(job, i, ev) {
   const r = c.getBoundingClientRect();
   const t = Math.min(1, Math.max(0, (ev.clientX - r.left) / r.width));
   const f = nearestEntry(tl, t);
-  showTip(ev, `image ${i} (digit ${job.digits[i]}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
+  showTip(ev, `image ${i} (digit ${digitText(job.digits[i])}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
               `${weightsText(f.weights[i])}\n${servedText(f.experts[i])}`);
 }
 
@@ -572,7 +577,7 @@ function hoverServed(job, ev) {
   const j = Math.min(tl.length - 1, Math.max(0, Math.floor((ev.clientX - r.left) / r.width * tl.length)));
   const i = Math.min(c.height - 1, Math.max(0, Math.floor((ev.clientY - r.top) / r.height * c.height)));
   const f = tl[j];
-  showTip(ev, `image ${i} (digit ${job.digits[i]}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
+  showTip(ev, `image ${i} (digit ${digitText(job.digits[i])}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
               `${servedText(f.experts[i])}\n${weightsText(f.weights[i])}`);
 }
 
@@ -619,7 +624,7 @@ function linkComparison(job, orig) {
     const c = el("canvas", { width: w, height: h });
     if (orig.final) drawPixels(c, orig.final, i * h * w, h, w);
     c.style.borderColor = t.canvas.style.borderColor;
-    a.append(el("div", { class: "ctile" }, c, el("div", { class: "label", text: `digit ${orig.digits[i]}` })));
+    a.append(el("div", { class: "ctile" }, c, el("div", { class: "label", text: `digit ${digitText(orig.digits[i])}` })));
   });
   $(".tiles", job.card).dataset.label = `B · ${describe(job)}`;
 }
@@ -881,8 +886,14 @@ const HANDLERS = {
     }
     if (!job.digits.length) { job.digits = msg.digits; }
     ensureTiles(job, msg.digits.length);
-    job.tiles.forEach((t, i) => { $("span", t.label).textContent = `digit ${msg.digits[i]}`; });
-    $(".job-title", job.card).textContent = `${msg.digits.length} image${msg.digits.length === 1 ? "" : "s"} · seed ${msg.seed}`;
+    job.tiles.forEach((t, i) => {
+      $("span", t.label).textContent = `digit ${digitText(msg.digits[i])}`;
+      if (msg.digits[i] === NO_DIGIT) t.label.title = NO_DIGIT_TITLE; else t.label.removeAttribute("title");
+    });
+    const unknown = msg.digits.filter((d) => d === NO_DIGIT).length;
+    const n = msg.digits.length;
+    const uncond = !unknown ? "" : unknown === n ? " · unconditional" : ` · ${unknown} unconditional`;
+    $(".job-title", job.card).textContent = `${n} image${n === 1 ? "" : "s"}${uncond} · seed ${msg.seed}`;
     $(".job-title", job.card).title = msg.job_id;
     const orig = req && req.compareOf && state.jobs.get(req.compareOf);
     if (orig) linkComparison(job, orig);
@@ -923,6 +934,7 @@ function readForm() {
   const req = { type: "generate", ref: state.nextRef++ };
   if (mode === "digits") req.digits = $("#digits").value;
   else req.count = numberOrText($("#count"));
+  if ($("#unconditional").checked) unconditional(req);
   req.steps = numberOrText($("#steps"));
   req.solver = $("#solver").value;
   req.strategy = $("#strategy").value;
@@ -931,6 +943,21 @@ function readForm() {
   if (seed !== "") req.seed = seed;  // as text: seeds reach 2**63, JS numbers are exact to 2**53
   if ($("#frame_x1").checked) req.frame_x1 = true;
   return req;
+}
+
+// "unconditional (no digit)": the same number of images, every one with digit -1 (label unknown). A count
+// the server would refuse anyway (not a whole number, over the per-job limit) goes as typed, so it says why.
+function unconditional(req) {
+  if (req.digits !== undefined) {
+    const tokens = req.digits.split(/[\s,;]+/).filter((tok) => tok !== "");
+    if (tokens.length) req.digits = tokens.map(() => "?").join(",");
+    return;
+  }
+  const max = (state.limits && state.limits.max_images) || 256;
+  if (Number.isInteger(req.count) && req.count >= 1 && req.count <= max) {
+    req.digits = new Array(req.count).fill(NO_DIGIT);
+    delete req.count;
+  }
 }
 
 // Numbers go as numbers; anything else goes as typed so the server can say what is wrong with it.
