@@ -137,7 +137,7 @@ def saved_configurations(directory: str | Path) -> list[Path]:
     d = Path(directory)
     if not d.is_dir():
         raise SavedImagesError(f"{d} is not a directory (write one with `ddm-fleet eval --save-images {d}`)")
-    files = sorted(d.glob("*.npz"))
+    files = sorted(f for f in d.glob("*.npz") if not f.name.endswith(".partial.npz"))  # a sampler's unfinished file
     if not files:
         raise SavedImagesError(f"{d} holds no <configuration>.npz files")
     return sorted(files, key=lambda p: _order_key(p.stem))

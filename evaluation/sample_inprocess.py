@@ -161,10 +161,13 @@ def generate(cfg: SampleConfig, *, digits: np.ndarray, noise: np.ndarray, steps:
 
 
 def save_npz(path: Path, images: np.ndarray, labels: np.ndarray, usage: np.ndarray, uint8: bool, meta: dict) -> None:
+    """Write `path` whole: a temporary file renamed into place, so an interrupted run leaves no half file."""
     if uint8:
         images = np.clip(np.rint((np.clip(images, -1, 1) + 1) * 127.5), 0, 255).astype(np.uint8)
-    np.savez_compressed(path, images=images, labels=labels.astype(np.int64), usage=usage,
+    tmp = path.with_name(path.name + ".partial.npz")
+    np.savez_compressed(tmp, images=images, labels=labels.astype(np.int64), usage=usage,
                         meta=np.asarray(json.dumps(meta)))
+    tmp.replace(path)
 
 
 def parse_configs(text: str, checkpoints: str | None, monolith: str | None, distilled: str | None,
@@ -208,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument("--out", required=True, help="directory for <config>.npz")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="resume an interrupted run: keep every <config>.npz already in --out (written whole, "
+                        "via a temporary file) and generate only the missing ones")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from tqdm import tqdm
@@ -217,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     noise = initial_batch(len(digits), args.job_size, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.skip_existing:
+        kept = [c.name for c in configs if (out / f"{c.name}.npz").exists()]
+        if kept:
+            print(json.dumps({"kept": kept}), flush=True)
+        configs = [c for c in configs if c.name not in kept]
     for cfg in tqdm(configs, desc="configurations", unit="config"):
         start = time.perf_counter()
         images, usage = generate(cfg, digits=digits, noise=noise, steps=args.steps, solver=args.solver,

@@ -75,6 +75,13 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
     assert json.loads(str(d["meta"]))["steps"] == 2
     u = np.load(out / "uncond-ddm-top1.npz")
     assert (u["labels"] == -1).all()
+    # --skip-existing resumes: files already there are kept byte for byte, only missing ones are made
+    (out / "ddm-top2.npz").unlink()
+    before = (out / "ddm-top1.npz").stat().st_mtime_ns
+    assert main(["--checkpoints", str(tiny_ddm), "--configs", "top1,top2", "--per-class", "1", "--steps", "2",
+                 "--skip-existing", "--out", str(out)]) == 0
+    assert (out / "ddm-top1.npz").stat().st_mtime_ns == before and (out / "ddm-top2.npz").exists()
+    assert not list(out.glob("*.partial.npz"))
     with pytest.raises(ValueError, match="oracle"):
         from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
 
