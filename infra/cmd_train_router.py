@@ -4,9 +4,14 @@ belongs to, under the experts' own noising (t ~ U[0, 1], x_t = (1 - t) noise + t
 Reads the partition manifest, trains a small CNN on CPU with a tqdm bar (loss, accuracy), measures
 top-1 accuracy in 10 t bins on the val split (label given and label unknown; for a `features`
 partition the val images are assigned through judge 2's features, evaluation/features.py), and writes
-<out>.safetensors + <out>.json (the accuracy table is in the JSON under "accuracy_vs_t"). Example:
+<out>.safetensors + <out>.json (the accuracy table is in the JSON under "accuracy_vs_t").
+Every --save-every steps and at the end it writes <run-dir>/router_resume.pt (network, optimizer,
+LR schedule, step, RNG states); after an interruption, the same command with --resume continues
+from there up to --steps on the same sample stream (it refuses a file from another --partition /
+--limit or another --width). Example:
 
     ddm-fleet train-router --partition checkpoints/partition.json --steps 1500 --out checkpoints/router
+    ddm-fleet train-router --partition checkpoints/partition.json --steps 1500 --out checkpoints/router --resume
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="train split size the partition was made with (its --limit)")
     parser.add_argument("--val-limit", type=int, default=None, help="evaluate on the first N val images (default: all 10k)")
     parser.add_argument("--bins", type=int, default=10, help="t bins for the accuracy report (default 10)")
+    parser.add_argument("--run-dir", default="runs/router",
+                        help="where router_resume.pt lives (default: %(default)s)")
+    parser.add_argument("--save-every", type=int, default=500,
+                        help="write the resume file every N steps, and at the end (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from <run-dir>/router_resume.pt up to --steps; pass the same --partition, "
+                             "--limit, --width (and, for identical weights, the other flags) as the interrupted run")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
     parser.add_argument("--data-dir", default=None, help="data directory (default: $DDM_DATA_DIR or ./data)")
 
@@ -46,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         manifest = load_manifest(args.partition)
         cfg = RouterTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                label_dropout=args.label_dropout, seed=args.seed, width=args.width)
+                                label_dropout=args.label_dropout, seed=args.seed, width=args.width,
+                                run_dir=args.run_dir, save_every=args.save_every)
         images, labels = load_mnist(manifest.split, args.data_dir, limit=args.limit)
-        net, stats = train_router(manifest, images, labels, cfg)
+        net, stats = train_router(manifest, images, labels, cfg, resume=args.resume, manifest_file=str(args.partition))
         del images
         xv, yv = load_mnist("val", args.data_dir, limit=args.val_limit)
         fv = None

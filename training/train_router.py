@@ -8,13 +8,22 @@ Evaluation (:func:`accuracy_vs_t`): on held-out images whose expert comes from
 ``Manifest.assign`` (classes: by label; kmeans: nearest stored centroid; features: nearest stored
 centroid of the caller's features of those images), top-1 accuracy in
 ``bins`` equal-width t bins, with the label given and with the label unknown.
+
+Resume: with ``cfg.run_dir`` set, every ``cfg.save_every`` steps and at the end the loop writes
+``<run_dir>/router_resume.pt`` (network, AdamW and LR-scheduler state, step, the numpy and torch RNG
+states, the last 100 losses; via training/train_torch's ``save_resume_state``), and
+``train_router(..., resume=True)`` continues from it up to ``cfg.steps`` on the same sample stream,
+so an interrupted run resumed with the same flags ends with the same weights as an uninterrupted one.
+It refuses a file made from another partition manifest or another network config.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,10 +42,14 @@ class RouterTrainConfig:
     seed: int = 0
     width: int = 16
     emb_dim: int = 64
+    run_dir: str | None = None  # where router_resume.pt lives; None: no resume file (library default)
+    save_every: int = 500  # steps between resume-file writes (with run_dir)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
             raise RouterError(f"steps and batch_size must be >= 1 (got {self.steps}, {self.batch_size})")
+        if self.save_every < 1:
+            raise RouterError(f"save_every must be >= 1, got {self.save_every}")
         if not 0.0 <= self.label_dropout <= 1.0:
             raise RouterError(f"label_dropout must lie in [0, 1], got {self.label_dropout}")
         if self.lr <= 0:
@@ -54,9 +67,48 @@ def train_targets(manifest: Manifest, num_images: int) -> tuple[np.ndarray, np.n
     return idx, owner[idx]
 
 
+RESUME_NAME = "router_resume.pt"
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """sha256 of the manifest's canonical JSON: identifies the partition a resume file was trained on."""
+    return hashlib.sha256(manifest.model_dump_json(by_alias=True, exclude_none=True).encode()).hexdigest()
+
+
+def _load_resume(path: Path, manifest: Manifest, net_cfg: RouterConfig, steps: int) -> dict:
+    """Read a router resume file and check that it belongs to this partition and network config."""
+    import torch
+
+    if not path.is_file():
+        raise RouterError(f"--resume: {path} does not exist (start without --resume, or pass the --run-dir "
+                          "of the interrupted run)")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
+    except Exception as exc:  # truncated or foreign file
+        raise RouterError(f"--resume: cannot read {path}: {exc}") from exc
+    if not isinstance(ck, dict) or ck.get("kind") != "router":
+        raise RouterError(f"--resume: {path} is not a router resume file")
+    if ck["manifest_sha256"] != manifest_digest(manifest):
+        raise RouterError(f"--resume: {path} was trained on another partition manifest "
+                          f"({ck.get('manifest_file') or 'unknown file'}); resume with the same --partition "
+                          "and --limit, or start without --resume")
+    if ck["router_config"] != net_cfg.to_dict():
+        raise RouterError(f"--resume: {path} holds a router {ck['router_config']}, not {net_cfg.to_dict()}; "
+                          "keep the same --width to continue it")
+    if ck["step"] > steps:
+        raise RouterError(f"--resume: {path} is already at step {ck['step']}, beyond --steps {steps}")
+    return ck
+
+
 def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg: RouterTrainConfig,
-                 progress: bool = True, log_every: int = 25):
+                 progress: bool = True, log_every: int = 25, *, resume: bool = False,
+                 stop_after: int | None = None, manifest_file: str | None = None):
     """Train a RouterNet. images float32 [N, 1, 32, 32] (the split the manifest indexes), labels int64 [N].
+
+    ``resume``: continue from ``<cfg.run_dir>/router_resume.pt`` up to ``cfg.steps`` (RouterError if it is
+    missing or from another manifest / network config). ``stop_after``: end the loop once that many steps
+    are done, as an interruption would (the resume file is written; stats say ``complete: False``).
+    ``manifest_file`` is only recorded in the resume file for error messages.
 
     Returns (net in eval mode, stats dict with steps, wall time, final loss / accuracy over the last 100 steps).
     """
@@ -65,24 +117,45 @@ def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg
     from tqdm.auto import tqdm
 
     from models.router import RouterNet
+    from training.train_torch import restore_resume_state, save_resume_state
 
+    if resume and not cfg.run_dir:
+        raise RouterError("--resume needs a run directory (--run-dir) holding the resume file")
     idx, targets = train_targets(manifest, len(images))
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    net = RouterNet(cfg=RouterConfig(num_experts=manifest.num_experts, width=cfg.width, emb_dim=cfg.emb_dim))
+    net_cfg = RouterConfig(num_experts=manifest.num_experts, width=cfg.width, emb_dim=cfg.emb_dim)
+    net = RouterNet(cfg=net_cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = max(1, min(100, cfg.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    resume_path = Path(cfg.run_dir) / RESUME_NAME if cfg.run_dir else None
+    digest = manifest_digest(manifest) if resume_path is not None else ""
+    step, wall_before, recent = 0, 0.0, []
+    if resume:
+        ck = _load_resume(resume_path, manifest, net_cfg, cfg.steps)
+        step, wall_before, recent = restore_resume_state(ck, net, [], opt, rng)  # no EMA for the router
+        sched.load_state_dict(ck["scheduler"])
+    stop = cfg.steps if stop_after is None else max(step, min(cfg.steps, stop_after))
     x_all = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32))
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     k_all = torch.from_numpy(targets)
     idx_t = torch.from_numpy(idx)
-    losses, accs = [], []
+    losses, accs = [r[0] for r in recent], [r[1] for r in recent]
     t0 = time.perf_counter()
+
+    def save() -> None:
+        resume_path.parent.mkdir(parents=True, exist_ok=True)
+        save_resume_state(resume_path, net, [], opt, rng, step=step,
+                          wall_s=round(wall_before + time.perf_counter() - t0, 1),
+                          history=[[a, b] for a, b in zip(losses[-100:], accs[-100:])], kind="router",
+                          scheduler=sched.state_dict(), manifest_sha256=digest,
+                          manifest_file=manifest_file, router_config=net_cfg.to_dict())
+
     net.train()
-    bar = tqdm(range(cfg.steps), desc="router", unit="step", disable=not progress)
-    for step in bar:
+    bar = tqdm(total=cfg.steps, initial=step, desc="router", unit="step", disable=not progress)
+    while step < stop:
         pick = torch.from_numpy(rng.integers(0, len(idx), size=cfg.batch_size))
         rows = idx_t[pick]
         x, y, k = x_all[rows], y_all[rows].clone(), k_all[pick]
@@ -98,14 +171,21 @@ def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg
         sched.step()
         losses.append(loss.item())
         accs.append(float((logits.argmax(1) == k).float().mean()))
+        bar.update(1)
         if step % log_every == 0 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{np.mean(losses[-100:]):.3f}", acc=f"{np.mean(accs[-100:]):.3f}")
+        step += 1
+        if resume_path is not None and step % cfg.save_every == 0 and step < stop:
+            save()
     bar.close()
+    if resume_path is not None:
+        save()
     net.eval()
     stats = {
-        "steps": cfg.steps, "batch_size": cfg.batch_size, "wall_s": round(time.perf_counter() - t0, 1),
-        "final_loss": round(float(np.mean(losses[-100:])), 4), "final_train_acc": round(float(np.mean(accs[-100:])), 4),
-        "config": asdict(cfg),
+        "steps": step, "batch_size": cfg.batch_size, "wall_s": round(wall_before + time.perf_counter() - t0, 1),
+        "final_loss": round(float(np.mean(losses[-100:])), 4) if losses else None,
+        "final_train_acc": round(float(np.mean(accs[-100:])), 4) if accs else None,
+        "complete": step >= cfg.steps, "config": asdict(cfg),
     }
     return net, stats
 

@@ -9,6 +9,7 @@ and images bit-identical to an undisturbed run."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 
@@ -46,14 +47,43 @@ def cluster_jobs(round_: int) -> list[JobRequest]:
             for i, (s, v) in enumerate(kinds + kinds)]
 
 
-def connected_node(cluster: NatsCluster, pid: int) -> int | None:
-    """Index of the cluster node process `pid` holds a client connection to (None: none)."""
-    import psutil
+def local_tcp_ports(pid: int) -> set[int]:
+    """Local ports of the TCP sockets process `pid` holds (Linux /proc: its socket fds' inodes, looked
+    up in /proc/<pid>/net/tcp{,6})."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[9] in inodes:
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
 
-    ports = {n.port: i for i, n in enumerate(cluster.nodes) if n.proc is not None}
-    for conn in psutil.Process(pid).net_connections(kind="tcp"):
-        if conn.raddr and conn.status == psutil.CONN_ESTABLISHED and conn.raddr.port in ports:
-            return ports[conn.raddr.port]
+
+def connected_node(cluster: NatsCluster, pid: int) -> int | None:
+    """Index of the cluster node that holds a client connection of process `pid`: the node's /connz
+    lists each client's port, matched against the process's own sockets (None: none)."""
+    mine = local_tcp_ports(pid)
+    for i, node in enumerate(cluster.nodes):
+        if node.proc is None or node.proc.poll() is not None:
+            continue
+        try:
+            conns = monitor(node, "connz?limit=4096").get("connections") or []
+        except OSError:  # a node going down between the check and the request
+            continue
+        if any(c.get("port") in mine for c in conns):
+            return i
     return None
 
 

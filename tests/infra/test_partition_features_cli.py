@@ -34,7 +34,7 @@ def test_features_partition_cli_then_router(tmp_path, capsys):
 
     router = tmp_path / "router"
     assert main(["train-router", "--partition", str(out), "--limit", "1500", "--val-limit", "100", "--steps", "3",
-                 "--bins", "2", "--out", str(router)]) == 0
+                 "--bins", "2", "--out", str(router), "--run-dir", str(tmp_path / "run")]) == 0
     meta = json.loads(router.with_suffix(".json").read_text())
     assert meta["partition"]["method"] == "features" and meta["accuracy_vs_t"]["n"] == 100
 
