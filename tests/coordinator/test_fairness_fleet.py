@@ -53,10 +53,12 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
             refusals: list[JobFailed] = []
             accepted = 0
 
+            stop = asyncio.Event()
+
             async def flood() -> None:
                 nonlocal accepted
                 i = 0
-                while True:
+                while not stop.is_set():
                     i += 1
                     try:
                         await submit_job(nc, JobRequest(job_id=f"heavy-{i}", digits=[1, 6], steps=HEAVY_STEPS,
@@ -80,8 +82,9 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
                                                           client="light"), 120)
                     assert done.images.shape == (1, 1, 32, 32)
                     waits.append(sched.stats.ticks - t0)
-            finally:
-                flooder.cancel()
+            finally:  # let the submit in flight get its answer, so every refusal the coordinator counted is seen
+                stop.set()
+                await asyncio.wait_for(flooder, 30)
             # one heavy job (30 steps) frees rows, light takes them first, then its own 4 steps (+ slack);
             # each of the engine's cohorts counts its own ticks, so a step of every job is `cohorts` ticks
             rounds = coord.engine.cohorts
