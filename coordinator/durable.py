@@ -179,6 +179,7 @@ class JobStore:
         every refusal ends as JetStreamUnavailable with the server's reason."""
         import asyncio
 
+        import nats.errors
         import nats.js.errors
 
         for attempt in range(1, attempts + 1):
@@ -194,6 +195,13 @@ class JobStore:
                         f"{err.description or err} (--js-replicas must not exceed the JetStream servers of the "
                         f"cluster, all of them up; a single server takes 1)") from None
                 log.warning("creating KV bucket %s: %s; retrying", bucket, err.description or err)
+                await asyncio.sleep(0.5)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError) as err:  # a cluster electing its leader
+                if attempt == attempts:
+                    raise JetStreamUnavailable(
+                        f"cannot create the KV bucket {bucket}: JetStream did not answer ({type(err).__name__}; "
+                        "a cluster still electing a leader, or a server without -js)") from None
+                log.warning("creating KV bucket %s: no answer; retrying", bucket)
                 await asyncio.sleep(0.5)
 
     def _lease(self) -> bytes:

@@ -93,6 +93,10 @@ UNKNOWN_JOB = "unknown job"
 NULL_LABEL_TTL_S = 30.0
 #: Longest wait for one expert's answer to that probe (at most the step timeout).
 NULL_LABEL_PROBE_S = 2.0
+#: Seconds an unclear probe (no answer, timeout, another error) is remembered as "unknown" before
+#: the expert is asked again: submits are handled one at a time, so a stream of unconditional
+#: submits to a stalled expert must not each wait NULL_LABEL_PROBE_S.
+NULL_LABEL_UNKNOWN_TTL_S = 5.0
 
 
 def load_router_and_partition(router_path: str | os.PathLike, partition_path: str | os.PathLike):
@@ -725,7 +729,8 @@ class Coordinator:
         whole step request that carries y = -1, which would fail the tick for every job sharing that
         request, so the rows must not reach it. Each expert is probed with a one-row y = -1 step at most
         once per NULL_LABEL_TTL_S (concurrently); an expert that does not answer, or answers anything
-        but a step or `bad_request`, is not held against the job (its rows go to the others as usual)."""
+        but a step or `bad_request`, is not held against the job (its rows go to the others as usual),
+        and is asked again only after NULL_LABEL_UNKNOWN_TTL_S."""
         if not request.n_unconditional or self.nc is None:
             return
         now = time.monotonic()
@@ -734,11 +739,11 @@ class Coordinator:
         if stale:
             found = await asyncio.gather(*(self._probe_null_label(k) for k in stale))
             for k, got in zip(stale, found):
-                if got is None:
-                    self._null_label.pop(k, None)
+                if got is None:  # unknown: not held against the job, asked again after a short while
+                    self._null_label[k] = (None, "", time.monotonic() + NULL_LABEL_UNKNOWN_TTL_S)
                 else:
                     self._null_label[k] = (got[0], got[1], time.monotonic() + NULL_LABEL_TTL_S)
-        lacking = sorted(k for k, (has, _, _) in self._null_label.items() if not has)
+        lacking = sorted(k for k, (has, _, _) in self._null_label.items() if has is False)
         if lacking:
             raise Rejected(ErrorCode.BAD_REQUEST, (
                 f"{request.n_unconditional} of {request.n_images} digits are -1 (label unknown), but expert"

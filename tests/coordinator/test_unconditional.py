@@ -122,3 +122,32 @@ async def test_a_fleet_without_null_labels_refuses_unconditional_jobs_and_keeps_
             assert (await fleet_status(nc)).jobs_rejected == before + 2
     finally:
         await _stop(ws)
+
+
+async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_after_a_while(nats_url, nc,
+                                                                                          null_experts):
+    """Submits are handled one at a time: a silent expert (no worker) must not make every unconditional
+    submit wait for its own probe. The unknown answer is kept NULL_LABEL_UNKNOWN_TTL_S, and the job is
+    not refused for it (expert 1 serves its rows, as an expert with no responders is treated)."""
+    from coordinator import service
+
+    ws = await _workers(nats_url, null_experts[:1])  # expert 0 only: expert 1 never answers
+    try:
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
+                               step_timeout=10) as coord:
+            asked = []
+            probe = coord._probe_null_label
+
+            async def counting(k):
+                asked.append(k)
+                return await probe(k)
+
+            coord._probe_null_label = counting
+            for seed in (1, 2, 3):
+                done = await run_job(nc, JobRequest(digits=[U], seed=seed, steps=2), timeout=60)
+                assert done.images.shape == (1, 1, 32, 32)
+            assert sorted(asked) == [0, 1]  # one probe each, not one per submit
+            assert coord._null_label[0][0] is True and coord._null_label[1][0] is None
+            assert service.NULL_LABEL_UNKNOWN_TTL_S < service.NULL_LABEL_TTL_S
+    finally:
+        await _stop(ws)
