@@ -95,12 +95,13 @@ class InProcessTransport:
 
 
 def load_backends(paths: Sequence[str | os.PathLike], backend: str = "torch", *, bf16: bool = False,
-                  buckets: Sequence[int] = ()) -> list[Any]:
+                  buckets: Sequence[int] = (), device: str | None = None) -> list[Any]:
+    """One loaded backend per checkpoint (on `device`, None: the backend's default), warmed at `buckets`."""
     from workers.backends import get_backend
 
     out = []
     for p in paths:
-        be = get_backend(backend, bf16=bf16)
+        be = get_backend(backend, bf16=bf16, **({"device": device} if device else {}))
         be.load(p)
         if buckets:
             be.warmup(buckets)

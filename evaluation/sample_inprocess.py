@@ -46,11 +46,6 @@ class SampleConfig:
     unconditional: bool = False
 
 
-def requested_digits(per_class: int) -> np.ndarray:
-    """The same digits `ddm-fleet eval` requests: 0..9 repeated, [10 * per_class] int64."""
-    return np.tile(np.arange(10), per_class).astype(np.int64)
-
-
 def initial_batch(n: int, job_size: int, seed: int, shape=(1, 32, 32)) -> np.ndarray:
     """[n, *shape] float32: row r = row r % job_size of job r // job_size, seeded seed + job."""
     from coordinator.rows import initial_noise
@@ -88,13 +83,9 @@ class _Experts:
     """K expert backends (torch) on one device; forward(k, x, t, y) in chunks of `chunk` rows."""
 
     def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048):
-        from workers.backends import get_backend
+        from coordinator.local_fleet import load_backends
 
-        self.backends = []
-        for p in paths:
-            b = get_backend("torch", device=device, bf16=False)
-            b.load(p)
-            self.backends.append(b)
+        self.backends = load_backends(paths, "torch", device=device)
         self.chunk = chunk
 
     def forward(self, k: int, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -217,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from tqdm import tqdm
+
+    from .run import requested_digits  # the digits `ddm-fleet eval` asks for
 
     configs = parse_configs(args.configs, args.checkpoints, args.monolith, args.distilled, args.unconditional)
     digits = requested_digits(args.per_class)

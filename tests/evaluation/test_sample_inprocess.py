@@ -42,7 +42,8 @@ async def test_same_images_as_the_fleet(tiny_ddm, strategy):
     """Same digits, seeds (jobs of job_size seeded seed + j) and solver as `ddm-fleet eval`: the images
     match the fleet's to float rounding (the fleet's experts see other batch sizes, which can move the
     last bits of a convolution)."""
-    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch, requested_digits
+    from evaluation.run import requested_digits
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
 
     digits = requested_digits(2)
     steps, job_size = 3, 8
