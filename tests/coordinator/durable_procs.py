@@ -67,6 +67,24 @@ async def owners_of(nc, job_ids) -> dict[str, str | None]:
     return out
 
 
+async def wait_no_checkpoints(nc, timeout: float) -> None:
+    """Wait until the `ddm_jobs` KV bucket holds no checkpoint (the jobs are done and cleaned up)."""
+    import nats.js.errors
+
+    from tests.waiting import wait_until
+
+    kv = await nc.jetstream().key_value("ddm_jobs")
+
+    async def empty():
+        try:
+            await kv.keys()
+            return False
+        except nats.js.errors.NoKeysError:
+            return True
+
+    await wait_until(empty, timeout=timeout, what="checkpoints deleted once the jobs are done")
+
+
 async def reference_images(nc, reqs, tag):
     """The same requests, run undisturbed (new job ids "<tag>-<i>"): {job id of reqs: DoneEvent}."""
     from coordinator.client import run_job

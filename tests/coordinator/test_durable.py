@@ -21,7 +21,7 @@ from coordinator.client import run_job
 from schemas import FrameEvent, JobRequest
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
 from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers,
-                                             start_coordinator, stop)
+                                             start_coordinator, stop, wait_no_checkpoints)
 from tests.waiting import wait_until
 
 
@@ -96,18 +96,7 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
         for j, s in steps.items():  # frames paused, then went on from the last checkpoint (a multiple of 10)
             after = s[s.index(at_kill[j]) + 1:] if at_kill[j] in s else []
             assert s[-1] == 60 and (not after or after[0] <= at_kill[j] + 1), (j, s)
-        js = nc.jetstream()
-        kv = await js.key_value("ddm_jobs")
-        import nats.js.errors
-
-        async def empty():
-            try:
-                await kv.keys()
-                return False
-            except nats.js.errors.NoKeysError:
-                return True
-
-        await wait_until(empty, timeout=10, what="checkpoints deleted once the jobs are done")
+        await wait_no_checkpoints(nc, timeout=10)
     finally:
         for p in procs:
             await stop(p)

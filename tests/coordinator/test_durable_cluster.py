@@ -20,7 +20,7 @@ from coordinator.client import client_connect_options, run_job
 from infra.nats_cluster import NatsCluster, monitor
 from schemas import JobRequest
 from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers, start_coordinator,
-                                             stop)
+                                             stop, wait_no_checkpoints)
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -171,18 +171,7 @@ async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_iden
             assert np.array_equal(w.images, g.images), g.job_id
             assert np.array_equal(w.usage, g.usage) and w.digits == g.digits
 
-        import nats.js.errors
-
-        kv = await reader.jetstream().key_value("ddm_jobs")
-
-        async def no_checkpoints_left():
-            try:
-                await kv.keys()
-                return False
-            except nats.js.errors.NoKeysError:
-                return True
-
-        await wait_until(no_checkpoints_left, timeout=20, what="checkpoints deleted once the jobs are done")
+        await wait_no_checkpoints(reader, timeout=20)
     finally:
         errs = {name: await stop(p) for name, p in procs.items()}
         for w in ws:
