@@ -755,15 +755,11 @@ class Coordinator:
     async def _probe_null_label(self, expert: int) -> tuple[bool, str] | None:
         """Ask one worker of `expert` for a one-row y = -1 step: (True, "") when it serves it,
         (False, its message) when it refuses with `bad_request`, None when it cannot tell."""
-        import numpy as np
+        from schemas import UNCONDITIONAL, StepReply, StepResult
 
-        from schemas import UNCONDITIONAL, StepReply, StepRequest, StepResult
-
-        shape = (1, *self.config.image_shape)
-        probe = StepRequest(expert=expert, x_t=np.zeros(shape, np.float32), t=np.zeros(1, np.float32),
-                            y=np.full(1, UNCONDITIONAL, np.int64))
+        probe = probe_step(expert, UNCONDITIONAL, self.config.image_shape)
         try:
-            msg = await self.nc.request(subjects.expert_velocity(expert), pack(probe),
+            msg = await self.nc.request(subjects.expert_velocity(expert), probe,
                                         timeout=min(self.step_timeout, NULL_LABEL_PROBE_S))
             reply = unpack(msg.data, StepResult)
         except Exception:  # no responders, timeout, an undecodable reply: unknown
@@ -871,15 +867,22 @@ def fairness_key(client: str, request: JobRequest) -> str:
     return f"{client}/{request.session}" if request.session else client
 
 
-async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:
-    """Block until every expert subject has at least one responder (or raise TimeoutError)."""
-    import nats.errors
+def probe_step(expert: int, y: int = 0, image_shape: tuple[int, ...] = (1, 32, 32)) -> bytes:
+    """A packed one-row StepRequest for `expert` (zeros at t = 0, label `y`): asks a worker whether it
+    serves (readiness) or whether it serves that label (the null-label check)."""
     import numpy as np
 
     from schemas import StepRequest
 
-    probe = {k: pack(StepRequest(expert=k, x_t=np.zeros((1, 1, 32, 32), np.float32), t=np.zeros(1, np.float32),
-                                 y=np.zeros(1, np.int64))) for k in range(num_experts)}
+    return pack(StepRequest(expert=expert, x_t=np.zeros((1, *image_shape), np.float32), t=np.zeros(1, np.float32),
+                            y=np.full(1, y, np.int64)))
+
+
+async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:
+    """Block until every expert subject has at least one responder (or raise TimeoutError)."""
+    import nats.errors
+
+    probe = {k: probe_step(k) for k in range(num_experts)}
     deadline = time.monotonic() + timeout
     missing = set(range(num_experts))
     while missing:
