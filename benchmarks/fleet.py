@@ -18,7 +18,10 @@ counters for the level are shown next to the clients' view, and what it still ho
 level (active + queued jobs; 0 unless something leaked). Per process (coordinator, each worker,
 nats-server, and this bench process, which runs the clients) the peak RSS over each level is
 read from /proc/<pid>/status VmHWM, reset before the level through /proc/<pid>/clear_refs, with
-the RSS at the level's end. The 1-minute load average before and after each level is recorded:
+the RSS at the level's end, and the CPU seconds each used in the level (/proc/<pid>/stat; the
+ceiling's are the bench process's): what the fleet spends beyond the experts' forwards (the
+coordinator, nats-server, the wire work in the workers, the clients decoding frames) is CPU the
+experts cannot have on a machine where they all share the cores. The 1-minute load average before and after each level is recorded:
 on a shared machine it says how much of the box the bench had.
 
 Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
@@ -36,8 +39,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
-from .processes import Child, cli_argv, proc_memory, reset_peak, run_bench
+from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hedges per expert request of each level")
     parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
                         help="fleet: `ddm-fleet coordinator --hedge-after-s` (default: the measured p99)")
+    parser.add_argument("--merge", choices=("auto", "always"), default="auto",
+                        help="fleet: `ddm-fleet worker --merge` (default %(default)s: queued requests share a forward "
+                             "pass only where that is cheaper; always: every pass filled up to the largest bucket)")
     parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
     parser.add_argument("--durable", action="store_true",
                         help="fleet: durable jobs (the nats-server with JetStream, store in a temp dir; "
@@ -283,15 +290,26 @@ async def _ceiling(args, models) -> dict:
         for level, c in enumerate(args.concurrency_list):
             me = os.getpid()
             reset_peak(me)
-            load0 = os.getloadavg()[0]
+            load0, cpu0, t0 = os.getloadavg()[0], cpu_seconds(me), time.monotonic()
             res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"))
             res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             res["memory"] = {"bench (in-process fleet)": proc_memory(me)}
+            res["cpu"] = _cpu_used({"bench (in-process fleet)": cpu0}, {"bench (in-process fleet)": me},
+                                   time.monotonic() - t0)
             out.append(res)
         return out
     finally:
         await engine.stop()
         await task
+
+
+def _cpu_used(before: dict, pids: dict, wall_s: float) -> dict:
+    """{"wall_s": level seconds, "seconds": {process: CPU seconds used in the level}} (None: gone)."""
+    out = {}
+    for name, pid in pids.items():
+        now = cpu_seconds(pid)
+        out[name] = None if now is None or before.get(name) is None else round(now - before[name], 2)
+    return {"wall_s": round(wall_s, 2), "seconds": out}
 
 
 async def fleet_job(nc, request, bound: float):
@@ -386,7 +404,7 @@ async def _fleet(args, models) -> dict:
             for i, path in enumerate(models["experts"]):
                 for j in range(per):
                     cmd = cli_argv("worker", "--expert", i, "--checkpoint", path, "--nats", srv.url, "--buckets",
-                                   args.buckets, "--max-batch", max(buckets))
+                                   args.buckets, "--max-batch", max(buckets), "--merge", getattr(args, "merge", "auto"))
                     cmd += ["--bf16"] if args.bf16 else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
                     children.append(await Child.start(f"worker{i}" + (f".{j}" if per > 1 else ""), cmd))
@@ -432,8 +450,10 @@ async def _fleet(args, models) -> dict:
                 hedges_before = await _hedge_counts(metrics_port)
                 reset = {name: reset_peak(pid) for name, pid in pids.items()}
                 warned = {ch.name: ch.warnings for ch in children}
-                load0 = os.getloadavg()[0]
+                load0, t0 = os.getloadavg()[0], time.monotonic()
+                cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 res = await _closed_loop(run_one, _requests(args, c, f"f{level}-"))
+                res["cpu"] = _cpu_used(cpu0, pids, time.monotonic() - t0)
                 res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
                 res["peak_reset"] = all(reset.values())
@@ -499,7 +519,7 @@ async def bench_fleet(args) -> dict:
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
              "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
              "cohorts": getattr(args, "cohorts", 2), "route_every": getattr(args, "route_every", 1),
-             "durable": getattr(args, "durable", False),
+             "durable": getattr(args, "durable", False), "merge": getattr(args, "merge", "auto"),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}
@@ -565,10 +585,24 @@ def format_table(results: dict) -> str:
         if h:
             lines.append(f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
                          f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
-                         f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert")
+                         f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
+                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 2)}")
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
             lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")
+    cpu_rows = [(path, r["concurrency"], r[path]["cpu"]) for r in results["rows"] for path in ("fleet", "ceiling")
+                if r.get(path, {}).get("cpu")]
+    if cpu_rows:
+        lines.append(f"CPU seconds per process over each level (in cores: CPU s / wall s; this box has "
+                     f"{s.get('cpus', '?')}), and CPU s per image:")
+        for path, conc, cpu in cpu_rows:
+            done = next(r for r in results["rows"] if r["concurrency"] == conc)[path].get("completed") or 0
+            secs = {n: v for n, v in cpu["seconds"].items() if v is not None}
+            total = sum(secs.values())
+            cells = ", ".join(f"{n} {v:.1f} ({v / max(cpu['wall_s'], 1e-9):.2f})" for n, v in secs.items())
+            per = f"{total / done:.3f}" if done else "-"
+            lines.append(f"  {path:<7} conc {conc}: {cells}; total {total:.1f} s = "
+                         f"{total / max(cpu['wall_s'], 1e-9):.2f} cores over {cpu['wall_s']:.1f} s; {per} CPU s/image")
     mem_rows = [(str(r["concurrency"]), r["fleet"]) for r in results["rows"] if "memory" in r.get("fleet", {})]
     if mem_rows:
         scope = "reset before each level" if all(x.get("peak_reset") for _, x in mem_rows) else "since process start"

@@ -4,11 +4,14 @@
 would block it mid-run), keeping the last lines for error messages, counting WARNING+ log lines,
 and noticing the `ready ...` line the worker and coordinator print. `infra/launcher.py` supervises
 long-lived fleets (log files, restarts); this is the bench's short-lived, pipe-reading kind.
-`proc_memory` / `reset_peak` read and reset a process's RSS and peak RSS from /proc (Linux).
+`proc_memory` / `reset_peak` read and reset a process's RSS and peak RSS from /proc (Linux);
+`cpu_seconds` reads the CPU time it has used.
 `run_bench` is the command body of the benches that start such processes (`bench fleet`, `bench scale`).
 """
 
 from __future__ import annotations
+
+import os
 
 from typing import Any, Awaitable, Callable
 
@@ -60,6 +63,16 @@ def proc_memory(pid: int) -> dict | None:
         if key in ("VmRSS", "VmHWM"):
             out["rss" if key == "VmRSS" else "peak"] = int(val.split()[0]) * 1024
     return out if len(out) == 2 else None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process in seconds, from /proc/<pid>/stat; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def reset_peak(pid: int) -> bool:

@@ -53,7 +53,7 @@ import argparse
 import math
 import os
 
-from .processes import Child, cli_argv, proc_memory, reset_peak, run_bench
+from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
 #: enough that 16 workers (8 per expert, 2 experts) stay under one coordinator on a 2-core box.
@@ -214,16 +214,6 @@ def _models(args, tmpdir: str) -> dict:
         described = "random tiny router, classes 0-4 | 5-9"
     experts = [str(p) for p in make_tiny_experts(os.path.join(tmpdir, "sim"), k)]
     return {"router": str(router), "partition": str(partition), "k": k, "experts": experts, "described": described}
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process in seconds, from /proc/<pid>/stat; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _buckets(rows: int) -> str:

@@ -99,7 +99,7 @@ class Engine:
                  emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
                  router_in_thread: bool = True, rate_window_s: float = 10.0,
                  metrics: CoordinatorMetrics | None = None, cohorts: int = DEFAULT_COHORTS,
-                 route_every: int = 1):
+                 route_every: int = 1, request_rows: int | None = None):
         if not isinstance(cohorts, int) or cohorts < 1:
             raise ValueError(f"cohorts must be an int >= 1 (batches out at once), got {cohorts!r}")
         self.scheduler = scheduler
@@ -113,6 +113,9 @@ class Engine:
         if not isinstance(route_every, int) or route_every < 1:
             raise ValueError(f"route_every must be an int >= 1 (evaluations per router call), got {route_every!r}")
         self.route_every = route_every
+        if request_rows is not None and (not isinstance(request_rows, int) or request_rows < 1):
+            raise ValueError(f"request_rows must be an int >= 1 or None, got {request_rows!r}")
+        self.request_rows = request_rows  # the transport's rows per expert request: keep requests whole
         self.rows_routed = 0  # rows the router weighed (the rest reused their job's last weights)
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
@@ -238,7 +241,7 @@ class Engine:
         batch = None
         started = time.perf_counter()
         try:
-            batch = sched.schedule(self.clock(), cohorts=self.cohorts)
+            batch = sched.schedule(self.clock(), cohorts=self.cohorts, request_rows=self.request_rows)
             await self.flush_events()
             if batch is None:
                 return False

@@ -169,10 +169,24 @@ class Job:
     started_at: float | None = None
     notes: list[str] = field(default_factory=list)
     pending_notes: list[str] = field(default_factory=list)
+    deferred: bool = False  # left out of the last batch to keep expert requests whole (see schedule)
 
     @property
     def n(self) -> int:
         return len(self.digits)
+
+    def expected_expert(self) -> int:
+        """The one expert every row of this job went to at its last evaluation (top1 / oracle
+        rows usually keep theirs), i.e. where its rows will most likely go next; -1 if unknown
+        (not evaluated yet, several experts, or a strategy that mixes them)."""
+        g = self.group
+        if g is None or g.evals == 0 or g.strategy not in ("top1", "oracle"):
+            return -1
+        e = g.last_experts
+        k = int(e[0])
+        if k < 0 or (len(e) > 1 and bool((e != k).any())):
+            return -1
+        return k
 
 
 @dataclass(frozen=True)
@@ -519,7 +533,7 @@ class Scheduler:
         return sum(self._active[j].n for j in self._in_flight)
 
     def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset(), *,
-                 cohorts: int = 1) -> Batch | None:
+                 cohorts: int = 1, request_rows: int | None = None) -> Batch | None:
         """Expire deadlines and run times, admit queued jobs fairly (see the module docstring),
         return a Batch of the active rows that are not already in a batch, or None.
 
@@ -529,7 +543,15 @@ class Scheduler:
         ceil(active rows / C) rows (at least one job), so C batches can be out at once: while one
         cohort waits on the experts, the others are routed and updated. `cohorts=1` takes every
         free job (with one batch out at a time: the lock-step tick). Which batch a job rides in
-        never changes its result (every per-row operation is elementwise)."""
+        never changes its result (every per-row operation is elementwise).
+
+        Whole requests (`request_rows` R, the rows of one expert request; None: off): an expert's
+        rows go out in requests of at most R rows, and on a device whose forward costs about the
+        same for a partial batch as for a full one the last, partial request of each expert wastes
+        most of a forward. So when the batch holds at least R rows expected for an expert (by
+        `Job.expected_expert`), its youngest jobs that would only make up that expert's partial
+        request wait for the next batch, where they go first. A job is never deferred twice in a
+        row, so it waits at most one batch for this."""
         cfg = self.config
         for job in [*self._active.values(), *self._queue]:
             if job.deadline is not None and now > job.deadline:
@@ -550,19 +572,25 @@ class Scheduler:
             rows_in_use += job.n
         if cohorts < 1:
             raise ValueError(f"cohorts must be >= 1, got {cohorts}")
+        if request_rows is not None and request_rows < 1:
+            raise ValueError(f"request_rows must be >= 1 or None, got {request_rows}")
         cap = -(-rows_in_use // cohorts)
-        groups, rows = [], 0
+        chosen, rows = [], 0
         for job_id, job in self._active.items():
             if job_id in self._in_flight:
                 continue
-            if groups and rows + job.n > cap:
+            if chosen and rows + job.n > cap:
                 break
-            groups.append(job.group)
+            chosen.append(job)
             rows += job.n
-        if not groups:
+        if not chosen:
             return None
-        self._in_flight.update(g.job_id for g in groups)
-        return Batch(groups, self.config.num_experts, unavailable)
+        if request_rows is not None and len(chosen) > 1:
+            chosen = _whole_requests(chosen, request_rows)
+        for job in chosen:
+            job.deferred = False
+        self._in_flight.update(job.job_id for job in chosen)
+        return Batch([job.group for job in chosen], self.config.num_experts, unavailable)
 
     def _start(self, job: Job, now: float) -> None:
         req, cfg = job.request, self.config
@@ -667,7 +695,7 @@ class Scheduler:
         room = MAX_NOTES - len(job.notes)
         job.notes.extend(notes[: max(room, 0)])
         if req.stream and (job.step % req.frame_every == 0 or g.done):
-            self._events.append(FrameEvent(
+            self._events.append(FrameEvent.trusted(  # built here to the schema: see FrameEvent.trusted
                 job_id=job.job_id, step=job.step, steps=req.steps, t=g.t,
                 x=euler.frame16[rows] if euler is not None else np.clip(g.x, -6e4, 6e4).astype(np.float16),
                 experts=g.last_experts.tolist(), weights=g.last_weights, notes=notes,
@@ -683,6 +711,32 @@ class Scheduler:
                 usage=(g.usage / max(g.evals, 1)).astype(np.float32), steps=req.steps,
                 strategy=req.strategy, elapsed_s=max(now - job.submitted_at, 0.0), notes=job.notes,
             ))
+
+
+def _whole_requests(jobs: list[Job], request_rows: int) -> list[Job]:
+    """`jobs` (oldest first) less, per expected expert with at least `request_rows` rows, the
+    youngest jobs not deferred last time whose rows only fill that expert's last partial request
+    (marked `deferred`). Jobs with no expected expert always stay."""
+    bins: dict[int, list[Job]] = {}
+    for job in jobs:
+        k = job.expected_expert()
+        if k >= 0:
+            bins.setdefault(k, []).append(job)
+    dropped: set[str] = set()
+    for members in bins.values():
+        rows = sum(j.n for j in members)
+        whole = rows - rows % request_rows
+        if whole == 0 or whole == rows:
+            continue
+        for job in reversed(members):
+            if rows == whole:
+                break
+            if job.deferred or rows - job.n < whole:
+                continue
+            rows -= job.n
+            job.deferred = True
+            dropped.add(job.job_id)
+    return [j for j in jobs if j.job_id not in dropped] if dropped else jobs
 
 
 class _EulerRows:

@@ -46,6 +46,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
+import numpy as np
+
 from bus.ratelimited_log import RateLimitedLog
 from schemas import (
     CancelReply,
@@ -246,8 +248,11 @@ class Coordinator:
             sched = CheckpointingScheduler(self.config, self.checkpoint_every, on_due=self._durable_wake.set)
         else:
             sched = Scheduler(self.config)
+        rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
         self.engine = Engine(sched, self.router, self.transport, self._publish, cohorts=self.cohorts,
-                             route_every=self.route_every)
+                             route_every=self.route_every,
+                             request_rows=(rows_per(np.zeros((1, *self.config.image_shape), np.float32))
+                                           if callable(rows_per) else None))
         self.metrics = self.engine.metrics
         if hasattr(self.transport, "hedge_counts"):
             self.metrics.watch_transport(self.transport)

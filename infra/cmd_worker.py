@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes compiled and padded to (default: 1,2,4,8,16,32,64,128)")
     parser.add_argument("--max-batch", type=int, default=None, metavar="N",
                         help="most rows per forward pass (default: the largest bucket, 128; must fit a bucket)")
+    parser.add_argument("--merge", choices=("auto", "always"), default="auto",
+                        help="merging queued requests into one forward pass: auto (default) merges where the warm "
+                             "forward times say one bigger pass is at least 10%% cheaper than two (a GPU/XLA device, "
+                             "whose cost is mostly fixed, merges; a CPU, whose cost grows with the rows, runs them "
+                             "one after another so each answer goes back sooner); always: fill every pass up to "
+                             "--max-batch")
     parser.add_argument("--max-request-rows", type=int, default=None, metavar="N",
                         help="refuse requests with more rows (too_large); default: the protocol limit 512")
     parser.add_argument("--max-queue-rows", type=int, default=4096, metavar="N",
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             args.expert, args.checkpoint, args.backend, device=args.device, bf16=args.bf16, nats_url=args.nats,
             buckets=buckets, max_batch=args.max_batch, metrics_port=args.metrics_port or None,
             max_request_rows=args.max_request_rows or MAX_STEP_ROWS, backend_options=opts,
-            connect_attempts=args.connect_attempts, max_queue_rows=args.max_queue_rows,
+            connect_attempts=args.connect_attempts, max_queue_rows=args.max_queue_rows, merge=args.merge,
             **({"metrics_host": args.metrics_host} if args.metrics_host else {}),
             **({"max_inflight": args.max_inflight} if args.max_inflight is not None else {}),
         )

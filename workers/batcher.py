@@ -1,10 +1,22 @@
 """Dynamic batching for one model: coalesce, pad to a bucket, run once off the loop, split.
 
 Requests that arrive while the model is busy wait in a queue. When the model frees up, the
-batcher takes as many queued requests as fit in `max_batch` rows, concatenates them, pads the
-batch up to the smallest bucket size that holds it (XLA / jax compile once per shape), runs ONE
-forward pass in an executor thread (so the asyncio loop keeps answering pings and taking
-requests), and hands every request its own slice of the output.
+batcher takes the oldest queued request and adds the others that fit in `max_batch` rows (first
+fit: a later small request may ride along where an earlier large one does not fit; the large one
+then leads the next pass), concatenates them, pads the batch up to the smallest bucket size that
+holds it (XLA / jax compile once per shape), runs ONE forward pass in an executor thread (so the
+asyncio loop keeps answering pings and taking requests), and hands every request its own slice of
+the output.
+
+Merging only where it pays (`merge="auto"`, the default): a request joins the pass being formed
+if that pass stays in its bucket, or if the bigger bucket costs at least MERGE_MARGIN less than
+the two passes apart would, by the batcher's running estimate of each bucket's forward time
+(seeded with the backend's warm-up timings, `forward_s`, and updated after every pass). On a GPU
+or an XLA device a forward's cost is mostly fixed, so queued requests merge as before; on a CPU
+the cost grows with the rows, merging saves nothing, and running the requests one after another
+lets the first one's answer go back while the next runs (the coordinator's cohorts then stay out
+of step instead of being locked together by one shared forward). A bucket with no estimate yet
+merges. `merge="always"` fills every pass up to `max_batch`.
 
 A request larger than `max_batch` rows is split into chunks at submission; its future resolves
 once every chunk has run. Requests whose deadline has passed when their batch is formed are
@@ -27,13 +39,20 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+
+#: merge="auto": a pass grows into a bigger bucket only if that costs at least this fraction less
+#: than the two passes apart (noise in the timings must not flip the decision back and forth).
+MERGE_MARGIN = 0.1
+#: Weight of the newest pass in a bucket's running forward-time estimate.
+COST_EWMA = 0.2
+MERGE_MODES = ("auto", "always")
 
 ModelFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
@@ -152,7 +171,9 @@ class _Request:
 class Batcher:
     """Coalesce concurrent requests into bucket-sized forward passes (see module docstring).
 
-    observer(rows, bucket, compute_s) is called after every pass (for metrics).
+    observer(rows, bucket, compute_s) is called after every pass (for metrics). forward_s:
+    {bucket: seconds} of a warm forward (the backend's `warmup_s`), the start of the cost
+    estimates `merge="auto"` decides with.
     """
 
     def __init__(
@@ -164,8 +185,17 @@ class Batcher:
         executor: Optional[concurrent.futures.Executor] = None,
         observer: Optional[Callable[[int, int, float], None]] = None,
         clock: Callable[[], float] = time.time,
+        forward_s: Optional[Mapping[int, float]] = None,
+        merge: str = "auto",
     ):
         self.buckets, self.max_batch = plan_buckets(buckets, max_batch)
+        if merge not in MERGE_MODES:
+            raise ValueError(f"merge must be one of {', '.join(MERGE_MODES)}, got {merge!r}")
+        self.merge = merge
+        #: bucket -> running estimate of one warm forward's seconds (see the module docstring)
+        self.cost_s: dict[int, float] = {int(b): float(s) for b, s in (forward_s or {}).items()
+                                         if int(b) in self.buckets and float(s) > 0}
+        self.merges_declined = 0  # requests kept for a later pass because merging would not pay
         self._model_fn = model_fn
         self._executor = executor
         self._own_executor = executor is None
@@ -234,26 +264,50 @@ class Batcher:
     # ------------------------------------------------------------------ loop
 
     def _take_batch(self) -> list[_Chunk]:
-        """Pop queued chunks that fit in max_batch rows, in arrival order; fail expired ones."""
+        """Pop the oldest live chunk and the queued chunks that fit with it in max_batch rows and
+        are worth merging (see the module docstring); fail expired ones, drop cancelled ones."""
         now = self._clock()
         batch: list[_Chunk] = []
+        kept: collections.deque[_Chunk] = collections.deque()
         rows = 0
         while self._queue:
-            chunk = self._queue[0]
+            chunk = self._queue.popleft()
             req = chunk.parent
             if req.future.done():  # failed earlier (another chunk expired) or cancelled
-                self._queued_rows -= self._queue.popleft().rows
+                self._queued_rows -= chunk.rows
                 continue
             if req.expired(now):
-                self._queued_rows -= self._queue.popleft().rows
+                self._queued_rows -= chunk.rows
                 req.future.set_exception(DeadlineExceeded("deadline passed before the request was computed"))
                 continue
-            if rows + chunk.rows > self.max_batch:
-                break
-            batch.append(self._queue.popleft())
+            if batch and rows + chunk.rows > self.max_batch:
+                kept.append(chunk)
+                continue
+            if batch and not self._merge_pays(rows, chunk.rows):
+                self.merges_declined += 1
+                kept.append(chunk)
+                continue
+            batch.append(chunk)
             self._queued_rows -= chunk.rows
             rows += chunk.rows
+        self._queue = kept
         return batch
+
+    def _merge_pays(self, rows: int, more: int) -> bool:
+        """Is one pass of rows + more rows cheaper than a pass of `rows` and one of `more`?"""
+        if self.merge == "always":
+            return True
+        now, alone, both = (bucket_for(n, self.buckets) for n in (rows, more, rows + more))
+        if both == now:
+            return True  # the padding is computed anyway
+        cost = self.cost_s
+        if now not in cost or alone not in cost or both not in cost:
+            return True  # no estimate yet: merge, as a fixed-cost device wants
+        return cost[both] <= (1.0 - MERGE_MARGIN) * (cost[now] + cost[alone])
+
+    def _observe_cost(self, bucket: int, compute_s: float) -> None:
+        old = self.cost_s.get(bucket)
+        self.cost_s[bucket] = compute_s if old is None else (1.0 - COST_EWMA) * old + COST_EWMA * compute_s
 
     def _run_model(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
@@ -293,6 +347,7 @@ class Batcher:
                 continue
             finally:
                 self.busy = False
+            self._observe_cost(bucket, compute_s)
             if self._observer is not None:
                 try:
                     self._observer(rows, bucket, compute_s)

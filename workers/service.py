@@ -61,7 +61,7 @@ from schemas.limits import MAX_STEP_ROWS
 from schemas.tensor import to_wire_dtype, widen_float32
 from schemas.version import PROTOCOL_VERSION
 
-from .batcher import DEFAULT_BUCKETS, Batcher, BatcherClosed, DeadlineExceeded, ModelError, plan_buckets
+from .batcher import DEFAULT_BUCKETS, MERGE_MODES, Batcher, BatcherClosed, DeadlineExceeded, ModelError, plan_buckets
 from .metrics import WorkerMetrics, serve_metrics
 from .metrics_http import DEFAULT_METRICS_HOST
 
@@ -114,7 +114,11 @@ class ExpertWorker:
         connect_attempts: int = 10,
         backend_options: Optional[dict] = None,
         worker_id: Optional[str] = None,
+        merge: str = "auto",
     ):
+        if merge not in MERGE_MODES:
+            raise ValueError(f"merge must be one of {', '.join(MERGE_MODES)}, got {merge!r}")
+        self.merge = merge
         if not isinstance(expert, int) or isinstance(expert, bool) or expert < 0:
             raise ValueError(f"expert must be a non-negative int, got {expert!r}")
         self.expert = expert
@@ -179,7 +183,8 @@ class ExpertWorker:
             if self.nc is None:
                 self.nc = await self._connect()
             await asyncio.to_thread(self._prepare_backend)
-            self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch)
+            self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch,
+                                    forward_s=getattr(self.backend, "warmup_s", None), merge=self.merge)
             await self._batcher.start()
             if self.metrics_port is not None:
                 self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)

@@ -231,3 +231,64 @@ def test_any_mix_of_requests_gets_exactly_its_own_rows_back(sizes, buckets, stag
         np.testing.assert_array_equal(r.velocity, expected(*p))
     assert set(model.calls) <= set(buckets)
     assert sum(model.calls) >= sum(sizes)
+
+
+async def _passes(model, b, sizes):
+    """Hold a first 1-row pass, queue requests of `sizes` behind it, release; the results."""
+    model.gate = threading.Event()
+    await b.start()
+    first = b.submit(*rows(1))
+    await wait_until(model.entered.is_set, what="the first pass to block in the executor")
+    parts = [rows(n, start=10 * i) for i, n in enumerate(sizes)]
+    futs = [b.submit(*p) for p in parts]
+    model.gate.set()
+    results = await asyncio.gather(first, *futs)
+    await b.close()
+    for p, r in zip(parts, results[1:]):
+        np.testing.assert_array_equal(r.velocity, expected(*p))
+    return results[1:]
+
+
+async def test_auto_merge_declines_where_the_forward_cost_grows_with_the_rows():
+    # A CPU-like cost (linear in the rows): one pass of 4 costs as much as two of 2, so the two
+    # queued requests run one after another and the first one's answer is not held back.
+    model = RecordingModel()
+    b = Batcher(model, buckets=(1, 2, 4, 8), forward_s={1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
+    results = await _passes(model, b, (2, 2))
+    assert model.calls == [1, 2, 2]
+    assert [r.info.rows for r in results] == [2, 2] and b.merges_declined == 1
+
+
+async def test_auto_merge_merges_where_the_forward_cost_is_mostly_fixed():
+    model = RecordingModel()  # a GPU-like cost: 4 rows cost barely more than 2
+    b = Batcher(model, buckets=(1, 2, 4, 8), forward_s={1: 0.010, 2: 0.0102, 4: 0.0105, 8: 0.011})
+    results = await _passes(model, b, (2, 2))
+    assert model.calls == [1, 4] and [r.info.rows for r in results] == [4, 4]
+    assert b.merges_declined == 0
+
+
+async def test_auto_merge_always_fills_the_padding_of_the_bucket_it_needs_anyway():
+    model = RecordingModel()  # linear costs, but 3 + 1 rows fit the 4-row bucket the 3 pad to
+    b = Batcher(model, buckets=(1, 2, 4, 8), forward_s={1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
+    await _passes(model, b, (3, 1))
+    assert model.calls == [1, 4]
+
+
+async def test_first_fit_lets_a_small_request_ride_past_one_that_does_not_fit():
+    model = RecordingModel()
+    b = Batcher(model, buckets=(1, 2, 4), max_batch=4, merge="always")
+    results = await _passes(model, b, (3, 3, 1))
+    assert model.calls == [1, 4, 4]
+    assert [r.info.rows for r in results] == [4, 3, 4]  # 3 + 1 together, then the second 3
+
+
+async def test_cost_estimates_follow_the_passes_and_bad_merge_mode_is_refused():
+    model = RecordingModel(delay=0.02)
+    b = Batcher(model, buckets=(1, 2, 4), forward_s={4: 1.0, 16: 1.0})
+    assert b.cost_s == {4: 1.0}  # buckets this batcher never runs are ignored
+    await b.start()
+    await b.submit(*rows(3))
+    await b.close()
+    assert 0.8 < b.cost_s[4] < 1.0  # moved towards the measured ~0.02 s by COST_EWMA
+    with pytest.raises(ValueError, match="merge must be one of auto, always"):
+        Batcher(model, buckets=(1, 2), merge="sometimes")

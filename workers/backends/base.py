@@ -142,20 +142,21 @@ class BackendBase:
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def warmup(self, buckets: Iterable[int]) -> None:
-        """Run every bucket shape once (twice for the first, which pays one-off costs)."""
+        """Run every bucket shape twice: the first pass pays the one-off costs (compiling, autotuning,
+        allocating), the second is timed into `warmup_s` {bucket: seconds}, the forward's steady cost
+        that the batcher's merge decisions start from (`workers.batcher.Batcher(forward_s=...)`)."""
         from tqdm import tqdm
 
         self._need_loaded()
         c, h, w = self.input_shape
         buckets = sorted(set(int(b) for b in buckets))
-        for i, b in enumerate(tqdm(buckets, desc=f"warm-up {self.name}", unit="bucket", disable=None, leave=False)):
+        for b in tqdm(buckets, desc=f"warm-up {self.name}", unit="bucket", disable=None, leave=False):
             x = np.zeros((b, c, h, w), np.float32)
             t = np.full((b,), 0.5, np.float32)
             y = np.zeros((b,), np.int64)
+            self.forward(x, t, y)
             start = time.perf_counter()
             self.forward(x, t, y)
-            if i == 0:
-                self.forward(x, t, y)
             self.warmup_s[b] = time.perf_counter() - start
         log.info("%s backend warm: %s", self.name, ", ".join(f"{b}: {s * 1000:.0f} ms" for b, s in self.warmup_s.items()))
 
