@@ -127,9 +127,10 @@ class Coordinator:
     request_rows (<= MAX_STEP_ROWS) caps the rows of one expert request, so an expert's batch is split
     into concurrent requests that the queue group spreads over that expert's workers;
     bad_reply_retries: extra tries of an expert request after unusable replies (NaN, wrong shape, ...).
-    wire_dtype ("float32" | "float16" | "bfloat16"), hedge ("auto" | "off") and hedge_after_s go to
-    the default NatsTransport: the precision of x_t and the velocity on the wire, and hedged requests
-    (see coordinator.transport). cohorts: batches the engine keeps out at once (see
+    wire_dtype ("float32" | "float16" | "bfloat16"), hedge ("auto" | "off"), hedge_after_s and dispatch
+    ("direct" | "queue") go to the default NatsTransport: the precision of x_t and the velocity on the
+    wire, hedged requests, and join-shortest-queue over the workers' direct subjects or the queue
+    group alone (see coordinator.transport). cohorts: batches the engine keeps out at once (see
     Scheduler.schedule; 1 is the lock-step tick). route_every: ask the router every N evaluations of
     a job and reuse its weights in between (1: every evaluation; see Batch.routing_plan).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
@@ -151,7 +152,7 @@ class Coordinator:
                  max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
                  max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
                  wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
-                 cohorts: int = DEFAULT_COHORTS, route_every: int = 1, durable: bool = False,
+                 dispatch: str = "direct", cohorts: int = DEFAULT_COHORTS, route_every: int = 1, durable: bool = False,
                  checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, lease_s: float = DEFAULT_LEASE_S,
                  js_replicas: int = 1):
         if nc is None and nats_url is None:
@@ -172,6 +173,7 @@ class Coordinator:
         self.request_rows = request_rows
         self.bad_reply_retries = bad_reply_retries
         self.wire_dtype, self.hedge, self.hedge_after_s = wire_dtype, hedge, hedge_after_s
+        self.dispatch = dispatch
         if not isinstance(cohorts, int) or cohorts < 1:
             raise ValueError(f"cohorts must be an int >= 1, got {cohorts!r}")
         self.cohorts = cohorts
@@ -234,7 +236,8 @@ class Coordinator:
             opts = {"max_rows": self.request_rows} if self.request_rows else {}
             self.transport = NatsTransport(self.nc, step_timeout=self.step_timeout, retries=self.retries,
                                            bad_reply_retries=self.bad_reply_retries, wire_dtype=self.wire_dtype,
-                                           hedge=self.hedge, hedge_after_s=self.hedge_after_s, **opts)
+                                           hedge=self.hedge, hedge_after_s=self.hedge_after_s,
+                                           dispatch=self.dispatch, **opts)
         if self.durable:
             try:
                 self.store = await JobStore(self.nc, self.name, self.instance, lease_s=self.lease_s,

@@ -1,8 +1,19 @@
 """Expert velocity calls over NATS: one batched StepRequest per expert per tick.
 
 `NatsTransport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids)` splits batches over
-`max_rows` into concurrent requests and sends each to the expert's queue group, which hands
-every try to one of the expert's workers (at random, so a retry usually lands elsewhere).
+`max_rows` into concurrent requests and sends each either to one worker's direct subject or to the
+expert's queue group, which hands it to one of the expert's workers at random.
+
+Dispatch (`dispatch="direct"`, the default; see coordinator/dispatch.py): a try goes to the known
+worker of the expert with the fewest requests outstanding from this transport (join the shortest
+queue), on `subjects.expert_direct(k, worker_token(worker_id))`; to the queue group when no worker
+is known, when every known worker already has `DispatchPolicy.depth` outstanding, and every
+`explore_every`-th try (workers are learned from the `worker_id` of good replies). A direct try
+answered "no responders" (the worker stopped, or predates direct subjects) forgets that worker and
+goes to the queue group at once, within the same try; a direct try that times out, or gets an
+error or unusable reply, forgets the worker and is retried as below (elsewhere). Counted in
+`dispatch_counts[(expert, "direct" | "queue")]` (every leg sent, hedges included) and
+`direct_fallbacks`. `dispatch="queue"`: every try to the queue group, as before direct subjects.
 
 A request is retried when:
 * it times out, or gets a transient error reply (`overloaded`, `deadline_exceeded`,
@@ -42,7 +53,8 @@ Hedged requests (`hedge="auto"`, see `HedgePolicy`): when a try has no reply aft
 hedge delay (1.5 x the p99 of its recent call latencies, `HEDGE_FLOOR_S` at least, `HEDGE_START_S`
 before `HEDGE_MIN_SAMPLES` calls; or a fixed `hedge_after_s`), the same request bytes (same
 `request_id`, same deadline) are published once more with a new reply subject, so the queue group
-can hand the copy to another worker. The first usable reply wins; the other leg is cancelled and
+can hand the copy to another worker (with direct dispatch: to another known worker with room,
+else to the queue group; never to the primary's worker directly). The first usable reply wins; the other leg is cancelled and
 its reply, if it comes, is dropped quietly (`late_replies`, not a stray). At most one hedge per try,
 and only for an expert whose recent replies came from at least two workers (a copy sent to a single
 worker only queues behind the original); a token bucket (`HEDGE_BUDGET` hedges per request,
@@ -68,6 +80,7 @@ from schemas import (ErrorCode, ErrorReply, ProtocolError, StepReply, StepReques
 from schemas.limits import MAX_STEP_ROWS
 from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
+from .dispatch import DISPATCH_MODES, DispatchPolicy
 from .engine import BadExpertReply, ExpertUnavailable
 
 log = logging.getLogger(__name__)
@@ -257,16 +270,19 @@ def _claimed_worker(raw) -> str:
 
 
 class NatsTransport:
-    """Request/reply to `schemas.subjects.expert_velocity(k)`.
+    """Request/reply to `schemas.subjects.expert_velocity(k)` (the queue group) or to one worker's
+    `expert_direct(k, token)`.
 
     step_timeout: seconds to wait for one reply; retries: extra tries after a timeout or a
     transient error reply; bad_reply_retries: extra tries after unusable replies; max_rows:
     rows per request (<= MAX_STEP_ROWS); reconnect_grace: seconds after a NATS reconnect during
-    which "no responders" means "workers still reconnecting" (wait and retry), not "no workers"."""
+    which "no responders" means "workers still reconnecting" (wait and retry), not "no workers";
+    dispatch: "direct" (join-shortest-queue over the known workers, module docstring) or "queue"
+    (every try to the queue group)."""
 
     def __init__(self, nc, *, step_timeout: float = 10.0, retries: int = 2, max_rows: int = MAX_STEP_ROWS,
                  bad_reply_retries: int = 4, reconnect_grace: float = 10.0, wire_dtype: str = "float32",
-                 hedge: str = "auto", hedge_after_s: float | None = None):
+                 hedge: str = "auto", hedge_after_s: float | None = None, dispatch: str = "direct"):
         if step_timeout <= 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         if retries < 0:
@@ -277,7 +293,14 @@ class NatsTransport:
             raise ValueError(f"max_rows must be in [1, {MAX_STEP_ROWS}], got {max_rows}")
         if wire_dtype not in WIRE_FLOATS:
             raise ValueError(f"wire_dtype must be one of {list(WIRE_FLOATS)}, got {wire_dtype!r}")
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {list(DISPATCH_MODES)}, got {dispatch!r}")
         self.wire_dtype = wire_dtype
+        self.dispatch = dispatch
+        #: join-shortest-queue over known workers (dispatch="direct"); None: always the queue group
+        self.dispatcher = DispatchPolicy(subjects.worker_token) if dispatch == "direct" else None
+        self.dispatch_counts: dict[tuple[int, str], int] = {}  # (expert, direct | queue) -> legs sent
+        self.direct_fallbacks = 0  # direct legs answered "no responders", sent again to the queue group
         self.hedging = HedgePolicy(hedge, after_s=hedge_after_s)  # ValueError for a bad mode / delay
         self.hedge_counts: dict[tuple[int, str], int] = {}  # (expert, won | lost | failed) -> hedges
         self.requests_sent: dict[int, int] = {}  # expert -> tries sent (hedge copies not counted)
@@ -489,10 +512,66 @@ class NatsTransport:
         raise ExpertUnavailable(expert, summary)
 
     # ------------------------------------------------------------ one try, maybe hedged
-    async def _leg(self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids):
-        """Send the request once and check the reply: (velocity float32, worker id)."""
+    def _pick(self, expert: int, exclude: tuple = (), explore: bool = True) -> str | None:
+        """The worker token a leg goes to directly, or None: the queue group."""
+        if self.dispatcher is None:
+            return None
+        return self.dispatcher.pick(expert, exclude, explore=explore)
+
+    def _start_leg(self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids,
+                   token: str | None) -> asyncio.Future:
+        """The task of one leg. A direct leg counts as outstanding at its worker from now (before the
+        task first runs, so the next pick of a gathered batch sees it) until the task is done,
+        whether it succeeded, failed or was cancelled (even before it started)."""
+        leg = asyncio.ensure_future(self._leg(expert, subject, payload, timeout, shape, row_ids, token))
+        if token is not None:
+            self.dispatcher.sent(expert, token)
+            leg.add_done_callback(lambda _leg, d=self.dispatcher: d.finished(expert, token))
+        return leg
+
+    def _count_dispatch(self, expert: int, how: str) -> None:
+        key = (expert, how)
+        self.dispatch_counts[key] = self.dispatch_counts.get(key, 0) + 1
+
+    def _usable(self, expert: int, data: bytes, shape, row_ids) -> tuple[np.ndarray, str]:
+        """`_check`, and a good reply's worker is alive: learned (or kept) for direct dispatch."""
+        v, worker = self._check(expert, data, shape, row_ids)
+        if self.dispatcher is not None and worker:
+            self.dispatcher.seen(expert, worker)
+        return v, worker
+
+    async def _leg(self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids,
+                   token: str | None = None):
+        """Send the request once and check the reply: (velocity float32, worker id). token: send it
+        to that worker's direct subject first; "no responders" there sends it to the queue group
+        `subject` at once (same leg, the time left); any other failure forgets that worker."""
+        import nats.errors
+
+        if token is not None:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            self._count_dispatch(expert, "direct")
+            try:
+                msg = await self._ask(subjects.expert_direct(expert, token), payload, timeout)
+                return self._usable(expert, msg.data, shape, row_ids)
+            except nats.errors.NoRespondersError:  # stopped, or a worker without a direct subject
+                self.dispatcher.forget(expert, token, ban=True)
+                self.direct_fallbacks += 1
+                log.debug("expert %d: worker %s has no direct subscriber; sending to the queue group", expert, token)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                self.dispatcher.forget(expert, token)
+                raise
+            except _BadReply:
+                self.dispatcher.forget(expert, token, ban=True)
+                raise
+            except _ErrorReply as err:
+                if err.code in TRANSIENT:  # overloaded, failing: pick others until it answers well again
+                    self.dispatcher.forget(expert, token)
+                raise
+            timeout = max(timeout - (loop.time() - began), 0.001)
+        self._count_dispatch(expert, "queue")
         msg = await self._ask(subject, payload, timeout)
-        return self._check(expert, msg.data, shape, row_ids)
+        return self._usable(expert, msg.data, shape, row_ids)
 
     async def _exchange(self, expert: int, subject: str, payload: bytes, shape, row_ids) -> np.ndarray:
         """One try: the velocity float32 [n, C, H, W], or the exception of its failure (NATS
@@ -502,7 +581,8 @@ class NatsTransport:
         self.hedging.on_request(expert)
         delay = self.hedging.delay(expert)
         sent = loop.time()
-        primary = asyncio.ensure_future(self._leg(expert, subject, payload, self.step_timeout, shape, row_ids))
+        token = self._pick(expert)
+        primary = self._start_leg(expert, subject, payload, self.step_timeout, shape, row_ids, token)
         hedge = None
         try:
             if delay is not None and delay < self.step_timeout:
@@ -512,7 +592,9 @@ class NatsTransport:
                 self.hedging.observe(expert, loop.time() - sent, worker)
                 return v
             left = self.step_timeout - (loop.time() - sent)
-            hedge = asyncio.ensure_future(self._leg(expert, subject, payload, max(left, 0.001), shape, row_ids))
+            # a direct primary's copy goes to another known worker with room, else the queue group
+            other = self._pick(expert, (token,), explore=False) if token is not None else None
+            hedge = self._start_leg(expert, subject, payload, max(left, 0.001), shape, row_ids, other)
             outcome_if_first = {primary: "lost", hedge: "won"}
             pending: set = {primary, hedge}
             failure: BaseException | None = None
@@ -523,6 +605,8 @@ class NatsTransport:
                     if err is None:
                         v, worker = leg.result()
                         self._count_hedge(expert, outcome_if_first[leg])
+                        if leg is hedge and token is not None:  # its worker is late (frozen?): stop picking it
+                            self.dispatcher.forget(expert, token)
                         self.hedging.observe(expert, loop.time() - sent, worker)  # censored when the copy won
                         return v
                     failure = _worse(failure, err)

@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "~10%% of requests. A killed worker then costs its jobs ~that delay, not --step-timeout")
     parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
                         help="with --hedge auto: hedge after a fixed S seconds instead of the measured p99")
+    parser.add_argument("--dispatch", choices=("direct", "queue"), default="direct",
+                        help="how expert requests reach workers (default %(default)s). direct: join the shortest "
+                             "queue: each request goes to the worker of its expert with the fewest requests "
+                             "outstanding from this coordinator, on that worker's own subject (workers are learned "
+                             "from their replies; the queue group when none is known, when every known worker has 2 "
+                             "outstanding, and for every 8th request, to find new workers). queue: every request "
+                             "to the expert's queue group, which picks a worker at random (the behaviour before "
+                             "direct subjects)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
                         help="serve Prometheus text metrics on http://HOST:P/metrics (default 9478, skipped with "
                              "a warning when taken; 0 disables)")
@@ -222,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
                                    max_client_queued_jobs=args.max_client_queued_jobs,
                                    max_job_cost=args.max_job_cost or None, max_job_run_s=args.max_job_run_s or None,
                                    wire_dtype=args.wire_dtype, hedge=args.hedge, hedge_after_s=args.hedge_after_s,
+                                   dispatch=args.dispatch,
                                    cohorts=args.cohorts, route_every=args.route_every, name=args.name, **metrics,
                                    **durable)
                 await coordinator.__aenter__()

@@ -1,6 +1,7 @@
 """Every NATS subject in one place. Versioned: `ddm.v<PROTOCOL_VERSION>.…`.
 
     ddm.v1.expert.<expert_id>.velocity              expert step requests (request/reply, queue group)
+    ddm.v1.expert.<expert_id>.velocity.<worker>     the same, to one worker (request/reply; <worker> = worker_token)
     ddm.v1.c.<client>.jobs.submit                   a client's job submission (request/reply)
     ddm.v1.c.<client>.jobs.<job_id>.events          a job's event stream (accepted/frame/done/failed)
     ddm.v1.c.<client>.jobs.<job_id>.cancel          cancel a job (request/reply or plain publish)
@@ -17,6 +18,7 @@ Replies go only to reply subjects under `_INBOX` (`is_reply_inbox`).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import NamedTuple
 
@@ -57,6 +59,32 @@ def expert_velocity(expert_id: int) -> str:
     return f"{PREFIX}.expert.{expert_id}.velocity"
 
 
+#: Hex digits of a worker token (a sha256 prefix of the worker id: 64 bits).
+WORKER_TOKEN_HEX = 16
+_WORKER_TOKEN_RE = re.compile(f"[0-9a-f]{{{WORKER_TOKEN_HEX}}}")
+
+
+def worker_token(worker_id: str) -> str:
+    """The subject token of one worker process: the first 16 hex digits of sha256(worker_id).
+    Worker ids may hold dots or other characters a subject token cannot; the token never does."""
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError(f"worker id must be a non-empty str, got {worker_id!r:.80}")
+    return hashlib.sha256(worker_id.encode("utf-8", "surrogatepass")).hexdigest()[:WORKER_TOKEN_HEX]
+
+
+def is_worker_token(value: object) -> bool:
+    """True if `value` is a worker token as `worker_token` makes them (16 lowercase hex digits)."""
+    return isinstance(value, str) and _WORKER_TOKEN_RE.fullmatch(value) is not None
+
+
+def expert_direct(expert_id: int, token: str) -> str:
+    """Subject one worker of expert `expert_id` serves besides the queue group: `token` is its
+    `worker_token(worker_id)`. Requests carry a `StepRequest`, replies as on `expert_velocity`."""
+    if not is_worker_token(token):
+        raise ValueError(f"worker token must be {WORKER_TOKEN_HEX} lowercase hex digits (worker_token), got {token!r:.80}")
+    return f"{expert_velocity(expert_id)}.{token}"
+
+
 def expert_queue_group(expert_id: int) -> str:
     """Queue group shared by every worker of one expert (one gets each request)."""
     expert_velocity(expert_id)
@@ -94,6 +122,7 @@ def job_status(client: str, job_id: str) -> str:
 
 #: Wildcards, for permissions and for the coordinator's listeners (every client's namespace).
 ALL_EXPERTS = f"{PREFIX}.expert.*.velocity"
+ALL_EXPERTS_DIRECT = f"{PREFIX}.expert.*.velocity.*"
 ALL_JOBS_SUBMIT = f"{CLIENTS_PREFIX}.*.jobs.submit"
 ALL_JOB_EVENTS = f"{CLIENTS_PREFIX}.*.jobs.*.events"
 ALL_JOB_CANCELS = f"{CLIENTS_PREFIX}.*.jobs.*.cancel"

@@ -26,7 +26,7 @@ LAYERS = {
 
 # The coordinator's pure core: no I/O, no bus, no subject names (schedule/update are tested with hand-made replies).
 PURE_MODULES = ["coordinator/scheduler.py", "coordinator/batch.py", "coordinator/rows.py", "coordinator/solver.py",
-                "coordinator/strategies.py"]
+                "coordinator/strategies.py", "coordinator/dispatch.py"]
 IMPURE = {"nats", "aiohttp", "asyncio", "socket", "subprocess", "schemas.subjects", "bus"}
 
 

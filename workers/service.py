@@ -2,9 +2,12 @@
 
 The worker answers `StepRequest`s on `schemas.subjects.expert_velocity(K)` in the queue group
 `expert_queue_group(K)`, so every worker process of expert K shares the load and a new one adds
-capacity with no configuration. Requests that arrive while the model is busy are batched
-(`workers.batcher`), padded to a bucket size and run in one forward pass in a worker thread; the
-asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before
+capacity with no configuration. It also serves the same handler on a direct subject of its own,
+`expert_direct(K, worker_token(worker_id))` (endpoint `direct`), where a coordinator that balances
+its requests itself (join-shortest-queue, coordinator/dispatch.py) reaches this one worker; both
+subscriptions come and go together (a stop drains the direct one first). Requests that arrive
+while the model is busy are batched (`workers.batcher`), padded to a bucket size and run in one
+forward pass in a worker thread; the asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before
 the endpoint is subscribed.
 
 Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / tests use):
@@ -38,7 +41,7 @@ Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
 max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
-worker_id, host, pid, checkpoint.
+worker_id, host, pid, checkpoint, subject, direct_subject.
 STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
 """
 
@@ -69,6 +72,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "ddm-expert"
 ENDPOINT_NAME = "velocity"
+DIRECT_ENDPOINT_NAME = "direct"
 
 #: |x_t| above this is no diffusion sample (x_t = (1 - t) * noise + t * data stays within a few
 #: units). A NaN/Inf velocity for such an input is answered `non_finite` (the request's fault),
@@ -152,6 +156,8 @@ class ExpertWorker:
         self.reconnect_wait = reconnect_wait
         self.connect_attempts = connect_attempts
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        #: where this worker alone is reached (besides the queue group): ddm.v1.expert.<K>.velocity.<token>
+        self.direct_subject = subjects.expert_direct(expert, subjects.worker_token(self.worker_id))
         self.metrics = WorkerMetrics(labels={"expert": str(expert), "backend": self._backend_name},
                                      batch_bounds=self.buckets)
         self.nc = nc
@@ -193,8 +199,8 @@ class ExpertWorker:
             await self._teardown()
             raise
         self._started = True
-        log.info("expert %d worker %s serving %s (%s on %s, buckets %s)", self.expert, self.worker_id,
-                 subjects.expert_velocity(self.expert), self.backend.name, self.backend.device,
+        log.info("expert %d worker %s serving %s and %s (%s on %s, buckets %s)", self.expert, self.worker_id,
+                 subjects.expert_velocity(self.expert), self.direct_subject, self.backend.name, self.backend.device,
                  ",".join(map(str, self.buckets)))
 
     def _prepare_backend(self) -> None:
@@ -262,6 +268,7 @@ class ExpertWorker:
             "pid": str(os.getpid()),
             "checkpoint": os.path.basename(self.checkpoint or getattr(be, "checkpoint_path", "") or ""),
             "subject": subjects.expert_velocity(self.expert),
+            "direct_subject": self.direct_subject,
         }
         if hasattr(be, "describe"):
             meta.update(be.describe())
@@ -296,6 +303,16 @@ class ExpertWorker:
             handler=self._on_request,
             metadata={"expert": str(self.expert), "request": "StepRequest", "reply": "StepReply|ErrorReply"},
         )
+        # the same handler on this worker's own subject (join-shortest-queue coordinators); its queue
+        # group only matters if two workers ever shared a worker id
+        await self._service.add_endpoint(
+            name=DIRECT_ENDPOINT_NAME,
+            subject=self.direct_subject,
+            queue_group=subjects.expert_queue_group(self.expert),
+            handler=self._on_request,
+            metadata={"expert": str(self.expert), "request": "StepRequest", "reply": "StepReply|ErrorReply",
+                      "worker_id": self.worker_id},
+        )
         # Two round trips: with nats-py a single flush() was seen to return before the server had the
         # queue subscription (a request right after start() then met "no responders" on a loaded box).
         await self.nc.flush()
@@ -327,16 +344,18 @@ class ExpertWorker:
             self._stopped.set()
 
     async def _shutdown(self) -> None:
-        # 1. no new work: drain the endpoint subscription (already-received messages are still
-        #    handed to _on_request, which queues them); the queue group sends new ones elsewhere.
+        # 1. no new work: drain the endpoint subscriptions (already-received messages are still
+        #    handed to _on_request, which queues them); the queue group sends new ones elsewhere, and
+        #    a direct request meets "no responders" (the coordinator resends it to the queue group).
         if self._service is not None and self.nc is not None and self.nc.is_connected:
-            for ep in list(getattr(self._service, "_endpoints", [])):
-                sub = getattr(ep, "_subscription", None)
-                if sub is not None:
-                    try:
-                        await sub.drain()
-                    except Exception as err:
-                        log.warning("draining the endpoint subscription failed: %s", err)
+            subs = [sub for ep in reversed(list(getattr(self._service, "_endpoints", [])))  # direct first
+                    if (sub := getattr(ep, "_subscription", None)) is not None]
+            await self._unsubscribe_first(subs)
+            for sub in subs:
+                try:
+                    await sub.drain()
+                except Exception as err:
+                    log.warning("draining the endpoint subscription failed: %s", err)
             # micro's stop() would unsubscribe the drained endpoint again and fail; forget it.
             self._service._endpoints = []
         # 2. finish every queued batch and send every reply.
@@ -356,6 +375,22 @@ class ExpertWorker:
                 await self.nc.flush(timeout=5)
             except Exception as err:
                 log.warning("flush on shutdown failed: %s", err)
+
+    async def _unsubscribe_first(self, subs: list) -> None:
+        """Make sure the server has the UNSUB of every endpoint before draining them. nats-py's
+        Subscription.drain() queues its UNSUB in the write buffer but writes its flush PING straight
+        to the socket, so its PONG can come back before the server has the UNSUB; a request the
+        server still routes here afterwards is dropped with the subscription (the sender times out).
+        So: every UNSUB first (the direct subject's before the queue group's, in one write), then two
+        round trips (the second PING follows them); drain() then only answers what has arrived.
+        Best effort: on any error the drains go on as before."""
+        try:
+            for sub in subs:
+                await self.nc._send_unsubscribe(sub._id)
+            await self.nc.flush(timeout=5)
+            await self.nc.flush(timeout=5)
+        except Exception as err:
+            log.warning("unsubscribing the endpoints before draining them failed: %s", err)
 
     async def _teardown(self) -> None:
         if self._service is not None:  # start failed after advertising, or a graceful stop timed out

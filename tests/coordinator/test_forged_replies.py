@@ -40,7 +40,8 @@ async def _workers(nats_url, experts):
 
 
 class Forger:
-    """Watches ddm.v1.expert.*.velocity (not in the queue group) and `_INBOX.>` (open bus), and
+    """Watches ddm.v1.expert.*.velocity (not in the queue group), every worker's direct subject
+    ddm.v1.expert.*.velocity.* and `_INBOX.>` (open bus), and
     publishes forged StepReplies: `guesses` per observed request on the observed prefix with another
     token, and one replay on the observed subject after the real reply to it has gone by."""
 
@@ -57,6 +58,7 @@ class Forger:
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.ALL_EXPERTS, cb=self._on_request)
+        await self.nc.subscribe(subjects.ALL_EXPERTS_DIRECT, cb=self._on_request)  # one worker's requests
         await self.nc.subscribe("_INBOX.>", cb=self._on_reply)
         await self.nc.flush()
 

@@ -57,15 +57,16 @@ async def _expert_responder(servers: list[str], expert: int, worker_id: str, **o
     return nc, served
 
 
-async def _request_until_ok(nc, req: StepRequest, deadline_s: float = 10.0) -> StepReply:
+async def _request_until_ok(nc, req: StepRequest, deadline_s: float = 10.0, subject: str | None = None) -> StepReply:
     """Send until a reply comes: right after a subscribe or a failover, interest takes a
-    moment to cross the routes, and until then the server answers 'no responders'."""
+    moment to cross the routes, and until then the server answers 'no responders'.
+    subject: where to send (default: the expert's queue-group subject)."""
     from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            msg = await nc.request(subjects.expert_velocity(req.expert), pack(req), timeout=1.0)
+            msg = await nc.request(subject or subjects.expert_velocity(req.expert), pack(req), timeout=1.0)
             reply = unpack(msg.data, StepResult)
             assert isinstance(reply, StepReply), reply
             return reply
@@ -218,7 +219,10 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
 
             info = json.loads((await web.request(f"$SRV.INFO.{SERVICE_NAME}", b"", timeout=2)).data)
             assert info["metadata"]["expert"] == "0"
-            assert [e["subject"] for e in info["endpoints"]] == [subjects.expert_velocity(0)]
+            assert [e["subject"] for e in info["endpoints"]] == [subjects.expert_velocity(0), worker.direct_subject]
+            # its own direct subject (join-shortest-queue dispatch) answers the coordinator across nodes
+            reply = await _request_until_ok(coord, req, subject=worker.direct_subject)
+            np.testing.assert_allclose(reply.velocity, ref, atol=1e-5)
         finally:
             await coord.close()
             await web.close()

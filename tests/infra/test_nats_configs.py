@@ -112,7 +112,8 @@ def test_permissions_use_the_protocol_subjects():
     perms = (CONFIG_DIR / "permissions.conf").read_text()
     for subject in (subjects.ALL_EXPERTS, subjects.ALL_JOBS_SUBMIT, subjects.ALL_JOB_EVENTS, subjects.ALL_JOB_CANCELS,
                     subjects.ALL_JOB_STATUS, subjects.FLEET_STATUS, subjects.expert_velocity(0),
-                    subjects.expert_velocity(1)):
+                    subjects.expert_velocity(1), subjects.ALL_EXPERTS_DIRECT,
+                    subjects.expert_velocity(0) + ".*", subjects.expert_velocity(1) + ".*"):
         assert f'"{subject}"' in perms, subject
     used = set(re.findall(r'"(ddm\.[^"]+)"', perms))
     prefix = subjects.PREFIX + "."
@@ -157,6 +158,26 @@ def test_job_status_probe_is_allowed_wherever_cancel_is():
         text = (CONFIG_DIR / users).read_text()
         for name in ("COORDINATOR_PERMISSIONS", "CLIENT_PERMISSIONS", "OPS_PERMISSIONS"):
             assert f"${name}" in text, (users, name)
+
+
+def test_direct_worker_subjects_are_allowed_wherever_the_queue_group_is():
+    """Join-shortest-queue dispatch: whoever may publish / subscribe an expert's queue-group subject
+    ddm.v1.expert.<K>.velocity may do the same with its workers' direct ddm.v1.expert.<K>.velocity.*
+    (coordinator, workers, leaf links), and nobody gets more than that expert's."""
+    sets = _permission_sets()
+    checked = 0
+    for name, verbs in sets.items():
+        for verb, allowed in verbs.items():
+            for queue in [s for s in allowed if s.startswith(subjects.PREFIX + ".expert.") and s.endswith(".velocity")]:
+                assert queue + ".*" in allowed, (name, verb, queue)
+                checked += 1
+            extra = {s for s in allowed if s.startswith(subjects.PREFIX + ".expert.")} - {
+                q for s in allowed if s.endswith(".velocity") for q in (s, s + ".*")}
+            assert not extra, (name, verb, extra)
+    assert checked >= 6, checked
+    assert subjects.ALL_EXPERTS_DIRECT in sets["COORDINATOR_PERMISSIONS"]["publish"]
+    assert subjects.expert_velocity(0) + ".*" in sets["WORKER_0_PERMISSIONS"]["subscribe"]
+    assert subjects.expert_velocity(1) + ".*" not in sets["WORKER_0_PERMISSIONS"]["subscribe"]
 
 
 def test_leaf_links_may_answer_every_inbox_and_nothing_else():

@@ -409,6 +409,37 @@ async def test_worker_subscribes_only_to_its_own_expert(connect):
     await worker.violation(subjects.ALL_JOB_EVENTS)
 
 
+async def test_worker_serves_its_direct_subject_but_no_other_experts(connect):
+    """Join-shortest-queue dispatch: a worker-0 user serves its own ddm.v1.expert.0.velocity.<token>
+    to the coordinator (and replies under allow_responses), may not subscribe to expert 1's direct
+    subjects, and a web user may not publish to a direct subject."""
+    worker, coord, web = await connect("worker-0"), await connect("coordinator"), await connect("web")
+    mine = subjects.expert_direct(0, subjects.worker_token("perm-worker-0"))
+    theirs = subjects.expert_direct(1, subjects.worker_token("perm-worker-1"))
+
+    async def velocity(msg):
+        step = unpack(msg.data, StepRequest)
+        await msg.respond(pack(StepReply(expert=0, velocity=-np.asarray(step.x_t), backend="test",
+                                         worker_id="perm-worker-0")))
+
+    await worker.nc.subscribe(mine, queue=subjects.expert_queue_group(0), cb=velocity)
+    await synced(worker.nc)
+    msg = await coord.nc.request(mine, pack(_step(0)), timeout=2)
+    assert unpack(msg.data, StepReply).worker_id == "perm-worker-0"
+
+    await worker.nc.subscribe(theirs)
+    await worker.violation(theirs)
+    await worker.nc.subscribe(subjects.ALL_EXPERTS_DIRECT)
+    await worker.violation(subjects.ALL_EXPERTS_DIRECT)
+
+    delivered = await _collect(worker, subjects.expert_direct(0, subjects.worker_token("perm-worker-2")))
+    await web.nc.publish(mine, pack(_step(0)))
+    await web.nc.flush()
+    await web.violation(mine)
+    await asyncio.sleep(0.1)  # grace for a message that must never arrive: no event marks its absence
+    assert delivered == [] and coord.errors == []
+
+
 async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(connect):
     """The way a real worker runs: a nats.micro service on its expert subject. It replies to
     the coordinator (allow_responses) and answers $SRV discovery that any client may send."""

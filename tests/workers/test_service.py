@@ -144,8 +144,10 @@ async def test_discovery_ping_info_stats(worker, nc):
     md = info["metadata"]
     assert md["device"] == "cpu" and md["buckets"] == "1,2,4,8" and md["version"] and md["protocol"] == "1"
     assert md["input_shape"] == "1,32,32"
-    (ep,) = info["endpoints"]
+    ep, direct = info["endpoints"]  # the queue group's, and this worker's own subject
     assert ep["subject"] == SUBJECT and ep["queue_group"] == subjects.expert_queue_group(0)
+    assert direct["subject"] == subjects.expert_direct(0, subjects.worker_token(worker.worker_id))
+    assert direct["subject"] == worker.direct_subject == md["direct_subject"] and direct["name"] == "direct"
     await ask(nc, pack(make_request(2)))
     stats = json.loads((await nc.request(f"$SRV.STATS.{SERVICE_NAME}.{sid}", b"", timeout=5)).data)
     data = stats["endpoints"][0]["data"]

@@ -1,0 +1,160 @@
+"""The join-shortest-queue dispatch policy (coordinator/dispatch.py), pure: events in, picks out."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.dispatch import DispatchPolicy
+from schemas import subjects
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def token(worker_id: str) -> str:
+    return f"t-{worker_id}"
+
+
+def policy(**kw) -> tuple[DispatchPolicy, Clock]:
+    clock = Clock()
+    kw.setdefault("explore_every", 0)
+    return DispatchPolicy(token, clock=clock, **kw), clock
+
+
+def test_nothing_known_means_the_queue_group():
+    p, _ = policy()
+    assert p.pick(0) is None
+    p.seen(1, "a")
+    assert p.pick(0) is None  # experts are apart
+    assert p.pick(1) == "t-a"
+
+
+def test_pick_joins_the_shortest_queue_and_spreads_a_burst_evenly():
+    p, _ = policy(depth=2)
+    for w in ("a", "b", "c"):
+        p.seen(0, w)
+    picks = []
+    for _ in range(6):  # a cohort of 2 W requests: each worker gets exactly 2
+        t = p.pick(0)
+        p.sent(0, t)
+        picks.append(t)
+    assert sorted(picks) == ["t-a", "t-a", "t-b", "t-b", "t-c", "t-c"]
+    assert picks[:3] == ["t-a", "t-b", "t-c"]  # ties: the least recently sent to (never sent: first)
+    assert p.pick(0) is None  # everyone has depth outstanding: the queue group
+    p.finished(0, "t-b")
+    assert p.pick(0) == "t-b" and p.outstanding(0, "t-b") == 1
+
+
+def test_ties_go_to_the_least_recently_sent_to():
+    p, _ = policy(depth=5)
+    for w in ("a", "b"):
+        p.seen(0, w)
+    order = []
+    for _ in range(4):  # each request finishes before the next: always a tie at 0 outstanding
+        t = p.pick(0)
+        p.sent(0, t)
+        p.finished(0, t)
+        order.append(t)
+    assert order == ["t-a", "t-b", "t-a", "t-b"]
+
+
+def test_every_nth_pick_explores_via_the_queue_group():
+    p, _ = policy(explore_every=4, depth=100)
+    p.seen(0, "a")
+    picks = [p.pick(0) for _ in range(12)]
+    assert [i for i, t in enumerate(picks) if t is None] == [3, 7, 11]
+    assert all(p.pick(0, explore=False) == "t-a" for _ in range(8))  # hedges never explore
+
+
+def test_exclude_keeps_a_hedge_off_the_primarys_worker():
+    p, _ = policy()
+    p.seen(0, "a")
+    assert p.pick(0, ("t-a",)) is None
+    p.seen(0, "b")
+    p.sent(0, "t-b")
+    assert p.pick(0, ("t-a",)) == "t-b"  # loaded, but not the excluded one
+
+
+def test_workers_not_seen_for_ttl_expire():
+    p, clock = policy(ttl_s=30.0)
+    p.seen(0, "a")
+    clock.now += 20
+    p.seen(0, "b")
+    clock.now += 15  # a: 35 s, b: 15 s
+    assert p.known(0) == ["t-b"]
+    assert p.pick(0) == "t-b"
+    clock.now += 16
+    assert p.pick(0) is None and p.snapshot() == {0: {}}
+
+
+def test_forget_then_relearn_from_the_next_good_reply():
+    p, _ = policy()
+    p.seen(0, "a")
+    p.sent(0, "t-a")
+    p.forget(0, "t-a")  # e.g. its direct request timed out
+    assert p.pick(0) is None
+    assert p.outstanding(0, "t-a") == 1  # its request is still out: counted until finished
+    assert p.seen(0, "a") == "t-a"
+    assert p.pick(0) == "t-a" and p.outstanding(0, "t-a") == 1  # the count survived forget + relearn
+    p.finished(0, "t-a")
+    p.finished(0, "t-a")  # one too many: never below zero
+    assert p.outstanding(0, "t-a") == 0
+
+
+def test_a_banned_worker_is_not_relearned_until_ttl():
+    p, clock = policy(ttl_s=30.0)
+    p.seen(0, "old")
+    p.forget(0, "t-old", ban=True)  # no responders on its direct subject
+    assert p.seen(0, "old") is None and p.pick(0) is None  # its queue-group replies do not bring it back
+    clock.now += 31
+    assert p.seen(0, "old") == "t-old" and p.pick(0) == "t-old"
+
+
+def test_known_workers_are_bounded_least_recently_seen_first():
+    p, _ = policy(max_workers=3)
+    for w in ("a", "b", "c"):
+        p.seen(0, w)
+    p.seen(0, "a")  # a is fresh again
+    p.seen(0, "d")
+    assert p.known(0) == ["t-c", "t-a", "t-d"]
+    for i in range(1000):  # a reply stream claiming ever new ids
+        p.seen(0, f"forged-{i}")
+    assert len(p.known(0)) == 3
+    for i in range(1000):
+        p.forget(0, f"t-x{i}", ban=True)
+    assert len(p._banned[0]) == 3
+
+
+def test_ids_that_make_no_token_are_ignored():
+    p = DispatchPolicy(subjects.worker_token, explore_every=0)
+    assert p.seen(0, "") is None and p.seen(0, None) is None and p.pick(0) is None
+    t = p.seen(0, "host.with.dots-12-ab")
+    assert t == subjects.worker_token("host.with.dots-12-ab") and p.pick(0) == t
+
+
+@pytest.mark.parametrize("kw", [dict(depth=0), dict(explore_every=1), dict(explore_every=-1), dict(ttl_s=0),
+                                dict(max_workers=0), dict(depth=1.5)])
+def test_bad_settings_are_refused(kw):
+    with pytest.raises(ValueError):
+        DispatchPolicy(token, **kw)
+
+
+def test_worker_tokens_and_direct_subjects():
+    t = subjects.worker_token("gpu-7.example.org-1234-abcdef")
+    assert len(t) == 16 and all(c in "0123456789abcdef" for c in t) and subjects.is_worker_token(t)
+    assert t == subjects.worker_token("gpu-7.example.org-1234-abcdef")  # stable
+    assert t != subjects.worker_token("gpu-7.example.org-1234-abcdeg")
+    assert subjects.expert_direct(3, t) == f"ddm.v1.expert.3.velocity.{t}"
+    for bad in ("", None, 5):
+        with pytest.raises(ValueError):
+            subjects.worker_token(bad)
+    for bad in ("", "*", ">", "ABCDEF0123456789", "0123456789abcde", "a.b", t + "0"):
+        with pytest.raises(ValueError):
+            subjects.expert_direct(3, bad)
+    with pytest.raises(ValueError):
+        subjects.expert_direct(-1, t)
