@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hedges per expert request of each level")
     parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
                         help="fleet: `ddm-fleet coordinator --hedge-after-s` (default: the measured p99)")
+    parser.add_argument("--dispatch", choices=("direct", "queue"), default="direct",
+                        help="fleet: `ddm-fleet coordinator --dispatch` (default %(default)s)")
     parser.add_argument("--merge", choices=("auto", "always"), default="auto",
                         help="fleet: `ddm-fleet worker --merge` (default %(default)s: queued requests share a forward "
                              "pass only where that is cheaper; always: every pass filled up to the largest bucket)")
@@ -413,7 +415,8 @@ async def _fleet(args, models) -> dict:
             from bus.nats_server import free_port
 
             metrics_port = free_port()
-            wire = ["--wire-dtype", getattr(args, "wire_dtype", "float32"), "--hedge", getattr(args, "hedge", "auto")]
+            wire = ["--wire-dtype", getattr(args, "wire_dtype", "float32"), "--hedge", getattr(args, "hedge", "auto"),
+                    "--dispatch", getattr(args, "dispatch", "direct")]
             if getattr(args, "hedge_after_s", None):
                 wire += ["--hedge-after-s", args.hedge_after_s]
             coordinator = await Child.start("coordinator", cli_argv(

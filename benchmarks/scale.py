@@ -111,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "coordinator's default; one instant worker per expert)")
     parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
                         help="`ddm-fleet coordinator --hedge` (default %(default)s); hedged copies are reported")
+    parser.add_argument("--dispatch", choices=("direct", "queue"), default="direct",
+                        help="`ddm-fleet coordinator --dispatch` (default %(default)s: join-shortest-queue over the "
+                             "workers; queue: NATS's random pick in the queue group)")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json for the coordinators (default %(default)s; "
                              "a random tiny router when absent)")
@@ -280,7 +283,8 @@ class Fleet:
                            "--nats", self.url, "--name", f"scale-coord-{i}", "--metrics-port", port,
                            "--cohorts", args.cohorts, "--request-rows", request_rows, "--max-rows", max_rows,
                            "--max-queued-jobs", max(256, max_rows), "--max-client-queued-jobs", max(64, max_rows),
-                           "--hedge", args.hedge, "--wait-experts", 120,
+                           "--hedge", args.hedge, "--dispatch", getattr(args, "dispatch", "direct"),
+                           "--wait-experts", 120,
                            "--route-every", getattr(args, "route_every", 1))
             self.coordinators.append(await Child.start(f"coordinator{i}", cmd))
             self.metrics_ports.append(port)
@@ -533,7 +537,7 @@ async def bench_scale(args) -> dict:
     out["setup"] = {
         "router": models["described"], "experts": k, "strategy": args.strategy, "steps": args.steps,
         "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": args.cohorts, "route_every": getattr(args, "route_every", 1),
-        "request_rows": r, "hedge": args.hedge, "queued_per_worker": args.queued_per_worker,
+        "request_rows": r, "hedge": args.hedge, "dispatch": getattr(args, "dispatch", "direct"), "queued_per_worker": args.queued_per_worker,
         "jobs_rule": ("--jobs" if args.jobs else
                       f"ceil(K * W * R * (1 + queued) / images_per_job) = ceil({k} * W * {r} * "
                       f"{1 + args.queued_per_worker} / {args.images_per_job})"),
@@ -565,7 +569,8 @@ def format_table(results: dict) -> str:
     per = f"{sim['worker_rows_per_s']:,.0f}" if sim["worker_rows_per_s"] else "unbounded"
     lines = [f"bench scale: {s['experts']} experts, {s['router']}; {s['strategy']}, {s['steps']} steps, "
              f"{s['images_per_job']} image(s)/job, stream={s['stream']}, cohorts={s['cohorts']}, "
-             f"request rows R={s['request_rows']}, hedge={s['hedge']}; {s['cpus']} cpus",
+             f"request rows R={s['request_rows']}, hedge={s['hedge']}, dispatch={s.get('dispatch', 'direct')}; "
+             f"{s['cpus']} cpus",
              f"sim latency model ({sim['model']}): {sim['batch_ms']:g} ms + {sim['row_ms']:g} ms/row per forward of at "
              f"most R rows -> one worker's capacity R / (batch + row*R) = {per} rows/s; "
              f"jobs = {s['jobs_rule']}; {s['warmup_s']:g} s warm-up + {s['duration_s']:g} s measured per level",

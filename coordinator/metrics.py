@@ -92,7 +92,8 @@ class _SchedulerCollector:
 
 
 class _TransportCollector:
-    """Scrape-time view of a transport's `requests_sent` and `hedge_counts` (coordinator.transport)."""
+    """Scrape-time view of a transport's `requests_sent`, `hedge_counts`, `dispatch_counts`,
+    `direct_fallbacks` and its dispatcher's known workers (coordinator.transport)."""
 
     def __init__(self, transport):
         self.transport = transport
@@ -109,6 +110,24 @@ class _TransportCollector:
         for (expert, outcome), n in sorted(dict(getattr(self.transport, "hedge_counts", {})).items()):
             hedges.add_metric([str(expert), outcome], n)
         yield hedges
+        legs = CounterMetricFamily("ddm_coordinator_expert_dispatch",
+                                   "Expert request legs sent, by route: direct (to one worker picked by "
+                                   "join-shortest-queue) or queue (the expert's queue group).",
+                                   labels=["expert", "route"])
+        for (expert, route), n in sorted(dict(getattr(self.transport, "dispatch_counts", {})).items()):
+            legs.add_metric([str(expert), route], n)
+        yield legs
+        yield CounterMetricFamily("ddm_coordinator_direct_fallbacks",
+                                  "Direct legs answered 'no responders' (the worker is gone) and sent to the "
+                                  "queue group instead.", value=int(getattr(self.transport, "direct_fallbacks", 0)))
+        dispatcher = getattr(self.transport, "dispatcher", None)
+        known = GaugeMetricFamily("ddm_coordinator_known_workers",
+                                  "Workers of each expert that direct dispatch knows (seen in a good reply "
+                                  "within the last 30 s).", labels=["expert"])
+        if dispatcher is not None:
+            for expert, workers in dispatcher.snapshot().items():
+                known.add_metric([str(expert)], len(workers))
+        yield known
 
 
 class _StoreCollector:

@@ -264,3 +264,21 @@ async def test_the_coordinator_and_its_cli_pass_the_dispatch_mode_on(nats_url):
     assert parser.parse_args(["coordinator", "--dispatch", "queue"]).dispatch == "queue"
     with pytest.raises(SystemExit):
         parser.parse_args(["coordinator", "--dispatch", "random"])
+
+
+async def test_dispatch_counters_are_exported_as_metrics(nats_url, nc, workers):
+    from coordinator.client import run_job
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+    from schemas import JobRequest
+
+    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, step_timeout=10) as coord:
+        for i in range(3):
+            await run_job(nc, JobRequest(job_id=f"m{i}", digits=[1, 2], steps=6, seed=i, stream=False))
+        m, tr = coord.metrics, coord.transport
+        direct = m.sample("ddm_coordinator_expert_dispatch_total", expert="0", route="direct")
+        queue = m.sample("ddm_coordinator_expert_dispatch_total", expert="0", route="queue")
+        assert direct == tr.dispatch_counts.get((0, "direct"), 0) and queue == tr.dispatch_counts.get((0, "queue"), 0)
+        assert direct > 0 and direct + queue >= 18  # 3 jobs x 6 steps, at least one leg each
+        assert m.sample("ddm_coordinator_direct_fallbacks_total") == tr.direct_fallbacks
+        assert m.sample("ddm_coordinator_known_workers", expert="0") == len(tr.dispatcher.known(0)) >= 1
