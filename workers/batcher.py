@@ -28,7 +28,10 @@ failed with `DeadlineExceeded` and never computed.
     await batcher.close()                                   # finishes everything queued
 
 `model_fn(x float32 [N, C, H, W], t float32 [N], y int64 [N]) -> float32 [N, C, H, W]` is a
-plain blocking function; N is always one of the bucket sizes.
+plain blocking function; N is always one of the bucket sizes, unless the batcher was made with
+`pad=False` (a runtime with no fixed shapes, like eager torch on a CPU, where padding would only
+compute zeros): then N is the rows themselves, at most `max_batch`, and the buckets only key the
+forward-time estimates.
 """
 
 from __future__ import annotations
@@ -187,11 +190,13 @@ class Batcher:
         clock: Callable[[], float] = time.time,
         forward_s: Optional[Mapping[int, float]] = None,
         merge: str = "auto",
+        pad: bool = True,
     ):
         self.buckets, self.max_batch = plan_buckets(buckets, max_batch)
         if merge not in MERGE_MODES:
             raise ValueError(f"merge must be one of {', '.join(MERGE_MODES)}, got {merge!r}")
         self.merge = merge
+        self.pad = bool(pad)  # False: forward exactly the rows (see the module docstring)
         #: bucket -> running estimate of one warm forward's seconds (see the module docstring)
         self.cost_s: dict[int, float] = {int(b): float(s) for b, s in (forward_s or {}).items()
                                          if int(b) in self.buckets and float(s) > 0}
@@ -298,14 +303,22 @@ class Batcher:
         if self.merge == "always":
             return True
         now, alone, both = (bucket_for(n, self.buckets) for n in (rows, more, rows + more))
-        if both == now:
+        if both == now and self.pad:
             return True  # the padding is computed anyway
         cost = self.cost_s
         if now not in cost or alone not in cost or both not in cost:
             return True  # no estimate yet: merge, as a fixed-cost device wants
-        return cost[both] <= (1.0 - MERGE_MARGIN) * (cost[now] + cost[alone])
+        if self.pad:
+            return cost[both] <= (1.0 - MERGE_MARGIN) * (cost[now] + cost[alone])
+        # unpadded: n rows cost about their share of their bucket's estimate
+        share = lambda n, b: cost[b] * n / b  # noqa: E731
+        return share(rows + more, both) <= (1.0 - MERGE_MARGIN) * (share(rows, now) + share(more, alone))
 
-    def _observe_cost(self, bucket: int, compute_s: float) -> None:
+    def _observe_cost(self, rows: int, compute_s: float) -> None:
+        """Fold one pass's time into its bucket's estimate (an unpadded pass scaled up to the bucket)."""
+        bucket = bucket_for(rows, self.buckets)
+        if not self.pad:
+            compute_s *= bucket / rows
         old = self.cost_s.get(bucket)
         self.cost_s[bucket] = compute_s if old is None else (1.0 - COST_EWMA) * old + COST_EWMA * compute_s
 
@@ -327,7 +340,7 @@ class Batcher:
             if not batch:
                 continue
             rows = sum(c.rows for c in batch)
-            bucket = bucket_for(rows, self.buckets)
+            bucket = bucket_for(rows, self.buckets) if self.pad else rows
             x = pad_rows(np.concatenate([c.x for c in batch]) if len(batch) > 1 else batch[0].x, bucket)
             t = pad_rows(np.concatenate([c.t for c in batch]) if len(batch) > 1 else batch[0].t, bucket)
             y = pad_rows(np.concatenate([c.y for c in batch]) if len(batch) > 1 else batch[0].y, bucket)
@@ -347,7 +360,7 @@ class Batcher:
                 continue
             finally:
                 self.busy = False
-            self._observe_cost(bucket, compute_s)
+            self._observe_cost(rows if not self.pad else bucket, compute_s)
             if self._observer is not None:
                 try:
                     self._observer(rows, bucket, compute_s)

@@ -6,7 +6,8 @@ capacity with no configuration. It also serves the same handler on a direct subj
 `expert_direct(K, worker_token(worker_id))` (endpoint `direct`), where a coordinator that balances
 its requests itself (join-shortest-queue, coordinator/dispatch.py) reaches this one worker; both
 subscriptions come and go together (a stop drains the direct one first). Requests that arrive
-while the model is busy are batched (`workers.batcher`), padded to a bucket size and run in one
+while the model is busy are batched (`workers.batcher`), padded to a bucket size (unless the backend
+runs any shape: torch on a CPU) and run in one
 forward pass in a worker thread; the asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before
 the endpoint is subscribed.
 
@@ -190,7 +191,8 @@ class ExpertWorker:
                 self.nc = await self._connect()
             await asyncio.to_thread(self._prepare_backend)
             self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch,
-                                    forward_s=getattr(self.backend, "warmup_s", None), merge=self.merge)
+                                    forward_s=getattr(self.backend, "warmup_s", None), merge=self.merge,
+                                    pad=bool(getattr(self.backend, "pads_to_buckets", True)))
             await self._batcher.start()
             if self.metrics_port is not None:
                 self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)
@@ -199,9 +201,10 @@ class ExpertWorker:
             await self._teardown()
             raise
         self._started = True
-        log.info("expert %d worker %s serving %s and %s (%s on %s, buckets %s)", self.expert, self.worker_id,
-                 subjects.expert_velocity(self.expert), self.direct_subject, self.backend.name, self.backend.device,
-                 ",".join(map(str, self.buckets)))
+        log.info("expert %d worker %s serving %s and %s (%s on %s, buckets %s%s, merge %s)", self.expert,
+                 self.worker_id, subjects.expert_velocity(self.expert), self.direct_subject, self.backend.name,
+                 self.backend.device, ",".join(map(str, self.buckets)),
+                 "" if self._batcher.pad else " as limits, batches not padded", self.merge)
 
     def _prepare_backend(self) -> None:
         from .backends import get_backend

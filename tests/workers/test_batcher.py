@@ -292,3 +292,27 @@ async def test_cost_estimates_follow_the_passes_and_bad_merge_mode_is_refused():
     assert 0.8 < b.cost_s[4] < 1.0  # moved towards the measured ~0.02 s by COST_EWMA
     with pytest.raises(ValueError, match="merge must be one of auto, always"):
         Batcher(model, buckets=(1, 2), merge="sometimes")
+
+
+async def test_unpadded_batcher_runs_exactly_the_rows_and_still_decides_merges_by_cost():
+    model = RecordingModel()
+    b = Batcher(model, buckets=(1, 2, 4, 8), pad=False, forward_s={1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
+    results = await _passes(model, b, (3, 1))  # linear costs: 3 + 1 is not free without padding
+    assert model.calls == [1, 3, 1] and [r.info.bucket for r in results] == [3, 1]
+    model2 = RecordingModel()
+    b2 = Batcher(model2, buckets=(1, 2, 4, 8), pad=False, forward_s={1: 0.01, 2: 0.0101, 4: 0.0102, 8: 0.0104})
+    results = await _passes(model2, b2, (3, 2))  # fixed costs: merged, and 5 rows run as 5
+    assert model2.calls == [1, 5] and results[0].info.rows == 5 and results[0].info.bucket == 5
+    b3 = Batcher(RecordingModel(delay=0.03), buckets=(1, 2, 4, 8), pad=False, forward_s={4: 0.001})
+    await b3.start()
+    await b3.submit(*rows(3))
+    await b3.close()
+    # a 3-row pass of >= 30 ms counts as >= 40 ms for the 4-row bucket: 0.8 * 1 ms + 0.2 * >= 40 ms
+    assert b3.cost_s[4] >= 0.0008 + 0.2 * 0.04 * 0.99
+
+
+def test_only_backends_with_fixed_shapes_pad():
+    from workers.backends import get_backend
+
+    assert get_backend("torch", device="cpu").pads_to_buckets is False
+    assert get_backend("sim").pads_to_buckets is True  # it models a fixed-shape GPU forward

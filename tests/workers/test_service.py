@@ -69,7 +69,7 @@ async def test_good_request_gets_the_model_velocity(worker, nc):
     np.testing.assert_allclose(reply.velocity, ref, atol=1e-5)
     assert reply.row_ids == req.row_ids and reply.expert == 0
     assert reply.backend == "torch" and reply.device == "cpu" and reply.worker_id == worker.worker_id
-    assert reply.batch_rows == 8 and reply.compute_ms > 0
+    assert reply.batch_rows == 5 and reply.compute_ms > 0  # torch on a CPU runs the rows unpadded
 
 
 def _nan_x():

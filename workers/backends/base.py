@@ -50,6 +50,9 @@ class BackendBase:
     """
 
     name = "base"
+    #: Does a forward need one of the bucket shapes (compiled or captured per shape: XLA, jax.jit,
+    #: the sim's GPU-like model)? False lets the worker's batcher run exactly the rows it has.
+    pads_to_buckets = True
 
     def __init__(self, device: Optional[str] = None, bf16: bool = False):
         self.requested_device = device

@@ -3,7 +3,8 @@
 Options: device "cpu" | "cuda" | "cuda:N" (default: cpu); bf16=True runs under bfloat16 autocast
 (inputs and outputs stay float32); channels_last (default on CPU, where it is ~2x faster with
 bf16 on this box's AVX-512). Eager mode: torch.compile gains nothing here (see DESIGN.md).
-On CUDA, inputs and outputs go through pinned host memory with non-blocking copies.
+On CUDA, inputs and outputs go through pinned host memory with non-blocking copies. On a CPU the
+worker does not pad batches to its buckets (`pads_to_buckets` False).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class TorchBackend(BackendBase):
         if threads:
             torch.set_num_threads(int(threads))
         self._model = None
+
+    @property
+    def pads_to_buckets(self) -> bool:
+        """Eager torch runs any batch size; on a CPU, whose cost grows with the rows, padding a
+        17-row batch to 32 would nearly double the work, so only CUDA keeps the bucket shapes."""
+        return self._device.type != "cpu"
 
     def describe(self) -> dict[str, str]:
         d = super().describe()
