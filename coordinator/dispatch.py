@@ -21,6 +21,10 @@ least recently sent to), or None, meaning "send it to the queue group", when
 next good reply); with `ban=True` (no responders on its direct subject: gone, or a worker that
 predates direct subjects) its replies are not learned from for `ttl_s` seconds.
 
+Only direct legs are counted: a leg sent to the queue group (exploring, everyone at `depth`, a hedge
+copy with no other known worker) lands on a worker this policy cannot name until it replies, so a
+worker may hold more than `depth` requests of this coordinator.
+
 The policy only counts; the transport (coordinator/transport.py) does the sending, and calls
 `finished` for every `sent`, also on failure and cancellation. Workers are named by token, made from
 the worker id by `token_of` (the transport passes `schemas.subjects.worker_token`).

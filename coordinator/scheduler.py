@@ -539,19 +539,22 @@ class Scheduler:
 
         Cohorts (no lock-step): a job sits in at most one batch at a time; it is "in flight" from
         `schedule` until `update` (or `fail_batch`, `cancel`, `fail`) and the next `schedule`
-        leaves it out. With `cohorts=C` a batch takes free jobs, oldest first, up to
-        ceil(active rows / C) rows (at least one job), so C batches can be out at once: while one
+        leaves it out. With `cohorts=C` a batch takes free jobs, least recently scheduled first (so
+        the oldest first, then round robin), up to ceil(active rows / C) rows (at least one job), so
+        C batches can be out at once: while one
         cohort waits on the experts, the others are routed and updated. `cohorts=1` takes every
         free job (with one batch out at a time: the lock-step tick). Which batch a job rides in
         never changes its result (every per-row operation is elementwise).
 
-        Whole requests (`request_rows` R, the rows of one expert request; None: off): an expert's
+        Whole requests (`request_rows` R, the rows of one expert request; None: off; only with C > 1,
+        where a held-back job rides in the next lane's batch instead of waiting a round trip): an expert's
         rows go out in requests of at most R rows, and on a device whose forward costs about the
         same for a partial batch as for a full one the last, partial request of each expert wastes
         most of a forward. So when the batch holds at least R rows expected for an expert (by
         `Job.expected_expert`), its youngest jobs that would only make up that expert's partial
         request wait for the next batch, where they go first. A job is never deferred twice in a
-        row, so it waits at most one batch for this."""
+        row, and the jobs a batch leaves out go to the front of the next one (least recently scheduled
+        first), so a held-back job waits a batch or two, not more."""
         cfg = self.config
         for job in [*self._active.values(), *self._queue]:
             if job.deadline is not None and now > job.deadline:
@@ -585,10 +588,11 @@ class Scheduler:
             rows += job.n
         if not chosen:
             return None
-        if request_rows is not None and len(chosen) > 1:
+        if request_rows is not None and cohorts > 1 and len(chosen) > 1:
             chosen = _whole_requests(chosen, request_rows)
         for job in chosen:
             job.deferred = False
+            self._active[job.job_id] = self._active.pop(job.job_id)  # to the back: least recently scheduled first
         self._in_flight.update(job.job_id for job in chosen)
         return Batch([job.group for job in chosen], self.config.num_experts, unavailable)
 

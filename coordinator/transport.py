@@ -555,7 +555,8 @@ class NatsTransport:
                 msg = await self._ask(subjects.expert_direct(expert, token), payload, timeout)
                 return self._usable(expert, msg.data, shape, row_ids)
             except nats.errors.NoRespondersError:  # stopped, or a worker without a direct subject
-                self.dispatcher.forget(expert, token, ban=True)
+                # (just after a reconnect the worker may only not have resubscribed yet: no ban then)
+                self.dispatcher.forget(expert, token, ban=not self._in_reconnect_grace())
                 self.direct_fallbacks += 1
                 log.debug("expert %d: worker %s has no direct subscriber; sending to the queue group", expert, token)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):

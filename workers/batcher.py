@@ -200,7 +200,7 @@ class Batcher:
         #: bucket -> running estimate of one warm forward's seconds (see the module docstring)
         self.cost_s: dict[int, float] = {int(b): float(s) for b, s in (forward_s or {}).items()
                                          if int(b) in self.buckets and float(s) > 0}
-        self.merges_declined = 0  # requests kept for a later pass because merging would not pay
+        self.merges_declined = 0  # times a queued chunk was kept for a later pass because merging would not pay
         self._model_fn = model_fn
         self._executor = executor
         self._own_executor = executor is None

@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.engine import Engine
 from coordinator.local_fleet import LabelRouter
-from coordinator.scheduler import Scheduler, SchedulerConfig
+from coordinator.scheduler import Scheduler, SchedulerConfig, _whole_requests
 from schemas import JobRequest
 from tests.waiting import wait_until
 
@@ -34,42 +34,46 @@ def serve(sched: Scheduler, batch) -> None:
     sched.update(batch, 0.0)
 
 
-def submit(s: Scheduler, jobs: list[tuple[str, int]], **kw) -> None:
+def submit(s: Scheduler, jobs: list[tuple[str, int]], steps: int = 6, **kw) -> None:
     for job_id, digit in jobs:
-        s.submit(JobRequest(job_id=job_id, digits=[digit], steps=6, stream=False, **kw), 0.0)
+        s.submit(JobRequest(job_id=job_id, digits=[digit], steps=steps, stream=False, **kw), 0.0)
 
 
-def test_the_youngest_jobs_of_a_partial_request_wait_one_batch_and_never_twice_in_a_row():
+def _stepped(jobs: list[tuple[str, int]], **kw) -> Scheduler:
+    """A scheduler whose jobs have made one step (so each knows the expert it went to)."""
     s = make()
-    submit(s, [("a0", 1), ("a1", 2), ("a2", 3), ("a3", 4), ("a4", 0), ("b0", 7), ("b1", 8)])
-    serve(s, s.schedule(0.0, request_rows=4))  # step 1: nothing known about the experts yet: all go
-    first = s.schedule(0.0, request_rows=4)
+    submit(s, jobs, **kw)
+    serve(s, s.schedule(0.0))
+    return s
+
+
+def test_the_youngest_jobs_of_a_partial_request_wait_and_never_twice_in_a_row():
+    s = _stepped([("a0", 1), ("a1", 2), ("a2", 3), ("a3", 4), ("a4", 0), ("b0", 7), ("b1", 8)])
+    jobs = list(s._active.values())  # oldest first
     # expert 0 expects 5 rows: one whole request of 4, the youngest (a4) waits; expert 1's 2 rows
     # are less than one request and go
-    assert first.job_ids == ["a0", "a1", "a2", "a3", "b0", "b1"]
-    serve(s, first)
-    again = s.schedule(0.0, request_rows=4)  # a4 was deferred: it stays; a3 waits instead
-    assert "a4" in again.job_ids and "a3" not in again.job_ids and len(again.job_ids) == 6
-    serve(s, again)
-    third = s.schedule(0.0, request_rows=4)
-    assert "a3" in third.job_ids
-    assert s.job_progress("a4")["step"] == s.job_progress("a3")["step"] == 2  # each waited one batch
-    assert s.job_progress("a0")["step"] == 3
+    kept = _whole_requests(jobs, 4)
+    assert [j.job_id for j in kept] == ["a0", "a1", "a2", "a3", "b0", "b1"]
+    assert [j.job_id for j in jobs if j.deferred] == ["a4"]
+    again = _whole_requests(jobs, 4)  # a4 was just deferred: it stays, a3 waits instead
+    assert "a4" in [j.job_id for j in again] and "a3" not in [j.job_id for j in again]
+    fresh = _stepped([(f"c{i}", 1) for i in range(5)])
+    assert len(_whole_requests(list(fresh._active.values()), 5)) == 5
 
 
 def test_jobs_with_no_single_expected_expert_are_never_held_back():
-    s = make()
-    submit(s, [(f"f{i}", 1) for i in range(5)], strategy="full")
-    serve(s, s.schedule(0.0, request_rows=4))
-    assert len(s.schedule(0.0, request_rows=4).job_ids) == 5  # full: every expert, no prediction
+    s = _stepped([(f"f{i}", 1) for i in range(5)], strategy="full")  # every expert, no prediction
+    assert len(_whole_requests(list(s._active.values()), 4)) == 5
     t = make()
     t.submit(JobRequest(job_id="mixed", digits=[1, 7, 2, 8, 3], steps=4, stream=False), 0.0)
     t.submit(JobRequest(job_id="one", digits=[4], steps=4, stream=False), 0.0)
-    serve(t, t.schedule(0.0, request_rows=4))
-    assert t.schedule(0.0, request_rows=4).job_ids == ["mixed"] * 5 + ["one"]  # "mixed" spans both experts
+    serve(t, t.schedule(0.0))
+    assert [j.job_id for j in _whole_requests(list(t._active.values()), 4)] == ["mixed", "one"]
+    u = make()
+    submit(u, [("z", 1)])
+    assert u.schedule(0.0) is not None  # fresh jobs: nothing known, nothing held back
     with pytest.raises(ValueError, match="request_rows"):
-        submit(t, [("z", 1)])
-        t.schedule(0.0, request_rows=0)
+        u.schedule(0.0, cohorts=2, request_rows=0)
 
 
 class RecordingTransport:
@@ -111,3 +115,30 @@ async def test_engine_sends_whole_requests_and_the_images_do_not_change():
     assert partial < plain_partial, (calls, plain_calls)  # fewer calls that are not whole 4-row requests
     with pytest.raises(ValueError, match="request_rows"):
         Engine(make(), LabelRouter(C2E, 2), RecordingTransport(), request_rows=0)
+
+
+def test_no_job_starves_behind_the_cap_and_deferral():
+    """12 jobs of one expert, R = 4, two lanes: with deferral shrinking each batch, the jobs past
+    the cap must still come round (least recently scheduled first), every job within a few batches."""
+    s = make()
+    submit(s, [(f"j{i:02d}", 1) for i in range(12)], steps=40)
+    last = {f"j{i:02d}": 0 for i in range(12)}
+    worst = 0
+    out = []
+    for n in range(1, 61):  # 60 batches served: a few steps short of the end for every job
+        while len(out) < 2 and (b := s.schedule(0.0, cohorts=2, request_rows=4)) is not None:  # two lanes
+            out.append(b)
+            for job_id in b.job_ids:
+                worst = max(worst, n - last[job_id])
+                last[job_id] = n
+        serve(s, out.pop(0))
+    assert worst <= 4, worst
+    steps = [s.job_progress(j)["step"] for j in last]
+    assert min(steps) >= max(steps) - 3, steps  # they advance together, none left behind
+
+
+def test_one_lane_never_defers():
+    s = make()
+    submit(s, [(f"a{i}", 1) for i in range(5)])
+    serve(s, s.schedule(0.0, request_rows=4))
+    assert len(s.schedule(0.0, cohorts=1, request_rows=4).job_ids) == 5  # lock-step: a deferral costs a round trip
