@@ -201,7 +201,6 @@ async def _closed_loop(run_one, per_client) -> dict:
     or rejected; None if never). Returns counts per outcome, the codes, images/s and latency over
     the completed jobs, and the p50/p99 time to answer a submit."""
     import asyncio
-    import time
     from collections import Counter
 
     import numpy as np
@@ -322,7 +321,6 @@ async def fleet_job(nc, request, bound: float):
     answer_s: seconds until the submit was answered (None if never). The client's own timeouts
     are set beyond `bound`, so any failure seen within it came from the fleet."""
     import asyncio
-    import time
 
     from coordinator.client import JobFailed, run_job
     from schemas import JobAccepted

@@ -537,7 +537,8 @@ async def bench_scale(args) -> dict:
     out["setup"] = {
         "router": models["described"], "experts": k, "strategy": args.strategy, "steps": args.steps,
         "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": args.cohorts, "route_every": getattr(args, "route_every", 1),
-        "request_rows": r, "hedge": args.hedge, "dispatch": getattr(args, "dispatch", "direct"), "queued_per_worker": args.queued_per_worker,
+        "request_rows": r, "hedge": args.hedge, "dispatch": getattr(args, "dispatch", "direct"),
+        "queued_per_worker": args.queued_per_worker,
         "jobs_rule": ("--jobs" if args.jobs else
                       f"ceil(K * W * R * (1 + queued) / images_per_job) = ceil({k} * W * {r} * "
                       f"{1 + args.queued_per_worker} / {args.images_per_job})"),

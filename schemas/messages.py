@@ -208,7 +208,9 @@ class StepReply(Message):
     device: str = ""
     worker_id: str = ""
     compute_ms: float = Field(default=0.0, ge=0)
-    batch_rows: int = Field(default=0, ge=0)  # rows in the forward pass this request rode in (its padded bucket, or the rows themselves where the worker does not pad)
+    # rows in the forward pass this request rode in (its padded bucket, or the rows themselves where
+    # the worker does not pad)
+    batch_rows: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "StepReply":
