@@ -10,22 +10,25 @@ RUNTIME_STAMP := $(VENV)/.installed-all-$(KEY)
 TEST_STAMP := $(VENV)/.installed-test-$(KEY)
 # Browser tests drive Debian's Chromium (tests/web/test_browser.py); DDM_CHROMIUM points elsewhere.
 CHROMIUM := $(or $(DDM_CHROMIUM),/usr/bin/chromium)
+# No wheel cache: it would keep a second copy of every wheel (about 4 GB for the XLA venv's CUDA
+# torch) on a disk that CI machines do not always have to spare.
+PIP_INSTALL := pip install --quiet --no-cache-dir
 
 .PHONY: demo test test-fast install chromium test-xla clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/$(PIP_INSTALL) --upgrade pip
 
 # Runtime only: every role but xla (pyproject.toml's `all` extra).
 $(RUNTIME_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[all]'
+	$(BIN)/$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[all]'
 	rm -f $(VENV)/.installed-all-*
 	touch $(RUNTIME_STAMP)
 
 # What the suite needs: every role and the test tools (a superset of the runtime install).
 $(TEST_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python chromium
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[all,test]'
+	$(BIN)/$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[all,test]'
 	rm -f $(VENV)/.installed-*
 	touch $(RUNTIME_STAMP) $(TEST_STAMP)
 
@@ -58,10 +61,19 @@ XLA_VENV := .venv-xla
 XLA_CONSTRAINTS := infra/constraints-xla.txt
 XLA_STAMP := $(XLA_VENV)/.installed-$(shell cat pyproject.toml $(XLA_CONSTRAINTS) | sha1sum | cut -c1-12)
 
+# Disk: about 7.5 GB once installed (4.3 GB of it CUDA libraries torch 2.9.0 imports even on a CPU),
+# and about 11 GB while pip holds the downloaded wheels; XLA_DISK_GB is what the check below asks for.
+XLA_DISK_GB ?= 11
+
 $(XLA_STAMP): pyproject.toml $(XLA_CONSTRAINTS)
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(XLA_DISK_GB) ]; then \
+	  echo "make: warning: $$free GB free here; the XLA venv needs about $(XLA_DISK_GB) GB while it installs" >&2; \
+	fi
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/pip install --quiet --upgrade pip
-	$(XLA_VENV)/bin/pip install --quiet -c $(XLA_CONSTRAINTS) -e '.[xla,test]'
+	$(XLA_VENV)/bin/$(PIP_INSTALL) --upgrade pip
+	$(XLA_VENV)/bin/$(PIP_INSTALL) -c $(XLA_CONSTRAINTS) -e '.[xla,test]' || { \
+	  echo "make: installing the XLA venv failed; disk space where it installs:" >&2; df -h . >&2; exit 1; }
 	rm -f $(XLA_VENV)/.installed-*
 	touch $(XLA_STAMP)
 

@@ -290,7 +290,11 @@ def test_xla_pair_shares_a_minor_version():
 
 def test_makefile_installs_with_constraints_and_existing_extras():
     makefile = (REPO / "Makefile").read_text()
-    installs = [line for line in makefile.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    # every install goes through $(PIP_INSTALL): no wheel cache (a second copy of the XLA venv's
+    # ~4 GB of CUDA wheels once filled a CI machine's disk)
+    assert re.search(r"^PIP_INSTALL := pip install .*--no-cache-dir", makefile, re.M)
+    assert not [line for line in makefile.splitlines() if "pip install" in line and "PIP_INSTALL :=" not in line]
+    installs = [line for line in makefile.splitlines() if "$(PIP_INSTALL)" in line and "--upgrade pip" not in line]
     assert len(installs) >= 3
     for line in installs:
         assert re.search(r"-c \$\((XLA_)?CONSTRAINTS\)", line), f"pip install without the constraints file: {line}"
