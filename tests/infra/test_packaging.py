@@ -37,7 +37,7 @@ LOCAL = set(SHIPPED) | {"tests"}
 ROLES: dict[str, list[str]] = {
     "base": ["schemas/*", "bus/*", "dataset/*", "infra/__init__.py", "infra/cli.py", "infra/cmd_version.py",
              "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py",
-             "infra/cmd_wait_ready.py"],
+             "infra/cmd_wait_ready.py", "infra/pip_stepwise.py"],
     "worker": ["workers/*", "models/*", "infra/cmd_worker.py"],
     "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py"],
     "xla": ["workers/backends/xla_backend.py"],
@@ -293,8 +293,10 @@ def test_makefile_installs_with_constraints_and_existing_extras():
     # every install goes through $(PIP_INSTALL): no wheel cache (a second copy of the XLA venv's
     # ~4 GB of CUDA wheels once filled a CI machine's disk)
     assert re.search(r"^PIP_INSTALL := pip install .*--no-cache-dir", makefile, re.M)
-    assert not [line for line in makefile.splitlines() if "pip install" in line and "PIP_INSTALL :=" not in line]
-    installs = [line for line in makefile.splitlines() if "$(PIP_INSTALL)" in line and "--upgrade pip" not in line]
+    assert not [line for line in makefile.splitlines()
+                if "pip install" in line and "PIP_INSTALL :=" not in line and not line.startswith("#")]
+    installs = [line for line in makefile.splitlines()
+                if ("$(PIP_INSTALL)" in line or "pip_stepwise.py -c" in line) and "--upgrade pip" not in line]
     assert len(installs) >= 3
     for line in installs:
         assert re.search(r"-c \$\((XLA_)?CONSTRAINTS\)", line), f"pip install without the constraints file: {line}"
