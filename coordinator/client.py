@@ -27,6 +27,7 @@ or no coordinator at all for `lost_after` seconds: `JobFailed(unavailable, "coor
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import secrets
@@ -368,8 +369,6 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     whose account may not publish the status subject gets no answers either: a job of its that stays
     silent that long fails the same way.
     """
-    import nats.errors
-
     if probe_every is not None and probe_every <= 0:
         raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
     if unresponsive_after is not None and not unresponsive_after > 0:
@@ -378,7 +377,37 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
         request = request.model_copy(update={"job_id": new_job_id()})
     job_id = request.job_id
     client = _client(nc, client)
-    sub = await nc.subscribe(subjects.job_events(client, job_id))
+    # Events land in `inbox` from a callback and are handled in this task: waiting costs one future
+    # (and a timer when a limit applies) per wait, where `sub.next_msg(timeout)` made two tasks and a
+    # timer per event (about a fifth of a streaming client's CPU, `bench scale --coordinator-capacity`).
+    loop = asyncio.get_running_loop()
+    inbox: collections.deque = collections.deque()
+    waiter: list[asyncio.Future] = []  # the wait in progress, if any
+
+    def wake(fut: asyncio.Future) -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    async def on_message(msg) -> None:
+        inbox.append(msg)
+        if waiter:
+            wake(waiter[0])
+
+    async def next_message(timeout: float | None):
+        """The next event message, or None after `timeout` seconds without one (None: no limit)."""
+        if not inbox:
+            fut = loop.create_future()
+            waiter[:] = [fut]
+            timer = loop.call_later(timeout, wake, fut) if timeout is not None else None
+            try:
+                await fut
+            finally:
+                waiter.clear()
+                if timer is not None:
+                    timer.cancel()
+        return inbox.popleft() if inbox else None
+
+    sub = await nc.subscribe(subjects.job_events(client, job_id), cb=on_message)
     submitted = False
     finished = False  # the coordinator told us the end (done or failed)
     probe = JobProbe(nc, job_id, lost_after=lost_after, timeout=max(1.0, min(probe_every or 2.0, 5.0)),
@@ -398,15 +427,15 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
         while True:
             waits = [w for w in (probe_every, idle_timeout - (time.monotonic() - last_event) if streaming else None)
                      if w is not None]
-            try:
-                msg = await sub.next_msg(timeout=max(min(waits), 0.01) if waits else None)
-            except nats.errors.TimeoutError:
+            msg = await next_message(max(min(waits), 0.01) if waits else None)
+            if msg is None:
                 if streaming and time.monotonic() - last_event >= idle_timeout:
                     raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no frame for {idle_timeout:g} s: is the "
                                     "coordinator still running?", job_id) from None
                 if probe_every is not None and (lost := await probe.check()) is not None:
-                    if sub.pending_msgs:  # events came while we asked (e.g. the result, published before an
-                        continue  # "unknown" from a coordinator that already forgot the job): read them first
+                    if inbox or sub.pending_msgs:  # events came while we asked (e.g. the result, published
+                        await asyncio.sleep(0)  # before an "unknown" from a coordinator that already forgot the
+                        continue  # job): read them first
                     raise JobFailed(ErrorCode.UNAVAILABLE, lost, job_id) from None
                 continue
             last_event = time.monotonic()
