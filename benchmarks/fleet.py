@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", default="32,64,128",
                         help="UNet widths of the random experts used when --checkpoints has none (default %(default)s)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute in workers and in the ceiling")
+    parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
+                        help="model runtime of the workers and of the ceiling's experts (default %(default)s)")
+    parser.add_argument("--device", default=None,
+                        help="device of the workers and of the ceiling's experts, e.g. cuda (torch) or gpu (jax); "
+                             "default: the backend's own (the CPU). On a GPU host both paths share the one device")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads per expert, both paths; also the coordinator's router "
                              "(default: this machine's cores shared out among the worker processes, at least 1, "
@@ -255,7 +260,8 @@ async def _ceiling(args, models) -> dict:
         torch.set_num_threads(args.threads)
     router, k, c2e = load_router_and_partition(models["router"], models["partition"])
     buckets = _ints(args.buckets, "--buckets")
-    backends = await asyncio.to_thread(load_backends, models["experts"], bf16=args.bf16, buckets=buckets)
+    backends = await asyncio.to_thread(load_backends, models["experts"], getattr(args, "backend", "torch"),
+                                       bf16=args.bf16, buckets=buckets, device=getattr(args, "device", None))
     waiting: dict[str, asyncio.Future] = {}
 
     def emit(ev):
@@ -265,7 +271,7 @@ async def _ceiling(args, models) -> dict:
 
     engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
                                               max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
-                    router, InProcessTransport(backends), emit, cohorts=getattr(args, "cohorts", 2),
+                    router, InProcessTransport(backends, buckets), emit, cohorts=getattr(args, "cohorts", 2),
                     route_every=getattr(args, "route_every", 1))
     task = asyncio.create_task(engine.run())
 
@@ -406,6 +412,8 @@ async def _fleet(args, models) -> dict:
                     cmd = cli_argv("worker", "--expert", i, "--checkpoint", path, "--nats", srv.url, "--buckets",
                                    args.buckets, "--max-batch", max(buckets), "--merge", getattr(args, "merge", "auto"))
                     cmd += ["--bf16"] if args.bf16 else []
+                    cmd += ["--backend", getattr(args, "backend", "torch")]
+                    cmd += ["--device", args.device] if getattr(args, "device", None) else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
                     children.append(await Child.start(f"worker{i}" + (f".{j}" if per > 1 else ""), cmd))
             await asyncio.gather(*(c.wait_ready(600) for c in children))
@@ -514,6 +522,7 @@ async def bench_fleet(args) -> dict:
     setup = {"models": models["described"], "experts": models["k"], "steps": args.steps,
              "images_per_job": args.images_per_job, "jobs_per_client": args.jobs_per_client,
              "strategy": args.strategy, "solver": args.solver, "stream": not args.no_stream, "bf16": args.bf16,
+             "backend": getattr(args, "backend", "torch"), "device": getattr(args, "device", None) or "default",
              "threads": args.threads, "cpus": os.cpu_count(), "max_rows": args.max_rows,
              "max_queued_jobs": args.max_queued_jobs, "job_timeout_s": args.job_timeout,
              "step_timeout_s": args.step_timeout, "retries": args.retries,
@@ -548,7 +557,8 @@ def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
              f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client, stream={s['stream']}, "
-             f"bf16={s['bf16']}, {s['cpus']} cpus" + (", durable jobs" if s.get("durable") else "")]
+             f"bf16={s['bf16']}, {s.get('backend', 'torch')} on {s.get('device', 'default')}, {s['cpus']} cpus"
+             + (", durable jobs" if s.get("durable") else "")]
     if "max_rows" in s:
         lines.append(f"admission limits (coordinator process and ceiling): max_rows={s['max_rows']}, "
                      f"max_queued_jobs={s['max_queued_jobs']}; coordinator step timeout {s['step_timeout_s']:g} s, "

@@ -78,10 +78,16 @@ class LabelRouter:
 
 
 class InProcessTransport:
-    """Velocity calls straight into loaded backends, run off the event loop (one thread each)."""
+    """Velocity calls straight into loaded backends, run off the event loop (one thread each).
 
-    def __init__(self, backends: Sequence[Any]):
+    `buckets`: the batch sizes the backends were warmed at. A backend that needs fixed shapes
+    (`pads_to_buckets`: XLA, jax, CUDA) then gets its rows padded up to the smallest bucket that
+    holds them, and split at the largest, as a worker's batcher does; without it jax.jit would
+    compile a new program for every batch size the scheduler makes."""
+
+    def __init__(self, backends: Sequence[Any], buckets: Sequence[int] = ()):
         self.backends = list(backends)
+        self.buckets = tuple(sorted(int(b) for b in buckets))
         self._locks = [asyncio.Lock() for _ in self.backends]
 
     async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids) -> np.ndarray:
@@ -89,9 +95,24 @@ class InProcessTransport:
 
         if not 0 <= expert < len(self.backends):
             raise ExpertUnavailable(expert, "not loaded in this process")
+        backend = self.backends[expert]
+        x, t, y = np.ascontiguousarray(x, np.float32), t.astype(np.float32), y.astype(np.int64)
         async with self._locks[expert]:  # a backend runs one forward at a time
-            return await asyncio.to_thread(self.backends[expert].forward, np.ascontiguousarray(x, np.float32),
-                                           t.astype(np.float32), y.astype(np.int64))
+            if not self.buckets or not getattr(backend, "pads_to_buckets", False):
+                return await asyncio.to_thread(backend.forward, x, t, y)
+            return await asyncio.to_thread(self._padded_forward, backend, x, t, y)
+
+    def _padded_forward(self, backend, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        from workers.batcher import bucket_for, pad_rows
+
+        top = self.buckets[-1]
+        parts = []
+        for s in range(0, len(x), top):
+            n = min(top, len(x) - s)
+            b = bucket_for(n, self.buckets)
+            out = backend.forward(pad_rows(x[s:s + n], b), pad_rows(t[s:s + n], b), pad_rows(y[s:s + n], b))
+            parts.append(np.asarray(out)[:n])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def load_backends(paths: Sequence[str | os.PathLike], backend: str = "torch", *, bf16: bool = False,

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole fleet on one GPU host against its in-process ceiling: `ddm-fleet bench fleet` with the
+# workers and the ceiling's experts on the GPU (torch CUDA, then JAX GPU), shipped checkpoints,
+# 40-step 1-image jobs at 1, 8 and 64 concurrent clients. A call is only started while at least $MIN
+# s of the $END s budget are left. Results land in $OUT: fleet.txt (every table), env.txt.
+# env: END (s after start by which to stop starting calls, 400), MIN (s a call needs, 90), CONC
+#      (--concurrency, 1,8,64), JOBS (--jobs-per-client, 4), PLAN (backend:device list), PY.
+# CPU dry run: SKIPWHL=1 PY=.venv/bin/python PLAN="torch:cpu" CONC=1,4 JOBS=1 OUT=/tmp/gpuf bash infra/gpu/bench_fleet.sh
+set -u
+END=${END:-400}; MIN=${MIN:-90}; CONC=${CONC:-1,8,64}; JOBS=${JOBS:-4}
+PLAN=${PLAN:-"torch:cuda jax:gpu"}
+OUT=${OUT:-/tmp/gpuf}; mkdir -p "$OUT"
+T0=$(date +%s); el() { echo "[+$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/fleet.txt"; }
+left() { echo $(( END - ($(date +%s) - T0) )); }
+if [ -d .gpu/whl ] && [ -z "${SKIPWHL:-}" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1; fi
+PY=${PY:-python3}
+export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; nproc) 2>&1 | tee "$OUT/env.txt"
+for item in $PLAN; do
+  b=${item%%:*}; d=${item##*:}
+  [ "$(left)" -gt "$MIN" ] || { el "skipped $b on $d: $(left) s left"; continue; }
+  el "bench fleet $b on $d"
+  timeout $(( $(left) - 5 )) $PY -m infra.cli bench fleet --backend $b --device $d --concurrency $CONC \
+    --jobs-per-client $JOBS --steps 40 >> "$OUT/fleet.txt" 2>&1
+  el "bench fleet $b rc=$?"
+done
+el "all done"
