@@ -33,11 +33,11 @@ def resolve(args: list[str]) -> list[dict]:
         return json.loads(report.read_text())["install"]
 
 
-def plan(items: list[dict]) -> tuple[list[str | list[str]], list[dict]]:
-    """(one pip target per distribution to install, the direct requirements: the project itself).
+def plan(items: list[dict]) -> tuple[list[list[str]], list[dict]]:
+    """(the pip calls to make, each a list of targets; the direct requirements: the project itself).
 
-    A target is `name @ url` with the hash pip resolved, when it gave one; local files install
-    together (they need no download)."""
+    A target is `name @ url` with the hash pip resolved, when it gave one. Each download is a call
+    of its own; local files install together in one last call (they need no download)."""
     remote, local, direct = [], [], []
     for item in items:
         if item.get("is_direct"):
@@ -49,7 +49,7 @@ def plan(items: list[dict]) -> tuple[list[str | list[str]], list[dict]]:
         if "sha256" in hashes and "#" not in url:
             url += f"#sha256={hashes['sha256']}"
         (local if url.startswith("file:") else remote).append(f"{meta['name']} @ {url}")
-    return [*remote, *([local] if local else [])], direct
+    return [[t] for t in remote] + ([local] if local else []), direct
 
 
 def main(argv: list[str]) -> int:
@@ -57,13 +57,12 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0 if argv else 2
     items = resolve(argv)
-    targets, direct = plan(items)
-    print(f"pip_stepwise: {len(items)} distributions to install, {len(targets)} pip calls", flush=True)
+    calls, direct = plan(items)
+    print(f"pip_stepwise: {len(items)} distributions to install, {len(calls)} pip calls", flush=True)
     started = time.monotonic()
-    for i, target in enumerate(targets, 1):
-        group = target if isinstance(target, list) else [target]
+    for i, group in enumerate(calls, 1):
         label = group[0].split(" @ ")[0] if len(group) == 1 else f"{len(group)} local wheels"
-        print(f"pip_stepwise: [{i}/{len(targets)}] {label}", flush=True)
+        print(f"pip_stepwise: [{i}/{len(calls)}] {label}", flush=True)
         subprocess.run([*PIP, "install", *QUIET, "--no-deps", *group], check=True)
     if direct:  # the project (editable, with its extras): its requirements are all in by now
         subprocess.run([*PIP, "install", *QUIET, "--no-deps", *argv], check=True)

@@ -19,10 +19,10 @@ def test_each_download_is_its_own_call_and_local_wheels_go_together():
         _item("nvidia-cudnn-cu12", "https://files.example/cudnn.whl"),
         _item("idna", "file:///opt/idna.whl"),
     ]
-    targets, direct = plan(items)
-    assert targets == [
-        "torch @ https://files.example/torch-2.9.0.whl#sha256=ab12",
-        "nvidia-cudnn-cu12 @ https://files.example/cudnn.whl",
+    calls, direct = plan(items)
+    assert calls == [
+        ["torch @ https://files.example/torch-2.9.0.whl#sha256=ab12"],
+        ["nvidia-cudnn-cu12 @ https://files.example/cudnn.whl"],
         ["numpy @ file:///opt/numpy.whl", "idna @ file:///opt/idna.whl"],
     ]
     assert [d["metadata"]["name"] for d in direct] == ["ddm-fleet"]
