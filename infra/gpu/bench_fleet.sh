@@ -9,13 +9,8 @@
 set -u
 END=${END:-400}; MIN=${MIN:-90}; CONC=${CONC:-1,8,64}; JOBS=${JOBS:-4}
 PLAN=${PLAN:-"torch:cuda jax:gpu"}
-OUT=${OUT:-/tmp/gpuf}; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[+$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/fleet.txt"; }
-left() { echo $(( END - ($(date +%s) - T0) )); }
-if [ -d .gpu/whl ] && [ -z "${SKIPWHL:-}" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1; fi
-PY=${PY:-python3}
-export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; nproc) 2>&1 | tee "$OUT/env.txt"
+OUT=${OUT:-/tmp/gpuf}; LOG=fleet.txt
+. "$(dirname "$0")/bench_common.sh"
 for item in $PLAN; do
   b=${item%%:*}; d=${item##*:}
   [ "$(left)" -gt "$MIN" ] || { el "skipped $b on $d: $(left) s left"; continue; }

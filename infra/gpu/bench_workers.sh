@@ -13,13 +13,8 @@
 set -u
 DEV=${DEV:-cuda}; END=${END:-420}; MIN=${MIN:-60}; BMIN=${BMIN:-1.0}; PROCS=${PROCS:-2}
 PLAN=${PLAN:-"jax:64 jax:256 torch:64 torch:256"}
-OUT=${OUT:-/tmp/gpub}; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[+$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/bench.txt"; }
-left() { echo $(( END - ($(date +%s) - T0) )); }
-if [ -d .gpu/whl ] && [ -z "${SKIPWHL:-}" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1; fi
-PY=${PY:-python3}
-export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; nproc; $PY -c "import torch,jax,pydantic,nats,msgpack;print('torch',torch.__version__,torch.cuda.is_available(),'jax',jax.__version__,jax.devices())") 2>&1 | tee "$OUT/env.txt"
+OUT=${OUT:-/tmp/gpub}; LOG=bench.txt
+. "$(dirname "$0")/bench_common.sh"
 for item in $PLAN; do
   b=${item%%:*}; bk=${item##*:}; d=$DEV; [ "$b" = jax ] && [ "$DEV" != cpu ] && d=gpu:0
   [ "$(left)" -gt "$MIN" ] || { el "skipped $b bucket $bk: $(left) s left"; continue; }
