@@ -242,12 +242,17 @@ async def test_rogue_workers_are_refused_logged_and_never_reach_the_images(serve
     try:
         await wait_for_experts(client, 2, timeout=60)
         c2e = [0] * 5 + [1] * 3 + [2] * 2  # expert 2 (digits 8, 9) has no real worker
+        # dispatch="queue": every try goes to the queue group, so a rogue next to a real worker is picked
+        # about every second try. (With direct dispatch the coordinator learns the real worker from its
+        # first good reply and reaches the rogue only on exploration tries: CI once saw rogue-shape-1
+        # never picked in a whole run.) 16 steps: >= 16 tries per expert, a rogue missed ~1 run in 65,000.
         async with Coordinator(LabelRouter(c2e, 3), num_experts=3, class_to_expert=c2e, nats_url=server.url,
-                               step_timeout=5, bad_reply_retries=12, name="rogue-coordinator") as coord:
+                               step_timeout=5, bad_reply_retries=12, dispatch="queue",
+                               name="rogue-coordinator") as coord:
             rogues = [await add_rogue(rogues_nc, 0, "nan", "rogue-nan-0"),  # next to real worker 0
                       await add_rogue(rogues_nc, 1, "shape", "rogue-shape-1"),  # next to real worker 1
                       await add_rogue(rogues_nc, 2, "overflow", "rogue-f64-2")]  # instead of any worker
-            jobs = [JobRequest(job_id=f"rogue{i}", digits=[i, 5 + i, 8 + i % 2], steps=8, seed=20 + i,
+            jobs = [JobRequest(job_id=f"rogue{i}", digits=[i, 5 + i, 8 + i % 2], steps=16, seed=20 + i,
                                strategy=s) for i, s in enumerate(["top1", "full", "oracle"])]
             seen_frames = []
             done = await asyncio.wait_for(asyncio.gather(*(run_job(client, j, seen_frames.append) for j in jobs)), 90)
