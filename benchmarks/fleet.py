@@ -45,6 +45,8 @@ from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, ru
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coordinator.engine import parse_cohorts
+
     parser.add_argument("--concurrency", default="1,8,64", metavar="C,C,...",
                         help="concurrent clients to measure (default %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
@@ -87,9 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--workers-per-expert", type=int, default=1, metavar="N",
                         help="fleet: worker processes per expert, in its queue group (default %(default)s)")
-    parser.add_argument("--cohorts", type=int, default=2, metavar="N",
+    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
                         help="batches out at once, both paths (`ddm-fleet coordinator --cohorts`; default "
-                             "%(default)s; 1: the lock-step tick)")
+                             "%(default)s: 2 here unless --workers-per-expert is 4 or more; 1: the lock-step tick)")
     parser.add_argument("--route-every", type=int, default=1, metavar="N",
                         help="router every N evaluations of a job, both paths (`ddm-fleet coordinator "
                              "--route-every`; default %(default)s)")
@@ -271,7 +273,7 @@ async def _ceiling(args, models) -> dict:
 
     engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
                                               max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
-                    router, InProcessTransport(backends, buckets), emit, cohorts=getattr(args, "cohorts", 2),
+                    router, InProcessTransport(backends, buckets), emit, cohorts=getattr(args, "cohorts", "auto"),
                     route_every=getattr(args, "route_every", 1))
     task = asyncio.create_task(engine.run())
 
@@ -429,7 +431,7 @@ async def _fleet(args, models) -> dict:
                 "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
                 "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
                 "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120,
-                "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", 2),
+                "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", "auto"),
                 "--route-every", getattr(args, "route_every", 1), *wire, *(["--durable"] if durable else [])), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
@@ -528,7 +530,7 @@ async def bench_fleet(args) -> dict:
              "step_timeout_s": args.step_timeout, "retries": args.retries,
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
              "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
-             "cohorts": getattr(args, "cohorts", 2), "route_every": getattr(args, "route_every", 1),
+             "cohorts": getattr(args, "cohorts", "auto"), "route_every": getattr(args, "route_every", 1),
              "durable": getattr(args, "durable", False), "merge": getattr(args, "merge", "auto"),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
@@ -597,7 +599,7 @@ def format_table(results: dict) -> str:
             lines.append(f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
                          f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                          f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
-                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 2)}")
+                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}")
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
             lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")

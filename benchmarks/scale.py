@@ -68,6 +68,8 @@ SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coordinator.engine import parse_cohorts
+
     parser.add_argument("--workers", default="1,2,4,8", metavar="W,W,...",
                         help="sim workers per expert to measure (default %(default)s; 'none': no scan, e.g. with "
                              "--coordinator-capacity alone)")
@@ -76,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rows", type=int, default=DEFAULT_REQUEST_ROWS, metavar="R",
                         help="rows per expert request (`ddm-fleet coordinator --request-rows`) and per forward "
                              "(`ddm-fleet worker --max-batch`) (default %(default)s)")
-    parser.add_argument("--cohorts", type=int, default=2, metavar="N",
-                        help="`ddm-fleet coordinator --cohorts` (default %(default)s)")
+    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
+                        help="`ddm-fleet coordinator --cohorts` (default %(default)s: 2, 3 from 4 workers per "
+                             "expert, 4 from 8)")
     parser.add_argument("--route-every", type=int, default=1, metavar="N",
                         help="`ddm-fleet coordinator --route-every` (default %(default)s)")
     parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
@@ -168,7 +171,7 @@ def check_args(args: argparse.Namespace) -> None:
     args.coordinators_list = _ints(args.coordinators, "--coordinators")
     if not args.workers_list and not args.coordinator_capacity:
         raise ValueError("nothing to measure: give --workers or --coordinator-capacity")
-    for name in ("request_rows", "cohorts", "images_per_job", "steps", "capacity_jobs", "capacity_request_rows"):
+    for name in ("request_rows", "images_per_job", "steps", "capacity_jobs", "capacity_request_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("request_rows", "capacity_request_rows"):

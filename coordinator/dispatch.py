@@ -112,6 +112,10 @@ class DispatchPolicy:
         """The tokens of `expert`'s known workers, least recently seen first."""
         return list(self._expire(expert))
 
+    def most_known(self) -> int:
+        """The most known workers of any one expert (0 when none is known)."""
+        return max((len(self._expire(k)) for k in list(self._known)), default=0)
+
     def snapshot(self) -> dict[int, dict[str, int]]:
         """expert -> {token: outstanding} over the known workers (for status and tests)."""
         return {k: {t: self.outstanding(k, t) for t in self.known(k)} for k in sorted(self._known)}

@@ -7,6 +7,10 @@
     await engine.stop()
 
 The engine runs `cohorts` lanes (no lock-step; see Scheduler.schedule): each lane ticks on its own.
+`cohorts="auto"` (the coordinator's default) sizes the cohorts from the workers: `cohorts_for_workers`
+of the most workers the transport knows for one expert (`transport.workers_per_expert()`, learned by
+join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick, with at most that
+many batches out at once.
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
 time); the router weighs all of them in one call (off the event loop, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently; an expert that is unavailable (no responders, timeouts after retries) is marked
@@ -59,8 +63,41 @@ log = logging.getLogger(__name__)
 MAX_RATE_SAMPLES = 4096
 
 #: Batches out at once (see Scheduler.schedule): 2 lets one cohort be routed and updated while
-#: the experts work on the other.
+#: the experts work on the other. Also the floor of `cohorts="auto"`.
 DEFAULT_COHORTS = 2
+#: `cohorts="auto"`: size the cohorts from the workers each expert has (see cohorts_for_workers).
+AUTO_COHORTS = "auto"
+#: The most cohorts "auto" picks (lanes the engine runs in that mode).
+MAX_AUTO_COHORTS = 4
+
+
+def parse_cohorts(text: str) -> int | str:
+    """A `--cohorts` value: "auto" or an int >= 1 (an argparse `type`: a ValueError reads as
+    "invalid parse_cohorts value", so the message says what is allowed)."""
+    import argparse
+
+    if str(text).strip().lower() == AUTO_COHORTS:
+        return AUTO_COHORTS
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {n}")
+    return n
+
+
+def cohorts_for_workers(workers: int | None) -> int:
+    """The cohorts `cohorts="auto"` keeps out for an expert served by `workers` worker processes
+    (the most any expert has): 2 up to 3 workers, 3 from 4, 4 from 8. With W workers per expert a
+    cohort holds about 1.5 W requests of an expert, so with two cohorts half the workers have a
+    single request queued while the other cohort is routed and stepped; a third (fourth) cohort
+    keeps them fed. Measured with `ddm-fleet bench scale` (docs/CAPACITY.md "Scaling efficiency"):
+    efficiency 0.97 / 0.91 / 0.85 / 0.77 with 2 cohorts and 0.98 / 0.95 / 0.92 / 0.84 with 3 at 1 / 2
+    / 4 / 8 workers per expert, 0.88 with 4 at 8; where one worker serves each expert (CPU workers
+    on a small host) a third cohort only costs CPU (~10% per image, `bench fleet`)."""
+    w = int(workers or 0)
+    return DEFAULT_COHORTS + (w >= 4) + (w >= 8)
 
 
 class ExpertUnavailable(Exception):
@@ -98,10 +135,10 @@ class Engine:
     def __init__(self, scheduler: Scheduler, router: RouterLike, transport: Transport,
                  emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
                  router_in_thread: bool = True, rate_window_s: float = 10.0,
-                 metrics: CoordinatorMetrics | None = None, cohorts: int = DEFAULT_COHORTS,
+                 metrics: CoordinatorMetrics | None = None, cohorts: int | str = DEFAULT_COHORTS,
                  route_every: int = 1, request_rows: int | None = None):
-        if not isinstance(cohorts, int) or cohorts < 1:
-            raise ValueError(f"cohorts must be an int >= 1 (batches out at once), got {cohorts!r}")
+        if cohorts != AUTO_COHORTS and (not isinstance(cohorts, int) or isinstance(cohorts, bool) or cohorts < 1):
+            raise ValueError(f"cohorts must be an int >= 1 (batches out at once) or {AUTO_COHORTS!r}, got {cohorts!r}")
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
         self.router = router
@@ -109,7 +146,8 @@ class Engine:
         self.emit = emit
         self.clock = clock
         self.router_in_thread = router_in_thread
-        self.cohorts = cohorts
+        self.cohorts = cohorts  # the setting: an int, or "auto" (see cohorts_now)
+        self._batches_out = 0  # batches between schedule and update (at most cohorts_now())
         if not isinstance(route_every, int) or route_every < 1:
             raise ValueError(f"route_every must be an int >= 1 (evaluations per router call), got {route_every!r}")
         self.route_every = route_every
@@ -180,7 +218,8 @@ class Engine:
         """Run `cohorts` lanes; each ticks while it finds free rows and sleeps otherwise. If a lane
         dies, the others are stopped and every job fails (see `_die`)."""
         self._running = True
-        lanes = [asyncio.create_task(self._lane(), name=f"engine-lane-{i}") for i in range(self.cohorts)]
+        n_lanes = MAX_AUTO_COHORTS if self.cohorts == AUTO_COHORTS else self.cohorts
+        lanes = [asyncio.create_task(self._lane(), name=f"engine-lane-{i}") for i in range(n_lanes)]
         try:
             done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -202,9 +241,25 @@ class Engine:
     async def _lane(self) -> None:
         while not self._stopping:
             wake = self._wake  # taken before the tick: a poke during it is not missed
+            if self._batches_out >= self.cohorts_now():  # "auto" runs more lanes than it may use now
+                await wake.wait()
+                continue
             worked = await self.tick()
             if not worked and not self._stopping:
                 await wake.wait()
+
+    def cohorts_now(self) -> int:
+        """The cohorts in use: the fixed setting, or for "auto" `cohorts_for_workers` of the most
+        workers the transport knows for one expert (re-read at every tick)."""
+        if self.cohorts != AUTO_COHORTS:
+            return self.cohorts
+        known = getattr(self.transport, "workers_per_expert", None)
+        try:
+            workers = known() if callable(known) else None
+        except Exception:  # a transport's bookkeeping must not stop the engine: use the floor
+            log.exception("transport.workers_per_expert() failed; using %d cohorts", DEFAULT_COHORTS)
+            workers = None
+        return cohorts_for_workers(workers)
 
     async def _die(self, err: BaseException) -> None:
         """The loop broke: refuse new jobs, fail every held job with `internal`, publish the events
@@ -240,8 +295,12 @@ class Engine:
         sched = self.scheduler
         batch = None
         started = time.perf_counter()
+        out = False  # this tick holds one of the `cohorts_now()` batches (schedule until update / fail)
         try:
-            batch = sched.schedule(self.clock(), cohorts=self.cohorts, request_rows=self.request_rows)
+            batch = sched.schedule(self.clock(), cohorts=self.cohorts_now(), request_rows=self.request_rows)
+            if batch is not None:
+                self._batches_out += 1  # before any await: a lane woken meanwhile sees it
+                out = True
             await self.flush_events()
             if batch is None:
                 return False
@@ -257,6 +316,9 @@ class Engine:
                 sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
                 await self.flush_events()
                 return False
+        finally:
+            if out:
+                self._batches_out -= 1
         if batch is not None:
             self.tick_ms.append((time.perf_counter() - started) * 1000)
             self._count_rows(len(batch))

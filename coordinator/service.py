@@ -70,7 +70,7 @@ from schemas.messages import MAX_COORDINATOR_NAME_LEN
 from .checkpoint import decode as decode_checkpoint
 from .checkpoint import encode as encode_checkpoint
 from .durable import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S, CheckpointingScheduler, JobLost, JobStore
-from .engine import DEFAULT_COHORTS, Engine, RouterLike, Transport
+from .engine import AUTO_COHORTS, Engine, RouterLike, Transport
 from .scheduler import Rejected, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ class Coordinator:
     ("direct" | "queue") go to the default NatsTransport: the precision of x_t and the velocity on the
     wire, hedged requests, and join-shortest-queue over the workers' direct subjects or the queue
     group alone (see coordinator.transport). cohorts: batches the engine keeps out at once (see
-    Scheduler.schedule; 1 is the lock-step tick). route_every: ask the router every N evaluations of
+    Scheduler.schedule; 1 is the lock-step tick; "auto", the default: 2, or 3 / 4 once an expert
+    has 4 / 8 known workers, see engine.cohorts_for_workers). route_every: ask the router every N evaluations of
     a job and reuse its weights in between (1: every evaluation; see Batch.routing_plan).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
     `keep_finished_s` seconds old) are kept so a status request can publish them again.
@@ -152,7 +153,7 @@ class Coordinator:
                  max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
                  max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
                  wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
-                 dispatch: str = "direct", cohorts: int = DEFAULT_COHORTS, route_every: int = 1, durable: bool = False,
+                 dispatch: str = "direct", cohorts: int | str = AUTO_COHORTS, route_every: int = 1, durable: bool = False,
                  checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, lease_s: float = DEFAULT_LEASE_S,
                  js_replicas: int = 1):
         if nc is None and nats_url is None:
@@ -174,8 +175,8 @@ class Coordinator:
         self.bad_reply_retries = bad_reply_retries
         self.wire_dtype, self.hedge, self.hedge_after_s = wire_dtype, hedge, hedge_after_s
         self.dispatch = dispatch
-        if not isinstance(cohorts, int) or cohorts < 1:
-            raise ValueError(f"cohorts must be an int >= 1, got {cohorts!r}")
+        if cohorts != AUTO_COHORTS and (not isinstance(cohorts, int) or isinstance(cohorts, bool) or cohorts < 1):
+            raise ValueError(f"cohorts must be an int >= 1 or {AUTO_COHORTS!r}, got {cohorts!r}")
         self.cohorts = cohorts
         self.route_every = route_every
         self.transport = transport

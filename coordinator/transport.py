@@ -511,6 +511,14 @@ class NatsTransport:
             raise BadExpertReply(expert, summary)
         raise ExpertUnavailable(expert, summary)
 
+    def workers_per_expert(self) -> int | None:
+        """The most workers known for one expert (learned by direct dispatch from good replies,
+        each forgotten `ttl_s` after its last one); None with dispatch="queue", which learns none.
+        The engine's `cohorts="auto"` sizes its cohorts from it."""
+        if self.dispatcher is None:
+            return None
+        return self.dispatcher.most_known()
+
     # ------------------------------------------------------------ one try, maybe hedged
     def _pick(self, expert: int, exclude: tuple = (), explore: bool = True) -> str | None:
         """The worker token a leg goes to directly, or None: the queue group."""

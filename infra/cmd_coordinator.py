@@ -46,6 +46,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.nats_server import default_nats_url
+    from coordinator.engine import parse_cohorts
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--router", default="checkpoints/router.safetensors", metavar="PATH",
@@ -88,10 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most rows in one expert request (at most 512, default %(default)s); a smaller value "
                              "splits an expert's batch into concurrent requests that the queue group spreads over "
                              "several workers of that expert (one worker re-batches them)")
-    parser.add_argument("--cohorts", type=int, default=2, metavar="N",
-                        help="batches of rows out at once (default %(default)s): the active jobs are dealt into N "
-                             "cohorts, so one cohort is routed and stepped while the experts work on another "
-                             "(no lock-step); 1 is the lock-step tick. A job's images do not depend on it")
+    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
+                        help="batches of rows out at once: the active jobs are dealt into N cohorts, so one "
+                             "cohort is routed and stepped while the experts work on another (no lock-step); 1 is "
+                             "the lock-step tick. Default auto: 2, or 3 once an expert has 4 known workers and 4 "
+                             "from 8 (more workers per expert need more requests queued; docs/CAPACITY.md). A "
+                             "job's images do not depend on it")
     parser.add_argument("--route-every", type=int, default=1, metavar="N",
                         help="ask the router every N evaluations of a job and reuse its weights in between "
                              "(default %(default)s: every evaluation). N > 1 cuts the coordinator's router cost N-fold; "
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ddm.coordinator")
     for name, value, low in (("--max-rows", args.max_rows, 1), ("--max-queued-jobs", args.max_queued_jobs, 1),
                              ("--retries", args.retries, 0), ("--request-rows", args.request_rows, 1),
-                             ("--cohorts", args.cohorts, 1), ("--route-every", args.route_every, 1),
+                             ("--route-every", args.route_every, 1),
                              ("--bad-reply-retries", args.bad_reply_retries, 0),
                              ("--max-client-rows", 1 if args.max_client_rows is None else args.max_client_rows, 1),
                              ("--max-client-queued-jobs", args.max_client_queued_jobs, 1),

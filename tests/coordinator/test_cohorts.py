@@ -3,13 +3,14 @@ keeps several batches out at once, and a seeded job's images do not depend on an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import numpy as np
 import pytest
 
 from coordinator.client import run_job
-from coordinator.engine import Engine
+from coordinator.engine import MAX_AUTO_COHORTS, Engine, cohorts_for_workers, parse_cohorts
 from coordinator.local_fleet import LabelRouter
 from coordinator.scheduler import Scheduler, SchedulerConfig
 from coordinator.service import Coordinator, load_router_and_partition
@@ -116,6 +117,95 @@ async def test_engine_keeps_one_batch_per_cohort_out_at_once():
     tr.gate.set()
     await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 6, timeout=5, what="every job done")
     assert tr.most_out == 3
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+
+
+class KnownWorkersTransport(GatedTransport):
+    """A GatedTransport that says how many workers it knows per expert (as direct dispatch does)."""
+
+    def __init__(self, workers):
+        super().__init__()
+        self.workers = workers
+
+    def workers_per_expert(self):
+        if self.workers == "broken":
+            raise RuntimeError("bookkeeping broke")
+        return self.workers
+
+
+def test_cohorts_for_workers_and_the_cohorts_option():
+    assert [cohorts_for_workers(w) for w in (None, 0, 1, 2, 3, 4, 7, 8, 64)] == [2, 2, 2, 2, 2, 3, 3, 4, 4]
+    assert MAX_AUTO_COHORTS == max(cohorts_for_workers(w) for w in range(1000))
+    assert parse_cohorts("auto") == "auto" and parse_cohorts(" AUTO ") == "auto" and parse_cohorts("3") == 3
+    for bad in ("0", "-2", "two", "2.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="'auto' or an int >= 1"):
+            parse_cohorts(bad)
+    for bad in (0, "three", True, 2.0):
+        with pytest.raises(ValueError, match="cohorts"):
+            Engine(make(), LabelRouter(C2E, 2), EchoTransport(), cohorts=bad)
+
+
+@pytest.mark.parametrize("workers, want", [(None, 2), (1, 2), (4, 3), (8, 4), (50, 4), ("broken", 2)])
+async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_for(workers, want):
+    """cohorts="auto": 8 one-row jobs are dealt into cohorts_for_workers(known workers) batches, all
+    out at once, and no more than that many (the engine runs MAX_AUTO_COHORTS lanes)."""
+    events = []
+    tr = KnownWorkersTransport(workers)
+    e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
+               cohorts="auto")
+    assert e.cohorts_now() == want
+    task = asyncio.create_task(e.run())
+    for i in range(8):
+        e.submit(JobRequest(job_id=f"j{i}", digits=[1], steps=2, stream=False))
+    await wait_until(lambda: e.scheduler.in_flight_rows == 8 and tr.out == want, timeout=5,
+                     what=f"{want} cohorts out at once")
+    for _ in range(20):  # the idle lanes stay idle
+        await asyncio.sleep(0)
+    assert tr.out == want and e._batches_out == want
+    tr.gate.set()
+    await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 8, timeout=5, what="every job done")
+    assert tr.most_out == want and e._batches_out == 0
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_auto_cohorts_follow_workers_learned_while_running():
+    """Workers learned mid-run (here: the transport's count changes) raise the batches out from the
+    next tick on."""
+    events = []
+    tr = KnownWorkersTransport(1)
+    e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
+               cohorts="auto")
+    task = asyncio.create_task(e.run())
+    for i in range(4):
+        e.submit(JobRequest(job_id=f"a{i}", digits=[1], steps=2, stream=False))
+    await wait_until(lambda: tr.out == 2, timeout=5, what="two cohorts out")
+    tr.workers = 8
+    for i in range(4):  # new jobs: free rows, and now room for two more batches
+        e.submit(JobRequest(job_id=f"b{i}", digits=[1], steps=2, stream=False))
+    await wait_until(lambda: tr.out == 4, timeout=5, what="four cohorts out after the workers grew")
+    tr.gate.set()
+    await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 8, timeout=5, what="every job done")
+    assert e._batches_out == 0
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+
+
+class BrokenRouter:
+    def weights(self, x, t, y):
+        raise RuntimeError("router broke")
+
+
+async def test_a_failed_tick_gives_its_cohort_slot_back():
+    events = []
+    e = Engine(make(), BrokenRouter(), KnownWorkersTransport(1), events.append, router_in_thread=False,
+               cohorts="auto")
+    task = asyncio.create_task(e.run())
+    for i in range(3):
+        e.submit(JobRequest(job_id=f"f{i}", digits=[1], steps=2, stream=False))
+    await wait_until(lambda: sum(ev.kind == "failed" for ev in events) == 3, timeout=5, what="every job failed")
+    assert e._batches_out == 0 and not task.done()
     await e.stop()
     await asyncio.wait_for(task, 5)
 

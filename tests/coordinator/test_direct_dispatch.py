@@ -112,6 +112,7 @@ async def test_requests_in_flight_spread_evenly_over_the_workers(nc, workers):
     direct, queued = tr.dispatch_counts.get((0, "direct"), 0), tr.dispatch_counts.get((0, "queue"), 0)
     assert direct >= 0.8 * ROUNDS * ROUND and tr.direct_fallbacks == 0
     assert tr.retried == 0 and tr.bad_replies == 0 and queued > 0  # exploration kept going
+    assert tr.workers_per_expert() == len(workers)  # what the engine's cohorts="auto" reads
 
 
 async def test_a_worker_that_stops_mid_run_costs_no_request(nc, workers):
@@ -247,6 +248,7 @@ async def test_queue_dispatch_never_sends_direct(nc):
         for i in range(3):
             await tr.velocity(46, *_inputs(1, i))
         assert tr.dispatcher is None and tr.dispatch_counts == {(46, "queue"): 3} and legacy.direct_requests == 0
+        assert tr.workers_per_expert() is None  # learns no workers: cohorts="auto" stays at its floor
     finally:
         await legacy.stop()
     with pytest.raises(ValueError, match="dispatch"):

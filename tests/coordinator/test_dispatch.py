@@ -158,3 +158,16 @@ def test_worker_tokens_and_direct_subjects():
             subjects.expert_direct(3, bad)
     with pytest.raises(ValueError):
         subjects.expert_direct(-1, t)
+
+
+def test_most_known_is_the_most_workers_of_any_expert_within_the_ttl():
+    p, clock = policy(ttl_s=30.0)
+    assert p.most_known() == 0
+    for w in ("a", "b", "c"):
+        p.seen(0, w)
+    p.seen(1, "d")
+    assert p.most_known() == 3
+    clock.now += 20
+    p.seen(1, "e")
+    clock.now += 15  # a, b, c not seen for 35 s: forgotten; e seen 15 s ago
+    assert p.most_known() == 1

@@ -87,7 +87,7 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
                 await asyncio.wait_for(flooder, 30)
             # one heavy job (30 steps) frees rows, light takes them first, then its own 4 steps (+ slack);
             # each of the engine's cohorts counts its own ticks, so a step of every job is `cohorts` ticks
-            rounds = coord.engine.cohorts
+            rounds = coord.engine.cohorts_now()
             assert all(w <= (HEAVY_STEPS + LIGHT_STEPS + 3) * rounds for w in waits), (waits, rounds)
             assert accepted >= 6 and len(refusals) >= 3
             err = refusals[0]
