@@ -9,8 +9,8 @@
 The engine runs `cohorts` lanes (no lock-step; see Scheduler.schedule): each lane ticks on its own.
 `cohorts="auto"` (the coordinator's default) sizes the cohorts from the workers: `cohorts_for_workers`
 of the most workers the transport knows for one expert (`transport.workers_per_expert()`, learned by
-join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick, with at most that
-many batches out at once.
+join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick: lanes are added as
+it grows, and an idle surplus lane leaves as it shrinks (at most that many batches out at once).
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
 time); the router weighs all of them in one call (off the event loop, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently; an expert that is unavailable (no responders, timeouts after retries) is marked
@@ -67,7 +67,7 @@ MAX_RATE_SAMPLES = 4096
 DEFAULT_COHORTS = 2
 #: `cohorts="auto"`: size the cohorts from the workers each expert has (see cohorts_for_workers).
 AUTO_COHORTS = "auto"
-#: The most cohorts "auto" picks (lanes the engine runs in that mode).
+#: The most cohorts "auto" picks.
 MAX_AUTO_COHORTS = 4
 
 
@@ -148,6 +148,9 @@ class Engine:
         self.router_in_thread = router_in_thread
         self.cohorts = cohorts  # the setting: an int, or "auto" (see cohorts_now)
         self._batches_out = 0  # batches between schedule and update (at most cohorts_now())
+        self._lanes: list[asyncio.Task] = []  # run()'s lanes (one per cohort in use; see _lane)
+        self._lanes_grew = asyncio.Event()
+        self._warned_workers = False
         if not isinstance(route_every, int) or route_every < 1:
             raise ValueError(f"route_every must be an int >= 1 (evaluations per router call), got {route_every!r}")
         self.route_every = route_every
@@ -215,33 +218,53 @@ class Engine:
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
-        """Run `cohorts` lanes; each ticks while it finds free rows and sleeps otherwise. If a lane
-        dies, the others are stopped and every job fails (see `_die`)."""
+        """Run one lane per cohort; each ticks while it finds free rows and sleeps otherwise. With
+        cohorts="auto" lanes are added when `cohorts_now()` grows and an idle surplus lane leaves
+        when it shrinks, so an engine with few workers per expert runs exactly as with a fixed 2.
+        If a lane dies, the others are stopped and every job fails (see `_die`)."""
         self._running = True
-        n_lanes = MAX_AUTO_COHORTS if self.cohorts == AUTO_COHORTS else self.cohorts
-        lanes = [asyncio.create_task(self._lane(), name=f"engine-lane-{i}") for i in range(n_lanes)]
+        self._add_lanes(self.cohorts_now())
         try:
-            done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()
+            while pending := [t for t in self._lanes if not t.done()]:
+                grew = asyncio.ensure_future(self._lanes_grew.wait())
+                try:
+                    done, _ = await asyncio.wait([*pending, grew], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    grew.cancel()
+                self._lanes_grew.clear()
+                for task in done:
+                    if task is not grew and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            for task in lanes:
+            for task in self._lanes:
                 task.cancel()
-            await asyncio.gather(*lanes, return_exceptions=True)
+            await asyncio.gather(*self._lanes, return_exceptions=True)
             await self._die(err)
             raise
         finally:
-            for task in lanes:
+            for task in self._lanes:
                 task.cancel()
             self._running = False
 
+    def _add_lanes(self, n: int) -> None:
+        """Start lanes until `n` run."""
+        while len(self._lanes) < n:
+            self._lanes.append(asyncio.create_task(self._lane(), name=f"engine-lane-{len(self._lanes)}"))
+            self._lanes_grew.set()
+
     async def _lane(self) -> None:
+        me = asyncio.current_task()
         while not self._stopping:
             wake = self._wake  # taken before the tick: a poke during it is not missed
-            if self._batches_out >= self.cohorts_now():  # "auto" runs more lanes than it may use now
+            n = self.cohorts_now()
+            if len(self._lanes) < n:  # "auto": more workers appeared
+                self._add_lanes(n)
+            if self._batches_out >= n:  # "auto" went down: this lane may not tick now
+                if len(self._lanes) > n and me in self._lanes:  # a surplus lane leaves
+                    self._lanes.remove(me)
+                    return
                 await wake.wait()
                 continue
             worked = await self.tick()
@@ -257,7 +280,9 @@ class Engine:
         try:
             workers = known() if callable(known) else None
         except Exception:  # a transport's bookkeeping must not stop the engine: use the floor
-            log.exception("transport.workers_per_expert() failed; using %d cohorts", DEFAULT_COHORTS)
+            if not self._warned_workers:
+                self._warned_workers = True
+                log.exception("transport.workers_per_expert() failed; using %d cohorts", DEFAULT_COHORTS)
             workers = None
         return cohorts_for_workers(workers)
 

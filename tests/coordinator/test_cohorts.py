@@ -149,7 +149,7 @@ def test_cohorts_for_workers_and_the_cohorts_option():
 @pytest.mark.parametrize("workers, want", [(None, 2), (1, 2), (4, 3), (8, 4), (50, 4), ("broken", 2)])
 async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_for(workers, want):
     """cohorts="auto": 8 one-row jobs are dealt into cohorts_for_workers(known workers) batches, all
-    out at once, and no more than that many (the engine runs MAX_AUTO_COHORTS lanes)."""
+    out at once, and no more than that many, one lane each."""
     events = []
     tr = KnownWorkersTransport(workers)
     e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
@@ -162,7 +162,7 @@ async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_f
                      what=f"{want} cohorts out at once")
     for _ in range(20):  # the idle lanes stay idle
         await asyncio.sleep(0)
-    assert tr.out == want and e._batches_out == want
+    assert tr.out == want and e._batches_out == want and len(e._lanes) == want
     tr.gate.set()
     await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 8, timeout=5, what="every job done")
     assert tr.most_out == want and e._batches_out == 0
@@ -171,23 +171,32 @@ async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_f
 
 
 async def test_auto_cohorts_follow_workers_learned_while_running():
-    """Workers learned mid-run (here: the transport's count changes) raise the batches out from the
-    next tick on."""
+    """Workers learned mid-run (here: the transport's count changes) add lanes at the next tick, and
+    fewer workers later retire the surplus lanes once they are idle."""
     events = []
     tr = KnownWorkersTransport(1)
     e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
                cohorts="auto")
     task = asyncio.create_task(e.run())
-    for i in range(4):
-        e.submit(JobRequest(job_id=f"a{i}", digits=[1], steps=2, stream=False))
+    for i in range(8):
+        e.submit(JobRequest(job_id=f"a{i}", digits=[1], steps=3, stream=False))
     await wait_until(lambda: tr.out == 2, timeout=5, what="two cohorts out")
+    assert len(e._lanes) == 2  # one worker per expert: exactly the lanes of a fixed 2
     tr.workers = 8
-    for i in range(4):  # new jobs: free rows, and now room for two more batches
-        e.submit(JobRequest(job_id=f"b{i}", digits=[1], steps=2, stream=False))
+
+    def release():  # let the calls out now answer; later ones wait on a fresh gate
+        gate, tr.gate = tr.gate, asyncio.Event()
+        gate.set()
+
+    release()
     await wait_until(lambda: tr.out == 4, timeout=5, what="four cohorts out after the workers grew")
+    assert len(e._lanes) == 4 and e.scheduler.in_flight_rows == 8
+    tr.workers = 1
+    release()
+    await wait_until(lambda: tr.out == 2 and len(e._lanes) == 2, timeout=5, what="back to two lanes")
     tr.gate.set()
     await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 8, timeout=5, what="every job done")
-    assert e._batches_out == 0
+    assert e._batches_out == 0 and tr.most_out == 4
     await e.stop()
     await asyncio.wait_for(task, 5)
 
