@@ -311,8 +311,8 @@ class Fleet:
 
 
 async def scrape(port: int) -> dict[str, float] | None:
-    """{"rows": rows stepped, "done": jobs done, "hedges": hedged copies sent} from a coordinator's
-    /metrics; None if unreadable."""
+    """{"rows": rows stepped, "done": jobs done, "hedges": hedged copies sent, "cohorts": batches out
+    at once (None from a coordinator without that gauge)} from a coordinator's /metrics; None if unreadable."""
     import asyncio
     import urllib.request
 
@@ -324,7 +324,7 @@ async def scrape(port: int) -> dict[str, float] | None:
         text = await asyncio.to_thread(get)
     except OSError:
         return None
-    out = {"rows": 0.0, "done": 0.0, "hedges": 0.0}
+    out = {"rows": 0.0, "done": 0.0, "hedges": 0.0, "cohorts": None}
     for line in text.splitlines():
         if line.startswith("ddm_coordinator_rows_stepped_total "):
             out["rows"] = float(line.rsplit(" ", 1)[1])
@@ -332,6 +332,8 @@ async def scrape(port: int) -> dict[str, float] | None:
             out["done"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("ddm_coordinator_expert_hedges_total{"):
             out["hedges"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("ddm_coordinator_cohorts "):
+            out["cohorts"] = int(float(line.rsplit(" ", 1)[1]))
     return out
 
 
@@ -462,6 +464,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         "images_per_s": round(sum(f[3] for f in in_window) / window, 2),
         "p50_s": pct(50), "p99_s": pct(99), "outcomes": outcomes,
         "hedges": int(sum(a["hedges"] - b["hedges"] for a, b in zip(after, before))),
+        "cohorts": [a.get("cohorts") for a in after],  # each coordinator's, at the window's end
         "coordinator_cpu_s_per_1000_rows": round(1000 * cpu / rows, 4) if rows else None,
         "coordinator_cpu_share": round(cpu / window / max(len(pids), 1), 3),
         "coordinator_peak_rss_mib": {n: round(m["peak"] / 2**20, 1) if m else None for n, m in memory.items()},
@@ -589,21 +592,23 @@ def format_table(results: dict) -> str:
                      f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core), peak RSS {peak} MiB, clients "
                      f"{100 * (cap['clients_cpu_share'] or 0):.0f}% of a core, load1 {cap['load1'][0]}>{cap['load1'][1]}")
     if results["levels"]:
-        lines.append(f"{'coord':>5} {'W/exp':>5} {'jobs':>5} | {'fleet rows/s':>12} {'per coord':>15} | "
+        lines.append(f"{'coord':>5} {'W/exp':>5} {'coh':>3} {'jobs':>5} | {'fleet rows/s':>12} {'per coord':>15} | "
                      f"{'capacity':>9} {'eff':>5} | {'img/s':>7} {'p50 s':>6} {'p99 s':>6} | {'cpu s/1k':>8} "
                      f"{'peak MiB':>9} | {'cpu: coord wrk nats cli':>23} | {'hedges':>6} {'lost/fail':>9} | load1")
         for x in results["levels"]:
             per_c = "/".join(f"{v:,.0f}" for v in x["rows_per_s_per_coordinator"])
             peak = "/".join(f"{v:.0f}" for v in x["coordinator_peak_rss_mib"].values() if v is not None)
             o = x["outcomes"]
+            coh = "/".join("-" if c is None else str(c) for c in x.get("cohorts") or [None])
             lines.append(
-                f"{x['coordinators']:>5} {x['workers_per_expert']:>5} {x['jobs']:>5} | {x['rows_per_s']:>12,.0f} "
+                f"{x['coordinators']:>5} {x['workers_per_expert']:>5} {coh:>3} {x['jobs']:>5} | {x['rows_per_s']:>12,.0f} "
                 f"{per_c:>15} | {x['capacity_rows_per_s']:>9,.0f} {_n(x['efficiency'], '.2f', 5)} | "
                 f"{x['images_per_s']:>7.1f} {_n(x['p50_s'], '.2f', 6)} {_n(x['p99_s'], '.2f', 6)} | "
                 f"{_n(x['coordinator_cpu_s_per_1000_rows'], '.3f', 8)} {peak:>9} | "
                 f"{_cpu(x):>23} | {x['hedges']:>6} "
                 f"{o['lost'] + o['failed'] + o['rejected']:>9} | {x['load1'][0]}>{x['load1'][1]}")
-        lines.append("eff = fleet rows/s / min(capacity, coordinators x coordinator capacity when measured); "
+        lines.append("coh = each coordinator's cohorts (batches out at once) at the window's end; "
+                     "eff = fleet rows/s / min(capacity, coordinators x coordinator capacity when measured); "
                      "cpu s/1k = coordinator CPU seconds per 1000 rows (all coordinators); peak = VmHWM over the "
                      "window; cpu = CPU of the coordinators (each), all workers, nats-server and the clients (this "
                      "process), in cores")

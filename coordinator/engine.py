@@ -150,7 +150,9 @@ class Engine:
         self._batches_out = 0  # batches between schedule and update (at most cohorts_now())
         self._lanes: list[asyncio.Task] = []  # run()'s lanes (one per cohort in use; see _lane)
         self._lanes_grew = asyncio.Event()
+        self._lanes_started = 0
         self._warned_workers = False
+        self.metrics.watch_engine(self)
         if not isinstance(route_every, int) or route_every < 1:
             raise ValueError(f"route_every must be an int >= 1 (evaluations per router call), got {route_every!r}")
         self.route_every = route_every
@@ -251,7 +253,8 @@ class Engine:
     def _add_lanes(self, n: int) -> None:
         """Start lanes until `n` run."""
         while len(self._lanes) < n:
-            self._lanes.append(asyncio.create_task(self._lane(), name=f"engine-lane-{len(self._lanes)}"))
+            self._lanes_started += 1
+            self._lanes.append(asyncio.create_task(self._lane(), name=f"engine-lane-{self._lanes_started}"))
             self._lanes_grew.set()
 
     async def _lane(self) -> None:

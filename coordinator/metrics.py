@@ -5,6 +5,7 @@
     metrics.expert_call(k, seconds)              # one expert's velocity call of one tick
     metrics.expert_error(k, code)                # ... that failed (after the transport's retries)
     metrics.watch_transport(transport)           # the NATS transport's request and hedge counters
+    metrics.watch_engine(engine)                 # the engine's cohorts (Engine does this itself)
     metrics.watch_store(store)                   # --durable: the JobStore's checkpoint and lease counters
     runner = await serve_metrics(metrics, port)  # workers.metrics_http, shared with the worker
 
@@ -24,6 +25,10 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
     ddm_coordinator_queued_jobs                         gauge      jobs waiting for rows (queue depth)
     ddm_coordinator_active_jobs                         gauge      jobs running
     ddm_coordinator_active_rows                         gauge      images being denoised
+    ddm_coordinator_cohorts                             gauge      batches of rows the engine keeps out at once
+                                                                   (--cohorts; "auto" picks it from the workers
+                                                                   per expert), once an engine is watched
+    ddm_coordinator_batches_out                         gauge      batches out now (between schedule and update)
     ddm_coordinator_expert_request_seconds{expert}      histogram  one expert's velocity call per tick (all of
                                                                    its requests, retries included)
     ddm_coordinator_expert_errors_total{expert,code}    counter    expert calls that failed, by ErrorCode
@@ -130,6 +135,20 @@ class _TransportCollector:
         yield known
 
 
+class _EngineCollector:
+    """Scrape-time view of an engine's cohorts (`cohorts_now()`) and batches out."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        yield GaugeMetricFamily("ddm_coordinator_cohorts",
+                                "Batches of rows the engine keeps out at once (--cohorts; auto: 2, 3 from 4 "
+                                "workers per expert, 4 from 8).", value=self.engine.cohorts_now())
+        yield GaugeMetricFamily("ddm_coordinator_batches_out", "Batches out now (between schedule and update).",
+                                value=getattr(self.engine, "_batches_out", 0))
+
+
 class _StoreCollector:
     """Scrape-time view of a durable JobStore's counters (coordinator.durable): `writes`,
     `bytes_written`, `takeovers`, `leases_lost`."""
@@ -186,6 +205,13 @@ class CoordinatorMetrics:
         if getattr(self, "_transport_collector", None) is None:
             self._transport_collector = _TransportCollector(transport)
             self.registry.register(self._transport_collector)
+
+    def watch_engine(self, engine) -> None:
+        """Export `engine.cohorts_now()` and its batches out (read at scrape time) as
+        ddm_coordinator_cohorts and ddm_coordinator_batches_out. Once."""
+        if getattr(self, "_engine_collector", None) is None:
+            self._engine_collector = _EngineCollector(engine)
+            self.registry.register(self._engine_collector)
 
     def watch_store(self, store) -> None:
         """Export a durable coordinator's JobStore counters (read at scrape time) as

@@ -72,6 +72,7 @@ def test_bench_scale_runs_two_levels_and_reports_them(tmp_path):
         assert all(v > 0 for v in level["coordinator_peak_rss_mib"].values())
         assert level["outcomes"]["failed"] == 0 and level["outcomes"]["lost"] == 0
         assert level["window_s"] >= 3
+    assert (one["cohorts"], two["cohorts"]) == ([2], [2])  # --cohorts auto: 2 below 4 workers per expert
     table = format_table(res)
     assert "20 ms + 0.5 ms/row" in table and "eff" in table
     assert len([line for line in table.splitlines() if line.startswith("    1 ")]) == 2

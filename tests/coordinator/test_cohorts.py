@@ -154,7 +154,7 @@ async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_f
     tr = KnownWorkersTransport(workers)
     e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
                cohorts="auto")
-    assert e.cohorts_now() == want
+    assert e.cohorts_now() == want and e.metrics.sample("ddm_coordinator_cohorts") == want
     task = asyncio.create_task(e.run())
     for i in range(8):
         e.submit(JobRequest(job_id=f"j{i}", digits=[1], steps=2, stream=False))
@@ -163,6 +163,7 @@ async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_f
     for _ in range(20):  # the idle lanes stay idle
         await asyncio.sleep(0)
     assert tr.out == want and e._batches_out == want and len(e._lanes) == want
+    assert e.metrics.sample("ddm_coordinator_batches_out") == want
     tr.gate.set()
     await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 8, timeout=5, what="every job done")
     assert tr.most_out == want and e._batches_out == 0

@@ -286,3 +286,39 @@ async def test_dispatch_counters_are_exported_as_metrics(nats_url, nc, workers):
         assert direct > 0 and direct + queue >= 18  # 3 jobs x 6 steps, at least one leg each
         assert m.sample("ddm_coordinator_direct_fallbacks_total") == tr.direct_fallbacks
         assert m.sample("ddm_coordinator_known_workers", expert="0") == len(tr.dispatcher.known(0)) >= 1
+
+
+async def test_a_coordinator_with_auto_cohorts_grows_them_as_it_learns_workers(nats_url, nc, workers, expert0):
+    """--cohorts auto end to end: 3 workers of the expert keep 2 cohorts; a 4th worker, once learned
+    from its replies, makes it 3 (ddm_coordinator_cohorts says so too)."""
+    from coordinator.client import run_job
+    from coordinator.engine import cohorts_for_workers
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+    from schemas import JobRequest
+    from workers.backends import get_backend
+    from workers.service import ExpertWorker
+
+    async def learn(coord, n: int) -> None:
+        for r in range(30):
+            if coord.transport.workers_per_expert() == n:
+                return
+            await asyncio.gather(*(run_job(nc, JobRequest(job_id=f"auto{n}-{r}-{i}", digits=[1, 2], steps=4, seed=i,
+                                                          stream=False)) for i in range(6)))
+        raise AssertionError(f"learned {coord.transport.workers_per_expert()} of {n} workers in 30 rounds")
+
+    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, step_timeout=10,
+                           request_rows=1) as coord:
+        assert coord.engine.cohorts == "auto"
+        await learn(coord, len(workers))
+        assert coord.engine.cohorts_now() == 2 == coord.metrics.sample("ddm_coordinator_cohorts")
+        fourth = ExpertWorker(expert=0, checkpoint=expert0, nats_url=nats_url, buckets=(1, 2, 4, 8),
+                              backend=get_backend("sim", preset="instant", batch_ms=20.0))
+        await fourth.start()
+        try:
+            await learn(coord, 4)
+            assert coord.engine.cohorts_now() == 3 == cohorts_for_workers(4)
+            assert coord.metrics.sample("ddm_coordinator_cohorts") == 3
+            assert fourth.metrics.requests > 0
+        finally:
+            await fourth.stop()
