@@ -343,12 +343,12 @@ async def scrape(port: int) -> dict[str, float] | None:
 class Progress:
     """A tqdm bar over the seconds of load of all levels, on stderr (disabled: does nothing)."""
 
-    def __init__(self, total_s: float, enabled: bool):
+    def __init__(self, total_s: float, enabled: bool, desc: str = "bench scale"):
         import sys
 
         from tqdm import tqdm
 
-        self.bar = tqdm(total=round(total_s), unit="s", desc="bench scale", file=sys.stderr, disable=not enabled,
+        self.bar = tqdm(total=round(total_s), unit="s", desc=desc, file=sys.stderr, disable=not enabled,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total_fmt} s [{elapsed}<{remaining}]"
                                    "{postfix}")
         self.done = 0.0

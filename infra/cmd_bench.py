@@ -5,6 +5,8 @@
            in-process; every job's outcome (completed / rejected / failed / lost) and peak RSS per process
   scale    fleet rows/s as sim workers and coordinators are added, against the workers' capacity; one
            coordinator's own capacity (--coordinator-capacity); its CPU per 1000 rows and peak RSS
+  engine   the coordinator's engine alone in one process (no NATS, instant experts): rows/s, CPU per
+           1000 rows and the router's share of it
 
 examples:
   ddm-fleet bench worker                                  # random small UNet, torch, own nats-server
@@ -13,6 +15,7 @@ examples:
   ddm-fleet bench worker --device cuda:0 --buckets 64,256 --in-flight 1,2,4 --wire-dtype float32,float16
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
   ddm-fleet bench scale --coordinator-capacity --workers 1,2,4,8 --coordinators 1,2
+  ddm-fleet bench engine --route-every 4
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ BENCHES: list[tuple[str, str, str]] = [
                                    "per process through the whole fleet vs in-process"),
     ("scale", "benchmarks.scale", "fleet rows/s vs sim workers (1,2,4,8 per expert) and coordinators, efficiency "
                                   "against capacity, coordinator CPU per 1000 rows and peak RSS"),
+    ("engine", "benchmarks.engine", "the coordinator's engine alone in this process (router, scheduler, events packed; "
+                                    "instant experts, no NATS): rows/s and CPU per 1000 rows"),
 ]
 
 
