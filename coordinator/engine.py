@@ -67,8 +67,6 @@ MAX_RATE_SAMPLES = 4096
 DEFAULT_COHORTS = 2
 #: `cohorts="auto"`: size the cohorts from the workers each expert has (see cohorts_for_workers).
 AUTO_COHORTS = "auto"
-#: The most cohorts "auto" picks.
-MAX_AUTO_COHORTS = 4
 
 
 def parse_cohorts(text: str) -> int | str:
@@ -85,6 +83,13 @@ def parse_cohorts(text: str) -> int | str:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {n}")
     return n
+
+
+def check_cohorts(cohorts: int | str) -> int | str:
+    """`cohorts` if it is an int >= 1 or "auto", else ValueError (the Engine's and the Coordinator's check)."""
+    if cohorts != AUTO_COHORTS and (not isinstance(cohorts, int) or isinstance(cohorts, bool) or cohorts < 1):
+        raise ValueError(f"cohorts must be an int >= 1 (batches out at once) or {AUTO_COHORTS!r}, got {cohorts!r}")
+    return cohorts
 
 
 def cohorts_for_workers(workers: int | None) -> int:
@@ -137,8 +142,7 @@ class Engine:
                  router_in_thread: bool = True, rate_window_s: float = 10.0,
                  metrics: CoordinatorMetrics | None = None, cohorts: int | str = DEFAULT_COHORTS,
                  route_every: int = 1, request_rows: int | None = None):
-        if cohorts != AUTO_COHORTS and (not isinstance(cohorts, int) or isinstance(cohorts, bool) or cohorts < 1):
-            raise ValueError(f"cohorts must be an int >= 1 (batches out at once) or {AUTO_COHORTS!r}, got {cohorts!r}")
+        check_cohorts(cohorts)
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
         self.router = router
@@ -273,6 +277,11 @@ class Engine:
             worked = await self.tick()
             if not worked and not self._stopping:
                 await wake.wait()
+
+    @property
+    def batches_out(self) -> int:
+        """Batches between schedule and update now (at most `cohorts_now()` while run() drives the lanes)."""
+        return self._batches_out
 
     def cohorts_now(self) -> int:
         """The cohorts in use: the fixed setting, or for "auto" `cohorts_for_workers` of the most

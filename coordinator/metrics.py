@@ -146,7 +146,7 @@ class _EngineCollector:
                                 "Batches of rows the engine keeps out at once (--cohorts; auto: 2, 3 from 4 "
                                 "workers per expert, 4 from 8).", value=self.engine.cohorts_now())
         yield GaugeMetricFamily("ddm_coordinator_batches_out", "Batches out now (between schedule and update).",
-                                value=getattr(self.engine, "_batches_out", 0))
+                                value=self.engine.batches_out)
 
 
 class _StoreCollector:

@@ -70,7 +70,7 @@ from schemas.messages import MAX_COORDINATOR_NAME_LEN
 from .checkpoint import decode as decode_checkpoint
 from .checkpoint import encode as encode_checkpoint
 from .durable import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S, CheckpointingScheduler, JobLost, JobStore
-from .engine import AUTO_COHORTS, Engine, RouterLike, Transport
+from .engine import AUTO_COHORTS, Engine, RouterLike, Transport, check_cohorts
 from .scheduler import Rejected, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -175,9 +175,7 @@ class Coordinator:
         self.bad_reply_retries = bad_reply_retries
         self.wire_dtype, self.hedge, self.hedge_after_s = wire_dtype, hedge, hedge_after_s
         self.dispatch = dispatch
-        if cohorts != AUTO_COHORTS and (not isinstance(cohorts, int) or isinstance(cohorts, bool) or cohorts < 1):
-            raise ValueError(f"cohorts must be an int >= 1 or {AUTO_COHORTS!r}, got {cohorts!r}")
-        self.cohorts = cohorts
+        self.cohorts = check_cohorts(cohorts)
         self.route_every = route_every
         self.transport = transport
         self.name = name
