@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in-process)")
     parser.add_argument("--route-every", type=int, default=1, metavar="N",
                         help="`ddm-fleet coordinator --route-every` (default %(default)s)")
+    parser.add_argument("--speculate", choices=("on", "off"), default="on",
+                        help="(`ddm-fleet coordinator --speculate`: send the likely expert requests while the "
+                             "router runs; default %(default)s)")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json from here (default %(default)s)")
     parser.add_argument("--duration", type=float, default=8.0, metavar="S", help="seconds measured (default 8)")
@@ -114,7 +117,8 @@ async def bench(args: argparse.Namespace) -> dict:
         packed["events"] += 1
         packed["bytes"] += len(pack(ev))
 
-    engine = Engine(sched, timed, InstantExperts(), emit, cohorts=args.cohorts, route_every=args.route_every)
+    engine = Engine(sched, timed, InstantExperts(), emit, cohorts=args.cohorts, route_every=args.route_every,
+                    speculate=args.speculate == "on")
     task = asyncio.create_task(engine.run())
     rng = np.random.default_rng(0)
     submitted = 0
@@ -170,7 +174,7 @@ async def bench(args: argparse.Namespace) -> dict:
         "setup": {"router": os.path.join(args.checkpoints, "router.safetensors"), "experts": k,
                   "jobs": args.jobs, "images_per_job": args.images_per_job, "steps": args.steps,
                   "strategy": args.strategy, "stream": not args.no_stream, "cohorts": args.cohorts,
-                  "route_every": args.route_every, "duration_s": args.duration, "warmup_s": args.warmup,
+                  "route_every": args.route_every, "speculate": args.speculate, "duration_s": args.duration, "warmup_s": args.warmup,
                   "cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "window_s": round(window, 3),
         "rows_per_s": round(rows / window, 1),
@@ -179,6 +183,8 @@ async def bench(args: argparse.Namespace) -> dict:
         "router_cpu_s_per_1000_rows": round(1000 * router_cpu / rows, 4),
         "router_share_of_cpu": round(router_cpu / cpu, 3) if cpu > 0 else None,
         "rows_routed": engine.rows_routed,
+        "rows_guessed": engine.rows_guessed,  # over the whole run, warm-up included
+        "rows_guessed_unused": engine.rows_guessed_unused,
         "events_per_s": round((b["events"] - a["events"]) / window, 1),
         "event_mb_per_s": round((b["bytes"] - a["bytes"]) / window / 1e6, 2),
         "ticks_per_s": round((b["ticks"] - a["ticks"]) / window, 1),
@@ -192,13 +198,14 @@ def format_table(r: dict) -> str:
     return "\n".join([
         f"bench engine: {s['experts']} experts, {s['router']}; {s['jobs']} jobs of {s['images_per_job']} image(s), "
         f"{s['steps']} steps, {s['strategy']}, stream={s['stream']}, cohorts={s['cohorts']} "
-        f"({r['cohorts_used']} used), route-every {s['route_every']}; instant in-process experts; "
+        f"({r['cohorts_used']} used), route-every {s['route_every']}, speculate {s.get('speculate', 'on')}; instant in-process experts; "
         f"{s['cpus']} cpus, load avg {' '.join(f'{v:.2f}' for v in s['load_avg'])}",
         f"rows/s {r['rows_per_s']:,.0f} over {r['window_s']:.1f} s  |  CPU {r['cpu_s_per_1000_rows']:.3f} s per 1000 rows "
         f"({100 * r['cpu_share']:.0f}% of a core), the router {r['router_cpu_s_per_1000_rows']:.3f} s "
         f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it)",
         f"events {r['events_per_s']:,.0f}/s ({r['event_mb_per_s']:.1f} MB/s packed)  |  ticks {r['ticks_per_s']:.1f}/s, "
-        f"median tick {r['tick_ms_p50']} ms",
+        f"median tick {r['tick_ms_p50']} ms  |  rows guessed {r.get('rows_guessed', 0):,} "
+        f"({r.get('rows_guessed_unused', 0):,} unused)",
     ])
 
 

@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-every", type=int, default=1, metavar="N",
                         help="router every N evaluations of a job, both paths (`ddm-fleet coordinator "
                              "--route-every`; default %(default)s)")
+    parser.add_argument("--speculate", choices=("on", "off"), default="on",
+                        help="both paths (`ddm-fleet coordinator --speculate`: send the likely expert requests while the "
+                             "router runs; default %(default)s)")
     parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                         help="fleet: `ddm-fleet coordinator --wire-dtype` (default %(default)s)")
     parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
@@ -274,7 +277,7 @@ async def _ceiling(args, models) -> dict:
     engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
                                               max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
                     router, InProcessTransport(backends, buckets), emit, cohorts=getattr(args, "cohorts", "auto"),
-                    route_every=getattr(args, "route_every", 1))
+                    route_every=getattr(args, "route_every", 1), speculate=getattr(args, "speculate", "on") == "on")
     task = asyncio.create_task(engine.run())
 
     async def run_one(req):
@@ -432,7 +435,7 @@ async def _fleet(args, models) -> dict:
                 "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
                 "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120,
                 "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", "auto"),
-                "--route-every", getattr(args, "route_every", 1), *wire, *(["--durable"] if durable else [])), env)
+                "--route-every", getattr(args, "route_every", 1), "--speculate", getattr(args, "speculate", "on"), *wire, *(["--durable"] if durable else [])), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
             nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
@@ -531,6 +534,7 @@ async def bench_fleet(args) -> dict:
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
              "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
              "cohorts": getattr(args, "cohorts", "auto"), "route_every": getattr(args, "route_every", 1),
+             "speculate": getattr(args, "speculate", "on"),
              "durable": getattr(args, "durable", False), "merge": getattr(args, "merge", "auto"),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
@@ -599,7 +603,7 @@ def format_table(results: dict) -> str:
             lines.append(f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
                          f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                          f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
-                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}")
+                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, speculate {s.get('speculate', 'on')}")
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
             lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")

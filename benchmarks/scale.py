@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "expert, 4 from 8)")
     parser.add_argument("--route-every", type=int, default=1, metavar="N",
                         help="`ddm-fleet coordinator --route-every` (default %(default)s)")
+    parser.add_argument("--speculate", choices=("on", "off"), default="on",
+                        help="(`ddm-fleet coordinator --speculate`: send the likely expert requests while the "
+                             "router runs; default %(default)s)")
     parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
                         help="sim latency preset instead of the default model (h200-torch: 3.33 ms + 0.00575 ms/row, "
                              "h200-jax: 2.20 ms + 0.0165 ms/row, instant: 0 + 0)")
@@ -288,7 +291,8 @@ class Fleet:
                            "--max-queued-jobs", max(256, max_rows), "--max-client-queued-jobs", max(64, max_rows),
                            "--hedge", args.hedge, "--dispatch", getattr(args, "dispatch", "direct"),
                            "--wait-experts", 120,
-                           "--route-every", getattr(args, "route_every", 1))
+                           "--route-every", getattr(args, "route_every", 1),
+                           "--speculate", getattr(args, "speculate", "on"))
             self.coordinators.append(await Child.start(f"coordinator{i}", cmd))
             self.metrics_ports.append(port)
         await asyncio.gather(*(c.wait_ready(300) for c in self.coordinators))
@@ -543,6 +547,7 @@ async def bench_scale(args) -> dict:
     out["setup"] = {
         "router": models["described"], "experts": k, "strategy": args.strategy, "steps": args.steps,
         "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": args.cohorts, "route_every": getattr(args, "route_every", 1),
+        "speculate": getattr(args, "speculate", "on"),
         "request_rows": r, "hedge": args.hedge, "dispatch": getattr(args, "dispatch", "direct"),
         "queued_per_worker": args.queued_per_worker,
         "jobs_rule": ("--jobs" if args.jobs else
@@ -576,7 +581,7 @@ def format_table(results: dict) -> str:
     per = f"{sim['worker_rows_per_s']:,.0f}" if sim["worker_rows_per_s"] else "unbounded"
     lines = [f"bench scale: {s['experts']} experts, {s['router']}; {s['strategy']}, {s['steps']} steps, "
              f"{s['images_per_job']} image(s)/job, stream={s['stream']}, cohorts={s['cohorts']}, "
-             f"request rows R={s['request_rows']}, hedge={s['hedge']}, dispatch={s.get('dispatch', 'direct')}; "
+             f"speculate={s.get('speculate', 'on')}, request rows R={s['request_rows']}, hedge={s['hedge']}, dispatch={s.get('dispatch', 'direct')}; "
              f"{s['cpus']} cpus",
              f"sim latency model ({sim['model']}): {sim['batch_ms']:g} ms + {sim['row_ms']:g} ms/row per forward of at "
              f"most R rows -> one worker's capacity R / (batch + row*R) = {per} rows/s; "

@@ -6,6 +6,8 @@ Pure bookkeeping, no I/O. The engine drives it:
     batch.route(router_w [R, K])               choose experts per row by its strategy
     for k, idx in batch.requests().items():    rows (indices into the batch) expert k must evaluate
         batch.record(k, idx, v [len(idx), C, H, W])   ... or batch.mark_failed(k, reason, code)
+    (before route(): batch.guess_requests() names likely requests; after it, batch.record_guess
+    keeps the rows of their answers that the routing needs)
     (repeat while batch.requests() is not empty: a failed expert reroutes its rows)
     u = batch.combined()                        [R, C, H, W]  u_r = sum_k w[r, k] v_k[r]
 
@@ -103,21 +105,39 @@ class Batch:
         self.weights = self._select(self.available)
         return self
 
-    def _select(self, available: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        assert self.router_w is not None
+    def _select(self, available: np.ndarray, rows: np.ndarray | None = None,
+                router_w: np.ndarray | None = None) -> np.ndarray:
+        """Combination weights [len(rows), K] of `rows` (default: all) by their strategies, from
+        `router_w` ([len(rows), K]; default: the batch's routed weights of those rows)."""
         idx = np.arange(len(self)) if rows is None else rows
+        if router_w is None:
+            assert self.router_w is not None
+            router_w = self.router_w[idx]
         out = np.zeros((len(idx), self.num_experts), np.float64)
         if len(self._strategies) == 1:  # the usual case: no per-strategy masks to build
             s = self._strategies[0]
-            out[:] = strategies.select(s, self.router_w[idx], available, top_k=self.top_k[idx], owner=self.owner[idx])
+            out[:] = strategies.select(s, router_w, available, top_k=self.top_k[idx], owner=self.owner[idx])
             return out
         strat = self.strategy[idx]
         for s in np.unique(strat):
             sel = np.nonzero(strat == s)[0]
             rows_s = idx[sel]
-            out[sel] = strategies.select(str(s), self.router_w[rows_s], available,
+            out[sel] = strategies.select(str(s), router_w[sel], available,
                                          top_k=self.top_k[rows_s], owner=self.owner[rows_s])
         return out
+
+    def guess_requests(self) -> dict[int, np.ndarray]:
+        """{expert: row indices} the rows will most likely need before the router has weighed them:
+        what each row's strategy picks, among the experts available now, from the router weights its
+        job was last routed with (`RowGroup.route_w`; exact for rows that reuse them, see
+        `routing_plan`). Rows never routed yet are left out. The engine sends these requests while
+        the router runs (speculation); `record_guess` then keeps what the routing really needs."""
+        spans = [(self.group_rows(gi), g.route_w) for gi, g in enumerate(self.groups) if g.route_w is not None]
+        if not spans or not self.available.any():
+            return {}
+        idx = np.concatenate([np.arange(s.start, s.stop) for s, _ in spans])
+        w = self._select(self.available, idx, np.concatenate([rw for _, rw in spans]))
+        return {k: idx[w[:, k] > 0] for k in range(self.num_experts) if (w[:, k] > 0).any()}
 
     def requests(self) -> dict[int, np.ndarray]:
         """{expert: row indices [n] (into this batch)} still needing that expert's velocity."""
@@ -134,6 +154,22 @@ class Batch:
             raise ValueError(f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}")
         self._v[expert, idx] = v
         self._have[idx, expert] = True
+
+    def record_guess(self, expert: int, idx: np.ndarray, v: np.ndarray) -> int:
+        """Keep, from a speculative call to `expert` for rows idx (velocities v [len(idx), C, H, W]),
+        the rows whose routing needs that expert and has no velocity from it yet; returns how many."""
+        if self.weights is None:
+            raise RuntimeError("call route() before record_guess()")
+        idx = np.asarray(idx, dtype=np.int64)
+        v = np.asarray(v)
+        if v.shape != (len(idx),) + self.x.shape[1:]:
+            raise ValueError(f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}")
+        keep = (self.weights[idx, expert] > 0) & ~self._have[idx, expert]
+        if keep.all():
+            self.record(expert, idx, v)
+        elif keep.any():
+            self.record(expert, idx[keep], v[keep])
+        return int(keep.sum())
 
     def mark_failed(self, expert: int, reason: str = "unavailable", code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
         """Expert could not serve this tick: reroute the rows that still need it. `code` is how the

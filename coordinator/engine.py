@@ -13,7 +13,11 @@ join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick:
 it grows, and an idle surplus lane leaves as it shrinks (at most that many batches out at once).
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
 time); the router weighs all of them in one call (off the event loop, one call at a time); each chosen expert gets ONE batched velocity call, all experts
-concurrently; an expert that is unavailable (no responders, timeouts after retries) is marked
+concurrently. With `speculate` (the default) the calls do not wait for the router: each row's likely
+experts (what its strategy chose from its job's last router weights, `Batch.guess_requests`) are
+asked while the router runs, and once it has spoken the rows it sent elsewhere go out at once and
+the answers it did not need are dropped (`rows_guessed_unused`); a job's first evaluation waits for
+the router. An expert that is unavailable (no responders, timeouts after retries) is marked
 failed for this tick and its rows are rerouted by their strategy (top1 -> next-best expert),
 then the scheduler advances every row one solver stage and the events go to `emit`.
 
@@ -141,7 +145,7 @@ class Engine:
                  emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
                  router_in_thread: bool = True, rate_window_s: float = 10.0,
                  metrics: CoordinatorMetrics | None = None, cohorts: int | str = DEFAULT_COHORTS,
-                 route_every: int = 1, request_rows: int | None = None):
+                 route_every: int = 1, request_rows: int | None = None, speculate: bool = True):
         check_cohorts(cohorts)
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
@@ -164,6 +168,10 @@ class Engine:
             raise ValueError(f"request_rows must be an int >= 1 or None, got {request_rows!r}")
         self.request_rows = request_rows  # the transport's rows per expert request: keep requests whole
         self.rows_routed = 0  # rows the router weighed (the rest reused their job's last weights)
+        self.speculate = bool(speculate)  # send the likely expert requests while the router runs
+        self.rows_guessed = 0  # rows sent to an expert before the router spoke (speculate)
+        self.rows_guessed_unused = 0  # ... of which the routing did not need that expert's answer
+        self._unwatched: set[asyncio.Future] = set()  # unneeded guessed calls still running
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._stopping = False
@@ -250,7 +258,7 @@ class Engine:
             await self._die(err)
             raise
         finally:
-            for task in self._lanes:
+            for task in [*self._lanes, *self._unwatched]:
                 task.cancel()
             self._running = False
 
@@ -365,41 +373,109 @@ class Engine:
 
     async def _execute(self, batch: Batch) -> None:
         """Route, then call every chosen expert (rerouting after failures); a failed expert is
-        marked on the batch with its ErrorCode."""
+        marked on the batch with its ErrorCode. With `speculate`, the likely requests
+        (`Batch.guess_requests`) go out while the router runs, and the routing's other needs
+        when it has spoken (see `_take_guesses`)."""
         fresh, w = batch.routing_plan(self.route_every)
+        guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
         if fresh.any():
-            idx = slice(None) if fresh.all() else np.nonzero(fresh)[0]
-            x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
-            async with self._router_lock:
-                if self.router_in_thread:
-                    got = await asyncio.to_thread(self.router.weights, x, t, y)
-                else:
-                    got = self.router.weights(x, t, y)
-            got = np.asarray(got, dtype=np.float64)
-            if got.shape != (len(y), w.shape[1]):
-                raise ValueError(f"router weights must be [R, K] = [{len(y)}, {w.shape[1]}], got {list(got.shape)}")
-            w[idx] = got
-            self.rows_routed += len(y)
+            if self.speculate:
+                guesses = {k: (idx, asyncio.ensure_future(self._call(batch, k, idx)))
+                           for k, idx in batch.guess_requests().items()}
+                self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
+            try:
+                await self._route(batch, fresh, w)
+            except BaseException:
+                for idx, task in guesses.values():
+                    self._abandon(task, len(idx))
+                raise
         batch.route(w, fresh)
+        if guesses:
+            await self._take_guesses(batch, guesses)
         while reqs := batch.requests():
             experts = list(reqs)
             results = await asyncio.gather(
                 *(self._call(batch, k, reqs[k]) for k in experts), return_exceptions=True)
             for k, res in zip(experts, results):
-                if isinstance(res, ExpertUnavailable):
-                    self.last_unavailable[k] = res.reason
-                    self.metrics.expert_error(k, res.code)
-                    batch.mark_failed(k, res.reason, res.code)
-                elif isinstance(res, BaseException):
-                    if isinstance(res, asyncio.CancelledError):
-                        raise res
-                    log.warning("expert %d call failed: %r", k, res)
-                    self.last_unavailable[k] = f"failed: {type(res).__name__}: {res}"
-                    self.metrics.expert_error(k, ErrorCode.UNAVAILABLE)
-                    batch.mark_failed(k, f"failed ({type(res).__name__}: {res})", ErrorCode.UNAVAILABLE)
-                else:
-                    self.last_unavailable.pop(k, None)
-                    batch.record(k, reqs[k], res)
+                self._settle(batch, k, reqs[k], res)
+
+    async def _route(self, batch: Batch, fresh: np.ndarray, w: np.ndarray) -> None:
+        """Ask the router for the `fresh` rows' weights; written into w [R, K] in place."""
+        idx = slice(None) if fresh.all() else np.nonzero(fresh)[0]
+        x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
+        async with self._router_lock:
+            if self.router_in_thread:
+                got = await asyncio.to_thread(self.router.weights, x, t, y)
+            else:
+                got = self.router.weights(x, t, y)
+        got = np.asarray(got, dtype=np.float64)
+        if got.shape != (len(y), w.shape[1]):
+            raise ValueError(f"router weights must be [R, K] = [{len(y)}, {w.shape[1]}], got {list(got.shape)}")
+        w[idx] = got
+        self.rows_routed += len(y)
+
+    async def _take_guesses(self, batch: Batch, guesses: dict[int, tuple[np.ndarray, asyncio.Future]]) -> None:
+        """The routing has spoken: per expert, keep the needed rows of its guessed call's answer,
+        then ask it for the rows the guess missed; experts the guesses never named are asked at
+        once. All experts concurrently, one call at a time per expert, and every guessed call is
+        awaited (a job alone on the fleet sends the same requests in the same order every time,
+        so a worker never merges them differently and its images repeat bit for bit)."""
+        async def one(k: int) -> None:
+            if k in guesses:
+                idx, task = guesses[k]
+                try:
+                    v = await task
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:
+                    if (batch.weights[idx, k] > 0).any():
+                        self._settle(batch, k, idx, err)
+                    else:  # nobody needs it now; the failure is still counted in the metrics
+                        self.rows_guessed_unused += len(idx)
+                        if isinstance(err, ExpertUnavailable):
+                            self.metrics.expert_error(k, err.code)
+                        log.debug("an unneeded guessed call to expert %d failed: %r", k, err)
+                    return
+                self.rows_guessed_unused += len(idx) - batch.record_guess(k, idx, v)
+            rest = batch.requests().get(k)
+            if rest is not None:
+                try:
+                    v = await self._call(batch, k, rest)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:
+                    v = err
+                self._settle(batch, k, rest, v)
+
+        await asyncio.gather(*(one(k) for k in sorted(set(guesses) | set(batch.requests()))))
+
+    def _abandon(self, task: asyncio.Future, rows: int) -> None:
+        """A guessed call nobody needs: let it finish (a worker computes it anyway), drop its answer."""
+        self.rows_guessed_unused += rows
+        self._unwatched.add(task)
+        task.add_done_callback(self._drop_answer)
+
+    def _drop_answer(self, task: asyncio.Future) -> None:
+        self._unwatched.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("an unneeded guessed call failed: %r", task.exception())
+
+    def _settle(self, batch: Batch, k: int, idx: np.ndarray, res: Any) -> None:
+        """Record expert k's answer for rows idx, or mark it failed for this tick."""
+        if isinstance(res, ExpertUnavailable):
+            self.last_unavailable[k] = res.reason
+            self.metrics.expert_error(k, res.code)
+            batch.mark_failed(k, res.reason, res.code)
+        elif isinstance(res, BaseException):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            log.warning("expert %d call failed: %r", k, res)
+            self.last_unavailable[k] = f"failed: {type(res).__name__}: {res}"
+            self.metrics.expert_error(k, ErrorCode.UNAVAILABLE)
+            batch.mark_failed(k, f"failed ({type(res).__name__}: {res})", ErrorCode.UNAVAILABLE)
+        else:
+            self.last_unavailable.pop(k, None)
+            batch.record(k, idx, res)
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         started = time.perf_counter()

@@ -136,7 +136,7 @@ class _TransportCollector:
 
 
 class _EngineCollector:
-    """Scrape-time view of an engine's cohorts (`cohorts_now()`) and batches out."""
+    """Scrape-time view of an engine's cohorts (`cohorts_now()`), batches out and guessed rows."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -147,6 +147,12 @@ class _EngineCollector:
                                 "workers per expert, 4 from 8).", value=self.engine.cohorts_now())
         yield GaugeMetricFamily("ddm_coordinator_batches_out", "Batches out now (between schedule and update).",
                                 value=self.engine.batches_out)
+        yield CounterMetricFamily("ddm_coordinator_rows_guessed",
+                                  "Rows sent to an expert before the router weighed them (--speculate).",
+                                  value=self.engine.rows_guessed)
+        yield CounterMetricFamily("ddm_coordinator_rows_guessed_unused",
+                                  "Guessed rows whose answer the routing did not need (work the experts did in vain).",
+                                  value=self.engine.rows_guessed_unused)
 
 
 class _StoreCollector:
@@ -208,7 +214,8 @@ class CoordinatorMetrics:
 
     def watch_engine(self, engine) -> None:
         """Export `engine.cohorts_now()` and its batches out (read at scrape time) as
-        ddm_coordinator_cohorts and ddm_coordinator_batches_out. Once."""
+        ddm_coordinator_cohorts and ddm_coordinator_batches_out, and its guessed rows (--speculate) as
+        ddm_coordinator_rows_guessed_total and ddm_coordinator_rows_guessed_unused_total. Once."""
         if getattr(self, "_engine_collector", None) is None:
             self._engine_collector = _EngineCollector(engine)
             self.registry.register(self._engine_collector)

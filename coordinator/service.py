@@ -133,7 +133,8 @@ class Coordinator:
     group alone (see coordinator.transport). cohorts: batches the engine keeps out at once (see
     Scheduler.schedule; 1 is the lock-step tick; "auto", the default: 2, or 3 / 4 once an expert
     has 4 / 8 known workers, see engine.cohorts_for_workers). route_every: ask the router every N evaluations of
-    a job and reuse its weights in between (1: every evaluation; see Batch.routing_plan).
+    a job and reuse its weights in between (1: every evaluation; see Batch.routing_plan). speculate: send
+    each row's likely expert requests while the router runs (see coordinator.engine; the default).
     The terminal events of the last `keep_finished` jobs (at most `keep_finished_mb` MiB, at most
     `keep_finished_s` seconds old) are kept so a status request can publish them again.
     name: this coordinator's name (1-128 characters), in every `accepted`, `job_status` and
@@ -153,7 +154,8 @@ class Coordinator:
                  max_client_rows: int | None = None, max_client_queued_jobs: int = 64,
                  max_job_cost: int | None = 256_000, max_job_run_s: float | None = 600.0,
                  wire_dtype: str = "float32", hedge: str = "auto", hedge_after_s: float | None = None,
-                 dispatch: str = "direct", cohorts: int | str = AUTO_COHORTS, route_every: int = 1, durable: bool = False,
+                 dispatch: str = "direct", cohorts: int | str = AUTO_COHORTS, route_every: int = 1, speculate: bool = True,
+                 durable: bool = False,
                  checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, lease_s: float = DEFAULT_LEASE_S,
                  js_replicas: int = 1):
         if nc is None and nats_url is None:
@@ -177,6 +179,7 @@ class Coordinator:
         self.dispatch = dispatch
         self.cohorts = check_cohorts(cohorts)
         self.route_every = route_every
+        self.speculate = speculate
         self.transport = transport
         self.name = name
         # this run of the coordinator: a restart (same name) has another instance
@@ -252,7 +255,7 @@ class Coordinator:
             sched = Scheduler(self.config)
         rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
         self.engine = Engine(sched, self.router, self.transport, self._publish, cohorts=self.cohorts,
-                             route_every=self.route_every,
+                             route_every=self.route_every, speculate=self.speculate,
                              request_rows=(rows_per(np.zeros((1, *self.config.image_shape), np.float32))
                                            if callable(rows_per) else None))
         self.metrics = self.engine.metrics

@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask the router every N evaluations of a job and reuse its weights in between "
                              "(default %(default)s: every evaluation). N > 1 cuts the coordinator's router cost N-fold; "
                              "it can change images (see docs/CAPACITY.md for the measured effect)")
+    parser.add_argument("--speculate", choices=("on", "off"), default="on",
+                        help="send each row's likely expert requests while the router runs (what its job's last "
+                             "routing chose; a job's first evaluation waits), then ask for the rows the router sent "
+                             "elsewhere (default %(default)s). Hides the router's time behind the experts' at no "
+                             "cost to the images; a guess the router overrules costs its expert that work "
+                             "(ddm_coordinator_rows_guessed_unused_total)")
     parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                         help="precision of x_t and of the velocity on the coordinator<->worker wire (default "
                              "%(default)s). float16 / bfloat16 halve the bytes; the velocity is widened to float32 "
@@ -234,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
                                    max_job_cost=args.max_job_cost or None, max_job_run_s=args.max_job_run_s or None,
                                    wire_dtype=args.wire_dtype, hedge=args.hedge, hedge_after_s=args.hedge_after_s,
                                    dispatch=args.dispatch,
-                                   cohorts=args.cohorts, route_every=args.route_every, name=args.name, **metrics,
+                                   cohorts=args.cohorts, route_every=args.route_every, speculate=args.speculate == "on",
+                                   name=args.name, **metrics,
                                    **durable)
                 await coordinator.__aenter__()
             except JetStreamUnavailable as err:

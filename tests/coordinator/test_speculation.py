@@ -1,0 +1,227 @@
+"""Speculation: a tick sends each row's likely expert requests while the router runs, keeps the
+answers the routing needs, asks again for the rest, and never changes a job's images."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+
+from coordinator.batch import Batch
+from coordinator.engine import Engine, ExpertUnavailable
+from coordinator.rows import RowGroup
+from coordinator.scheduler import Scheduler, SchedulerConfig
+from schemas import DoneEvent, JobRequest
+
+SHAPE = (1, 4, 4)
+C2E = [0] * 5 + [1] * 5
+STEPS = 4
+
+
+class Experts:
+    """v_k(x) = -(k + 1) x, elementwise (a row's answer never depends on the rows beside it).
+    Experts in `down` raise ExpertUnavailable, in `broken` a RuntimeError. `on_call(t)` runs at each call."""
+
+    def __init__(self, down=(), broken=(), on_call=None):
+        self.down, self.broken, self.on_call = set(down), set(broken), on_call
+        self.calls: list[tuple[int, list[str]]] = []
+
+    async def velocity(self, k, x, t, y, row_ids):
+        self.calls.append((k, list(row_ids)))
+        if self.on_call is not None:
+            self.on_call(t)
+        await asyncio.sleep(0.001)  # a round trip: the router's thread runs meanwhile
+        if k in self.down:
+            raise ExpertUnavailable(k, "has no responders")
+        if k in self.broken:
+            raise RuntimeError("connection lost")
+        return (-(k + 1) * x).astype(np.float32)
+
+
+class StepRouter:
+    """Top1 choice by the evaluation's time: `pick(step)` is the expert (weight 0.9) at t = step / STEPS."""
+
+    num_experts = 2
+
+    def __init__(self, pick):
+        self.pick = pick
+
+    def weights(self, x, t, y):
+        w = np.full((len(y), 2), 0.1)
+        for i, tt in enumerate(np.asarray(t)):
+            w[i, self.pick(int(round(float(tt) * STEPS)))] = 0.9
+        return w
+
+
+def run(router, experts, speculate, jobs=({"digits": [1, 7], "seed": 3}, {"digits": [4], "seed": 9}),
+        strategy="top1"):
+    """Run the jobs to the end (router in a thread, two cohorts, as the coordinator runs it);
+    returns ({job: images}, engine)."""
+    async def main():
+        done: dict[str, np.ndarray] = {}
+        sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
+        eng = Engine(sched, router, experts,
+                     lambda ev: done.__setitem__(ev.job_id, ev.images) if isinstance(ev, DoneEvent) else None,
+                     cohorts=2, speculate=speculate)
+        task = asyncio.create_task(eng.run())
+        for i, job in enumerate(jobs):
+            eng.submit(JobRequest(job_id=f"j{i}", steps=STEPS, strategy=strategy, stream=False, **job))
+        for _ in range(2000):
+            if len(done) == len(jobs) or task.done():
+                break
+            await asyncio.sleep(0.005)
+        await eng.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return done, eng
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------- the pure batch
+
+
+def group(job_id, digits, route_w=None, strategy="top1"):
+    g = RowGroup(job_id=job_id, y=np.array(digits), x=np.ones((len(digits),) + SHAPE, np.float32), steps=STEPS,
+                 strategy=strategy, num_experts=2, oracle_expert=np.array([C2E[d] for d in digits]))
+    if route_w is not None:
+        g.remember_route(np.array(route_w, np.float64))
+    return g
+
+
+def test_guesses_follow_each_jobs_last_routing_among_the_experts_up_now():
+    b = Batch([group("new", [1]), group("a", [1, 2], [[0.2, 0.8], [0.7, 0.3]]),
+               group("f", [3], [[0.6, 0.4]], strategy="full")], num_experts=2)
+    g = b.guess_requests()
+    assert sorted(g) == [0, 1]
+    assert g[0].tolist() == [2, 3] and g[1].tolist() == [1, 3]  # row 0 was never routed: no guess
+    down = Batch([group("a", [1, 2], [[0.2, 0.8], [0.7, 0.3]])], num_experts=2, unavailable={1})
+    assert {k: v.tolist() for k, v in down.guess_requests().items()} == {0: [0, 1]}  # top1's next best
+    assert Batch([group("new", [1])], num_experts=2).guess_requests() == {}
+    assert Batch([group("a", [1], [[0.2, 0.8]])], num_experts=2, unavailable={0, 1}).guess_requests() == {}
+
+
+def test_record_guess_keeps_only_the_rows_the_routing_needs():
+    b = Batch([group("a", [1, 2, 3], [[0.9, 0.1]] * 3)], num_experts=2)
+    b.route(np.array([[0.9, 0.1], [0.2, 0.8], [0.9, 0.1]]))
+    v = np.stack([np.full(SHAPE, i, np.float32) for i in range(3)])
+    assert b.record_guess(0, np.array([0, 1, 2]), v) == 2  # row 1 went to expert 1
+    assert {k: r.tolist() for k, r in b.requests().items()} == {1: [1]}
+    assert b.record_guess(0, np.array([0, 2]), v[[0, 2]]) == 0  # nothing left to take
+    b.record(1, np.array([1]), v[[1]])
+    np.testing.assert_array_equal(b.combined(), v)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def test_guessed_requests_go_out_while_the_router_runs():
+    """The router waits (up to 0.3 s) for an expert call at its own evaluation time to start: with
+    speculation one has, for every evaluation after a job's first; without it none ever has."""
+    seen: set[float] = set()
+    cond = threading.Condition()
+
+    def on_call(t):
+        with cond:
+            seen.update(np.asarray(t, np.float64).tolist())
+            cond.notify_all()
+
+    class WaitingRouter(StepRouter):
+        def __init__(self):
+            super().__init__(lambda step: 1)
+            self.overlapped = []
+
+        def weights(self, x, t, y):
+            now = float(np.asarray(t, np.float64)[0])
+            if now > 0:  # a job's first evaluation has nothing to guess from
+                with cond:
+                    self.overlapped.append(cond.wait_for(lambda: now in seen, timeout=0.3))
+            return super().weights(x, t, y)
+
+    for speculate in (True, False):
+        seen.clear()
+        router = WaitingRouter()
+        done, eng = run(router, Experts(on_call=on_call), speculate, jobs=({"digits": [7], "seed": 1},))
+        assert list(done) == ["j0"] and len(router.overlapped) == STEPS - 1
+        assert all(router.overlapped) if speculate else not any(router.overlapped)
+        assert eng.rows_guessed == (STEPS - 1 if speculate else 0) and eng.rows_guessed_unused == 0
+
+
+def test_speculation_never_changes_the_images_and_counts_wrong_guesses():
+    def flip(step):
+        return step % 2  # every evaluation overrules the last one's choice
+
+    def stable(step):
+        return 0
+
+    for pick, strategy in ((flip, "top1"), (stable, "top1"), (flip, "full")):
+        plain = Experts()
+        base, _ = run(StepRouter(pick), plain, speculate=False, strategy=strategy)
+        experts = Experts()
+        got, eng = run(StepRouter(pick), experts, speculate=True, strategy=strategy)
+        assert sorted(got) == ["j0", "j1"]
+        for j in got:
+            np.testing.assert_array_equal(got[j], base[j])  # the same bits
+        guessed = 3 * (STEPS - 1) * (2 if strategy == "full" else 1)  # 3 rows to each expert they need,
+        # at every evaluation but the first
+        assert eng.rows_guessed == guessed
+        if pick is flip and strategy == "top1":
+            assert eng.rows_guessed_unused == guessed  # every guess was wrong ...
+            assert len(experts.calls) > len(plain.calls)  # ... so those ticks called again
+        else:  # stable choices, or `full`, which needs every expert whatever the weights
+            assert eng.rows_guessed_unused == 0 and len(experts.calls) == len(plain.calls)
+
+
+def test_a_failed_guess_falls_back_like_any_failed_call():
+    """Expert 1 has no responders: the job's rows fall back to expert 0 at every evaluation; an
+    unneeded guess that fails is only counted."""
+    base, _ = run(StepRouter(lambda step: 1), Experts(down={1}), speculate=False)
+    got, eng = run(StepRouter(lambda step: 1), Experts(down={1}), speculate=True)
+    assert sorted(got) == ["j0", "j1"]
+    for j in got:
+        np.testing.assert_array_equal(got[j], base[j])
+    # the router flips between the experts, and expert 1 breaks whenever it is asked: guesses of 1
+    # that the router overrules fail unneeded; the needed ones fall back to expert 0
+    flip = StepRouter(lambda step: step % 2)
+    base, _ = run(flip, Experts(broken={1}), speculate=False)
+    got, eng = run(flip, Experts(broken={1}), speculate=True)
+    assert sorted(got) == ["j0", "j1"]
+    for j in got:
+        np.testing.assert_array_equal(got[j], base[j])
+    assert eng.rows_guessed_unused > 0
+
+
+# ---------------------------------------------------------------- end to end
+
+
+async def test_a_coordinator_speculates_over_nats_without_changing_a_job(nats_url, nc, tiny_experts, tiny_router):
+    """A real coordinator (the tiny random router, whose choices move with x_t and t), two sim
+    workers on a real nats-server: the same seeded jobs with and without speculation give the same
+    bytes, and the metrics count the guessed rows."""
+    from coordinator.client import run_job
+    from coordinator.service import Coordinator
+    from models.router import Router
+    from workers.backends import get_backend
+    from workers.service import ExpertWorker
+
+    ws = [ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 2, 4, 8),
+                       backend=get_backend("sim", preset="instant", batch_ms=3.0)) for k, p in enumerate(tiny_experts)]
+    for w in ws:
+        await w.start()
+    try:
+        jobs = [JobRequest(digits=[-1, 3, -1, 8], seed=5, steps=6), JobRequest(digits=[-1], seed=6, steps=6, strategy="full")]
+        images = {}
+        for speculate in (True, False):
+            async with Coordinator(Router.load(tiny_router), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
+                                   step_timeout=10, speculate=speculate) as coord:
+                images[speculate] = [(await run_job(nc, job, timeout=60)).images for job in jobs]
+                guessed = coord.metrics.sample("ddm_coordinator_rows_guessed_total")
+                unused = coord.metrics.sample("ddm_coordinator_rows_guessed_unused_total")
+                assert (guessed, unused) == (coord.engine.rows_guessed, coord.engine.rows_guessed_unused)
+                assert guessed == ((4 + 2) * 5 if speculate else 0)  # full: 1 row to both experts
+        for on, off in zip(images[True], images[False]):
+            np.testing.assert_array_equal(on, off)
+    finally:
+        for w in ws:
+            await w.stop()
