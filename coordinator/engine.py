@@ -436,6 +436,7 @@ class Engine:
                             self.metrics.expert_error(k, err.code)
                         log.debug("an unneeded guessed call to expert %d failed: %r", k, err)
                     return
+                self.last_unavailable.pop(k, None)
                 self.rows_guessed_unused += len(idx) - batch.record_guess(k, idx, v)
             rest = batch.requests().get(k)
             if rest is not None:
@@ -450,7 +451,8 @@ class Engine:
         await asyncio.gather(*(one(k) for k in sorted(set(guesses) | set(batch.requests()))))
 
     def _abandon(self, task: asyncio.Future, rows: int) -> None:
-        """A guessed call nobody needs: let it finish (a worker computes it anyway), drop its answer."""
+        """A guessed call whose tick broke before routing (the router failed): let it finish (a worker
+        computes it anyway) and drop its answer; run() cancels any still out when the engine stops."""
         self.rows_guessed_unused += rows
         self._unwatched.add(task)
         task.add_done_callback(self._drop_answer)

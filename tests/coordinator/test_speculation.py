@@ -192,6 +192,50 @@ def test_a_failed_guess_falls_back_like_any_failed_call():
     assert eng.rows_guessed_unused > 0
 
 
+def test_a_router_failing_after_the_guesses_went_out_fails_only_its_jobs():
+    """The router breaks at the second evaluation of job j0: its tick fails j0 (internal), the call
+    guessed for it finishes unwatched and counts as unused, and a later job still completes."""
+    from schemas import FailedEvent
+
+    class Breaks(StepRouter):
+        def __init__(self):
+            super().__init__(lambda step: 0)
+            self.broke = False
+
+        def weights(self, x, t, y):
+            if not self.broke and float(np.max(t)) > 0:
+                self.broke = True
+                raise RuntimeError("router crashed")
+            return super().weights(x, t, y)
+
+    async def main():
+        events = []
+        sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
+        eng = Engine(sched, Breaks(), Experts(), events.append, cohorts=1)
+        task = asyncio.create_task(eng.run())
+        eng.submit(JobRequest(job_id="j0", digits=[2], steps=STEPS, stream=False))
+        for _ in range(400):
+            if any(ev.job_id == "j0" and ev.kind in ("done", "failed") for ev in events):
+                break
+            await asyncio.sleep(0.005)
+        eng.submit(JobRequest(job_id="j1", digits=[3], steps=STEPS, stream=False))
+        for _ in range(400):
+            if any(ev.job_id == "j1" and ev.kind in ("done", "failed") for ev in events):
+                break
+            await asyncio.sleep(0.005)
+        await eng.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return events, eng
+
+    events, eng = asyncio.run(main())
+    ends = {ev.job_id: ev for ev in events if ev.kind in ("done", "failed")}
+    assert isinstance(ends["j0"], FailedEvent) and "router crashed" in ends["j0"].reason
+    assert ends["j1"].kind == "done" and eng.dead is None
+    assert eng.rows_guessed_unused == 1 and eng.rows_guessed == 1 + (STEPS - 1)
+    assert not eng._unwatched  # the abandoned call finished and was dropped
+
+
 # ---------------------------------------------------------------- end to end
 
 
