@@ -371,7 +371,8 @@ COUNTERS = ("jobs_submitted", "jobs_done", "jobs_failed", "jobs_cancelled", "job
 
 async def _hedge_counts(port: int) -> dict[str, float] | None:
     """{"requests": n, "won": n, "lost": n, "failed": n} summed over experts, scraped from the
-    coordinator's /metrics (ddm_coordinator_expert_requests_total / _hedges_total); None if unreadable."""
+    coordinator's /metrics (ddm_coordinator_expert_requests_total / _hedges_total), with "guessed" and
+    "guessed_unused" (ddm_coordinator_rows_guessed_total / _unused_total); None if unreadable."""
     import asyncio
     import re
     import urllib.request
@@ -384,8 +385,12 @@ async def _hedge_counts(port: int) -> dict[str, float] | None:
         text = await asyncio.to_thread(get)
     except OSError:
         return None
-    out = {"requests": 0.0, "won": 0.0, "lost": 0.0, "failed": 0.0}
+    out = {"requests": 0.0, "won": 0.0, "lost": 0.0, "failed": 0.0, "guessed": 0.0, "guessed_unused": 0.0}
     for line in text.splitlines():
+        for key, name in (("guessed", "ddm_coordinator_rows_guessed_total "),
+                          ("guessed_unused", "ddm_coordinator_rows_guessed_unused_total ")):
+            if line.startswith(name):
+                out[key] = float(line.rsplit(" ", 1)[1])
         if line.startswith("ddm_coordinator_expert_requests_total{"):
             out["requests"] += float(line.rsplit(" ", 1)[1])
         m = re.match(r'ddm_coordinator_expert_hedges_total\{.*outcome="(\w+)".*\} (\S+)', line)
@@ -484,6 +489,8 @@ async def _fleet(args, models) -> dict:
                 hedges_after = await _hedge_counts(metrics_port)
                 if hedges_before is not None and hedges_after is not None:
                     h = {k: hedges_after[k] - hedges_before[k] for k in hedges_after}
+                    res["speculation"] = {"rows_guessed": int(h.pop("guessed")),
+                                          "rows_guessed_unused": int(h.pop("guessed_unused"))}
                     sent = h["won"] + h["lost"] + h["failed"]
                     res["hedges"] = {**{k: int(v) for k, v in h.items()}, "sent": int(sent),
                                      "rate": round(sent / h["requests"], 4) if h["requests"] else 0.0}
@@ -603,7 +610,9 @@ def format_table(results: dict) -> str:
             lines.append(f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
                          f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                          f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
-                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, speculate {s.get('speculate', 'on')}")
+                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, speculate {s.get('speculate', 'on')}"
+                         + ("" if not (g := r["fleet"].get("speculation")) else
+                            f" ({g['rows_guessed']} rows guessed, {g['rows_guessed_unused']} unused)"))
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
             lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")

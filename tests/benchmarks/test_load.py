@@ -48,6 +48,9 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
         assert co["active_jobs_after"] == 0 and co["queued_jobs_after"] == 0
         assert x["answer_p99_s"] is not None and x["answer_p99_s"] < 60
         assert x["peak_reset"] is True
+        # speculation: every evaluation but a job's first went out before the router spoke (1 image, 4 steps)
+        g = x["speculation"]
+        assert g["rows_guessed"] == 3 * x["completed"] and 0 <= g["rows_guessed_unused"] <= g["rows_guessed"], g
         assert set(x["memory"]) == {"coordinator", "worker0", "worker1", "nats-server", "bench (clients)"}
         for name, m in x["memory"].items():
             assert m["peak"] > 0 and m["rss"] > 0 and m["peak"] >= m["rss"], (name, m)
@@ -62,6 +65,7 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
 
     table = bench.format_table(res)
     assert f"overloaded:{levels[1]['rejected']}" in table and "LOST" in table
+    assert f"speculate on ({levels[0]['speculation']['rows_guessed']} rows guessed" in table
     for name in ("coordinator", "worker0", "worker1", "nats-server", "bench (clients)"):
         assert name in table
     assert elapsed < 120, f"bench took {elapsed:.0f} s"
