@@ -54,29 +54,44 @@ class StepRouter:
         return w
 
 
-def run(router, experts, speculate, jobs=({"digits": [1, 7], "seed": 3}, {"digits": [4], "seed": 9}),
-        strategy="top1"):
-    """Run the jobs to the end (router in a thread, two cohorts, as the coordinator runs it);
-    returns ({job: images}, engine)."""
+def drive(router, experts, speculate=True, jobs=({"digits": [1, 7], "seed": 3}, {"digits": [4], "seed": 9}),
+          strategy="top1", cohorts=2, one_at_a_time=False):
+    """Run the jobs to their end (router in a thread, as the coordinator runs it), all at once or
+    each after the one before has ended; returns (events, engine)."""
     async def main():
-        done: dict[str, np.ndarray] = {}
+        events = []
         sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
-        eng = Engine(sched, router, experts,
-                     lambda ev: done.__setitem__(ev.job_id, ev.images) if isinstance(ev, DoneEvent) else None,
-                     cohorts=2, speculate=speculate)
+        eng = Engine(sched, router, experts, events.append, cohorts=cohorts, speculate=speculate)
         task = asyncio.create_task(eng.run())
-        for i, job in enumerate(jobs):
-            eng.submit(JobRequest(job_id=f"j{i}", steps=STEPS, strategy=strategy, stream=False, **job))
-        for _ in range(2000):
-            if len(done) == len(jobs) or task.done():
-                break
-            await asyncio.sleep(0.005)
+
+        def ended(job_id):
+            return any(ev.job_id == job_id and ev.kind in ("done", "failed") for ev in events)
+
+        async def until(done):
+            for _ in range(2000):
+                if done() or task.done():
+                    return
+                await asyncio.sleep(0.005)
+
+        reqs = [JobRequest(job_id=f"j{i}", steps=STEPS, strategy=strategy, stream=False, **job)
+                for i, job in enumerate(jobs)]
+        for req in reqs:
+            eng.submit(req)
+            if one_at_a_time:
+                await until(lambda: ended(req.job_id))
+        await until(lambda: all(ended(r.job_id) for r in reqs))
         await eng.stop()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        return done, eng
+        return events, eng
 
     return asyncio.run(main())
+
+
+def run(router, experts, speculate, **kw):
+    """drive(...) -> ({job: images} of the jobs done, engine)."""
+    events, eng = drive(router, experts, speculate, **kw)
+    return {ev.job_id: ev.images for ev in events if isinstance(ev, DoneEvent)}, eng
 
 
 # ---------------------------------------------------------------- the pure batch
@@ -117,7 +132,7 @@ def test_record_guess_keeps_only_the_rows_the_routing_needs():
 
 
 def test_guessed_requests_go_out_while_the_router_runs():
-    """The router waits (up to 0.3 s) for an expert call at its own evaluation time to start: with
+    """The router waits (up to 1 s) for an expert call at its own evaluation time to start: with
     speculation one has, for every evaluation after a job's first; without it none ever has."""
     seen: set[float] = set()
     cond = threading.Condition()
@@ -136,7 +151,7 @@ def test_guessed_requests_go_out_while_the_router_runs():
             now = float(np.asarray(t, np.float64)[0])
             if now > 0:  # a job's first evaluation has nothing to guess from
                 with cond:
-                    self.overlapped.append(cond.wait_for(lambda: now in seen, timeout=0.3))
+                    self.overlapped.append(cond.wait_for(lambda: now in seen, timeout=1.0))
             return super().weights(x, t, y)
 
     for speculate in (True, False):
@@ -208,27 +223,7 @@ def test_a_router_failing_after_the_guesses_went_out_fails_only_its_jobs():
                 raise RuntimeError("router crashed")
             return super().weights(x, t, y)
 
-    async def main():
-        events = []
-        sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
-        eng = Engine(sched, Breaks(), Experts(), events.append, cohorts=1)
-        task = asyncio.create_task(eng.run())
-        eng.submit(JobRequest(job_id="j0", digits=[2], steps=STEPS, stream=False))
-        for _ in range(400):
-            if any(ev.job_id == "j0" and ev.kind in ("done", "failed") for ev in events):
-                break
-            await asyncio.sleep(0.005)
-        eng.submit(JobRequest(job_id="j1", digits=[3], steps=STEPS, stream=False))
-        for _ in range(400):
-            if any(ev.job_id == "j1" and ev.kind in ("done", "failed") for ev in events):
-                break
-            await asyncio.sleep(0.005)
-        await eng.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return events, eng
-
-    events, eng = asyncio.run(main())
+    events, eng = drive(Breaks(), Experts(), jobs=({"digits": [2]}, {"digits": [3]}), cohorts=1, one_at_a_time=True)
     ends = {ev.job_id: ev for ev in events if ev.kind in ("done", "failed")}
     assert isinstance(ends["j0"], FailedEvent) and "router crashed" in ends["j0"].reason
     assert ends["j1"].kind == "done" and eng.dead is None
