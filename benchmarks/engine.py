@@ -30,26 +30,18 @@ import argparse
 import os
 import time
 
+from .options import add_engine_options
 from .processes import run_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from coordinator.engine import parse_cohorts
-
     parser.add_argument("--jobs", type=int, default=512, metavar="N",
                         help="jobs kept in the system (default %(default)s)")
     parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default 1)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
     parser.add_argument("--no-stream", action="store_true", help="jobs without frames (only their final images)")
-    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
-                        help="`ddm-fleet coordinator --cohorts` (default %(default)s: 2 here, the experts being "
-                             "in-process)")
-    parser.add_argument("--route-every", type=int, default=1, metavar="N",
-                        help="`ddm-fleet coordinator --route-every` (default %(default)s)")
-    parser.add_argument("--speculate", choices=("on", "off"), default="on",
-                        help="(`ddm-fleet coordinator --speculate`: send the likely expert requests while the "
-                             "router runs; default %(default)s)")
+    add_engine_options(parser, "2 here, the experts being in-process")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json from here (default %(default)s)")
     parser.add_argument("--duration", type=float, default=8.0, metavar="S", help="seconds measured (default 8)")

@@ -41,12 +41,11 @@ import argparse
 import os
 import time
 
+from .options import add_engine_options
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from coordinator.engine import parse_cohorts
-
     parser.add_argument("--concurrency", default="1,8,64", metavar="C,C,...",
                         help="concurrent clients to measure (default %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
@@ -89,15 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--workers-per-expert", type=int, default=1, metavar="N",
                         help="fleet: worker processes per expert, in its queue group (default %(default)s)")
-    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
-                        help="batches out at once, both paths (`ddm-fleet coordinator --cohorts`; default "
-                             "%(default)s: 2 here unless --workers-per-expert is 4 or more; 1: the lock-step tick)")
-    parser.add_argument("--route-every", type=int, default=1, metavar="N",
-                        help="router every N evaluations of a job, both paths (`ddm-fleet coordinator "
-                             "--route-every`; default %(default)s)")
-    parser.add_argument("--speculate", choices=("on", "off"), default="on",
-                        help="both paths (`ddm-fleet coordinator --speculate`: send the likely expert requests while the "
-                             "router runs; default %(default)s)")
+    add_engine_options(parser, "2 here unless --workers-per-expert is 4 or more; 1: the lock-step tick",
+                       where="both paths")
     parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                         help="fleet: `ddm-fleet coordinator --wire-dtype` (default %(default)s)")
     parser.add_argument("--hedge", choices=("auto", "off"), default="auto",

@@ -53,6 +53,7 @@ import argparse
 import math
 import os
 
+from .options import add_engine_options
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
@@ -68,8 +69,6 @@ SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from coordinator.engine import parse_cohorts
-
     parser.add_argument("--workers", default="1,2,4,8", metavar="W,W,...",
                         help="sim workers per expert to measure (default %(default)s; 'none': no scan, e.g. with "
                              "--coordinator-capacity alone)")
@@ -78,14 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rows", type=int, default=DEFAULT_REQUEST_ROWS, metavar="R",
                         help="rows per expert request (`ddm-fleet coordinator --request-rows`) and per forward "
                              "(`ddm-fleet worker --max-batch`) (default %(default)s)")
-    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
-                        help="`ddm-fleet coordinator --cohorts` (default %(default)s: 2, 3 from 4 workers per "
-                             "expert, 4 from 8)")
-    parser.add_argument("--route-every", type=int, default=1, metavar="N",
-                        help="`ddm-fleet coordinator --route-every` (default %(default)s)")
-    parser.add_argument("--speculate", choices=("on", "off"), default="on",
-                        help="(`ddm-fleet coordinator --speculate`: send the likely expert requests while the "
-                             "router runs; default %(default)s)")
+    add_engine_options(parser, "2, 3 from 4 workers per expert, 4 from 8")
     parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
                         help="sim latency preset instead of the default model (h200-torch: 3.33 ms + 0.00575 ms/row, "
                              "h200-jax: 2.20 ms + 0.0165 ms/row, instant: 0 + 0)")

@@ -15,9 +15,10 @@ Each tick: the scheduler hands over the free active rows of one cohort (a job is
 time); the router weighs all of them in one call (off the event loop, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently. With `speculate` (the default) the calls do not wait for the router: each row's likely
 experts (what its strategy chose from its job's last router weights, `Batch.guess_requests`) are
-asked while the router runs, and once it has spoken the rows it sent elsewhere go out at once and
-the answers it did not need are dropped (`rows_guessed_unused`); a job's first evaluation waits for
-the router. An expert that is unavailable (no responders, timeouts after retries) is marked
+asked while the router runs; once it has spoken, each expert's guessed answer gives the rows the
+routing needs from it, the rows its guess missed are asked for next (after that answer: one call at
+a time per expert), and what the routing did not need is dropped (`rows_guessed_unused`); a job's
+first evaluation waits for the router. An expert that is unavailable (no responders, timeouts after retries) is marked
 failed for this tick and its rows are rerouted by their strategy (top1 -> next-best expert),
 then the scheduler advances every row one solver stage and the events go to `emit`.
 
