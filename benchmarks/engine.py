@@ -10,6 +10,9 @@ prints, over --duration seconds after --warmup:
 * rows/s: row evaluations applied (`Scheduler.stats.row_evals`);
 * CPU s per 1000 rows: this process's CPU time (all threads: the event loop and the router's thread);
 * router share: the part of that spent in `Router.weights` (its thread's CPU time);
+* the kernel's share of the CPU and minor page faults per 1000 rows (what glibc's malloc costs when
+  it hands torch's freed activations back to the kernel: compare with DDM_FLEET_MALLOC_TUNING=0,
+  infra/heap.py);
 * events/s and MB/s of packed events (frames dominate with streamed 1-image jobs);
 * ticks/s and the median tick.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 from .options import add_engine_options
@@ -124,7 +128,9 @@ async def bench(args: argparse.Namespace) -> dict:
             submitted += 1
 
     def snapshot() -> dict:
-        return {"t": time.perf_counter(), "cpu": time.process_time(), "rows": sched.stats.row_evals,
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        return {"t": time.perf_counter(), "cpu": time.process_time(), "sys": use.ru_stime, "faults": use.ru_minflt,
+                "rows": sched.stats.row_evals,
                 "ticks": sched.stats.ticks, "router": timed.cpu_s, **packed}
 
     progress = Progress(args.warmup + args.duration, not args.no_progress, desc="bench engine")
@@ -172,6 +178,8 @@ async def bench(args: argparse.Namespace) -> dict:
         "rows_per_s": round(rows / window, 1),
         "cpu_s_per_1000_rows": round(1000 * cpu / rows, 4),
         "cpu_share": round(cpu / window, 3),
+        "kernel_share_of_cpu": round((b["sys"] - a["sys"]) / cpu, 3) if cpu > 0 else None,
+        "page_faults_per_1000_rows": round(1000 * (b["faults"] - a["faults"]) / rows, 1),
         "router_cpu_s_per_1000_rows": round(1000 * router_cpu / rows, 4),
         "router_share_of_cpu": round(router_cpu / cpu, 3) if cpu > 0 else None,
         "rows_routed": engine.rows_routed,
@@ -194,7 +202,8 @@ def format_table(r: dict) -> str:
         f"{s['cpus']} cpus, load avg {' '.join(f'{v:.2f}' for v in s['load_avg'])}",
         f"rows/s {r['rows_per_s']:,.0f} over {r['window_s']:.1f} s  |  CPU {r['cpu_s_per_1000_rows']:.3f} s per 1000 rows "
         f"({100 * r['cpu_share']:.0f}% of a core), the router {r['router_cpu_s_per_1000_rows']:.3f} s "
-        f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it)",
+        f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it); in the kernel {100 * (r.get('kernel_share_of_cpu') or 0):.0f}%, "
+        f"{r.get('page_faults_per_1000_rows', 0):,.0f} page faults per 1000 rows",
         f"events {r['events_per_s']:,.0f}/s ({r['event_mb_per_s']:.1f} MB/s packed)  |  ticks {r['ticks_per_s']:.1f}/s, "
         f"median tick {r['tick_ms_p50']} ms  |  rows guessed {r.get('rows_guessed', 0):,} "
         f"({r.get('rows_guessed_unused', 0):,} unused)",

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infra.heap import keep_freed_memory
+
+    keep_freed_memory()  # torch forwards re-fault their activations without it (infra/heap.py)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
