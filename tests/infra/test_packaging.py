@@ -37,7 +37,7 @@ LOCAL = set(SHIPPED) | {"tests"}
 ROLES: dict[str, list[str]] = {
     "base": ["schemas/*", "bus/*", "dataset/*", "infra/__init__.py", "infra/cli.py", "infra/cmd_version.py",
              "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py",
-             "infra/cmd_wait_ready.py", "infra/pip_stepwise.py"],
+             "infra/cmd_wait_ready.py", "infra/pip_stepwise.py", "infra/heap.py"],
     "worker": ["workers/*", "models/*", "infra/cmd_worker.py"],
     "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py"],
     "xla": ["workers/backends/xla_backend.py"],
