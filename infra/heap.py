@@ -20,7 +20,6 @@ defaults (or to compare); other C libraries are left alone.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import platform
@@ -41,8 +40,8 @@ def _libc():
     name, _version = platform.libc_ver()
     if name != "glibc":
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    try:  # the symbols already loaded into this process (no `ldconfig` subprocess as find_library runs)
+        libc = ctypes.CDLL(None)
         libc.mallopt  # noqa: B018 - the symbol must exist
     except (OSError, AttributeError):
         return None
