@@ -5,8 +5,8 @@ kernel once it passes a threshold (128 KiB to 32 MiB, adjusted as the program ru
 forward allocates and frees its activations on every call, so with those defaults each call can
 map fresh pages and take a page fault for every 4 KiB of them, then give them back at the end.
 For the router's 64-row chunks (a 4 MiB first activation, ~15 MiB in all) that doubled its CPU
-time on this project's 2-core VM: 150 us of CPU per row against 63 us with the memory kept, two
-thirds of the difference in the kernel (docs/CAPACITY.md, "The allocator"). The coordinator's
+time on this project's 2-core VM: 150 us of CPU per row against 63 us with the memory kept, about
+70% of the difference in the kernel (docs/CAPACITY.md, "The allocator"). The coordinator's
 router thread is its bottleneck at --route-every 1, so every ddm-fleet command calls
 :func:`keep_freed_memory` at start-up (`infra/cli.py`).
 
