@@ -75,6 +75,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def page_faults(pid: int) -> int | None:
+    """Minor page faults of a live process so far, from /proc/<pid>/stat; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def reset_peak(pid: int) -> bool:
     """Reset the process's VmHWM to its current RSS (Linux >= 4.0, own processes). False if refused."""
     try:

@@ -25,7 +25,9 @@ rows evenly over the experts. After --warmup seconds, --duration seconds are mea
 * efficiency: fleet rows/s / min(capacity, C x the coordinator capacity when --coordinator-capacity
   measured it in the same run);
 * coordinator CPU seconds per 1000 rows (utime + stime from /proc/<pid>/stat, summed over the
-  coordinators) and its peak RSS (VmHWM, reset at the start of the window via clear_refs);
+  coordinators), its minor page faults per 1000 rows (same file; thousands mean malloc is handing
+  the router's freed activations back to the kernel, see infra/heap.py) and its peak RSS (VmHWM,
+  reset at the start of the window via clear_refs);
 * images/s and p50 / p99 job latency (submit -> final images) of the jobs finished in the window;
 * the clients' (this process's) CPU share and the load average, since on a shared machine the
   clients, the workers, nats-server and the coordinators all compete for the same cores.
@@ -54,7 +56,7 @@ import math
 import os
 
 from .options import add_engine_options
-from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
+from .processes import Child, cli_argv, cpu_seconds, page_faults, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
 #: enough that 16 workers (8 per expert, 2 experts) stay under one coordinator on a 2-core box.
@@ -406,6 +408,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         for pid in pids.values():
             reset_peak(pid)
         cpu0 = {n: cpu_seconds(p) for n, p in pids.items()}
+        faults0 = {n: page_faults(p) for n, p in pids.items()}
         me0 = cpu_seconds(os.getpid())
         wk0 = [cpu_seconds(p) for p in worker_pids]
         nats0 = cpu_seconds(fleet.nats_pid) if fleet.nats_pid else None
@@ -424,6 +427,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         t_end = time.perf_counter()
         after = [await scrape(p) for p in fleet.metrics_ports]
         cpu1 = {n: cpu_seconds(p) for n, p in pids.items()}
+        faults1 = {n: page_faults(p) for n, p in pids.items()}
         me1 = cpu_seconds(os.getpid())
         wk1 = [cpu_seconds(p) for p in worker_pids]
         nats1 = cpu_seconds(fleet.nats_pid) if fleet.nats_pid else None
@@ -450,6 +454,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
     lat = [f[1] for f in in_window if f[2] == "completed"]
     outcomes = {o: sum(1 for f in in_window if f[2] == o) for o in ("completed", "rejected", "failed", "lost")}
     cpu = sum(cpu1[n] - cpu0[n] for n in pids if cpu0[n] is not None and cpu1[n] is not None)
+    faults = sum(faults1[n] - faults0[n] for n in pids if faults0[n] is not None and faults1[n] is not None)
 
     def pct(q):
         return round(float(np.percentile(lat, q)), 4) if lat else None
@@ -463,6 +468,8 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         "cohorts": [a.get("cohorts") for a in after],  # each coordinator's, at the window's end
         "coordinator_cpu_s_per_1000_rows": round(1000 * cpu / rows, 4) if rows else None,
         "coordinator_cpu_share": round(cpu / window / max(len(pids), 1), 3),
+        # minor page faults: high when malloc hands freed activations back (DDM_FLEET_MALLOC_TUNING=0)
+        "coordinator_page_faults_per_1000_rows": round(1000 * faults / rows, 1) if rows else None,
         "coordinator_peak_rss_mib": {n: round(m["peak"] / 2**20, 1) if m else None for n, m in memory.items()},
         "coordinator_rss_mib": {n: round(m["rss"] / 2**20, 1) if m else None for n, m in memory.items()},
         "clients_cpu_share": round((me1 - me0) / window, 3) if me0 is not None and me1 is not None else None,
@@ -586,7 +593,8 @@ def format_table(results: dict) -> str:
         lines.append(f"coordinator capacity (1 coordinator, instant sim workers x1/expert, R={cap['request_rows']}, "
                      f"{cap['jobs']} 1-image 40-step jobs, frames streamed): {cap['rows_per_s']:,.0f} rows/s, "
                      f"{cap['images_per_s']:.1f} images/s, job p50/p99 {cap['p50_s']}/{cap['p99_s']} s, coordinator CPU {cap['coordinator_cpu_s_per_1000_rows']} "
-                     f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core), peak RSS {peak} MiB, clients "
+                     f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core, "
+                     f"{cap.get('coordinator_page_faults_per_1000_rows') or 0:,.0f} page faults / 1000 rows), peak RSS {peak} MiB, clients "
                      f"{100 * (cap['clients_cpu_share'] or 0):.0f}% of a core, load1 {cap['load1'][0]}>{cap['load1'][1]}")
     if results["levels"]:
         lines.append(f"{'coord':>5} {'W/exp':>5} {'coh':>3} {'jobs':>5} | {'fleet rows/s':>12} {'per coord':>15} | "

@@ -69,6 +69,7 @@ def test_bench_scale_runs_two_levels_and_reports_them(tmp_path):
         assert level["efficiency"] == pytest.approx(level["rows_per_s"] / level["capacity_rows_per_s"], abs=2e-3)
         assert level["rows_per_s_per_coordinator"] == [level["rows_per_s"]]
         assert level["coordinator_cpu_s_per_1000_rows"] > 0
+        assert level["coordinator_page_faults_per_1000_rows"] >= 0
         assert all(v > 0 for v in level["coordinator_peak_rss_mib"].values())
         assert level["outcomes"]["failed"] == 0 and level["outcomes"]["lost"] == 0
         assert level["window_s"] >= 3
