@@ -65,6 +65,12 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int 
     # one, and either alone is worse than the defaults (a low fixed trim threshold, or every block
     # over 128 KiB mmapped), so the one glibc may refuse (mmap: at most 32 MiB) goes first, and the
     # trim threshold (never refused) only after it.
+    # Not set: M_ARENA_MAX=1. A thread's own arena grows in heaps of at most 64 MiB, and a heap that
+    # becomes entirely free is unmapped whatever the trim threshold says, so a thread whose first
+    # heap long-lived blocks have nearly filled still maps and faults a fresh heap for each 4 MiB
+    # activation (~1,000 faults each; one coordinator capacity run in about ten showed it, ~23,000
+    # faults per 1000 rows). One arena for all threads prevents that, but cost the engine 8% in
+    # every run (its loop and router threads then share and bounce the same memory): docs/CAPACITY.md.
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)))
     if ok:
         log.debug("malloc: mmap threshold %d MiB, trim threshold %d MiB", mmap_threshold >> 20, trim_threshold >> 20)
