@@ -65,22 +65,27 @@ def proc_memory(pid: int) -> dict | None:
     return out if len(out) == 2 else None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process in seconds, from /proc/<pid>/stat; None if gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (field 3, the state, first); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
+            return f.read().rpartition(")")[2].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process in seconds, from /proc/<pid>/stat; None if gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def page_faults(pid: int) -> int | None:
     """Minor page faults of a live process so far, from /proc/<pid>/stat; None if gone."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[7])
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else int(fields[7])
+    except (IndexError, ValueError):
         return None
 
 

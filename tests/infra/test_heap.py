@@ -20,6 +20,7 @@ def platform_is_glibc() -> bool:
 
     return platform.libc_ver()[0] == "glibc"
 
+
 PROBE = """
 import json, resource, numpy as np
 from infra.heap import keep_freed_memory
