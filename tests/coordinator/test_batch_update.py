@@ -155,9 +155,44 @@ def test_a_loaded_router_runs_traced_with_the_eager_networks_bits(tmp_path):
     eager = Router(loaded.net)
     assert loaded.traced and not eager.traced
     rng = np.random.default_rng(2)
-    for b in (1, 7, 64, 65, 130):
+    for b in (1, 7, 64, 65, 130, 192, 200):
         x = rng.standard_normal((b, 1, 32, 32)).astype(np.float32)
         t = rng.uniform(0, 1, b).astype(np.float32)
         y = rng.integers(-1, 10, b)
         assert np.array_equal(loaded.logits(x, t, y), eager.logits(x, t, y)), b
     assert loaded._graph is not None and loaded._graph is not False  # the trace was built and is in use
+
+
+def test_a_traced_router_runs_every_chunk_in_one_call_from_python(tmp_path):
+    """The chunk loop lives in the TorchScript graph: a 10-chunk batch costs the calling thread the
+    same Python work (function calls seen by a profiler) as a 1-row one. Each call into torch from
+    Python, and each tensor freed there, lets go of the GIL and must win it back; beside a busy event
+    loop every such hand-back can wait a switch interval (5 ms), so a router whose Python work grew
+    with the chunks stalled on the coordinator's loop (see models/router.py ROUTER_TRACED)."""
+    import sys
+
+    from models.router import Router
+    from models.tiny import make_tiny_router
+
+    router = Router.load(make_tiny_router(tmp_path / "router", 2, seed=1))
+    rng = np.random.default_rng(3)
+
+    def python_calls(b: int) -> int:
+        x = rng.standard_normal((b, 1, 32, 32)).astype(np.float32)
+        t, y = rng.uniform(0, 1, b).astype(np.float32), rng.integers(-1, 10, b)
+        router.logits(x, t, y)  # the graph is built at the first call
+        seen = []
+        sys.setprofile(lambda frame, event, arg: seen.append(event) if event in ("call", "c_call") else None)
+        try:
+            out = router.logits(x, t, y)
+        finally:
+            sys.setprofile(None)
+        assert out.shape == (b, 2)
+        return len(seen)
+
+    one, many = python_calls(1), python_calls(10 * router.chunk_rows)
+    assert one == many, (one, many)
+    eager = Router(router.net)  # the Python loop the graph replaces does grow with the chunks
+    x = rng.standard_normal((10 * router.chunk_rows, 1, 32, 32)).astype(np.float32)
+    t, y = rng.uniform(0, 1, len(x)).astype(np.float32), rng.integers(-1, 10, len(x))
+    assert np.array_equal(router.logits(x, t, y), eager.logits(x, t, y))
