@@ -207,9 +207,20 @@ ROUTER_CHUNK_ROWS = 64
 #: some): routing choices (top1, topk, oracle) are the same, as between batch sizes already.
 ROUTER_THREADS = 1
 
+_CHUNKS_CLASS = None
+
+
 def _chunked_class():
     """A module that runs `net` over a batch `step` rows at a time and concatenates the logits, for
-    TorchScript: scripted around the frozen trace, one call from Python runs every chunk."""
+    TorchScript: scripted around the trace, one call from Python runs every chunk (defined once,
+    at the first call, so importing this file does not import torch)."""
+    global _CHUNKS_CLASS
+    if _CHUNKS_CLASS is None:
+        _CHUNKS_CLASS = _define_chunks()
+    return _CHUNKS_CLASS
+
+
+def _define_chunks():
     import torch
     from torch import nn
 
