@@ -12,7 +12,7 @@ of the most workers the transport knows for one expert (`transport.workers_per_e
 join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick: lanes are added as
 it grows, and an idle surplus lane leaves as it shrinks (at most that many batches out at once).
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
-time); the router weighs all of them in one call (off the event loop, one call at a time); each chosen expert gets ONE batched velocity call, all experts
+time); the router weighs all of them in one call (off the event loop, in the engine's own router thread, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently. With `speculate` (the default) the calls do not wait for the router: each row's likely
 experts (what its strategy chose from its job's last router weights, `Batch.guess_requests`) are
 asked while the router runs; once it has spoken, each expert's guessed answer gives the rows the
@@ -48,6 +48,7 @@ Bounds: `tick_ms` keeps the last 100 tick times, the rows/s window at most `MAX_
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import time
@@ -175,6 +176,7 @@ class Engine:
         self._unwatched: set[asyncio.Future] = set()  # unneeded guessed calls still running
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
+        self._router_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its thread (see _route)
         self._stopping = False
         self._running = False
         self._emit_lock = asyncio.Lock()
@@ -262,6 +264,9 @@ class Engine:
             for task in [*self._lanes, *self._unwatched]:
                 task.cancel()
             self._running = False
+            if self._router_pool is not None:  # a call still running finishes; its thread then exits
+                self._router_pool.shutdown(wait=False)
+                self._router_pool = None
 
     def _add_lanes(self, n: int) -> None:
         """Start lanes until `n` run."""
@@ -406,7 +411,7 @@ class Engine:
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
         async with self._router_lock:
             if self.router_in_thread:
-                got = await asyncio.to_thread(self.router.weights, x, t, y)
+                got = await asyncio.get_running_loop().run_in_executor(self._router_thread(), self.router.weights, x, t, y)
             else:
                 got = self.router.weights(x, t, y)
         got = np.asarray(got, dtype=np.float64)
@@ -414,6 +419,15 @@ class Engine:
             raise ValueError(f"router weights must be [R, K] = [{len(y)}, {w.shape[1]}], got {list(got.shape)}")
         w[idx] = got
         self.rows_routed += len(y)
+
+    def _router_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The engine's one router thread (started at the first call, shut down when run() ends).
+        Always the same thread: its malloc arena keeps the router's activations and its core's caches
+        the weights (asyncio's default executor spread the calls over two threads; a dedicated one
+        gave 2 - 4% more rows/s, docs/CAPACITY.md "The GIL, again")."""
+        if self._router_pool is None:
+            self._router_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="router")
+        return self._router_pool
 
     async def _take_guesses(self, batch: Batch, guesses: dict[int, tuple[np.ndarray, asyncio.Future]]) -> None:
         """The routing has spoken: per expert, keep the needed rows of its guessed call's answer,

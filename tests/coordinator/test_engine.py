@@ -242,3 +242,32 @@ def test_rate_window_is_bounded_by_count():
     for _ in range(MAX_RATE_SAMPLES + 100):
         e._count_rows(1)
     assert len(e._rate) == MAX_RATE_SAMPLES and e.rows_per_s() > 0
+
+
+async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop():
+    """Every router call of a running engine goes to the same thread, not the event loop's and not
+    asyncio's default executor's (whose calls moved between threads); run() ending shuts it down."""
+    import threading
+
+    class Where(LabelRouter):
+        def __init__(self):
+            super().__init__(C2E, 2)
+            self.threads: list[threading.Thread] = []
+
+        def weights(self, x, t, y):
+            self.threads.append(threading.current_thread())
+            return super().weights(x, t, y)
+
+    router = Where()
+    e = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
+               router, Velocities(), lambda ev: None, cohorts=2)
+    task = asyncio.create_task(e.run())
+    for i in range(6):
+        e.submit(JobRequest(job_id=f"j{i}", digits=[i, 9 - i], steps=3))
+    await wait_until(lambda: e.status()["jobs_done"] == 6)
+    assert len(router.threads) >= 6
+    (thread,) = set(router.threads)
+    assert thread is not threading.current_thread() and thread.name.startswith("router")
+    await e.stop()
+    await asyncio.wait_for(task, 5)
+    await wait_until(lambda: not thread.is_alive())
