@@ -5,7 +5,7 @@ would block it mid-run), keeping the last lines for error messages, counting WAR
 and noticing the `ready ...` line the worker and coordinator print. `infra/launcher.py` supervises
 long-lived fleets (log files, restarts); this is the bench's short-lived, pipe-reading kind.
 `proc_memory` / `reset_peak` read and reset a process's RSS and peak RSS from /proc (Linux);
-`cpu_seconds` reads the CPU time it has used.
+`cpu_seconds` reads the CPU time it has used; `box_cpu` / `idle_share` how much of the machine stayed idle.
 `run_bench` is the command body of the benches that start such processes (`bench fleet`, `bench scale`).
 """
 
@@ -87,6 +87,28 @@ def page_faults(pid: int) -> int | None:
         return None if fields is None else int(fields[7])
     except (IndexError, ValueError):
         return None
+
+
+def box_cpu() -> tuple[int, int] | None:
+    """(idle, total) clock ticks of the whole machine since boot from /proc/stat's first line (idle
+    counts idle + iowait; steal and guest are left out of both); None where there is no /proc/stat.
+    Two readings give the share of the CPUs that stayed idle between them (`idle_share`)."""
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu" or len(first) < 6:
+        return None
+    ticks = [int(v) for v in first[1:8]]  # user nice system idle iowait irq softirq
+    return ticks[3] + ticks[4], sum(ticks)
+
+
+def idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPUs (0 - 1) that were idle between two `box_cpu` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def reset_peak(pid: int) -> bool:

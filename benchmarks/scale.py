@@ -30,7 +30,10 @@ rows evenly over the experts. After --warmup seconds, --duration seconds are mea
   reset at the start of the window via clear_refs);
 * images/s and p50 / p99 job latency (submit -> final images) of the jobs finished in the window;
 * the clients' (this process's) CPU share and the load average, since on a shared machine the
-  clients, the workers, nats-server and the coordinators all compete for the same cores.
+  clients, the workers, nats-server and the coordinators all compete for the same cores; the
+  share of the machine's CPUs left idle (/proc/stat; `box_idle_share` in --json), and for the
+  capacity level a line of where the CPU went: each kind of process's share of a core and CPU
+  seconds per 1000 rows, and their sum (what one more row costs the whole machine).
 
 --coordinator-capacity adds a first level that measures one coordinator process on its own:
 instant sim workers (no latency), one coordinator, --capacity-jobs 1-image jobs of 40 steps with
@@ -56,7 +59,7 @@ import math
 import os
 
 from .options import add_engine_options
-from .processes import Child, cli_argv, cpu_seconds, page_faults, proc_memory, reset_peak, run_bench
+from .processes import Child, box_cpu, cli_argv, cpu_seconds, idle_share, page_faults, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
 #: enough that 16 workers (8 per expert, 2 experts) stay under one coordinator on a 2-core box.
@@ -413,6 +416,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         wk0 = [cpu_seconds(p) for p in worker_pids]
         nats0 = cpu_seconds(fleet.nats_pid) if fleet.nats_pid else None
         load0 = os.getloadavg()[0]
+        box0 = box_cpu()
         t_window = time.perf_counter()
         last_rows, last_t = sum(b["rows"] for b in before if b), t_window
         while (now := time.perf_counter()) - t_window < args.duration:
@@ -431,6 +435,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         me1 = cpu_seconds(os.getpid())
         wk1 = [cpu_seconds(p) for p in worker_pids]
         nats1 = cpu_seconds(fleet.nats_pid) if fleet.nats_pid else None
+        box1 = box_cpu()
         memory = {n: proc_memory(p) for n, p in pids.items()}
         load1 = os.getloadavg()[0]
     finally:
@@ -476,6 +481,8 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         "workers_cpu_share": round(sum(b - a for a, b in zip(wk0, wk1) if a is not None and b is not None) / window,
                                    3),
         "nats_cpu_share": round((nats1 - nats0) / window, 3) if nats0 is not None and nats1 is not None else None,
+        # the share of all the machine's CPUs left idle in the window (None without /proc/stat)
+        "box_idle_share": None if (idle := idle_share(box0, box1)) is None else round(idle, 3),
         "load1": [round(load0, 2), round(load1, 2)],
     }
 
@@ -574,6 +581,24 @@ def _cpu(x: dict) -> str:
                                               x.get("nats_cpu_share"), x["clients_cpu_share"]))
 
 
+def _cpu_budget(x: dict, cpus: int) -> str:
+    """One level's CPU, process by process, per 1000 rows and as shares of a core, and what the
+    machine left idle: the arithmetic of what one more row costs the whole box."""
+    rate = x["rows_per_s"]
+    per_row = x.get("coordinator_cpu_s_per_1000_rows")
+    shares = {"coordinator": per_row * rate / 1000 if per_row is not None else None,  # all of them
+              "clients": x.get("clients_cpu_share"), "sim workers": x.get("workers_cpu_share"),
+              "nats-server": x.get("nats_cpu_share")}
+    parts = [f"{name} {100 * v:.0f}%" + (f" ({1000 * v / rate:.3f} s)" if rate else "")
+             for name, v in shares.items() if v is not None]
+    total = sum(v for v in shares.values() if v is not None)
+    out = "; ".join(parts) + f"; all {100 * total:.0f}%" + (f" ({1000 * total / rate:.3f} s)" if rate else "")
+    idle = x.get("box_idle_share")
+    if idle is not None:
+        out += f"; the machine's {cpus} cpus {100 * idle:.0f}% idle"
+    return out
+
+
 def format_table(results: dict) -> str:
     s = results["setup"]
     sim = s["sim"]
@@ -596,6 +621,7 @@ def format_table(results: dict) -> str:
                      f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core, "
                      f"{cap.get('coordinator_page_faults_per_1000_rows') or 0:,.0f} page faults / 1000 rows), peak RSS {peak} MiB, clients "
                      f"{100 * (cap['clients_cpu_share'] or 0):.0f}% of a core, load1 {cap['load1'][0]}>{cap['load1'][1]}")
+        lines.append("  where the CPU went (share of a core, CPU s per 1000 rows): " + _cpu_budget(cap, s["cpus"]))
     if results["levels"]:
         lines.append(f"{'coord':>5} {'W/exp':>5} {'coh':>3} {'jobs':>5} | {'fleet rows/s':>12} {'per coord':>15} | "
                      f"{'capacity':>9} {'eff':>5} | {'img/s':>7} {'p50 s':>6} {'p99 s':>6} | {'cpu s/1k':>8} "

@@ -73,7 +73,47 @@ def test_bench_scale_runs_two_levels_and_reports_them(tmp_path):
         assert all(v > 0 for v in level["coordinator_peak_rss_mib"].values())
         assert level["outcomes"]["failed"] == 0 and level["outcomes"]["lost"] == 0
         assert level["window_s"] >= 3
+        _check_cpu_shares(level, s["cpus"])
     assert (one["cohorts"], two["cohorts"]) == ([2], [2])  # --cohorts auto: 2 below 4 workers per expert
     table = format_table(res)
     assert "20 ms + 0.5 ms/row" in table and "eff" in table
     assert len([line for line in table.splitlines() if line.startswith("    1 ")]) == 2
+
+
+def _check_cpu_shares(level: dict, cpus: int) -> None:
+    """What the processes of a level used and what the machine left idle cannot add up to more than
+    its CPUs (other tenants may take the rest)."""
+    shares = [level["coordinator_cpu_share"], level["clients_cpu_share"], level["workers_cpu_share"],
+              level["nats_cpu_share"]]
+    assert all(v is not None and v >= 0 for v in shares), shares
+    assert 0 <= level["box_idle_share"] <= 1
+    assert sum(shares) / cpus + level["box_idle_share"] <= 1.05, (shares, level["box_idle_share"])
+
+
+def test_the_coordinator_capacity_level_says_where_the_cpu_went(tmp_path):
+    from benchmarks.scale import format_table
+
+    r = _cli("bench", "scale", "--coordinator-capacity", "--workers", "none", "--capacity-jobs", "32",
+             "--duration", "3", "--warmup", "1", "--checkpoints", str(tmp_path), "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    cap = res["coordinator_capacity"]
+    assert res["levels"] == [] and cap["jobs"] == 32 and cap["rows_per_s"] > 0
+    assert cap["outcomes"]["failed"] == 0 and cap["outcomes"]["lost"] == 0
+    _check_cpu_shares(cap, res["setup"]["cpus"])
+    line = next(x for x in format_table(res).splitlines() if "where the CPU went" in x)
+    coordinator = cap["coordinator_cpu_s_per_1000_rows"]
+    assert f"coordinator {100 * coordinator * cap['rows_per_s'] / 1000:.0f}% ({coordinator:.3f} s)" in line
+    total = sum(cap[k] for k in ("clients_cpu_share", "workers_cpu_share", "nats_cpu_share")) + coordinator * cap["rows_per_s"] / 1000
+    assert f"all {100 * total:.0f}% ({1000 * total / cap['rows_per_s']:.3f} s)" in line
+    assert f"the machine's {res['setup']['cpus']} cpus {100 * cap['box_idle_share']:.0f}% idle" in line
+
+
+def test_idle_share_reads_two_snapshots_of_the_machine():
+    from benchmarks.processes import box_cpu, idle_share
+
+    a = box_cpu()
+    assert a is not None and 0 <= a[0] <= a[1]
+    assert idle_share((100, 1000), (190, 1100)) == pytest.approx(0.9)
+    assert idle_share((100, 1000), (100, 1000)) is None  # no time between them
+    assert idle_share(None, a) is None
