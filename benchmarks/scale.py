@@ -428,7 +428,6 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
             last_rows, last_t = rows_now, t_now
             progress.advance(progress_base + args.warmup + min(t_now - t_window, args.duration),
                              rows_s=f"{rate:,.0f}", level=tag)
-        t_end = time.perf_counter()
         after = [await scrape(p) for p in fleet.metrics_ports]
         cpu1 = {n: cpu_seconds(p) for n, p in pids.items()}
         faults1 = {n: page_faults(p) for n, p in pids.items()}
@@ -436,6 +435,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         wk1 = [cpu_seconds(p) for p in worker_pids]
         nats1 = cpu_seconds(fleet.nats_pid) if fleet.nats_pid else None
         box1 = box_cpu()
+        t_end = time.perf_counter()  # after the readings, as t_window came after the first ones
         memory = {n: proc_memory(p) for n, p in pids.items()}
         load1 = os.getloadavg()[0]
     finally:

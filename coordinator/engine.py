@@ -264,9 +264,7 @@ class Engine:
             for task in [*self._lanes, *self._unwatched]:
                 task.cancel()
             self._running = False
-            if self._router_pool is not None:  # a call still running finishes; its thread then exits
-                self._router_pool.shutdown(wait=False)
-                self._router_pool = None
+            self._close_router_thread()
 
     def _add_lanes(self, n: int) -> None:
         """Start lanes until `n` run."""
@@ -335,11 +333,13 @@ class Engine:
             log.exception("publishing the failures of a dead engine failed")
 
     async def stop(self, reason: str = "coordinator shutting down") -> None:
-        """Stop after the current tick; jobs still queued or running fail with `unavailable`."""
+        """Stop after the current tick; jobs still queued or running fail with `unavailable`. The
+        router's thread ends too (an engine driven by `tick()` alone has it until stop or collection)."""
         self._stopping = True
         self._poke()
         self.scheduler.fail_all(ErrorCode.UNAVAILABLE, reason)
         await self.flush_events()
+        self._close_router_thread()
 
     async def tick(self) -> bool:
         """One schedule -> execute -> update round. Returns False when there was nothing to do."""
@@ -424,10 +424,17 @@ class Engine:
         """The engine's one router thread (started at the first call, shut down when run() ends).
         Always the same thread: its malloc arena keeps the router's activations and its core's caches
         the weights (asyncio's default executor spread the calls over two threads; a dedicated one
-        gave 2 - 4% more rows/s, docs/CAPACITY.md "The GIL, again")."""
+        gave 2 - 4% more rows/s, docs/CAPACITY.md "The GIL, again"). See `_close_router_thread`."""
         if self._router_pool is None:
             self._router_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="router")
         return self._router_pool
+
+    def _close_router_thread(self) -> None:
+        """Shut the router's thread down: a call still running finishes, then the thread exits (a
+        later router call starts a new one)."""
+        if self._router_pool is not None:
+            self._router_pool.shutdown(wait=False)
+            self._router_pool = None
 
     async def _take_guesses(self, batch: Batch, guesses: dict[int, tuple[np.ndarray, asyncio.Future]]) -> None:
         """The routing has spoken: per expert, keep the needed rows of its guessed call's answer,

@@ -274,8 +274,9 @@ class Router:
     """A loaded router for inference (CPU, no grad). Use :meth:`load`, then :meth:`weights`.
     `chunk_rows`: most rows per forward pass (see ROUTER_CHUNK_ROWS). `threads`: torch intra-op
     threads in the thread that calls it (ROUTER_THREADS; None leaves torch's setting alone).
-    `traced`: run a frozen TorchScript trace of `net` (see ROUTER_TRACED; `load` turns it on). The
-    weights are copied into the trace at the first call, so leave it off for a net still training."""
+    `traced`: run `net` as frozen TorchScript (see ROUTER_TRACED; `load` turns it on), built at the
+    first call with the `chunk_rows` of that moment (later changes to `chunk_rows` or to the network's
+    modules are not seen); leave it off for a net still training."""
 
     def __init__(self, net, meta: dict[str, Any] | None = None, chunk_rows: int = ROUTER_CHUNK_ROWS,
                  threads: int | None = ROUTER_THREADS, traced: bool = False):
@@ -337,15 +338,17 @@ class Router:
         return _PythonChunks(self.net, self.chunk_rows)
 
     def _build_graph(self):
-        """Trace the network, script the chunk loop around the trace and freeze both (so one call
-        from Python runs every chunk: each call into torch and each tensor freed from Python lets go
-        of the GIL and must win it back, see ROUTER_TRACED); False (use the network eagerly) if that
-        fails or the graph's logits on probe batches (one chunk, and more than one) are not the eager
-        network's bit for bit."""
+        """The network as frozen TorchScript: traced, with the chunk loop scripted around the trace
+        and both frozen (one call from Python runs every chunk: each call into torch and each tensor
+        freed from Python lets go of the GIL and must win it back, see ROUTER_TRACED). Where the loop
+        cannot be scripted (a torch without the source it compiles from), the frozen trace in a Python
+        loop; False (the network eagerly) where tracing fails. A graph whose logits on probe batches
+        (one chunk, and more than one) are not the eager network's bit for bit is not used."""
         import logging
 
         import torch
 
+        log = logging.getLogger(__name__)
         c = self.cfg
         rng = np.random.default_rng(0)
 
@@ -356,20 +359,33 @@ class Router:
 
         probes = [probe(5), probe(self.chunk_rows + 3)]
         eager = _PythonChunks(self.net.eval(), self.chunk_rows)
-        try:
-            with torch.inference_mode(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's deprecation notes and a shape check traced as a constant
+
+        def same(graph) -> bool:
+            return all(torch.equal(graph(*p), eager(*p)) for p in probes)
+
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation notes and a shape check traced as a constant
+            try:
                 traced = torch.jit.trace(self.net.eval(), probes[0], check_trace=False)
+            except Exception as err:  # an exotic build of torch: the eager network does the same job
+                log.warning("router: tracing failed (%s: %s); running it eagerly", type(err).__name__, err)
+                return False
+            try:
                 graph = torch.jit.freeze(torch.jit.script(_chunked_class()(traced, self.chunk_rows)).eval())
-                same = all(torch.equal(graph(*p), eager(*p)) for p in probes)
-        except Exception as err:  # an exotic build of torch: the eager network does the same job
-            logging.getLogger(__name__).warning("router: tracing failed (%s: %s); running it eagerly",
-                                                type(err).__name__, err)
-            return False
-        if not same:
-            logging.getLogger(__name__).warning("router: the traced network differs from the eager one; running it eagerly")
-            return False
-        return graph
+                if same(graph):
+                    return graph
+                log.warning("router: the scripted chunk loop differs from the eager network; looping in Python")
+            except Exception as err:
+                log.warning("router: scripting the chunk loop failed (%s: %s); looping in Python",
+                            type(err).__name__, err)
+            try:
+                graph = _PythonChunks(torch.jit.freeze(traced), self.chunk_rows)
+                if same(graph):
+                    return graph
+                log.warning("router: the traced network differs from the eager one; running it eagerly")
+            except Exception as err:
+                log.warning("router: freezing the trace failed (%s: %s); running it eagerly", type(err).__name__, err)
+        return False
 
     def logits(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray | None = None) -> np.ndarray:
         """x_t float32 [B, 1, 32, 32], t [B] (or scalar) in [0, 1], y int [B] (-1 / None = unknown) -> [B, K]."""

@@ -83,7 +83,8 @@ def test_bench_scale_runs_two_levels_and_reports_them(tmp_path):
 def _check_cpu_shares(level: dict, cpus: int) -> None:
     """What the processes of a level used and what the machine left idle cannot add up to more than
     its CPUs (other tenants may take the rest)."""
-    shares = [level["coordinator_cpu_share"], level["clients_cpu_share"], level["workers_cpu_share"],
+    coordinators = len(level["rows_per_s_per_coordinator"])  # coordinator_cpu_share is per coordinator
+    shares = [level["coordinator_cpu_share"] * coordinators, level["clients_cpu_share"], level["workers_cpu_share"],
               level["nats_cpu_share"]]
     assert all(v is not None and v >= 0 for v in shares), shares
     assert 0 <= level["box_idle_share"] <= 1

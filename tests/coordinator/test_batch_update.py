@@ -169,6 +169,7 @@ def test_a_traced_router_runs_every_chunk_in_one_call_from_python(tmp_path):
     Python, and each tensor freed there, lets go of the GIL and must win it back; beside a busy event
     loop every such hand-back can wait a switch interval (5 ms), so a router whose Python work grew
     with the chunks stalled on the coordinator's loop (see models/router.py ROUTER_TRACED)."""
+    import gc
     import sys
 
     from models.router import Router
@@ -190,9 +191,45 @@ def test_a_traced_router_runs_every_chunk_in_one_call_from_python(tmp_path):
         assert out.shape == (b, 2)
         return len(seen)
 
-    one, many = python_calls(1), python_calls(10 * router.chunk_rows)
+    gc.disable()  # no collection (and its finalizers) inside the counted calls
+    try:
+        one, many = python_calls(1), python_calls(10 * router.chunk_rows)
+    finally:
+        gc.enable()
     assert one == many, (one, many)
     eager = Router(router.net)  # the Python loop the graph replaces does grow with the chunks
     x = rng.standard_normal((10 * router.chunk_rows, 1, 32, 32)).astype(np.float32)
     t, y = rng.uniform(0, 1, len(x)).astype(np.float32), rng.integers(-1, 10, len(x))
     assert np.array_equal(router.logits(x, t, y), eager.logits(x, t, y))
+
+
+@pytest.mark.parametrize("broken", ["script", "trace"])
+def test_a_router_whose_graph_cannot_be_built_falls_back_with_the_same_bits(tmp_path, monkeypatch, caplog, broken):
+    """No scripted chunk loop (a torch that cannot compile it): the frozen trace, looped in Python;
+    no trace at all: the eager network. Either way the same logits, and a warning that says which."""
+    import torch
+
+    import models.router as router_mod
+    from models.router import Router
+    from models.tiny import make_tiny_router
+
+    def cannot(*a, **kw):
+        raise RuntimeError(f"no {broken} here")
+
+    monkeypatch.setattr(router_mod, "_chunked_class", cannot)
+    if broken == "trace":
+        monkeypatch.setattr(torch.jit, "trace", cannot)
+    router = Router.load(make_tiny_router(tmp_path / "router", 2, seed=5))
+    eager = Router(router.net)
+    rng = np.random.default_rng(6)
+    for b in (1, 64, 65, 200):
+        x = rng.standard_normal((b, 1, 32, 32)).astype(np.float32)
+        t, y = rng.uniform(0, 1, b).astype(np.float32), rng.integers(-1, 10, b)
+        assert np.array_equal(router.logits(x, t, y), eager.logits(x, t, y)), b
+    if broken == "script":
+        assert isinstance(router._graph, router_mod._PythonChunks)
+        assert isinstance(router._graph.net, torch.jit.ScriptModule)  # the frozen trace
+        assert "scripting the chunk loop failed" in caplog.text and "looping in Python" in caplog.text
+    else:
+        assert router._graph is False
+        assert "tracing failed" in caplog.text and "running it eagerly" in caplog.text

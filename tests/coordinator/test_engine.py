@@ -271,3 +271,13 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
     await e.stop()
     await asyncio.wait_for(task, 5)
     await wait_until(lambda: not thread.is_alive())
+
+    driven = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
+                    Where(), Velocities(), lambda ev: None, cohorts=1)  # ticked by hand, no run()
+    driven.submit(JobRequest(job_id="by-hand", digits=[4], steps=2))
+    while await driven.tick():
+        pass
+    (thread,) = set(driven.router.threads)
+    assert thread.is_alive() and thread.name.startswith("router")
+    await driven.stop()  # ends it too
+    await wait_until(lambda: not thread.is_alive())
