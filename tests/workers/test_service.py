@@ -124,16 +124,21 @@ async def test_large_request_is_split_and_answered_whole(worker, nc):
     np.testing.assert_allclose(reply.velocity, ref, atol=1e-5)
 
 
-async def test_concurrent_requests_are_batched(worker, nc):
-    before = worker.metrics.batches
-    reqs = [make_request(1, seed=i) for i in range(8)]
-    replies = await asyncio.gather(*(ask(nc, pack(r)) for r in reqs))
-    for r, (rep, _) in zip(reqs, replies):
-        assert isinstance(rep, StepReply)
-        ref = worker.backend.forward(np.array(r.x_t), np.array(r.t), np.array(r.y))
-        np.testing.assert_allclose(rep.velocity, ref, atol=1e-5)
-    assert worker.metrics.batches - before < 8  # some rode together
-    assert max(rep.batch_rows for rep, _ in replies) > 1
+async def test_concurrent_requests_are_batched(nats_url, tiny_expert_checkpoint, nc):
+    # merge="always": requests queued behind a running pass ride in the next one. The default
+    # ("auto") merges on a CPU only where its timings say one pass is cheaper than two, which on a
+    # tiny model on a busy machine can go either way (its decisions: tests/workers/test_batcher.py).
+    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8),
+                            max_request_rows=16, merge="always") as worker:
+        before = worker.metrics.batches
+        reqs = [make_request(1, seed=i) for i in range(8)]
+        replies = await asyncio.gather(*(ask(nc, pack(r)) for r in reqs))
+        for r, (rep, _) in zip(reqs, replies):
+            assert isinstance(rep, StepReply)
+            ref = worker.backend.forward(np.array(r.x_t), np.array(r.t), np.array(r.y))
+            np.testing.assert_allclose(rep.velocity, ref, atol=1e-5)
+        assert worker.metrics.batches - before < 8  # some rode together
+        assert max(rep.batch_rows for rep, _ in replies) > 1
 
 
 async def test_discovery_ping_info_stats(worker, nc):
