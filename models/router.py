@@ -211,9 +211,10 @@ _CHUNKS_CLASS = None
 
 
 def _chunked_class():
-    """A module that runs `net` over a batch `step` rows at a time and concatenates the logits, for
-    TorchScript: scripted around the trace, one call from Python runs every chunk (defined once,
-    at the first call, so importing this file does not import torch)."""
+    """A module that runs `net` over a batch `step` rows at a time and concatenates the logits.
+    Scripted around the trace, one call from Python runs every chunk; called as it is, the same loop
+    runs in Python (the eager network, or a torch that cannot script it). Defined once, at the first
+    call, so importing this file does not import torch."""
     global _CHUNKS_CLASS
     if _CHUNKS_CLASS is None:
         _CHUNKS_CLASS = _define_chunks()
@@ -238,21 +239,6 @@ def _define_chunks():
             return torch.cat([self.net(x[i:i + step], t[i:i + step], y[i:i + step]) for i in range(0, n, step)])
 
     return _Chunks
-
-
-class _PythonChunks:
-    """The same loop in Python (the eager network, or a torch that cannot script it)."""
-
-    def __init__(self, net, step: int):
-        self.net, self.step = net, step
-
-    def __call__(self, x, t, y):
-        import torch
-
-        step = self.step
-        if len(x) <= step:
-            return self.net(x, t, y)
-        return torch.cat([self.net(x[i:i + step], t[i:i + step], y[i:i + step]) for i in range(0, len(x), step)])
 
 
 #: Whether `Router.load` runs the forward as frozen TorchScript: a trace of the network with the
@@ -335,7 +321,7 @@ class Router:
                     self._graph = self._build_graph()
         if self.traced and self._graph is not False:
             return self._graph
-        return _PythonChunks(self.net, self.chunk_rows)
+        return _chunked_class()(self.net, self.chunk_rows)
 
     def _build_graph(self):
         """The network as frozen TorchScript: traced, with the chunk loop scripted around the trace
@@ -358,7 +344,7 @@ class Router:
                     torch.from_numpy(rng.integers(-1, c.num_classes, n).astype(np.int64)))
 
         probes = [probe(5), probe(self.chunk_rows + 3)]
-        eager = _PythonChunks(self.net.eval(), self.chunk_rows)
+        eager = _chunked_class()(self.net.eval(), self.chunk_rows)
 
         def same(graph) -> bool:
             return all(torch.equal(graph(*p), eager(*p)) for p in probes)
@@ -379,7 +365,7 @@ class Router:
                 log.warning("router: scripting the chunk loop failed (%s: %s); looping in Python",
                             type(err).__name__, err)
             try:
-                graph = _PythonChunks(torch.jit.freeze(traced), self.chunk_rows)
+                graph = _chunked_class()(torch.jit.freeze(traced), self.chunk_rows)
                 if same(graph):
                     return graph
                 log.warning("router: the traced network differs from the eager one; running it eagerly")
