@@ -34,7 +34,7 @@ import os
 import resource
 import time
 
-from .options import add_engine_options
+from .options import add_engine_options, add_router_option, router_path
 from .processes import run_bench
 
 
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_options(parser, "2 here, the experts being in-process")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json from here (default %(default)s)")
+    add_router_option(parser)
     parser.add_argument("--duration", type=float, default=8.0, metavar="S", help="seconds measured (default 8)")
     parser.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds before (default 3)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -60,8 +61,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.duration > 0 or not args.warmup >= 0:
         raise ValueError("--duration must be > 0 and --warmup >= 0")
-    for name in ("router.safetensors", "partition.json"):
-        path = os.path.join(args.checkpoints, name)
+    for path in (router_path(args), os.path.join(args.checkpoints, "partition.json")):
         if not os.path.exists(path):
             raise ValueError(f"{path} does not exist (--checkpoints names the folder with the router and partition)")
 
@@ -101,8 +101,7 @@ async def bench(args: argparse.Namespace) -> dict:
 
     from .scale import Progress
 
-    router, k, c2e = load_router_and_partition(os.path.join(args.checkpoints, "router.safetensors"),
-                                               os.path.join(args.checkpoints, "partition.json"))
+    router, k, c2e = load_router_and_partition(router_path(args), os.path.join(args.checkpoints, "partition.json"))
     timed = TimedRouter(router)
     n_rows = args.jobs * args.images_per_job
     sched = Scheduler(SchedulerConfig(num_experts=k, class_to_expert=c2e, max_rows=max(1024, n_rows),
@@ -169,7 +168,7 @@ async def bench(args: argparse.Namespace) -> dict:
         raise RuntimeError("no rows were stepped in the window")
     cpu, router_cpu = b["cpu"] - a["cpu"], b["router"] - a["router"]
     return {
-        "setup": {"router": os.path.join(args.checkpoints, "router.safetensors"), "experts": k,
+        "setup": {"router": router_path(args), "experts": k,
                   "jobs": args.jobs, "images_per_job": args.images_per_job, "steps": args.steps,
                   "strategy": args.strategy, "stream": not args.no_stream, "cohorts": args.cohorts,
                   "route_every": args.route_every, "speculate": args.speculate, "duration_s": args.duration, "warmup_s": args.warmup,

@@ -41,7 +41,7 @@ import argparse
 import os
 import time
 
-from .options import add_engine_options
+from .options import add_engine_options, add_router_option, router_path
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 
@@ -57,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-stream", action="store_true", help="jobs do not stream frames (only final images)")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="expert<k>.safetensors, router.safetensors, partition.json (default %(default)s)")
+    add_router_option(parser)
     parser.add_argument("--widths", default="32,64,128",
                         help="UNet widths of the random experts used when --checkpoints has none (default %(default)s)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute in workers and in the ceiling")
@@ -123,6 +124,7 @@ def _ints(text: str, what: str) -> list[int]:
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first bad option; sets args.concurrency_list."""
     args.concurrency_list = _ints(args.concurrency, "--concurrency")
+    router_path(args)  # --router, when given, must exist
     _ints(args.buckets, "--buckets")
     for name in ("steps", "images_per_job", "jobs_per_client", "max_rows", "max_queued_jobs", "workers_per_expert"):
         if getattr(args, name) < 1:
@@ -157,10 +159,15 @@ def _models(args, tmpdir: str) -> dict:
         if len(paths["experts"]) < k:
             raise FileNotFoundError(f"{paths['partition']} has {k} experts but {args.checkpoints}/ holds "
                                     f"{len(paths['experts'])} expert checkpoints")
-        return {"experts": [str(p) for p in paths["experts"][:k]], "router": str(paths["router"]),
+        router = router_path(args)
+        return {"experts": [str(p) for p in paths["experts"][:k]], "router": str(router),
                 "partition": str(paths["partition"]), "k": k,
                 "c2e": [int(manifest.class_to_expert(y)) for y in range(10)],
-                "described": f"checkpoints in {args.checkpoints}/"}
+                "described": f"checkpoints in {args.checkpoints}/"
+                             + (f", router {router}" if args.router is not None else "")}
+    if args.router is not None:
+        raise ValueError(f"--router needs the experts and partition it was trained with, and {args.checkpoints}/ "
+                         "has none (see --checkpoints)")
     import numpy as np
 
     from dataset.partition import partition_by_classes, save_manifest

@@ -1,9 +1,11 @@
 """Command-line options the benches share: the coordinator's engine settings they pass through
-(`ddm-fleet coordinator --cohorts / --route-every / --speculate`)."""
+(`ddm-fleet coordinator --cohorts / --route-every / --speculate`) and the router checkpoint
+(`ddm-fleet coordinator --router`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str, where: str = "") -> None:
@@ -22,3 +24,23 @@ def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str, wh
     parser.add_argument("--speculate", choices=("on", "off"), default="on",
                         help=f"send the likely expert requests while the router runs ({at}`ddm-fleet coordinator "
                              "--speculate`; default %(default)s)")
+
+
+def add_router_option(parser: argparse.ArgumentParser) -> None:
+    """Add --router: the router checkpoint the coordinator loads, as `ddm-fleet coordinator --router`
+    takes it (default: router.safetensors in --checkpoints)."""
+    parser.add_argument("--router", metavar="PATH", default=None,
+                        help="router checkpoint (default: router.safetensors in --checkpoints); e.g. "
+                             "checkpoints/router-small.safetensors, the router with a third of the shipped "
+                             "one's CPU per row (docs/CAPACITY.md, \"A smaller router\")")
+
+
+def router_path(args: argparse.Namespace) -> str:
+    """The router checkpoint a bench uses: --router, else <--checkpoints>/router.safetensors.
+    Raises ValueError when --router names a file that does not exist."""
+    router = getattr(args, "router", None)
+    if router is None:
+        return os.path.join(args.checkpoints, "router.safetensors")
+    if not os.path.exists(router):
+        raise ValueError(f"--router {router} does not exist")
+    return router

@@ -58,7 +58,7 @@ import argparse
 import math
 import os
 
-from .options import add_engine_options
+from .options import add_engine_options, add_router_option, router_path
 from .processes import Child, box_cpu, cli_argv, cpu_seconds, idle_share, page_faults, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
@@ -120,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json for the coordinators (default %(default)s; "
                              "a random tiny router when absent)")
+    add_router_option(parser)
     parser.add_argument("--job-timeout", type=float, default=300.0, metavar="S",
                         help="a job with neither images nor a failure after S seconds counts as lost "
                              "(default %(default)s)")
@@ -183,6 +184,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--jobs must be >= 1")
     if not args.duration > 0 or args.warmup < 0 or not args.job_timeout > 0:
         raise ValueError("--duration and --job-timeout must be > 0 seconds, --warmup >= 0")
+    router_path(args)  # --router, when given, must exist
     _, batch, row = latency_model(args)
     for label, v in (("--sim-batch-ms", batch), ("--sim-row-ms", row)):
         if not math.isfinite(v) or v < 0:
@@ -201,11 +203,14 @@ def _models(args, tmpdir: str) -> dict:
     from dataset.partition import load_manifest
     from models.tiny import make_tiny_experts
 
-    router = os.path.join(args.checkpoints, "router.safetensors")
+    router = router_path(args)
     partition = os.path.join(args.checkpoints, "partition.json")
+    if args.router is not None and not os.path.exists(partition):
+        raise ValueError(f"--router needs the partition it was trained with: {partition} does not exist")
     if os.path.exists(router) and os.path.exists(partition):
         k = load_manifest(partition).num_experts
-        described = f"router and partition from {args.checkpoints}/"
+        described = (f"router and partition from {args.checkpoints}/" if args.router is None
+                     else f"router {router}, partition from {args.checkpoints}/")
     else:
         import numpy as np
 

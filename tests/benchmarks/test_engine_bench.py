@@ -22,6 +22,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--route-every", "0"], "--route-every must be >= 1"),
     (["--duration", "0"], "--duration must be > 0"),
     (["--checkpoints", "/nonexistent"], "router.safetensors does not exist"),
+    (["--router", "/nonexistent.safetensors"], "--router /nonexistent.safetensors does not exist"),
     (["--cohorts", "zero"], "must be 'auto' or an int >= 1"),
 ])
 def test_bad_options_are_refused(argv, message):

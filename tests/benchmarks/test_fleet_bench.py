@@ -27,6 +27,8 @@ def test_bad_arguments_are_refused(capsys):
     assert "--max-rows" in capsys.readouterr().err
     assert bench.run(_args(job_timeout=0.0)) == 2
     assert "--job-timeout" in capsys.readouterr().err
+    assert bench.run(_args(router="/nonexistent.safetensors")) == 2
+    assert "--router /nonexistent.safetensors does not exist" in capsys.readouterr().err
 
 
 async def test_ceiling_path_measures_every_concurrency(tmp_path):

@@ -36,6 +36,7 @@ def test_worker_capacity_and_derived_jobs():
     (["--request-rows", "513"], "--request-rows must be <= 512"),
     (["--sim-batch-ms", "-1"], "--sim-batch-ms must be a finite number >= 0"),
     (["--duration", "0"], "--duration and --job-timeout must be > 0"),
+    (["--workers", "1", "--router", "/nonexistent.safetensors"], "--router /nonexistent.safetensors does not exist"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message):
     r = _cli("bench", "scale", *argv, timeout=60)

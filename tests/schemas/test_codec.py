@@ -262,3 +262,65 @@ def test_oversize_payload_on_pack_is_too_large():
     big = StepRequest(expert=0, x_t=np.zeros((n, 1, 128, 128), np.float32), t=np.zeros(n, np.float32),
                       y=np.zeros(n, np.int64))
     assert _code(pack, big).code is ErrorCode.TOO_LARGE
+
+
+def _full_checks(obj, name="tensor"):
+    """`decode_tensor` with the exact-type fast path turned off: every check written out."""
+    import schemas.tensor as tensor
+
+    saved = tensor._decode_plain
+    tensor._decode_plain = lambda obj: None
+    try:
+        return decode_tensor(obj, name=name)
+    finally:
+        tensor._decode_plain = saved
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fast_path_decodes_what_the_full_checks_decode(seed):
+    """Random valid tensors of every fast dtype and rank: the fast path takes them (it is used),
+    and gives the full path's array: dtype, shape, bytes and read-only."""
+    from schemas.tensor import _decode_plain
+
+    rng = np.random.default_rng(seed)
+    dtype = sorted(ALLOWED_DTYPES - {"|b1"})[seed % 11]
+    shape = [int(d) for d in rng.integers(1, 5, size=int(rng.integers(0, MAX_TENSOR_NDIM + 1)))]
+    a = (rng.standard_normal(shape) * 100).astype(dtype)
+    wire = _wire(encode_tensor(a))
+    fast, full = _decode_plain(wire), _full_checks(wire)
+    assert fast is not None, (dtype, shape)
+    assert fast.dtype == full.dtype == np.dtype(dtype) and fast.shape == full.shape == tuple(shape)
+    assert fast.tobytes() == full.tobytes() == a.tobytes()
+    assert not fast.flags.writeable and not decode_tensor(wire).flags.writeable
+
+
+@pytest.mark.parametrize("obj", [
+    {"dtype": "<f4", "shape": [0, 3], "data": b""},  # zero dimension: the max(d, 1) size rule
+    {"dtype": "<f4", "shape": [True, 2], "data": b"\0" * 8},  # a bool is not a dimension
+    {"dtype": "<f4", "shape": [-1], "data": b""},
+    {"dtype": "<f4", "shape": (2,), "data": b"\0" * 8},  # a tuple (in-process), not the wire's list
+    {"dtype": "<f4", "shape": [2], "data": bytearray(8)},  # not bytes: the full path makes the view read-only
+    {"dtype": "<f4", "shape": [2], "data": memoryview(b"\0" * 8)},
+    {"dtype": "<f4", "shape": [2], "data": b"\0" * 7},
+    {"dtype": "|b1", "shape": [2], "data": b"\0\2"},  # bool bytes are checked for 0 / 1
+    {"dtype": "bfloat16", "shape": [2], "data": b"\0" * 4},  # widened: the one decode that copies
+    {"dtype": ">f4", "shape": [2], "data": b"\0" * 8},
+    {"dtype": "<f4", "shape": [2], "data": b"\0" * 8, "extra": 1},
+    {"dtype": "<f4", "shape": [2], "date": b"\0" * 8},
+    {"dtype": "<f4", "shape": [1] * (MAX_TENSOR_NDIM + 1), "data": b"\0" * 4},
+])
+def test_the_fast_path_leaves_every_other_tensor_to_the_full_checks(obj):
+    """What the fast path does not take it leaves whole to the full checks: the same array or the
+    same error as before it existed."""
+    from schemas.tensor import _decode_plain
+
+    assert _decode_plain(obj) is None
+    try:
+        expected = _full_checks(obj)
+    except ProtocolError as err:
+        got = _code(decode_tensor, obj)
+        assert (got.code, got.message) == (err.code, err.message)
+    else:
+        arr = decode_tensor(obj)
+        assert arr.dtype == expected.dtype and arr.shape == expected.shape and arr.tobytes() == expected.tobytes()
+        assert not arr.flags.writeable
