@@ -55,3 +55,13 @@ def test_bench_engine_measures_rows_cpu_and_events():
     assert runs[False]["events_per_s"] == pytest.approx(runs[False]["rows_per_s"] / 8, rel=0.15)
     table = format_table(runs[True])
     assert "rows/s" in table and "the router" in table and "route-every 2" in table and "page faults per 1000 rows" in table
+
+
+def test_bench_engine_runs_the_router_it_is_given():
+    small = "checkpoints/router-small.safetensors"
+    r = _cli("--jobs", "32", "--steps", "4", "--duration", "1", "--warmup", "0.3", "--router", small,
+             "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["setup"]["router"] == small
+    assert res["rows_per_s"] > 0 and 0 < res["router_cpu_s_per_1000_rows"] < res["cpu_s_per_1000_rows"]
