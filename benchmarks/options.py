@@ -31,8 +31,8 @@ def add_router_option(parser: argparse.ArgumentParser) -> None:
     takes it (default: router.safetensors in --checkpoints)."""
     parser.add_argument("--router", metavar="PATH", default=None,
                         help="router checkpoint (default: router.safetensors in --checkpoints); e.g. "
-                             "checkpoints/router-small.safetensors, a quarter of the shipped router's FLOPs per "
-                             "row (docs/CAPACITY.md, \"A smaller router\")")
+                             "checkpoints/router-w16.safetensors, the width-16 router the shipped one replaced "
+                             "(four times its FLOPs per row: docs/CAPACITY.md, \"A smaller router\")")
 
 
 def router_path(args: argparse.Namespace) -> str:

@@ -58,10 +58,10 @@ def test_bench_engine_measures_rows_cpu_and_events():
 
 
 def test_bench_engine_runs_the_router_it_is_given():
-    small = "checkpoints/router-small.safetensors"
-    r = _cli("--jobs", "32", "--steps", "4", "--duration", "1", "--warmup", "0.3", "--router", small,
+    w16 = "checkpoints/router-w16.safetensors"
+    r = _cli("--jobs", "32", "--steps", "4", "--duration", "1", "--warmup", "0.3", "--router", w16,
              "--no-progress", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
-    assert res["setup"]["router"] == small
+    assert res["setup"]["router"] == w16
     assert res["rows_per_s"] > 0 and 0 < res["router_cpu_s_per_1000_rows"] < res["cpu_s_per_1000_rows"]
