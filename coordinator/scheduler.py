@@ -43,11 +43,12 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
+from schemas.tensor import frame_float16
 
 from .batch import Batch
 from .checkpoint import JobCheckpoint
@@ -701,9 +702,9 @@ class Scheduler:
         if req.stream and (job.step % req.frame_every == 0 or g.done):
             self._events.append(FrameEvent.trusted(  # built here to the schema: see FrameEvent.trusted
                 job_id=job.job_id, step=job.step, steps=req.steps, t=g.t,
-                x=euler.frame16[rows] if euler is not None else np.clip(g.x, -6e4, 6e4).astype(np.float16),
+                x=euler.frame16[rows] if euler is not None else frame_float16(g.x),
                 experts=g.last_experts.tolist(), weights=g.last_weights, notes=notes,
-                x1=(np.clip(g.x + (1.0 - g.t) * g.last_u, -6e4, 6e4).astype(np.float16)
+                x1=(frame_float16(g.x + (1.0 - g.t) * g.last_u)
                     if req.frame_x1 and g.last_u is not None else None),
             ))
         if g.done:
@@ -766,6 +767,6 @@ class _EulerRows:
     @property
     def frame16(self) -> np.ndarray:
         if self._frame16 is None:
-            self._frame16 = np.clip(self.x_next, -6e4, 6e4).astype(np.float16)
+            self._frame16 = frame_float16(self.x_next)
         return self._frame16
 

@@ -115,3 +115,35 @@ def test_a_bfloat16_array_is_a_float32_array_that_only_encodes_narrower():
     with pytest.raises(ProtocolError) as err:
         decode_tensor({"dtype": BFLOAT16, "shape": [3], "data": b"\0" * 4})
     assert err.value.code == ErrorCode.BAD_SHAPE  # 2 bytes per value
+
+
+def test_frame_float16_is_numpys_clip_and_cast_bit_for_bit():
+    """A frame's float16 x: the torch (F16C) path gives numpy's clip-then-cast bits on every kind of
+    value (rounding ties, float16 subnormals and underflow, the clip limit, Inf, -0.0), and NaN stays
+    NaN; inputs torch does not take (float64, non-contiguous) go numpy's way."""
+    import sys
+
+    import torch  # noqa: F401  (the coordinator has it loaded: the fast path)
+
+    from schemas.tensor import FRAME_FLOAT16_LIMIT, frame_float16
+
+    assert "torch" in sys.modules
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(4096) * s for s in (1e-8, 1e-6, 1e-4, 1.0, 1e2, 1e4, 1e5)]
+    ties = (np.arange(1, 2049, dtype=np.float32) + 0.5)  # halfway between float16 integers above 2048
+    special = np.array([0.0, -0.0, 65504.0, 65520.0, 6e4, -6e4, 59999.99, np.inf, -np.inf, 5.96e-8, 2.98e-8,
+                        -2.98e-8, 6.1e-5, 1e-45], np.float32)
+    a = np.concatenate([*parts, ties + 2048, special]).astype(np.float32).reshape(-1, 1, 2, 1)
+    want = np.clip(a, -FRAME_FLOAT16_LIMIT, FRAME_FLOAT16_LIMIT).astype(np.float16)
+    got = frame_float16(a)
+    assert got.dtype == np.float16 and got.shape == a.shape
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.isfinite(got).all() and np.abs(got).max() <= FRAME_FLOAT16_LIMIT
+    with_nan = a.copy()
+    with_nan.flat[::97] = np.nan
+    out = frame_float16(with_nan)
+    assert np.array_equal(np.isnan(out), np.isnan(with_nan))
+    assert np.array_equal(out[~np.isnan(out)].view(np.uint16), want[~np.isnan(with_nan)].view(np.uint16))
+    for other in (a.astype(np.float64), a[::2]):
+        assert np.array_equal(frame_float16(other).view(np.uint16),
+                              np.clip(other, -6e4, 6e4).astype(np.float16).view(np.uint16))
