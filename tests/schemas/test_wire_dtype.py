@@ -123,7 +123,7 @@ def test_frame_float16_is_numpys_clip_and_cast_bit_for_bit():
     NaN; inputs torch does not take (float64, non-contiguous) go numpy's way."""
     import sys
 
-    import torch  # noqa: F401  (the coordinator has it loaded: the fast path)
+    import torch  # the coordinator has it loaded: the fast path
 
     from schemas.tensor import FRAME_FLOAT16_LIMIT, frame_float16
 
@@ -144,6 +144,15 @@ def test_frame_float16_is_numpys_clip_and_cast_bit_for_bit():
     out = frame_float16(with_nan)
     assert np.array_equal(np.isnan(out), np.isnan(with_nan))
     assert np.array_equal(out[~np.isnan(out)].view(np.uint16), want[~np.isnan(with_nan)].view(np.uint16))
+    # the cast runs on one torch thread (an OpenMP team would spin beside the router) and leaves this
+    # thread's setting as it found it
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert np.array_equal(frame_float16(a).view(np.uint16), want.view(np.uint16))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     for other in (a.astype(np.float64), a[::2]):
         assert np.array_equal(frame_float16(other).view(np.uint16),
                               np.clip(other, -6e4, 6e4).astype(np.float16).view(np.uint16))
