@@ -1,0 +1,87 @@
+"""Command-line conventions every ddm-fleet process shares.
+
+* `add_nats_option`: `--nats URL`, defaulting to $NATS_URL, spelled and explained the same everywhere;
+* `add_switch`: an on/off setting is `--name` / `--no-name` (argparse's BooleanOptionalAction); the
+  older `--name on|off` spelling is still accepted with a deprecation warning;
+* `add_deprecated_alias`: an old option name that still works, warns once, and stores into the new one.
+
+Warnings go to stderr as ``ddm-fleet: warning: ...`` so scripts that parse stdout are unaffected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from bus.nats_server import default_nats_url
+
+_LEGACY_SWITCH_VALUES = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False}
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    print(f"ddm-fleet: warning: {old} is deprecated and will be removed; use {new}", file=sys.stderr)
+
+
+def add_nats_option(parser: argparse.ArgumentParser, *, default: str | None = "env", help: str | None = None) -> None:
+    """`--nats URL`. `default="env"`: $NATS_URL, else nats://127.0.0.1:4222 (read when the parser is
+    built); `default=None`: no bus unless given (commands that start their own)."""
+    value = default_nats_url() if default == "env" else default
+    parser.add_argument("--nats", default=value, metavar="URL",
+                        help=help or "NATS server, or a comma-separated list of a cluster's nodes "
+                                     "(default: $NATS_URL, else nats://127.0.0.1:4222)")
+
+
+class _Switch(argparse.Action):
+    """`--name` sets True, `--no-name` False; `--name on|off` (deprecated) still works."""
+
+    def __init__(self, option_strings, dest, default=None, help=None, **kwargs):
+        names = []
+        for opt in option_strings:
+            names.append(opt)
+            if opt.startswith("--"):
+                names.append("--no-" + opt[2:])
+        super().__init__(names, dest, nargs="?", default=default, help=help, metavar="", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negative = option_string.startswith("--no-")
+        if values is None:
+            setattr(namespace, self.dest, not negative)
+            return
+        if negative:
+            parser.error(f"{option_string} takes no value")
+        key = str(values).lower()
+        if key not in _LEGACY_SWITCH_VALUES:
+            parser.error(f"{option_string}: expected no value (or the deprecated on|off), got {values!r}")
+        on = _LEGACY_SWITCH_VALUES[key]
+        base = option_string[2:]
+        warn_deprecated(f"{option_string} {values}", f"--{base}" if on else f"--no-{base}")
+        setattr(namespace, self.dest, on)
+
+    def format_usage(self) -> str:
+        return " | ".join(s for s in self.option_strings)
+
+
+def add_switch(parser: argparse.ArgumentParser, name: str, *, default: bool, help: str, dest: str | None = None) -> None:
+    """Add `--name` / `--no-name` (default `default`, said in the help)."""
+    state = "on" if default else "off"
+    parser.add_argument(f"--{name}", action=_Switch, default=default, dest=dest,
+                        help=f"{help} (--{name} / --no-{name}; default {state})")
+
+
+class _DeprecatedAlias(argparse.Action):
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warn_deprecated(option_string, self.new)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+    """Accept `old` (e.g. "--method") as a hidden spelling of the option `new` (e.g. "--solver"): same
+    destination, same type/choices (pass them in `kwargs`), a warning on stderr when used."""
+    dest = new.lstrip("-").replace("-", "_")
+    parser.add_argument(old, action=_DeprecatedAlias, new=new, dest=dest, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS, **kwargs)
