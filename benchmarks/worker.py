@@ -206,6 +206,7 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
 
     import numpy as np
 
+    from bus.connect import connect
     from bus.nats_server import NatsServer
     from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
     from schemas.tensor import to_wire_dtype
@@ -230,8 +231,6 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
         expert = backend.expert if backend.expert is not None else 0
         url = args.nats or stack.enter_context(NatsServer()).url
 
-        import nats
-
         async with contextlib.AsyncExitStack() as serving:
             if procs:
                 children = await _start_worker_procs(args, ckpt, expert, url, buckets, procs)
@@ -247,7 +246,7 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
 
                 def ours(worker_id: str) -> bool:
                     return worker_id == worker.worker_id
-            nc = await nats.connect(url, name="ddm-bench")
+            nc = await connect(url, name="ddm-bench", reconnect=60)
             serving.push_async_callback(nc.close)
             rng = np.random.default_rng(0)
             c, h, w = backend.input_shape

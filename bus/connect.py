@@ -189,6 +189,13 @@ def _scrub(text: str, servers: list[str]) -> str:
     return text
 
 
+def without_credentials(urls: str | list[str]) -> str:
+    """`urls` (one URL, a comma-separated list, or a list) with every user:password@ or token@ removed,
+    for messages and logs."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    return ",".join(_without_credentials(u.strip()) for u in items)
+
+
 def _without_credentials(url: str) -> str:
     """`url` with any user:password@ or token@ removed, for messages."""
     scheme, sep, rest = url.partition("://")

@@ -222,7 +222,9 @@ class ExpertWorker:
         self.backend.warmup(self.buckets)
 
     async def _connect(self):
-        import nats
+        """Connect to the bus (`bus.connect`): `connect_attempts` tries at first, so a wrong URL fails
+        in seconds with BusUnavailable (a ConnectionError), then reconnect forever."""
+        from bus.connect import connect, without_credentials
 
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s: %s", type(err).__name__, err)
@@ -230,31 +232,16 @@ class ExpertWorker:
         async def on_disconnect() -> None:
             if self._stopping:
                 return
-            log.warning("nats: disconnected from %s; reconnecting", self.nats_url)
+            log.warning("nats: disconnected from %s; reconnecting", without_credentials(self.nats_url))
 
         async def on_reconnect() -> None:
-            log.warning("nats: reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+            log.warning("nats: reconnected to %s", self.nc.connected_url.netloc.rsplit("@", 1)[-1]
+                        if self.nc.connected_url else "?")
 
-        from bus.nats_server import nats_servers
-
-        servers = nats_servers(self.nats_url)  # one URL or a comma-separated list (ValueError if malformed)
-        try:
-            nc = await nats.connect(
-                servers,
-                name=f"ddm-worker-e{self.expert}-{self._backend_name}",
-                allow_reconnect=True,
-                max_reconnect_attempts=max(1, self.connect_attempts),
-                reconnect_time_wait=self.reconnect_wait,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                pending_size=64 * 1024 * 1024,
-            )
-        except Exception as err:
-            raise ConnectionError(f"cannot connect to NATS at {self.nats_url}: {type(err).__name__}: {err}") from None
-        # Bounded attempts for the first connect (fail fast with a clear error), unlimited after.
-        nc.options["max_reconnect_attempts"] = -1
-        return nc
+        return await connect(self.nats_url, name=f"ddm-worker-e{self.expert}-{self._backend_name}",
+                             reconnect="forever", first_connect_attempts=max(1, self.connect_attempts),
+                             reconnect_wait_s=self.reconnect_wait, pending_size=64 * 1024 * 1024,
+                             error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
 
     def metadata(self) -> dict[str, str]:
         be = self.backend

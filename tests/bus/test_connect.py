@@ -134,3 +134,10 @@ async def test_reconnects_forever_after_a_server_restart():
 async def test_bad_arguments_are_value_errors(nats_url, kwargs):
     with pytest.raises(ValueError):
         await connect(nats_url, name="test-bad", **kwargs)
+
+
+def test_without_credentials_for_logs():
+    from bus.connect import without_credentials
+
+    assert without_credentials("nats://bob:Pw9x@a:4222, nats://b:4222") == "nats://a:4222,nats://b:4222"
+    assert without_credentials(["tok3n@h:1"]) == "h:1"
