@@ -402,8 +402,7 @@ async def _fleet(args, models) -> dict:
     import asyncio
     import tempfile
 
-    import nats
-
+    from bus.connect import connect
     from bus.nats_server import NatsServer
     from coordinator.client import client_connect_options, client_from_url
 
@@ -442,8 +441,8 @@ async def _fleet(args, models) -> dict:
                 "--route-every", getattr(args, "route_every", 1), "--speculate", getattr(args, "speculate", "on"), *wire, *(["--durable"] if durable else [])), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
-            nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
-                                    **client_connect_options(client_from_url(srv.url)))
+            nc = await connect(srv.url, name="ddm-bench-clients", reconnect="forever",
+                               **client_connect_options(client_from_url(srv.url)))
             pids = {c.name: c.pid for c in children}
             pids["nats-server"] = srv.proc.pid
             pids["bench (clients)"] = os.getpid()

@@ -145,8 +145,9 @@ def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
 async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
     """Generate and score every configuration. `judges` (a `judges.Judges`) defaults to both cached
     judges, trained once if missing."""
-    import nats
     from tqdm import tqdm
+
+    from bus.connect import connect
 
     from .judges import Judges
 
@@ -162,8 +163,8 @@ async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
         if fleet is None:
             from coordinator.client import client_connect_options, client_from_url
 
-            nc = await nats.connect(spec.nats_url, name="ddm-eval",
-                                    **client_connect_options(client_from_url(spec.nats_url)))
+            nc = await connect(spec.nats_url, name="ddm-eval", reconnect=60, first_connect_attempts=3,
+                               **client_connect_options(client_from_url(spec.nats_url)))
         else:
             await fleet.__aenter__()
             nc = fleet.nc

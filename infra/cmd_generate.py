@@ -355,9 +355,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     async def main() -> int:
-        import nats
-
-        from bus.nats_server import nats_servers
+        from bus.connect import connect
 
         if args.local:
             from coordinator.local_fleet import LocalFleet
@@ -373,15 +371,20 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
-        nc = await nats.connect(nats_servers(args.nats), name="ddm-generate", connect_timeout=5,
-                                max_reconnect_attempts=3, reconnect_time_wait=0.5, **client_connect_options(client))
+        nc = await connect(args.nats, name="ddm-generate", reconnect=3, first_connect_attempts=4,
+                           reconnect_wait_s=0.5, connect_timeout_s=5, **client_connect_options(client))
         try:
             return await job(nc)
         finally:
             await nc.drain()
 
+    from bus.connect import BusUnavailable, without_credentials
+
     try:
         return asyncio.run(main())
+    except BusUnavailable as err:
+        print(f"ddm-fleet generate: {err} Or use --local to run a fleet in this process.", file=sys.stderr)
+        return 1
     except FileNotFoundError as err:
         print(f"ddm-fleet generate: {err}", file=sys.stderr)
         return 2
@@ -396,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
         if type(err).__module__.startswith("nats"):
-            print(f"ddm-fleet generate: cannot reach NATS at {args.nats}: {type(err).__name__} {err} "
+            print(f"ddm-fleet generate: NATS at {without_credentials(args.nats)}: {type(err).__name__} {err} "
                   "(start a fleet, or use --local)", file=sys.stderr)
             return 1
         raise
