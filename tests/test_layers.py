@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "schemas": 0, "bus": 0,                      # the wire protocol; bus-connection helpers
     "dataset": 1, "models": 1,                   # data + partitions; networks + checkpoint format
+    "flow": 1, "client": 1,                      # flow-matching path + solvers; the client side of a job
     "training": 2, "workers": 2,                 # trainers; expert workers
     "coordinator": 3,                            # the serving path
     "web": 4, "evaluation": 4, "benchmarks": 4,  # clients of a fleet
@@ -24,9 +25,10 @@ LAYERS = {
     "infra": 6,                                  # the CLI and process launch
 }
 
-# The coordinator's pure core: no I/O, no bus, no subject names (schedule/update are tested with hand-made replies).
-PURE_MODULES = ["coordinator/scheduler.py", "coordinator/batch.py", "coordinator/rows.py", "coordinator/solver.py",
-                "coordinator/strategies.py", "coordinator/dispatch.py"]
+# The coordinator's pure core and the solver it steps with: no I/O, no bus, no subject names
+# (schedule/update are tested with hand-made replies).
+PURE_MODULES = ["coordinator/scheduler.py", "coordinator/batch.py", "coordinator/rows.py", "coordinator/strategies.py",
+                "coordinator/dispatch.py", "flow/solver.py", "flow/path.py"]
 IMPURE = {"nats", "aiohttp", "asyncio", "socket", "subprocess", "schemas.subjects", "bus"}
 
 
