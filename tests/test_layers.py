@@ -68,6 +68,13 @@ def test_scheduler_core_does_no_io(module):
     assert "ddm.v1" not in (ROOT / module).read_text(), f"{module} spells a NATS subject"
 
 
+def test_the_web_viewer_is_a_client_not_a_coordinator():
+    """web/ reaches a fleet through client/ (schemas only), so the viewer's install needs no coordinator (nor torch)."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for path in sorted((ROOT / "web").rglob("*.py"))
+           for module, line in _imports(path) if module.split(".")[0] in ("coordinator", "models", "workers")]
+    assert not bad, "\n".join(bad)
+
+
 def test_schemas_is_the_protocol_only():
     """schemas/ holds messages, codec, subjects, limits, errors, version: no generators, no I/O helpers."""
     files = {p.name for p in (ROOT / "schemas").glob("*.py")}
