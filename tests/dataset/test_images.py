@@ -29,7 +29,8 @@ def test_halves_round_to_even():
 
 
 def test_every_pixel_survives_the_round_trip_through_the_model_range():
-    """uint8 -> model range (dataset.mnist.to_model_range, evaluation.rescore's p / 127.5 - 1) -> uint8 is the identity."""
+    """uint8 -> model range (dataset.mnist.to_model_range, evaluation.rescore's p / 127.5 - 1) -> uint8: the
+    identity."""
     p = np.arange(256, dtype=np.uint8)
     assert to_uint8(p.astype(np.float32) / 127.5 - 1.0).tolist() == p.tolist()
     digits = np.resize(p, (1, 28, 28))
