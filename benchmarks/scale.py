@@ -379,7 +379,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
     import numpy as np
 
     from bus.connect import connect
-    from coordinator.client import client_connect_options, client_from_url
+    from client.jobs import client_connect_options, client_from_url
     from schemas import JobRequest
 
     from .fleet import fleet_job

@@ -235,7 +235,7 @@ def summary(result: RunResult, steps: int, strategy: str, path: str) -> dict:
 
 
 class _JobError(Exception):
-    """Job `index` (0-based) of a run failed with `err` (a coordinator.client.JobFailed)."""
+    """Job `index` (0-based) of a run failed with `err` (a client.jobs.JobFailed)."""
 
     def __init__(self, index: int, err: Exception):
         super().__init__(str(err))
@@ -249,7 +249,7 @@ async def run_jobs(nc, requests: list, *, in_flight: int, timeout: float, bar=No
     import asyncio
     import time
 
-    from coordinator.client import JobFailed, run_job
+    from client.jobs import JobFailed, run_job
     from schemas import ErrorCode, JobAccepted
 
     gate = asyncio.Semaphore(in_flight)
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
             rows = min(n_images, args.max_images_per_job * args.jobs_in_flight)
             async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(rows)) as fleet:
                 return await job(fleet.nc)
-        from coordinator.client import client_connect_options, client_from_url
+        from client.jobs import client_connect_options, client_from_url
 
         try:  # the jobs belong to the NATS user of --nats ("anon" without one)
             client = client_from_url(args.nats)

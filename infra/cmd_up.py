@@ -240,7 +240,7 @@ class Probes:
         return True
 
     async def coordinator(self, child) -> bool:
-        from coordinator.client import fleet_status
+        from client.jobs import fleet_status
 
         await fleet_status(await self._conn(), timeout=1.0)
         return True

@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from coordinator.client import client_connect_options, client_from_url
+from client.jobs import client_connect_options, client_from_url
 from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
 
 from .fleet import FleetMonitor
