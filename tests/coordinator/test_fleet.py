@@ -256,6 +256,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.procs
 async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, experts):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(experts[0]), nats_url],
