@@ -8,7 +8,7 @@ CONSTRAINTS := infra/constraints-cpu.txt
 KEY := $(shell cat pyproject.toml $(CONSTRAINTS) | sha1sum | cut -c1-12)
 RUNTIME_STAMP := $(VENV)/.installed-all-$(KEY)
 TEST_STAMP := $(VENV)/.installed-test-$(KEY)
-# Browser tests drive Debian's Chromium (tests/web/test_browser.py); DDM_CHROMIUM points elsewhere.
+# Browser tests drive Debian's Chromium (tests/web/test_app_browser.py); DDM_CHROMIUM points elsewhere.
 CHROMIUM := $(or $(DDM_CHROMIUM),/usr/bin/chromium)
 # No wheel cache: it would keep a second copy of every wheel (about 4 GB for the XLA venv's CUDA
 # torch) on a disk that CI machines do not always have to spare.
