@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.procs
+
 SCRIPT = Path(sys.executable).with_name("ddm-fleet")
 
 

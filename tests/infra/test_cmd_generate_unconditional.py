@@ -57,6 +57,7 @@ def null_experts(tmp_path_factory):
                              groups=8, null_label=True)
 
 
+@pytest.mark.procs
 async def test_generate_unconditional_against_a_running_fleet(nats_url, null_experts, tmp_path):
     import torch
 

@@ -67,6 +67,7 @@ def experts(tmp_path_factory):
     return make_tiny_experts(tmp_path_factory.mktemp("gen-experts"))
 
 
+@pytest.mark.procs
 async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
     import torch
 
@@ -105,6 +106,7 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.procs
 def test_generate_local_runs_its_own_fleet(experts, tmp_path):
     import shutil
 
@@ -125,6 +127,7 @@ def test_generate_local_runs_its_own_fleet(experts, tmp_path):
     assert np.load(out)["images"].shape == (2, 1, 32, 32)
 
 
+@pytest.mark.procs
 def test_generate_local_without_checkpoints_says_what_is_missing(tmp_path):
     r = _cli("--local", "--checkpoints", str(tmp_path), "--digits", "1", "--out", str(tmp_path / "x.png"))
     assert r.returncode == 2 and "router.safetensors" in r.stderr and "checkpoints/README.md" in r.stderr
@@ -177,6 +180,7 @@ def test_split_options_refuse_bad_values(capsys):
     assert f"at most {MAX_RUN_IMAGES}" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_split_timing(nats_url, experts, tmp_path):
     """10 images in jobs of 4: 3 jobs (4 + 4 + 2) with seeds S, S+1, S+2, written in order; the first 4
     equal a single 10-image job's, job 2 equals a lone job of its classes seeded S+1, and the same run
