@@ -28,6 +28,8 @@ SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.options import add_nats_option
+
     parser.add_argument("--checkpoint", default=None, metavar="PATH",
                         help="expert checkpoint; default: a randomly initialised UNet of --widths")
     parser.add_argument("--widths", default="32,64,128",
@@ -43,13 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sim backend: milliseconds per padded row (overrides the preset)")
     parser.add_argument("--device", default=None, help="backend device (see `ddm-fleet worker --help`)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute")
-    parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default 1,8,64)")
-    parser.add_argument("--nats", default=None, metavar="URL",
-                        help="NATS server to use (it must have no other worker of this expert); "
-                             "default: start a private nats-server on a free port")
+    parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default %(default)s)")
+    add_nats_option(parser, default=None, help="NATS server to use (it must have no other worker of this expert; "
+                                               "default: start a private nats-server on a free port)")
     parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
                         help="seconds to measure each bucket on each path (default 2; the paths alternate)")
-    parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
+    parser.add_argument("--min-iters", type=int, default=3, metavar="N",
+                        help="at least N calls per bucket and path (default %(default)s)")
     parser.add_argument("--wire-dtype", default="float32", metavar="D[,D...]",
                         help="wire precision(s) of the NATS path, from float32, float16, bfloat16; several "
                              "(comma-separated) are measured side by side (default %(default)s)")

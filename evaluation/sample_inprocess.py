@@ -200,14 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label unknown (y = -1) for every row; files are named uncond-<config>.npz; no oracle")
     p.add_argument("--per-class", type=int, default=500, metavar="N",
                    help="images per digit: 10 x N in all (default %(default)s)")
-    p.add_argument("--steps", type=int, default=40, metavar="N", help="solver steps (default %(default)s)")
+    p.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
     p.add_argument("--solver", choices=("euler", "heun"), default="euler",
                    help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="first job seed (as ddm-fleet eval --seed; default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="first job seed (as ddm-fleet eval --seed; default %(default)s)")
     p.add_argument("--images-per-job", type=int, default=50, metavar="N",
                    help="images per seeded job (as ddm-fleet eval --images-per-job; default %(default)s)")
     add_deprecated_alias(p, "--job-size", "--images-per-job", type=int, metavar="N")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <config>.npz")
     p.add_argument("--skip-existing", action="store_true",

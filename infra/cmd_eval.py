@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "list of a cluster's nodes (default: a local in-process fleet)")
     parser.add_argument("--device", default=None,
                         help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)")
-    parser.add_argument("--data-dir", default=None, help="MNIST + classifier cache (default $DDM_DATA_DIR or ./data)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="MNIST and judges cache directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage")
     parser.add_argument("--rescore", default=None, metavar="DIR",
                         help="generate nothing; re-score every <configuration>.npz in DIR with both judges")
@@ -69,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", type=int, default=200, metavar="B",
                         help="with --rescore: bootstrap resamples for the FID/TV intervals and paired differences "
                              "(fixed seed 0; 0 turns them off; default %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table (as bench and fuzz do)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -109,9 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
                         help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
                              "full (all experts, router weighted), oracle (the partition owning the class)")
-    parser.add_argument("--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default 2)")
+    parser.add_argument("--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default %(default)s)")
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                        help="euler (1 expert call per step, default) or heun (2 per step, more accurate)")
+                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
     parser.add_argument("--seed", type=_seed, default=None,
                         help="seed S in [0, 2^63): same S (and --images-per-job), same images; job j of a split "
                              "run gets seed S + j (default: random)")

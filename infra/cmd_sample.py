@@ -43,15 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--checkpoint", action="append", default=None, metavar="PATH",
                         help="expert .safetensors (repeat per expert; default: checkpoints/expert0 and expert1)")
-    parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default: %(default)s)")
-    parser.add_argument("--per-class", type=int, default=10, help="samples per class = grid columns (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=40, help="solver steps (default: %(default)s)")
+    parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default %(default)s)")
+    parser.add_argument("--per-class", type=int, default=10, metavar="N", help="samples per class = grid columns (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                        help="euler (1 model call per step) or heun (2 per step, more accurate) (default: %(default)s)")
+                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
     add_deprecated_alias(parser, "--method", "--solver", choices=("euler", "heun"))
-    parser.add_argument("--seed", type=int, default=0, help="noise seed (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", default="samples.png", help="PNG to write (default: %(default)s)")
+    parser.add_argument("--out", default="samples.png", help="PNG to write (default %(default)s)")
     parser.add_argument("--npz", default=None, help="also save the raw samples [N,1,32,32] and labels to this .npz")
 
 
