@@ -17,12 +17,12 @@ import importlib
 
 # (name, "module:attribute", one-line help). The attribute (or the module itself when no
 # ":attribute" is given) provides add_arguments(parser) and run(args) -> int, like a CLI command.
-# `ddm-fleet bench --help` lists them in this order, one line each (keep a help under ~65 characters).
+# `ddm-fleet bench --help` lists them in this order, one line each (keep a help under 70 characters).
 BENCHES: list[tuple[str, str, str]] = [
-    ("worker", "benchmarks.worker", "one expert worker's rows/s per bucket: through NATS vs in-process"),
-    ("fleet", "benchmarks.fleet", "whole fleet: images/s, job latency and outcomes, peak RSS vs in-process"),
-    ("scale", "benchmarks.scale", "fleet rows/s as sim workers and coordinators are added; coordinator CPU"),
-    ("engine", "benchmarks.engine", "the coordinator's engine alone (no NATS, instant experts): rows/s, CPU"),
+    ("worker", "benchmarks.worker", "one expert worker: rows/s per bucket through NATS vs in-process"),
+    ("fleet", "benchmarks.fleet", "whole fleet: images/s, job latency, job outcomes, RSS vs in-process"),
+    ("scale", "benchmarks.scale", "fleet rows/s as sim workers and coordinators are added"),
+    ("engine", "benchmarks.engine", "the coordinator's engine alone (no NATS, instant experts)"),
 ]
 
 EXAMPLES = """examples:
