@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from bus.options import show_switches
+
 # The commands by workflow, in the order `ddm-fleet --help` lists them: (group title, [(name, module,
 # one-line help), ...]). Keep each help short enough for one line of an 80-column terminal.
 COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, description=(mod.__doc__ or help_text).strip(), parents=[common])
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    show_switches(parser)
     return parser
 
 
