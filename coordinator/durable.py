@@ -4,7 +4,7 @@ its coordinator (see docs/COORDINATOR.md, "Durable jobs (JetStream)"). Off unles
 
 Two buckets (created on first use, history 1):
 
-* `ddm_jobs`        key <job id> -> a `job_checkpoint` message (coordinator.checkpoint), written on
+* `ddm_jobs`        key <job id> -> a `job_checkpoint` message (coordinator.snapshot), written on
                     admission, every `checkpoint_every` solver steps, and on a clean shutdown;
                     deleted when the job ends (done, failed, cancelled). Bucket TTL `jobs_ttl_s`,
                     size bound `jobs_max_bytes`.
@@ -45,7 +45,7 @@ import logging
 import time
 from typing import Any
 
-from .checkpoint import MAX_CHECKPOINT_BYTES
+from .snapshot import MAX_CHECKPOINT_BYTES
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)

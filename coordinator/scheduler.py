@@ -51,7 +51,7 @@ from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 from schemas.tensor import frame_float16
 
 from .batch import Batch
-from .checkpoint import JobCheckpoint
+from .snapshot import JobCheckpoint
 from .rows import RowGroup, draw_digits
 from .solver import euler_update
 
@@ -428,7 +428,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ checkpoint / restore
     def checkpoint(self, job_id: str) -> JobCheckpoint | None:
-        """A copy of a held job's state (`coordinator.checkpoint.JobCheckpoint`), or None if unknown.
+        """A copy of a held job's state (`coordinator.snapshot.JobCheckpoint`), or None if unknown.
         A running job's committed state is taken (a batch in flight has not touched it yet); a
         queued job's has `x = None`."""
         job = self._active.get(job_id) or next((j for j in self._queue if j.job_id == job_id), None)

@@ -67,8 +67,8 @@ from schemas import (
 from schemas.errors import shown
 from schemas.messages import MAX_COORDINATOR_NAME_LEN
 
-from .checkpoint import decode as decode_checkpoint
-from .checkpoint import encode as encode_checkpoint
+from .snapshot import decode as decode_checkpoint
+from .snapshot import encode as encode_checkpoint
 from .durable import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S, CheckpointingScheduler, JobLost, JobStore
 from .engine import AUTO_COHORTS, Engine, RouterLike, Transport, check_cohorts
 from .scheduler import Rejected, Scheduler, SchedulerConfig
