@@ -45,6 +45,7 @@ import logging
 import time
 from typing import Any
 
+from .config import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S  # noqa: F401 (re-exported)
 from .snapshot import MAX_CHECKPOINT_BYTES
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -53,10 +54,8 @@ log = logging.getLogger(__name__)
 JOBS_BUCKET = "ddm_jobs"
 OWNERS_BUCKET = "ddm_job_owners"
 
-#: Solver steps between two checkpoint writes of a job (see docs/COORDINATOR.md for the cost).
-DEFAULT_CHECKPOINT_EVERY = 10
-#: Seconds an owner's lease lives without renewal (renewed every third of it).
-DEFAULT_LEASE_S = 6.0
+# DEFAULT_CHECKPOINT_EVERY: solver steps between two snapshot writes of a job (see docs/COORDINATOR.md
+# for the cost); DEFAULT_LEASE_S: seconds an owner's lease lives without renewal (renewed every third of it)
 #: Seconds a checkpoint lives without being rewritten (a job runs at most max_job_run_s).
 DEFAULT_JOBS_TTL_S = 3600.0
 #: Bytes the checkpoint bucket may hold (writes beyond are refused: those jobs are not durable).
