@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from schemas.messages import MAX_COORDINATOR_NAME_LEN
 
@@ -147,7 +148,7 @@ class CoordinatorConfig:
                                max_client_rows=self.max_client_rows, max_client_queued_jobs=self.max_client_queued_jobs,
                                max_job_cost=self.max_job_cost, max_job_run_s=self.max_job_run_s)
 
-    def replace(self, **changes: Any) -> "CoordinatorConfig":
+    def replace(self, **changes: Any) -> CoordinatorConfig:
         """A copy with `changes` (checked again)."""
         return dataclasses.replace(self, **changes)
 
@@ -169,7 +170,7 @@ class CoordinatorConfig:
             opt.add(parser, opt.to_cli(value))
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> "CoordinatorConfig":
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> CoordinatorConfig:
         """The config of parsed `args` (fields without a flag in `args` keep their defaults), with
         `overrides`. Raises ValueError naming the flag to fix."""
         values: dict[str, Any] = {}
@@ -232,7 +233,7 @@ class _Option:
     def dest(self) -> str:
         return self.field
 
-    def to_cli(self, value: Any, config: "CoordinatorConfig | None" = None) -> Any:
+    def to_cli(self, value: Any, config: CoordinatorConfig | None = None) -> Any:
         if self.field == "metrics_port":   # None (off) -> 0; 9478 best effort -> None (the flag's default)
             optional = config.metrics_optional if config is not None else True
             return 0 if value is None else None if (value == DEFAULT_METRICS_PORT and optional) else value

@@ -14,8 +14,19 @@ import logging
 from typing import TYPE_CHECKING
 
 from bus.ratelimited_log import RateLimitedLog
-from schemas import CancelReply, CancelRequest, ErrorCode, ErrorReply, JobRejected, JobRequest, JobStatus, \
-    ProtocolError, pack, subjects, unpack
+from schemas import (
+    CancelReply,
+    CancelRequest,
+    ErrorCode,
+    ErrorReply,
+    JobRejected,
+    JobRequest,
+    JobStatus,
+    ProtocolError,
+    pack,
+    subjects,
+    unpack,
+)
 from schemas.errors import shown
 
 from .scheduler import Rejected
@@ -39,7 +50,7 @@ UNKNOWN_JOB = "unknown job"
 class Intake:
     """Message handlers of one coordinator (`on_submit`, `on_cancel`, `on_job_status`, `on_status`)."""
 
-    def __init__(self, coordinator: "Coordinator"):
+    def __init__(self, coordinator: Coordinator):
         self.coord = coordinator
         self._bg: set[asyncio.Task] = set()
         self._dropped_log = RateLimitedLog(log)  # requests whose reply subject is outside _INBOX

@@ -15,7 +15,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: (client token, the client's job id)
 JobName = tuple[str, str]

@@ -289,7 +289,7 @@ async def test_job_ids_are_per_client_two_clients_may_both_run_abc(nats_url, nc,
     both are accepted and run to their own images, and each namespace carries only its own job's
     events (under the id its client chose). A second "abc" of the same client, while the first runs,
     is refused as before; the refusal never names the id another client's job runs under."""
-    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url) as coord:
+    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url):
         alice_events = await _collect(nc, subjects.job_events("alice", "abc"))
         bob_events = await _collect(nc, subjects.job_events("bob", "abc"))
         everything = await _collect(nc, subjects.ALL_JOB_EVENTS)
