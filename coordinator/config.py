@@ -166,8 +166,10 @@ class CoordinatorConfig:
         base = cls()
         for name in names:
             opt = _BY_FIELD[name]
-            value = (defaults or {}).get(name, getattr(base, name))
-            opt.add(parser, opt.to_cli(value))
+            if name in (defaults or {}):
+                opt.add(parser, opt.to_cli(defaults[name]))
+            else:
+                opt.add(parser, opt.cli_default(base))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> CoordinatorConfig:
@@ -187,7 +189,7 @@ class CoordinatorConfig:
         argv: list[str] = []
         for name in (list(only) if only is not None else [o.field for o in _OPTIONS]):
             opt = _BY_FIELD[name]
-            mine, theirs = opt.to_cli(getattr(self, name), self), opt.to_cli(getattr(base, name), base)
+            mine, theirs = opt.to_cli(getattr(self, name), self), opt.cli_default(base)
             if mine != theirs:
                 argv += opt.argv(mine)
         return argv
@@ -201,7 +203,7 @@ class CoordinatorConfig:
         parts = []
         for name, value in defaults.items():
             opt = _BY_FIELD[name]
-            mine, theirs = opt.to_cli(value), opt.to_cli(getattr(base, name))
+            mine, theirs = opt.to_cli(value), opt.cli_default(base)
             if mine != theirs:
                 parts.append(f"{opt.flag} {_shown(mine)} (coordinator: {_shown(theirs)})")
         return "bench defaults differing from `ddm-fleet coordinator`: " + ", ".join(parts) if parts else ""
@@ -232,6 +234,11 @@ class _Option:
     @property
     def dest(self) -> str:
         return self.field
+
+    def cli_default(self, base: CoordinatorConfig) -> Any:
+        """The flag's default on `ddm-fleet coordinator`: the field's, in the flag's terms (for
+        --metrics-port: absent, i.e. port 9478 best effort)."""
+        return None if self.field == "metrics_port" else self.to_cli(getattr(base, self.field))
 
     def to_cli(self, value: Any, config: CoordinatorConfig | None = None) -> Any:
         if self.field == "metrics_port":   # None (off) -> 0; 9478 best effort -> None (the flag's default)
