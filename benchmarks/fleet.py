@@ -515,18 +515,17 @@ async def bench_fleet(args) -> dict:
         if fleet and ceiling:
             row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
         rows.append(row)
+    cfg = _coordinator(args)
     setup = {"models": models["described"], "experts": models["k"], "steps": args.steps,
              "images_per_job": args.images_per_job, "jobs_per_client": args.jobs_per_client,
              "strategy": args.strategy, "solver": args.solver, "stream": not args.no_stream, "bf16": args.bf16,
              "backend": getattr(args, "backend", "torch"), "device": getattr(args, "device", None) or "default",
-             "threads": args.threads, "cpus": os.cpu_count(), "max_rows": args.max_rows,
-             "max_queued_jobs": args.max_queued_jobs, "job_timeout_s": args.job_timeout,
-             "step_timeout_s": args.step_timeout, "retries": args.retries,
+             "threads": args.threads, "cpus": os.cpu_count(), "max_rows": cfg.max_rows,
+             "max_queued_jobs": cfg.max_queued_jobs, "job_timeout_s": args.job_timeout,
+             "step_timeout_s": cfg.step_timeout, "retries": cfg.retries,
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
-             "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
-             "cohorts": getattr(args, "cohorts", "auto"), "route_every": getattr(args, "route_every", 1),
-             "speculate": "on" if getattr(args, "speculate", True) else "off",
-             "durable": getattr(args, "durable", False), "merge": getattr(args, "merge", "auto"),
+             "wire_dtype": cfg.wire_dtype, "hedge": cfg.hedge, "cohorts": cfg.cohorts, "route_every": cfg.route_every,
+             "speculate": "on" if cfg.speculate else "off", "durable": cfg.durable, "merge": getattr(args, "merge", "auto"),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}

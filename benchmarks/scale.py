@@ -564,11 +564,12 @@ async def bench_scale(args) -> dict:
                     await fleet.close()
     finally:
         progress.close()
+    cfg = _coordinator(args)
     out["setup"] = {
         "router": models["described"], "experts": k, "strategy": args.strategy, "steps": args.steps,
-        "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": args.cohorts, "route_every": getattr(args, "route_every", 1),
-        "speculate": "on" if getattr(args, "speculate", True) else "off",
-        "request_rows": r, "hedge": args.hedge, "dispatch": getattr(args, "dispatch", "direct"),
+        "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": cfg.cohorts,
+        "route_every": cfg.route_every, "speculate": "on" if cfg.speculate else "off",
+        "request_rows": r, "hedge": cfg.hedge, "dispatch": cfg.dispatch,
         "queued_per_worker": args.queued_per_worker,
         "jobs_rule": ("--jobs" if args.jobs else
                       f"ceil(K * W * R * (1 + queued) / images_per_job) = ceil({k} * W * {r} * "

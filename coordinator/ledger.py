@@ -79,10 +79,13 @@ class JobLedger:
 
     def forget(self, internal: str) -> JobName | None:
         """Drop a live job without a terminal event (fenced, handed over); returns its name."""
+        self._progress.pop(internal, None)
+        return self._unlink(internal)
+
+    def _unlink(self, internal: str) -> JobName | None:
         name = self._names.pop(internal, None)
         if name is not None and self._live.get(name) == internal:
             del self._live[name]
-        self._progress.pop(internal, None)
         return name
 
     def prune(self, still_known: Callable[[str], bool], keep: str, limit: int) -> None:
@@ -99,7 +102,7 @@ class JobLedger:
     def remember(self, internal: str, event) -> JobName | None:
         """Keep a terminal event (its job id already the client's) for status requests, with the
         (step, steps) the job reached: all of them for `done`; for `failed` the last step known."""
-        name = self.forget_live_for_finish(internal)
+        name = self._unlink(internal)
         if name is None:
             return None
         old = self._finished.pop(name, None)
@@ -112,12 +115,6 @@ class JobLedger:
         self._finished[name] = (time.monotonic(), event, size, reached or (0, 0))
         self._finished_bytes += size
         self._forget_old()
-        return name
-
-    def forget_live_for_finish(self, internal: str) -> JobName | None:
-        name = self._names.pop(internal, None)
-        if name is not None and self._live.get(name) == internal:
-            del self._live[name]
         return name
 
     def _forget_old(self) -> None:
