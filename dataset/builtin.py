@@ -72,16 +72,24 @@ def pad28(images_u8: np.ndarray) -> np.ndarray:
     return out
 
 
-def colourize(images_u8: np.ndarray, palette: np.ndarray) -> np.ndarray:
-    """Grey digits uint8 [N, 1, S, S] + palette indices [N] -> RGB uint8 [N, 3, S, S].
+def colour_lut() -> np.ndarray:
+    """uint8 [len(COMBINATIONS), 3, 256]: channel value of intensity p for each palette index,
+    rint(bg + (fg - bg) * (p / 255)) computed in float32."""
+    fg = np.array([FOREGROUNDS[f] for f, _ in COMBINATIONS], dtype=np.float32)[:, :, None]
+    bg = np.array([BACKGROUNDS[b] for _, b in COMBINATIONS], dtype=np.float32)[:, :, None]
+    a = np.arange(256, dtype=np.float32)[None, None, :] / np.float32(255.0)
+    return np.clip(np.rint(bg + (fg - bg) * a), 0, 255).astype(np.uint8)
 
-    pixel = rint(bg + (fg - bg) * p / 255) per channel, computed in float32.
-    """
-    fg = np.array([FOREGROUNDS[f] for f, _ in COMBINATIONS], dtype=np.float32)[palette]  # [N, 3]
-    bg = np.array([BACKGROUNDS[b] for _, b in COMBINATIONS], dtype=np.float32)[palette]
-    a = images_u8.astype(np.float32) / np.float32(255.0)  # [N, 1, S, S]
-    out = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * a
-    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+def colourize(images_u8: np.ndarray, palette: np.ndarray, chunk: int = 8192) -> np.ndarray:
+    """Grey digits uint8 [N, 1, S, S] + palette indices [N] -> RGB uint8 [N, 3, S, S] (see colour_lut)."""
+    lut = colour_lut()
+    out = np.empty((len(images_u8), 3, *images_u8.shape[2:]), dtype=np.uint8)
+    channel = np.arange(3)[None, :, None, None]
+    for i in range(0, len(images_u8), chunk):
+        pal = np.asarray(palette[i:i + chunk])[:, None, None, None]
+        out[i:i + chunk] = lut[pal, channel, images_u8[i:i + chunk]]
+    return out
 
 
 def draw_palette(seed: int, split: str, n: int) -> np.ndarray:

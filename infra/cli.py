@@ -19,7 +19,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) into a PNG grid or .npz"),
     ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla or jax backend)"),
     ("bench", "infra.cmd_bench", "benchmarks: `bench worker` = worker rows/s through NATS vs in-process"),
-    ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
+    ("data", "infra.cmd_data", "prepare a dataset (an image folder, MNIST, colour MNIST) and inspect it"),
     ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch / torch_xla / jax)"),
     ("sample", "infra.cmd_sample", "sample digits in-process from expert checkpoints to a PNG grid"),
     ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
