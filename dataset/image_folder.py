@@ -115,7 +115,8 @@ def load_image(path: str | os.PathLike, size: int, channels: int, background: st
             im = im.resize((size, size), resample, box=box)
             arr = np.asarray(im, dtype=np.uint8)
     except UnidentifiedImageError:
-        raise ImageError("not an image") from None
+        known = Path(path).suffix.lower() in Image.registered_extensions()
+        raise ImageError("corrupt (unreadable image data)" if known else "not an image") from None
     except ImageError:
         raise
     except Exception as exc:  # noqa: BLE001 - truncated, corrupt, bomb, odd mode: skip the file, never crash

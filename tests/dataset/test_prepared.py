@@ -65,7 +65,7 @@ def test_labelled_folder_shapes_labels_manifest_and_skip_report(labelled, tmp_pa
     assert set(skipped) == {"README.md", "blue/notes.txt", "green/cut.jpg", "red/broken.png"}
     assert skipped["blue/notes.txt"] == "not an image"
     assert skipped["README.md"] == "not in a class subfolder"
-    assert "corrupt" in skipped["green/cut.jpg"]
+    assert "corrupt" in skipped["green/cut.jpg"] and "corrupt" in skipped["red/broken.png"]
     assert m["source"]["used"] == 15 and m["source"]["skipped"] == 4
     report = F.describe_skipped(res.skipped, m["source"]["files"])
     assert report.startswith("skipped 4 of 19 files:") and "blue/notes.txt (not an image)" in report
