@@ -200,9 +200,9 @@ def test_srv_replies_are_documented_as_json_and_cancel_mismatch_as_refused():
     assert "`cancelled: false`" in DOC and "`body job_id 'x' does not match the subject`" in FLAT
     import inspect
 
-    from coordinator.service import Coordinator
+    from coordinator.intake import Intake
 
-    assert "does not match the subject" in inspect.getsource(Coordinator._on_cancel)
+    assert "does not match the subject" in inspect.getsource(Intake.on_cancel)
 
 
 def test_ownership_reason_and_reply_rule_are_documented_as_the_coordinator_answers():
