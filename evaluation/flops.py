@@ -26,11 +26,10 @@ def expert_flops(checkpoint: str | os.PathLike) -> int:
     import torch
 
     from models.checkpoint import load_meta
-    from models.config import UNetConfig
-    from models.unet_torch import UNet
+    from models.arch import build_torch, config_from_meta
 
-    cfg = UNetConfig.from_dict(load_meta(checkpoint)["config"])
-    model = UNet(cfg).eval()
+    cfg = config_from_meta(load_meta(checkpoint))
+    model = build_torch(cfg).eval()
     x = torch.zeros(1, cfg.in_channels, cfg.image_size, cfg.image_size)
     return _count(model, x, torch.full((1,), 0.5), torch.zeros(1, dtype=torch.long))
 
