@@ -1,7 +1,8 @@
-"""Architecture configuration shared by the torch and flax expert UNets.
+"""Architecture configurations shared by the torch and flax expert models.
 
-`UNetConfig` is the single source of truth for the shape of an expert model; it is stored verbatim in
-every checkpoint's JSON (`to_dict`) and checked again on load (`from_dict`).
+`UNetConfig` (the UNet) and `DiTConfig` (the DiT) are the single source of truth for the shape of an expert
+model; one is stored verbatim in every checkpoint's JSON (`to_dict`), with "arch" naming which (`models.arch`),
+and checked again on load (`from_dict`).
 """
 
 from __future__ import annotations
