@@ -31,10 +31,11 @@ def configs() -> list:
 
 def main(argv: list[str] | None = None) -> None:
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
-    from evaluation.flops import _count
     from models.arch import build_torch
     from models.config import DiTConfig
+    from models.dit_common import attention_flops
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -50,9 +51,9 @@ def main(argv: list[str] | None = None) -> None:
                 p.add_(0.02 * torch.randn_like(p))
         x = torch.randn(args.batch, cfg.in_channels, cfg.image_size, cfg.image_size)
         t, y = torch.rand(args.batch), torch.randint(0, cfg.num_classes, (args.batch,))
-        flops = _count(model, x[:1], t[:1], y[:1])
-        if isinstance(cfg, DiTConfig):
-            flops += 4 * cfg.grid ** 4 * cfg.hidden_size * cfg.depth
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            model(x[:1], t[:1], y[:1])
+        flops = counter.get_total_flops() + (attention_flops(cfg) if isinstance(cfg, DiTConfig) else 0)
         with torch.inference_mode():
             model(x, t, y)  # warm-up
         runs.append((cfg, model, (x, t, y), sum(p.numel() for p in model.parameters()), flops / 1e9, []))

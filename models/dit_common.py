@@ -21,3 +21,10 @@ def sincos_pos_embed(dim: int, grid: int) -> np.ndarray:
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
 
     return np.concatenate([one(ww), one(hh)], axis=1).astype(np.float32)
+
+
+def attention_flops(cfg) -> int:
+    """FLOPs per image of a DiT's attention matmuls (q k^T and weights v: 2 x 2 T^2 D per block, T tokens,
+    D = hidden_size), which torch's FlopCounterMode does not see inside CPU scaled_dot_product_attention."""
+    tokens = cfg.grid ** 2
+    return 4 * tokens * tokens * cfg.hidden_size * cfg.depth
