@@ -7,6 +7,7 @@ and checked again on load (`from_dict`).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 
@@ -111,10 +112,12 @@ class DiTConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_ratio", float(self.mlp_ratio))
-        for name in ("in_channels", "image_size", "patch_size", "hidden_size", "depth", "num_heads", "num_classes"):
+        for name in ("in_channels", "image_size", "patch_size", "hidden_size", "depth", "num_heads", "num_classes",
+                     "time_freq_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"DiTConfig: {name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy integers -> int (JSON-serialisable)
         if self.image_size % self.patch_size:
             divisors = [p for p in range(1, self.image_size + 1) if self.image_size % p == 0 and p <= 8]
             raise ValueError(f"DiTConfig: patch_size {self.patch_size} must divide image_size {self.image_size}; "
@@ -127,7 +130,7 @@ class DiTConfig:
                              "position embedding gives a quarter of it to each of sin/cos of row/column)")
         if not self.mlp_ratio > 0 or int(self.hidden_size * self.mlp_ratio) <= 0:
             raise ValueError(f"DiTConfig: mlp_ratio must be positive (e.g. 4.0), got {self.mlp_ratio}")
-        if self.time_freq_dim <= 0 or self.time_freq_dim % 2:
+        if self.time_freq_dim % 2:
             raise ValueError(f"DiTConfig: time_freq_dim must be a positive even number, got {self.time_freq_dim}")
         if not isinstance(self.null_label, bool):
             raise ValueError(f"DiTConfig: null_label must be true or false, got {self.null_label!r}")

@@ -73,6 +73,8 @@ def _flax_out(cfg, params, x, t, y) -> np.ndarray:
     (dict(in_channels=0), "in_channels must be a positive integer"),
     (dict(mlp_ratio=0), "mlp_ratio must be positive"),
     (dict(time_freq_dim=7), "time_freq_dim must be a positive even number"),
+    (dict(time_freq_dim=0), "time_freq_dim must be a positive integer"),
+    (dict(hidden_size=32.0), "hidden_size must be a positive integer"),
     (dict(num_classes=0), "num_classes must be a positive integer"),
 ])
 def test_config_refuses_bad_values_and_says_how_to_fix(kwargs, match):
