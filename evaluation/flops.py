@@ -1,6 +1,7 @@
 """Forward-pass FLOPs of an expert and of the router, counted by torch's FlopCounterMode.
 
-FLOPs here are what torch counts for matmuls and convolutions (2 per multiply-add) at batch 1;
+FLOPs here are what torch counts for matmuls and convolutions (2 per multiply-add) at batch 1, plus a
+DiT's attention matmuls (`models.dit_common.attention_flops`, which the counter misses on CPU);
 norms and activations are ignored (a few percent for these nets). Per-image inference cost is
 then steps x (router + experts-used-per-step x expert).
 """
@@ -26,13 +27,16 @@ def expert_flops(checkpoint: str | os.PathLike) -> int:
     import torch
 
     from models.checkpoint import load_meta
-    from models.config import UNetConfig
-    from models.unet_torch import UNet
+    from models.arch import build_torch, config_from_meta
 
-    cfg = UNetConfig.from_dict(load_meta(checkpoint)["config"])
-    model = UNet(cfg).eval()
+    cfg = config_from_meta(load_meta(checkpoint))
+    from models.config import DiTConfig
+    from models.dit_common import attention_flops
+
+    model = build_torch(cfg).eval()
     x = torch.zeros(1, cfg.in_channels, cfg.image_size, cfg.image_size)
-    return _count(model, x, torch.full((1,), 0.5), torch.zeros(1, dtype=torch.long))
+    attention = attention_flops(cfg) if isinstance(cfg, DiTConfig) else 0
+    return _count(model, x, torch.full((1,), 0.5), torch.zeros(1, dtype=torch.long)) + attention
 
 
 @lru_cache(maxsize=None)

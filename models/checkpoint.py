@@ -5,7 +5,8 @@ A checkpoint is a pair of files next to each other:
 * `<name>.safetensors`  weights under torch `state_dict` names, stored fp16 (shipping) or fp32;
 * `<name>.json`         metadata:
     {"format": "ddm-fleet-expert/1",
-     "config": UNetConfig.to_dict(),            # architecture, checked against the weights on load
+     "arch": "unet",                            # or "dit"; absent = "unet" (checkpoints made before DiT)
+     "config": UNetConfig.to_dict(),            # or DiTConfig.to_dict(); checked against the weights on load
      "expert_id": 0,
      "partition": {"file": "checkpoints/partition.json", "classes": [0, 1, 2, 3, 4], ...},
      "time_convention": "t0_noise_t1_data",
@@ -26,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from models.config import UNetConfig
+from models.arch import ModelConfig, arch_name, config_from_meta
+from models.config import DiTConfig
 
 FORMAT = "ddm-fleet-expert/1"
 TIME_CONVENTION = "t0_noise_t1_data"  # same string as schemas.TIME_CONVENTION
@@ -51,8 +53,10 @@ def _resblock_shapes(prefix: str, cin: int, cout: int, emb: int) -> dict[str, tu
     return s
 
 
-def state_shapes(cfg: UNetConfig) -> dict[str, tuple[int, ...]]:
-    """Expected torch state_dict name -> shape for `UNet(cfg)`, computed without importing torch."""
+def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected torch state_dict name -> shape for `UNet(cfg)` or `DiT(cfg)`, computed without importing torch."""
+    if isinstance(cfg, DiTConfig):
+        return _dit_state_shapes(cfg)
     w, e, td = cfg.widths, cfg.emb_dim, cfg.time_dim
     s: dict[str, tuple[int, ...]] = {
         "time_fc1.weight": (td, td), "time_fc1.bias": (td,),
@@ -74,7 +78,34 @@ def state_shapes(cfg: UNetConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def check_state(state: dict[str, np.ndarray], cfg: UNetConfig) -> None:
+def _dit_state_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
+    d, m, p = cfg.hidden_size, cfg.mlp_hidden, cfg.patch_size
+    s: dict[str, tuple[int, ...]] = {
+        "patch_embed.weight": (d, cfg.in_channels, p, p), "patch_embed.bias": (d,),
+        "time_fc1.weight": (d, cfg.time_freq_dim), "time_fc1.bias": (d,),
+        "time_fc2.weight": (d, d), "time_fc2.bias": (d,),
+        "class_emb.weight": (cfg.num_classes + int(cfg.null_label), d),  # + null row
+    }
+    for i in range(cfg.depth):
+        b = f"blocks.{i}"
+        s.update({f"{b}.attn.qkv.weight": (3 * d, d), f"{b}.attn.qkv.bias": (3 * d,),
+                  f"{b}.attn.proj.weight": (d, d), f"{b}.attn.proj.bias": (d,),
+                  f"{b}.mlp.fc1.weight": (m, d), f"{b}.mlp.fc1.bias": (m,),
+                  f"{b}.mlp.fc2.weight": (d, m), f"{b}.mlp.fc2.bias": (d,),
+                  f"{b}.ada.weight": (6 * d, d), f"{b}.ada.bias": (6 * d,)})
+    s.update({"final.ada.weight": (2 * d, d), "final.ada.bias": (2 * d,),
+              "final.linear.weight": (p * p * cfg.in_channels, d), "final.linear.bias": (p * p * cfg.in_channels,)})
+    return s
+
+
+def _describe(cfg: ModelConfig) -> str:
+    if isinstance(cfg, DiTConfig):
+        return (f"DiT config hidden_size={cfg.hidden_size} depth={cfg.depth} patch_size={cfg.patch_size} "
+                f"mlp_ratio={cfg.mlp_ratio} in_channels={cfg.in_channels}")
+    return f"config widths={list(cfg.widths)} time_dim={cfg.time_dim} class_dim={cfg.class_dim}"
+
+
+def check_state(state: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     """Raise CheckpointError naming every missing, unexpected or mis-shaped tensor."""
     want = state_shapes(cfg)
     problems = []
@@ -89,9 +120,7 @@ def check_state(state: dict[str, np.ndarray], cfg: UNetConfig) -> None:
     if bad:
         problems.append(f"{len(bad)} shape mismatches (e.g. {bad[:3]})")
     if problems:
-        raise CheckpointError(
-            f"weights do not match config widths={list(cfg.widths)} time_dim={cfg.time_dim} "
-            f"class_dim={cfg.class_dim}: " + "; ".join(problems))
+        raise CheckpointError(f"weights do not match {_describe(cfg)}: " + "; ".join(problems))
 
 
 # ------------------------------------------------------------------------------------------- save / load
@@ -112,7 +141,8 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], meta: dict, dtype: 
     """Write `<path>.safetensors` + `<path>.json`; returns the .safetensors path.
 
     state: torch state_dict names -> arrays (numpy or anything np.asarray accepts), float.
-    meta: must hold "config" (UNetConfig or its dict); "expert_id", "partition", "training" recommended.
+    meta: must hold "config" (a UNetConfig / DiTConfig, or its dict with "arch" beside it: "unet" when absent);
+    "expert_id", "partition", "training" recommended. The JSON always records "arch".
     dtype: "float16" (shipping, half the size) or "float32".
     """
     from safetensors.numpy import save_file
@@ -121,8 +151,11 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], meta: dict, dtype: 
         raise CheckpointError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
     meta = dict(meta)
     if "config" not in meta:
-        raise CheckpointError("meta must contain 'config' (the UNetConfig of these weights)")
-    cfg = meta["config"] if isinstance(meta["config"], UNetConfig) else UNetConfig.from_dict(meta["config"])
+        raise CheckpointError("meta must contain 'config' (the UNetConfig or DiTConfig of these weights)")
+    try:
+        cfg = config_from_meta(meta)
+    except ValueError as e:
+        raise CheckpointError(f"bad 'config' / 'arch' in meta: {e}") from None
     arrays = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32).astype(dtype)) for k, v in state.items()}
     check_state(arrays, cfg)
     st_path, json_path = _paths(path)
@@ -130,7 +163,8 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], meta: dict, dtype: 
     tmp = st_path.with_name(st_path.name + ".tmp")
     save_file(arrays, str(tmp), metadata={"format": FORMAT})
     tmp.replace(st_path)
-    meta.update(format=FORMAT, config=cfg.to_dict(), weights_dtype=dtype, weights_sha256=_sha256(st_path))
+    meta.update(format=FORMAT, arch=arch_name(cfg), config=cfg.to_dict(), weights_dtype=dtype,
+                weights_sha256=_sha256(st_path))
     meta.setdefault("time_convention", TIME_CONVENTION)
     tmp = json_path.with_name(json_path.name + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2, sort_keys=False) + "\n")
@@ -154,13 +188,13 @@ def load_meta(path: str | Path) -> dict:
         raise CheckpointError(f"{json_path}: time_convention {meta.get('time_convention')!r} is not "
                               f"{TIME_CONVENTION!r}; this fleet integrates from t=0 noise to t=1 data")
     try:
-        meta["config"] = UNetConfig.from_dict(meta["config"]).to_dict()
+        meta["config"] = config_from_meta(meta).to_dict()
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{json_path}: bad 'config': {e}") from None
     return meta
 
 
-def load_checkpoint(path: str | Path, expect: UNetConfig | None = None,
+def load_checkpoint(path: str | Path, expect: ModelConfig | None = None,
                     verify_hash: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
     """Load a checkpoint -> (meta, state) with every tensor float32 numpy.
 
@@ -174,9 +208,10 @@ def load_checkpoint(path: str | Path, expect: UNetConfig | None = None,
     if not st_path.exists():
         raise CheckpointError(f"checkpoint weights {st_path} not found")
     meta = load_meta(st_path)
-    cfg = UNetConfig.from_dict(meta["config"])
+    cfg = config_from_meta(meta)
     if expect is not None and cfg != expect:
-        raise CheckpointError(f"{json_path}: config {cfg.to_dict()} does not match the expected {expect.to_dict()}")
+        raise CheckpointError(f"{json_path}: {arch_name(cfg)} config {cfg.to_dict()} does not match the expected "
+                              f"{arch_name(expect)} config {expect.to_dict()}")
     if verify_hash and meta.get("weights_sha256") and meta["weights_sha256"] != _sha256(st_path):
         raise CheckpointError(f"{st_path} does not match the sha256 recorded in {json_path.name}: "
                               "the .safetensors and .json come from different saves")
@@ -210,10 +245,12 @@ def _flax_leaf(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
     return "bias", value
 
 
-def torch_to_flax_params(state: dict[str, np.ndarray], cfg: UNetConfig) -> dict:
-    """torch state_dict names -> nested flax `params` dict for `unet_flax.UNet(cfg)` (numpy leaves).
+def torch_to_flax_params(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """torch state_dict names -> nested flax `params` dict for `unet_flax.UNet(cfg)` / `dit_flax.DiT(cfg)`
+    (numpy leaves).
 
-    `enc.0.conv1.weight` -> params["enc_0"]["conv1"]["kernel"] (transposed to HWIO), and so on.
+    `enc.0.conv1.weight` -> params["enc_0"]["conv1"]["kernel"] (transposed to HWIO), `blocks.0.attn.qkv.weight`
+    -> params["blocks_0"]["attn"]["qkv"]["kernel"] (transposed to [in, out]), and so on.
     """
     check_state(state, cfg)
     params: dict = {}
@@ -260,12 +297,13 @@ def flax_to_torch_state(params) -> dict[str, np.ndarray]:
 
 
 def load_torch_model(path: str | Path, device: str = "cpu"):
-    """Convenience: build `unet_torch.UNet` from a checkpoint, eval mode, fp32. Returns (model, meta)."""
+    """Convenience: build the checkpoint's torch model (`unet_torch.UNet` or `dit_torch.DiT`), eval mode, fp32.
+    Returns (model, meta)."""
     import torch
 
-    from models.unet_torch import UNet
+    from models.arch import build_torch
 
     meta, state = load_checkpoint(path)
-    model = UNet(UNetConfig.from_dict(meta["config"]))
+    model = build_torch(meta)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     return model.to(device).eval(), meta

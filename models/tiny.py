@@ -7,6 +7,7 @@ to milliseconds. They are NOT for quality: the weights are random.
     make_tiny_expert(path, expert_id=0)              -> Path of <path>.safetensors
     make_tiny_experts(directory, num_experts=2)      -> [Path, ...] named expert0, expert1, ...
     make_tiny_router(path, num_experts=2)            -> Path of <path>.safetensors
+    make_tiny_dit(path, expert_id=0)                 -> Path of <path>.safetensors (a DiT expert, "arch": "dit")
 
 Every call with the same arguments writes the same weights (seeded), so two processes that build
 "the same" tiny fleet serve identical velocities.
@@ -54,6 +55,41 @@ def make_tiny_expert(path: str | os.PathLike, *, expert_id: int = 0, widths: Seq
             for p in model.parameters():
                 p.add_(jitter * torch.randn_like(p))
     meta: dict[str, Any] = {"config": cfg.to_dict(), "expert_id": int(expert_id)}
+    if classes is not None:
+        meta["partition"] = {"classes": [int(c) for c in classes]}
+    return save_checkpoint(path, torch_state_to_numpy(model.state_dict()), meta, dtype=dtype)
+
+
+def tiny_dit_config(*, image_size: int = 32, patch_size: int = 4, hidden_size: int = 32, depth: int = 2,
+                    num_heads: int = 2, null_label: bool = False, **config: Any):
+    """The DiTConfig `make_tiny_dit` uses: 8x8 tokens of width 32, two blocks (keywords override, e.g.
+    in_channels=3, mlp_ratio=2.0)."""
+    from .config import DiTConfig
+
+    return DiTConfig(image_size=image_size, patch_size=patch_size, hidden_size=hidden_size, depth=depth,
+                     num_heads=num_heads, null_label=null_label, **config)
+
+
+def make_tiny_dit(path: str | os.PathLike, *, expert_id: int = 0, seed: int | None = None, jitter: float = 0.05,
+                  classes: Sequence[int] | None = None, dtype: str = "float32", **config: Any) -> Path:
+    """Write one random-init DiT expert checkpoint ("arch": "dit") and return its ``.safetensors`` path.
+
+    As `make_tiny_expert`, except ``jitter`` defaults to 0.05: a freshly initialised DiT outputs exactly zero
+    (adaLN-Zero), so the jitter is what makes its velocity non-trivial; ``config`` overrides `tiny_dit_config`.
+    """
+    import torch
+
+    from .checkpoint import save_checkpoint, torch_state_to_numpy
+    from .dit_torch import DiT
+
+    cfg = tiny_dit_config(**config)
+    torch.manual_seed(100 + expert_id if seed is None else seed)
+    model = DiT(cfg)
+    if jitter:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(jitter * torch.randn_like(p))
+    meta: dict[str, Any] = {"arch": "dit", "config": cfg.to_dict(), "expert_id": int(expert_id)}
     if classes is not None:
         meta["partition"] = {"classes": [int(c) for c in classes]}
     return save_checkpoint(path, torch_state_to_numpy(model.state_dict()), meta, dtype=dtype)

@@ -130,9 +130,8 @@ class Teacher:
         import torch
 
         from models.checkpoint import CheckpointError, load_checkpoint
-        from models.config import UNetConfig
+        from models.arch import build_torch
         from models.router import Router, RouterError
-        from models.unet_torch import UNet
 
         d = Path(directory)
         router_path = d / "router.safetensors"
@@ -150,7 +149,7 @@ class Teacher:
                 meta, state = load_checkpoint(path)
             except CheckpointError as exc:
                 raise DistillError(f"teacher expert {i}: {exc}") from None
-            model = UNet(UNetConfig.from_dict(meta["config"]))
+            model = build_torch(meta)  # UNet or DiT, by the checkpoint's "arch"
             model.load_state_dict({n: torch.from_numpy(v) for n, v in state.items()})
             experts.append(model.to(device))
             sources["experts"].append({"file": str(path), "sha256": meta.get("weights_sha256") or _digest(path),
@@ -205,8 +204,9 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
     from tqdm import tqdm
 
     from models.checkpoint import save_checkpoint, torch_state_to_numpy
-    from models.config import UNetConfig
-    from models.unet_torch import UNet, count_params
+    from models.arch import arch_name, build_torch
+    from models.config import DiTConfig
+    from models.unet_torch import count_params
     from training.train_torch import ema_decay_at, lr_at, restore_resume_state, save_resume_state
 
     if len(images) != len(labels) or len(images) < cfg.batch_size:
@@ -222,9 +222,12 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
     base = teacher.config.to_dict()
     base.update(null_label=cfg.label_dropout > 0)
     if cfg.widths is not None:
+        if isinstance(teacher.config, DiTConfig):
+            raise DistillError("--widths sets a UNet student's widths; these teacher experts are DiTs (the student "
+                               "copies their architecture): leave --widths out")
         base["widths"] = list(cfg.widths)
-    scfg = UNetConfig.from_dict(base)
-    student = UNet(scfg).to(device)
+    scfg = type(teacher.config).from_dict(base)  # the teachers' architecture (UNet or DiT)
+    student = build_torch(scfg).to(device)
     params = list(student.parameters())
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
@@ -265,7 +268,7 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
                  "final_loss": round(float(np.mean(recent)), 6) if recent else None, "loss_history": history,
                  "complete": final and step >= cfg.steps, "params": count_params(student), "torch": torch.__version__,
                  "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}}
-        meta = {"config": scfg.to_dict(), "expert_id": 0, "weights": "ema",
+        meta = {"arch": arch_name(scfg), "config": scfg.to_dict(), "expert_id": 0, "weights": "ema",
                 "partition": {"method": "distilled", "classes": list(range(scfg.num_classes)), "num_images": n},
                 "distilled_from": {"checkpoints": str(cfg.checkpoints), "strategy": cfg.strategy,
                                    "targets": "noised training images", **teacher.sources},

@@ -71,14 +71,14 @@ def initial_params(cfg: TrainConfig) -> dict:
     """
     import torch
 
+    from models.arch import build_torch
     from models.checkpoint import torch_state_to_numpy, torch_to_flax_params
     from models.config import UNetConfig
-    from models.unet_torch import UNet
 
     ucfg = UNetConfig(widths=cfg.widths)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        state = torch_state_to_numpy(UNet(ucfg).state_dict())
+        state = torch_state_to_numpy(build_torch(ucfg).state_dict())
     return torch_to_flax_params(state, ucfg)
 
 
@@ -114,10 +114,10 @@ def make_step_fn(cfg: TrainConfig, tx):
     import jax
     import jax.numpy as jnp
 
+    from models.arch_flax import build_flax
     from models.config import UNetConfig
-    from models.unet_flax import UNet
 
-    model = UNet(UNetConfig(widths=cfg.widths))
+    model = build_flax(UNetConfig(widths=cfg.widths))
     wd, ema_max = cfg.weight_decay, cfg.ema_decay
 
     def step_fn(state: TrainState, x, y, key, lr):
@@ -242,7 +242,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
 
     from models.checkpoint import flax_to_torch_state, save_checkpoint
     from models.config import UNetConfig
-    from models.unet_flax import count_params
+    from models.arch_flax import count_params
 
     if cfg.label_dropout > 0:
         raise ValueError("--label-dropout (null label for unconditional generation) is in the torch trainer only "

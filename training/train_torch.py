@@ -170,8 +170,9 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
 
     from flow.path import torch_flow_loss
     from models.checkpoint import save_checkpoint, torch_state_to_numpy
+    from models.arch import build_torch
     from models.config import UNetConfig
-    from models.unet_torch import UNet, count_params
+    from models.unet_torch import count_params
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -184,7 +185,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     torch.manual_seed(cfg.seed)
     dev = _Device(device, cfg.bf16)
     ucfg = UNetConfig(widths=cfg.widths, null_label=cfg.label_dropout > 0)
-    model = UNet(ucfg).to(dev.device)
+    model = build_torch(ucfg).to(dev.device)
     if dev.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ema = [p.detach().clone() for p in model.parameters()]

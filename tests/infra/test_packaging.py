@@ -39,7 +39,8 @@ ROLES: dict[str, list[str]] = {
              "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py",
              "infra/cmd_wait_ready.py", "infra/pip_stepwise.py", "infra/heap.py"],
     "worker": ["workers/*", "models/*", "flow/*", "infra/cmd_worker.py"],  # flow.path's torch helpers
-    "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py"],
+    "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py", "models/dit_flax.py",
+                   "models/arch_flax.py"],
     "xla": ["workers/backends/xla_backend.py"],
     "coordinator": ["coordinator/*", "infra/cmd_coordinator.py", "infra/cmd_generate.py", "infra/grid.py"],
     "web": ["web/*", "infra/cmd_web.py"],

@@ -122,3 +122,23 @@ def test_distill_cli(tmp_path, teacher_dir, capsys):
     assert meta["training"]["steps"] == 3 and meta["partition"]["num_images"] == 32
     assert main(["distill", "--checkpoints", str(tmp_path / "nowhere"), "--steps", "1", "--out", str(out)]) == 2
     assert "router" in capsys.readouterr().err
+
+
+def test_dit_teachers_distil_into_a_dit_student(tmp_path):
+    """Experts with "arch": "dit" load as DiTs; the student copies their architecture and saves as a DiT."""
+    from models.dit_torch import DiT
+    from models.tiny import make_tiny_dit
+
+    d = tmp_path / "dit-teacher"
+    for k in range(2):
+        make_tiny_dit(d / f"expert{k}", expert_id=k)
+    make_tiny_router(d / "router", 2)
+    teacher = Teacher.load(d)
+    assert all(isinstance(e, DiT) for e in teacher.experts) and type(teacher.config).__name__ == "DiTConfig"
+    images, labels = _data(16)
+    stats = distill(_cfg(tmp_path, d, steps=4, log_every=2), teacher, images, labels, progress=False)
+    assert stats["steps"] == 4
+    student, meta = load_torch_model(tmp_path / "student.safetensors")
+    assert isinstance(student, DiT) and meta["arch"] == "dit" and meta["config"] == teacher.config.to_dict()
+    with pytest.raises(DistillError, match="these teacher experts are DiTs"):
+        distill(_cfg(tmp_path, d, widths=(8, 16)), teacher, images, labels, progress=False)

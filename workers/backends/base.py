@@ -59,7 +59,7 @@ class BackendBase:
         self.device = device or "cpu"
         self.bf16 = bool(bf16)
         self.meta: dict[str, Any] = {}
-        self.config = None  # models.config.UNetConfig once loaded
+        self.config = None  # models.config.UNetConfig or DiTConfig once loaded (`models.arch`)
         self.checkpoint_path: Optional[str] = None
         self.warmup_s: dict[int, float] = {}
 
@@ -111,8 +111,8 @@ class BackendBase:
     # ---------------------------------------------------------------- load / run
 
     def load(self, checkpoint_path: str | os.PathLike) -> None:
+        from models.arch import config_from_meta
         from models.checkpoint import load_checkpoint
-        from models.config import UNetConfig
 
         path = os.fspath(checkpoint_path)
         if not os.path.exists(path):
@@ -121,11 +121,10 @@ class BackendBase:
             meta, state = load_checkpoint(path)
         except Exception as err:
             raise BackendError(f"cannot read checkpoint {path!r}: {err}") from err
-        cfg_dict = meta.get("model") or meta.get("config") or meta.get("unet")
-        if not isinstance(cfg_dict, dict):
+        if not isinstance(meta.get("config"), dict):
             raise BackendError(f"checkpoint {path!r} has no model config in its JSON (keys: {sorted(meta)})")
         try:
-            cfg = UNetConfig.from_dict(cfg_dict)
+            cfg = config_from_meta(meta)  # "arch": "unet" (default) or "dit"
         except (TypeError, ValueError) as err:
             raise BackendError(f"checkpoint {path!r}: bad model config: {err}") from err
         self.meta = meta

@@ -1,4 +1,4 @@
-"""JAX / Flax backend for the expert UNet: one jax.jit, compiled once per bucket shape.
+"""JAX / Flax backend for the expert model (UNet or DiT): one jax.jit, compiled once per bucket shape.
 
 Options: device "cpu" | "gpu" | "cuda" | "tpu", optionally ":N" (default: jax's default device);
 bf16=True casts weights and inputs to bfloat16 inside the jitted function (outputs float32).
@@ -47,10 +47,10 @@ class JaxBackend(BackendBase):
         jax = self._jax
         import jax.numpy as jnp
 
+        from models.arch_flax import build_flax
         from models.checkpoint import torch_to_flax_params
-        from models.unet_flax import UNet
 
-        model = UNet(cfg)
+        model = build_flax(cfg)
         params = torch_to_flax_params(state, cfg)
         dtype = jnp.bfloat16 if self.bf16 else jnp.float32
         precision = "default" if self.bf16 else "highest"

@@ -1,4 +1,4 @@
-"""PyTorch backend (CPU or CUDA) for the expert UNet.
+"""PyTorch backend (CPU or CUDA) for the expert model (UNet or DiT, `models.arch`).
 
 Options: device "cpu" | "cuda" | "cuda:N" (default: cpu); bf16=True runs under bfloat16 autocast
 (inputs and outputs stay float32); channels_last (default on CPU, where it is ~2x faster with
@@ -51,9 +51,9 @@ class TorchBackend(BackendBase):
     def _build(self, cfg, state: dict[str, np.ndarray]) -> None:
         import torch
 
-        from models.unet_torch import UNet
+        from models.arch import build_torch
 
-        model = UNet(cfg)
+        model = build_torch(cfg)
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         if missing or unexpected:

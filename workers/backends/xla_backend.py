@@ -98,7 +98,7 @@ class XlaBackend(BackendBase):
     def _build(self, cfg, state: dict[str, np.ndarray]) -> None:
         import torch
 
-        from models.unet_torch import UNet
+        from models.arch import build_torch
 
         self._dev = self._resolve_device()
         try:
@@ -106,7 +106,7 @@ class XlaBackend(BackendBase):
         except Exception:  # pragma: no cover - older torch_xla
             hw = "?"
         self.device = f"{self._dev}:{hw}" if hw != "?" else str(self._dev)
-        model = UNet(cfg)
+        model = build_torch(cfg)
         model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in state.items()})
         model = model.eval()
         for p in model.parameters():
