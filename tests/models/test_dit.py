@@ -225,7 +225,7 @@ def test_existing_unet_checkpoints_load_as_unet(tmp_path):
 
 
 def test_a_few_adam_steps_reduce_the_flow_matching_loss():
-    from models.flow import interpolate, target_velocity
+    from flow.path import interpolate, target_velocity
 
     start = time.perf_counter()
     cfg = DiTConfig(image_size=16, patch_size=4, hidden_size=32, depth=2, num_heads=2)
