@@ -6,9 +6,14 @@ into an `ErrorReply` with the same code, so a client always learns *why*.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from enum import Enum
 from typing import Any
+
+
+#: What a code looks like on the wire (known or not): lowercase snake_case, at most 64 characters.
+_CODE_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 class ErrorCode(str, Enum):
@@ -27,6 +32,17 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "unavailable"  # no expert could serve a step; the coordinator is gone or lost the job
     BAD_REPLY = "bad_reply"  # an expert worker answered with an invalid reply (NaN, wrong shape, ...) on every try
     INTERNAL = "internal"  # a bug on our side; the message says more
+
+    @classmethod
+    def _missing_(cls, value: object) -> ErrorCode | None:
+        """A code this release does not know, from a newer peer (codes may be added within v1): kept
+        as its own string, a failure like any other. Only short snake_case strings qualify."""
+        if isinstance(value, str) and _CODE_PATTERN.fullmatch(value):
+            member = str.__new__(cls, value)
+            member._name_ = value.upper()
+            member._value_ = value
+            return member
+        return None
 
 
 class ProtocolError(ValueError):

@@ -73,7 +73,8 @@ def _to_error_code(value: Any) -> Any:
     except ValueError:
         raise PydanticCustomError(
             ErrorCode.BAD_REQUEST.value,
-            f"error code must be one of {sorted(c.value for c in ErrorCode)}, got {shown(value)}",
+            f"error code must be one of {sorted(c.value for c in ErrorCode)} (or another lowercase "
+            f"snake_case code of a newer release), got {shown(value)}",
         ) from None
 
 
