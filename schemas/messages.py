@@ -30,9 +30,9 @@ from pydantic_core import PydanticCustomError
 from .errors import ErrorCode, ProtocolError, shown
 from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
+from .spec import TIME_CONVENTION
 from .version import PROTOCOL_VERSION
 
-TIME_CONVENTION = "t0_noise_t1_data"
 
 
 def _tensor_validator(finite: bool):
