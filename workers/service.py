@@ -49,6 +49,7 @@ STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -285,6 +286,9 @@ class ExpertWorker:
             meta["num_classes"] = str(classes)
         if getattr(be, "null_label", False):  # serves y = -1 (label unknown); absent: it does not
             meta["null_label"] = "true"
+        spec = getattr(be, "spec", None)
+        if spec is not None:  # the model spec as compact JSON (schemas.spec.ModelSpec)
+            meta["spec"] = json.dumps(spec.to_json(), separators=(",", ":"))
         return meta
 
     async def _advertise(self) -> None:
