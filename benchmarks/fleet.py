@@ -324,7 +324,7 @@ def _cpu_used(before: dict, pids: dict, wall_s: float) -> dict:
 
 
 async def fleet_job(nc, request, bound: float):
-    """One job through the fleet with `coordinator.client.run_job`, classified:
+    """One job through the fleet with `client.jobs.run_job`, classified:
     ("completed", DoneEvent, answer_s), ("rejected", code, answer_s) when the submit was refused,
     ("failed", code, answer_s) when an accepted job failed, ("lost", None, answer_s) when neither
     images nor a failure came within `bound` seconds (the job is then cancelled by run_job).
@@ -332,7 +332,7 @@ async def fleet_job(nc, request, bound: float):
     are set beyond `bound`, so any failure seen within it came from the fleet."""
     import asyncio
 
-    from coordinator.client import JobFailed, run_job
+    from client.jobs import JobFailed, run_job
     from schemas import JobAccepted
 
     accepted = None
@@ -356,7 +356,7 @@ async def fleet_job(nc, request, bound: float):
 
 
 async def _coordinator_counts(nc) -> dict | None:
-    from coordinator.client import JobFailed, fleet_status
+    from client.jobs import JobFailed, fleet_status
 
     try:
         st = await fleet_status(nc, timeout=10)
@@ -402,10 +402,9 @@ async def _fleet(args, models) -> dict:
     import asyncio
     import tempfile
 
-    import nats
-
+    from bus.connect import connect
     from bus.nats_server import NatsServer
-    from coordinator.client import client_connect_options, client_from_url
+    from client.jobs import client_connect_options, client_from_url
 
     buckets = _ints(args.buckets, "--buckets")
     durable = getattr(args, "durable", False)
@@ -442,8 +441,8 @@ async def _fleet(args, models) -> dict:
                 "--route-every", getattr(args, "route_every", 1), "--speculate", getattr(args, "speculate", "on"), *wire, *(["--durable"] if durable else [])), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
-            nc = await nats.connect(srv.url, name="ddm-bench-clients", max_reconnect_attempts=-1,
-                                    **client_connect_options(client_from_url(srv.url)))
+            nc = await connect(srv.url, name="ddm-bench-clients", reconnect="forever",
+                               **client_connect_options(client_from_url(srv.url)))
             pids = {c.name: c.pid for c in children}
             pids["nats-server"] = srv.proc.pid
             pids["bench (clients)"] = os.getpid()

@@ -376,16 +376,16 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
     import asyncio
     import time
 
-    import nats
     import numpy as np
 
-    from coordinator.client import client_connect_options, client_from_url
+    from bus.connect import connect
+    from client.jobs import client_connect_options, client_from_url
     from schemas import JobRequest
 
     from .fleet import fleet_job
 
-    nc = await nats.connect(fleet.url, name="ddm-bench-scale-clients", max_reconnect_attempts=-1,
-                            pending_size=256 * 1024 * 1024, **client_connect_options(client_from_url(fleet.url)))
+    nc = await connect(fleet.url, name="ddm-bench-scale-clients", reconnect="forever",
+                       pending_size=256 * 1024 * 1024, **client_connect_options(client_from_url(fleet.url)))
     finished: list[tuple[float, float, str, int]] = []  # (end time, latency s, outcome, images)
     stop = asyncio.Event()
 

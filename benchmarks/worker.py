@@ -23,27 +23,20 @@ from __future__ import annotations
 import argparse
 
 
-#: `workers.backends.sim_backend.PRESETS` names (listed here so building the parser imports no numpy).
-SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
+from workers.config import SIM_PRESETS  # noqa: F401 (the presets `--sim-preset` accepts)
+
+#: Worker options this bench serves with instead of `ddm-fleet worker`'s (said in its output): buckets
+#: to measure, and queue limits high enough that pipelined requests are never answered `overloaded`.
+BENCH_WORKER_DEFAULTS = {"buckets": "1,8,64", "max_queue_rows": 1 << 20, "max_inflight": 1 << 16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from workers.config import WorkerConfig
+
     parser.add_argument("--checkpoint", default=None, metavar="PATH",
                         help="expert checkpoint; default: a randomly initialised UNet of --widths")
     parser.add_argument("--widths", default="32,64,128",
                         help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)")
-    parser.add_argument("--backend", choices=("torch", "xla", "jax", "sim"), default="torch",
-                        help="model runtime (default torch); sim: the simulated expert of `ddm-fleet worker "
-                             "--backend sim` (latency model, closed-form velocity, real wire work)")
-    parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
-                        help="sim backend latency preset: h200-torch (default), h200-jax, instant")
-    parser.add_argument("--sim-batch-ms", type=float, default=None, metavar="MS",
-                        help="sim backend: fixed milliseconds per batch (overrides the preset)")
-    parser.add_argument("--sim-row-ms", type=float, default=None, metavar="MS",
-                        help="sim backend: milliseconds per padded row (overrides the preset)")
-    parser.add_argument("--device", default=None, help="backend device (see `ddm-fleet worker --help`)")
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute")
-    parser.add_argument("--buckets", default="1,8,64", help="batch sizes to measure (default 1,8,64)")
     parser.add_argument("--nats", default=None, metavar="URL",
                         help="NATS server to use (it must have no other worker of this expert); "
                              "default: start a private nats-server on a free port")
@@ -60,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve the NATS path from M `ddm-fleet worker` processes of the same expert, backend "
                              "and device (queue group); 0 (default): one worker inside this process")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    WorkerConfig.add_arguments(parser, defaults=BENCH_WORKER_DEFAULTS)  # --buckets: the batch sizes measured
 
 
 def parse_wire_dtypes(text: str) -> tuple[str, ...]:
@@ -92,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from workers.backends import BackendError
-    from workers.batcher import parse_buckets
+    from workers.config import WorkerConfig
 
     try:
-        buckets = parse_buckets(args.buckets)
+        config = WorkerConfig.from_args(args)
+        if args.worker_procs > 1 and config.metrics_port is not None:
+            raise ValueError("--metrics-port with --worker-procs > 1: the worker processes would share one port; "
+                             "drop --metrics-port")
         args.wire_dtypes = parse_wire_dtypes(args.wire_dtype)
         args.in_flights = parse_in_flight(args.in_flight)
         if args.worker_procs < 0:
@@ -107,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print("ddm-fleet bench worker: --min-time must be >= 0 and --min-iters >= 1", file=sys.stderr)
         return 2
     try:
-        results = asyncio.run(bench_worker(args, buckets))
+        results = asyncio.run(bench_worker(args, config))
     except (ValueError, OSError, ConnectionError, RuntimeError, TimeoutError, BackendError) as err:
         print(f"ddm-fleet bench worker: {err}", file=sys.stderr)
         return 1
@@ -162,26 +159,15 @@ def _worker_pid(worker_id: str) -> str:
     return parts[1] if len(parts) == 3 else ""
 
 
-async def _start_worker_procs(args: argparse.Namespace, ckpt: str, expert: int, url: str,
-                              buckets: tuple[int, ...], procs: int) -> list:
-    """Start `procs` `ddm-fleet worker` processes of this expert, backend and device; wait until
-    each says ready (RuntimeError with its last lines if one exits or takes over 10 minutes)."""
+async def _start_worker_procs(config, ckpt: str, expert: int, url: str, procs: int) -> list:
+    """Start `procs` `ddm-fleet worker` processes of this expert serving as `config` (a `WorkerConfig`);
+    wait until each says ready (RuntimeError with its last lines if one exits or takes over 10 minutes)."""
     import asyncio
     import os
 
     from benchmarks.processes import Child, cli_argv
 
-    cmd = ["worker", "--expert", expert, "--checkpoint", ckpt, "--nats", url, "--backend", args.backend,
-           "--buckets", ",".join(map(str, buckets)), "--max-queue-rows", 1 << 20, "--max-inflight", 1 << 16]
-    if args.device:
-        cmd += ["--device", args.device]
-    if args.bf16:
-        cmd.append("--bf16")
-    if args.backend == "sim":
-        for flag, value in (("--sim-preset", args.sim_preset), ("--sim-batch-ms", args.sim_batch_ms),
-                            ("--sim-row-ms", args.sim_row_ms)):
-            if value is not None:
-                cmd += [flag, value]
+    cmd = ["worker", "--expert", expert, "--checkpoint", ckpt, "--nats", url, *config.to_argv()]
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several jax processes share one GPU
     children = []
@@ -195,9 +181,10 @@ async def _start_worker_procs(args: argparse.Namespace, ckpt: str, expert: int, 
     return children
 
 
-async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> dict:
-    """Measure every bucket on both paths; returns {"setup": {...}, "rows": [...]}, one row per
-    bucket, wire precision and in-flight count."""
+async def bench_worker(args: argparse.Namespace, config) -> dict:
+    """Measure every bucket of `config` (a `WorkerConfig`, the worker's serving options) on both paths;
+    returns {"setup": {...}, "rows": [...]}, one row per bucket, wire precision and in-flight count."""
+    buckets, _ = config.plan()
     import asyncio
     import contextlib
     import os
@@ -206,6 +193,7 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
 
     import numpy as np
 
+    from bus.connect import connect
     from bus.nats_server import NatsServer
     from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
     from schemas.tensor import to_wire_dtype
@@ -215,26 +203,20 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
     wires = getattr(args, "wire_dtypes", ("float32",))
     in_flights = getattr(args, "in_flights", (1,))
     procs = int(getattr(args, "worker_procs", 0) or 0)
-    if procs and args.backend == "jax":  # this process's model shares the GPU with the worker processes
+    if procs and config.backend == "jax":  # this process's model shares the GPU with the worker processes
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     with contextlib.ExitStack() as stack:
         ckpt = args.checkpoint
         if ckpt is None:
             ckpt = _random_checkpoint(args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-")))
-        opts = {}
-        if args.backend == "sim":
-            opts = {k: v for k, v in (("preset", args.sim_preset), ("batch_ms", args.sim_batch_ms),
-                                      ("row_ms", args.sim_row_ms)) if v is not None}
-        backend = get_backend(args.backend, device=args.device, bf16=args.bf16, **opts)
+        backend = get_backend(config.backend, device=config.device, bf16=config.bf16, **config.backend_options())
         await asyncio.to_thread(backend.load, ckpt)
         expert = backend.expert if backend.expert is not None else 0
         url = args.nats or stack.enter_context(NatsServer()).url
 
-        import nats
-
         async with contextlib.AsyncExitStack() as serving:
             if procs:
-                children = await _start_worker_procs(args, ckpt, expert, url, buckets, procs)
+                children = await _start_worker_procs(config, ckpt, expert, url, procs)
                 serving.push_async_callback(
                     lambda: asyncio.gather(*(c.stop() for c in children), return_exceptions=True))
                 pids = {str(c.pid) for c in children}
@@ -243,11 +225,11 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
                     return _worker_pid(worker_id) in pids
             else:
                 worker = await serving.enter_async_context(
-                    ExpertWorker(expert, ckpt, backend, nats_url=url, buckets=buckets))
+                    ExpertWorker(expert, ckpt, backend, config=config, nats_url=url))
 
                 def ours(worker_id: str) -> bool:
                     return worker_id == worker.worker_id
-            nc = await nats.connect(url, name="ddm-bench")
+            nc = await connect(url, name="ddm-bench", reconnect=60)
             serving.push_async_callback(nc.close)
             rng = np.random.default_rng(0)
             c, h, w = backend.input_shape
@@ -309,8 +291,19 @@ async def bench_worker(args: argparse.Namespace, buckets: tuple[int, ...]) -> di
         setup = {"backend": backend.name, "device": backend.device, "precision": backend.precision,
                  "checkpoint": args.checkpoint or f"random UNet widths={args.widths}", "nats": url,
                  "in_flight": list(in_flights) if len(in_flights) > 1 else in_flights[0],
-                 "worker_procs": procs, "statistic": "median"}
+                 "worker_procs": procs, "statistic": "median",
+                 "worker_defaults_changed": _defaults_in_use(config)}
     return {"setup": setup, "rows": rows}
+
+
+def _defaults_in_use(config) -> dict:
+    """{option: {"bench": value, "worker": value}} for each `BENCH_WORKER_DEFAULTS` entry this run kept."""
+    out = {}
+    for name, (ours, workers) in config.changed_defaults(BENCH_WORKER_DEFAULTS).items():
+        if getattr(config, name) == ours:  # not overridden on the command line
+            show = (lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v)
+            out["--" + name.replace("_", "-")] = {"bench": show(ours), "worker": show(workers)}
+    return out
 
 
 def format_table(results: dict) -> str:
@@ -322,7 +315,9 @@ def format_table(results: dict) -> str:
     procs = s.get("worker_procs", 0)
     where = f"{procs} worker process(es)" if procs else "worker in this process"
     lines = [f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
-             f"model={s['checkpoint']} ({where}; {flights} request(s) in flight; median of alternating calls)",
+             f"model={s['checkpoint']} ({where}; {flights} request(s) in flight; median of alternating calls)"
+             + "".join(f"; {k} {v['bench']} (ddm-fleet worker: {v['worker']})"
+                       for k, v in s.get("worker_defaults_changed", {}).items()),
              f"{'bucket':>6} {'wire':>8} {'flight':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} "
              f"{'nats rows/s':>12} {'ratio':>6} {'fwd rows':>8}"]
     for r in results["rows"]:

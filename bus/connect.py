@@ -9,11 +9,14 @@ answers are decided once, here. Two reconnect policies cover every process:
 * ``reconnect=N`` (short-lived clients: `generate`, `eval`, benches): give up after N tries.
 
 ``first_connect_attempts`` bounds only the first connection, so a command started with a wrong URL fails
-within seconds with `BusUnavailable` instead of retrying forever.
+within seconds with `BusUnavailable` instead of retrying forever. The first connection's attempts are
+counted here rather than left to nats-py's ``max_reconnect_attempts``, which cannot say "once" (0 there
+means "forever", and N means N + 1 tries per server); a wall-clock bound backs the count up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Literal
 
@@ -22,13 +25,18 @@ from bus.ratelimited_log import RateLimitedLog
 
 log = logging.getLogger("ddm.bus")
 
-#: nats-py's default client-side buffer for a subscription's pending messages is 64 MiB; processes that
-#: receive large batches (the coordinator) say so explicitly with `pending_size`.
+#: Seconds one connection attempt may take (TCP connect and the server's INFO).
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 
 
 class BusUnavailable(ConnectionError):
-    """No NATS server answered at the URL(s) given; the message says which and what to do."""
+    """No NATS server answered at the URL(s) given (or it refused the credentials); the message says
+    which servers (without credentials), the last error, and what to do."""
+
+
+class _GiveUp(Exception):
+    """Raised from the error callback to stop nats-py's first-connect loop once the attempts are spent
+    (deliberately not an OSError / nats error, which nats-py would catch and retry)."""
 
 
 def _default_error_cb(name: str) -> Callable[[Exception], Awaitable[None]]:
@@ -38,6 +46,33 @@ def _default_error_cb(name: str) -> Callable[[Exception], Awaitable[None]]:
         limited.warning("%s: NATS connection error: %s", name, err)
 
     return on_error
+
+
+class _FirstConnect:
+    """The error callback handed to nats-py: during the first connection it counts failed attempts
+    (nats-py reports each one here) and gives up after `limit`; once connected it forwards to `then`."""
+
+    def __init__(self, limit: int, then: Callable[[Exception], Awaitable[None]]):
+        self.limit, self.then = limit, then
+        self.failures = 0
+        self.last: Exception | None = None
+        self.connected = False
+
+    async def on_error(self, err: Exception) -> None:  # a coroutine function, as nats-py requires
+        if self.connected:
+            await self.then(err)
+            return
+        self.failures += 1
+        self.last = err
+        log.debug("NATS connect attempt %d/%d failed: %s", self.failures, self.limit, err)
+        if self.failures >= self.limit or _is_auth_error(err):  # a refused password will not get better
+            raise _GiveUp
+
+
+def _is_auth_error(err: BaseException) -> bool:
+    import nats.errors
+
+    return isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in str(err).lower()
 
 
 async def connect(urls: str | list[str], *, name: str,
@@ -50,43 +85,115 @@ async def connect(urls: str | list[str], *, name: str,
                   error_cb: Callable[[Exception], Awaitable[None]] | None = None,
                   **options: Any):
     """Connect to NATS at `urls` (one URL, a comma-separated list of a cluster's nodes, or a list;
-    see `bus.nats_server.nats_servers`) as connection `name`.
+    see `bus.nats_server.nats_servers`) as connection `name`; returns the connected `nats.NATS` client.
 
-    `reconnect`: "forever", or the number of reconnect attempts after the connection is lost.
-    `first_connect_attempts`: tries for the first connection before `BusUnavailable` is raised.
+    `reconnect`: "forever", or the number of reconnect attempts per server after the connection is lost
+    (0: none; the connection closes when the server goes away).
+    `reconnect_wait_s`: seconds between attempts at one server (first connection and reconnects).
+    `first_connect_attempts`: rounds over the server list for the first connection before
+    `BusUnavailable` is raised; it is raised within about
+    `first_connect_attempts * len(servers) * (connect_timeout_s + reconnect_wait_s)` seconds, at once when
+    the server refuses the credentials.
+    `connect_timeout_s`: seconds one attempt may take (TCP connect and the server's INFO).
     `inbox_prefix`: the reply inbox prefix of a client namespace (`schemas.subjects.inbox_prefix`).
-    `pending_size`: the client-side buffer for pending messages, bytes (nats-py's default otherwise).
-    `error_cb`: connection errors (default: a rate-limited warning on the `ddm.bus` logger).
-    Other keyword arguments go to `nats.connect` unchanged.
+    `pending_size`: bytes of outgoing messages nats-py buffers before it flushes, and may hold while
+    reconnecting (publishing more then raises OutboundBufferLimitError); nats-py's 2 MiB otherwise.
+    `error_cb`: connection errors once connected (default: a rate-limited warning on the `ddm.bus`
+    logger); errors of the first connection go into `BusUnavailable` instead.
+    Other keyword arguments (`disconnected_cb`, `reconnected_cb`, ...) go to `nats.connect` unchanged.
 
-    Raises ValueError for a malformed URL or a shipped example password, BusUnavailable when no
-    server answers."""
+    Raises ValueError for a malformed URL, a shipped example password or a bad argument,
+    BusUnavailable when no server answers."""
     import nats
+    import nats.errors
 
     servers = nats_servers(urls)
-    if reconnect != "forever" and (not isinstance(reconnect, int) or reconnect < 0):
+    if reconnect != "forever" and (isinstance(reconnect, bool) or not isinstance(reconnect, int) or reconnect < 0):
         raise ValueError(f"reconnect must be 'forever' or a count >= 0, got {reconnect!r}")
-    if first_connect_attempts < 1:
-        raise ValueError(f"first_connect_attempts must be >= 1, got {first_connect_attempts}")
+    if isinstance(first_connect_attempts, bool) or not isinstance(first_connect_attempts, int) \
+            or first_connect_attempts < 1:
+        raise ValueError(f"first_connect_attempts must be an integer >= 1, got {first_connect_attempts!r}")
+    if connect_timeout_s <= 0 or reconnect_wait_s < 0:
+        raise ValueError(f"connect_timeout_s must be > 0 and reconnect_wait_s >= 0, "
+                         f"got {connect_timeout_s} and {reconnect_wait_s}")
+    for key in ("servers", "allow_reconnect", "max_reconnect_attempts", "reconnect_time_wait", "connect_timeout"):
+        if key in options:
+            raise ValueError(f"connect(): pass the reconnect policy as reconnect= / first_connect_attempts= / "
+                             f"reconnect_wait_s= / connect_timeout_s=, not {key}=")
+    attempts = _FirstConnect(first_connect_attempts * len(servers), error_cb or _default_error_cb(name))
     kwargs: dict[str, Any] = dict(
         servers=servers, name=name, connect_timeout=connect_timeout_s, allow_reconnect=True,
-        # nats-py applies max_reconnect_attempts to the first connect too: bound it there, then widen.
-        max_reconnect_attempts=first_connect_attempts - 1, reconnect_time_wait=reconnect_wait_s,
-        error_cb=error_cb or _default_error_cb(name),
+        # -1: nats-py keeps trying; `attempts` stops it (see the module docstring)
+        max_reconnect_attempts=-1, reconnect_time_wait=reconnect_wait_s, error_cb=attempts.on_error,
     )
     if inbox_prefix is not None:
         kwargs["inbox_prefix"] = inbox_prefix
     if pending_size is not None:
         kwargs["pending_size"] = pending_size
     kwargs.update(options)
+    bound_s = first_connect_attempts * len(servers) * (connect_timeout_s + reconnect_wait_s) + connect_timeout_s
+    nc = nats.NATS()
     try:
-        nc = await nats.connect(**kwargs)
-    except Exception as err:  # nats-py raises NoServersError, OSError, TimeoutError ... by cause
-        shown = ", ".join(_without_credentials(s) for s in servers)
-        raise BusUnavailable(f"cannot connect to NATS at {shown}: {err or type(err).__name__}. Is a nats-server "
-                             "running (`ddm-fleet up` starts one)? Pass another with --nats or $NATS_URL.") from err
-    nc.options["max_reconnect_attempts"] = -1 if reconnect == "forever" else reconnect
+        await asyncio.wait_for(nc.connect(**kwargs), bound_s)
+    except BaseException as err:
+        try:
+            await nc.close()
+        except Exception:  # never connected: nothing more to release
+            pass
+        if isinstance(err, _GiveUp):
+            why = _describe(attempts.last)
+        elif isinstance(err, asyncio.TimeoutError):  # before OSError: TimeoutError is one
+            why = f"no answer within {bound_s:.0f} s" + (f" ({_describe(attempts.last)})" if attempts.last else "")
+        elif isinstance(err, (OSError, nats.errors.Error)):
+            why = _describe(err)
+        else:  # a programming error (a bad callback, ...) or a cancellation: not the bus's fault
+            raise
+        auth = _is_auth_error(attempts.last or err)
+        raise BusUnavailable(_message(servers, why, auth=auth)) from None  # no chained error: it may hold the URL
+    attempts.connected = True
+    if reconnect == "forever":
+        nc.options["max_reconnect_attempts"] = -1
+    elif reconnect == 0:
+        nc.options["allow_reconnect"] = False  # nats-py reads max_reconnect_attempts=0 as "forever"
+    else:
+        nc.options["max_reconnect_attempts"] = reconnect
     return nc
+
+
+def _describe(err: BaseException | None) -> str:
+    return str(err) or type(err).__name__
+
+
+def _message(servers: list[str], why: str, *, auth: bool) -> str:
+    shown = ", ".join(_without_credentials(s) for s in servers)
+    why = _scrub(why, servers)
+    if auth:
+        hint = "The server refused the credentials: check the user and password in --nats / $NATS_URL."
+    else:
+        hint = "Is a nats-server running (`ddm-fleet up` starts one)? Pass another with --nats or $NATS_URL."
+    return f"cannot connect to NATS at {shown}: {why}. {hint}"
+
+
+def _scrub(text: str, servers: list[str]) -> str:
+    """`text` with any password or token of `servers` replaced by ***."""
+    from urllib.parse import unquote, urlsplit
+
+    for url in servers:
+        netloc = urlsplit(url).netloc
+        if "@" not in netloc:
+            continue
+        user, _, password = netloc.rsplit("@", 1)[0].partition(":")
+        for secret in {password, unquote(password)} if password else {user, unquote(user)}:
+            if secret:
+                text = text.replace(secret, "***")
+    return text
+
+
+def without_credentials(urls: str | list[str]) -> str:
+    """`urls` (one URL, a comma-separated list, or a list) with every user:password@ or token@ removed,
+    for messages and logs."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    return ",".join(_without_credentials(u.strip()) for u in items)
 
 
 def _without_credentials(url: str) -> str:

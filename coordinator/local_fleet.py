@@ -165,8 +165,7 @@ class LocalFleet:
         return cls(paths["experts"][:k], router, num_experts=k, class_to_expert=c2e, **kw)
 
     async def __aenter__(self) -> "LocalFleet":
-        import nats
-
+        from bus.connect import connect
         from bus.nats_server import NatsServer
         from workers.service import ExpertWorker
 
@@ -177,7 +176,8 @@ class LocalFleet:
                 self.server = NatsServer()
                 await asyncio.to_thread(self.server.start)
                 self.url = self.server.url
-            self.nc = await nats.connect(self.url, name="local-fleet")
+            # a short-lived client of its own (or the given) server: bounded reconnects, as nats-py's default
+            self.nc = await connect(self.url, name="local-fleet", reconnect=60, first_connect_attempts=3)
             # workers one after another: loading + warm-up is CPU bound anyway
             for k, path in enumerate(self.expert_checkpoints):
                 for _ in range(self.workers_per_expert):

@@ -8,7 +8,7 @@ always share their position, so they are kept together in a `RowGroup` and stepp
 Time convention: t = 0 is noise, t = 1 is data; a row integrates dx/dt = v(x, t, y) on the
 uniform grid `solver.time_grid(steps)` = [0, 1/steps, ..., 1].
 
-The step arithmetic is `coordinator.solver`'s (the one implementation, shared with `sample()`);
+The step arithmetic is `flow.solver`'s (the one implementation, shared with `sample()`);
 a row only keeps where it is. Per step n:
 
 * euler: one evaluation, one tick:  x[n+1] = euler_update(x[n], dt, v(x[n], t[n]))
@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .solver import check_method, euler_update, heun_correct, heun_predict, step_dt, time_grid
+from flow.solver import check_method, euler_update, heun_correct, heun_predict, step_dt, time_grid
 
 
 def initial_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -47,13 +47,13 @@ from typing import Sequence
 
 import numpy as np
 
+from flow.solver import euler_update
 from schemas import UNCONDITIONAL, DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 from schemas.tensor import frame_float16
 
 from .batch import Batch
 from .checkpoint import JobCheckpoint
 from .rows import RowGroup, draw_digits
-from .solver import euler_update
 
 MAX_NOTES = 50
 

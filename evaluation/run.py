@@ -96,9 +96,8 @@ def requested_digits(per_class: int) -> np.ndarray:
 
 async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: EvalSpec, bar=None):
     """Submit jobs of spec.job_size concurrently; returns (images [N,1,32,32], usage [N,K])."""
+    from client.jobs import run_job
     from schemas import JobRequest
-
-    from coordinator.client import run_job
 
     chunks = [digits[i:i + spec.job_size] for i in range(0, len(digits), spec.job_size)]
 
@@ -130,9 +129,11 @@ def _fleet_for(model: str, spec: EvalSpec):
 
 
 def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
+    from flow.solver import EVALS_PER_STEP, check_method
+
     from .flops import expert_flops, router_flops
 
-    evals = 2 if spec.solver == "heun" else 1
+    evals = EVALS_PER_STEP[check_method(spec.solver)]
     if cfg.model == "monolith":
         path = spec.monolith or os.path.join(spec.checkpoints, "monolith.safetensors")
         return spec.steps * evals * expert_flops(path)
@@ -145,8 +146,9 @@ def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
 async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
     """Generate and score every configuration. `judges` (a `judges.Judges`) defaults to both cached
     judges, trained once if missing."""
-    import nats
     from tqdm import tqdm
+
+    from bus.connect import connect
 
     from .judges import Judges
 
@@ -160,10 +162,10 @@ async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
     for model, cfgs in by_model.items():
         fleet = _fleet_for(model, spec)
         if fleet is None:
-            from coordinator.client import client_connect_options, client_from_url
+            from client.jobs import client_connect_options, client_from_url
 
-            nc = await nats.connect(spec.nats_url, name="ddm-eval",
-                                    **client_connect_options(client_from_url(spec.nats_url)))
+            nc = await connect(spec.nats_url, name="ddm-eval", reconnect=60, first_connect_attempts=3,
+                               **client_connect_options(client_from_url(spec.nats_url)))
         else:
             await fleet.__aenter__()
             nc = fleet.nc

@@ -6,14 +6,14 @@ use; this module exists for studies that need many images per configuration (5,0
 tests) on a GPU in minutes. It keeps the fleet's conventions so the two are comparable image for
 image: the same requested digits (`requested_digits`), jobs of `job_size` rows seeded
 `seed + j`, row i of a job starting from `coordinator.rows.initial_noise(seed, i)`, the same
-solver (`coordinator.solver`) and routing strategies (`coordinator.strategies.select`), and
+solver (`flow.solver`) and routing strategies (`coordinator.strategies.select`), and
 the router asked at every evaluation. Unconditional rows (y = -1) use the same seeds, so an
 unconditional file pairs row for row with its conditional one.
 
 Each configuration is written as `<name>.npz` in the format `ddm-fleet eval --save-images` writes
 (`images` [N, 1, 32, 32], `labels` [N] (-1 = unconditional), `usage` [N, K]); with `uint8=True`
-the images are stored as uint8 (x + 1) * 127.5 rounded, 4x smaller (`evaluation.rescore` reads
-both).
+the images are stored as uint8 pixels (`dataset.images.to_uint8`: (x + 1) * 127.5, rounded half to even), 4x
+smaller (`evaluation.rescore` reads both).
 
     python -m evaluation.sample_inprocess --checkpoints out/study/k4 --configs top1,full,oracle \
         --monolith out/study/monolith.safetensors --per-class 500 --device cuda --out out/study/images
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from dataset.images import to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +124,10 @@ def _ddm_velocity(experts: _Experts, router: _TorchRouter, strategy: str, top_k:
 def generate(cfg: SampleConfig, *, digits: np.ndarray, noise: np.ndarray, steps: int, solver: str,
              device: str, checkpoints: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """-> (images [N,1,32,32] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32)."""
-    from coordinator.solver import sample
+    from flow.solver import EVALS_PER_STEP, check_method, sample
 
     y = np.full(len(digits), -1, np.int64) if cfg.unconditional else np.asarray(digits, np.int64)
-    evals = steps * (2 if solver == "heun" else 1)
+    evals = steps * EVALS_PER_STEP[check_method(solver)]
     if cfg.model == "ddm":
         d = Path(checkpoints or ".")
         part = json.loads((d / "partition.json").read_text())
@@ -154,7 +156,7 @@ def generate(cfg: SampleConfig, *, digits: np.ndarray, noise: np.ndarray, steps:
 def save_npz(path: Path, images: np.ndarray, labels: np.ndarray, usage: np.ndarray, uint8: bool, meta: dict) -> None:
     """Write `path` whole: a temporary file renamed into place, so an interrupted run leaves no half file."""
     if uint8:
-        images = np.clip(np.rint((np.clip(images, -1, 1) + 1) * 127.5), 0, 255).astype(np.uint8)
+        images = to_uint8(images)
     tmp = path.with_name(path.name + ".partial.npz")
     np.savez_compressed(tmp, images=images, labels=labels.astype(np.int64), usage=usage,
                         meta=np.asarray(json.dumps(meta)))

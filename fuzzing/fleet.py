@@ -60,8 +60,7 @@ class Fleet:
         return self
 
     async def _start(self) -> None:
-        import nats
-
+        from bus.connect import connect
         from models.router import Router
         from coordinator.service import Coordinator
         from bus.nats_server import NatsServer, free_port
@@ -94,7 +93,7 @@ class Fleet:
         port = free_port()
         await web.TCPSite(self.web_runner, "127.0.0.1", port).start()
         self.web_url = f"http://127.0.0.1:{port}"
-        self.nc = await nats.connect(self.url, name="ddm-fuzz", max_reconnect_attempts=2)
+        self.nc = await connect(self.url, name="ddm-fuzz", reconnect=2, first_connect_attempts=3)
 
     def _checkpoints(self) -> list[str]:
         from models.tiny import make_tiny_experts

@@ -235,7 +235,7 @@ def summary(result: RunResult, steps: int, strategy: str, path: str) -> dict:
 
 
 class _JobError(Exception):
-    """Job `index` (0-based) of a run failed with `err` (a coordinator.client.JobFailed)."""
+    """Job `index` (0-based) of a run failed with `err` (a client.jobs.JobFailed)."""
 
     def __init__(self, index: int, err: Exception):
         super().__init__(str(err))
@@ -249,7 +249,7 @@ async def run_jobs(nc, requests: list, *, in_flight: int, timeout: float, bar=No
     import asyncio
     import time
 
-    from coordinator.client import JobFailed, run_job
+    from client.jobs import JobFailed, run_job
     from schemas import ErrorCode, JobAccepted
 
     gate = asyncio.Semaphore(in_flight)
@@ -355,9 +355,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     async def main() -> int:
-        import nats
-
-        from bus.nats_server import nats_servers
+        from bus.connect import connect
 
         if args.local:
             from coordinator.local_fleet import LocalFleet
@@ -366,22 +364,27 @@ def run(args: argparse.Namespace) -> int:
             rows = min(n_images, args.max_images_per_job * args.jobs_in_flight)
             async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(rows)) as fleet:
                 return await job(fleet.nc)
-        from coordinator.client import client_connect_options, client_from_url
+        from client.jobs import client_connect_options, client_from_url
 
         try:  # the jobs belong to the NATS user of --nats ("anon" without one)
             client = client_from_url(args.nats)
         except ValueError as err:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
-        nc = await nats.connect(nats_servers(args.nats), name="ddm-generate", connect_timeout=5,
-                                max_reconnect_attempts=3, reconnect_time_wait=0.5, **client_connect_options(client))
+        nc = await connect(args.nats, name="ddm-generate", reconnect=3, first_connect_attempts=4,
+                           reconnect_wait_s=0.5, connect_timeout_s=5, **client_connect_options(client))
         try:
             return await job(nc)
         finally:
             await nc.drain()
 
+    from bus.connect import BusUnavailable, without_credentials
+
     try:
         return asyncio.run(main())
+    except BusUnavailable as err:
+        print(f"ddm-fleet generate: {err} Or use --local to run a fleet in this process.", file=sys.stderr)
+        return 1
     except FileNotFoundError as err:
         print(f"ddm-fleet generate: {err}", file=sys.stderr)
         return 2
@@ -396,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
         if type(err).__module__.startswith("nats"):
-            print(f"ddm-fleet generate: cannot reach NATS at {args.nats}: {type(err).__name__} {err} "
+            print(f"ddm-fleet generate: NATS at {without_credentials(args.nats)}: {type(err).__name__} {err} "
                   "(start a fleet, or use --local)", file=sys.stderr)
             return 1
         raise

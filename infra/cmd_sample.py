@@ -61,7 +61,7 @@ def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, st
     import torch
     from tqdm import tqdm
 
-    from coordinator.solver import sample
+    from flow.solver import sample
     from models.checkpoint import load_torch_model
 
     models, owner = [], {}

@@ -218,13 +218,14 @@ class Probes:
 
     async def _conn(self):
         if self.nc is None or self.nc.is_closed:
-            import nats
+            from bus.connect import connect
 
             async def quiet(err: Exception) -> None:  # the bus restarting is reported by the supervisor
                 pass
 
-            self.nc = await nats.connect(self.nats_url, name="ddm-up", connect_timeout=2, max_reconnect_attempts=-1,
-                                         reconnect_time_wait=0.5, error_cb=quiet)
+            # probed only once the bus answers; a BusUnavailable here is a failed probe, tried again later
+            self.nc = await connect(self.nats_url, name="ddm-up", reconnect="forever", first_connect_attempts=4,
+                                    connect_timeout_s=2, reconnect_wait_s=0.5, error_cb=quiet)
         return self.nc
 
     async def worker(self, child) -> bool:
@@ -239,7 +240,7 @@ class Probes:
         return True
 
     async def coordinator(self, child) -> bool:
-        from coordinator.client import fleet_status
+        from client.jobs import fleet_status
 
         await fleet_status(await self._conn(), timeout=1.0)
         return True

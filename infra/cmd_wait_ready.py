@@ -86,15 +86,15 @@ def fleet_status_probe(url: str, timeout: float = 2.0) -> Callable[[], bool]:
     import asyncio
 
     async def ask() -> bool:
-        import nats
+        import nats.errors
 
-        from bus.nats_server import nats_servers
+        from bus.connect import connect
         from schemas import FleetStatus, ProtocolError, subjects, unpack
 
-        try:
-            nc = await nats.connect(servers=nats_servers(url), connect_timeout=timeout, allow_reconnect=False,
-                                    max_reconnect_attempts=0, error_cb=_quiet)
-        except Exception:  # unreachable server, refused credentials: not ready
+        try:  # one try, no reconnects: the caller polls
+            nc = await connect(url, name="ddm-wait-ready", reconnect=0, first_connect_attempts=1,
+                               connect_timeout_s=timeout, error_cb=_quiet)
+        except Exception:  # unreachable server, refused credentials, a bad URL: not ready
             return False
         try:
             msg = await nc.request(subjects.FLEET_STATUS, b"", timeout=timeout)

@@ -1,7 +1,8 @@
 """Write a PNG grid of generated images.
 
 `write_grid(path, images [N, 1, H, W] in [-1, 1], nrow=..., row_labels=...)`: images fill the grid row by
-row; optional text labels are drawn in a left margin, one per row. Pure numpy + Pillow.
+row; optional text labels are drawn in a left margin, one per row. Pixels: `dataset.images.to_uint8`.
+Pure numpy + Pillow.
 """
 
 from __future__ import annotations
@@ -10,23 +11,24 @@ from pathlib import Path
 
 import numpy as np
 
+from dataset.images import to_uint8
 
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    """[N, 1, H, W] (or [N, H, W]) floats in [-1, 1] -> uint8 [N, H, W], clipped."""
-    a = np.asarray(images, dtype=np.float32)
+
+def _single_channel(images: np.ndarray) -> np.ndarray:
+    """[N, 1, H, W] or [N, H, W] -> [N, H, W] (a view); other shapes are a ValueError."""
+    a = np.asarray(images)
     if a.ndim == 4:
         if a.shape[1] != 1:
             raise ValueError(f"expected single-channel images [N, 1, H, W], got {a.shape}")
         a = a[:, 0]
     if a.ndim != 3:
         raise ValueError(f"expected images [N, 1, H, W] or [N, H, W], got shape {a.shape}")
-    a = np.nan_to_num(a, nan=-1.0)
-    return np.clip((a + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+    return a
 
 
 def make_grid(images: np.ndarray, nrow: int, pad: int = 2, scale: int = 1) -> np.ndarray:
     """Tile images into a uint8 [rows*(H+pad)+pad, nrow*(W+pad)+pad] array, `nrow` images per row."""
-    imgs = to_uint8(images)
+    imgs = to_uint8(_single_channel(images))
     if nrow < 1:
         raise ValueError(f"nrow must be >= 1, got {nrow}")
     if scale > 1:

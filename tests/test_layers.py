@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "schemas": 0, "bus": 0,                      # the wire protocol; bus-connection helpers
     "dataset": 1, "models": 1,                   # data + partitions; networks + checkpoint format
+    "flow": 1, "client": 1,                      # flow-matching path + solvers; the client side of a job
     "training": 2, "workers": 2,                 # trainers; expert workers
     "coordinator": 3,                            # the serving path
     "web": 4, "evaluation": 4, "benchmarks": 4,  # clients of a fleet
@@ -24,9 +25,10 @@ LAYERS = {
     "infra": 6,                                  # the CLI and process launch
 }
 
-# The coordinator's pure core: no I/O, no bus, no subject names (schedule/update are tested with hand-made replies).
-PURE_MODULES = ["coordinator/scheduler.py", "coordinator/batch.py", "coordinator/rows.py", "coordinator/solver.py",
-                "coordinator/strategies.py", "coordinator/dispatch.py"]
+# The coordinator's pure core and the solver it steps with: no I/O, no bus, no subject names
+# (schedule/update are tested with hand-made replies).
+PURE_MODULES = ["coordinator/scheduler.py", "coordinator/batch.py", "coordinator/rows.py", "coordinator/strategies.py",
+                "coordinator/dispatch.py", "flow/solver.py", "flow/path.py"]
 IMPURE = {"nats", "aiohttp", "asyncio", "socket", "subprocess", "schemas.subjects", "bus"}
 
 
@@ -64,6 +66,13 @@ def test_scheduler_core_does_no_io(module):
            if any(name == i or name.startswith(i + ".") for i in IMPURE)]
     assert not bad, "\n".join(bad)
     assert "ddm.v1" not in (ROOT / module).read_text(), f"{module} spells a NATS subject"
+
+
+def test_the_web_viewer_is_a_client_not_a_coordinator():
+    """web/ reaches a fleet through client/ (schemas only), so the viewer's install needs no coordinator (nor torch)."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for path in sorted((ROOT / "web").rglob("*.py"))
+           for module, line in _imports(path) if module.split(".")[0] in ("coordinator", "models", "workers")]
+    assert not bad, "\n".join(bad)
 
 
 def test_schemas_is_the_protocol_only():

@@ -184,7 +184,7 @@ class Teacher:
 
 def distill_batch(teacher: Teacher, x, y, generator=None):
     """Noised training images and their teacher targets: x [B,1,32,32], y [B] -> (x_t, t [B], u)."""
-    from models.flow import torch_flow_batch
+    from flow.path import torch_flow_batch
 
     x_t, t, _ = torch_flow_batch(x, generator)
     return x_t, t, teacher.velocity(x_t, t, y)

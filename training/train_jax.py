@@ -4,7 +4,7 @@ Entry point: `train(args)` (called by `ddm-fleet train-expert --backend jax`). S
 torch trainer (`training.train_torch.TrainConfig`, same flags, same data, same schedules):
 
     batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
-    loss = flow-matching MSE (models/flow.py: x_t = (1-t) noise + t x, target v = x - noise)
+    loss = flow-matching MSE (flow/path.py: x_t = (1-t) noise + t x, target v = x - noise)
     optax: clip_by_global_norm(grad_clip) -> AdamW(b1=0.9, b2=0.99) with warmup + cosine LR (`lr_at`)
     EMA of the params (what is saved), one jit-compiled step (loss, grads, update, EMA)
 
@@ -100,7 +100,7 @@ def flow_loss(model, params, x, y, key):
     """
     import jax
 
-    from models.flow import interpolate, mse, target_velocity
+    from flow.path import interpolate, mse, target_velocity
 
     k_noise, k_t = jax.random.split(key)
     noise = jax.random.normal(k_noise, x.shape, x.dtype)

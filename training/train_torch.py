@@ -3,7 +3,7 @@
 Entry point: `train(args)` (called by `ddm-fleet train-expert --backend torch`). The loop:
 
     batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
-    loss = flow-matching MSE (models/flow.py), AdamW, warmup + cosine LR, grad-norm clip 1.0
+    loss = flow-matching MSE (flow/path.py), AdamW, warmup + cosine LR, grad-norm clip 1.0
     EMA of the weights (what is saved), bf16 autocast optional, channels_last on CPU
     --label-dropout p > 0: each label becomes -1 ("unknown") with probability p, and the model gets a
     null class row (UNetConfig.null_label, recorded in the checkpoint's config), so one network
@@ -168,8 +168,8 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     import torch
     from tqdm import tqdm
 
+    from flow.path import torch_flow_loss
     from models.checkpoint import save_checkpoint, torch_state_to_numpy
-    from models.flow import torch_flow_loss
     from models.config import UNetConfig
     from models.unet_torch import UNet, count_params
 

@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from coordinator.client import client_connect_options, client_from_url
+from client.jobs import client_connect_options, client_from_url
 from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
 
 from .fleet import FleetMonitor
@@ -135,9 +135,7 @@ def create_app(config: WebConfig | None = None) -> web.Application:
 
 
 async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
-    import nats
-
-    from bus.nats_server import nats_servers
+    from bus.connect import BusUnavailable, connect
 
     url = app[CONFIG].nats_url
 
@@ -145,14 +143,12 @@ async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
         log.warning("nats: %s", err)
 
     client = client_from_url(url)  # the NATS user owns the viewer's jobs; "web" on an open bus
-    try:
-        nc = await nats.connect(nats_servers(url), name="ddm-web", max_reconnect_attempts=2, reconnect_time_wait=1,
-                                connect_timeout=3, error_cb=on_error, allow_reconnect=True,
-                                **client_connect_options(WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client))
-    except Exception as err:
-        raise RuntimeError(f"cannot connect to NATS at {url}: {err}. Is a nats-server running "
-                           "(`ddm-fleet up` starts one)? Pass another with --nats.") from err
-    nc.options["max_reconnect_attempts"] = -1  # fail fast at start, reconnect forever once up
+    try:  # fail fast at start (3 tries), reconnect forever once up
+        nc = await connect(url, name="ddm-web", reconnect="forever", first_connect_attempts=3, reconnect_wait_s=1,
+                           connect_timeout_s=3, error_cb=on_error,
+                           **client_connect_options(WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client))
+    except (BusUnavailable, ValueError) as err:  # as RuntimeError, which `ddm-fleet web` reports plainly
+        raise RuntimeError(str(err)) from None
     app[NATS] = nc
     yield
     try:

@@ -12,25 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from dataset.images import to_uint8
 from schemas import DoneEvent, FailedEvent, FrameEvent, JobAccepted
 
 
-def to_uint8(x: np.ndarray) -> np.ndarray:
-    """[N, C, H, W] float in [-1, 1] -> uint8 [N, H, W] grayscale (channel mean, clipped).
+def tiles_b64(x: np.ndarray) -> list[str]:
+    """[N, C, H, W] float in [-1, 1] -> N base64 strings of H*W uint8 bytes each.
 
-    Non-finite values (a diverging trajectory) become 0 rather than breaking the encoder.
-    """
+    Grayscale is the channel mean, made pixels by `dataset.images.to_uint8` (clipped; a diverging
+    trajectory's non-finite values do not break the encoder)."""
     a = np.asarray(x, dtype=np.float32)
     if a.ndim != 4:
         raise ValueError(f"expected images [N, C, H, W], got shape {list(a.shape)}")
-    a = a.mean(axis=1)
-    a = np.nan_to_num(a, nan=-1.0, posinf=1.0, neginf=-1.0)
-    return np.clip(np.rint((a + 1.0) * 127.5), 0, 255).astype(np.uint8)
-
-
-def tiles_b64(x: np.ndarray) -> list[str]:
-    """[N, C, H, W] float -> N base64 strings of H*W uint8 bytes each."""
-    gray = np.ascontiguousarray(to_uint8(x))
+    gray = np.ascontiguousarray(to_uint8(a.mean(axis=1)))
     return [base64.b64encode(tile.tobytes()).decode("ascii") for tile in gray]
 
 

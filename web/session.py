@@ -3,7 +3,7 @@
 A session owns the jobs its socket submitted (and only those): it picks each job id,
 subscribes to the job's event subject *before* submitting, forwards the events to its socket,
 and cancels every unfinished job when the socket closes. Other tabs never see its jobs.
-A job that has sent nothing for `probe_every` seconds is asked about (`coordinator.client.JobProbe`):
+A job that has sent nothing for `probe_every` seconds is asked about (`client.jobs.JobProbe`):
 if the coordinator lost it (restarted, or gone for `lost_after` s) or has answered nothing for
 `unresponsive_after` s (frozen), the page gets `failed` / `unavailable` with the reason instead of
 waiting forever.
@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from client.jobs import JobProbe, client_of
 from schemas import (
     CancelRequest,
     DoneEvent,
@@ -44,8 +45,6 @@ from schemas import (
     subjects,
     unpack,
 )
-
-from coordinator.client import JobProbe, client_of
 
 from .frames import event_message
 from .protocol import BadInput, Cancel, Generate, Ping, parse_client_message

@@ -46,16 +46,16 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .config import DEFAULT_BUCKETS, MERGE_MODES, parse_buckets, plan_buckets  # noqa: F401 (re-exported)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
 #: merge="auto": a pass grows into a bigger bucket only if that costs at least this fraction less
 #: than the two passes apart (noise in the timings must not flip the decision back and forth).
 MERGE_MARGIN = 0.1
 #: Weight of the newest pass in a bucket's running forward-time estimate.
 COST_EWMA = 0.2
-MERGE_MODES = ("auto", "always")
 
 ModelFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
@@ -70,42 +70,6 @@ class BatcherClosed(Exception):
 
 class ModelError(Exception):
     """The model call failed; the original exception is the __cause__."""
-
-
-def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
-    """"1,2,4,8" or [1, 2, 4, 8] -> sorted unique positive ints; ValueError with a hint otherwise."""
-    if isinstance(text, str):
-        try:
-            values = [int(p) for p in text.split(",") if p.strip()]
-        except ValueError:
-            raise ValueError(f"buckets must be comma-separated positive integers like 1,2,4,8, got {text!r}") from None
-    else:
-        values = [int(v) for v in text]
-    if not values:
-        raise ValueError("buckets must list at least one batch size, e.g. 1,2,4,8")
-    if any(v <= 0 for v in values):
-        raise ValueError(f"bucket sizes must be positive, got {values}")
-    return tuple(sorted(set(values)))
-
-
-def plan_buckets(buckets: Sequence[int], max_batch: Optional[int]) -> tuple[tuple[int, ...], int]:
-    """Buckets actually used for a `max_batch` row limit, and that limit.
-
-    Buckets above the smallest one that holds `max_batch` are never used and are dropped, so
-    they are not compiled. `max_batch` larger than the largest bucket is an error.
-    """
-    buckets = parse_buckets(buckets)
-    if max_batch is None:
-        return buckets, buckets[-1]
-    if max_batch <= 0:
-        raise ValueError(f"max_batch must be positive, got {max_batch}")
-    if max_batch > buckets[-1]:
-        raise ValueError(
-            f"max_batch {max_batch} is larger than the largest bucket {buckets[-1]}: add a bucket >= {max_batch} "
-            f"or lower max_batch"
-        )
-    cap = min(b for b in buckets if b >= max_batch)
-    return tuple(b for b in buckets if b <= cap), max_batch
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:

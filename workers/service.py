@@ -49,6 +49,7 @@ STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -56,19 +57,18 @@ import socket
 import time
 import uuid
 from importlib import metadata as _md
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from bus.ratelimited_log import RateLimitedLog
 from schemas import UNCONDITIONAL, ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
-from schemas.limits import MAX_STEP_ROWS
 from schemas.tensor import to_wire_dtype, widen_float32
 from schemas.version import PROTOCOL_VERSION
 
-from .batcher import DEFAULT_BUCKETS, MERGE_MODES, Batcher, BatcherClosed, DeadlineExceeded, ModelError, plan_buckets
+from .batcher import Batcher, BatcherClosed, DeadlineExceeded, ModelError
+from .config import DEFAULT_MAX_INFLIGHT, WorkerConfig  # noqa: F401 (DEFAULT_MAX_INFLIGHT: re-exported)
 from .metrics import WorkerMetrics, serve_metrics
-from .metrics_http import DEFAULT_METRICS_HOST
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,6 @@ DIRECT_ENDPOINT_NAME = "direct"
 #: units). A NaN/Inf velocity for such an input is answered `non_finite` (the request's fault),
 #: not `internal`. Finite inputs up to ~1e19 are computed as usual; past that float32 overflows.
 SANE_ABS_X = 1e4
-
-#: Requests a worker holds at once (queued or computing, awaiting their reply) before it answers
-#: `overloaded`: bounds the reply tasks whatever the row count of each request.
-DEFAULT_MAX_INFLIGHT = 4096
 
 #: Seconds between two log lines about dropped requests (reply subject outside `_INBOX`).
 DROP_LOG_EVERY_S = 10.0
@@ -103,41 +99,42 @@ class ExpertWorker:
         self,
         expert: int,
         checkpoint: Optional[str | os.PathLike] = None,
-        backend: Any = "torch",
+        backend: Any = None,
         *,
-        device: Optional[str] = None,
-        bf16: bool = False,
+        config: Optional[WorkerConfig] = None,
         nats_url: str = "nats://127.0.0.1:4222",
-        buckets: Sequence[int] | str = DEFAULT_BUCKETS,
-        max_batch: Optional[int] = None,
-        max_request_rows: int = MAX_STEP_ROWS,
-        max_queue_rows: Optional[int] = 4096,
-        metrics_port: Optional[int] = None,
-        metrics_host: str = DEFAULT_METRICS_HOST,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
         nc: Any = None,
-        reconnect_wait: float = 1.0,
-        connect_attempts: int = 10,
         backend_options: Optional[dict] = None,
         worker_id: Optional[str] = None,
-        merge: str = "auto",
+        reconnect_wait: Optional[float] = None,
+        **serving: Any,
     ):
-        if merge not in MERGE_MODES:
-            raise ValueError(f"merge must be one of {', '.join(MERGE_MODES)}, got {merge!r}")
-        self.merge = merge
+        """`backend`: a name (default `config.backend`, "torch") or a loaded `Backend` object.
+        `config`: the serving options (`WorkerConfig`); any of its fields may also be given as keyword
+        arguments (`buckets=`, `max_batch=`, `bf16=`, `merge=`, `max_queue_rows=`, ...), which override it.
+        `reconnect_wait`: the older name of `reconnect_wait_s`. Raises ValueError (saying what to fix) for
+        out-of-range options."""
+        if reconnect_wait is not None:
+            serving["reconnect_wait_s"] = reconnect_wait
+        unknown = set(serving) - {f.name for f in dataclasses.fields(WorkerConfig)}
+        if unknown:
+            raise TypeError(f"ExpertWorker() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+        if isinstance(backend, str):
+            serving["backend"] = backend
+        config = (config or WorkerConfig()).replace(**serving)
+        self.config = config
+        self.merge = config.merge
         if not isinstance(expert, int) or isinstance(expert, bool) or expert < 0:
             raise ValueError(f"expert must be a non-negative int, got {expert!r}")
         self.expert = expert
-        self.buckets, self.max_batch = plan_buckets(buckets, max_batch)
-        if max_request_rows <= 0:
-            raise ValueError(f"max_request_rows must be positive, got {max_request_rows}")
-        self.max_request_rows = min(int(max_request_rows), MAX_STEP_ROWS)
-        if max_queue_rows is not None and max_queue_rows <= 0:
-            raise ValueError(f"max_queue_rows must be positive or None, got {max_queue_rows}")
-        self.max_queue_rows = max_queue_rows
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        self.max_inflight = int(max_inflight)
+        self.buckets, self.max_batch = config.plan()
+        self.max_request_rows = config.max_request_rows
+        self.max_queue_rows = config.max_queue_rows
+        self.max_inflight = config.max_inflight
+        if backend is None:
+            backend = config.backend
+        if isinstance(backend, str):
+            backend_options = {**config.backend_options(), **(backend_options or {})}
         self.dropped_requests = 0  # requests with a reply subject outside _INBOX (never answered)
         self._drop_log = RateLimitedLog(log, every_s=DROP_LOG_EVERY_S)
         if isinstance(backend, str):
@@ -149,14 +146,14 @@ class ExpertWorker:
             self._backend_name = getattr(backend, "name", type(backend).__name__)
             self.backend = backend
         self.checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
-        self.device = device
-        self.bf16 = bf16
+        self.device = config.device
+        self.bf16 = config.bf16
         self.backend_options = dict(backend_options or {})
         self.nats_url = nats_url
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
-        self.reconnect_wait = reconnect_wait
-        self.connect_attempts = connect_attempts
+        self.metrics_port = config.metrics_port
+        self.metrics_host = config.metrics_host
+        self.reconnect_wait = config.reconnect_wait_s
+        self.connect_attempts = config.connect_attempts
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         #: where this worker alone is reached (besides the queue group): ddm.v1.expert.<K>.velocity.<token>
         self.direct_subject = subjects.expert_direct(expert, subjects.worker_token(self.worker_id))
@@ -223,7 +220,9 @@ class ExpertWorker:
         self.backend.warmup(self.buckets)
 
     async def _connect(self):
-        import nats
+        """Connect to the bus (`bus.connect`): `connect_attempts` tries at first, so a wrong URL fails
+        in seconds with BusUnavailable (a ConnectionError), then reconnect forever."""
+        from bus.connect import connect, without_credentials
 
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s: %s", type(err).__name__, err)
@@ -231,31 +230,16 @@ class ExpertWorker:
         async def on_disconnect() -> None:
             if self._stopping:
                 return
-            log.warning("nats: disconnected from %s; reconnecting", self.nats_url)
+            log.warning("nats: disconnected from %s; reconnecting", without_credentials(self.nats_url))
 
         async def on_reconnect() -> None:
-            log.warning("nats: reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+            log.warning("nats: reconnected to %s", self.nc.connected_url.netloc.rsplit("@", 1)[-1]
+                        if self.nc.connected_url else "?")
 
-        from bus.nats_server import nats_servers
-
-        servers = nats_servers(self.nats_url)  # one URL or a comma-separated list (ValueError if malformed)
-        try:
-            nc = await nats.connect(
-                servers,
-                name=f"ddm-worker-e{self.expert}-{self._backend_name}",
-                allow_reconnect=True,
-                max_reconnect_attempts=max(1, self.connect_attempts),
-                reconnect_time_wait=self.reconnect_wait,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                pending_size=64 * 1024 * 1024,
-            )
-        except Exception as err:
-            raise ConnectionError(f"cannot connect to NATS at {self.nats_url}: {type(err).__name__}: {err}") from None
-        # Bounded attempts for the first connect (fail fast with a clear error), unlimited after.
-        nc.options["max_reconnect_attempts"] = -1
-        return nc
+        return await connect(self.nats_url, name=f"ddm-worker-e{self.expert}-{self._backend_name}",
+                             reconnect="forever", first_connect_attempts=max(1, self.connect_attempts),
+                             reconnect_wait_s=self.reconnect_wait, pending_size=64 * 1024 * 1024,
+                             error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
 
     def metadata(self) -> dict[str, str]:
         be = self.backend

@@ -112,7 +112,7 @@ async def test_jobs_finishing_together_are_not_reported_lost_by_the_status_probe
     the job" although the coordinator finished it): many jobs finish in one tick, more than the
     coordinator keeps for status requests, while their clients probe. A probe answered "unknown" after
     the job's DoneEvent was published must not fail the job: run_job reads the events that came first."""
-    from coordinator.client import JobFailed, run_job
+    from client.jobs import JobFailed, run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator
     from schemas import JobRequest

@@ -87,7 +87,7 @@ async def wait_no_checkpoints(nc, timeout: float) -> None:
 
 async def reference_images(nc, reqs, tag):
     """The same requests, run undisturbed (new job ids "<tag>-<i>"): {job id of reqs: DoneEvent}."""
-    from coordinator.client import run_job
+    from client.jobs import run_job
 
     refs = [r.model_copy(update={"job_id": f"{tag}-{i}"}) for i, r in enumerate(reqs)]
     got = await asyncio.gather(*(run_job(nc, r, timeout=120) for r in refs))

@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.rows import RowGroup, step_dts
 from coordinator.scheduler import Scheduler, SchedulerConfig
-from coordinator.solver import step_dt, time_grid
+from flow.solver import step_dt, time_grid
 from schemas import DoneEvent, FrameEvent, JobRequest, pack, unpack
 
 SHAPE = (1, 4, 4)

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.client import run_job
+from client.jobs import run_job
 from coordinator.engine import Engine, cohorts_for_workers, parse_cohorts
 from coordinator.local_fleet import LabelRouter
 from coordinator.scheduler import Scheduler, SchedulerConfig

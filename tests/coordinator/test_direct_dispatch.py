@@ -271,7 +271,7 @@ async def test_the_coordinator_and_its_cli_pass_the_dispatch_mode_on(nats_url):
 
 
 async def test_dispatch_counters_are_exported_as_metrics(nats_url, nc, workers):
-    from coordinator.client import run_job
+    from client.jobs import run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator
     from schemas import JobRequest
@@ -291,7 +291,7 @@ async def test_dispatch_counters_are_exported_as_metrics(nats_url, nc, workers):
 async def test_a_coordinator_with_auto_cohorts_grows_them_as_it_learns_workers(nats_url, nc, workers, expert0):
     """--cohorts auto end to end: 3 workers of the expert keep 2 cohorts; a 4th worker, once learned
     from its replies, makes it 3 (ddm_coordinator_cohorts says so too)."""
-    from coordinator.client import run_job
+    from client.jobs import run_job
     from coordinator.engine import cohorts_for_workers
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator

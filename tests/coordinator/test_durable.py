@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from bus.nats_server import NatsServer
-from coordinator.client import run_job
+from client.jobs import run_job
 from schemas import FrameEvent, JobRequest
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
 from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers,

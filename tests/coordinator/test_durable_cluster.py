@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from coordinator.client import client_connect_options, run_job
+from client.jobs import client_connect_options, run_job
 from infra.nats_cluster import NatsCluster, monitor
 from schemas import JobRequest
 from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers, start_coordinator,

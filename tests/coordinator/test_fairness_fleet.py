@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from coordinator.client import JobFailed, run_job, submit_job
+from client.jobs import JobFailed, run_job, submit_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator, EngineDied
 from schemas import ErrorCode, JobRequest

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.client import JobFailed, cancel_job, fleet_status, run_job
+from client.jobs import JobFailed, cancel_job, fleet_status, run_job
 from coordinator.service import Coordinator, wait_for_experts
 from coordinator.scheduler import Rejected
 from schemas import (DoneEvent, ErrorCode, FrameEvent, JobEvent, JobRejected, JobRequest, SubmitReply, pack, subjects,

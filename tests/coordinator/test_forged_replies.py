@@ -16,7 +16,7 @@ import secrets
 import numpy as np
 import pytest
 
-from coordinator.client import run_job
+from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from coordinator.transport import NatsTransport

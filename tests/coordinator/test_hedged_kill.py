@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.client import run_job
+from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator, wait_for_experts
 from schemas import FrameEvent, JobRequest

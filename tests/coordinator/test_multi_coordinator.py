@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.client import JobProbe, cancel_job, run_job, submit_job
+from client.jobs import JobProbe, cancel_job, run_job, submit_job
 from coordinator.service import Coordinator
 from schemas import DoneEvent, JobAccepted, JobRequest
 from tests.coordinator.lagging import LaggingCoordinator

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from coordinator.client import JobFailed, cancel_job, fleet_status, job_status, run_job, submit_job
+from client.jobs import JobFailed, cancel_job, fleet_status, job_status, run_job, submit_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from schemas import (CancelReply, CancelRequest, ErrorCode, FrameEvent, JobAccepted, JobRejected, JobRequest,
@@ -259,26 +259,3 @@ def test_the_dropped_reply_log_is_rate_limited_and_counts_what_it_held_back(capl
     lines = [r.getMessage() for r in caplog.records if r.name == "test.ratelimit"]
     assert lines == ["dropped a", "dropped c (500 more since the last such line)"]
     assert limited.total == 502 and limited.suppressed == 0
-
-
-async def test_the_client_name_comes_from_the_inbox_prefix_or_the_nats_user(nats_url):
-    import nats
-
-    from coordinator.client import client_connect_options, client_from_url, client_of
-
-    assert client_from_url("nats://alice:pw@127.0.0.1:4222") == "alice"
-    assert client_from_url("127.0.0.1:4222,nats://bob:pw@h2:4222") == "bob"
-    assert client_from_url("nats://127.0.0.1:4222") == client_from_url(None) == "anon"
-    with pytest.raises(ValueError, match="cannot name a client"):
-        client_from_url("nats://first.last:pw@127.0.0.1:4222")
-    assert client_connect_options("alice") == {"inbox_prefix": "_INBOX_alice"}
-    with pytest.raises(ValueError):
-        client_connect_options("a.b")
-    plain = await nats.connect(nats_url)
-    mine = await nats.connect(nats_url, **client_connect_options("carol"))
-    try:
-        assert client_of(plain) == "anon" and client_of(mine) == "carol"
-        assert mine.new_inbox().startswith("_INBOX_carol.")
-    finally:
-        await plain.close()
-        await mine.close()

@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.rows import RowGroup, initial_noise
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
-from coordinator.solver import sample, time_grid
+from flow.solver import sample, time_grid
 from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 
 SHAPE = (1, 4, 4)
@@ -311,7 +311,7 @@ def test_config_errors_say_how_to_fix():
 @pytest.mark.parametrize("method", ["euler", "heun"])
 def test_scheduled_job_ends_where_sample_ends(method):
     """A job stepped by the scheduler (one stage per tick, top1) ends bit for bit where
-    coordinator.solver.sample ends with the same velocity."""
+    flow.solver.sample ends with the same velocity."""
     s = make()
     s.submit(JobRequest(job_id="r", digits=[2, 3, 4], steps=5, solver=method, seed=11), 0.0)
     v = fake_velocity(0)

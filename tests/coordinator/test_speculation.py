@@ -238,7 +238,7 @@ async def test_a_coordinator_speculates_over_nats_without_changing_a_job(nats_ur
     """A real coordinator (the tiny random router, whose choices move with x_t and t), two sim
     workers on a real nats-server: the same seeded jobs with and without speculation give the same
     bytes, and the metrics count the guessed rows."""
-    from coordinator.client import run_job
+    from client.jobs import run_job
     from coordinator.service import Coordinator
     from models.router import Router
     from workers.backends import get_backend

@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator.client import JobFailed, fleet_status, run_job
+from client.jobs import JobFailed, fleet_status, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.rows import initial_noise
 from coordinator.service import Coordinator

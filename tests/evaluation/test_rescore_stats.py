@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dataset.images import to_uint8
 from dataset.mnist import load_mnist
 from evaluation.rescore import (CONDITIONAL, UNCONDITIONAL, RowStatistics, SavedImagesError, comparisons,
                                 default_pairs, format_rescore_table, load_saved, rescore_saved,
@@ -19,10 +20,6 @@ from evaluation.rescore import (CONDITIONAL, UNCONDITIONAL, RowStatistics, Saved
 
 SCRIPT = Path(sys.executable).with_name("ddm-fleet")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def to_uint8(x: np.ndarray) -> np.ndarray:
-    return np.clip(np.round((x + 1.0) * 127.5), 0, 255).astype(np.uint8)
 
 
 def test_uint8_images_round_trip_to_the_float_convention(tmp_path):

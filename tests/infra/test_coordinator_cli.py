@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from coordinator.client import fleet_status, run_job
+from client.jobs import fleet_status, run_job
 from schemas import JobRequest
 
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router

@@ -201,7 +201,7 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
 
     import nats
 
-    from coordinator.client import client_connect_options
+    from client.jobs import client_connect_options
     from workers.service import SERVICE_NAME, ExpertWorker
 
     caplog.set_level(logging.WARNING)
@@ -242,7 +242,7 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     import nats.errors
     import torch
 
-    from coordinator.client import cancel_job, client_connect_options, fleet_status, run_job
+    from client.jobs import cancel_job, client_connect_options, fleet_status, run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator, wait_for_experts
     from tests.coordinator.helpers import make_tiny_experts

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.client import client_connect_options
+from client.jobs import client_connect_options
 from infra.nats_cluster import NatsCluster
 from schemas import (
     CancelReply,
@@ -176,7 +176,7 @@ async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(conne
     its status probes get answers; once released it completes. Without the status subject in the
     client's publish rights or the coordinator's subscribe rights no probe is answered, and run_job
     fails after `unresponsive_after` ("the coordinator has not answered")."""
-    from coordinator.client import run_job
+    from client.jobs import run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator
 
@@ -288,7 +288,7 @@ async def test_client_user_cannot_cancel_probe_or_watch_a_web_users_job(connect,
     in its own namespace (answered "unknown job" / `unknown`, never acted on), `fleet.status` with the
     victim's events subject as reply subject (no reply at all: replies go only to _INBOX). The job
     then completes for `web`, whose events subject got only the job's own events."""
-    from coordinator.client import cancel_job, job_status, run_job
+    from client.jobs import cancel_job, job_status, run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import UNKNOWN_JOB, Coordinator
 

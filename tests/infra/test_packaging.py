@@ -35,10 +35,10 @@ LOCAL = set(SHIPPED) | {"tests"}
 #: role -> file patterns it owns (relative to the repo). "base" = the dependencies every install
 #: gets; every other role is the extra of that name.
 ROLES: dict[str, list[str]] = {
-    "base": ["schemas/*", "bus/*", "dataset/*", "infra/__init__.py", "infra/cli.py", "infra/cmd_version.py",
+    "base": ["schemas/*", "bus/*", "dataset/*", "client/*", "infra/__init__.py", "infra/cli.py", "infra/cmd_version.py",
              "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py",
              "infra/cmd_wait_ready.py", "infra/pip_stepwise.py", "infra/heap.py"],
-    "worker": ["workers/*", "models/*", "infra/cmd_worker.py"],
+    "worker": ["workers/*", "models/*", "flow/*", "infra/cmd_worker.py"],  # flow.path's torch helpers
     "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py"],
     "xla": ["workers/backends/xla_backend.py"],
     "coordinator": ["coordinator/*", "infra/cmd_coordinator.py", "infra/cmd_generate.py", "infra/grid.py"],

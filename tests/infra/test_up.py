@@ -228,7 +228,7 @@ class Lines:
 async def _job(url: str, digits: list[int]):
     import nats
 
-    from coordinator.client import run_job
+    from client.jobs import run_job
     from schemas import JobRequest
 
     nc = await nats.connect(url, name="test-up")

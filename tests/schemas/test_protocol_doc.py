@@ -104,7 +104,7 @@ def test_client_defaults_and_the_frozen_coordinator_are_documented():
     the reason text the code uses."""
     import inspect
 
-    from coordinator import client
+    from client import jobs as client
 
     params = inspect.signature(client.run_job).parameters
     for name in ("probe_every", "lost_after", "unresponsive_after"):

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator.client import JobFailed, job_status, run_job
+from client.jobs import JobFailed, job_status, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator, wait_for_experts
 from bus.nats_server import NatsServer

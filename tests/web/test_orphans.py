@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.client import fleet_status, job_status
+from client.jobs import fleet_status, job_status
 from schemas import subjects
 from tests.waiting import wait_until
 from web.app import WebConfig, create_app

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from schemas import MAX_JOB_IMAGES, ErrorCode, FailedEvent, FrameEvent
-from web.frames import event_message, tiles_b64, to_uint8
+from web.frames import event_message, tiles_b64
 from web.protocol import BadInput, Cancel, Generate, Ping, parse_client_message, parse_digits
 from web.session import Outbox
 
@@ -83,11 +83,13 @@ def test_other_messages_and_refs():
     assert err.value.ref == 7  # errors carry the ref so the page can match them
 
 
-def test_to_uint8_maps_range_and_survives_non_finite():
+def test_tiles_are_the_channel_mean_in_pixels_and_survive_non_finite():
     x = np.array([-1.0, 0.0, 1.0, 5.0, np.nan, np.inf, -np.inf, -3.0], np.float32).reshape(1, 1, 2, 4)
-    assert to_uint8(x).tolist() == [[[0, 128, 255, 255], [0, 255, 0, 0]]]
+    assert list(base64.b64decode(tiles_b64(x)[0])) == [0, 128, 255, 255, 0, 255, 0, 0]
+    two = np.stack([np.full((2, 2), -1.0), np.full((2, 2), 0.0)], axis=0)[None]  # [1, 2, 2, 2]: mean -0.5
+    assert list(base64.b64decode(tiles_b64(two)[0])) == [64] * 4  # rint(63.75)
     with pytest.raises(ValueError, match="N, C, H, W"):
-        to_uint8(np.zeros((2, 32, 32)))
+        tiles_b64(np.zeros((2, 32, 32)))
 
 
 def test_tiles_are_raw_gray_bytes_per_image():

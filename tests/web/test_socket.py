@@ -278,7 +278,7 @@ async def test_a_deadline_from_the_page_fails_the_job_with_deadline_exceeded(cli
     """`deadline_s` reaches the real coordinator as the job's deadline: a page job that waits in the
     queue (behind another client's long job, one row in all) past its 1 s deadline ends `failed` /
     `deadline_exceeded`; the job without one runs on."""
-    from coordinator.client import cancel_job, submit_job
+    from client.jobs import cancel_job, submit_job
     from coordinator.service import Coordinator
     from models.router import Router
     from schemas import JobRequest
@@ -313,7 +313,7 @@ async def test_the_viewers_probe_ignores_another_coordinators_unknown(nats_url, 
     """Two coordinators on the bus: a tab's job waits (silent) in coord-a's queue while coord-a
     answers status 1 s late and coord-b says `unknown` after 0.5 s. The viewer's probe knows the
     job's coordinator from `accepted` and does not fail the job; it completes once it gets rows."""
-    from coordinator.client import cancel_job, submit_job
+    from client.jobs import cancel_job, submit_job
     from models.router import Router
     from schemas import JobRequest
     from tests.coordinator.lagging import LaggingCoordinator

@@ -84,7 +84,8 @@ def test_worker_cli_rejects_bad_arguments_clearly(tiny_expert_checkpoint, tmp_pa
     r = _cli("worker", "--expert", "0", "--checkpoint", tiny_expert_checkpoint, "--buckets", "1,x")
     assert r.returncode == 2 and "comma-separated" in r.stderr
     r = _cli("worker", "--expert", "0", "--checkpoint", tiny_expert_checkpoint, "--buckets", "1,2", "--max-batch", "8")
-    assert r.returncode == 1 and "larger than the largest bucket" in r.stderr and "Traceback" not in r.stderr
+    # checked with the other options (WorkerConfig), before anything loads: a usage error
+    assert r.returncode == 2 and "larger than the largest bucket" in r.stderr and "Traceback" not in r.stderr
     r = _cli("worker", "--expert", "1", "--checkpoint", tiny_expert_checkpoint, "--buckets", "1", "--nats", nats_url)
     assert r.returncode == 1 and "is for expert 0" in r.stderr and "Traceback" not in r.stderr
     from bus.nats_server import free_port

@@ -202,7 +202,7 @@ async def test_sim_worker_serves_and_refuses_bad_input(nats_url, nc, sim_experts
 
 
 async def test_a_job_runs_through_two_sim_experts_and_converges(nats_url, nc, sim_experts):
-    from coordinator.client import run_job
+    from client.jobs import run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator
     from workers.service import ExpertWorker

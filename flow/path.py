@@ -6,7 +6,7 @@ Convention (schemas.TIME_CONVENTION = "t0_noise_t1_data"):
     v   = x - noise                      the (constant-in-t) target velocity
     loss = mean((v_pred - v)**2)
 
-Sampling integrates dx/dt = v(x, t, y) from t = 0 to t = 1 (coordinator/solver.py).
+Sampling integrates dx/dt = v(x, t, y) from t = 0 to t = 1 (flow/solver.py).
 The JAX trainer can use the numpy helpers (they are plain array arithmetic, so they also work on jax arrays).
 """
 

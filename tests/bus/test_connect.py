@@ -1,0 +1,143 @@
+"""bus.connect against a real nats-server: connecting, the error when nobody answers, the reconnect
+policy, the client inbox, and that credentials never reach an error message."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus.connect import BusUnavailable, connect
+from bus.nats_server import NatsServer, free_port
+
+
+async def test_connects_and_round_trips(nats_url):
+    nc = await connect(nats_url, name="test-connect")
+    try:
+        assert nc.is_connected
+        sub = await nc.subscribe("test.connect.echo")
+        await nc.publish("test.connect.echo", b"hi")
+        msg = await sub.next_msg(timeout=2)
+        assert msg.data == b"hi"
+    finally:
+        await nc.close()
+
+
+async def test_cluster_list_with_a_dead_node_still_connects(nats_url):
+    dead = f"nats://127.0.0.1:{free_port()}"
+    nc = await connect(f"{dead},{nats_url}", name="test-connect-list", first_connect_attempts=2,
+                       reconnect_wait_s=0.1, connect_timeout_s=1)
+    try:
+        assert nc.is_connected
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("attempts", [1, 3])
+async def test_dead_port_raises_bus_unavailable_within_the_bound(attempts):
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(BusUnavailable) as info:
+        # the outer wait_for only guards the test against the old hang (nats-py retries 0 attempts forever)
+        await asyncio.wait_for(connect(f"nats://127.0.0.1:{port}", name="test-dead", first_connect_attempts=attempts,
+                                       reconnect_wait_s=0.2, connect_timeout_s=1), 10)
+    elapsed = time.monotonic() - t0
+    # refused at once: about (attempts - 1) waits, far below attempts * (connect_timeout + wait)
+    assert elapsed < attempts * (1 + 0.2) + 0.5
+    if attempts > 1:
+        assert elapsed >= (attempts - 1) * 0.2 * 0.9  # it did retry, waiting between tries
+    text = str(info.value)
+    assert f"127.0.0.1:{port}" in text and "ddm-fleet up" in text and "--nats" in text
+    assert isinstance(info.value, ConnectionError)  # callers that catch ConnectionError keep working
+
+
+async def test_credentials_never_shown_in_the_error():
+    port = free_port()
+    url = f"nats://alice:Sw0rdf1sh-9@127.0.0.1:{port}"
+    with pytest.raises(BusUnavailable) as info:
+        await asyncio.wait_for(connect(url, name="test-creds", connect_timeout_s=1), 10)
+    text = str(info.value)
+    assert "Sw0rdf1sh-9" not in text and "alice" not in text
+    assert f"nats://127.0.0.1:{port}" in text
+
+
+async def test_refused_password_fails_at_once_with_a_credentials_hint():
+    with NatsServer(extra_config='authorization { users = [ { user: "alice", password: "Rig4tOne" } ] }') as srv:
+        url = f"nats://alice:Wr0ngOne@127.0.0.1:{srv.port}"
+        t0 = time.monotonic()
+        with pytest.raises(BusUnavailable) as info:
+            await asyncio.wait_for(connect(url, name="test-auth", first_connect_attempts=5, reconnect_wait_s=1), 10)
+        assert time.monotonic() - t0 < 1.0  # no retries against a refused password
+        text = str(info.value)
+        assert "credentials" in text and "Wr0ngOne" not in text
+        nc = await connect(f"nats://alice:Rig4tOne@127.0.0.1:{srv.port}", name="test-auth-ok")
+        assert nc.is_connected
+        await nc.close()
+
+
+async def test_inbox_prefix_and_pending_size_honoured(nats_url):
+    nc = await connect(nats_url, name="test-inbox", inbox_prefix="_INBOX_alice", pending_size=1234567)
+    responder = await connect(nats_url, name="test-responder")
+    try:
+        seen: list[str] = []
+
+        async def answer(msg):
+            seen.append(msg.reply)
+            await msg.respond(b"pong")
+
+        await responder.subscribe("test.connect.inbox", cb=answer)
+        await responder.flush()
+        reply = await nc.request("test.connect.inbox", b"ping", timeout=2)
+        assert reply.data == b"pong"
+        assert seen and seen[0].startswith("_INBOX_alice.")
+        assert nc.new_inbox().startswith("_INBOX_alice.")
+        assert nc._max_pending_size == 1234567  # nats-py keeps it only in this attribute
+    finally:
+        await nc.close()
+        await responder.close()
+
+
+@pytest.mark.parametrize("reconnect, attempts, allowed", [("forever", -1, True), (4, 4, True), (0, None, False)])
+async def test_reconnect_policy_set_after_the_first_connection(nats_url, reconnect, attempts, allowed):
+    nc = await connect(nats_url, name="test-policy", reconnect=reconnect, first_connect_attempts=2)
+    try:
+        assert nc.options["allow_reconnect"] is allowed
+        if attempts is not None:
+            assert nc.options["max_reconnect_attempts"] == attempts
+    finally:
+        await nc.close()
+
+
+async def test_reconnects_forever_after_a_server_restart():
+    port = free_port()
+    srv = NatsServer(port=port).start()
+    reconnected = asyncio.Event()
+
+    async def on_reconnect():
+        reconnected.set()
+
+    nc = await connect(srv.url, name="test-restart", reconnect_wait_s=0.1, reconnected_cb=on_reconnect)
+    try:
+        srv.stop()
+        await asyncio.sleep(0.5)  # several failed reconnects: a bounded policy of 0 or 1 would give up
+        srv = NatsServer(port=port).start()
+        await asyncio.wait_for(reconnected.wait(), 10)
+        assert nc.is_connected
+    finally:
+        await nc.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize("kwargs", [dict(reconnect=-1), dict(reconnect="always"), dict(first_connect_attempts=0),
+                                    dict(max_reconnect_attempts=3), dict(connect_timeout_s=0)])
+async def test_bad_arguments_are_value_errors(nats_url, kwargs):
+    with pytest.raises(ValueError):
+        await connect(nats_url, name="test-bad", **kwargs)
+
+
+def test_without_credentials_for_logs():
+    from bus.connect import without_credentials
+
+    assert without_credentials("nats://bob:Pw9x@a:4222, nats://b:4222") == "nats://a:4222,nats://b:4222"
+    assert without_credentials(["tok3n@h:1"]) == "h:1"
