@@ -8,7 +8,7 @@ CONSTRAINTS := infra/constraints-cpu.txt
 KEY := $(shell cat pyproject.toml $(CONSTRAINTS) | sha1sum | cut -c1-12)
 RUNTIME_STAMP := $(VENV)/.installed-all-$(KEY)
 TEST_STAMP := $(VENV)/.installed-test-$(KEY)
-# Browser tests drive Debian's Chromium (tests/web/test_browser.py); DDM_CHROMIUM points elsewhere.
+# Browser tests drive Debian's Chromium (tests/web/test_app_browser.py); DDM_CHROMIUM points elsewhere.
 CHROMIUM := $(or $(DDM_CHROMIUM),/usr/bin/chromium)
 # No wheel cache: it would keep a second copy of every wheel (about 4 GB for the XLA venv's CUDA
 # torch) on a disk that CI machines do not always have to spare.
@@ -51,9 +51,12 @@ demo: $(RUNTIME_STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-# The suite without the tests marked slow.
+# The quick tier, for after each edit: pure units and in-process tests. Leaves out the tests that need
+# a nats-server (bus), start processes (procs), drive Chromium (browser), train (train) or are slow;
+# tests/conftest.py and pyproject.toml say how a test gets those markers. `make test` runs them all.
+FAST := not slow and not bus and not procs and not browser and not train
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "$(FAST)"
 
 # XLA backend tests: a separate venv with the [xla] extra (torch 2.9.0 + torch-xla 2.9.0 pinned by
 # infra/constraints-xla.txt, ~7 GB, built once) on XLA's CPU device; tests/xla/ runs.

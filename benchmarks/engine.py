@@ -41,18 +41,19 @@ from .processes import run_bench
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=512, metavar="N",
                         help="jobs kept in the system (default %(default)s)")
-    parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default 1)")
+    parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
-    parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
+    parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
+                        help="expert routing of every job (default %(default)s)")
     parser.add_argument("--no-stream", action="store_true", help="jobs without frames (only their final images)")
     add_engine_options(parser, "2 here, the experts being in-process")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json from here (default %(default)s)")
     add_router_option(parser)
-    parser.add_argument("--duration", type=float, default=8.0, metavar="S", help="seconds measured (default 8)")
-    parser.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds before (default 3)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--duration", type=float, default=8.0, metavar="S", help="seconds measured (default %(default)s)")
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds of load before the measured ones (default %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
 def check_args(args: argparse.Namespace) -> None:

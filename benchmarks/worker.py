@@ -31,18 +31,19 @@ BENCH_WORKER_DEFAULTS = {"buckets": "1,8,64", "max_queue_rows": 1 << 20, "max_in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.options import add_nats_option
     from workers.config import WorkerConfig
 
     parser.add_argument("--checkpoint", default=None, metavar="PATH",
                         help="expert checkpoint; default: a randomly initialised UNet of --widths")
     parser.add_argument("--widths", default="32,64,128",
                         help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)")
-    parser.add_argument("--nats", default=None, metavar="URL",
-                        help="NATS server to use (it must have no other worker of this expert); "
-                             "default: start a private nats-server on a free port")
+    add_nats_option(parser, default=None, help="NATS server to use (it must have no other worker of this expert; "
+                                               "default: start a private nats-server on a free port)")
     parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
                         help="seconds to measure each bucket on each path (default 2; the paths alternate)")
-    parser.add_argument("--min-iters", type=int, default=3, help="at least this many calls per bucket and path")
+    parser.add_argument("--min-iters", type=int, default=3, metavar="N",
+                        help="at least N calls per bucket and path (default %(default)s)")
     parser.add_argument("--wire-dtype", default="float32", metavar="D[,D...]",
                         help="wire precision(s) of the NATS path, from float32, float16, bfloat16; several "
                              "(comma-separated) are measured side by side (default %(default)s)")

@@ -41,7 +41,7 @@ class _Switch(argparse.Action):
             names.append(opt)
             if opt.startswith("--"):
                 names.append("--no-" + opt[2:])
-        super().__init__(names, dest, nargs="?", default=default, help=help, metavar="", **kwargs)
+        super().__init__(names, dest, nargs="?", default=default, help=help, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
         negative = option_string.startswith("--no-")
@@ -58,15 +58,47 @@ class _Switch(argparse.Action):
         warn_deprecated(f"{option_string} {values}", f"--{base}" if on else f"--no-{base}")
         setattr(namespace, self.dest, on)
 
-    def format_usage(self) -> str:
-        return " | ".join(s for s in self.option_strings)
+
+def _switch_aware(formatter_class: type) -> type:
+    """`formatter_class` showing a switch as `--x, --no-x` (no value placeholder: the on|off value
+    it still accepts is deprecated and not advertised)."""
+    if getattr(formatter_class, "_shows_switches", False):
+        return formatter_class
+
+    class SwitchAwareFormatter(formatter_class):
+        _shows_switches = True
+
+        def _format_args(self, action, default_metavar):
+            if isinstance(action, _Switch):
+                return ""
+            return super()._format_args(action, default_metavar)
+
+        def _format_action_invocation(self, action):
+            if isinstance(action, _Switch):
+                return ", ".join(action.option_strings)
+            return super()._format_action_invocation(action)
+
+    SwitchAwareFormatter.__name__ = f"SwitchAware{formatter_class.__name__}"
+    return SwitchAwareFormatter
+
+
+def show_switches(parser: argparse.ArgumentParser) -> None:
+    """Make `parser` and every sub-parser below it print switches as `--x, --no-x` in their help
+    (call once on the top-level parser: switches added to argument groups cannot reach it)."""
+    parser.formatter_class = _switch_aware(parser.formatter_class)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_switches(sub)
 
 
 def add_switch(parser: argparse.ArgumentParser, name: str, *, default: bool, help: str, dest: str | None = None) -> None:
     """Add `--name` / `--no-name` (default `default`, said in the help)."""
+    if isinstance(parser, argparse.ArgumentParser):  # an argument group: show_switches on its parser
+        parser.formatter_class = _switch_aware(parser.formatter_class)
     state = "on" if default else "off"
     parser.add_argument(f"--{name}", action=_Switch, default=default, dest=dest,
-                        help=f"{help} (--{name} / --no-{name}; default {state})")
+                        help=f"{help} (default {state})")
 
 
 class _DeprecatedAlias(argparse.Action):

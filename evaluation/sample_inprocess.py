@@ -4,8 +4,8 @@ called directly on large batches (thousands of rows) on one device.
 The fleet (`ddm-fleet eval`, `evaluation/run.py`) is the public path and what the shipped numbers
 use; this module exists for studies that need many images per configuration (5,000+ for paired
 tests) on a GPU in minutes. It keeps the fleet's conventions so the two are comparable image for
-image: the same requested digits (`requested_digits`), jobs of `job_size` rows seeded
-`seed + j`, row i of a job starting from `coordinator.rows.initial_noise(seed, i)`, the same
+image: the same requested digits (`requested_digits`), jobs of --images-per-job rows
+seeded `seed + j`, row i of a job starting from `coordinator.rows.initial_noise(seed, i)`, the same
 solver (`flow.solver`) and routing strategies (`coordinator.strategies.select`), and
 the router asked at every evaluation. Unconditional rows (y = -1) use the same seeds, so an
 unconditional file pairs row for row with its conditional one.
@@ -186,28 +186,40 @@ def parse_configs(text: str, checkpoints: str | None, monolith: str | None, dist
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
+    from bus.options import add_deprecated_alias
+
     p = argparse.ArgumentParser(prog="python -m evaluation.sample_inprocess", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoints", help="DDM directory: partition.json, router.safetensors, expert<k>.safetensors")
-    p.add_argument("--monolith", help="monolith checkpoint (.safetensors) for the 'monolith' configuration")
-    p.add_argument("--distilled", help="distilled student checkpoint for the 'distilled' configuration")
+    p.add_argument("--checkpoints", metavar="DIR",
+                   help="DDM directory: partition.json, router.safetensors, expert<k>.safetensors")
+    p.add_argument("--monolith", metavar="PATH", help="monolith checkpoint (.safetensors) for the 'monolith' configuration")
+    p.add_argument("--distilled", metavar="PATH", help="distilled student checkpoint for the 'distilled' configuration")
     p.add_argument("--configs", default="monolith,top1,top2,full,oracle",
                    help="comma list of monolith, distilled, top1, topK, full, oracle (default %(default)s)")
     p.add_argument("--unconditional", action="store_true",
                    help="label unknown (y = -1) for every row; files are named uncond-<config>.npz; no oracle")
-    p.add_argument("--per-class", type=int, default=500, help="images per digit: N = 10 x this (default %(default)s)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--solver", choices=("euler", "heun"), default="euler")
-    p.add_argument("--seed", type=int, default=0, help="first job seed (as ddm-fleet eval --seed)")
-    p.add_argument("--job-size", type=int, default=50, help="rows per seeded job (as ddm-fleet eval --job-size)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--per-class", type=int, default=500, metavar="N",
+                   help="images per digit: 10 x N in all (default %(default)s)")
+    p.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
+    p.add_argument("--solver", choices=("euler", "heun"), default="euler",
+                   help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="first job seed (as ddm-fleet eval --seed; default %(default)s)")
+    p.add_argument("--images-per-job", type=int, default=50, metavar="N",
+                   help="images per seeded job (as ddm-fleet eval --images-per-job; default %(default)s)")
+    add_deprecated_alias(p, "--job-size", "--images-per-job", type=int, metavar="N")
+    p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
-    p.add_argument("--out", required=True, help="directory for <config>.npz")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for <config>.npz")
     p.add_argument("--skip-existing", action="store_true",
                    help="resume an interrupted run: keep every <config>.npz already in --out (written whole, "
                         "via a temporary file) and generate only the missing ones")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from tqdm import tqdm
 
@@ -215,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configs = parse_configs(args.configs, args.checkpoints, args.monolith, args.distilled, args.unconditional)
     digits = requested_digits(args.per_class)
-    noise = initial_batch(len(digits), args.job_size, args.seed)
+    noise = initial_batch(len(digits), args.images_per_job, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.skip_existing:
@@ -229,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  device=args.device, checkpoints=args.checkpoints)
         labels = np.full(len(digits), -1, np.int64) if cfg.unconditional else digits
         meta = {"config": cfg.__dict__, "steps": args.steps, "solver": args.solver, "seed": args.seed,
-                "job_size": args.job_size, "per_class": args.per_class, "device": args.device,
+                "job_size": args.images_per_job, "per_class": args.per_class, "device": args.device,
                 "seconds": round(time.perf_counter() - start, 2)}
         save_npz(out / f"{cfg.name}.npz", images, labels, usage, not args.float_images, meta)
         print(json.dumps({"wrote": str(out / f"{cfg.name}.npz"), "n": len(labels),

@@ -2,7 +2,7 @@
 
 Each subcommand module defines `add_arguments(parser)` and `run(args) -> int`, and
 keeps heavy imports (torch, jax, nats) inside `run`, so `ddm-fleet --help` is fast.
-To add a command, add a row to COMMANDS.
+To add a command, add a row to its workflow group in COMMAND_GROUPS.
 """
 
 from __future__ import annotations
@@ -12,26 +12,61 @@ import importlib
 import logging
 import sys
 
-# (name, module, one-line help)
-COMMANDS: list[tuple[str, str, str]] = [
-    ("version", "infra.cmd_version", "print the package, protocol and library versions"),
-    ("coordinator", "infra.cmd_coordinator", "run the coordinator: router + step-level batching of all jobs over NATS"),
-    ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) into a PNG grid or .npz"),
-    ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla or jax backend)"),
-    ("bench", "infra.cmd_bench", "benchmarks: `bench worker` = worker rows/s through NATS vs in-process"),
-    ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
-    ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch / torch_xla / jax)"),
-    ("sample", "infra.cmd_sample", "sample digits in-process from expert checkpoints to a PNG grid"),
-    ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
-    ("train-router", "infra.cmd_train_router", "train the router that predicts a noisy sample's expert partition"),
-    ("distill", "infra.cmd_distill", "distil the experts + router ensemble into one dense UNet (served like a monolith)"),
-    ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routing strategies (accuracy, FID, FLOPs)"),
-    ("up", "infra.cmd_up", "run the local fleet in one command: nats-server, workers, coordinator, web page"),
-    ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise live"),
-    ("nats", "infra.cmd_nats", "NATS server tools: check the shipped configs, run them as a loopback cluster"),
-    ("fuzz", "infra.cmd_fuzz", "throw hostile input at the decoders, a worker, the coordinator and the web socket"),
-    ("wait-ready", "infra.cmd_wait_ready", "wait until a worker / web / coordinator is ready (systemd, health checks)"),
+from bus.options import show_switches
+
+# The commands by workflow, in the order `ddm-fleet --help` lists them: (group title, [(name, module,
+# one-line help), ...]). Keep each help short enough for one line of an 80-column terminal.
+COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
+    ("data", [
+        ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
+    ]),
+    ("partition", [
+        ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
+    ]),
+    ("train", [
+        ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch or jax)"),
+        ("train-router", "infra.cmd_train_router", "train the router that picks a noisy image's experts"),
+        ("distill", "infra.cmd_distill", "distill the experts + router into one dense UNet"),
+    ]),
+    ("serve", [
+        ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla, jax or sim)"),
+        ("coordinator", "infra.cmd_coordinator", "route and batch every job's steps over the experts' workers"),
+        ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise"),
+        ("up", "infra.cmd_up", "run the local fleet: nats-server, workers, coordinator, web"),
+        ("nats", "infra.cmd_nats", "NATS server tools: check the configs, run a loopback cluster"),
+    ]),
+    ("generate", [
+        ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) to a PNG or .npz"),
+        ("sample", "infra.cmd_sample", "sample in-process from expert checkpoints to a PNG grid"),
+    ]),
+    ("evaluate, benchmark, fuzz", [
+        ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routings (accuracy, FID)"),
+        ("bench", "infra.cmd_bench", "benchmarks: bench worker | fleet | scale | engine"),
+        ("fuzz", "infra.cmd_fuzz", "throw hostile input at decoders, worker, coordinator, web"),
+    ]),
+    ("version and helpers", [
+        ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+        ("wait-ready", "infra.cmd_wait_ready", "wait until a worker / web / coordinator is ready"),
+    ]),
 ]
+
+# Every command: (name, module, one-line help), in the help's order.
+COMMANDS: list[tuple[str, str, str]] = [cmd for _title, cmds in COMMAND_GROUPS for cmd in cmds]
+
+
+def format_command_table(groups: list[tuple[str | None, list[tuple[str, str]]]], indent: int = 2) -> str:
+    """Grouped (name, one-line help) rows as help text: each group's title on its own line (none when
+    the title is None), then one line per row, the helps aligned in one column. Never wrapped, so
+    that a row stays one line (argparse's RawDescriptionHelpFormatter keeps it as is)."""
+    width = max(len(name) for _title, rows in groups for name, _help in rows) + 2
+    lines: list[str] = []
+    for title, rows in groups:
+        if lines:
+            lines.append("")
+        if title is not None:
+            lines.append(f"{title}:")
+        lines += [f"{' ' * indent}{name.ljust(width)}{help_text}" for name, help_text in rows]
+    return "\n".join(lines)
 
 
 class _VersionAction(argparse.Action):
@@ -85,22 +120,29 @@ def join_option_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    table = format_command_table([(title, [(name, help_text) for name, _m, help_text in cmds])
+                                  for title, cmds in COMMAND_GROUPS])
     parser = argparse.ArgumentParser(
         prog="ddm-fleet",
-        description="Serve and train Decentralized Diffusion Model ensembles over NATS.",
-        epilog="Run `ddm-fleet <command> --help` for a command's options. The bus URL of every command "
+        usage="%(prog)s [-h] [--version] [-v] <command> ...",
+        description="Serve and train Decentralized Diffusion Model ensembles over NATS. The commands, by "
+                    "workflow:\n\n" + table,
+        epilog="Run `ddm-fleet <command> --help` for a command's options. The bus URL of every command\n"
                "defaults to $NATS_URL (else nats://127.0.0.1:4222).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action=_VersionAction, help="print the package and protocol versions and exit")
     _global_options(parser, after_command=False)
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, after_command=True)
-    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    # The grouped table above lists the commands; the subparsers' own flat list is hidden.
+    sub = parser.add_subparsers(dest="command", metavar="<command>", help=argparse.SUPPRESS, prog="ddm-fleet")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(), parents=[common])
+        p = sub.add_parser(name, description=(mod.__doc__ or help_text).strip(), parents=[common])
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    show_switches(parser)
     return parser
 
 

@@ -13,7 +13,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("prepare", "info"), help="prepare: fetch and cache; info: print split sizes")
-    parser.add_argument("--data-dir", default=None, help="data directory (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--force", action="store_true", help="prepare: rebuild the cache even if it exists")
 
 

@@ -1,7 +1,7 @@
-"""Distil the DDM ensemble (the experts + router of --checkpoints) into ONE dense UNet.
+"""Distill the DDM ensemble (the experts + router of --checkpoints) into ONE dense UNet.
 
 The student learns the ensemble's velocity u = sum_k r_k v_k (router weights r, `--strategy full`;
-`top1` distils the one-expert route instead) at noised training images x_t = (1 - t) noise + t x,
+`top1` distills the one-expert route instead) at noised training images x_t = (1 - t) noise + t x,
 the points flow matching trains on, with the teacher's velocity as the target (why these points
 and not the ensemble's own trajectories: training/distill.py). The result is an ordinary expert
 checkpoint, so a worker serves it like a monolith:
@@ -21,32 +21,32 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--checkpoints", default="checkpoints",
-                        help="teacher directory: router.safetensors and expert0..expert{K-1}.safetensors (default: %(default)s)")
+    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
+                        help="teacher directory: router.safetensors and expert0..expert{K-1}.safetensors (default %(default)s)")
     parser.add_argument("--strategy", choices=("full", "top1"), default="full",
                         help="how the teacher combines experts: full = router-weighted sum, top1 = argmax expert "
-                             "(default: %(default)s)")
-    parser.add_argument("--out", default="checkpoints/distilled", help="student checkpoint path without extension (default: %(default)s)")
-    parser.add_argument("--run-dir", default="runs/distill", help="where distill_resume.pt lives (default: %(default)s)")
+                             "(default %(default)s)")
+    parser.add_argument("--out", default="checkpoints/distilled", help="student checkpoint path without extension (default %(default)s)")
+    parser.add_argument("--run-dir", default="runs/distill", help="where distill_resume.pt lives (default %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/distill_resume.pt up to --steps")
     parser.add_argument("--widths", default=None, help="student UNet widths, e.g. 32,64,128 (default: the experts')")
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps in total (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=128, help="noised images per step (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate; warmup then cosine (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=100, help="linear LR warmup steps (default: %(default)s)")
-    parser.add_argument("--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps in total (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=128, help="noised images per step (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate; warmup then cosine (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=100, help="linear LR warmup steps (default %(default)s)")
+    parser.add_argument("--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default %(default)s)")
     parser.add_argument("--label-dropout", type=float, default=0.0,
                         help="fraction of rows distilled with the label unknown (y = -1): the student gets a null "
-                             "label; needs experts trained with --label-dropout (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default: %(default)s)")
-    parser.add_argument("--log-every", type=int, default=50, help="steps per loss_history entry (default: %(default)s)")
-    parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+                             "label; needs experts trained with --label-dropout (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    parser.add_argument("--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default %(default)s)")
+    parser.add_argument("--log-every", type=int, default=50, help="steps per loss_history entry (default %(default)s)")
+    parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--data-dir", default=None, help="MNIST cache dir (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N train images (smoke runs)")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.options import add_deprecated_alias, add_nats_option
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--configs", default="monolith,top1,top2,full,oracle",
                         help="comma list of monolith, top1, top2 (topK), full, oracle (default %(default)s)")
@@ -46,13 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--monolith", default=None, metavar="PATH", help="monolith checkpoint (default DIR/monolith.safetensors)")
     parser.add_argument("--per-class", type=int, default=50, metavar="N", help="images per digit (default %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    parser.add_argument("--solver", choices=("euler", "heun"), default="euler")
+    parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
+                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="first job seed (default %(default)s)")
-    parser.add_argument("--job-size", type=int, default=50, metavar="N", help="images per submitted job (default %(default)s)")
-    parser.add_argument("--nats", default=None, metavar="URL", help="use a running fleet for the DDM rows instead of a local one")
+    parser.add_argument("--images-per-job", type=int, default=50, metavar="N",
+                        help="images per submitted job; they share its seed (default %(default)s)")
+    add_deprecated_alias(parser, "--job-size", "--images-per-job", type=int, metavar="N")
+    add_nats_option(parser, default=None, help="NATS server of a running fleet for the DDM rows, or a comma-separated "
+                                               "list of a cluster's nodes (default: a local in-process fleet)")
     parser.add_argument("--device", default=None,
                         help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)")
-    parser.add_argument("--data-dir", default=None, help="MNIST + classifier cache (default $DDM_DATA_DIR or ./data)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="MNIST and judges cache directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage")
     parser.add_argument("--rescore", default=None, metavar="DIR",
                         help="generate nothing; re-score every <configuration>.npz in DIR with both judges")
@@ -63,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", type=int, default=200, metavar="B",
                         help="with --rescore: bootstrap resamples for the FID/TV intervals and paired differences "
                              "(fixed seed 0; 0 turns them off; default %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table (as bench and fuzz do)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if args.per_class < 2 or args.steps < 1:
         raise SystemExit("ddm-fleet eval: --per-class must be >= 2 and --steps >= 1")
     spec = EvalSpec(configs=configs, checkpoints=args.checkpoints, monolith=args.monolith, per_class=args.per_class,
-                    steps=args.steps, solver=args.solver, seed=args.seed, job_size=args.job_size, nats_url=args.nats,
+                    steps=args.steps, solver=args.solver, seed=args.seed, job_size=args.images_per_job, nats_url=args.nats,
                     data_dir=args.data_dir, save_dir=args.save_images, progress=not args.no_progress,
                     device=args.device)
     try:

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("targets", nargs="*", metavar="TARGET", help=f"any of {', '.join(TARGET_NAMES)} (default: all)")
     parser.add_argument("--runs", type=int, default=None, metavar="N",
                         help="inputs per target (default: 20000 for codec/messages, 2000 for the network targets)")
-    parser.add_argument("--seed", type=int, default=0, help="input generator seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="input generator seed (default %(default)s)")
     parser.add_argument("--engine", choices=("auto", "atheris", "random"), default="auto",
                         help="pure targets: atheris (coverage-guided) or the random generator; auto = atheris "
                              "when installed")
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="network targets: requests in flight (websocket: up to 4 sockets); default 8")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
                         help="network targets: seconds to wait for each answer (default 10)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

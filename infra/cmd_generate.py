@@ -15,7 +15,7 @@ examples:
   ddm-fleet generate --unconditional --count 16 --seed 3 --out free.png --local   # label unknown
 
 Any number of images: a job holds at most 256 (the protocol's limit), so more are split, in
-order, into jobs of M = --max-images-per-job images (job j holds images j*M .. j*M+M-1), at most
+order, into jobs of M = --images-per-job images (job j holds images j*M .. j*M+M-1), at most
 --jobs-in-flight of them submitted at once.
 
 Seeds: job j runs with seed (S + j) mod 2^63, where S is --seed (random when not given, and
@@ -94,7 +94,7 @@ def _per_job(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.nats_server import default_nats_url
+    from bus.options import add_deprecated_alias, add_nats_option
     from schemas.limits import MAX_JOB_IMAGES, MAX_JOB_STEPS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -109,14 +109,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
                         help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
                              "full (all experts, router weighted), oracle (the partition owning the class)")
-    parser.add_argument("--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default 2)")
+    parser.add_argument("--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default %(default)s)")
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                        help="euler (1 expert call per step, default) or heun (2 per step, more accurate)")
+                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
     parser.add_argument("--seed", type=_seed, default=None,
-                        help="seed S in [0, 2^63): same S (and --max-images-per-job), same images; job j of a split "
+                        help="seed S in [0, 2^63): same S (and --images-per-job), same images; job j of a split "
                              "run gets seed S + j (default: random)")
-    parser.add_argument("--max-images-per-job", type=_per_job, default=MAX_JOB_IMAGES, metavar="M",
-                        help=f"split the images into jobs of at most M (default and most {MAX_JOB_IMAGES})")
+    parser.add_argument("--images-per-job", type=_per_job, default=MAX_JOB_IMAGES, metavar="N",
+                        help=f"split the images into jobs of at most N (default and most {MAX_JOB_IMAGES})")
+    add_deprecated_alias(parser, "--max-images-per-job", "--images-per-job", type=_per_job, metavar="N")
     parser.add_argument("--jobs-in-flight", type=_positive, default=4, metavar="J",
                         help="most jobs submitted and not finished at once (default %(default)s)")
     parser.add_argument("--out", default="grid.png", metavar="PATH", help="output .png grid or .npz (default %(default)s)")
@@ -126,9 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start an ephemeral fleet in this process (own nats-server, workers, coordinator)")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="--local: directory with expert<k>.safetensors, router.safetensors, partition.json")
-    parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
-                        help="NATS server of a running fleet, or a comma-separated list of a cluster's nodes "
-                             "(default: $NATS_URL, else nats://127.0.0.1:4222); ignored with --local")
+    add_nats_option(parser, help="NATS server of a running fleet, or a comma-separated list of a cluster's nodes "
+                                 "(default: $NATS_URL, else nats://127.0.0.1:4222); ignored with --local")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="give up after S seconds, for the whole run (default 600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -170,12 +170,12 @@ def plan_requests(args: argparse.Namespace) -> tuple[list, int | None]:
         args = argparse.Namespace(**{**vars(args), "digits": [UNCONDITIONAL] * n, "count": None})
     common = dict(steps=args.steps, strategy=args.strategy, top_k=args.top_k, solver=args.solver, stream=True,
                   frame_every=max(1, args.steps // 100))
-    if n <= args.max_images_per_job:  # one job, exactly as the coordinator runs a single request
+    if n <= args.images_per_job:  # one job, exactly as the coordinator runs a single request
         return [JobRequest(digits=args.digits, count=args.count, seed=args.seed, **common)], args.seed
     base = args.seed if args.seed is not None else secrets.randbits(63)
     digits = list(args.digits) if args.digits is not None else draw_digits(base, n)
     return [JobRequest(digits=digits[r.start:r.stop], seed=job_seed(base, j), **common)
-            for j, r in enumerate(split_images(n, args.max_images_per_job))], base
+            for j, r in enumerate(split_images(n, args.images_per_job))], base
 
 
 @dataclass
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
             from coordinator.local_fleet import LocalFleet
 
             print(f"starting a local fleet from {args.checkpoints}/ ...", file=sys.stderr, flush=True)
-            rows = min(n_images, args.max_images_per_job * args.jobs_in_flight)
+            rows = min(n_images, args.images_per_job * args.jobs_in_flight)
             async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(rows)) as fleet:
                 return await job(fleet.nc)
         from client.jobs import client_connect_options, client_from_url

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--example-env", action="store_true",
                        help="fill variables missing from the environment with dummy values")
     cluster = sub.add_parser("cluster", help="run the shipped cluster.conf as an N-node loopback cluster")
-    cluster.add_argument("--size", type=int, default=3, help="number of nodes (default: 3)")
+    cluster.add_argument("--size", type=int, default=3, help="number of nodes (default 3)")
     cluster.add_argument("--leaf", action="append", default=[], metavar="USER",
                          help="also start a leaf node linked as USER (e.g. leaf-expert-0); repeatable")
     cluster.add_argument("--log-dir", default=None, metavar="DIR", help="write each server's log here")

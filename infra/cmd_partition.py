@@ -8,7 +8,7 @@ DINOv2 recipe: here judge 2's penultimate layer `embed`, 128-d, see evaluation/f
 expert's train indices, its classes and `class_to_expert` (the oracle route). Examples:
 
     ddm-fleet partition --method classes --experts 2 --classes 0-4,5-9 --out checkpoints/partition.json
-    ddm-fleet partition --method features --num-experts 8 --out checkpoints/features8/partition.json
+    ddm-fleet partition --method features --experts 8 --out checkpoints/features8/partition.json
 
 Cost of `features`: judge 2 loads from checkpoints/judges/ (or the data dir's cache) in about a
 second; without either it is trained once (about 5 minutes on 2 CPU cores) and cached. Its features
@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import argparse
 
+from bus.options import add_deprecated_alias
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--method", choices=("classes", "kmeans", "features", "random"), default="classes",
                         help="how to split (default: classes); features = k-means of judge 2's penultimate features")
-    parser.add_argument("--experts", "--num-experts", "-k", dest="experts", type=int, default=2,
-                        help="number of experts K (default: 2)")
+    parser.add_argument("--experts", "-k", dest="experts", type=int, default=2, metavar="K",
+                        help="number of experts K (default %(default)s)")
+    add_deprecated_alias(parser, "--num-experts", "--experts", type=int, metavar="K")
     parser.add_argument("--classes", default=None,
                         help="classes method: comma-separated groups, one per expert, ranges joined with '+' "
                              "(e.g. 0-4,5-9 or 0-2+7,3-6,8+9); default: contiguous near-equal ranges")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (kmeans, features, random)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of kmeans, features and random (default %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N train images (quick experiments)")
-    parser.add_argument("--data-dir", default=None, help="data directory (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--out", required=True, help="manifest JSON to write, e.g. checkpoints/partition.json")
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bus.options import add_deprecated_alias
+
 
 def parse_classes(text: str) -> list[int]:
     """"0-9" or "1,3,7" or "0-4,9" -> sorted unique class ids."""
@@ -41,17 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--checkpoint", action="append", default=None, metavar="PATH",
                         help="expert .safetensors (repeat per expert; default: checkpoints/expert0 and expert1)")
-    parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default: %(default)s)")
-    parser.add_argument("--per-class", type=int, default=10, help="samples per class = grid columns (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=40, help="solver steps (default: %(default)s)")
-    parser.add_argument("--method", choices=("euler", "heun"), default="euler", help="ODE solver (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed (default: %(default)s)")
+    parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default %(default)s)")
+    parser.add_argument("--per-class", type=int, default=10, metavar="N", help="samples per class = grid columns (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
+    parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
+                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
+    add_deprecated_alias(parser, "--method", "--solver", choices=("euler", "heun"))
+    parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", default="samples.png", help="PNG to write (default: %(default)s)")
+    parser.add_argument("--out", default="samples.png", help="PNG to write (default %(default)s)")
     parser.add_argument("--npz", default=None, help="also save the raw samples [N,1,32,32] and labels to this .npz")
 
 
-def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, steps: int, method: str = "euler",
+def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, steps: int, solver: str = "euler",
                   seed: int = 0, progress: bool = True):
     """-> (images float32 [len(classes)*per_class, 1, 32, 32] in model range, labels int64, expert ids int64).
 
@@ -87,8 +91,8 @@ def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, st
                                       torch.from_numpy(yb[rows])).numpy()
         return out
 
-    with tqdm(total=steps, desc=f"sampling ({method})", disable=not progress, unit="step") as bar:
-        x = sample(velocity, x, y, steps, method, callback=lambda *_: bar.update(1))
+    with tqdm(total=steps, desc=f"sampling ({solver})", disable=not progress, unit="step") as bar:
+        x = sample(velocity, x, y, steps, solver, callback=lambda *_: bar.update(1))
     return x, y, which
 
 
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         from infra.grid import write_grid
 
-        x, y, which = sample_oracle(ckpts, classes, args.per_class, args.steps, args.method, args.seed)
+        x, y, which = sample_oracle(ckpts, classes, args.per_class, args.steps, args.solver, args.seed)
     except (ValueError, FileNotFoundError) as e:
         print(f"sample: error: {e}", file=sys.stderr)
         return 2
@@ -114,5 +118,5 @@ def run(args: argparse.Namespace) -> int:
         import numpy as np
 
         np.savez_compressed(args.npz, images=x, labels=y, experts=which)
-    print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.method} {args.steps} steps)")
+    print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.solver} {args.steps} steps)")
     return 0

@@ -20,28 +20,28 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--partition", required=True, help="partition manifest JSON (from `ddm-fleet partition`)")
+    parser.add_argument("--partition", required=True, metavar="PATH", help="partition manifest JSON (from `ddm-fleet partition`)")
     parser.add_argument("--out", default="checkpoints/router", help="checkpoint stem: writes <out>.safetensors + <out>.json")
-    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
-    parser.add_argument("--batch-size", type=int, default=128, help="images per step (default 128)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (cosine decay)")
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps in total (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per step (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate; cosine decay (default %(default)s)")
     parser.add_argument("--label-dropout", type=float, default=0.5,
                         help="fraction of samples trained with the class label hidden, so the router also "
-                             "works without a label and learns from pixels (default 0.5)")
-    parser.add_argument("--width", type=int, default=16, help="first conv channels (multiple of 8; default 16)")
-    parser.add_argument("--seed", type=int, default=0)
+                             "works without a label and learns from pixels (default %(default)s)")
+    parser.add_argument("--width", type=int, default=16, help="first conv channels (multiple of 8; default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="train split size the partition was made with (its --limit)")
     parser.add_argument("--val-limit", type=int, default=None, help="evaluate on the first N val images (default: all 10k)")
-    parser.add_argument("--bins", type=int, default=10, help="t bins for the accuracy report (default 10)")
+    parser.add_argument("--bins", type=int, default=10, help="t bins for the accuracy report (default %(default)s)")
     parser.add_argument("--run-dir", default="runs/router",
-                        help="where router_resume.pt lives (default: %(default)s)")
+                        help="where router_resume.pt lives (default %(default)s)")
     parser.add_argument("--save-every", type=int, default=500,
-                        help="write the resume file every N steps, and at the end (default: %(default)s)")
+                        help="write the resume file every N steps, and at the end (default %(default)s)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from <run-dir>/router_resume.pt up to --steps; pass the same --partition, "
                              "--limit, --width (and, for identical weights, the other flags) as the interrupted run")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
-    parser.add_argument("--data-dir", default=None, help="data directory (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
 
 
 def run(args: argparse.Namespace) -> int:

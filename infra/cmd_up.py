@@ -45,6 +45,8 @@ VALUE_OPTIONS = ("--worker-args", "--coordinator-args", "--web-args")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.options import add_switch
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="expert<K>.safetensors, router.safetensors, partition.json (default %(default)s)")
@@ -62,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default_help = (f"backend of expert {k}'s workers: torch | xla | jax | sim (default {_default_backend(k)})"
                         if k < 2 else argparse.SUPPRESS)
         parser.add_argument(f"--backend-{k}", choices=BACKENDS, default=None, metavar="NAME", help=default_help)
-    parser.add_argument("--buckets", default=None, metavar="LIST",
+    parser.add_argument("--buckets", default=None,
                         help="workers' warmed batch sizes, e.g. 1,2,4,8 (default: the worker's own; fewer = faster "
                              "start)")
     parser.add_argument("--worker-args", default="", metavar="ARGS",
@@ -70,10 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator-args", default="", metavar="ARGS",
                         help='extra `ddm-fleet coordinator` options, e.g. "--max-rows 256"')
     parser.add_argument("--web-args", default="", metavar="ARGS", help="extra `ddm-fleet web` options")
-    parser.add_argument("--no-web", action="store_true", help="do not start the web page")
-    parser.add_argument("--no-durable", action="store_true",
-                        help="no JetStream on the bus and no `--durable` coordinator: a coordinator crash fails its "
-                             "running jobs (by default they are checkpointed and resumed)")
+    add_switch(parser, "web", default=True, help="start the web page")
+    add_switch(parser, "durable", default=True,
+               help="durable jobs: JetStream on the bus and a `--durable` coordinator, which checkpoints running "
+                    "jobs and resumes them after a crash; --no-durable: a coordinator crash fails its running jobs")
     parser.add_argument("--js-store", default="out/nats-js", metavar="DIR",
                         help="the nats-server's JetStream store: the durable jobs' checkpoints, kept across runs "
                              "(default %(default)s)")
@@ -143,7 +145,7 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
     cli = [sys.executable, "-m", "infra.cli"] + (["-v"] if args.verbose else [])
     env = {"NATS_URL": nats_url}
     monitor = f" (monitor http://127.0.0.1:{args.nats_monitor_port})" if args.nats_monitor_port else ""
-    durable = not getattr(args, "no_durable", False)
+    durable = getattr(args, "durable", True)
     # JetStream from the command line (local.conf has none): -js, its store
     store = Path(getattr(args, "js_store", "out/nats-js")).resolve()
     jetstream = ["-js", "-sd", str(store)] if durable else []
@@ -166,7 +168,7 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
                    "--nats", nats_url] + (["--durable"] if durable else []) + shlex.split(args.coordinator_args)
     rest.append(ChildSpec("coordinator", coord, role="coordinator", where=subjects.ALL_JOBS_SUBMIT,
                           probe=probes.coordinator, env=env))
-    if not args.no_web:
+    if args.web:
         web = cli + ["web", "--host", args.host, "--port", str(args.port), "--nats", nats_url] + shlex.split(args.web_args)
         rest.append(ChildSpec("web", web, role="web", where=page_url(args.host, args.port),
                               probe=probes.http(args.host, args.port), env=env))
@@ -301,11 +303,11 @@ def run(args: argparse.Namespace) -> int:
         check_port_free("127.0.0.1", args.nats_port, "NATS", "--nats-port")
         if args.nats_monitor_port:
             check_port_free("127.0.0.1", args.nats_monitor_port, "NATS monitoring", "--nats-monitor-port")
-        if not args.no_web:
+        if args.web:
             check_port_free(args.host, args.port, "web", "--port")
         for name in ("worker_args", "coordinator_args", "web_args"):
             shlex.split(getattr(args, name))  # raises ValueError on unbalanced quotes
-        if not args.no_durable:
+        if args.durable:
             try:
                 Path(args.js_store).mkdir(parents=True, exist_ok=True)
             except OSError as err:
@@ -319,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     probes = Probes(f"nats://127.0.0.1:{args.nats_port}")
     stages = build_stages(args, ck, nats_bin, probes)
     log_dir = Path(args.log_dir).resolve()
-    url = None if args.no_web else page_url(args.host, args.port)
+    url = page_url(args.host, args.port) if args.web else None
 
     def on_ready(sup: Supervisor) -> None:
         print("", flush=True)

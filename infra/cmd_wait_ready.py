@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="give up (exit 3) after S seconds (default: wait forever)")
     parser.add_argument("--once", action="store_true", help="probe once: exit 0 if ready, else 3")
-    parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between probes (default: 1)")
+    parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between probes (default 1)")
 
 
 def _port(text: str) -> int:

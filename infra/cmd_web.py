@@ -25,21 +25,20 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.nats_server import default_nats_url
+    from bus.options import add_nats_option
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--host", default="127.0.0.1",
-                        help="interface to listen on (default: 127.0.0.1; use 0.0.0.0 to serve other machines)")
-    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default: 8080)")
-    parser.add_argument("--nats", default=default_nats_url(), metavar="URL",
-                        help="NATS server URL, e.g. nats://user:password@host:4222 (the `web` user of "
-                             "infra/nats/single.conf), or a comma-separated list of a cluster's nodes "
-                             "(default: $NATS_URL, else nats://127.0.0.1:4222; the old $DDM_NATS_URL still works, with a "
-                             "deprecation warning)")
-    parser.add_argument("--fleet-interval", type=float, default=2.0, metavar="SECONDS",
-                        help="how often the fleet panel is refreshed (default: 2)")
-    parser.add_argument("--submit-timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="how long to wait for the coordinator to accept a job (default: 5)")
+                        help="interface to listen on (default 127.0.0.1; use 0.0.0.0 to serve other machines)")
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    add_nats_option(parser, help="NATS server URL, e.g. nats://user:password@host:4222 (the `web` user of "
+                                 "infra/nats/single.conf), or a comma-separated list of a cluster's nodes "
+                                 "(default: $NATS_URL, else nats://127.0.0.1:4222; the old $DDM_NATS_URL still works, "
+                                 "with a deprecation warning)")
+    parser.add_argument("--fleet-interval", type=float, default=2.0, metavar="S",
+                        help="seconds between two refreshes of the fleet panel (default %(default)s)")
+    parser.add_argument("--submit-timeout", type=float, default=5.0, metavar="S",
+                        help="how long to wait for the coordinator to accept a job (default 5)")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="another page origin allowed to use the viewer, e.g. https://viewer.example.com "
                              "(repeatable; default: only the viewer's own page)")
@@ -53,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow serving a non-loopback --host without a token (anyone who reaches the port "
                              "can generate and see the fleet)")
     parser.add_argument("--max-sockets-per-client", type=int, default=16, metavar="N",
-                        help="open websockets per client IP address (default: 16; behind a proxy all share its address)")
+                        help="open websockets per client IP address (default 16; behind a proxy all share its address)")
     parser.add_argument("--max-messages-per-second", type=float, default=20.0, metavar="N",
-                        help="messages a socket may send per second (bursts of twice that); more closes it (default: 20)")
+                        help="messages a socket may send per second (bursts of twice that); more closes it (default 20)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,19 @@ from bus.nats_server import NatsServer
 # tests/xla/ needs torch_xla (.venv-xla): run by `make test-xla`, not collected by a plain `pytest`.
 collect_ignore = ["xla"]
 
+# Tiers (markers registered in pyproject.toml; `make test-fast` deselects bus, procs, browser and slow).
+# A test that uses one of these fixtures, directly or through another fixture, gets the marker here;
+# tests that start their own nats-server or processes carry `bus` / `procs` themselves (pytestmark or
+# a decorator in their file).
+FIXTURE_MARKERS = {"nats_server": "bus", "browser": "browser"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
 
 @pytest.fixture(scope="session")
 def nats_server():

@@ -1,4 +1,4 @@
-"""Distil a DDM ensemble (K experts + router) into one dense UNet that a worker serves like a monolith.
+"""Distill a DDM ensemble (K experts + router) into one dense UNet that a worker serves like a monolith.
 
 The teacher's velocity is the ensemble's, as the coordinator combines it:
 

@@ -38,12 +38,14 @@ def test_worker_capacity_and_derived_jobs():
     (["--duration", "0"], "--duration and --job-timeout must be > 0"),
     (["--workers", "1", "--router", "/nonexistent.safetensors"], "--router /nonexistent.safetensors does not exist"),
 ])
+@pytest.mark.procs
 def test_bad_options_are_refused_before_anything_starts(argv, message):
     r = _cli("bench", "scale", *argv, timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
 
 
+@pytest.mark.procs
 def test_bench_scale_runs_two_levels_and_reports_them(tmp_path):
     from benchmarks.scale import format_table
 
@@ -92,6 +94,7 @@ def _check_cpu_shares(level: dict, cpus: int) -> None:
     assert sum(shares) / cpus + level["box_idle_share"] <= 1.05, (shares, level["box_idle_share"])
 
 
+@pytest.mark.procs
 def test_the_coordinator_capacity_level_says_where_the_cpu_went(tmp_path):
     from benchmarks.scale import format_table
 

@@ -17,6 +17,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
+@pytest.mark.procs
 def test_bench_worker_runs_and_reports_every_bucket():
     from benchmarks.worker import format_table
 
@@ -46,6 +47,7 @@ def test_every_registered_bench_has_arguments_and_a_runner():
     assert args.bench == "worker" and args.buckets == "1,2"
 
 
+@pytest.mark.procs
 def test_in_flight_list_gives_one_row_per_bucket_wire_and_setting():
     from benchmarks.worker import format_table
 
@@ -63,6 +65,7 @@ def test_in_flight_list_gives_one_row_per_bucket_wire_and_setting():
     assert "flight" in table and len(table.splitlines()) == 2 + 8
 
 
+@pytest.mark.procs
 def test_pipelined_requests_batch_on_the_worker_and_raise_rows_per_second():
     """A sim worker whose forward takes 20 ms whatever its size: with 4 one-row requests in flight
     the worker runs them in one pass (its largest bucket is 4), so rows/s rise ~4x over one in flight
@@ -77,6 +80,7 @@ def test_pipelined_requests_batch_on_the_worker_and_raise_rows_per_second():
     assert four["ratio"] > 1.5  # beats one in-process call of a single row: the worker batched them
 
 
+@pytest.mark.procs
 def test_worker_procs_serve_the_nats_path_from_worker_processes():
     r = _cli("bench", "worker", "--backend", "sim", "--sim-preset", "instant", "--widths", "8", "--buckets", "2",
              "--min-time", "0", "--min-iters", "2", "--in-flight", "2", "--worker-procs", "2", "--json")
@@ -88,6 +92,7 @@ def test_worker_procs_serve_the_nats_path_from_worker_processes():
 
 
 @pytest.mark.parametrize("flag", [["--in-flight", "0"], ["--in-flight", "1,x"], ["--worker-procs", "-1"]])
+@pytest.mark.procs
 def test_bad_in_flight_or_worker_procs_is_a_clear_error(flag):
     r = _cli("bench", "worker", "--backend", "sim", *flag)
     assert r.returncode == 2

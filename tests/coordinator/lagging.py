@@ -1,5 +1,5 @@
 """A coordinator that is slow to answer job status requests, for the tests of several coordinators
-on one bus (tests/coordinator/test_multi_coordinator.py, tests/web/test_socket.py)."""
+on one bus (tests/coordinator/test_multi_coordinator.py, tests/web/test_app_socket.py)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ from tests.coordinator.durable_procs import (EventLog, owners_of, reference_imag
                                              start_coordinator, stop, wait_no_checkpoints)
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.bus
+
 
 @pytest.fixture(scope="module")
 def js_server(tmp_path_factory):
@@ -46,6 +48,7 @@ def jobs(tag: str) -> list[JobRequest]:
             for i, (s, v) in enumerate(kinds)]
 
 
+@pytest.mark.procs
 async def test_durable_needs_jetstream_and_says_so(nats_url, tiny_files):
     _, router = tiny_files
     proc = await asyncio.create_subprocess_exec(
@@ -57,6 +60,7 @@ async def test_durable_needs_jetstream_and_says_so(nats_url, tiny_files):
     assert b"--durable needs NATS JetStream" in err and b"Traceback" not in err
 
 
+@pytest.mark.procs
 async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_server, tiny_files):
     import nats
 
@@ -202,6 +206,7 @@ async def durable_pair(js_bus, tiny_files, tag: str):
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus, tiny_files):
     import time
 
@@ -233,6 +238,7 @@ async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus,
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 async def test_sigstopped_owner_loses_its_jobs_and_publishes_nothing_for_them_after_sigcont(js_bus, tiny_files):
     import signal
     import time

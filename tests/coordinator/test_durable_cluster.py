@@ -23,7 +23,7 @@ from tests.coordinator.durable_procs import (EventLog, owners_of, reference_imag
                                              stop, wait_no_checkpoints)
 from tests.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.bus, pytest.mark.procs]
 
 #: lease of the coordinators' jobs (s): about a JetStream R3 leader election after a SIGKILLed node
 #: (4-9 s in nats-server), so the owner may keep its jobs or lose them to either coordinator

@@ -27,6 +27,7 @@ def counters(metrics: CoordinatorMetrics) -> tuple[float, ...]:
     return tuple(metrics.sample(name) for name in SERIES)
 
 
+@pytest.mark.bus
 async def test_checkpoint_takeover_and_lease_loss_counters_move(js_server):
     import nats
 
@@ -69,6 +70,7 @@ def test_replicas_must_be_a_jetstream_count():
             JobStore(None, "c", "i", replicas=bad)
 
 
+@pytest.mark.bus
 async def test_more_replicas_than_servers_is_refused_with_the_reason(js_server):
     """A single server has no R3: the coordinator gets JetStreamUnavailable naming the bucket, the
     server's reason and the option (cmd_coordinator prints it and exits 2)."""

@@ -114,6 +114,7 @@ def test_unconditional_class_distribution_real_digits_near_uniform_one_digit_far
 
 
 @pytest.mark.slow  # ~40-90 s: two CLI runs, each loading both judges
+@pytest.mark.procs
 def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path):
     x, y = load_mnist("test", limit=400)
     saved = tmp_path / "saved"

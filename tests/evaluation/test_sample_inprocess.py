@@ -38,6 +38,7 @@ async def _fleet_images(ck, strategy: str, digits, steps: int, job_size: int, mo
 
 
 @pytest.mark.parametrize("strategy", ["top1", "oracle", "full", "monolith"])
+@pytest.mark.bus
 async def test_same_images_as_the_fleet(tiny_ddm, strategy):
     """Same digits, seeds (jobs of job_size seeded seed + j) and solver as `ddm-fleet eval`: the images
     match the fleet's to float rounding (the fleet's experts see other batch sizes, which can move the
@@ -59,6 +60,7 @@ async def test_same_images_as_the_fleet(tiny_ddm, strategy):
     np.testing.assert_allclose(usage, want_usage, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
     """The CLI writes <config>.npz (uint8 images by default), labels -1 for unconditional, no oracle there."""
     from evaluation.sample_inprocess import main, parse_configs

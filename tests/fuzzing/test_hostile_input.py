@@ -287,6 +287,7 @@ async def _still_serving(fleet) -> None:
     assert "2 images" in await _real_job(fleet.nc, f"alive{time.monotonic_ns()}", timeout=60)
 
 
+@pytest.mark.bus
 async def test_over_our_limit_under_the_nats_limit_gets_too_large(fleet):
     from schemas import ErrorReply, JobRejected
 
@@ -299,6 +300,7 @@ async def test_over_our_limit_under_the_nats_limit_gets_too_large(fleet):
     await _still_serving(fleet)
 
 
+@pytest.mark.bus
 async def test_over_the_nats_limit_the_client_gets_the_nats_error(fleet):
     import asyncio
 
@@ -325,6 +327,7 @@ async def test_over_the_nats_limit_the_client_gets_the_nats_error(fleet):
     await _still_serving(fleet)
 
 
+@pytest.mark.bus
 async def test_messages_on_the_wrong_subject_get_a_clear_answer(fleet):
     import nats.errors
 
@@ -363,6 +366,7 @@ async def test_messages_on_the_wrong_subject_get_a_clear_answer(fleet):
 
 @pytest.mark.parametrize("where", ["job id", "client name"])
 @pytest.mark.parametrize("token", ["x" * 65, "bad%token", "é", "a" * 200, "j1\u2028"])
+@pytest.mark.bus
 async def test_cancel_and_status_on_a_token_that_is_no_job_id_get_bad_request_at_once(fleet, token, where):
     """Regression: the coordinator dropped cancel / status requests on `ddm.v1.c.<client>.jobs.<token>.*`
     whose token is not a job id, so the requester waited out its whole time-out. The same holds for
@@ -389,6 +393,7 @@ async def test_cancel_and_status_on_a_token_that_is_no_job_id_get_bad_request_at
 
 
 @pytest.mark.parametrize("case", ["nested-100k", "nested-1000-kind", "nested-1000-v", "wide-8mib", "ext", "int-keys"])
+@pytest.mark.bus
 async def test_hostile_bytes_over_the_bus_get_clear_errors(fleet, case):
     """Regression (nested-1000-*): the worker answered `internal` and the coordinator did not
     answer at all (RecursionError escaped its submit handler)."""
@@ -428,6 +433,7 @@ async def test_hostile_bytes_over_the_bus_get_clear_errors(fleet, case):
 @pytest.mark.parametrize("shape, code", [([0, M, M, M], ErrorCode.TOO_LARGE), ([1, 1, M, M], ErrorCode.TOO_LARGE),
                                          ([-1, 1, 32, 32], ErrorCode.BAD_SHAPE), ([2**64 - 1], ErrorCode.TOO_LARGE),
                                          ([2, 1, 32, 31], ErrorCode.BAD_SHAPE)])
+@pytest.mark.bus
 async def test_declared_shapes_that_do_not_fit_the_data_over_the_bus(fleet, shape, code):
     from schemas import ErrorReply
 
@@ -436,6 +442,7 @@ async def test_declared_shapes_that_do_not_fit_the_data_over_the_bus(fleet, shap
     assert isinstance(reply, ErrorReply) and reply.code is code, reply
 
 
+@pytest.mark.bus
 async def test_absurd_finite_inputs_get_non_finite_not_internal(fleet):
     """Regression (found by `ddm-fleet fuzz worker`): x_t holding 1e30 is finite, but the model's
     float32 GroupNorm overflows and the velocity is NaN; the worker answered `internal` (a bug on
@@ -476,6 +483,7 @@ async def _next(ws, types, timeout=20.0):
     ('{"type": "cancel", "job_id": "' + "x" * 100_000 + '"}', "no running job"),
     ("\u2028\x00", "malformed JSON"),
 ])
+@pytest.mark.bus
 async def test_websocket_hostile_text_gets_an_error_and_the_socket_keeps_working(fleet, text, expected):
     import aiohttp
 
@@ -490,6 +498,7 @@ async def test_websocket_hostile_text_gets_an_error_and_the_socket_keeps_working
         await ws.close()
 
 
+@pytest.mark.bus
 async def test_websocket_oversize_and_binary_frames(fleet):
     import aiohttp
 
@@ -535,6 +544,7 @@ def auth_cluster(tmp_path_factory):
         yield c
 
 
+@pytest.mark.bus
 async def test_unauthenticated_raw_connections_are_cut_off_and_reach_no_worker(auth_cluster, tiny_expert_checkpoint):
     import asyncio
 
@@ -588,6 +598,7 @@ def _fuzz(*args: str, timeout: float = 300) -> dict:
 
 
 @pytest.mark.parametrize("engine", ["atheris", "random"])
+@pytest.mark.procs
 def test_ddm_fleet_fuzz_finds_no_crash_in_the_decoders(engine):
     runs = 1500
     report = _fuzz("codec", "messages", "--runs", str(runs), "--engine", engine, "--seed", "3")
@@ -603,6 +614,7 @@ def test_ddm_fleet_fuzz_finds_no_crash_in_the_decoders(engine):
 
 
 @pytest.mark.slow  # ~6 s: ddm-fleet fuzz as a process on its own fleet
+@pytest.mark.procs
 def test_ddm_fleet_fuzz_finds_no_crash_in_worker_coordinator_and_websocket():
     runs = 250
     report = _fuzz("worker", "coordinator", "websocket", "--runs", str(runs), "--timeout", "8", "--seed", "5")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,6 +46,7 @@ def _probe(setting: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.procs
 def test_freed_memory_is_reused_instead_of_refaulted():
     assert platform_is_glibc(), "the fleet's hosts run glibc; this test is about its malloc"
     tuned = _probe(None)
@@ -52,6 +55,7 @@ def test_freed_memory_is_reused_instead_of_refaulted():
     assert tuned["faults_per_round"] < 50, tuned
 
 
+@pytest.mark.procs
 def test_the_setting_can_be_turned_off_and_then_costs_the_faults():
     off = _probe("0")
     assert off["tuned"] is False

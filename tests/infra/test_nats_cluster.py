@@ -80,6 +80,7 @@ def _port(url: str | None) -> int | None:
     return urlparse(url).port if url else None
 
 
+@pytest.mark.bus
 async def test_request_crosses_cluster_and_survives_node_loss(cluster):
     import nats
 
@@ -115,6 +116,7 @@ async def test_request_crosses_cluster_and_survives_node_loss(cluster):
         await responder.close()
 
 
+@pytest.mark.bus
 async def test_queue_group_spreads_over_nodes_one_reply_each(cluster):
     import nats
 
@@ -141,6 +143,7 @@ async def test_queue_group_spreads_over_nodes_one_reply_each(cluster):
 
 
 @pytest.mark.parametrize("served_expert", [0, 1])
+@pytest.mark.bus
 async def test_leaf_node_carries_only_its_experts_requests(cluster, served_expert):
     """A worker host's leaf node (shipped leaf.conf, user leaf-expert-<K>): expert K requests
     from the hub reach the worker on the leaf; the other expert's requests do not cross the
@@ -169,6 +172,7 @@ async def test_leaf_node_carries_only_its_experts_requests(cluster, served_exper
         await w_other.close()
 
 
+@pytest.mark.bus
 async def test_leaf_node_fails_over_to_another_hub_node(cluster):
     """The hub node a worker host's leaf is linked to stops: the leaf re-links to a survivor
     and the worker behind it keeps answering a coordinator on yet another node."""
@@ -192,6 +196,7 @@ async def test_leaf_node_fails_over_to_another_hub_node(cluster):
         await worker.close()
 
 
+@pytest.mark.bus
 async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_expert_checkpoint, caplog):
     """workers.service.ExpertWorker, connected to node 1 as user worker-0 (replies only, its
     expert only), answers a coordinator on node 0 and $SRV discovery from the web user on
@@ -230,6 +235,7 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
     assert violations == []
 
 
+@pytest.mark.bus
 async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog):
     """The production shape on loopback: expert 0's worker on hub node 1 as `worker-0`, expert
     1's worker behind a leaf node (`leaf-expert-1`), the real coordinator on node 0 as
@@ -300,6 +306,7 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     assert refused == []
 
 
+@pytest.mark.bus
 def test_routes_need_the_route_credentials(cluster, tmp_path):
     """cluster.conf's routes authenticate: a server that dials a node's route port without the
     route password (no credentials, a client user's, or a wrong one) never joins the mesh, so
@@ -331,6 +338,7 @@ def test_routes_need_the_route_credentials(cluster, tmp_path):
     cluster.wait_formed(5)
 
 
+@pytest.mark.bus
 async def test_leaf_port_refuses_local_clients_without_the_password(cluster):
     """leaf.conf: a process on the worker host cannot use the leaf without its local password."""
     import nats
@@ -350,6 +358,7 @@ async def test_leaf_port_refuses_local_clients_without_the_password(cluster):
     await nc.close()
 
 
+@pytest.mark.bus
 def test_cluster_start_retries_on_fresh_ports_when_a_port_is_taken(tmp_path, monkeypatch):
     """A port chosen up front can be bound by someone else before the node starts (a CI run lost
     this race once): the node exits, and the cluster starts again on fresh ports."""
@@ -388,6 +397,7 @@ def test_free_port_never_hands_out_the_same_port_twice():
 # ---------------------------------------------------------------- JetStream (NatsCluster(jetstream=True))
 
 
+@pytest.mark.bus
 async def test_jetstream_is_off_unless_asked(cluster):
     """cluster.conf runs JetStream; NatsCluster turns it off by default (`jetstream: disabled`), and a
     durable coordinator is told so."""
@@ -403,6 +413,7 @@ async def test_jetstream_is_off_unless_asked(cluster):
     assert cluster.jetstream_leader() is None
 
 
+@pytest.mark.bus
 async def test_jetstream_r3_buckets_survive_a_node_kill_under_the_coordinator_role(tmp_path):
     """cluster.conf's JetStream on all three nodes, each with its own store: the `coordinator` user
     (its permissions name only the durable buckets) creates the R3 buckets, writes a checkpoint and a

@@ -71,11 +71,13 @@ def test_every_config_file_is_covered():
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.bus
 def test_nats_server_accepts_config(config_tree, name):
     message = check_config(config_tree / name, deployment_env())
     assert "is valid" in message
 
 
+@pytest.mark.bus
 def test_missing_password_is_refused_with_its_name(config_tree):
     env = deployment_env()
     del env["DDM_NATS_WEB_PASSWORD"]
@@ -83,6 +85,7 @@ def test_missing_password_is_refused_with_its_name(config_tree):
         check_config(config_tree / "single.conf", env)
 
 
+@pytest.mark.bus
 def test_broken_config_is_refused(tmp_path):
     bad = tmp_path / "bad.conf"
     bad.write_text("listen: 127.0.0.1:4222\nmax_payload: {\n")
@@ -90,6 +93,7 @@ def test_broken_config_is_refused(tmp_path):
         check_config(bad)
 
 
+@pytest.mark.bus
 def test_tls_paths_are_required(tmp_path):
     """Unsubstituted, tls.conf points at /etc/ddm-fleet/tls, which this box lacks: refused."""
     if Path(TLS_DIR).exists():
@@ -190,6 +194,7 @@ def test_leaf_links_may_answer_every_inbox_and_nothing_else():
         assert sets[name]["publish"] == inboxes, (name, sets[name]["publish"], inboxes)
 
 
+@pytest.mark.bus
 def test_single_node_limits_fit_our_largest_batch(config_tree):
     """Run single.conf for real (addresses overridden) and read its limits from /varz."""
     env = deployment_env()
@@ -208,6 +213,8 @@ def test_single_node_limits_fit_our_largest_batch(config_tree):
     assert varz["write_deadline"] == 10 * 10**9
 
 
+@pytest.mark.bus
+@pytest.mark.procs
 async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
     """tls.conf for real: a client trusting the dev CA connects over TLS with its password."""
     import nats
@@ -258,6 +265,7 @@ SYSTEMD_DIR = REPO / "infra" / "systemd"
 DOCKER_DIR = REPO / "infra" / "docker"
 
 
+@pytest.mark.procs
 def test_systemd_units_verify(tmp_path):
     """`systemd-analyze verify` on every unit (templates through an instance), with the
     /opt/ddm-fleet paths pointed at stand-in executables: no unknown keys, no bad lines."""
@@ -367,6 +375,7 @@ def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           timeout=120, env={**clean, **(env or {})})
 
 
+@pytest.mark.procs
 def test_commands_refuse_an_example_password_at_start(tmp_path):
     """`ddm-fleet worker` with a change-me URL (flag or $NATS_URL), and `nats cluster` / `nats check`
     with a change-me password in the environment: exit non-zero with one line naming it."""
@@ -390,6 +399,7 @@ def wait_ready(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.procs
 def test_wait_ready_command_on_a_port():
     bad = wait_ready("nope")
     assert bad.returncode == 2 and "PORT must be 1-65535" in bad.stderr
@@ -409,6 +419,7 @@ def test_wait_ready_command_on_a_port():
     assert res.returncode == 0 and "ready" in res.stdout
 
 
+@pytest.mark.procs
 def test_wait_ready_command_over_http():
     """--http PATH: only a 2xx answer counts (the web viewer's /healthz is 503 while NATS is down)."""
     import http.server
@@ -439,6 +450,7 @@ def test_wait_ready_command_over_http():
 
 
 @pytest.mark.slow  # ~4 s: a real coordinator process answers wait-ready
+@pytest.mark.procs
 async def test_wait_ready_command_asks_the_coordinator(nats_url):
     """--fleet-status URL: ready once a real coordinator answers ddm.v1.fleet.status."""
     import asyncio
@@ -596,6 +608,7 @@ def _nats_cli(*argv: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env)
 
 
+@pytest.mark.procs
 def test_nats_check_command():
     ok = _nats_cli("check", "--example-env")
     assert ok.returncode == 0, ok.stderr
@@ -605,6 +618,7 @@ def test_nats_check_command():
     assert "DDM_NATS_" in missing.stderr and "--example-env" in missing.stderr
 
 
+@pytest.mark.procs
 def test_nats_cluster_command_serves_until_interrupted(tmp_path):
     import signal
     import time
@@ -647,6 +661,7 @@ def test_embedded_server_uses_the_shipped_limits():
         assert shipped == embedded, key
 
 
+@pytest.mark.bus
 def test_tls_routes_trust_only_the_route_ca(config_tree, dev_certs, tmp_path):
     """tls.conf's route TLS (verify: true against route-ca.pem): a node with a route certificate
     joins; a server presenting a client certificate (signed by the clients' CA) is refused even

@@ -35,7 +35,7 @@ from schemas import (
 )
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.bus, pytest.mark.timeout(60)]
 
 #: The shipped client users; each owns the job namespace ddm.v1.c.<user>. and the inbox _INBOX_<user>.
 CLIENT_USERS = ("web", "client")

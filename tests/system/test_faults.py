@@ -39,6 +39,8 @@ from schemas import DoneEvent, ErrorCode, FrameEvent, JobAccepted, JobRequest, S
 
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
 
+pytestmark = pytest.mark.bus
+
 C2E = [0] * 5 + [1] * 5
 DDM = Path(sys.executable).with_name("ddm-fleet")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -145,6 +147,7 @@ def finite_images(done: DoneEvent, n: int) -> bool:
 
 
 @pytest.mark.slow  # 5-40 s: fleet processes through an outage / restart / freeze
+@pytest.mark.procs
 async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
     """Promise: jobs in flight (running or queued) across a NATS restart complete, exactly as if
     nothing had happened: coordinator, workers and clients reconnect, the lost expert call is
@@ -233,6 +236,7 @@ async def add_rogue(nc, expert: int, mode: str, worker_id: str):
     return sub
 
 
+@pytest.mark.procs
 async def test_rogue_workers_are_refused_logged_and_never_reach_the_images(server, workers, caplog):
     """Promise: a reply with NaN / the wrong shape is a failed try: retried (the queue group picks
     again), logged with the worker id it claims; an expert with only a rogue is fallen back from."""
@@ -320,6 +324,7 @@ def coordinator_args(files, server, name: str) -> tuple[str, list]:
                   "--max-rows", "4", "--step-timeout", "5"]
 
 
+@pytest.mark.procs
 async def test_coordinator_sigterm_fails_its_jobs_at_once(server, workers, files):
     """Promise: SIGTERM -> every queued and running job gets failed/unavailable "coordinator shutting down"."""
     client = await connect(server.url, "client")
@@ -352,6 +357,7 @@ async def test_coordinator_sigterm_fails_its_jobs_at_once(server, workers, files
 
 
 @pytest.mark.slow  # 5-40 s: fleet processes through an outage / restart / freeze
+@pytest.mark.procs
 async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, files, aiohttp_client):
     """Promise: after kill -9 no client waits on: with no coordinator, run_job fails after lost_after;
     a restarted coordinator answers "unknown", and running and queued jobs fail at once; a browser
@@ -415,6 +421,7 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
 
 
 @pytest.mark.slow  # 5-40 s: fleet processes through an outage / restart / freeze
+@pytest.mark.procs
 async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server, workers, files, aiohttp_client):
     """Promise: a coordinator that stays connected but answers nothing (SIGSTOP) does not keep its
     clients forever: once neither an event nor a status reply has come for `unresponsive_after`

@@ -12,6 +12,8 @@ from models.tiny import make_tiny_experts, make_tiny_router
 from training.distill import DistillConfig, DistillError, Teacher, distill, distill_batch, distill_loss
 from workers.backends.torch_backend import TorchBackend
 
+pytestmark = pytest.mark.train
+
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):

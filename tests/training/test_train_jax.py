@@ -23,7 +23,7 @@ pytest.importorskip("jax")
 pytest.importorskip("flax")
 # About 40 s of CPU in all, mostly XLA compiles (one train step per process, one forward); on a 2-core box
 # shared with other jobs those compiles can stretch to many minutes of wall time.
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.train, pytest.mark.timeout(1800)]
 
 PARTITION = "checkpoints/partition.json"
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,6 +34,7 @@ def test_loads_only_the_partition(expert1_data):
     assert sum(info["class_counts"][:5]) == 0
 
 
+@pytest.mark.train
 def test_tiny_run_lowers_loss_and_resumes(tmp_path, expert1_data):
     images, labels, info = expert1_data
     cfg = _cfg(tmp_path, steps=40)
@@ -78,6 +79,7 @@ def test_schedules_and_validation(tmp_path):
         load_expert_data(_cfg(tmp_path, expert=5))
 
 
+@pytest.mark.train
 def test_cli_train_expert(tmp_path, capsys):
     from infra.cli import main
 

@@ -63,6 +63,7 @@ def jax_backend(tiny_expert_checkpoint):
     return be
 
 
+@pytest.mark.slow
 def test_jax_and_torch_agree_on_the_same_checkpoint(jax_backend, torch_backend):
     jx = jax_backend
     x, t, y = _batch(8, seed=3)
@@ -74,6 +75,7 @@ def test_jax_and_torch_agree_on_the_same_checkpoint(jax_backend, torch_backend):
     assert jx.device.startswith("jax:cpu")
 
 
+@pytest.mark.slow
 def test_warmup_runs_every_bucket(torch_backend, jax_backend):
     torch_backend.warmup([4, 1, 2])
     assert sorted(torch_backend.warmup_s) == [1, 2, 4]

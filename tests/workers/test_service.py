@@ -232,6 +232,7 @@ class FlakyTorchBackend:
         return be
 
 
+@pytest.mark.bus
 async def test_model_failure_is_an_internal_error_and_the_loop_stays_responsive(tiny_expert_checkpoint):
     import nats
 
@@ -258,6 +259,7 @@ async def test_model_failure_is_an_internal_error_and_the_loop_stays_responsive(
                 await nc.close()
 
 
+@pytest.mark.bus
 async def test_expired_while_queued_is_dropped_not_computed(tiny_expert_checkpoint):
     import nats
 
@@ -279,6 +281,7 @@ async def test_expired_while_queued_is_dropped_not_computed(tiny_expert_checkpoi
                 await nc.close()
 
 
+@pytest.mark.bus
 async def test_worker_reconnects_after_a_server_restart(tiny_expert_checkpoint):
     import nats
 
@@ -305,6 +308,7 @@ async def test_worker_reconnects_after_a_server_restart(tiny_expert_checkpoint):
         srv.stop()
 
 
+@pytest.mark.bus
 async def test_full_queue_answers_overloaded_at_once(tiny_expert_checkpoint):
     import nats
 

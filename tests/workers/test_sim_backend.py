@@ -77,6 +77,7 @@ def test_overrides_and_bad_options():
         SimBackend().forward(*_inputs(1))
 
 
+@pytest.mark.procs
 def test_imports_numpy_only():
     code = ("import sys; import workers.backends.sim_backend; "
             "bad = [m for m in ('torch', 'jax', 'flax', 'torch_xla') if m in sys.modules]; print(bad)")
@@ -235,6 +236,7 @@ async def test_a_job_runs_through_two_sim_experts_and_converges(nats_url, nc, si
     assert sum(w.metrics.replies for w in workers) > 0 and all(w.metrics.replies > 0 for w in workers)
 
 
+@pytest.mark.procs
 async def test_worker_cli_with_the_sim_backend(nats_url, nc, sim_experts):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "infra.cli", "worker", "--expert", "1", "--checkpoint", sim_experts[1], "--nats",
@@ -257,6 +259,7 @@ async def test_worker_cli_with_the_sim_backend(nats_url, nc, sim_experts):
             await proc.wait()
 
 
+@pytest.mark.procs
 def test_sim_flags_need_the_sim_backend(sim_experts):
     out = subprocess.run([sys.executable, "-m", "infra.cli", "worker", "--expert", "0", "--checkpoint",
                           sim_experts[0], "--sim-preset", "h200-jax"], cwd=ROOT, capture_output=True, text=True,

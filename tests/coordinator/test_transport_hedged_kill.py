@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
@@ -20,6 +21,8 @@ from coordinator.service import Coordinator, wait_for_experts
 from schemas import FrameEvent, JobRequest
 from tests.coordinator.helpers import make_tiny_experts
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.procs
 
 C2E = [0] * 5 + [1] * 5
 DDM = Path(sys.executable).with_name("ddm-fleet")

@@ -158,6 +158,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.procs
 async def test_ddm_fleet_coordinator_exits_nonzero_when_its_engine_dies(nats_url, nc, tmp_path):
     import os
     import sys

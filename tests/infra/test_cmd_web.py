@@ -10,11 +10,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from bus.nats_server import free_port
 
 CLI = [str(Path(sys.executable).parent / "ddm-fleet")]
 
 
+@pytest.mark.procs
 def test_help_explains_the_options():
     out = subprocess.run([*CLI, "web", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
@@ -24,6 +27,7 @@ def test_help_explains_the_options():
     assert "denoise" in out.stdout
 
 
+@pytest.mark.procs
 def test_no_nats_is_a_clear_error_not_a_traceback():
     port = free_port()  # nothing listens there
     out = subprocess.run([*CLI, "web", "--port", str(free_port()), "--nats", f"nats://web:s3cret@127.0.0.1:{port}"],
@@ -42,6 +46,7 @@ def test_bad_arguments_exit_2(capsys):
     assert "must start with nats://" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 def test_serves_the_page_and_stops_on_sigint(nats_url):
     port = free_port()
     proc = subprocess.Popen([*CLI, "web", "--port", str(port), "--nats", nats_url],
@@ -90,6 +95,7 @@ def test_beyond_loopback_needs_a_token_or_an_explicit_insecure_flag(capsys, tmp_
     assert "max_sockets_per_client must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 def test_token_file_protects_the_api_and_host_is_checked(nats_url, tmp_path):
     token = "cli-test-token-0123456789abcdef"
     path = tmp_path / "web.token"

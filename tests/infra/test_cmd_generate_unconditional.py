@@ -40,7 +40,7 @@ def test_plan_sends_minus_one_digits_split_like_any_run():
 
     (one,), seed = plan_requests(_args("--unconditional", "--count", "3", "--seed", "8"))
     assert one.digits == [-1, -1, -1] and one.count is None and one.seed == 8 == seed
-    reqs, base = plan_requests(_args("--unconditional", "--count", "5", "--seed", "8", "--max-images-per-job", "2",
+    reqs, base = plan_requests(_args("--unconditional", "--count", "5", "--seed", "8", "--images-per-job", "2",
                                      "--strategy", "full"))
     assert [r.digits for r in reqs] == [[-1, -1], [-1, -1], [-1]]
     assert [r.seed for r in reqs] == [job_seed(8, j) for j in range(3)] and base == 8
@@ -57,6 +57,7 @@ def null_experts(tmp_path_factory):
                              groups=8, null_label=True)
 
 
+@pytest.mark.procs
 async def test_generate_unconditional_against_a_running_fleet(nats_url, null_experts, tmp_path):
     import torch
 

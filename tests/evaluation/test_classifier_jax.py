@@ -35,6 +35,7 @@ def test_split():
     return load_mnist("test")
 
 
+@pytest.mark.slow
 def test_judge2_shapes_and_padding_of_the_last_batch(judge2, test_split):
     x, _ = test_split
     logits, feats = judge2.logits_and_features(x[:503])  # one full compiled batch of 500 + a padded one
@@ -48,6 +49,7 @@ def test_judge2_shapes_and_padding_of_the_last_batch(judge2, test_split):
         judge2.predict(np.zeros((3, 28, 28), np.float32))
 
 
+@pytest.mark.slow
 def test_judge2_reads_the_test_set_and_its_fid_separates_digits_from_noise(judge2, test_split):
     x, y = test_split
     logits, feats = judge2.logits_and_features(x)
@@ -77,6 +79,7 @@ def test_judge2_training_refuses_a_weak_judge_and_load_refuses_it_too(tmp_path):
     np.testing.assert_allclose(again.logits(x), weak.logits(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.procs
 def test_judge2_uses_no_torch():
     """Independent of judge 1 down to the framework: loading and running judge 2 imports no torch."""
     probe = (
@@ -128,6 +131,7 @@ def test_saved_configurations_come_in_eval_order(tmp_path):
 
 
 @pytest.mark.slow  # 14-20 s: trains a judge / rescores saved configurations
+@pytest.mark.procs
 def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path):
     """Real test digits saved as a fake configuration: both judges read them (>0.98), agree, and
     a copy with every label shifted by one scores ~0 for both while the judges still agree."""
@@ -166,6 +170,7 @@ def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path):
     assert j["judge1_test_accuracy"] >= 0.99 and j["judge2_test_accuracy"] >= 0.99 and j["test_agreement"] > 0.98
 
 
+@pytest.mark.procs
 def test_rescore_cli_bad_dir_is_a_clean_error(tmp_path):
     out = subprocess.run([str(SCRIPT), "eval", "--rescore", str(tmp_path)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)

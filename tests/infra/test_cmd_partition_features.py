@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from evaluation.classifier import find_judge
 from evaluation.classifier_jax import CACHE_NAME
@@ -18,6 +19,7 @@ def test_judge_two_is_shipped():
     assert find_judge(CACHE_NAME) is not None, "checkpoints/judges/ lacks judge 2 (mnist-classifier-jax-v1)"
 
 
+@pytest.mark.train
 def test_features_partition_cli_then_router(tmp_path, capsys):
     out = tmp_path / "partition.json"
     assert main(["partition", "--method", "features", "--num-experts", "4", "--limit", "1500", "--out", str(out)]) == 0

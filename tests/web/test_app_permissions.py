@@ -14,6 +14,8 @@ from web.app import WebConfig, create_app
 from tests.web.fakes import FakeCoordinator, FakeWorkerService
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.bus
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):

@@ -21,6 +21,8 @@ from tests.waiting import wait_until
 from web.app import WebConfig, create_app
 from web.session import WEB_CLIENT  # the namespace the viewer's jobs live in on an open bus
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "ddm-fleet")
 

@@ -256,6 +256,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.procs
 async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, experts):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(experts[0]), nats_url],
@@ -269,7 +270,7 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
             assert (await asyncio.to_thread(p.stdout.readline)).strip() == b"ready"
         await wait_for_experts(nc, 2, timeout=30)
         # dispatch="queue": the queue group's random pick keeps reaching the frozen worker, which this
-        # test needs (join-shortest-queue would mostly avoid it; test_direct_dispatch.py covers that)
+        # test needs (join-shortest-queue would mostly avoid it; test_transport_direct_dispatch.py covers that)
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, step_timeout=1.0, retries=4,
                                dispatch="queue") as coord:
             progress = time.monotonic()

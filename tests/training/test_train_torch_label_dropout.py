@@ -22,6 +22,7 @@ def _cfg(tmp_path, **kw):
     return TrainConfig(**base)
 
 
+@pytest.mark.train
 def test_label_dropout_trains_and_serves_the_null_label(tmp_path):
     cfg = _cfg(tmp_path)
     images, labels, info = load_expert_data(cfg)

@@ -343,6 +343,7 @@ async def test_route_every_asks_the_router_every_nth_evaluation_whatever_the_coh
         Engine(make(), CountingRouter(), EchoTransport(), route_every=0)
 
 
+@pytest.mark.bus
 async def test_an_experts_batch_is_split_to_fit_the_servers_max_payload(sim_experts):
     """A nats-server with its default 1 MiB max_payload (the project's configs raise it to 8 MB):
     512 rows of 1x32x32 float32 are 2 MiB. The transport splits under max_payload, so two 128-image

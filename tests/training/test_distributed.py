@@ -41,6 +41,8 @@ def test_shards_are_disjoint_and_cover_the_global_batch():
 
 @pytest.mark.slow  # ~12 s: two torchrun ranks
 @pytest.mark.timeout(1200)  # ~20 s of CPU; two torch processes start slowly on a loaded 2-core box
+@pytest.mark.procs
+@pytest.mark.train
 def test_torchrun_two_ranks(tmp_path):
     out = tmp_path / "ck"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -24,6 +24,7 @@ def _args(**kw):
 
 
 @pytest.mark.slow  # 3-7 s: load runs through a real fleet
+@pytest.mark.bus
 async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_path):
     # 10 clients fit the limits (20 running + 20 queued); of 150 at once, at least 40 are admitted
     # and the rest must be rejected with `overloaded`, never dropped; the 150 level runs twice.

@@ -94,6 +94,7 @@ def _py(code: str) -> list[str]:
 # long-running process for 60 s), not a wait of the test's.
 
 
+@pytest.mark.procs
 async def test_supervisor_restarts_then_gives_up_on_critical(tmp_path):
     lines: list[str] = []
     crashy = ChildSpec("crashy", _py("import sys, time; print('boom', flush=True); time.sleep(0.3); sys.exit(3)"),
@@ -109,6 +110,7 @@ async def test_supervisor_restarts_then_gives_up_on_critical(tmp_path):
     assert (tmp_path / "crashy.log").read_text().splitlines().count("boom") == 3  # appended across restarts
 
 
+@pytest.mark.procs
 async def test_supervisor_gives_up_on_noncritical_keeps_rest(tmp_path):
     lines: list[str] = []
     keeper = ChildSpec("keeper", _py("import time; time.sleep(60)"), role="test")
@@ -124,6 +126,7 @@ async def test_supervisor_gives_up_on_noncritical_keeps_rest(tmp_path):
     assert "gave up" in "\n".join(sup.table())
 
 
+@pytest.mark.procs
 async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
     lines: list[str] = []
     ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
@@ -145,6 +148,7 @@ async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
         assert not _alive(pid)
 
 
+@pytest.mark.procs
 async def test_supervisor_stop_during_startup(tmp_path):
     """A stop while a child is still warming up (its probe says not ready) stops it and exits 0."""
     lines: list[str] = []
@@ -158,6 +162,7 @@ async def test_supervisor_stop_during_startup(tmp_path):
     assert f"stopped slow (pid {pid})" in "\n".join(lines) and not _alive(pid)
 
 
+@pytest.mark.procs
 async def test_supervisor_second_signal_kills_at_once(tmp_path):
     lines: list[str] = []
     ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
@@ -240,6 +245,7 @@ async def _job(url: str, digits: list[int]):
 
 @pytest.mark.slow  # ~6 s: the whole fleet under ddm-fleet up
 @pytest.mark.timeout(600)  # ~40 s on a quiet 2-core box; generous for a loaded one
+@pytest.mark.procs
 async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
     import numpy as np
 
@@ -344,6 +350,7 @@ async def test_worker_connects_through_a_server_list(tiny_expert_checkpoint, nat
         await worker.stop()
 
 
+@pytest.mark.procs
 def test_commands_default_to_nats_url_env():
     env = {**os.environ, "NATS_URL": "nats://from-env:4999"}
     env.pop("DDM_NATS_URL", None)

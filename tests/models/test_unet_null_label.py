@@ -50,6 +50,7 @@ def test_null_label_model_takes_unknown_label_and_round_trips(tmp_path):
         save_checkpoint(tmp_path / "bad", state, {"config": tiny_config().to_dict()})
 
 
+@pytest.mark.slow
 def test_flax_unet_matches_torch_on_unknown_label():
     import jax.numpy as jnp
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from web.app import WebConfig, create_app
-from tests.web.test_browser import browser, open_page  # noqa: F401 (fixture)
+from tests.web.test_app_browser import browser, open_page  # noqa: F401 (fixture)
 
 JOBS, IMAGES, STEPS = 64, 16, 40
 

@@ -13,6 +13,8 @@ import pytest
 
 from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
 
+pytestmark = pytest.mark.procs
+
 CLI = [sys.executable, "-m", "infra.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 

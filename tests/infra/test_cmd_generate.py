@@ -67,6 +67,7 @@ def experts(tmp_path_factory):
     return make_tiny_experts(tmp_path_factory.mktemp("gen-experts"))
 
 
+@pytest.mark.procs
 async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
     import torch
 
@@ -105,6 +106,7 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.procs
 def test_generate_local_runs_its_own_fleet(experts, tmp_path):
     import shutil
 
@@ -125,6 +127,7 @@ def test_generate_local_runs_its_own_fleet(experts, tmp_path):
     assert np.load(out)["images"].shape == (2, 1, 32, 32)
 
 
+@pytest.mark.procs
 def test_generate_local_without_checkpoints_says_what_is_missing(tmp_path):
     r = _cli("--local", "--checkpoints", str(tmp_path), "--digits", "1", "--out", str(tmp_path / "x.png"))
     assert r.returncode == 2 and "router.safetensors" in r.stderr and "checkpoints/README.md" in r.stderr
@@ -150,13 +153,13 @@ def test_split_plan_and_seed_rule():
     assert split_images(10, 4) == [range(0, 4), range(4, 8), range(8, 10)]
     assert split_images(1000, MAX_JOB_IMAGES)[-1] == range(768, 1000)
     assert job_seed(5, 2) == 7 and job_seed(SEED_RANGE - 1, 1) == 0
-    reqs, seed = plan_requests(_args(count=10, seed=5, max_images_per_job=4))
+    reqs, seed = plan_requests(_args(count=10, seed=5, images_per_job=4))
     assert seed == 5 and [r.seed for r in reqs] == [5, 6, 7] and [r.n_images for r in reqs] == [4, 4, 2]
     assert [d for r in reqs for d in r.digits] == draw_digits(5, 10)
     assert draw_digits(5, 10)[:4] == draw_digits(5, 4)  # so the first job's classes are a lone 4-image job's
     one, seed = plan_requests(_args(count=10, seed=5))  # fits one job: sent as before, the coordinator draws
     assert seed == 5 and len(one) == 1 and one[0].count == 10 and one[0].seed == 5
-    reqs, seed = plan_requests(_args(digits="1,2,3", max_images_per_job=2))  # no --seed: one is drawn for all jobs
+    reqs, seed = plan_requests(_args(digits="1,2,3", images_per_job=2))  # no --seed: one is drawn for all jobs
     assert 0 <= seed < SEED_RANGE and [r.seed for r in reqs] == [seed, job_seed(seed, 1)]
     assert [r.digits for r in reqs] == [[1, 2], [3]]
     big, _ = plan_requests(_args(count=300, seed=1))
@@ -167,7 +170,7 @@ def test_split_options_refuse_bad_values(capsys):
     from infra.cli import main
     from infra.cmd_generate import MAX_RUN_IMAGES
 
-    for argv, msg in ((["--count", "5", "--max-images-per-job", "257"], "at most 256 images per job"),
+    for argv, msg in ((["--count", "5", "--images-per-job", "257"], "at most 256 images per job"),
                       (["--count", "5", "--jobs-in-flight", "0"], "positive"),
                       (["--count", "5", "--seed", "-1"], "[0, 2^63)")):
         with pytest.raises(SystemExit) as err:
@@ -177,6 +180,7 @@ def test_split_options_refuse_bad_values(capsys):
     assert f"at most {MAX_RUN_IMAGES}" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_split_timing(nats_url, experts, tmp_path):
     """10 images in jobs of 4: 3 jobs (4 + 4 + 2) with seeds S, S+1, S+2, written in order; the first 4
     equal a single 10-image job's, job 2 equals a lone job of its classes seeded S+1, and the same run
@@ -202,7 +206,7 @@ async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_s
                 data = np.load(out)
                 return json.loads(r.stdout), data["images"], data["labels"].tolist()
 
-            s, split, labels = await gen("split", "--count", "10", "--seed", "5", "--max-images-per-job", "4",
+            s, split, labels = await gen("split", "--count", "10", "--seed", "5", "--images-per-job", "4",
                                          "--jobs-in-flight", "2")
             assert [(j["seed"], j["first_image"], j["images"]) for j in s["jobs"]] == [(5, 0, 4), (6, 4, 4), (7, 8, 2)]
             assert s["seed"] == 5 and len({j["job_id"] for j in s["jobs"]}) == 3 and split.shape == (10, 1, 32, 32)
@@ -217,7 +221,7 @@ async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_s
             np.testing.assert_allclose(split[4:8], job2, atol=2e-4)
 
             _, again, again_labels = await gen("again", "--digits", ",".join(map(str, labels)), "--seed", "5",
-                                               "--max-images-per-job", "4", "--jobs-in-flight", "3")
+                                               "--images-per-job", "4", "--jobs-in-flight", "3")
             assert again_labels == labels
             np.testing.assert_allclose(split, again, atol=2e-4)
     finally:
@@ -254,7 +258,7 @@ async def test_run_jobs_keeps_at_most_j_in_flight_and_one_bar_over_all_images(na
 
             sub = await nc.subscribe(subjects.ALL_JOB_EVENTS, cb=watch)
             await nc.flush()
-            requests, _ = plan_requests(_args(count=7, seed=3, steps=3, max_images_per_job=2))
+            requests, _ = plan_requests(_args(count=7, seed=3, steps=3, images_per_job=2))
             bar = tqdm(total=7, file=io.StringIO(), disable=False)
             dones, seeds = await run_jobs(nc, requests, in_flight=2, timeout=120, bar=bar)
             await nc.flush()

@@ -32,6 +32,7 @@ def test_bad_limits_are_refused():
     assert main(["coordinator", "--step-timeout", "0"]) == 2
 
 
+@pytest.mark.procs
 async def test_coordinator_process_serves_and_stops(nats_url, nc, tmp_path):
     import torch
 

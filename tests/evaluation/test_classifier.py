@@ -85,6 +85,7 @@ def small_classifier_meta(data):
 
 
 @pytest.mark.slow  # needs small_classifier (~12 s of training); the end-to-end run ~25 s more
+@pytest.mark.bus
 async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_path):
     from evaluation.run import Config, EvalSpec, evaluate, format_table
 
