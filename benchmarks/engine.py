@@ -114,7 +114,7 @@ async def bench(args: argparse.Namespace) -> dict:
         packed["bytes"] += len(pack(ev))
 
     engine = Engine(sched, timed, InstantExperts(), emit, cohorts=args.cohorts, route_every=args.route_every,
-                    speculate=args.speculate == "on")
+                    speculate=args.speculate)
     task = asyncio.create_task(engine.run())
     rng = np.random.default_rng(0)
     submitted = 0
@@ -172,7 +172,7 @@ async def bench(args: argparse.Namespace) -> dict:
         "setup": {"router": router_path(args), "experts": k,
                   "jobs": args.jobs, "images_per_job": args.images_per_job, "steps": args.steps,
                   "strategy": args.strategy, "stream": not args.no_stream, "cohorts": args.cohorts,
-                  "route_every": args.route_every, "speculate": args.speculate, "duration_s": args.duration, "warmup_s": args.warmup,
+                  "route_every": args.route_every, "speculate": "on" if args.speculate else "off", "duration_s": args.duration, "warmup_s": args.warmup,
                   "cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "window_s": round(window, 3),
         "rows_per_s": round(rows / window, 1),

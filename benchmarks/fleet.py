@@ -41,11 +41,21 @@ import argparse
 import os
 import time
 
-from .options import add_engine_options, add_router_option, router_path
+from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 
+#: The `ddm-fleet coordinator` settings this bench takes (the fleet's coordinator gets them; the
+#: ceiling's engine and scheduler too, where they apply), and the defaults it changes: bigger limits
+#: and a longer step timeout, so that a loaded box measures throughput instead of refusals and retries.
+COORDINATOR_OPTIONS = ("max_rows", "max_queued_jobs", "step_timeout", "retries", *ENGINE_OPTIONS, "wire_dtype",
+                       "hedge", "hedge_after_s", "dispatch", "durable")
+COORDINATOR_DEFAULTS = {"max_rows": 4096, "max_queued_jobs": 4096, "step_timeout": 60.0, "retries": 1}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coordinator.config import CoordinatorConfig
+
     parser.add_argument("--concurrency", default="1,8,64", metavar="C,C,...",
                         help="concurrent clients to measure (default %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
@@ -72,42 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives "
                              "every process all the cores, and their spinning threads then fight)")
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128", help="worker batch buckets (default %(default)s)")
-    parser.add_argument("--max-rows", type=int, default=4096, metavar="N",
-                        help="admission limit: most images denoised at once (`ddm-fleet coordinator --max-rows`, and "
-                             "the ceiling's scheduler; default %(default)s)")
-    parser.add_argument("--max-queued-jobs", type=int, default=4096, metavar="N",
-                        help="admission limit: most jobs waiting for rows; more are rejected with `overloaded` "
-                             "(`ddm-fleet coordinator --max-queued-jobs`, and the ceiling; default %(default)s)")
-    parser.add_argument("--step-timeout", type=float, default=60.0, metavar="S",
-                        help="coordinator: seconds to wait for an expert reply before a retry (default %(default)s; "
-                             "`ddm-fleet coordinator` defaults to 10)")
-    parser.add_argument("--retries", type=int, default=1, metavar="N",
-                        help="coordinator: extra tries of a timed-out expert request (default %(default)s; "
-                             "`ddm-fleet coordinator` defaults to 2)")
     parser.add_argument("--job-timeout", type=float, default=900.0, metavar="S",
                         help="a job with neither images nor a failure after S seconds counts as LOST "
                              "(default %(default)s)")
     parser.add_argument("--workers-per-expert", type=int, default=1, metavar="N",
                         help="fleet: worker processes per expert, in its queue group (default %(default)s)")
-    add_engine_options(parser, "2 here unless --workers-per-expert is 4 or more; 1: the lock-step tick",
-                       where="both paths")
-    parser.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
-                        help="fleet: `ddm-fleet coordinator --wire-dtype` (default %(default)s)")
-    parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
-                        help="fleet: `ddm-fleet coordinator --hedge` (default %(default)s); the report gives the "
-                             "hedges per expert request of each level")
-    parser.add_argument("--hedge-after-s", type=float, default=None, metavar="S",
-                        help="fleet: `ddm-fleet coordinator --hedge-after-s` (default: the measured p99)")
-    parser.add_argument("--dispatch", choices=("direct", "queue"), default="direct",
-                        help="fleet: `ddm-fleet coordinator --dispatch` (default %(default)s)")
+    CoordinatorConfig.add_arguments(parser, only=COORDINATOR_OPTIONS, defaults=COORDINATOR_DEFAULTS)
     parser.add_argument("--merge", choices=("auto", "always"), default="auto",
                         help="fleet: `ddm-fleet worker --merge` (default %(default)s: queued requests share a forward "
                              "pass only where that is cheaper; always: every pass filled up to the largest bucket)")
     parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
-    parser.add_argument("--durable", action="store_true",
-                        help="fleet: durable jobs (the nats-server with JetStream, store in a temp dir; "
-                             "`ddm-fleet coordinator --durable`, checkpoint every 10 steps): compare with a run "
-                             "without it for the cost of checkpointing")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
@@ -126,17 +110,23 @@ def check_args(args: argparse.Namespace) -> None:
     args.concurrency_list = _ints(args.concurrency, "--concurrency")
     router_path(args)  # --router, when given, must exist
     _ints(args.buckets, "--buckets")
-    for name in ("steps", "images_per_job", "jobs_per_client", "max_rows", "max_queued_jobs", "workers_per_expert"):
+    for name in ("steps", "images_per_job", "jobs_per_client", "workers_per_expert"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.retries < 0:
-        raise ValueError("--retries must be >= 0")
-    for name in ("step_timeout", "job_timeout"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if not args.job_timeout > 0:
+        raise ValueError("--job-timeout must be > 0 seconds")
+    _coordinator(args)  # the coordinator's settings: ValueError naming the flag
+
+
+def _coordinator(args: argparse.Namespace):
+    """The `CoordinatorConfig` of this bench's coordinator flags."""
+    from coordinator.config import CoordinatorConfig
+
+    return CoordinatorConfig.from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
+    announce_defaults(args, COORDINATOR_DEFAULTS)
     return run_bench("fleet", args, check_args, bench_fleet, format_table)
 
 
@@ -273,10 +263,11 @@ async def _ceiling(args, models) -> dict:
         if fut is not None and not fut.done() and ev.kind in ("done", "failed"):
             fut.set_result(ev)
 
-    engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=args.max_rows,
-                                              max_queued_jobs=args.max_queued_jobs, class_to_expert=c2e)),
-                    router, InProcessTransport(backends, buckets), emit, cohorts=getattr(args, "cohorts", "auto"),
-                    route_every=getattr(args, "route_every", 1), speculate=getattr(args, "speculate", "on") == "on")
+    cfg = _coordinator(args)
+    engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=cfg.max_rows,
+                                              max_queued_jobs=cfg.max_queued_jobs, class_to_expert=c2e)),
+                    router, InProcessTransport(backends, buckets), emit, cohorts=cfg.cohorts,
+                    route_every=cfg.route_every, speculate=cfg.speculate)
     task = asyncio.create_task(engine.run())
 
     async def run_one(req):
@@ -407,7 +398,7 @@ async def _fleet(args, models) -> dict:
     from client.jobs import client_connect_options, client_from_url
 
     buckets = _ints(args.buckets, "--buckets")
-    durable = getattr(args, "durable", False)
+    durable = _coordinator(args).durable
     store = tempfile.TemporaryDirectory(prefix="ddm-bench-js-") if durable else None
     js = f'jetstream {{ store_dir: "{store.name}" }}' if store else ""
     with NatsServer(extra_config=js) as srv:
@@ -429,16 +420,10 @@ async def _fleet(args, models) -> dict:
             from bus.nats_server import free_port
 
             metrics_port = free_port()
-            wire = ["--wire-dtype", getattr(args, "wire_dtype", "float32"), "--hedge", getattr(args, "hedge", "auto"),
-                    "--dispatch", getattr(args, "dispatch", "direct")]
-            if getattr(args, "hedge_after_s", None):
-                wire += ["--hedge-after-s", args.hedge_after_s]
             coordinator = await Child.start("coordinator", cli_argv(
                 "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
-                "--max-rows", args.max_rows, "--max-queued-jobs", args.max_queued_jobs,
-                "--step-timeout", args.step_timeout, "--retries", args.retries, "--wait-experts", 120,
-                "--metrics-port", metrics_port, "--cohorts", getattr(args, "cohorts", "auto"),
-                "--route-every", getattr(args, "route_every", 1), "--speculate", getattr(args, "speculate", "on"), *wire, *(["--durable"] if durable else [])), env)
+                "--wait-experts", 120, "--metrics-port", metrics_port,
+                *_coordinator(args).to_argv(only=COORDINATOR_OPTIONS)), env)
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
             nc = await connect(srv.url, name="ddm-bench-clients", reconnect="forever",
@@ -529,18 +514,17 @@ async def bench_fleet(args) -> dict:
         if fleet and ceiling:
             row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
         rows.append(row)
+    cfg = _coordinator(args)
     setup = {"models": models["described"], "experts": models["k"], "steps": args.steps,
              "images_per_job": args.images_per_job, "jobs_per_client": args.jobs_per_client,
              "strategy": args.strategy, "solver": args.solver, "stream": not args.no_stream, "bf16": args.bf16,
              "backend": getattr(args, "backend", "torch"), "device": getattr(args, "device", None) or "default",
-             "threads": args.threads, "cpus": os.cpu_count(), "max_rows": args.max_rows,
-             "max_queued_jobs": args.max_queued_jobs, "job_timeout_s": args.job_timeout,
-             "step_timeout_s": args.step_timeout, "retries": args.retries,
+             "threads": args.threads, "cpus": os.cpu_count(), "max_rows": cfg.max_rows,
+             "max_queued_jobs": cfg.max_queued_jobs, "job_timeout_s": args.job_timeout,
+             "step_timeout_s": cfg.step_timeout, "retries": cfg.retries,
              "workers_per_expert": getattr(args, "workers_per_expert", 1),
-             "wire_dtype": getattr(args, "wire_dtype", "float32"), "hedge": getattr(args, "hedge", "auto"),
-             "cohorts": getattr(args, "cohorts", "auto"), "route_every": getattr(args, "route_every", 1),
-             "speculate": getattr(args, "speculate", "on"),
-             "durable": getattr(args, "durable", False), "merge": getattr(args, "merge", "auto"),
+             "wire_dtype": cfg.wire_dtype, "hedge": cfg.hedge, "cohorts": cfg.cohorts, "route_every": cfg.route_every,
+             "speculate": "on" if cfg.speculate else "off", "durable": cfg.durable, "merge": getattr(args, "merge", "auto"),
              "load_avg_start": [round(v, 2) for v in load_start],
              "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
     out = {"setup": setup, "rows": rows}

@@ -1,6 +1,7 @@
 """Command-line options the benches share: the coordinator's engine settings they pass through
-(`ddm-fleet coordinator --cohorts / --route-every / --speculate`) and the router checkpoint
-(`ddm-fleet coordinator --router`)."""
+(`ddm-fleet coordinator --cohorts / --route-every / --speculate`, declared by
+`coordinator.config.CoordinatorConfig`), the line that names the coordinator defaults a bench changes,
+and the router checkpoint (`ddm-fleet coordinator --router`)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,29 @@ import argparse
 import os
 
 
-def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str, where: str = "") -> None:
-    """Add --cohorts, --route-every and --speculate, as `ddm-fleet coordinator` takes them.
-    `cohorts_default`: what "auto" picks in this bench; `where`: which of its paths they apply to
-    (e.g. "both paths"), said in each help."""
-    from coordinator.engine import parse_cohorts
+def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str = "", where: str = "") -> None:
+    """Add --cohorts, --route-every and --speculate / --no-speculate, exactly as `ddm-fleet coordinator`
+    declares them (`coordinator.config.CoordinatorConfig`). `cohorts_default` and `where` are kept for
+    callers; the help is the coordinator's."""
+    from coordinator.config import CoordinatorConfig
 
-    at = f"{where}; " if where else ""
-    parser.add_argument("--cohorts", type=parse_cohorts, default="auto", metavar="N|auto",
-                        help=f"batches out at once ({at}`ddm-fleet coordinator --cohorts`; default %(default)s: "
-                             f"{cohorts_default})")
-    parser.add_argument("--route-every", type=int, default=1, metavar="N",
-                        help=f"router every N evaluations of a job ({at}`ddm-fleet coordinator --route-every`; "
-                             "default %(default)s)")
-    parser.add_argument("--speculate", choices=("on", "off"), default="on",
-                        help=f"send the likely expert requests while the router runs ({at}`ddm-fleet coordinator "
-                             "--speculate`; default %(default)s)")
+    CoordinatorConfig.add_arguments(parser, only=ENGINE_OPTIONS)
+
+
+#: The coordinator's engine settings every bench takes.
+ENGINE_OPTIONS = ("cohorts", "route_every", "speculate")
+
+
+def announce_defaults(args: argparse.Namespace, defaults: dict) -> None:
+    """Print the line that names the coordinator defaults this bench changes (stdout, or stderr with
+    --json so that the JSON stays parsable)."""
+    import sys
+
+    from coordinator.config import CoordinatorConfig
+
+    note = CoordinatorConfig.differing_defaults(defaults)
+    if note:
+        print(note, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
 
 
 def add_router_option(parser: argparse.ArgumentParser) -> None:

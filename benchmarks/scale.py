@@ -58,7 +58,7 @@ import argparse
 import math
 import os
 
-from .options import add_engine_options, add_router_option, router_path
+from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import Child, box_cpu, cli_argv, cpu_seconds, idle_share, page_faults, proc_memory, reset_peak, run_bench
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
@@ -73,16 +73,23 @@ DEFAULT_QUEUED = 2
 SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
 
 
+#: The `ddm-fleet coordinator` settings this bench passes to its coordinators (--request-rows is also
+#: the sim workers' --max-batch), and the default it changes: small requests, so that a few requests
+#: queue at every worker of a small box.
+COORDINATOR_OPTIONS = ("request_rows", *ENGINE_OPTIONS, "hedge", "dispatch")
+COORDINATOR_DEFAULTS = {"request_rows": DEFAULT_REQUEST_ROWS}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coordinator.config import CoordinatorConfig
+
     parser.add_argument("--workers", default="1,2,4,8", metavar="W,W,...",
                         help="sim workers per expert to measure (default %(default)s; 'none': no scan, e.g. with "
                              "--coordinator-capacity alone)")
     parser.add_argument("--coordinators", default="1", metavar="C,C,...",
                         help="coordinator processes sharing the submit queue group (default %(default)s; e.g. 1,2)")
-    parser.add_argument("--request-rows", type=int, default=DEFAULT_REQUEST_ROWS, metavar="R",
-                        help="rows per expert request (`ddm-fleet coordinator --request-rows`) and per forward "
-                             "(`ddm-fleet worker --max-batch`) (default %(default)s)")
-    add_engine_options(parser, "2, 3 from 4 workers per expert, 4 from 8")
+    # --request-rows (also the workers' --max-batch), --cohorts, --route-every, --speculate, --hedge, --dispatch
+    CoordinatorConfig.add_arguments(parser, only=COORDINATOR_OPTIONS, defaults=COORDINATOR_DEFAULTS)
     parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
                         help="sim latency preset instead of the default model (h200-torch: 3.33 ms + 0.00575 ms/row, "
                              "h200-jax: 2.20 ms + 0.0165 ms/row, instant: 0 + 0)")
@@ -112,11 +119,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-request-rows", type=int, default=512, metavar="N",
                         help="--request-rows of the --coordinator-capacity level (default %(default)s, the "
                              "coordinator's default; one instant worker per expert)")
-    parser.add_argument("--hedge", choices=("auto", "off"), default="auto",
-                        help="`ddm-fleet coordinator --hedge` (default %(default)s); hedged copies are reported")
-    parser.add_argument("--dispatch", choices=("direct", "queue"), default="direct",
-                        help="`ddm-fleet coordinator --dispatch` (default %(default)s: join-shortest-queue over the "
-                             "workers; queue: NATS's random pick in the queue group)")
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
                         help="router.safetensors and partition.json for the coordinators (default %(default)s; "
                              "a random tiny router when absent)")
@@ -172,12 +174,12 @@ def check_args(args: argparse.Namespace) -> None:
     args.coordinators_list = _ints(args.coordinators, "--coordinators")
     if not args.workers_list and not args.coordinator_capacity:
         raise ValueError("nothing to measure: give --workers or --coordinator-capacity")
-    for name in ("request_rows", "images_per_job", "steps", "capacity_jobs", "capacity_request_rows"):
+    for name in ("images_per_job", "steps", "capacity_jobs", "capacity_request_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("request_rows", "capacity_request_rows"):
-        if getattr(args, name) > 512:
-            raise ValueError(f"--{name.replace('_', '-')} must be <= 512 (the protocol's most rows per request)")
+    if args.capacity_request_rows > 512:
+        raise ValueError("--capacity-request-rows must be <= 512 (the protocol's most rows per request)")
+    _coordinator(args)  # the coordinators' settings: ValueError naming the flag
     if args.queued_per_worker < 0:
         raise ValueError("--queued-per-worker must be >= 0")
     if args.jobs is not None and args.jobs < 1:
@@ -191,7 +193,15 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{label} must be a finite number >= 0, got {v}")
 
 
+def _coordinator(args: argparse.Namespace):
+    """The `CoordinatorConfig` of this bench's coordinator flags."""
+    from coordinator.config import CoordinatorConfig
+
+    return CoordinatorConfig.from_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
+    announce_defaults(args, COORDINATOR_DEFAULTS)
     return run_bench("scale", args, check_args, bench_scale, format_table)
 
 
@@ -287,14 +297,13 @@ class Fleet:
         self.coordinators, self.metrics_ports = [], []
         for i in range(n):
             port = free_port()
+            cfg = _coordinator(args).replace(
+                name=f"scale-coord-{i}", request_rows=request_rows, max_rows=max_rows,
+                max_queued_jobs=max(256, max_rows), max_client_queued_jobs=max(64, max_rows))
             cmd = cli_argv("coordinator", "--router", self.models["router"], "--partition", self.models["partition"],
-                           "--nats", self.url, "--name", f"scale-coord-{i}", "--metrics-port", port,
-                           "--cohorts", args.cohorts, "--request-rows", request_rows, "--max-rows", max_rows,
-                           "--max-queued-jobs", max(256, max_rows), "--max-client-queued-jobs", max(64, max_rows),
-                           "--hedge", args.hedge, "--dispatch", getattr(args, "dispatch", "direct"),
-                           "--wait-experts", 120,
-                           "--route-every", getattr(args, "route_every", 1),
-                           "--speculate", getattr(args, "speculate", "on"))
+                           "--nats", self.url, "--metrics-port", port, "--wait-experts", 120,
+                           *cfg.to_argv(only=("name", "max_rows", "max_queued_jobs", "max_client_queued_jobs",
+                                              *COORDINATOR_OPTIONS)))
             self.coordinators.append(await Child.start(f"coordinator{i}", cmd))
             self.metrics_ports.append(port)
         await asyncio.gather(*(c.wait_ready(300) for c in self.coordinators))
@@ -555,11 +564,12 @@ async def bench_scale(args) -> dict:
                     await fleet.close()
     finally:
         progress.close()
+    cfg = _coordinator(args)
     out["setup"] = {
         "router": models["described"], "experts": k, "strategy": args.strategy, "steps": args.steps,
-        "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": args.cohorts, "route_every": getattr(args, "route_every", 1),
-        "speculate": getattr(args, "speculate", "on"),
-        "request_rows": r, "hedge": args.hedge, "dispatch": getattr(args, "dispatch", "direct"),
+        "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": cfg.cohorts,
+        "route_every": cfg.route_every, "speculate": "on" if cfg.speculate else "off",
+        "request_rows": r, "hedge": cfg.hedge, "dispatch": cfg.dispatch,
         "queued_per_worker": args.queued_per_worker,
         "jobs_rule": ("--jobs" if args.jobs else
                       f"ceil(K * W * R * (1 + queued) / images_per_job) = ceil({k} * W * {r} * "

@@ -4,7 +4,7 @@ its coordinator (see docs/COORDINATOR.md, "Durable jobs (JetStream)"). Off unles
 
 Two buckets (created on first use, history 1):
 
-* `ddm_jobs`        key <job id> -> a `job_checkpoint` message (coordinator.checkpoint), written on
+* `ddm_jobs`        key <job id> -> a `job_checkpoint` message (coordinator.snapshot), written on
                     admission, every `checkpoint_every` solver steps, and on a clean shutdown;
                     deleted when the job ends (done, failed, cancelled). Bucket TTL `jobs_ttl_s`,
                     size bound `jobs_max_bytes`.
@@ -45,7 +45,8 @@ import logging
 import time
 from typing import Any
 
-from .checkpoint import MAX_CHECKPOINT_BYTES
+from .config import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S  # noqa: F401 (re-exported)
+from .snapshot import MAX_CHECKPOINT_BYTES
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,8 @@ log = logging.getLogger(__name__)
 JOBS_BUCKET = "ddm_jobs"
 OWNERS_BUCKET = "ddm_job_owners"
 
-#: Solver steps between two checkpoint writes of a job (see docs/COORDINATOR.md for the cost).
-DEFAULT_CHECKPOINT_EVERY = 10
-#: Seconds an owner's lease lives without renewal (renewed every third of it).
-DEFAULT_LEASE_S = 6.0
+# DEFAULT_CHECKPOINT_EVERY: solver steps between two snapshot writes of a job (see docs/COORDINATOR.md
+# for the cost); DEFAULT_LEASE_S: seconds an owner's lease lives without renewal (renewed every third of it)
 #: Seconds a checkpoint lives without being rewritten (a job runs at most max_job_run_s).
 DEFAULT_JOBS_TTL_S = 3600.0
 #: Bytes the checkpoint bucket may hold (writes beyond are refused: those jobs are not durable).

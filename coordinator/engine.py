@@ -188,9 +188,10 @@ class Engine:
         self.dead: str | None = None  # why the loop died (then submits are refused), else None
 
     # ------------------------------------------------------------ intake
-    def submit(self, request: JobRequest, client: str = DEFAULT_CLIENT) -> JobAccepted:
-        """Queue a job of `client` (the scheduler's fairness key; joins at the next tick).
-        Raises scheduler.Rejected (`unavailable` once the loop has died)."""
+    def submit(self, request: JobRequest, client: str = DEFAULT_CLIENT, job_id: str | None = None) -> JobAccepted:
+        """Queue a job of `client` (the scheduler's fairness key; joins at the next tick) under `job_id`
+        (default: the request's, else a random one). Raises scheduler.Rejected (`unavailable` once the
+        loop has died)."""
         try:
             if self.dead is not None:
                 raise Rejected(ErrorCode.UNAVAILABLE, f"{self.dead}; submit to another coordinator or retry "
@@ -199,7 +200,7 @@ class Engine:
             if not subjects.is_token(owner):  # "/<session>" is only for fairness
                 raise Rejected(ErrorCode.BAD_REQUEST, f"client key {client!r:.80} must start with a client name "
                                "(1-64 of [A-Za-z0-9_-]), optionally followed by /<session>")
-            admitted = self.scheduler.submit(request, self.clock(), client=client)
+            admitted = self.scheduler.submit(request, self.clock(), client=client, job_id=job_id)
         except Rejected as err:
             self.metrics.rejected(err.code, err.limit)
             raise
@@ -228,6 +229,11 @@ class Engine:
                 await out
         except Exception:  # a broken listener must not stop the fleet
             log.exception("emitting %s for job %s failed", ev.kind, getattr(ev, "job_id", "?"))
+
+    def wake(self) -> None:
+        """Tell the engine that jobs were added behind its back (e.g. `Scheduler.restore`): idle lanes
+        look for work at once."""
+        self._poke()
 
     # ------------------------------------------------------------ loop
     def _poke(self) -> None:

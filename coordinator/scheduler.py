@@ -52,7 +52,7 @@ from schemas import UNCONDITIONAL, DoneEvent, ErrorCode, FailedEvent, FrameEvent
 from schemas.tensor import frame_float16
 
 from .batch import Batch
-from .checkpoint import JobCheckpoint
+from .snapshot import JobCheckpoint
 from .rows import RowGroup, draw_digits
 
 MAX_NOTES = 50
@@ -282,18 +282,19 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------ intake
-    def submit(self, request: JobRequest, now: float, client: str = DEFAULT_CLIENT) -> Admission:
-        """Queue a validated job for `client` (an opaque fairness key). Raises Rejected(code, reason,
-        limit) if it cannot run here."""
+    def submit(self, request: JobRequest, now: float, client: str = DEFAULT_CLIENT,
+               job_id: str | None = None) -> Admission:
+        """Queue a validated job for `client` (an opaque fairness key) under `job_id` (default: the
+        request's, else a random one). Raises Rejected(code, reason, limit) if it cannot run here."""
         try:
-            return self._submit(request, now, client)
+            return self._submit(request, now, client, job_id)
         except Rejected as err:
             self.stats.jobs_rejected += 1
             if err.limit is not None:
                 self.stats.rejected_by_limit[err.limit] = self.stats.rejected_by_limit.get(err.limit, 0) + 1
             raise
 
-    def _submit(self, request: JobRequest, now: float, client: str) -> Admission:
+    def _submit(self, request: JobRequest, now: float, client: str, job_id: str | None = None) -> Admission:
         cfg = self.config
         if not isinstance(client, str) or not 1 <= len(client) <= MAX_CLIENT_KEY_LEN:
             raise Rejected(ErrorCode.BAD_REQUEST, f"client key must be a string of 1-{MAX_CLIENT_KEY_LEN} characters, "
@@ -318,7 +319,7 @@ class Scheduler:
         if request.classes is not None and any(d >= cfg.num_classes for d in request.classes):
             raise Rejected(ErrorCode.BAD_REQUEST, f"{request.label_field} must be in [0, {cfg.num_classes}) "
                                                   f"(or {UNCONDITIONAL}: label unknown)")
-        job_id = request.job_id or secrets.token_hex(8)
+        job_id = job_id or request.job_id or secrets.token_hex(8)
         if self.knows(job_id):
             raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
         starts_now = self._starts_now(client, n)
@@ -429,7 +430,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ checkpoint / restore
     def checkpoint(self, job_id: str) -> JobCheckpoint | None:
-        """A copy of a held job's state (`coordinator.checkpoint.JobCheckpoint`), or None if unknown.
+        """A copy of a held job's state (`coordinator.snapshot.JobCheckpoint`), or None if unknown.
         A running job's committed state is taken (a batch in flight has not touched it yet); a
         queued job's has `x = None`."""
         job = self._active.get(job_id) or next((j for j in self._queue if j.job_id == job_id), None)

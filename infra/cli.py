@@ -18,7 +18,7 @@ from bus.options import show_switches
 # one-line help), ...]). Keep each help short enough for one line of an 80-column terminal.
 COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
     ("data", [
-        ("data", "infra.cmd_data", "fetch, cache and inspect MNIST (offline after the first run)"),
+        ("data", "infra.cmd_data", "prepare and inspect datasets: image folders, MNIST, colour MNIST"),
     ]),
     ("partition", [
         ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N train images (smoke runs)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N train images (smoke runs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

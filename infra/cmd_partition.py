@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="classes method: comma-separated groups, one per expert, ranges joined with '+' "
                              "(e.g. 0-4,5-9 or 0-2+7,3-6,8+9); default: contiguous near-equal ranges")
     parser.add_argument("--seed", type=int, default=0, help="random seed of kmeans, features and random (default %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N train images (quick experiments)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N train images (quick experiments)")
     parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
     parser.add_argument("--out", required=True, help="manifest JSON to write, e.g. checkpoints/partition.json")
 

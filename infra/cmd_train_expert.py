@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N images of the partition (smoke runs)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N images of the partition (smoke runs)")
     parser.add_argument("--label-dropout", type=float, default=0.0,
                         help="probability that a training label is replaced by 'unknown' (-1); > 0 gives the model "
                              "a null label so it also generates unconditionally (y = -1), classifier-free style; "

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "works without a label and learns from pixels (default %(default)s)")
     parser.add_argument("--width", type=int, default=16, help="first conv channels (multiple of 8; default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, help="train split size the partition was made with (its --limit)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="train split size the partition was made with (its --limit)")
     parser.add_argument("--val-limit", type=int, default=None, help="evaluate on the first N val images (default: all 10k)")
     parser.add_argument("--bins", type=int, default=10, help="t bins for the accuracy report (default %(default)s)")
     parser.add_argument("--run-dir", default="runs/router",

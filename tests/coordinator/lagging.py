@@ -21,6 +21,8 @@ class LaggingCoordinator(Coordinator):
         #: answers): a test can hold a job queued for as long as it needs, whatever the box's speed.
         self.ticking = asyncio.Event()
         self.ticking.set()
+        self._answer_status = self.intake.on_job_status
+        self.intake.on_job_status = self._lagged_job_status  # subscribed on entering
 
     async def __aenter__(self) -> "LaggingCoordinator":
         await super().__aenter__()
@@ -33,12 +35,12 @@ class LaggingCoordinator(Coordinator):
         self.engine.tick = held_tick
         return self
 
-    async def _on_job_status(self, msg) -> None:
+    async def _lagged_job_status(self, msg) -> None:
         self.status_requests += 1
 
         async def later() -> None:
             await asyncio.sleep(self.status_lag)
-            await Coordinator._on_job_status(self, msg)
+            await self._answer_status(msg)
 
         task = asyncio.ensure_future(later())
         self._lagging.add(task)

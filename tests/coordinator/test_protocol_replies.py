@@ -13,7 +13,7 @@ import pytest
 from client.jobs import JobFailed, cancel_job, fleet_status, job_status, run_job, submit_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
-from schemas import (CancelReply, CancelRequest, ErrorCode, FrameEvent, JobAccepted, JobRejected, JobRequest,
+from schemas import (CancelReply, CancelRequest, ErrorCode, FrameEvent, JobAccepted, JobEvent, JobRejected, JobRequest,
                      SubmitReply, pack, subjects, unpack)
 from tests.coordinator.helpers import make_tiny_experts
 from tests.waiting import wait_until
@@ -259,3 +259,41 @@ def test_the_dropped_reply_log_is_rate_limited_and_counts_what_it_held_back(capl
     lines = [r.getMessage() for r in caplog.records if r.name == "test.ratelimit"]
     assert lines == ["dropped a", "dropped c (500 more since the last such line)"]
     assert limited.total == 502 and limited.suppressed == 0
+
+
+async def test_job_ids_are_per_client_two_clients_may_both_run_abc(nats_url, nc, workers):
+    """Job ids name a job within its client's namespace: alice and bob both submit job "abc" at once,
+    both are accepted and run to their own images, and each namespace carries only its own job's
+    events (under the id its client chose). A second "abc" of the same client, while the first runs,
+    is refused as before; the refusal never names the id another client's job runs under."""
+    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url):
+        alice_events = await _collect(nc, subjects.job_events("alice", "abc"))
+        bob_events = await _collect(nc, subjects.job_events("bob", "abc"))
+        everything = await _collect(nc, subjects.ALL_JOB_EVENTS)
+        a = await submit_job(nc, JobRequest(job_id="abc", digits=[1], steps=400, stream=True, seed=1), client="alice")
+        b = await submit_job(nc, JobRequest(job_id="abc", digits=[8, 8], steps=3, stream=True, seed=2), client="bob")
+        assert (a.job_id, b.job_id) == ("abc", "abc")
+        assert b.events_subject == subjects.job_events("bob", "abc")
+        again = unpack((await nc.request(subjects.jobs_submit("bob"),
+                                         pack(JobRequest(job_id="abc", digits=[3], steps=2)), timeout=5)).data,
+                       SubmitReply)
+        if isinstance(again, JobRejected):  # bob's job may have finished already: then "abc" is free again
+            assert again.code == ErrorCode.BAD_REQUEST and "'abc' is already in use" in again.reason
+        # bob's jobs end; alice's (400 steps) is still running, then cancelled by alice
+        await wait_until(lambda: any(unpack(m.data, JobEvent).kind == "done" for m in bob_events), timeout=60)
+        assert (await job_status(nc, "abc", client="alice")).state in ("queued", "running")
+        assert await cancel_job(nc, "abc", client="alice") is True
+        await wait_until(lambda: any(unpack(m.data, JobEvent).kind == "failed" for m in alice_events), timeout=30)
+        await nc.flush()
+        bob_kinds = [unpack(m.data, JobEvent).kind for m in bob_events]
+        alice_kinds = [unpack(m.data, JobEvent).kind for m in alice_events]
+        assert bob_kinds[0] == "accepted" and "done" in bob_kinds and "failed" not in bob_kinds
+        assert alice_kinds[0] == "accepted" and alice_kinds[-1] == "failed" and "done" not in alice_kinds
+        bob_done = next(ev for ev in (unpack(m.data, JobEvent) for m in bob_events) if ev.kind == "done")
+        assert bob_done.job_id == "abc" and bob_done.images.shape[0] in (1, 2)
+        assert all(unpack(m.data, JobEvent).job_id == "abc" for m in everything)
+        assert {m.subject for m in everything} == {subjects.job_events("alice", "abc"),
+                                                    subjects.job_events("bob", "abc")}
+        assert (await job_status(nc, "abc", client="alice")).state == "failed"
+        assert (await job_status(nc, "abc", client="bob")).state == "done"
+        assert (await job_status(nc, "abc", client="carol")).state == "unknown"

@@ -136,18 +136,18 @@ async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_afte
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
                                step_timeout=10) as coord:
             asked = []
-            probe = coord._probe_null_label
+            probe = coord.null_labels.probe
 
             async def counting(k):
                 asked.append(k)
                 return await probe(k)
 
-            coord._probe_null_label = counting
+            coord.null_labels.probe = counting
             for seed in (1, 2, 3):
                 done = await run_job(nc, JobRequest(digits=[U], seed=seed, steps=2), timeout=60)
                 assert done.images.shape == (1, 1, 32, 32)
             assert sorted(asked) == [0, 1]  # one probe each, not one per submit
-            assert coord._null_label[0][0] is True and coord._null_label[1][0] is None
+            assert coord.null_labels.known[0][0] is True and coord.null_labels.known[1][0] is None
             assert service.NULL_LABEL_UNKNOWN_TTL_S < service.NULL_LABEL_TTL_S
     finally:
         await _stop(ws)

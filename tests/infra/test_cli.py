@@ -235,10 +235,6 @@ def _every_option():
 #: Old spellings that may live on only as hidden, warning aliases (bus.options.add_deprecated_alias).
 OLD_SPELLINGS = {"--method": "--solver", "--max-images-per-job": "--images-per-job", "--job-size": "--images-per-job",
                  "--num-experts": "--experts"}
-#: `--x on|off` settings in modules other helpers rewrite to --x/--no-x switches (issue 27); drop an entry once
-#: its module uses bus.options.add_switch (the assertion below then passes without it).
-ON_OFF_PENDING = {("coordinator", "--speculate"), ("bench fleet", "--speculate"), ("bench scale", "--speculate"),
-                  ("bench engine", "--speculate")}
 #: Options whose metavar must be the same wherever they appear (one concept, one spelling).
 SAME_METAVAR = ("--nats", "--images-per-job", "--per-class", "--data-dir", "--checkpoints", "--partition", "--expert",
                 "--steps", "--seed", "--timeout", "--router", "--device", "--widths", "--limit")
@@ -263,7 +259,7 @@ def test_no_two_commands_spell_one_concept_differently():
                 metavars.setdefault(opt, {}).setdefault(action.metavar, []).append(path)
         if set(action.choices or ()) == {"euler", "heun"} and "--solver" not in action.option_strings and not hidden:
             problems.append(f"{path}: a solver option spelled {action.option_strings}")
-        if set(action.choices or ()) == {"on", "off"} and (path, action.option_strings[0]) not in ON_OFF_PENDING:
+        if set(action.choices or ()) == {"on", "off"}:
             problems.append(f"{path}: {action.option_strings[0]} on|off: use bus.options.add_switch")
     for opt, by_metavar in metavars.items():
         if len(by_metavar) > 1:

@@ -1,4 +1,4 @@
-"""Scheduler.checkpoint / restore and the checkpoint bytes (coordinator.checkpoint): a job stopped
+"""Scheduler.checkpoint / restore and the checkpoint bytes (coordinator.snapshot): a job stopped
 after k evaluations and restored into a fresh scheduler ends with bit-identical images."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.checkpoint import decode, encode
+from coordinator.snapshot import decode, encode
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
 from schemas import DoneEvent, ErrorCode, FrameEvent, JobRequest, ProtocolError
 from tests.coordinator.test_scheduler import SHAPE, V2, make

@@ -1,0 +1,227 @@
+"""A coordinator's durable jobs (`--durable`): the loop that keeps its jobs' snapshots and leases in
+JetStream (`coordinator.durable.JobStore`), takes over orphaned jobs, fences the jobs it lost, and
+hands its jobs over on a clean exit.
+
+Jobs are named here by the engine's internal id (the JetStream key); `coordinator.ledger` maps them
+to (client, job id). Timing: leases are renewed and orphans looked for every `lease_s / 3` seconds;
+snapshots are written on admission and every `checkpoint_every` solver steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+from schemas import ErrorCode, ProtocolError, subjects
+
+from .durable import JobLost, JobStore
+from .ledger import JobLedger
+from .scheduler import Rejected
+from .snapshot import decode as decode_snapshot
+from .snapshot import encode as encode_snapshot
+
+log = logging.getLogger(__name__)
+
+#: Lost jobs remembered (publish nothing for them; status requests are left to their new owner).
+MAX_FENCED = 4096
+
+
+class DurableJobs:
+    """The durable side of one coordinator run: `store` opened, then `start()` with its engine."""
+
+    def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int):
+        self.store, self.ledger, self.name = store, ledger, name
+        self.checkpoint_every = checkpoint_every
+        self.engine = None
+        self.wake = asyncio.Event()  # set by the scheduler when a snapshot is due, and by `op`
+        self._ops: list[tuple[str, str]] = []  # ("adopt" | "release", internal id), in order
+        self._task: asyncio.Task | None = None
+        self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
+        self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
+        self.jobs_resumed = 0
+
+    @property
+    def lease_s(self) -> float:
+        return self.store.lease_s
+
+    async def start(self, engine) -> None:
+        """Resume the orphaned jobs (before serving status: a job of this name's previous run is never
+        "unknown"), then run the loop."""
+        self.engine = engine
+        await self.resume_orphans()
+        self._task = asyncio.create_task(self._loop(), name="coordinator-durable")
+
+    # ------------------------------------------------------------ called by the service
+    def op(self, op: str, internal: str) -> None:
+        """Queue a bucket write for the loop: "adopt" (a job admitted here) or "release"."""
+        self._ops.append((op, internal))
+        self.wake.set()
+
+    def is_fenced(self, client: str, job_id: str) -> bool:
+        """True if this run lost `client`'s job `job_id` to another coordinator (its answer counts)."""
+        return (client, job_id) in self._fenced_names
+
+    def before_publish(self, event) -> bool:
+        """False if nothing may be published for this event's job (another coordinator may run it);
+        queues the release of a finished job."""
+        job_id = event.job_id
+        if job_id in self._fenced:
+            return False
+        if self.store.holds(job_id) and self.store.expired():
+            # this run could not renew its leases for lease_s (it was stopped, e.g. SIGSTOP, or cut
+            # off): another coordinator may run the job already; publish nothing, let the lease lapse
+            self.store.forget(job_id)
+            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
+            return False
+        if event.kind in ("done", "failed"):
+            self.op("release", job_id)
+        return True
+
+    # ------------------------------------------------------------ the loop
+    def _encoded(self, internal: str) -> bytes | None:
+        """The job's snapshot bytes now, or None if the scheduler no longer holds it."""
+        cp = self.engine.scheduler.checkpoint(internal)
+        return None if cp is None else encode_snapshot(cp, owner=self.name, written_at=time.time())
+
+    async def _loop(self) -> None:
+        """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end,
+        renew this run's leases every lease_s / 3 and take over orphaned jobs as often."""
+        period = self.lease_s / 3
+        next_renew = next_scan = time.monotonic() + period
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(),
+                                       timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+            try:
+                await self._round()
+                now = time.monotonic()
+                if now >= next_renew:
+                    next_renew = now + period
+                    for job_id in await self.store.renew():
+                        self.fence(job_id, "another coordinator took over its lease")
+                    if self.store.expired():
+                        for job_id in self.store.held:
+                            self.store.forget(job_id)
+                            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
+                if now >= next_scan:
+                    next_scan = now + period
+                    await self.resume_orphans()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("durable jobs: a round of bucket writes failed")
+                await asyncio.sleep(min(period, 1.0))
+
+    async def _round(self) -> None:
+        ops, self._ops = self._ops, []
+        store, sched = self.store, self.engine.scheduler
+        for op, job_id in ops:
+            try:
+                if op == "adopt":
+                    data = self._encoded(job_id)
+                    if data is not None:
+                        await store.adopt(job_id, data)
+                elif store.holds(job_id):
+                    await store.release(job_id)
+            except Exception as err:  # e.g. the bucket is full: the job runs on, not durable
+                log.warning("durable jobs: %s of job %s failed: %r", op, job_id, err)
+        for job_id in sched.take_due():
+            data = self._encoded(job_id) if store.holds(job_id) else None
+            if data is None:
+                continue
+            try:
+                await store.save(job_id, data)
+            except JobLost as err:
+                self.fence(job_id, str(err))
+            except Exception as err:
+                log.warning("durable jobs: checkpoint of job %s failed: %r", job_id, err)
+
+    def fence(self, internal: str, why: str) -> None:
+        """This run lost the job to another coordinator: forget it and publish nothing more for it."""
+        self.engine.scheduler.drop(internal)
+        self._fenced[internal] = None
+        name = self.ledger.forget(internal)
+        if name is not None:
+            self._fenced_names[name] = None
+        for fenced in (self._fenced, self._fenced_names):
+            while len(fenced) > MAX_FENCED:
+                fenced.popitem(last=False)
+        log.warning("job %s: %s; this coordinator stops publishing for it", internal, why)
+
+    def _unfence(self, internal: str, name: tuple[str, str]) -> None:
+        self._fenced.pop(internal, None)
+        self._fenced_names.pop(name, None)
+
+    async def resume_orphans(self) -> int:
+        """Take over and resume every snapshotted job nobody else owns (see coordinator.durable);
+        returns how many were resumed."""
+        sched, resumed = self.engine.scheduler, 0
+        for job_id, owner_rev in await self.store.orphans():
+            if sched.knows(job_id):
+                continue
+            data = await self.store.take(job_id, owner_rev)
+            if data is None:
+                continue
+            try:
+                cp, rec = decode_snapshot(data)
+                owner = cp.client.split("/", 1)[0]
+                if cp.job_id != job_id or not subjects.is_token(owner):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"checkpoint names job {cp.job_id!r} of {owner!r}")
+                client_id = cp.request.job_id or cp.job_id  # the id its client knows it by
+                if self.ledger.is_live(owner, client_id):
+                    raise Rejected(ErrorCode.BAD_REQUEST, f"{owner!r} already runs a job {client_id!r} here")
+                sched.restore(cp, self.engine.clock())
+            except (ProtocolError, Rejected) as err:
+                why = getattr(err, "reason", None) or getattr(err, "message", str(err))
+                log.error("job %s: cannot resume its checkpoint here (%s); left for another coordinator", job_id, why)
+                await self.store.release(job_id, keep_checkpoint=True)
+                continue
+            self._unfence(job_id, (owner, client_id))
+            self.ledger.admit(job_id, owner, client_id, steps=int(cp.request.steps), step=int(cp.step))
+            self.jobs_resumed += 1
+            resumed += 1
+            log.info("job %s resumed at step %d/%d from the checkpoint of %s", job_id, cp.step, cp.request.steps,
+                     rec.owner or "?")
+        if resumed:
+            self.engine.wake()  # wake idle engine lanes (submit does the same)
+        return resumed
+
+    async def hand_over(self) -> None:
+        """Clean exit: write a last snapshot of every job this run owns, give up their leases and
+        forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException:
+                pass
+            self._task = None
+        if self.engine is None:
+            return
+        try:
+            await self._round()
+        except Exception as err:
+            log.warning("durable jobs: last round failed: %r", err)
+        handed = 0
+        for job_id in self.store.held:
+            data = self._encoded(job_id)
+            try:
+                if data is not None:
+                    await self.store.save(job_id, data)
+                await self.store.release(job_id, keep_checkpoint=data is not None)
+            except JobLost as err:
+                self.fence(job_id, str(err))
+                continue
+            except Exception as err:
+                log.warning("durable jobs: handing over job %s failed: %r", job_id, err)
+                continue
+            self.engine.scheduler.drop(job_id)
+            self.ledger.forget(job_id)
+            handed += 1
+        if handed:
+            log.info("handed over %d durable jobs (checkpoints kept in JetStream)", handed)

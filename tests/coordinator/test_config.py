@@ -1,0 +1,59 @@
+"""CoordinatorConfig: one declaration of `ddm-fleet coordinator`'s settings, checked once, read back
+from the command line and handed to a child coordinator unchanged."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from coordinator.config import DEFAULT_METRICS_PORT, CoordinatorConfig
+
+
+def _parse(argv, **kw):
+    parser = argparse.ArgumentParser()
+    CoordinatorConfig.add_arguments(parser, **kw)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(max_rows=0), "--max-rows"), (dict(step_timeout=0.0), "--step-timeout"),
+    (dict(request_rows=513), "--request-rows"), (dict(js_replicas=6), "--js-replicas"),
+    (dict(name=""), "--name"), (dict(hedge="sometimes"), "--hedge"), (dict(cohorts=0), "--cohorts"),
+    (dict(metrics_port=70000), "--metrics-port"), (dict(hedge_after_s=-1.0), "--hedge-after-s"),
+])
+def test_a_bad_setting_names_its_flag(change, flag):
+    with pytest.raises(ValueError, match=flag):
+        CoordinatorConfig(**change)
+
+
+def test_command_line_values_map_to_the_config():
+    cfg = CoordinatorConfig.from_args(_parse(["--max-job-cost", "0", "--max-job-run-s", "0", "--no-speculate",
+                                              "--metrics-port", "0", "--cohorts", "3"]))
+    assert cfg.max_job_cost is None and cfg.max_job_run_s is None and cfg.speculate is False
+    assert cfg.metrics_port is None and cfg.cohorts == 3
+    default = CoordinatorConfig.from_args(_parse([]))
+    assert (default.metrics_port, default.metrics_optional) == (DEFAULT_METRICS_PORT, True)
+    assert default.step_timeout == 10.0 and default.speculate is True
+
+
+def test_the_old_on_off_spelling_still_works_with_a_warning(capsys):
+    assert CoordinatorConfig.from_args(_parse(["--speculate", "off"])).speculate is False
+    assert "--no-speculate" in capsys.readouterr().err
+
+
+def test_to_argv_round_trips_through_the_parser():
+    cfg = CoordinatorConfig(max_rows=64, step_timeout=2.5, speculate=False, durable=True, max_job_cost=None,
+                            hedge_after_s=0.2, name="c-1")
+    again = CoordinatorConfig.from_args(_parse(cfg.to_argv()))
+    assert again.replace(metrics_port=None, metrics_optional=False, nats=None) == cfg
+
+
+def test_a_bench_declares_a_subset_with_its_own_defaults_and_says_so():
+    only, defaults = ("step_timeout", "retries", "speculate"), {"step_timeout": 60.0, "retries": 2}
+    args = _parse([], only=only, defaults=defaults)
+    assert (args.step_timeout, args.retries, args.speculate) == (60.0, 2, True) and not hasattr(args, "max_rows")
+    note = CoordinatorConfig.differing_defaults(defaults)
+    assert note == "bench defaults differing from `ddm-fleet coordinator`: --step-timeout 60 (coordinator: 10)"
+    with pytest.raises(ValueError, match="no coordinator flag"):
+        _parse([], only=("step_timeout", "bogus"))
