@@ -31,7 +31,7 @@ from .errors import ErrorCode, ProtocolError, shown
 from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
 from .spec import MAX_CLASSES
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
-from .spec import TIME_CONVENTION
+from .spec import TIME_CONVENTION, ModelSpec
 from .version import PROTOCOL_VERSION
 
 
@@ -536,6 +536,16 @@ class FleetStatus(Message):
     tick_ms_p50: float = Field(default=0.0, ge=0)
     uptime_s: float = Field(default=0.0, ge=0)
     unavailable_experts: list[int] = Field(default_factory=list)
+    #: the fleet's model spec (`schemas.spec.ModelSpec`), only when the status request asked for it
+    #: (a map with "spec": true), so that v1 clients, which refuse unknown keys, never see it
+    spec: Optional[ModelSpec] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_spec_unless_asked(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and self.spec is None:
+            out.pop("spec", None)
+        return out
 
 
 JobEvent = Annotated[Union[JobAccepted, FrameEvent, DoneEvent, FailedEvent], Field(discriminator="kind")]

@@ -20,9 +20,9 @@ Checkpoints written before the spec existed have the implied spec `legacy_spec()
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 #: The time convention every model of a fleet uses: x_t = (1 - t) noise + t data, v = data - noise.
 TIME_CONVENTION = "t0_noise_t1_data"
@@ -36,6 +36,16 @@ FLEET_FIELDS = ("sample_shape", "value_range", "space", "decoder", "prediction",
 MAX_SAMPLE_ELEMENTS = 3 * 512 * 512
 MAX_CLASSES = 100_000
 MAX_CLASS_NAME_LEN = 64
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _as_float_tuple(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value)
+    return value
 
 
 class SpecError(ValueError):
@@ -82,8 +92,9 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    sample_shape: tuple[int, int, int]
-    value_range: tuple[float, float] = (-1.0, 1.0)
+    # msgpack and JSON carry these as arrays (lists), which the wire's strict validation refuses as tuples
+    sample_shape: Annotated[tuple[int, int, int], BeforeValidator(_as_tuple)]
+    value_range: Annotated[tuple[float, float], BeforeValidator(_as_float_tuple)] = (-1.0, 1.0)
     space: Literal["pixels", "latent"] = "pixels"
     decoder: Optional[str] = None
     conditioning: Conditioning = Conditioning()

@@ -53,3 +53,33 @@ async def test_a_worker_with_another_shape_is_refused_by_name(nats_url, nc, tmp_
     msg = str(err.value)
     assert f"expert 1 worker {odd.worker_id}" in msg and "sample_shape" in msg and "(3, 32, 32)" in msg
     assert "expert 0 worker" not in msg
+
+
+async def test_the_coordinator_refuses_to_start_on_a_fleet_that_disagrees(nats_url, tmp_path):
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+
+    rgb = make_tiny_expert(tmp_path / "e0", expert_id=0, in_channels=3)
+    async with ExpertWorker(0, str(rgb), "torch", nats_url=nats_url, buckets=(1,)) as odd:
+        coord = Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=legacy_spec())
+        with pytest.raises(FleetSpecError, match=f"expert 0 worker {odd.worker_id}"):
+            await coord.__aenter__()
+
+
+async def test_fleet_status_returns_the_spec_only_when_asked(nats_url, nc, tmp_path):
+    from client.jobs import fleet_status
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+    from schemas import FleetStatus, unpack
+
+    rgb = make_tiny_expert(tmp_path / "e0", expert_id=0, in_channels=3)
+    spec = legacy_spec(in_channels=3)
+    async with ExpertWorker(0, str(rgb), "torch", nats_url=nats_url, buckets=(1,)):
+        async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=spec) as coord:
+            assert coord.config.image_shape == (3, 32, 32)
+            plain = await nc.request("ddm.v1.fleet.status", b"", timeout=5)
+            assert b"spec" not in plain.data and unpack(plain.data, FleetStatus).spec is None  # what a v1 client sees
+            status = await fleet_status(nc, spec=True)
+            assert status.spec == spec and status.spec.sample_shape == (3, 32, 32)
+            as_json = await nc.request("ddm.v1.fleet.status", b'{"spec": true}', timeout=5)
+            assert unpack(as_json.data, FleetStatus).spec == spec
