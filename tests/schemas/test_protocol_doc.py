@@ -137,10 +137,11 @@ def test_a_submit_is_answered_accepted_or_rejected_never_error():
     assert "reply: accepted | rejected ─" in DOC and "accepted | rejected | error" not in DOC
     import inspect
 
-    from coordinator.service import Coordinator
+    from coordinator.intake import Intake
 
-    src = inspect.getsource(Coordinator._on_submit)
-    assert "ErrorReply" not in src and src.count("JobRejected(") >= 3
+    src = inspect.getsource(Intake.on_submit)  # every refusal goes through _refused or JobRejected directly
+    assert "ErrorReply" not in src and src.count("_refused(") + src.count("JobRejected(") >= 4
+    assert "ErrorReply" not in inspect.getsource(Intake._refused)
 
 
 def test_queue_position_is_documented_as_the_scheduler_counts_it():
@@ -200,9 +201,9 @@ def test_srv_replies_are_documented_as_json_and_cancel_mismatch_as_refused():
     assert "`cancelled: false`" in DOC and "`body job_id 'x' does not match the subject`" in FLAT
     import inspect
 
-    from coordinator.service import Coordinator
+    from coordinator.intake import Intake
 
-    assert "does not match the subject" in inspect.getsource(Coordinator._on_cancel)
+    assert "does not match the subject" in inspect.getsource(Intake.on_cancel)
 
 
 def test_ownership_reason_and_reply_rule_are_documented_as_the_coordinator_answers():
