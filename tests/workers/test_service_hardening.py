@@ -86,6 +86,6 @@ async def test_coordinator_metrics_use_the_same_loopback_default(nats_url):
     from coordinator.service import Coordinator
 
     async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, metrics_port=0) as coord:
-        assert coord.metrics_host == DEFAULT_METRICS_HOST
-        hosts = {addr[0] for addr in coord._metrics_runner.addresses}
+        assert coord.endpoint.host == DEFAULT_METRICS_HOST
+        hosts = {addr[0] for addr in coord.endpoint._runner.addresses}
     assert hosts == {"127.0.0.1"}
