@@ -494,12 +494,14 @@ async def _send_cancel(nc, job_id: str, client: str) -> None:
     await nc.flush(timeout=2)
 
 
-async def fleet_status(nc, *, timeout: float = 2.0) -> FleetStatus:
-    """The coordinator's status snapshot. Raises JobFailed(unavailable) if none answers."""
+async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False) -> FleetStatus:
+    """The coordinator's status snapshot; with `spec`, the fleet's model spec too (`status.spec`,
+    None from a coordinator older than specs). Raises JobFailed(unavailable) if none answers."""
     import nats.errors
 
+    body = b"\x81\xa4spec\xc3" if spec else b""  # msgpack {"spec": true}
     try:
-        msg = await nc.request(subjects.FLEET_STATUS, b"", timeout=timeout)
+        msg = await nc.request(subjects.FLEET_STATUS, body, timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         raise JobFailed(ErrorCode.UNAVAILABLE, "no coordinator answers on " + subjects.FLEET_STATUS) from None
     return unpack(msg.data, FleetStatus)

@@ -139,12 +139,16 @@ class CoordinatorConfig:
             raise ValueError(f"--cohorts: {err}") from None
 
     # ------------------------------------------------------------ derived
-    def scheduler_config(self, num_experts: int, class_to_expert=None):
-        """The `SchedulerConfig` of these limits for a fleet of `num_experts` experts."""
+    def scheduler_config(self, num_experts: int, class_to_expert=None, spec=None):
+        """The `SchedulerConfig` of these limits for a fleet of `num_experts` experts; `spec` (the
+        fleet's `schemas.spec.ModelSpec`) gives the sample shape and class count, else `image_shape`
+        and 10 classes."""
         from .scheduler import SchedulerConfig
 
+        shape = tuple(spec.sample_shape) if spec is not None else self.image_shape
+        classes = {"num_classes": max(spec.num_classes, 1)} if spec is not None else {}
         return SchedulerConfig(num_experts=num_experts, max_rows=self.max_rows, max_queued_jobs=self.max_queued_jobs,
-                               image_shape=self.image_shape, class_to_expert=class_to_expert,
+                               image_shape=shape, class_to_expert=class_to_expert, **classes,
                                max_client_rows=self.max_client_rows, max_client_queued_jobs=self.max_client_queued_jobs,
                                max_job_cost=self.max_job_cost, max_job_run_s=self.max_job_run_s)
 

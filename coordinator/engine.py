@@ -206,7 +206,8 @@ class Engine:
             raise
         self._poke()
         return JobAccepted(job_id=admitted.job_id, events_subject=subjects.job_events(owner, admitted.job_id),
-                           digits=admitted.digits, seed=admitted.seed, queue_position=admitted.queue_position)
+                           **{request.label_field: admitted.digits}, seed=admitted.seed,
+                           queue_position=admitted.queue_position)
 
     async def cancel(self, job_id: str, reason: str = "cancelled by client") -> bool:
         ok = self.scheduler.cancel(job_id, self.clock(), reason)

@@ -221,6 +221,26 @@ class Intake:
         if not self._may_reply(msg):
             return
         try:
-            await self._reply(msg, self.coord.status())
+            await self._reply(msg, self.coord.status(include_spec=asks_for_spec(msg.data)))
         except Exception:
             log.exception("status failed")
+
+
+def asks_for_spec(body: bytes) -> bool:
+    """Whether a fleet status request asks for the fleet's model spec: a msgpack or JSON map with
+    "spec": true. Anything else (an empty body, as v1 clients send) is a plain status request."""
+    if not body or len(body) > 1024:
+        return False
+    try:
+        import msgpack
+
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=0, max_str_len=64,
+                               max_array_len=16, max_map_len=16, max_ext_len=0)
+    except Exception:
+        try:
+            import json
+
+            data = json.loads(body)
+        except Exception:
+            return False
+    return isinstance(data, dict) and data.get("spec") is True

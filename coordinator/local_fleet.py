@@ -158,10 +158,13 @@ class LocalFleet:
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike = DEFAULT_DIR, **kw) -> "LocalFleet":
-        from .service import load_router_and_partition
+        from .service import load_router_and_partition, router_spec
 
         paths = shipped_paths(directory)
         router, k, c2e = load_router_and_partition(paths["router"], paths["partition"])
+        options = dict(kw.get("coordinator_options") or {})
+        options.setdefault("spec", router_spec(paths["router"]))
+        kw["coordinator_options"] = options
         return cls(paths["experts"][:k], router, num_experts=k, class_to_expert=c2e, **kw)
 
     async def __aenter__(self) -> "LocalFleet":

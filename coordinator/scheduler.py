@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from flow.solver import euler_update
-from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
+from schemas import UNCONDITIONAL, DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 from schemas.tensor import frame_float16
 
 from .batch import Batch
@@ -316,8 +316,9 @@ class Scheduler:
                     f"the limit of {cfg.max_job_cost} per job; ask for fewer images or steps"), "max_job_cost")
         if request.strategy == "oracle" and cfg.class_to_expert is None:
             raise Rejected(ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none")
-        if request.digits is not None and any(d >= cfg.num_classes for d in request.digits):
-            raise Rejected(ErrorCode.BAD_REQUEST, f"digits must be in [0, {cfg.num_classes})")
+        if request.classes is not None and any(d >= cfg.num_classes for d in request.classes):
+            raise Rejected(ErrorCode.BAD_REQUEST, f"{request.label_field} must be in [0, {cfg.num_classes}) "
+                                                  f"(or {UNCONDITIONAL}: label unknown)")
         job_id = job_id or request.job_id or secrets.token_hex(8)
         if self.knows(job_id):
             raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
@@ -333,7 +334,7 @@ class Scheduler:
                     f"{self._client_rows.get(client, 0)} running rows; retry when one finishes"),
                     "max_client_queued_jobs")
         seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
-        digits = list(request.digits) if request.digits is not None else draw_digits(seed, n, cfg.num_classes)
+        digits = list(request.classes) if request.classes is not None else draw_digits(seed, n, cfg.num_classes)
         deadline = now + request.deadline_s if request.deadline_s is not None else None
         self._seq += 1
         job = Job(request=request, job_id=job_id, digits=digits, seed=seed, submitted_at=now, deadline=deadline,
@@ -713,7 +714,8 @@ class Scheduler:
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
             self._events.append(DoneEvent(
-                job_id=job.job_id, images=np.clip(g.x, -1.0, 1.0).astype(np.float32), digits=job.digits,
+                job_id=job.job_id, images=np.clip(g.x, -1.0, 1.0).astype(np.float32),
+                **{req.label_field: job.digits},
                 usage=(g.usage / max(g.evals, 1)).astype(np.float32), steps=req.steps,
                 strategy=req.strategy, elapsed_s=max(now - job.submitted_at, 0.0), notes=job.notes,
             ))

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, ProtocolError, pack, subjects
+from schemas.spec import ModelSpec, legacy_spec
 
 from .config import CoordinatorConfig
 from .durable import CheckpointingScheduler, JobStore
@@ -64,7 +65,8 @@ from .metrics_endpoint import MetricsEndpoint
 from .null_labels import (NULL_LABEL_PROBE_S, NULL_LABEL_TTL_S, NULL_LABEL_UNKNOWN_TTL_S,  # noqa: F401
                           NullLabelProbes, probe_step)
 from .scheduler import Rejected, Scheduler
-from .startup import load_router_and_partition, wait_for_experts  # noqa: F401 (re-exported)
+from .fleet_spec import check_fleet_spec
+from .startup import load_router_and_partition, router_spec, wait_for_experts  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +87,18 @@ class Coordinator:
 
     def __init__(self, router: RouterLike, config: CoordinatorConfig | None = None, *, num_experts: int,
                  class_to_expert: Sequence[int] | None = None, nc: Any = None, nats_url: str | None = None,
-                 transport: Transport | None = None, **settings: Any):
+                 transport: Transport | None = None, spec: ModelSpec | None = None, **settings: Any):
         cfg = config or CoordinatorConfig()
         self.settings = cfg = cfg.replace(**settings) if settings else cfg
         if nc is None and nats_url is None and cfg.nats is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
+        # The fleet's model spec: given (from the router checkpoint: checked against every worker at
+        # start), else the one the configured image shape implies (10 classes), not checked.
+        self.check_spec = spec is not None
+        self.spec = spec if spec is not None else legacy_spec(in_channels=cfg.image_shape[0],
+                                                              image_size=cfg.image_shape[1])
         # fair-sharing limits: passed through to the scheduler (see coordinator.scheduler)
-        self.config = cfg.scheduler_config(num_experts, class_to_expert)
+        self.config = cfg.scheduler_config(num_experts, class_to_expert, spec=self.spec)
         self.router, self.transport = router, transport
         self.nc, self._own_nc, self.nats_url = nc, nc is None, nats_url or cfg.nats
         self.name, self.step_timeout, self.retries = cfg.name, cfg.step_timeout, cfg.retries
@@ -112,7 +119,9 @@ class Coordinator:
 
     @classmethod
     def from_files(cls, router_path, partition_path, config: CoordinatorConfig | None = None, **kw) -> "Coordinator":
+        """A coordinator of the router and partition files, serving the router's model spec."""
         router, k, c2e = load_router_and_partition(router_path, partition_path)
+        kw.setdefault("spec", router_spec(router_path))
         return cls(router, config, num_experts=k, class_to_expert=c2e, **kw)
 
     # the parts' counters and settings, under their old names
@@ -136,6 +145,13 @@ class Coordinator:
         if self.nc is None:
             self.nc = await connect(self.nats_url, name=self.name, reconnect="forever", pending_size=64 * 1024 * 1024)
             self.null_labels.nc = self.nc
+        if self.check_spec:  # refuse a fleet whose workers disagree with the router on the model spec
+            try:
+                self.spec = await check_fleet_spec(self.nc, self.spec)
+            except Exception:
+                if self._own_nc:
+                    await self.nc.close()
+                raise
         if self.transport is None:
             self.transport = NatsTransport(self.nc, step_timeout=cfg.step_timeout, retries=cfg.retries,
                                            bad_reply_retries=cfg.bad_reply_retries, wire_dtype=cfg.wire_dtype,
@@ -295,11 +311,12 @@ class Coordinator:
             self.ledger.note_progress(internal, state["step"], state["steps"])
         return await self.engine.cancel(internal)
 
-    def status(self) -> FleetStatus:
+    def status(self, include_spec: bool = False) -> FleetStatus:
+        """The fleet status snapshot; with `include_spec`, the fleet's model spec too."""
         assert self.engine is not None, "enter the context first"
         st = self.engine.status()
         st["jobs_rejected"] = st.get("jobs_rejected", 0) + self.intake.rejected_unread  # every submit answered `rejected`
-        return FleetStatus(coordinator=self.name, **st)
+        return FleetStatus(coordinator=self.name, spec=self.spec if include_spec else None, **st)
 
     def owner_of(self, job_id: str) -> str | None:
         """The client token that owns a live or recently finished job `job_id` (any client's), else None."""

@@ -91,7 +91,8 @@ BAD_DTYPES = [">f4", ">i8", "|O", "<c8", "<U4", "V8", "<M8[s]", "f4", "float32",
 #: every message type (by name, so a new one is fuzzed without editing this file), then the unions.
 MESSAGE_TYPES: list[type[Message]] = sorted(
     (obj for obj in vars(_messages).values()
-     if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message),
+     if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message
+     and "kind" in obj.model_fields),  # not the bases (Message, _Labelled)
     key=lambda cls: cls.__name__,
 )
 MESSAGE_TARGETS: list[Any] = [*MESSAGE_TYPES, StepResult, SubmitReply, JobEvent]

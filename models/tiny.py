@@ -23,13 +23,14 @@ TINY_WIDTHS = (8, 16)
 
 
 def tiny_config(widths: Sequence[int] = TINY_WIDTHS, *, time_dim: int = 16, class_dim: int = 16, groups: int = 4,
-                null_label: bool = False):
+                null_label: bool = False, **shape: int):
     """The UNetConfig the factory uses: channel `widths` per level, small embeddings; `null_label`
-    adds the unknown-label row (y = -1), as `train-expert --label-dropout` does."""
+    adds the unknown-label row (y = -1), as `train-expert --label-dropout` does; `shape` overrides
+    in_channels / image_size / num_classes (default 1 x 32 x 32, 10 classes)."""
     from .config import UNetConfig
 
     return UNetConfig(widths=tuple(int(w) for w in widths), time_dim=time_dim, class_dim=class_dim, groups=groups,
-                      null_label=null_label)
+                      null_label=null_label, **shape)
 
 
 def make_tiny_expert(path: str | os.PathLike, *, expert_id: int = 0, widths: Sequence[int] = TINY_WIDTHS,

@@ -29,10 +29,11 @@ from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ProtocolError, shown
 from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
+from .spec import MAX_CLASSES
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
+from .spec import TIME_CONVENTION, ModelSpec
 from .version import PROTOCOL_VERSION
 
-TIME_CONVENTION = "t0_noise_t1_data"
 
 
 def _tensor_validator(finite: bool):
@@ -102,7 +103,7 @@ Strategy = Literal["top1", "topk", "full", "oracle"]
 #: A float precision an expert step may travel in (`schemas.tensor.WIRE_FLOATS`).
 WireFloat = Literal["float32", "float16", "bfloat16"]
 Solver = Literal["euler", "heun"]
-#: The label of an unconditional row ("label unknown"): a `JobRequest.digits` entry and a
+#: The label of an unconditional row ("label unknown"): a `JobRequest.labels` (or `digits`) entry and a
 #: `StepRequest.y` value. Experts trained with a null label (`train-expert --label-dropout`) and
 #: the router map it to their learned null embedding; other experts refuse it (`bad_request`).
 UNCONDITIONAL = -1
@@ -237,9 +238,11 @@ class ErrorReply(Message):
 class JobRequest(Message):
     """Client -> coordinator (on `ddm.v1.c.<client>.jobs.submit`): generate images.
 
-    Exactly one of `digits` (the class of each image, 0-9, or -1 = label unknown: an
-    unconditional image, the router alone picks the experts) or `count` (that many random
-    classes, drawn from `seed`). `strategy` "oracle" needs every label, so it refuses -1 rows
+    Exactly one of `labels` (the class of each image, 0 to the fleet's class count - 1, or -1 =
+    label unknown: an unconditional image, the router alone picks the experts), `digits` (the v1
+    spelling of `labels`, limited to 0-9 and -1; kept so v1 clients work unchanged) or `count`
+    (that many random classes, drawn from `seed`). Events of a job name its labels the way the
+    request did: `labels` for a `labels` request, `digits` otherwise (as in v1). `strategy` "oracle" needs every label, so it refuses -1 rows
     (`UNCONDITIONAL`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
     *before* submitting when you choose `job_id` yourself, so no event is missed.
     `session` (optional, 1-64 of [A-Za-z0-9_-]): a sub-client tag for fair sharing, e.g. one
@@ -250,6 +253,7 @@ class JobRequest(Message):
     kind: Literal["job_request"] = "job_request"
     job_id: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
     digits: Optional[list[Annotated[int, Field(ge=UNCONDITIONAL, le=9)]]] = None
+    labels: Optional[list[Annotated[int, Field(ge=UNCONDITIONAL, lt=MAX_CLASSES)]]] = None
     count: Optional[int] = Field(default=None, ge=1, le=MAX_JOB_IMAGES)
     steps: int = Field(default=40, ge=1, le=MAX_JOB_STEPS)
     solver: Solver = "euler"
@@ -263,40 +267,84 @@ class JobRequest(Message):
     frame_x1: bool = False  # frames also carry x1, the model's estimate of the final sample
 
     @model_serializer(mode="wrap")
-    def _omit_default_frame_x1(self, handler):  # not on the wire unless asked: older coordinators refuse unknown keys
+    def _omit_new_defaults(self, handler):  # not on the wire unless used: older coordinators refuse unknown keys
         out = handler(self)
-        if isinstance(out, dict) and not self.frame_x1:
-            out.pop("frame_x1", None)
+        if isinstance(out, dict):
+            if not self.frame_x1:
+                out.pop("frame_x1", None)
+            if self.labels is None:
+                out.pop("labels", None)
         return out
 
     @model_validator(mode="after")
     def _check(self) -> "JobRequest":
-        if (self.digits is None) == (self.count is None):
-            raise _err(ErrorCode.BAD_REQUEST, "give exactly one of digits (a list of 0-9) or count")
-        if self.digits is not None:
-            if not self.digits:
-                raise _err(ErrorCode.BAD_REQUEST, "digits must not be empty")
-            if len(self.digits) > MAX_JOB_IMAGES:
-                raise _err(ErrorCode.TOO_LARGE, f"{len(self.digits)} images requested; the limit is {MAX_JOB_IMAGES} per job")
+        given = [name for name in ("labels", "digits", "count") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise _err(ErrorCode.BAD_REQUEST, "give exactly one of labels (a list of class labels), digits (its v1 "
+                                              f"spelling, 0-9) or count; got {' and '.join(given) or 'none'}")
+        classes, field = self.classes, self.label_field
+        if classes is not None:
+            if not classes:
+                raise _err(ErrorCode.BAD_REQUEST, f"{field} must not be empty")
+            if len(classes) > MAX_JOB_IMAGES:
+                raise _err(ErrorCode.TOO_LARGE, f"{len(classes)} images requested; the limit is {MAX_JOB_IMAGES} per job")
             if self.strategy == "oracle" and self.n_unconditional:
-                rows = [i for i, d in enumerate(self.digits) if d == UNCONDITIONAL]
+                rows = [i for i, d in enumerate(classes) if d == UNCONDITIONAL]
                 raise _err(ErrorCode.BAD_REQUEST, (
                     f"strategy oracle needs each image's class (it runs the expert whose partition owns it), but "
-                    f"{len(rows)} of {len(self.digits)} digits are {UNCONDITIONAL} (label unknown), e.g. row {rows[0]}: "
+                    f"{len(rows)} of {len(classes)} {field} are {UNCONDITIONAL} (label unknown), e.g. row {rows[0]}: "
                     "use strategy top1, topk or full for unconditional images"))
         return self
 
     @property
+    def classes(self) -> Optional[list[int]]:
+        """The class of each image as requested (`labels`, or the v1 `digits`); None for `count` jobs."""
+        return self.labels if self.labels is not None else self.digits
+
+    @property
+    def label_field(self) -> str:
+        """The name this request gave its labels under, which its events use too: "labels" or "digits"."""
+        return "labels" if self.labels is not None else "digits"
+
+    @property
     def n_images(self) -> int:
-        return len(self.digits) if self.digits is not None else int(self.count or 0)
+        classes = self.classes
+        return len(classes) if classes is not None else int(self.count or 0)
 
     @property
     def n_unconditional(self) -> int:
-        """Rows whose label is unknown (digit -1): the router alone picks their experts."""
-        return sum(1 for d in self.digits if d == UNCONDITIONAL) if self.digits is not None else 0
+        """Rows whose label is unknown (-1): the router alone picks their experts."""
+        classes = self.classes
+        return sum(1 for d in classes if d == UNCONDITIONAL) if classes is not None else 0
 
 
-class JobAccepted(Message):
+class _Labelled(Message):
+    """An event that carries each image's label: under `labels` when the job's request used
+    `labels`, else under `digits` (v1). Exactly one of the two is set; the other is left off the wire."""
+
+    digits: Optional[list[int]] = None
+    labels: Optional[list[int]] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_label_field(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):
+            out.pop("labels" if self.labels is None else "digits", None)
+        return out
+
+    @model_validator(mode="after")
+    def _one_label_field(self):
+        if (self.digits is None) == (self.labels is None):
+            raise _err(ErrorCode.BAD_REQUEST, f"{self.kind}: give exactly one of labels or digits")
+        return self
+
+    @property
+    def classes(self) -> list[int]:
+        """Each image's label, whichever field carried it."""
+        return self.labels if self.labels is not None else self.digits
+
+
+class JobAccepted(_Labelled):
     """Coordinator -> client (reply to submit): the job is queued.
 
     `coordinator` / `instance`: the name of the coordinator that took the job (stable across its
@@ -306,7 +354,6 @@ class JobAccepted(Message):
     kind: Literal["accepted"] = "accepted"
     job_id: Id
     events_subject: str
-    digits: list[int]
     seed: int
     queue_position: int = 0
     coordinator: CoordinatorName = ""
@@ -391,14 +438,13 @@ class FrameEvent(Message):
         return out
 
 
-class DoneEvent(Message):
+class DoneEvent(_Labelled):
     """Final images. images: [N, C, H, W] float32 in [-1, 1]. usage: [N, K] fraction of
     steps on which each expert contributed to each image."""
 
     kind: Literal["done"] = "done"
     job_id: Id
     images: FiniteTensor
-    digits: list[int]
     usage: Tensor
     steps: int
     strategy: Strategy
@@ -412,8 +458,9 @@ class DoneEvent(Message):
         if self.images.ndim != 4:
             raise _err(ErrorCode.BAD_SHAPE, f"images must be [N, C, H, W], got shape {list(self.images.shape)}")
         n = self.images.shape[0]
-        if len(self.digits) != n:
-            raise _err(ErrorCode.BAD_SHAPE, f"digits has {len(self.digits)} entries for {n} images")
+        if len(self.classes) != n:
+            field = "labels" if self.labels is not None else "digits"
+            raise _err(ErrorCode.BAD_SHAPE, f"{field} has {len(self.classes)} entries for {n} images")
         if self.usage.ndim != 2 or self.usage.shape[0] != n:
             raise _err(ErrorCode.BAD_SHAPE, f"usage must be [N, K] with N = {n}, got {list(self.usage.shape)}")
         return self
@@ -489,6 +536,16 @@ class FleetStatus(Message):
     tick_ms_p50: float = Field(default=0.0, ge=0)
     uptime_s: float = Field(default=0.0, ge=0)
     unavailable_experts: list[int] = Field(default_factory=list)
+    #: the fleet's model spec (`schemas.spec.ModelSpec`), only when the status request asked for it
+    #: (a map with "spec": true), so that v1 clients, which refuse unknown keys, never see it
+    spec: Optional[ModelSpec] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_spec_unless_asked(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and self.spec is None:
+            out.pop("spec", None)
+        return out
 
 
 JobEvent = Annotated[Union[JobAccepted, FrameEvent, DoneEvent, FailedEvent], Field(discriminator="kind")]

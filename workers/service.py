@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -269,6 +270,9 @@ class ExpertWorker:
             meta["num_classes"] = str(classes)
         if getattr(be, "null_label", False):  # serves y = -1 (label unknown); absent: it does not
             meta["null_label"] = "true"
+        spec = getattr(be, "spec", None)
+        if spec is not None:  # the model spec as compact JSON (schemas.spec.ModelSpec)
+            meta["spec"] = json.dumps(spec.to_json(), separators=(",", ":"))
         return meta
 
     async def _advertise(self) -> None:

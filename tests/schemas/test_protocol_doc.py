@@ -19,7 +19,8 @@ HINT = "update docs/PROTOCOL.md to match schemas/"
 
 MESSAGE_TYPES = sorted(
     (obj for obj in vars(messages).values()
-     if isinstance(obj, type) and issubclass(obj, messages.Message) and obj is not messages.Message),
+     if isinstance(obj, type) and issubclass(obj, messages.Message) and obj is not messages.Message
+     and not obj.__name__.startswith("_")),
     key=lambda c: c.__name__,
 )
 

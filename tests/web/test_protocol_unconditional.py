@@ -68,7 +68,7 @@ def test_no_digit_rows_keep_the_job_limits():
     assert "300 images requested; the limit is 256" in err.value.message
     with pytest.raises(BadInput) as err:
         parse_client_message(json.dumps({"type": "generate", "digits": "?", "count": 2}))
-    assert "give exactly one of digits" in err.value.message
+    assert "give exactly one of labels" in err.value.message
 
 
 # ---------------------------------------------------------------- in Chromium, real fleets

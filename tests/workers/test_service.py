@@ -149,6 +149,9 @@ async def test_discovery_ping_info_stats(worker, nc):
     md = info["metadata"]
     assert md["device"] == "cpu" and md["buckets"] == "1,2,4,8" and md["version"] and md["protocol"] == "1"
     assert md["input_shape"] == "1,32,32"
+    from schemas.spec import ModelSpec  # the model spec travels as compact JSON; an old checkpoint's is implied
+    spec = ModelSpec.from_json(json.loads(md["spec"]))
+    assert spec.sample_shape == (1, 32, 32) and spec.num_classes == 10 and spec.space == "pixels"
     ep, direct = info["endpoints"]  # the queue group's, and this worker's own subject
     assert ep["subject"] == SUBJECT and ep["queue_group"] == subjects.expert_queue_group(0)
     assert direct["subject"] == subjects.expert_direct(0, subjects.worker_token(worker.worker_id))

@@ -89,6 +89,17 @@ class BackendBase:
         return bool(getattr(self.config, "null_label", False))
 
     @property
+    def spec(self):
+        """The loaded model's spec (`schemas.spec.ModelSpec`): the one stored in its checkpoint, or the
+        one its config implies for checkpoints made before specs (`models.spec.spec_of`)."""
+        from models.spec import spec_of
+
+        self._need_loaded()
+        if "spec" in self.meta:
+            return spec_of(self.meta, where=self.checkpoint_path or "checkpoint")
+        return spec_of({"config": self.config.to_dict(), "arch": self.meta.get("arch", "unet")})
+
+    @property
     def expert(self) -> Optional[int]:
         """Expert id recorded in the checkpoint, if any."""
         value = self.meta.get("expert", self.meta.get("expert_id"))
