@@ -19,16 +19,22 @@ MAX_REPLY_BYTES = 64 * 1024
 MAX_DISCOVERY_BYTES = 4 * 1024 * 1024
 
 
-async def gather_replies(nc, subject: str, *, window: float = 0.3, max_replies: int = MAX_DISCOVERY_REPLIES,
-                         payload: bytes = b"", max_reply_bytes: int = MAX_REPLY_BYTES,
-                         max_bytes: int = MAX_DISCOVERY_BYTES) -> list[bytes]:
+async def gather_replies(
+    nc,
+    subject: str,
+    *,
+    window: float = 0.3,
+    max_replies: int = MAX_DISCOVERY_REPLIES,
+    payload: bytes = b"",
+    max_reply_bytes: int = MAX_REPLY_BYTES,
+    max_bytes: int = MAX_DISCOVERY_BYTES,
+) -> list[bytes]:
     """Publish one request on `subject` and collect the replies of `window` seconds: at most
     `max_replies` of at most `max_reply_bytes` each (larger ones skipped), `max_bytes` in all."""
     inbox = nc.new_inbox()
     replies: list[bytes] = []
     total = 0
-    sub = await nc.subscribe(inbox, max_msgs=max_replies, pending_msgs_limit=max_replies,
-                             pending_bytes_limit=max_bytes)
+    sub = await nc.subscribe(inbox, max_msgs=max_replies, pending_msgs_limit=max_replies, pending_bytes_limit=max_bytes)
     try:
         await nc.publish(subject, payload, reply=inbox)  # no flush(): see Session.close
         deadline = time.monotonic() + window

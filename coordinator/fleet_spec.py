@@ -47,8 +47,9 @@ def worker_spec(metadata: dict) -> ModelSpec:
         raise SpecError(f"metadata input_shape / num_classes unreadable: {err}") from None
     if h != w:
         return ModelSpec(sample_shape=(c, h, w))
-    return legacy_spec(in_channels=c, image_size=h, num_classes=classes,
-                       null_label=metadata.get("null_label") == "true")
+    return legacy_spec(
+        in_channels=c, image_size=h, num_classes=classes, null_label=metadata.get("null_label") == "true"
+    )
 
 
 def _member_name(md: dict) -> str:
@@ -95,6 +96,11 @@ async def check_fleet_spec(nc, router_spec: ModelSpec, *, window_s: float = 0.5)
     """Discover the workers on the bus and return the fleet's spec (raises FleetSpecError)."""
     workers = await discover_worker_specs(nc, window_s=window_s)
     spec = check_specs(router_spec, workers)
-    log.info("fleet spec: %s, %s, %d classes; %d worker(s) agree", list(spec.sample_shape), spec.space,
-             spec.num_classes, len(workers))
+    log.info(
+        "fleet spec: %s, %s, %d classes; %d worker(s) agree",
+        list(spec.sample_shape),
+        spec.space,
+        spec.num_classes,
+        len(workers),
+    )
     return spec

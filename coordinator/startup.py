@@ -24,8 +24,10 @@ def load_router_and_partition(router_path: str | os.PathLike, partition_path: st
     router = Router.load(router_path)
     rk = getattr(router, "num_experts", manifest.num_experts)
     if rk != manifest.num_experts:
-        raise ValueError(f"router {os.fspath(router_path)!r} weighs {rk} experts but partition "
-                         f"{os.fspath(partition_path)!r} has {manifest.num_experts}: use files from the same run")
+        raise ValueError(
+            f"router {os.fspath(router_path)!r} weighs {rk} experts but partition "
+            f"{os.fspath(partition_path)!r} has {manifest.num_experts}: use files from the same run"
+        )
     classes = int(getattr(getattr(router, "cfg", None), "num_classes", 10))
     c2e = [int(manifest.class_to_expert(y)) for y in range(classes)]
     return router, int(manifest.num_experts), c2e

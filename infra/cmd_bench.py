@@ -46,15 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.usage = "%(prog)s [-h] [-v] <what> ..."
-    parser.description = ("Benchmarks; `ddm-fleet bench <what> --help` explains each.\n\n"
-                          + format_command_table([("benches", [(name, help_text) for name, _t, help_text in BENCHES])]))
+    parser.description = "Benchmarks; `ddm-fleet bench <what> --help` explains each.\n\n" + format_command_table(
+        [("benches", [(name, help_text) for name, _t, help_text in BENCHES])]
+    )
     parser.epilog = EXAMPLES
     # The table above lists the benches; the subparsers' own flat list is hidden.
     sub = parser.add_subparsers(dest="bench", metavar="<what>", help=argparse.SUPPRESS, prog=parser.prog)
     for name, target, help_text in BENCHES:
         impl = _resolve(target)
-        p = sub.add_parser(name, description=(impl.__doc__ or help_text).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, description=(impl.__doc__ or help_text).strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         impl.add_arguments(p)
         p.set_defaults(_bench_run=impl.run)
     parser.set_defaults(_bench_parser=parser)

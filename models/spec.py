@@ -26,9 +26,13 @@ def spec_of(meta: dict, where: str = "checkpoint") -> ModelSpec:
         _check_against_config(spec, cfg, where)
         return spec
     try:
-        return legacy_spec(in_channels=int(cfg.get("in_channels", 1)), image_size=int(cfg.get("image_size", 32)),
-                           num_classes=int(cfg.get("num_classes", 10)), null_label=bool(cfg.get("null_label", False)),
-                           arch=str(meta.get("arch", "unet")))
+        return legacy_spec(
+            in_channels=int(cfg.get("in_channels", 1)),
+            image_size=int(cfg.get("image_size", 32)),
+            num_classes=int(cfg.get("num_classes", 10)),
+            null_label=bool(cfg.get("null_label", False)),
+            arch=str(meta.get("arch", "unet")),
+        )
     except (TypeError, ValueError) as err:
         raise SpecError(f"{where}: cannot imply a spec from its config {cfg}: {err}") from None
 

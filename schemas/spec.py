@@ -20,7 +20,7 @@ Checkpoints written before the spec existed have the implied spec `legacy_spec()
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -60,11 +60,11 @@ class Conditioning(BaseModel):
 
     kind: Literal["class", "none"] = "class"
     num_classes: int = Field(default=10, ge=0, le=MAX_CLASSES)
-    class_names: Optional[list[str]] = None
+    class_names: list[str] | None = None
     null_label: bool = False
 
     @model_validator(mode="after")
-    def _check(self) -> "Conditioning":
+    def _check(self) -> Conditioning:
         if self.kind == "none":
             if self.num_classes != 0 or self.class_names:
                 raise ValueError("conditioning kind 'none' takes no classes: num_classes 0, no class_names")
@@ -96,26 +96,28 @@ class ModelSpec(BaseModel):
     sample_shape: Annotated[tuple[int, int, int], BeforeValidator(_as_tuple)]
     value_range: Annotated[tuple[float, float], BeforeValidator(_as_float_tuple)] = (-1.0, 1.0)
     space: Literal["pixels", "latent"] = "pixels"
-    decoder: Optional[str] = None
+    decoder: str | None = None
     conditioning: Conditioning = Conditioning()
     prediction: Literal["velocity"] = "velocity"
     time_convention: Literal["t0_noise_t1_data"] = TIME_CONVENTION
     arch: str = Field(default="unet", min_length=1, max_length=64)
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
+    def _check(self) -> ModelSpec:
         c, h, w = self.sample_shape
         if min(c, h, w) < 1:
             raise ValueError(f"sample_shape must be [C, H, W] with every size >= 1, got {list(self.sample_shape)}")
         if c * h * w > MAX_SAMPLE_ELEMENTS:
-            raise ValueError(f"sample_shape {list(self.sample_shape)} has {c * h * w} elements; the limit is "
-                             f"{MAX_SAMPLE_ELEMENTS}")
+            raise ValueError(
+                f"sample_shape {list(self.sample_shape)} has {c * h * w} elements; the limit is {MAX_SAMPLE_ELEMENTS}"
+            )
         lo, hi = self.value_range
         if not lo < hi:
             raise ValueError(f"value_range must be [low, high] with low < high, got {list(self.value_range)}")
         if self.space == "latent" and not self.decoder:
-            raise ValueError("a latent-space spec names its decoder (\"decoder\": the autoencoder that maps "
-                             "latents to pixels)")
+            raise ValueError(
+                'a latent-space spec names its decoder ("decoder": the autoencoder that maps latents to pixels)'
+            )
         if self.space == "pixels" and self.decoder:
             raise ValueError("a pixel-space spec has no decoder")
         return self
@@ -130,7 +132,7 @@ class ModelSpec(BaseModel):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_json(cls, data: dict, where: str = "spec") -> "ModelSpec":
+    def from_json(cls, data: dict, where: str = "spec") -> ModelSpec:
         """Parse a spec dict; SpecError says where and what is wrong."""
         from pydantic import ValidationError
 
@@ -140,11 +142,14 @@ class ModelSpec(BaseModel):
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'spec'}: {e['msg']}" for e in err.errors())
             raise SpecError(f"{where}: bad model spec: {problems}") from None
 
-    def differences(self, other: "ModelSpec") -> list[str]:
+    def differences(self, other: ModelSpec) -> list[str]:
         """The fleet-level fields where `other` differs from this spec ("field: mine != theirs"), and
         the class conditioning (kind, count and names); empty when they can serve one fleet."""
-        out = [f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}" for f in FLEET_FIELDS
-               if getattr(self, f) != getattr(other, f)]
+        out = [
+            f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
+            for f in FLEET_FIELDS
+            if getattr(self, f) != getattr(other, f)
+        ]
         a, b = self.conditioning, other.conditioning
         if a.kind != b.kind or a.num_classes != b.num_classes:
             out.append(f"conditioning: {a.kind} with {a.num_classes} classes != {b.kind} with {b.num_classes}")
@@ -153,15 +158,17 @@ class ModelSpec(BaseModel):
         return out
 
 
-def legacy_spec(*, in_channels: int = 1, image_size: int = 32, num_classes: int = 10,
-                null_label: bool = False, arch: str = "unet") -> ModelSpec:
+def legacy_spec(
+    *, in_channels: int = 1, image_size: int = 32, num_classes: int = 10, null_label: bool = False, arch: str = "unet"
+) -> ModelSpec:
     """The spec implied by a checkpoint made before specs existed (the MNIST fleet's: 1x32x32 pixels,
     10 classes named "0"-"9", velocity, UNet), or by the UNet config fields given."""
     names = [str(i) for i in range(num_classes)] if num_classes == 10 else None
-    return ModelSpec(sample_shape=(in_channels, image_size, image_size),
-                     conditioning=Conditioning(kind="class", num_classes=num_classes, class_names=names,
-                                               null_label=null_label),
-                     arch=arch)
+    return ModelSpec(
+        sample_shape=(in_channels, image_size, image_size),
+        conditioning=Conditioning(kind="class", num_classes=num_classes, class_names=names, null_label=null_label),
+        arch=arch,
+    )
 
 
 def fleet_spec(specs: dict[str, ModelSpec]) -> ModelSpec:

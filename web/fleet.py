@@ -132,10 +132,17 @@ class FleetMonitor:
             meta = info.get("metadata") or {}
             meta = meta if isinstance(meta, dict) else {}
             row = {
-                "id": wid, "name": str(info.get("name", "")), "version": str(info.get("version", "")),
-                "backend": str(meta.get("backend", "")), "device": str(meta.get("device", "")),
+                "id": wid,
+                "name": str(info.get("name", "")),
+                "version": str(info.get("version", "")),
+                "backend": str(meta.get("backend", "")),
+                "device": str(meta.get("device", "")),
                 "host": str(meta.get("host", meta.get("hostname", ""))),
-                "requests": None, "errors": None, "rows_per_s": None, "rate_unit": "rows/s", "latency_ms": None,
+                "requests": None,
+                "errors": None,
+                "rows_per_s": None,
+                "rate_unit": "rows/s",
+                "latency_ms": None,
             }
             st = stats.get(wid)
             if st is not None:
@@ -174,7 +181,11 @@ class FleetMonitor:
                         got = data[key]
                         break
             hist = data.get("latency_seconds") if isinstance(data, dict) else None
-            if isinstance(hist, dict) and isinstance(hist.get("sum"), (int, float)) and isinstance(hist.get("count"), int):
+            if (
+                isinstance(hist, dict)
+                and isinstance(hist.get("sum"), (int, float))
+                and isinstance(hist.get("count"), int)
+            ):
                 lat_sum, lat_count = float(hist["sum"]), int(hist["count"])
             if got is None:
                 rows = None

@@ -28,8 +28,14 @@ def test_check_specs_names_unreadable_and_different_workers():
     router = legacy_spec()
     odd = legacy_spec(in_channels=3)
     with pytest.raises(FleetSpecError) as err:
-        check_specs(router, {"expert 0 worker a": legacy_spec(), "expert 1 worker b": odd,
-                             "expert 1 worker c": SpecError("metadata 'spec' is not JSON")})
+        check_specs(
+            router,
+            {
+                "expert 0 worker a": legacy_spec(),
+                "expert 1 worker b": odd,
+                "expert 1 worker c": SpecError("metadata 'spec' is not JSON"),
+            },
+        )
     msg = str(err.value)
     assert "expert 1 worker b differs from router" in msg and "expert 1 worker c: metadata" in msg
     assert "worker a" not in msg
@@ -46,8 +52,10 @@ async def test_a_fleet_of_agreeing_workers_passes(nats_url, nc, tmp_path):
 async def test_a_worker_with_another_shape_is_refused_by_name(nats_url, nc, tmp_path):
     good = make_tiny_expert(tmp_path / "e0", expert_id=0)
     rgb = make_tiny_expert(tmp_path / "e1", expert_id=1, in_channels=3)
-    async with ExpertWorker(0, str(good), "torch", nats_url=nats_url, buckets=(1,)), \
-            ExpertWorker(1, str(rgb), "torch", nats_url=nats_url, buckets=(1,)) as odd:
+    async with (
+        ExpertWorker(0, str(good), "torch", nats_url=nats_url, buckets=(1,)),
+        ExpertWorker(1, str(rgb), "torch", nats_url=nats_url, buckets=(1,)) as odd,
+    ):
         with pytest.raises(FleetSpecError) as err:
             await check_fleet_spec(nc, legacy_spec(), window_s=0.5)
     msg = str(err.value)

@@ -45,12 +45,26 @@ def test_events_echo_the_request_field():
     old = loads(pack(JobAccepted(job_id="j", events_subject="s", digits=[3], seed=1)))
     assert old["digits"] == [3] and "labels" not in old
     images = np.zeros((2, 3, 8, 8), np.float32)
-    done = DoneEvent(job_id="j", images=images, labels=[12, 40], usage=np.ones((2, 2), np.float32), steps=4,
-                     strategy="top1", elapsed_s=0.1)
+    done = DoneEvent(
+        job_id="j",
+        images=images,
+        labels=[12, 40],
+        usage=np.ones((2, 2), np.float32),
+        steps=4,
+        strategy="top1",
+        elapsed_s=0.1,
+    )
     back = unpack(pack(done), DoneEvent)
     assert back.classes == [12, 40] and back.digits is None
     with pytest.raises(ValidationError, match="labels has 1 entries for 2 images"):
-        DoneEvent(job_id="j", images=images, labels=[1], usage=np.ones((2, 2), np.float32), steps=4,
-                  strategy="top1", elapsed_s=0.1)
+        DoneEvent(
+            job_id="j",
+            images=images,
+            labels=[1],
+            usage=np.ones((2, 2), np.float32),
+            steps=4,
+            strategy="top1",
+            elapsed_s=0.1,
+        )
     with pytest.raises(ValidationError, match="exactly one of labels or digits"):
         JobAccepted(job_id="j", events_subject="s", seed=1)

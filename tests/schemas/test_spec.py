@@ -24,20 +24,23 @@ def test_round_trip_through_json():
     assert again == spec and again.sample_shape == (3, 32, 32) and again.conditioning.class_names == list("abcd")
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ({"sample_shape": [0, 32, 32]}, "every size >= 1"),
-    ({"sample_shape": [3, 32]}, "sample_shape"),
-    ({"sample_shape": [3, 4096, 4096]}, "the limit is"),
-    ({"sample_shape": [1, 8, 8], "value_range": [1, -1]}, "low < high"),
-    ({"sample_shape": [4, 8, 8], "space": "latent"}, "names its decoder"),
-    ({"sample_shape": [1, 8, 8], "decoder": "vae"}, "pixel-space spec has no decoder"),
-    ({"sample_shape": [1, 8, 8], "prediction": "epsilon"}, "prediction"),
-    ({"sample_shape": [1, 8, 8], "time_convention": "t0_data_t1_noise"}, "time_convention"),
-    ({"sample_shape": [1, 8, 8], "conditioning": {"num_classes": 3, "class_names": ["a"]}}, "1 names for 3"),
-    ({"sample_shape": [1, 8, 8], "conditioning": {"kind": "none", "num_classes": 3}}, "takes no classes"),
-    ({"sample_shape": [1, 8, 8], "conditioning": {"kind": "class", "num_classes": 0}}, "num_classes >= 1"),
-    ({"sample_shape": [1, 8, 8], "surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"sample_shape": [0, 32, 32]}, "every size >= 1"),
+        ({"sample_shape": [3, 32]}, "sample_shape"),
+        ({"sample_shape": [3, 4096, 4096]}, "the limit is"),
+        ({"sample_shape": [1, 8, 8], "value_range": [1, -1]}, "low < high"),
+        ({"sample_shape": [4, 8, 8], "space": "latent"}, "names its decoder"),
+        ({"sample_shape": [1, 8, 8], "decoder": "vae"}, "pixel-space spec has no decoder"),
+        ({"sample_shape": [1, 8, 8], "prediction": "epsilon"}, "prediction"),
+        ({"sample_shape": [1, 8, 8], "time_convention": "t0_data_t1_noise"}, "time_convention"),
+        ({"sample_shape": [1, 8, 8], "conditioning": {"num_classes": 3, "class_names": ["a"]}}, "1 names for 3"),
+        ({"sample_shape": [1, 8, 8], "conditioning": {"kind": "none", "num_classes": 3}}, "takes no classes"),
+        ({"sample_shape": [1, 8, 8], "conditioning": {"kind": "class", "num_classes": 0}}, "num_classes >= 1"),
+        ({"sample_shape": [1, 8, 8], "surprise": 1}, "surprise"),
+    ],
+)
 def test_bad_specs_are_refused_with_the_reason(bad, needle):
     with pytest.raises(SpecError, match="expert 3") as err:
         ModelSpec.from_json(bad, where="expert 3")
@@ -57,8 +60,7 @@ def test_fleet_spec_accepts_agreeing_members_of_different_architectures():
 
 
 def test_fleet_spec_names_the_member_that_differs():
-    members = {"router": rgb(), "expert 0 (worker w1)": rgb(),
-               "expert 1 (worker w2)": rgb(sample_shape=(1, 32, 32))}
+    members = {"router": rgb(), "expert 0 (worker w1)": rgb(), "expert 1 (worker w2)": rgb(sample_shape=(1, 32, 32))}
     with pytest.raises(SpecError) as err:
         fleet_spec(members)
     msg = str(err.value)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.waiting import wait_until
 from workers.batcher import (
     Batcher,
     BatcherClosed,
@@ -23,7 +24,6 @@ from workers.batcher import (
     parse_buckets,
     plan_buckets,
 )
-from tests.waiting import wait_until
 
 
 class RecordingModel:
@@ -194,7 +194,8 @@ async def test_observer_sees_rows_and_bucket():
     assert seen == [(3, 4)]
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @settings(max_examples=40, deadline=None)
