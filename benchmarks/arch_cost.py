@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             model(x, t, y)  # warm-up
         runs.append((cfg, model, (x, t, y), sum(p.numel() for p in model.parameters()), flops / 1e9, []))
     for _ in range(args.rounds):
-        for cfg, model, inputs, _, _, times in runs:
+        for _cfg, model, inputs, _, _, times in runs:
             with torch.inference_mode():
                 start = time.perf_counter()
                 model(*inputs)

@@ -255,13 +255,17 @@ def format_table(r: dict) -> str:
         [
             f"bench engine: {s['experts']} experts, {s['router']}; {s['jobs']} jobs of {s['images_per_job']} image(s), "
             f"{s['steps']} steps, {s['strategy']}, stream={s['stream']}, cohorts={s['cohorts']} "
-            f"({r['cohorts_used']} used), route-every {s['route_every']}, speculate {s.get('speculate', 'on')}; instant in-process experts; "
+            f"({r['cohorts_used']} used), route-every {s['route_every']}, speculate {s.get('speculate', 'on')}; "
+            "instant in-process experts; "
             f"{s['cpus']} cpus, load avg {' '.join(f'{v:.2f}' for v in s['load_avg'])}",
-            f"rows/s {r['rows_per_s']:,.0f} over {r['window_s']:.1f} s  |  CPU {r['cpu_s_per_1000_rows']:.3f} s per 1000 rows "
+            f"rows/s {r['rows_per_s']:,.0f} over {r['window_s']:.1f} s  |  "
+            f"CPU {r['cpu_s_per_1000_rows']:.3f} s per 1000 rows "
             f"({100 * r['cpu_share']:.0f}% of a core), the router {r['router_cpu_s_per_1000_rows']:.3f} s "
-            f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it); in the kernel {100 * (r.get('kernel_share_of_cpu') or 0):.0f}%, "
+            f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it); "
+            f"in the kernel {100 * (r.get('kernel_share_of_cpu') or 0):.0f}%, "
             f"{r.get('page_faults_per_1000_rows', 0):,.0f} page faults per 1000 rows",
-            f"events {r['events_per_s']:,.0f}/s ({r['event_mb_per_s']:.1f} MB/s packed)  |  ticks {r['ticks_per_s']:.1f}/s, "
+            f"events {r['events_per_s']:,.0f}/s ({r['event_mb_per_s']:.1f} MB/s packed)  |  "
+            f"ticks {r['ticks_per_s']:.1f}/s, "
             f"median tick {r['tick_ms_p50']} ms  |  rows guessed {r.get('rows_guessed', 0):,} "
             f"({r.get('rows_guessed_unused', 0):,} unused)",
         ]

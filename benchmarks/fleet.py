@@ -21,8 +21,8 @@ read from /proc/<pid>/status VmHWM, reset before the level through /proc/<pid>/c
 the RSS at the level's end, and the CPU seconds each used in the level (/proc/<pid>/stat; the
 ceiling's are the bench process's): what the fleet spends beyond the experts' forwards (the
 coordinator, nats-server, the wire work in the workers, the clients decoding frames) is CPU the
-experts cannot have on a machine where they all share the cores. The 1-minute load average before and after each level is recorded:
-on a shared machine it says how much of the box the bench had.
+experts cannot have on a machine where they all share the cores. The 1-minute load average before
+and after each level is recorded: on a shared machine it says how much of the box the bench had.
 
 Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
 a random router (said in the report). A private nats-server on a free port is started and stopped.
@@ -30,7 +30,8 @@ a random router (said in the report). A private nats-server on a free port is st
 examples:
   ddm-fleet bench fleet --concurrency 1,8,64 --steps 40
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet
-  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
+  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet \\
+      --max-rows 100 --max-queued-jobs 100
   ddm-fleet bench fleet --widths 32,64,128 --concurrency 1,8 --steps 10 --json
   ddm-fleet bench fleet --concurrency 64 --steps 40 --only fleet --durable   # the cost of durable jobs
 """
@@ -797,7 +798,8 @@ def format_table(results: dict) -> str:
                 f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
                 f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                 f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
-                f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, speculate {s.get('speculate', 'on')}"
+                f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, "
+                f"speculate {s.get('speculate', 'on')}"
                 + (
                     ""
                     if not (g := r["fleet"].get("speculation"))

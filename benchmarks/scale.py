@@ -836,7 +836,8 @@ def format_table(results: dict) -> str:
     lines = [
         f"bench scale: {s['experts']} experts, {s['router']}; {s['strategy']}, {s['steps']} steps, "
         f"{s['images_per_job']} image(s)/job, stream={s['stream']}, cohorts={s['cohorts']}, "
-        f"speculate={s.get('speculate', 'on')}, request rows R={s['request_rows']}, hedge={s['hedge']}, dispatch={s.get('dispatch', 'direct')}; "
+        f"speculate={s.get('speculate', 'on')}, request rows R={s['request_rows']}, hedge={s['hedge']}, "
+        f"dispatch={s.get('dispatch', 'direct')}; "
         f"{s['cpus']} cpus",
         f"sim latency model ({sim['model']}): {sim['batch_ms']:g} ms + {sim['row_ms']:g} ms/row per forward of at "
         f"most R rows -> one worker's capacity R / (batch + row*R) = {per} rows/s; "
@@ -850,9 +851,11 @@ def format_table(results: dict) -> str:
         lines.append(
             f"coordinator capacity (1 coordinator, instant sim workers x1/expert, R={cap['request_rows']}, "
             f"{cap['jobs']} 1-image 40-step jobs, frames streamed): {cap['rows_per_s']:,.0f} rows/s, "
-            f"{cap['images_per_s']:.1f} images/s, job p50/p99 {cap['p50_s']}/{cap['p99_s']} s, coordinator CPU {cap['coordinator_cpu_s_per_1000_rows']} "
+            f"{cap['images_per_s']:.1f} images/s, job p50/p99 {cap['p50_s']}/{cap['p99_s']} s, "
+            f"coordinator CPU {cap['coordinator_cpu_s_per_1000_rows']} "
             f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core, "
-            f"{cap.get('coordinator_page_faults_per_1000_rows') or 0:,.0f} page faults / 1000 rows), peak RSS {peak} MiB, clients "
+            f"{cap.get('coordinator_page_faults_per_1000_rows') or 0:,.0f} page faults / 1000 rows), "
+            f"peak RSS {peak} MiB, clients "
             f"{100 * (cap['clients_cpu_share'] or 0):.0f}% of a core, load1 {cap['load1'][0]}>{cap['load1'][1]}"
         )
         lines.append("  where the CPU went (share of a core, CPU s per 1000 rows): " + _cpu_budget(cap, s["cpus"]))
@@ -868,7 +871,8 @@ def format_table(results: dict) -> str:
             o = x["outcomes"]
             coh = "/".join("-" if c is None else str(c) for c in x.get("cohorts") or [None])
             lines.append(
-                f"{x['coordinators']:>5} {x['workers_per_expert']:>5} {coh:>3} {x['jobs']:>5} | {x['rows_per_s']:>12,.0f} "
+                f"{x['coordinators']:>5} {x['workers_per_expert']:>5} {coh:>3} {x['jobs']:>5} | "
+                f"{x['rows_per_s']:>12,.0f} "
                 f"{per_c:>15} | {x['capacity_rows_per_s']:>9,.0f} {_n(x['efficiency'], '.2f', 5)} | "
                 f"{x['images_per_s']:>7.1f} {_n(x['p50_s'], '.2f', 6)} {_n(x['p99_s'], '.2f', 6)} | "
                 f"{_n(x['coordinator_cpu_s_per_1000_rows'], '.3f', 8)} {peak:>9} | "

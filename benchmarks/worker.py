@@ -286,7 +286,7 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
                 t = rng.uniform(0, 1, b).astype(np.float32)
                 y = rng.integers(0, backend.num_classes, b).astype(np.int64)
 
-                def make_call(wire: str, n: int, forwards: list):
+                def make_call(wire: str, n: int, forwards: list, x=x, t=t, y=y):
                     async def one() -> None:  # what the coordinator's transport does per request
                         reply_dtype = None if wire == "float32" else wire
                         req = StepRequest(expert=expert, x_t=to_wire_dtype(x, wire), t=t, y=y, reply_dtype=reply_dtype)
@@ -324,7 +324,7 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
                 settings = [(wd, n) for n in in_flights for wd in wires]
                 forwards: list[list[int]] = [[] for _ in settings]
                 local, buses = await _alternating(
-                    lambda: backend.forward(x, t, y),
+                    lambda x=x, t=t, y=y: backend.forward(x, t, y),
                     [make_call(wd, n, f) for (wd, n), f in zip(settings, forwards)],
                     args.min_time,
                     args.min_iters,
@@ -362,10 +362,13 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
 
 def _defaults_in_use(config) -> dict:
     """{option: {"bench": value, "worker": value}} for each `BENCH_WORKER_DEFAULTS` entry this run kept."""
+
+    def show(v):
+        return ",".join(map(str, v)) if isinstance(v, tuple) else v
+
     out = {}
     for name, (ours, workers) in config.changed_defaults(BENCH_WORKER_DEFAULTS).items():
         if getattr(config, name) == ours:  # not overridden on the command line
-            show = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v
             out["--" + name.replace("_", "-")] = {"bench": show(ours), "worker": show(workers)}
     return out
 

@@ -12,7 +12,8 @@ of the most workers the transport knows for one expert (`transport.workers_per_e
 join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick: lanes are added as
 it grows, and an idle surplus lane leaves as it shrinks (at most that many batches out at once).
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
-time); the router weighs all of them in one call (off the event loop, in the engine's own router thread, one call at a time); each chosen expert gets ONE batched velocity call, all experts
+time); the router weighs all of them in one call (off the event loop, in the engine's own router
+thread, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently. With `speculate` (the default) the calls do not wait for the router: each row's likely
 experts (what its strategy chose from its job's last router weights, `Batch.guess_requests`) are
 asked while the router runs; once it has spoken, each expert's guessed answer gives the rows the

@@ -1,4 +1,5 @@
-"""A running job's snapshot (resumable state, not model weights: those are models.checkpoint), and its bytes. Pure: no I/O, no clocks.
+"""A running job's snapshot (resumable state, not model weights: those are models.checkpoint), and
+its bytes. Pure: no I/O, no clocks.
 
 `Scheduler.checkpoint(job_id)` takes a `JobCheckpoint` (everything needed to go on with the job
 exactly where it is); `Scheduler.restore(cp, now)` re-creates the job from it, in this or another

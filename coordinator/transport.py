@@ -54,13 +54,13 @@ hedge delay (1.5 x the p99 of its recent call latencies, `HEDGE_FLOOR_S` at leas
 before `HEDGE_MIN_SAMPLES` calls; or a fixed `hedge_after_s`), the same request bytes (same
 `request_id`, same deadline) are published once more with a new reply subject, so the queue group
 can hand the copy to another worker (with direct dispatch: to another known worker with room,
-else to the queue group; never to the primary's worker directly). The first usable reply wins; the other leg is cancelled and
-its reply, if it comes, is dropped quietly (`late_replies`, not a stray). At most one hedge per try,
-and only for an expert whose recent replies came from at least two workers (a copy sent to a single
-worker only queues behind the original); a token bucket (`HEDGE_BUDGET` hedges per request,
-`HEDGE_BURST` at once) keeps a slow expert from doubling its own load. Both legs share the try's
-`step_timeout`. Counted in `hedge_counts[(expert, outcome)]`: won (the copy answered first), lost
-(the original did), failed (neither gave a usable reply).
+else to the queue group; never to the primary's worker directly). The first usable reply wins; the
+other leg is cancelled and its reply, if it comes, is dropped quietly (`late_replies`, not a stray).
+At most one hedge per try, and only for an expert whose recent replies came from at least two
+workers (a copy sent to a single worker only queues behind the original); a token bucket
+(`HEDGE_BUDGET` hedges per request, `HEDGE_BURST` at once) keeps a slow expert from doubling its own
+load. Both legs share the try's `step_timeout`. Counted in `hedge_counts[(expert, outcome)]`: won
+(the copy answered first), lost (the original did), failed (neither gave a usable reply).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ RECIPE = {
     "optimizer": "Adam (b1 0.9, b2 0.999), no weight decay",
     "schedule": "linear warmup (1/15 of steps) + cosine to 0",
     "batch_size": 256,
-    "augmentation": "each image with probability 1/2 a random affine: rotation +-12 deg, scale 0.9-1.1, translation +-2 px, "
-    "bilinear, fill -1",
+    "augmentation": "each image with probability 1/2 a random affine: rotation +-12 deg, scale 0.9-1.1, "
+    "translation +-2 px, bilinear, fill -1",
     "label_smoothing": 0.0,
 }
 

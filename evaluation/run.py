@@ -266,7 +266,8 @@ def format_table(rows: Sequence[Row], spec: EvalSpec, judges=None) -> str:
     """Markdown table, one line per configuration; judge 1 and judge 2 side by side. A `baseline_row`
     among `rows` prints with '-' for the generation-only columns."""
     lines = [
-        f"{10 * spec.per_class} images ({spec.per_class} per digit), {spec.steps} {spec.solver} steps, seeds from {spec.seed}",
+        f"{10 * spec.per_class} images ({spec.per_class} per digit), {spec.steps} {spec.solver} steps, "
+        f"seeds from {spec.seed}",
         *([judges.describe()] if judges is not None else []),
         "",
         "| configuration | cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 | judges agree "

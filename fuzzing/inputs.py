@@ -805,7 +805,9 @@ def codec_one(data: bytes) -> tuple[str, str]:
         again = decode_tensor(obj, finite=True)
     except ProtocolError as err:
         if err.code is not ErrorCode.NON_FINITE or np.isfinite(arr).all():
-            raise Crash(f"finite=True refused an array finite=False took, with {err.code.value}: {err.message}")
+            raise Crash(
+                f"finite=True refused an array finite=False took, with {err.code.value}: {err.message}"
+            ) from err
         return "ok", "non-finite refused"
     if arr.dtype.kind == "f" and not np.isfinite(again).all():
         raise Crash("finite=True returned NaN/Inf")

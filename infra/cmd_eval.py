@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         configs = [Config.parse(c) for c in args.configs.split(",") if c.strip()]
     except ValueError as e:
-        raise SystemExit(f"ddm-fleet eval: {e}")
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
     if args.per_class < 2 or args.steps < 1:
         raise SystemExit("ddm-fleet eval: --per-class must be >= 2 and --steps >= 1")
     spec = EvalSpec(
@@ -152,11 +152,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         judges = Judges.load(args.data_dir, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"ddm-fleet eval: {e}")
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
     try:
         rows = asyncio.run(evaluate(spec, judges))
     except FileNotFoundError as e:
-        raise SystemExit(f"ddm-fleet eval: {e}")
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
     rows.append(baseline_row(judges, spec))  # real digits scored the same way, for scale
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
@@ -214,7 +214,7 @@ def _rescore(args: argparse.Namespace) -> int:
             except ValueError as e:
                 notes.append(f"no unconditional real-digit row: {e}")
     except (SavedImagesError, ValueError) as e:
-        raise SystemExit(f"ddm-fleet eval --rescore: {e}")
+        raise SystemExit(f"ddm-fleet eval --rescore: {e}") from e
     if not args.json:
         print(
             format_rescore_table(

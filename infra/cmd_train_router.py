@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(
-        f"trained {stats['steps']} steps in {stats['wall_s']} s: loss {stats['final_loss']}, train acc {stats['final_train_acc']}"
+        f"trained {stats['steps']} steps in {stats['wall_s']} s: loss {stats['final_loss']}, "
+        f"train acc {stats['final_train_acc']}"
     )
     print(format_accuracy_table(acc))
     print(f"wrote {path} and {path.with_suffix('.json')}")

@@ -1,11 +1,12 @@
 """Run the whole local fleet in one command (what `make demo` runs).
 
 Starts, each as its own process: a nats-server (infra/nats/local.conf, loopback only, no auth,
-with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet worker` per expert checkpoint (expert 0 on torch, expert 1 on jax, like the
-reference demo's two frameworks; --backend-K picks another, unset experts alternate torch/jax),
-the `ddm-fleet coordinator` and the `ddm-fleet web` page. Waits until each is ready (the bus
-accepts connections, every worker answers $SRV.PING, the coordinator answers ddm.v1.fleet.status,
-the page answers HTTP 200), then prints what runs where and the URL to open.
+with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet worker` per expert
+checkpoint (expert 0 on torch, expert 1 on jax, like the reference demo's two frameworks;
+--backend-K picks another, unset experts alternate torch/jax), the `ddm-fleet coordinator` and the
+`ddm-fleet web` page. Waits until each is ready (the bus accepts connections, every worker answers
+$SRV.PING, the coordinator answers ddm.v1.fleet.status, the page answers HTTP 200), then prints what
+runs where and the URL to open.
 
 Jobs are durable by default (`ddm-fleet coordinator --durable`, docs/COORDINATOR.md): the coordinator
 checkpoints every running job in JetStream, so a coordinator that crashes and is restarted here resumes
@@ -16,7 +17,8 @@ the bus without JetStream and the coordinator without checkpoints (failed jobs o
 A child that crashes is reported (exit code, last lines of its log) and restarted with backoff;
 after --max-crashes fast crashes it is given up (a worker: the rest keeps running; the bus, the
 coordinator or the web: everything stops, exit 1). Ctrl-C / SIGTERM stops every child in reverse
-order (SIGTERM, then SIGKILL after --stop-timeout; a second Ctrl-C kills at once) and exits 0. Logs: --log-dir/<process>.log.
+order (SIGTERM, then SIGKILL after --stop-timeout; a second Ctrl-C kills at once) and exits 0.
+Logs: --log-dir/<process>.log.
 
 examples:
   ddm-fleet up                                  # checkpoints/, http://127.0.0.1:8080/

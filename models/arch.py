@@ -15,11 +15,11 @@ import flax). Both models take (x [B, C, H, W] float32, t [B] float32 in [0, 1],
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Union
+from typing import Any
 
 from .config import DiTConfig, UNetConfig
 
-ModelConfig = Union[UNetConfig, DiTConfig]
+ModelConfig = UNetConfig | DiTConfig
 
 #: arch name -> its config class. "unet" is the default for a JSON without "arch".
 CONFIGS: dict[str, type] = {"unet": UNetConfig, "dit": DiTConfig}

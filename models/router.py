@@ -194,7 +194,8 @@ def load_router_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise RouterError(f"{json_path} is not valid JSON: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise RouterError(
-            f"{json_path}: not a router checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})"
+            f"{json_path}: not a router checkpoint "
+            f"(format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})"
         )
     if meta.get("time_convention") != TIME_CONVENTION:
         raise RouterError(f"{json_path}: time convention {meta.get('time_convention')!r} is not {TIME_CONVENTION!r}")

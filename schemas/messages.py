@@ -249,8 +249,8 @@ class JobRequest(Message):
     label unknown: an unconditional image, the router alone picks the experts), `digits` (the v1
     spelling of `labels`, limited to 0-9 and -1; kept so v1 clients work unchanged) or `count`
     (that many random classes, drawn from `seed`). Events of a job name its labels the way the
-    request did: `labels` for a `labels` request, `digits` otherwise (as in v1). `strategy` "oracle" needs every label, so it refuses -1 rows
-    (`UNCONDITIONAL`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
+    request did: `labels` for a `labels` request, `digits` otherwise (as in v1). `strategy` "oracle"
+    needs every label, so it refuses -1 rows (`UNCONDITIONAL`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
     *before* submitting when you choose `job_id` yourself, so no event is missed.
     `session` (optional, 1-64 of [A-Za-z0-9_-]): a sub-client tag for fair sharing, e.g. one
     per viewer socket; the scheduler's fairness key is "<client>/<session>" when given, else
@@ -306,7 +306,8 @@ class JobRequest(Message):
                     ErrorCode.BAD_REQUEST,
                     (
                         f"strategy oracle needs each image's class (it runs the expert whose partition owns it), but "
-                        f"{len(rows)} of {len(classes)} {field} are {UNCONDITIONAL} (label unknown), e.g. row {rows[0]}: "
+                        f"{len(rows)} of {len(classes)} {field} are {UNCONDITIONAL} (label unknown), "
+                        f"e.g. row {rows[0]}: "
                         "use strategy top1, topk or full for unconditional images"
                     ),
                 )

@@ -324,7 +324,8 @@ def _decode_dict(obj: Any, name: str) -> np.ndarray:
     if nbytes != n * itemsize:
         raise ProtocolError(
             ErrorCode.BAD_SHAPE,
-            f"{name} data has {nbytes} bytes but shape {list(shape)} of {dtype} needs {n} x {itemsize} = {n * itemsize}",
+            f"{name} data has {nbytes} bytes but shape {list(shape)} of {dtype} needs "
+            f"{n} x {itemsize} = {n * itemsize}",
         )
     raw = memoryview(data).cast("B") if isinstance(data, memoryview) else data
     if dtype == "|b1" and nbytes and np.frombuffer(raw, dtype=np.uint8).max() > 1:

@@ -116,7 +116,8 @@ def test_schemas_is_the_protocol_only():
 
 
 def test_architecture_doc_lists_every_module():
-    """docs/ARCHITECTURE.md has one line per module (CLI subcommand modules infra/cmd_*.py are covered by infra/cli.py's line)."""
+    """docs/ARCHITECTURE.md has one line per module (CLI subcommand modules infra/cmd_*.py are covered by
+    infra/cli.py's line)."""
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     modules = sorted(
         str(p.relative_to(ROOT))

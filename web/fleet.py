@@ -10,8 +10,8 @@
 * Latency: `latency_ms`, the mean receive-to-reply time of the requests served between two
   snapshots: from the worker's `data.latency_seconds` histogram (`sum`, `count`) when it reports
   one, else from the endpoints' `processing_time` (ns) over `num_requests` (what nats.micro
-  measures: the handler's own time). None until two snapshots exist or while no request came in between. `host` is the worker's metadata
-  `host` (its hostname), so the page can say which worker runs where.
+  measures: the handler's own time). None until two snapshots exist or while no request came in
+  between. `host` is the worker's metadata `host` (its hostname), so the page can say which worker runs where.
 * Coordinator: a request on `schemas.subjects.FLEET_STATUS` (msgpack or JSON map); its scalar
   fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
 

@@ -31,7 +31,7 @@ import json
 import re
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, UNCONDITIONAL, JobRequest, ProtocolError, validate
 
@@ -96,7 +96,7 @@ class Ping:
     ref: Any = None
 
 
-ClientMessage = Union[Generate, Cancel, Ping]
+ClientMessage = Generate | Cancel | Ping
 
 
 def parse_digits(value: Any) -> list[int]:

@@ -7,9 +7,9 @@ capacity with no configuration. It also serves the same handler on a direct subj
 its requests itself (join-shortest-queue, coordinator/dispatch.py) reaches this one worker; both
 subscriptions come and go together (a stop drains the direct one first). Requests that arrive
 while the model is busy are batched (`workers.batcher`), padded to a bucket size (unless the backend
-runs any shape: torch on a CPU) and run in one
-forward pass in a worker thread; the asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before
-the endpoint is subscribed.
+runs any shape: torch on a CPU) and run in one forward pass in a worker thread; the asyncio loop
+keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before the endpoint is
+subscribed.
 
 Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / tests use):
 

@@ -184,7 +184,7 @@ async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list
         reqs += batch
         runs += [asyncio.ensure_future(run_job(nc, r, log, timeout=120, probe_every=1.0)) for r in batch]
         ids = [r.job_id for r in reqs]
-        owners = await wait_until(lambda: _all_owned(nc, ids), timeout=20, what="every job has a lease")
+        owners = await wait_until(lambda ids=ids: _all_owned(nc, ids), timeout=20, what="every job has a lease")
         if len(set(owners.values())) == 2:
             return reqs, runs, owners
     raise AssertionError(f"the queue group gave every job to one coordinator: {owners}")

@@ -164,7 +164,7 @@ async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_iden
             ]
             ids = [r.job_id for r in reqs]
 
-            async def all_owned():
+            async def all_owned(ids=ids):
                 owners = await owners_of(reader, ids)
                 return owners if all(owners.values()) else None
 

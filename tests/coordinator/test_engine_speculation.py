@@ -88,7 +88,7 @@ def drive(
         for req in reqs:
             eng.submit(req)
             if one_at_a_time:
-                await until(lambda: ended(req.job_id))
+                await until(lambda req=req: ended(req.job_id))
         await until(lambda: all(ended(r.job_id) for r in reqs))
         await eng.stop()
         task.cancel()

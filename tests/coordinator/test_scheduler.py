@@ -96,7 +96,7 @@ def test_heun_takes_two_ticks_per_step_and_matches_hand_computation():
     s.submit(JobRequest(job_id="h", digits=[1], steps=4, solver="heun", seed=1, frame_every=2), 0.0)
     lin = [lambda x, t, y: x.copy(), lambda x, t, y: 0 * x]  # dx/dt = x on expert 0
     frames, ticks = [], 0
-    while (b := tick(s, prefer(0), lin)) is not None:
+    while tick(s, prefer(0), lin) is not None:
         ticks += 1
         # stage 1 evaluates at t[n+1] (x predicted by Euler), stage 0 at t[n]
         frames += [e for e in s.pop_events() if isinstance(e, FrameEvent)]

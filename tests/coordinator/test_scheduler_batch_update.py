@@ -109,7 +109,7 @@ def test_batch_wide_update_matches_each_group_stepped_alone_bit_for_bit():
     _, f1 = _run(1)
     _, f3 = _run(3)
     assert f1 == f3 and f1
-    for job_id, packed in f1.items():
+    for packed in f1.values():
         evs = [unpack(b, FrameEvent) for b in packed]
         assert [e.step for e in evs] == list(range(1, len(evs) + 1))
         assert all(e.x.dtype == np.float16 and e.x.shape[1:] == SHAPE for e in evs)

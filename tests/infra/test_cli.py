@@ -31,7 +31,7 @@ def test_help_lists_every_registered_command():
     out = _run("--help")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: ddm-fleet")
-    for name, _module, help_text in COMMANDS:
+    for name, _module, _help_text in COMMANDS:
         assert name in out.stdout
     assert "version" in out.stdout
 

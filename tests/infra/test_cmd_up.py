@@ -258,7 +258,9 @@ class Lines:
             try:
                 line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} in {timeout:g} s:\n" + "\n".join(self.lines))
+                raise AssertionError(
+                    f"no line matching {pattern!r} in {timeout:g} s:\n" + "\n".join(self.lines)
+                ) from None
             if line is None:
                 raise AssertionError(f"output ended without {pattern!r}:\n" + "\n".join(self.lines))
             self.lines.append(line)

@@ -537,7 +537,9 @@ async def test_wait_ready_command_asks_the_coordinator(nats_url):
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator
 
-    run = lambda *a: asyncio.to_thread(wait_ready, *a)
+    def run(*a):
+        return asyncio.to_thread(wait_ready, *a)
+
     res = await run("--fleet-status", nats_url, "--once")
     assert res.returncode == 3 and "not ready" in res.stderr  # no coordinator
     assert (await run("--fleet-status", "nats://127.0.0.1:1", "--once")).returncode == 3  # no server

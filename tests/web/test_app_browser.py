@@ -272,7 +272,8 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     # the canvas holds a real image (not all one grey level)
     spread = await canvases.first.evaluate(
         "c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        " let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        " let lo = 255, hi = 0;"
+        " for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
         " return hi - lo; }"
     )
     assert spread > 0

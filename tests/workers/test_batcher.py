@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.waiting import wait_until
 from workers.batcher import (
@@ -192,10 +194,6 @@ async def test_observer_sees_rows_and_bucket():
     await b.submit(*rows(3))
     await b.close()
     assert seen == [(3, 4)]
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
 
 
 @settings(max_examples=40, deadline=None)
