@@ -14,7 +14,7 @@ CHROMIUM := $(or $(DDM_CHROMIUM),/usr/bin/chromium)
 # torch) on a disk that CI machines do not always have to spare.
 PIP_INSTALL := pip install --quiet --no-cache-dir
 
-.PHONY: demo test test-fast install chromium test-xla clean
+.PHONY: demo test test-fast lint install chromium test-xla clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,14 +48,20 @@ install: $(RUNTIME_STAMP)
 demo: $(RUNTIME_STAMP)
 	$(BIN)/ddm-fleet up
 
-test: $(TEST_STAMP)
+# Lint and format check ([tool.ruff] in pyproject.toml); `make test` and `make test-fast` run it first.
+# `.venv/bin/ruff check --fix . && .venv/bin/ruff format .` fixes most of what it reports.
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # The quick tier, for after each edit: pure units and in-process tests. Leaves out the tests that need
 # a nats-server (bus), start processes (procs), drive Chromium (browser), train (train) or are slow;
 # tests/conftest.py and pyproject.toml say how a test gets those markers. `make test` runs them all.
 FAST := not slow and not bus and not procs and not browser and not train
-test-fast: $(TEST_STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -q -m "$(FAST)"
 
 # XLA backend tests: a separate venv with the [xla] extra (torch 2.9.0 + torch-xla 2.9.0 pinned by

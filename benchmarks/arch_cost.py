@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             model(x, t, y)  # warm-up
         runs.append((cfg, model, (x, t, y), sum(p.numel() for p in model.parameters()), flops / 1e9, []))
     for _ in range(args.rounds):
-        for cfg, model, inputs, _, _, times in runs:
+        for _cfg, model, inputs, _, _, times in runs:
             with torch.inference_mode():
                 start = time.perf_counter()
                 model(*inputs)
@@ -66,11 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), batch {args.batch}, {args.rounds} rounds")
     for cfg, _, _, n, gflop, times in runs:
         if isinstance(cfg, DiTConfig):
-            name = f"DiT  C={cfg.in_channels} hidden={cfg.hidden_size} patch={cfg.patch_size} tokens={cfg.grid ** 2}"
+            name = f"DiT  C={cfg.in_channels} hidden={cfg.hidden_size} patch={cfg.patch_size} tokens={cfg.grid**2}"
         else:
             name = f"UNet C={cfg.in_channels} widths={','.join(map(str, cfg.widths))}"
-        print(f"{name:44s} params {n / 1e6:5.2f}M  GFLOP/img {gflop:5.3f}  "
-              f"min {min(times):6.0f}  median {statistics.median(times):6.0f} ms/{args.batch}")
+        print(
+            f"{name:44s} params {n / 1e6:5.2f}M  GFLOP/img {gflop:5.3f}  "
+            f"min {min(times):6.0f}  median {statistics.median(times):6.0f} ms/{args.batch}"
+        )
 
 
 if __name__ == "__main__":

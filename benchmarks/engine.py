@@ -39,19 +39,38 @@ from .processes import run_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--jobs", type=int, default=512, metavar="N",
-                        help="jobs kept in the system (default %(default)s)")
-    parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default %(default)s)")
+    parser.add_argument(
+        "--jobs", type=int, default=512, metavar="N", help="jobs kept in the system (default %(default)s)"
+    )
+    parser.add_argument(
+        "--images-per-job", type=int, default=1, metavar="N", help="images per job (default %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
-    parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
-                        help="expert routing of every job (default %(default)s)")
+    parser.add_argument(
+        "--strategy",
+        choices=("top1", "topk", "full", "oracle"),
+        default="top1",
+        help="expert routing of every job (default %(default)s)",
+    )
     parser.add_argument("--no-stream", action="store_true", help="jobs without frames (only their final images)")
     add_engine_options(parser, "2 here, the experts being in-process")
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="router.safetensors and partition.json from here (default %(default)s)")
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="router.safetensors and partition.json from here (default %(default)s)",
+    )
     add_router_option(parser)
-    parser.add_argument("--duration", type=float, default=8.0, metavar="S", help="seconds measured (default %(default)s)")
-    parser.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds of load before the measured ones (default %(default)s)")
+    parser.add_argument(
+        "--duration", type=float, default=8.0, metavar="S", help="seconds measured (default %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds of load before the measured ones (default %(default)s)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
@@ -105,16 +124,26 @@ async def bench(args: argparse.Namespace) -> dict:
     router, k, c2e = load_router_and_partition(router_path(args), os.path.join(args.checkpoints, "partition.json"))
     timed = TimedRouter(router)
     n_rows = args.jobs * args.images_per_job
-    sched = Scheduler(SchedulerConfig(num_experts=k, class_to_expert=c2e, max_rows=max(1024, n_rows),
-                                      max_queued_jobs=max(1024, 2 * args.jobs)))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_experts=k, class_to_expert=c2e, max_rows=max(1024, n_rows), max_queued_jobs=max(1024, 2 * args.jobs)
+        )
+    )
     packed = {"events": 0, "bytes": 0}
 
     def emit(ev):
         packed["events"] += 1
         packed["bytes"] += len(pack(ev))
 
-    engine = Engine(sched, timed, InstantExperts(), emit, cohorts=args.cohorts, route_every=args.route_every,
-                    speculate=args.speculate)
+    engine = Engine(
+        sched,
+        timed,
+        InstantExperts(),
+        emit,
+        cohorts=args.cohorts,
+        route_every=args.route_every,
+        speculate=args.speculate,
+    )
     task = asyncio.create_task(engine.run())
     rng = np.random.default_rng(0)
     submitted = 0
@@ -123,15 +152,30 @@ async def bench(args: argparse.Namespace) -> dict:
         nonlocal submitted
         while sched.active_jobs + sched.queued_jobs < args.jobs:
             digits = [int(d) for d in rng.integers(0, 10, size=args.images_per_job)]
-            engine.submit(JobRequest(job_id=f"engine-bench-{submitted}", digits=digits, steps=args.steps,
-                                     seed=submitted, strategy=args.strategy, stream=not args.no_stream))
+            engine.submit(
+                JobRequest(
+                    job_id=f"engine-bench-{submitted}",
+                    digits=digits,
+                    steps=args.steps,
+                    seed=submitted,
+                    strategy=args.strategy,
+                    stream=not args.no_stream,
+                )
+            )
             submitted += 1
 
     def snapshot() -> dict:
         use = resource.getrusage(resource.RUSAGE_SELF)
-        return {"t": time.perf_counter(), "cpu": time.process_time(), "sys": use.ru_stime, "faults": use.ru_minflt,
-                "rows": sched.stats.row_evals,
-                "ticks": sched.stats.ticks, "router": timed.cpu_s, **packed}
+        return {
+            "t": time.perf_counter(),
+            "cpu": time.process_time(),
+            "sys": use.ru_stime,
+            "faults": use.ru_minflt,
+            "rows": sched.stats.row_evals,
+            "ticks": sched.stats.ticks,
+            "router": timed.cpu_s,
+            **packed,
+        }
 
     progress = Progress(args.warmup + args.duration, not args.no_progress, desc="bench engine")
     try:
@@ -149,8 +193,9 @@ async def bench(args: argparse.Namespace) -> dict:
             if task.done():
                 break
             if now - a["t"] >= 0.5:
-                progress.advance(args.warmup + now - a["t"],
-                                 rows_s=f"{(sched.stats.row_evals - a['rows']) / (now - a['t']):,.0f}")
+                progress.advance(
+                    args.warmup + now - a["t"], rows_s=f"{(sched.stats.row_evals - a['rows']) / (now - a['t']):,.0f}"
+                )
         b = snapshot()
         ticks_ms = list(engine.tick_ms)
     finally:
@@ -169,11 +214,22 @@ async def bench(args: argparse.Namespace) -> dict:
         raise RuntimeError("no rows were stepped in the window")
     cpu, router_cpu = b["cpu"] - a["cpu"], b["router"] - a["router"]
     return {
-        "setup": {"router": router_path(args), "experts": k,
-                  "jobs": args.jobs, "images_per_job": args.images_per_job, "steps": args.steps,
-                  "strategy": args.strategy, "stream": not args.no_stream, "cohorts": args.cohorts,
-                  "route_every": args.route_every, "speculate": "on" if args.speculate else "off", "duration_s": args.duration, "warmup_s": args.warmup,
-                  "cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
+        "setup": {
+            "router": router_path(args),
+            "experts": k,
+            "jobs": args.jobs,
+            "images_per_job": args.images_per_job,
+            "steps": args.steps,
+            "strategy": args.strategy,
+            "stream": not args.no_stream,
+            "cohorts": args.cohorts,
+            "route_every": args.route_every,
+            "speculate": "on" if args.speculate else "off",
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "cpus": os.cpu_count(),
+            "load_avg": list(os.getloadavg()),
+        },
         "window_s": round(window, 3),
         "rows_per_s": round(rows / window, 1),
         "cpu_s_per_1000_rows": round(1000 * cpu / rows, 4),
@@ -195,19 +251,25 @@ async def bench(args: argparse.Namespace) -> dict:
 
 def format_table(r: dict) -> str:
     s = r["setup"]
-    return "\n".join([
-        f"bench engine: {s['experts']} experts, {s['router']}; {s['jobs']} jobs of {s['images_per_job']} image(s), "
-        f"{s['steps']} steps, {s['strategy']}, stream={s['stream']}, cohorts={s['cohorts']} "
-        f"({r['cohorts_used']} used), route-every {s['route_every']}, speculate {s.get('speculate', 'on')}; instant in-process experts; "
-        f"{s['cpus']} cpus, load avg {' '.join(f'{v:.2f}' for v in s['load_avg'])}",
-        f"rows/s {r['rows_per_s']:,.0f} over {r['window_s']:.1f} s  |  CPU {r['cpu_s_per_1000_rows']:.3f} s per 1000 rows "
-        f"({100 * r['cpu_share']:.0f}% of a core), the router {r['router_cpu_s_per_1000_rows']:.3f} s "
-        f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it); in the kernel {100 * (r.get('kernel_share_of_cpu') or 0):.0f}%, "
-        f"{r.get('page_faults_per_1000_rows', 0):,.0f} page faults per 1000 rows",
-        f"events {r['events_per_s']:,.0f}/s ({r['event_mb_per_s']:.1f} MB/s packed)  |  ticks {r['ticks_per_s']:.1f}/s, "
-        f"median tick {r['tick_ms_p50']} ms  |  rows guessed {r.get('rows_guessed', 0):,} "
-        f"({r.get('rows_guessed_unused', 0):,} unused)",
-    ])
+    return "\n".join(
+        [
+            f"bench engine: {s['experts']} experts, {s['router']}; {s['jobs']} jobs of {s['images_per_job']} image(s), "
+            f"{s['steps']} steps, {s['strategy']}, stream={s['stream']}, cohorts={s['cohorts']} "
+            f"({r['cohorts_used']} used), route-every {s['route_every']}, speculate {s.get('speculate', 'on')}; "
+            "instant in-process experts; "
+            f"{s['cpus']} cpus, load avg {' '.join(f'{v:.2f}' for v in s['load_avg'])}",
+            f"rows/s {r['rows_per_s']:,.0f} over {r['window_s']:.1f} s  |  "
+            f"CPU {r['cpu_s_per_1000_rows']:.3f} s per 1000 rows "
+            f"({100 * r['cpu_share']:.0f}% of a core), the router {r['router_cpu_s_per_1000_rows']:.3f} s "
+            f"({100 * (r['router_share_of_cpu'] or 0):.0f}% of it); "
+            f"in the kernel {100 * (r.get('kernel_share_of_cpu') or 0):.0f}%, "
+            f"{r.get('page_faults_per_1000_rows', 0):,.0f} page faults per 1000 rows",
+            f"events {r['events_per_s']:,.0f}/s ({r['event_mb_per_s']:.1f} MB/s packed)  |  "
+            f"ticks {r['ticks_per_s']:.1f}/s, "
+            f"median tick {r['tick_ms_p50']} ms  |  rows guessed {r.get('rows_guessed', 0):,} "
+            f"({r.get('rows_guessed_unused', 0):,} unused)",
+        ]
+    )
 
 
 def run(args: argparse.Namespace) -> int:

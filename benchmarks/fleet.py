@@ -21,8 +21,8 @@ read from /proc/<pid>/status VmHWM, reset before the level through /proc/<pid>/c
 the RSS at the level's end, and the CPU seconds each used in the level (/proc/<pid>/stat; the
 ceiling's are the bench process's): what the fleet spends beyond the experts' forwards (the
 coordinator, nats-server, the wire work in the workers, the clients decoding frames) is CPU the
-experts cannot have on a machine where they all share the cores. The 1-minute load average before and after each level is recorded:
-on a shared machine it says how much of the box the bench had.
+experts cannot have on a machine where they all share the cores. The 1-minute load average before
+and after each level is recorded: on a shared machine it says how much of the box the bench had.
 
 Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
 a random router (said in the report). A private nats-server on a free port is started and stopped.
@@ -30,7 +30,8 @@ a random router (said in the report). A private nats-server on a free port is st
 examples:
   ddm-fleet bench fleet --concurrency 1,8,64 --steps 40
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet
-  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
+  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet \\
+      --max-rows 100 --max-queued-jobs 100
   ddm-fleet bench fleet --widths 32,64,128 --concurrency 1,8 --steps 10 --json
   ddm-fleet bench fleet --concurrency 64 --steps 40 --only fleet --durable   # the cost of durable jobs
 """
@@ -44,53 +45,99 @@ import time
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
-
 #: The `ddm-fleet coordinator` settings this bench takes (the fleet's coordinator gets them; the
 #: ceiling's engine and scheduler too, where they apply), and the defaults it changes: bigger limits
 #: and a longer step timeout, so that a loaded box measures throughput instead of refusals and retries.
-COORDINATOR_OPTIONS = ("max_rows", "max_queued_jobs", "step_timeout", "retries", *ENGINE_OPTIONS, "wire_dtype",
-                       "hedge", "hedge_after_s", "dispatch", "durable")
+COORDINATOR_OPTIONS = (
+    "max_rows",
+    "max_queued_jobs",
+    "step_timeout",
+    "retries",
+    *ENGINE_OPTIONS,
+    "wire_dtype",
+    "hedge",
+    "hedge_after_s",
+    "dispatch",
+    "durable",
+)
 COORDINATOR_DEFAULTS = {"max_rows": 4096, "max_queued_jobs": 4096, "step_timeout": 60.0, "retries": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from coordinator.config import CoordinatorConfig
 
-    parser.add_argument("--concurrency", default="1,8,64", metavar="C,C,...",
-                        help="concurrent clients to measure (default %(default)s)")
+    parser.add_argument(
+        "--concurrency", default="1,8,64", metavar="C,C,...", help="concurrent clients to measure (default %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
     parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default 1)")
-    parser.add_argument("--jobs-per-client", type=int, default=2, metavar="N",
-                        help="jobs each client runs back to back (default %(default)s)")
+    parser.add_argument(
+        "--jobs-per-client",
+        type=int,
+        default=2,
+        metavar="N",
+        help="jobs each client runs back to back (default %(default)s)",
+    )
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler")
     parser.add_argument("--no-stream", action="store_true", help="jobs do not stream frames (only final images)")
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="expert<k>.safetensors, router.safetensors, partition.json (default %(default)s)")
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="expert<k>.safetensors, router.safetensors, partition.json (default %(default)s)",
+    )
     add_router_option(parser)
-    parser.add_argument("--widths", default="32,64,128",
-                        help="UNet widths of the random experts used when --checkpoints has none (default %(default)s)")
+    parser.add_argument(
+        "--widths",
+        default="32,64,128",
+        help="UNet widths of the random experts used when --checkpoints has none (default %(default)s)",
+    )
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute in workers and in the ceiling")
-    parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
-                        help="model runtime of the workers and of the ceiling's experts (default %(default)s)")
-    parser.add_argument("--device", default=None,
-                        help="device of the workers and of the ceiling's experts, e.g. cuda (torch) or gpu (jax); "
-                             "default: the backend's own (the CPU). On a GPU host both paths share the one device")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads per expert, both paths; also the coordinator's router "
-                             "(default: this machine's cores shared out among the worker processes, at least 1, "
-                             "as docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives "
-                             "every process all the cores, and their spinning threads then fight)")
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "jax"),
+        default="torch",
+        help="model runtime of the workers and of the ceiling's experts (default %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="device of the workers and of the ceiling's experts, e.g. cuda (torch) or gpu (jax); "
+        "default: the backend's own (the CPU). On a GPU host both paths share the one device",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per expert, both paths; also the coordinator's router "
+        "(default: this machine's cores shared out among the worker processes, at least 1, "
+        "as docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives "
+        "every process all the cores, and their spinning threads then fight)",
+    )
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128", help="worker batch buckets (default %(default)s)")
-    parser.add_argument("--job-timeout", type=float, default=900.0, metavar="S",
-                        help="a job with neither images nor a failure after S seconds counts as LOST "
-                             "(default %(default)s)")
-    parser.add_argument("--workers-per-expert", type=int, default=1, metavar="N",
-                        help="fleet: worker processes per expert, in its queue group (default %(default)s)")
+    parser.add_argument(
+        "--job-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="a job with neither images nor a failure after S seconds counts as LOST (default %(default)s)",
+    )
+    parser.add_argument(
+        "--workers-per-expert",
+        type=int,
+        default=1,
+        metavar="N",
+        help="fleet: worker processes per expert, in its queue group (default %(default)s)",
+    )
     CoordinatorConfig.add_arguments(parser, only=COORDINATOR_OPTIONS, defaults=COORDINATOR_DEFAULTS)
-    parser.add_argument("--merge", choices=("auto", "always"), default="auto",
-                        help="fleet: `ddm-fleet worker --merge` (default %(default)s: queued requests share a forward "
-                             "pass only where that is cheaper; always: every pass filled up to the largest bucket)")
+    parser.add_argument(
+        "--merge",
+        choices=("auto", "always"),
+        default="auto",
+        help="fleet: `ddm-fleet worker --merge` (default %(default)s: queued requests share a forward "
+        "pass only where that is cheaper; always: every pass filled up to the largest bucket)",
+    )
     parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
@@ -147,17 +194,25 @@ def _models(args, tmpdir: str) -> dict:
         manifest = load_manifest(paths["partition"])
         k = manifest.num_experts
         if len(paths["experts"]) < k:
-            raise FileNotFoundError(f"{paths['partition']} has {k} experts but {args.checkpoints}/ holds "
-                                    f"{len(paths['experts'])} expert checkpoints")
+            raise FileNotFoundError(
+                f"{paths['partition']} has {k} experts but {args.checkpoints}/ holds "
+                f"{len(paths['experts'])} expert checkpoints"
+            )
         router = router_path(args)
-        return {"experts": [str(p) for p in paths["experts"][:k]], "router": str(router),
-                "partition": str(paths["partition"]), "k": k,
-                "c2e": [int(manifest.class_to_expert(y)) for y in range(10)],
-                "described": f"checkpoints in {args.checkpoints}/"
-                             + (f", router {router}" if args.router is not None else "")}
+        return {
+            "experts": [str(p) for p in paths["experts"][:k]],
+            "router": str(router),
+            "partition": str(paths["partition"]),
+            "k": k,
+            "c2e": [int(manifest.class_to_expert(y)) for y in range(10)],
+            "described": f"checkpoints in {args.checkpoints}/"
+            + (f", router {router}" if args.router is not None else ""),
+        }
     if args.router is not None:
-        raise ValueError(f"--router needs the experts and partition it was trained with, and {args.checkpoints}/ "
-                         "has none (see --checkpoints)")
+        raise ValueError(
+            f"--router needs the experts and partition it was trained with, and {args.checkpoints}/ "
+            "has none (see --checkpoints)"
+        )
     import numpy as np
 
     from dataset.partition import partition_by_classes, save_manifest
@@ -166,16 +221,38 @@ def _models(args, tmpdir: str) -> dict:
 
     # Random UNets of --widths with the default (full-size) embeddings, so timings match a trained expert's shape.
     full = UNetConfig()
-    experts = [str(make_tiny_expert(os.path.join(tmpdir, f"expert{k}"), expert_id=k, seed=k,
-                                    widths=parse_widths(args.widths), time_dim=full.time_dim,
-                                    class_dim=full.class_dim, groups=full.groups))
-               for k in range(2)]
-    router = make_tiny_router(os.path.join(tmpdir, "router"), 2, seed=2, width=8, emb_dim=64,
-                              meta={"note": "random, untrained: for `bench fleet` without checkpoints"})
+    experts = [
+        str(
+            make_tiny_expert(
+                os.path.join(tmpdir, f"expert{k}"),
+                expert_id=k,
+                seed=k,
+                widths=parse_widths(args.widths),
+                time_dim=full.time_dim,
+                class_dim=full.class_dim,
+                groups=full.groups,
+            )
+        )
+        for k in range(2)
+    ]
+    router = make_tiny_router(
+        os.path.join(tmpdir, "router"),
+        2,
+        seed=2,
+        width=8,
+        emb_dim=64,
+        meta={"note": "random, untrained: for `bench fleet` without checkpoints"},
+    )
     groups = [list(range(5)), list(range(5, 10))]
     partition = save_manifest(partition_by_classes(np.arange(10), groups), os.path.join(tmpdir, "partition.json"))
-    return {"experts": experts, "router": str(router), "partition": str(partition), "k": 2, "c2e": [0] * 5 + [1] * 5,
-            "described": f"random UNets widths={args.widths}, random router"}
+    return {
+        "experts": experts,
+        "router": str(router),
+        "partition": str(partition),
+        "k": 2,
+        "c2e": [0] * 5 + [1] * 5,
+        "described": f"random UNets widths={args.widths}, random router",
+    }
 
 
 def _requests(args, c: int, tag: str):
@@ -183,10 +260,22 @@ def _requests(args, c: int, tag: str):
 
     # Each simulated client is its own session, so the coordinator's per-client quotas and fair
     # admission see C clients (as C browser tabs would be), not one client with C x J jobs.
-    return [[JobRequest(job_id=f"b{tag}{c}x{i}x{j}", count=args.images_per_job, steps=args.steps,
-                        strategy=args.strategy, solver=args.solver, seed=i * 1000 + j, stream=not args.no_stream,
-                        session=f"bench-{i}")
-             for j in range(args.jobs_per_client)] for i in range(c)]
+    return [
+        [
+            JobRequest(
+                job_id=f"b{tag}{c}x{i}x{j}",
+                count=args.images_per_job,
+                steps=args.steps,
+                strategy=args.strategy,
+                solver=args.solver,
+                seed=i * 1000 + j,
+                stream=not args.no_stream,
+                session=f"bench-{i}",
+            )
+            for j in range(args.jobs_per_client)
+        ]
+        for i in range(c)
+    ]
 
 
 OUTCOMES = ("completed", "rejected", "failed", "lost")
@@ -230,11 +319,20 @@ async def _closed_loop(run_one, per_client) -> dict:
     start = time.perf_counter()
     await asyncio.gather(*(client(j) for j in per_client))
     wall = time.perf_counter() - start
-    return {"submitted": sum(len(j) for j in per_client), **{k: counts[k] for k in OUTCOMES},
-            "rejected_codes": dict(codes["rejected"]), "failed_codes": dict(codes["failed"]),
-            "images": images, "jobs": len(lat), "wall_s": round(wall, 3), "images_per_s": round(images / wall, 2),
-            "p50_s": pct(lat, 50), "p99_s": pct(lat, 99), "answer_p50_s": pct(answer, 50),
-            "answer_p99_s": pct(answer, 99)}
+    return {
+        "submitted": sum(len(j) for j in per_client),
+        **{k: counts[k] for k in OUTCOMES},
+        "rejected_codes": dict(codes["rejected"]),
+        "failed_codes": dict(codes["failed"]),
+        "images": images,
+        "jobs": len(lat),
+        "wall_s": round(wall, 3),
+        "images_per_s": round(images / wall, 2),
+        "p50_s": pct(lat, 50),
+        "p99_s": pct(lat, 99),
+        "answer_p50_s": pct(answer, 50),
+        "answer_p99_s": pct(answer, 99),
+    }
 
 
 # ----------------------------------------------------------------------------- the two paths
@@ -254,8 +352,14 @@ async def _ceiling(args, models) -> dict:
         torch.set_num_threads(args.threads)
     router, k, c2e = load_router_and_partition(models["router"], models["partition"])
     buckets = _ints(args.buckets, "--buckets")
-    backends = await asyncio.to_thread(load_backends, models["experts"], getattr(args, "backend", "torch"),
-                                       bf16=args.bf16, buckets=buckets, device=getattr(args, "device", None))
+    backends = await asyncio.to_thread(
+        load_backends,
+        models["experts"],
+        getattr(args, "backend", "torch"),
+        bf16=args.bf16,
+        buckets=buckets,
+        device=getattr(args, "device", None),
+    )
     waiting: dict[str, asyncio.Future] = {}
 
     def emit(ev):
@@ -264,10 +368,19 @@ async def _ceiling(args, models) -> dict:
             fut.set_result(ev)
 
     cfg = _coordinator(args)
-    engine = Engine(Scheduler(SchedulerConfig(num_experts=k, max_rows=cfg.max_rows,
-                                              max_queued_jobs=cfg.max_queued_jobs, class_to_expert=c2e)),
-                    router, InProcessTransport(backends, buckets), emit, cohorts=cfg.cohorts,
-                    route_every=cfg.route_every, speculate=cfg.speculate)
+    engine = Engine(
+        Scheduler(
+            SchedulerConfig(
+                num_experts=k, max_rows=cfg.max_rows, max_queued_jobs=cfg.max_queued_jobs, class_to_expert=c2e
+            )
+        ),
+        router,
+        InProcessTransport(backends, buckets),
+        emit,
+        cohorts=cfg.cohorts,
+        route_every=cfg.route_every,
+        speculate=cfg.speculate,
+    )
     task = asyncio.create_task(engine.run())
 
     async def run_one(req):
@@ -279,7 +392,7 @@ async def _ceiling(args, models) -> dict:
                 return "rejected", err.code.value, 0.0
             try:
                 ev = await asyncio.wait_for(fut, args.job_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await engine.cancel(req.job_id, "the bench gave up on it")
                 return "lost", None, 0.0
             return ("completed", ev, 0.0) if ev.kind == "done" else ("failed", ev.code.value, 0.0)
@@ -296,8 +409,9 @@ async def _ceiling(args, models) -> dict:
             res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"))
             res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             res["memory"] = {"bench (in-process fleet)": proc_memory(me)}
-            res["cpu"] = _cpu_used({"bench (in-process fleet)": cpu0}, {"bench (in-process fleet)": me},
-                                   time.monotonic() - t0)
+            res["cpu"] = _cpu_used(
+                {"bench (in-process fleet)": cpu0}, {"bench (in-process fleet)": me}, time.monotonic() - t0
+            )
             out.append(res)
         return out
     finally:
@@ -335,13 +449,14 @@ async def fleet_job(nc, request, bound: float):
             accepted = time.perf_counter() - t0
 
     try:
-        done = await asyncio.wait_for(run_job(nc, request, seen, timeout=None, idle_timeout=bound + 60,
-                                              submit_timeout=bound + 60), bound)
+        done = await asyncio.wait_for(
+            run_job(nc, request, seen, timeout=None, idle_timeout=bound + 60, submit_timeout=bound + 60), bound
+        )
     except JobFailed as err:
         if accepted is None:
             return "rejected", err.code.value, time.perf_counter() - t0
         return "failed", err.code.value, accepted
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return "lost", None, accepted
     return "completed", done, accepted
 
@@ -377,8 +492,10 @@ async def _hedge_counts(port: int) -> dict[str, float] | None:
         return None
     out = {"requests": 0.0, "won": 0.0, "lost": 0.0, "failed": 0.0, "guessed": 0.0, "guessed_unused": 0.0}
     for line in text.splitlines():
-        for key, name in (("guessed", "ddm_coordinator_rows_guessed_total "),
-                          ("guessed_unused", "ddm_coordinator_rows_guessed_unused_total ")):
+        for key, name in (
+            ("guessed", "ddm_coordinator_rows_guessed_total "),
+            ("guessed_unused", "ddm_coordinator_rows_guessed_unused_total "),
+        ):
             if line.startswith(name):
                 out[key] = float(line.rsplit(" ", 1)[1])
         if line.startswith("ddm_coordinator_expert_requests_total{"):
@@ -408,8 +525,21 @@ async def _fleet(args, models) -> dict:
             per = getattr(args, "workers_per_expert", 1)
             for i, path in enumerate(models["experts"]):
                 for j in range(per):
-                    cmd = cli_argv("worker", "--expert", i, "--checkpoint", path, "--nats", srv.url, "--buckets",
-                                   args.buckets, "--max-batch", max(buckets), "--merge", getattr(args, "merge", "auto"))
+                    cmd = cli_argv(
+                        "worker",
+                        "--expert",
+                        i,
+                        "--checkpoint",
+                        path,
+                        "--nats",
+                        srv.url,
+                        "--buckets",
+                        args.buckets,
+                        "--max-batch",
+                        max(buckets),
+                        "--merge",
+                        getattr(args, "merge", "auto"),
+                    )
                     cmd += ["--bf16"] if args.bf16 else []
                     cmd += ["--backend", getattr(args, "backend", "torch")]
                     cmd += ["--device", args.device] if getattr(args, "device", None) else []
@@ -420,14 +550,32 @@ async def _fleet(args, models) -> dict:
             from bus.nats_server import free_port
 
             metrics_port = free_port()
-            coordinator = await Child.start("coordinator", cli_argv(
-                "coordinator", "--router", models["router"], "--partition", models["partition"], "--nats", srv.url,
-                "--wait-experts", 120, "--metrics-port", metrics_port,
-                *_coordinator(args).to_argv(only=COORDINATOR_OPTIONS)), env)
+            coordinator = await Child.start(
+                "coordinator",
+                cli_argv(
+                    "coordinator",
+                    "--router",
+                    models["router"],
+                    "--partition",
+                    models["partition"],
+                    "--nats",
+                    srv.url,
+                    "--wait-experts",
+                    120,
+                    "--metrics-port",
+                    metrics_port,
+                    *_coordinator(args).to_argv(only=COORDINATOR_OPTIONS),
+                ),
+                env,
+            )
             children.insert(0, coordinator)
             await coordinator.wait_ready(300)
-            nc = await connect(srv.url, name="ddm-bench-clients", reconnect="forever",
-                               **client_connect_options(client_from_url(srv.url)))
+            nc = await connect(
+                srv.url,
+                name="ddm-bench-clients",
+                reconnect="forever",
+                **client_connect_options(client_from_url(srv.url)),
+            )
             pids = {c.name: c.pid for c in children}
             pids["nats-server"] = srv.proc.pid
             pids["bench (clients)"] = os.getpid()
@@ -438,8 +586,12 @@ async def _fleet(args, models) -> dict:
             def check_alive():
                 dead = [c for c in children if not c.alive()]
                 if dead:
-                    raise RuntimeError("; ".join(f"{c.name} exited with {c.proc.returncode} during the bench:\n"
-                                                 f"{c.last_lines()}" for c in dead))
+                    raise RuntimeError(
+                        "; ".join(
+                            f"{c.name} exited with {c.proc.returncode} during the bench:\n{c.last_lines()}"
+                            for c in dead
+                        )
+                    )
 
             warm = await _closed_loop(run_one, _requests(args, 1, "w"))
             if warm["completed"] != warm["submitted"]:
@@ -459,24 +611,34 @@ async def _fleet(args, models) -> dict:
                 res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
                 res["peak_reset"] = all(reset.values())
-                res["log_warnings"] = {ch.name: {"count": ch.warnings - warned[ch.name], "last": ch.last_warning}
-                                       for ch in children if ch.warnings > warned[ch.name]}
+                res["log_warnings"] = {
+                    ch.name: {"count": ch.warnings - warned[ch.name], "last": ch.last_warning}
+                    for ch in children
+                    if ch.warnings > warned[ch.name]
+                }
                 check_alive()
                 after = await _coordinator_counts(nc)
                 if before is not None and after is not None:
-                    res["coordinator"] = {**{k: after[k] - before[k] for k in COUNTERS},
-                                          "active_jobs_after": after["active_jobs"],
-                                          "queued_jobs_after": after["queued_jobs"]}
+                    res["coordinator"] = {
+                        **{k: after[k] - before[k] for k in COUNTERS},
+                        "active_jobs_after": after["active_jobs"],
+                        "queued_jobs_after": after["queued_jobs"],
+                    }
                 else:
                     res["coordinator"] = None
                 hedges_after = await _hedge_counts(metrics_port)
                 if hedges_before is not None and hedges_after is not None:
                     h = {k: hedges_after[k] - hedges_before[k] for k in hedges_after}
-                    res["speculation"] = {"rows_guessed": int(h.pop("guessed")),
-                                          "rows_guessed_unused": int(h.pop("guessed_unused"))}
+                    res["speculation"] = {
+                        "rows_guessed": int(h.pop("guessed")),
+                        "rows_guessed_unused": int(h.pop("guessed_unused")),
+                    }
                     sent = h["won"] + h["lost"] + h["failed"]
-                    res["hedges"] = {**{k: int(v) for k, v in h.items()}, "sent": int(sent),
-                                     "rate": round(sent / h["requests"], 4) if h["requests"] else 0.0}
+                    res["hedges"] = {
+                        **{k: int(v) for k, v in h.items()},
+                        "sent": int(sent),
+                        "rate": round(sent / h["requests"], 4) if h["requests"] else 0.0,
+                    }
                 out.append(res)
             return start_memory, out
         finally:
@@ -515,18 +677,36 @@ async def bench_fleet(args) -> dict:
             row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
         rows.append(row)
     cfg = _coordinator(args)
-    setup = {"models": models["described"], "experts": models["k"], "steps": args.steps,
-             "images_per_job": args.images_per_job, "jobs_per_client": args.jobs_per_client,
-             "strategy": args.strategy, "solver": args.solver, "stream": not args.no_stream, "bf16": args.bf16,
-             "backend": getattr(args, "backend", "torch"), "device": getattr(args, "device", None) or "default",
-             "threads": args.threads, "cpus": os.cpu_count(), "max_rows": cfg.max_rows,
-             "max_queued_jobs": cfg.max_queued_jobs, "job_timeout_s": args.job_timeout,
-             "step_timeout_s": cfg.step_timeout, "retries": cfg.retries,
-             "workers_per_expert": getattr(args, "workers_per_expert", 1),
-             "wire_dtype": cfg.wire_dtype, "hedge": cfg.hedge, "cohorts": cfg.cohorts, "route_every": cfg.route_every,
-             "speculate": "on" if cfg.speculate else "off", "durable": cfg.durable, "merge": getattr(args, "merge", "auto"),
-             "load_avg_start": [round(v, 2) for v in load_start],
-             "load_avg_end": [round(v, 2) for v in os.getloadavg()]}
+    setup = {
+        "models": models["described"],
+        "experts": models["k"],
+        "steps": args.steps,
+        "images_per_job": args.images_per_job,
+        "jobs_per_client": args.jobs_per_client,
+        "strategy": args.strategy,
+        "solver": args.solver,
+        "stream": not args.no_stream,
+        "bf16": args.bf16,
+        "backend": getattr(args, "backend", "torch"),
+        "device": getattr(args, "device", None) or "default",
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "max_rows": cfg.max_rows,
+        "max_queued_jobs": cfg.max_queued_jobs,
+        "job_timeout_s": args.job_timeout,
+        "step_timeout_s": cfg.step_timeout,
+        "retries": cfg.retries,
+        "workers_per_expert": getattr(args, "workers_per_expert", 1),
+        "wire_dtype": cfg.wire_dtype,
+        "hedge": cfg.hedge,
+        "cohorts": cfg.cohorts,
+        "route_every": cfg.route_every,
+        "speculate": "on" if cfg.speculate else "off",
+        "durable": cfg.durable,
+        "merge": getattr(args, "merge", "auto"),
+        "load_avg_start": [round(v, 2) for v in load_start],
+        "load_avg_end": [round(v, 2) for v in os.getloadavg()],
+    }
     out = {"setup": setup, "rows": rows}
     if start_memory is not None:
         out["fleet_memory_at_start"] = start_memory  # after start-up and one warm-up job
@@ -550,77 +730,124 @@ def _num(v, fmt: str, width: int) -> str:
 
 def format_table(results: dict) -> str:
     s = results["setup"]
-    lines = [f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
-             f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client, stream={s['stream']}, "
-             f"bf16={s['bf16']}, {s.get('backend', 'torch')} on {s.get('device', 'default')}, {s['cpus']} cpus"
-             + (", durable jobs" if s.get("durable") else "")]
+    lines = [
+        f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
+        f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client, stream={s['stream']}, "
+        f"bf16={s['bf16']}, {s.get('backend', 'torch')} on {s.get('device', 'default')}, {s['cpus']} cpus"
+        + (", durable jobs" if s.get("durable") else "")
+    ]
     if "max_rows" in s:
-        lines.append(f"admission limits (coordinator process and ceiling): max_rows={s['max_rows']}, "
-                     f"max_queued_jobs={s['max_queued_jobs']}; coordinator step timeout {s['step_timeout_s']:g} s, "
-                     f"{s['retries']} retries; a job is LOST without images or a failure within "
-                     f"{s['job_timeout_s']:g} s; load avg at start {' '.join(map(str, s['load_avg_start']))}, "
-                     f"at end {' '.join(map(str, s['load_avg_end']))}")
-    lines.append(f"{'conc':>5} | {'fleet img/s':>11} {'p50 s':>7} {'p99 s':>7} | {'ceil img/s':>10} {'p50 s':>7} "
-                 f"{'p99 s':>7} | {'ratio':>5}")
+        lines.append(
+            f"admission limits (coordinator process and ceiling): max_rows={s['max_rows']}, "
+            f"max_queued_jobs={s['max_queued_jobs']}; coordinator step timeout {s['step_timeout_s']:g} s, "
+            f"{s['retries']} retries; a job is LOST without images or a failure within "
+            f"{s['job_timeout_s']:g} s; load avg at start {' '.join(map(str, s['load_avg_start']))}, "
+            f"at end {' '.join(map(str, s['load_avg_end']))}"
+        )
+    lines.append(
+        f"{'conc':>5} | {'fleet img/s':>11} {'p50 s':>7} {'p99 s':>7} | {'ceil img/s':>10} {'p50 s':>7} "
+        f"{'p99 s':>7} | {'ratio':>5}"
+    )
     for r in results["rows"]:
         f, c = r.get("fleet"), r.get("ceiling")
-        fs = (f"{f['images_per_s']:>11.1f} {_num(f['p50_s'], '.3f', 7)} {_num(f['p99_s'], '.3f', 7)}" if f
-              else f"{'-':>11} {'-':>7} {'-':>7}")
-        cs = (f"{c['images_per_s']:>10.1f} {_num(c['p50_s'], '.3f', 7)} {_num(c['p99_s'], '.3f', 7)}" if c
-              else f"{'-':>10} {'-':>7} {'-':>7}")
+        fs = (
+            f"{f['images_per_s']:>11.1f} {_num(f['p50_s'], '.3f', 7)} {_num(f['p99_s'], '.3f', 7)}"
+            if f
+            else f"{'-':>11} {'-':>7} {'-':>7}"
+        )
+        cs = (
+            f"{c['images_per_s']:>10.1f} {_num(c['p50_s'], '.3f', 7)} {_num(c['p99_s'], '.3f', 7)}"
+            if c
+            else f"{'-':>10} {'-':>7} {'-':>7}"
+        )
         ratio = f"{r['ratio']:>5.2f}" if "ratio" in r else f"{'-':>5}"
         lines.append(f"{r['concurrency']:>5} | {fs} | {cs} | {ratio}")
-    outcome_rows = [(path, r["concurrency"], r[path]) for r in results["rows"] for path in ("fleet", "ceiling")
-                    if path in r and "submitted" in r[path]]
+    outcome_rows = [
+        (path, r["concurrency"], r[path])
+        for r in results["rows"]
+        for path in ("fleet", "ceiling")
+        if path in r and "submitted" in r[path]
+    ]
     if outcome_rows:
-        lines.append("jobs per level (codes as the clients got them; answer = submit -> accepted/rejected; coord = the "
-                     "coordinator process's own counters for the level, and jobs it still held after it):")
-        lines.append(f"{'path':<7} {'conc':>5} | {'submitted':>9} {'completed':>9} {'rejected':>8} {'failed':>6} "
-                     f"{'LOST':>4} | {'rejected codes':<16} {'failed codes':<14} | {'answer p99 s':>12} | "
-                     f"{'coord rej':>9} {'done':>5} {'left':>4} | load1 before>after")
+        lines.append(
+            "jobs per level (codes as the clients got them; answer = submit -> accepted/rejected; coord = the "
+            "coordinator process's own counters for the level, and jobs it still held after it):"
+        )
+        lines.append(
+            f"{'path':<7} {'conc':>5} | {'submitted':>9} {'completed':>9} {'rejected':>8} {'failed':>6} "
+            f"{'LOST':>4} | {'rejected codes':<16} {'failed codes':<14} | {'answer p99 s':>12} | "
+            f"{'coord rej':>9} {'done':>5} {'left':>4} | load1 before>after"
+        )
         for path, conc, x in outcome_rows:
             co = x.get("coordinator")
-            cs = (f"{co['jobs_rejected']:>9} {co['jobs_done']:>5} {co['active_jobs_after'] + co['queued_jobs_after']:>4}"
-                  if co else f"{'-':>9} {'-':>5} {'-':>4}")
+            cs = (
+                f"{co['jobs_rejected']:>9} {co['jobs_done']:>5} {co['active_jobs_after'] + co['queued_jobs_after']:>4}"
+                if co
+                else f"{'-':>9} {'-':>5} {'-':>4}"
+            )
             load = f"{x['load1'][0]}>{x['load1'][1]}" if "load1" in x else "-"
-            lines.append(f"{path:<7} {conc:>5} | {x['submitted']:>9} {x['completed']:>9} {x['rejected']:>8} "
-                         f"{x['failed']:>6} {x['lost']:>4} | {_codes(x['rejected_codes']):<16} "
-                         f"{_codes(x['failed_codes']):<14} | {_num(x.get('answer_p99_s'), '.3f', 12)} | {cs} | {load}")
+            lines.append(
+                f"{path:<7} {conc:>5} | {x['submitted']:>9} {x['completed']:>9} {x['rejected']:>8} "
+                f"{x['failed']:>6} {x['lost']:>4} | {_codes(x['rejected_codes']):<16} "
+                f"{_codes(x['failed_codes']):<14} | {_num(x.get('answer_p99_s'), '.3f', 12)} | {cs} | {load}"
+            )
     for r in results["rows"]:
         h = r.get("fleet", {}).get("hedges")
         if h:
-            lines.append(f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
-                         f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
-                         f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
-                         f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, speculate {s.get('speculate', 'on')}"
-                         + ("" if not (g := r["fleet"].get("speculation")) else
-                            f" ({g['rows_guessed']} rows guessed, {g['rows_guessed_unused']} unused)"))
+            lines.append(
+                f"  conc {r['concurrency']}: {h['requests']} expert requests, {h['sent']} hedged "
+                f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
+                f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
+                f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, "
+                f"speculate {s.get('speculate', 'on')}"
+                + (
+                    ""
+                    if not (g := r["fleet"].get("speculation"))
+                    else f" ({g['rows_guessed']} rows guessed, {g['rows_guessed_unused']} unused)"
+                )
+            )
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
-            lines.append(f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}")
-    cpu_rows = [(path, r["concurrency"], r[path]["cpu"]) for r in results["rows"] for path in ("fleet", "ceiling")
-                if r.get(path, {}).get("cpu")]
+            lines.append(
+                f"  conc {r['concurrency']}: {name} logged {w['count']} warning/error line(s), last: {w['last']}"
+            )
+    cpu_rows = [
+        (path, r["concurrency"], r[path]["cpu"])
+        for r in results["rows"]
+        for path in ("fleet", "ceiling")
+        if r.get(path, {}).get("cpu")
+    ]
     if cpu_rows:
-        lines.append(f"CPU seconds per process over each level (in cores: CPU s / wall s; this box has "
-                     f"{s.get('cpus', '?')}), and CPU s per image:")
+        lines.append(
+            f"CPU seconds per process over each level (in cores: CPU s / wall s; this box has "
+            f"{s.get('cpus', '?')}), and CPU s per image:"
+        )
         for path, conc, cpu in cpu_rows:
             done = next(r for r in results["rows"] if r["concurrency"] == conc)[path].get("completed") or 0
             secs = {n: v for n, v in cpu["seconds"].items() if v is not None}
             total = sum(secs.values())
             cells = ", ".join(f"{n} {v:.1f} ({v / max(cpu['wall_s'], 1e-9):.2f})" for n, v in secs.items())
             per = f"{total / done:.3f}" if done else "-"
-            lines.append(f"  {path:<7} conc {conc}: {cells}; total {total:.1f} s = "
-                         f"{total / max(cpu['wall_s'], 1e-9):.2f} cores over {cpu['wall_s']:.1f} s; {per} CPU s/image")
+            lines.append(
+                f"  {path:<7} conc {conc}: {cells}; total {total:.1f} s = "
+                f"{total / max(cpu['wall_s'], 1e-9):.2f} cores over {cpu['wall_s']:.1f} s; {per} CPU s/image"
+            )
     mem_rows = [(str(r["concurrency"]), r["fleet"]) for r in results["rows"] if "memory" in r.get("fleet", {})]
     if mem_rows:
         scope = "reset before each level" if all(x.get("peak_reset") for _, x in mem_rows) else "since process start"
         if results.get("fleet_memory_at_start"):
             mem_rows.insert(0, ("start", {"memory": results["fleet_memory_at_start"]}))
         names = list(mem_rows[-1][1]["memory"])
-        lines.append(f"fleet RSS MiB per process: peak over the level (VmHWM, {scope}) / at the level's end (VmRSS); "
-                     "start = after start-up and the warm-up jobs"
-                     + ("; the bench process still holds the ceiling's models (that path ran first)"
-                        if any("ceiling" in r for r in results["rows"]) else "") + ":")
+        lines.append(
+            f"fleet RSS MiB per process: peak over the level (VmHWM, {scope}) / at the level's end (VmRSS); "
+            "start = after start-up and the warm-up jobs"
+            + (
+                "; the bench process still holds the ceiling's models (that path ran first)"
+                if any("ceiling" in r for r in results["rows"])
+                else ""
+            )
+            + ":"
+        )
         width = max(13, *(len(n) for n in names))
         lines.append(f"{'conc':>5} | " + " | ".join(f"{n:>{width}}" for n in names))
         for conc, x in mem_rows:

@@ -37,10 +37,14 @@ def announce_defaults(args: argparse.Namespace, defaults: dict) -> None:
 def add_router_option(parser: argparse.ArgumentParser) -> None:
     """Add --router: the router checkpoint the coordinator loads, as `ddm-fleet coordinator --router`
     takes it (default: router.safetensors in --checkpoints)."""
-    parser.add_argument("--router", metavar="PATH", default=None,
-                        help="router checkpoint (default: router.safetensors in --checkpoints); e.g. "
-                             "checkpoints/router-w16.safetensors, the width-16 router the shipped one replaced "
-                             "(four times its FLOPs per row: docs/CAPACITY.md, \"A smaller router\")")
+    parser.add_argument(
+        "--router",
+        metavar="PATH",
+        default=None,
+        help="router checkpoint (default: router.safetensors in --checkpoints); e.g. "
+        "checkpoints/router-w16.safetensors, the width-16 router the shipped one replaced "
+        '(four times its FLOPs per row: docs/CAPACITY.md, "A smaller router")',
+    )
 
 
 def router_path(args: argparse.Namespace) -> str:

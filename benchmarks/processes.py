@@ -12,12 +12,17 @@ long-lived fleets (log files, restarts); this is the bench's short-lived, pipe-r
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from typing import Any, Awaitable, Callable
 
-
-def run_bench(name: str, args, check_args: Callable[[Any], None], bench: Callable[[Any], Awaitable[dict]],
-              format_table: Callable[[dict], str]) -> int:
+def run_bench(
+    name: str,
+    args,
+    check_args: Callable[[Any], None],
+    bench: Callable[[Any], Awaitable[dict]],
+    format_table: Callable[[dict], str],
+) -> int:
     """Check `args` (ValueError: exit 2), run `bench(args)` with SIGTERM unwinding like Ctrl-C (so its
     child processes and nats-server are stopped; exit 130), print the results as a table or `--json`.
     A ValueError, OSError, RuntimeError or TimeoutError from the bench is one line on stderr, exit 1."""
@@ -135,15 +140,18 @@ class Child:
         self.warnings = 0  # log lines at WARNING or above
         self.last_warning = ""
         self.ready = asyncio.Event()
-        self._readers = [asyncio.create_task(self._read(proc.stdout, True)),
-                         asyncio.create_task(self._read(proc.stderr, False))]
+        self._readers = [
+            asyncio.create_task(self._read(proc.stdout, True)),
+            asyncio.create_task(self._read(proc.stderr, False)),
+        ]
 
     @classmethod
-    async def start(cls, name: str, cmd: list[str], env: dict | None = None) -> "Child":
+    async def start(cls, name: str, cmd: list[str], env: dict | None = None) -> Child:
         import asyncio
 
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE, env=env)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+        )
         return cls(name, proc)
 
     async def _read(self, stream, is_stdout: bool) -> None:
@@ -202,7 +210,7 @@ class Child:
                 pass
             try:
                 await asyncio.wait_for(self.proc.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
         await asyncio.wait(self._readers, timeout=5)

@@ -59,7 +59,17 @@ import math
 import os
 
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
-from .processes import Child, box_cpu, cli_argv, cpu_seconds, idle_share, page_faults, proc_memory, reset_peak, run_bench
+from .processes import (
+    Child,
+    box_cpu,
+    cli_argv,
+    cpu_seconds,
+    idle_share,
+    page_faults,
+    proc_memory,
+    reset_peak,
+    run_bench,
+)
 
 #: The default latency model: "GPU-like" (a large fixed cost per forward, a small one per row), but slow
 #: enough that 16 workers (8 per expert, 2 experts) stay under one coordinator on a 2-core box.
@@ -83,49 +93,111 @@ COORDINATOR_DEFAULTS = {"request_rows": DEFAULT_REQUEST_ROWS}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from coordinator.config import CoordinatorConfig
 
-    parser.add_argument("--workers", default="1,2,4,8", metavar="W,W,...",
-                        help="sim workers per expert to measure (default %(default)s; 'none': no scan, e.g. with "
-                             "--coordinator-capacity alone)")
-    parser.add_argument("--coordinators", default="1", metavar="C,C,...",
-                        help="coordinator processes sharing the submit queue group (default %(default)s; e.g. 1,2)")
+    parser.add_argument(
+        "--workers",
+        default="1,2,4,8",
+        metavar="W,W,...",
+        help="sim workers per expert to measure (default %(default)s; 'none': no scan, e.g. with "
+        "--coordinator-capacity alone)",
+    )
+    parser.add_argument(
+        "--coordinators",
+        default="1",
+        metavar="C,C,...",
+        help="coordinator processes sharing the submit queue group (default %(default)s; e.g. 1,2)",
+    )
     # --request-rows (also the workers' --max-batch), --cohorts, --route-every, --speculate, --hedge, --dispatch
     CoordinatorConfig.add_arguments(parser, only=COORDINATOR_OPTIONS, defaults=COORDINATOR_DEFAULTS)
-    parser.add_argument("--sim-preset", choices=SIM_PRESETS, default=None,
-                        help="sim latency preset instead of the default model (h200-torch: 3.33 ms + 0.00575 ms/row, "
-                             "h200-jax: 2.20 ms + 0.0165 ms/row, instant: 0 + 0)")
-    parser.add_argument("--sim-batch-ms", type=float, default=None, metavar="MS",
-                        help=f"fixed milliseconds per forward (default {DEFAULT_BATCH_MS:g}, or the preset's)")
-    parser.add_argument("--sim-row-ms", type=float, default=None, metavar="MS",
-                        help=f"milliseconds per padded row (default {DEFAULT_ROW_MS:g}, or the preset's)")
-    parser.add_argument("--queued-per-worker", type=int, default=DEFAULT_QUEUED, metavar="N",
-                        help="requests kept waiting at each worker beyond the one it runs; sets the number of "
-                             "concurrent jobs (default %(default)s)")
-    parser.add_argument("--jobs", type=int, default=None, metavar="N",
-                        help="concurrent jobs at every level instead of the derived number")
+    parser.add_argument(
+        "--sim-preset",
+        choices=SIM_PRESETS,
+        default=None,
+        help="sim latency preset instead of the default model (h200-torch: 3.33 ms + 0.00575 ms/row, "
+        "h200-jax: 2.20 ms + 0.0165 ms/row, instant: 0 + 0)",
+    )
+    parser.add_argument(
+        "--sim-batch-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help=f"fixed milliseconds per forward (default {DEFAULT_BATCH_MS:g}, or the preset's)",
+    )
+    parser.add_argument(
+        "--sim-row-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help=f"milliseconds per padded row (default {DEFAULT_ROW_MS:g}, or the preset's)",
+    )
+    parser.add_argument(
+        "--queued-per-worker",
+        type=int,
+        default=DEFAULT_QUEUED,
+        metavar="N",
+        help="requests kept waiting at each worker beyond the one it runs; sets the number of "
+        "concurrent jobs (default %(default)s)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="concurrent jobs at every level instead of the derived number",
+    )
     parser.add_argument("--images-per-job", type=int, default=1, metavar="N", help="images per job (default 1)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps per job (default %(default)s)")
-    parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
-                        help="combination strategy (default top1: one expert evaluation per row and step)")
+    parser.add_argument(
+        "--strategy",
+        choices=("top1", "topk", "full", "oracle"),
+        default="top1",
+        help="combination strategy (default top1: one expert evaluation per row and step)",
+    )
     parser.add_argument("--no-stream", action="store_true", help="jobs do not stream frames (only final images)")
-    parser.add_argument("--duration", type=float, default=30.0, metavar="S",
-                        help="measured seconds per level (default %(default)s)")
-    parser.add_argument("--warmup", type=float, default=10.0, metavar="S",
-                        help="seconds of load before each level's window (default %(default)s)")
-    parser.add_argument("--coordinator-capacity", action="store_true",
-                        help="first measure one coordinator alone: instant sim workers, 1-image jobs of 40 steps, "
-                             "frames streamed")
-    parser.add_argument("--capacity-jobs", type=int, default=512, metavar="N",
-                        help="concurrent jobs of the --coordinator-capacity level (default %(default)s)")
-    parser.add_argument("--capacity-request-rows", type=int, default=512, metavar="N",
-                        help="--request-rows of the --coordinator-capacity level (default %(default)s, the "
-                             "coordinator's default; one instant worker per expert)")
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="router.safetensors and partition.json for the coordinators (default %(default)s; "
-                             "a random tiny router when absent)")
+    parser.add_argument(
+        "--duration", type=float, default=30.0, metavar="S", help="measured seconds per level (default %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds of load before each level's window (default %(default)s)",
+    )
+    parser.add_argument(
+        "--coordinator-capacity",
+        action="store_true",
+        help="first measure one coordinator alone: instant sim workers, 1-image jobs of 40 steps, frames streamed",
+    )
+    parser.add_argument(
+        "--capacity-jobs",
+        type=int,
+        default=512,
+        metavar="N",
+        help="concurrent jobs of the --coordinator-capacity level (default %(default)s)",
+    )
+    parser.add_argument(
+        "--capacity-request-rows",
+        type=int,
+        default=512,
+        metavar="N",
+        help="--request-rows of the --coordinator-capacity level (default %(default)s, the "
+        "coordinator's default; one instant worker per expert)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="router.safetensors and partition.json for the coordinators (default %(default)s; "
+        "a random tiny router when absent)",
+    )
     add_router_option(parser)
-    parser.add_argument("--job-timeout", type=float, default=300.0, metavar="S",
-                        help="a job with neither images nor a failure after S seconds counts as lost "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--job-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a job with neither images nor a failure after S seconds counts as lost (default %(default)s)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
@@ -219,8 +291,11 @@ def _models(args, tmpdir: str) -> dict:
         raise ValueError(f"--router needs the partition it was trained with: {partition} does not exist")
     if os.path.exists(router) and os.path.exists(partition):
         k = load_manifest(partition).num_experts
-        described = (f"router and partition from {args.checkpoints}/" if args.router is None
-                     else f"router {router}, partition from {args.checkpoints}/")
+        described = (
+            f"router and partition from {args.checkpoints}/"
+            if args.router is None
+            else f"router {router}, partition from {args.checkpoints}/"
+        )
     else:
         import numpy as np
 
@@ -228,10 +303,20 @@ def _models(args, tmpdir: str) -> dict:
         from models.tiny import make_tiny_router
 
         k = 2
-        router = str(make_tiny_router(os.path.join(tmpdir, "router"), k, seed=2,
-                                      meta={"note": "random, untrained: for `bench scale` without checkpoints"}))
-        partition = str(save_manifest(partition_by_classes(np.arange(10), [list(range(5)), list(range(5, 10))]),
-                                      os.path.join(tmpdir, "partition.json")))
+        router = str(
+            make_tiny_router(
+                os.path.join(tmpdir, "router"),
+                k,
+                seed=2,
+                meta={"note": "random, untrained: for `bench scale` without checkpoints"},
+            )
+        )
+        partition = str(
+            save_manifest(
+                partition_by_classes(np.arange(10), [list(range(5)), list(range(5, 10))]),
+                os.path.join(tmpdir, "partition.json"),
+            )
+        )
         described = "random tiny router, classes 0-4 | 5-9"
     experts = [str(p) for p in make_tiny_experts(os.path.join(tmpdir, "sim"), k)]
     return {"router": str(router), "partition": str(partition), "k": k, "experts": experts, "described": described}
@@ -277,10 +362,29 @@ class Fleet:
             while len(ws) > per_expert:
                 extra.append(ws.pop())
             while len(ws) < per_expert:
-                cmd = cli_argv("worker", "--expert", k, "--checkpoint", self.models["experts"][k], "--nats", self.url,
-                               "--backend", "sim", "--sim-batch-ms", sim[0], "--sim-row-ms", sim[1],
-                               "--buckets", _buckets(request_rows), "--max-batch", request_rows,
-                               "--max-queue-rows", 65536, "--max-inflight", 65536)
+                cmd = cli_argv(
+                    "worker",
+                    "--expert",
+                    k,
+                    "--checkpoint",
+                    self.models["experts"][k],
+                    "--nats",
+                    self.url,
+                    "--backend",
+                    "sim",
+                    "--sim-batch-ms",
+                    sim[0],
+                    "--sim-row-ms",
+                    sim[1],
+                    "--buckets",
+                    _buckets(request_rows),
+                    "--max-batch",
+                    request_rows,
+                    "--max-queue-rows",
+                    65536,
+                    "--max-inflight",
+                    65536,
+                )
                 child = await Child.start(f"worker{k}.{len(ws)}", cmd)
                 ws.append(child)
                 started.append(child)
@@ -298,12 +402,28 @@ class Fleet:
         for i in range(n):
             port = free_port()
             cfg = _coordinator(args).replace(
-                name=f"scale-coord-{i}", request_rows=request_rows, max_rows=max_rows,
-                max_queued_jobs=max(256, max_rows), max_client_queued_jobs=max(64, max_rows))
-            cmd = cli_argv("coordinator", "--router", self.models["router"], "--partition", self.models["partition"],
-                           "--nats", self.url, "--metrics-port", port, "--wait-experts", 120,
-                           *cfg.to_argv(only=("name", "max_rows", "max_queued_jobs", "max_client_queued_jobs",
-                                              *COORDINATOR_OPTIONS)))
+                name=f"scale-coord-{i}",
+                request_rows=request_rows,
+                max_rows=max_rows,
+                max_queued_jobs=max(256, max_rows),
+                max_client_queued_jobs=max(64, max_rows),
+            )
+            cmd = cli_argv(
+                "coordinator",
+                "--router",
+                self.models["router"],
+                "--partition",
+                self.models["partition"],
+                "--nats",
+                self.url,
+                "--metrics-port",
+                port,
+                "--wait-experts",
+                120,
+                *cfg.to_argv(
+                    only=("name", "max_rows", "max_queued_jobs", "max_client_queued_jobs", *COORDINATOR_OPTIONS)
+                ),
+            )
             self.coordinators.append(await Child.start(f"coordinator{i}", cmd))
             self.metrics_ports.append(port)
         await asyncio.gather(*(c.wait_ready(300) for c in self.coordinators))
@@ -311,8 +431,9 @@ class Fleet:
     def check_alive(self) -> None:
         dead = [c for c in self.children() if not c.alive()]
         if dead:
-            raise RuntimeError("; ".join(f"{c.name} exited with {c.proc.returncode} during the bench:\n"
-                                         f"{c.last_lines()}" for c in dead))
+            raise RuntimeError(
+                "; ".join(f"{c.name} exited with {c.proc.returncode} during the bench:\n{c.last_lines()}" for c in dead)
+            )
 
     @staticmethod
     async def _stop(children: list[Child]) -> None:
@@ -363,9 +484,14 @@ class Progress:
 
         from tqdm import tqdm
 
-        self.bar = tqdm(total=round(total_s), unit="s", desc=desc, file=sys.stderr, disable=not enabled,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total_fmt} s [{elapsed}<{remaining}]"
-                                   "{postfix}")
+        self.bar = tqdm(
+            total=round(total_s),
+            unit="s",
+            desc=desc,
+            file=sys.stderr,
+            disable=not enabled,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total_fmt} s [{elapsed}<{remaining}]{postfix}",
+        )
         self.done = 0.0
 
     def advance(self, to_s: float, **postfix) -> None:
@@ -379,8 +505,18 @@ class Progress:
         self.bar.close()
 
 
-async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, stream: bool, tag: str,
-                  progress: Progress, progress_base: float) -> dict:
+async def measure(
+    fleet: Fleet,
+    args,
+    *,
+    jobs: int,
+    steps: int,
+    images: int,
+    stream: bool,
+    tag: str,
+    progress: Progress,
+    progress_base: float,
+) -> dict:
     """Keep `jobs` jobs running for warmup + duration seconds; measure the window after the warm-up."""
     import asyncio
     import time
@@ -393,8 +529,13 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
 
     from .fleet import fleet_job
 
-    nc = await connect(fleet.url, name="ddm-bench-scale-clients", reconnect="forever",
-                       pending_size=256 * 1024 * 1024, **client_connect_options(client_from_url(fleet.url)))
+    nc = await connect(
+        fleet.url,
+        name="ddm-bench-scale-clients",
+        reconnect="forever",
+        pending_size=256 * 1024 * 1024,
+        **client_connect_options(client_from_url(fleet.url)),
+    )
     finished: list[tuple[float, float, str, int]] = []  # (end time, latency s, outcome, images)
     stop = asyncio.Event()
 
@@ -403,8 +544,15 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         await asyncio.sleep(0.8 * args.warmup * i / jobs)
         n = 0
         while not stop.is_set():
-            req = JobRequest(job_id=f"s{tag}x{i}x{n}", count=images, steps=steps, strategy=args.strategy,
-                             seed=i * 100_003 + n, stream=stream, session=f"scale-{i % 4096}")
+            req = JobRequest(
+                job_id=f"s{tag}x{i}x{n}",
+                count=images,
+                steps=steps,
+                strategy=args.strategy,
+                seed=i * 100_003 + n,
+                stream=stream,
+                session=f"scale-{i % 4096}",
+            )
             n += 1
             t0 = time.perf_counter()
             outcome, detail, _ = await fleet_job(nc, req, args.job_timeout)
@@ -440,8 +588,9 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
             rows_now, t_now = sum(c["rows"] for c in cur if c), time.perf_counter()
             rate = (rows_now - last_rows) / max(t_now - last_t, 1e-9)
             last_rows, last_t = rows_now, t_now
-            progress.advance(progress_base + args.warmup + min(t_now - t_window, args.duration),
-                             rows_s=f"{rate:,.0f}", level=tag)
+            progress.advance(
+                progress_base + args.warmup + min(t_now - t_window, args.duration), rows_s=f"{rate:,.0f}", level=tag
+            )
         after = [await scrape(p) for p in fleet.metrics_ports]
         cpu1 = {n: cpu_seconds(p) for n, p in pids.items()}
         faults1 = {n: page_faults(p) for n, p in pids.items()}
@@ -479,10 +628,14 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         return round(float(np.percentile(lat, q)), 4) if lat else None
 
     return {
-        "jobs": jobs, "window_s": round(window, 3),
-        "rows_per_s": round(rows / window, 1), "rows_per_s_per_coordinator": per_coord,
+        "jobs": jobs,
+        "window_s": round(window, 3),
+        "rows_per_s": round(rows / window, 1),
+        "rows_per_s_per_coordinator": per_coord,
         "images_per_s": round(sum(f[3] for f in in_window) / window, 2),
-        "p50_s": pct(50), "p99_s": pct(99), "outcomes": outcomes,
+        "p50_s": pct(50),
+        "p99_s": pct(99),
+        "outcomes": outcomes,
         "hedges": int(sum(a["hedges"] - b["hedges"] for a, b in zip(after, before))),
         "cohorts": [a.get("cohorts") for a in after],  # each coordinator's, at the window's end
         "coordinator_cpu_s_per_1000_rows": round(1000 * cpu / rows, 4) if rows else None,
@@ -492,8 +645,7 @@ async def measure(fleet: Fleet, args, *, jobs: int, steps: int, images: int, str
         "coordinator_peak_rss_mib": {n: round(m["peak"] / 2**20, 1) if m else None for n, m in memory.items()},
         "coordinator_rss_mib": {n: round(m["rss"] / 2**20, 1) if m else None for n, m in memory.items()},
         "clients_cpu_share": round((me1 - me0) / window, 3) if me0 is not None and me1 is not None else None,
-        "workers_cpu_share": round(sum(b - a for a, b in zip(wk0, wk1) if a is not None and b is not None) / window,
-                                   3),
+        "workers_cpu_share": round(sum(b - a for a, b in zip(wk0, wk1) if a is not None and b is not None) / window, 3),
         "nats_cpu_share": round((nats1 - nats0) / window, 3) if nats0 is not None and nats1 is not None else None,
         # the share of all the machine's CPUs left idle in the window (None without /proc/stat)
         "box_idle_share": None if (idle := idle_share(box0, box1)) is None else round(idle, 3),
@@ -522,8 +674,10 @@ async def bench_scale(args) -> dict:
         with tempfile.TemporaryDirectory(prefix="ddm-bench-scale-") as tmp:
             models = _models(args, tmp)
             k = models["k"]
-            jobs_for = {w: args.jobs or derive_jobs(k, w, r, args.images_per_job, args.queued_per_worker)
-                        for w in args.workers_list}
+            jobs_for = {
+                w: args.jobs or derive_jobs(k, w, r, args.images_per_job, args.queued_per_worker)
+                for w in args.workers_list
+            }
             with NatsServer() as srv:
                 fleet = Fleet(srv.url, models)
                 fleet.nats_pid = srv.proc.pid
@@ -532,13 +686,29 @@ async def bench_scale(args) -> dict:
                     capacity = None
                     if args.coordinator_capacity:
                         await fleet.set_workers(1, (0.0, 0.0), args.capacity_request_rows)
-                        await fleet.set_coordinators(1, args, args.capacity_request_rows,
-                                                     max(1024, args.capacity_jobs))
-                        capacity = await measure(fleet, args, jobs=args.capacity_jobs, steps=40, images=1, stream=True,
-                                                 tag="cap", progress=progress, progress_base=base)
-                        capacity.update({"workers_per_expert": 1, "coordinators": 1, "sim": "instant",
-                                         "request_rows": args.capacity_request_rows, "steps": 40,
-                                         "images_per_job": 1, "stream": True})
+                        await fleet.set_coordinators(1, args, args.capacity_request_rows, max(1024, args.capacity_jobs))
+                        capacity = await measure(
+                            fleet,
+                            args,
+                            jobs=args.capacity_jobs,
+                            steps=40,
+                            images=1,
+                            stream=True,
+                            tag="cap",
+                            progress=progress,
+                            progress_base=base,
+                        )
+                        capacity.update(
+                            {
+                                "workers_per_expert": 1,
+                                "coordinators": 1,
+                                "sim": "instant",
+                                "request_rows": args.capacity_request_rows,
+                                "steps": 40,
+                                "images_per_job": 1,
+                                "stream": True,
+                            }
+                        )
                         base += args.warmup + args.duration
                     levels = []
                     max_rows = max([1024, *(j * args.images_per_job for j in jobs_for.values())])
@@ -547,18 +717,32 @@ async def bench_scale(args) -> dict:
                             await fleet.set_workers(w, (batch_ms, row_ms), r)
                             if i == 0:  # after the workers: a coordinator waits for every expert to have one
                                 await fleet.set_coordinators(c, args, r, max_rows)
-                            res = await measure(fleet, args, jobs=jobs_for[w], steps=args.steps,
-                                                images=args.images_per_job, stream=not args.no_stream,
-                                                tag=f"c{c}w{w}", progress=progress, progress_base=base)
+                            res = await measure(
+                                fleet,
+                                args,
+                                jobs=jobs_for[w],
+                                steps=args.steps,
+                                images=args.images_per_job,
+                                stream=not args.no_stream,
+                                tag=f"c{c}w{w}",
+                                progress=progress,
+                                progress_base=base,
+                            )
                             base += args.warmup + args.duration
                             cap_sum = w * k * per_worker
                             bound = cap_sum
                             if capacity is not None and capacity["rows_per_s"] > 0:
                                 bound = min(cap_sum, c * capacity["rows_per_s"])
-                            res.update({"workers_per_expert": w, "workers": w * k, "coordinators": c,
-                                        "capacity_rows_per_s": round(cap_sum, 1),
-                                        "bound_rows_per_s": round(bound, 1),
-                                        "efficiency": round(res["rows_per_s"] / bound, 3) if bound > 0 else None})
+                            res.update(
+                                {
+                                    "workers_per_expert": w,
+                                    "workers": w * k,
+                                    "coordinators": c,
+                                    "capacity_rows_per_s": round(cap_sum, 1),
+                                    "bound_rows_per_s": round(bound, 1),
+                                    "efficiency": round(res["rows_per_s"] / bound, 3) if bound > 0 else None,
+                                }
+                            )
                             levels.append(res)
                 finally:
                     await fleet.close()
@@ -566,18 +750,36 @@ async def bench_scale(args) -> dict:
         progress.close()
     cfg = _coordinator(args)
     out["setup"] = {
-        "router": models["described"], "experts": k, "strategy": args.strategy, "steps": args.steps,
-        "images_per_job": args.images_per_job, "stream": not args.no_stream, "cohorts": cfg.cohorts,
-        "route_every": cfg.route_every, "speculate": "on" if cfg.speculate else "off",
-        "request_rows": r, "hedge": cfg.hedge, "dispatch": cfg.dispatch,
+        "router": models["described"],
+        "experts": k,
+        "strategy": args.strategy,
+        "steps": args.steps,
+        "images_per_job": args.images_per_job,
+        "stream": not args.no_stream,
+        "cohorts": cfg.cohorts,
+        "route_every": cfg.route_every,
+        "speculate": "on" if cfg.speculate else "off",
+        "request_rows": r,
+        "hedge": cfg.hedge,
+        "dispatch": cfg.dispatch,
         "queued_per_worker": args.queued_per_worker,
-        "jobs_rule": ("--jobs" if args.jobs else
-                      f"ceil(K * W * R * (1 + queued) / images_per_job) = ceil({k} * W * {r} * "
-                      f"{1 + args.queued_per_worker} / {args.images_per_job})"),
-        "sim": {"model": model_name, "batch_ms": batch_ms, "row_ms": row_ms,
-                "worker_rows_per_s": round(per_worker, 1) if math.isfinite(per_worker) else None},
-        "duration_s": args.duration, "warmup_s": args.warmup, "cpus": os.cpu_count(),
-        "load_avg_start": [round(v, 2) for v in load_start], "load_avg_end": [round(v, 2) for v in os.getloadavg()],
+        "jobs_rule": (
+            "--jobs"
+            if args.jobs
+            else f"ceil(K * W * R * (1 + queued) / images_per_job) = ceil({k} * W * {r} * "
+            f"{1 + args.queued_per_worker} / {args.images_per_job})"
+        ),
+        "sim": {
+            "model": model_name,
+            "batch_ms": batch_ms,
+            "row_ms": row_ms,
+            "worker_rows_per_s": round(per_worker, 1) if math.isfinite(per_worker) else None,
+        },
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "cpus": os.cpu_count(),
+        "load_avg_start": [round(v, 2) for v in load_start],
+        "load_avg_end": [round(v, 2) for v in os.getloadavg()],
     }
     out["coordinator_capacity"] = capacity
     out["levels"] = levels
@@ -592,8 +794,15 @@ def _n(v, fmt: str, width: int) -> str:
 
 
 def _cpu(x: dict) -> str:
-    return " ".join(_n(v, ".2f", 5) for v in (x["coordinator_cpu_share"], x.get("workers_cpu_share"),
-                                              x.get("nats_cpu_share"), x["clients_cpu_share"]))
+    return " ".join(
+        _n(v, ".2f", 5)
+        for v in (
+            x["coordinator_cpu_share"],
+            x.get("workers_cpu_share"),
+            x.get("nats_cpu_share"),
+            x["clients_cpu_share"],
+        )
+    )
 
 
 def _cpu_budget(x: dict, cpus: int) -> str:
@@ -601,11 +810,17 @@ def _cpu_budget(x: dict, cpus: int) -> str:
     machine left idle: the arithmetic of what one more row costs the whole box."""
     rate = x["rows_per_s"]
     per_row = x.get("coordinator_cpu_s_per_1000_rows")
-    shares = {"coordinator": per_row * rate / 1000 if per_row is not None else None,  # all of them
-              "clients": x.get("clients_cpu_share"), "sim workers": x.get("workers_cpu_share"),
-              "nats-server": x.get("nats_cpu_share")}
-    parts = [f"{name} {100 * v:.0f}%" + (f" ({1000 * v / rate:.3f} s)" if rate else "")
-             for name, v in shares.items() if v is not None]
+    shares = {
+        "coordinator": per_row * rate / 1000 if per_row is not None else None,  # all of them
+        "clients": x.get("clients_cpu_share"),
+        "sim workers": x.get("workers_cpu_share"),
+        "nats-server": x.get("nats_cpu_share"),
+    }
+    parts = [
+        f"{name} {100 * v:.0f}%" + (f" ({1000 * v / rate:.3f} s)" if rate else "")
+        for name, v in shares.items()
+        if v is not None
+    ]
     total = sum(v for v in shares.values() if v is not None)
     out = "; ".join(parts) + f"; all {100 * total:.0f}%" + (f" ({1000 * total / rate:.3f} s)" if rate else "")
     idle = x.get("box_idle_share")
@@ -618,44 +833,57 @@ def format_table(results: dict) -> str:
     s = results["setup"]
     sim = s["sim"]
     per = f"{sim['worker_rows_per_s']:,.0f}" if sim["worker_rows_per_s"] else "unbounded"
-    lines = [f"bench scale: {s['experts']} experts, {s['router']}; {s['strategy']}, {s['steps']} steps, "
-             f"{s['images_per_job']} image(s)/job, stream={s['stream']}, cohorts={s['cohorts']}, "
-             f"speculate={s.get('speculate', 'on')}, request rows R={s['request_rows']}, hedge={s['hedge']}, dispatch={s.get('dispatch', 'direct')}; "
-             f"{s['cpus']} cpus",
-             f"sim latency model ({sim['model']}): {sim['batch_ms']:g} ms + {sim['row_ms']:g} ms/row per forward of at "
-             f"most R rows -> one worker's capacity R / (batch + row*R) = {per} rows/s; "
-             f"jobs = {s['jobs_rule']}; {s['warmup_s']:g} s warm-up + {s['duration_s']:g} s measured per level",
-             f"load avg (1/5/15 min) at start {' '.join(map(str, s['load_avg_start']))}, at end "
-             f"{' '.join(map(str, s['load_avg_end']))}"]
+    lines = [
+        f"bench scale: {s['experts']} experts, {s['router']}; {s['strategy']}, {s['steps']} steps, "
+        f"{s['images_per_job']} image(s)/job, stream={s['stream']}, cohorts={s['cohorts']}, "
+        f"speculate={s.get('speculate', 'on')}, request rows R={s['request_rows']}, hedge={s['hedge']}, "
+        f"dispatch={s.get('dispatch', 'direct')}; "
+        f"{s['cpus']} cpus",
+        f"sim latency model ({sim['model']}): {sim['batch_ms']:g} ms + {sim['row_ms']:g} ms/row per forward of at "
+        f"most R rows -> one worker's capacity R / (batch + row*R) = {per} rows/s; "
+        f"jobs = {s['jobs_rule']}; {s['warmup_s']:g} s warm-up + {s['duration_s']:g} s measured per level",
+        f"load avg (1/5/15 min) at start {' '.join(map(str, s['load_avg_start']))}, at end "
+        f"{' '.join(map(str, s['load_avg_end']))}",
+    ]
     cap = results.get("coordinator_capacity")
     if cap:
         peak = ", ".join(f"{v:.0f}" for v in cap["coordinator_peak_rss_mib"].values() if v is not None)
-        lines.append(f"coordinator capacity (1 coordinator, instant sim workers x1/expert, R={cap['request_rows']}, "
-                     f"{cap['jobs']} 1-image 40-step jobs, frames streamed): {cap['rows_per_s']:,.0f} rows/s, "
-                     f"{cap['images_per_s']:.1f} images/s, job p50/p99 {cap['p50_s']}/{cap['p99_s']} s, coordinator CPU {cap['coordinator_cpu_s_per_1000_rows']} "
-                     f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core, "
-                     f"{cap.get('coordinator_page_faults_per_1000_rows') or 0:,.0f} page faults / 1000 rows), peak RSS {peak} MiB, clients "
-                     f"{100 * (cap['clients_cpu_share'] or 0):.0f}% of a core, load1 {cap['load1'][0]}>{cap['load1'][1]}")
+        lines.append(
+            f"coordinator capacity (1 coordinator, instant sim workers x1/expert, R={cap['request_rows']}, "
+            f"{cap['jobs']} 1-image 40-step jobs, frames streamed): {cap['rows_per_s']:,.0f} rows/s, "
+            f"{cap['images_per_s']:.1f} images/s, job p50/p99 {cap['p50_s']}/{cap['p99_s']} s, "
+            f"coordinator CPU {cap['coordinator_cpu_s_per_1000_rows']} "
+            f"s/1000 rows ({100 * cap['coordinator_cpu_share']:.0f}% of a core, "
+            f"{cap.get('coordinator_page_faults_per_1000_rows') or 0:,.0f} page faults / 1000 rows), "
+            f"peak RSS {peak} MiB, clients "
+            f"{100 * (cap['clients_cpu_share'] or 0):.0f}% of a core, load1 {cap['load1'][0]}>{cap['load1'][1]}"
+        )
         lines.append("  where the CPU went (share of a core, CPU s per 1000 rows): " + _cpu_budget(cap, s["cpus"]))
     if results["levels"]:
-        lines.append(f"{'coord':>5} {'W/exp':>5} {'coh':>3} {'jobs':>5} | {'fleet rows/s':>12} {'per coord':>15} | "
-                     f"{'capacity':>9} {'eff':>5} | {'img/s':>7} {'p50 s':>6} {'p99 s':>6} | {'cpu s/1k':>8} "
-                     f"{'peak MiB':>9} | {'cpu: coord wrk nats cli':>23} | {'hedges':>6} {'lost/fail':>9} | load1")
+        lines.append(
+            f"{'coord':>5} {'W/exp':>5} {'coh':>3} {'jobs':>5} | {'fleet rows/s':>12} {'per coord':>15} | "
+            f"{'capacity':>9} {'eff':>5} | {'img/s':>7} {'p50 s':>6} {'p99 s':>6} | {'cpu s/1k':>8} "
+            f"{'peak MiB':>9} | {'cpu: coord wrk nats cli':>23} | {'hedges':>6} {'lost/fail':>9} | load1"
+        )
         for x in results["levels"]:
             per_c = "/".join(f"{v:,.0f}" for v in x["rows_per_s_per_coordinator"])
             peak = "/".join(f"{v:.0f}" for v in x["coordinator_peak_rss_mib"].values() if v is not None)
             o = x["outcomes"]
             coh = "/".join("-" if c is None else str(c) for c in x.get("cohorts") or [None])
             lines.append(
-                f"{x['coordinators']:>5} {x['workers_per_expert']:>5} {coh:>3} {x['jobs']:>5} | {x['rows_per_s']:>12,.0f} "
+                f"{x['coordinators']:>5} {x['workers_per_expert']:>5} {coh:>3} {x['jobs']:>5} | "
+                f"{x['rows_per_s']:>12,.0f} "
                 f"{per_c:>15} | {x['capacity_rows_per_s']:>9,.0f} {_n(x['efficiency'], '.2f', 5)} | "
                 f"{x['images_per_s']:>7.1f} {_n(x['p50_s'], '.2f', 6)} {_n(x['p99_s'], '.2f', 6)} | "
                 f"{_n(x['coordinator_cpu_s_per_1000_rows'], '.3f', 8)} {peak:>9} | "
                 f"{_cpu(x):>23} | {x['hedges']:>6} "
-                f"{o['lost'] + o['failed'] + o['rejected']:>9} | {x['load1'][0]}>{x['load1'][1]}")
-        lines.append("coh = each coordinator's cohorts (batches out at once) at the window's end; "
-                     "eff = fleet rows/s / min(capacity, coordinators x coordinator capacity when measured); "
-                     "cpu s/1k = coordinator CPU seconds per 1000 rows (all coordinators); peak = VmHWM over the "
-                     "window; cpu = CPU of the coordinators (each), all workers, nats-server and the clients (this "
-                     "process), in cores")
+                f"{o['lost'] + o['failed'] + o['rejected']:>9} | {x['load1'][0]}>{x['load1'][1]}"
+            )
+        lines.append(
+            "coh = each coordinator's cohorts (batches out at once) at the window's end; "
+            "eff = fleet rows/s / min(capacity, coordinators x coordinator capacity when measured); "
+            "cpu s/1k = coordinator CPU seconds per 1000 rows (all coordinators); peak = VmHWM over the "
+            "window; cpu = CPU of the coordinators (each), all workers, nats-server and the clients (this "
+            "process), in cores"
+        )
     return "\n".join(lines)

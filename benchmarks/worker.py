@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 
-
 from workers.config import SIM_PRESETS  # noqa: F401 (the presets `--sim-preset` accepts)
 
 #: Worker options this bench serves with instead of `ddm-fleet worker`'s (said in its output): buckets
@@ -34,31 +33,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_nats_option
     from workers.config import WorkerConfig
 
-    parser.add_argument("--checkpoint", default=None, metavar="PATH",
-                        help="expert checkpoint; default: a randomly initialised UNet of --widths")
-    parser.add_argument("--widths", default="32,64,128",
-                        help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)")
-    add_nats_option(parser, default=None, help="NATS server to use (it must have no other worker of this expert; "
-                                               "default: start a private nats-server on a free port)")
-    parser.add_argument("--min-time", type=float, default=2.0, metavar="S",
-                        help="seconds to measure each bucket on each path (default 2; the paths alternate)")
-    parser.add_argument("--min-iters", type=int, default=3, metavar="N",
-                        help="at least N calls per bucket and path (default %(default)s)")
-    parser.add_argument("--wire-dtype", default="float32", metavar="D[,D...]",
-                        help="wire precision(s) of the NATS path, from float32, float16, bfloat16; several "
-                             "(comma-separated) are measured side by side (default %(default)s)")
-    parser.add_argument("--in-flight", default="1", metavar="N[,N...]",
-                        help="requests kept outstanding on the NATS path (pipelined); several (comma-separated) "
-                             "are measured side by side, each with every --wire-dtype (default %(default)s)")
-    parser.add_argument("--worker-procs", type=int, default=0, metavar="M",
-                        help="serve the NATS path from M `ddm-fleet worker` processes of the same expert, backend "
-                             "and device (queue group); 0 (default): one worker inside this process")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="expert checkpoint; default: a randomly initialised UNet of --widths",
+    )
+    parser.add_argument(
+        "--widths",
+        default="32,64,128",
+        help="UNet widths for the random model when no --checkpoint (default 32,64,128 = SMALL)",
+    )
+    add_nats_option(
+        parser,
+        default=None,
+        help="NATS server to use (it must have no other worker of this expert; "
+        "default: start a private nats-server on a free port)",
+    )
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds to measure each bucket on each path (default 2; the paths alternate)",
+    )
+    parser.add_argument(
+        "--min-iters",
+        type=int,
+        default=3,
+        metavar="N",
+        help="at least N calls per bucket and path (default %(default)s)",
+    )
+    parser.add_argument(
+        "--wire-dtype",
+        default="float32",
+        metavar="D[,D...]",
+        help="wire precision(s) of the NATS path, from float32, float16, bfloat16; several "
+        "(comma-separated) are measured side by side (default %(default)s)",
+    )
+    parser.add_argument(
+        "--in-flight",
+        default="1",
+        metavar="N[,N...]",
+        help="requests kept outstanding on the NATS path (pipelined); several (comma-separated) "
+        "are measured side by side, each with every --wire-dtype (default %(default)s)",
+    )
+    parser.add_argument(
+        "--worker-procs",
+        type=int,
+        default=0,
+        metavar="M",
+        help="serve the NATS path from M `ddm-fleet worker` processes of the same expert, backend "
+        "and device (queue group); 0 (default): one worker inside this process",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     WorkerConfig.add_arguments(parser, defaults=BENCH_WORKER_DEFAULTS)  # --buckets: the batch sizes measured
 
 
 def parse_wire_dtypes(text: str) -> tuple[str, ...]:
-    """"float32,float16" -> ("float32", "float16"); ValueError naming the allowed ones."""
+    """ "float32,float16" -> ("float32", "float16"); ValueError naming the allowed ones."""
     allowed = ("float32", "float16", "bfloat16")
     names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     if not names or any(n not in allowed for n in names):
@@ -67,7 +100,7 @@ def parse_wire_dtypes(text: str) -> tuple[str, ...]:
 
 
 def parse_in_flight(text: str) -> tuple[int, ...]:
-    """"1,2,4" -> (1, 2, 4) (order kept, duplicates dropped); ValueError unless positive integers."""
+    """ "1,2,4" -> (1, 2, 4) (order kept, duplicates dropped); ValueError unless positive integers."""
     try:
         values = tuple(dict.fromkeys(int(p) for p in str(text).split(",") if p.strip()))
     except ValueError:
@@ -92,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = WorkerConfig.from_args(args)
         if args.worker_procs > 1 and config.metrics_port is not None:
-            raise ValueError("--metrics-port with --worker-procs > 1: the worker processes would share one port; "
-                             "drop --metrics-port")
+            raise ValueError(
+                "--metrics-port with --worker-procs > 1: the worker processes would share one port; drop --metrics-port"
+            )
         args.wire_dtypes = parse_wire_dtypes(args.wire_dtype)
         args.in_flights = parse_in_flight(args.in_flight)
         if args.worker_procs < 0:
@@ -116,16 +150,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def _random_checkpoint(widths: str, directory: str) -> str:
     from models.config import UNetConfig, parse_widths
     from models.tiny import make_tiny_expert
 
     # A random UNet of `widths` with the default (full-size) embeddings: the shape a trained expert has.
     full = UNetConfig()
-    return str(make_tiny_expert(f"{directory}/bench-expert", expert_id=0, seed=0, widths=parse_widths(widths),
-                                time_dim=full.time_dim, class_dim=full.class_dim, groups=full.groups))
+    return str(
+        make_tiny_expert(
+            f"{directory}/bench-expert",
+            expert_id=0,
+            seed=0,
+            widths=parse_widths(widths),
+            time_dim=full.time_dim,
+            class_dim=full.class_dim,
+            groups=full.groups,
+        )
+    )
 
 
 async def _alternating(local, remotes, min_time: float, min_iters: int) -> tuple[list[float], list[list[float]]]:
@@ -209,7 +250,9 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
     with contextlib.ExitStack() as stack:
         ckpt = args.checkpoint
         if ckpt is None:
-            ckpt = _random_checkpoint(args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-")))
+            ckpt = _random_checkpoint(
+                args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-"))
+            )
         backend = get_backend(config.backend, device=config.device, bf16=config.bf16, **config.backend_options())
         await asyncio.to_thread(backend.load, ckpt)
         expert = backend.expert if backend.expert is not None else 0
@@ -219,17 +262,20 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
             if procs:
                 children = await _start_worker_procs(config, ckpt, expert, url, procs)
                 serving.push_async_callback(
-                    lambda: asyncio.gather(*(c.stop() for c in children), return_exceptions=True))
+                    lambda: asyncio.gather(*(c.stop() for c in children), return_exceptions=True)
+                )
                 pids = {str(c.pid) for c in children}
 
                 def ours(worker_id: str) -> bool:
                     return _worker_pid(worker_id) in pids
             else:
                 worker = await serving.enter_async_context(
-                    ExpertWorker(expert, ckpt, backend, config=config, nats_url=url))
+                    ExpertWorker(expert, ckpt, backend, config=config, nats_url=url)
+                )
 
                 def ours(worker_id: str) -> bool:
                     return worker_id == worker.worker_id
+
             nc = await connect(url, name="ddm-bench", reconnect=60)
             serving.push_async_callback(nc.close)
             rng = np.random.default_rng(0)
@@ -240,18 +286,19 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
                 t = rng.uniform(0, 1, b).astype(np.float32)
                 y = rng.integers(0, backend.num_classes, b).astype(np.int64)
 
-                def make_call(wire: str, n: int, forwards: list):
+                def make_call(wire: str, n: int, forwards: list, x=x, t=t, y=y):
                     async def one() -> None:  # what the coordinator's transport does per request
                         reply_dtype = None if wire == "float32" else wire
-                        req = StepRequest(expert=expert, x_t=to_wire_dtype(x, wire), t=t, y=y,
-                                          reply_dtype=reply_dtype)
+                        req = StepRequest(expert=expert, x_t=to_wire_dtype(x, wire), t=t, y=y, reply_dtype=reply_dtype)
                         msg = await nc.request(subjects.expert_velocity(expert), pack(req), timeout=120)
                         reply = unpack(msg.data, StepResult)
                         if not isinstance(reply, StepReply):
                             raise RuntimeError(f"worker answered {reply.code.value}: {reply.message}")
                         if not ours(reply.worker_id):
-                            raise ValueError(f"another worker of expert {expert} on {url} answered; bench "
-                                             "against a server without workers of that expert, or omit --nats")
+                            raise ValueError(
+                                f"another worker of expert {expert} on {url} answered; bench "
+                                "against a server without workers of that expert, or omit --nats"
+                            )
                         v = reply.velocity.astype(np.float32, copy=False)
                         if not np.isfinite(v).all():
                             raise RuntimeError(f"the {wire} velocity has NaN/Inf values")
@@ -276,33 +323,52 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
 
                 settings = [(wd, n) for n in in_flights for wd in wires]
                 forwards: list[list[int]] = [[] for _ in settings]
-                local, buses = await _alternating(lambda: backend.forward(x, t, y),
-                                                  [make_call(wd, n, f) for (wd, n), f in zip(settings, forwards)],
-                                                  args.min_time, args.min_iters)
+                local, buses = await _alternating(
+                    lambda x=x, t=t, y=y: backend.forward(x, t, y),
+                    [make_call(wd, n, f) for (wd, n), f in zip(settings, forwards)],
+                    args.min_time,
+                    args.min_iters,
+                )
                 local_s = statistics.median(local)
                 for (wire, n), bus, fw in zip(settings, buses, forwards):
                     bus_s = statistics.median(bus)
-                    rows.append({
-                        "bucket": b, "wire_dtype": wire, "in_flight": n,
-                        "inprocess_ms": round(local_s * 1000, 3), "inprocess_rows_per_s": round(b / local_s, 1),
-                        "nats_ms": round(bus_s * 1000, 3), "nats_rows_per_s": round(b / bus_s, 1),
-                        "ratio": round(local_s / bus_s, 3), "iters": len(local),
-                        "worker_batch": round(statistics.fmean(fw), 1) if fw else None,
-                    })
-        setup = {"backend": backend.name, "device": backend.device, "precision": backend.precision,
-                 "checkpoint": args.checkpoint or f"random UNet widths={args.widths}", "nats": url,
-                 "in_flight": list(in_flights) if len(in_flights) > 1 else in_flights[0],
-                 "worker_procs": procs, "statistic": "median",
-                 "worker_defaults_changed": _defaults_in_use(config)}
+                    rows.append(
+                        {
+                            "bucket": b,
+                            "wire_dtype": wire,
+                            "in_flight": n,
+                            "inprocess_ms": round(local_s * 1000, 3),
+                            "inprocess_rows_per_s": round(b / local_s, 1),
+                            "nats_ms": round(bus_s * 1000, 3),
+                            "nats_rows_per_s": round(b / bus_s, 1),
+                            "ratio": round(local_s / bus_s, 3),
+                            "iters": len(local),
+                            "worker_batch": round(statistics.fmean(fw), 1) if fw else None,
+                        }
+                    )
+        setup = {
+            "backend": backend.name,
+            "device": backend.device,
+            "precision": backend.precision,
+            "checkpoint": args.checkpoint or f"random UNet widths={args.widths}",
+            "nats": url,
+            "in_flight": list(in_flights) if len(in_flights) > 1 else in_flights[0],
+            "worker_procs": procs,
+            "statistic": "median",
+            "worker_defaults_changed": _defaults_in_use(config),
+        }
     return {"setup": setup, "rows": rows}
 
 
 def _defaults_in_use(config) -> dict:
     """{option: {"bench": value, "worker": value}} for each `BENCH_WORKER_DEFAULTS` entry this run kept."""
+
+    def show(v):
+        return ",".join(map(str, v)) if isinstance(v, tuple) else v
+
     out = {}
     for name, (ours, workers) in config.changed_defaults(BENCH_WORKER_DEFAULTS).items():
         if getattr(config, name) == ours:  # not overridden on the command line
-            show = (lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v)
             out["--" + name.replace("_", "-")] = {"bench": show(ours), "worker": show(workers)}
     return out
 
@@ -315,15 +381,21 @@ def format_table(results: dict) -> str:
     flights = ",".join(map(str, flights)) if isinstance(flights, list) else str(flights)
     procs = s.get("worker_procs", 0)
     where = f"{procs} worker process(es)" if procs else "worker in this process"
-    lines = [f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
-             f"model={s['checkpoint']} ({where}; {flights} request(s) in flight; median of alternating calls)"
-             + "".join(f"; {k} {v['bench']} (ddm-fleet worker: {v['worker']})"
-                       for k, v in s.get("worker_defaults_changed", {}).items()),
-             f"{'bucket':>6} {'wire':>8} {'flight':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} "
-             f"{'nats rows/s':>12} {'ratio':>6} {'fwd rows':>8}"]
+    lines = [
+        f"bench worker: backend={s['backend']} device={s['device']} precision={s['precision']} "
+        f"model={s['checkpoint']} ({where}; {flights} request(s) in flight; median of alternating calls)"
+        + "".join(
+            f"; {k} {v['bench']} (ddm-fleet worker: {v['worker']})"
+            for k, v in s.get("worker_defaults_changed", {}).items()
+        ),
+        f"{'bucket':>6} {'wire':>8} {'flight':>6} {'in-proc ms':>11} {'in-proc rows/s':>15} {'nats ms':>9} "
+        f"{'nats rows/s':>12} {'ratio':>6} {'fwd rows':>8}",
+    ]
     for r in results["rows"]:
         fwd = r.get("worker_batch")
-        lines.append(f"{r['bucket']:>6} {r.get('wire_dtype', 'float32'):>8} {r.get('in_flight', 1):>6} "
-                     f"{r['inprocess_ms']:>11.2f} {r['inprocess_rows_per_s']:>15.1f} {r['nats_ms']:>9.2f} "
-                     f"{r['nats_rows_per_s']:>12.1f} {r['ratio']:>6.3f} {'-' if fwd is None else f'{fwd:g}':>8}")
+        lines.append(
+            f"{r['bucket']:>6} {r.get('wire_dtype', 'float32'):>8} {r.get('in_flight', 1):>6} "
+            f"{r['inprocess_ms']:>11.2f} {r['inprocess_rows_per_s']:>15.1f} {r['nats_ms']:>9.2f} "
+            f"{r['nats_rows_per_s']:>12.1f} {r['ratio']:>6.3f} {'-' if fwd is None else f'{fwd:g}':>8}"
+        )
     return "\n".join(lines)

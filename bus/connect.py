@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 from bus.nats_server import nats_servers
 from bus.ratelimited_log import RateLimitedLog
@@ -75,15 +76,19 @@ def _is_auth_error(err: BaseException) -> bool:
     return isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in str(err).lower()
 
 
-async def connect(urls: str | list[str], *, name: str,
-                  reconnect: Literal["forever"] | int = "forever",
-                  reconnect_wait_s: float = 1.0,
-                  first_connect_attempts: int = 1,
-                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-                  inbox_prefix: str | None = None,
-                  pending_size: int | None = None,
-                  error_cb: Callable[[Exception], Awaitable[None]] | None = None,
-                  **options: Any):
+async def connect(
+    urls: str | list[str],
+    *,
+    name: str,
+    reconnect: Literal["forever"] | int = "forever",
+    reconnect_wait_s: float = 1.0,
+    first_connect_attempts: int = 1,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    inbox_prefix: str | None = None,
+    pending_size: int | None = None,
+    error_cb: Callable[[Exception], Awaitable[None]] | None = None,
+    **options: Any,
+):
     """Connect to NATS at `urls` (one URL, a comma-separated list of a cluster's nodes, or a list;
     see `bus.nats_server.nats_servers`) as connection `name`; returns the connected `nats.NATS` client.
 
@@ -110,21 +115,32 @@ async def connect(urls: str | list[str], *, name: str,
     servers = nats_servers(urls)
     if reconnect != "forever" and (isinstance(reconnect, bool) or not isinstance(reconnect, int) or reconnect < 0):
         raise ValueError(f"reconnect must be 'forever' or a count >= 0, got {reconnect!r}")
-    if isinstance(first_connect_attempts, bool) or not isinstance(first_connect_attempts, int) \
-            or first_connect_attempts < 1:
+    if (
+        isinstance(first_connect_attempts, bool)
+        or not isinstance(first_connect_attempts, int)
+        or first_connect_attempts < 1
+    ):
         raise ValueError(f"first_connect_attempts must be an integer >= 1, got {first_connect_attempts!r}")
     if connect_timeout_s <= 0 or reconnect_wait_s < 0:
-        raise ValueError(f"connect_timeout_s must be > 0 and reconnect_wait_s >= 0, "
-                         f"got {connect_timeout_s} and {reconnect_wait_s}")
+        raise ValueError(
+            f"connect_timeout_s must be > 0 and reconnect_wait_s >= 0, got {connect_timeout_s} and {reconnect_wait_s}"
+        )
     for key in ("servers", "allow_reconnect", "max_reconnect_attempts", "reconnect_time_wait", "connect_timeout"):
         if key in options:
-            raise ValueError(f"connect(): pass the reconnect policy as reconnect= / first_connect_attempts= / "
-                             f"reconnect_wait_s= / connect_timeout_s=, not {key}=")
+            raise ValueError(
+                f"connect(): pass the reconnect policy as reconnect= / first_connect_attempts= / "
+                f"reconnect_wait_s= / connect_timeout_s=, not {key}="
+            )
     attempts = _FirstConnect(first_connect_attempts * len(servers), error_cb or _default_error_cb(name))
     kwargs: dict[str, Any] = dict(
-        servers=servers, name=name, connect_timeout=connect_timeout_s, allow_reconnect=True,
+        servers=servers,
+        name=name,
+        connect_timeout=connect_timeout_s,
+        allow_reconnect=True,
         # -1: nats-py keeps trying; `attempts` stops it (see the module docstring)
-        max_reconnect_attempts=-1, reconnect_time_wait=reconnect_wait_s, error_cb=attempts.on_error,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=reconnect_wait_s,
+        error_cb=attempts.on_error,
     )
     if inbox_prefix is not None:
         kwargs["inbox_prefix"] = inbox_prefix

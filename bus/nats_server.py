@@ -75,16 +75,32 @@ def default_nats_url(environ: dict[str, str] | None = None) -> str:
     if env.get("DDM_NATS_URL"):
         if not _DEPRECATED_ENV_WARNED:
             _DEPRECATED_ENV_WARNED = True
-            print("ddm-fleet: warning: DDM_NATS_URL is deprecated and will be removed; set NATS_URL instead",
-                  file=sys.stderr)
+            print(
+                "ddm-fleet: warning: DDM_NATS_URL is deprecated and will be removed; set NATS_URL instead",
+                file=sys.stderr,
+            )
         return env["DDM_NATS_URL"]
     return DEFAULT_NATS_URL
 
 
 #: The placeholder passwords the shipped examples carry (nats.env.example, systemd env examples,
 #: docs). A command refuses to start with any of them: they are public.
-EXAMPLE_PASSWORDS = frozenset({"change-me", "CHANGE-ME", "changeme", "CHANGEME", "change_me", "CHANGE_ME", "PW", "pw",
-                               "password", "secret", "example", "example-password"})
+EXAMPLE_PASSWORDS = frozenset(
+    {
+        "change-me",
+        "CHANGE-ME",
+        "changeme",
+        "CHANGEME",
+        "change_me",
+        "CHANGE_ME",
+        "PW",
+        "pw",
+        "password",
+        "secret",
+        "example",
+        "example-password",
+    }
+)
 
 #: Environment variables that hold NATS passwords (infra/nats/nats.env: DDM_NATS_<ROLE>_PASSWORD).
 PASSWORD_ENV_PREFIX, PASSWORD_ENV_SUFFIX = "DDM_NATS_", "_PASSWORD"
@@ -94,27 +110,31 @@ class ExamplePasswordError(ValueError):
     """A credential equals a shipped example password. The message is one line naming where it was."""
 
 
-def refuse_example_passwords(urls: str | list[str] | None = None, environ: dict[str, str] | None = None,
-                             source: str = "--nats / $NATS_URL") -> None:
+def refuse_example_passwords(
+    urls: str | list[str] | None = None, environ: dict[str, str] | None = None, source: str = "--nats / $NATS_URL"
+) -> None:
     """Raise ExamplePasswordError when a NATS URL's password (or user token) or a DDM_NATS_*_PASSWORD
     variable in `environ` (default os.environ) is one of EXAMPLE_PASSWORDS. `source` names where the
     URLs came from, for the message."""
-    from urllib.parse import unquote, urlsplit
-
     import re
+    from urllib.parse import unquote, urlsplit
 
     env = os.environ if environ is None else environ
     for name in sorted(env):
         if not name.startswith(PASSWORD_ENV_PREFIX):
             continue
         if name.endswith(PASSWORD_ENV_SUFFIX) and env[name] in EXAMPLE_PASSWORDS:
-            raise ExamplePasswordError(f"{name} is the example password {env[name]!r}: set a real one "
-                                       f"(e.g. openssl rand -hex 24) in its env file before starting")
+            raise ExamplePasswordError(
+                f"{name} is the example password {env[name]!r}: set a real one "
+                f"(e.g. openssl rand -hex 24) in its env file before starting"
+            )
         if name.endswith("_URLS"):  # DDM_NATS_ROUTE_URLS, DDM_NATS_HUB_URLS: lists of URLs with credentials
             for user, password in re.findall(r"[a-z-]+://([^:@/\s\"',]+):([^@/\s\"',]+)@", env[name]):
                 if unquote(password) in EXAMPLE_PASSWORDS:
-                    raise ExamplePasswordError(f"{name} uses the example password {unquote(password)!r} for user "
-                                               f"{unquote(user)!r}: set the real one in its env file")
+                    raise ExamplePasswordError(
+                        f"{name} uses the example password {unquote(password)!r} for user "
+                        f"{unquote(user)!r}: set the real one in its env file"
+                    )
     items = (urls.split(",") if isinstance(urls, str) else list(urls)) if urls else []
     for url in items:
         url = url.strip()
@@ -126,8 +146,9 @@ def refuse_example_passwords(urls: str | list[str] | None = None, environ: dict[
         secret = unquote(password if password else user)  # nats://TOKEN@host carries a token
         if secret in EXAMPLE_PASSWORDS:
             who = f"for user {unquote(user)!r}" if password else "as its token"
-            raise ExamplePasswordError(f"the NATS URL in {source} uses the example password {secret!r} {who}: "
-                                       f"set the real one")
+            raise ExamplePasswordError(
+                f"the NATS URL in {source} uses the example password {secret!r} {who}: set the real one"
+            )
 
 
 def nats_servers(urls: str | list[str]) -> list[str]:
@@ -239,7 +260,7 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 10.0) -> "NatsServer":
+    def start(self, timeout: float = 10.0) -> NatsServer:
         if self.config_file is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ddm-nats-")
             cfg = Path(self._tmp.name) / "nats.conf"
@@ -286,7 +307,7 @@ class NatsServer:
         self.stop()
         self.start()
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -27,9 +27,14 @@ def add_nats_option(parser: argparse.ArgumentParser, *, default: str | None = "e
     """`--nats URL`. `default="env"`: $NATS_URL, else nats://127.0.0.1:4222 (read when the parser is
     built); `default=None`: no bus unless given (commands that start their own)."""
     value = default_nats_url() if default == "env" else default
-    parser.add_argument("--nats", default=value, metavar="URL",
-                        help=help or "NATS server, or a comma-separated list of a cluster's nodes "
-                                     "(default: $NATS_URL, else nats://127.0.0.1:4222)")
+    parser.add_argument(
+        "--nats",
+        default=value,
+        metavar="URL",
+        help=help
+        or "NATS server, or a comma-separated list of a cluster's nodes "
+        "(default: $NATS_URL, else nats://127.0.0.1:4222)",
+    )
 
 
 class _Switch(argparse.Action):
@@ -92,13 +97,14 @@ def show_switches(parser: argparse.ArgumentParser) -> None:
                 show_switches(sub)
 
 
-def add_switch(parser: argparse.ArgumentParser, name: str, *, default: bool, help: str, dest: str | None = None) -> None:
+def add_switch(
+    parser: argparse.ArgumentParser, name: str, *, default: bool, help: str, dest: str | None = None
+) -> None:
     """Add `--name` / `--no-name` (default `default`, said in the help)."""
     if isinstance(parser, argparse.ArgumentParser):  # an argument group: show_switches on its parser
         parser.formatter_class = _switch_aware(parser.formatter_class)
     state = "on" if default else "off"
-    parser.add_argument(f"--{name}", action=_Switch, default=default, dest=dest,
-                        help=f"{help} (default {state})")
+    parser.add_argument(f"--{name}", action=_Switch, default=default, dest=dest, help=f"{help} (default {state})")
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -115,5 +121,6 @@ def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **
     """Accept `old` (e.g. "--method") as a hidden spelling of the option `new` (e.g. "--solver"): same
     destination, same type/choices (pass them in `kwargs`), a warning on stderr when used."""
     dest = new.lstrip("-").replace("-", "_")
-    parser.add_argument(old, action=_DeprecatedAlias, new=new, dest=dest, default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS, **kwargs)
+    parser.add_argument(
+        old, action=_DeprecatedAlias, new=new, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
+    )

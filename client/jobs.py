@@ -32,7 +32,8 @@ import inspect
 import logging
 import secrets
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from schemas import (
     CancelReply,
@@ -81,8 +82,10 @@ def new_job_id() -> str:
 
 def _checked_user(user: str, where: str) -> str:
     if not subjects.is_token(user):
-        raise ValueError(f"the NATS user {user!r} of {where} cannot name a client: a client name is 1-64 characters "
-                         "of [A-Za-z0-9_-]; pass a client name explicitly")
+        raise ValueError(
+            f"the NATS user {user!r} of {where} cannot name a client: a client name is 1-64 characters "
+            "of [A-Za-z0-9_-]; pass a client name explicitly"
+        )
     return user
 
 
@@ -107,8 +110,8 @@ def client_of(nc) -> str:
     `_INBOX_<client>` (see `client_connect_options`), else its `user` option, else the user of the
     URL it is connected to, else "anon"."""
     prefix = bytes(getattr(nc, "_inbox_prefix", b"") or b"").decode("ascii", "replace")
-    if prefix.startswith(subjects.INBOX + "_") and subjects.is_token(prefix[len(subjects.INBOX) + 1:]):
-        return prefix[len(subjects.INBOX) + 1:]
+    if prefix.startswith(subjects.INBOX + "_") and subjects.is_token(prefix[len(subjects.INBOX) + 1 :]):
+        return prefix[len(subjects.INBOX) + 1 :]
     user = (getattr(nc, "options", None) or {}).get("user")
     if user:
         return _checked_user(user, "the connection")
@@ -139,11 +142,13 @@ async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: 
     try:
         msg = await nc.request(subject, pack(request), timeout=timeout)
     except nats.errors.NoRespondersError:
-        raise JobFailed(ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subject}",
-                        request.job_id) from None
+        raise JobFailed(
+            ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subject}", request.job_id
+        ) from None
     except nats.errors.TimeoutError:
-        raise _NoSubmitReply(ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s",
-                             request.job_id) from None
+        raise _NoSubmitReply(
+            ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s", request.job_id
+        ) from None
     reply = unpack(msg.data, SubmitReply)
     if isinstance(reply, JobRejected):
         raise JobFailed(reply.code, reply.reason, request.job_id)
@@ -203,9 +208,17 @@ class JobProbe:
       `lost_after`'s to judge and do not count. `unresponsive` is True once that was the verdict.
     """
 
-    def __init__(self, nc, job_id: str, *, lost_after: float = 15.0, timeout: float = 2.0,
-                 unresponsive_after: float | None = None, client: str | None = None,
-                 accepted: JobAccepted | None = None):
+    def __init__(
+        self,
+        nc,
+        job_id: str,
+        *,
+        lost_after: float = 15.0,
+        timeout: float = 2.0,
+        unresponsive_after: float | None = None,
+        client: str | None = None,
+        accepted: JobAccepted | None = None,
+    ):
         if unresponsive_after is not None and not unresponsive_after > 0:
             raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
         self.nc, self.job_id = nc, job_id
@@ -237,8 +250,10 @@ class JobProbe:
             return None
         self.unresponsive = True
         why = "" if self.nc.is_connected else "; this client is not connected to NATS either"
-        return (f"the coordinator has not answered for {self.unresponsive_after:g} s: no event of job {self.job_id} "
-                f"and no reply to its status requests (frozen or hung?{why})")
+        return (
+            f"the coordinator has not answered for {self.unresponsive_after:g} s: no event of job {self.job_id} "
+            f"and no reply to its status requests (frozen or hung?{why})"
+        )
 
     async def check(self) -> str | None:
         import nats.errors
@@ -258,10 +273,12 @@ class JobProbe:
             if self._nobody_since is None:
                 self._nobody_since = now
             if now - self._nobody_since >= self.lost_after:
-                return (f"coordinator lost the job: no coordinator has been connected for {self.lost_after:g} s "
-                        "(crashed or stopped?)")
+                return (
+                    f"coordinator lost the job: no coordinator has been connected for {self.lost_after:g} s "
+                    "(crashed or stopped?)"
+                )
             return None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             log.info("job %s: status request unanswered within %g s", self.job_id, self.timeout)
             return self._silent()
         except ProtocolError as err:
@@ -275,8 +292,12 @@ class JobProbe:
             return self._silent()
         self._nobody_since = None
         if st is None:  # only other coordinators answered ("unknown"): the job's own one said nothing
-            log.info("job %s: no answer from its coordinator %r within %g s (other coordinators do not know the "
-                     "job)", self.job_id, self.owner, self.timeout)
+            log.info(
+                "job %s: no answer from its coordinator %r within %g s (other coordinators do not know the job)",
+                self.job_id,
+                self.owner,
+                self.timeout,
+            )
             return self._silent()
         self._last_answer = time.monotonic()
         self.last = st
@@ -345,11 +366,19 @@ class JobProbe:
         return True
 
 
-async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None = None, *,
-                  timeout: float | None = None, idle_timeout: float = 120.0,
-                  submit_timeout: float = 10.0, probe_every: float | None = 3.0,
-                  lost_after: float = 15.0, unresponsive_after: float | None = 60.0,
-                  client: str | None = None) -> DoneEvent:
+async def run_job(
+    nc,
+    request: JobRequest,
+    on_event: Callable[[Any], Any] | None = None,
+    *,
+    timeout: float | None = None,
+    idle_timeout: float = 120.0,
+    submit_timeout: float = 10.0,
+    probe_every: float | None = 3.0,
+    lost_after: float = 15.0,
+    unresponsive_after: float | None = 60.0,
+    client: str | None = None,
+) -> DoneEvent:
     """Submit `request` as `client` (default `client_of(nc)`: the NATS user, else "anon") and wait
     for its DoneEvent.
 
@@ -410,8 +439,14 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
     sub = await nc.subscribe(subjects.job_events(client, job_id), cb=on_message)
     submitted = False
     finished = False  # the coordinator told us the end (done or failed)
-    probe = JobProbe(nc, job_id, lost_after=lost_after, timeout=max(1.0, min(probe_every or 2.0, 5.0)),
-                     unresponsive_after=unresponsive_after, client=client)
+    probe = JobProbe(
+        nc,
+        job_id,
+        lost_after=lost_after,
+        timeout=max(1.0, min(probe_every or 2.0, 5.0)),
+        unresponsive_after=unresponsive_after,
+        client=client,
+    )
 
     async def deliver(ev) -> None:
         if on_event is not None:
@@ -425,13 +460,19 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
         streaming = False
         last_event = time.monotonic()
         while True:
-            waits = [w for w in (probe_every, idle_timeout - (time.monotonic() - last_event) if streaming else None)
-                     if w is not None]
+            waits = [
+                w
+                for w in (probe_every, idle_timeout - (time.monotonic() - last_event) if streaming else None)
+                if w is not None
+            ]
             msg = await next_message(max(min(waits), 0.01) if waits else None)
             if msg is None:
                 if streaming and time.monotonic() - last_event >= idle_timeout:
-                    raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"no frame for {idle_timeout:g} s: is the "
-                                    "coordinator still running?", job_id) from None
+                    raise JobFailed(
+                        ErrorCode.DEADLINE_EXCEEDED,
+                        f"no frame for {idle_timeout:g} s: is the coordinator still running?",
+                        job_id,
+                    ) from None
                 if probe_every is not None and (lost := await probe.check()) is not None:
                     if inbox or sub.pending_msgs:  # events came while we asked (e.g. the result, published
                         await asyncio.sleep(0)  # before an "unknown" from a coordinator that already forgot the
@@ -471,7 +512,7 @@ async def run_job(nc, request: JobRequest, on_event: Callable[[Any], Any] | None
         submitted = True
         probe.heard()
         return await (asyncio.wait_for(wait_events(), timeout) if timeout else wait_events())
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"job did not finish within {timeout:g} s", job_id) from None
     finally:
         try:
@@ -494,12 +535,14 @@ async def _send_cancel(nc, job_id: str, client: str) -> None:
     await nc.flush(timeout=2)
 
 
-async def fleet_status(nc, *, timeout: float = 2.0) -> FleetStatus:
-    """The coordinator's status snapshot. Raises JobFailed(unavailable) if none answers."""
+async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False) -> FleetStatus:
+    """The coordinator's status snapshot; with `spec`, the fleet's model spec too (`status.spec`,
+    None from a coordinator older than specs). Raises JobFailed(unavailable) if none answers."""
     import nats.errors
 
+    body = b"\x81\xa4spec\xc3" if spec else b""  # msgpack {"spec": true}
     try:
-        msg = await nc.request(subjects.FLEET_STATUS, b"", timeout=timeout)
+        msg = await nc.request(subjects.FLEET_STATUS, body, timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         raise JobFailed(ErrorCode.UNAVAILABLE, "no coordinator answers on " + subjects.FLEET_STATUS) from None
     return unpack(msg.data, FleetStatus)

@@ -86,14 +86,16 @@ class Batch:
                 w[rows] = g.route_w
         return fresh, w
 
-    def route(self, router_w: np.ndarray, fresh: np.ndarray | None = None) -> "Batch":
+    def route(self, router_w: np.ndarray, fresh: np.ndarray | None = None) -> Batch:
         """Set router weights [R, K] and choose each row's experts by its strategy. `fresh` [R] bool
         (default: every row) marks the rows whose weights the router just computed: their groups
         remember them for the evaluations that reuse them (see `routing_plan`)."""
         router_w = np.array(router_w, dtype=np.float64)  # the batch's own copy, read-only: its groups
         router_w.setflags(write=False)  # keep slices of it (RowGroup.remember_route)
         if router_w.shape != (len(self), self.num_experts):
-            raise ValueError(f"router weights must be [R, K] = [{len(self)}, {self.num_experts}], got {list(router_w.shape)}")
+            raise ValueError(
+                f"router weights must be [R, K] = [{len(self)}, {self.num_experts}], got {list(router_w.shape)}"
+            )
         if not np.isfinite(router_w).all():
             raise ValueError("router weights contain NaN/Inf")
         self.router_w = router_w
@@ -105,8 +107,9 @@ class Batch:
         self.weights = self._select(self.available)
         return self
 
-    def _select(self, available: np.ndarray, rows: np.ndarray | None = None,
-                router_w: np.ndarray | None = None) -> np.ndarray:
+    def _select(
+        self, available: np.ndarray, rows: np.ndarray | None = None, router_w: np.ndarray | None = None
+    ) -> np.ndarray:
         """Combination weights [len(rows), K] of `rows` (default: all) by their strategies, from
         `router_w` ([len(rows), K]; default: the batch's routed weights of those rows)."""
         idx = np.arange(len(self)) if rows is None else rows
@@ -122,8 +125,9 @@ class Batch:
         for s in np.unique(strat):
             sel = np.nonzero(strat == s)[0]
             rows_s = idx[sel]
-            out[sel] = strategies.select(str(s), router_w[sel], available,
-                                         top_k=self.top_k[rows_s], owner=self.owner[rows_s])
+            out[sel] = strategies.select(
+                str(s), router_w[sel], available, top_k=self.top_k[rows_s], owner=self.owner[rows_s]
+            )
         return out
 
     def guess_requests(self) -> dict[int, np.ndarray]:
@@ -151,7 +155,9 @@ class Batch:
         idx = np.asarray(idx, dtype=np.int64)
         v = np.asarray(v)
         if v.shape != (len(idx),) + self.x.shape[1:]:
-            raise ValueError(f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}")
+            raise ValueError(
+                f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}"
+            )
         self._v[expert, idx] = v
         self._have[idx, expert] = True
 
@@ -163,7 +169,9 @@ class Batch:
         idx = np.asarray(idx, dtype=np.int64)
         v = np.asarray(v)
         if v.shape != (len(idx),) + self.x.shape[1:]:
-            raise ValueError(f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}")
+            raise ValueError(
+                f"expert {expert} velocity has shape {list(v.shape)}, expected {[len(idx), *self.x.shape[1:]]}"
+            )
         keep = (self.weights[idx, expert] > 0) & ~self._have[idx, expert]
         if keep.all():
             self.record(expert, idx, v)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 #: Outstanding requests at the least loaded known worker from which on the queue group is used.
 DEFAULT_DEPTH = 2
@@ -59,9 +59,16 @@ class _Known:
 class DispatchPolicy:
     """Per-expert join-shortest-queue over the workers this coordinator knows (module docstring)."""
 
-    def __init__(self, token_of: Callable[[str], str], *, depth: int = DEFAULT_DEPTH,
-                 explore_every: int = DEFAULT_EXPLORE_EVERY, ttl_s: float = DEFAULT_TTL_S,
-                 max_workers: int = MAX_WORKERS_PER_EXPERT, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        token_of: Callable[[str], str],
+        *,
+        depth: int = DEFAULT_DEPTH,
+        explore_every: int = DEFAULT_EXPLORE_EVERY,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_workers: int = MAX_WORKERS_PER_EXPERT,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not callable(token_of):
             raise ValueError("token_of must be a function worker id -> token")
         if not isinstance(depth, int) or depth < 1:

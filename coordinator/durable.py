@@ -46,8 +46,8 @@ import time
 from typing import Any
 
 from .config import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S  # noqa: F401 (re-exported)
-from .snapshot import MAX_CHECKPOINT_BYTES
 from .scheduler import Scheduler, SchedulerConfig
+from .snapshot import MAX_CHECKPOINT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,17 @@ class JobStore:
     """The two KV buckets, seen by one coordinator run (`name`, `instance`). Remembers the
     revisions it wrote, so each of its writes is checked against them."""
 
-    def __init__(self, nc, name: str, instance: str, *, lease_s: float = DEFAULT_LEASE_S,
-                 jobs_ttl_s: float = DEFAULT_JOBS_TTL_S, jobs_max_bytes: int = DEFAULT_JOBS_MAX_BYTES,
-                 replicas: int = 1):
+    def __init__(
+        self,
+        nc,
+        name: str,
+        instance: str,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        jobs_ttl_s: float = DEFAULT_JOBS_TTL_S,
+        jobs_max_bytes: int = DEFAULT_JOBS_MAX_BYTES,
+        replicas: int = 1,
+    ):
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
         if not isinstance(replicas, int) or not 1 <= replicas <= 5:
@@ -151,22 +159,34 @@ class JobStore:
     def holds(self, job_id: str) -> bool:
         return job_id in self._lease_rev
 
-    async def open(self) -> "JobStore":
+    async def open(self) -> JobStore:
         """Create (or bind) both buckets; raises JetStreamUnavailable with the reason."""
         why = await jetstream_available(self.nc)
         if why is not None:
             raise JetStreamUnavailable(why)
         js = self.nc.jetstream()
-        self.jobs = await self._bucket(js, JOBS_BUCKET, ttl=self.jobs_ttl_s, max_bytes=self.jobs_max_bytes,
-                                       max_value_size=MAX_CHECKPOINT_BYTES, replicas=self.replicas)
-        self.owners = await self._bucket(js, OWNERS_BUCKET, ttl=self.lease_s, max_bytes=64 * 1024 * 1024,
-                                         replicas=self.replicas)
+        self.jobs = await self._bucket(
+            js,
+            JOBS_BUCKET,
+            ttl=self.jobs_ttl_s,
+            max_bytes=self.jobs_max_bytes,
+            max_value_size=MAX_CHECKPOINT_BYTES,
+            replicas=self.replicas,
+        )
+        self.owners = await self._bucket(
+            js, OWNERS_BUCKET, ttl=self.lease_s, max_bytes=64 * 1024 * 1024, replicas=self.replicas
+        )
         # a lease lives as long as the bucket's TTL, set by the coordinator that created the bucket:
         # renew (and judge expiry) by that, or leases would lapse between renewals
         ttl = (await self.owners.status()).ttl
         if ttl and abs(ttl - self.lease_s) > 1e-3:
-            log.warning("KV bucket %s keeps leases %g s (set by the coordinator that created it), not %g s: "
-                        "using %g s", OWNERS_BUCKET, ttl, self.lease_s, ttl)
+            log.warning(
+                "KV bucket %s keeps leases %g s (set by the coordinator that created it), not %g s: using %g s",
+                OWNERS_BUCKET,
+                ttl,
+                self.lease_s,
+                ttl,
+            )
             self.lease_s = float(ttl)
         return self
 
@@ -192,14 +212,16 @@ class JobStore:
                     raise JetStreamUnavailable(
                         f"cannot create the KV bucket {bucket} with {cfg.get('replicas', 1)} replica(s): "
                         f"{err.description or err} (--js-replicas must not exceed the JetStream servers of the "
-                        f"cluster, all of them up; a single server takes 1)") from None
+                        f"cluster, all of them up; a single server takes 1)"
+                    ) from None
                 log.warning("creating KV bucket %s: %s; retrying", bucket, err.description or err)
                 await asyncio.sleep(0.5)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError) as err:  # a cluster electing its leader
+            except (TimeoutError, nats.errors.TimeoutError) as err:  # a cluster electing its leader
                 if attempt == attempts:
                     raise JetStreamUnavailable(
                         f"cannot create the KV bucket {bucket}: JetStream did not answer ({type(err).__name__}; "
-                        "a cluster still electing a leader, or a server without -js)") from None
+                        "a cluster still electing a leader, or a server without -js)"
+                    ) from None
                 log.warning("creating KV bucket %s: no answer; retrying", bucket)
                 await asyncio.sleep(0.5)
 
@@ -298,8 +320,12 @@ class JobStore:
         except nats.js.errors.NoKeysError:
             return []
         except (nats.errors.Error, OSError) as err:
-            log.warning("listing the checkpoints in %s failed (%s: %s); trying again at the next scan",
-                        JOBS_BUCKET, type(err).__name__, err)
+            log.warning(
+                "listing the checkpoints in %s failed (%s: %s); trying again at the next scan",
+                JOBS_BUCKET,
+                type(err).__name__,
+                err,
+            )
             return []
         found = []
         for job_id in keys:
@@ -337,8 +363,7 @@ class JobStore:
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
         except (nats.errors.Error, OSError) as err:
-            log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id,
-                        type(err).__name__, err)
+            log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id, type(err).__name__, err)
             return None
         self._lease_rev[job_id] = rev
         try:
@@ -348,8 +373,9 @@ class JobStore:
             await self.release(job_id, keep_checkpoint=True)
             return None
         except (nats.errors.Error, OSError) as err:
-            log.warning("taking job %s: its checkpoint could not be read or rewritten (%s: %s)", job_id,
-                        type(err).__name__, err)
+            log.warning(
+                "taking job %s: its checkpoint could not be read or rewritten (%s: %s)", job_id, type(err).__name__, err
+            )
             await self.release(job_id, keep_checkpoint=True)
             return None
         self.takeovers += 1

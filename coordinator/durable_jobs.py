@@ -92,9 +92,10 @@ class DurableJobs:
         next_renew = next_scan = time.monotonic() + period
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(),
-                                       timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01))
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(
+                    self.wake.wait(), timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01)
+                )
+            except TimeoutError:
                 pass
             self.wake.clear()
             try:
@@ -185,8 +186,13 @@ class DurableJobs:
             self.ledger.admit(job_id, owner, client_id, steps=int(cp.request.steps), step=int(cp.step))
             self.jobs_resumed += 1
             resumed += 1
-            log.info("job %s resumed at step %d/%d from the checkpoint of %s", job_id, cp.step, cp.request.steps,
-                     rec.owner or "?")
+            log.info(
+                "job %s resumed at step %d/%d from the checkpoint of %s",
+                job_id,
+                cp.step,
+                cp.request.steps,
+                rec.owner or "?",
+            )
         if resumed:
             self.engine.wake()  # wake idle engine lanes (submit does the same)
         return resumed

@@ -12,7 +12,8 @@ of the most workers the transport knows for one expert (`transport.workers_per_e
 join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick: lanes are added as
 it grows, and an idle surplus lane leaves as it shrinks (at most that many batches out at once).
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
-time); the router weighs all of them in one call (off the event loop, in the engine's own router thread, one call at a time); each chosen expert gets ONE batched velocity call, all experts
+time); the router weighs all of them in one call (off the event loop, in the engine's own router
+thread, one call at a time); each chosen expert gets ONE batched velocity call, all experts
 concurrently. With `speculate` (the default) the calls do not wait for the router: each row's likely
 experts (what its strategy chose from its job's last router weights, `Batch.guess_requests`) are
 asked while the router runs; once it has spoken, each expert's guessed answer gives the rows the
@@ -53,7 +54,8 @@ import inspect
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -131,8 +133,9 @@ class BadExpertReply(ExpertUnavailable):
 
 
 class Transport(Protocol):
-    async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
-                       row_ids: list[str]) -> np.ndarray: ...
+    async def velocity(
+        self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids: list[str]
+    ) -> np.ndarray: ...
 
 
 class RouterLike(Protocol):
@@ -143,11 +146,22 @@ class Engine:
     """Owns the tick loop. `emit(event)` (sync or async) receives every job event in order.
     `metrics` defaults to a new `CoordinatorMetrics(scheduler)`."""
 
-    def __init__(self, scheduler: Scheduler, router: RouterLike, transport: Transport,
-                 emit: Callable[[Any], Any] | None = None, *, clock: Callable[[], float] = time.time,
-                 router_in_thread: bool = True, rate_window_s: float = 10.0,
-                 metrics: CoordinatorMetrics | None = None, cohorts: int | str = DEFAULT_COHORTS,
-                 route_every: int = 1, request_rows: int | None = None, speculate: bool = True):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        router: RouterLike,
+        transport: Transport,
+        emit: Callable[[Any], Any] | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        router_in_thread: bool = True,
+        rate_window_s: float = 10.0,
+        metrics: CoordinatorMetrics | None = None,
+        cohorts: int | str = DEFAULT_COHORTS,
+        route_every: int = 1,
+        request_rows: int | None = None,
+        speculate: bool = True,
+    ):
         check_cohorts(cohorts)
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
@@ -194,19 +208,28 @@ class Engine:
         loop has died)."""
         try:
             if self.dead is not None:
-                raise Rejected(ErrorCode.UNAVAILABLE, f"{self.dead}; submit to another coordinator or retry "
-                               "after it restarts")
+                raise Rejected(
+                    ErrorCode.UNAVAILABLE, f"{self.dead}; submit to another coordinator or retry after it restarts"
+                )
             owner = client.split("/", 1)[0] if isinstance(client, str) else None  # the client token;
             if not subjects.is_token(owner):  # "/<session>" is only for fairness
-                raise Rejected(ErrorCode.BAD_REQUEST, f"client key {client!r:.80} must start with a client name "
-                               "(1-64 of [A-Za-z0-9_-]), optionally followed by /<session>")
+                raise Rejected(
+                    ErrorCode.BAD_REQUEST,
+                    f"client key {client!r:.80} must start with a client name "
+                    "(1-64 of [A-Za-z0-9_-]), optionally followed by /<session>",
+                )
             admitted = self.scheduler.submit(request, self.clock(), client=client, job_id=job_id)
         except Rejected as err:
             self.metrics.rejected(err.code, err.limit)
             raise
         self._poke()
-        return JobAccepted(job_id=admitted.job_id, events_subject=subjects.job_events(owner, admitted.job_id),
-                           digits=admitted.digits, seed=admitted.seed, queue_position=admitted.queue_position)
+        return JobAccepted(
+            job_id=admitted.job_id,
+            events_subject=subjects.job_events(owner, admitted.job_id),
+            **{request.label_field: admitted.digits},
+            seed=admitted.seed,
+            queue_position=admitted.queue_position,
+        )
 
     async def cancel(self, job_id: str, reason: str = "cancelled by client") -> bool:
         ok = self.scheduler.cancel(job_id, self.clock(), reason)
@@ -392,8 +415,10 @@ class Engine:
         guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
         if fresh.any():
             if self.speculate:
-                guesses = {k: (idx, asyncio.ensure_future(self._call(batch, k, idx)))
-                           for k, idx in batch.guess_requests().items()}
+                guesses = {
+                    k: (idx, asyncio.ensure_future(self._call(batch, k, idx)))
+                    for k, idx in batch.guess_requests().items()
+                }
                 self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
             try:
                 await self._route(batch, fresh, w)
@@ -406,8 +431,7 @@ class Engine:
             await self._take_guesses(batch, guesses)
         while reqs := batch.requests():
             experts = list(reqs)
-            results = await asyncio.gather(
-                *(self._call(batch, k, reqs[k]) for k in experts), return_exceptions=True)
+            results = await asyncio.gather(*(self._call(batch, k, reqs[k]) for k in experts), return_exceptions=True)
             for k, res in zip(experts, results):
                 self._settle(batch, k, reqs[k], res)
 
@@ -417,7 +441,9 @@ class Engine:
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
         async with self._router_lock:
             if self.router_in_thread:
-                got = await asyncio.get_running_loop().run_in_executor(self._router_thread(), self.router.weights, x, t, y)
+                got = await asyncio.get_running_loop().run_in_executor(
+                    self._router_thread(), self.router.weights, x, t, y
+                )
             else:
                 got = self.router.weights(x, t, y)
         got = np.asarray(got, dtype=np.float64)
@@ -448,6 +474,7 @@ class Engine:
         once. All experts concurrently, one call at a time per expert, and every guessed call is
         awaited (a job alone on the fleet sends the same requests in the same order every time,
         so a worker never merges them differently and its images repeat bit for bit)."""
+
         async def one(k: int) -> None:
             if k in guesses:
                 idx, task = guesses[k]
@@ -510,8 +537,9 @@ class Engine:
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
         try:
-            v = await self.transport.velocity(k, batch.x[idx], batch.t[idx], batch.y[idx],
-                                              [batch.row_ids[i] for i in idx])
+            v = await self.transport.velocity(
+                k, batch.x[idx], batch.t[idx], batch.y[idx], [batch.row_ids[i] for i in idx]
+            )
         finally:
             self.metrics.expert_call(k, time.perf_counter() - started)
         v = np.asarray(v)
@@ -553,11 +581,20 @@ class Engine:
         st = s.stats
         ticks = list(self.tick_ms)
         return dict(
-            active_jobs=s.active_jobs, active_rows=s.active_rows, queued_jobs=s.queued_jobs,
-            max_rows=s.config.max_rows, max_queued_jobs=s.config.max_queued_jobs,
-            num_experts=s.config.num_experts, jobs_submitted=st.jobs_submitted, jobs_done=st.jobs_done,
-            jobs_failed=st.jobs_failed, jobs_cancelled=st.jobs_cancelled, jobs_rejected=st.jobs_rejected,
-            images_done=st.images_done, ticks=st.ticks, rows_per_s=round(self.rows_per_s(), 2),
+            active_jobs=s.active_jobs,
+            active_rows=s.active_rows,
+            queued_jobs=s.queued_jobs,
+            max_rows=s.config.max_rows,
+            max_queued_jobs=s.config.max_queued_jobs,
+            num_experts=s.config.num_experts,
+            jobs_submitted=st.jobs_submitted,
+            jobs_done=st.jobs_done,
+            jobs_failed=st.jobs_failed,
+            jobs_cancelled=st.jobs_cancelled,
+            jobs_rejected=st.jobs_rejected,
+            images_done=st.images_done,
+            ticks=st.ticks,
+            rows_per_s=round(self.rows_per_s(), 2),
             tick_ms_p50=round(float(np.median(ticks)), 2) if ticks else 0.0,
             uptime_s=round(self.clock() - self.started_at, 1),
             unavailable_experts=sorted(self.last_unavailable),

@@ -73,9 +73,12 @@ class Intake:
         if subjects.is_reply_inbox(msg.reply, client) and not self._is_own_inbox(msg.reply):
             return True
         self.replies_dropped += 1
-        self._dropped_log.warning("dropped a request on %s: its reply subject %s is not an inbox of the requester "
-                                  "(replies go only to _INBOX.… or _INBOX_<client>.…)", shown(msg.subject),
-                                  shown(msg.reply))
+        self._dropped_log.warning(
+            "dropped a request on %s: its reply subject %s is not an inbox of the requester "
+            "(replies go only to _INBOX.… or _INBOX_<client>.…)",
+            shown(msg.subject),
+            shown(msg.reply),
+        )
         return False
 
     def _is_own_inbox(self, reply: str) -> bool:
@@ -123,9 +126,14 @@ class Intake:
         if msg.reply and not self._may_reply(msg, client):
             return  # a reply subject outside _INBOX: not even the job is taken
         if client is None:
-            await self._refused(msg, ErrorCode.BAD_REQUEST, (
-                f"the client name in the subject {shown(msg.subject)} is not valid: use 1-64 characters of "
-                "[A-Za-z0-9_-]"))
+            await self._refused(
+                msg,
+                ErrorCode.BAD_REQUEST,
+                (
+                    f"the client name in the subject {shown(msg.subject)} is not valid: use 1-64 characters of "
+                    "[A-Za-z0-9_-]"
+                ),
+            )
             return
         try:
             request = unpack(msg.data, JobRequest)
@@ -157,11 +165,21 @@ class Intake:
         """Answer a cancel / status request on `ddm.v1.c.<client>.jobs.<token>.<verb>` whose client
         or job token is not valid."""
         found = subjects.parse_job_namespace(msg.subject)
-        what_token, token = ("job id", found[1]) if found else ("client name", msg.subject.split(".")[3]
-                                                                 if msg.subject.count(".") >= 3 else msg.subject)
-        await self._reply(msg, ErrorReply(code=ErrorCode.BAD_REQUEST, message=(
-            f"{what}: the {what_token} in the subject, {shown(token)} ({len(token)} "
-            f"character{'s' * (len(token) != 1)}), is not valid: use 1-64 characters of [A-Za-z0-9_-]")))
+        what_token, token = (
+            ("job id", found[1])
+            if found
+            else ("client name", msg.subject.split(".")[3] if msg.subject.count(".") >= 3 else msg.subject)
+        )
+        await self._reply(
+            msg,
+            ErrorReply(
+                code=ErrorCode.BAD_REQUEST,
+                message=(
+                    f"{what}: the {what_token} in the subject, {shown(token)} ({len(token)} "
+                    f"character{'s' * (len(token) != 1)}), is not valid: use 1-64 characters of [A-Za-z0-9_-]"
+                ),
+            ),
+        )
 
     async def on_cancel(self, msg) -> None:
         parsed = subjects.parse_job_subject(msg.subject)
@@ -176,12 +194,17 @@ class Intake:
             try:
                 req = unpack(msg.data, CancelRequest)
             except ProtocolError as err:
-                await self._reply(msg, CancelReply(job_id=job_id, cancelled=False,
-                                                   reason=f"{err.code.value}: {err.message}"))
+                await self._reply(
+                    msg, CancelReply(job_id=job_id, cancelled=False, reason=f"{err.code.value}: {err.message}")
+                )
                 return
             if req.job_id != job_id:
-                await self._reply(msg, CancelReply(job_id=job_id, cancelled=False,
-                                                   reason=f"body job_id {req.job_id!r} does not match the subject"))
+                await self._reply(
+                    msg,
+                    CancelReply(
+                        job_id=job_id, cancelled=False, reason=f"body job_id {req.job_id!r} does not match the subject"
+                    ),
+                )
                 return
         ok = await self.coord.cancel(job_id, client=client)  # another client's job: not acted on, "unknown"
         if ok:
@@ -205,8 +228,11 @@ class Intake:
             status = await coord.job_status(job_id, client=client)
             # not ours, not this client's, or lost in a restart: "unknown", after the owner had its chance
             if status is None:
-                self._reply_later(msg, JobStatus(job_id=job_id, state="unknown", coordinator=coord.name,
-                                                 instance=coord.instance), delay=2 * NOT_MINE_DELAY)
+                self._reply_later(
+                    msg,
+                    JobStatus(job_id=job_id, state="unknown", coordinator=coord.name, instance=coord.instance),
+                    delay=2 * NOT_MINE_DELAY,
+                )
                 return
             if status.state in ("done", "failed"):  # publish the result again, then say so
                 ev = coord.finished_event(job_id, client=client)
@@ -221,6 +247,34 @@ class Intake:
         if not self._may_reply(msg):
             return
         try:
-            await self._reply(msg, self.coord.status())
+            await self._reply(msg, self.coord.status(include_spec=asks_for_spec(msg.data)))
         except Exception:
             log.exception("status failed")
+
+
+def asks_for_spec(body: bytes) -> bool:
+    """Whether a fleet status request asks for the fleet's model spec: a msgpack or JSON map with
+    "spec": true. Anything else (an empty body, as v1 clients send) is a plain status request."""
+    if not body or len(body) > 1024:
+        return False
+    try:
+        import msgpack
+
+        data = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=0,
+            max_str_len=64,
+            max_array_len=16,
+            max_map_len=16,
+            max_ext_len=0,
+        )
+    except Exception:
+        try:
+            import json
+
+            data = json.loads(body)
+        except Exception:
+            return False
+    return isinstance(data, dict) and data.get("spec") is True

@@ -25,12 +25,16 @@ JobName = tuple[str, str]
 class JobLedger:
     """Owners, progress and recently finished jobs, keyed by (client, job id)."""
 
-    def __init__(self, *, keep_finished: int = 256, keep_finished_bytes: int = 64 << 20,
-                 keep_finished_s: float = 600.0):
-        self.keep_finished, self.keep_finished_bytes, self.keep_finished_s = (keep_finished, keep_finished_bytes,
-                                                                             keep_finished_s)
-        self._live: dict[JobName, str] = {}          # (client, job id) -> internal id
-        self._names: dict[str, JobName] = {}         # internal id -> (client, job id)
+    def __init__(
+        self, *, keep_finished: int = 256, keep_finished_bytes: int = 64 << 20, keep_finished_s: float = 600.0
+    ):
+        self.keep_finished, self.keep_finished_bytes, self.keep_finished_s = (
+            keep_finished,
+            keep_finished_bytes,
+            keep_finished_s,
+        )
+        self._live: dict[JobName, str] = {}  # (client, job id) -> internal id
+        self._names: dict[str, JobName] = {}  # internal id -> (client, job id)
         self._progress: dict[str, tuple[int, int]] = {}  # internal id -> (step, steps) last known
         # (client, job id) -> (monotonic t, terminal event (client's job id), bytes, (step, steps) reached)
         self._finished: OrderedDict[JobName, tuple[float, Any, int, tuple[int, int]]] = OrderedDict()
@@ -121,8 +125,11 @@ class JobLedger:
         now = time.monotonic()
         while self._finished:
             t, _, size, _ = next(iter(self._finished.values()))
-            if (len(self._finished) <= self.keep_finished and self._finished_bytes <= self.keep_finished_bytes
-                    and now - t <= self.keep_finished_s):
+            if (
+                len(self._finished) <= self.keep_finished
+                and self._finished_bytes <= self.keep_finished_bytes
+                and now - t <= self.keep_finished_s
+            ):
                 break
             self._finished.popitem(last=False)
             self._finished_bytes -= size

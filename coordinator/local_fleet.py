@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,8 @@ def shipped_paths(directory: str | os.PathLike = DEFAULT_DIR) -> dict[str, Any]:
     if missing:
         raise FileNotFoundError(
             f"missing {', '.join(missing)}: train or fetch the checkpoints first (see checkpoints/README.md), "
-            "or pass --checkpoints DIR")
+            "or pass --checkpoints DIR"
+        )
     return {"experts": experts, "router": router, "partition": partition}
 
 
@@ -61,7 +63,9 @@ class LabelRouter:
             raise ValueError("need num_experts >= 1 and 0 < confidence <= 1")
         self.class_to_expert = np.asarray(class_to_expert, dtype=np.int64)
         if ((self.class_to_expert < 0) | (self.class_to_expert >= num_experts)).any():
-            raise ValueError(f"class_to_expert {self.class_to_expert.tolist()} names experts outside [0, {num_experts})")
+            raise ValueError(
+                f"class_to_expert {self.class_to_expert.tolist()} names experts outside [0, {num_experts})"
+            )
         self.num_experts = num_experts
         self.confidence = confidence
 
@@ -110,13 +114,19 @@ class InProcessTransport:
         for s in range(0, len(x), top):
             n = min(top, len(x) - s)
             b = bucket_for(n, self.buckets)
-            out = backend.forward(pad_rows(x[s:s + n], b), pad_rows(t[s:s + n], b), pad_rows(y[s:s + n], b))
+            out = backend.forward(pad_rows(x[s : s + n], b), pad_rows(t[s : s + n], b), pad_rows(y[s : s + n], b))
             parts.append(np.asarray(out)[:n])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def load_backends(paths: Sequence[str | os.PathLike], backend: str = "torch", *, bf16: bool = False,
-                  buckets: Sequence[int] = (), device: str | None = None) -> list[Any]:
+def load_backends(
+    paths: Sequence[str | os.PathLike],
+    backend: str = "torch",
+    *,
+    bf16: bool = False,
+    buckets: Sequence[int] = (),
+    device: str | None = None,
+) -> list[Any]:
     """One loaded backend per checkpoint (on `device`, None: the backend's default), warmed at `buckets`."""
     from workers.backends import get_backend
 
@@ -134,10 +144,21 @@ class LocalFleet:
     """nats-server (own, on a free port, unless `nats_url` is given) + `workers_per_expert`
     in-process ExpertWorkers per checkpoint + a Coordinator. Async context manager."""
 
-    def __init__(self, expert_checkpoints: Sequence[str | os.PathLike], router: Any, *, num_experts: int,
-                 class_to_expert: Sequence[int] | None = None, nats_url: str | None = None,
-                 workers_per_expert: int = 1, backend: str = "torch", device: str | None = None,
-                 bf16: bool = False, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), coordinator_options: dict | None = None):
+    def __init__(
+        self,
+        expert_checkpoints: Sequence[str | os.PathLike],
+        router: Any,
+        *,
+        num_experts: int,
+        class_to_expert: Sequence[int] | None = None,
+        nats_url: str | None = None,
+        workers_per_expert: int = 1,
+        backend: str = "torch",
+        device: str | None = None,
+        bf16: bool = False,
+        buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+        coordinator_options: dict | None = None,
+    ):
         if len(expert_checkpoints) != num_experts:
             raise ValueError(f"{len(expert_checkpoints)} expert checkpoints for {num_experts} experts")
         self.expert_checkpoints = [os.fspath(p) for p in expert_checkpoints]
@@ -157,14 +178,17 @@ class LocalFleet:
         self.coordinator = None
 
     @classmethod
-    def from_dir(cls, directory: str | os.PathLike = DEFAULT_DIR, **kw) -> "LocalFleet":
-        from .service import load_router_and_partition
+    def from_dir(cls, directory: str | os.PathLike = DEFAULT_DIR, **kw) -> LocalFleet:
+        from .service import load_router_and_partition, router_spec
 
         paths = shipped_paths(directory)
         router, k, c2e = load_router_and_partition(paths["router"], paths["partition"])
+        options = dict(kw.get("coordinator_options") or {})
+        options.setdefault("spec", router_spec(paths["router"]))
+        kw["coordinator_options"] = options
         return cls(paths["experts"][:k], router, num_experts=k, class_to_expert=c2e, **kw)
 
-    async def __aenter__(self) -> "LocalFleet":
+    async def __aenter__(self) -> LocalFleet:
         from bus.connect import connect
         from bus.nats_server import NatsServer
         from workers.service import ExpertWorker
@@ -181,13 +205,24 @@ class LocalFleet:
             # workers one after another: loading + warm-up is CPU bound anyway
             for k, path in enumerate(self.expert_checkpoints):
                 for _ in range(self.workers_per_expert):
-                    w = ExpertWorker(expert=k, checkpoint=path, backend=self.backend, device=self.device, bf16=self.bf16,
-                                     nats_url=self.url, buckets=self.buckets)
+                    w = ExpertWorker(
+                        expert=k,
+                        checkpoint=path,
+                        backend=self.backend,
+                        device=self.device,
+                        bf16=self.bf16,
+                        nats_url=self.url,
+                        buckets=self.buckets,
+                    )
                     await w.start()
                     self.workers.append(w)
-            self.coordinator = Coordinator(self.router, num_experts=self.num_experts,
-                                           class_to_expert=self.class_to_expert, nats_url=self.url,
-                                           **self.coordinator_options)
+            self.coordinator = Coordinator(
+                self.router,
+                num_experts=self.num_experts,
+                class_to_expert=self.class_to_expert,
+                nats_url=self.url,
+                **self.coordinator_options,
+            )
             await self.coordinator.__aenter__()
         except BaseException:
             await self.__aexit__(None, None, None)

@@ -75,23 +75,29 @@ class _SchedulerCollector:
         sched = self.scheduler
         st = sched.stats
         yield CounterMetricFamily("ddm_coordinator_ticks", "Ticks that stepped rows.", value=st.ticks)
-        yield CounterMetricFamily("ddm_coordinator_rows_stepped", "Row evaluations applied (one per row per tick).",
-                                  value=st.row_evals)
-        yield CounterMetricFamily("ddm_coordinator_row_fallbacks",
-                                  "Row evaluations whose experts were not the all-experts-up choice.",
-                                  value=st.row_fallbacks)
-        yield CounterMetricFamily("ddm_coordinator_jobs_accepted", "Jobs accepted at submit.",
-                                  value=st.jobs_submitted)
-        yield CounterMetricFamily("ddm_coordinator_jobs_over_run_time",
-                                  "Jobs failed with deadline_exceeded for running longer than max_job_run_s.",
-                                  value=st.jobs_over_run_time)
-        finished = CounterMetricFamily("ddm_coordinator_jobs_finished", "Jobs that ended, by outcome.",
-                                       labels=["outcome"])
+        yield CounterMetricFamily(
+            "ddm_coordinator_rows_stepped", "Row evaluations applied (one per row per tick).", value=st.row_evals
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_row_fallbacks",
+            "Row evaluations whose experts were not the all-experts-up choice.",
+            value=st.row_fallbacks,
+        )
+        yield CounterMetricFamily("ddm_coordinator_jobs_accepted", "Jobs accepted at submit.", value=st.jobs_submitted)
+        yield CounterMetricFamily(
+            "ddm_coordinator_jobs_over_run_time",
+            "Jobs failed with deadline_exceeded for running longer than max_job_run_s.",
+            value=st.jobs_over_run_time,
+        )
+        finished = CounterMetricFamily(
+            "ddm_coordinator_jobs_finished", "Jobs that ended, by outcome.", labels=["outcome"]
+        )
         for outcome, n in (("done", st.jobs_done), ("failed", st.jobs_failed), ("cancelled", st.jobs_cancelled)):
             finished.add_metric([outcome], n)
         yield finished
-        yield GaugeMetricFamily("ddm_coordinator_queued_jobs", "Jobs waiting for rows (queue depth).",
-                                value=sched.queued_jobs)
+        yield GaugeMetricFamily(
+            "ddm_coordinator_queued_jobs", "Jobs waiting for rows (queue depth).", value=sched.queued_jobs
+        )
         yield GaugeMetricFamily("ddm_coordinator_active_jobs", "Jobs running.", value=sched.active_jobs)
         yield GaugeMetricFamily("ddm_coordinator_active_rows", "Images being denoised.", value=sched.active_rows)
 
@@ -104,31 +110,42 @@ class _TransportCollector:
         self.transport = transport
 
     def collect(self):
-        requests = CounterMetricFamily("ddm_coordinator_expert_requests",
-                                       "Expert requests sent (tries; hedge copies not counted).", labels=["expert"])
+        requests = CounterMetricFamily(
+            "ddm_coordinator_expert_requests",
+            "Expert requests sent (tries; hedge copies not counted).",
+            labels=["expert"],
+        )
         for expert, n in sorted(dict(getattr(self.transport, "requests_sent", {})).items()):
             requests.add_metric([str(expert)], n)
         yield requests
-        hedges = CounterMetricFamily("ddm_coordinator_expert_hedges",
-                                     "Hedged expert requests (a second copy sent), by outcome: won, lost, failed.",
-                                     labels=["expert", "outcome"])
+        hedges = CounterMetricFamily(
+            "ddm_coordinator_expert_hedges",
+            "Hedged expert requests (a second copy sent), by outcome: won, lost, failed.",
+            labels=["expert", "outcome"],
+        )
         for (expert, outcome), n in sorted(dict(getattr(self.transport, "hedge_counts", {})).items()):
             hedges.add_metric([str(expert), outcome], n)
         yield hedges
-        legs = CounterMetricFamily("ddm_coordinator_expert_dispatch",
-                                   "Expert request legs sent, by route: direct (to one worker picked by "
-                                   "join-shortest-queue) or queue (the expert's queue group).",
-                                   labels=["expert", "route"])
+        legs = CounterMetricFamily(
+            "ddm_coordinator_expert_dispatch",
+            "Expert request legs sent, by route: direct (to one worker picked by "
+            "join-shortest-queue) or queue (the expert's queue group).",
+            labels=["expert", "route"],
+        )
         for (expert, route), n in sorted(dict(getattr(self.transport, "dispatch_counts", {})).items()):
             legs.add_metric([str(expert), route], n)
         yield legs
-        yield CounterMetricFamily("ddm_coordinator_direct_fallbacks",
-                                  "Direct legs answered 'no responders' (the worker is gone) and sent to the "
-                                  "queue group instead.", value=int(getattr(self.transport, "direct_fallbacks", 0)))
+        yield CounterMetricFamily(
+            "ddm_coordinator_direct_fallbacks",
+            "Direct legs answered 'no responders' (the worker is gone) and sent to the queue group instead.",
+            value=int(getattr(self.transport, "direct_fallbacks", 0)),
+        )
         dispatcher = getattr(self.transport, "dispatcher", None)
-        known = GaugeMetricFamily("ddm_coordinator_known_workers",
-                                  "Workers of each expert that direct dispatch knows (seen in a good reply "
-                                  "within the last 30 s).", labels=["expert"])
+        known = GaugeMetricFamily(
+            "ddm_coordinator_known_workers",
+            "Workers of each expert that direct dispatch knows (seen in a good reply within the last 30 s).",
+            labels=["expert"],
+        )
         if dispatcher is not None:
             for expert, workers in dispatcher.snapshot().items():
                 known.add_metric([str(expert)], len(workers))
@@ -142,28 +159,42 @@ class _EngineCollector:
         self.engine = engine
 
     def collect(self):
-        yield GaugeMetricFamily("ddm_coordinator_cohorts",
-                                "Batches of rows the engine keeps out at once (--cohorts; auto: 2, 3 from 4 "
-                                "workers per expert, 4 from 8).", value=self.engine.cohorts_now())
-        yield GaugeMetricFamily("ddm_coordinator_batches_out", "Batches out now (between schedule and update).",
-                                value=self.engine.batches_out)
-        yield CounterMetricFamily("ddm_coordinator_rows_guessed",
-                                  "Rows sent to an expert before the router weighed them (--speculate).",
-                                  value=self.engine.rows_guessed)
-        yield CounterMetricFamily("ddm_coordinator_rows_guessed_unused",
-                                  "Guessed rows whose answer the routing did not need (work the experts did in vain).",
-                                  value=self.engine.rows_guessed_unused)
+        yield GaugeMetricFamily(
+            "ddm_coordinator_cohorts",
+            "Batches of rows the engine keeps out at once (--cohorts; auto: 2, 3 from 4 workers per expert, 4 from 8).",
+            value=self.engine.cohorts_now(),
+        )
+        yield GaugeMetricFamily(
+            "ddm_coordinator_batches_out",
+            "Batches out now (between schedule and update).",
+            value=self.engine.batches_out,
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_rows_guessed",
+            "Rows sent to an expert before the router weighed them (--speculate).",
+            value=self.engine.rows_guessed,
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_rows_guessed_unused",
+            "Guessed rows whose answer the routing did not need (work the experts did in vain).",
+            value=self.engine.rows_guessed_unused,
+        )
 
 
 class _StoreCollector:
     """Scrape-time view of a durable JobStore's counters (coordinator.durable): `writes`,
     `bytes_written`, `takeovers`, `leases_lost`."""
 
-    SERIES = (("ddm_coordinator_checkpoints_written", "writes", "Job checkpoints written to JetStream."),
-              ("ddm_coordinator_checkpoint_bytes", "bytes_written", "Bytes of the job checkpoints written."),
-              ("ddm_coordinator_job_takeovers", "takeovers", "Jobs taken over from another coordinator run."),
-              ("ddm_coordinator_job_leases_lost", "leases_lost",
-               "Jobs lost to another coordinator or to a lease not renewed in time."))
+    SERIES = (
+        ("ddm_coordinator_checkpoints_written", "writes", "Job checkpoints written to JetStream."),
+        ("ddm_coordinator_checkpoint_bytes", "bytes_written", "Bytes of the job checkpoints written."),
+        ("ddm_coordinator_job_takeovers", "takeovers", "Jobs taken over from another coordinator run."),
+        (
+            "ddm_coordinator_job_leases_lost",
+            "leases_lost",
+            "Jobs lost to another coordinator or to a lease not renewed in time.",
+        ),
+    )
 
     def __init__(self, store):
         self.store = store
@@ -179,16 +210,28 @@ class CoordinatorMetrics:
     def __init__(self, scheduler: Scheduler):
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(scheduler))
-        self._rejected = Counter("ddm_coordinator_jobs_rejected", "Jobs refused at submit, by error code.",
-                                 ["code"], registry=self.registry)
-        self._rejected_by_limit = Counter("ddm_coordinator_jobs_rejected_by_limit",
-                                          "Jobs refused at submit by an admission limit, by the limit's name.",
-                                          ["limit"], registry=self.registry)
-        self._request_s = Histogram("ddm_coordinator_expert_request_seconds",
-                                    "One expert's velocity call per tick (its requests and retries).", ["expert"],
-                                    buckets=REQUEST_BOUNDS, registry=self.registry)
-        self._expert_errors = Counter("ddm_coordinator_expert_errors", "Expert calls that failed, by error code.",
-                                      ["expert", "code"], registry=self.registry)
+        self._rejected = Counter(
+            "ddm_coordinator_jobs_rejected", "Jobs refused at submit, by error code.", ["code"], registry=self.registry
+        )
+        self._rejected_by_limit = Counter(
+            "ddm_coordinator_jobs_rejected_by_limit",
+            "Jobs refused at submit by an admission limit, by the limit's name.",
+            ["limit"],
+            registry=self.registry,
+        )
+        self._request_s = Histogram(
+            "ddm_coordinator_expert_request_seconds",
+            "One expert's velocity call per tick (its requests and retries).",
+            ["expert"],
+            buckets=REQUEST_BOUNDS,
+            registry=self.registry,
+        )
+        self._expert_errors = Counter(
+            "ddm_coordinator_expert_errors",
+            "Expert calls that failed, by error code.",
+            ["expert", "code"],
+            registry=self.registry,
+        )
 
     def rejected(self, code: ErrorCode | str, limit: str | None = None) -> None:
         """Count a job refused at submit with ErrorCode `code`; `limit` names the admission limit

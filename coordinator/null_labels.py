@@ -33,8 +33,14 @@ def probe_step(expert: int, y: int = 0, image_shape: tuple[int, ...] = (1, 32, 3
 
     from schemas import StepRequest
 
-    return pack(StepRequest(expert=expert, x_t=np.zeros((1, *image_shape), np.float32), t=np.zeros(1, np.float32),
-                            y=np.full(1, y, np.int64)))
+    return pack(
+        StepRequest(
+            expert=expert,
+            x_t=np.zeros((1, *image_shape), np.float32),
+            t=np.zeros(1, np.float32),
+            y=np.full(1, y, np.int64),
+        )
+    )
 
 
 class NullLabelProbes:
@@ -65,12 +71,16 @@ class NullLabelProbes:
                     self.known[k] = (got[0], got[1], time.monotonic() + NULL_LABEL_TTL_S)
         lacking = sorted(k for k, (has, _, _) in self.known.items() if has is False)
         if lacking:
-            raise Rejected(ErrorCode.BAD_REQUEST, (
-                f"{request.n_unconditional} of {request.n_images} digits are -1 (label unknown), but expert"
-                f"{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} of this fleet "
-                f"{'have' if len(lacking) > 1 else 'has'} no null label (its worker said: "
-                f"{self.known[lacking[0]][1]}): ask for digits 0-9, or serve experts trained with "
-                "train-expert --label-dropout > 0"))
+            raise Rejected(
+                ErrorCode.BAD_REQUEST,
+                (
+                    f"{request.n_unconditional} of {request.n_images} digits are -1 (label unknown), but expert"
+                    f"{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} of this fleet "
+                    f"{'have' if len(lacking) > 1 else 'has'} no null label (its worker said: "
+                    f"{self.known[lacking[0]][1]}): ask for digits 0-9, or serve experts trained with "
+                    "train-expert --label-dropout > 0"
+                ),
+            )
 
     async def probe(self, expert: int) -> tuple[bool, str] | None:
         """Ask one worker of `expert` for a one-row y = -1 step: (True, "") when it serves it,

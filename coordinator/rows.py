@@ -105,7 +105,7 @@ class RowGroup:
         self._row_ids = [f"{self.job_id}:{i}" for i in range(n)]
 
     @classmethod
-    def from_seed(cls, job_id: str, seed: int, digits: list[int], image_shape: tuple[int, ...], **kw) -> "RowGroup":
+    def from_seed(cls, job_id: str, seed: int, digits: list[int], image_shape: tuple[int, ...], **kw) -> RowGroup:
         """Rows whose noise is `initial_noise(seed, i, image_shape)` for row i."""
         x = np.stack([initial_noise(seed, i, image_shape) for i in range(len(digits))])
         return cls(job_id=job_id, y=np.asarray(digits, np.int64), x=x, **kw)

@@ -42,18 +42,18 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from flow.solver import euler_update
-from schemas import DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
+from schemas import UNCONDITIONAL, DoneEvent, ErrorCode, FailedEvent, FrameEvent, JobRequest
 from schemas.tensor import frame_float16
 
 from .batch import Batch
-from .snapshot import JobCheckpoint
 from .rows import RowGroup, draw_digits
+from .snapshot import JobCheckpoint
 
 MAX_NOTES = 50
 
@@ -94,8 +94,12 @@ def experts_per_row(request: JobRequest, num_experts: int) -> int:
 def job_cost(request: JobRequest, num_experts: int) -> int:
     """Row-evaluations a job costs the fleet: images x steps x evaluations per step (heun 2)
     x experts evaluated per row (`experts_per_row`)."""
-    return (request.n_images * int(request.steps) * EVALS_PER_STEP.get(request.solver, 1)
-            * experts_per_row(request, num_experts))
+    return (
+        request.n_images
+        * int(request.steps)
+        * EVALS_PER_STEP.get(request.solver, 1)
+        * experts_per_row(request, num_experts)
+    )
 
 
 @dataclass
@@ -123,14 +127,19 @@ class SchedulerConfig:
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 (rows batched per tick), got {self.max_rows}")
         if self.max_queued_jobs < 1:
-            raise ValueError(f"max_queued_jobs must be >= 1 (a new job waits in the queue until the next tick), "
-                             f"got {self.max_queued_jobs}")
+            raise ValueError(
+                f"max_queued_jobs must be >= 1 (a new job waits in the queue until the next tick), "
+                f"got {self.max_queued_jobs}"
+            )
         if self.max_client_rows is not None and self.max_client_rows < 1:
-            raise ValueError(f"max_client_rows must be >= 1 (rows one client may run at once) or None, "
-                             f"got {self.max_client_rows}")
+            raise ValueError(
+                f"max_client_rows must be >= 1 (rows one client may run at once) or None, got {self.max_client_rows}"
+            )
         if self.max_client_queued_jobs < 1:
-            raise ValueError(f"max_client_queued_jobs must be >= 1 (jobs one client may have waiting), "
-                             f"got {self.max_client_queued_jobs}")
+            raise ValueError(
+                f"max_client_queued_jobs must be >= 1 (jobs one client may have waiting), "
+                f"got {self.max_client_queued_jobs}"
+            )
         if self.max_job_cost is not None and self.max_job_cost < 1:
             raise ValueError(f"max_job_cost must be >= 1 row-evaluation or None, got {self.max_job_cost}")
         if self.max_job_run_s is not None and not self.max_job_run_s > 0:
@@ -282,8 +291,9 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------ intake
-    def submit(self, request: JobRequest, now: float, client: str = DEFAULT_CLIENT,
-               job_id: str | None = None) -> Admission:
+    def submit(
+        self, request: JobRequest, now: float, client: str = DEFAULT_CLIENT, job_id: str | None = None
+    ) -> Admission:
         """Queue a validated job for `client` (an opaque fairness key) under `job_id` (default: the
         request's, else a random one). Raises Rejected(code, reason, limit) if it cannot run here."""
         try:
@@ -297,47 +307,81 @@ class Scheduler:
     def _submit(self, request: JobRequest, now: float, client: str, job_id: str | None = None) -> Admission:
         cfg = self.config
         if not isinstance(client, str) or not 1 <= len(client) <= MAX_CLIENT_KEY_LEN:
-            raise Rejected(ErrorCode.BAD_REQUEST, f"client key must be a string of 1-{MAX_CLIENT_KEY_LEN} characters, "
-                           f"got {client!r:.80}")
+            raise Rejected(
+                ErrorCode.BAD_REQUEST,
+                f"client key must be a string of 1-{MAX_CLIENT_KEY_LEN} characters, got {client!r:.80}",
+            )
         n = request.n_images
         if n > cfg.max_rows:
-            raise Rejected(ErrorCode.TOO_LARGE, f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} "
-                           f"rows at once", "max_rows")
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} rows at once",
+                "max_rows",
+            )
         if n > cfg.client_rows:
-            raise Rejected(ErrorCode.TOO_LARGE, f"client quota: job asks for {n} images but one client runs at most "
-                           f"{cfg.client_rows} rows at once (limit {cfg.client_rows})", "max_client_rows")
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"client quota: job asks for {n} images but one client runs at most "
+                f"{cfg.client_rows} rows at once (limit {cfg.client_rows})",
+                "max_client_rows",
+            )
         if cfg.max_job_cost is not None:
             cost = job_cost(request, cfg.num_experts)
             if cost > cfg.max_job_cost:
-                raise Rejected(ErrorCode.TOO_LARGE, (
-                    f"job cost {cost} row-evaluations ({n} images x {request.steps} steps x "
-                    f"{EVALS_PER_STEP.get(request.solver, 1)} evaluations per step ({request.solver}) x "
-                    f"{experts_per_row(request, cfg.num_experts)} experts per row ({request.strategy})) is over "
-                    f"the limit of {cfg.max_job_cost} per job; ask for fewer images or steps"), "max_job_cost")
+                raise Rejected(
+                    ErrorCode.TOO_LARGE,
+                    (
+                        f"job cost {cost} row-evaluations ({n} images x {request.steps} steps x "
+                        f"{EVALS_PER_STEP.get(request.solver, 1)} evaluations per step ({request.solver}) x "
+                        f"{experts_per_row(request, cfg.num_experts)} experts per row ({request.strategy})) is over "
+                        f"the limit of {cfg.max_job_cost} per job; ask for fewer images or steps"
+                    ),
+                    "max_job_cost",
+                )
         if request.strategy == "oracle" and cfg.class_to_expert is None:
-            raise Rejected(ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none")
-        if request.digits is not None and any(d >= cfg.num_classes for d in request.digits):
-            raise Rejected(ErrorCode.BAD_REQUEST, f"digits must be in [0, {cfg.num_classes})")
+            raise Rejected(
+                ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none"
+            )
+        if request.classes is not None and any(d >= cfg.num_classes for d in request.classes):
+            raise Rejected(
+                ErrorCode.BAD_REQUEST,
+                f"{request.label_field} must be in [0, {cfg.num_classes}) (or {UNCONDITIONAL}: label unknown)",
+            )
         job_id = job_id or request.job_id or secrets.token_hex(8)
         if self.knows(job_id):
             raise Rejected(ErrorCode.BAD_REQUEST, f"job id {job_id!r} is already in use")
         starts_now = self._starts_now(client, n)
         if not starts_now:
             if len(self._queue) >= cfg.max_queued_jobs:
-                raise Rejected(ErrorCode.OVERLOADED, f"{len(self._queue)} jobs already queued (limit "
-                               f"{cfg.max_queued_jobs}); retry later", "max_queued_jobs")
+                raise Rejected(
+                    ErrorCode.OVERLOADED,
+                    f"{len(self._queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later",
+                    "max_queued_jobs",
+                )
             queued = self._client_queued.get(client, 0)
             if queued >= cfg.client_queued_jobs:
-                raise Rejected(ErrorCode.OVERLOADED, (
-                    f"client quota: {queued} queued jobs (limit {cfg.client_queued_jobs}) and "
-                    f"{self._client_rows.get(client, 0)} running rows; retry when one finishes"),
-                    "max_client_queued_jobs")
+                raise Rejected(
+                    ErrorCode.OVERLOADED,
+                    (
+                        f"client quota: {queued} queued jobs (limit {cfg.client_queued_jobs}) and "
+                        f"{self._client_rows.get(client, 0)} running rows; retry when one finishes"
+                    ),
+                    "max_client_queued_jobs",
+                )
         seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
-        digits = list(request.digits) if request.digits is not None else draw_digits(seed, n, cfg.num_classes)
+        digits = list(request.classes) if request.classes is not None else draw_digits(seed, n, cfg.num_classes)
         deadline = now + request.deadline_s if request.deadline_s is not None else None
         self._seq += 1
-        job = Job(request=request, job_id=job_id, digits=digits, seed=seed, submitted_at=now, deadline=deadline,
-                  client=client, seq=self._seq)
+        job = Job(
+            request=request,
+            job_id=job_id,
+            digits=digits,
+            seed=seed,
+            submitted_at=now,
+            deadline=deadline,
+            client=client,
+            seq=self._seq,
+        )
         self.stats.jobs_submitted += 1
         if starts_now:  # rows are free and nobody else could take them: active now, in the next tick's batch
             self._start(job, now)
@@ -435,9 +479,17 @@ class Scheduler:
         job = self._active.get(job_id) or next((j for j in self._queue if j.job_id == job_id), None)
         if job is None:
             return None
-        cp = JobCheckpoint(request=job.request, job_id=job.job_id, client=job.client, digits=list(job.digits),
-                           seed=int(job.seed), submitted_at=float(job.submitted_at), started_at=job.started_at,
-                           notes=list(job.notes), pending_notes=list(job.pending_notes))
+        cp = JobCheckpoint(
+            request=job.request,
+            job_id=job.job_id,
+            client=job.client,
+            digits=list(job.digits),
+            seed=int(job.seed),
+            submitted_at=float(job.submitted_at),
+            started_at=job.started_at,
+            notes=list(job.notes),
+            pending_notes=list(job.pending_notes),
+        )
         g = job.group
         if job_id in self._active and g is not None:
             cp.x = np.array(g.x, np.float32, copy=True)
@@ -466,63 +518,113 @@ class Scheduler:
         if any(not -1 <= int(d) < cfg.num_classes for d in cp.digits):  # -1: label unknown
             raise Rejected(ErrorCode.BAD_REQUEST, f"restore: digits must be in [0, {cfg.num_classes}) or -1")
         if n > cfg.max_rows:
-            raise Rejected(ErrorCode.TOO_LARGE, f"restore: job has {n} images but this coordinator runs at most "
-                           f"{cfg.max_rows} rows at once", "max_rows")
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"restore: job has {n} images but this coordinator runs at most {cfg.max_rows} rows at once",
+                "max_rows",
+            )
         if n > cfg.client_rows:
-            raise Rejected(ErrorCode.TOO_LARGE, f"restore: job has {n} images but one client runs at most "
-                           f"{cfg.client_rows} rows at once here", "max_client_rows")
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"restore: job has {n} images but one client runs at most {cfg.client_rows} rows at once here",
+                "max_client_rows",
+            )
         if cfg.max_job_cost is not None and job_cost(req, cfg.num_experts) > cfg.max_job_cost:
-            raise Rejected(ErrorCode.TOO_LARGE, f"restore: job cost {job_cost(req, cfg.num_experts)} row-evaluations "
-                           f"is over this coordinator's limit of {cfg.max_job_cost}", "max_job_cost")
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"restore: job cost {job_cost(req, cfg.num_experts)} row-evaluations "
+                f"is over this coordinator's limit of {cfg.max_job_cost}",
+                "max_job_cost",
+            )
         if req.strategy == "oracle" and cfg.class_to_expert is None:
             raise Rejected(ErrorCode.BAD_REQUEST, "restore: oracle strategy needs a partition manifest; none here")
         group = None
         if cp.x is not None:
             shape = (n, *cfg.image_shape)
             if tuple(cp.x.shape) != shape:
-                raise Rejected(ErrorCode.BAD_REQUEST, f"restore: checkpoint rows {list(cp.x.shape)} do not match "
-                               f"this coordinator's {list(shape)}")
+                raise Rejected(
+                    ErrorCode.BAD_REQUEST,
+                    f"restore: checkpoint rows {list(cp.x.shape)} do not match this coordinator's {list(shape)}",
+                )
             if cp.usage is None or cp.usage.shape != (n, cfg.num_experts):
                 got = None if cp.usage is None else list(cp.usage.shape)
-                raise Rejected(ErrorCode.BAD_REQUEST, f"restore: checkpoint usage {got} does not match "
-                               f"{cfg.num_experts} experts here")
-            if not 0 <= cp.step <= req.steps or (cp.stage == 1) != (cp.v0 is not None) or (
-                    cp.stage == 1 and req.solver != "heun"):
-                raise Rejected(ErrorCode.BAD_REQUEST, f"restore: inconsistent solver state (step {cp.step} of "
-                               f"{req.steps}, stage {cp.stage}, {req.solver})")
+                raise Rejected(
+                    ErrorCode.BAD_REQUEST,
+                    f"restore: checkpoint usage {got} does not match {cfg.num_experts} experts here",
+                )
+            if (
+                not 0 <= cp.step <= req.steps
+                or (cp.stage == 1) != (cp.v0 is not None)
+                or (cp.stage == 1 and req.solver != "heun")
+            ):
+                raise Rejected(
+                    ErrorCode.BAD_REQUEST,
+                    f"restore: inconsistent solver state (step {cp.step} of "
+                    f"{req.steps}, stage {cp.stage}, {req.solver})",
+                )
             c2e = cfg.class_to_expert
-            oracle = cp.oracle_expert if cp.oracle_expert is not None else np.array(
-                [c2e[y] if c2e is not None and y >= 0 else -1 for y in cp.digits], np.int64)
-            group = RowGroup(job_id=cp.job_id, y=np.asarray(cp.digits, np.int64), x=np.array(cp.x, np.float32),
-                             steps=req.steps, solver=req.solver, strategy=req.strategy, top_k=req.top_k,
-                             oracle_expert=oracle, num_experts=cfg.num_experts, step=int(cp.step),
-                             stage=int(cp.stage), v0=None if cp.v0 is None else np.array(cp.v0, np.float32),
-                             evals=int(cp.evals),
-                             route_w=None if cp.route_w is None else np.array(cp.route_w, np.float64),
-                             routed_at=int(cp.routed_at))
+            oracle = (
+                cp.oracle_expert
+                if cp.oracle_expert is not None
+                else np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in cp.digits], np.int64)
+            )
+            group = RowGroup(
+                job_id=cp.job_id,
+                y=np.asarray(cp.digits, np.int64),
+                x=np.array(cp.x, np.float32),
+                steps=req.steps,
+                solver=req.solver,
+                strategy=req.strategy,
+                top_k=req.top_k,
+                oracle_expert=oracle,
+                num_experts=cfg.num_experts,
+                step=int(cp.step),
+                stage=int(cp.stage),
+                v0=None if cp.v0 is None else np.array(cp.v0, np.float32),
+                evals=int(cp.evals),
+                route_w=None if cp.route_w is None else np.array(cp.route_w, np.float64),
+                routed_at=int(cp.routed_at),
+            )
             group.usage = np.array(cp.usage, np.int64)
         starts_now = self._starts_now(client, n)
         if not starts_now:
             if len(self._queue) >= cfg.max_queued_jobs:
-                raise Rejected(ErrorCode.OVERLOADED, f"restore: {len(self._queue)} jobs already queued (limit "
-                               f"{cfg.max_queued_jobs})", "max_queued_jobs")
+                raise Rejected(
+                    ErrorCode.OVERLOADED,
+                    f"restore: {len(self._queue)} jobs already queued (limit {cfg.max_queued_jobs})",
+                    "max_queued_jobs",
+                )
             if self._client_queued.get(client, 0) >= cfg.client_queued_jobs:
-                raise Rejected(ErrorCode.OVERLOADED, f"restore: client quota of {cfg.client_queued_jobs} queued "
-                               "jobs reached", "max_client_queued_jobs")
+                raise Rejected(
+                    ErrorCode.OVERLOADED,
+                    f"restore: client quota of {cfg.client_queued_jobs} queued jobs reached",
+                    "max_client_queued_jobs",
+                )
         deadline = cp.submitted_at + req.deadline_s if req.deadline_s is not None else None
         self._seq += 1
-        job = Job(request=req, job_id=cp.job_id, digits=[int(d) for d in cp.digits], seed=int(cp.seed),
-                  submitted_at=float(cp.submitted_at), deadline=deadline, client=client, seq=self._seq, group=group,
-                  step=int(cp.step) if group is not None else 0,
-                  started_at=cp.started_at if group is not None else None,
-                  notes=list(cp.notes)[:MAX_NOTES], pending_notes=list(cp.pending_notes))
+        job = Job(
+            request=req,
+            job_id=cp.job_id,
+            digits=[int(d) for d in cp.digits],
+            seed=int(cp.seed),
+            submitted_at=float(cp.submitted_at),
+            deadline=deadline,
+            client=client,
+            seq=self._seq,
+            group=group,
+            step=int(cp.step) if group is not None else 0,
+            started_at=cp.started_at if group is not None else None,
+            notes=list(cp.notes)[:MAX_NOTES],
+            pending_notes=list(cp.pending_notes),
+        )
         if starts_now:
             self._start(job, now)
         else:
             self._queue.append(job)
             self._client_queued[client] = self._client_queued.get(client, 0) + 1
-        return Admission(job_id=job.job_id, digits=job.digits, seed=job.seed,
-                         queue_position=0 if starts_now else len(self._queue))
+        return Admission(
+            job_id=job.job_id, digits=job.digits, seed=job.seed, queue_position=0 if starts_now else len(self._queue)
+        )
 
     def pop_events(self) -> list:
         ev, self._events = self._events, []
@@ -534,8 +636,14 @@ class Scheduler:
         """Rows of the jobs whose batch is out (scheduled, not yet updated)."""
         return sum(self._active[j].n for j in self._in_flight)
 
-    def schedule(self, now: float, unavailable: frozenset[int] | set[int] = frozenset(), *,
-                 cohorts: int = 1, request_rows: int | None = None) -> Batch | None:
+    def schedule(
+        self,
+        now: float,
+        unavailable: frozenset[int] | set[int] = frozenset(),
+        *,
+        cohorts: int = 1,
+        request_rows: int | None = None,
+    ) -> Batch | None:
         """Expire deadlines and run times, admit queued jobs fairly (see the module docstring),
         return a Batch of the active rows that are not already in a batch, or None.
 
@@ -560,14 +668,23 @@ class Scheduler:
         cfg = self.config
         for job in [*self._active.values(), *self._queue]:
             if job.deadline is not None and now > job.deadline:
-                self.fail(job.job_id, ErrorCode.DEADLINE_EXCEEDED,
-                          f"job did not finish within its deadline of {job.request.deadline_s:g} s")
-            elif (cfg.max_job_run_s is not None and job.started_at is not None
-                  and now - job.started_at > cfg.max_job_run_s):
+                self.fail(
+                    job.job_id,
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"job did not finish within its deadline of {job.request.deadline_s:g} s",
+                )
+            elif (
+                cfg.max_job_run_s is not None
+                and job.started_at is not None
+                and now - job.started_at > cfg.max_job_run_s
+            ):
                 self.stats.jobs_over_run_time += 1
-                self.fail(job.job_id, ErrorCode.DEADLINE_EXCEEDED,
-                          f"job ran longer than this coordinator's maximum run time of {cfg.max_job_run_s:g} s "
-                          f"per job (max_job_run_s); ask for fewer images or steps")
+                self.fail(
+                    job.job_id,
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"job ran longer than this coordinator's maximum run time of {cfg.max_job_run_s:g} s "
+                    f"per job (max_job_run_s); ask for fewer images or steps",
+                )
         rows_in_use = self.active_rows
         while job := self._next_admission():
             if rows_in_use + job.n > cfg.max_rows:
@@ -603,9 +720,17 @@ class Scheduler:
         c2e = cfg.class_to_expert
         if job.group is None:  # (a restored job brings its rows: see restore)
             job.group = RowGroup.from_seed(
-                job.job_id, job.seed, job.digits, cfg.image_shape, steps=req.steps, solver=req.solver,
-                strategy=req.strategy, top_k=req.top_k, num_experts=cfg.num_experts,
-                oracle_expert=np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in job.digits], np.int64))
+                job.job_id,
+                job.seed,
+                job.digits,
+                cfg.image_shape,
+                steps=req.steps,
+                solver=req.solver,
+                strategy=req.strategy,
+                top_k=req.top_k,
+                num_experts=cfg.num_experts,
+                oracle_expert=np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in job.digits], np.int64),
+            )
         if job.started_at is None:  # (a restored job keeps its first start)
             job.started_at = now
         self._active[job.job_id] = job
@@ -679,15 +804,22 @@ class Scheduler:
         if bad:
             wanted = np.nonzero((batch.ideal[rows] > 0).any(axis=0))[0]
             k = ([int(k) for k in wanted if int(k) in bad] or sorted(bad))[0]
-            self.fail(job.job_id, bad[k], f"expert {k} never sent a usable velocity for a step "
-                      f"({batch.failed_reasons.get(k, 'bad reply')}) and no other expert could take its rows")
+            self.fail(
+                job.job_id,
+                bad[k],
+                f"expert {k} never sent a usable velocity for a step "
+                f"({batch.failed_reasons.get(k, 'bad reply')}) and no other expert could take its rows",
+            )
             return
         reasons = "; ".join(f"expert {k}: {r}" for k, r in batch.failed_reasons.items())
         why = row_notes[0] if row_notes else "no expert could serve the step"
-        self.fail(job.job_id, ErrorCode.UNAVAILABLE,
-                  f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}")
+        self.fail(
+            job.job_id,
+            ErrorCode.UNAVAILABLE,
+            f"no expert could serve a step ({why}){'; ' + reasons if reasons else ''}",
+        )
 
-    def _after_step(self, job: Job, now: float, euler: "_EulerRows | None" = None, rows: slice | None = None) -> None:
+    def _after_step(self, job: Job, now: float, euler: _EulerRows | None = None, rows: slice | None = None) -> None:
         """A job completed a solver step: check it, emit its frame and, at the end, its images.
         `euler` / `rows`: the batch-wide Euler update the job's new x came from (its finite check
         and float16 frame are taken from there, computed once for the whole batch)."""
@@ -701,22 +833,35 @@ class Scheduler:
         room = MAX_NOTES - len(job.notes)
         job.notes.extend(notes[: max(room, 0)])
         if req.stream and (job.step % req.frame_every == 0 or g.done):
-            self._events.append(FrameEvent.trusted(  # built here to the schema: see FrameEvent.trusted
-                job_id=job.job_id, step=job.step, steps=req.steps, t=g.t,
-                x=euler.frame16[rows] if euler is not None else frame_float16(g.x),
-                experts=g.last_experts.tolist(), weights=g.last_weights, notes=notes,
-                x1=(frame_float16(g.x + (1.0 - g.t) * g.last_u)
-                    if req.frame_x1 and g.last_u is not None else None),
-            ))
+            self._events.append(
+                FrameEvent.trusted(  # built here to the schema: see FrameEvent.trusted
+                    job_id=job.job_id,
+                    step=job.step,
+                    steps=req.steps,
+                    t=g.t,
+                    x=euler.frame16[rows] if euler is not None else frame_float16(g.x),
+                    experts=g.last_experts.tolist(),
+                    weights=g.last_weights,
+                    notes=notes,
+                    x1=(frame_float16(g.x + (1.0 - g.t) * g.last_u) if req.frame_x1 and g.last_u is not None else None),
+                )
+            )
         if g.done:
             self._deactivate(job)
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
-            self._events.append(DoneEvent(
-                job_id=job.job_id, images=np.clip(g.x, -1.0, 1.0).astype(np.float32), digits=job.digits,
-                usage=(g.usage / max(g.evals, 1)).astype(np.float32), steps=req.steps,
-                strategy=req.strategy, elapsed_s=max(now - job.submitted_at, 0.0), notes=job.notes,
-            ))
+            self._events.append(
+                DoneEvent(
+                    job_id=job.job_id,
+                    images=np.clip(g.x, -1.0, 1.0).astype(np.float32),
+                    **{req.label_field: job.digits},
+                    usage=(g.usage / max(g.evals, 1)).astype(np.float32),
+                    steps=req.steps,
+                    strategy=req.strategy,
+                    elapsed_s=max(now - job.submitted_at, 0.0),
+                    notes=job.notes,
+                )
+            )
 
 
 def _whole_requests(jobs: list[Job], request_rows: int) -> list[Job]:
@@ -770,4 +915,3 @@ class _EulerRows:
         if self._frame16 is None:
             self._frame16 = frame_float16(self.x_next)
         return self._frame16
-

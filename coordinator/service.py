@@ -48,23 +48,25 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, ProtocolError, pack, subjects
+from schemas.spec import ModelSpec, legacy_spec
 
 from .config import CoordinatorConfig
 from .durable import CheckpointingScheduler, JobStore
 from .durable_jobs import DurableJobs
 from .engine import Engine, RouterLike, Transport
+from .fleet_spec import check_fleet_spec
 from .intake import MAX_DELAYED_REPLIES, NOT_MINE_DELAY, UNKNOWN_JOB, Intake  # noqa: F401 (re-exported)
 from .ledger import JobLedger
 from .metrics_endpoint import MetricsEndpoint
-from .null_labels import (NULL_LABEL_PROBE_S, NULL_LABEL_TTL_S, NULL_LABEL_UNKNOWN_TTL_S,  # noqa: F401
-                          NullLabelProbes, probe_step)
+from .null_labels import NULL_LABEL_PROBE_S, NULL_LABEL_TTL_S, NULL_LABEL_UNKNOWN_TTL_S, NullLabelProbes, probe_step  # noqa: F401
 from .scheduler import Rejected, Scheduler
-from .startup import load_router_and_partition, wait_for_experts  # noqa: F401 (re-exported)
+from .startup import load_router_and_partition, router_spec, wait_for_experts  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +85,31 @@ class Coordinator:
     closed on exit) or a URL (`nats_url`, or `config.nats`: connected and drained here). `transport`
     defaults to a `NatsTransport` of the config's expert-request settings."""
 
-    def __init__(self, router: RouterLike, config: CoordinatorConfig | None = None, *, num_experts: int,
-                 class_to_expert: Sequence[int] | None = None, nc: Any = None, nats_url: str | None = None,
-                 transport: Transport | None = None, **settings: Any):
+    def __init__(
+        self,
+        router: RouterLike,
+        config: CoordinatorConfig | None = None,
+        *,
+        num_experts: int,
+        class_to_expert: Sequence[int] | None = None,
+        nc: Any = None,
+        nats_url: str | None = None,
+        transport: Transport | None = None,
+        spec: ModelSpec | None = None,
+        **settings: Any,
+    ):
         cfg = config or CoordinatorConfig()
         self.settings = cfg = cfg.replace(**settings) if settings else cfg
         if nc is None and nats_url is None and cfg.nats is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
+        # The fleet's model spec: given (from the router checkpoint: checked against every worker at
+        # start), else the one the configured image shape implies (10 classes), not checked.
+        self.check_spec = spec is not None
+        self.spec = (
+            spec if spec is not None else legacy_spec(in_channels=cfg.image_shape[0], image_size=cfg.image_shape[1])
+        )
         # fair-sharing limits: passed through to the scheduler (see coordinator.scheduler)
-        self.config = cfg.scheduler_config(num_experts, class_to_expert)
+        self.config = cfg.scheduler_config(num_experts, class_to_expert, spec=self.spec)
         self.router, self.transport = router, transport
         self.nc, self._own_nc, self.nats_url = nc, nc is None, nats_url or cfg.nats
         self.name, self.step_timeout, self.retries = cfg.name, cfg.step_timeout, cfg.retries
@@ -101,8 +119,11 @@ class Coordinator:
         self.engine: Engine | None = None
         self._task: asyncio.Task | None = None
         self._subs: list = []
-        self.ledger = JobLedger(keep_finished=cfg.keep_finished, keep_finished_bytes=int(cfg.keep_finished_mb * 2**20),
-                                keep_finished_s=cfg.keep_finished_s)
+        self.ledger = JobLedger(
+            keep_finished=cfg.keep_finished,
+            keep_finished_bytes=int(cfg.keep_finished_mb * 2**20),
+            keep_finished_s=cfg.keep_finished_s,
+        )
         self.intake = Intake(self)
         self.null_labels = NullLabelProbes(nc, num_experts, self.config.image_shape, cfg.step_timeout)
         self.endpoint = MetricsEndpoint(cfg.metrics_port, cfg.metrics_host, cfg.metrics_optional)
@@ -111,8 +132,10 @@ class Coordinator:
         self.durable_jobs: DurableJobs | None = None  # durable jobs (coordinator.durable_jobs): --durable only
 
     @classmethod
-    def from_files(cls, router_path, partition_path, config: CoordinatorConfig | None = None, **kw) -> "Coordinator":
+    def from_files(cls, router_path, partition_path, config: CoordinatorConfig | None = None, **kw) -> Coordinator:
+        """A coordinator of the router and partition files, serving the router's model spec."""
         router, k, c2e = load_router_and_partition(router_path, partition_path)
+        kw.setdefault("spec", router_spec(router_path))
         return cls(router, config, num_experts=k, class_to_expert=c2e, **kw)
 
     # the parts' counters and settings, under their old names
@@ -127,7 +150,7 @@ class Coordinator:
         return self.store.lease_s if self.store is not None else self.settings.lease_s
 
     # ------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> "Coordinator":
+    async def __aenter__(self) -> Coordinator:
         from bus.connect import connect
 
         from .transport import NatsTransport
@@ -136,25 +159,49 @@ class Coordinator:
         if self.nc is None:
             self.nc = await connect(self.nats_url, name=self.name, reconnect="forever", pending_size=64 * 1024 * 1024)
             self.null_labels.nc = self.nc
+        if self.check_spec:  # refuse a fleet whose workers disagree with the router on the model spec
+            try:
+                self.spec = await check_fleet_spec(self.nc, self.spec)
+            except Exception:
+                if self._own_nc:
+                    await self.nc.close()
+                raise
         if self.transport is None:
-            self.transport = NatsTransport(self.nc, step_timeout=cfg.step_timeout, retries=cfg.retries,
-                                           bad_reply_retries=cfg.bad_reply_retries, wire_dtype=cfg.wire_dtype,
-                                           hedge=cfg.hedge, hedge_after_s=cfg.hedge_after_s, dispatch=cfg.dispatch,
-                                           max_rows=cfg.request_rows)
+            self.transport = NatsTransport(
+                self.nc,
+                step_timeout=cfg.step_timeout,
+                retries=cfg.retries,
+                bad_reply_retries=cfg.bad_reply_retries,
+                wire_dtype=cfg.wire_dtype,
+                hedge=cfg.hedge,
+                hedge_after_s=cfg.hedge_after_s,
+                dispatch=cfg.dispatch,
+                max_rows=cfg.request_rows,
+            )
         try:
             if cfg.durable:
-                self.store = await JobStore(self.nc, self.name, self.instance, lease_s=cfg.lease_s,
-                                            replicas=cfg.js_replicas).open()
-                self.durable_jobs = DurableJobs(self.store, self.ledger, name=self.name,
-                                                checkpoint_every=cfg.checkpoint_every)
+                self.store = await JobStore(
+                    self.nc, self.name, self.instance, lease_s=cfg.lease_s, replicas=cfg.js_replicas
+                ).open()
+                self.durable_jobs = DurableJobs(
+                    self.store, self.ledger, name=self.name, checkpoint_every=cfg.checkpoint_every
+                )
                 sched = CheckpointingScheduler(self.config, cfg.checkpoint_every, on_due=self.durable_jobs.wake.set)
             else:
                 sched = Scheduler(self.config)
             rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
-            self.engine = Engine(sched, self.router, self.transport, self._publish, cohorts=cfg.cohorts,
-                                 route_every=cfg.route_every, speculate=cfg.speculate,
-                                 request_rows=(rows_per(np.zeros((1, *self.config.image_shape), np.float32))
-                                               if callable(rows_per) else None))
+            self.engine = Engine(
+                sched,
+                self.router,
+                self.transport,
+                self._publish,
+                cohorts=cfg.cohorts,
+                route_every=cfg.route_every,
+                speculate=cfg.speculate,
+                request_rows=(
+                    rows_per(np.zeros((1, *self.config.image_shape), np.float32)) if callable(rows_per) else None
+                ),
+            )
             self.metrics = self.engine.metrics
             if hasattr(self.transport, "hedge_counts"):
                 self.metrics.watch_transport(self.transport)
@@ -181,8 +228,12 @@ class Coordinator:
             await self.durable_jobs.start(self.engine)
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         self._task.add_done_callback(self._engine_ended)
-        log.info("coordinator up: %d experts, max %d rows, %d queued jobs", self.config.num_experts,
-                 self.config.max_rows, self.config.max_queued_jobs)
+        log.info(
+            "coordinator up: %d experts, max %d rows, %d queued jobs",
+            self.config.num_experts,
+            self.config.max_rows,
+            self.config.max_queued_jobs,
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -200,7 +251,7 @@ class Coordinator:
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout=self.step_timeout * (self.retries + 1) + 5)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
             except Exception:
                 log.exception("engine ended with an error")
@@ -222,8 +273,11 @@ class Coordinator:
         """Done-callback of the engine task: a loop that died has already failed every job with
         `internal` and refuses submits (`unavailable`); say so loudly here."""
         if not task.cancelled() and task.exception() is not None:
-            log.critical("coordinator engine died (%s): every job failed, submits are refused; "
-                         "the process should exit and be restarted", self.engine_error)
+            log.critical(
+                "coordinator engine died (%s): every job failed, submits are refused; "
+                "the process should exit and be restarted",
+                self.engine_error,
+            )
 
     @property
     def engine_error(self) -> str | None:
@@ -268,8 +322,9 @@ class Coordinator:
         accepted = accepted.model_copy(update={"coordinator": self.name, "instance": self.instance})
         internal = accepted.job_id
         self.ledger.admit(internal, client, job_id or internal, steps=request.steps)
-        self.ledger.prune(self.engine.scheduler.knows, internal,
-                          2 * (self.config.max_queued_jobs + self.config.max_rows) + 64)
+        self.ledger.prune(
+            self.engine.scheduler.knows, internal, 2 * (self.config.max_queued_jobs + self.config.max_rows) + 64
+        )
         if self.durable_jobs is not None:
             self.durable_jobs.op("adopt", internal)
         publish = self._publish(accepted)
@@ -295,11 +350,14 @@ class Coordinator:
             self.ledger.note_progress(internal, state["step"], state["steps"])
         return await self.engine.cancel(internal)
 
-    def status(self) -> FleetStatus:
+    def status(self, include_spec: bool = False) -> FleetStatus:
+        """The fleet status snapshot; with `include_spec`, the fleet's model spec too."""
         assert self.engine is not None, "enter the context first"
         st = self.engine.status()
-        st["jobs_rejected"] = st.get("jobs_rejected", 0) + self.intake.rejected_unread  # every submit answered `rejected`
-        return FleetStatus(coordinator=self.name, **st)
+        st["jobs_rejected"] = (
+            st.get("jobs_rejected", 0) + self.intake.rejected_unread
+        )  # every submit answered `rejected`
+        return FleetStatus(coordinator=self.name, spec=self.spec if include_spec else None, **st)
 
     def owner_of(self, job_id: str) -> str | None:
         """The client token that owns a live or recently finished job `job_id` (any client's), else None."""
@@ -330,8 +388,14 @@ class Coordinator:
         if found is None:
             return None
         _, ev, (step, steps) = found
-        return JobStatus(job_id=job_id, state="done" if ev.kind == "done" else "failed", step=step, steps=steps,
-                         coordinator=self.name, instance=self.instance)
+        return JobStatus(
+            job_id=job_id,
+            state="done" if ev.kind == "done" else "failed",
+            step=step,
+            steps=steps,
+            coordinator=self.name,
+            instance=self.instance,
+        )
 
     # ------------------------------------------------------------ events
     async def _publish(self, event) -> None:

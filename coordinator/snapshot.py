@@ -1,4 +1,5 @@
-"""A running job's snapshot (resumable state, not model weights: those are models.checkpoint), and its bytes. Pure: no I/O, no clocks.
+"""A running job's snapshot (resumable state, not model weights: those are models.checkpoint), and
+its bytes. Pure: no I/O, no clocks.
 
 `Scheduler.checkpoint(job_id)` takes a `JobCheckpoint` (everything needed to go on with the job
 exactly where it is); `Scheduler.restore(cp, now)` re-creates the job from it, in this or another
@@ -19,7 +20,7 @@ between its two stages, plus ~1 KiB of fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 from pydantic import Field, ValidationError
@@ -75,16 +76,16 @@ class JobCheckpointRecord(Message):
     digits: list[int]
     seed: int = Field(ge=0, lt=2**63)
     submitted_at: float
-    started_at: Optional[float] = None
-    x: Optional[FiniteTensor] = None
+    started_at: float | None = None
+    x: FiniteTensor | None = None
     step: int = Field(default=0, ge=0)
     stage: int = Field(default=0, ge=0, le=1)
-    v0: Optional[FiniteTensor] = None
+    v0: FiniteTensor | None = None
     evals: int = Field(default=0, ge=0)
-    usage: Optional[Tensor] = None
-    route_w: Optional[Tensor] = None
+    usage: Tensor | None = None
+    route_w: Tensor | None = None
     routed_at: int = -1
-    oracle_expert: Optional[Tensor] = None
+    oracle_expert: Tensor | None = None
     notes: list[str] = Field(default_factory=list)
     pending_notes: list[str] = Field(default_factory=list)
     owner: str = ""
@@ -101,18 +102,37 @@ def encode(cp: JobCheckpoint, *, owner: str = "", written_at: float = 0.0) -> by
         rec = _record(cp, owner, written_at)
     except ValidationError as err:
         first = err.errors(include_url=False, include_input=False)[0]
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot encode the checkpoint of job {cp.job_id!r}: "
-                            f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"cannot encode the checkpoint of job {cp.job_id!r}: "
+            f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+        ) from None
     return pack(rec, max_bytes=MAX_CHECKPOINT_BYTES)
 
 
 def _record(cp: JobCheckpoint, owner: str, written_at: float) -> JobCheckpointRecord:
     return JobCheckpointRecord(
-        job_id=cp.job_id, client=cp.client, request=cp.request, digits=[int(d) for d in cp.digits], seed=int(cp.seed),
-        submitted_at=float(cp.submitted_at), started_at=None if cp.started_at is None else float(cp.started_at),
-        x=cp.x, step=int(cp.step), stage=int(cp.stage), v0=cp.v0, evals=int(cp.evals), usage=cp.usage,
-        route_w=cp.route_w, routed_at=int(cp.routed_at), oracle_expert=cp.oracle_expert, notes=list(cp.notes),
-        pending_notes=list(cp.pending_notes), owner=owner, written_at=float(written_at))
+        job_id=cp.job_id,
+        client=cp.client,
+        request=cp.request,
+        digits=[int(d) for d in cp.digits],
+        seed=int(cp.seed),
+        submitted_at=float(cp.submitted_at),
+        started_at=None if cp.started_at is None else float(cp.started_at),
+        x=cp.x,
+        step=int(cp.step),
+        stage=int(cp.stage),
+        v0=cp.v0,
+        evals=int(cp.evals),
+        usage=cp.usage,
+        route_w=cp.route_w,
+        routed_at=int(cp.routed_at),
+        oracle_expert=cp.oracle_expert,
+        notes=list(cp.notes),
+        pending_notes=list(cp.pending_notes),
+        owner=owner,
+        written_at=float(written_at),
+    )
 
 
 def _array(a, dtype, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray | None:
@@ -121,7 +141,9 @@ def _array(a, dtype, name: str, shape: tuple[int, ...] | None = None) -> np.ndar
     if a.dtype != np.dtype(dtype):
         raise ProtocolError(ErrorCode.BAD_DTYPE, f"checkpoint {name} must be {np.dtype(dtype).name}, got {a.dtype}")
     if shape is not None and tuple(a.shape) != shape:
-        raise ProtocolError(ErrorCode.BAD_SHAPE, f"checkpoint {name} must have shape {list(shape)}, got {list(a.shape)}")
+        raise ProtocolError(
+            ErrorCode.BAD_SHAPE, f"checkpoint {name} must have shape {list(shape)}, got {list(a.shape)}"
+        )
     return np.array(a, dtype=dtype, copy=True)  # writable copies (decoded tensors are read-only views)
 
 
@@ -139,12 +161,25 @@ def decode(data: bytes) -> tuple[JobCheckpoint, JobCheckpointRecord]:
     if usage is not None and (usage.ndim != 2 or usage.shape[0] != n):
         raise ProtocolError(ErrorCode.BAD_SHAPE, f"checkpoint usage must be [N={n}, K], got {list(usage.shape)}")
     cp = JobCheckpoint(
-        request=rec.request, job_id=rec.job_id, client=rec.client, digits=list(rec.digits), seed=rec.seed,
-        submitted_at=rec.submitted_at, started_at=rec.started_at, x=x, step=rec.step, stage=rec.stage,
-        v0=_array(rec.v0, np.float32, "v0", full), evals=rec.evals, usage=usage,
+        request=rec.request,
+        job_id=rec.job_id,
+        client=rec.client,
+        digits=list(rec.digits),
+        seed=rec.seed,
+        submitted_at=rec.submitted_at,
+        started_at=rec.started_at,
+        x=x,
+        step=rec.step,
+        stage=rec.stage,
+        v0=_array(rec.v0, np.float32, "v0", full),
+        evals=rec.evals,
+        usage=usage,
         route_w=_array(rec.route_w, np.float64, "route_w", (n, k) if k is not None else None),
-        routed_at=rec.routed_at, oracle_expert=_array(rec.oracle_expert, np.int64, "oracle_expert", (n,)),
-        notes=list(rec.notes), pending_notes=list(rec.pending_notes))
+        routed_at=rec.routed_at,
+        oracle_expert=_array(rec.oracle_expert, np.int64, "oracle_expert", (n,)),
+        notes=list(rec.notes),
+        pending_notes=list(rec.pending_notes),
+    )
     if cp.started and cp.usage is None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "checkpoint of a started job has no usage")
     return cp, rec

@@ -24,10 +24,28 @@ def load_router_and_partition(router_path: str | os.PathLike, partition_path: st
     router = Router.load(router_path)
     rk = getattr(router, "num_experts", manifest.num_experts)
     if rk != manifest.num_experts:
-        raise ValueError(f"router {os.fspath(router_path)!r} weighs {rk} experts but partition "
-                         f"{os.fspath(partition_path)!r} has {manifest.num_experts}: use files from the same run")
-    c2e = [int(manifest.class_to_expert(y)) for y in range(10)]
+        raise ValueError(
+            f"router {os.fspath(router_path)!r} weighs {rk} experts but partition "
+            f"{os.fspath(partition_path)!r} has {manifest.num_experts}: use files from the same run"
+        )
+    classes = int(getattr(getattr(router, "cfg", None), "num_classes", 10))
+    c2e = [int(manifest.class_to_expert(y)) for y in range(classes)]
     return router, int(manifest.num_experts), c2e
+
+
+def router_spec(router_path: str | os.PathLike):
+    """The model spec of a router checkpoint (`models.spec.spec_of` of its JSON: stored, or implied
+    by its config for routers made before specs). Raises SpecError / FileNotFoundError."""
+    import json
+    from pathlib import Path
+
+    from models.spec import spec_of
+
+    path = Path(router_path)
+    meta_path = path.with_suffix(".json")
+    if not meta_path.exists():
+        raise FileNotFoundError(f"router metadata {meta_path} does not exist (expected next to {path.name})")
+    return spec_of(json.loads(meta_path.read_text()), where=str(meta_path))
 
 
 async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:

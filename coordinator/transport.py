@@ -54,13 +54,13 @@ hedge delay (1.5 x the p99 of its recent call latencies, `HEDGE_FLOOR_S` at leas
 before `HEDGE_MIN_SAMPLES` calls; or a fixed `hedge_after_s`), the same request bytes (same
 `request_id`, same deadline) are published once more with a new reply subject, so the queue group
 can hand the copy to another worker (with direct dispatch: to another known worker with room,
-else to the queue group; never to the primary's worker directly). The first usable reply wins; the other leg is cancelled and
-its reply, if it comes, is dropped quietly (`late_replies`, not a stray). At most one hedge per try,
-and only for an expert whose recent replies came from at least two workers (a copy sent to a single
-worker only queues behind the original); a token bucket (`HEDGE_BUDGET` hedges per request,
-`HEDGE_BURST` at once) keeps a slow expert from doubling its own load. Both legs share the try's
-`step_timeout`. Counted in `hedge_counts[(expert, outcome)]`: won (the copy answered first), lost
-(the original did), failed (neither gave a usable reply).
+else to the queue group; never to the primary's worker directly). The first usable reply wins; the
+other leg is cancelled and its reply, if it comes, is dropped quietly (`late_replies`, not a stray).
+At most one hedge per try, and only for an expert whose recent replies came from at least two
+workers (a copy sent to a single worker only queues behind the original); a token bucket
+(`HEDGE_BUDGET` hedges per request, `HEDGE_BURST` at once) keeps a slow expert from doubling its own
+load. Both legs share the try's `step_timeout`. Counted in `hedge_counts[(expert, outcome)]`: won
+(the copy answered first), lost (the original did), failed (neither gave a usable reply).
 """
 
 from __future__ import annotations
@@ -75,8 +75,18 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from schemas import (ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, StepResult, loads, pack, subjects,
-                     validate)
+from schemas import (
+    ErrorCode,
+    ErrorReply,
+    ProtocolError,
+    StepReply,
+    StepRequest,
+    StepResult,
+    loads,
+    pack,
+    subjects,
+    validate,
+)
 from schemas.limits import MAX_STEP_ROWS
 from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
@@ -171,10 +181,21 @@ class HedgePolicy:
       `burst`, starting full; a hedge spends one.
     """
 
-    def __init__(self, mode: str = "auto", *, after_s: float | None = None, quantile: float = HEDGE_QUANTILE,
-                 margin: float = HEDGE_MARGIN, floor_s: float = HEDGE_FLOOR_S, start_s: float = HEDGE_START_S,
-                 min_samples: int = HEDGE_MIN_SAMPLES, window: int = HEDGE_WINDOW, budget: float = HEDGE_BUDGET,
-                 burst: float = HEDGE_BURST, workers_window: int = HEDGE_WORKERS_WINDOW):
+    def __init__(
+        self,
+        mode: str = "auto",
+        *,
+        after_s: float | None = None,
+        quantile: float = HEDGE_QUANTILE,
+        margin: float = HEDGE_MARGIN,
+        floor_s: float = HEDGE_FLOOR_S,
+        start_s: float = HEDGE_START_S,
+        min_samples: int = HEDGE_MIN_SAMPLES,
+        window: int = HEDGE_WINDOW,
+        budget: float = HEDGE_BUDGET,
+        burst: float = HEDGE_BURST,
+        workers_window: int = HEDGE_WORKERS_WINDOW,
+    ):
         if mode not in HEDGE_MODES:
             raise ValueError(f"hedge mode must be one of {list(HEDGE_MODES)}, got {mode!r}")
         if after_s is not None and not after_s > 0:
@@ -184,8 +205,10 @@ class HedgePolicy:
         if not margin >= 1:
             raise ValueError(f"margin must be >= 1, got {margin}")
         if floor_s < 0 or start_s <= 0 or min_samples < 1 or budget < 0 or burst < 1 or workers_window < 1:
-            raise ValueError("hedge floor_s >= 0, start_s > 0, min_samples >= 1, budget >= 0, burst >= 1 and "
-                             "workers_window >= 1 are required")
+            raise ValueError(
+                "hedge floor_s >= 0, start_s > 0, min_samples >= 1, budget >= 0, burst >= 1 and "
+                "workers_window >= 1 are required"
+            )
         self.mode, self.after_s, self.q, self.margin = mode, after_s, quantile, margin
         self.floor_s, self.start_s, self.min_samples = floor_s, start_s, min_samples
         self.window, self.budget, self.burst, self.workers_window = window, budget, burst, workers_window
@@ -280,9 +303,20 @@ class NatsTransport:
     dispatch: "direct" (join-shortest-queue over the known workers, module docstring) or "queue"
     (every try to the queue group)."""
 
-    def __init__(self, nc, *, step_timeout: float = 10.0, retries: int = 2, max_rows: int = MAX_STEP_ROWS,
-                 bad_reply_retries: int = 4, reconnect_grace: float = 10.0, wire_dtype: str = "float32",
-                 hedge: str = "auto", hedge_after_s: float | None = None, dispatch: str = "direct"):
+    def __init__(
+        self,
+        nc,
+        *,
+        step_timeout: float = 10.0,
+        retries: int = 2,
+        max_rows: int = MAX_STEP_ROWS,
+        bad_reply_retries: int = 4,
+        reconnect_grace: float = 10.0,
+        wire_dtype: str = "float32",
+        hedge: str = "auto",
+        hedge_after_s: float | None = None,
+        dispatch: str = "direct",
+    ):
         if step_timeout <= 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         if retries < 0:
@@ -325,8 +359,9 @@ class NatsTransport:
         self._mux_lock = asyncio.Lock()
         self._stray_logged_at = float("-inf")
 
-    async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
-                       row_ids: list[str]) -> np.ndarray:
+    async def velocity(
+        self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids: list[str]
+    ) -> np.ndarray:
         n = len(x)
         per = self.rows_per_request(x)
         if n <= per:
@@ -392,8 +427,12 @@ class NatsTransport:
         now = time.monotonic()
         if now - self._stray_logged_at >= STRAY_LOG_INTERVAL:
             self._stray_logged_at = now
-            log.warning("dropped a reply on %s: no request of ours is waiting on that subject (forged, "
-                        "duplicate or late; %d so far)", subject[:200], self.stray_replies)
+            log.warning(
+                "dropped a reply on %s: no request of ours is waiting on that subject (forged, "
+                "duplicate or late; %d so far)",
+                subject[:200],
+                self.stray_replies,
+            )
 
     async def _ask(self, subject: str, payload: bytes, timeout: float):
         """Publish a request with a fresh unguessable reply subject; the reply message.
@@ -409,7 +448,7 @@ class NatsTransport:
             await self.nc.publish(subject, payload, reply=f"{prefix}.{token}")
             try:
                 msg = await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise nats.errors.TimeoutError from None
         except asyncio.CancelledError:  # a hedge leg that lost: its reply may still come, quietly dropped
             self._retired[token] = None
@@ -448,9 +487,16 @@ class NatsTransport:
                 self.retried += 1
             attempt += 1
             epoch = self._observe_reconnects()
-            req = StepRequest(expert=expert, x_t=x_wire, t=t32, y=y64, row_ids=list(row_ids),
-                              deadline=time.time() + self.step_timeout, request_id=f"s{next(self._ids)}",
-                              reply_dtype=reply_dtype)
+            req = StepRequest(
+                expert=expert,
+                x_t=x_wire,
+                t=t32,
+                y=y64,
+                row_ids=list(row_ids),
+                deadline=time.time() + self.step_timeout,
+                request_id=f"s{next(self._ids)}",
+                reply_dtype=reply_dtype,
+            )
             try:
                 return await self._exchange(expert, subject, pack(req), x32.shape, row_ids)
             except nats.errors.NoRespondersError:
@@ -458,17 +504,19 @@ class NatsTransport:
                     await asyncio.sleep(NO_RESPONDERS_BACKOFF)
                     continue
                 raise ExpertUnavailable(expert, "has no responders") from None
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 down = self._observe_reconnects() != epoch or not getattr(self.nc, "is_connected", True)
                 if down and lost < MAX_LOST_TO_RECONNECT:
                     lost += 1
-                    log.warning("expert %d: request %s lost with the NATS connection; sending it again",
-                                expert, req.request_id)
+                    log.warning(
+                        "expert %d: request %s lost with the NATS connection; sending it again", expert, req.request_id
+                    )
                     continue
                 tries += 1
                 last = f"timed out after {self.step_timeout:g} s"
-                log.warning("expert %d: request %s %s (try %d/%d)", expert, req.request_id, last, tries,
-                            self.retries + 1)
+                log.warning(
+                    "expert %d: request %s %s (try %d/%d)", expert, req.request_id, last, tries, self.retries + 1
+                )
                 if tries > self.retries:
                     break
                 continue
@@ -484,9 +532,15 @@ class NatsTransport:
                 self.bad_replies += 1
                 self.bad_workers[bad.worker or "?"] += 1
                 last = f"bad reply from worker {bad.worker or '(unnamed)'}: {bad.why}"
-                log.warning("expert %d: bad reply to request %s from worker %s: %s (bad reply %d of at most %d)",
-                            expert, req.request_id, bad.worker or "(unnamed)", bad.why, bad_tries,
-                            self.bad_reply_retries + 1)
+                log.warning(
+                    "expert %d: bad reply to request %s from worker %s: %s (bad reply %d of at most %d)",
+                    expert,
+                    req.request_id,
+                    bad.worker or "(unnamed)",
+                    bad.why,
+                    bad_tries,
+                    self.bad_reply_retries + 1,
+                )
                 if bad_tries > self.bad_reply_retries:
                     break
                 continue
@@ -495,8 +549,13 @@ class NatsTransport:
                 if err.code == ErrorCode.NON_FINITE and reply_dtype is not None:
                     # e.g. a velocity beyond float16's range: the worker said so; ask again in float32
                     self.wire_fallbacks += 1
-                    log.warning("expert %d: request %s in %s: %s; sending it again in float32", expert,
-                                req.request_id, reply_dtype, last)
+                    log.warning(
+                        "expert %d: request %s in %s: %s; sending it again in float32",
+                        expert,
+                        req.request_id,
+                        reply_dtype,
+                        last,
+                    )
                     x_wire, reply_dtype = x32, None
                     continue
                 if err.code not in TRANSIENT:
@@ -526,8 +585,9 @@ class NatsTransport:
             return None
         return self.dispatcher.pick(expert, exclude, explore=explore)
 
-    def _start_leg(self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids,
-                   token: str | None) -> asyncio.Future:
+    def _start_leg(
+        self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids, token: str | None
+    ) -> asyncio.Future:
         """The task of one leg. A direct leg counts as outstanding at its worker from now (before the
         task first runs, so the next pick of a gathered batch sees it) until the task is done,
         whether it succeeded, failed or was cancelled (even before it started)."""
@@ -548,8 +608,9 @@ class NatsTransport:
             self.dispatcher.seen(expert, worker)
         return v, worker
 
-    async def _leg(self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids,
-                   token: str | None = None):
+    async def _leg(
+        self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids, token: str | None = None
+    ):
         """Send the request once and check the reply: (velocity float32, worker id). token: send it
         to that worker's direct subject first; "no responders" there sends it to the queue group
         `subject` at once (same leg, the time left); any other failure forgets that worker."""
@@ -567,7 +628,7 @@ class NatsTransport:
                 self.dispatcher.forget(expert, token, ban=not self._in_reconnect_grace())
                 self.direct_fallbacks += 1
                 log.debug("expert %d: worker %s has no direct subscriber; sending to the queue group", expert, token)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 self.dispatcher.forget(expert, token)
                 raise
             except _BadReply:

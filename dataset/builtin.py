@@ -57,10 +57,12 @@ def palette_table() -> dict:
     return {
         "foreground": {k: list(v) for k, v in FOREGROUNDS.items()},
         "background": {k: list(v) for k, v in BACKGROUNDS.items()},
-        "combinations": [{"index": i, "foreground": f, "background": b, "name": f"{f} on {b}"}
-                         for i, (f, b) in enumerate(COMBINATIONS)],
+        "combinations": [
+            {"index": i, "foreground": f, "background": b, "name": f"{f} on {b}"}
+            for i, (f, b) in enumerate(COMBINATIONS)
+        ],
         "assignment": "uniform over combinations, np.random.default_rng([seed, split index]).integers "
-                      "over the full split, independent of the digit",
+        "over the full split, independent of the digit",
         "per_image_array": "palette",
     }
 
@@ -68,7 +70,7 @@ def palette_table() -> dict:
 def pad28(images_u8: np.ndarray) -> np.ndarray:
     """uint8 [N, 28, 28] -> uint8 [N, 1, 32, 32], zero border of PAD (as `load_mnist` pads)."""
     out = np.zeros((len(images_u8), 1, 28 + 2 * PAD, 28 + 2 * PAD), dtype=np.uint8)
-    out[:, 0, PAD:PAD + 28, PAD:PAD + 28] = images_u8
+    out[:, 0, PAD : PAD + 28, PAD : PAD + 28] = images_u8
     return out
 
 
@@ -87,8 +89,8 @@ def colourize(images_u8: np.ndarray, palette: np.ndarray, chunk: int = 8192) -> 
     out = np.empty((len(images_u8), 3, *images_u8.shape[2:]), dtype=np.uint8)
     channel = np.arange(3)[None, :, None, None]
     for i in range(0, len(images_u8), chunk):
-        pal = np.asarray(palette[i:i + chunk])[:, None, None, None]
-        out[i:i + chunk] = lut[pal, channel, images_u8[i:i + chunk]]
+        pal = np.asarray(palette[i : i + chunk])[:, None, None, None]
+        out[i : i + chunk] = lut[pal, channel, images_u8[i : i + chunk]]
     return out
 
 
@@ -133,8 +135,14 @@ def prepare_builtin(
         digest.update(y.tobytes())
     out = Path(out) if out is not None else default_out(dataset, data_dir, limit)
     colour = dataset == "colour-mnist"
-    key = inputs_key({"kind": dataset, "mnist_sha256": digest.hexdigest(), "limit": limit,
-                      **({"seed": seed, "palette": palette_table()} if colour else {})})
+    key = inputs_key(
+        {
+            "kind": dataset,
+            "mnist_sha256": digest.hexdigest(),
+            "limit": limit,
+            **({"seed": seed, "palette": palette_table()} if colour else {}),
+        }
+    )
     if not force and (manifest := up_to_date(out, key)) is not None:
         return PrepareResult(out, manifest, built=False)
     splits: dict[str, dict[str, np.ndarray]] = {}
@@ -148,10 +156,16 @@ def prepare_builtin(
         else:
             splits[split] = {"images": grey, "labels": y[:n].copy()}
     manifest = write_prepared(
-        out, splits,
+        out,
+        splits,
         name=dataset,
-        source={"kind": dataset, "from": "mnist", "mnist_cache": str(cache), "mnist_origin": origin,
-                "mnist_sha256": digest.hexdigest()},
+        source={
+            "kind": dataset,
+            "from": "mnist",
+            "mnist_cache": str(cache),
+            "mnist_origin": origin,
+            "mnist_sha256": digest.hexdigest(),
+        },
         class_names=[str(d) for d in range(10)],
         made={"seed": seed if colour else None, "options": {"limit": limit, "pad": PAD}},
         key=key,

@@ -51,8 +51,9 @@ def scan_folder(root: str | os.PathLike) -> tuple[list[str], list[tuple[str, int
     """
     root = Path(root)
     if not root.is_dir():
-        raise PreparedDataError(f"{root}: no such directory (give --images a folder of images, "
-                                "or of one subfolder per class)")
+        raise PreparedDataError(
+            f"{root}: no such directory (give --images a folder of images, or of one subfolder per class)"
+        )
     entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     class_dirs = [p for p in entries if p.is_dir()]
     files: list[tuple[str, int]] = []
@@ -202,14 +203,30 @@ def prepare_image_folder(
     root = Path(images_dir)
     class_names, files, stray = scan_folder(root)
     out = Path(out) if out is not None else default_out(root, size, channels, data_dir)
-    options = {"size": size, "channels": channels, "val_fraction": val_fraction, "background": background,
-               "crop": "centre square", "resample": "lanczos (shrink) / bicubic (grow)"}
-    key = inputs_key({"kind": "images", "root": str(root.resolve()), "options": options, "seed": seed,
-                      "name": name, "files": _fingerprint(root, files, stray)})
+    options = {
+        "size": size,
+        "channels": channels,
+        "val_fraction": val_fraction,
+        "background": background,
+        "crop": "centre square",
+        "resample": "lanczos (shrink) / bicubic (grow)",
+    }
+    key = inputs_key(
+        {
+            "kind": "images",
+            "root": str(root.resolve()),
+            "options": options,
+            "seed": seed,
+            "name": name,
+            "files": _fingerprint(root, files, stray),
+        }
+    )
     if not force and (manifest := up_to_date(out, key)) is not None:
         return PrepareResult(out, manifest, built=False, skipped=[tuple(s) for s in manifest.get("skipped", [])])
     if not files:
-        raise PreparedDataError(f"{root}: no files to prepare ({'empty class folders' if class_names else 'empty folder'})")
+        raise PreparedDataError(
+            f"{root}: no files to prepare ({'empty class folders' if class_names else 'empty folder'})"
+        )
 
     images = np.empty((len(files), channels, size, size), dtype=np.uint8)
     ok = np.zeros(len(files), dtype=bool)
@@ -223,8 +240,10 @@ def prepare_image_folder(
             return i, str(exc)
 
     n_workers = workers or min(4, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=n_workers) as pool, \
-            tqdm(total=len(files), desc=f"prepare {root.name}", unit="img", disable=not progress) as bar:
+    with (
+        ThreadPoolExecutor(max_workers=n_workers) as pool,
+        tqdm(total=len(files), desc=f"prepare {root.name}", unit="img", disable=not progress) as bar,
+    ):
         for i, reason in pool.map(work, range(len(files))):
             if reason is None:
                 ok[i] = True
@@ -240,12 +259,20 @@ def prepare_image_folder(
     empty = [c for i, c in enumerate(class_names) if not (labels_all == i).any()]
     manifest = write_prepared(
         out,
-        {"train": {"images": images[train_idx], "labels": labels_all[train_idx]},
-         "val": {"images": images[val_idx], "labels": labels_all[val_idx]}},
+        {
+            "train": {"images": images[train_idx], "labels": labels_all[train_idx]},
+            "val": {"images": images[val_idx], "labels": labels_all[val_idx]},
+        },
         name=name or root.resolve().name,
-        source={"kind": "images", "path": str(root.resolve()), "layout": "class subfolders" if class_names else "unlabelled",
-                "files": len(files) + len(stray), "used": int(ok.sum()), "skipped": len(skipped),
-                **({"empty_classes": empty} if empty else {})},
+        source={
+            "kind": "images",
+            "path": str(root.resolve()),
+            "layout": "class subfolders" if class_names else "unlabelled",
+            "files": len(files) + len(stray),
+            "used": int(ok.sum()),
+            "skipped": len(skipped),
+            **({"empty_classes": empty} if empty else {}),
+        },
         class_names=class_names or None,
         made={"seed": seed, "options": options},
         key=key,

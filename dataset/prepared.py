@@ -72,8 +72,9 @@ def file_sha256(path: Path) -> str:
 
 
 def _content_hash(splits: dict) -> str:
-    lines = sorted(f"{split}/{name}:{entry['sha256']}" for split, info in splits.items()
-                   for name, entry in info["files"].items())
+    lines = sorted(
+        f"{split}/{name}:{entry['sha256']}" for split, info in splits.items() for name, entry in info["files"].items()
+    )
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
@@ -103,10 +104,14 @@ def _check_arrays(split: str, arrays: dict[str, np.ndarray], channels: int, size
     if images is None or labels is None:
         raise ValueError(f"split {split}: needs 'images' and 'labels' arrays")
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (channels, size, size):
-        raise ValueError(f"split {split}: images must be uint8 [N, {channels}, {size}, {size}], "
-                         f"got {images.dtype} {list(images.shape)}")
+        raise ValueError(
+            f"split {split}: images must be uint8 [N, {channels}, {size}, {size}], "
+            f"got {images.dtype} {list(images.shape)}"
+        )
     if labels.dtype != np.int64 or labels.shape != (len(images),):
-        raise ValueError(f"split {split}: labels must be int64 [{len(images)}], got {labels.dtype} {list(labels.shape)}")
+        raise ValueError(
+            f"split {split}: labels must be int64 [{len(images)}], got {labels.dtype} {list(labels.shape)}"
+        )
     if len(labels) and bool(((labels < UNLABELLED) | (labels >= num_classes)).any()):
         raise ValueError(f"split {split}: labels outside -1..{num_classes - 1} (-1 = unlabelled)")
     for name, arr in arrays.items():
@@ -120,8 +125,9 @@ def _ensure_replaceable(out: Path) -> None:
     """Refuse to replace a non-empty directory that is not a prepared dataset (a mistyped --out)."""
     if out.exists() and not (out / MANIFEST_NAME).is_file():
         if not out.is_dir() or any(out.iterdir()):
-            raise PreparedDataError(f"{out} exists and is not a prepared dataset (no {MANIFEST_NAME}); "
-                                    "choose another --out or remove it")
+            raise PreparedDataError(
+                f"{out} exists and is not a prepared dataset (no {MANIFEST_NAME}); choose another --out or remove it"
+            )
 
 
 def write_prepared(
@@ -160,8 +166,13 @@ def write_prepared(
             for arr_name, arr in arrays.items():
                 fname = f"{split}-{arr_name}.npy"
                 np.save(tmp / fname, np.ascontiguousarray(arr), allow_pickle=False)
-                files[arr_name] = {"file": fname, "dtype": str(arr.dtype), "shape": list(arr.shape),
-                                   "bytes": (tmp / fname).stat().st_size, "sha256": file_sha256(tmp / fname)}
+                files[arr_name] = {
+                    "file": fname,
+                    "dtype": str(arr.dtype),
+                    "shape": list(arr.shape),
+                    "bytes": (tmp / fname).stat().st_size,
+                    "sha256": file_sha256(tmp / fname),
+                }
             split_info[split] = {**_split_stats(arrays["labels"], num_classes), "files": files}
         manifest = {
             "format": FORMAT,
@@ -177,8 +188,11 @@ def write_prepared(
             "class_names": list(class_names or []),
             "splits": split_info,
             "content_hash": _content_hash(split_info),
-            "made": {**made, "tool": f"ddm-fleet {_tool_version()}",
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            "made": {
+                **made,
+                "tool": f"ddm-fleet {_tool_version()}",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
             "inputs_key": key,
             **(extra or {}),
         }
@@ -202,18 +216,26 @@ def read_manifest(path: str | os.PathLike) -> dict:
     d = Path(path)
     mpath = d / MANIFEST_NAME
     if not d.is_dir():
-        raise PreparedDataError(f"{d}: no such directory; make it with `ddm-fleet data prepare` (--images DIR or --dataset)")
+        raise PreparedDataError(
+            f"{d}: no such directory; make it with `ddm-fleet data prepare` (--images DIR or --dataset)"
+        )
     if not mpath.is_file():
-        raise PreparedDataError(f"{d} is not a prepared dataset (no {MANIFEST_NAME}); make it with `ddm-fleet data prepare`")
+        raise PreparedDataError(
+            f"{d} is not a prepared dataset (no {MANIFEST_NAME}); make it with `ddm-fleet data prepare`"
+        )
     try:
         manifest = json.loads(mpath.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PreparedDataError(f"{mpath} is unreadable ({exc}); rebuild with `ddm-fleet data prepare --force`") from exc
+        raise PreparedDataError(
+            f"{mpath} is unreadable ({exc}); rebuild with `ddm-fleet data prepare --force`"
+        ) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise PreparedDataError(f"{mpath}: not a {FORMAT} manifest; rebuild with `ddm-fleet data prepare --force`")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise PreparedDataError(f"{mpath}: format version {manifest.get('format_version')} is not the supported "
-                                f"{FORMAT_VERSION}; rebuild with this version's `ddm-fleet data prepare --force`")
+        raise PreparedDataError(
+            f"{mpath}: format version {manifest.get('format_version')} is not the supported "
+            f"{FORMAT_VERSION}; rebuild with this version's `ddm-fleet data prepare --force`"
+        )
     for key in ("name", "size", "channels", "class_names", "splits", "content_hash"):
         if key not in manifest:
             raise PreparedDataError(f"{mpath}: missing field {key!r}; rebuild with `ddm-fleet data prepare --force`")
@@ -245,15 +267,19 @@ def _load_file(d: Path, split: str, name: str, entry: dict, verify: bool, mmap: 
     if verify:
         digest = file_sha256(path)
         if digest != entry.get("sha256"):
-            raise PreparedDataError(f"{path}: sha256 {digest[:16]}... does not match the manifest's "
-                                    f"{str(entry.get('sha256'))[:16]}... (file altered or corrupt); {rebuild}")
+            raise PreparedDataError(
+                f"{path}: sha256 {digest[:16]}... does not match the manifest's "
+                f"{str(entry.get('sha256'))[:16]}... (file altered or corrupt); {rebuild}"
+            )
     try:
         arr = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
     except (OSError, ValueError, EOFError) as exc:
         raise PreparedDataError(f"{path}: unreadable shard ({exc}); {rebuild}") from exc
     if str(arr.dtype) != entry.get("dtype") or list(arr.shape) != entry.get("shape"):
-        raise PreparedDataError(f"{path}: {arr.dtype} {list(arr.shape)} but the manifest says "
-                                f"{entry.get('dtype')} {entry.get('shape')}; {rebuild}")
+        raise PreparedDataError(
+            f"{path}: {arr.dtype} {list(arr.shape)} but the manifest says "
+            f"{entry.get('dtype')} {entry.get('shape')}; {rebuild}"
+        )
     return arr
 
 
@@ -290,15 +316,18 @@ def load_prepared(
     labels = _load_file(d, split, "labels", _split_entry(manifest, d, split, "labels"), verify, mmap)
     c, s = manifest["channels"], manifest["size"]
     if images.ndim != 4 or images.shape[1:] != (c, s, s) or len(labels) != len(images):
-        raise PreparedDataError(f"{d}: split {split!r} images {list(images.shape)} / labels {list(labels.shape)} "
-                                f"disagree with the manifest's [N, {c}, {s}, {s}]")
+        raise PreparedDataError(
+            f"{d}: split {split!r} images {list(images.shape)} / labels {list(labels.shape)} "
+            f"disagree with the manifest's [N, {c}, {s}, {s}]"
+        )
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     return images, labels, manifest
 
 
-def load_prepared_extra(path: str | os.PathLike, split: str, name: str, *, limit: int | None = None,
-                        verify: bool = True) -> np.ndarray:
+def load_prepared_extra(
+    path: str | os.PathLike, split: str, name: str, *, limit: int | None = None, verify: bool = True
+) -> np.ndarray:
     """One extra per-image array of a split (colour MNIST: ``palette`` int64 [N]), checked like the images."""
     d = Path(path)
     manifest = read_manifest(d)
@@ -314,8 +343,10 @@ def verify_prepared(path: str | os.PathLike) -> dict:
         for name, entry in info.get("files", {}).items():
             _load_file(d, split, name, entry, verify=True, mmap=True)
     if _content_hash(manifest["splits"]) != manifest["content_hash"]:
-        raise PreparedDataError(f"{d / MANIFEST_NAME}: content_hash does not match its files' hashes; "
-                                "rebuild with `ddm-fleet data prepare --force`")
+        raise PreparedDataError(
+            f"{d / MANIFEST_NAME}: content_hash does not match its files' hashes; "
+            "rebuild with `ddm-fleet data prepare --force`"
+        )
     return manifest
 
 
@@ -349,7 +380,9 @@ def summary(manifest: dict, path: str | os.PathLike | None = None) -> str:
     ]
     width = max([5] + [len(n) for n in names]) if names else 5
     header = f"{'split':>6} {'images':>7}" + ("".join(f" {n[:width]:>{width}}" for n in names) if names else "")
-    lines.append(header + (f" {'none':>{width}}" if any(i.get("unlabelled") for i in manifest["splits"].values()) else ""))
+    lines.append(
+        header + (f" {'none':>{width}}" if any(i.get("unlabelled") for i in manifest["splits"].values()) else "")
+    )
     for split, info in manifest["splits"].items():
         row = f"{split:>6} {info['count']:>7}" + "".join(f" {n:>{width}}" for n in info.get("class_counts", []))
         if info.get("unlabelled"):

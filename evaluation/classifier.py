@@ -52,19 +52,34 @@ def _build():
         def __init__(self):
             super().__init__()
             self.body = nn.Sequential(
-                nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),  # 16
-                nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-                nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),  # 8
-                nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(), nn.MaxPool2d(2),  # 4
-                nn.Flatten(), nn.Linear(128 * 16, 256), nn.ReLU(),
+                nn.Conv2d(1, 32, 3, padding=1),
+                nn.BatchNorm2d(32),
+                nn.ReLU(),
+                nn.Conv2d(32, 32, 3, padding=1),
+                nn.BatchNorm2d(32),
+                nn.ReLU(),
+                nn.MaxPool2d(2),  # 16
+                nn.Conv2d(32, 64, 3, padding=1),
+                nn.BatchNorm2d(64),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, 3, padding=1),
+                nn.BatchNorm2d(64),
+                nn.ReLU(),
+                nn.MaxPool2d(2),  # 8
+                nn.Conv2d(64, 128, 3, padding=1),
+                nn.BatchNorm2d(128),
+                nn.ReLU(),
+                nn.MaxPool2d(2),  # 4
+                nn.Flatten(),
+                nn.Linear(128 * 16, 256),
+                nn.ReLU(),
             )
             self.head = nn.Sequential(nn.Dropout(0.3), nn.Linear(256, 10))
 
-        def features(self, x: "torch.Tensor") -> "torch.Tensor":
+        def features(self, x: torch.Tensor) -> torch.Tensor:
             return self.body(x)
 
-        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(self.body(x))
 
     return MnistCNN()
@@ -78,7 +93,7 @@ def _random_shift(x: np.ndarray, rng: np.random.Generator, max_shift: int = 2) -
     dx = rng.integers(0, 2 * max_shift + 1, n)
     out = np.empty_like(x)
     for i in range(n):
-        out[i] = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+        out[i] = padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
     return out
 
 
@@ -98,7 +113,7 @@ class Classifier:
         outs = []
         with torch.inference_mode():
             for i in range(0, len(x), batch):
-                outs.append(fn(torch.from_numpy(np.ascontiguousarray(x[i:i + batch]))).float().numpy())
+                outs.append(fn(torch.from_numpy(np.ascontiguousarray(x[i : i + batch]))).float().numpy())
         return np.concatenate(outs) if outs else np.zeros((0,), np.float32)
 
     def logits(self, images: np.ndarray) -> np.ndarray:
@@ -126,8 +141,9 @@ class Classifier:
 
     # ------------------------------------------------------------ train / load
     @classmethod
-    def load_or_train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 0,
-                      progress: bool = True) -> "Classifier":
+    def load_or_train(
+        cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 0, progress: bool = True
+    ) -> Classifier:
         from dataset.mnist import default_data_dir
 
         found = find_judge(CACHE_NAME, data_dir)
@@ -139,7 +155,7 @@ class Classifier:
         return clf
 
     @classmethod
-    def load(cls, weights: str | Path) -> "Classifier":
+    def load(cls, weights: str | Path) -> Classifier:
         from safetensors.torch import load_file
 
         weights = Path(weights)
@@ -157,9 +173,17 @@ class Classifier:
         weights.with_suffix(".json").write_text(json.dumps(self.meta, indent=2))
 
     @classmethod
-    def train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, batch_size: int = 128,
-              seed: int = 0, limit: int | None = None, progress: bool = True,
-              min_accuracy: float = MIN_TEST_ACCURACY) -> "Classifier":
+    def train(
+        cls,
+        data_dir: str | Path | None = None,
+        *,
+        epochs: int = 3,
+        batch_size: int = 128,
+        seed: int = 0,
+        limit: int | None = None,
+        progress: bool = True,
+        min_accuracy: float = MIN_TEST_ACCURACY,
+    ) -> Classifier:
         """Train on the training split; refuse (ValueError) below `min_accuracy` on the test split."""
         import torch
         from tqdm import tqdm
@@ -182,7 +206,7 @@ class Classifier:
         for _ in range(epochs):
             order = rng.permutation(len(x_train))
             for s in range(steps_per_epoch):
-                idx = order[s * batch_size:(s + 1) * batch_size]
+                idx = order[s * batch_size : (s + 1) * batch_size]
                 xb = torch.from_numpy(_random_shift(x_train[idx], rng))
                 yb = torch.from_numpy(y_train[idx])
                 loss = torch.nn.functional.cross_entropy(model(xb), yb, label_smoothing=0.05)
@@ -195,8 +219,13 @@ class Classifier:
         bar.close()
         clf = cls(model, {})
         acc = float((clf.predict(x_test) == y_test).mean())
-        clf.meta = {"test_accuracy": acc, "epochs": epochs, "train_images": int(len(x_train)),
-                    "seconds": round(time.time() - t0, 1), "seed": seed}
+        clf.meta = {
+            "test_accuracy": acc,
+            "epochs": epochs,
+            "train_images": int(len(x_train)),
+            "seconds": round(time.time() - t0, 1),
+            "seed": seed,
+        }
         log.info("classifier test accuracy %.4f after %d epochs (%.0fs)", acc, epochs, time.time() - t0)
         if acc < min_accuracy:
             raise ValueError(f"classifier reached only {acc:.4f} test accuracy (< {min_accuracy}); train longer")

@@ -47,13 +47,13 @@ INFER_BATCH = 500  # fixed inference batch (the last one is padded), so XLA comp
 RECIPE = {
     "framework": "jax/flax.linen",
     "architecture": "residual CNN: stem conv4x4/2 (24), 1 res block @16x16 (24), conv3x3/2 (48), 2 res blocks "
-                    "@8x8 (48), conv3x3/2 (96), GroupNorm+GELU, flatten 4x4x96, dense 128 (features), dense 10",
+    "@8x8 (48), conv3x3/2 (96), GroupNorm+GELU, flatten 4x4x96, dense 128 (features), dense 10",
     "normalisation": "GroupNorm(8)",
     "optimizer": "Adam (b1 0.9, b2 0.999), no weight decay",
     "schedule": "linear warmup (1/15 of steps) + cosine to 0",
     "batch_size": 256,
-    "augmentation": "each image with probability 1/2 a random affine: rotation +-12 deg, scale 0.9-1.1, translation +-2 px, "
-                    "bilinear, fill -1",
+    "augmentation": "each image with probability 1/2 a random affine: rotation +-12 deg, scale 0.9-1.1, "
+    "translation +-2 px, bilinear, fill -1",
     "label_smoothing": 0.0,
 }
 
@@ -167,7 +167,7 @@ class JaxClassifier:
             raise ValueError(f"classifier expects images [N, 1, 32, 32], got {x.shape}")
         logits, feats = [], []
         for i in range(0, len(x), INFER_BATCH):
-            chunk = x[i:i + INFER_BATCH]
+            chunk = x[i : i + INFER_BATCH]
             n = len(chunk)
             if n < INFER_BATCH:  # pad to the compiled batch; padding rows are dropped below
                 chunk = np.concatenate([chunk, np.full((INFER_BATCH - n, 1, 32, 32), -1.0, np.float32)])
@@ -199,8 +199,9 @@ class JaxClassifier:
         return root / f"{CACHE_NAME}.safetensors", root / f"{CACHE_NAME}.json"
 
     @classmethod
-    def load_or_train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 1,
-                      progress: bool = True) -> "JaxClassifier":
+    def load_or_train(
+        cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 1, progress: bool = True
+    ) -> JaxClassifier:
         from .classifier import find_judge
 
         found = find_judge(CACHE_NAME, data_dir)
@@ -211,7 +212,7 @@ class JaxClassifier:
         return clf
 
     @classmethod
-    def load(cls, weights: str | Path, *, min_accuracy: float = MIN_TEST_ACCURACY) -> "JaxClassifier":
+    def load(cls, weights: str | Path, *, min_accuracy: float = MIN_TEST_ACCURACY) -> JaxClassifier:
         """Load a cached judge; refuse (ValueError) one whose recorded test accuracy is below `min_accuracy`."""
         from safetensors.numpy import load_file
 
@@ -219,8 +220,10 @@ class JaxClassifier:
         meta = json.loads(weights.with_suffix(".json").read_text())
         acc = float(meta.get("test_accuracy", 0.0))
         if acc < min_accuracy:
-            raise ValueError(f"{weights}: judge 2 has only {acc:.4f} test accuracy (< {min_accuracy}); "
-                             "delete it (and its .json) to retrain")
+            raise ValueError(
+                f"{weights}: judge 2 has only {acc:.4f} test accuracy (< {min_accuracy}); "
+                "delete it (and its .json) to retrain"
+            )
         return cls(_unflatten(load_file(str(weights))), meta)
 
     def save(self, weights: str | Path) -> None:
@@ -234,9 +237,19 @@ class JaxClassifier:
         weights.with_suffix(".json").write_text(json.dumps(self.meta, indent=2))
 
     @classmethod
-    def train(cls, data_dir: str | Path | None = None, *, epochs: int = 3, batch_size: int = 256,
-              seed: int = 1, limit: int | None = None, peak_lr: float = 3e-3, augment_p: float = 0.5,
-              progress: bool = True, min_accuracy: float = MIN_TEST_ACCURACY) -> "JaxClassifier":
+    def train(
+        cls,
+        data_dir: str | Path | None = None,
+        *,
+        epochs: int = 3,
+        batch_size: int = 256,
+        seed: int = 1,
+        limit: int | None = None,
+        peak_lr: float = 3e-3,
+        augment_p: float = 0.5,
+        progress: bool = True,
+        min_accuracy: float = MIN_TEST_ACCURACY,
+    ) -> JaxClassifier:
         """Train on the training split; refuse (ValueError) below `min_accuracy` on the test split."""
         import jax
         import jax.numpy as jnp
@@ -277,7 +290,7 @@ class JaxClassifier:
         for _ in range(epochs):
             order = rng.permutation(len(x_train))
             for s in range(steps_per_epoch):
-                idx = order[s * batch_size:(s + 1) * batch_size]
+                idx = order[s * batch_size : (s + 1) * batch_size]
                 key, k_aug = jax.random.split(key)
                 params, opt_state, loss = step(params, opt_state, k_aug, x_train[idx], y_train[idx].astype(np.int32))
                 bar.update(1)
@@ -287,10 +300,18 @@ class JaxClassifier:
         seconds = time.time() - t0
         clf = cls(jax.device_get(params), {})
         acc = float((clf.predict(x_test) == y_test).mean())
-        clf.meta = {"test_accuracy": acc, "epochs": epochs,
-                    "train_images": int(len(x_train)), "seconds": round(seconds, 1), "seed": seed,
-                    "peak_lr": peak_lr, "augment_p": augment_p, "jax": jax.__version__, **RECIPE,
-                    "batch_size": batch_size}
+        clf.meta = {
+            "test_accuracy": acc,
+            "epochs": epochs,
+            "train_images": int(len(x_train)),
+            "seconds": round(seconds, 1),
+            "seed": seed,
+            "peak_lr": peak_lr,
+            "augment_p": augment_p,
+            "jax": jax.__version__,
+            **RECIPE,
+            "batch_size": batch_size,
+        }
         log.info("judge 2 test accuracy %.4f after %d epochs (%.0fs)", acc, epochs, seconds)
         if acc < min_accuracy:
             raise ValueError(f"judge 2 reached only {acc:.4f} test accuracy (< {min_accuracy}); train longer")

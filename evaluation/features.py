@@ -34,21 +34,24 @@ def extractor_name(weights: Path | None) -> str:
     return f"judge2-jax/{CACHE_NAME}/{LAYER}@{digest}"
 
 
-def partition_features(images: np.ndarray, data_dir: str | Path | None = None, *,
-                       progress: bool = True) -> tuple[np.ndarray, str]:
+def partition_features(
+    images: np.ndarray, data_dir: str | Path | None = None, *, progress: bool = True
+) -> tuple[np.ndarray, str]:
     """images float32 [N, 1, 32, 32] in [-1, 1] -> (features float32 [N, 128], extractor name).
 
     Loads judge 2 (shipped or cached; trains and caches it once if neither is there).
     """
+    from tqdm.auto import tqdm
+
     from .classifier import find_judge
     from .classifier_jax import CACHE_NAME, JaxClassifier
-
-    from tqdm.auto import tqdm
 
     judge = JaxClassifier.load_or_train(data_dir, progress=progress)
     x = np.asarray(images, dtype=np.float32)
     chunk = 5000  # a multiple of the judge's compiled batch, so only the last chunk pads
-    parts = [judge.features(x[i:i + chunk]) for i in tqdm(range(0, len(x), chunk), desc="judge 2 features",
-                                                           unit="chunk", disable=not progress)]
+    parts = [
+        judge.features(x[i : i + chunk])
+        for i in tqdm(range(0, len(x), chunk), desc="judge 2 features", unit="chunk", disable=not progress)
+    ]
     feats = np.concatenate(parts) if parts else np.zeros((0, judge.feature_dim), np.float32)
     return np.ascontiguousarray(feats, dtype=np.float32), extractor_name(find_judge(CACHE_NAME, data_dir))

@@ -9,7 +9,7 @@ then steps x (router + experts-used-per-step x expert).
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 
 def _count(module, *inputs) -> int:
@@ -21,13 +21,13 @@ def _count(module, *inputs) -> int:
     return int(counter.get_total_flops())
 
 
-@lru_cache(maxsize=None)
+@cache
 def expert_flops(checkpoint: str | os.PathLike) -> int:
     """FLOPs of one expert forward at batch 1 (architecture from the checkpoint's JSON)."""
     import torch
 
-    from models.checkpoint import load_meta
     from models.arch import build_torch, config_from_meta
+    from models.checkpoint import load_meta
 
     cfg = config_from_meta(load_meta(checkpoint))
     from models.config import DiTConfig
@@ -39,7 +39,7 @@ def expert_flops(checkpoint: str | os.PathLike) -> int:
     return _count(model, x, torch.full((1,), 0.5), torch.zeros(1, dtype=torch.long)) + attention
 
 
-@lru_cache(maxsize=None)
+@cache
 def router_flops(router_path: str | os.PathLike) -> int:
     """FLOPs of one router forward at batch 1."""
     import torch

@@ -24,10 +24,18 @@ class DualScore:
 
     def as_dict(self) -> dict:
         s1, s2 = self.judge1, self.judge2
-        return {"n": s1.n, "accuracy": s1.accuracy, "fid": s1.fid, "accuracy_judge2": s2.accuracy,
-                "fid_judge2": s2.fid, "agreement": self.agreement,
-                "per_class_accuracy": s1.per_class_accuracy, "per_class_accuracy_judge2": s2.per_class_accuracy,
-                "predicted_counts": s1.predicted_counts, "predicted_counts_judge2": s2.predicted_counts}
+        return {
+            "n": s1.n,
+            "accuracy": s1.accuracy,
+            "fid": s1.fid,
+            "accuracy_judge2": s2.accuracy,
+            "fid_judge2": s2.fid,
+            "agreement": self.agreement,
+            "per_class_accuracy": s1.per_class_accuracy,
+            "per_class_accuracy_judge2": s2.per_class_accuracy,
+            "predicted_counts": s1.predicted_counts,
+            "predicted_counts_judge2": s2.predicted_counts,
+        }
 
 
 @dataclass
@@ -41,8 +49,9 @@ class Judges:
     test_agreement: float  # the judges agree on this fraction of real test digits
 
     @classmethod
-    def load(cls, data_dir: str | Path | None = None, *, progress: bool = True,
-             min_accuracy: float | None = None) -> "Judges":
+    def load(
+        cls, data_dir: str | Path | None = None, *, progress: bool = True, min_accuracy: float | None = None
+    ) -> Judges:
         """Load (or train once and cache) both judges; compute their test-set features and accuracy, and
         refuse (ValueError) a judge that reads fewer than `min_accuracy` (default 0.99) of the test digits."""
         from dataset.mnist import load_mnist
@@ -56,18 +65,21 @@ class Judges:
         judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir))
         for name, acc in (("judge 1", judges.test_accuracy1), ("judge 2", judges.test_accuracy2)):
             if acc < floor:  # measured now, whatever a cached JSON says
-                raise ValueError(f"{name} reads only {acc:.4f} of the 10k test digits correctly (< {floor}); "
-                                 "delete its cached files to retrain it")
+                raise ValueError(
+                    f"{name} reads only {acc:.4f} of the 10k test digits correctly (< {floor}); "
+                    "delete its cached files to retrain it"
+                )
         return judges
 
     @classmethod
-    def from_judges(cls, j1, j2, x_ref: np.ndarray, y_ref: np.ndarray) -> "Judges":
+    def from_judges(cls, j1, j2, x_ref: np.ndarray, y_ref: np.ndarray) -> Judges:
         x_ref = prepare_images(x_ref)
         logits1, ref1 = j1.logits_and_features(x_ref)
         logits2, ref2 = j2.logits_and_features(x_ref)
         p1, p2 = logits1.argmax(1), logits2.argmax(1)
-        return cls(j1, j2, ref1, ref2, float((p1 == y_ref).mean()), float((p2 == y_ref).mean()),
-                   float((p1 == p2).mean()))
+        return cls(
+            j1, j2, ref1, ref2, float((p1 == y_ref).mean()), float((p2 == y_ref).mean()), float((p1 == p2).mean())
+        )
 
     def score(self, images: np.ndarray, digits: np.ndarray) -> DualScore:
         images = prepare_images(images)
@@ -89,11 +101,13 @@ class Judges:
             pool = np.flatnonzero(y == c)
             if len(where) > len(pool):
                 raise ValueError(f"{len(where)} images of digit {c} requested, the validation split has {len(pool)}")
-            pick[where] = pool[:len(where)]
+            pick[where] = pool[: len(where)]
         return self.score(x[pick], digits)
 
     def describe(self) -> str:
-        return (f"judge 1: torch 5-conv CNN, {self.test_accuracy1:.2%} test accuracy; judge 2: jax/flax residual "
-                f"CNN, {self.test_accuracy2:.2%} test accuracy; they agree on {self.test_agreement:.2%} of the "
-                f"10k real test digits. FID: each judge's penultimate features vs its features of those digits "
-                f"(the two FID scales differ: compare rows within a column).")
+        return (
+            f"judge 1: torch 5-conv CNN, {self.test_accuracy1:.2%} test accuracy; judge 2: jax/flax residual "
+            f"CNN, {self.test_accuracy2:.2%} test accuracy; they agree on {self.test_agreement:.2%} of the "
+            f"10k real test digits. FID: each judge's penultimate features vs its features of those digits "
+            f"(the two FID scales differ: compare rows within a column)."
+        )

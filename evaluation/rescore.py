@@ -20,16 +20,29 @@ File names the quality study uses: monolith, ddm-top1, ddm-top2, ddm-full, ddm-o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from .judges import DualScore, Judges
-from .stats import (DEFAULT_RESAMPLES, DEFAULT_SEED, ClassDistribution, Difference, FidReference, McNemar,
-                    bootstrap_fid, bootstrap_tv_uniform, bootstrap_weights, class_distribution, mcnemar,
-                    paired_difference, recentred_interval, wilson_interval)
+from .stats import (
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    ClassDistribution,
+    Difference,
+    FidReference,
+    McNemar,
+    bootstrap_fid,
+    bootstrap_tv_uniform,
+    bootstrap_weights,
+    class_distribution,
+    mcnemar,
+    paired_difference,
+    recentred_interval,
+    wilson_interval,
+)
 
 # the order `ddm-fleet eval` writes them in, then the distilled student; unconditional files after the
 # conditional ones in the same order; anything else follows alphabetically within its kind
@@ -102,8 +115,10 @@ def load_saved(path: str | Path) -> Saved:
             raise
         raise SavedImagesError(f"{path}: unreadable ({e})") from e
     if images.ndim != 4 or images.shape[1:] != (1, 32, 32):
-        raise SavedImagesError(f"{path}: images must be [N, 1, 32, 32] (28x28 digits padded by 2, as load_mnist "
-                               f"does), got {list(images.shape)}")
+        raise SavedImagesError(
+            f"{path}: images must be [N, 1, 32, 32] (28x28 digits padded by 2, as load_mnist "
+            f"does), got {list(images.shape)}"
+        )
     if images.dtype == np.uint8:  # 0..255 -> [-1, 1], the inverse of (x + 1) * 127.5
         images = images.astype(np.float32) / 127.5 - 1.0
     elif not np.issubdtype(images.dtype, np.floating):
@@ -114,20 +129,24 @@ def load_saved(path: str | Path) -> Saved:
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < -1 or labels.max() > 9:
         raise SavedImagesError(f"{path}: labels must be integer digits 0-9, or -1 (unconditional)")
     if (labels < 0).any() and not (labels < 0).all():
-        raise SavedImagesError(f"{path}: {int((labels < 0).sum())} of {len(labels)} labels are -1; a file is either "
-                               "conditional (digits 0-9) or unconditional (all -1): save the two kinds apart")
+        raise SavedImagesError(
+            f"{path}: {int((labels < 0).sum())} of {len(labels)} labels are -1; a file is either "
+            "conditional (digits 0-9) or unconditional (all -1): save the two kinds apart"
+        )
     lo, hi = float(images.min()), float(images.max())
     # The judges were trained on [-1, 1] with background -1; a [0, 1] or [0, 255] float file would be
     # read as grey or saturated digits and scored wrongly without any error, so refuse it.
     if lo > -0.5 or hi > 1.5 or not np.isfinite(images).all():
-        raise SavedImagesError(f"{path}: image values span [{lo:.3g}, {hi:.3g}]; expected the generator's [-1, 1] "
-                               "with background -1 (convert [0, 1] images with x * 2 - 1, or save uint8 0..255)")
+        raise SavedImagesError(
+            f"{path}: image values span [{lo:.3g}, {hi:.3g}]; expected the generator's [-1, 1] "
+            "with background -1 (convert [0, 1] images with x * 2 - 1, or save uint8 0..255)"
+        )
     return Saved(path.stem, images.astype(np.float32), labels.astype(np.int64), usage)
 
 
 def _order_key(name: str) -> tuple:
     uncond = name.startswith(UNCONDITIONAL_PREFIX)
-    base = name[len(UNCONDITIONAL_PREFIX):] if uncond else name
+    base = name[len(UNCONDITIONAL_PREFIX) :] if uncond else name
     rank = {n: i for i, n in enumerate(CANONICAL_ORDER)}
     return (uncond, rank.get(base, len(rank)), name)
 
@@ -152,8 +171,10 @@ class RowStatistics:
         if resamples < 0:
             raise ValueError(f"bootstrap resamples must be >= 0, got {resamples}")
         self.resamples, self.seed = resamples, seed
-        self.references = {"": FidReference.from_features(judges.reference1),
-                           "_judge2": FidReference.from_features(judges.reference2)}
+        self.references = {
+            "": FidReference.from_features(judges.reference1),
+            "_judge2": FidReference.from_features(judges.reference2),
+        }
         self._weights: dict[int, np.ndarray] = {}
 
     def weights(self, n: int) -> np.ndarray:
@@ -196,9 +217,15 @@ def load_dir(directory: str | Path) -> list[Saved]:
     return [load_saved(p) for p in saved_configurations(directory)]
 
 
-def rescore_dir(directory: str | Path, judges: Judges, *, resamples: int = DEFAULT_RESAMPLES,
-                seed: int = DEFAULT_SEED, progress: bool = False, saved: Sequence[Saved] | None = None
-                ) -> list[Rescored]:
+def rescore_dir(
+    directory: str | Path,
+    judges: Judges,
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+    progress: bool = False,
+    saved: Sequence[Saved] | None = None,
+) -> list[Rescored]:
     """Score every saved configuration of DIR (or the already loaded `saved`) with both judges, with
     intervals (B = `resamples` bootstrap resamples)."""
     stats = RowStatistics(judges, resamples, seed)
@@ -214,8 +241,14 @@ REAL_ROW = "real-val"  # reference row: real validation digits, same requested d
 REAL_ROW_UNCONDITIONAL = "real-val (unconditional)"
 
 
-def real_baseline(directory: str | Path, judges: Judges, data_dir=None, *, resamples: int = DEFAULT_RESAMPLES,
-                  seed: int = DEFAULT_SEED) -> Rescored | None:
+def real_baseline(
+    directory: str | Path,
+    judges: Judges,
+    data_dir=None,
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> Rescored | None:
     """Real validation digits with the first conditional file's labels, scored the same way (None when DIR
     holds no conditional file)."""
     for path in saved_configurations(directory):
@@ -226,8 +259,9 @@ def real_baseline(directory: str | Path, judges: Judges, data_dir=None, *, resam
     return None
 
 
-def real_baseline_unconditional(n: int, judges: Judges, data_dir=None, *, resamples: int = DEFAULT_RESAMPLES,
-                                seed: int = DEFAULT_SEED) -> Rescored:
+def real_baseline_unconditional(
+    n: int, judges: Judges, data_dir=None, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED
+) -> Rescored:
     """n real validation digits drawn without replacement (fixed seed 0) and scored as unconditional
     images: the class-distribution and FID floor of real data at this sample size. ValueError when n
     exceeds the 10k validation digits."""
@@ -248,6 +282,7 @@ def real_baseline_unconditional(n: int, judges: Judges, data_dir=None, *, resamp
 @dataclass
 class Comparison:
     """A against B (differences are A - B) on the same requests, per judge (keys "" and "_judge2")."""
+
     a: str
     b: str
     kind: str
@@ -261,8 +296,11 @@ class Comparison:
         for _, _, sfx in JUDGES:
             if sfx in self.mcnemar:
                 d[f"mcnemar{sfx}"] = self.mcnemar[sfx].as_dict()
-            for name, table in (("accuracy_difference", self.accuracy), ("tv_uniform_difference", self.tv),
-                                ("fid_difference", self.fid)):
+            for name, table in (
+                ("accuracy_difference", self.accuracy),
+                ("tv_uniform_difference", self.tv),
+                ("fid_difference", self.fid),
+            ):
                 if sfx in table:
                     d[f"{name}{sfx}"] = table[sfx].as_dict()
         return d
@@ -273,8 +311,10 @@ def compare(a: Rescored, b: Rescored) -> Comparison:
     if a.kind != b.kind:
         raise SavedImagesError(f"cannot pair {a.name} ({a.kind}) with {b.name} ({b.kind})")
     if a.score.judge1.n != b.score.judge1.n:
-        raise SavedImagesError(f"cannot pair {a.name} ({a.score.judge1.n} images) with {b.name} "
-                               f"({b.score.judge1.n}): paired files share digits and seeds row for row")
+        raise SavedImagesError(
+            f"cannot pair {a.name} ({a.score.judge1.n} images) with {b.name} "
+            f"({b.score.judge1.n}): paired files share digits and seeds row for row"
+        )
     if a.kind == CONDITIONAL and not np.array_equal(a.labels, b.labels):
         raise SavedImagesError(f"cannot pair {a.name} with {b.name}: their requested digits differ row for row")
     out = Comparison(a.name, b.name, a.kind)
@@ -283,11 +323,13 @@ def compare(a: Rescored, b: Rescored) -> Comparison:
         if a.kind == CONDITIONAL:
             out.mcnemar[sfx] = mcnemar(sa.predictions == a.labels, sb.predictions == b.labels)
             if f"accuracy{sfx}" in a.samples and f"accuracy{sfx}" in b.samples:
-                out.accuracy[sfx] = paired_difference(sa.accuracy, a.samples[f"accuracy{sfx}"],
-                                                      sb.accuracy, b.samples[f"accuracy{sfx}"])
+                out.accuracy[sfx] = paired_difference(
+                    sa.accuracy, a.samples[f"accuracy{sfx}"], sb.accuracy, b.samples[f"accuracy{sfx}"]
+                )
         elif f"tv{sfx}" in a.samples and f"tv{sfx}" in b.samples:
-            out.tv[sfx] = paired_difference(a.classes[sfx].tv_uniform, a.samples[f"tv{sfx}"],
-                                            b.classes[sfx].tv_uniform, b.samples[f"tv{sfx}"])
+            out.tv[sfx] = paired_difference(
+                a.classes[sfx].tv_uniform, a.samples[f"tv{sfx}"], b.classes[sfx].tv_uniform, b.samples[f"tv{sfx}"]
+            )
         if f"fid{sfx}" in a.samples and f"fid{sfx}" in b.samples:
             out.fid[sfx] = paired_difference(sa.fid, a.samples[f"fid{sfx}"], sb.fid, b.samples[f"fid{sfx}"])
     return out
@@ -308,8 +350,9 @@ def default_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def comparisons(rows: Sequence[Rescored], pairs: Sequence[tuple[str, str]] | None = None
-                ) -> tuple[list[Comparison], list[str]]:
+def comparisons(
+    rows: Sequence[Rescored], pairs: Sequence[tuple[str, str]] | None = None
+) -> tuple[list[Comparison], list[str]]:
     """Run `compare` on the given (A, B) name pairs, or on `default_pairs`. Explicit pairs that name a
     missing row or are not paired raise SavedImagesError; default pairs that are not paired are skipped
     with a note (second return value)."""
@@ -357,10 +400,18 @@ def _p_boot(d: Difference | None) -> str:
     return f"< {d.p:.2g}" if d.at_floor else _p(d.p)
 
 
-def format_rescore_table(rows: Sequence[Rescored], judges: Judges, directory: str | Path,
-                         baseline: Rescored | None = None, *, unconditional_baseline: Rescored | None = None,
-                         comparisons: Sequence[Comparison] = (), notes: Sequence[str] = (),
-                         resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> str:
+def format_rescore_table(
+    rows: Sequence[Rescored],
+    judges: Judges,
+    directory: str | Path,
+    baseline: Rescored | None = None,
+    *,
+    unconditional_baseline: Rescored | None = None,
+    comparisons: Sequence[Comparison] = (),
+    notes: Sequence[str] = (),
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> str:
     """Markdown: a conditional table (accuracy and FID per judge, agreement; `baseline` last), an
     unconditional table (TV distance of the predicted classes to uniform, FID; `unconditional_baseline`
     last) with each judge's class histogram, and the paired comparisons. Cells: value [95% interval]."""
@@ -370,19 +421,26 @@ def format_rescore_table(rows: Sequence[Rescored], judges: Judges, directory: st
         f"re-scored {len(rows)} saved configurations from {directory} ({len(cond)} conditional, "
         f"{len(uncond)} unconditional)",
         judges.describe(),
-        ("[95% intervals]: Wilson for accuracy; for FID and TV a bootstrap over the generated images "
-         f"(B = {resamples} resamples, seed {seed}, the reference set fixed), recentred on the estimate"
-         if resamples else "[95% intervals]: Wilson for accuracy (bootstrap off: no FID/TV intervals)"),
+        (
+            "[95% intervals]: Wilson for accuracy; for FID and TV a bootstrap over the generated images "
+            f"(B = {resamples} resamples, seed {seed}, the reference set fixed), recentred on the estimate"
+            if resamples
+            else "[95% intervals]: Wilson for accuracy (bootstrap off: no FID/TV intervals)"
+        ),
     ]
 
     def eps(r: Rescored) -> str:
         return "-" if r.experts_per_step is None else f"{r.experts_per_step:.2f}"
 
     if cond:
-        lines += ["", "Conditional (the requested digit):", "",
-                  "| configuration | images | cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 "
-                  "| judges agree | experts/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Conditional (the requested digit):",
+            "",
+            "| configuration | images | cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 "
+            "| judges agree | experts/step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in [*cond, *([baseline] if baseline is not None else [])]:
             s1, s2 = r.score.judge1, r.score.judge2
             lines.append(
@@ -390,14 +448,19 @@ def format_rescore_table(rows: Sequence[Rescored], judges: Judges, directory: st
                 f"{_interval(s2.accuracy, r.accuracy_interval.get('_judge2'), 4)} | "
                 f"{_interval(s1.fid, r.fid_interval.get(''), 3)} | "
                 f"{_interval(s2.fid, r.fid_interval.get('_judge2'), 3)} | "
-                f"{r.score.agreement:.4f} | {eps(r)} |")
+                f"{r.score.agreement:.4f} | {eps(r)} |"
+            )
     if uncond:
         shown = [*uncond, *([unconditional_baseline] if unconditional_baseline is not None else [])]
-        lines += ["", "Unconditional (no digit requested; TV = total variation distance of the judge's predicted "
-                  "class distribution to uniform, 0 = uniform, 0.9 = a single digit):", "",
-                  "| configuration | images | TV to uniform judge 1 | TV to uniform judge 2 | FID judge 1 "
-                  "| FID judge 2 | judges agree | experts/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Unconditional (no digit requested; TV = total variation distance of the judge's predicted "
+            "class distribution to uniform, 0 = uniform, 0.9 = a single digit):",
+            "",
+            "| configuration | images | TV to uniform judge 1 | TV to uniform judge 2 | FID judge 1 "
+            "| FID judge 2 | judges agree | experts/step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in shown:
             s1, s2 = r.score.judge1, r.score.judge2
             lines.append(
@@ -405,10 +468,15 @@ def format_rescore_table(rows: Sequence[Rescored], judges: Judges, directory: st
                 f"{_interval(r.classes['_judge2'].tv_uniform, r.tv_interval.get('_judge2'), 4)} | "
                 f"{_interval(s1.fid, r.fid_interval.get(''), 3)} | "
                 f"{_interval(s2.fid, r.fid_interval.get('_judge2'), 3)} | "
-                f"{r.score.agreement:.4f} | {eps(r)} |")
-        lines += ["", "Predicted class distribution of the unconditional rows (% of images per digit):", "",
-                  "| configuration | judge | " + " | ".join(str(c) for c in range(10)) + " | entropy bits | chi² p |",
-                  "|---|---|" + "---:|" * 12]
+                f"{r.score.agreement:.4f} | {eps(r)} |"
+            )
+        lines += [
+            "",
+            "Predicted class distribution of the unconditional rows (% of images per digit):",
+            "",
+            "| configuration | judge | " + " | ".join(str(c) for c in range(10)) + " | entropy bits | chi² p |",
+            "|---|---|" + "---:|" * 12,
+        ]
         for r in shown:
             for label, _, sfx in JUDGES:
                 cd: ClassDistribution = r.classes[sfx]
@@ -417,30 +485,41 @@ def format_rescore_table(rows: Sequence[Rescored], judges: Judges, directory: st
     cmp_c = [c for c in comparisons if c.kind == CONDITIONAL]
     cmp_u = [c for c in comparisons if c.kind == UNCONDITIONAL]
     if cmp_c:
-        lines += ["", "Paired comparisons, conditional (same digits and seeds row for row; differences are A - B; "
-                  "McNemar: exact binomial p on the images only one of the two gets right):", "",
-                  "| A vs B | judge | acc. A | acc. B | only A right | only B right | McNemar p | Δ acc. [95%] "
-                  "| Δ FID [95%] | Δ FID p |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Paired comparisons, conditional (same digits and seeds row for row; differences are A - B; "
+            "McNemar: exact binomial p on the images only one of the two gets right):",
+            "",
+            "| A vs B | judge | acc. A | acc. B | only A right | only B right | McNemar p | Δ acc. [95%] "
+            "| Δ FID [95%] | Δ FID p |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for c in cmp_c:
             for label, _, sfx in JUDGES:
                 m: McNemar = c.mcnemar[sfx]
                 f = c.fid.get(sfx)
-                lines.append(f"| {c.a} vs {c.b} | {label} | {m.accuracy_a:.4f} | {m.accuracy_b:.4f} | {m.only_a} | "
-                             f"{m.only_b} | {_p(m.p)} | {_difference(c.accuracy.get(sfx), 4)} | "
-                             f"{_difference(f, 3)} | {_p_boot(f)} |")
+                lines.append(
+                    f"| {c.a} vs {c.b} | {label} | {m.accuracy_a:.4f} | {m.accuracy_b:.4f} | {m.only_a} | "
+                    f"{m.only_b} | {_p(m.p)} | {_difference(c.accuracy.get(sfx), 4)} | "
+                    f"{_difference(f, 3)} | {_p_boot(f)} |"
+                )
     if cmp_u:
-        lines += ["", "Paired comparisons, unconditional (same seeds row for row; differences are A - B, paired "
-                  "bootstrap):", "",
-                  "| A vs B | judge | TV A | TV B | Δ TV [95%] | Δ TV p | Δ FID [95%] | Δ FID p |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Paired comparisons, unconditional (same seeds row for row; differences are A - B, paired bootstrap):",
+            "",
+            "| A vs B | judge | TV A | TV B | Δ TV [95%] | Δ TV p | Δ FID [95%] | Δ FID p |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         by_name = {r.name: r for r in rows}
         for c in cmp_u:
             for label, _, sfx in JUDGES:
                 t, f = c.tv.get(sfx), c.fid.get(sfx)
-                lines.append(f"| {c.a} vs {c.b} | {label} | {by_name[c.a].classes[sfx].tv_uniform:.4f} | "
-                             f"{by_name[c.b].classes[sfx].tv_uniform:.4f} | {_difference(t, 4)} | "
-                             f"{_p_boot(t)} | {_difference(f, 3)} | {_p_boot(f)} |")
+                lines.append(
+                    f"| {c.a} vs {c.b} | {label} | {by_name[c.a].classes[sfx].tv_uniform:.4f} | "
+                    f"{by_name[c.b].classes[sfx].tv_uniform:.4f} | {_difference(t, 4)} | "
+                    f"{_p_boot(t)} | {_difference(f, 3)} | {_p_boot(f)} |"
+                )
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)

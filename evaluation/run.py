@@ -14,9 +14,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class Config:
     top_k: int = 2
 
     @classmethod
-    def parse(cls, text: str) -> "Config":
+    def parse(cls, text: str) -> Config:
         """'monolith' | 'top1' | 'top2' (any topK) | 'full' | 'oracle'."""
         t = text.strip().lower()
         if t == "monolith":
@@ -80,13 +80,22 @@ class Row:
 
     def as_dict(self) -> dict:
         gen = self.config.model != "real"  # the real-digit baseline has no generation cost
-        return {"config": self.config.name, "accuracy": self.accuracy, "fid": self.fid,
-                "accuracy_judge2": self.accuracy2, "fid_judge2": self.fid2, "agreement": self.agreement,
-                "experts_per_step": self.experts_per_step if gen else None,
-                "flops_per_image": self.flops_per_image if gen else None, "seconds": self.seconds if gen else None,
-                "n": self.n, "per_class_accuracy": self.per_class_accuracy,
-                "predicted_counts": self.predicted_counts, "per_class_accuracy_judge2": self.per_class_accuracy2,
-                "predicted_counts_judge2": self.predicted_counts2}
+        return {
+            "config": self.config.name,
+            "accuracy": self.accuracy,
+            "fid": self.fid,
+            "accuracy_judge2": self.accuracy2,
+            "fid_judge2": self.fid2,
+            "agreement": self.agreement,
+            "experts_per_step": self.experts_per_step if gen else None,
+            "flops_per_image": self.flops_per_image if gen else None,
+            "seconds": self.seconds if gen else None,
+            "n": self.n,
+            "per_class_accuracy": self.per_class_accuracy,
+            "predicted_counts": self.predicted_counts,
+            "per_class_accuracy_judge2": self.per_class_accuracy2,
+            "predicted_counts_judge2": self.predicted_counts2,
+        }
 
 
 def requested_digits(per_class: int) -> np.ndarray:
@@ -99,11 +108,18 @@ async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: Eval
     from client.jobs import run_job
     from schemas import JobRequest
 
-    chunks = [digits[i:i + spec.job_size] for i in range(0, len(digits), spec.job_size)]
+    chunks = [digits[i : i + spec.job_size] for i in range(0, len(digits), spec.job_size)]
 
     async def one(j: int, chunk: np.ndarray):
-        req = JobRequest(digits=chunk.tolist(), steps=spec.steps, solver=spec.solver, strategy=cfg.strategy,
-                         top_k=cfg.top_k, seed=spec.seed + j, stream=False)
+        req = JobRequest(
+            digits=chunk.tolist(),
+            steps=spec.steps,
+            solver=spec.solver,
+            strategy=cfg.strategy,
+            top_k=cfg.top_k,
+            seed=spec.seed + j,
+            stream=False,
+        )
         done = await run_job(nc, req, timeout=3600)
         if bar is not None:
             bar.update(len(chunk))
@@ -123,8 +139,9 @@ def _fleet_for(model: str, spec: EvalSpec):
         return LocalFleet.from_dir(spec.checkpoints, **opts)
     path = spec.monolith or os.path.join(spec.checkpoints, "monolith.safetensors")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"monolith checkpoint {path} not found; train it (checkpoints/README.md) or drop "
-                                "'monolith' from --configs")
+        raise FileNotFoundError(
+            f"monolith checkpoint {path} not found; train it (checkpoints/README.md) or drop 'monolith' from --configs"
+        )
     return LocalFleet([path], LabelRouter([0] * 10, 1), num_experts=1, class_to_expert=[0] * 10, **opts)
 
 
@@ -164,8 +181,13 @@ async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
         if fleet is None:
             from client.jobs import client_connect_options, client_from_url
 
-            nc = await connect(spec.nats_url, name="ddm-eval", reconnect=60, first_connect_attempts=3,
-                               **client_connect_options(client_from_url(spec.nats_url)))
+            nc = await connect(
+                spec.nats_url,
+                name="ddm-eval",
+                reconnect=60,
+                first_connect_attempts=3,
+                **client_connect_options(client_from_url(spec.nats_url)),
+            )
         else:
             await fleet.__aenter__()
             nc = fleet.nc
@@ -178,16 +200,38 @@ async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
                 d = await asyncio.to_thread(judges.score, images, digits)
                 s, s2 = d.judge1, d.judge2
                 eps = float(usage.sum(axis=1).mean())
-                rows.append(Row(cfg, s.accuracy, s.fid, eps, _flops(cfg, spec, eps), seconds, s.n,
-                                s.per_class_accuracy, s.predicted_counts, accuracy2=s2.accuracy, fid2=s2.fid,
-                                agreement=d.agreement, per_class_accuracy2=s2.per_class_accuracy,
-                                predicted_counts2=s2.predicted_counts))
+                rows.append(
+                    Row(
+                        cfg,
+                        s.accuracy,
+                        s.fid,
+                        eps,
+                        _flops(cfg, spec, eps),
+                        seconds,
+                        s.n,
+                        s.per_class_accuracy,
+                        s.predicted_counts,
+                        accuracy2=s2.accuracy,
+                        fid2=s2.fid,
+                        agreement=d.agreement,
+                        per_class_accuracy2=s2.per_class_accuracy,
+                        predicted_counts2=s2.predicted_counts,
+                    )
+                )
                 if spec.save_dir:
                     Path(spec.save_dir).mkdir(parents=True, exist_ok=True)
-                    np.savez_compressed(Path(spec.save_dir) / f"{cfg.name}.npz", images=images, labels=digits,
-                                        usage=usage)
-                log.info("%s: accuracy %.4f / %.4f, FID %.3f / %.3f (judge 1 / judge 2), judges agree %.4f",
-                         cfg.name, s.accuracy, s2.accuracy, s.fid, s2.fid, d.agreement)
+                    np.savez_compressed(
+                        Path(spec.save_dir) / f"{cfg.name}.npz", images=images, labels=digits, usage=usage
+                    )
+                log.info(
+                    "%s: accuracy %.4f / %.4f, FID %.3f / %.3f (judge 1 / judge 2), judges agree %.4f",
+                    cfg.name,
+                    s.accuracy,
+                    s2.accuracy,
+                    s.fid,
+                    s2.fid,
+                    d.agreement,
+                )
         finally:
             if fleet is None:
                 await nc.drain()
@@ -200,16 +244,30 @@ def baseline_row(judges, spec: EvalSpec) -> Row:
     """Real validation digits (the requested digits, one real image each) scored like the generated rows."""
     d = judges.score_real(requested_digits(spec.per_class), spec.data_dir)
     s, s2 = d.judge1, d.judge2
-    return Row(Config("real-val", "real"), s.accuracy, s.fid, float("nan"), float("nan"), 0.0, s.n,
-               s.per_class_accuracy, s.predicted_counts, accuracy2=s2.accuracy, fid2=s2.fid, agreement=d.agreement,
-               per_class_accuracy2=s2.per_class_accuracy, predicted_counts2=s2.predicted_counts)
+    return Row(
+        Config("real-val", "real"),
+        s.accuracy,
+        s.fid,
+        float("nan"),
+        float("nan"),
+        0.0,
+        s.n,
+        s.per_class_accuracy,
+        s.predicted_counts,
+        accuracy2=s2.accuracy,
+        fid2=s2.fid,
+        agreement=d.agreement,
+        per_class_accuracy2=s2.per_class_accuracy,
+        predicted_counts2=s2.predicted_counts,
+    )
 
 
 def format_table(rows: Sequence[Row], spec: EvalSpec, judges=None) -> str:
     """Markdown table, one line per configuration; judge 1 and judge 2 side by side. A `baseline_row`
     among `rows` prints with '-' for the generation-only columns."""
     lines = [
-        f"{10 * spec.per_class} images ({spec.per_class} per digit), {spec.steps} {spec.solver} steps, seeds from {spec.seed}",
+        f"{10 * spec.per_class} images ({spec.per_class} per digit), {spec.steps} {spec.solver} steps, "
+        f"seeds from {spec.seed}",
         *([judges.describe()] if judges is not None else []),
         "",
         "| configuration | cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 | judges agree "
@@ -217,8 +275,13 @@ def format_table(rows: Sequence[Row], spec: EvalSpec, judges=None) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        gen = ("- | - | -" if r.config.model == "real" else
-               f"{r.experts_per_step:.2f} | {r.flops_per_image / 1e9:.2f} | {r.seconds:.1f}")
-        lines.append(f"| {r.config.name} | {r.accuracy:.4f} | {r.accuracy2:.4f} | {r.fid:.3f} | {r.fid2:.3f} | "
-                     f"{r.agreement:.4f} | {gen} |")
+        gen = (
+            "- | - | -"
+            if r.config.model == "real"
+            else f"{r.experts_per_step:.2f} | {r.flops_per_image / 1e9:.2f} | {r.seconds:.1f}"
+        )
+        lines.append(
+            f"| {r.config.name} | {r.accuracy:.4f} | {r.accuracy2:.4f} | {r.fid:.3f} | {r.fid2:.3f} | "
+            f"{r.agreement:.4f} | {gen} |"
+        )
     return "\n".join(lines)

@@ -25,9 +25,9 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -74,9 +74,11 @@ class _TorchRouter:
         out = []
         with torch.inference_mode():
             for s in range(0, len(x), chunk):
-                z = self.net(torch.from_numpy(x[s:s + chunk]).to(self.device),
-                             torch.from_numpy(np.asarray(t[s:s + chunk], np.float32)).to(self.device),
-                             torch.from_numpy(np.asarray(y[s:s + chunk], np.int64)).to(self.device))
+                z = self.net(
+                    torch.from_numpy(x[s : s + chunk]).to(self.device),
+                    torch.from_numpy(np.asarray(t[s : s + chunk], np.float32)).to(self.device),
+                    torch.from_numpy(np.asarray(y[s : s + chunk], np.int64)).to(self.device),
+                )
                 out.append(torch.softmax(z.double(), dim=1).float().cpu().numpy())
         return np.concatenate(out)
 
@@ -92,13 +94,16 @@ class _Experts:
 
     def forward(self, k: int, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         b = self.backends[k]
-        parts = [b.forward(np.ascontiguousarray(x[s:s + self.chunk]), t[s:s + self.chunk], y[s:s + self.chunk])
-                 for s in range(0, len(x), self.chunk)]
+        parts = [
+            b.forward(np.ascontiguousarray(x[s : s + self.chunk]), t[s : s + self.chunk], y[s : s + self.chunk])
+            for s in range(0, len(x), self.chunk)
+        ]
         return np.concatenate(parts) if parts else np.zeros_like(x)
 
 
-def _ddm_velocity(experts: _Experts, router: _TorchRouter, strategy: str, top_k: int, owner: np.ndarray,
-                  usage: np.ndarray):
+def _ddm_velocity(
+    experts: _Experts, router: _TorchRouter, strategy: str, top_k: int, owner: np.ndarray, usage: np.ndarray
+):
     """velocity(x, t, y) = sum_k w_k v_k with w from `strategy`; only experts with weight run on a row.
 
     Adds each row's nonzero weights' indicator to `usage` [N, K] (divide by the number of calls)."""
@@ -115,14 +120,22 @@ def _ddm_velocity(experts: _Experts, router: _TorchRouter, strategy: str, top_k:
             rows = np.nonzero(w[:, k] > 0)[0]
             if len(rows):
                 v = experts.forward(k, x[rows], t[rows], y[rows])
-                u[rows] += (w[rows, k].astype(np.float32)[:, None, None, None] * v)
+                u[rows] += w[rows, k].astype(np.float32)[:, None, None, None] * v
         return u
 
     return velocity
 
 
-def generate(cfg: SampleConfig, *, digits: np.ndarray, noise: np.ndarray, steps: int, solver: str,
-             device: str, checkpoints: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def generate(
+    cfg: SampleConfig,
+    *,
+    digits: np.ndarray,
+    noise: np.ndarray,
+    steps: int,
+    solver: str,
+    device: str,
+    checkpoints: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """-> (images [N,1,32,32] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32)."""
     from flow.solver import EVALS_PER_STEP, check_method, sample
 
@@ -158,13 +171,15 @@ def save_npz(path: Path, images: np.ndarray, labels: np.ndarray, usage: np.ndarr
     if uint8:
         images = to_uint8(images)
     tmp = path.with_name(path.name + ".partial.npz")
-    np.savez_compressed(tmp, images=images, labels=labels.astype(np.int64), usage=usage,
-                        meta=np.asarray(json.dumps(meta)))
+    np.savez_compressed(
+        tmp, images=images, labels=labels.astype(np.int64), usage=usage, meta=np.asarray(json.dumps(meta))
+    )
     tmp.replace(path)
 
 
-def parse_configs(text: str, checkpoints: str | None, monolith: str | None, distilled: str | None,
-                  unconditional: bool) -> list[SampleConfig]:
+def parse_configs(
+    text: str, checkpoints: str | None, monolith: str | None, distilled: str | None, unconditional: bool
+) -> list[SampleConfig]:
     """'monolith,top1,top2,full,oracle,distilled' -> configs (uncond- prefix when unconditional)."""
     out = []
     pre = "uncond-" if unconditional else ""
@@ -190,31 +205,56 @@ def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
     from bus.options import add_deprecated_alias
 
-    p = argparse.ArgumentParser(prog="python -m evaluation.sample_inprocess", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoints", metavar="DIR",
-                   help="DDM directory: partition.json, router.safetensors, expert<k>.safetensors")
-    p.add_argument("--monolith", metavar="PATH", help="monolith checkpoint (.safetensors) for the 'monolith' configuration")
+    p = argparse.ArgumentParser(
+        prog="python -m evaluation.sample_inprocess",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoints", metavar="DIR", help="DDM directory: partition.json, router.safetensors, expert<k>.safetensors"
+    )
+    p.add_argument(
+        "--monolith", metavar="PATH", help="monolith checkpoint (.safetensors) for the 'monolith' configuration"
+    )
     p.add_argument("--distilled", metavar="PATH", help="distilled student checkpoint for the 'distilled' configuration")
-    p.add_argument("--configs", default="monolith,top1,top2,full,oracle",
-                   help="comma list of monolith, distilled, top1, topK, full, oracle (default %(default)s)")
-    p.add_argument("--unconditional", action="store_true",
-                   help="label unknown (y = -1) for every row; files are named uncond-<config>.npz; no oracle")
-    p.add_argument("--per-class", type=int, default=500, metavar="N",
-                   help="images per digit: 10 x N in all (default %(default)s)")
+    p.add_argument(
+        "--configs",
+        default="monolith,top1,top2,full,oracle",
+        help="comma list of monolith, distilled, top1, topK, full, oracle (default %(default)s)",
+    )
+    p.add_argument(
+        "--unconditional",
+        action="store_true",
+        help="label unknown (y = -1) for every row; files are named uncond-<config>.npz; no oracle",
+    )
+    p.add_argument(
+        "--per-class", type=int, default=500, metavar="N", help="images per digit: 10 x N in all (default %(default)s)"
+    )
     p.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    p.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                   help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
+    p.add_argument(
+        "--solver",
+        choices=("euler", "heun"),
+        default="euler",
+        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="first job seed (as ddm-fleet eval --seed; default %(default)s)")
-    p.add_argument("--images-per-job", type=int, default=50, metavar="N",
-                   help="images per seeded job (as ddm-fleet eval --images-per-job; default %(default)s)")
+    p.add_argument(
+        "--images-per-job",
+        type=int,
+        default=50,
+        metavar="N",
+        help="images per seeded job (as ddm-fleet eval --images-per-job; default %(default)s)",
+    )
     add_deprecated_alias(p, "--job-size", "--images-per-job", type=int, metavar="N")
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <config>.npz")
-    p.add_argument("--skip-existing", action="store_true",
-                   help="resume an interrupted run: keep every <config>.npz already in --out (written whole, "
-                        "via a temporary file) and generate only the missing ones")
+    p.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="resume an interrupted run: keep every <config>.npz already in --out (written whole, "
+        "via a temporary file) and generate only the missing ones",
+    )
     return p
 
 
@@ -237,16 +277,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [c for c in configs if c.name not in kept]
     for cfg in tqdm(configs, desc="configurations", unit="config"):
         start = time.perf_counter()
-        images, usage = generate(cfg, digits=digits, noise=noise, steps=args.steps, solver=args.solver,
-                                 device=args.device, checkpoints=args.checkpoints)
+        images, usage = generate(
+            cfg,
+            digits=digits,
+            noise=noise,
+            steps=args.steps,
+            solver=args.solver,
+            device=args.device,
+            checkpoints=args.checkpoints,
+        )
         labels = np.full(len(digits), -1, np.int64) if cfg.unconditional else digits
-        meta = {"config": cfg.__dict__, "steps": args.steps, "solver": args.solver, "seed": args.seed,
-                "job_size": args.images_per_job, "per_class": args.per_class, "device": args.device,
-                "seconds": round(time.perf_counter() - start, 2)}
+        meta = {
+            "config": cfg.__dict__,
+            "steps": args.steps,
+            "solver": args.solver,
+            "seed": args.seed,
+            "job_size": args.images_per_job,
+            "per_class": args.per_class,
+            "device": args.device,
+            "seconds": round(time.perf_counter() - start, 2),
+        }
         save_npz(out / f"{cfg.name}.npz", images, labels, usage, not args.float_images, meta)
-        print(json.dumps({"wrote": str(out / f"{cfg.name}.npz"), "n": len(labels),
-                          "experts_per_eval": round(float(usage.sum(1).mean()), 3),
-                          "finite": bool(np.isfinite(images).all()), "seconds": meta["seconds"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "wrote": str(out / f"{cfg.name}.npz"),
+                    "n": len(labels),
+                    "experts_per_eval": round(float(usage.sum(1).mean()), 3),
+                    "finite": bool(np.isfinite(images).all()),
+                    "seconds": meta["seconds"],
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

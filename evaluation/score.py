@@ -20,8 +20,13 @@ class Score:
     features: np.ndarray | None = field(default=None, repr=False)  # [N, D] the judge's features (bootstrap FID)
 
     def as_dict(self) -> dict:
-        return {"n": self.n, "accuracy": self.accuracy, "fid": self.fid,
-                "predicted_counts": self.predicted_counts, "per_class_accuracy": self.per_class_accuracy}
+        return {
+            "n": self.n,
+            "accuracy": self.accuracy,
+            "fid": self.fid,
+            "predicted_counts": self.predicted_counts,
+            "per_class_accuracy": self.per_class_accuracy,
+        }
 
 
 def prepare_images(images: np.ndarray) -> np.ndarray:

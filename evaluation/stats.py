@@ -63,8 +63,9 @@ def binomial_two_sided_p(k: int, n: int) -> float:
     m = min(k, n - k)
     if 2 * m == n:
         return 1.0
-    log_terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2.0)
-                 for i in range(m + 1)]
+    log_terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2.0) for i in range(m + 1)
+    ]
     top = max(log_terms)
     tail = math.exp(top) * sum(math.exp(t - top) for t in log_terms)
     return min(1.0, 2.0 * tail)
@@ -99,9 +100,17 @@ class McNemar:
         return self.p_exact if self.discordant <= EXACT_MAX else self.p_normal
 
     def as_dict(self) -> dict:
-        return {"n": self.n, "only_a_right": self.only_a, "only_b_right": self.only_b, "p": self.p,
-                "p_exact": self.p_exact, "p_normal": self.p_normal, "method": self.method,
-                "accuracy_a": self.accuracy_a, "accuracy_b": self.accuracy_b}
+        return {
+            "n": self.n,
+            "only_a_right": self.only_a,
+            "only_b_right": self.only_b,
+            "p": self.p,
+            "p_exact": self.p_exact,
+            "p_normal": self.p_normal,
+            "method": self.method,
+            "accuracy_a": self.accuracy_a,
+            "accuracy_b": self.accuracy_b,
+        }
 
 
 def mcnemar(correct_a: np.ndarray, correct_b: np.ndarray) -> McNemar:
@@ -120,8 +129,15 @@ def mcnemar(correct_a: np.ndarray, correct_b: np.ndarray) -> McNemar:
         p_exact = binomial_two_sided_p(only_a, d) if d <= EXACT_MAX else float("nan")
         p_normal = min(1.0, normal_two_sided_p(max(abs(only_a - only_b) - 1, 0) / math.sqrt(d)))
     n = len(a)
-    return McNemar(n, only_a, only_b, p_exact, p_normal, float(a.mean()) if n else float("nan"),
-                   float(b.mean()) if n else float("nan"))
+    return McNemar(
+        n,
+        only_a,
+        only_b,
+        p_exact,
+        p_normal,
+        float(a.mean()) if n else float("nan"),
+        float(b.mean()) if n else float("nan"),
+    )
 
 
 # ------------------------------------------------------------------ chi-square and class distributions
@@ -172,8 +188,14 @@ class ClassDistribution:
         return [c / n for c in self.counts]
 
     def as_dict(self) -> dict:
-        return {"counts": self.counts, "fractions": self.fractions, "tv_uniform": self.tv_uniform,
-                "entropy_bits": self.entropy_bits, "chi2": self.chi2, "chi2_p": self.chi2_p}
+        return {
+            "counts": self.counts,
+            "fractions": self.fractions,
+            "tv_uniform": self.tv_uniform,
+            "entropy_bits": self.entropy_bits,
+            "chi2": self.chi2,
+            "chi2_p": self.chi2_p,
+        }
 
 
 def class_distribution(predictions: np.ndarray, num_classes: int = 10) -> ClassDistribution:
@@ -188,8 +210,13 @@ def class_distribution(predictions: np.ndarray, num_classes: int = 10) -> ClassD
     nz = frac[frac > 0]
     expected = counts.sum() / num_classes
     chi2 = float(((counts - expected) ** 2 / expected).sum())
-    return ClassDistribution(counts.tolist(), total_variation(frac, np.full(num_classes, 1.0 / num_classes)),
-                             max(0.0, float(-(nz * np.log2(nz)).sum())), chi2, chi2_sf(chi2, num_classes - 1))
+    return ClassDistribution(
+        counts.tolist(),
+        total_variation(frac, np.full(num_classes, 1.0 / num_classes)),
+        max(0.0, float(-(nz * np.log2(nz)).sum())),
+        chi2,
+        chi2_sf(chi2, num_classes - 1),
+    )
 
 
 # ------------------------------------------------------------------ bootstrap
@@ -211,13 +238,14 @@ def bootstrap_weights(n: int, resamples: int = DEFAULT_RESAMPLES, seed: int = DE
 @dataclass
 class FidReference:
     """A judge's reference statistics, computed once: mean [D], covariance [D, D], its square root and trace."""
+
     mean: np.ndarray
     cov: np.ndarray
     sqrt_cov: np.ndarray
     trace: float
 
     @classmethod
-    def from_features(cls, features: np.ndarray) -> "FidReference":
+    def from_features(cls, features: np.ndarray) -> FidReference:
         mu, cov = gaussian_stats(features)
         return cls(mu, cov, _psd_sqrt(cov), float(np.trace(cov)))
 
@@ -323,6 +351,7 @@ def recentred_interval(point: float, samples: np.ndarray, level: float = 0.95) -
 @dataclass
 class Difference:
     """A paired bootstrap difference A - B: estimate, 95% interval and two-sided p of 'no difference'."""
+
     estimate: float
     low: float
     high: float
@@ -333,8 +362,9 @@ class Difference:
         return {"estimate": self.estimate, "interval": [self.low, self.high], "p": self.p, "p_at_floor": self.at_floor}
 
 
-def paired_difference(point_a: float, samples_a: np.ndarray, point_b: float, samples_b: np.ndarray,
-                      level: float = 0.95) -> Difference:
+def paired_difference(
+    point_a: float, samples_a: np.ndarray, point_b: float, samples_b: np.ndarray, level: float = 0.95
+) -> Difference:
     """Difference of two statistics bootstrapped on the same resamples (samples_* [B], same weights)."""
     sa, sb = np.asarray(samples_a, np.float64), np.asarray(samples_b, np.float64)
     if sa.shape != sb.shape or sa.ndim != 1 or len(sa) == 0:

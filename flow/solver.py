@@ -120,8 +120,14 @@ def heun_step(velocity: Velocity, x: np.ndarray, t, dt, y: np.ndarray, v: np.nda
 STEP_FUNCTIONS = {"euler": euler_step, "heun": heun_step}
 
 
-def sample(velocity: Velocity, x0: np.ndarray, y: np.ndarray, steps: int, method: str = "euler",
-           callback: Callable[[int, np.ndarray, float], None] | None = None) -> np.ndarray:
+def sample(
+    velocity: Velocity,
+    x0: np.ndarray,
+    y: np.ndarray,
+    steps: int,
+    method: str = "euler",
+    callback: Callable[[int, np.ndarray, float], None] | None = None,
+) -> np.ndarray:
     """Integrate from t = 0 to 1: x0 [B,C,H,W] noise, y [B] labels -> x1 [B,C,H,W] float32.
 
     callback(i, x, t) is called after each step i (1-based) with the state at time t.

@@ -27,7 +27,6 @@ def atheris_available() -> tuple[bool, str]:
     return True, ""
 
 
-
 def run_pure_random(target: str, runs: int, seed: int, progress: bool = False) -> FuzzResult:
     import traceback
 
@@ -59,10 +58,22 @@ def run_pure_atheris(target: str, runs: int, seed: int, progress: bool = False, 
         artifacts = Path(tmp) / "artifacts"
         artifacts.mkdir()
         logfile = Path(tmp) / "libfuzzer.log"
-        cmd = [sys.executable, "-m", "fuzzing.engines", "atheris-child", target, str(runs), str(seed), str(stats),
-               str(Path(tmp) / "corpus"), str(artifacts)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                             os.environ.get("PYTHONPATH", "")])}
+        cmd = [
+            sys.executable,
+            "-m",
+            "fuzzing.engines",
+            "atheris-child",
+            target,
+            str(runs),
+            str(seed),
+            str(stats),
+            str(Path(tmp) / "corpus"),
+            str(artifacts),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
         with open(logfile, "wb") as out, progress_bar(runs, f"{target} (atheris)", progress) as bar:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             seen = 0
@@ -86,8 +97,11 @@ def run_pure_atheris(target: str, runs: int, seed: int, progress: bool = False, 
             tail = logfile.read_bytes()[-3000:].decode("utf-8", "replace")
             found = sorted(p.name for p in artifacts.iterdir())
             crash_input = (artifacts / found[0]).read_bytes() if found else b""
-            res.crash(crash_input, f"atheris child exited with {proc.returncode} after {res.tried} of {runs} inputs "
-                                   f"(process death, hang or out of memory); libFuzzer log tail:\n{tail}")
+            res.crash(
+                crash_input,
+                f"atheris child exited with {proc.returncode} after {res.tried} of {runs} inputs "
+                f"(process death, hang or out of memory); libFuzzer log tail:\n{tail}",
+            )
     res.wall_s = time.perf_counter() - start
     return res
 
@@ -132,13 +146,26 @@ def _atheris_child(target: str, runs: int, seed: int, stats_path: str, corpus_di
             write()
 
     write()
-    atheris.Setup([sys.argv[0], f"-runs={runs}", f"-seed={seed % (2**31 - 2) + 1}", "-max_len=16384",
-                   "-timeout=30", "-rss_limit_mb=4096", f"-artifact_prefix={artifacts}/", "-print_final_stats=1",
-                   str(corpus)], test_one_input)
+    atheris.Setup(
+        [
+            sys.argv[0],
+            f"-runs={runs}",
+            f"-seed={seed % (2**31 - 2) + 1}",
+            "-max_len=16384",
+            "-timeout=30",
+            "-rss_limit_mb=4096",
+            f"-artifact_prefix={artifacts}/",
+            "-print_final_stats=1",
+            str(corpus),
+        ],
+        test_one_input,
+    )
     atheris.Fuzz()
 
 
-if __name__ == "__main__":  # the atheris child: python -m fuzzing.engines atheris-child TARGET RUNS SEED STATS CORPUS ARTIFACTS
+if (
+    __name__ == "__main__"
+):  # the atheris child: python -m fuzzing.engines atheris-child TARGET RUNS SEED STATS CORPUS ARTIFACTS
     if len(sys.argv) == 8 and sys.argv[1] == "atheris-child":
         _atheris_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
     sys.exit("usage: python -m fuzzing.engines atheris-child TARGET RUNS SEED STATS CORPUS ARTIFACTS")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .result import FuzzResult
 
 log = logging.getLogger(__name__)
-
 
 
 class _ErrorLog(logging.Handler):
@@ -51,7 +51,7 @@ class Fleet:
     def url(self) -> str:
         return self.server.url
 
-    async def __aenter__(self) -> "Fleet":
+    async def __aenter__(self) -> Fleet:
         try:
             await self._start()
         except BaseException:
@@ -61,33 +61,49 @@ class Fleet:
 
     async def _start(self) -> None:
         from bus.connect import connect
-        from models.router import Router
-        from coordinator.service import Coordinator
         from bus.nats_server import NatsServer, free_port
+        from coordinator.service import Coordinator
+        from models.router import Router
         from workers.service import ExpertWorker
 
         self.server = NatsServer(extra_config="max_payload: 16MB")
         await asyncio.to_thread(self.server.start)
         ckpts = await asyncio.to_thread(self._checkpoints)
         for k, ckpt in enumerate(ckpts):
-            w = ExpertWorker(k, ckpt, "torch", nats_url=self.url, buckets=(1, 2, 4, 8), max_queue_rows=2048,
-                             worker_id=f"fuzz-e{k}")
+            w = ExpertWorker(
+                k, ckpt, "torch", nats_url=self.url, buckets=(1, 2, 4, 8), max_queue_rows=2048, worker_id=f"fuzz-e{k}"
+            )
             await w.start()
             self.workers.append(w)
         from models.tiny import make_tiny_router
 
         router = Router.load(await asyncio.to_thread(make_tiny_router, self.workdir / "fuzz-router", self.NUM_EXPERTS))
-        self.coordinator = Coordinator(router, num_experts=self.NUM_EXPERTS, class_to_expert=[0] * 5 + [1] * 5,
-                                       nats_url=self.url, max_rows=32, max_queued_jobs=16, step_timeout=5.0,
-                                       retries=1, name="fuzz-coordinator")
+        self.coordinator = Coordinator(
+            router,
+            num_experts=self.NUM_EXPERTS,
+            class_to_expert=[0] * 5 + [1] * 5,
+            nats_url=self.url,
+            max_rows=32,
+            max_queued_jobs=16,
+            step_timeout=5.0,
+            retries=1,
+            name="fuzz-coordinator",
+        )
         await self.coordinator.__aenter__()
         from aiohttp import web
 
         from web.app import WebConfig, create_app
 
         # the fuzzer probes parsing as fast as the socket answers: lift the per-socket message rate cap
-        app = create_app(WebConfig(nats_url=self.url, fleet_interval=1.0, discovery_window=0.2, submit_timeout=5.0,
-                                   max_messages_per_second=1e6))
+        app = create_app(
+            WebConfig(
+                nats_url=self.url,
+                fleet_interval=1.0,
+                discovery_window=0.2,
+                submit_timeout=5.0,
+                max_messages_per_second=1e6,
+            )
+        )
         self.web_runner = web.AppRunner(app, handle_signals=False)
         await self.web_runner.setup()
         port = free_port()
@@ -120,8 +136,9 @@ class Fleet:
             await asyncio.to_thread(self.server.stop)
 
 
-async def _drive(runs: int, concurrency: int, make: Callable[[int], Any], probe: Callable[[Any], Any],
-                 bar, res: FuzzResult) -> None:
+async def _drive(
+    runs: int, concurrency: int, make: Callable[[int], Any], probe: Callable[[Any], Any], bar, res: FuzzResult
+) -> None:
     """Generate `runs` inputs in order; probe them with at most `concurrency` in flight. A probe
     that raises (the connection to the server died, ...) counts as a crash of that input."""
     sem = asyncio.Semaphore(concurrency)

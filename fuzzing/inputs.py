@@ -27,7 +27,8 @@ import json
 import math
 import random
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -65,33 +66,176 @@ class Crash(AssertionError):
 # ---------------------------------------------------------------- boundary values
 
 INTERESTING_INTS = [
-    0, 1, -1, 2, 3, 7, 9, 10, 16, 31, 32, 33, 64, 127, 128, 255, 256, 257, 511, 512, 513, 1000, 1001, 1024, 1025,
-    4095, 4096, 4097, 3600, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63,
-    2**64 - 1, -(2**7), -(2**15), -(2**31), -(2**63), MAX_PAYLOAD_BYTES, MAX_PAYLOAD_BYTES + 1,
+    0,
+    1,
+    -1,
+    2,
+    3,
+    7,
+    9,
+    10,
+    16,
+    31,
+    32,
+    33,
+    64,
+    127,
+    128,
+    255,
+    256,
+    257,
+    511,
+    512,
+    513,
+    1000,
+    1001,
+    1024,
+    1025,
+    4095,
+    4096,
+    4097,
+    3600,
+    65535,
+    65536,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    -(2**7),
+    -(2**15),
+    -(2**31),
+    -(2**63),
+    MAX_PAYLOAD_BYTES,
+    MAX_PAYLOAD_BYTES + 1,
 ]
 INTERESTING_FLOATS = [
-    0.0, -0.0, 0.5, 1.0, 1.0000001, -1.0, -1e-300, 5e-324, 1e308, -1e308, 3600.0, 3600.5, 1.7e9, 4.1e9,
-    float("inf"), float("-inf"), float("nan"), 2.0**63, -(2.0**63),
+    0.0,
+    -0.0,
+    0.5,
+    1.0,
+    1.0000001,
+    -1.0,
+    -1e-300,
+    5e-324,
+    1e308,
+    -1e308,
+    3600.0,
+    3600.5,
+    1.7e9,
+    4.1e9,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    2.0**63,
+    -(2.0**63),
 ]
 INTERESTING_STRS = [
-    "", "a", "0", "1", "3,7,7", "x" * 64, "x" * 65, "x" * 129, "é", "\u2028", "\x00", "\r\n", "a\u0301",
-    "step_request", "step_reply", "job_request", "error", "cancel", "frame", "done", "failed", "accepted",
-    "rejected", "cancel_reply", "fleet_status", "<f4", ">f4", "<f2", "<f8", "|b1", "|O", "<c8", "<U4", "V8", "|u1",
-    "<i8", "top1", "topk", "full", "oracle", "euler", "heun", "bad_request", "internal", "too_large",
-    "ddm.v1.c.anon.jobs.submit", "_INBOX_web.x", "Nats-Service-Error: x", "😀" * 3, " ", "NaN", "-1",
+    "",
+    "a",
+    "0",
+    "1",
+    "3,7,7",
+    "x" * 64,
+    "x" * 65,
+    "x" * 129,
+    "é",
+    "\u2028",
+    "\x00",
+    "\r\n",
+    "a\u0301",
+    "step_request",
+    "step_reply",
+    "job_request",
+    "error",
+    "cancel",
+    "frame",
+    "done",
+    "failed",
+    "accepted",
+    "rejected",
+    "cancel_reply",
+    "fleet_status",
+    "<f4",
+    ">f4",
+    "<f2",
+    "<f8",
+    "|b1",
+    "|O",
+    "<c8",
+    "<U4",
+    "V8",
+    "|u1",
+    "<i8",
+    "top1",
+    "topk",
+    "full",
+    "oracle",
+    "euler",
+    "heun",
+    "bad_request",
+    "internal",
+    "too_large",
+    "ddm.v1.c.anon.jobs.submit",
+    "_INBOX_web.x",
+    "Nats-Service-Error: x",
+    "😀" * 3,
+    " ",
+    "NaN",
+    "-1",
 ]
 #: msgpack marker bytes worth planting: nil, never-used (0xc1), bools, bin/ext/str/array/map headers, fixext.
 MARKER_BYTES = [
-    0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC1, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9,
-    0xCA, 0xCB, 0xCC, 0xCF, 0xD0, 0xD3, 0xD4, 0xD6, 0xD8, 0xD9, 0xDA, 0xDB, 0xDC, 0xDD, 0xDE, 0xDF, 0xE0, 0xFF,
+    0x00,
+    0x7F,
+    0x80,
+    0x8F,
+    0x90,
+    0x9F,
+    0xA0,
+    0xBF,
+    0xC0,
+    0xC1,
+    0xC2,
+    0xC3,
+    0xC4,
+    0xC5,
+    0xC6,
+    0xC7,
+    0xC8,
+    0xC9,
+    0xCA,
+    0xCB,
+    0xCC,
+    0xCF,
+    0xD0,
+    0xD3,
+    0xD4,
+    0xD6,
+    0xD8,
+    0xD9,
+    0xDA,
+    0xDB,
+    0xDC,
+    0xDD,
+    0xDE,
+    0xDF,
+    0xE0,
+    0xFF,
 ]
 BAD_DTYPES = [">f4", ">i8", "|O", "<c8", "<U4", "V8", "<M8[s]", "f4", "float32", "", "<f16", "|S4", "<f4 "]
 
 #: Which types `unpack` is fuzzed against in the `messages` target (the first input byte picks one):
 #: every message type (by name, so a new one is fuzzed without editing this file), then the unions.
 MESSAGE_TYPES: list[type[Message]] = sorted(
-    (obj for obj in vars(_messages).values()
-     if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message),
+    (
+        obj
+        for obj in vars(_messages).values()
+        if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message and "kind" in obj.model_fields
+    ),  # not the bases (Message, _Labelled)
     key=lambda cls: cls.__name__,
 )
 MESSAGE_TARGETS: list[Any] = [*MESSAGE_TYPES, StepResult, SubmitReply, JobEvent]
@@ -106,23 +250,65 @@ def message_seeds(image: tuple[int, int, int] = (1, 4, 4), rows: tuple[int, ...]
     rng = np.random.default_rng(7)
     out: list[Message] = []
     for b in rows:
-        out.append(StepRequest(expert=0, x_t=rng.standard_normal((b, *image)).astype(np.float32),
-                               t=rng.uniform(0, 1, b).astype(np.float32), y=rng.integers(0, 10, b),
-                               row_ids=[f"r{i}" for i in range(b)], request_id=f"q{b}", deadline=None))
+        out.append(
+            StepRequest(
+                expert=0,
+                x_t=rng.standard_normal((b, *image)).astype(np.float32),
+                t=rng.uniform(0, 1, b).astype(np.float32),
+                y=rng.integers(0, 10, b),
+                row_ids=[f"r{i}" for i in range(b)],
+                request_id=f"q{b}",
+                deadline=None,
+            )
+        )
     out += [
-        StepReply(expert=1, velocity=rng.standard_normal((2, *image)).astype(np.float32), row_ids=["a", "b"],
-                  backend="torch", device="cpu", worker_id="w1", compute_ms=1.5, batch_rows=2),
+        StepReply(
+            expert=1,
+            velocity=rng.standard_normal((2, *image)).astype(np.float32),
+            row_ids=["a", "b"],
+            backend="torch",
+            device="cpu",
+            worker_id="w1",
+            compute_ms=1.5,
+            batch_rows=2,
+        ),
         ErrorReply(code=ErrorCode.BAD_SHAPE, message="x_t rows must be [1, 32, 32]", request_id="q1"),
         JobRequest(digits=[3, 7, 7], steps=4),
-        JobRequest(job_id="fuzz-job", count=2, steps=3, solver="heun", strategy="topk", top_k=2, seed=11,
-                   frame_every=2, deadline_s=30.0, stream=False),
-        JobAccepted(job_id="j1", events_subject="ddm.v1.c.anon.jobs.j1.events", digits=[1, 2], seed=5,
-                    queue_position=1),
+        JobRequest(
+            job_id="fuzz-job",
+            count=2,
+            steps=3,
+            solver="heun",
+            strategy="topk",
+            top_k=2,
+            seed=11,
+            frame_every=2,
+            deadline_s=30.0,
+            stream=False,
+        ),
+        JobAccepted(
+            job_id="j1", events_subject="ddm.v1.c.anon.jobs.j1.events", digits=[1, 2], seed=5, queue_position=1
+        ),
         JobRejected(code=ErrorCode.OVERLOADED, reason="queue full"),
-        FrameEvent(job_id="j1", step=1, steps=4, t=0.25, x=rng.standard_normal((2, *image)).astype(np.float16),
-                   experts=[0, -1], weights=np.array([[0.9, 0.1], [0.5, 0.5]], np.float32), notes=["row 1: x"]),
-        DoneEvent(job_id="j1", images=rng.uniform(-1, 1, (2, *image)).astype(np.float32), digits=[1, 2],
-                  usage=np.array([[1.0, 0.0], [0.5, 0.5]], np.float32), steps=4, strategy="top1", elapsed_s=0.5),
+        FrameEvent(
+            job_id="j1",
+            step=1,
+            steps=4,
+            t=0.25,
+            x=rng.standard_normal((2, *image)).astype(np.float16),
+            experts=[0, -1],
+            weights=np.array([[0.9, 0.1], [0.5, 0.5]], np.float32),
+            notes=["row 1: x"],
+        ),
+        DoneEvent(
+            job_id="j1",
+            images=rng.uniform(-1, 1, (2, *image)).astype(np.float32),
+            digits=[1, 2],
+            usage=np.array([[1.0, 0.0], [0.5, 0.5]], np.float32),
+            steps=4,
+            strategy="top1",
+            elapsed_s=0.5,
+        ),
         FailedEvent(job_id="j1", code=ErrorCode.UNAVAILABLE, reason="no expert"),
         CancelRequest(job_id="j1"),
         CancelReply(job_id="j1", cancelled=False, reason="no such job"),
@@ -177,12 +363,17 @@ class Mutator:
         if pick == 5:
             return r.choice(INTERESTING_STRS)
         if pick == 6:
-            return "".join(chr(r.choice([r.randint(32, 126), r.randint(0, 0xD7FF), r.randint(0xE000, 0x10FFFF)]))
-                           for _ in range(r.randint(0, 12)))
+            return "".join(
+                chr(r.choice([r.randint(32, 126), r.randint(0, 0xD7FF), r.randint(0xE000, 0x10FFFF)]))
+                for _ in range(r.randint(0, 12))
+            )
         if pick == 7:
             return r.randbytes(r.choice([0, 1, 3, 4, 8, 16, 64]))
-        return msgpack.ExtType(r.randint(0, 127), r.randbytes(r.randint(0, 8))) if r.random() < 0.7 else \
-            msgpack.Timestamp(r.randint(0, 2**32 - 1), r.randint(0, 999_999_999))
+        return (
+            msgpack.ExtType(r.randint(0, 127), r.randbytes(r.randint(0, 8)))
+            if r.random() < 0.7
+            else msgpack.Timestamp(r.randint(0, 2**32 - 1), r.randint(0, 999_999_999))
+        )
 
     def value(self, depth: int = 0) -> Any:
         r = self.rng
@@ -207,7 +398,7 @@ class Mutator:
     def _containers(self, obj: Any, out: list, depth: int = 0) -> list:
         if isinstance(obj, (dict, list)) and depth < 8:
             out.append(obj)
-            for v in (obj.values() if isinstance(obj, dict) else obj):
+            for v in obj.values() if isinstance(obj, dict) else obj:
                 self._containers(v, out, depth + 1)
         return out
 
@@ -225,8 +416,9 @@ class Mutator:
         elif op == 3:  # negative / non-int dims
             spec["shape"] = [r.choice([-1, -(2**63), 1.0, True, None, "1", [1], 2]) for _ in range(r.randint(1, 4))]
         elif op == 4:  # data one byte short, long, empty, or not bin at all
-            spec["data"] = r.choice([data[:-1], data + b"\x00", b"", data * 2, data.decode("latin-1"),
-                                     list(data[:8]), None])
+            spec["data"] = r.choice(
+                [data[:-1], data + b"\x00", b"", data * 2, data.decode("latin-1"), list(data[:8]), None]
+            )
         elif op == 5:  # a shape that fits the bytes but a different rank
             dt = spec.get("dtype") if isinstance(spec.get("dtype"), str) and spec["dtype"] in ALLOWED_DTYPES else "<f4"
             n = len(data) // np.dtype(dt).itemsize
@@ -310,14 +502,14 @@ class Mutator:
                 b[pos] = r.randrange(256)
             elif op == 3:  # a length field set to something interesting
                 width = r.choice([1, 2, 4])
-                value = r.choice([0, 1, 2**(8 * width) - 1, 2**(8 * width - 1), r.randrange(2**(8 * width))])
-                b[pos:pos + width] = value.to_bytes(width, "big")
+                value = r.choice([0, 1, 2 ** (8 * width) - 1, 2 ** (8 * width - 1), r.randrange(2 ** (8 * width))])
+                b[pos : pos + width] = value.to_bytes(width, "big")
             elif op == 4:
                 b[pos:pos] = r.randbytes(r.randint(1, 8))
             elif op == 5:
-                del b[pos:pos + r.randint(1, 16)]
+                del b[pos : pos + r.randint(1, 16)]
             elif op == 6:
-                chunk = b[pos:pos + r.randint(1, 32)]
+                chunk = b[pos : pos + r.randint(1, 32)]
                 b[pos:pos] = chunk * r.randint(1, 4)
             else:
                 del b[pos:]
@@ -339,8 +531,11 @@ class Mutator:
             head = msgpack.packb(rest, use_bin_type=True)
             return _grow_map(head, 1) + _packb(key) + nest
         if op == 1:  # declared lengths far beyond the bytes that follow
-            return r.choice([b"\xdd", b"\xdf", b"\xc6", b"\xdb", b"\xc9"]) + r.choice(
-                [b"\xff\xff\xff\xff", b"\x7f\xff\xff\xff", b"\x00\x10\x00\x00"]) + r.randbytes(r.randint(0, 8))
+            return (
+                r.choice([b"\xdd", b"\xdf", b"\xc6", b"\xdb", b"\xc9"])
+                + r.choice([b"\xff\xff\xff\xff", b"\x7f\xff\xff\xff", b"\x00\x10\x00\x00"])
+                + r.randbytes(r.randint(0, 8))
+            )
         if op == 2:  # arrays / maps around the limits
             n = r.choice([MAX_WIRE_ARRAY_LEN, MAX_WIRE_ARRAY_LEN + 1, 20_000])
             inner = r.choice([b"\xc0", b"\x90", b"\x01"])
@@ -360,8 +555,9 @@ class Mutator:
             return b"\xdc" + struct.pack(">H", outer) + inner * outer
         if op == 5:  # ext types / timestamps where a value goes
             obj = _copy(seed) if isinstance(seed, dict) else {"v": 1}
-            obj[r.choice(list(obj))] = r.choice([msgpack.ExtType(r.randint(0, 127), b"\x00" * r.randint(0, 4)),
-                                                 msgpack.Timestamp(1, 2)])
+            obj[r.choice(list(obj))] = r.choice(
+                [msgpack.ExtType(r.randint(0, 127), b"\x00" * r.randint(0, 4)), msgpack.Timestamp(1, 2)]
+            )
             if r.random() < 0.3:  # negative (reserved) ext codes, as raw fixext bytes
                 return _grow_map(_packb({"v": 1}), 1) + b"\xa4kind" + bytes([0xD4, r.randint(0x80, 0xFF), 0])
             return _packb(obj) if r.random() < 0.8 else _packb(msgpack.Timestamp(5, 0))
@@ -372,10 +568,13 @@ class Mutator:
             obj = _copy(seed) if isinstance(seed, dict) else {"v": 1}
             data = _packb(obj)
             i = data.find(b"\xa4kind")
-            return data[:i] + b"\xa4\xff\xfe\xfd\xfc" + data[i + 5:] if i >= 0 else b"\xa2\xc3\x28"
+            return data[:i] + b"\xa4\xff\xfe\xfd\xfc" + data[i + 5 :] if i >= 0 else b"\xa2\xc3\x28"
         if op == 8 and r.random() < 0.2:  # oversize: just over our limit (through NATS in the network targets)
-            return b"\x83\xa1v\x01\xa4kind\xa5error\xa4data\xc6" + struct.pack(">I", MAX_PAYLOAD_BYTES) + \
-                b"\x00" * MAX_PAYLOAD_BYTES
+            return (
+                b"\x83\xa1v\x01\xa4kind\xa5error\xa4data\xc6"
+                + struct.pack(">I", MAX_PAYLOAD_BYTES)
+                + b"\x00" * MAX_PAYLOAD_BYTES
+            )
         if op == 8:
             return b"\xc0" * r.randint(1, 4)
         return r.randbytes(r.randint(0, 4096))
@@ -395,7 +594,7 @@ class Mutator:
             base = _packb(self.seed_object())
             if r.random() < 0.1:  # splice two seeds
                 other = _packb(self.seed_object())
-                base = base[: r.randrange(len(base) + 1)] + other[r.randrange(len(other) + 1):]
+                base = base[: r.randrange(len(base) + 1)] + other[r.randrange(len(other) + 1) :]
             return self.mutate_bytes(base)
         if p < 0.93:
             obj = self.mutate_object(self.seed_object())
@@ -456,22 +655,30 @@ class Mutator:
             return "text", r.choice(["[", "{", "[{"]) * r.choice([100, 990, 1000, 100_000]) + "]" * r.randint(0, 5)
         if op == 1:  # deep nesting inside a field
             d = r.choice([500, 900, 980, 990, 1000])
-            return "text", '{"type": "generate", "%s": %s1%s}' % (r.choice(["digits", "count", "seed", "type", "ref"]),
-                                                                  "[" * d, "]" * d)
+            return "text", '{"type": "generate", "%s": %s1%s}' % (
+                r.choice(["digits", "count", "seed", "type", "ref"]),
+                "[" * d,
+                "]" * d,
+            )
         if op == 2:  # integer literals past Python's 4300-digit str->int limit
-            return "text", '{"type": "%s", "%s": %s}' % (r.choice(["ping", "generate"]),
-                                                          r.choice(["ref", "count", "seed", "steps"]),
-                                                          "9" * r.choice([20, 4300, 4301, 50_000]))
+            return "text", '{"type": "%s", "%s": %s}' % (
+                r.choice(["ping", "generate"]),
+                r.choice(["ref", "count", "seed", "steps"]),
+                "9" * r.choice([20, 4300, 4301, 50_000]),
+            )
         if op == 3:
             return "text", '{"type": "generate", "count": %s, "steps": %s}' % (
-                r.choice(["NaN", "Infinity", "-Infinity", "1e999", "-0", "2.0"]), r.choice(["3", "1e3", "NaN"]))
+                r.choice(["NaN", "Infinity", "-Infinity", "1e999", "-0", "2.0"]),
+                r.choice(["3", "1e3", "NaN"]),
+            )
         if op == 4 and r.random() < 0.3:  # over the server's frame limit: the socket is closed (1009)
             return "text", '{"type": "generate", "digits": "' + "1," * (max_text // 2) + '1"}'
         if op == 5:
             return "text", json.dumps({"type": "generate", "digits": [r.randint(0, 9)] * r.choice([257, 5000, 60_000])})
         if op == 6:
-            return "text", json.dumps({"type": "cancel", "job_id": r.choice(["", "x" * 10_000, "web" + "0" * 16,
-                                                                            "\u2028", "../../etc"])})
+            return "text", json.dumps(
+                {"type": "cancel", "job_id": r.choice(["", "x" * 10_000, "web" + "0" * 16, "\u2028", "../../etc"])}
+            )
         if op == 7:
             return "text", "".join(chr(r.randint(1, 0xD7FF)) for _ in range(r.randint(0, 200)))
         return "text", r.choice(["", " ", "null", "true", "1", '"ping"', "{}", "[]", '{"type": "ping", "ref": 1.5}'])
@@ -486,7 +693,7 @@ def step_request_variant(rng: random.Random, image: tuple[int, int, int] = (1, 3
     np_rng = np.random.default_rng(rng.randrange(2**32))
     x = np_rng.standard_normal((b, *shape)).astype(rng.choice(["<f4", "<f4", "<f2", "<f8"]))
     if rng.random() < 0.1:
-        x.flat[rng.randrange(x.size or 1) if x.size else 0:][:1] = rng.choice([np.nan, np.inf, 6e4])
+        x.flat[rng.randrange(x.size or 1) if x.size else 0 :][:1] = rng.choice([np.nan, np.inf, 6e4])
     t = np_rng.uniform(0, 1, b)
     if rng.random() < 0.3:
         t[rng.randrange(b)] = rng.choice([0.0, 1.0, -0.0, 1.0000001, -1e-9, np.nan])
@@ -494,8 +701,11 @@ def step_request_variant(rng: random.Random, image: tuple[int, int, int] = (1, 3
     if rng.random() < 0.2:
         y[rng.randrange(b)] = rng.choice([-1, 10, 255, 2**31 - 1])
     msg: dict[str, Any] = {
-        "v": 1, "kind": "step_request", "expert": rng.choice([0, 0, 0, 0, 1, 2, 2**63 - 1]),
-        "x_t": encode_tensor(x), "t": encode_tensor(t.astype(rng.choice(["<f4", "<f8", "<f2"]))),
+        "v": 1,
+        "kind": "step_request",
+        "expert": rng.choice([0, 0, 0, 0, 1, 2, 2**63 - 1]),
+        "x_t": encode_tensor(x),
+        "t": encode_tensor(t.astype(rng.choice(["<f4", "<f8", "<f2"]))),
         "y": encode_tensor(y.astype(rng.choice(["<i8", "<i4", "|u1", "<u8", "|i1"]))),
     }
     if rng.random() < 0.5:
@@ -511,15 +721,23 @@ def job_request_variant(rng: random.Random) -> bytes:
     """A JobRequest with plausible, often boundary, values (reaches the coordinator's admission)."""
     msg: dict[str, Any] = {"v": 1, "kind": "job_request"}
     if rng.random() < 0.5:
-        msg["digits"] = [rng.choice([0, 1, 5, 9, 9, 10, -1]) if rng.random() < 0.1 else rng.randrange(10)
-                         for _ in range(rng.choice([1, 2, 3, 32, 33, 256, 257]))]
+        msg["digits"] = [
+            rng.choice([0, 1, 5, 9, 9, 10, -1]) if rng.random() < 0.1 else rng.randrange(10)
+            for _ in range(rng.choice([1, 2, 3, 32, 33, 256, 257]))
+        ]
     else:
         msg["count"] = rng.choice([1, 2, 4, 31, 32, 33, 256, 257, 0])
-    for key, values in (("steps", [1, 2, 3, 1000, 1001, 0]), ("solver", ["euler", "heun", "rk4"]),
-                        ("strategy", ["top1", "topk", "full", "oracle", "best"]), ("top_k", [1, 2, 3, 64, 65]),
-                        ("seed", [0, 1, 2**63 - 1, 2**63]), ("stream", [True, False]),
-                        ("frame_every", [1, 2, 1000, 1001]), ("deadline_s", [0.001, 1.0, 3600.0, 3600.5, 0.0]),
-                        ("job_id", ["fuzz-dup", "j" + str(rng.randrange(10**6)), "x" * 64, "x" * 65, "a b"])):
+    for key, values in (
+        ("steps", [1, 2, 3, 1000, 1001, 0]),
+        ("solver", ["euler", "heun", "rk4"]),
+        ("strategy", ["top1", "topk", "full", "oracle", "best"]),
+        ("top_k", [1, 2, 3, 64, 65]),
+        ("seed", [0, 1, 2**63 - 1, 2**63]),
+        ("stream", [True, False]),
+        ("frame_every", [1, 2, 1000, 1001]),
+        ("deadline_s", [0.001, 1.0, 3600.0, 3600.5, 0.0]),
+        ("job_id", ["fuzz-dup", "j" + str(rng.randrange(10**6)), "x" * 64, "x" * 65, "a b"]),
+    ):
         if rng.random() < 0.35:
             msg[key] = rng.choice(values)
     return _packb(msg)
@@ -567,8 +785,9 @@ def _check_array(a: np.ndarray, spec: Any, what: str) -> None:
         raise Crash(f"{what}: dishonest array {a.dtype.str} {a.shape} size {a.size}")
     if isinstance(spec, dict):
         if list(a.shape) != list(spec.get("shape", [])) or a.dtype.str != spec.get("dtype"):
-            raise Crash(f"{what}: array {a.dtype.str} {list(a.shape)} but the wire said {spec.get('dtype')} "
-                        f"{spec.get('shape')}")
+            raise Crash(
+                f"{what}: array {a.dtype.str} {list(a.shape)} but the wire said {spec.get('dtype')} {spec.get('shape')}"
+            )
         data = spec.get("data")
         if a.nbytes != len(data) or a.tobytes() != bytes(data):
             raise Crash(f"{what}: array bytes differ from the wire bytes")
@@ -586,7 +805,9 @@ def codec_one(data: bytes) -> tuple[str, str]:
         again = decode_tensor(obj, finite=True)
     except ProtocolError as err:
         if err.code is not ErrorCode.NON_FINITE or np.isfinite(arr).all():
-            raise Crash(f"finite=True refused an array finite=False took, with {err.code.value}: {err.message}")
+            raise Crash(
+                f"finite=True refused an array finite=False took, with {err.code.value}: {err.message}"
+            ) from err
         return "ok", "non-finite refused"
     if arr.dtype.kind == "f" and not np.isfinite(again).all():
         raise Crash("finite=True returned NaN/Inf")
@@ -625,12 +846,16 @@ def messages_one(data: bytes) -> tuple[str, str]:
     except ProtocolError as err:
         if err.code is ErrorCode.TOO_LARGE:  # valid at the limit, a few bytes longer re-encoded
             return "ok", f"{type(msg).__name__} (too large to re-send)"
-        raise Crash(f"{type(msg).__name__} validated but does not survive pack/unpack: {err.code.value}: "
-                    f"{err.message}") from None
+        raise Crash(
+            f"{type(msg).__name__} validated but does not survive pack/unpack: {err.code.value}: {err.message}"
+        ) from None
     for name in type(msg).model_fields:
         a, b = getattr(msg, name), getattr(again, name)
-        same = (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()) \
-            if isinstance(a, np.ndarray) else (a == b or (a != a and b != b))
+        same = (
+            (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
+            if isinstance(a, np.ndarray)
+            else (a == b or (a != a and b != b))
+        )
         if not same:
             raise Crash(f"{type(msg).__name__}.{name} changed through pack/unpack: {a!r:.60} -> {b!r:.60}")
     return "ok", type(msg).__name__
@@ -658,6 +883,7 @@ def pure_inputs(target: str, rng: random.Random) -> Callable[[], bytes]:
             # mostly aim the payload at the type it was made from, sometimes at any type
             i = rng.randrange(len(MESSAGE_TARGETS)) if rng.random() < 0.3 else _target_index_for(body, rng)
             return bytes([i]) + body
+
         return gen
     raise ValueError(f"no pure target {target!r}; choose from {', '.join(PURE_TARGETS)}")
 

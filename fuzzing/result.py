@@ -9,8 +9,6 @@ from typing import Any
 MAX_SAMPLES = 8  # crash examples kept per target
 
 
-
-
 @dataclasses.dataclass
 class FuzzResult:
     target: str
@@ -54,5 +52,12 @@ class FuzzResult:
 def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"fuzz {desc}", unit="in", file=sys.stderr, disable=not enabled,
-                dynamic_ncols=True, mininterval=0.5)
+    return tqdm(
+        total=total,
+        desc=f"fuzz {desc}",
+        unit="in",
+        file=sys.stderr,
+        disable=not enabled,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )

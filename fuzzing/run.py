@@ -63,8 +63,9 @@ def _network_fuzzer(target: str):
     return import_module(f"fuzzing.targets.{target}").fuzz
 
 
-async def run_network(targets: list[str], runs: dict[str, int], seed: int, concurrency: int, timeout: float,
-                      progress: bool) -> list[FuzzResult]:
+async def run_network(
+    targets: list[str], runs: dict[str, int], seed: int, concurrency: int, timeout: float, progress: bool
+) -> list[FuzzResult]:
     results = []
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per socket otherwise
     with tempfile.TemporaryDirectory(prefix="ddm-fuzz-fleet-") as tmp:
@@ -87,8 +88,16 @@ async def run_network(targets: list[str], runs: dict[str, int], seed: int, concu
     return results
 
 
-def run(targets: list[str], *, runs: int | None = None, seed: int = 0, engine: str = "auto",
-        concurrency: int = 8, timeout: float = 10.0, progress: bool = False) -> list[FuzzResult]:
+def run(
+    targets: list[str],
+    *,
+    runs: int | None = None,
+    seed: int = 0,
+    engine: str = "auto",
+    concurrency: int = 8,
+    timeout: float = 10.0,
+    progress: bool = False,
+) -> list[FuzzResult]:
     """Fuzz `targets` (names from TARGETS, in that order). `runs` per target (None: DEFAULT_RUNS)."""
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
@@ -114,13 +123,17 @@ def run(targets: list[str], *, runs: int | None = None, seed: int = 0, engine: s
 
 
 def format_table(results: list[FuzzResult]) -> str:
-    head = f"{'target':12s} {'engine':8s} {'tried':>8s} {'ok':>7s} {'clear':>8s} {'crashes':>7s} {'unansw.':>7s} " \
-           f"{'wall s':>8s} {'in/s':>8s}"
+    head = (
+        f"{'target':12s} {'engine':8s} {'tried':>8s} {'ok':>7s} {'clear':>8s} {'crashes':>7s} {'unansw.':>7s} "
+        f"{'wall s':>8s} {'in/s':>8s}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         d = r.as_dict()
-        lines.append(f"{r.target:12s} {r.engine:8s} {r.tried:8d} {r.ok:7d} {r.clear:8d} {r.crashes:7d} "
-                     f"{r.unanswered:7d} {r.wall_s:8.1f} {d['inputs_per_s']:8.1f}")
+        lines.append(
+            f"{r.target:12s} {r.engine:8s} {r.tried:8d} {r.ok:7d} {r.clear:8d} {r.crashes:7d} "
+            f"{r.unanswered:7d} {r.wall_s:8.1f} {d['inputs_per_s']:8.1f}"
+        )
     for r in results:
         top = sorted(r.codes.items(), key=lambda kv: -kv[1])[:8]
         if top:

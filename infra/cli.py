@@ -17,37 +17,58 @@ from bus.options import show_switches
 # The commands by workflow, in the order `ddm-fleet --help` lists them: (group title, [(name, module,
 # one-line help), ...]). Keep each help short enough for one line of an 80-column terminal.
 COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
-    ("data", [
-        ("data", "infra.cmd_data", "prepare and inspect datasets: image folders, MNIST, colour MNIST"),
-    ]),
-    ("partition", [
-        ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
-    ]),
-    ("train", [
-        ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch or jax)"),
-        ("train-router", "infra.cmd_train_router", "train the router that picks a noisy image's experts"),
-        ("distill", "infra.cmd_distill", "distill the experts + router into one dense UNet"),
-    ]),
-    ("serve", [
-        ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla, jax or sim)"),
-        ("coordinator", "infra.cmd_coordinator", "route and batch every job's steps over the experts' workers"),
-        ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise"),
-        ("up", "infra.cmd_up", "run the local fleet: nats-server, workers, coordinator, web"),
-        ("nats", "infra.cmd_nats", "NATS server tools: check the configs, run a loopback cluster"),
-    ]),
-    ("generate", [
-        ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) to a PNG or .npz"),
-        ("sample", "infra.cmd_sample", "sample in-process from expert checkpoints to a PNG grid"),
-    ]),
-    ("evaluate, benchmark, fuzz", [
-        ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routings (accuracy, FID)"),
-        ("bench", "infra.cmd_bench", "benchmarks: bench worker | fleet | scale | engine"),
-        ("fuzz", "infra.cmd_fuzz", "throw hostile input at decoders, worker, coordinator, web"),
-    ]),
-    ("version and helpers", [
-        ("version", "infra.cmd_version", "print the package, protocol and library versions"),
-        ("wait-ready", "infra.cmd_wait_ready", "wait until a worker / web / coordinator is ready"),
-    ]),
+    (
+        "data",
+        [
+            ("data", "infra.cmd_data", "prepare and inspect datasets: image folders, MNIST, colour MNIST"),
+        ],
+    ),
+    (
+        "partition",
+        [
+            ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
+        ],
+    ),
+    (
+        "train",
+        [
+            ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch or jax)"),
+            ("train-router", "infra.cmd_train_router", "train the router that picks a noisy image's experts"),
+            ("distill", "infra.cmd_distill", "distill the experts + router into one dense UNet"),
+        ],
+    ),
+    (
+        "serve",
+        [
+            ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla, jax or sim)"),
+            ("coordinator", "infra.cmd_coordinator", "route and batch every job's steps over the experts' workers"),
+            ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise"),
+            ("up", "infra.cmd_up", "run the local fleet: nats-server, workers, coordinator, web"),
+            ("nats", "infra.cmd_nats", "NATS server tools: check the configs, run a loopback cluster"),
+        ],
+    ),
+    (
+        "generate",
+        [
+            ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) to a PNG or .npz"),
+            ("sample", "infra.cmd_sample", "sample in-process from expert checkpoints to a PNG grid"),
+        ],
+    ),
+    (
+        "evaluate, benchmark, fuzz",
+        [
+            ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routings (accuracy, FID)"),
+            ("bench", "infra.cmd_bench", "benchmarks: bench worker | fleet | scale | engine"),
+            ("fuzz", "infra.cmd_fuzz", "throw hostile input at decoders, worker, coordinator, web"),
+        ],
+    ),
+    (
+        "version and helpers",
+        [
+            ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+            ("wait-ready", "infra.cmd_wait_ready", "wait until a worker / web / coordinator is ready"),
+        ],
+    ),
 ]
 
 # Every command: (name, module, one-line help), in the help's order.
@@ -88,8 +109,14 @@ def _global_options(parser: argparse.ArgumentParser, after_command: bool) -> Non
     given), which `main` adds to `verbose`: a subparser's defaults would otherwise overwrite the
     value given before the command."""
     if after_command:
-        parser.add_argument("-v", "--verbose", action="count", dest="_verbose_after", default=argparse.SUPPRESS,
-                            help="more logging (-vv for debug); also accepted before the command")
+        parser.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            dest="_verbose_after",
+            default=argparse.SUPPRESS,
+            help="more logging (-vv for debug); also accepted before the command",
+        )
     else:
         parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
 
@@ -120,15 +147,16 @@ def join_option_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    table = format_command_table([(title, [(name, help_text) for name, _m, help_text in cmds])
-                                  for title, cmds in COMMAND_GROUPS])
+    table = format_command_table(
+        [(title, [(name, help_text) for name, _m, help_text in cmds]) for title, cmds in COMMAND_GROUPS]
+    )
     parser = argparse.ArgumentParser(
         prog="ddm-fleet",
         usage="%(prog)s [-h] [--version] [-v] <command> ...",
         description="Serve and train Decentralized Diffusion Model ensembles over NATS. The commands, by "
-                    "workflow:\n\n" + table,
+        "workflow:\n\n" + table,
         epilog="Run `ddm-fleet <command> --help` for a command's options. The bus URL of every command\n"
-               "defaults to $NATS_URL (else nats://127.0.0.1:4222).",
+        "defaults to $NATS_URL (else nats://127.0.0.1:4222).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action=_VersionAction, help="print the package and protocol versions and exit")

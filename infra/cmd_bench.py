@@ -30,7 +30,8 @@ EXAMPLES = """examples:
   ddm-fleet bench worker --checkpoint checkpoints/expert0.safetensors --bf16 --buckets 1,8,64,128
   ddm-fleet bench worker --backend jax --nats nats://127.0.0.1:4222
   ddm-fleet bench worker --device cuda:0 --buckets 64,256 --in-flight 1,2,4 --wire-dtype float32,float16
-  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet --max-rows 100 --max-queued-jobs 100
+  ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet \\
+      --max-rows 100 --max-queued-jobs 100
   ddm-fleet bench scale --coordinator-capacity --workers 1,2,4,8 --coordinators 1,2
   ddm-fleet bench engine --route-every 4"""
 
@@ -46,15 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.usage = "%(prog)s [-h] [-v] <what> ..."
-    parser.description = ("Benchmarks; `ddm-fleet bench <what> --help` explains each.\n\n"
-                          + format_command_table([("benches", [(name, help_text) for name, _t, help_text in BENCHES])]))
+    parser.description = "Benchmarks; `ddm-fleet bench <what> --help` explains each.\n\n" + format_command_table(
+        [("benches", [(name, help_text) for name, _t, help_text in BENCHES])]
+    )
     parser.epilog = EXAMPLES
     # The table above lists the benches; the subparsers' own flat list is hidden.
     sub = parser.add_subparsers(dest="bench", metavar="<what>", help=argparse.SUPPRESS, prog=parser.prog)
     for name, target, help_text in BENCHES:
         impl = _resolve(target)
-        p = sub.add_parser(name, description=(impl.__doc__ or help_text).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, description=(impl.__doc__ or help_text).strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         impl.add_arguments(p)
         p.set_defaults(_bench_run=impl.run)
     parser.set_defaults(_bench_parser=parser)

@@ -69,9 +69,17 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         from bus.connect import connect
         from coordinator.durable import JetStreamUnavailable
-        from coordinator.service import Coordinator, EngineDied, load_router_and_partition, wait_for_experts
+        from coordinator.fleet_spec import FleetSpecError
+        from coordinator.service import (
+            Coordinator,
+            EngineDied,
+            load_router_and_partition,
+            router_spec,
+            wait_for_experts,
+        )
 
         router, k, c2e = load_router_and_partition(config.router, config.partition)
+        spec = router_spec(config.router)
         nc = await connect(config.nats, name="ddm-coordinator", reconnect="forever", pending_size=64 * 1024 * 1024)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -82,25 +90,42 @@ def run(args: argparse.Namespace) -> int:
                 print(f"waiting up to {config.wait_experts:g} s for workers of {k} experts ...", flush=True)
                 await wait_for_experts(nc, k, timeout=config.wait_experts)
             try:
-                coordinator = Coordinator(router, config, num_experts=k, class_to_expert=c2e, nc=nc)
+                coordinator = Coordinator(router, config, num_experts=k, class_to_expert=c2e, nc=nc, spec=spec)
                 await coordinator.__aenter__()
+            except FleetSpecError as err:
+                print(f"ddm-fleet coordinator: {err}", file=sys.stderr, flush=True)
+                return 2
             except JetStreamUnavailable as err:
-                print(f"ddm-fleet coordinator: --durable needs NATS JetStream on {config.nats}: {err}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"ddm-fleet coordinator: --durable needs NATS JetStream on {config.nats}: {err}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 2
             async with _Entered(coordinator) as coord:
                 if config.durable:  # (without --durable nothing is printed: the first line stays "ready: ...")
-                    print(f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, R{config.js_replicas}, "
-                          f"checkpoint every {config.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed "
-                          f"{coord.jobs_resumed} jobs)", flush=True)
-                print(f"ready: coordinator for {k} experts on {config.nats} (max {config.max_rows} rows, "
-                      f"{config.max_queued_jobs} queued jobs)"
-                      + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""), flush=True)
+                    print(
+                        f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, R{config.js_replicas}, "
+                        f"checkpoint every {config.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed "
+                        f"{coord.jobs_resumed} jobs)",
+                        flush=True,
+                    )
+                shape = "x".join(map(str, coord.spec.sample_shape))
+                print(
+                    f"ready: coordinator for {k} experts on {config.nats} (max {config.max_rows} rows, "
+                    f"{config.max_queued_jobs} queued jobs; {shape} {coord.spec.space}, "
+                    f"{coord.spec.num_classes} classes)"
+                    + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""),
+                    flush=True,
+                )
                 try:
                     await coord.serve_until(stop)
                 except EngineDied as err:  # every job has failed with `internal`; let the supervisor restart us
-                    print(f"ddm-fleet coordinator: {err}; exiting so that a supervisor restarts it",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"ddm-fleet coordinator: {err}; exiting so that a supervisor restarts it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 1
                 log.info("signal received: failing running jobs and draining")
                 st = coord.status()
@@ -129,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except Exception as err:
         if type(err).__module__.startswith("nats"):
-            print(f"ddm-fleet coordinator: cannot reach NATS at {config.nats}: {type(err).__name__} {err}",
-                  file=sys.stderr)
+            print(
+                f"ddm-fleet coordinator: cannot reach NATS at {config.nats}: {type(err).__name__} {err}",
+                file=sys.stderr,
+            )
             return 1
         raise

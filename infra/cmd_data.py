@@ -26,30 +26,60 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("action", choices=("prepare", "info"),
-                        help="prepare: build a prepared dataset (cached); info: print a dataset's summary")
+    parser.add_argument(
+        "action",
+        choices=("prepare", "info"),
+        help="prepare: build a prepared dataset (cached); info: print a dataset's summary",
+    )
     parser.add_argument("dir", nargs="?", default=None, help="info: the prepared dataset directory to describe")
     src = parser.add_argument_group("prepare: what to build (one of; default --dataset mnist)")
     one = src.add_mutually_exclusive_group()
-    one.add_argument("--images", metavar="DIR", default=None,
-                     help="an image folder: one subfolder per class, or images directly (unlabelled)")
-    one.add_argument("--dataset", choices=("mnist", "colour-mnist", "color-mnist"), default=None,
-                     help="a built-in dataset made from MNIST (color-mnist = colour-mnist)")
+    one.add_argument(
+        "--images",
+        metavar="DIR",
+        default=None,
+        help="an image folder: one subfolder per class, or images directly (unlabelled)",
+    )
+    one.add_argument(
+        "--dataset",
+        choices=("mnist", "colour-mnist", "color-mnist"),
+        default=None,
+        help="a built-in dataset made from MNIST (color-mnist = colour-mnist)",
+    )
     opts = parser.add_argument_group("prepare: options")
     opts.add_argument("--size", type=int, default=None, metavar="S", help="--images: output side in pixels (required)")
-    opts.add_argument("--channels", type=int, choices=(1, 3), default=None, help="--images: 1 = grey, 3 = RGB (default 3)")
-    opts.add_argument("--background", choices=("white", "black"), default="white",
-                      help="--images: what transparent pixels are composited on (default white)")
-    opts.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
-                      help="--images: fraction of each class held out as the val split (default 0.1)")
-    opts.add_argument("--seed", type=int, default=0,
-                      help="--images: the train/val split; colour-mnist: the colours (default 0)")
-    opts.add_argument("--limit", type=int, default=None, metavar="N",
-                      help="--dataset: keep the first N images of each split (quick tests)")
+    opts.add_argument(
+        "--channels", type=int, choices=(1, 3), default=None, help="--images: 1 = grey, 3 = RGB (default 3)"
+    )
+    opts.add_argument(
+        "--background",
+        choices=("white", "black"),
+        default="white",
+        help="--images: what transparent pixels are composited on (default white)",
+    )
+    opts.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="--images: fraction of each class held out as the val split (default 0.1)",
+    )
+    opts.add_argument(
+        "--seed", type=int, default=0, help="--images: the train/val split; colour-mnist: the colours (default 0)"
+    )
+    opts.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--dataset: keep the first N images of each split (quick tests)",
+    )
     opts.add_argument("--name", default=None, help="--images: the dataset's name (default: the folder's name)")
     opts.add_argument("--workers", type=int, default=None, help="--images: decoding threads (default min(4, CPUs))")
     opts.add_argument("--out", default=None, metavar="DIR", help="output directory (default under the data dir)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR", help="data directory (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument(
+        "--data-dir", default=None, metavar="DIR", help="data directory (default: $DDM_DATA_DIR or ./data)"
+    )
     parser.add_argument("--force", action="store_true", help="prepare: rebuild even if up to date")
 
 
@@ -64,13 +94,19 @@ def _report(result, what: str) -> None:
     m = result.manifest
     counts = ", ".join(f"{s} {i['count']}" for s, i in m["splits"].items())
     if result.built:
-        print(f"prepared {what} at {result.path}: {m['channels']}x{m['size']}x{m['size']}, "
-              f"{len(m['class_names']) or 'no'} classes, {counts}")
+        print(
+            f"prepared {what} at {result.path}: {m['channels']}x{m['size']}x{m['size']}, "
+            f"{len(m['class_names']) or 'no'} classes, {counts}"
+        )
     else:
         print(f"{what} is up to date at {result.path} (same inputs; nothing to do, --force rebuilds): {counts}")
     src = m.get("source", {})
     if src.get("skipped"):
-        line = describe_skipped(result.skipped, src.get("files", 0)) if result.skipped else f"skipped {src['skipped']} files"
+        line = (
+            describe_skipped(result.skipped, src.get("files", 0))
+            if result.skipped
+            else f"skipped {src['skipped']} files"
+        )
         print(line + "  (see manifest.json 'skipped')", file=sys.stderr)
     if src.get("empty_classes"):
         print(f"warning: class folders with no usable image: {', '.join(src['empty_classes'])}", file=sys.stderr)
@@ -90,9 +126,18 @@ def _prepare(args: argparse.Namespace) -> int:
         from dataset.image_folder import prepare_image_folder
 
         result = prepare_image_folder(
-            args.images, args.out, size=args.size, channels=args.channels or 3, val_fraction=args.val_fraction,
-            seed=args.seed, background=args.background, name=args.name, data_dir=args.data_dir,
-            force=args.force, workers=args.workers)
+            args.images,
+            args.out,
+            size=args.size,
+            channels=args.channels or 3,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            background=args.background,
+            name=args.name,
+            data_dir=args.data_dir,
+            force=args.force,
+            workers=args.workers,
+        )
         _report(result, f"image folder {args.images}")
         return 0
     if args.size is not None or args.channels is not None or args.name is not None:
@@ -100,8 +145,9 @@ def _prepare(args: argparse.Namespace) -> int:
     if dataset in (None, "mnist"):
         path = prepare_mnist(args.data_dir, force=args.force)
         print(f"MNIST cached at {path}")
-    result = prepare_builtin(dataset or "mnist", args.out, seed=args.seed, limit=args.limit,
-                             data_dir=args.data_dir, force=args.force)
+    result = prepare_builtin(
+        dataset or "mnist", args.out, seed=args.seed, limit=args.limit, data_dir=args.data_dir, force=args.force
+    )
     _report(result, dataset or "mnist")
     return 0
 
@@ -131,8 +177,10 @@ def _info_default(args: argparse.Namespace) -> int:
         for p in prepared:
             print(f"  {p}")
     if not found:
-        print(f"no MNIST cache at {path} and no prepared dataset under {base}; run `ddm-fleet data prepare`",
-              file=sys.stderr)
+        print(
+            f"no MNIST cache at {path} and no prepared dataset under {base}; run `ddm-fleet data prepare`",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

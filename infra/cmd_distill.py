@@ -21,31 +21,59 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="teacher directory: router.safetensors and expert0..expert{K-1}.safetensors (default %(default)s)")
-    parser.add_argument("--strategy", choices=("full", "top1"), default="full",
-                        help="how the teacher combines experts: full = router-weighted sum, top1 = argmax expert "
-                             "(default %(default)s)")
-    parser.add_argument("--out", default="checkpoints/distilled", help="student checkpoint path without extension (default %(default)s)")
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="teacher directory: router.safetensors and expert0..expert{K-1}.safetensors (default %(default)s)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=("full", "top1"),
+        default="full",
+        help="how the teacher combines experts: full = router-weighted sum, top1 = argmax expert (default %(default)s)",
+    )
+    parser.add_argument(
+        "--out", default="checkpoints/distilled", help="student checkpoint path without extension (default %(default)s)"
+    )
     parser.add_argument("--run-dir", default="runs/distill", help="where distill_resume.pt lives (default %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/distill_resume.pt up to --steps")
     parser.add_argument("--widths", default=None, help="student UNet widths, e.g. 32,64,128 (default: the experts')")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps in total (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=128, help="noised images per step (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate; warmup then cosine (default %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="peak AdamW learning rate; warmup then cosine (default %(default)s)"
+    )
     parser.add_argument("--warmup", type=int, default=100, help="linear LR warmup steps (default %(default)s)")
-    parser.add_argument("--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default %(default)s)")
-    parser.add_argument("--label-dropout", type=float, default=0.0,
-                        help="fraction of rows distilled with the label unknown (y = -1): the student gets a null "
-                             "label; needs experts trained with --label-dropout (default %(default)s)")
+    parser.add_argument(
+        "--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default %(default)s)"
+    )
+    parser.add_argument(
+        "--label-dropout",
+        type=float,
+        default=0.0,
+        help="fraction of rows distilled with the label unknown (y = -1): the student gets a null "
+        "label; needs experts trained with --label-dropout (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default %(default)s)")
+    parser.add_argument(
+        "--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default %(default)s)"
+    )
     parser.add_argument("--log-every", type=int, default=50, help="steps per loss_history entry (default %(default)s)")
-    parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default %(default)s)")
+    parser.add_argument(
+        "--save-dtype",
+        choices=("float16", "float32"),
+        default="float16",
+        help="dtype of the shipped weights (default %(default)s)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N train images (smoke runs)")
+    parser.add_argument(
+        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="use only the first N train images (smoke runs)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -58,15 +86,33 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = DistillConfig(
-            checkpoints=args.checkpoints, out=args.out, run_dir=args.run_dir, strategy=args.strategy,
-            widths=parse_widths(args.widths) if args.widths else None, steps=args.steps, batch_size=args.batch_size,
-            lr=args.lr, warmup=args.warmup, ema_decay=args.ema_decay, label_dropout=args.label_dropout,
-            seed=args.seed, save_every=args.save_every, log_every=args.log_every, save_dtype=args.save_dtype,
-            device=args.device, threads=args.threads, data_dir=args.data_dir, limit=args.limit)
+            checkpoints=args.checkpoints,
+            out=args.out,
+            run_dir=args.run_dir,
+            strategy=args.strategy,
+            widths=parse_widths(args.widths) if args.widths else None,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup=args.warmup,
+            ema_decay=args.ema_decay,
+            label_dropout=args.label_dropout,
+            seed=args.seed,
+            save_every=args.save_every,
+            log_every=args.log_every,
+            save_dtype=args.save_dtype,
+            device=args.device,
+            threads=args.threads,
+            data_dir=args.data_dir,
+            limit=args.limit,
+        )
         teacher = Teacher.load(cfg.checkpoints, cfg.strategy, cfg.device)
         images, labels = load_mnist("train", cfg.data_dir, limit=cfg.limit)
-        print(f"distilling {teacher.num_experts} experts + router ({cfg.strategy}) from {cfg.checkpoints} into one "
-              f"UNet on {len(images)} noised train images, {cfg.steps} steps x batch {cfg.batch_size}", flush=True)
+        print(
+            f"distilling {teacher.num_experts} experts + router ({cfg.strategy}) from {cfg.checkpoints} into one "
+            f"UNet on {len(images)} noised train images, {cfg.steps} steps x batch {cfg.batch_size}",
+            flush=True,
+        )
         stats = distill(cfg, teacher, images, labels, resume=args.resume, progress=not args.no_progress)
     except (DistillError, DataError, ValueError, RuntimeError) as exc:
         print(f"distill: error: {exc}", file=sys.stderr)

@@ -41,35 +41,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_deprecated_alias, add_nats_option
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--configs", default="monolith,top1,top2,full,oracle",
-                        help="comma list of monolith, top1, top2 (topK), full, oracle (default %(default)s)")
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="expert<k>.safetensors, router.safetensors, partition.json, monolith.safetensors")
-    parser.add_argument("--monolith", default=None, metavar="PATH", help="monolith checkpoint (default DIR/monolith.safetensors)")
+    parser.add_argument(
+        "--configs",
+        default="monolith,top1,top2,full,oracle",
+        help="comma list of monolith, top1, top2 (topK), full, oracle (default %(default)s)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="expert<k>.safetensors, router.safetensors, partition.json, monolith.safetensors",
+    )
+    parser.add_argument(
+        "--monolith", default=None, metavar="PATH", help="monolith checkpoint (default DIR/monolith.safetensors)"
+    )
     parser.add_argument("--per-class", type=int, default=50, metavar="N", help="images per digit (default %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
+    parser.add_argument(
+        "--solver",
+        choices=("euler", "heun"),
+        default="euler",
+        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="first job seed (default %(default)s)")
-    parser.add_argument("--images-per-job", type=int, default=50, metavar="N",
-                        help="images per submitted job; they share its seed (default %(default)s)")
+    parser.add_argument(
+        "--images-per-job",
+        type=int,
+        default=50,
+        metavar="N",
+        help="images per submitted job; they share its seed (default %(default)s)",
+    )
     add_deprecated_alias(parser, "--job-size", "--images-per-job", type=int, metavar="N")
-    add_nats_option(parser, default=None, help="NATS server of a running fleet for the DDM rows, or a comma-separated "
-                                               "list of a cluster's nodes (default: a local in-process fleet)")
-    parser.add_argument("--device", default=None,
-                        help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR",
-                        help="MNIST and judges cache directory (default: $DDM_DATA_DIR or ./data)")
-    parser.add_argument("--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage")
-    parser.add_argument("--rescore", default=None, metavar="DIR",
-                        help="generate nothing; re-score every <configuration>.npz in DIR with both judges")
-    parser.add_argument("--compare", action="append", default=None, metavar="A,B",
-                        help="with --rescore: paired tests of configuration A against B (file stems, e.g. "
-                             "ddm-top1,monolith); repeatable; default: every ddm-* row and distilled vs monolith, "
-                             "every ddm-* row vs distilled")
-    parser.add_argument("--bootstrap", type=int, default=200, metavar="B",
-                        help="with --rescore: bootstrap resamples for the FID/TV intervals and paired differences "
-                             "(fixed seed 0; 0 turns them off; default %(default)s)")
+    add_nats_option(
+        parser,
+        default=None,
+        help="NATS server of a running fleet for the DDM rows, or a comma-separated "
+        "list of a cluster's nodes (default: a local in-process fleet)",
+    )
+    parser.add_argument(
+        "--device", default=None, help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="MNIST and judges cache directory (default: $DDM_DATA_DIR or ./data)",
+    )
+    parser.add_argument(
+        "--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage"
+    )
+    parser.add_argument(
+        "--rescore",
+        default=None,
+        metavar="DIR",
+        help="generate nothing; re-score every <configuration>.npz in DIR with both judges",
+    )
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=None,
+        metavar="A,B",
+        help="with --rescore: paired tests of configuration A against B (file stems, e.g. "
+        "ddm-top1,monolith); repeatable; default: every ddm-* row and distilled vs monolith, "
+        "every ddm-* row vs distilled",
+    )
+    parser.add_argument(
+        "--bootstrap",
+        type=int,
+        default=200,
+        metavar="B",
+        help="with --rescore: bootstrap resamples for the FID/TV intervals and paired differences "
+        "(fixed seed 0; 0 turns them off; default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -88,21 +131,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         configs = [Config.parse(c) for c in args.configs.split(",") if c.strip()]
     except ValueError as e:
-        raise SystemExit(f"ddm-fleet eval: {e}")
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
     if args.per_class < 2 or args.steps < 1:
         raise SystemExit("ddm-fleet eval: --per-class must be >= 2 and --steps >= 1")
-    spec = EvalSpec(configs=configs, checkpoints=args.checkpoints, monolith=args.monolith, per_class=args.per_class,
-                    steps=args.steps, solver=args.solver, seed=args.seed, job_size=args.images_per_job, nats_url=args.nats,
-                    data_dir=args.data_dir, save_dir=args.save_images, progress=not args.no_progress,
-                    device=args.device)
+    spec = EvalSpec(
+        configs=configs,
+        checkpoints=args.checkpoints,
+        monolith=args.monolith,
+        per_class=args.per_class,
+        steps=args.steps,
+        solver=args.solver,
+        seed=args.seed,
+        job_size=args.images_per_job,
+        nats_url=args.nats,
+        data_dir=args.data_dir,
+        save_dir=args.save_images,
+        progress=not args.no_progress,
+        device=args.device,
+    )
     try:
         judges = Judges.load(args.data_dir, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"ddm-fleet eval: {e}")
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
     try:
         rows = asyncio.run(evaluate(spec, judges))
     except FileNotFoundError as e:
-        raise SystemExit(f"ddm-fleet eval: {e}")
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
     rows.append(baseline_row(judges, spec))  # real digits scored the same way, for scale
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
@@ -115,8 +169,16 @@ def _rescore(args: argparse.Namespace) -> int:
     import json
 
     from evaluation.judges import Judges
-    from evaluation.rescore import (UNCONDITIONAL, SavedImagesError, comparisons, format_rescore_table, load_dir,
-                                    real_baseline, real_baseline_unconditional, rescore_dir)
+    from evaluation.rescore import (
+        UNCONDITIONAL,
+        SavedImagesError,
+        comparisons,
+        format_rescore_table,
+        load_dir,
+        real_baseline,
+        real_baseline_unconditional,
+        rescore_dir,
+    )
 
     pairs = None
     if args.compare:
@@ -152,17 +214,37 @@ def _rescore(args: argparse.Namespace) -> int:
             except ValueError as e:
                 notes.append(f"no unconditional real-digit row: {e}")
     except (SavedImagesError, ValueError) as e:
-        raise SystemExit(f"ddm-fleet eval --rescore: {e}")
+        raise SystemExit(f"ddm-fleet eval --rescore: {e}") from e
     if not args.json:
-        print(format_rescore_table(rows, judges, args.rescore, baseline, unconditional_baseline=uncond_baseline,
-                                   comparisons=pairs_done, notes=notes, resamples=args.bootstrap))
+        print(
+            format_rescore_table(
+                rows,
+                judges,
+                args.rescore,
+                baseline,
+                unconditional_baseline=uncond_baseline,
+                comparisons=pairs_done,
+                notes=notes,
+                resamples=args.bootstrap,
+            )
+        )
     else:
-        print(json.dumps({"judges": {"judge1_test_accuracy": judges.test_accuracy1,
-                                     "judge2_test_accuracy": judges.test_accuracy2,
-                                     "test_agreement": judges.test_agreement},
-                          "bootstrap": boot,
-                          "rows": [r.as_dict() for r in rows],
-                          "real_baseline": baseline.as_dict() if baseline is not None else None,
-                          "real_baseline_unconditional": uncond_baseline.as_dict() if uncond_baseline else None,
-                          "comparisons": [c.as_dict() for c in pairs_done], "notes": notes}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "judges": {
+                        "judge1_test_accuracy": judges.test_accuracy1,
+                        "judge2_test_accuracy": judges.test_accuracy2,
+                        "test_agreement": judges.test_agreement,
+                    },
+                    "bootstrap": boot,
+                    "rows": [r.as_dict() for r in rows],
+                    "real_baseline": baseline.as_dict() if baseline is not None else None,
+                    "real_baseline_unconditional": uncond_baseline.as_dict() if uncond_baseline else None,
+                    "comparisons": [c.as_dict() for c in pairs_done],
+                    "notes": notes,
+                },
+                indent=2,
+            )
+        )
     return 0

@@ -32,16 +32,34 @@ TARGET_NAMES = ("codec", "messages", "worker", "coordinator", "websocket")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("targets", nargs="*", metavar="TARGET", help=f"any of {', '.join(TARGET_NAMES)} (default: all)")
-    parser.add_argument("--runs", type=int, default=None, metavar="N",
-                        help="inputs per target (default: 20000 for codec/messages, 2000 for the network targets)")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="inputs per target (default: 20000 for codec/messages, 2000 for the network targets)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="input generator seed (default %(default)s)")
-    parser.add_argument("--engine", choices=("auto", "atheris", "random"), default="auto",
-                        help="pure targets: atheris (coverage-guided) or the random generator; auto = atheris "
-                             "when installed")
-    parser.add_argument("--concurrency", type=int, default=8, metavar="N",
-                        help="network targets: requests in flight (websocket: up to 4 sockets); default 8")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                        help="network targets: seconds to wait for each answer (default 10)")
+    parser.add_argument(
+        "--engine",
+        choices=("auto", "atheris", "random"),
+        default="auto",
+        help="pure targets: atheris (coverage-guided) or the random generator; auto = atheris when installed",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="network targets: requests in flight (websocket: up to 4 sockets); default 8",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="network targets: seconds to wait for each answer (default 10)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -56,23 +74,35 @@ def run(args: argparse.Namespace) -> int:
     targets = list(args.targets) or list(TARGET_NAMES)
     bad = [t for t in targets if t not in TARGET_NAMES]
     if bad:
-        print(f"ddm-fleet fuzz: unknown target(s) {', '.join(bad)}; choose from {', '.join(TARGET_NAMES)}",
-              file=sys.stderr)
+        print(
+            f"ddm-fleet fuzz: unknown target(s) {', '.join(bad)}; choose from {', '.join(TARGET_NAMES)}",
+            file=sys.stderr,
+        )
         return 2
     if args.runs is not None and args.runs < 1:
         print("ddm-fleet fuzz: --runs must be at least 1", file=sys.stderr)
         return 2
     try:
-        results = fuzz(targets, runs=args.runs, seed=args.seed, engine=args.engine,
-                       concurrency=max(1, args.concurrency), timeout=args.timeout,
-                       progress=not args.no_progress and sys.stderr.isatty())
+        results = fuzz(
+            targets,
+            runs=args.runs,
+            seed=args.seed,
+            engine=args.engine,
+            concurrency=max(1, args.concurrency),
+            timeout=args.timeout,
+            progress=not args.no_progress and sys.stderr.isatty(),
+        )
     except (RuntimeError, ValueError) as err:
         print(f"ddm-fleet fuzz: {err}", file=sys.stderr)
         return 2
     crashes = sum(r.crashes for r in results)
     if args.json:
-        print(json.dumps({"seed": args.seed, "runs": args.runs, "crashes": crashes,
-                          "targets": [r.as_dict() for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {"seed": args.seed, "runs": args.runs, "crashes": crashes, "targets": [r.as_dict() for r in results]},
+                indent=2,
+            )
+        )
     else:
         print(format_table(results))
         print(f"total: {sum(r.tried for r in results)} inputs, {crashes} crashes")

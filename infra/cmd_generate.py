@@ -51,7 +51,7 @@ SEED_RANGE = 2**63
 
 
 def parse_digits(text: str) -> list[int]:
-    """"3,7,7" -> [3, 7, 7]; argparse error naming the bad part otherwise."""
+    """ "3,7,7" -> [3, 7, 7]; argparse error naming the bad part otherwise."""
     out = []
     for part in text.replace(" ", "").split(","):
         if not part:
@@ -100,37 +100,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--digits", type=parse_digits, metavar="D,D,...", help="the class of each image, e.g. 3,7,7")
-    what.add_argument("--count", type=_positive, metavar="N",
-                      help=f"N images of random classes drawn from --seed (at most {MAX_RUN_IMAGES})")
-    parser.add_argument("--unconditional", action="store_true",
-                        help="with --count N: N images with the label unknown (-1); the router alone picks the "
-                             "experts (they need a null label: train-expert --label-dropout > 0; not with oracle)")
-    parser.add_argument("--steps", type=_positive, default=40, help=f"solver steps (default %(default)s, at most {MAX_JOB_STEPS})")
-    parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1",
-                        help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
-                             "full (all experts, router weighted), oracle (the partition owning the class)")
-    parser.add_argument("--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default %(default)s)")
-    parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
-    parser.add_argument("--seed", type=_seed, default=None,
-                        help="seed S in [0, 2^63): same S (and --images-per-job), same images; job j of a split "
-                             "run gets seed S + j (default: random)")
-    parser.add_argument("--images-per-job", type=_per_job, default=MAX_JOB_IMAGES, metavar="N",
-                        help=f"split the images into jobs of at most N (default and most {MAX_JOB_IMAGES})")
+    what.add_argument(
+        "--count",
+        type=_positive,
+        metavar="N",
+        help=f"N images of random classes drawn from --seed (at most {MAX_RUN_IMAGES})",
+    )
+    parser.add_argument(
+        "--unconditional",
+        action="store_true",
+        help="with --count N: N images with the label unknown (-1); the router alone picks the "
+        "experts (they need a null label: train-expert --label-dropout > 0; not with oracle)",
+    )
+    parser.add_argument(
+        "--steps", type=_positive, default=40, help=f"solver steps (default %(default)s, at most {MAX_JOB_STEPS})"
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=("top1", "topk", "full", "oracle"),
+        default="top1",
+        help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
+        "full (all experts, router weighted), oracle (the partition owning the class)",
+    )
+    parser.add_argument(
+        "--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default %(default)s)"
+    )
+    parser.add_argument(
+        "--solver",
+        choices=("euler", "heun"),
+        default="euler",
+        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        default=None,
+        help="seed S in [0, 2^63): same S (and --images-per-job), same images; job j of a split "
+        "run gets seed S + j (default: random)",
+    )
+    parser.add_argument(
+        "--images-per-job",
+        type=_per_job,
+        default=MAX_JOB_IMAGES,
+        metavar="N",
+        help=f"split the images into jobs of at most N (default and most {MAX_JOB_IMAGES})",
+    )
     add_deprecated_alias(parser, "--max-images-per-job", "--images-per-job", type=_per_job, metavar="N")
-    parser.add_argument("--jobs-in-flight", type=_positive, default=4, metavar="J",
-                        help="most jobs submitted and not finished at once (default %(default)s)")
-    parser.add_argument("--out", default="grid.png", metavar="PATH", help="output .png grid or .npz (default %(default)s)")
-    parser.add_argument("--per-row", type=_positive, default=10, metavar="N", help="PNG grid images per row (default 10)")
+    parser.add_argument(
+        "--jobs-in-flight",
+        type=_positive,
+        default=4,
+        metavar="J",
+        help="most jobs submitted and not finished at once (default %(default)s)",
+    )
+    parser.add_argument(
+        "--out", default="grid.png", metavar="PATH", help="output .png grid or .npz (default %(default)s)"
+    )
+    parser.add_argument(
+        "--per-row", type=_positive, default=10, metavar="N", help="PNG grid images per row (default 10)"
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary with per-image expert usage")
-    parser.add_argument("--local", action="store_true",
-                        help="start an ephemeral fleet in this process (own nats-server, workers, coordinator)")
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="--local: directory with expert<k>.safetensors, router.safetensors, partition.json")
-    add_nats_option(parser, help="NATS server of a running fleet, or a comma-separated list of a cluster's nodes "
-                                 "(default: $NATS_URL, else nats://127.0.0.1:4222); ignored with --local")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                        help="give up after S seconds, for the whole run (default 600)")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="start an ephemeral fleet in this process (own nats-server, workers, coordinator)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="--local: directory with expert<k>.safetensors, router.safetensors, partition.json",
+    )
+    add_nats_option(
+        parser,
+        help="NATS server of a running fleet, or a comma-separated list of a cluster's nodes "
+        "(default: $NATS_URL, else nats://127.0.0.1:4222); ignored with --local",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="give up after S seconds, for the whole run (default 600)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -168,14 +220,22 @@ def plan_requests(args: argparse.Namespace) -> tuple[list, int | None]:
     n = len(args.digits) if args.digits is not None else args.count
     if getattr(args, "unconditional", False):  # the label unknown on every row: a digits job of -1
         args = argparse.Namespace(**{**vars(args), "digits": [UNCONDITIONAL] * n, "count": None})
-    common = dict(steps=args.steps, strategy=args.strategy, top_k=args.top_k, solver=args.solver, stream=True,
-                  frame_every=max(1, args.steps // 100))
+    common = dict(
+        steps=args.steps,
+        strategy=args.strategy,
+        top_k=args.top_k,
+        solver=args.solver,
+        stream=True,
+        frame_every=max(1, args.steps // 100),
+    )
     if n <= args.images_per_job:  # one job, exactly as the coordinator runs a single request
         return [JobRequest(digits=args.digits, count=args.count, seed=args.seed, **common)], args.seed
     base = args.seed if args.seed is not None else secrets.randbits(63)
     digits = list(args.digits) if args.digits is not None else draw_digits(base, n)
-    return [JobRequest(digits=digits[r.start:r.stop], seed=job_seed(base, j), **common)
-            for j, r in enumerate(split_images(n, args.images_per_job))], base
+    return [
+        JobRequest(digits=digits[r.start : r.stop], seed=job_seed(base, j), **common)
+        for j, r in enumerate(split_images(n, args.images_per_job))
+    ], base
 
 
 @dataclass
@@ -203,10 +263,15 @@ def join_results(dones: list, seeds: list[int], run_seed: int | None, elapsed_s:
         notes += [f"job {j + 1}/{len(dones)}: {n}" if len(dones) > 1 else n for n in done.notes]
     if len(dones) == 1:
         elapsed_s = dones[0].elapsed_s
-    return RunResult(images=np.concatenate([np.asarray(d.images, np.float32) for d in dones]),
-                     digits=[int(d) for done in dones for d in done.digits],
-                     usage=np.concatenate([np.asarray(d.usage, np.float32) for d in dones]),
-                     elapsed_s=elapsed_s, seed=run_seed if run_seed is not None else seeds[0], jobs=jobs, notes=notes)
+    return RunResult(
+        images=np.concatenate([np.asarray(d.images, np.float32) for d in dones]),
+        digits=[int(d) for done in dones for d in done.digits],
+        usage=np.concatenate([np.asarray(d.usage, np.float32) for d in dones]),
+        elapsed_s=elapsed_s,
+        seed=run_seed if run_seed is not None else seeds[0],
+        jobs=jobs,
+        notes=notes,
+    )
 
 
 def save_output(done, path: str, per_row: int) -> None:
@@ -216,8 +281,12 @@ def save_output(done, path: str, per_row: int) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     if ext == ".npz":
-        np.savez_compressed(path, images=np.asarray(done.images, np.float32),
-                            labels=np.asarray(done.digits, np.int64), usage=np.asarray(done.usage, np.float32))
+        np.savez_compressed(
+            path,
+            images=np.asarray(done.images, np.float32),
+            labels=np.asarray(done.digits, np.int64),
+            usage=np.asarray(done.usage, np.float32),
+        )
     else:
         from infra.grid import write_grid
 
@@ -226,10 +295,17 @@ def save_output(done, path: str, per_row: int) -> None:
 
 def summary(result: RunResult, steps: int, strategy: str, path: str) -> dict:
     return {
-        "job_id": result.jobs[0]["job_id"], "seed": result.seed, "steps": steps, "strategy": strategy,
-        "elapsed_s": round(result.elapsed_s, 3), "out": path, "jobs": result.jobs,
-        "images": [{"index": i, "digit": int(d), "usage": [round(float(u), 4) for u in result.usage[i]]}
-                   for i, d in enumerate(result.digits)],
+        "job_id": result.jobs[0]["job_id"],
+        "seed": result.seed,
+        "steps": steps,
+        "strategy": strategy,
+        "elapsed_s": round(result.elapsed_s, 3),
+        "out": path,
+        "jobs": result.jobs,
+        "images": [
+            {"index": i, "digit": int(d), "usage": [round(float(u), 4) for u in result.usage[i]]}
+            for i, d in enumerate(result.digits)
+        ],
         "notes": list(result.notes),
     }
 
@@ -273,6 +349,7 @@ async def run_jobs(nc, requests: list, *, in_flight: int, timeout: float, bar=No
                     for note in getattr(ev, "notes", []) if ev.kind == "frame" else []:
                         bar.write(f"note: job {j + 1}/{len(requests)}: {note}" if many else f"note: {note}")
                 show()
+
         return on_event
 
     async def one(j: int, request):
@@ -310,16 +387,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     n_images = len(args.digits) if args.digits is not None else args.count
     if args.unconditional and args.digits is not None:
-        print("ddm-fleet generate: --unconditional takes --count N (every image's label is unknown), "
-              "not --digits", file=sys.stderr)
+        print(
+            "ddm-fleet generate: --unconditional takes --count N (every image's label is unknown), not --digits",
+            file=sys.stderr,
+        )
         return 2
     if args.unconditional and args.strategy == "oracle":
-        print("ddm-fleet generate: --strategy oracle needs each image's class; use top1, topk or full with "
-              "--unconditional", file=sys.stderr)
+        print(
+            "ddm-fleet generate: --strategy oracle needs each image's class; use top1, topk or full with "
+            "--unconditional",
+            file=sys.stderr,
+        )
         return 2
     if n_images > MAX_RUN_IMAGES:
-        print(f"ddm-fleet generate: {n_images} images asked for; one run makes at most {MAX_RUN_IMAGES} "
-              "(run it several times with different --seed)", file=sys.stderr)
+        print(
+            f"ddm-fleet generate: {n_images} images asked for; one run makes at most {MAX_RUN_IMAGES} "
+            "(run it several times with different --seed)",
+            file=sys.stderr,
+        )
         return 2
     try:
         requests, run_seed = plan_requests(args)
@@ -330,9 +415,18 @@ def run(args: argparse.Namespace) -> int:
     async def job(nc) -> int:
         from tqdm import tqdm
 
-        bar = None if args.no_progress else tqdm(
-            total=n_images, desc=f"denoising ({len(requests)} job{'s' * (len(requests) > 1)})", unit="image",
-            file=sys.stderr, disable=None, bar_format="{l_bar}{bar}| {n:.1f}/{total} images [{elapsed}<{remaining}]")
+        bar = (
+            None
+            if args.no_progress
+            else tqdm(
+                total=n_images,
+                desc=f"denoising ({len(requests)} job{'s' * (len(requests) > 1)})",
+                unit="image",
+                file=sys.stderr,
+                disable=None,
+                bar_format="{l_bar}{bar}| {n:.1f}/{total} images [{elapsed}<{remaining}]",
+            )
+        )
         started = time.monotonic()
         try:
             dones, seeds = await run_jobs(nc, requests, in_flight=args.jobs_in_flight, timeout=args.timeout, bar=bar)
@@ -350,8 +444,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             digits = ",".join(map(str, result.digits)) if len(result.digits) <= 64 else "..."
             jobs = f" as {len(requests)} jobs" if len(requests) > 1 else ""
-            print(f"wrote {len(result.digits)} images ({digits}) to {args.out} in {result.elapsed_s:.2f} s{jobs} "
-                  f"(seed {result.seed})")
+            print(
+                f"wrote {len(result.digits)} images ({digits}) to {args.out} in {result.elapsed_s:.2f} s{jobs} "
+                f"(seed {result.seed})"
+            )
         return 0
 
     async def main() -> int:
@@ -371,8 +467,15 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
-        nc = await connect(args.nats, name="ddm-generate", reconnect=3, first_connect_attempts=4,
-                           reconnect_wait_s=0.5, connect_timeout_s=5, **client_connect_options(client))
+        nc = await connect(
+            args.nats,
+            name="ddm-generate",
+            reconnect=3,
+            first_connect_attempts=4,
+            reconnect_wait_s=0.5,
+            connect_timeout_s=5,
+            **client_connect_options(client),
+        )
         try:
             return await job(nc)
         finally:
@@ -399,7 +502,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
         if type(err).__module__.startswith("nats"):
-            print(f"ddm-fleet generate: NATS at {without_credentials(args.nats)}: {type(err).__name__} {err} "
-                  "(start a fleet, or use --local)", file=sys.stderr)
+            print(
+                f"ddm-fleet generate: NATS at {without_credentials(args.nats)}: {type(err).__name__} {err} "
+                "(start a fleet, or use --local)",
+                file=sys.stderr,
+            )
             return 1
         raise

@@ -26,15 +26,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = parser.add_subparsers(dest="action", metavar="<action>", required=True)
     check = sub.add_parser("check", help="validate NATS configs with nats-server -t")
-    check.add_argument("files", nargs="*", metavar="FILE",
-                       help=f"configs to check (default: the shipped {', '.join(RUNNABLE)}; the tls/ ones "
-                            "need their certificate files, so name them explicitly)")
-    check.add_argument("--example-env", action="store_true",
-                       help="fill variables missing from the environment with dummy values")
+    check.add_argument(
+        "files",
+        nargs="*",
+        metavar="FILE",
+        help=f"configs to check (default: the shipped {', '.join(RUNNABLE)}; the tls/ ones "
+        "need their certificate files, so name them explicitly)",
+    )
+    check.add_argument(
+        "--example-env", action="store_true", help="fill variables missing from the environment with dummy values"
+    )
     cluster = sub.add_parser("cluster", help="run the shipped cluster.conf as an N-node loopback cluster")
     cluster.add_argument("--size", type=int, default=3, help="number of nodes (default 3)")
-    cluster.add_argument("--leaf", action="append", default=[], metavar="USER",
-                         help="also start a leaf node linked as USER (e.g. leaf-expert-0); repeatable")
+    cluster.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="also start a leaf node linked as USER (e.g. leaf-expert-0); repeatable",
+    )
     cluster.add_argument("--log-dir", default=None, metavar="DIR", help="write each server's log here")
 
 
@@ -52,8 +62,8 @@ def _check(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from infra.nats_cluster import CONFIG_DIR
     from bus.nats_server import check_config
+    from infra.nats_cluster import CONFIG_DIR
 
     files = args.files or [str(CONFIG_DIR / name) for name in RUNNABLE]
     env = {k: v for k, v in _example_env().items() if k not in os.environ} if args.example_env else None
@@ -74,8 +84,11 @@ def _check(args: argparse.Namespace) -> int:
             failed += 1
             print(f"FAILED  {path}\n        {err}", file=sys.stderr)
     if failed and not args.example_env:
-        print("hint: the configs read passwords from the environment (see infra/nats/nats.env.example); "
-              "--example-env fills in dummies", file=sys.stderr)
+        print(
+            "hint: the configs read passwords from the environment (see infra/nats/nats.env.example); "
+            "--example-env fills in dummies",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
@@ -110,8 +123,9 @@ def _cluster(args: argparse.Namespace) -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # nor an inherited mask
     try:
         for i, node in enumerate(cluster.nodes):
-            print(f"node {i}: {node.url}  monitor http://{node.host}:{node.http_port}  "
-                  f"leaf port {cluster.leaf_ports[i]}")
+            print(
+                f"node {i}: {node.url}  monitor http://{node.host}:{node.http_port}  leaf port {cluster.leaf_ports[i]}"
+            )
         for user, leaf in zip(args.leaf, leaves):
             print(f"leaf ({user}): {leaf.client_url}  (this host's workers; carries only what {user} may)")
         print("\nper role: node 0, then the failover list (every node, credentials in the first URL;")

@@ -24,17 +24,37 @@ from bus.options import add_deprecated_alias
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--method", choices=("classes", "kmeans", "features", "random"), default="classes",
-                        help="how to split (default: classes); features = k-means of judge 2's penultimate features")
-    parser.add_argument("--experts", "-k", dest="experts", type=int, default=2, metavar="K",
-                        help="number of experts K (default %(default)s)")
+    parser.add_argument(
+        "--method",
+        choices=("classes", "kmeans", "features", "random"),
+        default="classes",
+        help="how to split (default: classes); features = k-means of judge 2's penultimate features",
+    )
+    parser.add_argument(
+        "--experts",
+        "-k",
+        dest="experts",
+        type=int,
+        default=2,
+        metavar="K",
+        help="number of experts K (default %(default)s)",
+    )
     add_deprecated_alias(parser, "--num-experts", "--experts", type=int, metavar="K")
-    parser.add_argument("--classes", default=None,
-                        help="classes method: comma-separated groups, one per expert, ranges joined with '+' "
-                             "(e.g. 0-4,5-9 or 0-2+7,3-6,8+9); default: contiguous near-equal ranges")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of kmeans, features and random (default %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N train images (quick experiments)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument(
+        "--classes",
+        default=None,
+        help="classes method: comma-separated groups, one per expert, ranges joined with '+' "
+        "(e.g. 0-4,5-9 or 0-2+7,3-6,8+9); default: contiguous near-equal ranges",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of kmeans, features and random (default %(default)s)"
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="use only the first N train images (quick experiments)"
+    )
+    parser.add_argument(
+        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
+    )
     parser.add_argument("--out", required=True, help="manifest JSON to write, e.g. checkpoints/partition.json")
 
 
@@ -56,8 +76,17 @@ def run(args: argparse.Namespace) -> int:
             from evaluation.features import partition_features
 
             features, extractor = partition_features(images, args.data_dir)
-        m = make_partition(args.method, labels, images, args.experts, seed=args.seed, classes=groups, progress=True,
-                           features=features, extractor=extractor)
+        m = make_partition(
+            args.method,
+            labels,
+            images,
+            args.experts,
+            seed=args.seed,
+            classes=groups,
+            progress=True,
+            features=features,
+            extractor=extractor,
+        )
         path = save_manifest(m, args.out)
     except (PartitionError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

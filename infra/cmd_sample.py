@@ -18,7 +18,7 @@ from bus.options import add_deprecated_alias
 
 
 def parse_classes(text: str) -> list[int]:
-    """"0-9" or "1,3,7" or "0-4,9" -> sorted unique class ids."""
+    """ "0-9" or "1,3,7" or "0-4,9" -> sorted unique class ids."""
     out: set[int] = set()
     try:
         for part in text.split(","):
@@ -41,13 +41,24 @@ def parse_classes(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--checkpoint", action="append", default=None, metavar="PATH",
-                        help="expert .safetensors (repeat per expert; default: checkpoints/expert0 and expert1)")
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="expert .safetensors (repeat per expert; default: checkpoints/expert0 and expert1)",
+    )
     parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default %(default)s)")
-    parser.add_argument("--per-class", type=int, default=10, metavar="N", help="samples per class = grid columns (default %(default)s)")
+    parser.add_argument(
+        "--per-class", type=int, default=10, metavar="N", help="samples per class = grid columns (default %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    parser.add_argument("--solver", choices=("euler", "heun"), default="euler",
-                        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)")
+    parser.add_argument(
+        "--solver",
+        choices=("euler", "heun"),
+        default="euler",
+        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
+    )
     add_deprecated_alias(parser, "--method", "--solver", choices=("euler", "heun"))
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -55,8 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--npz", default=None, help="also save the raw samples [N,1,32,32] and labels to this .npz")
 
 
-def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, steps: int, solver: str = "euler",
-                  seed: int = 0, progress: bool = True):
+def sample_oracle(
+    checkpoints: list[str],
+    classes: list[int],
+    per_class: int,
+    steps: int,
+    solver: str = "euler",
+    seed: int = 0,
+    progress: bool = True,
+):
     """-> (images float32 [len(classes)*per_class, 1, 32, 32] in model range, labels int64, expert ids int64).
 
     Rows are grouped class by class; each class uses the expert whose partition lists it.
@@ -87,8 +105,9 @@ def sample_oracle(checkpoints: list[str], classes: list[int], per_class: int, st
             for k, model in enumerate(models):
                 rows = np.nonzero(which == k)[0]
                 if len(rows):
-                    out[rows] = model(torch.from_numpy(xb[rows]), torch.from_numpy(tb[rows]),
-                                      torch.from_numpy(yb[rows])).numpy()
+                    out[rows] = model(
+                        torch.from_numpy(xb[rows]), torch.from_numpy(tb[rows]), torch.from_numpy(yb[rows])
+                    ).numpy()
         return out
 
     with tqdm(total=steps, desc=f"sampling ({solver})", disable=not progress, unit="step") as bar:

@@ -21,32 +21,85 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--expert", type=int, required=True, metavar="K", help="expert id K (index into the manifest's experts)")
-    parser.add_argument("--partition", default="checkpoints/partition.json", metavar="PATH", help="partition manifest JSON (default %(default)s)")
-    parser.add_argument("--backend", choices=("torch", "jax"), default="torch", help="training framework (default %(default)s)")
-    parser.add_argument("--devices", type=int, default=0, help="jax backend: train data-parallel on the first N JAX devices, 0 = all (default %(default)s)")
+    parser.add_argument(
+        "--expert", type=int, required=True, metavar="K", help="expert id K (index into the manifest's experts)"
+    )
+    parser.add_argument(
+        "--partition",
+        default="checkpoints/partition.json",
+        metavar="PATH",
+        help="partition manifest JSON (default %(default)s)",
+    )
+    parser.add_argument(
+        "--backend", choices=("torch", "jax"), default="torch", help="training framework (default %(default)s)"
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="jax backend: train data-parallel on the first N JAX devices, 0 = all (default %(default)s)",
+    )
     parser.add_argument("--device", default="cpu", help="torch backend: cpu, cuda[:N] or xla (default %(default)s)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps in total (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=128, help="images per step; fixed, last partial batch dropped (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate; warmup then cosine (default %(default)s)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="images per step; fixed, last partial batch dropped (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="peak AdamW learning rate; warmup then cosine (default %(default)s)"
+    )
     parser.add_argument("--warmup", type=int, default=100, help="linear LR warmup steps (default %(default)s)")
-    parser.add_argument("--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default %(default)s)")
+    parser.add_argument(
+        "--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default %(default)s)"
+    )
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (about 2x faster on AVX-512 CPUs)")
-    parser.add_argument("--widths", default="32,64,128", help="UNet channel widths per level (default %(default)s; reference 64,128,256)")
+    parser.add_argument(
+        "--widths",
+        default="32,64,128",
+        help="UNet channel widths per level (default %(default)s; reference 64,128,256)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--out", default=None, help="checkpoint path without extension (default: checkpoints/expert<K>)")
+    parser.add_argument(
+        "--out", default=None, help="checkpoint path without extension (default: checkpoints/expert<K>)"
+    )
     parser.add_argument("--run-dir", default=None, help="where resume.pt lives (default: runs/expert<K>)")
-    parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/resume.pt (jax: resume_jax.msgpack) up to --steps")
-    parser.add_argument("--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default %(default)s)")
-    parser.add_argument("--log-every", type=int, default=50, help="steps per loss_history entry in the checkpoint JSON (default %(default)s)")
-    parser.add_argument("--save-dtype", choices=("float16", "float32"), default="float16", help="dtype of the shipped weights (default %(default)s)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from <run-dir>/resume.pt (jax: resume_jax.msgpack) up to --steps",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=250, help="checkpoint + resume file every N steps (default %(default)s)"
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=50,
+        help="steps per loss_history entry in the checkpoint JSON (default %(default)s)",
+    )
+    parser.add_argument(
+        "--save-dtype",
+        choices=("float16", "float32"),
+        default="float16",
+        help="dtype of the shipped weights (default %(default)s)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N images of the partition (smoke runs)")
-    parser.add_argument("--label-dropout", type=float, default=0.0,
-                        help="probability that a training label is replaced by 'unknown' (-1); > 0 gives the model "
-                             "a null label so it also generates unconditionally (y = -1), classifier-free style; "
-                             "torch backend only (default %(default)s = conditional only, as before)")
+    parser.add_argument(
+        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="use only the first N images of the partition (smoke runs)"
+    )
+    parser.add_argument(
+        "--label-dropout",
+        type=float,
+        default=0.0,
+        help="probability that a training label is replaced by 'unknown' (-1); > 0 gives the model "
+        "a null label so it also generates unconditionally (y = -1), classifier-free style; "
+        "torch backend only (default %(default)s = conditional only, as before)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
 

@@ -20,28 +20,56 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--partition", required=True, metavar="PATH", help="partition manifest JSON (from `ddm-fleet partition`)")
-    parser.add_argument("--out", default="checkpoints/router", help="checkpoint stem: writes <out>.safetensors + <out>.json")
+    parser.add_argument(
+        "--partition", required=True, metavar="PATH", help="partition manifest JSON (from `ddm-fleet partition`)"
+    )
+    parser.add_argument(
+        "--out", default="checkpoints/router", help="checkpoint stem: writes <out>.safetensors + <out>.json"
+    )
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps in total (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=128, help="images per step (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate; cosine decay (default %(default)s)")
-    parser.add_argument("--label-dropout", type=float, default=0.5,
-                        help="fraction of samples trained with the class label hidden, so the router also "
-                             "works without a label and learns from pixels (default %(default)s)")
-    parser.add_argument("--width", type=int, default=16, help="first conv channels (multiple of 8; default %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=2e-3, help="peak AdamW learning rate; cosine decay (default %(default)s)"
+    )
+    parser.add_argument(
+        "--label-dropout",
+        type=float,
+        default=0.5,
+        help="fraction of samples trained with the class label hidden, so the router also "
+        "works without a label and learns from pixels (default %(default)s)",
+    )
+    parser.add_argument(
+        "--width", type=int, default=16, help="first conv channels (multiple of 8; default %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="train split size the partition was made with (its --limit)")
-    parser.add_argument("--val-limit", type=int, default=None, help="evaluate on the first N val images (default: all 10k)")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train split size the partition was made with (its --limit)",
+    )
+    parser.add_argument(
+        "--val-limit", type=int, default=None, help="evaluate on the first N val images (default: all 10k)"
+    )
     parser.add_argument("--bins", type=int, default=10, help="t bins for the accuracy report (default %(default)s)")
-    parser.add_argument("--run-dir", default="runs/router",
-                        help="where router_resume.pt lives (default %(default)s)")
-    parser.add_argument("--save-every", type=int, default=500,
-                        help="write the resume file every N steps, and at the end (default %(default)s)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from <run-dir>/router_resume.pt up to --steps; pass the same --partition, "
-                             "--limit, --width (and, for identical weights, the other flags) as the interrupted run")
+    parser.add_argument("--run-dir", default="runs/router", help="where router_resume.pt lives (default %(default)s)")
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=500,
+        help="write the resume file every N steps, and at the end (default %(default)s)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from <run-dir>/router_resume.pt up to --steps; pass the same --partition, "
+        "--limit, --width (and, for identical weights, the other flags) as the interrupted run",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)")
+    parser.add_argument(
+        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,9 +85,16 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     try:
         manifest = load_manifest(args.partition)
-        cfg = RouterTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                label_dropout=args.label_dropout, seed=args.seed, width=args.width,
-                                run_dir=args.run_dir, save_every=args.save_every)
+        cfg = RouterTrainConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            label_dropout=args.label_dropout,
+            seed=args.seed,
+            width=args.width,
+            run_dir=args.run_dir,
+            save_every=args.save_every,
+        )
         images, labels = load_mnist(manifest.split, args.data_dir, limit=args.limit)
         net, stats = train_router(manifest, images, labels, cfg, resume=args.resume, manifest_file=str(args.partition))
         del images
@@ -70,13 +105,19 @@ def run(args: argparse.Namespace) -> int:
 
             fv, extractor = partition_features(xv, args.data_dir)
             if manifest.features is not None and extractor != manifest.features.extractor:
-                raise PartitionError(f"the partition was clustered with {manifest.features.extractor} but this "
-                                     f"checkout's extractor is {extractor}; val targets would not match")
+                raise PartitionError(
+                    f"the partition was clustered with {manifest.features.extractor} but this "
+                    f"checkout's extractor is {extractor}; val targets would not match"
+                )
         acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, features=fv)
         meta = {
-            "partition": {"file": str(args.partition), "method": manifest.method, "num_experts": manifest.num_experts,
-                          "classes": [e.classes for e in manifest.experts],
-                          "class_to_expert": manifest.class_owner},
+            "partition": {
+                "file": str(args.partition),
+                "method": manifest.method,
+                "num_experts": manifest.num_experts,
+                "classes": [e.classes for e in manifest.experts],
+                "class_to_expert": manifest.class_owner,
+            },
             "training": stats,
             "accuracy_vs_t": acc,
         }
@@ -84,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
     except (RouterError, PartitionError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"trained {stats['steps']} steps in {stats['wall_s']} s: loss {stats['final_loss']}, train acc {stats['final_train_acc']}")
+    print(
+        f"trained {stats['steps']} steps in {stats['wall_s']} s: loss {stats['final_loss']}, "
+        f"train acc {stats['final_train_acc']}"
+    )
     print(format_accuracy_table(acc))
     print(f"wrote {path} and {path.with_suffix('.json')}")
     return 0

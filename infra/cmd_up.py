@@ -1,11 +1,12 @@
 """Run the whole local fleet in one command (what `make demo` runs).
 
 Starts, each as its own process: a nats-server (infra/nats/local.conf, loopback only, no auth,
-with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet worker` per expert checkpoint (expert 0 on torch, expert 1 on jax, like the
-reference demo's two frameworks; --backend-K picks another, unset experts alternate torch/jax),
-the `ddm-fleet coordinator` and the `ddm-fleet web` page. Waits until each is ready (the bus
-accepts connections, every worker answers $SRV.PING, the coordinator answers ddm.v1.fleet.status,
-the page answers HTTP 200), then prints what runs where and the URL to open.
+with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet worker` per expert
+checkpoint (expert 0 on torch, expert 1 on jax, like the reference demo's two frameworks;
+--backend-K picks another, unset experts alternate torch/jax), the `ddm-fleet coordinator` and the
+`ddm-fleet web` page. Waits until each is ready (the bus accepts connections, every worker answers
+$SRV.PING, the coordinator answers ddm.v1.fleet.status, the page answers HTTP 200), then prints what
+runs where and the URL to open.
 
 Jobs are durable by default (`ddm-fleet coordinator --durable`, docs/COORDINATOR.md): the coordinator
 checkpoints every running job in JetStream, so a coordinator that crashes and is restarted here resumes
@@ -16,7 +17,8 @@ the bus without JetStream and the coordinator without checkpoints (failed jobs o
 A child that crashes is reported (exit code, last lines of its log) and restarted with backoff;
 after --max-crashes fast crashes it is given up (a worker: the rest keeps running; the bus, the
 coordinator or the web: everything stops, exit 1). Ctrl-C / SIGTERM stops every child in reverse
-order (SIGTERM, then SIGKILL after --stop-timeout; a second Ctrl-C kills at once) and exits 0. Logs: --log-dir/<process>.log.
+order (SIGTERM, then SIGKILL after --stop-timeout; a second Ctrl-C kills at once) and exits 0.
+Logs: --log-dir/<process>.log.
 
 examples:
   ddm-fleet up                                  # checkpoints/, http://127.0.0.1:8080/
@@ -48,50 +50,106 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_switch
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR",
-                        help="expert<K>.safetensors, router.safetensors, partition.json (default %(default)s)")
+    parser.add_argument(
+        "--checkpoints",
+        default="checkpoints",
+        metavar="DIR",
+        help="expert<K>.safetensors, router.safetensors, partition.json (default %(default)s)",
+    )
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes per expert (default 1)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="web page interface (default %(default)s; 0.0.0.0 serves other machines; NATS stays on "
-                             "loopback)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="web page interface (default %(default)s; 0.0.0.0 serves other machines; NATS stays on loopback)",
+    )
     parser.add_argument("--port", type=int, default=8080, help="web page port (default %(default)s)")
-    parser.add_argument("--nats-port", type=int, default=4222, metavar="P",
-                        help="nats-server client port on 127.0.0.1 (default %(default)s, what other commands' "
-                             "--nats default to)")
-    parser.add_argument("--nats-monitor-port", type=int, default=8222, metavar="P",
-                        help="nats-server monitoring HTTP port (default %(default)s; 0 = off)")
+    parser.add_argument(
+        "--nats-port",
+        type=int,
+        default=4222,
+        metavar="P",
+        help="nats-server client port on 127.0.0.1 (default %(default)s, what other commands' --nats default to)",
+    )
+    parser.add_argument(
+        "--nats-monitor-port",
+        type=int,
+        default=8222,
+        metavar="P",
+        help="nats-server monitoring HTTP port (default %(default)s; 0 = off)",
+    )
     for k in range(MAX_BACKEND_FLAGS):
-        default_help = (f"backend of expert {k}'s workers: torch | xla | jax | sim (default {_default_backend(k)})"
-                        if k < 2 else argparse.SUPPRESS)
+        default_help = (
+            f"backend of expert {k}'s workers: torch | xla | jax | sim (default {_default_backend(k)})"
+            if k < 2
+            else argparse.SUPPRESS
+        )
         parser.add_argument(f"--backend-{k}", choices=BACKENDS, default=None, metavar="NAME", help=default_help)
-    parser.add_argument("--buckets", default=None,
-                        help="workers' warmed batch sizes, e.g. 1,2,4,8 (default: the worker's own; fewer = faster "
-                             "start)")
-    parser.add_argument("--worker-args", default="", metavar="ARGS",
-                        help='extra `ddm-fleet worker` options for every worker, e.g. "--bf16 --threads 1"')
-    parser.add_argument("--coordinator-args", default="", metavar="ARGS",
-                        help='extra `ddm-fleet coordinator` options, e.g. "--max-rows 256"')
+    parser.add_argument(
+        "--buckets",
+        default=None,
+        help="workers' warmed batch sizes, e.g. 1,2,4,8 (default: the worker's own; fewer = faster start)",
+    )
+    parser.add_argument(
+        "--worker-args",
+        default="",
+        metavar="ARGS",
+        help='extra `ddm-fleet worker` options for every worker, e.g. "--bf16 --threads 1"',
+    )
+    parser.add_argument(
+        "--coordinator-args",
+        default="",
+        metavar="ARGS",
+        help='extra `ddm-fleet coordinator` options, e.g. "--max-rows 256"',
+    )
     parser.add_argument("--web-args", default="", metavar="ARGS", help="extra `ddm-fleet web` options")
     add_switch(parser, "web", default=True, help="start the web page")
-    add_switch(parser, "durable", default=True,
-               help="durable jobs: JetStream on the bus and a `--durable` coordinator, which checkpoints running "
-                    "jobs and resumes them after a crash; --no-durable: a coordinator crash fails its running jobs")
-    parser.add_argument("--js-store", default="out/nats-js", metavar="DIR",
-                        help="the nats-server's JetStream store: the durable jobs' checkpoints, kept across runs "
-                             "(default %(default)s)")
-    parser.add_argument("--log-dir", default="out/up", metavar="DIR",
-                        help="children's logs, one <process>.log each (default %(default)s)")
+    add_switch(
+        parser,
+        "durable",
+        default=True,
+        help="durable jobs: JetStream on the bus and a `--durable` coordinator, which checkpoints running "
+        "jobs and resumes them after a crash; --no-durable: a coordinator crash fails its running jobs",
+    )
+    parser.add_argument(
+        "--js-store",
+        default="out/nats-js",
+        metavar="DIR",
+        help="the nats-server's JetStream store: the durable jobs' checkpoints, kept across runs (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default="out/up",
+        metavar="DIR",
+        help="children's logs, one <process>.log each (default %(default)s)",
+    )
     parser.add_argument("--follow", action="store_true", help="also echo every child's log lines, prefixed")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
-                        help="longest wait for one process to become ready (default %(default)s; the jax "
-                             "worker compiling every bucket is the slow one: about 90 s on a 2-core CPU)")
-    parser.add_argument("--stop-timeout", type=float, default=20.0, metavar="S",
-                        help="seconds after SIGTERM before a child gets SIGKILL (default %(default)s)")
-    parser.add_argument("--max-crashes", type=int, default=4, metavar="N",
-                        help="give up on a child after N crashes within 60 s (default %(default)s)")
-    parser.epilog = ("--backend-2 ... --backend-7 exist too; experts without one alternate torch, jax.\n"
-                     "The bus has no authentication and listens on 127.0.0.1 only; see docs/DEPLOYMENT.md for "
-                     "real hosts.")
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="longest wait for one process to become ready (default %(default)s; the jax "
+        "worker compiling every bucket is the slow one: about 90 s on a 2-core CPU)",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="seconds after SIGTERM before a child gets SIGKILL (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-crashes",
+        type=int,
+        default=4,
+        metavar="N",
+        help="give up on a child after N crashes within 60 s (default %(default)s)",
+    )
+    parser.epilog = (
+        "--backend-2 ... --backend-7 exist too; experts without one alternate torch, jax.\n"
+        "The bus has no authentication and listens on 127.0.0.1 only; see docs/DEPLOYMENT.md for "
+        "real hosts."
+    )
 
 
 def _default_backend(k: int) -> str:
@@ -112,16 +170,19 @@ def check_checkpoints(directory: str | os.PathLike) -> dict:
         try:
             k = int(json.loads(partition.read_text())["num_experts"])
         except (ValueError, KeyError, TypeError) as err:
-            raise UpError(f"{partition} is not a partition manifest ({type(err).__name__}: {err}); "
-                          "see checkpoints/README.md") from None
+            raise UpError(
+                f"{partition} is not a partition manifest ({type(err).__name__}: {err}); see checkpoints/README.md"
+            ) from None
     experts = []
     for i in range(k if k is not None else 2):
         ck = d / f"expert{i}.safetensors"
         missing += [p for p in (ck, ck.with_suffix(".json")) if not p.exists()]
         experts.append(ck)
     if missing:
-        raise UpError("missing checkpoint files: " + ", ".join(map(str, missing)) + ". Train them with the "
-                      "commands in checkpoints/README.md, or pass --checkpoints DIR.")
+        raise UpError(
+            "missing checkpoint files: " + ", ".join(map(str, missing)) + ". Train them with the "
+            "commands in checkpoints/README.md, or pass --checkpoints DIR."
+        )
     if k is not None and k < 1:
         raise UpError(f"{partition} says num_experts={k}")
     return {"experts": [p.resolve() for p in experts], "router": router.resolve(), "partition": partition.resolve()}
@@ -133,8 +194,10 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
         try:
             s.bind((host, port))
         except OSError as err:
-            raise UpError(f"{what} port {host}:{port} is in use ({err.strerror}): another `ddm-fleet up` or "
-                          f"server holds it; stop it or pass {flag} P") from None
+            raise UpError(
+                f"{what} port {host}:{port} is in use ({err.strerror}): another `ddm-fleet up` or "
+                f"server holds it; stop it or pass {flag} P"
+            ) from None
 
 
 def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> list[list]:
@@ -149,29 +212,81 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
     # JetStream from the command line (local.conf has none): -js, its store
     store = Path(getattr(args, "js_store", "out/nats-js")).resolve()
     jetstream = ["-js", "-sd", str(store)] if durable else []
-    bus = ChildSpec("nats-server", [nats_bin, "-c", str(CONFIG), "-a", "127.0.0.1", "-p", str(args.nats_port),
-                                    "-m", str(args.nats_monitor_port), *jetstream],
-                    role="bus", where=nats_url + monitor + (" JetStream" if durable else ""),
-                    probe=probes.port(args.nats_port))
+    bus = ChildSpec(
+        "nats-server",
+        [
+            nats_bin,
+            "-c",
+            str(CONFIG),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(args.nats_port),
+            "-m",
+            str(args.nats_monitor_port),
+            *jetstream,
+        ],
+        role="bus",
+        where=nats_url + monitor + (" JetStream" if durable else ""),
+        probe=probes.port(args.nats_port),
+    )
     rest = []
     for k, path in enumerate(ck["experts"]):
         backend = getattr(args, f"backend_{k}", None) if k < MAX_BACKEND_FLAGS else None
         backend = backend or _default_backend(k)
         for i in range(args.workers):
-            argv = cli + ["worker", "--expert", str(k), "--checkpoint", str(path), "--backend", backend,
-                          "--nats", nats_url]
+            argv = cli + [
+                "worker",
+                "--expert",
+                str(k),
+                "--checkpoint",
+                str(path),
+                "--backend",
+                backend,
+                "--nats",
+                nats_url,
+            ]
             argv += (["--buckets", args.buckets] if args.buckets else []) + shlex.split(args.worker_args)
-            rest.append(ChildSpec(f"worker-e{k}-{i}", argv, role=f"expert {k}", backend=backend,
-                                  where=subjects.expert_velocity(k), probe=probes.worker, critical=False, env=env,
-                                  stop_group="workers"))
-    coord = cli + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]),
-                   "--nats", nats_url] + (["--durable"] if durable else []) + shlex.split(args.coordinator_args)
-    rest.append(ChildSpec("coordinator", coord, role="coordinator", where=subjects.ALL_JOBS_SUBMIT,
-                          probe=probes.coordinator, env=env))
+            rest.append(
+                ChildSpec(
+                    f"worker-e{k}-{i}",
+                    argv,
+                    role=f"expert {k}",
+                    backend=backend,
+                    where=subjects.expert_velocity(k),
+                    probe=probes.worker,
+                    critical=False,
+                    env=env,
+                    stop_group="workers",
+                )
+            )
+    coord = (
+        cli
+        + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]), "--nats", nats_url]
+        + (["--durable"] if durable else [])
+        + shlex.split(args.coordinator_args)
+    )
+    rest.append(
+        ChildSpec(
+            "coordinator", coord, role="coordinator", where=subjects.ALL_JOBS_SUBMIT, probe=probes.coordinator, env=env
+        )
+    )
     if args.web:
-        web = cli + ["web", "--host", args.host, "--port", str(args.port), "--nats", nats_url] + shlex.split(args.web_args)
-        rest.append(ChildSpec("web", web, role="web", where=page_url(args.host, args.port),
-                              probe=probes.http(args.host, args.port), env=env))
+        web = (
+            cli
+            + ["web", "--host", args.host, "--port", str(args.port), "--nats", nats_url]
+            + shlex.split(args.web_args)
+        )
+        rest.append(
+            ChildSpec(
+                "web",
+                web,
+                role="web",
+                where=page_url(args.host, args.port),
+                probe=probes.http(args.host, args.port),
+                env=env,
+            )
+        )
     return [[bus], rest]
 
 
@@ -192,10 +307,11 @@ class Probes:
 
             try:
                 _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 return False
             writer.close()
             return True
+
         return probe
 
     def http(self, host: str, port: int):
@@ -205,17 +321,18 @@ class Probes:
             target = "127.0.0.1" if host in ("0.0.0.0", "") else host
             try:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(target, port), 1.0)
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 return False
             try:
                 writer.write(f"GET / HTTP/1.0\r\nHost: {target}:{port}\r\n\r\n".encode())
                 await writer.drain()
                 status = await asyncio.wait_for(reader.readline(), 2.0)
                 return status.split()[1:2] == [b"200"]
-            except (OSError, asyncio.TimeoutError, IndexError):
+            except (TimeoutError, OSError, IndexError):
                 return False
             finally:
                 writer.close()
+
         return probe
 
     async def _conn(self):
@@ -226,8 +343,15 @@ class Probes:
                 pass
 
             # probed only once the bus answers; a BusUnavailable here is a failed probe, tried again later
-            self.nc = await connect(self.nats_url, name="ddm-up", reconnect="forever", first_connect_attempts=4,
-                                    connect_timeout_s=2, reconnect_wait_s=0.5, error_cb=quiet)
+            self.nc = await connect(
+                self.nats_url,
+                name="ddm-up",
+                reconnect="forever",
+                first_connect_attempts=4,
+                connect_timeout_s=2,
+                reconnect_wait_s=0.5,
+                error_cb=quiet,
+            )
         return self.nc
 
     async def worker(self, child) -> bool:
@@ -284,8 +408,8 @@ async def _follow(sup, interval: float = 0.25) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from infra.launcher import RestartPolicy, Supervisor
     from bus.nats_server import find_nats_server
+    from infra.launcher import RestartPolicy, Supervisor
 
     try:
         if args.workers < 1:
@@ -311,8 +435,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 Path(args.js_store).mkdir(parents=True, exist_ok=True)
             except OSError as err:
-                raise UpError(f"--js-store {args.js_store}: cannot create it ({err.strerror}); pass another "
-                              "DIR or --no-durable") from None
+                raise UpError(
+                    f"--js-store {args.js_store}: cannot create it ({err.strerror}); pass another DIR or --no-durable"
+                ) from None
         policy = RestartPolicy(max_crashes=args.max_crashes)
     except (UpError, ValueError) as err:
         print(f"ddm-fleet up: {err}", file=sys.stderr)
@@ -334,11 +459,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"fleet ready: NATS {probes.nats_url}  (Ctrl-C stops everything)", flush=True)
 
     async def main() -> int:
-        sup = Supervisor(stages, log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
-                         policy=policy, on_ready=on_ready, on_stopping=probes.close)
+        sup = Supervisor(
+            stages,
+            log_dir,
+            ready_timeout=args.ready_timeout,
+            stop_timeout=args.stop_timeout,
+            policy=policy,
+            on_ready=on_ready,
+            on_stopping=probes.close,
+        )
         n = sum(len(s) for s in stages)
-        print(f"ddm-fleet up: starting {n} processes (logs in {log_dir}); waiting until each is ready ...",
-              flush=True)
+        print(f"ddm-fleet up: starting {n} processes (logs in {log_dir}); waiting until each is ready ...", flush=True)
         follower = asyncio.create_task(_follow(sup)) if args.follow else None
         try:
             return await sup.run()

@@ -20,7 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from schemas import PROTOCOL_VERSION, TIME_CONVENTION
 
-    info = {"ddm-fleet": metadata.version("ddm-fleet"), "protocol": f"v{PROTOCOL_VERSION}", "time_convention": TIME_CONVENTION}
+    info = {
+        "ddm-fleet": metadata.version("ddm-fleet"),
+        "protocol": f"v{PROTOCOL_VERSION}",
+        "time_convention": TIME_CONVENTION,
+    }
     for dist in ("nats-py", "msgpack", "pydantic", "numpy", "torch", "jax", "flax", "aiohttp"):
         try:
             info[dist] = metadata.version(dist)

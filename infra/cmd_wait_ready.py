@@ -28,25 +28,44 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Callable
+from collections.abc import Callable
 
 READY, PID_GONE, NOT_READY = 0, 1, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("port", nargs="?", type=_port, metavar="PORT",
-                        help="TCP port to probe (a worker's --metrics-port, the web port, 8222 for nats-server)")
-    parser.add_argument("--host", default=os.environ.get("DDM_READY_HOST", "127.0.0.1"),
-                        help="host of PORT (default: $DDM_READY_HOST or 127.0.0.1)")
-    parser.add_argument("--http", default=None, metavar="PATH",
-                        help="with PORT: GET this path and require a 2xx answer (e.g. /healthz)")
-    parser.add_argument("--fleet-status", default=None, metavar="URL",
-                        help="instead of PORT: a coordinator must answer ddm.v1.fleet.status on this NATS URL")
-    parser.add_argument("--pid", type=int, default=None,
-                        help="give up (exit 1) as soon as this process exits (systemd: $MAINPID)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="give up (exit 3) after S seconds (default: wait forever)")
+    parser.add_argument(
+        "port",
+        nargs="?",
+        type=_port,
+        metavar="PORT",
+        help="TCP port to probe (a worker's --metrics-port, the web port, 8222 for nats-server)",
+    )
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("DDM_READY_HOST", "127.0.0.1"),
+        help="host of PORT (default: $DDM_READY_HOST or 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--http", default=None, metavar="PATH", help="with PORT: GET this path and require a 2xx answer (e.g. /healthz)"
+    )
+    parser.add_argument(
+        "--fleet-status",
+        default=None,
+        metavar="URL",
+        help="instead of PORT: a coordinator must answer ddm.v1.fleet.status on this NATS URL",
+    )
+    parser.add_argument(
+        "--pid", type=int, default=None, help="give up (exit 1) as soon as this process exits (systemd: $MAINPID)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up (exit 3) after S seconds (default: wait forever)",
+    )
     parser.add_argument("--once", action="store_true", help="probe once: exit 0 if ready, else 3")
     parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between probes (default 1)")
 
@@ -59,12 +78,14 @@ def _port(text: str) -> int:
 
 def tcp_probe(host: str, port: int, timeout: float = 1.0) -> Callable[[], bool]:
     """True when a TCP connection to host:port is accepted."""
+
     def probe() -> bool:
         try:
             with socket.create_connection((host, port), timeout=timeout):
                 return True
         except OSError:
             return False
+
     return probe
 
 
@@ -78,6 +99,7 @@ def http_probe(host: str, port: int, path: str, timeout: float = 2.0) -> Callabl
                 return 200 <= resp.status < 300
         except (OSError, urllib.error.URLError):  # HTTPError (non-2xx) is a URLError
             return False
+
     return probe
 
 
@@ -92,15 +114,21 @@ def fleet_status_probe(url: str, timeout: float = 2.0) -> Callable[[], bool]:
         from schemas import FleetStatus, ProtocolError, subjects, unpack
 
         try:  # one try, no reconnects: the caller polls
-            nc = await connect(url, name="ddm-wait-ready", reconnect=0, first_connect_attempts=1,
-                               connect_timeout_s=timeout, error_cb=_quiet)
+            nc = await connect(
+                url,
+                name="ddm-wait-ready",
+                reconnect=0,
+                first_connect_attempts=1,
+                connect_timeout_s=timeout,
+                error_cb=_quiet,
+            )
         except Exception:  # unreachable server, refused credentials, a bad URL: not ready
             return False
         try:
             msg = await nc.request(subjects.FLEET_STATUS, b"", timeout=timeout)
             unpack(msg.data, FleetStatus)
             return True
-        except (ProtocolError, nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, ProtocolError, nats.errors.Error):
             return False
         finally:
             await nc.close()
@@ -108,7 +136,7 @@ def fleet_status_probe(url: str, timeout: float = 2.0) -> Callable[[], bool]:
     async def bounded() -> bool:  # nats-py may keep retrying an unreachable server: cap the probe
         try:
             return await asyncio.wait_for(ask(), timeout + 1)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     return lambda: asyncio.run(bounded())
@@ -129,8 +157,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def wait_ready(probe: Callable[[], bool], *, pid: int | None = None, timeout: float | None = None,
-               once: bool = False, interval: float = 1.0) -> int:
+def wait_ready(
+    probe: Callable[[], bool],
+    *,
+    pid: int | None = None,
+    timeout: float | None = None,
+    once: bool = False,
+    interval: float = 1.0,
+) -> int:
     """Probe until ready. Returns READY (0), PID_GONE (1) or NOT_READY (3)."""
     start = time.monotonic()
     while True:
@@ -155,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if args.fleet_status is not None:
         probe, what = fleet_status_probe(args.fleet_status), "a coordinator (ddm.v1.fleet.status)"
     elif args.http is not None:
-        probe, what = http_probe(args.host, args.port, args.http), f"http://{args.host}:{args.port}/{args.http.lstrip('/')}"
+        probe, what = (
+            http_probe(args.host, args.port, args.http),
+            f"http://{args.host}:{args.port}/{args.http.lstrip('/')}",
+        )
     else:
         probe, what = tcp_probe(args.host, args.port), f"{args.host}:{args.port}"
     start = time.monotonic()
@@ -163,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
     if code == READY:
         print(f"ddm-fleet wait-ready: {what} ready after {time.monotonic() - start:.0f} s")
     elif code == PID_GONE:
-        print(f"ddm-fleet wait-ready: process {args.pid} exited before {what} was ready; see its log",
-              file=sys.stderr)
+        print(f"ddm-fleet wait-ready: process {args.pid} exited before {what} was ready; see its log", file=sys.stderr)
     else:
-        print(f"ddm-fleet wait-ready: {what} not ready" + ("" if args.once else f" after {args.timeout:g} s"),
-              file=sys.stderr)
+        print(
+            f"ddm-fleet wait-ready: {what} not ready" + ("" if args.once else f" after {args.timeout:g} s"),
+            file=sys.stderr,
+        )
     return code

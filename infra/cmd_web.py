@@ -28,33 +28,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_nats_option
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="interface to listen on (default 127.0.0.1; use 0.0.0.0 to serve other machines)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to listen on (default 127.0.0.1; use 0.0.0.0 to serve other machines)",
+    )
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
-    add_nats_option(parser, help="NATS server URL, e.g. nats://user:password@host:4222 (the `web` user of "
-                                 "infra/nats/single.conf), or a comma-separated list of a cluster's nodes "
-                                 "(default: $NATS_URL, else nats://127.0.0.1:4222; the old $DDM_NATS_URL still works, "
-                                 "with a deprecation warning)")
-    parser.add_argument("--fleet-interval", type=float, default=2.0, metavar="S",
-                        help="seconds between two refreshes of the fleet panel (default %(default)s)")
-    parser.add_argument("--submit-timeout", type=float, default=5.0, metavar="S",
-                        help="how long to wait for the coordinator to accept a job (default 5)")
-    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                        help="another page origin allowed to use the viewer, e.g. https://viewer.example.com "
-                             "(repeatable; default: only the viewer's own page)")
-    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME[:PORT]",
-                        help="another Host header to answer, e.g. a reverse proxy's name (repeatable; default: the "
-                             "served address, plus localhost/127.0.0.1/[::1] for a loopback one)")
-    parser.add_argument("--token-file", metavar="PATH",
-                        help="file holding the viewer's token (16-256 URL-safe characters); default: $DDM_WEB_TOKEN. "
-                             "With a token the websocket and /api/* need it; open the page as /#token=<token>")
-    parser.add_argument("--insecure-no-token", action="store_true",
-                        help="allow serving a non-loopback --host without a token (anyone who reaches the port "
-                             "can generate and see the fleet)")
-    parser.add_argument("--max-sockets-per-client", type=int, default=16, metavar="N",
-                        help="open websockets per client IP address (default 16; behind a proxy all share its address)")
-    parser.add_argument("--max-messages-per-second", type=float, default=20.0, metavar="N",
-                        help="messages a socket may send per second (bursts of twice that); more closes it (default 20)")
+    add_nats_option(
+        parser,
+        help="NATS server URL, e.g. nats://user:password@host:4222 (the `web` user of "
+        "infra/nats/single.conf), or a comma-separated list of a cluster's nodes "
+        "(default: $NATS_URL, else nats://127.0.0.1:4222; the old $DDM_NATS_URL still works, "
+        "with a deprecation warning)",
+    )
+    parser.add_argument(
+        "--fleet-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between two refreshes of the fleet panel (default %(default)s)",
+    )
+    parser.add_argument(
+        "--submit-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="how long to wait for the coordinator to accept a job (default 5)",
+    )
+    parser.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="another page origin allowed to use the viewer, e.g. https://viewer.example.com "
+        "(repeatable; default: only the viewer's own page)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME[:PORT]",
+        help="another Host header to answer, e.g. a reverse proxy's name (repeatable; default: the "
+        "served address, plus localhost/127.0.0.1/[::1] for a loopback one)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="file holding the viewer's token (16-256 URL-safe characters); default: $DDM_WEB_TOKEN. "
+        "With a token the websocket and /api/* need it; open the page as /#token=<token>",
+    )
+    parser.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow serving a non-loopback --host without a token (anyone who reaches the port "
+        "can generate and see the fleet)",
+    )
+    parser.add_argument(
+        "--max-sockets-per-client",
+        type=int,
+        default=16,
+        metavar="N",
+        help="open websockets per client IP address (default 16; behind a proxy all share its address)",
+    )
+    parser.add_argument(
+        "--max-messages-per-second",
+        type=float,
+        default=20.0,
+        metavar="N",
+        help="messages a socket may send per second (bursts of twice that); more closes it (default 20)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,13 +112,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         token = _read_token(args.token_file)
         if token is None and not _is_loopback(args.host) and not args.insecure_no_token:
-            raise ValueError(f"refusing to serve {args.host} (beyond loopback) without a token: give --token-file "
-                             "PATH or $DDM_WEB_TOKEN (or --insecure-no-token if the network is trusted)")
-        config = WebConfig(nats_url=args.nats, fleet_interval=args.fleet_interval,
-                           submit_timeout=args.submit_timeout, allow_origins=tuple(args.allow_origin),
-                           allow_hosts=tuple(args.allow_host), token=token,
-                           max_sockets_per_client=args.max_sockets_per_client,
-                           max_messages_per_second=args.max_messages_per_second)
+            raise ValueError(
+                f"refusing to serve {args.host} (beyond loopback) without a token: give --token-file "
+                "PATH or $DDM_WEB_TOKEN (or --insecure-no-token if the network is trusted)"
+            )
+        config = WebConfig(
+            nats_url=args.nats,
+            fleet_interval=args.fleet_interval,
+            submit_timeout=args.submit_timeout,
+            allow_origins=tuple(args.allow_origin),
+            allow_hosts=tuple(args.allow_host),
+            token=token,
+            max_sockets_per_client=args.max_sockets_per_client,
+            max_messages_per_second=args.max_messages_per_second,
+        )
     except ValueError as err:
         print(f"ddm-fleet web: {err}", file=sys.stderr)
         return 2

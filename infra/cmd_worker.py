@@ -32,12 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--expert", type=int, required=True, metavar="K", help="expert id this worker serves")
-    parser.add_argument("--checkpoint", required=True, metavar="PATH",
-                        help="expert checkpoint (.safetensors with its .json next to it)")
-    add_nats_option(parser, help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL, "
-                                 "else the URL in the file $NATS_URL_FILE, else nats://127.0.0.1:4222). Prefer the "
-                                 "environment or the file for URLs with a password: the command line is visible in "
-                                 "`ps`; a shipped example password (change-me) is refused")
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="PATH", help="expert checkpoint (.safetensors with its .json next to it)"
+    )
+    add_nats_option(
+        parser,
+        help="NATS server, or a comma-separated list of a cluster's nodes (default: $NATS_URL, "
+        "else the URL in the file $NATS_URL_FILE, else nats://127.0.0.1:4222). Prefer the "
+        "environment or the file for URLs with a password: the command line is visible in "
+        "`ps`; a shipped example password (change-me) is refused",
+    )
     WorkerConfig.add_arguments(parser)
 
 
@@ -85,10 +89,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         start.result()  # raises start-up errors
         meta = worker.metadata()
-        print(f"ready: expert {args.expert} on {meta['subject']} backend={meta['backend']} device={meta['device']} "
-              f"buckets={meta['buckets']} service_id={worker.service_id}"
-              + (f" metrics={worker.metrics_host}:{config.metrics_port}/metrics" if config.metrics_port else ""),
-              flush=True)
+        print(
+            f"ready: expert {args.expert} on {meta['subject']} backend={meta['backend']} device={meta['device']} "
+            f"buckets={meta['buckets']} service_id={worker.service_id}"
+            + (f" metrics={worker.metrics_host}:{config.metrics_port}/metrics" if config.metrics_port else ""),
+            flush=True,
+        )
         await waiter
         log.info("signal received: finishing held requests and draining")
         await worker.stop()

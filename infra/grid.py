@@ -38,12 +38,18 @@ def make_grid(images: np.ndarray, nrow: int, pad: int = 2, scale: int = 1) -> np
     canvas = np.full((rows * (h + pad) + pad, nrow * (w + pad) + pad), 40, dtype=np.uint8)
     for i in range(n):
         r, c = divmod(i, nrow)
-        canvas[pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = imgs[i]
+        canvas[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = imgs[i]
     return canvas
 
 
-def write_grid(path: str | Path, images: np.ndarray, nrow: int = 8, row_labels: list[str] | None = None,
-               pad: int = 2, scale: int = 2) -> Path:
+def write_grid(
+    path: str | Path,
+    images: np.ndarray,
+    nrow: int = 8,
+    row_labels: list[str] | None = None,
+    pad: int = 2,
+    scale: int = 2,
+) -> Path:
     """Write images [N, 1, H, W] in [-1, 1] as one PNG; returns the path.
 
     row_labels: optional text per grid row, drawn in a left margin.

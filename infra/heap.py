@@ -71,9 +71,13 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int 
     # activation (~1,000 faults each; one coordinator capacity run in about ten showed it, ~23,000
     # faults per 1000 rows). One arena for all threads prevents that, but cost the engine 8% in
     # every run (its loop and router threads then share and bounce the same memory): docs/CAPACITY.md.
-    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)))
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))
+    )
     if ok:
         log.debug("malloc: mmap threshold %d MiB, trim threshold %d MiB", mmap_threshold >> 20, trim_threshold >> 20)
     else:
-        log.warning("malloc: glibc refused the thresholds (mmap %d, trim %d); its defaults stay", mmap_threshold, trim_threshold)
+        log.warning(
+            "malloc: glibc refused the thresholds (mmap %d, trim %d); its defaults stay", mmap_threshold, trim_threshold
+        )
     return ok

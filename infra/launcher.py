@@ -27,9 +27,9 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
 
 Probe = Callable[["Child"], Awaitable[bool]]
 
@@ -125,11 +125,20 @@ def _child_preexec() -> None:  # runs in the child between fork and exec
 
 
 class Supervisor:
-    def __init__(self, stages: Sequence[Sequence[ChildSpec]], log_dir: str | os.PathLike, *,
-                 ready_timeout: float = 300.0, stop_timeout: float = 10.0, policy: RestartPolicy | None = None,
-                 probe_interval: float = 0.25, progress_every: float = 30.0, out: Callable[[str], None] | None = None,
-                 on_ready: Callable[["Supervisor"], None] | None = None,
-                 on_stopping: Callable[[], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        stages: Sequence[Sequence[ChildSpec]],
+        log_dir: str | os.PathLike,
+        *,
+        ready_timeout: float = 300.0,
+        stop_timeout: float = 10.0,
+        policy: RestartPolicy | None = None,
+        probe_interval: float = 0.25,
+        progress_every: float = 30.0,
+        out: Callable[[str], None] | None = None,
+        on_ready: Callable[[Supervisor], None] | None = None,
+        on_stopping: Callable[[], Awaitable[None]] | None = None,
+    ):
         specs = [s for stage in stages for s in stage]
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -224,8 +233,9 @@ class Supervisor:
                 if child.running:
                     _signal_group(child.pid, signal.SIGKILL)
             return
-        self.out(f"{signal.Signals(sig).name}: stopping the fleet (reverse order; SIGKILL after "
-                 f"{self.stop_timeout:g} s)")
+        self.out(
+            f"{signal.Signals(sig).name}: stopping the fleet (reverse order; SIGKILL after {self.stop_timeout:g} s)"
+        )
         self._stop.set()
 
     async def _start_all(self) -> None:
@@ -267,8 +277,14 @@ class Supervisor:
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **(child.spec.env or {})}
             try:
                 child.proc = await asyncio.create_subprocess_exec(
-                    *child.spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                    env=env, start_new_session=True, preexec_fn=_child_preexec)
+                    *child.spec.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_child_preexec,
+                )
             except OSError as err:
                 raise StartupError(f"cannot start {child.name} ({child.spec.argv[0]}): {err}") from None
         child.started_at = time.monotonic()
@@ -281,8 +297,9 @@ class Supervisor:
         while True:
             if time.monotonic() > next_note:  # say what a slow start (jax warm-up) is doing
                 last = (child.log_tail(1) or ["(no output yet)"])[0].strip()
-                self.out(f"still waiting for {child.name} (pid {child.pid}, {time.monotonic() - start:.0f} s): "
-                         f"{last[:160]}")
+                self.out(
+                    f"still waiting for {child.name} (pid {child.pid}, {time.monotonic() - start:.0f} s): {last[:160]}"
+                )
                 next_note += self.progress_every
             if child.proc.returncode is not None:
                 raise StartupError(self._exit_report(child, "before it was ready"))
@@ -297,11 +314,13 @@ class Supervisor:
                 return
             if time.monotonic() > deadline:
                 tail = child.log_tail()
-                raise StartupError(f"{child.name} (pid {child.pid}) was not ready after {self.ready_timeout:g} s; "
-                                   f"log {child.log_path}" + (":\n" + _indent(tail) if tail else " (no output yet)"))
+                raise StartupError(
+                    f"{child.name} (pid {child.pid}) was not ready after {self.ready_timeout:g} s; "
+                    f"log {child.log_path}" + (":\n" + _indent(tail) if tail else " (no output yet)")
+                )
             try:
                 await asyncio.wait_for(child.proc.wait(), self.probe_interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _exit_report(self, child: Child, when: str) -> str:
@@ -324,8 +343,10 @@ class Supervisor:
             self.out("CRASH " + self._exit_report(child, f"after {now - child.started_at:.1f} s"))
             if len(child.crashes) >= self.policy.max_crashes:
                 child.gave_up = True
-                msg = (f"giving up on {child.name}: {len(child.crashes)} crashes within "
-                       f"{self.policy.crash_window:g} s; see {child.log_path}")
+                msg = (
+                    f"giving up on {child.name}: {len(child.crashes)} crashes within "
+                    f"{self.policy.crash_window:g} s; see {child.log_path}"
+                )
                 self.out(msg)
                 if child.spec.critical:
                     self._failure = msg
@@ -334,12 +355,14 @@ class Supervisor:
                     self.out(f"the rest of the fleet keeps running without {child.name}")
                 return
             delay = self.policy.delay(len(child.crashes))
-            self.out(f"restarting {child.name} in {delay:g} s (crash {len(child.crashes)} of "
-                     f"{self.policy.max_crashes} allowed within {self.policy.crash_window:g} s)")
+            self.out(
+                f"restarting {child.name} in {delay:g} s (crash {len(child.crashes)} of "
+                f"{self.policy.max_crashes} allowed within {self.policy.crash_window:g} s)"
+            )
             try:
                 await asyncio.wait_for(self._stop.wait(), delay)
                 return  # stop requested during the backoff
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             child.restarts += 1
             try:
@@ -362,7 +385,7 @@ class Supervisor:
         try:
             await asyncio.wait_for(child.proc.wait(), self.stop_timeout)
             self.out(f"stopped {child.name} (pid {pid}): exit code {child.proc.returncode}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             _signal_group(pid, signal.SIGKILL)
             await child.proc.wait()
             self.out(f"killed {child.name} (pid {pid}): no exit {self.stop_timeout:g} s after SIGTERM")

@@ -114,7 +114,9 @@ def password_env(passwords: dict[str, str]) -> dict[str, str]:
     """Environment variables accounts.conf reads, from {user: password}."""
     missing = set(PASSWORD_VARS) - set(passwords)
     if missing:
-        raise ValueError(f"no password for user(s) {sorted(missing)}; accounts.conf needs all of {sorted(PASSWORD_VARS)}")
+        raise ValueError(
+            f"no password for user(s) {sorted(missing)}; accounts.conf needs all of {sorted(PASSWORD_VARS)}"
+        )
     return {PASSWORD_VARS[u]: pw for u, pw in passwords.items() if u in PASSWORD_VARS}
 
 
@@ -198,7 +200,7 @@ class NatsCluster:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self, timeout: float = 10.0, attempts: int = 3) -> "NatsCluster":
+    def start(self, timeout: float = 10.0, attempts: int = 3) -> NatsCluster:
         """Start every node and wait for the full mesh.
 
         Ports are chosen before the servers bind them, so another process can take one in
@@ -213,7 +215,7 @@ class NatsCluster:
                 log.warning("cluster start attempt %d failed (%s); retrying on fresh ports", attempt, err)
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout: float) -> "NatsCluster":
+    def _start_once(self, timeout: float) -> NatsCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="ddm-nats-cluster-")
         workdir = Path(self._tmp.name)
         for conf in CONFIG_DIR.glob("*.conf"):
@@ -227,14 +229,24 @@ class NatsCluster:
                 env = {**self.env, "DDM_NATS_SERVER_NAME": self.node_name(i)}
                 node = NatsServer(self.host, env=env, log_file=self._log(self.node_name(i)))
                 cfg = workdir / f"node-{i}.conf"
-                js = (_JETSTREAM_ON.format(store_dir=workdir / f"js-{self.node_name(i)}") if self.jetstream
-                      else _JETSTREAM_OFF)
+                js = (
+                    _JETSTREAM_ON.format(store_dir=workdir / f"js-{self.node_name(i)}")
+                    if self.jetstream
+                    else _JETSTREAM_OFF
+                )
                 cfg.write_text(
                     _NODE_OVERRIDES.format(
-                        name=self.node_name(i), host=self.host, port=node.port, http_port=node.http_port,
-                        cluster_name=self.name, cluster_port=self.cluster_ports[i], route_urls_var=ROUTE_URLS_VAR,
-                        leaf_port=self.leaf_ports[i], route_user=ROUTE_USER,
-                        route_password_var=ROUTE_PASSWORD_VAR, jetstream=js,
+                        name=self.node_name(i),
+                        host=self.host,
+                        port=node.port,
+                        http_port=node.http_port,
+                        cluster_name=self.name,
+                        cluster_port=self.cluster_ports[i],
+                        route_urls_var=ROUTE_URLS_VAR,
+                        leaf_port=self.leaf_ports[i],
+                        route_user=ROUTE_USER,
+                        route_password_var=ROUTE_PASSWORD_VAR,
+                        jetstream=js,
                     )
                 )
                 node.config_file = cfg
@@ -284,8 +296,7 @@ class NatsCluster:
         _wait(agreed, timeout, "a JetStream meta leader known to every node")
         return leader[0]
 
-    def jetstream_leader(self, ask: int | None = None, stream: str | None = None,
-                         account: str = "DDM") -> int | None:
+    def jetstream_leader(self, ask: int | None = None, stream: str | None = None, account: str = "DDM") -> int | None:
         """Index of the node leading the JetStream meta group, or with `stream` (e.g. "KV_ddm_jobs")
         that stream's replicas in `account`, as node `ask` (default: the first running node) sees
         it; None while there is none (an election) or the stream does not exist."""
@@ -336,8 +347,11 @@ class NatsCluster:
         local_password = secrets.token_hex(12)
         leaf = NatsServer(
             self.host,
-            env={"DDM_NATS_SERVER_NAME": f"{self.name}-{name}", "DDM_NATS_HUB_URLS": hub_urls,
-                 LEAF_LOCAL_PASSWORD_VAR: local_password},
+            env={
+                "DDM_NATS_SERVER_NAME": f"{self.name}-{name}",
+                "DDM_NATS_HUB_URLS": hub_urls,
+                LEAF_LOCAL_PASSWORD_VAR: local_password,
+            },
             log_file=self._log(f"{name}"),
         )
         leaf.client_url = f"nats://{LEAF_LOCAL_USER}:{local_password}@{leaf.host}:{leaf.port}"
@@ -381,7 +395,7 @@ class NatsCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / f"{name}.log"
 
-    def __enter__(self) -> "NatsCluster":
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -15,11 +15,11 @@ import flax). Both models take (x [B, C, H, W] float32, t [B] float32 in [0, 1],
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Union
+from typing import Any
 
 from .config import DiTConfig, UNetConfig
 
-ModelConfig = Union[UNetConfig, DiTConfig]
+ModelConfig = UNetConfig | DiTConfig
 
 #: arch name -> its config class. "unet" is the default for a JSON without "arch".
 CONFIGS: dict[str, type] = {"unet": UNetConfig, "dit": DiTConfig}
@@ -31,8 +31,10 @@ def arch_name(cfg: ModelConfig) -> str:
     for name, cls in CONFIGS.items():
         if isinstance(cfg, cls):
             return name
-    raise TypeError(f"not an expert model config: {type(cfg).__name__} (expected one of "
-                    f"{', '.join(c.__name__ for c in CONFIGS.values())})")
+    raise TypeError(
+        f"not an expert model config: {type(cfg).__name__} (expected one of "
+        f"{', '.join(c.__name__ for c in CONFIGS.values())})"
+    )
 
 
 def arch_of(meta: dict) -> str:
@@ -65,8 +67,9 @@ def config_from_meta(meta: dict) -> ModelConfig:
         if "arch" not in meta:  # a config of another architecture whose "arch" was left out?
             for other, cls in CONFIGS.items():
                 if other != arch and set(cfg) <= {f.name for f in fields(cls)}:
-                    raise ValueError(f"{err}; this config looks like a {other} config: add \"arch\": \"{other}\" "
-                                     "beside it") from None
+                    raise ValueError(
+                        f'{err}; this config looks like a {other} config: add "arch": "{other}" beside it'
+                    ) from None
         raise
 
 

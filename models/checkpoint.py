@@ -41,11 +41,16 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------------------- shapes
 def _resblock_shapes(prefix: str, cin: int, cout: int, emb: int) -> dict[str, tuple[int, ...]]:
     s = {
-        f"{prefix}.norm1.weight": (cin,), f"{prefix}.norm1.bias": (cin,),
-        f"{prefix}.conv1.weight": (cout, cin, 3, 3), f"{prefix}.conv1.bias": (cout,),
-        f"{prefix}.emb_proj.weight": (cout, emb), f"{prefix}.emb_proj.bias": (cout,),
-        f"{prefix}.norm2.weight": (cout,), f"{prefix}.norm2.bias": (cout,),
-        f"{prefix}.conv2.weight": (cout, cout, 3, 3), f"{prefix}.conv2.bias": (cout,),
+        f"{prefix}.norm1.weight": (cin,),
+        f"{prefix}.norm1.bias": (cin,),
+        f"{prefix}.conv1.weight": (cout, cin, 3, 3),
+        f"{prefix}.conv1.bias": (cout,),
+        f"{prefix}.emb_proj.weight": (cout, emb),
+        f"{prefix}.emb_proj.bias": (cout,),
+        f"{prefix}.norm2.weight": (cout,),
+        f"{prefix}.norm2.bias": (cout,),
+        f"{prefix}.conv2.weight": (cout, cout, 3, 3),
+        f"{prefix}.conv2.bias": (cout,),
     }
     if cin != cout:
         s[f"{prefix}.skip.weight"] = (cout, cin, 1, 1)
@@ -59,10 +64,13 @@ def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         return _dit_state_shapes(cfg)
     w, e, td = cfg.widths, cfg.emb_dim, cfg.time_dim
     s: dict[str, tuple[int, ...]] = {
-        "time_fc1.weight": (td, td), "time_fc1.bias": (td,),
-        "time_fc2.weight": (td, td), "time_fc2.bias": (td,),
+        "time_fc1.weight": (td, td),
+        "time_fc1.bias": (td,),
+        "time_fc2.weight": (td, td),
+        "time_fc2.bias": (td,),
         "class_emb.weight": (cfg.num_classes + int(cfg.null_label), cfg.class_dim),  # + null row
-        "conv_in.weight": (w[0], cfg.in_channels, 3, 3), "conv_in.bias": (w[0],),
+        "conv_in.weight": (w[0], cfg.in_channels, 3, 3),
+        "conv_in.bias": (w[0],),
     }
     prev = w[0]
     for i, wi in enumerate(w):
@@ -73,35 +81,61 @@ def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i, wi in enumerate(w):
         above = w[i + 1] if i + 1 < len(w) else w[-1]
         s.update(_resblock_shapes(f"dec.{i}", above + wi, wi, e))
-    s.update({"norm_out.weight": (w[0],), "norm_out.bias": (w[0],),
-              "conv_out.weight": (cfg.in_channels, w[0], 3, 3), "conv_out.bias": (cfg.in_channels,)})
+    s.update(
+        {
+            "norm_out.weight": (w[0],),
+            "norm_out.bias": (w[0],),
+            "conv_out.weight": (cfg.in_channels, w[0], 3, 3),
+            "conv_out.bias": (cfg.in_channels,),
+        }
+    )
     return s
 
 
 def _dit_state_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
     d, m, p = cfg.hidden_size, cfg.mlp_hidden, cfg.patch_size
     s: dict[str, tuple[int, ...]] = {
-        "patch_embed.weight": (d, cfg.in_channels, p, p), "patch_embed.bias": (d,),
-        "time_fc1.weight": (d, cfg.time_freq_dim), "time_fc1.bias": (d,),
-        "time_fc2.weight": (d, d), "time_fc2.bias": (d,),
+        "patch_embed.weight": (d, cfg.in_channels, p, p),
+        "patch_embed.bias": (d,),
+        "time_fc1.weight": (d, cfg.time_freq_dim),
+        "time_fc1.bias": (d,),
+        "time_fc2.weight": (d, d),
+        "time_fc2.bias": (d,),
         "class_emb.weight": (cfg.num_classes + int(cfg.null_label), d),  # + null row
     }
     for i in range(cfg.depth):
         b = f"blocks.{i}"
-        s.update({f"{b}.attn.qkv.weight": (3 * d, d), f"{b}.attn.qkv.bias": (3 * d,),
-                  f"{b}.attn.proj.weight": (d, d), f"{b}.attn.proj.bias": (d,),
-                  f"{b}.mlp.fc1.weight": (m, d), f"{b}.mlp.fc1.bias": (m,),
-                  f"{b}.mlp.fc2.weight": (d, m), f"{b}.mlp.fc2.bias": (d,),
-                  f"{b}.ada.weight": (6 * d, d), f"{b}.ada.bias": (6 * d,)})
-    s.update({"final.ada.weight": (2 * d, d), "final.ada.bias": (2 * d,),
-              "final.linear.weight": (p * p * cfg.in_channels, d), "final.linear.bias": (p * p * cfg.in_channels,)})
+        s.update(
+            {
+                f"{b}.attn.qkv.weight": (3 * d, d),
+                f"{b}.attn.qkv.bias": (3 * d,),
+                f"{b}.attn.proj.weight": (d, d),
+                f"{b}.attn.proj.bias": (d,),
+                f"{b}.mlp.fc1.weight": (m, d),
+                f"{b}.mlp.fc1.bias": (m,),
+                f"{b}.mlp.fc2.weight": (d, m),
+                f"{b}.mlp.fc2.bias": (d,),
+                f"{b}.ada.weight": (6 * d, d),
+                f"{b}.ada.bias": (6 * d,),
+            }
+        )
+    s.update(
+        {
+            "final.ada.weight": (2 * d, d),
+            "final.ada.bias": (2 * d,),
+            "final.linear.weight": (p * p * cfg.in_channels, d),
+            "final.linear.bias": (p * p * cfg.in_channels,),
+        }
+    )
     return s
 
 
 def _describe(cfg: ModelConfig) -> str:
     if isinstance(cfg, DiTConfig):
-        return (f"DiT config hidden_size={cfg.hidden_size} depth={cfg.depth} patch_size={cfg.patch_size} "
-                f"mlp_ratio={cfg.mlp_ratio} in_channels={cfg.in_channels}")
+        return (
+            f"DiT config hidden_size={cfg.hidden_size} depth={cfg.depth} patch_size={cfg.patch_size} "
+            f"mlp_ratio={cfg.mlp_ratio} in_channels={cfg.in_channels}"
+        )
     return f"config widths={list(cfg.widths)} time_dim={cfg.time_dim} class_dim={cfg.class_dim}"
 
 
@@ -115,8 +149,11 @@ def check_state(state: dict[str, np.ndarray], cfg: ModelConfig) -> None:
         problems.append(f"missing {len(missing)} tensors (e.g. {missing[:3]})")
     if extra:
         problems.append(f"unexpected {len(extra)} tensors (e.g. {extra[:3]})")
-    bad = [f"{k}: {tuple(state[k].shape)} != {want[k]}" for k in sorted(set(want) & set(state))
-           if tuple(state[k].shape) != want[k]]
+    bad = [
+        f"{k}: {tuple(state[k].shape)} != {want[k]}"
+        for k in sorted(set(want) & set(state))
+        if tuple(state[k].shape) != want[k]
+    ]
     if bad:
         problems.append(f"{len(bad)} shape mismatches (e.g. {bad[:3]})")
     if problems:
@@ -163,8 +200,9 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], meta: dict, dtype: 
     tmp = st_path.with_name(st_path.name + ".tmp")
     save_file(arrays, str(tmp), metadata={"format": FORMAT})
     tmp.replace(st_path)
-    meta.update(format=FORMAT, arch=arch_name(cfg), config=cfg.to_dict(), weights_dtype=dtype,
-                weights_sha256=_sha256(st_path))
+    meta.update(
+        format=FORMAT, arch=arch_name(cfg), config=cfg.to_dict(), weights_dtype=dtype, weights_sha256=_sha256(st_path)
+    )
     meta.setdefault("time_convention", TIME_CONVENTION)
     tmp = json_path.with_name(json_path.name + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2, sort_keys=False) + "\n")
@@ -182,11 +220,14 @@ def load_meta(path: str | Path) -> dict:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{json_path} is not valid JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{json_path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                              f"expected {FORMAT!r}")
+        raise CheckpointError(
+            f"{json_path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}"
+        )
     if meta.get("time_convention") != TIME_CONVENTION:
-        raise CheckpointError(f"{json_path}: time_convention {meta.get('time_convention')!r} is not "
-                              f"{TIME_CONVENTION!r}; this fleet integrates from t=0 noise to t=1 data")
+        raise CheckpointError(
+            f"{json_path}: time_convention {meta.get('time_convention')!r} is not "
+            f"{TIME_CONVENTION!r}; this fleet integrates from t=0 noise to t=1 data"
+        )
     try:
         meta["config"] = config_from_meta(meta).to_dict()
     except (KeyError, TypeError, ValueError) as e:
@@ -194,8 +235,9 @@ def load_meta(path: str | Path) -> dict:
     return meta
 
 
-def load_checkpoint(path: str | Path, expect: ModelConfig | None = None,
-                    verify_hash: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
+def load_checkpoint(
+    path: str | Path, expect: ModelConfig | None = None, verify_hash: bool = True
+) -> tuple[dict, dict[str, np.ndarray]]:
     """Load a checkpoint -> (meta, state) with every tensor float32 numpy.
 
     expect: if given, refuse a checkpoint whose config differs from it.
@@ -210,11 +252,15 @@ def load_checkpoint(path: str | Path, expect: ModelConfig | None = None,
     meta = load_meta(st_path)
     cfg = config_from_meta(meta)
     if expect is not None and cfg != expect:
-        raise CheckpointError(f"{json_path}: {arch_name(cfg)} config {cfg.to_dict()} does not match the expected "
-                              f"{arch_name(expect)} config {expect.to_dict()}")
+        raise CheckpointError(
+            f"{json_path}: {arch_name(cfg)} config {cfg.to_dict()} does not match the expected "
+            f"{arch_name(expect)} config {expect.to_dict()}"
+        )
     if verify_hash and meta.get("weights_sha256") and meta["weights_sha256"] != _sha256(st_path):
-        raise CheckpointError(f"{st_path} does not match the sha256 recorded in {json_path.name}: "
-                              "the .safetensors and .json come from different saves")
+        raise CheckpointError(
+            f"{st_path} does not match the sha256 recorded in {json_path.name}: "
+            "the .safetensors and .json come from different saves"
+        )
     try:
         raw = load_file(str(st_path))
     except (SafetensorError, OSError, ValueError) as e:

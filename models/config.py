@@ -42,8 +42,7 @@ class UNetConfig:
                 raise ValueError(f"UNetConfig: width {w} must be positive and divisible by groups={self.groups}")
         if self.image_size % (2 ** len(self.widths)):
             raise ValueError(
-                f"UNetConfig: image_size {self.image_size} must be divisible by 2**len(widths)="
-                f"{2 ** len(self.widths)}"
+                f"UNetConfig: image_size {self.image_size} must be divisible by 2**len(widths)={2 ** len(self.widths)}"
             )
         if self.time_dim % 2 or self.time_dim <= 0:
             raise ValueError(f"UNetConfig: time_dim must be a positive even number, got {self.time_dim}")
@@ -64,7 +63,7 @@ class UNetConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "UNetConfig":
+    def from_dict(cls, d: dict) -> UNetConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -112,22 +111,36 @@ class DiTConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_ratio", float(self.mlp_ratio))
-        for name in ("in_channels", "image_size", "patch_size", "hidden_size", "depth", "num_heads", "num_classes",
-                     "time_freq_dim"):
+        for name in (
+            "in_channels",
+            "image_size",
+            "patch_size",
+            "hidden_size",
+            "depth",
+            "num_heads",
+            "num_classes",
+            "time_freq_dim",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"DiTConfig: {name} must be a positive integer, got {value!r}")
             object.__setattr__(self, name, int(value))  # numpy integers -> int (JSON-serialisable)
         if self.image_size % self.patch_size:
             divisors = [p for p in range(1, self.image_size + 1) if self.image_size % p == 0 and p <= 8]
-            raise ValueError(f"DiTConfig: patch_size {self.patch_size} must divide image_size {self.image_size}; "
-                             f"choose one of {divisors}")
+            raise ValueError(
+                f"DiTConfig: patch_size {self.patch_size} must divide image_size {self.image_size}; "
+                f"choose one of {divisors}"
+            )
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"DiTConfig: hidden_size {self.hidden_size} must be divisible by num_heads "
-                             f"{self.num_heads} (each head gets hidden_size / num_heads channels)")
+            raise ValueError(
+                f"DiTConfig: hidden_size {self.hidden_size} must be divisible by num_heads "
+                f"{self.num_heads} (each head gets hidden_size / num_heads channels)"
+            )
         if self.hidden_size % 4:
-            raise ValueError(f"DiTConfig: hidden_size {self.hidden_size} must be a multiple of 4 (the 2-D sin-cos "
-                             "position embedding gives a quarter of it to each of sin/cos of row/column)")
+            raise ValueError(
+                f"DiTConfig: hidden_size {self.hidden_size} must be a multiple of 4 (the 2-D sin-cos "
+                "position embedding gives a quarter of it to each of sin/cos of row/column)"
+            )
         if not self.mlp_ratio > 0 or int(self.hidden_size * self.mlp_ratio) <= 0:
             raise ValueError(f"DiTConfig: mlp_ratio must be positive (e.g. 4.0), got {self.mlp_ratio}")
         if self.time_freq_dim % 2:
@@ -149,7 +162,7 @@ class DiTConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DiTConfig":
+    def from_dict(cls, d: dict) -> DiTConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -26,5 +26,5 @@ def sincos_pos_embed(dim: int, grid: int) -> np.ndarray:
 def attention_flops(cfg) -> int:
     """FLOPs per image of a DiT's attention matmuls (q k^T and weights v: 2 x 2 T^2 D per block, T tokens,
     D = hidden_size), which torch's FlopCounterMode does not see inside CPU scaled_dot_product_attention."""
-    tokens = cfg.grid ** 2
+    tokens = cfg.grid**2
     return 4 * tokens * tokens * cfg.hidden_size * cfg.depth

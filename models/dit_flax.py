@@ -85,9 +85,12 @@ class FinalLayer(nn.Module):
     @nn.compact
     def __call__(self, h, c):
         d = h.shape[-1]
-        shift, scale = jnp.split(nn.Dense(2 * d, kernel_init=_zeros, bias_init=_zeros, name="ada")(nn.silu(c)), 2, axis=1)
+        shift, scale = jnp.split(
+            nn.Dense(2 * d, kernel_init=_zeros, bias_init=_zeros, name="ada")(nn.silu(c)), 2, axis=1
+        )
         return nn.Dense(self.out, kernel_init=_zeros, bias_init=_zeros, name="linear")(
-            _modulate(_layer_norm(h), shift, scale))
+            _modulate(_layer_norm(h), shift, scale)
+        )
 
 
 class DiT(nn.Module):

@@ -24,8 +24,8 @@ Parameter names (`state_dict`) map 1:1 to `dit_flax.DiT` by `models.checkpoint.t
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .config import DiTConfig
 from .dit_common import LN_EPS, sincos_pos_embed

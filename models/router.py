@@ -58,7 +58,7 @@ class RouterConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RouterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> RouterConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise RouterError(f"unknown router config keys {sorted(unknown)}")
@@ -100,11 +100,13 @@ def _build_net_class():
             self.time_fc2 = nn.Linear(e, e)
             self.class_emb = nn.Embedding(cfg.num_classes + 1, e)  # last row = unknown class
             self.conv_in = nn.Conv2d(cfg.in_channels, w, 3, padding=1)
-            self.stages = nn.ModuleList([
-                _Stage(w, 2 * w, 2, e),  # 16x16
-                _Stage(2 * w, 4 * w, 2, e),  # 8x8
-                _Stage(4 * w, 8 * w, 2, e),  # 4x4
-            ])
+            self.stages = nn.ModuleList(
+                [
+                    _Stage(w, 2 * w, 2, e),  # 16x16
+                    _Stage(2 * w, 4 * w, 2, e),  # 8x8
+                    _Stage(4 * w, 8 * w, 2, e),  # 4x4
+                ]
+            )
             self.head1 = nn.Linear(8 * w + e, 8 * w)
             self.head2 = nn.Linear(8 * w, cfg.num_experts)
 
@@ -167,8 +169,14 @@ def save_router(path: str | os.PathLike, net, meta: dict[str, Any]) -> Path:
     save_file(state, str(tmp), metadata={"format": FORMAT})
     os.chmod(tmp, 0o644)
     os.replace(tmp, st_path)
-    meta = dict(meta, format=FORMAT, config=net.cfg.to_dict(), time_convention=TIME_CONVENTION,
-                num_params=num_params(net), weights_sha256=hashlib.sha256(st_path.read_bytes()).hexdigest())
+    meta = dict(
+        meta,
+        format=FORMAT,
+        config=net.cfg.to_dict(),
+        time_convention=TIME_CONVENTION,
+        num_params=num_params(net),
+        weights_sha256=hashlib.sha256(st_path.read_bytes()).hexdigest(),
+    )
     tmp = json_path.with_name(json_path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, json_path)
@@ -185,7 +193,10 @@ def load_router_meta(path: str | os.PathLike) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise RouterError(f"{json_path} is not valid JSON: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise RouterError(f"{json_path}: not a router checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+        raise RouterError(
+            f"{json_path}: not a router checkpoint "
+            f"(format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})"
+        )
     if meta.get("time_convention") != TIME_CONVENTION:
         raise RouterError(f"{json_path}: time convention {meta.get('time_convention')!r} is not {TIME_CONVENTION!r}")
     return meta
@@ -236,7 +247,7 @@ def _define_chunks():
             if n <= self.step:
                 return self.net(x, t, y)
             step = self.step
-            return torch.cat([self.net(x[i:i + step], t[i:i + step], y[i:i + step]) for i in range(0, n, step)])
+            return torch.cat([self.net(x[i : i + step], t[i : i + step], y[i : i + step]) for i in range(0, n, step)])
 
     return _Chunks
 
@@ -264,8 +275,14 @@ class Router:
     first call with the `chunk_rows` of that moment (later changes to `chunk_rows` or to the network's
     modules are not seen); leave it off for a net still training."""
 
-    def __init__(self, net, meta: dict[str, Any] | None = None, chunk_rows: int = ROUTER_CHUNK_ROWS,
-                 threads: int | None = ROUTER_THREADS, traced: bool = False):
+    def __init__(
+        self,
+        net,
+        meta: dict[str, Any] | None = None,
+        chunk_rows: int = ROUTER_CHUNK_ROWS,
+        threads: int | None = ROUTER_THREADS,
+        traced: bool = False,
+    ):
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         if threads is not None and threads < 1:
@@ -284,7 +301,7 @@ class Router:
         return self.cfg.num_experts
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Router":
+    def load(cls, path: str | os.PathLike) -> Router:
         """Load ``<path>.safetensors`` + ``<path>.json`` (path may name either file or the stem)."""
         import torch
         from safetensors import SafetensorError
@@ -339,9 +356,13 @@ class Router:
         rng = np.random.default_rng(0)
 
         def probe(n: int):
-            return (torch.from_numpy(rng.standard_normal((n, c.in_channels, c.image_size, c.image_size)).astype(np.float32)),
-                    torch.from_numpy(np.linspace(0.0, 1.0, n, dtype=np.float32)),
-                    torch.from_numpy(rng.integers(-1, c.num_classes, n).astype(np.int64)))
+            return (
+                torch.from_numpy(
+                    rng.standard_normal((n, c.in_channels, c.image_size, c.image_size)).astype(np.float32)
+                ),
+                torch.from_numpy(np.linspace(0.0, 1.0, n, dtype=np.float32)),
+                torch.from_numpy(rng.integers(-1, c.num_classes, n).astype(np.int64)),
+            )
 
         probes = [probe(5), probe(self.chunk_rows + 3)]
         eager = _chunked_class()(self.net.eval(), self.chunk_rows)
@@ -362,8 +383,9 @@ class Router:
                     return graph
                 log.warning("router: the scripted chunk loop differs from the eager network; looping in Python")
             except Exception as err:
-                log.warning("router: scripting the chunk loop failed (%s: %s); looping in Python",
-                            type(err).__name__, err)
+                log.warning(
+                    "router: scripting the chunk loop failed (%s: %s); looping in Python", type(err).__name__, err
+                )
             try:
                 graph = _chunked_class()(torch.jit.freeze(traced), self.chunk_rows)
                 if same(graph):

@@ -16,25 +16,48 @@ Every call with the same arguments writes the same weights (seeded), so two proc
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 TINY_WIDTHS = (8, 16)
 
 
-def tiny_config(widths: Sequence[int] = TINY_WIDTHS, *, time_dim: int = 16, class_dim: int = 16, groups: int = 4,
-                null_label: bool = False):
+def tiny_config(
+    widths: Sequence[int] = TINY_WIDTHS,
+    *,
+    time_dim: int = 16,
+    class_dim: int = 16,
+    groups: int = 4,
+    null_label: bool = False,
+    **shape: int,
+):
     """The UNetConfig the factory uses: channel `widths` per level, small embeddings; `null_label`
-    adds the unknown-label row (y = -1), as `train-expert --label-dropout` does."""
+    adds the unknown-label row (y = -1), as `train-expert --label-dropout` does; `shape` overrides
+    in_channels / image_size / num_classes (default 1 x 32 x 32, 10 classes)."""
     from .config import UNetConfig
 
-    return UNetConfig(widths=tuple(int(w) for w in widths), time_dim=time_dim, class_dim=class_dim, groups=groups,
-                      null_label=null_label)
+    return UNetConfig(
+        widths=tuple(int(w) for w in widths),
+        time_dim=time_dim,
+        class_dim=class_dim,
+        groups=groups,
+        null_label=null_label,
+        **shape,
+    )
 
 
-def make_tiny_expert(path: str | os.PathLike, *, expert_id: int = 0, widths: Sequence[int] = TINY_WIDTHS,
-                     seed: int | None = None, jitter: float = 0.0, classes: Sequence[int] | None = None,
-                     dtype: str = "float32", **config: Any) -> Path:
+def make_tiny_expert(
+    path: str | os.PathLike,
+    *,
+    expert_id: int = 0,
+    widths: Sequence[int] = TINY_WIDTHS,
+    seed: int | None = None,
+    jitter: float = 0.0,
+    classes: Sequence[int] | None = None,
+    dtype: str = "float32",
+    **config: Any,
+) -> Path:
     """Write one random-init expert checkpoint and return its ``.safetensors`` path.
 
     ``seed`` defaults to ``100 + expert_id``; ``jitter`` adds ``jitter * N(0, 1)`` to every
@@ -60,18 +83,41 @@ def make_tiny_expert(path: str | os.PathLike, *, expert_id: int = 0, widths: Seq
     return save_checkpoint(path, torch_state_to_numpy(model.state_dict()), meta, dtype=dtype)
 
 
-def tiny_dit_config(*, image_size: int = 32, patch_size: int = 4, hidden_size: int = 32, depth: int = 2,
-                    num_heads: int = 2, null_label: bool = False, **config: Any):
+def tiny_dit_config(
+    *,
+    image_size: int = 32,
+    patch_size: int = 4,
+    hidden_size: int = 32,
+    depth: int = 2,
+    num_heads: int = 2,
+    null_label: bool = False,
+    **config: Any,
+):
     """The DiTConfig `make_tiny_dit` uses: 8x8 tokens of width 32, two blocks (keywords override, e.g.
     in_channels=3, mlp_ratio=2.0)."""
     from .config import DiTConfig
 
-    return DiTConfig(image_size=image_size, patch_size=patch_size, hidden_size=hidden_size, depth=depth,
-                     num_heads=num_heads, null_label=null_label, **config)
+    return DiTConfig(
+        image_size=image_size,
+        patch_size=patch_size,
+        hidden_size=hidden_size,
+        depth=depth,
+        num_heads=num_heads,
+        null_label=null_label,
+        **config,
+    )
 
 
-def make_tiny_dit(path: str | os.PathLike, *, expert_id: int = 0, seed: int | None = None, jitter: float = 0.05,
-                  classes: Sequence[int] | None = None, dtype: str = "float32", **config: Any) -> Path:
+def make_tiny_dit(
+    path: str | os.PathLike,
+    *,
+    expert_id: int = 0,
+    seed: int | None = None,
+    jitter: float = 0.05,
+    classes: Sequence[int] | None = None,
+    dtype: str = "float32",
+    **config: Any,
+) -> Path:
     """Write one random-init DiT expert checkpoint ("arch": "dit") and return its ``.safetensors`` path.
 
     As `make_tiny_expert`, except ``jitter`` defaults to 0.05: a freshly initialised DiT outputs exactly zero
@@ -95,8 +141,14 @@ def make_tiny_dit(path: str | os.PathLike, *, expert_id: int = 0, seed: int | No
     return save_checkpoint(path, torch_state_to_numpy(model.state_dict()), meta, dtype=dtype)
 
 
-def make_tiny_experts(directory: str | os.PathLike, num_experts: int = 2, *, prefix: str = "expert",
-                      split_classes: bool = True, **kwargs: Any) -> list[Path]:
+def make_tiny_experts(
+    directory: str | os.PathLike,
+    num_experts: int = 2,
+    *,
+    prefix: str = "expert",
+    split_classes: bool = True,
+    **kwargs: Any,
+) -> list[Path]:
     """``num_experts`` tiny experts ``<directory>/<prefix><k>``; with ``split_classes`` the ten
     digits are dealt out in contiguous blocks (2 experts: 0-4 | 5-9), as the shipped partition."""
     directory = Path(directory)
@@ -111,8 +163,15 @@ def make_tiny_experts(directory: str | os.PathLike, num_experts: int = 2, *, pre
     return out
 
 
-def make_tiny_router(path: str | os.PathLike, num_experts: int = 2, *, seed: int = 5, width: int = 8,
-                     emb_dim: int = 16, meta: dict[str, Any] | None = None) -> Path:
+def make_tiny_router(
+    path: str | os.PathLike,
+    num_experts: int = 2,
+    *,
+    seed: int = 5,
+    width: int = 8,
+    emb_dim: int = 16,
+    meta: dict[str, Any] | None = None,
+) -> Path:
     """Write a random-init RouterNet in the shipped router format; returns the ``.safetensors`` path."""
     import torch
 

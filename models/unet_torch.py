@@ -28,11 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .config import UNetConfig
-
 
 UNKNOWN_LABEL = -1
 
@@ -51,8 +50,10 @@ def map_labels(y: torch.Tensor, cfg: UNetConfig) -> torch.Tensor:
     if cfg.null_label:
         return torch.where(y < 0, torch.full_like(y, cfg.num_classes), y)
     if y.device.type == "cpu" and y.numel() and int(y.min()) < 0:
-        raise NullLabelError("this model was trained without a null label, so it cannot generate with an unknown "
-                             "label (y = -1); train one with --label-dropout > 0")
+        raise NullLabelError(
+            "this model was trained without a null label, so it cannot generate with an unknown "
+            "label (y = -1); train one with --label-dropout > 0"
+        )
     return y
 
 

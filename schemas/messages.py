@@ -11,7 +11,7 @@ A sampler integrates dx/dt = v from t = 0 to t = 1.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -29,10 +29,9 @@ from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ProtocolError, shown
 from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
+from .spec import MAX_CLASSES, TIME_CONVENTION, ModelSpec  # noqa: F401 (TIME_CONVENTION: re-exported by schemas)
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
 from .version import PROTOCOL_VERSION
-
-TIME_CONVENTION = "t0_noise_t1_data"
 
 
 def _tensor_validator(finite: bool):
@@ -52,7 +51,16 @@ def _tensor_type(finite: bool):
         np.ndarray,
         PlainValidator(_tensor_validator(finite)),
         PlainSerializer(lambda a: encode_tensor(a), return_type=dict),
-        WithJsonSchema({"type": "object", "properties": {"dtype": {"type": "string"}, "shape": {"type": "array"}, "data": {"type": "string", "format": "binary"}}}),
+        WithJsonSchema(
+            {
+                "type": "object",
+                "properties": {
+                    "dtype": {"type": "string"},
+                    "shape": {"type": "array"},
+                    "data": {"type": "string", "format": "binary"},
+                },
+            }
+        ),
     ]
 
 
@@ -103,7 +111,7 @@ Strategy = Literal["top1", "topk", "full", "oracle"]
 #: A float precision an expert step may travel in (`schemas.tensor.WIRE_FLOATS`).
 WireFloat = Literal["float32", "float16", "bfloat16"]
 Solver = Literal["euler", "heun"]
-#: The label of an unconditional row ("label unknown"): a `JobRequest.digits` entry and a
+#: The label of an unconditional row ("label unknown"): a `JobRequest.labels` (or `digits`) entry and a
 #: `StepRequest.y` value. Experts trained with a null label (`train-expert --label-dropout`) and
 #: the router map it to their learned null embedding; other experts refuse it (`bad_request`).
 UNCONDITIONAL = -1
@@ -163,9 +171,9 @@ class StepRequest(Message):
     t: FiniteTensor
     y: Tensor
     row_ids: list[Id] = Field(default_factory=list)
-    deadline: Optional[float] = None
-    request_id: Optional[Id] = None
-    reply_dtype: Optional[WireFloat] = None
+    deadline: float | None = None
+    request_id: Id | None = None
+    reply_dtype: WireFloat | None = None
 
     @model_serializer(mode="wrap")
     def _omit_default_reply_dtype(self, handler):  # not on the wire unless asked: older workers refuse unknown keys
@@ -175,7 +183,7 @@ class StepRequest(Message):
         return out
 
     @model_validator(mode="after")
-    def _check(self) -> "StepRequest":
+    def _check(self) -> StepRequest:
         _need_float(self.x_t, "x_t")
         _need_float(self.t, "t")
         _need_int(self.y, "y")
@@ -214,7 +222,7 @@ class StepReply(Message):
     batch_rows: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "StepReply":
+    def _check(self) -> StepReply:
         _need_float(self.velocity, "velocity")
         if self.velocity.ndim != 4:
             raise _err(ErrorCode.BAD_SHAPE, f"velocity must be [B, C, H, W], got {list(self.velocity.shape)}")
@@ -229,7 +237,7 @@ class ErrorReply(Message):
     kind: Literal["error"] = "error"
     code: Code
     message: Text
-    request_id: Optional[str] = None
+    request_id: str | None = None
 
 
 # ---------------------------------------------------------------- generation jobs
@@ -238,10 +246,12 @@ class ErrorReply(Message):
 class JobRequest(Message):
     """Client -> coordinator (on `ddm.v1.c.<client>.jobs.submit`): generate images.
 
-    Exactly one of `digits` (the class of each image, 0-9, or -1 = label unknown: an
-    unconditional image, the router alone picks the experts) or `count` (that many random
-    classes, drawn from `seed`). `strategy` "oracle" needs every label, so it refuses -1 rows
-    (`UNCONDITIONAL`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
+    Exactly one of `labels` (the class of each image, 0 to the fleet's class count - 1, or -1 =
+    label unknown: an unconditional image, the router alone picks the experts), `digits` (the v1
+    spelling of `labels`, limited to 0-9 and -1; kept so v1 clients work unchanged) or `count`
+    (that many random classes, drawn from `seed`). Events of a job name its labels the way the
+    request did: `labels` for a `labels` request, `digits` otherwise (as in v1). `strategy` "oracle"
+    needs every label, so it refuses -1 rows (`UNCONDITIONAL`). Subscribe to `ddm.v1.c.<client>.jobs.<job_id>.events`
     *before* submitting when you choose `job_id` yourself, so no event is missed.
     `session` (optional, 1-64 of [A-Za-z0-9_-]): a sub-client tag for fair sharing, e.g. one
     per viewer socket; the scheduler's fairness key is "<client>/<session>" when given, else
@@ -249,55 +259,110 @@ class JobRequest(Message):
     """
 
     kind: Literal["job_request"] = "job_request"
-    job_id: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
-    digits: Optional[list[Annotated[int, Field(ge=UNCONDITIONAL, le=9)]]] = None
-    count: Optional[int] = Field(default=None, ge=1, le=MAX_JOB_IMAGES)
+    job_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    digits: list[Annotated[int, Field(ge=UNCONDITIONAL, le=9)]] | None = None
+    labels: list[Annotated[int, Field(ge=UNCONDITIONAL, lt=MAX_CLASSES)]] | None = None
+    count: int | None = Field(default=None, ge=1, le=MAX_JOB_IMAGES)
     steps: int = Field(default=40, ge=1, le=MAX_JOB_STEPS)
     solver: Solver = "euler"
     strategy: Strategy = "top1"
     top_k: int = Field(default=2, ge=1, le=64)
-    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = True
     frame_every: int = Field(default=1, ge=1, le=MAX_JOB_STEPS)
-    deadline_s: Optional[float] = Field(default=None, gt=0, le=3600)
-    session: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
+    deadline_s: float | None = Field(default=None, gt=0, le=3600)
+    session: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     frame_x1: bool = False  # frames also carry x1, the model's estimate of the final sample
 
     @model_serializer(mode="wrap")
-    def _omit_default_frame_x1(self, handler):  # not on the wire unless asked: older coordinators refuse unknown keys
+    def _omit_new_defaults(self, handler):  # not on the wire unless used: older coordinators refuse unknown keys
         out = handler(self)
-        if isinstance(out, dict) and not self.frame_x1:
-            out.pop("frame_x1", None)
+        if isinstance(out, dict):
+            if not self.frame_x1:
+                out.pop("frame_x1", None)
+            if self.labels is None:
+                out.pop("labels", None)
         return out
 
     @model_validator(mode="after")
-    def _check(self) -> "JobRequest":
-        if (self.digits is None) == (self.count is None):
-            raise _err(ErrorCode.BAD_REQUEST, "give exactly one of digits (a list of 0-9) or count")
-        if self.digits is not None:
-            if not self.digits:
-                raise _err(ErrorCode.BAD_REQUEST, "digits must not be empty")
-            if len(self.digits) > MAX_JOB_IMAGES:
-                raise _err(ErrorCode.TOO_LARGE, f"{len(self.digits)} images requested; the limit is {MAX_JOB_IMAGES} per job")
+    def _check(self) -> JobRequest:
+        given = [name for name in ("labels", "digits", "count") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise _err(
+                ErrorCode.BAD_REQUEST,
+                "give exactly one of labels (a list of class labels), digits (its v1 "
+                f"spelling, 0-9) or count; got {' and '.join(given) or 'none'}",
+            )
+        classes, field = self.classes, self.label_field
+        if classes is not None:
+            if not classes:
+                raise _err(ErrorCode.BAD_REQUEST, f"{field} must not be empty")
+            if len(classes) > MAX_JOB_IMAGES:
+                raise _err(
+                    ErrorCode.TOO_LARGE, f"{len(classes)} images requested; the limit is {MAX_JOB_IMAGES} per job"
+                )
             if self.strategy == "oracle" and self.n_unconditional:
-                rows = [i for i, d in enumerate(self.digits) if d == UNCONDITIONAL]
-                raise _err(ErrorCode.BAD_REQUEST, (
-                    f"strategy oracle needs each image's class (it runs the expert whose partition owns it), but "
-                    f"{len(rows)} of {len(self.digits)} digits are {UNCONDITIONAL} (label unknown), e.g. row {rows[0]}: "
-                    "use strategy top1, topk or full for unconditional images"))
+                rows = [i for i, d in enumerate(classes) if d == UNCONDITIONAL]
+                raise _err(
+                    ErrorCode.BAD_REQUEST,
+                    (
+                        f"strategy oracle needs each image's class (it runs the expert whose partition owns it), but "
+                        f"{len(rows)} of {len(classes)} {field} are {UNCONDITIONAL} (label unknown), "
+                        f"e.g. row {rows[0]}: "
+                        "use strategy top1, topk or full for unconditional images"
+                    ),
+                )
         return self
 
     @property
+    def classes(self) -> list[int] | None:
+        """The class of each image as requested (`labels`, or the v1 `digits`); None for `count` jobs."""
+        return self.labels if self.labels is not None else self.digits
+
+    @property
+    def label_field(self) -> str:
+        """The name this request gave its labels under, which its events use too: "labels" or "digits"."""
+        return "labels" if self.labels is not None else "digits"
+
+    @property
     def n_images(self) -> int:
-        return len(self.digits) if self.digits is not None else int(self.count or 0)
+        classes = self.classes
+        return len(classes) if classes is not None else int(self.count or 0)
 
     @property
     def n_unconditional(self) -> int:
-        """Rows whose label is unknown (digit -1): the router alone picks their experts."""
-        return sum(1 for d in self.digits if d == UNCONDITIONAL) if self.digits is not None else 0
+        """Rows whose label is unknown (-1): the router alone picks their experts."""
+        classes = self.classes
+        return sum(1 for d in classes if d == UNCONDITIONAL) if classes is not None else 0
 
 
-class JobAccepted(Message):
+class _Labelled(Message):
+    """An event that carries each image's label: under `labels` when the job's request used
+    `labels`, else under `digits` (v1). Exactly one of the two is set; the other is left off the wire."""
+
+    digits: list[int] | None = None
+    labels: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_label_field(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):
+            out.pop("labels" if self.labels is None else "digits", None)
+        return out
+
+    @model_validator(mode="after")
+    def _one_label_field(self):
+        if (self.digits is None) == (self.labels is None):
+            raise _err(ErrorCode.BAD_REQUEST, f"{self.kind}: give exactly one of labels or digits")
+        return self
+
+    @property
+    def classes(self) -> list[int]:
+        """Each image's label, whichever field carried it."""
+        return self.labels if self.labels is not None else self.digits
+
+
+class JobAccepted(_Labelled):
     """Coordinator -> client (reply to submit): the job is queued.
 
     `coordinator` / `instance`: the name of the coordinator that took the job (stable across its
@@ -307,7 +372,6 @@ class JobAccepted(Message):
     kind: Literal["accepted"] = "accepted"
     job_id: Id
     events_subject: str
-    digits: list[int]
     seed: int
     queue_position: int = 0
     coordinator: CoordinatorName = ""
@@ -341,7 +405,7 @@ class FrameEvent(Message):
     experts: list[int]
     weights: Tensor
     notes: list[str] = Field(default_factory=list)  # e.g. "row 2: expert 1 unavailable, fell back to 0"
-    x1: Optional[Tensor] = None
+    x1: Tensor | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent_x1(self, handler):  # not on the wire unless asked: older clients refuse unknown keys
@@ -351,7 +415,7 @@ class FrameEvent(Message):
         return out
 
     @model_validator(mode="after")
-    def _check(self) -> "FrameEvent":
+    def _check(self) -> FrameEvent:
         _need_float(self.x, "x")
         _need_float(self.weights, "weights")
         if self.x.ndim != 4:
@@ -366,40 +430,61 @@ class FrameEvent(Message):
         if self.x1 is not None:
             _need_float(self.x1, "x1")
             if self.x1.shape != self.x.shape:
-                raise _err(ErrorCode.BAD_SHAPE, f"x1 must have the shape of x {list(self.x.shape)}, got {list(self.x1.shape)}")
+                raise _err(
+                    ErrorCode.BAD_SHAPE, f"x1 must have the shape of x {list(self.x.shape)}, got {list(self.x1.shape)}"
+                )
         return self
 
     @classmethod
-    def trusted(cls, *, job_id: str, step: int, steps: int, t: float, x: np.ndarray, experts: list[int],
-                weights: np.ndarray, notes: list[str], x1: Optional[np.ndarray] = None) -> "FrameEvent":
+    def trusted(
+        cls,
+        *,
+        job_id: str,
+        step: int,
+        steps: int,
+        t: float,
+        x: np.ndarray,
+        experts: list[int],
+        weights: np.ndarray,
+        notes: list[str],
+        x1: np.ndarray | None = None,
+    ) -> FrameEvent:
         """A frame built WITHOUT validation, for a producer that guarantees what `_check` tests
         (the coordinator's scheduler, one frame per job per step: validating took about half of a
         frame's cost). x / x1: float16 [N, C, H, W], weights: float [N, K], experts: N ints.
         Anything received from the wire goes through `unpack`, which validates."""
-        return cls.model_construct(job_id=job_id, step=step, steps=steps, t=t, x=x, experts=experts,
-                                   weights=weights, notes=notes, x1=x1)
+        return cls.model_construct(
+            job_id=job_id, step=step, steps=steps, t=t, x=x, experts=experts, weights=weights, notes=notes, x1=x1
+        )
 
     def wire_dict(self) -> dict[str, Any]:
         """What `model_dump(mode="python")` gives (same keys, order and values, so `pack` makes
         the same bytes), built directly: `pack` uses it for frames, the coordinator's most
         frequent message."""
-        out = {"v": self.v, "kind": "frame", "job_id": self.job_id, "step": int(self.step),
-               "steps": int(self.steps), "t": float(self.t), "x": encode_tensor(self.x),
-               "experts": [int(e) for e in self.experts], "weights": encode_tensor(self.weights),
-               "notes": list(self.notes)}
+        out = {
+            "v": self.v,
+            "kind": "frame",
+            "job_id": self.job_id,
+            "step": int(self.step),
+            "steps": int(self.steps),
+            "t": float(self.t),
+            "x": encode_tensor(self.x),
+            "experts": [int(e) for e in self.experts],
+            "weights": encode_tensor(self.weights),
+            "notes": list(self.notes),
+        }
         if self.x1 is not None:
             out["x1"] = encode_tensor(self.x1)
         return out
 
 
-class DoneEvent(Message):
+class DoneEvent(_Labelled):
     """Final images. images: [N, C, H, W] float32 in [-1, 1]. usage: [N, K] fraction of
     steps on which each expert contributed to each image."""
 
     kind: Literal["done"] = "done"
     job_id: Id
     images: FiniteTensor
-    digits: list[int]
     usage: Tensor
     steps: int
     strategy: Strategy
@@ -407,14 +492,15 @@ class DoneEvent(Message):
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _check(self) -> "DoneEvent":
+    def _check(self) -> DoneEvent:
         _need_float(self.images, "images")
         _need_float(self.usage, "usage")
         if self.images.ndim != 4:
             raise _err(ErrorCode.BAD_SHAPE, f"images must be [N, C, H, W], got shape {list(self.images.shape)}")
         n = self.images.shape[0]
-        if len(self.digits) != n:
-            raise _err(ErrorCode.BAD_SHAPE, f"digits has {len(self.digits)} entries for {n} images")
+        if len(self.classes) != n:
+            field = "labels" if self.labels is not None else "digits"
+            raise _err(ErrorCode.BAD_SHAPE, f"{field} has {len(self.classes)} entries for {n} images")
         if self.usage.ndim != 2 or self.usage.shape[0] != n:
             raise _err(ErrorCode.BAD_SHAPE, f"usage must be [N, K] with N = {n}, got {list(self.usage.shape)}")
         return self
@@ -490,8 +576,18 @@ class FleetStatus(Message):
     tick_ms_p50: float = Field(default=0.0, ge=0)
     uptime_s: float = Field(default=0.0, ge=0)
     unavailable_experts: list[int] = Field(default_factory=list)
+    #: the fleet's model spec (`schemas.spec.ModelSpec`), only when the status request asked for it
+    #: (a map with "spec": true), so that v1 clients, which refuse unknown keys, never see it
+    spec: ModelSpec | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_spec_unless_asked(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and self.spec is None:
+            out.pop("spec", None)
+        return out
 
 
-JobEvent = Annotated[Union[JobAccepted, FrameEvent, DoneEvent, FailedEvent], Field(discriminator="kind")]
-SubmitReply = Annotated[Union[JobAccepted, JobRejected, ErrorReply], Field(discriminator="kind")]
-StepResult = Annotated[Union[StepReply, ErrorReply], Field(discriminator="kind")]
+JobEvent = Annotated[JobAccepted | FrameEvent | DoneEvent | FailedEvent, Field(discriminator="kind")]
+SubmitReply = Annotated[JobAccepted | JobRejected | ErrorReply, Field(discriminator="kind")]
+StepResult = Annotated[StepReply | ErrorReply, Field(discriminator="kind")]

@@ -81,7 +81,9 @@ def expert_direct(expert_id: int, token: str) -> str:
     """Subject one worker of expert `expert_id` serves besides the queue group: `token` is its
     `worker_token(worker_id)`. Requests carry a `StepRequest`, replies as on `expert_velocity`."""
     if not is_worker_token(token):
-        raise ValueError(f"worker token must be {WORKER_TOKEN_HEX} lowercase hex digits (worker_token), got {token!r:.80}")
+        raise ValueError(
+            f"worker token must be {WORKER_TOKEN_HEX} lowercase hex digits (worker_token), got {token!r:.80}"
+        )
     return f"{expert_velocity(expert_id)}.{token}"
 
 
@@ -189,6 +191,6 @@ def is_reply_inbox(reply: str, client: str | None = None) -> bool:
         return False
     if head == INBOX:
         return True
-    if not head.startswith(INBOX + "_") or not _ID_RE.fullmatch(head[len(INBOX) + 1:]):
+    if not head.startswith(INBOX + "_") or not _ID_RE.fullmatch(head[len(INBOX) + 1 :]):
         return False
     return client is None or head == f"{INBOX}_{client}"

@@ -121,8 +121,9 @@ def frame_float16(a: np.ndarray) -> np.ndarray:
     if torch is None or a.dtype != np.float32 or not a.flags.c_contiguous:
         with np.errstate(over="ignore"):
             return np.clip(a, -FRAME_FLOAT16_LIMIT, FRAME_FLOAT16_LIMIT).astype(np.float16)
-    return _on_one_thread(torch, lambda: _torch_view(torch, a).clamp(-FRAME_FLOAT16_LIMIT, FRAME_FLOAT16_LIMIT)
-                          .to(torch.float16).numpy())
+    return _on_one_thread(
+        torch, lambda: _torch_view(torch, a).clamp(-FRAME_FLOAT16_LIMIT, FRAME_FLOAT16_LIMIT).to(torch.float16).numpy()
+    )
 
 
 def widen_float32(a: np.ndarray) -> np.ndarray:
@@ -151,17 +152,21 @@ def to_wire_dtype(a: Any, wire: str | None, *, name: str = "tensor") -> np.ndarr
     if wire == "float16":
         peak = float(np.abs(a32).max(initial=0.0)) if a32.size else 0.0
         if peak > FLOAT16_MAX and math.isfinite(peak):
-            raise ProtocolError(ErrorCode.NON_FINITE,
-                                f"{name} overflows float16: |value| up to {peak:.6g} > {FLOAT16_MAX:g}; "
-                                f"use float32 (or bfloat16) on the wire")
+            raise ProtocolError(
+                ErrorCode.NON_FINITE,
+                f"{name} overflows float16: |value| up to {peak:.6g} > {FLOAT16_MAX:g}; "
+                f"use float32 (or bfloat16) on the wire",
+            )
         return _half_cast(a32, np.float16)
     out = a32.view(BFloat16Array)
     # Only values within half a bfloat16 step of float32's maximum round up to Inf.
     if a32.size and float(np.abs(a32).max(initial=0.0)) >= 3.3961e38:
         finite = np.isfinite(a32)
         if (np.isinf(bfloat16_to_float32(bfloat16_bits(a32))) & finite).any():
-            raise ProtocolError(ErrorCode.NON_FINITE, f"{name} overflows bfloat16 (values near float32's maximum); "
-                                                      f"use float32 on the wire")
+            raise ProtocolError(
+                ErrorCode.NON_FINITE,
+                f"{name} overflows bfloat16 (values near float32's maximum); use float32 on the wire",
+            )
     return out
 
 
@@ -172,12 +177,18 @@ def encode_tensor(array: Any) -> dict[str, Any]:
         if array.ndim > MAX_TENSOR_NDIM:
             raise ProtocolError(ErrorCode.BAD_SHAPE, f"tensor rank {array.ndim} exceeds {MAX_TENSOR_NDIM}")
         bits = bfloat16_bits(np.asarray(array).view(np.ndarray))
-        return {"dtype": BFLOAT16, "shape": [int(d) for d in array.shape], "data": bits.astype("<u2", copy=False).tobytes()}
+        return {
+            "dtype": BFLOAT16,
+            "shape": [int(d) for d in array.shape],
+            "data": bits.astype("<u2", copy=False).tobytes(),
+        }
     a = np.asarray(array)
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not np.little_endian):
         a = a.astype(a.dtype.newbyteorder("<"))
     if a.dtype.str not in ALLOWED_DTYPES:
-        raise ProtocolError(ErrorCode.BAD_DTYPE, f"dtype {a.dtype.str!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(
+            ErrorCode.BAD_DTYPE, f"dtype {a.dtype.str!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}"
+        )
     if a.ndim > MAX_TENSOR_NDIM:
         raise ProtocolError(ErrorCode.BAD_SHAPE, f"tensor rank {a.ndim} exceeds {MAX_TENSOR_NDIM}")
     # tobytes(order="C") copies non-contiguous views; np.ascontiguousarray would turn a 0-d array into [1].
@@ -227,7 +238,9 @@ def _check_array(arr: np.ndarray, name: str) -> np.ndarray:
     dt = arr.dtype
     wire = dt.newbyteorder("<").str if dt.byteorder == ">" else _wire_dtype_str(dt)
     if wire not in ALLOWED_DTYPES:
-        raise ProtocolError(ErrorCode.BAD_DTYPE, f"{name} dtype {dt.str!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(
+            ErrorCode.BAD_DTYPE, f"{name} dtype {dt.str!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}"
+        )
     if arr.ndim > MAX_TENSOR_NDIM:
         raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} rank {arr.ndim} exceeds {MAX_TENSOR_NDIM}")
     return arr
@@ -264,37 +277,55 @@ def _decode_dict(obj: Any, name: str) -> np.ndarray:
     if arr is not None:
         return arr
     if not isinstance(obj, dict):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a map {{dtype, shape, data}}, got {type(obj).__name__}")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{name} must be a map {{dtype, shape, data}}, got {type(obj).__name__}"
+        )
     keys = set(obj)
     if keys != _KEYS:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must have exactly keys dtype, shape, data; got {sorted(map(shown, keys))}")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{name} must have exactly keys dtype, shape, data; got {sorted(map(shown, keys))}"
+        )
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPE_TAGS:
-        raise ProtocolError(ErrorCode.BAD_DTYPE, f"{name} dtype {shown(dtype)} is not allowed; allowed: {sorted(WIRE_DTYPE_TAGS)}")
+        raise ProtocolError(
+            ErrorCode.BAD_DTYPE, f"{name} dtype {shown(dtype)} is not allowed; allowed: {sorted(WIRE_DTYPE_TAGS)}"
+        )
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_TENSOR_NDIM:
-        raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape must be a list of at most {MAX_TENSOR_NDIM} ints, got {shown(shape)}")
+        raise ProtocolError(
+            ErrorCode.BAD_SHAPE, f"{name} shape must be a list of at most {MAX_TENSOR_NDIM} ints, got {shown(shape)}"
+        )
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise ProtocolError(ErrorCode.BAD_SHAPE, f"{name} shape entries must be non-negative ints, got {shown(shape)}")
+            raise ProtocolError(
+                ErrorCode.BAD_SHAPE, f"{name} shape entries must be non-negative ints, got {shown(shape)}"
+            )
         if d > MAX_PAYLOAD_BYTES:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} shape {list(shape)} has a dimension over {MAX_PAYLOAD_BYTES}")
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE, f"{name} shape {list(shape)} has a dimension over {MAX_PAYLOAD_BYTES}"
+            )
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} data must be raw bytes (msgpack bin), got {type(data).__name__}")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{name} data must be raw bytes (msgpack bin), got {type(data).__name__}"
+        )
     itemsize = 2 if dtype == BFLOAT16 else np.dtype(dtype).itemsize
     n = math.prod(shape)
     # Zero dimensions count as 1 here: [0, 2**23, 2**23, 2**23] holds nothing, but numpy refuses
     # to build it ("array is too big"), and no real tensor has such a shape.
     if math.prod(max(d, 1) for d in shape) * itemsize > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} of shape {list(shape)} needs {n * itemsize} bytes (non-zero "
-                                                 f"dimensions: {math.prod(max(d, 1) for d in shape) * itemsize}), "
-                                                 f"over the {MAX_PAYLOAD_BYTES}-byte limit")
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"{name} of shape {list(shape)} needs {n * itemsize} bytes (non-zero "
+            f"dimensions: {math.prod(max(d, 1) for d in shape) * itemsize}), "
+            f"over the {MAX_PAYLOAD_BYTES}-byte limit",
+        )
     if isinstance(data, memoryview) and not data.c_contiguous:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} data must be a contiguous buffer")
     nbytes = memoryview(data).nbytes
     if nbytes != n * itemsize:
         raise ProtocolError(
             ErrorCode.BAD_SHAPE,
-            f"{name} data has {nbytes} bytes but shape {list(shape)} of {dtype} needs {n} x {itemsize} = {n * itemsize}",
+            f"{name} data has {nbytes} bytes but shape {list(shape)} of {dtype} needs "
+            f"{n} x {itemsize} = {n * itemsize}",
         )
     raw = memoryview(data).cast("B") if isinstance(data, memoryview) else data
     if dtype == "|b1" and nbytes and np.frombuffer(raw, dtype=np.uint8).max() > 1:

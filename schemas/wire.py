@@ -10,7 +10,7 @@ turns every failure into a `ProtocolError` with a stable code.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 from typing import Any, TypeVar
 
 import msgpack
@@ -43,8 +43,10 @@ class _ContainerHook:
     def __call__(self, value: Any) -> Any:
         self.left -= 1
         if self.left < 0:
-            raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"message has over {MAX_WIRE_CONTAINERS} arrays and maps; the limit is {MAX_WIRE_CONTAINERS}")
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"message has over {MAX_WIRE_CONTAINERS} arrays and maps; the limit is {MAX_WIRE_CONTAINERS}",
+            )
         items = value.values() if isinstance(value, dict) else value
         for item in items:
             if isinstance(item, msgpack.Timestamp):
@@ -107,8 +109,11 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_PAYLOAD_
         m = _EXCEEDS.match(str(err))
         if m and int(m.group(1)) > (MAX_WIRE_ARRAY_LEN if m.group(2) == "array" else MAX_WIRE_MAP_LEN):
             if int(m.group(1)) * (1 if m.group(2) == "array" else 2) <= len(data):
-                raise ProtocolError(ErrorCode.TOO_LARGE, f"msgpack {m.group(2)} of {m.group(1)} entries; the limit is "
-                                    f"{MAX_WIRE_ARRAY_LEN} array items, {MAX_WIRE_MAP_LEN} map entries") from None
+                raise ProtocolError(
+                    ErrorCode.TOO_LARGE,
+                    f"msgpack {m.group(2)} of {m.group(1)} entries; the limit is "
+                    f"{MAX_WIRE_ARRAY_LEN} array items, {MAX_WIRE_MAP_LEN} map entries",
+                ) from None
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {decode_failure(err)}") from None
     except Exception as err:  # msgpack raises several types for corrupt input
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {decode_failure(err)}") from None
@@ -125,7 +130,7 @@ _SILENT_DECODE_ERRORS = {
 
 
 def decode_failure(err: BaseException) -> str:
-    """"FormatError: <reason>" for a msgpack decode error: the decoder's own text, or where it has
+    """ "FormatError: <reason>" for a msgpack decode error: the decoder's own text, or where it has
     none a sentence saying what such an error means; never an empty reason."""
     name = type(err).__name__
     text = str(err).strip()
@@ -134,7 +139,7 @@ def decode_failure(err: BaseException) -> str:
     return f"{name}: {text}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _adapter(tp: Any) -> TypeAdapter:
     return TypeAdapter(tp)
 
@@ -154,7 +159,8 @@ def check_envelope(obj: Any) -> None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"protocol version v must be an int, got {shown(v)}")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(
-            ErrorCode.UNSUPPORTED_VERSION, f"protocol version {v} is not supported; this build speaks v{PROTOCOL_VERSION}"
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {v} is not supported; this build speaks v{PROTOCOL_VERSION}",
         )
     if not isinstance(obj.get("kind"), str):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"message field kind must be a string, got {shown(obj.get('kind'))}")

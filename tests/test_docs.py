@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md",
-               *(p for p in ROOT.glob("*/README.md") if not p.parent.name.startswith("."))])  # not .pytest_cache
+DOCS = sorted(
+    [
+        *ROOT.glob("docs/*.md"),
+        ROOT / "README.md",
+        *(p for p in ROOT.glob("*/README.md") if not p.parent.name.startswith(".")),
+    ]
+)  # not .pytest_cache
 REF = re.compile(r"(tests/[\w/]+\.py)(?:::(\w+))?")
 
 

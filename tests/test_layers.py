@@ -15,20 +15,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # rank: a package may import packages of a strictly lower rank (and itself).
 LAYERS = {
-    "schemas": 0, "bus": 0,                      # the wire protocol; bus-connection helpers
-    "dataset": 1, "models": 1,                   # data + partitions; networks + checkpoint format
-    "flow": 1, "client": 1,                      # flow-matching path + solvers; the client side of a job
-    "training": 2, "workers": 2,                 # trainers; expert workers
-    "coordinator": 3,                            # the serving path
-    "web": 4, "evaluation": 4, "benchmarks": 4,  # clients of a fleet
-    "fuzzing": 5,                                # drives workers, coordinator and web as targets
-    "infra": 6,                                  # the CLI and process launch
+    "schemas": 0,
+    "bus": 0,  # the wire protocol; bus-connection helpers
+    "dataset": 1,
+    "models": 1,  # data + partitions; networks + checkpoint format
+    "flow": 1,
+    "client": 1,  # flow-matching path + solvers; the client side of a job
+    "training": 2,
+    "workers": 2,  # trainers; expert workers
+    "coordinator": 3,  # the serving path
+    "web": 4,
+    "evaluation": 4,
+    "benchmarks": 4,  # clients of a fleet
+    "fuzzing": 5,  # drives workers, coordinator and web as targets
+    "infra": 6,  # the CLI and process launch
 }
 
 # The coordinator's pure core and the solver it steps with: no I/O, no bus, no subject names
 # (schedule/update are tested with hand-made replies).
-PURE_MODULES = ["coordinator/scheduler.py", "coordinator/batch.py", "coordinator/rows.py", "coordinator/strategies.py",
-                "coordinator/dispatch.py", "flow/solver.py", "flow/path.py"]
+PURE_MODULES = [
+    "coordinator/scheduler.py",
+    "coordinator/batch.py",
+    "coordinator/rows.py",
+    "coordinator/strategies.py",
+    "coordinator/dispatch.py",
+    "flow/solver.py",
+    "flow/path.py",
+]
 IMPURE = {"nats", "aiohttp", "asyncio", "socket", "subprocess", "schemas.subjects", "bus"}
 
 
@@ -46,7 +59,9 @@ def _imports(path: Path) -> list[tuple[str, int]]:
 
 def test_every_top_level_package_has_a_layer():
     found = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "checkpoints", "docs"}
-    assert found == set(LAYERS), f"packages without a layer (add them here and to docs/ARCHITECTURE.md): {found ^ set(LAYERS)}"
+    assert found == set(LAYERS), (
+        f"packages without a layer (add them here and to docs/ARCHITECTURE.md): {found ^ set(LAYERS)}"
+    )
 
 
 @pytest.mark.parametrize("package", sorted(LAYERS))
@@ -56,37 +71,60 @@ def test_imports_only_go_downward(package):
         for module, line in _imports(path):
             top = module.split(".")[0]
             if top in LAYERS and top != package and LAYERS[top] >= LAYERS[package]:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module} (layer {LAYERS[top]} >= {LAYERS[package]})")
+                bad.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {module} (layer {LAYERS[top]} >= {LAYERS[package]})"
+                )
     assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", PURE_MODULES)
 def test_scheduler_core_does_no_io(module):
-    bad = [f"{module}:{line} imports {name}" for name, line in _imports(ROOT / module)
-           if any(name == i or name.startswith(i + ".") for i in IMPURE)]
+    bad = [
+        f"{module}:{line} imports {name}"
+        for name, line in _imports(ROOT / module)
+        if any(name == i or name.startswith(i + ".") for i in IMPURE)
+    ]
     assert not bad, "\n".join(bad)
     assert "ddm.v1" not in (ROOT / module).read_text(), f"{module} spells a NATS subject"
 
 
 def test_the_web_viewer_is_a_client_not_a_coordinator():
     """web/ reaches a fleet through client/ (schemas only), so the viewer's install needs no coordinator (nor torch)."""
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for path in sorted((ROOT / "web").rglob("*.py"))
-           for module, line in _imports(path) if module.split(".")[0] in ("coordinator", "models", "workers")]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((ROOT / "web").rglob("*.py"))
+        for module, line in _imports(path)
+        if module.split(".")[0] in ("coordinator", "models", "workers")
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_schemas_is_the_protocol_only():
     """schemas/ holds messages, codec, subjects, limits, errors, version: no generators, no I/O helpers."""
     files = {p.name for p in (ROOT / "schemas").glob("*.py")}
-    assert files <= {"__init__.py", "errors.py", "limits.py", "messages.py", "subjects.py", "tensor.py", "version.py",
-                     "wire.py"}, files
+    assert files <= {
+        "__init__.py",
+        "errors.py",
+        "limits.py",
+        "messages.py",
+        "subjects.py",
+        "tensor.py",
+        "version.py",
+        "wire.py",
+        "spec.py",
+    }, files
 
 
 def test_architecture_doc_lists_every_module():
-    """docs/ARCHITECTURE.md has one line per module (CLI subcommand modules infra/cmd_*.py are covered by infra/cli.py's line)."""
+    """docs/ARCHITECTURE.md has one line per module (CLI subcommand modules infra/cmd_*.py are covered by
+    infra/cli.py's line)."""
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    modules = sorted(str(p.relative_to(ROOT)) for pkg in LAYERS for p in (ROOT / pkg).rglob("*.py")
-                     if p.name != "__init__.py" and not p.name.startswith("cmd_"))
+    modules = sorted(
+        str(p.relative_to(ROOT))
+        for pkg in LAYERS
+        for p in (ROOT / pkg).rglob("*.py")
+        if p.name != "__init__.py" and not p.name.startswith("cmd_")
+    )
     missing = [m for m in modules if f"`{m}`" not in doc]
     assert not missing, f"modules missing from docs/ARCHITECTURE.md: {missing}"
     import re

@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _describe(pred: Callable[[], Any], what: str | None) -> str:
     return what or getattr(pred, "__qualname__", repr(pred))
 
 
-async def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-                     what: str | None = None) -> Any:
+async def wait_until(
+    pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str | None = None
+) -> Any:
     """Poll ``pred()`` (awaited if it returns an awaitable) until truthy; AssertionError after ``timeout`` s."""
     if timeout <= 0 or interval <= 0:
         raise ValueError(f"wait_until: timeout and interval must be positive, got {timeout}, {interval}")
@@ -38,8 +40,9 @@ async def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: f
         await asyncio.sleep(interval)
 
 
-def wait_until_sync(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-                    what: str | None = None) -> Any:
+def wait_until_sync(
+    pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str | None = None
+) -> Any:
     """Blocking `wait_until` for tests without an event loop."""
     if timeout <= 0 or interval <= 0:
         raise ValueError(f"wait_until_sync: timeout and interval must be positive, got {timeout}, {interval}")

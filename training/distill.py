@@ -32,9 +32,9 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -125,12 +125,12 @@ class Teacher:
         return len(self.experts)
 
     @classmethod
-    def load(cls, directory: str | Path, strategy: str = "full", device: str = "cpu") -> "Teacher":
+    def load(cls, directory: str | Path, strategy: str = "full", device: str = "cpu") -> Teacher:
         """`<directory>/router.safetensors` (+ .json) and `expert0..expert{K-1}.safetensors` (+ .json)."""
         import torch
 
-        from models.checkpoint import CheckpointError, load_checkpoint
         from models.arch import build_torch
+        from models.checkpoint import CheckpointError, load_checkpoint
         from models.router import Router, RouterError
 
         d = Path(directory)
@@ -152,8 +152,13 @@ class Teacher:
             model = build_torch(meta)  # UNet or DiT, by the checkpoint's "arch"
             model.load_state_dict({n: torch.from_numpy(v) for n, v in state.items()})
             experts.append(model.to(device))
-            sources["experts"].append({"file": str(path), "sha256": meta.get("weights_sha256") or _digest(path),
-                                       "classes": (meta.get("partition") or {}).get("classes")})
+            sources["experts"].append(
+                {
+                    "file": str(path),
+                    "sha256": meta.get("weights_sha256") or _digest(path),
+                    "classes": (meta.get("partition") or {}).get("classes"),
+                }
+            )
         return cls(experts, router.to(device), strategy, sources)
 
     def weights(self, x_t, t, y):
@@ -194,8 +199,14 @@ def distill_loss(student, x_t, t, y, u):
     return ((student(x_t, t, y).float() - u) ** 2).mean()
 
 
-def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np.ndarray,
-            resume: bool = False, progress: bool = True) -> dict:
+def distill(
+    cfg: DistillConfig,
+    teacher: Teacher,
+    images: np.ndarray,
+    labels: np.ndarray,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict:
     """Train the student; returns the training stats written into the checkpoint JSON.
 
     images float32 [N, 1, 32, 32] in [-1, 1], labels int64 [N] (the train split, or a --limit prefix).
@@ -203,18 +214,21 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
     import torch
     from tqdm import tqdm
 
-    from models.checkpoint import save_checkpoint, torch_state_to_numpy
     from models.arch import arch_name, build_torch
+    from models.checkpoint import save_checkpoint, torch_state_to_numpy
     from models.config import DiTConfig
     from models.unet_torch import count_params
     from training.train_torch import ema_decay_at, lr_at, restore_resume_state, save_resume_state
 
     if len(images) != len(labels) or len(images) < cfg.batch_size:
-        raise DistillError(f"{len(images)} images / {len(labels)} labels: need equal counts and at least "
-                           f"--batch-size {cfg.batch_size}")
+        raise DistillError(
+            f"{len(images)} images / {len(labels)} labels: need equal counts and at least --batch-size {cfg.batch_size}"
+        )
     if cfg.label_dropout > 0 and not teacher.null_label:
-        raise DistillError("--label-dropout needs teacher experts trained with a null label "
-                           "(train-expert --label-dropout); these refuse y = -1")
+        raise DistillError(
+            "--label-dropout needs teacher experts trained with a null label "
+            "(train-expert --label-dropout); these refuse y = -1"
+        )
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -223,16 +237,19 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
     base.update(null_label=cfg.label_dropout > 0)
     if cfg.widths is not None:
         if isinstance(teacher.config, DiTConfig):
-            raise DistillError("--widths sets a UNet student's widths; these teacher experts are DiTs (the student "
-                               "copies their architecture): leave --widths out")
+            raise DistillError(
+                "--widths sets a UNet student's widths; these teacher experts are DiTs (the student "
+                "copies their architecture): leave --widths out"
+            )
         base["widths"] = list(cfg.widths)
     scfg = type(teacher.config).from_dict(base)  # the teachers' architecture (UNet or DiT)
     student = build_torch(scfg).to(device)
     params = list(student.parameters())
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    teacher_ids = [e["sha256"] for e in teacher.sources.get("experts", [])] + \
-        [teacher.sources.get("router", {}).get("sha256")]
+    teacher_ids = [e["sha256"] for e in teacher.sources.get("experts", [])] + [
+        teacher.sources.get("router", {}).get("sha256")
+    ]
 
     run_dir = Path(cfg.run_dir)
     resume_path = run_dir / "distill_resume.pt"
@@ -263,31 +280,67 @@ def distill(cfg: DistillConfig, teacher: Teacher, images: np.ndarray, labels: np
 
     def save(final: bool) -> dict:
         recent = [h["loss"] for h in history[-5:]]
-        stats = {"backend": "torch", "kind": "distillation", "device": cfg.device, "steps": step,
-                 "images_seen": step * cfg.batch_size, "wall_s": round(wall_before + time.time() - t_start, 1),
-                 "final_loss": round(float(np.mean(recent)), 6) if recent else None, "loss_history": history,
-                 "complete": final and step >= cfg.steps, "params": count_params(student), "torch": torch.__version__,
-                 "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}}
-        meta = {"arch": arch_name(scfg), "config": scfg.to_dict(), "expert_id": 0, "weights": "ema",
-                "partition": {"method": "distilled", "classes": list(range(scfg.num_classes)), "num_images": n},
-                "distilled_from": {"checkpoints": str(cfg.checkpoints), "strategy": cfg.strategy,
-                                   "targets": "noised training images", **teacher.sources},
-                "training": stats}
+        stats = {
+            "backend": "torch",
+            "kind": "distillation",
+            "device": cfg.device,
+            "steps": step,
+            "images_seen": step * cfg.batch_size,
+            "wall_s": round(wall_before + time.time() - t_start, 1),
+            "final_loss": round(float(np.mean(recent)), 6) if recent else None,
+            "loss_history": history,
+            "complete": final and step >= cfg.steps,
+            "params": count_params(student),
+            "torch": torch.__version__,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        }
+        meta = {
+            "arch": arch_name(scfg),
+            "config": scfg.to_dict(),
+            "expert_id": 0,
+            "weights": "ema",
+            "partition": {"method": "distilled", "classes": list(range(scfg.num_classes)), "num_images": n},
+            "distilled_from": {
+                "checkpoints": str(cfg.checkpoints),
+                "strategy": cfg.strategy,
+                "targets": "noised training images",
+                **teacher.sources,
+            },
+            "training": stats,
+        }
         save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_resume_state(resume_path, student, ema, opt, rng, step=step, wall_s=stats["wall_s"], history=history,
-                          student_config=scfg.to_dict(), teacher=teacher_ids, strategy=cfg.strategy)
+        save_resume_state(
+            resume_path,
+            student,
+            ema,
+            opt,
+            rng,
+            step=step,
+            wall_s=stats["wall_s"],
+            history=history,
+            student_config=scfg.to_dict(),
+            teacher=teacher_ids,
+            strategy=cfg.strategy,
+        )
         return stats
 
     student.train()
     perm, pos = rng.permutation(n), 0
     window, window_n, window_t = 0.0, 0, time.time()
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="distill", unit="step",
-               dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=step,
+        disable=not progress,
+        desc="distill",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=2.0,
+    )
     while step < cfg.steps:
         if pos + cfg.batch_size > per_epoch * cfg.batch_size:
             perm, pos = rng.permutation(n), 0
-        idx = torch.from_numpy(perm[pos:pos + cfg.batch_size]).to(device)
+        idx = torch.from_numpy(perm[pos : pos + cfg.batch_size]).to(device)
         pos += cfg.batch_size
         x, y = data_x[idx], data_y[idx]
         if cfg.label_dropout > 0:

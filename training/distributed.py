@@ -84,8 +84,9 @@ def init(info: DistInfo, device: str) -> str:
     if not info.enabled:
         return ""
     if device == "xla":
-        raise RuntimeError("torchrun data parallel supports --device cpu or cuda; torch_xla islands need "
-                           "their own launcher")
+        raise RuntimeError(
+            "torchrun data parallel supports --device cpu or cuda; torch_xla islands need their own launcher"
+        )
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
@@ -114,7 +115,7 @@ def check_batch(batch_size: int, info: DistInfo) -> int:
 def shard(global_idx: np.ndarray, info: DistInfo) -> np.ndarray:
     """This rank's contiguous slice of one global batch of indices (disjoint across ranks, same for a step)."""
     per = check_batch(len(global_idx), info)
-    return global_idx[info.rank * per: (info.rank + 1) * per]
+    return global_idx[info.rank * per : (info.rank + 1) * per]
 
 
 def rank_seed(seed: int, rank: int, step: int = 0) -> int:

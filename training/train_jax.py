@@ -153,12 +153,16 @@ def make_placement(devices: int, batch_size: int) -> Placement:
 
     avail = jax.devices()
     if devices < 0 or devices > len(avail):
-        raise ValueError(f"--devices {devices}: JAX sees {len(avail)} {avail[0].platform} device(s) "
-                         f"(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
+        raise ValueError(
+            f"--devices {devices}: JAX sees {len(avail)} {avail[0].platform} device(s) "
+            f"(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
     use = tuple(avail[: devices or len(avail)])
     if batch_size % len(use):
-        raise ValueError(f"--batch-size {batch_size} must be divisible by the {len(use)} devices used "
-                         f"(set --devices or the batch size)")
+        raise ValueError(
+            f"--batch-size {batch_size} must be divisible by the {len(use)} devices used "
+            f"(set --devices or the batch size)"
+        )
     if len(use) == 1:
         return Placement(use, None, None)
     mesh = Mesh(np.array(use), ("data",))
@@ -173,8 +177,9 @@ def _jitted_step(widths: tuple, weight_decay: float, ema_decay: float, grad_clip
     """
     import jax
 
-    cfg = TrainConfig(expert=0, partition="", widths=widths, weight_decay=weight_decay, ema_decay=ema_decay,
-                      grad_clip=grad_clip)
+    cfg = TrainConfig(
+        expert=0, partition="", widths=widths, weight_decay=weight_decay, ema_decay=ema_decay, grad_clip=grad_clip
+    )
     step_fn = make_step_fn(cfg, make_optimizer(cfg))
     if place.n == 1:
         return jax.jit(step_fn, donate_argnums=0)
@@ -230,8 +235,15 @@ def load_resume(path: Path, template: TrainState) -> tuple[TrainState, dict]:
 
 
 # ------------------------------------------------------------------------------------------------- loop
-def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, partition_info: dict,
-                 resume: bool = False, progress: bool = True, devices: int = 0) -> dict:
+def train_expert(
+    cfg: TrainConfig,
+    images: np.ndarray,
+    labels: np.ndarray,
+    partition_info: dict,
+    resume: bool = False,
+    progress: bool = True,
+    devices: int = 0,
+) -> dict:
     """Run the training loop; returns the training stats written into the checkpoint JSON.
 
     images float32 [N,1,32,32] in [-1,1], labels int64 [N]: the expert's own data only.
@@ -240,13 +252,15 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     import jax
     from tqdm import tqdm
 
+    from models.arch_flax import count_params
     from models.checkpoint import flax_to_torch_state, save_checkpoint
     from models.config import UNetConfig
-    from models.arch_flax import count_params
 
     if cfg.label_dropout > 0:
-        raise ValueError("--label-dropout (null label for unconditional generation) is in the torch trainer only "
-                         "so far; use --backend torch")
+        raise ValueError(
+            "--label-dropout (null label for unconditional generation) is in the torch trainer only "
+            "so far; use --backend torch"
+        )
     place = make_placement(devices, cfg.batch_size)
     ucfg = UNetConfig(widths=cfg.widths)
     tx = make_optimizer(cfg)
@@ -258,8 +272,10 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     if resume:
         state, rmeta = load_resume(resume_path, state)
         if tuple(rmeta["widths"]) != tuple(cfg.widths) or rmeta["expert"] != cfg.expert:
-            raise ValueError(f"--resume: {resume_path} is for expert {rmeta['expert']} widths {rmeta['widths']}, "
-                             f"not expert {cfg.expert} widths {list(cfg.widths)}")
+            raise ValueError(
+                f"--resume: {resume_path} is for expert {rmeta['expert']} widths {rmeta['widths']}, "
+                f"not expert {cfg.expert} widths {list(cfg.widths)}"
+            )
         wall_before, history = rmeta["wall_s"], rmeta["history"]
         rng.bit_generator.state = rmeta["np_rng"]
         log.info("resumed from %s at step %d", resume_path, int(state.step))
@@ -272,29 +288,55 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     def save(final: bool) -> dict:
         recent = [h["loss"] for h in history[-5:]]
         stats = {
-            "backend": "jax", "device": f"{place.devices[0].platform} x{place.n}", "data_parallel": place.n,
-            "steps": step, "images_seen": step * cfg.batch_size,
+            "backend": "jax",
+            "device": f"{place.devices[0].platform} x{place.n}",
+            "data_parallel": place.n,
+            "steps": step,
+            "images_seen": step * cfg.batch_size,
             "wall_s": round(wall_before + (time.time() - t_start), 1),
             "final_loss": round(float(np.mean(recent)), 5) if recent else None,
-            "loss_history": history, "complete": final and step >= cfg.steps,
-            "params": n_params, "jax": jax.__version__,
+            "loss_history": history,
+            "complete": final and step >= cfg.steps,
+            "params": n_params,
+            "jax": jax.__version__,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         }
         host = jax.device_get(state)
-        meta = {"config": ucfg.to_dict(), "expert_id": cfg.expert, "partition": partition_info, "training": stats,
-                "weights": "ema"}
+        meta = {
+            "config": ucfg.to_dict(),
+            "expert_id": cfg.expert,
+            "partition": partition_info,
+            "training": stats,
+            "weights": "ema",
+        }
         save_checkpoint(cfg.out, flax_to_torch_state(host.ema), meta, dtype=cfg.save_dtype)
-        save_resume(resume_path, host, {"step": step, "wall_s": stats["wall_s"], "history": history,
-                                        "np_rng": rng.bit_generator.state, "widths": list(cfg.widths),
-                                        "expert": cfg.expert})
+        save_resume(
+            resume_path,
+            host,
+            {
+                "step": step,
+                "wall_s": stats["wall_s"],
+                "history": history,
+                "np_rng": rng.bit_generator.state,
+                "widths": list(cfg.widths),
+                "expert": cfg.expert,
+            },
+        )
         return stats
 
     n = len(images)
     per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
     labels = labels.astype(np.int32)
     perm, pos = rng.permutation(n), 0
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"expert{cfg.expert} jax x{place.n}",
-               unit="step", dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=step,
+        disable=not progress,
+        desc=f"expert{cfg.expert} jax x{place.n}",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=2.0,
+    )
     t_start = time.time()
     window_loss, window_n, window_t = 0.0, 0, time.time()
     smooth = None
@@ -309,8 +351,11 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         window_loss, window_n = window_loss + lv, window_n + 1
         bar.update(1)
         if at_step % 10 == 0:
-            bar.set_postfix(loss=f"{smooth:.4f}", lr=f"{lr_at(at_step, cfg):.1e}",
-                            img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}")
+            bar.set_postfix(
+                loss=f"{smooth:.4f}",
+                lr=f"{lr_at(at_step, cfg):.1e}",
+                img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
+            )
         if at_step % cfg.log_every == 0 or at_step == cfg.steps:
             ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
             history.append({"step": at_step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
@@ -321,7 +366,7 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     while step < cfg.steps:
         if pos + cfg.batch_size > per_epoch * cfg.batch_size:
             perm, pos = rng.permutation(n), 0
-        idx = perm[pos: pos + cfg.batch_size]
+        idx = perm[pos : pos + cfg.batch_size]
         pos += cfg.batch_size
         x, y = put_batch(images[idx], labels[idx], place)
         state, loss = train_step(state, x, y, base_key, np.float32(lr_at(step, cfg)))
@@ -346,17 +391,25 @@ def train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     devices = int(getattr(args, "devices", 0) or 0)
     if cfg.device != "cpu":
-        log.warning("--device %s is for the torch backend; jax trains on its default platform (%s), "
-                    "choose it with JAX_PLATFORMS", cfg.device, jax.default_backend())
+        log.warning(
+            "--device %s is for the torch backend; jax trains on its default platform (%s), "
+            "choose it with JAX_PLATFORMS",
+            cfg.device,
+            jax.default_backend(),
+        )
     if cfg.bf16:
         log.warning("--bf16 is ignored by the jax backend (fp32 training)")
     images, labels, info = load_expert_data(cfg)
     n_dev = devices or jax.device_count()
-    print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
-          f"jax {jax.default_backend()} x{n_dev} data-parallel, widths {list(cfg.widths)}, "
-          f"{cfg.steps} steps x batch {cfg.batch_size}", flush=True)
-    stats = train_expert(cfg, images, labels, info, resume=args.resume, progress=not args.no_progress,
-                         devices=devices)
-    print(f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
-          f"{stats['wall_s']} s", flush=True)
+    print(
+        f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
+        f"jax {jax.default_backend()} x{n_dev} data-parallel, widths {list(cfg.widths)}, "
+        f"{cfg.steps} steps x batch {cfg.batch_size}",
+        flush=True,
+    )
+    stats = train_expert(cfg, images, labels, info, resume=args.resume, progress=not args.no_progress, devices=devices)
+    print(
+        f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, {stats['wall_s']} s",
+        flush=True,
+    )
     return 0

@@ -61,7 +61,8 @@ def train_targets(manifest: Manifest, num_images: int) -> tuple[np.ndarray, np.n
     if manifest.num_images != num_images:
         raise RouterError(
             f"manifest indexes a split of {manifest.num_images} images but {num_images} were loaded; "
-            "load the same split (and --limit) the partition was made from")
+            "load the same split (and --limit) the partition was made from"
+        )
     owner = manifest.expert_of_index()
     idx = np.flatnonzero(owner >= 0)
     return idx, owner[idx]
@@ -80,8 +81,9 @@ def _load_resume(path: Path, manifest: Manifest, net_cfg: RouterConfig, steps: i
     import torch
 
     if not path.is_file():
-        raise RouterError(f"--resume: {path} does not exist (start without --resume, or pass the --run-dir "
-                          "of the interrupted run)")
+        raise RouterError(
+            f"--resume: {path} does not exist (start without --resume, or pass the --run-dir of the interrupted run)"
+        )
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
     except Exception as exc:  # truncated or foreign file
@@ -89,20 +91,33 @@ def _load_resume(path: Path, manifest: Manifest, net_cfg: RouterConfig, steps: i
     if not isinstance(ck, dict) or ck.get("kind") != "router":
         raise RouterError(f"--resume: {path} is not a router resume file")
     if ck["manifest_sha256"] != manifest_digest(manifest):
-        raise RouterError(f"--resume: {path} was trained on another partition manifest "
-                          f"({ck.get('manifest_file') or 'unknown file'}); resume with the same --partition "
-                          "and --limit, or start without --resume")
+        raise RouterError(
+            f"--resume: {path} was trained on another partition manifest "
+            f"({ck.get('manifest_file') or 'unknown file'}); resume with the same --partition "
+            "and --limit, or start without --resume"
+        )
     if ck["router_config"] != net_cfg.to_dict():
-        raise RouterError(f"--resume: {path} holds a router {ck['router_config']}, not {net_cfg.to_dict()}; "
-                          "keep the same --width to continue it")
+        raise RouterError(
+            f"--resume: {path} holds a router {ck['router_config']}, not {net_cfg.to_dict()}; "
+            "keep the same --width to continue it"
+        )
     if ck["step"] > steps:
         raise RouterError(f"--resume: {path} is already at step {ck['step']}, beyond --steps {steps}")
     return ck
 
 
-def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg: RouterTrainConfig,
-                 progress: bool = True, log_every: int = 25, *, resume: bool = False,
-                 stop_after: int | None = None, manifest_file: str | None = None):
+def train_router(
+    manifest: Manifest,
+    images: np.ndarray,
+    labels: np.ndarray,
+    cfg: RouterTrainConfig,
+    progress: bool = True,
+    log_every: int = 25,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    manifest_file: str | None = None,
+):
     """Train a RouterNet. images float32 [N, 1, 32, 32] (the split the manifest indexes), labels int64 [N].
 
     ``resume``: continue from ``<cfg.run_dir>/router_resume.pt`` up to ``cfg.steps`` (RouterError if it is
@@ -129,7 +144,8 @@ def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = max(1, min(100, cfg.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))
+    )
     resume_path = Path(cfg.run_dir) / RESUME_NAME if cfg.run_dir else None
     digest = manifest_digest(manifest) if resume_path is not None else ""
     step, wall_before, recent = 0, 0.0, []
@@ -147,11 +163,21 @@ def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg
 
     def save() -> None:
         resume_path.parent.mkdir(parents=True, exist_ok=True)
-        save_resume_state(resume_path, net, [], opt, rng, step=step,
-                          wall_s=round(wall_before + time.perf_counter() - t0, 1),
-                          history=[[a, b] for a, b in zip(losses[-100:], accs[-100:])], kind="router",
-                          scheduler=sched.state_dict(), manifest_sha256=digest,
-                          manifest_file=manifest_file, router_config=net_cfg.to_dict())
+        save_resume_state(
+            resume_path,
+            net,
+            [],
+            opt,
+            rng,
+            step=step,
+            wall_s=round(wall_before + time.perf_counter() - t0, 1),
+            history=[[a, b] for a, b in zip(losses[-100:], accs[-100:])],
+            kind="router",
+            scheduler=sched.state_dict(),
+            manifest_sha256=digest,
+            manifest_file=manifest_file,
+            router_config=net_cfg.to_dict(),
+        )
 
     net.train()
     bar = tqdm(total=cfg.steps, initial=step, desc="router", unit="step", disable=not progress)
@@ -182,17 +208,28 @@ def train_router(manifest: Manifest, images: np.ndarray, labels: np.ndarray, cfg
         save()
     net.eval()
     stats = {
-        "steps": step, "batch_size": cfg.batch_size, "wall_s": round(wall_before + time.perf_counter() - t0, 1),
+        "steps": step,
+        "batch_size": cfg.batch_size,
+        "wall_s": round(wall_before + time.perf_counter() - t0, 1),
         "final_loss": round(float(np.mean(losses[-100:])), 4) if losses else None,
         "final_train_acc": round(float(np.mean(accs[-100:])), 4) if accs else None,
-        "complete": step >= cfg.steps, "config": asdict(cfg),
+        "complete": step >= cfg.steps,
+        "config": asdict(cfg),
     }
     return net, stats
 
 
-def accuracy_vs_t(net, manifest: Manifest, images: np.ndarray, labels: np.ndarray, bins: int = 10,
-                  seed: int = 1234, batch_size: int = 500, progress: bool = False,
-                  features: np.ndarray | None = None) -> dict[str, Any]:
+def accuracy_vs_t(
+    net,
+    manifest: Manifest,
+    images: np.ndarray,
+    labels: np.ndarray,
+    bins: int = 10,
+    seed: int = 1234,
+    batch_size: int = 500,
+    progress: bool = False,
+    features: np.ndarray | None = None,
+) -> dict[str, Any]:
     """Top-1 router accuracy per t bin on held-out images (float32 [N, 1, 32, 32], labels int64 [N]).
 
     ``features`` float32 [N, D]: the held-out images' features, needed for a ``features`` partition
@@ -212,20 +249,25 @@ def accuracy_vs_t(net, manifest: Manifest, images: np.ndarray, labels: np.ndarra
         for b in tqdm(range(bins), desc="eval t-bins", disable=not progress):
             hits_l = hits_n = 0
             for s in range(0, len(images), batch_size):
-                x = images[s:s + batch_size]
+                x = images[s : s + batch_size]
                 n = len(x)
                 t = rng.uniform(edges[b], edges[b + 1], size=n).astype(np.float32)
                 noise = rng.standard_normal(x.shape).astype(np.float32)
                 x_t = torch.from_numpy((1 - t)[:, None, None, None] * noise + t[:, None, None, None] * x)
-                tt, k = torch.from_numpy(t), targets[s:s + n]
-                y = torch.from_numpy(np.asarray(labels[s:s + n], dtype=np.int64))
+                tt, k = torch.from_numpy(t), targets[s : s + n]
+                y = torch.from_numpy(np.asarray(labels[s : s + n], dtype=np.int64))
                 hits_l += int((net(x_t, tt, y).argmax(1).numpy() == k).sum())
                 hits_n += int((net(x_t, tt, torch.full_like(y, -1)).argmax(1).numpy() == k).sum())
             acc_label.append(round(hits_l / len(images), 4))
             acc_none.append(round(hits_n / len(images), 4))
     chance = float(np.bincount(targets, minlength=manifest.num_experts).max() / max(1, len(targets)))
-    return {"bins": [[round(float(edges[i]), 3), round(float(edges[i + 1]), 3)] for i in range(bins)],
-            "acc_label": acc_label, "acc_no_label": acc_none, "chance": round(chance, 4), "n": int(len(images))}
+    return {
+        "bins": [[round(float(edges[i]), 3), round(float(edges[i + 1]), 3)] for i in range(bins)],
+        "acc_label": acc_label,
+        "acc_no_label": acc_none,
+        "chance": round(chance, 4),
+        "n": int(len(images)),
+    }
 
 
 def format_accuracy_table(acc: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ import argparse
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -95,20 +95,30 @@ def load_expert_data(cfg: TrainConfig):
 
     manifest = load_manifest(cfg.partition)
     if not 0 <= cfg.expert < manifest.num_experts:
-        raise ValueError(f"--expert {cfg.expert} not in partition {cfg.partition} (experts 0..{manifest.num_experts - 1})")
+        raise ValueError(
+            f"--expert {cfg.expert} not in partition {cfg.partition} (experts 0..{manifest.num_experts - 1})"
+        )
     part = manifest.experts[cfg.expert]
     images, labels = load_mnist(manifest.split, cfg.data_dir)
     if len(images) != manifest.num_images:
-        raise ValueError(f"partition {cfg.partition} indexes {manifest.num_images} {manifest.split} images "
-                         f"but the data set has {len(images)}")
+        raise ValueError(
+            f"partition {cfg.partition} indexes {manifest.num_images} {manifest.split} images "
+            f"but the data set has {len(images)}"
+        )
     idx = np.asarray(part.indices, dtype=np.int64)
     if cfg.limit is not None:
         idx = idx[: cfg.limit]
     if len(idx) < cfg.batch_size:
         raise ValueError(f"expert {cfg.expert} has {len(idx)} images, fewer than --batch-size {cfg.batch_size}")
-    info = {"file": str(cfg.partition), "method": manifest.method, "seed": manifest.seed, "split": manifest.split,
-            "classes": list(part.classes), "num_images": int(len(idx)),
-            "class_counts": np.bincount(labels[idx], minlength=10).tolist()}
+    info = {
+        "file": str(cfg.partition),
+        "method": manifest.method,
+        "seed": manifest.seed,
+        "split": manifest.split,
+        "classes": list(part.classes),
+        "num_images": int(len(idx)),
+        "class_counts": np.bincount(labels[idx], minlength=10).tolist(),
+    }
     return images[idx], labels[idx], info
 
 
@@ -124,10 +134,15 @@ class _Device:
             try:
                 import torch_xla
             except ImportError:
-                raise RuntimeError("--device xla needs torch_xla (install the '.[xla]' extra on the XLA host)") from None
+                raise RuntimeError(
+                    "--device xla needs torch_xla (install the '.[xla]' extra on the XLA host)"
+                ) from None
             self._torch_xla = torch_xla
-            self.device = torch_xla.device() if hasattr(torch_xla, "device") else __import__(
-                "torch_xla.core.xla_model", fromlist=["xla_device"]).xla_device()
+            self.device = (
+                torch_xla.device()
+                if hasattr(torch_xla, "device")
+                else __import__("torch_xla.core.xla_model", fromlist=["xla_device"]).xla_device()
+            )
             self.autocast_type = "xla"
         else:
             if name.startswith("cuda") and not torch.cuda.is_available():
@@ -159,8 +174,14 @@ class _Device:
                 xm.mark_step()
 
 
-def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, partition_info: dict,
-                 resume: bool = False, progress: bool = True) -> dict:
+def train_expert(
+    cfg: TrainConfig,
+    images: np.ndarray,
+    labels: np.ndarray,
+    partition_info: dict,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict:
     """Run the training loop; returns the training stats written into the checkpoint JSON.
 
     images float32 [N,1,32,32] in [-1,1], labels int64 [N]: the expert's own data only.
@@ -169,8 +190,8 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
     from tqdm import tqdm
 
     from flow.path import torch_flow_loss
-    from models.checkpoint import save_checkpoint, torch_state_to_numpy
     from models.arch import build_torch
+    from models.checkpoint import save_checkpoint, torch_state_to_numpy
     from models.config import UNetConfig
     from models.unet_torch import count_params
 
@@ -200,11 +221,15 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
             raise FileNotFoundError(f"--resume: {resume_path} does not exist (start without --resume)")
         ck = torch.load(resume_path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
         if tuple(ck["widths"]) != tuple(cfg.widths) or ck["expert"] != cfg.expert:
-            raise ValueError(f"--resume: {resume_path} is for expert {ck['expert']} widths {ck['widths']}, "
-                             f"not expert {cfg.expert} widths {list(cfg.widths)}")
+            raise ValueError(
+                f"--resume: {resume_path} is for expert {ck['expert']} widths {ck['widths']}, "
+                f"not expert {cfg.expert} widths {list(cfg.widths)}"
+            )
         if bool(ck.get("null_label", False)) != ucfg.null_label:
-            raise ValueError(f"--resume: {resume_path} was trained with{'' if ck.get('null_label') else 'out'} a null "
-                             f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it")
+            raise ValueError(
+                f"--resume: {resume_path} was trained with{'' if ck.get('null_label') else 'out'} a null "
+                f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it"
+            )
         step, wall_before, history = restore_resume_state(ck, model, ema, opt, rng)
         log.info("resumed from %s at step %d", resume_path, step)
 
@@ -228,36 +253,65 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         run_dir.mkdir(parents=True, exist_ok=True)
         recent = [h["loss"] for h in history[-5:]]
         stats = {
-            "backend": "torch", "device": cfg.device, "steps": step, "images_seen": step * cfg.batch_size,
+            "backend": "torch",
+            "device": cfg.device,
+            "steps": step,
+            "images_seen": step * cfg.batch_size,
             "wall_s": round(wall_before + (time.time() - t_start), 1),
             "final_loss": round(float(np.mean(recent)), 5) if recent else None,
-            "loss_history": history, "complete": final and step >= cfg.steps,
-            "params": count_params(model), "torch": torch.__version__, "world_size": dist_info.world_size,
+            "loss_history": history,
+            "complete": final and step >= cfg.steps,
+            "params": count_params(model),
+            "torch": torch.__version__,
+            "world_size": dist_info.world_size,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         }
         if digests:
             stats["param_digests"] = digests
         if not dist_info.is_main:  # only rank 0 writes
             return stats
-        meta = {"config": ucfg.to_dict(), "expert_id": cfg.expert, "partition": partition_info, "training": stats,
-                "weights": "ema"}
+        meta = {
+            "config": ucfg.to_dict(),
+            "expert_id": cfg.expert,
+            "partition": partition_info,
+            "training": stats,
+            "weights": "ema",
+        }
         save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
-        save_resume_state(resume_path, model, ema, opt, rng, step=step, wall_s=stats["wall_s"], history=history,
-                          widths=list(cfg.widths), expert=cfg.expert, null_label=ucfg.null_label)
+        save_resume_state(
+            resume_path,
+            model,
+            ema,
+            opt,
+            rng,
+            step=step,
+            wall_s=stats["wall_s"],
+            history=history,
+            widths=list(cfg.widths),
+            expert=cfg.expert,
+            null_label=ucfg.null_label,
+        )
         return stats
 
     model.train()
     t_start = time.time()
     window_loss, window_n, window_t = 0.0, 0, time.time()
     perm, pos = rng.permutation(n), 0
-    bar = tqdm(total=cfg.steps, initial=step, disable=not (progress and dist_info.is_main), desc=f"expert{cfg.expert}",
-               unit="step", dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=step,
+        disable=not (progress and dist_info.is_main),
+        desc=f"expert{cfg.expert}",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=2.0,
+    )
     smooth = None
     pending: list = []  # device losses not yet read back
     while step < cfg.steps:
         if pos + cfg.batch_size > per_epoch * cfg.batch_size:
             perm, pos = rng.permutation(n), 0
-        idx = torch.from_numpy(ddp.shard(perm[pos: pos + cfg.batch_size], dist_info)).to(dev.device)
+        idx = torch.from_numpy(ddp.shard(perm[pos : pos + cfg.batch_size], dist_info)).to(dev.device)
         pos += cfg.batch_size
         x, y = data_x[idx], data_y[idx]
         if cfg.label_dropout > 0:  # classifier-free style: some labels become "unknown" (-1 -> null row)
@@ -278,8 +332,12 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
         step += 1
         bar.update(1)
         pending.append(loss.detach())
-        if not (len(pending) >= dev.readback_every or step % cfg.log_every == 0 or step == cfg.steps
-                or step % cfg.save_every == 0):
+        if not (
+            len(pending) >= dev.readback_every
+            or step % cfg.log_every == 0
+            or step == cfg.steps
+            or step % cfg.save_every == 0
+        ):
             continue
         # one host<->device sync for the steps since the last read (on XLA after the step's graph ran)
         values = torch.stack(pending).float().cpu().tolist() if len(pending) > 1 else [float(pending[0])]
@@ -291,8 +349,11 @@ def train_expert(cfg: TrainConfig, images: np.ndarray, labels: np.ndarray, parti
             smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
             window_loss, window_n = window_loss + lv, window_n + 1
         if step % 10 == 0 and smooth is not None:
-            bar.set_postfix(loss=f"{smooth:.4f}", img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
-                            lr=f"{lr_at(step, cfg):.1e}")
+            bar.set_postfix(
+                loss=f"{smooth:.4f}",
+                img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
+                lr=f"{lr_at(step, cfg):.1e}",
+            )
         if step % cfg.log_every == 0 or step == cfg.steps:
             ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
             history.append({"step": step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
@@ -315,24 +376,51 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     widths = parse_widths(args.widths) if isinstance(args.widths, str) else tuple(args.widths)
     return TrainConfig(
-        expert=args.expert, partition=args.partition, widths=widths, steps=args.steps, batch_size=args.batch_size,
-        lr=args.lr, warmup=args.warmup, ema_decay=args.ema_decay, bf16=args.bf16, device=args.device,
-        seed=args.seed, out=args.out or "", run_dir=args.run_dir or "", save_every=args.save_every,
-        save_dtype=args.save_dtype, threads=args.threads, data_dir=args.data_dir, limit=args.limit,
-        log_every=getattr(args, "log_every", 50), label_dropout=getattr(args, "label_dropout", 0.0) or 0.0)
+        expert=args.expert,
+        partition=args.partition,
+        widths=widths,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup=args.warmup,
+        ema_decay=args.ema_decay,
+        bf16=args.bf16,
+        device=args.device,
+        seed=args.seed,
+        out=args.out or "",
+        run_dir=args.run_dir or "",
+        save_every=args.save_every,
+        save_dtype=args.save_dtype,
+        threads=args.threads,
+        data_dir=args.data_dir,
+        limit=args.limit,
+        log_every=getattr(args, "log_every", 50),
+        label_dropout=getattr(args, "label_dropout", 0.0) or 0.0,
+    )
 
 
-
-def save_resume_state(path: Path, model, ema, opt, rng: np.random.Generator, *, step: int, wall_s: float,
-                      history: list, **extra) -> None:
+def save_resume_state(
+    path: Path, model, ema, opt, rng: np.random.Generator, *, step: int, wall_s: float, history: list, **extra
+) -> None:
     """Write what `--resume` needs (weights, EMA, optimizer, step, history, both RNG states, and
     `extra` for the caller's own checks) to `path`, atomically (a tmp file, then a rename)."""
     import torch
 
     tmp = Path(path).with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "ema": [e.cpu() for e in ema], "optimizer": opt.state_dict(),
-                "step": step, "wall_s": wall_s, "history": history, "np_rng": rng.bit_generator.state,
-                "torch_rng": torch.get_rng_state(), **extra}, tmp)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "ema": [e.cpu() for e in ema],
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "wall_s": wall_s,
+            "history": history,
+            "np_rng": rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+            **extra,
+        },
+        tmp,
+    )
     tmp.replace(path)
 
 
@@ -349,6 +437,7 @@ def restore_resume_state(ck: dict, model, ema, opt, rng: np.random.Generator) ->
     torch.set_rng_state(ck["torch_rng"])
     return ck["step"], ck["wall_s"], ck["history"]
 
+
 def train(args: argparse.Namespace) -> int:
     """CLI entry for `ddm-fleet train-expert --backend torch` (also under torchrun: data parallel)."""
     from training.distributed import detect
@@ -357,12 +446,18 @@ def train(args: argparse.Namespace) -> int:
     images, labels, info = load_expert_data(cfg)
     dist_info = detect()
     if dist_info.is_main:
-        print(f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
-              f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, widths {list(cfg.widths)}, "
-              f"{cfg.steps} steps x batch {cfg.batch_size}"
-              f"{f', data parallel x{dist_info.world_size}' if dist_info.enabled else ''}", flush=True)
+        print(
+            f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
+            f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, widths {list(cfg.widths)}, "
+            f"{cfg.steps} steps x batch {cfg.batch_size}"
+            f"{f', data parallel x{dist_info.world_size}' if dist_info.enabled else ''}",
+            flush=True,
+        )
     stats = train_expert(cfg, images, labels, info, resume=args.resume, progress=not args.no_progress)
     if dist_info.is_main:
-        print(f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
-              f"{stats['wall_s']} s", flush=True)
+        print(
+            f"saved {cfg.out}.safetensors: {stats['steps']} steps, final loss {stats['final_loss']}, "
+            f"{stats['wall_s']} s",
+            flush=True,
+        )
     return 0

@@ -27,9 +27,10 @@ import asyncio
 import logging
 import weakref
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -37,8 +38,18 @@ from client.jobs import client_connect_options, client_from_url
 from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
 
 from .fleet import FleetMonitor
-from .guard import (POLICY, REFUSALS, SUBPROTOCOL, AccessPolicy, LogLimiter, RateLimit, add_security_headers,
-                    guard_middleware, offered_tokens, refuse_log)
+from .guard import (
+    POLICY,
+    REFUSALS,
+    SUBPROTOCOL,
+    AccessPolicy,
+    LogLimiter,
+    RateLimit,
+    add_security_headers,
+    guard_middleware,
+    offered_tokens,
+    refuse_log,
+)
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
 from .session import MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
 
@@ -99,6 +110,8 @@ NATS = web.AppKey("ddm_nats", Any)
 SOCKETS = web.AppKey("ddm_sockets", weakref.WeakSet)
 SESSIONS = web.AppKey("ddm_sessions", weakref.WeakSet)
 PER_CLIENT = web.AppKey("ddm_sockets_per_client", Counter)
+
+
 @dataclass
 class FleetView:
     """The latest fleet snapshot (mutable holder: app state itself is frozen once started)."""
@@ -144,9 +157,16 @@ async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
 
     client = client_from_url(url)  # the NATS user owns the viewer's jobs; "web" on an open bus
     try:  # fail fast at start (3 tries), reconnect forever once up
-        nc = await connect(url, name="ddm-web", reconnect="forever", first_connect_attempts=3, reconnect_wait_s=1,
-                           connect_timeout_s=3, error_cb=on_error,
-                           **client_connect_options(WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client))
+        nc = await connect(
+            url,
+            name="ddm-web",
+            reconnect="forever",
+            first_connect_attempts=3,
+            reconnect_wait_s=1,
+            connect_timeout_s=3,
+            error_cb=on_error,
+            **client_connect_options(WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client),
+        )
     except (BusUnavailable, ValueError) as err:  # as RuntimeError, which `ddm-fleet web` reports plainly
         raise RuntimeError(str(err)) from None
     app[NATS] = nc
@@ -208,9 +228,14 @@ async def fleet_json(request: web.Request) -> web.Response:
 
 
 def hello_message(cfg: WebConfig) -> dict[str, Any]:
-    return {"type": "hello", "max_images": MAX_JOB_IMAGES, "max_steps": MAX_JOB_STEPS,
-            "max_jobs": cfg.max_jobs_per_socket, "strategies": ["top1", "topk", "full", "oracle"],
-            "solvers": ["euler", "heun"]}
+    return {
+        "type": "hello",
+        "max_images": MAX_JOB_IMAGES,
+        "max_steps": MAX_JOB_STEPS,
+        "max_jobs": cfg.max_jobs_per_socket,
+        "strategies": ["top1", "topk", "full", "oracle"],
+        "solvers": ["euler", "heun"],
+    }
 
 
 async def websocket(request: web.Request) -> web.StreamResponse:
@@ -219,10 +244,17 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     client = request.remote or "?"
     per_client = app[PER_CLIENT]
     if per_client[client] >= cfg.max_sockets_per_client:
-        refuse_log(request, "refused a websocket from %s: it has %d open (limit %d)", client, per_client[client],
-                   cfg.max_sockets_per_client)
-        return web.Response(status=429, text=f"refused: {per_client[client]} sockets open from {client} "
-                                             f"(limit {cfg.max_sockets_per_client})\n")
+        refuse_log(
+            request,
+            "refused a websocket from %s: it has %d open (limit %d)",
+            client,
+            per_client[client],
+            cfg.max_sockets_per_client,
+        )
+        return web.Response(
+            status=429,
+            text=f"refused: {per_client[client]} sockets open from {client} (limit {cfg.max_sockets_per_client})\n",
+        )
     per_client[client] += 1
     try:
         return await _serve_socket(request, cfg)
@@ -241,19 +273,31 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
         """Close with a reason; a client that does not read cannot stall it (the transport is cut)."""
         try:
             await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), 3)
-        except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+        except (TimeoutError, ConnectionError, RuntimeError):
             pass
 
     if not app[POLICY].token_ok(offered_tokens(request)):
-        refuse_log(request, "refused a websocket from %s: missing or wrong token (Origin %r)", request.remote,
-                   (request.headers.get("Origin") or "")[:100])
-        await close_socket(WSCloseCode.POLICY_VIOLATION,
-                           "token required: open the viewer with #token=<token> (see ddm-fleet web --help)")
+        refuse_log(
+            request,
+            "refused a websocket from %s: missing or wrong token (Origin %r)",
+            request.remote,
+            (request.headers.get("Origin") or "")[:100],
+        )
+        await close_socket(
+            WSCloseCode.POLICY_VIOLATION,
+            "token required: open the viewer with #token=<token> (see ddm-fleet web --help)",
+        )
         return ws
     app[SOCKETS].add(ws)
-    session = Session(app[NATS], ws.send_json, submit_timeout=cfg.submit_timeout,
-                      max_jobs=cfg.max_jobs_per_socket, unresponsive_after=cfg.unresponsive_after,
-                      max_queued=cfg.max_queued_messages, close_socket=close_socket)
+    session = Session(
+        app[NATS],
+        ws.send_json,
+        submit_timeout=cfg.submit_timeout,
+        max_jobs=cfg.max_jobs_per_socket,
+        unresponsive_after=cfg.unresponsive_after,
+        max_queued=cfg.max_queued_messages,
+        close_socket=close_socket,
+    )
     rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
     app[SESSIONS].add(session)
     session.outbox.put(hello_message(cfg))
@@ -279,7 +323,7 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
         await session.close()
         try:
             await asyncio.wait_for(sender, timeout=2)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except (TimeoutError, asyncio.CancelledError):
             sender.cancel()
         app[SOCKETS].discard(ws)
     return ws

@@ -10,8 +10,8 @@
 * Latency: `latency_ms`, the mean receive-to-reply time of the requests served between two
   snapshots: from the worker's `data.latency_seconds` histogram (`sum`, `count`) when it reports
   one, else from the endpoints' `processing_time` (ns) over `num_requests` (what nats.micro
-  measures: the handler's own time). None until two snapshots exist or while no request came in between. `host` is the worker's metadata
-  `host` (its hostname), so the page can say which worker runs where.
+  measures: the handler's own time). None until two snapshots exist or while no request came in
+  between. `host` is the worker's metadata `host` (its hostname), so the page can say which worker runs where.
 * Coordinator: a request on `schemas.subjects.FLEET_STATUS` (msgpack or JSON map); its scalar
   fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
 
@@ -30,53 +30,13 @@ import logging
 import time
 from typing import Any
 
+from bus.gather import MAX_DISCOVERY_BYTES, MAX_DISCOVERY_REPLIES, MAX_REPLY_BYTES, gather_replies  # noqa: F401
 from schemas import subjects
 
 log = logging.getLogger(__name__)
 
-#: Replies kept per discovery request; a service's INFO / STATS reply is ~1 KiB.
-MAX_DISCOVERY_REPLIES = 256
-MAX_REPLY_BYTES = 64 * 1024
-MAX_DISCOVERY_BYTES = 4 * 1024 * 1024
-
 INFO_SUBJECT = "$SRV.INFO"
 STATS_SUBJECT = "$SRV.STATS"
-
-
-async def gather_replies(nc, subject: str, *, window: float = 0.3, max_replies: int = MAX_DISCOVERY_REPLIES,
-                         payload: bytes = b"", max_reply_bytes: int = MAX_REPLY_BYTES,
-                         max_bytes: int = MAX_DISCOVERY_BYTES) -> list[bytes]:
-    """Publish one request on `subject` and collect the replies of `window` seconds: at most
-    `max_replies` of at most `max_reply_bytes` each (larger ones skipped), `max_bytes` in all."""
-    inbox = nc.new_inbox()
-    replies: list[bytes] = []
-    total = 0
-    sub = await nc.subscribe(inbox, max_msgs=max_replies, pending_msgs_limit=max_replies,
-                             pending_bytes_limit=max_bytes)
-    try:
-        await nc.publish(subject, payload, reply=inbox)  # no flush(): see Session.close
-        deadline = time.monotonic() + window
-        while len(replies) < max_replies:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except Exception:  # nats TimeoutError: window over
-                break
-            if len(msg.data) > max_reply_bytes:
-                log.info("skipping a %d-byte reply on %s (limit %d)", len(msg.data), subject, max_reply_bytes)
-                continue
-            total += len(msg.data)
-            if total > max_bytes:
-                break
-            replies.append(msg.data)
-    finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:
-            pass
-    return replies
 
 
 def _json_maps(raw: list[bytes]) -> list[dict[str, Any]]:
@@ -172,10 +132,17 @@ class FleetMonitor:
             meta = info.get("metadata") or {}
             meta = meta if isinstance(meta, dict) else {}
             row = {
-                "id": wid, "name": str(info.get("name", "")), "version": str(info.get("version", "")),
-                "backend": str(meta.get("backend", "")), "device": str(meta.get("device", "")),
+                "id": wid,
+                "name": str(info.get("name", "")),
+                "version": str(info.get("version", "")),
+                "backend": str(meta.get("backend", "")),
+                "device": str(meta.get("device", "")),
                 "host": str(meta.get("host", meta.get("hostname", ""))),
-                "requests": None, "errors": None, "rows_per_s": None, "rate_unit": "rows/s", "latency_ms": None,
+                "requests": None,
+                "errors": None,
+                "rows_per_s": None,
+                "rate_unit": "rows/s",
+                "latency_ms": None,
             }
             st = stats.get(wid)
             if st is not None:
@@ -214,7 +181,11 @@ class FleetMonitor:
                         got = data[key]
                         break
             hist = data.get("latency_seconds") if isinstance(data, dict) else None
-            if isinstance(hist, dict) and isinstance(hist.get("sum"), (int, float)) and isinstance(hist.get("count"), int):
+            if (
+                isinstance(hist, dict)
+                and isinstance(hist.get("sum"), (int, float))
+                and isinstance(hist.get("count"), int)
+            ):
                 lat_sum, lat_count = float(hist["sum"]), int(hist["count"])
             if got is None:
                 rows = None

@@ -38,8 +38,13 @@ def _weights(w: np.ndarray, n: int) -> list[list[float]]:
 def accepted_message(ev: JobAccepted) -> dict[str, Any]:
     """JobAccepted -> {"type": "accepted", job_id, digits, seed, queue_position}. `seed` is a decimal
     string: seeds go up to 2**63 and JavaScript numbers are exact only to 2**53."""
-    return {"type": "accepted", "job_id": ev.job_id, "digits": list(ev.digits), "seed": str(ev.seed),
-            "queue_position": ev.queue_position}
+    return {
+        "type": "accepted",
+        "job_id": ev.job_id,
+        "digits": list(ev.digits),
+        "seed": str(ev.seed),
+        "queue_position": ev.queue_position,
+    }
 
 
 def frame_message(ev: FrameEvent) -> dict[str, Any]:
@@ -48,9 +53,16 @@ def frame_message(ev: FrameEvent) -> dict[str, Any]:
     x = np.asarray(ev.x)
     n = x.shape[0] if x.ndim == 4 else 0
     msg = {
-        "type": "frame", "job_id": ev.job_id, "step": ev.step, "steps": ev.steps, "t": round(float(ev.t), 4),
-        "size": list(x.shape[2:4]) if n else [0, 0], "tiles": tiles_b64(x) if n else [],
-        "experts": list(ev.experts), "weights": _weights(ev.weights, n), "notes": list(ev.notes),
+        "type": "frame",
+        "job_id": ev.job_id,
+        "step": ev.step,
+        "steps": ev.steps,
+        "t": round(float(ev.t), 4),
+        "size": list(x.shape[2:4]) if n else [0, 0],
+        "tiles": tiles_b64(x) if n else [],
+        "experts": list(ev.experts),
+        "weights": _weights(ev.weights, n),
+        "notes": list(ev.notes),
     }
     if ev.x1 is not None and n:
         msg["x1"] = tiles_b64(ev.x1)
@@ -61,9 +73,16 @@ def done_message(ev: DoneEvent) -> dict[str, Any]:
     """DoneEvent -> {"type": "done", job_id, size, tiles, digits, usage, steps, strategy, elapsed_s, notes}."""
     x = np.asarray(ev.images)
     return {
-        "type": "done", "job_id": ev.job_id, "size": list(x.shape[2:4]), "tiles": tiles_b64(x),
-        "digits": list(ev.digits), "usage": _weights(ev.usage, x.shape[0]), "steps": ev.steps,
-        "strategy": ev.strategy, "elapsed_s": round(float(ev.elapsed_s), 3), "notes": list(ev.notes),
+        "type": "done",
+        "job_id": ev.job_id,
+        "size": list(x.shape[2:4]),
+        "tiles": tiles_b64(x),
+        "digits": list(ev.digits),
+        "usage": _weights(ev.usage, x.shape[0]),
+        "steps": ev.steps,
+        "strategy": ev.strategy,
+        "elapsed_s": round(float(ev.elapsed_s), 3),
+        "notes": list(ev.notes),
     }
 
 

@@ -25,8 +25,9 @@ import ipaddress
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from aiohttp import web
 
@@ -47,8 +48,10 @@ def check_token(token: str) -> str:
     """Return `token` stripped, or raise ValueError saying what a token must look like."""
     token = token.strip()
     if not TOKEN_RE.fullmatch(token):
-        raise ValueError("a web token must be 16-256 characters of [A-Za-z0-9._~-] "
-                         f"(got {len(token)} characters); e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        raise ValueError(
+            "a web token must be 16-256 characters of [A-Za-z0-9._~-] "
+            f"(got {len(token)} characters); e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
     return token
 
 
@@ -61,7 +64,7 @@ def split_host(value: str) -> tuple[str, int | None] | None:
         end = value.find("]")
         if end < 0:
             return None
-        host, rest = value[:end + 1], value[end + 1:]
+        host, rest = value[: end + 1], value[end + 1 :]
         if rest and not rest.startswith(":"):
             return None
         port_text = rest[1:] if rest else None
@@ -129,8 +132,9 @@ class AccessPolicy:
         for o in self.allow_origins:
             parsed = split_origin(o)
             if parsed is None:
-                raise ValueError(f"--allow-origin {o!r} is not an origin: use scheme://host[:port], e.g. "
-                                 "https://viewer.example.com")
+                raise ValueError(
+                    f"--allow-origin {o!r} is not an origin: use scheme://host[:port], e.g. https://viewer.example.com"
+                )
             origins.append(parsed)
         hosts = []
         for h in self.allow_hosts:
@@ -157,8 +161,10 @@ class AccessPolicy:
         for h, p in self._hosts:
             if h == host and (p is None or p == port):
                 return None
-        return (f"Host {host_header[:100]!r} is not this viewer's address; "
-                "a reverse proxy's name needs `ddm-fleet web --allow-host NAME`")
+        return (
+            f"Host {host_header[:100]!r} is not this viewer's address; "
+            "a reverse proxy's name needs `ddm-fleet web --allow-host NAME`"
+        )
 
     def origin_refusal(self, origin: str | None, host_header: str) -> str | None:
         """None if the Origin (absent: not a browser page) is allowed for this (already checked) Host."""
@@ -173,8 +179,10 @@ class AccessPolicy:
         hp = split_host(host_header)
         if hp is not None and hp[0] == host and (hp[1] or _DEFAULT_PORT[scheme]) == port:
             return None
-        return (f"Origin {origin[:100]!r} is not allowed: only the viewer's own page "
-                "(or `ddm-fleet web --allow-origin ORIGIN`) may use it")
+        return (
+            f"Origin {origin[:100]!r} is not allowed: only the viewer's own page "
+            "(or `ddm-fleet web --allow-origin ORIGIN`) may use it"
+        )
 
     def token_ok(self, offered: Iterable[str]) -> bool:
         """True when no token is required or one of `offered` equals it (constant-time compare)."""
@@ -193,7 +201,7 @@ def offered_tokens(request: web.Request) -> list[str]:
     for item in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
         item = item.strip()
         if item.startswith(TOKEN_PROTOCOL_PREFIX):
-            out.append(item[len(TOKEN_PROTOCOL_PREFIX):])
+            out.append(item[len(TOKEN_PROTOCOL_PREFIX) :])
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         out.append(value.strip())
@@ -245,8 +253,10 @@ class RateLimit:
 def content_security_policy(host: str | None) -> str:
     """The page's CSP: its own scripts, styles and socket only; never framed."""
     ws = f" ws://{host} wss://{host}" if host else ""
-    return ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            f"connect-src 'self'{ws}; frame-ancestors 'none'; base-uri 'none'; form-action 'self'; object-src 'none'")
+    return (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        f"connect-src 'self'{ws}; frame-ancestors 'none'; base-uri 'none'; form-action 'self'; object-src 'none'"
+    )
 
 
 SECURITY_HEADERS = {
@@ -265,9 +275,15 @@ REFUSALS = web.AppKey("ddm_refusals", LogLimiter)
 
 
 def _refuse(request: web.Request, status: int, reason: str) -> web.Response:
-    request.app[REFUSALS].warning("refused %s %s from %s: %s (Origin %r, Host %r)", request.method,
-                                  request.path[:100], request.remote, reason,
-                                  (request.headers.get("Origin") or "")[:100], (request.headers.get("Host") or "")[:100])
+    request.app[REFUSALS].warning(
+        "refused %s %s from %s: %s (Origin %r, Host %r)",
+        request.method,
+        request.path[:100],
+        request.remote,
+        reason,
+        (request.headers.get("Origin") or "")[:100],
+        (request.headers.get("Host") or "")[:100],
+    )
     return web.Response(status=status, text=f"refused: {reason}\n")
 
 

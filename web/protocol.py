@@ -31,7 +31,7 @@ import json
 import re
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, UNCONDITIONAL, JobRequest, ProtocolError, validate
 
@@ -39,8 +39,18 @@ from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, UNCONDITIONAL, JobRequest,
 MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
 
 #: Job parameters a page may set; everything else in a `generate` message is refused.
-GENERATE_FIELDS = ("digits", "count", "steps", "strategy", "solver", "top_k", "seed", "frame_every", "deadline_s",
-                   "frame_x1")
+GENERATE_FIELDS = (
+    "digits",
+    "count",
+    "steps",
+    "strategy",
+    "solver",
+    "top_k",
+    "seed",
+    "frame_every",
+    "deadline_s",
+    "frame_x1",
+)
 
 #: Bounds of a page's `deadline_s` (seconds from the submit; JobRequest.deadline_s).
 MIN_DEADLINE_S, MAX_DEADLINE_S = 1, 3600
@@ -86,7 +96,7 @@ class Ping:
     ref: Any = None
 
 
-ClientMessage = Union[Generate, Cancel, Ping]
+ClientMessage = Generate | Cancel | Ping
 
 
 def parse_digits(value: Any) -> list[int]:
@@ -99,8 +109,9 @@ def parse_digits(value: Any) -> list[int]:
     """
     if isinstance(value, str):
         if len(value) > MAX_DIGITS_CHARS:
-            raise BadInput(f"digits: {len(value)} characters is far too long; the limit is {MAX_JOB_IMAGES} "
-                           "images per job")
+            raise BadInput(
+                f"digits: {len(value)} characters is far too long; the limit is {MAX_JOB_IMAGES} images per job"
+            )
         tokens = [tok for tok in _SPLIT.split(value.strip()) if tok]
         if not tokens:
             raise BadInput("enter at least one digit, e.g. 3,7,7")
@@ -111,8 +122,9 @@ def parse_digits(value: Any) -> list[int]:
                 continue
             if len(tok) != 1 or tok not in "0123456789":
                 shown = tok if len(tok) <= 12 else tok[:12] + "…"
-                raise BadInput(f"{shown!r} is not a digit: enter digits 0-9 separated by commas, e.g. 3,7,7 "
-                               "(? for no digit)")
+                raise BadInput(
+                    f"{shown!r} is not a digit: enter digits 0-9 separated by commas, e.g. 3,7,7 (? for no digit)"
+                )
             out.append(int(tok))
         return out
     if isinstance(value, list):
@@ -131,9 +143,12 @@ def _refuse_oracle_without_labels(digits: list[int], strategy: Any, ref: Any) ->
     unknown = [i for i, d in enumerate(digits) if d == UNCONDITIONAL]
     if strategy == "oracle" and unknown:
         verb = "has" if len(unknown) == 1 else "have"
-        raise BadInput(f"routing oracle (by label) needs every image's digit, but {len(unknown)} of {len(digits)} "
-                       f"images {verb} no digit (? / {UNCONDITIONAL}, e.g. image {unknown[0]}): choose top-1, top-k "
-                       "or full ensemble for unconditional images", ref=ref)
+        raise BadInput(
+            f"routing oracle (by label) needs every image's digit, but {len(unknown)} of {len(digits)} "
+            f"images {verb} no digit (? / {UNCONDITIONAL}, e.g. image {unknown[0]}): choose top-1, top-k "
+            "or full ensemble for unconditional images",
+            ref=ref,
+        )
 
 
 def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
@@ -141,8 +156,7 @@ def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
     if unknown:
         shown = ", ".join(_shown(name) if len(str(name)) > 40 else str(name) for name in unknown[:8])
         more = f" (and {len(unknown) - 8} more)" if len(unknown) > 8 else ""
-        raise BadInput(f"unknown field(s) in generate: {shown}{more}; "
-                       f"allowed: {', '.join(GENERATE_FIELDS)}", ref=ref)
+        raise BadInput(f"unknown field(s) in generate: {shown}{more}; allowed: {', '.join(GENERATE_FIELDS)}", ref=ref)
     fields = {k: msg[k] for k in GENERATE_FIELDS if k in msg and msg[k] not in (None, "")}
     seed = fields.get("seed")
     if isinstance(seed, str) and seed.strip().isascii() and seed.strip().isdigit() and len(seed.strip()) <= 20:
@@ -165,8 +179,9 @@ def _deadline(value: Any, ref: Any) -> float:
     """A page's `deadline_s`: a JSON number (not a string, not a boolean) from MIN_DEADLINE_S to
     MAX_DEADLINE_S seconds. Raises BadInput saying the bounds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise BadInput(f"deadline_s must be a number of seconds ({MIN_DEADLINE_S}-{MAX_DEADLINE_S}), got "
-                       f"{_shown(value)}", ref=ref)
+        raise BadInput(
+            f"deadline_s must be a number of seconds ({MIN_DEADLINE_S}-{MAX_DEADLINE_S}), got {_shown(value)}", ref=ref
+        )
     if not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:
         raise BadInput(f"deadline_s must be {MIN_DEADLINE_S}-{MAX_DEADLINE_S} seconds, got {_shown(value)}", ref=ref)
     return float(value)

@@ -26,8 +26,9 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from client.jobs import JobProbe, client_of
 from schemas import (
@@ -157,10 +158,19 @@ class Session:
     `done` / `failed` / `cancelled`.
     """
 
-    def __init__(self, nc, send: Callable[[dict[str, Any]], Awaitable[None]], *, submit_timeout: float = 5.0,
-                 max_jobs: int = MAX_JOBS_PER_SOCKET, probe_every: float = 3.0, lost_after: float = 15.0,
-                 unresponsive_after: float | None = 60.0, max_queued: int = MAX_QUEUED_MESSAGES,
-                 close_socket: Callable[[int, str], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        nc,
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+        *,
+        submit_timeout: float = 5.0,
+        max_jobs: int = MAX_JOBS_PER_SOCKET,
+        probe_every: float = 3.0,
+        lost_after: float = 15.0,
+        unresponsive_after: float | None = 60.0,
+        max_queued: int = MAX_QUEUED_MESSAGES,
+        close_socket: Callable[[int, str], Awaitable[None]] | None = None,
+    ):
         """close_socket(code, reason): closes this session's socket (called when the client does not read)."""
         self.nc = nc
         self._send = send
@@ -230,8 +240,12 @@ class Session:
             self._spawn(self.cancel(cmd.job_id, ref=cmd.ref))
         elif isinstance(cmd, Generate):
             if len(self.jobs) >= self.max_jobs:
-                self.error(f"this tab already runs {len(self.jobs)} jobs (the limit is {self.max_jobs}); "
-                           "wait for one to finish or cancel it", code="overloaded", ref=cmd.ref)
+                self.error(
+                    f"this tab already runs {len(self.jobs)} jobs (the limit is {self.max_jobs}); "
+                    "wait for one to finish or cancel it",
+                    code="overloaded",
+                    ref=cmd.ref,
+                )
                 return
             job_id = "web" + secrets.token_hex(8)
             self.jobs[job_id] = _Job(ref=cmd.ref)  # reserve the slot now: submit runs in the background
@@ -249,8 +263,11 @@ class Session:
         while not self._closed and any(j.announced for j in self.jobs.values()):
             await asyncio.sleep(self.probe_every)
             now = time.monotonic()
-            silent = [(job_id, job) for job_id, job in self.jobs.items()
-                      if job.announced and job.probe is not None and now - job.last_event >= self.probe_every]
+            silent = [
+                (job_id, job)
+                for job_id, job in self.jobs.items()
+                if job.announced and job.probe is not None and now - job.last_event >= self.probe_every
+            ]
             verdicts = await asyncio.gather(*(job.probe.check() for _, job in silent), return_exceptions=True)
             for (job_id, job), lost in zip(silent, verdicts):
                 if isinstance(lost, BaseException):
@@ -305,8 +322,15 @@ class Session:
             return
         job.announced = True
         job.last_event = time.monotonic()
-        job.probe = JobProbe(self.nc, job_id, lost_after=self.lost_after, timeout=max(1.0, min(self.probe_every, 5.0)),
-                             unresponsive_after=self.unresponsive_after, client=self.client, accepted=accepted)
+        job.probe = JobProbe(
+            self.nc,
+            job_id,
+            lost_after=self.lost_after,
+            timeout=max(1.0, min(self.probe_every, 5.0)),
+            unresponsive_after=self.unresponsive_after,
+            client=self.client,
+            accepted=accepted,
+        )
         if job_id in self.jobs and (self._watcher is None or self._watcher.done()):
             self._watcher = self._spawn(self._watch())
         msg = event_message(accepted)
@@ -429,4 +453,3 @@ def _submit_error_code(err: Exception) -> str:
     if isinstance(err, ProtocolError):
         return err.code.value
     return ErrorCode.INTERNAL.value
-

@@ -41,8 +41,8 @@ import collections
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class _Chunk:
     x: np.ndarray
     t: np.ndarray
     y: np.ndarray
-    parent: "_Request"
+    parent: _Request
     index: int
 
     @property
@@ -124,7 +124,7 @@ class _Chunk:
 @dataclass
 class _Request:
     future: asyncio.Future
-    deadline: Optional[float]
+    deadline: float | None
     n_chunks: int
     enqueued: float
     outputs: list = field(default_factory=list)
@@ -147,12 +147,12 @@ class Batcher:
         self,
         model_fn: ModelFn,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
-        max_batch: Optional[int] = None,
+        max_batch: int | None = None,
         *,
-        executor: Optional[concurrent.futures.Executor] = None,
-        observer: Optional[Callable[[int, int, float], None]] = None,
+        executor: concurrent.futures.Executor | None = None,
+        observer: Callable[[int, int, float], None] | None = None,
         clock: Callable[[], float] = time.time,
-        forward_s: Optional[Mapping[int, float]] = None,
+        forward_s: Mapping[int, float] | None = None,
         merge: str = "auto",
         pad: bool = True,
     ):
@@ -162,8 +162,9 @@ class Batcher:
         self.merge = merge
         self.pad = bool(pad)  # False: forward exactly the rows (see the module docstring)
         #: bucket -> running estimate of one warm forward's seconds (see the module docstring)
-        self.cost_s: dict[int, float] = {int(b): float(s) for b, s in (forward_s or {}).items()
-                                         if int(b) in self.buckets and float(s) > 0}
+        self.cost_s: dict[int, float] = {
+            int(b): float(s) for b, s in (forward_s or {}).items() if int(b) in self.buckets and float(s) > 0
+        }
         self.merges_declined = 0  # times a queued chunk was kept for a later pass because merging would not pay
         self._model_fn = model_fn
         self._executor = executor
@@ -172,8 +173,8 @@ class Batcher:
         self._clock = clock
         self._queue: collections.deque[_Chunk] = collections.deque()
         self._queued_rows = 0
-        self._wakeup: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
         self._closing = False
         self.busy = False
 
@@ -208,7 +209,7 @@ class Batcher:
 
     # ------------------------------------------------------------------ submit
 
-    def submit(self, x: np.ndarray, t: np.ndarray, y: np.ndarray, deadline: Optional[float] = None) -> asyncio.Future:
+    def submit(self, x: np.ndarray, t: np.ndarray, y: np.ndarray, deadline: float | None = None) -> asyncio.Future:
         """Queue x [B, C, H, W] float32, t [B] float32, y [B] int64; returns a future of `Result`.
 
         Raises BatcherClosed when shutting down. The future fails with DeadlineExceeded or
@@ -332,7 +333,9 @@ class Batcher:
                     log.exception("batch observer failed")
             offset = 0
             for c in batch:
-                self._deliver(c, out[offset : offset + c.rows], BatchInfo(rows, bucket, compute_s, started - c.parent.enqueued))
+                self._deliver(
+                    c, out[offset : offset + c.rows], BatchInfo(rows, bucket, compute_s, started - c.parent.enqueued)
+                )
                 offset += c.rows
 
     @staticmethod

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from schemas.limits import MAX_STEP_ROWS
 
@@ -36,7 +37,7 @@ DEFAULT_MAX_INFLIGHT = 4096
 
 
 def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
-    """"1,2,4,8" or [1, 2, 4, 8] -> sorted unique positive ints; ValueError with a hint otherwise."""
+    """ "1,2,4,8" or [1, 2, 4, 8] -> sorted unique positive ints; ValueError with a hint otherwise."""
     if isinstance(text, str):
         try:
             values = [int(p) for p in text.split(",") if p.strip()]
@@ -51,7 +52,7 @@ def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def plan_buckets(buckets: str | Sequence[int], max_batch: Optional[int]) -> tuple[tuple[int, ...], int]:
+def plan_buckets(buckets: str | Sequence[int], max_batch: int | None) -> tuple[tuple[int, ...], int]:
     """Buckets actually used for a `max_batch` row limit, and that limit.
 
     Buckets above the smallest one that holds `max_batch` are never used and are dropped, so
@@ -89,23 +90,23 @@ class WorkerConfig:
     sim_batch_ms / sim_row_ms (sim: latency model): backend options, see `backend_options`."""
 
     backend: str = "torch"
-    device: Optional[str] = None
+    device: str | None = None
     bf16: bool = False
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    max_batch: Optional[int] = None
+    max_batch: int | None = None
     merge: str = "auto"
     max_request_rows: int = MAX_STEP_ROWS
-    max_queue_rows: Optional[int] = DEFAULT_MAX_QUEUE_ROWS
+    max_queue_rows: int | None = DEFAULT_MAX_QUEUE_ROWS
     max_inflight: int = DEFAULT_MAX_INFLIGHT
-    metrics_port: Optional[int] = None
+    metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
     connect_attempts: int = 10
     reconnect_wait_s: float = 1.0
-    threads: Optional[int] = None
-    xla_cache: Optional[str] = None
-    sim_preset: Optional[str] = None
-    sim_batch_ms: Optional[float] = None
-    sim_row_ms: Optional[float] = None
+    threads: int | None = None
+    xla_cache: str | None = None
+    sim_preset: str | None = None
+    sim_batch_ms: float | None = None
+    sim_row_ms: float | None = None
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -128,12 +129,15 @@ class WorkerConfig:
         if self.metrics_port == 0:
             fix("metrics_port", None)  # 0 means off, as on the command line
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be a TCP port 1-65535 (or None / 0: no metrics), got {self.metrics_port}")
+            raise ValueError(
+                f"metrics_port must be a TCP port 1-65535 (or None / 0: no metrics), got {self.metrics_port}"
+            )
         if not self.metrics_host:
             raise ValueError("metrics_host must name an interface, e.g. 127.0.0.1 or 0.0.0.0")
         if self.connect_attempts < 1:
-            raise ValueError(f"connect_attempts must be >= 1 (tries for the first bus connection), "
-                             f"got {self.connect_attempts}")
+            raise ValueError(
+                f"connect_attempts must be >= 1 (tries for the first bus connection), got {self.connect_attempts}"
+            )
         if self.reconnect_wait_s < 0:
             raise ValueError(f"reconnect_wait_s must be >= 0 seconds, got {self.reconnect_wait_s}")
         if self.threads is not None and self.threads < 1:
@@ -160,13 +164,16 @@ class WorkerConfig:
         if self.backend == "xla" and self.xla_cache:
             opts["cache_path"] = self.xla_cache
         if self.backend == "sim":
-            for key, value in (("preset", self.sim_preset), ("batch_ms", self.sim_batch_ms),
-                               ("row_ms", self.sim_row_ms)):
+            for key, value in (
+                ("preset", self.sim_preset),
+                ("batch_ms", self.sim_batch_ms),
+                ("row_ms", self.sim_row_ms),
+            ):
                 if value is not None:
                     opts[key] = value
         return opts
 
-    def replace(self, **changes: Any) -> "WorkerConfig":
+    def replace(self, **changes: Any) -> WorkerConfig:
         """A copy with `changes` (checked again)."""
         return dataclasses.replace(self, **changes)
 
@@ -184,17 +191,35 @@ class WorkerConfig:
 
     def to_argv(self) -> list[str]:
         """`ddm-fleet worker` options that reproduce this config (every option, defaults included)."""
-        argv = ["--backend", self.backend, "--buckets", ",".join(map(str, self.buckets)),
-                "--merge", self.merge,
-                "--max-request-rows", str(self.max_request_rows),
-                "--max-queue-rows", str(self.max_queue_rows or 0), "--max-inflight", str(self.max_inflight),
-                "--connect-attempts", str(self.connect_attempts), "--metrics-host", self.metrics_host,
-                "--bf16" if self.bf16 else "--no-bf16"]
-        for flag, value in (("--device", self.device), ("--max-batch", self.max_batch),
-                            ("--metrics-port", self.metrics_port),
-                            ("--threads", self.threads), ("--xla-cache", self.xla_cache),
-                            ("--sim-preset", self.sim_preset), ("--sim-batch-ms", self.sim_batch_ms),
-                            ("--sim-row-ms", self.sim_row_ms)):
+        argv = [
+            "--backend",
+            self.backend,
+            "--buckets",
+            ",".join(map(str, self.buckets)),
+            "--merge",
+            self.merge,
+            "--max-request-rows",
+            str(self.max_request_rows),
+            "--max-queue-rows",
+            str(self.max_queue_rows or 0),
+            "--max-inflight",
+            str(self.max_inflight),
+            "--connect-attempts",
+            str(self.connect_attempts),
+            "--metrics-host",
+            self.metrics_host,
+            "--bf16" if self.bf16 else "--no-bf16",
+        ]
+        for flag, value in (
+            ("--device", self.device),
+            ("--max-batch", self.max_batch),
+            ("--metrics-port", self.metrics_port),
+            ("--threads", self.threads),
+            ("--xla-cache", self.xla_cache),
+            ("--sim-preset", self.sim_preset),
+            ("--sim-batch-ms", self.sim_batch_ms),
+            ("--sim-row-ms", self.sim_row_ms),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         return argv
@@ -216,56 +241,119 @@ class WorkerConfig:
         buckets = d["buckets"] if isinstance(d["buckets"], str) else ",".join(map(str, d["buckets"]))
 
         g = parser.add_argument_group("worker serving options")
-        g.add_argument("--backend", choices=BACKENDS, default=d["backend"],
-                       help=f"model runtime (default: {d['backend']}). sim: a simulated expert, no model: it sleeps "
-                            "batch_ms + row_ms * padded rows per batch and returns a closed-form velocity toward a "
-                            "fixed per-class image; decoding, validation, batching and replies stay real (the "
-                            "checkpoint still gives shape, classes and expert id), so dozens of 'GPU' workers fit on "
-                            "one CPU box")
-        g.add_argument("--sim-preset", choices=SIM_PRESETS, default=d["sim_preset"],
-                       help="sim backend latency: h200-torch (3.33 ms + 0.00575 ms/row, the default), h200-jax "
-                            "(2.20 ms + 0.0165 ms/row; both fitted to the H200 table in docs/DEPLOYMENT.md), "
-                            "instant (0 + 0)")
-        g.add_argument("--sim-batch-ms", type=float, default=d["sim_batch_ms"], metavar="MS",
-                       help="sim backend: fixed milliseconds per batch (overrides the preset)")
-        g.add_argument("--sim-row-ms", type=float, default=d["sim_row_ms"], metavar="MS",
-                       help="sim backend: milliseconds per padded row (overrides the preset)")
-        g.add_argument("--device", default=d["device"],
-                       help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
+        g.add_argument(
+            "--backend",
+            choices=BACKENDS,
+            default=d["backend"],
+            help=f"model runtime (default: {d['backend']}). sim: a simulated expert, no model: it sleeps "
+            "batch_ms + row_ms * padded rows per batch and returns a closed-form velocity toward a "
+            "fixed per-class image; decoding, validation, batching and replies stay real (the "
+            "checkpoint still gives shape, classes and expert id), so dozens of 'GPU' workers fit on "
+            "one CPU box",
+        )
+        g.add_argument(
+            "--sim-preset",
+            choices=SIM_PRESETS,
+            default=d["sim_preset"],
+            help="sim backend latency: h200-torch (3.33 ms + 0.00575 ms/row, the default), h200-jax "
+            "(2.20 ms + 0.0165 ms/row; both fitted to the H200 table in docs/DEPLOYMENT.md), "
+            "instant (0 + 0)",
+        )
+        g.add_argument(
+            "--sim-batch-ms",
+            type=float,
+            default=d["sim_batch_ms"],
+            metavar="MS",
+            help="sim backend: fixed milliseconds per batch (overrides the preset)",
+        )
+        g.add_argument(
+            "--sim-row-ms",
+            type=float,
+            default=d["sim_row_ms"],
+            metavar="MS",
+            help="sim backend: milliseconds per padded row (overrides the preset)",
+        )
+        g.add_argument(
+            "--device",
+            default=d["device"],
+            help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]",
+        )
         add_switch(g, "bf16", default=d["bf16"], help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
         g.add_argument("--buckets", default=buckets, help=f"batch sizes compiled and padded to (default: {buckets})")
-        g.add_argument("--max-batch", type=int, default=d["max_batch"], metavar="N",
-                       help="most rows per forward pass (default: the largest bucket; must fit a bucket)")
-        g.add_argument("--merge", choices=MERGE_MODES, default=d["merge"],
-                       help="merging queued requests into one forward pass: auto (default) merges where the warm "
-                            "forward times say one bigger pass is at least 10%% cheaper than two (a GPU/XLA device, "
-                            "whose cost is mostly fixed, merges; a CPU, whose cost grows with the rows, runs them "
-                            "one after another so each answer goes back sooner); always: fill every pass up to "
-                            "--max-batch")
-        g.add_argument("--max-request-rows", type=int, default=d["max_request_rows"], metavar="N",
-                       help=f"refuse requests with more rows (too_large); default {d['max_request_rows']}, the "
-                            f"protocol limit is {MAX_STEP_ROWS}")
-        g.add_argument("--max-queue-rows", type=int, default=d["max_queue_rows"], metavar="N",
-                       help=f"answer `overloaded` when this many rows already wait (default {d['max_queue_rows']}; "
-                            "0: no limit)")
-        g.add_argument("--max-inflight", type=int, default=d["max_inflight"], metavar="N",
-                       help=f"answer `overloaded` while this many requests are held (default {d['max_inflight']})")
-        g.add_argument("--metrics-port", type=int, default=d["metrics_port"], metavar="P",
-                       help="also serve Prometheus text metrics on http://HOST:P/metrics (conventional port: "
-                            "9477; default and 0: off)")
-        g.add_argument("--metrics-host", default=d["metrics_host"], metavar="HOST",
-                       help=f"interface the metrics bind (default {d['metrics_host']}, loopback only; 0.0.0.0 for "
-                            "a Prometheus on another machine)")
-        g.add_argument("--connect-attempts", type=int, default=d["connect_attempts"], metavar="N",
-                       help="tries for the first connection to NATS (reconnects after that are unlimited; "
-                            f"default {d['connect_attempts']})")
-        g.add_argument("--threads", type=int, default=d["threads"], metavar="N",
-                       help="torch backend: intra-op CPU threads")
-        g.add_argument("--xla-cache", default=d["xla_cache"], metavar="DIR",
-                       help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)")
+        g.add_argument(
+            "--max-batch",
+            type=int,
+            default=d["max_batch"],
+            metavar="N",
+            help="most rows per forward pass (default: the largest bucket; must fit a bucket)",
+        )
+        g.add_argument(
+            "--merge",
+            choices=MERGE_MODES,
+            default=d["merge"],
+            help="merging queued requests into one forward pass: auto (default) merges where the warm "
+            "forward times say one bigger pass is at least 10%% cheaper than two (a GPU/XLA device, "
+            "whose cost is mostly fixed, merges; a CPU, whose cost grows with the rows, runs them "
+            "one after another so each answer goes back sooner); always: fill every pass up to "
+            "--max-batch",
+        )
+        g.add_argument(
+            "--max-request-rows",
+            type=int,
+            default=d["max_request_rows"],
+            metavar="N",
+            help=f"refuse requests with more rows (too_large); default {d['max_request_rows']}, the "
+            f"protocol limit is {MAX_STEP_ROWS}",
+        )
+        g.add_argument(
+            "--max-queue-rows",
+            type=int,
+            default=d["max_queue_rows"],
+            metavar="N",
+            help=f"answer `overloaded` when this many rows already wait (default {d['max_queue_rows']}; 0: no limit)",
+        )
+        g.add_argument(
+            "--max-inflight",
+            type=int,
+            default=d["max_inflight"],
+            metavar="N",
+            help=f"answer `overloaded` while this many requests are held (default {d['max_inflight']})",
+        )
+        g.add_argument(
+            "--metrics-port",
+            type=int,
+            default=d["metrics_port"],
+            metavar="P",
+            help="also serve Prometheus text metrics on http://HOST:P/metrics (conventional port: "
+            "9477; default and 0: off)",
+        )
+        g.add_argument(
+            "--metrics-host",
+            default=d["metrics_host"],
+            metavar="HOST",
+            help=f"interface the metrics bind (default {d['metrics_host']}, loopback only; 0.0.0.0 for "
+            "a Prometheus on another machine)",
+        )
+        g.add_argument(
+            "--connect-attempts",
+            type=int,
+            default=d["connect_attempts"],
+            metavar="N",
+            help="tries for the first connection to NATS (reconnects after that are unlimited; "
+            f"default {d['connect_attempts']})",
+        )
+        g.add_argument(
+            "--threads", type=int, default=d["threads"], metavar="N", help="torch backend: intra-op CPU threads"
+        )
+        g.add_argument(
+            "--xla-cache",
+            default=d["xla_cache"],
+            metavar="DIR",
+            help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)",
+        )
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "WorkerConfig":
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
         """The config of parsed `add_arguments` options (ValueError, saying what to fix, when out of range).
         `--max-queue-rows 0` means no limit; `--metrics-port 0` means no metrics."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}

@@ -28,7 +28,7 @@ GET /metrics and returns its runner (call `await runner.cleanup()` to stop it).
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -50,7 +50,9 @@ def _fmt(v: float) -> str:
 class WorkerMetrics:
     """The metrics of one worker. `labels` go on every series (e.g. expert, backend)."""
 
-    def __init__(self, labels: Optional[dict[str, str]] = None, batch_bounds: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128)):
+    def __init__(
+        self, labels: dict[str, str] | None = None, batch_bounds: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128)
+    ):
         self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
         self.started = time.time()
         self.registry = CollectorRegistry()
@@ -68,8 +70,9 @@ class WorkerMetrics:
         self._requests = counter("ddm_worker_requests", "Step requests received.")
         self._rows = counter("ddm_worker_rows", "Rows (images) requested.")
         self._replies = counter("ddm_worker_replies", "Successful step replies sent.")
-        self._errors = Counter("ddm_worker_errors", "Error replies sent, by error code.", [*names, "code"],
-                               registry=self.registry)  # a series per code, from its first error on
+        self._errors = Counter(
+            "ddm_worker_errors", "Error replies sent, by error code.", [*names, "code"], registry=self.registry
+        )  # a series per code, from its first error on
         self._batches = counter("ddm_worker_batches", "Forward passes run.")
         self._padded = counter("ddm_worker_padded_rows", "Padding rows computed and thrown away.")
         self._compute_s = counter("ddm_worker_compute_seconds", "Wall time inside the model.")

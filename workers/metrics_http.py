@@ -37,8 +37,10 @@ def _registry(source: Any):
     """A CollectorRegistry, or the `.registry` of a metrics object."""
     registry = getattr(source, "registry", source)
     if not hasattr(registry, "collect"):
-        raise TypeError(f"serve_metrics needs a prometheus_client registry (or an object with .registry), "
-                        f"got {type(source).__name__}")
+        raise TypeError(
+            f"serve_metrics needs a prometheus_client registry (or an object with .registry), "
+            f"got {type(source).__name__}"
+        )
     return registry
 
 
@@ -52,7 +54,7 @@ async def serve_metrics(source: Any, port: int, host: str = DEFAULT_METRICS_HOST
 
     registry = _registry(source)
 
-    async def handle(_request: "web.Request") -> "web.Response":
+    async def handle(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application()

@@ -7,9 +7,9 @@ capacity with no configuration. It also serves the same handler on a direct subj
 its requests itself (join-shortest-queue, coordinator/dispatch.py) reaches this one worker; both
 subscriptions come and go together (a stop drains the direct one first). Requests that arrive
 while the model is busy are batched (`workers.batcher`), padded to a bucket size (unless the backend
-runs any shape: torch on a CPU) and run in one
-forward pass in a worker thread; the asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before
-the endpoint is subscribed.
+runs any shape: torch on a CPU) and run in one forward pass in a worker thread; the asyncio loop
+keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before the endpoint is
+subscribed.
 
 Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / tests use):
 
@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import socket
 import time
 import uuid
 from importlib import metadata as _md
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -97,15 +98,15 @@ class ExpertWorker:
     def __init__(
         self,
         expert: int,
-        checkpoint: Optional[str | os.PathLike] = None,
+        checkpoint: str | os.PathLike | None = None,
         backend: Any = None,
         *,
-        config: Optional[WorkerConfig] = None,
+        config: WorkerConfig | None = None,
         nats_url: str = "nats://127.0.0.1:4222",
         nc: Any = None,
-        backend_options: Optional[dict] = None,
-        worker_id: Optional[str] = None,
-        reconnect_wait: Optional[float] = None,
+        backend_options: dict | None = None,
+        worker_id: str | None = None,
+        reconnect_wait: float | None = None,
         **serving: Any,
     ):
         """`backend`: a name (default `config.backend`, "torch") or a loaded `Backend` object.
@@ -156,12 +157,13 @@ class ExpertWorker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         #: where this worker alone is reached (besides the queue group): ddm.v1.expert.<K>.velocity.<token>
         self.direct_subject = subjects.expert_direct(expert, subjects.worker_token(self.worker_id))
-        self.metrics = WorkerMetrics(labels={"expert": str(expert), "backend": self._backend_name},
-                                     batch_bounds=self.buckets)
+        self.metrics = WorkerMetrics(
+            labels={"expert": str(expert), "backend": self._backend_name}, batch_bounds=self.buckets
+        )
         self.nc = nc
         self._own_nc = nc is None
         self._service = None
-        self._batcher: Optional[Batcher] = None
+        self._batcher: Batcher | None = None
         self._metrics_runner = None
         self._inflight: set[asyncio.Task] = set()
         self._started = False
@@ -170,7 +172,7 @@ class ExpertWorker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def __aenter__(self) -> "ExpertWorker":
+    async def __aenter__(self) -> ExpertWorker:
         await self.start()
         return self
 
@@ -187,9 +189,15 @@ class ExpertWorker:
             if self.nc is None:
                 self.nc = await self._connect()
             await asyncio.to_thread(self._prepare_backend)
-            self._batcher = Batcher(self.backend.forward, self.buckets, self.max_batch, observer=self.metrics.batch,
-                                    forward_s=getattr(self.backend, "warmup_s", None), merge=self.merge,
-                                    pad=bool(getattr(self.backend, "pads_to_buckets", True)))
+            self._batcher = Batcher(
+                self.backend.forward,
+                self.buckets,
+                self.max_batch,
+                observer=self.metrics.batch,
+                forward_s=getattr(self.backend, "warmup_s", None),
+                merge=self.merge,
+                pad=bool(getattr(self.backend, "pads_to_buckets", True)),
+            )
             await self._batcher.start()
             if self.metrics_port is not None:
                 self._metrics_runner = await serve_metrics(self.metrics, self.metrics_port, self.metrics_host)
@@ -198,10 +206,18 @@ class ExpertWorker:
             await self._teardown()
             raise
         self._started = True
-        log.info("expert %d worker %s serving %s and %s (%s on %s, buckets %s%s, merge %s)", self.expert,
-                 self.worker_id, subjects.expert_velocity(self.expert), self.direct_subject, self.backend.name,
-                 self.backend.device, ",".join(map(str, self.buckets)),
-                 "" if self._batcher.pad else " as limits, batches not padded", self.merge)
+        log.info(
+            "expert %d worker %s serving %s and %s (%s on %s, buckets %s%s, merge %s)",
+            self.expert,
+            self.worker_id,
+            subjects.expert_velocity(self.expert),
+            self.direct_subject,
+            self.backend.name,
+            self.backend.device,
+            ",".join(map(str, self.buckets)),
+            "" if self._batcher.pad else " as limits, batches not padded",
+            self.merge,
+        )
 
     def _prepare_backend(self) -> None:
         from .backends import get_backend
@@ -214,8 +230,10 @@ class ExpertWorker:
             self.backend.load(self.checkpoint)
         ck_expert = getattr(self.backend, "expert", None)
         if ck_expert is not None and ck_expert != self.expert:
-            raise ValueError(f"checkpoint {self.checkpoint} is for expert {ck_expert}, not expert {self.expert}; "
-                             f"pass --expert {ck_expert} or the right checkpoint")
+            raise ValueError(
+                f"checkpoint {self.checkpoint} is for expert {ck_expert}, not expert {self.expert}; "
+                f"pass --expert {ck_expert} or the right checkpoint"
+            )
         self.backend.warmup(self.buckets)
 
     async def _connect(self):
@@ -232,13 +250,22 @@ class ExpertWorker:
             log.warning("nats: disconnected from %s; reconnecting", without_credentials(self.nats_url))
 
         async def on_reconnect() -> None:
-            log.warning("nats: reconnected to %s", self.nc.connected_url.netloc.rsplit("@", 1)[-1]
-                        if self.nc.connected_url else "?")
+            log.warning(
+                "nats: reconnected to %s",
+                self.nc.connected_url.netloc.rsplit("@", 1)[-1] if self.nc.connected_url else "?",
+            )
 
-        return await connect(self.nats_url, name=f"ddm-worker-e{self.expert}-{self._backend_name}",
-                             reconnect="forever", first_connect_attempts=max(1, self.connect_attempts),
-                             reconnect_wait_s=self.reconnect_wait, pending_size=64 * 1024 * 1024,
-                             error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+        return await connect(
+            self.nats_url,
+            name=f"ddm-worker-e{self.expert}-{self._backend_name}",
+            reconnect="forever",
+            first_connect_attempts=max(1, self.connect_attempts),
+            reconnect_wait_s=self.reconnect_wait,
+            pending_size=64 * 1024 * 1024,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
 
     def metadata(self) -> dict[str, str]:
         be = self.backend
@@ -269,6 +296,9 @@ class ExpertWorker:
             meta["num_classes"] = str(classes)
         if getattr(be, "null_label", False):  # serves y = -1 (label unknown); absent: it does not
             meta["null_label"] = "true"
+        spec = getattr(be, "spec", None)
+        if spec is not None:  # the model spec as compact JSON (schemas.spec.ModelSpec)
+            meta["spec"] = json.dumps(spec.to_json(), separators=(",", ":"))
         return meta
 
     async def _advertise(self) -> None:
@@ -297,8 +327,12 @@ class ExpertWorker:
             subject=self.direct_subject,
             queue_group=subjects.expert_queue_group(self.expert),
             handler=self._on_request,
-            metadata={"expert": str(self.expert), "request": "StepRequest", "reply": "StepReply|ErrorReply",
-                      "worker_id": self.worker_id},
+            metadata={
+                "expert": str(self.expert),
+                "request": "StepRequest",
+                "reply": "StepReply|ErrorReply",
+                "worker_id": self.worker_id,
+            },
         )
         # Two round trips: with nats-py a single flush() was seen to return before the server had the
         # queue subscription (a request right after start() then met "no responders" on a loaded box).
@@ -306,7 +340,7 @@ class ExpertWorker:
         await self.nc.flush()
 
     @property
-    def service_id(self) -> Optional[str]:
+    def service_id(self) -> str | None:
         return self._service.id if self._service is not None else None
 
     def info(self) -> dict:
@@ -324,7 +358,7 @@ class ExpertWorker:
         self._stopping = True
         try:
             await asyncio.wait_for(self._shutdown(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("graceful stop took over %.0f s; closing anyway", timeout)
         finally:
             await self._teardown()
@@ -335,8 +369,11 @@ class ExpertWorker:
         #    handed to _on_request, which queues them); the queue group sends new ones elsewhere, and
         #    a direct request meets "no responders" (the coordinator resends it to the queue group).
         if self._service is not None and self.nc is not None and self.nc.is_connected:
-            subs = [sub for ep in reversed(list(getattr(self._service, "_endpoints", [])))  # direct first
-                    if (sub := getattr(ep, "_subscription", None)) is not None]
+            subs = [
+                sub
+                for ep in reversed(list(getattr(self._service, "_endpoints", [])))  # direct first
+                if (sub := getattr(ep, "_subscription", None)) is not None
+            ]
             await self._unsubscribe_first(subs)
             for sub in subs:
                 try:
@@ -413,14 +450,18 @@ class ExpertWorker:
             return
         try:
             if len(self._inflight) >= self.max_inflight:
-                raise ProtocolError(ErrorCode.OVERLOADED,
-                                    f"worker holds {len(self._inflight)} requests (limit {self.max_inflight}); "
-                                    f"retry or send to another worker")
+                raise ProtocolError(
+                    ErrorCode.OVERLOADED,
+                    f"worker holds {len(self._inflight)} requests (limit {self.max_inflight}); "
+                    f"retry or send to another worker",
+                )
             step, x, t, y = self._decode(req.data)
             if self.max_queue_rows is not None and self._batcher.queued_rows + x.shape[0] > self.max_queue_rows:
-                raise ProtocolError(ErrorCode.OVERLOADED,
-                                    f"worker queue is full ({self._batcher.queued_rows} rows waiting, limit "
-                                    f"{self.max_queue_rows}); retry or send to another worker")
+                raise ProtocolError(
+                    ErrorCode.OVERLOADED,
+                    f"worker queue is full ({self._batcher.queued_rows} rows waiting, limit "
+                    f"{self.max_queue_rows}); retry or send to another worker",
+                )
             fut = self._batcher.submit(x, t, y, deadline=step.deadline)
         except ProtocolError as err:
             await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
@@ -439,9 +480,13 @@ class ExpertWorker:
 
     def _drop(self, reply_to: str) -> None:
         self.dropped_requests += 1
-        self._drop_log.warning("dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* "
-                               "(%d dropped so far)", reply_to[:200], subjects.INBOX, subjects.INBOX,
-                               self.dropped_requests)
+        self._drop_log.warning(
+            "dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* (%d dropped so far)",
+            reply_to[:200],
+            subjects.INBOX,
+            subjects.INBOX,
+            self.dropped_requests,
+        )
 
     def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
         """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad.
@@ -450,22 +495,30 @@ class ExpertWorker:
         backends only read them); float16 x_t is widened to float32 here (one pass)."""
         step = unpack(data, StepRequest)
         if step.expert != self.expert:
-            raise ProtocolError(ErrorCode.UNKNOWN_EXPERT,
-                                f"this worker serves expert {self.expert}; the request is for expert {step.expert}")
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_EXPERT,
+                f"this worker serves expert {self.expert}; the request is for expert {step.expert}",
+            )
         b = step.x_t.shape[0]
         want = tuple(getattr(self.backend, "input_shape", step.x_t.shape[1:]))
         if tuple(step.x_t.shape[1:]) != want:
-            raise ProtocolError(ErrorCode.BAD_SHAPE,
-                                f"x_t rows must be [C, H, W] = {list(want)} for this model, got {list(step.x_t.shape[1:])}")
+            raise ProtocolError(
+                ErrorCode.BAD_SHAPE,
+                f"x_t rows must be [C, H, W] = {list(want)} for this model, got {list(step.x_t.shape[1:])}",
+            )
         if b > self.max_request_rows:
-            raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"request has {b} rows; this worker accepts at most {self.max_request_rows} per request")
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"request has {b} rows; this worker accepts at most {self.max_request_rows} per request",
+            )
         classes = getattr(self.backend, "num_classes", None)
         if classes is not None and b:
             self._check_labels(step.y, classes)
         if step.deadline is not None and time.time() > step.deadline:
-            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED,
-                                f"deadline passed {time.time() - step.deadline:.3f} s before the request arrived")
+            raise ProtocolError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"deadline passed {time.time() - step.deadline:.3f} s before the request arrived",
+            )
         x = widen_float32(step.x_t)
         t = np.asarray(step.t, dtype=np.float32)
         y = np.asarray(step.y, dtype=np.int64)
@@ -477,10 +530,14 @@ class ExpertWorker:
         lo, hi = int(y.min()), int(y.max())
         has_null = bool(getattr(self.backend, "null_label", False))
         if lo == UNCONDITIONAL and hi < classes and not has_null:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, (
-                f"y = {UNCONDITIONAL} (label unknown: an unconditional row) needs an expert trained with a null "
-                f"label (train-expert --label-dropout > 0); expert {self.expert}'s model on this worker has none: "
-                f"send class labels 0-{classes - 1}, or serve a checkpoint that has a null label"))
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                (
+                    f"y = {UNCONDITIONAL} (label unknown: an unconditional row) needs an expert trained with a null "
+                    f"label (train-expert --label-dropout > 0); expert {self.expert}'s model on this worker has none: "
+                    f"send class labels 0-{classes - 1}, or serve a checkpoint that has a null label"
+                ),
+            )
         if lo < (UNCONDITIONAL if has_null else 0) or hi >= classes:
             allowed = f"[0, {classes - 1}]" + (f" or {UNCONDITIONAL} (label unknown)" if has_null else "")
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"class labels y must lie in {allowed}, got min {lo} max {hi}")
@@ -502,21 +559,29 @@ class ExpertWorker:
             if not np.isfinite(result.velocity).all():
                 peak = float(np.abs(step.x_t).max()) if step.x_t.size else 0.0
                 if peak > SANE_ABS_X:  # the input's fault, not ours: a retry elsewhere would get the same
-                    raise ProtocolError(ErrorCode.NON_FINITE,
-                                        f"the model's velocity is NaN/Inf for x_t values up to {peak:.3g} (float32 "
-                                        f"overflow); a sample x_t stays within a few units of 0")
+                    raise ProtocolError(
+                        ErrorCode.NON_FINITE,
+                        f"the model's velocity is NaN/Inf for x_t values up to {peak:.3g} (float32 "
+                        f"overflow); a sample x_t stays within a few units of 0",
+                    )
                 raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
             # float32, or the precision the request asked for (float16 overflow: `non_finite`, saying so)
             velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
             reply = StepReply(
-                expert=self.expert, velocity=velocity, row_ids=list(step.row_ids),
-                backend=self.backend.name, device=str(self.backend.device), worker_id=self.worker_id,
-                compute_ms=round(result.info.compute_s * 1000.0, 3), batch_rows=result.info.bucket,
+                expert=self.expert,
+                velocity=velocity,
+                row_ids=list(step.row_ids),
+                backend=self.backend.name,
+                device=str(self.backend.device),
+                worker_id=self.worker_id,
+                compute_ms=round(result.info.compute_s * 1000.0, 3),
+                batch_rows=result.info.bucket,
             )
             data = pack(reply)
         except ProtocolError as err:
-            await self._reply_error(req, err.code if err.code != ErrorCode.BAD_REQUEST else ErrorCode.INTERNAL,
-                                    err.message, step.request_id)
+            await self._reply_error(
+                req, err.code if err.code != ErrorCode.BAD_REQUEST else ErrorCode.INTERNAL, err.message, step.request_id
+            )
             return
         except Exception as err:
             await self._reply_error(req, ErrorCode.INTERNAL, f"cannot build the reply: {err}", step.request_id)
@@ -524,7 +589,7 @@ class ExpertWorker:
         if await self._send(req, data):
             self.metrics.reply(time.perf_counter() - received)
 
-    async def _reply_error(self, req, code: ErrorCode | str, message: str, request_id: Optional[str] = None) -> None:
+    async def _reply_error(self, req, code: ErrorCode | str, message: str, request_id: str | None = None) -> None:
         code = ErrorCode(code)
         self.metrics.error(code.value)
         log.debug("error reply %s: %s", code.value, message)
@@ -532,11 +597,13 @@ class ExpertWorker:
             data = pack(ErrorReply(code=code, message=message, request_id=request_id))
         except Exception:  # e.g. a request_id that is not a valid Id
             data = pack(ErrorReply(code=code, message=message))
-        headers = {"Nats-Service-Error": message[:512].replace("\r", " ").replace("\n", " "),
-                   "Nats-Service-Error-Code": code.value}
+        headers = {
+            "Nats-Service-Error": message[:512].replace("\r", " ").replace("\n", " "),
+            "Nats-Service-Error-Code": code.value,
+        }
         await self._send(req, data, headers)
 
-    async def _send(self, req, data: bytes, headers: Optional[dict] = None) -> bool:
+    async def _send(self, req, data: bytes, headers: dict | None = None) -> bool:
         try:
             await req.respond(data, headers=headers)
             return True
@@ -547,7 +614,7 @@ class ExpertWorker:
             return False
 
 
-def _peek_request_id(data: bytes) -> Optional[str]:
+def _peek_request_id(data: bytes) -> str | None:
     """Best-effort request_id from bytes that failed validation (for the error reply)."""
     try:
         from schemas import loads

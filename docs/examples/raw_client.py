@@ -24,7 +24,8 @@ import argparse
 import asyncio
 import secrets
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgpack
@@ -79,6 +80,7 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def decode(data: bytes) -> dict[str, Any]:
     """msgpack bytes -> message map. Refuses ext types; checks `v`."""
+
     def no_ext(code: int, _data: bytes):
         raise ValueError(f"msgpack ext type {code} is not part of the protocol")
 
@@ -107,9 +109,13 @@ async def step(nc, expert: int, x_t: np.ndarray, t: np.ndarray, y: np.ndarray, *
     """
     b = x_t.shape[0]
     request = {
-        "kind": "step_request", "expert": expert,
-        "x_t": encode_tensor(x_t.astype("<f4")), "t": encode_tensor(t.astype("<f4")), "y": encode_tensor(y.astype("<i8")),
-        "row_ids": [f"row-{i}" for i in range(b)], "request_id": secrets.token_hex(6),
+        "kind": "step_request",
+        "expert": expert,
+        "x_t": encode_tensor(x_t.astype("<f4")),
+        "t": encode_tensor(t.astype("<f4")),
+        "y": encode_tensor(y.astype("<i8")),
+        "row_ids": [f"row-{i}" for i in range(b)],
+        "request_id": secrets.token_hex(6),
     }
     reply = await nc.request(f"{PREFIX}.expert.{expert}.velocity", encode(request), timeout=timeout)
     msg = raise_if_error(decode(reply.data))
@@ -122,9 +128,17 @@ async def step(nc, expert: int, x_t: np.ndarray, t: np.ndarray, y: np.ndarray, *
 # ---------------------------------------------------------------- generation jobs
 
 
-async def generate(nc, digits: list[int], *, steps: int = 40, strategy: str = "top1", seed: Optional[int] = None,
-                   on_event: Optional[Callable[[dict], None]] = None, timeout: float = 120.0,
-                   client: str = "anon") -> dict:
+async def generate(
+    nc,
+    digits: list[int],
+    *,
+    steps: int = 40,
+    strategy: str = "top1",
+    seed: int | None = None,
+    on_event: Callable[[dict], None] | None = None,
+    timeout: float = 120.0,
+    client: str = "anon",
+) -> dict:
     """Run one job; returns the "done" event with "images" decoded to [N, 1, 32, 32] float32 in [-1, 1].
 
     Order matters: choose the job id, subscribe to its events subject, flush (so the server
@@ -135,8 +149,15 @@ async def generate(nc, digits: list[int], *, steps: int = 40, strategy: str = "t
     events = await nc.subscribe(f"{jobs}.{job_id}.events")
     try:
         await nc.flush()
-        request = {"kind": "job_request", "job_id": job_id, "digits": digits, "steps": steps, "strategy": strategy,
-                   "stream": True, "frame_every": 1}
+        request = {
+            "kind": "job_request",
+            "job_id": job_id,
+            "digits": digits,
+            "steps": steps,
+            "strategy": strategy,
+            "stream": True,
+            "frame_every": 1,
+        }
         if seed is not None:
             request["seed"] = seed
         reply = raise_if_error(decode((await nc.request(f"{jobs}.submit", encode(request), timeout=10)).data))
@@ -177,11 +198,10 @@ async def cancel(nc, job_id: str, *, client: str = "anon") -> bool:
 # ---------------------------------------------------------------- command line
 
 
-async def _main(argv: Optional[list[str]] = None) -> int:
+async def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="ddm-fleet raw protocol client (nats-py + msgpack only)")
     parser.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS server URL")
-    parser.add_argument("--client", default=None,
-                        help="client name (default: the user in --url, else anon)")
+    parser.add_argument("--client", default=None, help="client name (default: the user in --url, else anon)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_step = sub.add_parser("step", help="one velocity evaluation by one expert")
     p_step.add_argument("--expert", type=int, default=0)
@@ -199,12 +219,20 @@ async def _main(argv: Optional[list[str]] = None) -> int:
             x = rng.standard_normal((args.batch, 1, 32, 32)).astype(np.float32)
             reply = await step(nc, args.expert, x, np.zeros(args.batch, np.float32), np.arange(args.batch) % 10)
             v = reply["velocity"]
-            print(f"expert {reply['expert']} ({reply['backend'] or '?'} on {reply['device'] or '?'}): "
-                  f"velocity {list(v.shape)} {v.dtype}, mean |v| = {float(np.abs(v).mean()):.4f}")
+            print(
+                f"expert {reply['expert']} ({reply['backend'] or '?'} on {reply['device'] or '?'}): "
+                f"velocity {list(v.shape)} {v.dtype}, mean |v| = {float(np.abs(v).mean()):.4f}"
+            )
         else:
-            done = await generate(nc, args.digits, steps=args.steps, client=client,
-                                  on_event=lambda e: print(f"  {e['kind']}" + (f" step {e['step']}/{e['steps']}"
-                                                                               if e["kind"] == "frame" else "")))
+            done = await generate(
+                nc,
+                args.digits,
+                steps=args.steps,
+                client=client,
+                on_event=lambda e: print(
+                    f"  {e['kind']}" + (f" step {e['step']}/{e['steps']}" if e["kind"] == "frame" else "")
+                ),
+            )
             print(f"done: images {list(done['images'].shape)} for digits {done['digits']} in {done['elapsed_s']:.2f} s")
     except ProtocolFailure as err:
         print(f"error: {err}", file=sys.stderr)

@@ -15,10 +15,10 @@ from ..result import FuzzResult
 log = logging.getLogger(__name__)
 
 
-
 async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: float, bar) -> FuzzResult:
     import nats.errors
 
+    from fuzzing.inputs import Mutator, job_request_variant, message_seeds
     from schemas import (
         CancelReply,
         CancelRequest,
@@ -35,7 +35,6 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
         subjects,
         unpack,
     )
-    from fuzzing.inputs import Mutator, job_request_variant, message_seeds
 
     rng = random.Random(f"coordinator:{seed}")
     seeds = message_seeds()
@@ -63,8 +62,11 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
     def make(_i: int) -> tuple[str, str, bytes]:
         p = rng.random()
         if p < 0.6:
-            return "submit", subjects.jobs_submit(rng.choice(["fuzz", "fuzz", "other"])), \
-                job_request_variant(rng) if rng.random() < 0.25 else mut.message_bytes()
+            return (
+                "submit",
+                subjects.jobs_submit(rng.choice(["fuzz", "fuzz", "other"])),
+                job_request_variant(rng) if rng.random() < 0.25 else mut.message_bytes(),
+            )
         token, client = job_token(), client_token()
         body = b"" if rng.random() < 0.15 else mut.message_bytes()
         if p < 0.78:
@@ -79,8 +81,11 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
         try:
             msg = await nc.request(subject, data, timeout=timeout)
         except nats.errors.MaxPayloadError:
-            return res.count("clear", "nats_max_payload") if len(data) > nc.max_payload else \
-                res.crash(data, "MaxPayloadError under the server's max_payload")
+            return (
+                res.count("clear", "nats_max_payload")
+                if len(data) > nc.max_payload
+                else res.crash(data, "MaxPayloadError under the server's max_payload")
+            )
         except nats.errors.NoRespondersError:
             return res.crash(data, f"no responders on {subject}: the coordinator is gone")
         except nats.errors.TimeoutError:
@@ -89,8 +94,11 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
             try:  # not a job id: the documented answer is an error reply with bad_request
                 err = unpack(msg.data, ErrorReply)
             except ProtocolError as e:
-                return res.crash(data, f"{what} on {subject!r} (not a job id) answered with something other than "
-                                       f"an error reply: {e.code.value}: {e.message}")
+                return res.crash(
+                    data,
+                    f"{what} on {subject!r} (not a job id) answered with something other than "
+                    f"an error reply: {e.code.value}: {e.message}",
+                )
             if err.code is not ErrorCode.BAD_REQUEST or not ("job id" in err.message or "client name" in err.message):
                 return res.crash(data, f"{what} on {subject!r} (not a job id) answered {err.code.value}: {err.message}")
             return res.count("clear", "not_a_job_id")
@@ -117,8 +125,10 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
                 return res.crash(data, f"coordinator accepted a job the schema refuses ({local_code.value})")
             accepted.append(reply.job_id)
             try:  # do not let accepted fuzz jobs pile up
-                await nc.publish(subjects.job_cancel(subjects.parse_submit_subject(subject), reply.job_id),
-                                 pack(CancelRequest(job_id=reply.job_id)))
+                await nc.publish(
+                    subjects.job_cancel(subjects.parse_submit_subject(subject), reply.job_id),
+                    pack(CancelRequest(job_id=reply.job_id)),
+                )
             except Exception as err:
                 log.warning("cancel publish failed: %s", err)
             return res.count("ok", "accepted")
@@ -153,8 +163,9 @@ async def _real_job(nc, job_id: str, timeout: float) -> str:
     events: asyncio.Queue = asyncio.Queue()
     sub = await nc.subscribe(subjects.job_events("fuzz", job_id), cb=events.put)
     try:
-        msg = await nc.request(subjects.jobs_submit("fuzz"), pack(JobRequest(job_id=job_id, digits=[1, 6], steps=3)),
-                               timeout=10)
+        msg = await nc.request(
+            subjects.jobs_submit("fuzz"), pack(JobRequest(job_id=job_id, digits=[1, 6], steps=3)), timeout=10
+        )
         reply = unpack(msg.data, SubmitReply)
         if not isinstance(reply, JobAccepted):
             raise AssertionError(f"the job was not accepted: {reply!r:.300}")

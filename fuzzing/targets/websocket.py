@@ -12,7 +12,6 @@ from ..fleet import Fleet
 from ..result import FuzzResult
 
 
-
 async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: float, bar) -> FuzzResult:
     import aiohttp
 
@@ -23,18 +22,43 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
     seeds = [
         {"type": "generate", "digits": "3,7,7", "steps": 4},
         {"type": "generate", "digits": [1, 2], "steps": 3, "ref": 5},
-        {"type": "generate", "count": 2, "steps": 3, "strategy": "topk", "top_k": 2, "solver": "heun", "seed": "11",
-         "frame_every": 2, "ref": "r"},
+        {
+            "type": "generate",
+            "count": 2,
+            "steps": 3,
+            "strategy": "topk",
+            "top_k": 2,
+            "solver": "heun",
+            "seed": "11",
+            "frame_every": 2,
+            "ref": "r",
+        },
         {"type": "cancel", "job_id": "web0011223344556677", "ref": 1},
         {"type": "ping", "ref": "x"},
     ]
-    mut = Mutator(rng, seeds, extra_keys=("type", "digits", "count", "steps", "strategy", "solver", "top_k", "seed",
-                                          "frame_every", "ref", "job_id"))
+    mut = Mutator(
+        rng,
+        seeds,
+        extra_keys=(
+            "type",
+            "digits",
+            "count",
+            "steps",
+            "strategy",
+            "solver",
+            "top_k",
+            "seed",
+            "frame_every",
+            "ref",
+            "job_id",
+        ),
+    )
     frames = [mut.websocket_frame(MAX_CLIENT_MESSAGE_BYTES) for _ in range(runs)]
     res = FuzzResult("websocket", "random", runs)
     lanes = max(1, min(concurrency, 4))
 
     async with aiohttp.ClientSession() as http:
+
         async def connect():
             ws = await http.ws_connect(fleet.web_url + "/ws", max_msg_size=0, heartbeat=None)
             hello = await ws.receive_json(timeout=timeout)
@@ -48,8 +72,9 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
                 for n, (kind, payload) in items:
                     res.tried += 1
                     try:
-                        ws = await _ws_probe(ws, connect, res, f"{index}-{n}", kind, payload, timeout,
-                                             MAX_CLIENT_MESSAGE_BYTES)
+                        ws = await _ws_probe(
+                            ws, connect, res, f"{index}-{n}", kind, payload, timeout, MAX_CLIENT_MESSAGE_BYTES
+                        )
                     except Exception as err:  # e.g. the server no longer accepts sockets
                         res.crash(payload, f"probe failed: {type(err).__name__}: {err}")
                         await ws.close()
@@ -88,8 +113,7 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
     return res
 
 
-async def _ws_probe(ws, connect, res: FuzzResult, tag: str, kind: str, payload: Any, timeout: float,
-                    max_text: int):
+async def _ws_probe(ws, connect, res: FuzzResult, tag: str, kind: str, payload: Any, timeout: float, max_text: int):
     """Send one frame and a ping barrier; classify what comes back before the pong. Returns the
     socket to use next (a new one when the server closed this one)."""
     from aiohttp import WSMsgType
@@ -112,7 +136,7 @@ async def _ws_probe(ws, connect, res: FuzzResult, tag: str, kind: str, payload: 
     while True:
         try:
             msg = await ws.receive(timeout=max(0.05, deadline - loop.time()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             res.crash(payload, f"no pong within {timeout} s")
             await ws.close()
             return await connect()

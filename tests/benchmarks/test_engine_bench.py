@@ -15,18 +15,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infra.cli", "bench", "engine", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", "bench", "engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--jobs", "0"], "--jobs must be >= 1"),
-    (["--route-every", "0"], "--route-every must be >= 1"),
-    (["--duration", "0"], "--duration must be > 0"),
-    (["--checkpoints", "/nonexistent"], "router.safetensors does not exist"),
-    (["--router", "/nonexistent.safetensors"], "--router /nonexistent.safetensors does not exist"),
-    (["--cohorts", "zero"], "must be 'auto' or an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--route-every", "0"], "--route-every must be >= 1"),
+        (["--duration", "0"], "--duration must be > 0"),
+        (["--checkpoints", "/nonexistent"], "router.safetensors does not exist"),
+        (["--router", "/nonexistent.safetensors"], "--router /nonexistent.safetensors does not exist"),
+        (["--cohorts", "zero"], "must be 'auto' or an int >= 1"),
+    ],
+)
 def test_bad_options_are_refused(argv, message):
     r = _cli(*argv, timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -38,8 +46,21 @@ def test_bench_engine_measures_rows_cpu_and_events():
 
     runs = {}
     for stream in (True, False):
-        r = _cli("--jobs", "64", "--steps", "8", "--duration", "1.5", "--warmup", "0.5", "--route-every", "2",
-                 "--no-progress", "--json", *([] if stream else ["--no-stream"]))
+        r = _cli(
+            "--jobs",
+            "64",
+            "--steps",
+            "8",
+            "--duration",
+            "1.5",
+            "--warmup",
+            "0.5",
+            "--route-every",
+            "2",
+            "--no-progress",
+            "--json",
+            *([] if stream else ["--no-stream"]),
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs[stream] = res = json.loads(r.stdout)
         assert res["setup"]["jobs"] == 64 and res["setup"]["route_every"] == 2 and res["setup"]["cohorts"] == "auto"
@@ -56,13 +77,19 @@ def test_bench_engine_measures_rows_cpu_and_events():
     assert runs[True]["events_per_s"] == pytest.approx(runs[True]["rows_per_s"] * 9 / 8, rel=0.15)
     assert runs[False]["events_per_s"] == pytest.approx(runs[False]["rows_per_s"] / 8, rel=0.15)
     table = format_table(runs[True])
-    assert "rows/s" in table and "the router" in table and "route-every 2" in table and "page faults per 1000 rows" in table
+    assert (
+        "rows/s" in table
+        and "the router" in table
+        and "route-every 2" in table
+        and "page faults per 1000 rows" in table
+    )
 
 
 def test_bench_engine_runs_the_router_it_is_given():
     w16 = "checkpoints/router-w16.safetensors"
-    r = _cli("--jobs", "32", "--steps", "4", "--duration", "1", "--warmup", "0.3", "--router", w16,
-             "--no-progress", "--json")
+    r = _cli(
+        "--jobs", "32", "--steps", "4", "--duration", "1", "--warmup", "0.3", "--router", w16, "--no-progress", "--json"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["setup"]["router"] == w16

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
-
 from benchmarks import fleet as bench
 
 
@@ -37,8 +35,15 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = _args(concurrency="1,3", steps=2, widths="8,16,32", checkpoints=str(tmp_path / "none"),
-                     buckets="1,4", only="ceiling", jobs_per_client=2)
+        args = _args(
+            concurrency="1,3",
+            steps=2,
+            widths="8,16,32",
+            checkpoints=str(tmp_path / "none"),
+            buckets="1,4",
+            only="ceiling",
+            jobs_per_client=2,
+        )
         args.concurrency_list = [1, 3]
         res = await bench.bench_fleet(args)
     finally:
@@ -56,9 +61,38 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
 
 
 def test_table_shows_ratio():
-    res = {"setup": {"models": "m", "experts": 2, "steps": 4, "solver": "euler", "strategy": "top1",
-                     "images_per_job": 1, "jobs_per_client": 1, "stream": True, "bf16": False, "cpus": 2},
-           "rows": [{"concurrency": 8, "fleet": {"images_per_s": 5.0, "p50_s": 1.0, "p99_s": 2.0},
-                     "ceiling": {"images_per_s": 10.0, "p50_s": 0.5, "p99_s": 1.0}, "ratio": 0.5}]}
-    assert bench.format_table(res).splitlines()[-1].split() == ["8", "|", "5.0", "1.000", "2.000", "|", "10.0",
-                                                               "0.500", "1.000", "|", "0.50"]
+    res = {
+        "setup": {
+            "models": "m",
+            "experts": 2,
+            "steps": 4,
+            "solver": "euler",
+            "strategy": "top1",
+            "images_per_job": 1,
+            "jobs_per_client": 1,
+            "stream": True,
+            "bf16": False,
+            "cpus": 2,
+        },
+        "rows": [
+            {
+                "concurrency": 8,
+                "fleet": {"images_per_s": 5.0, "p50_s": 1.0, "p99_s": 2.0},
+                "ceiling": {"images_per_s": 10.0, "p50_s": 0.5, "p99_s": 1.0},
+                "ratio": 0.5,
+            }
+        ],
+    }
+    assert bench.format_table(res).splitlines()[-1].split() == [
+        "8",
+        "|",
+        "5.0",
+        "1.000",
+        "2.000",
+        "|",
+        "10.0",
+        "0.500",
+        "1.000",
+        "|",
+        "0.50",
+    ]

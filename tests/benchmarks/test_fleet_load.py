@@ -29,9 +29,19 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
     # 10 clients fit the limits (20 running + 20 queued); of 150 at once, at least 40 are admitted
     # and the rest must be rejected with `overloaded`, never dropped; the 150 level runs twice.
     # Each client runs 2 jobs back to back (the second after its first completed or was rejected).
-    args = _args(concurrency="10,150,150", jobs_per_client=2, steps=4, widths="8,16,32",
-                 checkpoints=str(tmp_path / "none"), buckets="1,8,32", threads=1, only="fleet",
-                 max_rows=20, max_queued_jobs=20, job_timeout=60.0)
+    args = _args(
+        concurrency="10,150,150",
+        jobs_per_client=2,
+        steps=4,
+        widths="8,16,32",
+        checkpoints=str(tmp_path / "none"),
+        buckets="1,8,32",
+        threads=1,
+        only="fleet",
+        max_rows=20,
+        max_queued_jobs=20,
+        job_timeout=60.0,
+    )
     t0 = time.monotonic()
     res = await bench.bench_fleet(args)
     elapsed = time.monotonic() - t0
@@ -88,13 +98,21 @@ async def test_fleet_job_tells_rejected_failed_and_lost_apart(nats_url, nc):
     outcome, code, _ = await bench.fleet_job(nc, req(0), 5.0)
     assert (outcome, code) == ("rejected", "unavailable")
 
-    async with Coordinator(LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, nats_url=nats_url, max_rows=1,
-                           max_queued_jobs=1, step_timeout=3.0, retries=0) as coord:
+    async with Coordinator(
+        LabelRouter([0] * 5 + [1] * 5, 2),
+        num_experts=2,
+        nats_url=nats_url,
+        max_rows=1,
+        max_queued_jobs=1,
+        step_timeout=3.0,
+        retries=0,
+    ) as coord:
         outcome, code, answer = await bench.fleet_job(nc, req(1), 20.0)
         assert (outcome, code) == ("failed", "unavailable") and answer is not None
 
-        hung = [await nc.subscribe(subjects.expert_velocity(k), queue=subjects.expert_queue_group(k))
-                for k in range(2)]  # experts that take requests and never answer
+        hung = [
+            await nc.subscribe(subjects.expert_velocity(k), queue=subjects.expert_queue_group(k)) for k in range(2)
+        ]  # experts that take requests and never answer
         await nc.flush()
         try:
             results = await asyncio.gather(*(bench.fleet_job(nc, req(i), 1.5) for i in range(2, 5)))
@@ -121,8 +139,12 @@ async def test_jobs_finishing_together_are_not_reported_lost_by_the_status_probe
 
     async def one(i):
         try:
-            await run_job(nc, JobRequest(job_id=f"probe{i}-{time.monotonic_ns()}", count=1, steps=3, seed=i,
-                                         stream=False), probe_every=0.05, timeout=60)
+            await run_job(
+                nc,
+                JobRequest(job_id=f"probe{i}-{time.monotonic_ns()}", count=1, steps=3, seed=i, stream=False),
+                probe_every=0.05,
+                timeout=60,
+            )
             return "done"
         except JobFailed as err:
             return f"{err.code.value}: {err.reason}"

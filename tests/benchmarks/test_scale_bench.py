@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_worker_capacity_and_derived_jobs():
@@ -30,14 +31,20 @@ def test_worker_capacity_and_derived_jobs():
     assert derive_jobs(2, 2, 32, 1, 2) == 2 * derive_jobs(2, 1, 32, 1, 2)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--workers", "2,-1"], "--workers must be comma-separated positive integers"),
-    (["--workers", "none"], "nothing to measure"),
-    (["--request-rows", "513"], "--request-rows must be <= 512"),
-    (["--sim-batch-ms", "-1"], "--sim-batch-ms must be a finite number >= 0"),
-    (["--duration", "0"], "--duration and --job-timeout must be > 0"),
-    (["--workers", "1", "--router", "/nonexistent.safetensors"], "--router /nonexistent.safetensors does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "2,-1"], "--workers must be comma-separated positive integers"),
+        (["--workers", "none"], "nothing to measure"),
+        (["--request-rows", "513"], "--request-rows must be <= 512"),
+        (["--sim-batch-ms", "-1"], "--sim-batch-ms must be a finite number >= 0"),
+        (["--duration", "0"], "--duration and --job-timeout must be > 0"),
+        (
+            ["--workers", "1", "--router", "/nonexistent.safetensors"],
+            "--router /nonexistent.safetensors does not exist",
+        ),
+    ],
+)
 @pytest.mark.procs
 def test_bad_options_are_refused_before_anything_starts(argv, message):
     r = _cli("bench", "scale", *argv, timeout=60)
@@ -50,14 +57,37 @@ def test_bench_scale_runs_two_levels_and_reports_them(tmp_path):
     from benchmarks.scale import format_table
 
     # no router in tmp_path: the bench makes a tiny random one (fast to load); 8-step jobs, 8-row requests
-    r = _cli("bench", "scale", "--workers", "1,2", "--duration", "3", "--warmup", "1", "--steps", "8",
-             "--request-rows", "8", "--sim-batch-ms", "20", "--sim-row-ms", "0.5", "--checkpoints", str(tmp_path),
-             "--no-progress", "--json")
+    r = _cli(
+        "bench",
+        "scale",
+        "--workers",
+        "1,2",
+        "--duration",
+        "3",
+        "--warmup",
+        "1",
+        "--steps",
+        "8",
+        "--request-rows",
+        "8",
+        "--sim-batch-ms",
+        "20",
+        "--sim-row-ms",
+        "0.5",
+        "--checkpoints",
+        str(tmp_path),
+        "--no-progress",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     s = res["setup"]
-    assert s["sim"] == {"model": "custom", "batch_ms": 20.0, "row_ms": 0.5,
-                        "worker_rows_per_s": pytest.approx(8 / 0.024, rel=1e-3)}
+    assert s["sim"] == {
+        "model": "custom",
+        "batch_ms": 20.0,
+        "row_ms": 0.5,
+        "worker_rows_per_s": pytest.approx(8 / 0.024, rel=1e-3),
+    }
     assert s["experts"] == 2 and s["request_rows"] == 8 and "random tiny router" in s["router"]
     assert res["coordinator_capacity"] is None
     one, two = res["levels"]
@@ -87,8 +117,12 @@ def _check_cpu_shares(level: dict, cpus: int) -> None:
     """What the processes of a level used and what the machine left idle cannot add up to more than
     its CPUs (other tenants may take the rest)."""
     coordinators = len(level["rows_per_s_per_coordinator"])  # coordinator_cpu_share is per coordinator
-    shares = [level["coordinator_cpu_share"] * coordinators, level["clients_cpu_share"], level["workers_cpu_share"],
-              level["nats_cpu_share"]]
+    shares = [
+        level["coordinator_cpu_share"] * coordinators,
+        level["clients_cpu_share"],
+        level["workers_cpu_share"],
+        level["nats_cpu_share"],
+    ]
     assert all(v is not None and v >= 0 for v in shares), shares
     assert 0 <= level["box_idle_share"] <= 1
     assert sum(shares) / cpus + level["box_idle_share"] <= 1.05, (shares, level["box_idle_share"])
@@ -98,8 +132,23 @@ def _check_cpu_shares(level: dict, cpus: int) -> None:
 def test_the_coordinator_capacity_level_says_where_the_cpu_went(tmp_path):
     from benchmarks.scale import format_table
 
-    r = _cli("bench", "scale", "--coordinator-capacity", "--workers", "none", "--capacity-jobs", "32",
-             "--duration", "3", "--warmup", "1", "--checkpoints", str(tmp_path), "--no-progress", "--json")
+    r = _cli(
+        "bench",
+        "scale",
+        "--coordinator-capacity",
+        "--workers",
+        "none",
+        "--capacity-jobs",
+        "32",
+        "--duration",
+        "3",
+        "--warmup",
+        "1",
+        "--checkpoints",
+        str(tmp_path),
+        "--no-progress",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     cap = res["coordinator_capacity"]
@@ -109,7 +158,10 @@ def test_the_coordinator_capacity_level_says_where_the_cpu_went(tmp_path):
     line = next(x for x in format_table(res).splitlines() if "where the CPU went" in x)
     coordinator = cap["coordinator_cpu_s_per_1000_rows"]
     assert f"coordinator {100 * coordinator * cap['rows_per_s'] / 1000:.0f}% ({coordinator:.3f} s)" in line
-    total = sum(cap[k] for k in ("clients_cpu_share", "workers_cpu_share", "nats_cpu_share")) + coordinator * cap["rows_per_s"] / 1000
+    total = (
+        sum(cap[k] for k in ("clients_cpu_share", "workers_cpu_share", "nats_cpu_share"))
+        + coordinator * cap["rows_per_s"] / 1000
+    )
     assert f"all {100 * total:.0f}% ({1000 * total / cap['rows_per_s']:.3f} s)" in line
     assert f"the machine's {res['setup']['cpus']} cpus {100 * cap['box_idle_share']:.0f}% idle" in line
 

@@ -26,8 +26,13 @@ async def test_connects_and_round_trips(nats_url):
 
 async def test_cluster_list_with_a_dead_node_still_connects(nats_url):
     dead = f"nats://127.0.0.1:{free_port()}"
-    nc = await connect(f"{dead},{nats_url}", name="test-connect-list", first_connect_attempts=2,
-                       reconnect_wait_s=0.1, connect_timeout_s=1)
+    nc = await connect(
+        f"{dead},{nats_url}",
+        name="test-connect-list",
+        first_connect_attempts=2,
+        reconnect_wait_s=0.1,
+        connect_timeout_s=1,
+    )
     try:
         assert nc.is_connected
     finally:
@@ -40,8 +45,16 @@ async def test_dead_port_raises_bus_unavailable_within_the_bound(attempts):
     t0 = time.monotonic()
     with pytest.raises(BusUnavailable) as info:
         # the outer wait_for only guards the test against the old hang (nats-py retries 0 attempts forever)
-        await asyncio.wait_for(connect(f"nats://127.0.0.1:{port}", name="test-dead", first_connect_attempts=attempts,
-                                       reconnect_wait_s=0.2, connect_timeout_s=1), 10)
+        await asyncio.wait_for(
+            connect(
+                f"nats://127.0.0.1:{port}",
+                name="test-dead",
+                first_connect_attempts=attempts,
+                reconnect_wait_s=0.2,
+                connect_timeout_s=1,
+            ),
+            10,
+        )
     elapsed = time.monotonic() - t0
     # refused at once: about (attempts - 1) waits, far below attempts * (connect_timeout + wait)
     assert elapsed < attempts * (1 + 0.2) + 0.5
@@ -129,8 +142,16 @@ async def test_reconnects_forever_after_a_server_restart():
         srv.stop()
 
 
-@pytest.mark.parametrize("kwargs", [dict(reconnect=-1), dict(reconnect="always"), dict(first_connect_attempts=0),
-                                    dict(max_reconnect_attempts=3), dict(connect_timeout_s=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(reconnect=-1),
+        dict(reconnect="always"),
+        dict(first_connect_attempts=0),
+        dict(max_reconnect_attempts=3),
+        dict(connect_timeout_s=0),
+    ],
+)
 async def test_bad_arguments_are_value_errors(nats_url, kwargs):
     with pytest.raises(ValueError):
         await connect(nats_url, name="test-bad", **kwargs)

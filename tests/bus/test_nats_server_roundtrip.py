@@ -17,8 +17,13 @@ async def test_step_request_reply_through_nats(nc):
 
     sub = await nc.subscribe(subject, queue=subjects.expert_queue_group(0), cb=responder)
     x = np.random.default_rng(0).standard_normal((8, 1, 32, 32)).astype(np.float32)
-    req = StepRequest(expert=0, x_t=x, t=np.full(8, 0.5, np.float32), y=np.arange(8, dtype=np.int64) % 10,
-                      row_ids=[f"r{i}" for i in range(8)])
+    req = StepRequest(
+        expert=0,
+        x_t=x,
+        t=np.full(8, 0.5, np.float32),
+        y=np.arange(8, dtype=np.int64) % 10,
+        row_ids=[f"r{i}" for i in range(8)],
+    )
     msg = await nc.request(subject, pack(req), timeout=5)
     reply = unpack(msg.data, StepResult)
     assert isinstance(reply, StepReply)
@@ -44,7 +49,9 @@ async def test_bad_bytes_get_error_reply_and_server_keeps_serving(nc):
     bad = await nc.request(subject, b"\xc1\xff garbage", timeout=5)
     err = unpack(bad.data, StepResult)
     assert isinstance(err, ErrorReply) and err.code == ErrorCode.BAD_REQUEST
-    good = StepRequest(expert=7, x_t=np.zeros((1, 1, 4, 4), np.float32), t=np.zeros(1, np.float32), y=np.zeros(1, np.int64))
+    good = StepRequest(
+        expert=7, x_t=np.zeros((1, 1, 4, 4), np.float32), t=np.zeros(1, np.float32), y=np.zeros(1, np.int64)
+    )
     ok = unpack((await nc.request(subject, pack(good), timeout=5)).data, StepResult)
     assert isinstance(ok, StepReply) and ok.velocity.shape == (1, 1, 4, 4)
     await sub.unsubscribe()

@@ -16,9 +16,25 @@ async def start_coordinator(url: str, router, *extra: str):
     (e.g. "--durable")."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infra.cli", "coordinator", "--router", str(router), "--partition",
-        "checkpoints/partition.json", "--nats", url, "--metrics-port", "0", "--step-timeout", "5", *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "coordinator",
+        "--router",
+        str(router),
+        "--partition",
+        "checkpoints/partition.json",
+        "--nats",
+        url,
+        "--metrics-port",
+        "0",
+        "--step-timeout",
+        "5",
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
     lines = []
     while True:
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
@@ -44,8 +60,13 @@ async def sim_workers(url, experts, batch_ms=15.0):
 
     ws = []
     for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=url, buckets=(1, 4, 16),
-                         backend=get_backend("sim", preset="instant", batch_ms=batch_ms))
+        w = ExpertWorker(
+            expert=k,
+            checkpoint=path,
+            nats_url=url,
+            buckets=(1, 4, 16),
+            backend=get_backend("sim", preset="instant", batch_ms=batch_ms),
+        )
         await w.start()
         ws.append(w)
     return ws

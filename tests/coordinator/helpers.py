@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.tiny import make_tiny_expert, make_tiny_experts as _factory_experts, make_tiny_router as _factory_router
+from models.tiny import make_tiny_expert
+from models.tiny import make_tiny_experts as _factory_experts
+from models.tiny import make_tiny_router as _factory_router
 
 TINY_WIDTHS = (8, 16, 32)
 JITTER = 0.05

@@ -24,7 +24,7 @@ class LaggingCoordinator(Coordinator):
         self._answer_status = self.intake.on_job_status
         self.intake.on_job_status = self._lagged_job_status  # subscribed on entering
 
-    async def __aenter__(self) -> "LaggingCoordinator":
+    async def __aenter__(self) -> LaggingCoordinator:
         await super().__aenter__()
         tick = self.engine.tick
 

@@ -16,20 +16,31 @@ def _parse(argv, **kw):
     return parser.parse_args(argv)
 
 
-@pytest.mark.parametrize("change, flag", [
-    (dict(max_rows=0), "--max-rows"), (dict(step_timeout=0.0), "--step-timeout"),
-    (dict(request_rows=513), "--request-rows"), (dict(js_replicas=6), "--js-replicas"),
-    (dict(name=""), "--name"), (dict(hedge="sometimes"), "--hedge"), (dict(cohorts=0), "--cohorts"),
-    (dict(metrics_port=70000), "--metrics-port"), (dict(hedge_after_s=-1.0), "--hedge-after-s"),
-])
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        (dict(max_rows=0), "--max-rows"),
+        (dict(step_timeout=0.0), "--step-timeout"),
+        (dict(request_rows=513), "--request-rows"),
+        (dict(js_replicas=6), "--js-replicas"),
+        (dict(name=""), "--name"),
+        (dict(hedge="sometimes"), "--hedge"),
+        (dict(cohorts=0), "--cohorts"),
+        (dict(metrics_port=70000), "--metrics-port"),
+        (dict(hedge_after_s=-1.0), "--hedge-after-s"),
+    ],
+)
 def test_a_bad_setting_names_its_flag(change, flag):
     with pytest.raises(ValueError, match=flag):
         CoordinatorConfig(**change)
 
 
 def test_command_line_values_map_to_the_config():
-    cfg = CoordinatorConfig.from_args(_parse(["--max-job-cost", "0", "--max-job-run-s", "0", "--no-speculate",
-                                              "--metrics-port", "0", "--cohorts", "3"]))
+    cfg = CoordinatorConfig.from_args(
+        _parse(
+            ["--max-job-cost", "0", "--max-job-run-s", "0", "--no-speculate", "--metrics-port", "0", "--cohorts", "3"]
+        )
+    )
     assert cfg.max_job_cost is None and cfg.max_job_run_s is None and cfg.speculate is False
     assert cfg.metrics_port is None and cfg.cohorts == 3
     default = CoordinatorConfig.from_args(_parse([]))
@@ -43,8 +54,9 @@ def test_the_old_on_off_spelling_still_works_with_a_warning(capsys):
 
 
 def test_to_argv_round_trips_through_the_parser():
-    cfg = CoordinatorConfig(max_rows=64, step_timeout=2.5, speculate=False, durable=True, max_job_cost=None,
-                            hedge_after_s=0.2, name="c-1")
+    cfg = CoordinatorConfig(
+        max_rows=64, step_timeout=2.5, speculate=False, durable=True, max_job_cost=None, hedge_after_s=0.2, name="c-1"
+    )
     again = CoordinatorConfig.from_args(_parse(cfg.to_argv()))
     assert again.replace(metrics_port=None, metrics_optional=False, nats=None) == cfg
 

@@ -137,8 +137,10 @@ def test_ids_that_make_no_token_are_ignored():
     assert t == subjects.worker_token("host.with.dots-12-ab") and p.pick(0) == t
 
 
-@pytest.mark.parametrize("kw", [dict(depth=0), dict(explore_every=1), dict(explore_every=-1), dict(ttl_s=0),
-                                dict(max_workers=0), dict(depth=1.5)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(depth=0), dict(explore_every=1), dict(explore_every=-1), dict(ttl_s=0), dict(max_workers=0), dict(depth=1.5)],
+)
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         DispatchPolicy(token, **kw)

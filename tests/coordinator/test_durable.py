@@ -19,9 +19,16 @@ import pytest
 from bus.nats_server import NatsServer
 from client.jobs import run_job
 from schemas import FrameEvent, JobRequest
+from tests.coordinator.durable_procs import (
+    EventLog,
+    owners_of,
+    reference_images,
+    sim_workers,
+    start_coordinator,
+    stop,
+    wait_no_checkpoints,
+)
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
-from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers,
-                                             start_coordinator, stop, wait_no_checkpoints)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.bus
@@ -30,7 +37,7 @@ pytestmark = pytest.mark.bus
 @pytest.fixture(scope="module")
 def js_server(tmp_path_factory):
     store = tmp_path_factory.mktemp("jetstream")
-    with NatsServer(extra_config=f"jetstream {{ store_dir: \"{store}\" }}") as srv:
+    with NatsServer(extra_config=f'jetstream {{ store_dir: "{store}" }}') as srv:
         yield srv
 
 
@@ -44,17 +51,32 @@ def jobs(tag: str) -> list[JobRequest]:
     # top1 / oracle: the tiny torch router's weights differ in the last bit with the rows batched beside
     # them, so `full` / `topk` images are bit-identical only when the batches are (pure test: test_checkpoint)
     kinds = [("top1", "euler"), ("top1", "heun"), ("oracle", "euler"), ("oracle", "heun")]
-    return [JobRequest(job_id=f"{tag}-{i}", digits=[1 + i, 8 - i], steps=60, seed=900 + i, strategy=s, solver=v)
-            for i, (s, v) in enumerate(kinds)]
+    return [
+        JobRequest(job_id=f"{tag}-{i}", digits=[1 + i, 8 - i], steps=60, seed=900 + i, strategy=s, solver=v)
+        for i, (s, v) in enumerate(kinds)
+    ]
 
 
 @pytest.mark.procs
 async def test_durable_needs_jetstream_and_says_so(nats_url, tiny_files):
     _, router = tiny_files
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infra.cli", "coordinator", "--router", str(router), "--partition",
-        "checkpoints/partition.json", "--nats", nats_url, "--metrics-port", "0", "--durable",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "coordinator",
+        "--router",
+        str(router),
+        "--partition",
+        "checkpoints/partition.json",
+        "--nats",
+        nats_url,
+        "--metrics-port",
+        "0",
+        "--durable",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 2, out + err
     assert b"--durable needs NATS JetStream" in err and b"Traceback" not in err
@@ -81,11 +103,16 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
             if isinstance(ev, FrameEvent):
                 steps.setdefault(ev.job_id, []).append(ev.step)
 
-        runs = [asyncio.ensure_future(run_job(nc, r, seen, timeout=180, lost_after=120, probe_every=1.0))
-                for r in jobs("kill")]
+        runs = [
+            asyncio.ensure_future(run_job(nc, r, seen, timeout=180, lost_after=120, probe_every=1.0))
+            for r in jobs("kill")
+        ]
         # mid-run: every job past its first periodic checkpoint, none finished
-        await wait_until(lambda: len(steps) == 4 and min(max(s) for s in steps.values()) >= 12, timeout=60,
-                         what="every job past step 12")
+        await wait_until(
+            lambda: len(steps) == 4 and min(max(s) for s in steps.values()) >= 12,
+            timeout=60,
+            what="every job past step 12",
+        )
         assert max(max(s) for s in steps.values()) < 60
         proc.kill()  # SIGKILL: no hand-over, no last checkpoint
         await proc.wait()
@@ -98,7 +125,7 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
             assert np.array_equal(w.images, g.images), g.job_id
             assert np.array_equal(w.usage, g.usage) and w.digits == g.digits
         for j, s in steps.items():  # frames paused, then went on from the last checkpoint (a multiple of 10)
-            after = s[s.index(at_kill[j]) + 1:] if at_kill[j] in s else []
+            after = s[s.index(at_kill[j]) + 1 :] if at_kill[j] in s else []
             assert s[-1] == 60 and (not after or after[0] <= at_kill[j] + 1), (j, s)
         await wait_no_checkpoints(nc, timeout=10)
     finally:
@@ -122,15 +149,23 @@ PAIR_BATCH_MS = 60.0
 @pytest.fixture
 def js_bus(tmp_path):
     """A fresh JetStream server per test: the owners bucket's TTL is the first coordinator's --lease-s."""
-    with NatsServer(extra_config=f"jetstream {{ store_dir: \"{tmp_path / 'js'}\" }}") as srv:
+    with NatsServer(extra_config=f'jetstream {{ store_dir: "{tmp_path / "js"}" }}') as srv:
         yield srv
 
 
 def pair_jobs(tag: str, round_: int) -> list[JobRequest]:
     kinds = [("top1", "euler"), ("top1", "heun"), ("oracle", "euler"), ("oracle", "heun")]
-    return [JobRequest(job_id=f"{tag}-{round_}-{i}", digits=[(round_ + i) % 10, (7 + 3 * i) % 10], steps=60,
-                       seed=1000 + 10 * round_ + i, strategy=s, solver=v)
-            for i, (s, v) in enumerate(kinds + kinds)]
+    return [
+        JobRequest(
+            job_id=f"{tag}-{round_}-{i}",
+            digits=[(round_ + i) % 10, (7 + 3 * i) % 10],
+            steps=60,
+            seed=1000 + 10 * round_ + i,
+            strategy=s,
+            solver=v,
+        )
+        for i, (s, v) in enumerate(kinds + kinds)
+    ]
 
 
 async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list, tag: str):
@@ -138,8 +173,9 @@ async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list
     submit rounds of 8 jobs (at once, so that they progress together) until each owns some;
     returns (requests, run_job futures, owner map)."""
     for name in ("dura", "durb"):
-        proc, head = await start_coordinator(url, router, "--durable", "--checkpoint-every", "10",
-                                             "--lease-s", str(LEASE_S), "--name", name)
+        proc, head = await start_coordinator(
+            url, router, "--durable", "--checkpoint-every", "10", "--lease-s", str(LEASE_S), "--name", name
+        )
         assert b"durable jobs: on" in head, head
         procs.append(proc)
     reqs, runs = [], []
@@ -148,7 +184,7 @@ async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list
         reqs += batch
         runs += [asyncio.ensure_future(run_job(nc, r, log, timeout=120, probe_every=1.0)) for r in batch]
         ids = [r.job_id for r in reqs]
-        owners = await wait_until(lambda: _all_owned(nc, ids), timeout=20, what="every job has a lease")
+        owners = await wait_until(lambda ids=ids: _all_owned(nc, ids), timeout=20, what="every job has a lease")
         if len(set(owners.values())) == 2:
             return reqs, runs, owners
     raise AssertionError(f"the queue group gave every job to one coordinator: {owners}")
@@ -160,8 +196,11 @@ async def mid_run_victim(nc, log: EventLog, ids) -> tuple[str, str, list[str]]:
     rates on the two coordinators, so some may be done already.)"""
     from collections import Counter
 
-    await wait_until(lambda: all(log.dones(j) or max(log.steps(j), default=0) >= 12 for j in ids), timeout=60,
-                     what="every job past step 12")
+    await wait_until(
+        lambda: all(log.dones(j) or max(log.steps(j), default=0) >= 12 for j in ids),
+        timeout=60,
+        what="every job past step 12",
+    )
     running = [j for j in ids if not log.dones(j)]
     owners = await owners_of(nc, running)
     held = Counter(o for o in owners.values() if o)
@@ -210,18 +249,32 @@ async def durable_pair(js_bus, tiny_files, tag: str):
 async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus, tiny_files):
     import time
 
-    async with durable_pair(js_bus, tiny_files, "pk") as (nc, procs, log, reqs, runs, victim_name, survivor_name,
-                                                           theirs):
+    async with durable_pair(js_bus, tiny_files, "pk") as (
+        nc,
+        procs,
+        log,
+        reqs,
+        runs,
+        victim_name,
+        survivor_name,
+        theirs,
+    ):
         ids = [r.job_id for r in reqs]
         victim = procs[0] if victim_name == "dura" else procs[1]
         victim.kill()  # SIGKILL: no hand-over
         killed_at = time.monotonic()
         await victim.wait()
-        await wait_until(lambda: _taken(nc, log, theirs, survivor_name), timeout=30, interval=0.05,
-                         what=f"{survivor_name} holds the jobs of {victim_name}")
+        await wait_until(
+            lambda: _taken(nc, log, theirs, survivor_name),
+            timeout=30,
+            interval=0.05,
+            what=f"{survivor_name} holds the jobs of {victim_name}",
+        )
         takeover_s = time.monotonic() - killed_at
-        print(f"\ntake-over of {len(theirs)}/{len(ids)} jobs after kill -9 of {victim_name}: {takeover_s:.2f} s "
-              f"(lease {LEASE_S:g} s)")
+        print(
+            f"\ntake-over of {len(theirs)}/{len(ids)} jobs after kill -9 of {victim_name}: {takeover_s:.2f} s "
+            f"(lease {LEASE_S:g} s)"
+        )
         assert takeover_s < TAKEOVER_BOUND_S, takeover_s
         # the same requests, undisturbed, beside them (top1 / oracle images do not depend on the batch)
         want_f = asyncio.ensure_future(reference_images(nc, reqs, "pkref"))
@@ -235,8 +288,6 @@ async def test_kill9_one_of_two_durable_coordinators_survivor_takes_over(js_bus,
             assert log.dones(j) == 1 and log.steps(j)[-1] == 60, (j, log.events[j])
 
 
-
-
 @pytest.mark.slow
 @pytest.mark.procs
 async def test_sigstopped_owner_loses_its_jobs_and_publishes_nothing_for_them_after_sigcont(js_bus, tiny_files):
@@ -244,25 +295,42 @@ async def test_sigstopped_owner_loses_its_jobs_and_publishes_nothing_for_them_af
     import time
 
     victim = None
-    async with durable_pair(js_bus, tiny_files, "ps") as (nc, procs, log, reqs, runs, victim_name, survivor_name,
-                                                           theirs):
+    async with durable_pair(js_bus, tiny_files, "ps") as (
+        nc,
+        procs,
+        log,
+        reqs,
+        runs,
+        victim_name,
+        survivor_name,
+        theirs,
+    ):
         try:
             ids = [r.job_id for r in reqs]
             victim = procs[0] if victim_name == "dura" else procs[1]
             os.kill(victim.pid, signal.SIGSTOP)  # frozen mid-run: its leases lapse, its frames stop
             stopped_at = time.monotonic()
-            await wait_until(lambda: _taken(nc, log, theirs, survivor_name), timeout=30, interval=0.05,
-                             what=f"{survivor_name} holds the jobs of the stopped {victim_name}")
+            await wait_until(
+                lambda: _taken(nc, log, theirs, survivor_name),
+                timeout=30,
+                interval=0.05,
+                what=f"{survivor_name} holds the jobs of the stopped {victim_name}",
+            )
             taken_at = time.monotonic()
             # (a done that raced the SIGSTOP: its job ended on the old owner)
             theirs = [j for j in theirs if not any(k == "done" and t < taken_at for t, k, _ in log.events[j])]
-            print(f"\ntake-over of {len(theirs)}/{len(ids)} jobs from SIGSTOPped {victim_name}: "
-                  f"{taken_at - stopped_at:.2f} s (lease {LEASE_S:g} s)")
+            print(
+                f"\ntake-over of {len(theirs)}/{len(ids)} jobs from SIGSTOPped {victim_name}: "
+                f"{taken_at - stopped_at:.2f} s (lease {LEASE_S:g} s)"
+            )
             assert taken_at - stopped_at < TAKEOVER_BOUND_S
             # the survivor streams them; wake the old owner while they still run
             assert theirs, "the stopped owner's jobs all ended before it was stopped"
-            await wait_until(lambda: all(any(t > taken_at for t, _, _ in log.events[j]) for j in theirs), timeout=20,
-                             what="frames of the survivor")
+            await wait_until(
+                lambda: all(any(t > taken_at for t, _, _ in log.events[j]) for j in theirs),
+                timeout=20,
+                what="frames of the survivor",
+            )
             assert any(log.dones(j) == 0 for j in theirs), "the jobs ended before SIGCONT: make them longer"
             os.kill(victim.pid, signal.SIGCONT)
             victim = None

@@ -19,8 +19,15 @@ import pytest
 from client.jobs import client_connect_options, run_job
 from infra.nats_cluster import NatsCluster, monitor
 from schemas import JobRequest
-from tests.coordinator.durable_procs import (EventLog, owners_of, reference_images, sim_workers, start_coordinator,
-                                             stop, wait_no_checkpoints)
+from tests.coordinator.durable_procs import (
+    EventLog,
+    owners_of,
+    reference_images,
+    sim_workers,
+    start_coordinator,
+    stop,
+    wait_no_checkpoints,
+)
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.bus, pytest.mark.procs]
@@ -42,9 +49,17 @@ def js_cluster(tmp_path):
 def cluster_jobs(round_: int) -> list[JobRequest]:
     # top1 / oracle: bit-identical whatever else is batched beside them (see test_durable.jobs)
     kinds = [("top1", "euler"), ("top1", "heun"), ("oracle", "euler"), ("oracle", "heun")]
-    return [JobRequest(job_id=f"cl-{round_}-{i}", digits=[(round_ + i) % 10, (3 + 7 * i) % 10], steps=60,
-                       seed=2000 + 10 * round_ + i, strategy=s, solver=v)
-            for i, (s, v) in enumerate(kinds + kinds)]
+    return [
+        JobRequest(
+            job_id=f"cl-{round_}-{i}",
+            digits=[(round_ + i) % 10, (3 + 7 * i) % 10],
+            steps=60,
+            seed=2000 + 10 * round_ + i,
+            strategy=s,
+            solver=v,
+        )
+        for i, (s, v) in enumerate(kinds + kinds)
+    ]
 
 
 def local_tcp_ports(pid: int) -> set[int]:
@@ -57,7 +72,7 @@ def local_tcp_ports(pid: int) -> set[int]:
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -97,8 +112,9 @@ def replicas_of(cluster: NatsCluster, ask: int, stream: str) -> int | None:
     return None
 
 
-async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_identical(js_cluster, tiny_experts,
-                                                                                     tiny_router):
+async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_identical(
+    js_cluster, tiny_experts, tiny_router
+):
     import nats
 
     cluster = js_cluster
@@ -108,30 +124,47 @@ async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_iden
     try:
         ws = await sim_workers(",".join(cluster.servers("worker")), tiny_experts, batch_ms=BATCH_MS)
         for name in ("cla", "clb"):
-            proc, head = await start_coordinator(coord_url, tiny_router, "--durable", "--js-replicas", "3",
-                                                 "--checkpoint-every", "10", "--lease-s", str(LEASE_S),
-                                                 "--name", name)
+            proc, head = await start_coordinator(
+                coord_url,
+                tiny_router,
+                "--durable",
+                "--js-replicas",
+                "3",
+                "--checkpoint-every",
+                "10",
+                "--lease-s",
+                str(LEASE_S),
+                "--name",
+                name,
+            )
             assert b"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, R3" in head, head
             procs[name] = proc
         for stream in ("KV_ddm_jobs", "KV_ddm_job_owners"):
             assert replicas_of(cluster, 0, stream) == 3, stream
         # the client and the test's JetStream reader fail over like the rest
-        client = await nats.connect(servers=cluster.servers("client"), max_reconnect_attempts=-1,
-                                    reconnect_time_wait=0.2, **client_connect_options("client"))
+        client = await nats.connect(
+            servers=cluster.servers("client"),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            **client_connect_options("client"),
+        )
         ncs.append(client)
-        reader = await nats.connect(servers=cluster.servers("coordinator"), max_reconnect_attempts=-1,
-                                    reconnect_time_wait=0.2)
+        reader = await nats.connect(
+            servers=cluster.servers("coordinator"), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+        )
         ncs.append(reader)
 
         reqs, runs = [], []
         for round_ in range(6):  # rounds of 8 jobs, until both coordinators own some
             batch = cluster_jobs(round_)
             reqs += batch
-            runs += [asyncio.ensure_future(run_job(client, r, log, timeout=240, probe_every=1.0, lost_after=60))
-                     for r in batch]
+            runs += [
+                asyncio.ensure_future(run_job(client, r, log, timeout=240, probe_every=1.0, lost_after=60))
+                for r in batch
+            ]
             ids = [r.job_id for r in reqs]
 
-            async def all_owned():
+            async def all_owned(ids=ids):
                 owners = await owners_of(reader, ids)
                 return owners if all(owners.values()) else None
 
@@ -139,8 +172,11 @@ async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_iden
             if len(set(owners.values())) == 2:
                 break
         ids = [r.job_id for r in reqs]
-        await wait_until(lambda: all(log.dones(j) or max(log.steps(j), default=0) >= 12 for j in ids), timeout=90,
-                         what="every job past step 12 (its first checkpoint)")
+        await wait_until(
+            lambda: all(log.dones(j) or max(log.steps(j), default=0) >= 12 for j in ids),
+            timeout=90,
+            what="every job past step 12 (its first checkpoint)",
+        )
         running = [j for j in ids if not log.dones(j)]
         owners = await owners_of(reader, running)
         held = Counter(o for o in owners.values() if o)
@@ -153,16 +189,23 @@ async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_iden
 
         cluster.kill_node(node)  # SIGKILL: no lame duck, its raft groups lose a member (maybe their leader)
         killed_at = time.monotonic()
-        await wait_until(lambda: connected_node(cluster, procs[owner].pid) not in (None, node), timeout=30,
-                         what=f"coordinator {owner} reconnected to a surviving node")
+        await wait_until(
+            lambda: connected_node(cluster, procs[owner].pid) not in (None, node),
+            timeout=30,
+            what=f"coordinator {owner} reconnected to a surviving node",
+        )
 
         got = await asyncio.wait_for(asyncio.gather(*runs), 240)  # 0 failed, 0 lost: run_job raises otherwise
-        gaps = {j: max((b - a for (a, _, _), (b, _, _) in zip(log.events[j], log.events[j][1:])), default=0.0)
-                for j in running}
-        print(f"\nkilled node {node} ({owner}'s; leader of {[s for s, i in leaders.items() if i == node] or 'none'}"
-              f"{', meta leader' if meta == node else ''}) with {len(running)}/{len(ids)} jobs running "
-              f"({dict(held)}): all done {time.monotonic() - killed_at:.1f} s later; longest pause of a job "
-              f"{max(gaps.values()):.1f} s (lease {LEASE_S:g} s)")
+        gaps = {
+            j: max((b - a for (a, _, _), (b, _, _) in zip(log.events[j], log.events[j][1:])), default=0.0)
+            for j in running
+        }
+        print(
+            f"\nkilled node {node} ({owner}'s; leader of {[s for s, i in leaders.items() if i == node] or 'none'}"
+            f"{', meta leader' if meta == node else ''}) with {len(running)}/{len(ids)} jobs running "
+            f"({dict(held)}): all done {time.monotonic() - killed_at:.1f} s later; longest pause of a job "
+            f"{max(gaps.values()):.1f} s (lease {LEASE_S:g} s)"
+        )
         for j in ids:
             assert log.dones(j) == 1 and log.steps(j)[-1] == 60, (j, log.events[j])
         want = await asyncio.wait_for(reference_images(client, reqs, "clref"), 180)

@@ -13,13 +13,17 @@ from coordinator.durable import JobLost, JobStore
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.scheduler import Scheduler, SchedulerConfig
 
-SERIES = ("ddm_coordinator_checkpoints_written_total", "ddm_coordinator_checkpoint_bytes_total",
-          "ddm_coordinator_job_takeovers_total", "ddm_coordinator_job_leases_lost_total")
+SERIES = (
+    "ddm_coordinator_checkpoints_written_total",
+    "ddm_coordinator_checkpoint_bytes_total",
+    "ddm_coordinator_job_takeovers_total",
+    "ddm_coordinator_job_leases_lost_total",
+)
 
 
 @pytest.fixture
 def js_server(tmp_path):
-    with NatsServer(extra_config=f"jetstream {{ store_dir: \"{tmp_path / 'js'}\" }}") as srv:
+    with NatsServer(extra_config=f'jetstream {{ store_dir: "{tmp_path / "js"}" }}') as srv:
         yield srv
 
 
@@ -59,7 +63,10 @@ async def test_checkpoint_takeover_and_lease_loss_counters_move(js_server):
         await second.release("job-a")  # the job ended: no loss
         assert counters(m2) == (1, 1500, 1, 0)
         text = generate_latest(m2.registry).decode()
-        assert "ddm_coordinator_job_takeovers_total 1.0" in text and "ddm_coordinator_checkpoint_bytes_total 1500.0" in text
+        assert (
+            "ddm_coordinator_job_takeovers_total 1.0" in text
+            and "ddm_coordinator_checkpoint_bytes_total 1500.0" in text
+        )
     finally:
         await nc.drain()
 

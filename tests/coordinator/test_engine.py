@@ -39,8 +39,14 @@ class Velocities:
 def engine(transport, router=None, cohorts=1, **cfg):
     """An engine whose `tick()` steps every active row (cohorts=1: the lock-step tick these tests drive)."""
     events = []
-    e = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
-               router or LabelRouter(C2E, 2), transport, events.append, router_in_thread=False, cohorts=cohorts)
+    e = Engine(
+        Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
+        router or LabelRouter(C2E, 2),
+        transport,
+        events.append,
+        router_in_thread=False,
+        cohorts=cohorts,
+    )
     return e, events
 
 
@@ -164,13 +170,20 @@ async def test_engine_metrics_follow_the_scheduler():
 def engine_with(scheduler_cls, transport, **cfg):
     """Like `engine`, with a Scheduler subclass that injects a failure."""
     events = []
-    e = Engine(scheduler_cls(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
-               LabelRouter(C2E, 2), transport, events.append, router_in_thread=False, cohorts=1)
+    e = Engine(
+        scheduler_cls(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
+        LabelRouter(C2E, 2),
+        transport,
+        events.append,
+        router_in_thread=False,
+        cohorts=1,
+    )
     return e, events
 
 
 async def test_a_failing_schedule_fails_its_jobs_and_the_loop_goes_on():
     """schedule() sat outside the tick's try block: an error there killed the loop silently."""
+
     class ScheduleBreaksOnce(Scheduler):
         broke = False
 
@@ -185,8 +198,10 @@ async def test_a_failing_schedule_fails_its_jobs_and_the_loop_goes_on():
     e.submit(JobRequest(job_id="running", digits=[1], steps=2))
     e.submit(JobRequest(job_id="queued", digits=[1], steps=2))
     await wait_until(lambda: len(events) >= 2, timeout=5, what="the failures of the broken tick")
-    assert {(ev.job_id, ev.kind, ev.code) for ev in events} == {("running", "failed", ErrorCode.INTERNAL),
-                                                               ("queued", "failed", ErrorCode.INTERNAL)}
+    assert {(ev.job_id, ev.kind, ev.code) for ev in events} == {
+        ("running", "failed", ErrorCode.INTERNAL),
+        ("queued", "failed", ErrorCode.INTERNAL),
+    }
     assert "scheduler bug" in events[0].reason
     e.submit(JobRequest(job_id="after", digits=[1], steps=2))  # the loop still runs
     await wait_until(lambda: any(ev.kind == "done" for ev in events), timeout=5, what="the next job's done event")
@@ -198,6 +213,7 @@ async def test_a_failing_schedule_fails_its_jobs_and_the_loop_goes_on():
 async def test_a_dying_loop_fails_every_job_with_internal_and_refuses_submits():
     """An error while handling a tick's error kills the loop: every running and queued job fails with
     `internal` (events emitted), submits are refused `unavailable`, and run() raises for its supervisor."""
+
     class Doomed(Scheduler):
         def update(self, batch, now):
             raise RuntimeError("update bug")
@@ -210,8 +226,10 @@ async def test_a_dying_loop_fails_every_job_with_internal_and_refuses_submits():
     e.submit(JobRequest(job_id="queued", digits=[1], steps=2))
     with pytest.raises(RuntimeError, match="fail_batch bug"):
         await asyncio.wait_for(e.run(), 5)
-    assert {(ev.job_id, ev.kind, ev.code) for ev in events} == {("running", "failed", ErrorCode.INTERNAL),
-                                                               ("queued", "failed", ErrorCode.INTERNAL)}
+    assert {(ev.job_id, ev.kind, ev.code) for ev in events} == {
+        ("running", "failed", ErrorCode.INTERNAL),
+        ("queued", "failed", ErrorCode.INTERNAL),
+    }
     assert all(ev.reason.startswith("coordinator engine stopped: RuntimeError: fail_batch bug") for ev in events)
     assert e.scheduler.active_jobs == 0 and e.scheduler.queued_jobs == 0
     with pytest.raises(Rejected) as err:
@@ -259,8 +277,13 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
             return super().weights(x, t, y)
 
     router = Where()
-    e = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
-               router, Velocities(), lambda ev: None, cohorts=2)
+    e = Engine(
+        Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
+        router,
+        Velocities(),
+        lambda ev: None,
+        cohorts=2,
+    )
     task = asyncio.create_task(e.run())
     for i in range(6):
         e.submit(JobRequest(job_id=f"j{i}", digits=[i, 9 - i], steps=3))
@@ -272,8 +295,13 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
     await asyncio.wait_for(task, 5)
     await wait_until(lambda: not thread.is_alive())
 
-    driven = Engine(Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
-                    Where(), Velocities(), lambda ev: None, cohorts=1)  # ticked by hand, no run()
+    driven = Engine(
+        Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
+        Where(),
+        Velocities(),
+        lambda ev: None,
+        cohorts=1,
+    )  # ticked by hand, no run()
     driven.submit(JobRequest(job_id="by-hand", digits=[4], steps=2))
     while await driven.tick():
         pass

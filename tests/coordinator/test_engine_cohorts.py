@@ -107,8 +107,7 @@ class GatedTransport:
 async def test_engine_keeps_one_batch_per_cohort_out_at_once():
     events = []
     tr = GatedTransport()
-    e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
-               cohorts=3)
+    e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False, cohorts=3)
     task = asyncio.create_task(e.run())
     for i in range(6):
         e.submit(JobRequest(job_id=f"j{i}", digits=[1], steps=2, stream=False))
@@ -152,14 +151,16 @@ async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_f
     out at once, and no more than that many, one lane each."""
     events = []
     tr = KnownWorkersTransport(workers)
-    e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
-               cohorts="auto")
+    e = Engine(
+        make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False, cohorts="auto"
+    )
     assert e.cohorts_now() == want and e.metrics.sample("ddm_coordinator_cohorts") == want
     task = asyncio.create_task(e.run())
     for i in range(8):
         e.submit(JobRequest(job_id=f"j{i}", digits=[1], steps=2, stream=False))
-    await wait_until(lambda: e.scheduler.in_flight_rows == 8 and tr.out == want, timeout=5,
-                     what=f"{want} cohorts out at once")
+    await wait_until(
+        lambda: e.scheduler.in_flight_rows == 8 and tr.out == want, timeout=5, what=f"{want} cohorts out at once"
+    )
     for _ in range(20):  # the idle lanes stay idle
         await asyncio.sleep(0)
     assert tr.out == want and e.batches_out == want and len(e._lanes) == want
@@ -176,8 +177,9 @@ async def test_auto_cohorts_follow_workers_learned_while_running():
     fewer workers later retire the surplus lanes once they are idle."""
     events = []
     tr = KnownWorkersTransport(1)
-    e = Engine(make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False,
-               cohorts="auto")
+    e = Engine(
+        make(), LabelRouter([0] * 10, 2, confidence=1.0), tr, events.append, router_in_thread=False, cohorts="auto"
+    )
     task = asyncio.create_task(e.run())
     for i in range(8):
         e.submit(JobRequest(job_id=f"a{i}", digits=[1], steps=3, stream=False))
@@ -209,8 +211,7 @@ class BrokenRouter:
 
 async def test_a_failed_tick_gives_its_cohort_slot_back():
     events = []
-    e = Engine(make(), BrokenRouter(), KnownWorkersTransport(1), events.append, router_in_thread=False,
-               cohorts="auto")
+    e = Engine(make(), BrokenRouter(), KnownWorkersTransport(1), events.append, router_in_thread=False, cohorts="auto")
     task = asyncio.create_task(e.run())
     for i in range(3):
         e.submit(JobRequest(job_id=f"f{i}", digits=[1], steps=2, stream=False))
@@ -235,28 +236,42 @@ async def _sim_workers(nats_url, experts, per_expert):
     ws = []
     for k, path in enumerate(experts):
         for _ in range(per_expert):
-            w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16, 64),
-                             backend=get_backend("sim", preset="instant"))
+            w = ExpertWorker(
+                expert=k,
+                checkpoint=path,
+                nats_url=nats_url,
+                buckets=(1, 4, 16, 64),
+                backend=get_backend("sim", preset="instant"),
+            )
             await w.start()
             ws.append(w)
     return ws
 
 
 def _probe_jobs() -> list[JobRequest]:
-    return [JobRequest(job_id=f"probe-{i}", digits=[3, 8, 1, 6], steps=6, seed=77 + i, stream=True,
-                       strategy=s, solver=v)
-            for i, (s, v) in enumerate([("top1", "euler"), ("top1", "heun"), ("full", "euler"), ("oracle", "heun")])]
+    return [
+        JobRequest(job_id=f"probe-{i}", digits=[3, 8, 1, 6], steps=6, seed=77 + i, stream=True, strategy=s, solver=v)
+        for i, (s, v) in enumerate([("top1", "euler"), ("top1", "heun"), ("full", "euler"), ("oracle", "heun")])
+    ]
 
 
 def _crowd(n: int) -> list[JobRequest]:
     rng = np.random.default_rng(3)
-    return [JobRequest(digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 5)))],
-                       steps=int(rng.integers(3, 9)), seed=500 + i, stream=bool(i % 2)) for i in range(n)]
+    return [
+        JobRequest(
+            digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 5)))],
+            steps=int(rng.integers(3, 9)),
+            seed=500 + i,
+            stream=bool(i % 2),
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("router_name", ["shipped", "label"])
 async def test_seeded_images_are_bit_identical_whatever_the_cohorts_crowd_or_workers(
-        nats_url, nc, sim_experts, router_name):
+    nats_url, nc, sim_experts, router_name
+):
     """Each probe job alone (cohorts=1, one worker per expert) and amid 40 other jobs (cohorts 3, two
     workers per expert, requests split over them): the same bytes. The shipped router's weights can
     differ in the last bits between batch sizes (1e-11 at B=1), so with it only top1 and oracle
@@ -272,13 +287,21 @@ async def test_seeded_images_are_bit_identical_whatever_the_cohorts_crowd_or_wor
         per_expert, cohorts = (1, 1) if setting == "alone" else (2, 3)
         ws = await _sim_workers(nats_url, sim_experts, per_expert)
         try:
-            async with Coordinator(router, num_experts=k, class_to_expert=c2e, nats_url=nats_url, step_timeout=10,
-                                   cohorts=cohorts, request_rows=None if setting == "alone" else 8) as coord:
+            async with Coordinator(
+                router,
+                num_experts=k,
+                class_to_expert=c2e,
+                nats_url=nats_url,
+                step_timeout=10,
+                cohorts=cohorts,
+                request_rows=None if setting == "alone" else 8,
+            ) as coord:
                 if setting == "alone":
                     results[setting] = [await run_job(nc, p) for p in probes]
                 else:
-                    done = await asyncio.wait_for(asyncio.gather(
-                        *(run_job(nc, j) for j in _crowd(40)), *(run_job(nc, p) for p in probes)), 120)
+                    done = await asyncio.wait_for(
+                        asyncio.gather(*(run_job(nc, j) for j in _crowd(40)), *(run_job(nc, p) for p in probes)), 120
+                    )
                     results[setting] = done[40:]
                     assert coord.engine.scheduler.stats.ticks > 0
         finally:
@@ -314,8 +337,9 @@ class EchoTransport:
 
 async def _run_engine(route_every: int, cohorts: int, jobs: list[JobRequest]):
     events, router = [], CountingRouter()
-    e = Engine(make(), router, EchoTransport(), events.append, router_in_thread=False, cohorts=cohorts,
-               route_every=route_every)
+    e = Engine(
+        make(), router, EchoTransport(), events.append, router_in_thread=False, cohorts=cohorts, route_every=route_every
+    )
     task = asyncio.create_task(e.run())
     for j in jobs:
         e.submit(j)
@@ -327,8 +351,10 @@ async def _run_engine(route_every: int, cohorts: int, jobs: list[JobRequest]):
 
 
 async def test_route_every_asks_the_router_every_nth_evaluation_whatever_the_cohorts():
-    jobs = [JobRequest(job_id="e", digits=[1, 7], steps=8, seed=1, strategy="full", stream=False),
-            JobRequest(job_id="h", digits=[3], steps=4, seed=2, strategy="full", solver="heun", stream=False)]
+    jobs = [
+        JobRequest(job_id="e", digits=[1, 7], steps=8, seed=1, strategy="full", stream=False),
+        JobRequest(job_id="h", digits=[3], steps=4, seed=2, strategy="full", solver="heun", stream=False),
+    ]
     every1, rows1, _ = await _run_engine(1, 1, jobs)
     assert rows1 == 2 * 8 + 1 * 8  # every evaluation: heun evaluates twice per step
     every4, rows4, routed = await _run_engine(4, 1, jobs)
@@ -360,11 +386,23 @@ async def test_an_experts_batch_is_split_to_fit_the_servers_max_payload(sim_expe
             assert NatsTransport(nc).rows_per_request(np.zeros((512, 1, 32, 32), np.float32)) < 256
             ws = await _sim_workers(srv.url, sim_experts, 1)
             try:
-                async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=srv.url,
-                                       step_timeout=10, cohorts=1) as coord:
-                    done = await asyncio.wait_for(asyncio.gather(*(
-                        run_job(nc, JobRequest(count=128, steps=2, seed=i, strategy="full", stream=False))
-                        for i in range(2))), 60)  # one batch of 256 rows for each expert
+                async with Coordinator(
+                    LabelRouter(C2E, 2),
+                    num_experts=2,
+                    class_to_expert=C2E,
+                    nats_url=srv.url,
+                    step_timeout=10,
+                    cohorts=1,
+                ) as coord:
+                    done = await asyncio.wait_for(
+                        asyncio.gather(
+                            *(
+                                run_job(nc, JobRequest(count=128, steps=2, seed=i, strategy="full", stream=False))
+                                for i in range(2)
+                            )
+                        ),
+                        60,
+                    )  # one batch of 256 rows for each expert
                     assert [d.images.shape for d in done] == [(128, 1, 32, 32)] * 2
                     assert coord.engine.scheduler.stats.jobs_failed == 0
             finally:

@@ -54,10 +54,18 @@ class StepRouter:
         return w
 
 
-def drive(router, experts, speculate=True, jobs=({"digits": [1, 7], "seed": 3}, {"digits": [4], "seed": 9}),
-          strategy="top1", cohorts=2, one_at_a_time=False):
+def drive(
+    router,
+    experts,
+    speculate=True,
+    jobs=({"digits": [1, 7], "seed": 3}, {"digits": [4], "seed": 9}),
+    strategy="top1",
+    cohorts=2,
+    one_at_a_time=False,
+):
     """Run the jobs to their end (router in a thread, as the coordinator runs it), all at once or
     each after the one before has ended; returns (events, engine)."""
+
     async def main():
         events = []
         sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
@@ -73,12 +81,14 @@ def drive(router, experts, speculate=True, jobs=({"digits": [1, 7], "seed": 3}, 
                     return
                 await asyncio.sleep(0.005)
 
-        reqs = [JobRequest(job_id=f"j{i}", steps=STEPS, strategy=strategy, stream=False, **job)
-                for i, job in enumerate(jobs)]
+        reqs = [
+            JobRequest(job_id=f"j{i}", steps=STEPS, strategy=strategy, stream=False, **job)
+            for i, job in enumerate(jobs)
+        ]
         for req in reqs:
             eng.submit(req)
             if one_at_a_time:
-                await until(lambda: ended(req.job_id))
+                await until(lambda req=req: ended(req.job_id))
         await until(lambda: all(ended(r.job_id) for r in reqs))
         await eng.stop()
         task.cancel()
@@ -98,16 +108,29 @@ def run(router, experts, speculate, **kw):
 
 
 def group(job_id, digits, route_w=None, strategy="top1"):
-    g = RowGroup(job_id=job_id, y=np.array(digits), x=np.ones((len(digits),) + SHAPE, np.float32), steps=STEPS,
-                 strategy=strategy, num_experts=2, oracle_expert=np.array([C2E[d] for d in digits]))
+    g = RowGroup(
+        job_id=job_id,
+        y=np.array(digits),
+        x=np.ones((len(digits),) + SHAPE, np.float32),
+        steps=STEPS,
+        strategy=strategy,
+        num_experts=2,
+        oracle_expert=np.array([C2E[d] for d in digits]),
+    )
     if route_w is not None:
         g.remember_route(np.array(route_w, np.float64))
     return g
 
 
 def test_guesses_follow_each_jobs_last_routing_among_the_experts_up_now():
-    b = Batch([group("new", [1]), group("a", [1, 2], [[0.2, 0.8], [0.7, 0.3]]),
-               group("f", [3], [[0.6, 0.4]], strategy="full")], num_experts=2)
+    b = Batch(
+        [
+            group("new", [1]),
+            group("a", [1, 2], [[0.2, 0.8], [0.7, 0.3]]),
+            group("f", [3], [[0.6, 0.4]], strategy="full"),
+        ],
+        num_experts=2,
+    )
     g = b.guess_requests()
     assert sorted(g) == [0, 1]
     assert g[0].tolist() == [2, 3] and g[1].tolist() == [1, 3]  # row 0 was never routed: no guess
@@ -244,16 +267,33 @@ async def test_a_coordinator_speculates_over_nats_without_changing_a_job(nats_ur
     from workers.backends import get_backend
     from workers.service import ExpertWorker
 
-    ws = [ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 2, 4, 8),
-                       backend=get_backend("sim", preset="instant", batch_ms=3.0)) for k, p in enumerate(tiny_experts)]
+    ws = [
+        ExpertWorker(
+            expert=k,
+            checkpoint=p,
+            nats_url=nats_url,
+            buckets=(1, 2, 4, 8),
+            backend=get_backend("sim", preset="instant", batch_ms=3.0),
+        )
+        for k, p in enumerate(tiny_experts)
+    ]
     for w in ws:
         await w.start()
     try:
-        jobs = [JobRequest(digits=[-1, 3, -1, 8], seed=5, steps=6), JobRequest(digits=[-1], seed=6, steps=6, strategy="full")]
+        jobs = [
+            JobRequest(digits=[-1, 3, -1, 8], seed=5, steps=6),
+            JobRequest(digits=[-1], seed=6, steps=6, strategy="full"),
+        ]
         images = {}
         for speculate in (True, False):
-            async with Coordinator(Router.load(tiny_router), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                                   step_timeout=10, speculate=speculate) as coord:
+            async with Coordinator(
+                Router.load(tiny_router),
+                num_experts=2,
+                class_to_expert=C2E,
+                nats_url=nats_url,
+                step_timeout=10,
+                speculate=speculate,
+            ) as coord:
                 images[speculate] = [(await run_job(nc, job, timeout=60)).images for job in jobs]
                 guessed = coord.metrics.sample("ddm_coordinator_rows_guessed_total")
                 unused = coord.metrics.sample("ddm_coordinator_rows_guessed_unused_total")

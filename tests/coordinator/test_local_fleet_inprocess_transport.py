@@ -21,8 +21,11 @@ class FakeBackend:
 
 def _rows(n: int):
     rng = np.random.default_rng(n)
-    return (rng.standard_normal((n, 1, 4, 4)).astype(np.float32), rng.uniform(0, 1, n).astype(np.float32),
-            rng.integers(0, 10, n))
+    return (
+        rng.standard_normal((n, 1, 4, 4)).astype(np.float32),
+        rng.uniform(0, 1, n).astype(np.float32),
+        rng.integers(0, 10, n),
+    )
 
 
 @pytest.mark.parametrize("n, shapes", [(3, [4]), (4, [4]), (1, [1]), (11, [8, 4])])

@@ -53,8 +53,14 @@ def router(tiny_router):
 
 
 def coordinator(router, nats_url, name: str, cls=Coordinator, **kw) -> Coordinator:
-    return cls(router, num_experts=2, class_to_expert=C2E, nats_url=nats_url, name=name,
-               **{"max_rows": 16, "step_timeout": 5.0, **kw})
+    return cls(
+        router,
+        num_experts=2,
+        class_to_expert=C2E,
+        nats_url=nats_url,
+        name=name,
+        **{"max_rows": 16, "step_timeout": 5.0, **kw},
+    )
 
 
 async def test_accepted_and_job_status_name_the_coordinator_and_its_run(router, nats_url, nc, workers):
@@ -115,8 +121,17 @@ async def test_run_job_completes_on_a_lagging_owner_beside_another_coordinator(r
             if isinstance(ev, JobAccepted):
                 accepted.set()
 
-        job = asyncio.create_task(run_job(nc, JobRequest(job_id="mc-run", digits=[3, 8], steps=20, seed=4), on_event,
-                                          probe_every=0.3, lost_after=5, unresponsive_after=60, timeout=120))
+        job = asyncio.create_task(
+            run_job(
+                nc,
+                JobRequest(job_id="mc-run", digits=[3, 8], steps=20, seed=4),
+                on_event,
+                probe_every=0.3,
+                lost_after=5,
+                unresponsive_after=60,
+                timeout=120,
+            )
+        )
         try:
             await asyncio.wait_for(accepted.wait(), 30)  # taken by coord-a, the only coordinator yet
             assert seen[0].coordinator == "coord-a" and seen[0].queue_position == 1  # waits: silent
@@ -151,8 +166,9 @@ async def test_an_unknown_from_the_owners_restart_is_believed_at_once(router, na
                 await cancel_job(nc, "mc-restart")
                 accepted = None
                 for i in range(20):
-                    got = await submit_job(nc, JobRequest(job_id=f"mc-restart{i}", digits=[4], steps=1000,
-                                                          stream=False))
+                    got = await submit_job(
+                        nc, JobRequest(job_id=f"mc-restart{i}", digits=[4], steps=1000, stream=False)
+                    )
                     if got.coordinator == "coord-a":
                         accepted = got
                         break
@@ -180,14 +196,25 @@ async def test_the_cli_coordinator_takes_its_name_from_dash_dash_name(router, ti
 
     cli = str(Path(sys.executable).with_name("ddm-fleet"))
     partition = str(Path(__file__).resolve().parents[2] / "checkpoints" / "partition.json")  # classes 0-4 | 5-9
-    args = ["coordinator", "--router", str(tiny_router), "--partition", partition, "--nats", nats_url,
-            "--metrics-port", "0"]
+    args = [
+        "coordinator",
+        "--router",
+        str(tiny_router),
+        "--partition",
+        partition,
+        "--nats",
+        nats_url,
+        "--metrics-port",
+        "0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    bad = await asyncio.to_thread(subprocess.run, [cli, *args, "--name", ""], capture_output=True, text=True,
-                                  env=env, timeout=120)
+    bad = await asyncio.to_thread(
+        subprocess.run, [cli, *args, "--name", ""], capture_output=True, text=True, env=env, timeout=120
+    )
     assert bad.returncode == 2 and "--name must be 1-128 characters" in bad.stderr, bad.stderr
-    proc = await asyncio.create_subprocess_exec(cli, *args, "--name", "coord-cli", stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.DEVNULL, env=env)
+    proc = await asyncio.create_subprocess_exec(
+        cli, *args, "--name", "coord-cli", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env
+    )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         assert line.startswith(b"ready"), line

@@ -13,8 +13,20 @@ import pytest
 from client.jobs import JobFailed, cancel_job, fleet_status, job_status, run_job, submit_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
-from schemas import (CancelReply, CancelRequest, ErrorCode, FrameEvent, JobAccepted, JobEvent, JobRejected, JobRequest,
-                     SubmitReply, pack, subjects, unpack)
+from schemas import (
+    CancelReply,
+    CancelRequest,
+    ErrorCode,
+    FrameEvent,
+    JobAccepted,
+    JobEvent,
+    JobRejected,
+    JobRequest,
+    SubmitReply,
+    pack,
+    subjects,
+    unpack,
+)
 from tests.coordinator.helpers import make_tiny_experts
 from tests.waiting import wait_until
 
@@ -53,12 +65,12 @@ async def _submit_raw(nc, data: bytes):
 async def test_every_rejected_submit_counts_and_carries_a_reason(nats_url, nc, workers):
     async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, max_rows=8):
         bad = [
-            b"\xc1",                                                        # undecodable: FormatError
-            b"\x00garbage",                                                 # undecodable: trailing bytes
+            b"\xc1",  # undecodable: FormatError
+            b"\x00garbage",  # undecodable: trailing bytes
             pack(JobRequest(digits=[1])).replace(b"\xa1v\x01", b"\xa1v\x07"),  # unsupported_version
             pack(JobRequest(digits=[1])).replace(b"\xa6digits", b"\xa6DIGITS"),  # unknown field
-            pack(JobRequest(digits=[1] * 9)),                               # too_large for max_rows 8 (scheduler)
-            pack(JobRequest(digits=[1], strategy="oracle")),                # no partition manifest (scheduler)
+            pack(JobRequest(digits=[1] * 9)),  # too_large for max_rows 8 (scheduler)
+            pack(JobRequest(digits=[1], strategy="oracle")),  # no partition manifest (scheduler)
         ]
         for data in bad:
             reply = await _submit_raw(nc, data)
@@ -124,8 +136,11 @@ async def test_last_frame_and_done_differ_by_float16_rounding_only(nats_url, nc,
 
     async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url):
         frames = []
-        done = await run_job(nc, JobRequest(digits=[0, 3, 5, 9], steps=4, seed=11, strategy="full"),
-                             lambda ev: frames.append(ev) if isinstance(ev, FrameEvent) else None)
+        done = await run_job(
+            nc,
+            JobRequest(digits=[0, 3, 5, 9], steps=4, seed=11, strategy="full"),
+            lambda ev: frames.append(ev) if isinstance(ev, FrameEvent) else None,
+        )
     last = frames[-1]
     assert last.step == 4 and last.x.dtype == np.float16 and done.images.dtype == np.float32
     gap = np.abs(np.clip(last.x.astype(np.float32), -1, 1) - done.images)
@@ -163,13 +178,15 @@ async def test_another_namespace_cannot_cancel_or_probe_a_job_and_sees_none_of_i
     every event of the job goes to alice's namespace only."""
     async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url) as coord:
         events = await _collect(nc, subjects.ALL_JOB_EVENTS)
-        accepted = await submit_job(nc, JobRequest(job_id="alices", digits=[1], steps=1000, stream=False),
-                                    client="alice")
+        accepted = await submit_job(
+            nc, JobRequest(job_id="alices", digits=[1], steps=1000, stream=False), client="alice"
+        )
         assert accepted.events_subject == subjects.job_events("alice", "alices")
         assert coord.owner_of("alices") == "alice"
 
-        msg = await nc.request(subjects.job_cancel("mallory", "alices"), pack(CancelRequest(job_id="alices")),
-                               timeout=5)
+        msg = await nc.request(
+            subjects.job_cancel("mallory", "alices"), pack(CancelRequest(job_id="alices")), timeout=5
+        )
         reply = unpack(msg.data, CancelReply)
         assert (reply.cancelled, reply.reason) == (False, "unknown job")
         # a job nobody has is answered the same way: the reply tells mallory nothing
@@ -185,14 +202,16 @@ async def test_another_namespace_cannot_cancel_or_probe_a_job_and_sees_none_of_i
         assert st.state == "failed"
         assert (await job_status(nc, "alices", client="mallory")).state == "unknown"  # finished: still not theirs
         await nc.flush()
-        assert events and {m.subject for m in events} == {subjects.job_events("alice", "alices")}, \
-            sorted({m.subject for m in events})
+        assert events and {m.subject for m in events} == {subjects.job_events("alice", "alices")}, sorted(
+            {m.subject for m in events}
+        )
 
 
 async def test_the_session_tag_is_a_fairness_key_not_an_owner(nats_url, nc, workers):
     async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url) as coord:
-        await submit_job(nc, JobRequest(job_id="tabbed", digits=[2], steps=1000, stream=False, session="tab-1"),
-                         client="web")
+        await submit_job(
+            nc, JobRequest(job_id="tabbed", digits=[2], steps=1000, stream=False, session="tab-1"), client="web"
+        )
         assert coord.engine.scheduler.owner_of("tabbed") == "web/tab-1" and coord.owner_of("tabbed") == "web"
         assert await cancel_job(nc, "tabbed", client="web-x") is False
         assert await cancel_job(nc, "tabbed", client="web") is True
@@ -219,6 +238,7 @@ async def test_replies_go_only_to_inboxes(nats_url, nc, workers):
         assert victim == [] and bob_inbox == []
         assert coord.replies_dropped == 6 and st.jobs_submitted == 1  # the forged submit was not taken either
         assert (await job_status(nc, "victim", client="bob")).state in ("queued", "running")  # cancel not acted on
+
         # the coordinator's own reply inbox (where its experts answer) is no reply subject for anyone
         async def echo(msg):
             await msg.respond(b"ok")
@@ -274,9 +294,14 @@ async def test_job_ids_are_per_client_two_clients_may_both_run_abc(nats_url, nc,
         b = await submit_job(nc, JobRequest(job_id="abc", digits=[8, 8], steps=3, stream=True, seed=2), client="bob")
         assert (a.job_id, b.job_id) == ("abc", "abc")
         assert b.events_subject == subjects.job_events("bob", "abc")
-        again = unpack((await nc.request(subjects.jobs_submit("bob"),
-                                         pack(JobRequest(job_id="abc", digits=[3], steps=2)), timeout=5)).data,
-                       SubmitReply)
+        again = unpack(
+            (
+                await nc.request(
+                    subjects.jobs_submit("bob"), pack(JobRequest(job_id="abc", digits=[3], steps=2)), timeout=5
+                )
+            ).data,
+            SubmitReply,
+        )
         if isinstance(again, JobRejected):  # bob's job may have finished already: then "abc" is free again
             assert again.code == ErrorCode.BAD_REQUEST and "'abc' is already in use" in again.reason
         # bob's jobs end; alice's (400 steps) is still running, then cancelled by alice
@@ -292,8 +317,10 @@ async def test_job_ids_are_per_client_two_clients_may_both_run_abc(nats_url, nc,
         bob_done = next(ev for ev in (unpack(m.data, JobEvent) for m in bob_events) if ev.kind == "done")
         assert bob_done.job_id == "abc" and bob_done.images.shape[0] in (1, 2)
         assert all(unpack(m.data, JobEvent).job_id == "abc" for m in everything)
-        assert {m.subject for m in everything} == {subjects.job_events("alice", "abc"),
-                                                    subjects.job_events("bob", "abc")}
+        assert {m.subject for m in everything} == {
+            subjects.job_events("alice", "abc"),
+            subjects.job_events("bob", "abc"),
+        }
         assert (await job_status(nc, "abc", client="alice")).state == "failed"
         assert (await job_status(nc, "abc", client="bob")).state == "done"
         assert (await job_status(nc, "abc", client="carol")).state == "unknown"

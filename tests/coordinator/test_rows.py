@@ -47,6 +47,7 @@ def test_row_group_stepping_equals_sample_bit_for_bit(method, steps):
 @pytest.mark.parametrize("method,order", [("euler", 1), ("heun", 2)])
 def test_row_group_converges_on_an_analytic_flow(method, order):
     """dx/dt = -1.5 x: rows reach x0 exp(-1.5) with the solver's order of accuracy."""
+
     def err(steps):
         g = RowGroup.from_seed("a", 3, [0, 1], (1, 2, 2), steps=steps, solver=method)
         x0 = g.x.copy()
@@ -54,7 +55,7 @@ def test_row_group_converges_on_an_analytic_flow(method, order):
         return np.abs(g.x - x0 * np.exp(-1.5)).max() / np.abs(x0).max()
 
     ratio = err(20) / err(40)
-    assert 2 ** order * 0.9 < ratio < 2 ** order * 1.1
+    assert 2**order * 0.9 < ratio < 2**order * 1.1
 
 
 def test_heun_row_group_is_exact_for_a_linear_in_t_field():

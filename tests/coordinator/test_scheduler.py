@@ -19,10 +19,12 @@ def make(num_experts=2, **kw) -> Scheduler:
 
 def prefer(k: int, K: int = 2):
     """Router that always puts 0.7 on expert k."""
+
     def router(x, t, y):
         w = np.full((len(y), K), 0.3 / (K - 1))
         w[:, k] = 0.7
         return w
+
     return router
 
 
@@ -35,8 +37,10 @@ def class_router(x, t, y):
 
 def fake_velocity(k):
     """A per-row function of (x, t, y) that differs per expert; exact in float32."""
+
     def v(x, t, y):
         return (-(k + 1) * 0.5 * x + t[:, None, None, None] + 0.1 * y[:, None, None, None]).astype(np.float32)
+
     return v
 
 
@@ -92,7 +96,7 @@ def test_heun_takes_two_ticks_per_step_and_matches_hand_computation():
     s.submit(JobRequest(job_id="h", digits=[1], steps=4, solver="heun", seed=1, frame_every=2), 0.0)
     lin = [lambda x, t, y: x.copy(), lambda x, t, y: 0 * x]  # dx/dt = x on expert 0
     frames, ticks = [], 0
-    while (b := tick(s, prefer(0), lin)) is not None:
+    while tick(s, prefer(0), lin) is not None:
         ticks += 1
         # stage 1 evaluates at t[n+1] (x predicted by Euler), stage 0 at t[n]
         frames += [e for e in s.pop_events() if isinstance(e, FrameEvent)]
@@ -151,12 +155,15 @@ def test_rows_at_mixed_t_share_a_tick_join_and_leave():
     assert s.schedule(10.0) is None
 
 
-@pytest.mark.parametrize("strategy,expect", [
-    ("top1", [[1, 0, 0], [0, 0, 1]]),
-    ("topk", [[0.6 / 0.9, 0.3 / 0.9, 0], [0.2 / 0.8, 0, 0.6 / 0.8]]),
-    ("full", [[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]),
-    ("oracle", [[0, 1, 0], [0, 0, 1]]),
-])
+@pytest.mark.parametrize(
+    "strategy,expect",
+    [
+        ("top1", [[1, 0, 0], [0, 0, 1]]),
+        ("topk", [[0.6 / 0.9, 0.3 / 0.9, 0], [0.2 / 0.8, 0, 0.6 / 0.8]]),
+        ("full", [[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]),
+        ("oracle", [[0, 1, 0], [0, 0, 1]]),
+    ],
+)
 def test_combined_velocity_matches_hand_computation(strategy, expect):
     s = make(3, class_to_expert=[1] * 5 + [2] * 5)
     s.submit(JobRequest(job_id="c", digits=[2, 8], steps=3, strategy=strategy, top_k=2, seed=0), 0.0)
@@ -256,7 +263,10 @@ def test_deadline_expires_queued_and_running_jobs():
     tick(s, prefer(0), V2, now=3.0)  # b expires while queued
     s.schedule(6.0)  # a expires while running
     failed = [e for e in s.pop_events() if isinstance(e, FailedEvent)]
-    assert [(f.job_id, f.code) for f in failed] == [("b", ErrorCode.DEADLINE_EXCEEDED), ("a", ErrorCode.DEADLINE_EXCEEDED)]
+    assert [(f.job_id, f.code) for f in failed] == [
+        ("b", ErrorCode.DEADLINE_EXCEEDED),
+        ("a", ErrorCode.DEADLINE_EXCEEDED),
+    ]
     assert s.active_rows == 0 and s.queued_jobs == 0
 
 
@@ -269,8 +279,16 @@ def test_seeded_job_is_identical_alone_and_batched_with_100_others():
     crowd = make(max_rows=1000)
     rng = np.random.default_rng(0)
     for i in range(60):  # some before ...
-        crowd.submit(JobRequest(job_id=f"o{i}", count=int(rng.integers(1, 5)), steps=int(rng.integers(1, 10)),
-                                strategy=["top1", "full", "topk"][i % 3], solver=["euler", "heun"][i % 2]), 0.0)
+        crowd.submit(
+            JobRequest(
+                job_id=f"o{i}",
+                count=int(rng.integers(1, 5)),
+                steps=int(rng.integers(1, 10)),
+                strategy=["top1", "full", "topk"][i % 3],
+                solver=["euler", "heun"][i % 2],
+            ),
+            0.0,
+        )
     tick(crowd, class_router, V2)
     crowd.submit(JobRequest(**req), 0.0)
     for i in range(40):  # ... and some after

@@ -27,10 +27,18 @@ def _jobs() -> list[JobRequest]:
     rng = np.random.default_rng(11)
     out = []
     for i in range(14):
-        out.append(JobRequest(job_id=f"j{i}", digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 4)))],
-                              steps=int(rng.integers(2, 7)), seed=40 + i, solver="heun" if i % 3 == 0 else "euler",
-                              strategy=("top1", "full", "oracle")[i % 3], stream=i % 2 == 0,
-                              frame_x1=i % 4 == 0))
+        out.append(
+            JobRequest(
+                job_id=f"j{i}",
+                digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 4)))],
+                steps=int(rng.integers(2, 7)),
+                seed=40 + i,
+                solver="heun" if i % 3 == 0 else "euler",
+                strategy=("top1", "full", "oracle")[i % 3],
+                stream=i % 2 == 0,
+                frame_x1=i % 4 == 0,
+            )
+        )
     return out
 
 
@@ -64,8 +72,17 @@ def _reference() -> dict[str, np.ndarray]:
     c2e = np.array([0] * 5 + [1] * 5)
     for j in _jobs():
         digits = list(j.digits)
-        g = RowGroup.from_seed(j.job_id, j.seed, digits, SHAPE, steps=j.steps, solver=j.solver, strategy=j.strategy,
-                               num_experts=2, oracle_expert=c2e[digits])
+        g = RowGroup.from_seed(
+            j.job_id,
+            j.seed,
+            digits,
+            SHAPE,
+            steps=j.steps,
+            solver=j.solver,
+            strategy=j.strategy,
+            num_experts=2,
+            oracle_expert=c2e[digits],
+        )
         while not g.done:
             x, t = g.eval_point()
             y = g.y
@@ -92,7 +109,7 @@ def test_batch_wide_update_matches_each_group_stepped_alone_bit_for_bit():
     _, f1 = _run(1)
     _, f3 = _run(3)
     assert f1 == f3 and f1
-    for job_id, packed in f1.items():
+    for packed in f1.values():
         evs = [unpack(b, FrameEvent) for b in packed]
         assert [e.step for e in evs] == list(range(1, len(evs) + 1))
         assert all(e.x.dtype == np.float16 and e.x.shape[1:] == SHAPE for e in evs)

@@ -118,18 +118,32 @@ def test_client_queue_quota_refuses_the_flooder_with_the_limit_and_not_others():
     assert err.value.limit == "max_queued_jobs" and "(limit 2)" in err.value.reason
 
 
-@pytest.mark.parametrize("solver,strategy,top_k,evals,experts", [
-    ("euler", "top1", 2, 1, 1), ("heun", "top1", 2, 2, 1), ("euler", "topk", 2, 1, 2),
-    ("euler", "topk", 9, 1, 3), ("heun", "full", 2, 2, 3), ("euler", "oracle", 2, 1, 1)])
+@pytest.mark.parametrize(
+    "solver,strategy,top_k,evals,experts",
+    [
+        ("euler", "top1", 2, 1, 1),
+        ("heun", "top1", 2, 2, 1),
+        ("euler", "topk", 2, 1, 2),
+        ("euler", "topk", 9, 1, 3),
+        ("heun", "full", 2, 2, 3),
+        ("euler", "oracle", 2, 1, 1),
+    ],
+)
 def test_job_cost_is_images_steps_evaluations_and_experts(solver, strategy, top_k, evals, experts):
     req = JobRequest(digits=[1, 2, 3, 4], steps=10, solver=solver, strategy=strategy, top_k=top_k)
     assert job_cost(req, 3) == 4 * 10 * evals * experts
     limit = 4 * 10 * evals * experts
-    s = Scheduler(SchedulerConfig(num_experts=3, image_shape=SHAPE, class_to_expert=[0] * 4 + [1] * 3 + [2] * 3,
-                                  max_job_cost=limit))
+    s = Scheduler(
+        SchedulerConfig(
+            num_experts=3, image_shape=SHAPE, class_to_expert=[0] * 4 + [1] * 3 + [2] * 3, max_job_cost=limit
+        )
+    )
     s.submit(req, 0.0)  # exactly at the limit: accepted
-    tight = Scheduler(SchedulerConfig(num_experts=3, image_shape=SHAPE, class_to_expert=[0] * 4 + [1] * 3 + [2] * 3,
-                                      max_job_cost=limit - 1))
+    tight = Scheduler(
+        SchedulerConfig(
+            num_experts=3, image_shape=SHAPE, class_to_expert=[0] * 4 + [1] * 3 + [2] * 3, max_job_cost=limit - 1
+        )
+    )
     with pytest.raises(Rejected) as err:
         tight.submit(req, 0.0)
     assert err.value.code == ErrorCode.TOO_LARGE and err.value.limit == "max_job_cost"
@@ -163,8 +177,10 @@ def test_run_time_limit_counts_from_start_not_from_submit():
 
 def test_single_client_defaults_keep_fifo_and_every_job_finishes():
     s = make(max_rows=3)
-    ids = [s.submit(JobRequest(job_id=f"j{i}", digits=[1] * (1 + i % 3), steps=2, stream=False), 0.0).job_id
-           for i in range(9)]
+    ids = [
+        s.submit(JobRequest(job_id=f"j{i}", digits=[1] * (1 + i % 3), steps=2, stream=False), 0.0).job_id
+        for i in range(9)
+    ]
     done, started = [], []
     for i in range(40):
         for j in s.active_job_ids():
@@ -188,9 +204,12 @@ def test_client_bookkeeping_is_empty_after_cancel_fail_and_done():
 
 
 def test_limits_are_checked_at_config_time():
-    for kw, word in ((dict(max_client_rows=0), "max_client_rows"),
-                     (dict(max_client_queued_jobs=0), "max_client_queued"),
-                     (dict(max_job_cost=0), "max_job_cost"), (dict(max_job_run_s=0), "max_job_run_s")):
+    for kw, word in (
+        (dict(max_client_rows=0), "max_client_rows"),
+        (dict(max_client_queued_jobs=0), "max_client_queued"),
+        (dict(max_job_cost=0), "max_job_cost"),
+        (dict(max_job_run_s=0), "max_job_run_s"),
+    ):
         with pytest.raises(ValueError, match=word):
             make(**kw)
     with pytest.raises(Rejected, match="client key"):

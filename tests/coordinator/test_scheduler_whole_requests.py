@@ -91,8 +91,15 @@ class RecordingTransport:
 async def _run(request_rows):
     events = []
     tr = RecordingTransport()
-    e = Engine(make(), LabelRouter(C2E, 2, confidence=1.0), tr, events.append, router_in_thread=False,
-               cohorts=2, request_rows=request_rows)
+    e = Engine(
+        make(),
+        LabelRouter(C2E, 2, confidence=1.0),
+        tr,
+        events.append,
+        router_in_thread=False,
+        cohorts=2,
+        request_rows=request_rows,
+    )
     task = asyncio.create_task(e.run())
     rng = np.random.default_rng(5)
     for i in range(23):

@@ -47,8 +47,15 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
     queue, >= 60 ticks), and heavy's surplus is refused with the quota, its limit and value."""
     ws = await _workers(nats_url, experts)
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               max_rows=4, max_client_queued_jobs=4, step_timeout=10) as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2),
+            num_experts=2,
+            class_to_expert=C2E,
+            nats_url=nats_url,
+            max_rows=4,
+            max_client_queued_jobs=4,
+            step_timeout=10,
+        ) as coord:
             sched = coord.engine.scheduler
             refusals: list[JobFailed] = []
             accepted = 0
@@ -61,8 +68,11 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
                 while not stop.is_set():
                     i += 1
                     try:
-                        await submit_job(nc, JobRequest(job_id=f"heavy-{i}", digits=[1, 6], steps=HEAVY_STEPS,
-                                                        stream=False), client="heavy")
+                        await submit_job(
+                            nc,
+                            JobRequest(job_id=f"heavy-{i}", digits=[1, 6], steps=HEAVY_STEPS, stream=False),
+                            client="heavy",
+                        )
                         accepted += 1
                     except JobFailed as err:
                         refusals.append(err)
@@ -70,16 +80,23 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
 
             flooder = asyncio.create_task(flood())
             try:
-                await wait_until(lambda: sched.client_usage("heavy")["queued_jobs"] == 4 and len(refusals) >= 3,
-                                 timeout=30, what="heavy's queue full and its surplus refused")
+                await wait_until(
+                    lambda: sched.client_usage("heavy")["queued_jobs"] == 4 and len(refusals) >= 3,
+                    timeout=30,
+                    what="heavy's queue full and its surplus refused",
+                )
                 waits = []
                 for i in range(3):
                     # light submits behind a full heavy queue (FIFO: 4 queued heavy jobs = 60 ticks first)
-                    await wait_until(lambda: sched.client_usage("heavy")["queued_jobs"] == 4, timeout=30,
-                                     what="heavy's queue full again")
+                    await wait_until(
+                        lambda: sched.client_usage("heavy")["queued_jobs"] == 4,
+                        timeout=30,
+                        what="heavy's queue full again",
+                    )
                     t0 = sched.stats.ticks
-                    done = await asyncio.wait_for(run_job(nc, JobRequest(digits=[2 + i], steps=LIGHT_STEPS, seed=i),
-                                                          client="light"), 120)
+                    done = await asyncio.wait_for(
+                        run_job(nc, JobRequest(digits=[2 + i], steps=LIGHT_STEPS, seed=i), client="light"), 120
+                    )
                     assert done.images.shape == (1, 1, 32, 32)
                     waits.append(sched.stats.ticks - t0)
             finally:  # let the submit in flight get its answer, so every refusal the coordinator counted is seen
@@ -93,8 +110,9 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
             err = refusals[0]
             assert err.code == ErrorCode.OVERLOADED
             assert "client quota: 4 queued jobs (limit 4)" in str(err)
-            assert coord.metrics.sample("ddm_coordinator_jobs_rejected_by_limit_total",
-                                        limit="max_client_queued_jobs") == len(refusals)
+            assert coord.metrics.sample(
+                "ddm_coordinator_jobs_rejected_by_limit_total", limit="max_client_queued_jobs"
+            ) == len(refusals)
     finally:
         for w in ws:
             await w.stop()
@@ -106,8 +124,9 @@ async def test_a_dead_engine_fails_every_job_refuses_submits_and_raises_for_the_
     `unavailable`, and serve_until raises EngineDied (`ddm-fleet coordinator` then exits 1)."""
     ws = await _workers(nats_url, experts)
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               max_rows=1) as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, max_rows=1
+        ) as coord:
             sched = coord.engine.scheduler
             release = asyncio.Event()
             original_update = sched.update
@@ -121,10 +140,15 @@ async def test_a_dead_engine_fails_every_job_refuses_submits_and_raises_for_the_
                 raise RuntimeError("injected fail_batch failure")
 
             sched.update, sched.fail_batch = update, fail_batch
-            jobs = [asyncio.create_task(run_job(nc, JobRequest(job_id=j, digits=[1], steps=1000), client="alice"))
-                    for j in ("dies-running", "dies-queued")]
-            await wait_until(lambda: sched.active_jobs == 1 and sched.queued_jobs == 1, timeout=30,
-                             what="one job running, one queued")
+            jobs = [
+                asyncio.create_task(run_job(nc, JobRequest(job_id=j, digits=[1], steps=1000), client="alice"))
+                for j in ("dies-running", "dies-queued")
+            ]
+            await wait_until(
+                lambda: sched.active_jobs == 1 and sched.queued_jobs == 1,
+                timeout=30,
+                what="one job running, one queued",
+            )
             serving = asyncio.create_task(coord.serve_until(asyncio.Event()))
             release.set()
             with pytest.raises(EngineDied, match="injected fail_batch failure"):
@@ -167,10 +191,26 @@ async def test_ddm_fleet_coordinator_exits_nonzero_when_its_engine_dies(nats_url
 
     router = make_tiny_router(tmp_path / "router")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", DOOMED_CLI, "coordinator", "--router", str(router), "--partition",
-        "checkpoints/partition.json", "--nats", nats_url, "--metrics-port", "0", "--step-timeout", "1",
-        "--retries", "0", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        sys.executable,
+        "-c",
+        DOOMED_CLI,
+        "coordinator",
+        "--router",
+        str(router),
+        "--partition",
+        "checkpoints/partition.json",
+        "--nats",
+        nats_url,
+        "--metrics-port",
+        "0",
+        "--step-timeout",
+        "1",
+        "--retries",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         assert line.startswith(b"ready: coordinator"), line + await proc.stderr.read()

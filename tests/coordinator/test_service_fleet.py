@@ -14,12 +14,21 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from client.jobs import JobFailed, cancel_job, fleet_status, run_job
-from coordinator.service import Coordinator, wait_for_experts
-from coordinator.scheduler import Rejected
-from schemas import (DoneEvent, ErrorCode, FrameEvent, JobEvent, JobRejected, JobRequest, SubmitReply, pack, subjects,
-                     unpack)
-
 from coordinator.local_fleet import LabelRouter
+from coordinator.scheduler import Rejected
+from coordinator.service import Coordinator, wait_for_experts
+from schemas import (
+    DoneEvent,
+    ErrorCode,
+    FrameEvent,
+    JobEvent,
+    JobRejected,
+    JobRequest,
+    SubmitReply,
+    pack,
+    subjects,
+    unpack,
+)
 from tests.coordinator.helpers import make_tiny_experts
 from tests.waiting import wait_until
 
@@ -58,19 +67,25 @@ def _jobs(n):
     rng = np.random.default_rng(7)
     out = []
     for i in range(n):
-        out.append(JobRequest(
-            digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 4)))],
-            steps=int(rng.integers(2, 5)), seed=1000 + i,
-            strategy=["top1", "topk", "full", "oracle"][i % 4], solver=["euler", "heun"][(i // 4) % 2],
-            stream=bool(i % 3)))
+        out.append(
+            JobRequest(
+                digits=[int(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 4)))],
+                steps=int(rng.integers(2, 5)),
+                seed=1000 + i,
+                strategy=["top1", "topk", "full", "oracle"][i % 4],
+                solver=["euler", "heun"][(i // 4) % 2],
+                stream=bool(i % 3),
+            )
+        )
     return out
 
 
 async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
     ws = await _workers(nats_url, experts)
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               step_timeout=10) as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
+        ) as coord:
             jobs = _jobs(50)
             frames: dict[str, int] = {}
 
@@ -87,7 +102,9 @@ async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
         for j, a in zip(jobs, crowd):
             assert isinstance(a, DoneEvent) and a.digits == j.digits
             assert a.images.shape == (len(j.digits), 1, 32, 32)
-        assert {(jobs[i].strategy, jobs[i].solver) for i in picked} == {(s, v) for s in ("top1", "topk", "full", "oracle") for v in ("euler", "heun")}
+        assert {(jobs[i].strategy, jobs[i].solver) for i in picked} == {
+            (s, v) for s in ("top1", "topk", "full", "oracle") for v in ("euler", "heun")
+        }
         for i, b in solo.items():
             np.testing.assert_allclose(crowd[i].images, b.images, atol=2e-4)
             np.testing.assert_allclose(crowd[i].usage, b.usage)
@@ -103,6 +120,7 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
     ws = await _workers(nats_url, experts)
     try:
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, max_rows=8) as coord:
+
             async def submit_raw(data: bytes):
                 return unpack((await nc.request(subjects.jobs_submit("anon"), data, timeout=5)).data, SubmitReply)
 
@@ -130,7 +148,9 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
             kinds = [unpack((await sub.next_msg(timeout=30)).data, JobEvent).kind for _ in range(2)]
             assert accepted.events_subject == subjects.job_events("anon", "inproc")
             assert kinds == ["accepted", "done"]
-            assert coord.status().jobs_rejected == 5  # 2 undecodable / wrong-version submits + 3 refused by the scheduler
+            assert (
+                coord.status().jobs_rejected == 5
+            )  # 2 undecodable / wrong-version submits + 3 refused by the scheduler
     finally:
         await _stop(ws)
 
@@ -145,16 +165,26 @@ async def _scrape(port: int) -> dict:
         async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             text = await r.text()
-    return {(smp.name, frozenset(smp.labels.items())): smp.value
-            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    return {
+        (smp.name, frozenset(smp.labels.items())): smp.value
+        for fam in text_string_to_metric_families(text)
+        for smp in fam.samples
+    }
 
 
 async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
     """Only expert 0 has a worker: digit-7 rows fall back to it. Counters move between two scrapes."""
     ws = await _workers(nats_url, experts[:1])
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, max_rows=8, step_timeout=5,
-                               metrics_port=0, metrics_host="127.0.0.1") as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2),
+            num_experts=2,
+            nats_url=nats_url,
+            max_rows=8,
+            step_timeout=5,
+            metrics_port=0,
+            metrics_host="127.0.0.1",
+        ) as coord:
             port = coord.metrics_port
             assert port and port > 0
             before = await _scrape(port)
@@ -197,11 +227,18 @@ async def test_metrics_port_taken_is_an_error_unless_optional(nats_url):
     blocker = await serve_metrics(CollectorRegistry(), port, host="127.0.0.1")
     try:
         with pytest.raises(OSError, match="cannot serve metrics"):
-            async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, metrics_port=port,
-                                   metrics_host="127.0.0.1"):
+            async with Coordinator(
+                LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, metrics_port=port, metrics_host="127.0.0.1"
+            ):
                 pass
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, metrics_port=port,
-                               metrics_host="127.0.0.1", metrics_optional=True) as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2),
+            num_experts=2,
+            nats_url=nats_url,
+            metrics_port=port,
+            metrics_host="127.0.0.1",
+            metrics_optional=True,
+        ) as coord:
             assert coord.metrics_port is None and coord.metrics is not None
     finally:
         await blocker.cleanup()
@@ -236,8 +273,9 @@ async def test_expert_without_responders_falls_back_with_a_note(nats_url, nc, ex
         router = LabelRouter([0, 0, 0, 0, 0, 1, 1, 2, 1, 1], 3)  # expert 2 has no workers at all
         async with Coordinator(router, num_experts=3, nats_url=nats_url):
             notes = []
-            done = await run_job(nc, JobRequest(digits=[7, 1], steps=3, seed=1),
-                                 lambda ev: notes.extend(getattr(ev, "notes", [])))
+            done = await run_job(
+                nc, JobRequest(digits=[7, 1], steps=3, seed=1), lambda ev: notes.extend(getattr(ev, "notes", []))
+            )
         assert notes and notes[0].startswith("row 0: expert 2 has no responders, fell back to")
         assert done.usage[0, 2] == 0 and done.usage[0, :2].sum() == 1
         assert any("fell back" in n for n in done.notes)
@@ -259,8 +297,15 @@ asyncio.run(main())
 @pytest.mark.procs
 async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, experts):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(experts[0]), nats_url],
-                              stdout=subprocess.PIPE, env=env, cwd=os.getcwd()) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER_SCRIPT, str(experts[0]), nats_url],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=os.getcwd(),
+        )
+        for _ in range(2)
+    ]
     from workers.service import ExpertWorker
 
     w1 = ExpertWorker(expert=1, checkpoint=experts[1], nats_url=nats_url, buckets=(1, 4, 16))
@@ -271,8 +316,9 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
         await wait_for_experts(nc, 2, timeout=30)
         # dispatch="queue": the queue group's random pick keeps reaching the frozen worker, which this
         # test needs (join-shortest-queue would mostly avoid it; test_transport_direct_dispatch.py covers that)
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, step_timeout=1.0, retries=4,
-                               dispatch="queue") as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, step_timeout=1.0, retries=4, dispatch="queue"
+        ) as coord:
             progress = time.monotonic()
 
             def on(ev):
@@ -285,8 +331,9 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
             progress = time.monotonic()
             tasks = [asyncio.create_task(run_job(nc, j, on)) for j in jobs]
             # a request is stuck on the frozen worker: no job has moved for 0.4 s (well under step_timeout) ...
-            await wait_until(lambda: time.monotonic() - progress >= 0.4, timeout=60,
-                             what="the jobs to stall on the frozen worker")
+            await wait_until(
+                lambda: time.monotonic() - progress >= 0.4, timeout=60, what="the jobs to stall on the frozen worker"
+            )
             assert not any(t.done() for t in tasks)
             victim.kill()  # ... kill it: that request is lost and must be retried on the other worker
             done = await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -14,7 +14,7 @@ from client.jobs import JobFailed, fleet_status, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.rows import initial_noise
 from coordinator.service import Coordinator
-from schemas import (UNCONDITIONAL, ErrorCode, FrameEvent, JobRejected, JobRequest, SubmitReply, subjects, unpack)
+from schemas import UNCONDITIONAL, ErrorCode, FrameEvent, JobRejected, JobRequest, SubmitReply, subjects, unpack
 from tests.coordinator.helpers import JITTER, TINY_WIDTHS
 
 C2E = [0] * 5 + [1] * 5
@@ -30,8 +30,9 @@ def null_experts(tmp_path_factory):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared small box: one intra-op thread keeps tiny forwards fast
-    yield make_tiny_experts(tmp_path_factory.mktemp("null-experts"), 2, widths=TINY_WIDTHS, jitter=JITTER, groups=8,
-                            null_label=True)
+    yield make_tiny_experts(
+        tmp_path_factory.mktemp("null-experts"), 2, widths=TINY_WIDTHS, jitter=JITTER, groups=8, null_label=True
+    )
     torch.set_num_threads(threads)
 
 
@@ -73,8 +74,9 @@ async def test_unconditional_job_end_to_end_routed_by_the_router(nats_url, nc, n
             digits = [U, U, 4, U]
             frames: list[FrameEvent] = []
             req = JobRequest(digits=digits, seed=21, steps=3, strategy="top1")
-            first = await run_job(nc, req, lambda ev: frames.append(ev) if isinstance(ev, FrameEvent) else None,
-                                  timeout=120)
+            first = await run_job(
+                nc, req, lambda ev: frames.append(ev) if isinstance(ev, FrameEvent) else None, timeout=120
+            )
             again = await run_job(nc, req, timeout=120)
             assert first.digits == digits and first.images.shape == (4, 1, 32, 32)
             np.testing.assert_array_equal(first.images, again.images)  # deterministic for a seed
@@ -105,8 +107,9 @@ async def test_unconditional_job_end_to_end_routed_by_the_router(nats_url, nc, n
 async def test_a_fleet_without_null_labels_refuses_unconditional_jobs_and_keeps_serving(nats_url, nc, tiny_experts):
     ws = await _workers(nats_url, tiny_experts)  # experts trained without label dropout: no null label
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               step_timeout=10):
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
+        ):
             before = (await fleet_status(nc)).jobs_rejected
             normal = asyncio.create_task(run_job(nc, JobRequest(digits=[3, 8], seed=5, steps=3), timeout=120))
             for _ in range(2):  # the second answer comes from what the first probe learned
@@ -124,8 +127,7 @@ async def test_a_fleet_without_null_labels_refuses_unconditional_jobs_and_keeps_
         await _stop(ws)
 
 
-async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_after_a_while(nats_url, nc,
-                                                                                          null_experts):
+async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_after_a_while(nats_url, nc, null_experts):
     """Submits are handled one at a time: a silent expert (no worker) must not make every unconditional
     submit wait for its own probe. The unknown answer is kept NULL_LABEL_UNKNOWN_TTL_S, and the job is
     not refused for it (expert 1 serves its rows, as an expert with no responders is treated)."""
@@ -133,8 +135,9 @@ async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_afte
 
     ws = await _workers(nats_url, null_experts[:1])  # expert 0 only: expert 1 never answers
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               step_timeout=10) as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
+        ) as coord:
             asked = []
             probe = coord.null_labels.probe
 

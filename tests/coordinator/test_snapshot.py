@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.snapshot import decode, encode
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
+from coordinator.snapshot import decode, encode
 from schemas import DoneEvent, ErrorCode, FrameEvent, JobRequest, ProtocolError
 from tests.coordinator.test_scheduler import SHAPE, V2, make
 

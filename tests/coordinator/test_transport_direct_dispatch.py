@@ -32,8 +32,13 @@ async def workers(nats_url, expert0):
     ws = []
     try:
         for _ in range(3):  # 20 ms per batch: a round's requests overlap at the workers
-            w = ExpertWorker(expert=0, checkpoint=expert0, nats_url=nats_url, buckets=(1, 2, 4, 8),
-                             backend=get_backend("sim", preset="instant", batch_ms=20.0))
+            w = ExpertWorker(
+                expert=0,
+                checkpoint=expert0,
+                nats_url=nats_url,
+                buckets=(1, 2, 4, 8),
+                backend=get_backend("sim", preset="instant", batch_ms=20.0),
+            )
             await w.start()
             ws.append(w)
         yield ws
@@ -44,8 +49,12 @@ async def workers(nats_url, expert0):
 
 def _inputs(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, 1, 32, 32)).astype(np.float32), rng.uniform(0, 1, n).astype(np.float32),
-            rng.integers(0, 5, n).astype(np.int64), [f"r{seed}-{i}" for i in range(n)])
+    return (
+        rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
+        rng.uniform(0, 1, n).astype(np.float32),
+        rng.integers(0, 5, n).astype(np.int64),
+        [f"r{seed}-{i}" for i in range(n)],
+    )
 
 
 async def _round(tr: NatsTransport, seed: int) -> None:
@@ -149,9 +158,12 @@ class Responder:
         self.queue_requests = self.direct_requests = 0
         self.subs: list = []
 
-    async def start(self) -> "Responder":
-        self.subs.append(await self.nc.subscribe(subjects.expert_velocity(self.expert),
-                                                 queue=subjects.expert_queue_group(self.expert), cb=self._on_queue))
+    async def start(self) -> Responder:
+        self.subs.append(
+            await self.nc.subscribe(
+                subjects.expert_velocity(self.expert), queue=subjects.expert_queue_group(self.expert), cb=self._on_queue
+            )
+        )
         if self.direct:
             subject = subjects.expert_direct(self.expert, subjects.worker_token(self.worker_id))
             self.subs.append(await self.nc.subscribe(subject, cb=self._on_direct))
@@ -165,8 +177,13 @@ class Responder:
 
     async def _answer(self, msg) -> None:
         step = unpack(msg.data, StepRequest)
-        await msg.respond(pack(StepReply(expert=step.expert, velocity=-np.asarray(step.x_t), row_ids=step.row_ids,
-                                         worker_id=self.worker_id)))
+        await msg.respond(
+            pack(
+                StepReply(
+                    expert=step.expert, velocity=-np.asarray(step.x_t), row_ids=step.row_ids, worker_id=self.worker_id
+                )
+            )
+        )
 
     async def _on_direct(self, msg) -> None:
         self.direct_requests += 1
@@ -303,17 +320,27 @@ async def test_a_coordinator_with_auto_cohorts_grows_them_as_it_learns_workers(n
         for r in range(30):
             if coord.transport.workers_per_expert() == n:
                 return
-            await asyncio.gather(*(run_job(nc, JobRequest(job_id=f"auto{n}-{r}-{i}", digits=[1, 2], steps=4, seed=i,
-                                                          stream=False)) for i in range(6)))
+            await asyncio.gather(
+                *(
+                    run_job(nc, JobRequest(job_id=f"auto{n}-{r}-{i}", digits=[1, 2], steps=4, seed=i, stream=False))
+                    for i in range(6)
+                )
+            )
         raise AssertionError(f"learned {coord.transport.workers_per_expert()} of {n} workers in 30 rounds")
 
-    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, step_timeout=10,
-                           request_rows=1) as coord:
+    async with Coordinator(
+        LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, step_timeout=10, request_rows=1
+    ) as coord:
         assert coord.engine.cohorts == "auto"
         await learn(coord, len(workers))
         assert coord.engine.cohorts_now() == 2 == coord.metrics.sample("ddm_coordinator_cohorts")
-        fourth = ExpertWorker(expert=0, checkpoint=expert0, nats_url=nats_url, buckets=(1, 2, 4, 8),
-                              backend=get_backend("sim", preset="instant", batch_ms=20.0))
+        fourth = ExpertWorker(
+            expert=0,
+            checkpoint=expert0,
+            nats_url=nats_url,
+            buckets=(1, 2, 4, 8),
+            backend=get_backend("sim", preset="instant", batch_ms=20.0),
+        )
         await fourth.start()
         try:
             await learn(coord, 4)

@@ -87,8 +87,9 @@ class Forger:
 
 
 async def _images(nats_url, nc, request: JobRequest, forger: Forger | None = None):
-    async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                           step_timeout=10) as coord:
+    async with Coordinator(
+        LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
+    ) as coord:
         assert isinstance(coord.transport, NatsTransport)
         done = await run_job(nc, request, timeout=60)
         if forger is not None:  # let the last forgeries arrive before reading the counters
@@ -137,8 +138,14 @@ async def test_reply_on_an_unknown_token_is_dropped_and_counted(nc):
         seen.append(msg.reply)
         req = unpack(msg.data, StepRequest)
         prefix = msg.reply.rsplit(".", 1)[0]
-        bad = pack(StepReply(expert=expert, velocity=np.full(np.asarray(req.x_t).shape, 9.0, np.float32),
-                             row_ids=req.row_ids, worker_id="forger"))
+        bad = pack(
+            StepReply(
+                expert=expert,
+                velocity=np.full(np.asarray(req.x_t).shape, 9.0, np.float32),
+                row_ids=req.row_ids,
+                worker_id="forger",
+            )
+        )
         await nc.publish(f"{prefix}.{secrets.token_hex(16)}", bad)  # guessed token: dropped
         await nc.publish(msg.reply, pack(StepReply(expert=expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids)))
         await nc.publish(msg.reply, bad)  # second reply on the real subject: dropped

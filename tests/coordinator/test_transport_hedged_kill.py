@@ -33,9 +33,28 @@ BATCH_MS = 100
 async def _sim_worker(checkpoint, nats_url, log_path) -> asyncio.subprocess.Process:
     with open(log_path, "ab") as log:
         p = await asyncio.create_subprocess_exec(
-            str(DDM), "worker", "--expert", "0", "--checkpoint", str(checkpoint), "--backend", "sim",
-            "--sim-batch-ms", str(BATCH_MS), "--sim-row-ms", "0", "--buckets", "1,2,4,8,16", "--nats", nats_url,
-            "--metrics-port", "0", stdout=asyncio.subprocess.PIPE, stderr=log, env=ENV)
+            str(DDM),
+            "worker",
+            "--expert",
+            "0",
+            "--checkpoint",
+            str(checkpoint),
+            "--backend",
+            "sim",
+            "--sim-batch-ms",
+            str(BATCH_MS),
+            "--sim-row-ms",
+            "0",
+            "--buckets",
+            "1,2,4,8,16",
+            "--nats",
+            nats_url,
+            "--metrics-port",
+            "0",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+            env=ENV,
+        )
     line = await asyncio.wait_for(p.stdout.readline(), 120)
     assert line.startswith(b"ready"), f"worker did not start: {line!r}\n{Path(log_path).read_text()}"
     return p
@@ -57,8 +76,9 @@ async def _run(nc, tag: str, on_frame=None) -> tuple[float, float]:
             if on_frame is not None and isinstance(ev, FrameEvent):
                 on_frame(ev)
 
-        done = await run_job(nc, JobRequest(job_id=f"{tag}{i}", digits=[(i + j) % 5 for j in range(8)], steps=25,
-                                            seed=i), on)
+        done = await run_job(
+            nc, JobRequest(job_id=f"{tag}{i}", digits=[(i + j) % 5 for j in range(8)], steps=25, seed=i), on
+        )
         assert done.images.shape == (8, 1, 32, 32) and np.isfinite(done.images).all()
         return time.monotonic() - start
 
@@ -72,8 +92,9 @@ async def test_kill_9_of_one_worker_costs_its_jobs_under_a_second(nats_url, nc, 
     try:
         await wait_for_experts(nc, 1, timeout=30)
         # request_rows=2: each tick's 16 rows go out as 8 requests, spread over both workers
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               request_rows=2) as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, request_rows=2
+        ) as coord:
             tr = coord.transport
             base_gap, base_time = await _run(nc, "calm")
             assert tr.hedging.workers_seen(0) == 2 and tr.hedging.delay(0) is not None
@@ -90,10 +111,12 @@ async def test_kill_9_of_one_worker_costs_its_jobs_under_a_second(nats_url, nc, 
             gap, job_time = await _run(nc, "kill", on_frame)
             assert killed.is_set() and await asyncio.wait_for(victim.wait(), 10) == -9
             won = tr.hedge_counts.get((0, "won"), 0)
-            print(f"\nkill -9 mid-run: longest event gap {gap:.3f} s (undisturbed {base_gap:.3f} s, extra "
-                  f"{gap - base_gap:.3f} s); longest job {job_time:.2f} s (undisturbed {base_time:.2f} s, extra "
-                  f"{job_time - base_time:.2f} s); hedge delay {tr.hedging.estimate(0):.3f} s, hedges "
-                  f"{dict(tr.hedge_counts)} (undisturbed run: {calm_hedges}), retries {tr.retried}")
+            print(
+                f"\nkill -9 mid-run: longest event gap {gap:.3f} s (undisturbed {base_gap:.3f} s, extra "
+                f"{gap - base_gap:.3f} s); longest job {job_time:.2f} s (undisturbed {base_time:.2f} s, extra "
+                f"{job_time - base_time:.2f} s); hedge delay {tr.hedging.estimate(0):.3f} s, hedges "
+                f"{dict(tr.hedge_counts)} (undisturbed run: {calm_hedges}), retries {tr.retried}"
+            )
             assert won >= 1, f"the kill hit no request in flight: {tr.hedge_counts}"
             assert tr.retried == 0  # the hedges answered: no try ran into the 10 s step timeout
             assert gap - base_gap < 1.0  # the stall the kill caused (job times vary more on a shared box)

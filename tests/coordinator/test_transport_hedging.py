@@ -8,8 +8,17 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.transport import (HEDGE_FLOOR_S, HEDGE_MARGIN, HEDGE_START_S, HedgePolicy, LatencyWindow, NatsTransport, _BadReply,
-                                   _ErrorReply, _worse)
+from coordinator.transport import (
+    HEDGE_FLOOR_S,
+    HEDGE_MARGIN,
+    HEDGE_START_S,
+    HedgePolicy,
+    LatencyWindow,
+    NatsTransport,
+    _BadReply,
+    _ErrorReply,
+    _worse,
+)
 from schemas import ErrorCode, StepReply, StepRequest, pack, subjects, unpack
 from tests.waiting import wait_until
 
@@ -17,6 +26,7 @@ EXPERT = 43  # a subject no other test serves
 
 
 # ------------------------------------------------------------------ pure: estimator and decision
+
 
 def test_latency_window_quantiles_are_nearest_rank_over_the_last_samples():
     w = LatencyWindow(size=100)
@@ -100,6 +110,7 @@ def test_the_failure_reported_for_two_failed_legs_is_the_most_telling():
 
 # ------------------------------------------------------------------ the transport over a real nats-server
 
+
 def _inputs(n):
     x = np.arange(n * 16, dtype=np.float32).reshape(n, 1, 4, 4)
     return x, np.full(n, 0.5, np.float32), np.zeros(n, np.int64), [f"r{i}" for i in range(n)]
@@ -117,10 +128,15 @@ async def test_a_late_request_is_hedged_to_the_other_worker_and_the_late_reply_d
                 await asyncio.sleep(0.8)
             reply = StepReply(expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids, worker_id=name)
             await msg.respond(pack(reply))
+
         return cb
 
-    subs = [await nc.subscribe(subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT),
-                               cb=responder(name)) for name in ("fast", "slow")]
+    subs = [
+        await nc.subscribe(
+            subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT), cb=responder(name)
+        )
+        for name in ("fast", "slow")
+    ]
     tr = NatsTransport(nc, step_timeout=5, hedge_after_s=0.1)
     try:
         x, t, y, ids = _inputs(2)
@@ -152,8 +168,16 @@ async def test_hedge_off_waits_for_the_slow_worker(nc):
     async def cb(msg):
         req = unpack(msg.data, StepRequest)
         await asyncio.sleep(0.3)
-        await msg.respond(pack(StepReply(expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids,
-                                         worker_id=f"w{len(req.row_ids)}")))
+        await msg.respond(
+            pack(
+                StepReply(
+                    expert=req.expert,
+                    velocity=-np.asarray(req.x_t),
+                    row_ids=req.row_ids,
+                    worker_id=f"w{len(req.row_ids)}",
+                )
+            )
+        )
 
     sub = await nc.subscribe(subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT), cb=cb)
     tr = NatsTransport(nc, step_timeout=5, hedge="off", hedge_after_s=0.05)

@@ -69,7 +69,11 @@ def test_restricted_unpickler_reads_plain_arrays():
 
 
 def _write_idx(path, arr: np.ndarray, code: int = 0x08, gz: bool = False) -> None:
-    raw = bytes([0, 0, code, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+    raw = (
+        bytes([0, 0, code, arr.ndim])
+        + struct.pack(f">{arr.ndim}I", *arr.shape)
+        + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+    )
     path.write_bytes(gzip.compress(raw) if gz else raw)
 
 

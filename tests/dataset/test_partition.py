@@ -111,14 +111,46 @@ def test_partition_cli(tmp_path, capsys):
     from infra.cli import main
 
     out = tmp_path / "p.json"
-    assert main(["partition", "--method", "classes", "--experts", "3", "--classes", "0-2+7,3-6,8+9",
-                 "--limit", "500", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "partition",
+                "--method",
+                "classes",
+                "--experts",
+                "3",
+                "--classes",
+                "0-2+7,3-6,8+9",
+                "--limit",
+                "500",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "class_to_expert" in printed and "wrote" in printed
     m = load_manifest(out)
     assert m.num_images == 500 and m.experts[2].classes == [8, 9]
     # mistakes give a clear message and exit code 2, not a traceback
     assert main(["partition", "--method", "random", "--classes", "0-4,5-9", "--out", str(out)]) == 2
-    assert main(["partition", "--method", "classes", "--experts", "2", "--classes", "0-3,5-9", "--limit", "50",
-                 "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "partition",
+                "--method",
+                "classes",
+                "--experts",
+                "2",
+                "--classes",
+                "0-3,5-9",
+                "--limit",
+                "50",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "belong to no expert" in capsys.readouterr().err

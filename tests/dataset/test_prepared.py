@@ -110,7 +110,9 @@ def test_centre_crop_keeps_the_middle(tmp_path):
     im.paste((0, 255, 0), (10, 0, 20, 10))  # the centre square is green, the sides red
     im.save(tmp_path / "wide.png")
     arr = F.load_image(tmp_path / "wide.png", 5, 3)
-    np.testing.assert_allclose(arr[:, 1:4, 1:4].reshape(3, -1).mean(axis=1), [0, 255, 0], atol=3)  # Lanczos rings a little
+    np.testing.assert_allclose(
+        arr[:, 1:4, 1:4].reshape(3, -1).mean(axis=1), [0, 255, 0], atol=3
+    )  # Lanczos rings a little
     assert arr[0, :, 0].max() < 30  # no red from the sides reaches the crop
 
 
@@ -298,8 +300,14 @@ def test_builtin_mnist_equals_load_mnist(mnist_cache, tmp_path):
 
 def _cli(*args, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "infra.cli", "data", *args], capture_output=True, text=True,
-                          timeout=60, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", "data", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def test_cli_prepare_images_info_and_idempotence(labelled, tmp_path):
@@ -332,7 +340,17 @@ def test_cli_usage_errors(tmp_path):
 
 
 def test_cli_colour_mnist_limit(mnist_cache, tmp_path):
-    r = _cli("prepare", "--dataset", "colour-mnist", "--limit", "20", "--seed", "3", "--out", str(tmp_path / "c"),
-             env_extra={"DDM_DATA_DIR": str(mnist_cache.parent)})
+    r = _cli(
+        "prepare",
+        "--dataset",
+        "colour-mnist",
+        "--limit",
+        "20",
+        "--seed",
+        "3",
+        "--out",
+        str(tmp_path / "c"),
+        env_extra={"DDM_DATA_DIR": str(mnist_cache.parent)},
+    )
     assert r.returncode == 0, r.stderr
     assert "3x32x32, 10 classes, train 20, val 20, test 20" in r.stdout

@@ -36,8 +36,12 @@ def test_score_real_vs_wrong_labels_and_noise(small_classifier):
     ref = small_classifier.features(x[:1000])
     good = score_images(small_classifier, x[1000:1500], y[1000:1500], ref)
     wrong = score_images(small_classifier, x[1000:1500], (y[1000:1500] + 1) % 10, ref)
-    noise = score_images(small_classifier, np.random.default_rng(0).uniform(-1, 1, (500, 1, 32, 32)).astype(np.float32),
-                         y[1000:1500], ref)
+    noise = score_images(
+        small_classifier,
+        np.random.default_rng(0).uniform(-1, 1, (500, 1, 32, 32)).astype(np.float32),
+        y[1000:1500],
+        ref,
+    )
     assert good.accuracy > 0.9 and wrong.accuracy < 0.1
     assert sum(good.predicted_counts) == 500
     assert good.fid < noise.fid / 5  # real digits are far closer to real digits than noise is
@@ -63,8 +67,9 @@ def eval_dirs(tmp_path_factory, small_classifier):
     make_tiny_router(ck / "router", 2)
     shutil.copy("checkpoints/partition.json", ck / "partition.json")
     # the "monolith" is expert 1's tiny net (its seed, 101) saved as a single expert 0 over all classes
-    make_tiny_expert(ck / "monolith", expert_id=0, seed=101, widths=TINY_WIDTHS, jitter=JITTER, groups=8,
-                     classes=range(10))
+    make_tiny_expert(
+        ck / "monolith", expert_id=0, seed=101, widths=TINY_WIDTHS, jitter=JITTER, groups=8, classes=range(10)
+    )
     data = tmp_path_factory.mktemp("data")
     os.symlink(cache_path().resolve(), data / cache_path().name)
     small_classifier.save(data / f"{CACHE_NAME}.safetensors")
@@ -91,8 +96,16 @@ async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_pat
 
     ck, data = eval_dirs
     names = ["monolith", "top1", "top2", "full", "oracle"]
-    spec = EvalSpec(configs=[Config.parse(n) for n in names], checkpoints=str(ck), per_class=2, steps=3,
-                    job_size=8, data_dir=str(data), save_dir=str(tmp_path), progress=False)
+    spec = EvalSpec(
+        configs=[Config.parse(n) for n in names],
+        checkpoints=str(ck),
+        per_class=2,
+        steps=3,
+        job_size=8,
+        data_dir=str(data),
+        save_dir=str(tmp_path),
+        progress=False,
+    )
     from evaluation.judges import Judges
     from evaluation.rescore import rescore_dir
 

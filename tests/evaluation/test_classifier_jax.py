@@ -141,9 +141,16 @@ def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path):
     np.savez_compressed(saved / "real-test.npz", images=x, labels=y, usage=np.ones((len(y), 1), np.float32))
     np.savez_compressed(saved / "wrong-labels.npz", images=x, labels=(y + 1) % 10)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
     def rescore(*extra):
-        out = subprocess.run([str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", *extra],
-                             capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        out = subprocess.run(
+            [str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=ROOT,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout
 
@@ -172,8 +179,9 @@ def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path):
 
 @pytest.mark.procs
 def test_rescore_cli_bad_dir_is_a_clean_error(tmp_path):
-    out = subprocess.run([str(SCRIPT), "eval", "--rescore", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [str(SCRIPT), "eval", "--rescore", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode != 0 and "no <configuration>.npz" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -17,8 +17,10 @@ def test_trace_sqrt_matches_closed_form_for_commuting_matrices():
 
 def test_trace_sqrt_non_commuting_against_eigen_reference():
     rng = np.random.default_rng(0)
-    m = rng.standard_normal((6, 6)); a = m @ m.T + 0.1 * np.eye(6)
-    n = rng.standard_normal((6, 6)); b = n @ n.T + 0.1 * np.eye(6)
+    m = rng.standard_normal((6, 6))
+    a = m @ m.T + 0.1 * np.eye(6)
+    n = rng.standard_normal((6, 6))
+    b = n @ n.T + 0.1 * np.eye(6)
     # Reference: eigenvalues of a@b are real, non-negative; Tr sqrt = sum sqrt(eig).
     ref = np.sqrt(np.clip(np.linalg.eigvals(a @ b).real, 0, None)).sum()
     assert trace_sqrt_product(a, b) == pytest.approx(ref, rel=1e-8)

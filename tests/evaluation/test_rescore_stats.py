@@ -14,9 +14,18 @@ import pytest
 
 from dataset.images import to_uint8
 from dataset.mnist import load_mnist
-from evaluation.rescore import (CONDITIONAL, UNCONDITIONAL, RowStatistics, SavedImagesError, comparisons,
-                                default_pairs, format_rescore_table, load_saved, rescore_saved,
-                                saved_configurations)
+from evaluation.rescore import (
+    CONDITIONAL,
+    UNCONDITIONAL,
+    RowStatistics,
+    SavedImagesError,
+    comparisons,
+    default_pairs,
+    format_rescore_table,
+    load_saved,
+    rescore_saved,
+    saved_configurations,
+)
 
 SCRIPT = Path(sys.executable).with_name("ddm-fleet")
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,17 +63,45 @@ def test_labels_minus_one_make_an_unconditional_file_and_mixed_files_are_refused
 
 
 def test_study_file_names_order_and_default_pairs(tmp_path):
-    names = ["uncond-distilled", "distilled", "ddm-oracle", "uncond-ddm-top1", "ddm-top1", "monolith",
-             "uncond-monolith", "ddm-full", "ddm-top2", "uncond-ddm-full", "uncond-ddm-top2", "extra"]
+    names = [
+        "uncond-distilled",
+        "distilled",
+        "ddm-oracle",
+        "uncond-ddm-top1",
+        "ddm-top1",
+        "monolith",
+        "uncond-monolith",
+        "ddm-full",
+        "ddm-top2",
+        "uncond-ddm-full",
+        "uncond-ddm-top2",
+        "extra",
+    ]
     for n in names:
         (tmp_path / f"{n}.npz").write_bytes(b"")
     assert [p.stem for p in saved_configurations(tmp_path)] == [
-        "monolith", "ddm-top1", "ddm-top2", "ddm-full", "ddm-oracle", "distilled", "extra",
-        "uncond-monolith", "uncond-ddm-top1", "uncond-ddm-top2", "uncond-ddm-full", "uncond-distilled"]
+        "monolith",
+        "ddm-top1",
+        "ddm-top2",
+        "ddm-full",
+        "ddm-oracle",
+        "distilled",
+        "extra",
+        "uncond-monolith",
+        "uncond-ddm-top1",
+        "uncond-ddm-top2",
+        "uncond-ddm-full",
+        "uncond-distilled",
+    ]
     order = [p.stem for p in saved_configurations(tmp_path)]
     pairs = default_pairs(order)
-    assert pairs[:5] == [("ddm-top1", "monolith"), ("ddm-top2", "monolith"), ("ddm-full", "monolith"),
-                         ("ddm-oracle", "monolith"), ("distilled", "monolith")]
+    assert pairs[:5] == [
+        ("ddm-top1", "monolith"),
+        ("ddm-top2", "monolith"),
+        ("ddm-full", "monolith"),
+        ("ddm-oracle", "monolith"),
+        ("distilled", "monolith"),
+    ]
     assert ("ddm-top1", "distilled") in pairs and ("uncond-ddm-top1", "uncond-monolith") in pairs
     assert ("uncond-distilled", "uncond-monolith") in pairs and ("uncond-ddm-full", "uncond-distilled") in pairs
     assert not any("extra" in p for pair in pairs for p in pair)  # other names only by --compare
@@ -122,15 +159,25 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     blanked = x.copy()
     blanked[:40] = -1.0  # 40 empty canvases: the "DDM" misses 10% of the requests the "monolith" gets right
     np.savez_compressed(saved / "monolith.npz", images=x, labels=y, usage=np.ones((400, 1), np.float32))
-    np.savez_compressed(saved / "ddm-top1.npz", images=to_uint8(blanked), labels=y,
-                        usage=np.tile([[1.0, 0.0]], (400, 1)).astype(np.float32))
+    np.savez_compressed(
+        saved / "ddm-top1.npz",
+        images=to_uint8(blanked),
+        labels=y,
+        usage=np.tile([[1.0, 0.0]], (400, 1)).astype(np.float32),
+    )
     np.savez_compressed(saved / "uncond-monolith.npz", images=to_uint8(x), labels=np.full(400, -1))
     np.savez_compressed(saved / "uncond-ddm-top1.npz", images=np.resize(x[y == 1], x.shape), labels=np.full(400, -1))
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
     def rescore(*extra):
-        out = subprocess.run([str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", "--bootstrap", "50",
-                              *extra], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        out = subprocess.run(
+            [str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", "--bootstrap", "50", *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=ROOT,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout
 
@@ -142,7 +189,9 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     assert "| uncond-monolith | 400 | 0.0" in table and "| real-val (unconditional) | 400 |" in table
     assert "| uncond-ddm-top1 | judge 1 | 0.0 | 100.0 | 0.0 |" in table  # its class histogram: all ones
     assert "| 0.000 | 0.0e+00 |" in table  # entropy 0 bits, chi-square p ~ 0
-    assert "| ddm-top1 vs monolith | judge 1 | " in table and "| uncond-ddm-top1 vs uncond-monolith | judge 2 |" in table
+    assert (
+        "| ddm-top1 vs monolith | judge 1 | " in table and "| uncond-ddm-top1 vs uncond-monolith | judge 2 |" in table
+    )
 
     data = json.loads(rescore("--json", "--compare", "ddm-top1,monolith"))
     assert data["bootstrap"] == {"resamples": 50, "seed": 0}
@@ -165,6 +214,12 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     assert m["only_b_right"] >= 30 and m["only_a_right"] == 0 and m["p"] < 1e-9 and m["method"] == "exact binomial"
     assert cmp["accuracy_difference"]["interval"][1] < 0 and cmp["fid_difference_judge2"]["estimate"] > 0
 
-    bad = subprocess.run([str(SCRIPT), "eval", "--rescore", str(saved), "--compare", "ddm-top1,nope"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    bad = subprocess.run(
+        [str(SCRIPT), "eval", "--rescore", str(saved), "--compare", "ddm-top1,nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
     assert bad.returncode != 0 and "--compare names nope" in bad.stderr and "Traceback" not in bad.stderr

@@ -16,8 +16,16 @@ def tiny_ddm(tmp_path_factory):
     make_tiny_experts(ck, 2, widths=TINY_WIDTHS, jitter=JITTER, groups=8, null_label=True)
     make_tiny_router(ck / "router", 2)
     shutil.copy("checkpoints/partition.json", ck / "partition.json")
-    make_tiny_expert(ck / "monolith", expert_id=0, seed=101, widths=TINY_WIDTHS, jitter=JITTER, groups=8,
-                     classes=range(10), null_label=True)
+    make_tiny_expert(
+        ck / "monolith",
+        expert_id=0,
+        seed=101,
+        widths=TINY_WIDTHS,
+        jitter=JITTER,
+        groups=8,
+        classes=range(10),
+        null_label=True,
+    )
     return ck
 
 
@@ -26,8 +34,9 @@ async def _fleet_images(ck, strategy: str, digits, steps: int, job_size: int, mo
     from evaluation.run import Config, EvalSpec, generate_through_fleet
 
     if monolith:
-        fleet = LocalFleet([str(ck / "monolith.safetensors")], LabelRouter([0] * 10, 1), num_experts=1,
-                           class_to_expert=[0] * 10)
+        fleet = LocalFleet(
+            [str(ck / "monolith.safetensors")], LabelRouter([0] * 10, 1), num_experts=1, class_to_expert=[0] * 10
+        )
         cfg = Config("monolith", "monolith")
     else:
         fleet = LocalFleet.from_dir(ck)
@@ -50,10 +59,20 @@ async def test_same_images_as_the_fleet(tiny_ddm, strategy):
     steps, job_size = 3, 8
     mono = strategy == "monolith"
     want, want_usage = await _fleet_images(tiny_ddm, strategy, digits, steps, job_size, monolith=mono)
-    cfg = (SampleConfig("monolith", str(tiny_ddm / "monolith.safetensors")) if mono
-           else SampleConfig(f"ddm-{strategy}", "ddm", strategy))
-    got, usage = generate(cfg, digits=digits, noise=initial_batch(len(digits), job_size, 0), steps=steps,
-                          solver="euler", device="cpu", checkpoints=str(tiny_ddm))
+    cfg = (
+        SampleConfig("monolith", str(tiny_ddm / "monolith.safetensors"))
+        if mono
+        else SampleConfig(f"ddm-{strategy}", "ddm", strategy)
+    )
+    got, usage = generate(
+        cfg,
+        digits=digits,
+        noise=initial_batch(len(digits), job_size, 0),
+        steps=steps,
+        solver="euler",
+        device="cpu",
+        checkpoints=str(tiny_ddm),
+    )
     assert got.shape == (20, 1, 32, 32) and usage.shape == want_usage.shape
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert np.abs(got).max() <= 1.0 and np.abs(got - want).max() < 1e-5
@@ -66,12 +85,49 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
     from evaluation.sample_inprocess import main, parse_configs
 
     out = tmp_path / "img"
-    assert main(["--checkpoints", str(tiny_ddm), "--monolith", str(tiny_ddm / "monolith.safetensors"),
-                 "--configs", "monolith,top1,top2", "--per-class", "1", "--steps", "2", "--out", str(out)]) == 0
-    assert main(["--checkpoints", str(tiny_ddm), "--configs", "top1", "--unconditional", "--per-class", "1",
-                 "--steps", "2", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["ddm-top1.npz", "ddm-top2.npz", "monolith.npz",
-                                                     "uncond-ddm-top1.npz"]
+    assert (
+        main(
+            [
+                "--checkpoints",
+                str(tiny_ddm),
+                "--monolith",
+                str(tiny_ddm / "monolith.safetensors"),
+                "--configs",
+                "monolith,top1,top2",
+                "--per-class",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "--checkpoints",
+                str(tiny_ddm),
+                "--configs",
+                "top1",
+                "--unconditional",
+                "--per-class",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ddm-top1.npz",
+        "ddm-top2.npz",
+        "monolith.npz",
+        "uncond-ddm-top1.npz",
+    ]
     d = np.load(out / "ddm-top2.npz")
     assert d["images"].dtype == np.uint8 and d["images"].shape == (10, 1, 32, 32)
     assert d["labels"].tolist() == list(range(10)) and np.allclose(d["usage"].sum(1), 2.0)
@@ -81,14 +137,37 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
     # --skip-existing resumes: files already there are kept byte for byte, only missing ones are made
     (out / "ddm-top2.npz").unlink()
     before = (out / "ddm-top1.npz").stat().st_mtime_ns
-    assert main(["--checkpoints", str(tiny_ddm), "--configs", "top1,top2", "--per-class", "1", "--steps", "2",
-                 "--skip-existing", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--checkpoints",
+                str(tiny_ddm),
+                "--configs",
+                "top1,top2",
+                "--per-class",
+                "1",
+                "--steps",
+                "2",
+                "--skip-existing",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (out / "ddm-top1.npz").stat().st_mtime_ns == before and (out / "ddm-top2.npz").exists()
     assert not list(out.glob("*.partial.npz"))
     with pytest.raises(ValueError, match="oracle"):
         from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
 
-        generate(SampleConfig("x", "ddm", "oracle", unconditional=True), digits=np.arange(2),
-                 noise=initial_batch(2, 8, 0), steps=1, solver="euler", device="cpu", checkpoints=str(tiny_ddm))
+        generate(
+            SampleConfig("x", "ddm", "oracle", unconditional=True),
+            digits=np.arange(2),
+            noise=initial_batch(2, 8, 0),
+            steps=1,
+            solver="euler",
+            device="cpu",
+            checkpoints=str(tiny_ddm),
+        )
     with pytest.raises(ValueError, match="unknown configuration"):
         parse_configs("top1,bogus", None, None, None, False)

@@ -12,9 +12,19 @@ import numpy as np
 import pytest
 
 from evaluation.fid import fid_from_features
-from evaluation.stats import (FidReference, bootstrap_fid, bootstrap_tv_uniform, bootstrap_weights, chi2_sf,
-                              class_distribution, mcnemar, paired_difference, recentred_interval,
-                              single_threaded_blas, wilson_interval)
+from evaluation.stats import (
+    FidReference,
+    bootstrap_fid,
+    bootstrap_tv_uniform,
+    bootstrap_weights,
+    chi2_sf,
+    class_distribution,
+    mcnemar,
+    paired_difference,
+    recentred_interval,
+    single_threaded_blas,
+    wilson_interval,
+)
 
 
 def pairs(only_a: int, only_b: int, both: int = 0, neither: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -27,7 +37,7 @@ def pairs(only_a: int, only_b: int, both: int = 0, neither: int = 0) -> tuple[np
 def exact_two_sided(k: int, n: int) -> float:
     """Hand formula in exact rationals: 2 * sum_{i <= min(k, n-k)} C(n, i) / 2^n, capped at 1."""
     m = min(k, n - k)
-    return float(min(Fraction(1), 2 * Fraction(sum(math.comb(n, i) for i in range(m + 1)), 2 ** n)))
+    return float(min(Fraction(1), 2 * Fraction(sum(math.comb(n, i) for i in range(m + 1)), 2**n)))
 
 
 def test_mcnemar_exact_p_matches_hand_computed_cases():
@@ -112,8 +122,9 @@ def test_bootstrap_fid_matches_fid_with_unit_weights_and_its_interval_holds_the_
     ref = FidReference.from_features(ref_feats)
     small, large = gaussian_features(400, shift=0.3, seed=2), gaussian_features(3200, shift=0.3, seed=3)
     # all weights 1: exactly the ordinary FID
-    assert bootstrap_fid(small, ref, np.ones((1, 400)))[0] == pytest.approx(fid_from_features(small, ref_feats),
-                                                                              rel=1e-9)
+    assert bootstrap_fid(small, ref, np.ones((1, 400)))[0] == pytest.approx(
+        fid_from_features(small, ref_feats), rel=1e-9
+    )
     widths = []
     for feats in (small, large):
         point = fid_from_features(feats, ref_feats)

@@ -7,9 +7,11 @@ import numpy as np
 
 def linear_field(a: float):
     """dx/dt = a * x  ->  x(1) = x(0) * exp(a)."""
+
     def v(x, t, y):
         assert x.shape[0] == t.shape[0] == y.shape[0]
         return (a * x).astype(np.float32)
+
     return v
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flow.solver import (euler_step, euler_update, heun_correct, heun_predict, heun_step, sample, step_dt,
-                         time_grid)
+from flow.solver import euler_step, euler_update, heun_correct, heun_predict, heun_step, sample, step_dt, time_grid
 from tests.flow.fields import linear_field, time_field
 
 
@@ -82,8 +81,14 @@ def test_nfe_and_callback():
         return np.zeros_like(x)
 
     seen = []
-    sample(v, np.zeros((1, 1, 2, 2), np.float32), np.zeros(1, np.int64), 5, "heun",
-           callback=lambda i, x, t: seen.append((i, round(t, 4))))
+    sample(
+        v,
+        np.zeros((1, 1, 2, 2), np.float32),
+        np.zeros(1, np.int64),
+        5,
+        "heun",
+        callback=lambda i, x, t: seen.append((i, round(t, 4))),
+    )
     assert len(calls) == 10
     assert seen == [(1, 0.2), (2, 0.4), (3, 0.6), (4, 0.8), (5, 1.0)]
     calls.clear()

@@ -18,9 +18,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import ErrorCode, JobRequest, ProtocolError, StepRequest, encode_tensor, loads, pack, unpack
-from schemas import limits
 from fuzzing.inputs import MESSAGE_TARGETS, message_seeds
+from schemas import ErrorCode, JobRequest, ProtocolError, StepRequest, encode_tensor, limits, loads, pack, unpack
 from schemas.tensor import decode_tensor
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text()
@@ -109,7 +108,9 @@ def test_limits_section_of_the_protocol_doc_matches_the_code():
 
 
 def test_message_over_the_size_limit_is_too_large():
-    data = _with_field("row_ids", b"\xc6" + struct.pack(">I", limits.MAX_PAYLOAD_BYTES) + bytes(limits.MAX_PAYLOAD_BYTES))
+    data = _with_field(
+        "row_ids", b"\xc6" + struct.pack(">I", limits.MAX_PAYLOAD_BYTES) + bytes(limits.MAX_PAYLOAD_BYTES)
+    )
     assert _code(data, StepRequest).code is ErrorCode.TOO_LARGE
 
 
@@ -119,7 +120,9 @@ def test_an_8mib_list_is_refused_by_its_header(item):
     in pydantic (one error per item); the coordinator's submit subject had the same hole."""
     n = limits.MAX_PAYLOAD_BYTES - 64
     for key, tp in (("row_ids", StepRequest), ("digits", JobRequest)):
-        data = _with_field(key, b"\xdd" + struct.pack(">I", n) + item * n, {"v": 1, "kind": tp.model_fields["kind"].default})
+        data = _with_field(
+            key, b"\xdd" + struct.pack(">I", n) + item * n, {"v": 1, "kind": tp.model_fields["kind"].default}
+        )
         start = time.perf_counter()
         err = _code(data, tp)
         assert err.code is ErrorCode.TOO_LARGE and f"{limits.MAX_WIRE_ARRAY_LEN}" in err.message
@@ -173,13 +176,18 @@ def test_map_keys_of_the_wrong_type_are_refused(key):
         assert err.code is ErrorCode.BAD_REQUEST
 
 
-@pytest.mark.parametrize("ext", [b"\xd4\x05\x00", b"\xd4\x80\x00", b"\xd6\xff\x00\x00\x00\x01",
-                                 b"\xc7\x00\x10", b"\xd8\x7f" + b"\x00" * 16],
-                         ids=["ext5", "ext-128", "timestamp", "ext8-empty", "fixext16"])
+@pytest.mark.parametrize(
+    "ext",
+    [b"\xd4\x05\x00", b"\xd4\x80\x00", b"\xd6\xff\x00\x00\x00\x01", b"\xc7\x00\x10", b"\xd8\x7f" + b"\x00" * 16],
+    ids=["ext5", "ext-128", "timestamp", "ext8-empty", "fixext16"],
+)
 def test_extension_types_are_refused_anywhere(ext):
-    cases = [ext, _with_field("x_t", ext, STEP), _with_field("row_ids", b"\x92" + ext + b"\xa1a", STEP),
-             _with_field("x_t", _with_map_entry({k: v for k, v in STEP["x_t"].items() if k != "data"}, "data", ext),
-                         STEP)]
+    cases = [
+        ext,
+        _with_field("x_t", ext, STEP),
+        _with_field("row_ids", b"\x92" + ext + b"\xa1a", STEP),
+        _with_field("x_t", _with_map_entry({k: v for k, v in STEP["x_t"].items() if k != "data"}, "data", ext), STEP),
+    ]
     for data in cases:
         err = _code(data, StepRequest)
         assert err.code is ErrorCode.BAD_REQUEST and "extension type" in err.message, err
@@ -188,20 +196,23 @@ def test_extension_types_are_refused_anywhere(ext):
 M = 2**23
 
 
-@pytest.mark.parametrize("shape, code", [
-    ([0, M, M, M, M], ErrorCode.TOO_LARGE),  # regression: numpy raised ValueError("array is too big")
-    ([M, M, 0], ErrorCode.TOO_LARGE),
-    ([0] * 8, None),
-    ([2**63 - 1], ErrorCode.TOO_LARGE),
-    ([2**64 - 1, 0], ErrorCode.TOO_LARGE),
-    ([M + 1], ErrorCode.TOO_LARGE),
-    ([1, M], ErrorCode.TOO_LARGE),  # 32 MiB of <f4 declared, no bytes
-    ([-1], ErrorCode.BAD_SHAPE),
-    ([-(2**63), 0], ErrorCode.BAD_SHAPE),
-    ([1] * 9, ErrorCode.BAD_SHAPE),
-    ([True], ErrorCode.BAD_SHAPE),
-    ([1.0], ErrorCode.BAD_SHAPE),
-])
+@pytest.mark.parametrize(
+    "shape, code",
+    [
+        ([0, M, M, M, M], ErrorCode.TOO_LARGE),  # regression: numpy raised ValueError("array is too big")
+        ([M, M, 0], ErrorCode.TOO_LARGE),
+        ([0] * 8, None),
+        ([2**63 - 1], ErrorCode.TOO_LARGE),
+        ([2**64 - 1, 0], ErrorCode.TOO_LARGE),
+        ([M + 1], ErrorCode.TOO_LARGE),
+        ([1, M], ErrorCode.TOO_LARGE),  # 32 MiB of <f4 declared, no bytes
+        ([-1], ErrorCode.BAD_SHAPE),
+        ([-(2**63), 0], ErrorCode.BAD_SHAPE),
+        ([1] * 9, ErrorCode.BAD_SHAPE),
+        ([True], ErrorCode.BAD_SHAPE),
+        ([1.0], ErrorCode.BAD_SHAPE),
+    ],
+)
 def test_huge_negative_and_overflowing_dims_with_tiny_data(shape, code):
     spec = {"dtype": "<f4", "shape": shape, "data": b""}
     wire = msgpack.unpackb(msgpack.packb(spec, use_bin_type=True), raw=False)
@@ -218,15 +229,18 @@ def test_huge_negative_and_overflowing_dims_with_tiny_data(shape, code):
 # ---------------------------------------------------------------- websocket parsing (no server)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('{"type": "ping", "ref": ' + "1" * 5000 + "}", "malformed JSON"),  # regression: ValueError escaped
-    ('{"type": "generate", "count": ' + "9" * 4301 + "}", "malformed JSON"),
-    ("[" * 100_000, "malformed JSON"),
-    ('{"type": ' + "[" * 950 + "]" * 950 + "}", "unknown message type [["),
-    ('{"type": "generate", "digits": [' + "[" * 950 + "]" * 950 + "]}", "digits must be integers 0-9, got [["),
-    ('{"type": "generate", "digits": [' + ", ".join(["[0]"] * 20_000) + "]}", "digits must be integers 0-9"),
-    ('{"type": "' + "x" * 100_000 + '"}', "unknown message type 'xxxx"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"type": "ping", "ref": ' + "1" * 5000 + "}", "malformed JSON"),  # regression: ValueError escaped
+        ('{"type": "generate", "count": ' + "9" * 4301 + "}", "malformed JSON"),
+        ("[" * 100_000, "malformed JSON"),
+        ('{"type": ' + "[" * 950 + "]" * 950 + "}", "unknown message type [["),
+        ('{"type": "generate", "digits": [' + "[" * 950 + "]" * 950 + "]}", "digits must be integers 0-9, got [["),
+        ('{"type": "generate", "digits": [' + ", ".join(["[0]"] * 20_000) + "]}", "digits must be integers 0-9"),
+        ('{"type": "' + "x" * 100_000 + '"}', "unknown message type 'xxxx"),
+    ],
+)
 def test_websocket_parser_answers_hostile_json_with_a_short_error(text, expected):
     from web.protocol import BadInput, parse_client_message
 
@@ -251,10 +265,15 @@ async def fleet(tmp_path_factory):
 
 def _step_bytes(n: int = 2, **over) -> bytes:
     rng = np.random.default_rng(n)
-    msg = {"v": 1, "kind": "step_request", "expert": 0,
-           "x_t": encode_tensor(rng.standard_normal((n, 1, 32, 32)).astype(np.float32)),
-           "t": encode_tensor(np.full(n, 0.5, np.float32)), "y": encode_tensor(np.arange(n) % 10),
-           "request_id": "hostile"}
+    msg = {
+        "v": 1,
+        "kind": "step_request",
+        "expert": 0,
+        "x_t": encode_tensor(rng.standard_normal((n, 1, 32, 32)).astype(np.float32)),
+        "t": encode_tensor(np.full(n, 0.5, np.float32)),
+        "y": encode_tensor(np.arange(n) % 10),
+        "request_id": "hostile",
+    }
     msg.update(over)
     return msgpack.packb(msg, use_bin_type=True)
 
@@ -356,8 +375,12 @@ async def test_messages_on_the_wrong_subject_get_a_clear_answer(fleet):
     reply = await _ask_worker(fleet, _step_bytes(1, expert=1))
     assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNKNOWN_EXPERT
     # garbage published with no reply subject anywhere: nobody can answer, nothing dies
-    for subject in (subjects.expert_velocity(0), subjects.jobs_submit("anon"), subjects.job_cancel("anon", "j1"),
-                    subjects.FLEET_STATUS):
+    for subject in (
+        subjects.expert_velocity(0),
+        subjects.jobs_submit("anon"),
+        subjects.job_cancel("anon", "j1"),
+        subjects.FLEET_STATUS,
+    ):
         for data in (b"\xc1", b"\x91" * 100_000, job, _step_bytes(1)):
             await fleet.nc.publish(subject, data)
     await fleet.nc.flush()
@@ -374,8 +397,12 @@ async def test_cancel_and_status_on_a_token_that_is_no_job_id_get_bad_request_at
     from schemas import CancelRequest, ErrorReply, subjects
 
     client, job = ("anon", token) if where == "job id" else (token, "j1")
-    for verb, body in (("cancel", b""), ("cancel", pack(CancelRequest(job_id="j1"))), ("status", b""),
-                       ("status", b"\xc1")):
+    for verb, body in (
+        ("cancel", b""),
+        ("cancel", pack(CancelRequest(job_id="j1"))),
+        ("status", b""),
+        ("status", b"\xc1"),
+    ):
         subject = f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{job}.{verb}"
         assert subjects.parse_job_subject(subject) is None
         start = time.perf_counter()
@@ -430,9 +457,16 @@ async def test_hostile_bytes_over_the_bus_get_clear_errors(fleet, case):
     await _still_serving(fleet)
 
 
-@pytest.mark.parametrize("shape, code", [([0, M, M, M], ErrorCode.TOO_LARGE), ([1, 1, M, M], ErrorCode.TOO_LARGE),
-                                         ([-1, 1, 32, 32], ErrorCode.BAD_SHAPE), ([2**64 - 1], ErrorCode.TOO_LARGE),
-                                         ([2, 1, 32, 31], ErrorCode.BAD_SHAPE)])
+@pytest.mark.parametrize(
+    "shape, code",
+    [
+        ([0, M, M, M], ErrorCode.TOO_LARGE),
+        ([1, 1, M, M], ErrorCode.TOO_LARGE),
+        ([-1, 1, 32, 32], ErrorCode.BAD_SHAPE),
+        ([2**64 - 1], ErrorCode.TOO_LARGE),
+        ([2, 1, 32, 31], ErrorCode.BAD_SHAPE),
+    ],
+)
 @pytest.mark.bus
 async def test_declared_shapes_that_do_not_fit_the_data_over_the_bus(fleet, shape, code):
     from schemas import ErrorReply
@@ -474,15 +508,18 @@ async def _next(ws, types, timeout=20.0):
             return msg
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('{"type": "ping", "ref": ' + "1" * 5000 + "}", "malformed JSON"),  # regression: the socket was dropped
-    ("[" * 100_000 + "]" * 100_000, "malformed JSON"),
-    ('{"type": "generate", "digits": [' + "[" * 900 + "]" * 900 + "]}", "digits must be integers 0-9"),
-    ('{"type": "generate", "count": NaN}', "count: Input should be a valid integer"),
-    ('{"type": "generate", "count": 1, "seed": "' + "9" * 19 + '0"}', "seed: Input should be less than"),
-    ('{"type": "cancel", "job_id": "' + "x" * 100_000 + '"}', "no running job"),
-    ("\u2028\x00", "malformed JSON"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"type": "ping", "ref": ' + "1" * 5000 + "}", "malformed JSON"),  # regression: the socket was dropped
+        ("[" * 100_000 + "]" * 100_000, "malformed JSON"),
+        ('{"type": "generate", "digits": [' + "[" * 900 + "]" * 900 + "]}", "digits must be integers 0-9"),
+        ('{"type": "generate", "count": NaN}', "count: Input should be a valid integer"),
+        ('{"type": "generate", "count": 1, "seed": "' + "9" * 19 + '0"}', "seed: Input should be less than"),
+        ('{"type": "cancel", "job_id": "' + "x" * 100_000 + '"}', "no running job"),
+        ("\u2028\x00", "malformed JSON"),
+    ],
+)
 @pytest.mark.bus
 async def test_websocket_hostile_text_gets_an_error_and_the_socket_keeps_working(fleet, text, expected):
     import aiohttp
@@ -554,8 +591,9 @@ async def test_unauthenticated_raw_connections_are_cut_off_and_reach_no_worker(a
     from workers.service import ExpertWorker
 
     node = auth_cluster.nodes[0]
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=auth_cluster.url(0, "worker-0"),
-                            buckets=(1, 2)) as worker:
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=auth_cluster.url(0, "worker-0"), buckets=(1, 2)
+    ) as worker:
         data = _step_bytes(1)
         attempts = [
             f"PUB {subjects.expert_velocity(0)} {len(data)}\r\n".encode() + data + b"\r\n",  # no CONNECT at all
@@ -591,8 +629,13 @@ def _fuzz(*args: str, timeout: float = 300) -> dict:
     import sys
 
     script = Path(sys.executable).with_name("ddm-fleet")
-    out = subprocess.run([str(script), "fuzz", *args, "--json", "--no-progress"], capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    out = subprocess.run(
+        [str(script), "fuzz", *args, "--json", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     return json.loads(out.stdout)
 
@@ -638,8 +681,8 @@ def test_fuzz_messages_target_covers_job_status():
     seeds in every state family, and the generator reaches both its accepted and refused paths."""
     import random
 
-    from schemas import JobStatus
     from fuzzing.inputs import corpus, messages_one, pure_inputs
+    from schemas import JobStatus
 
     assert JobStatus in MESSAGE_TARGETS
     seeds = [s for s in message_seeds() if s["kind"] == "job_status"]

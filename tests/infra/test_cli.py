@@ -31,7 +31,7 @@ def test_help_lists_every_registered_command():
     out = _run("--help")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: ddm-fleet")
-    for name, _module, help_text in COMMANDS:
+    for name, _module, _help_text in COMMANDS:
         assert name in out.stdout
     assert "version" in out.stdout
 
@@ -77,8 +77,13 @@ def test_help_does_not_import_heavy_frameworks():
         "heavy = sorted(m for m in ('torch', 'jax', 'flax', 'nats', 'optax') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"--help imported {out.stdout.strip()}"
 
@@ -116,9 +121,15 @@ def test_up_takes_child_options_that_start_with_a_dash(tmp_path):
 
 # --- one help layout, one spelling per concept -------------------------------------------------------------
 
-WORKFLOW = [("data", ["data"]), ("partition", ["partition"]), ("train", ["train-expert", "train-router", "distill"]),
-            ("serve", ["worker", "coordinator", "web", "up", "nats"]), ("generate", ["generate", "sample"]),
-            ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz"]), ("version and helpers", ["version", "wait-ready"])]
+WORKFLOW = [
+    ("data", ["data"]),
+    ("partition", ["partition"]),
+    ("train", ["train-expert", "train-router", "distill"]),
+    ("serve", ["worker", "coordinator", "web", "up", "nats"]),
+    ("generate", ["generate", "sample"]),
+    ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz"]),
+    ("version and helpers", ["version", "wait-ready"]),
+]
 
 
 def test_help_lists_the_commands_grouped_by_workflow_one_line_each():
@@ -134,7 +145,7 @@ def test_help_lists_the_commands_grouped_by_workflow_one_line_each():
     helps = {name: help_text for name, _m, help_text in COMMANDS}
     assert sorted(helps) == sorted(n for _, names in WORKFLOW for n in names), "a command is in no group"
     for (title, names), start in zip(WORKFLOW, titles):
-        rows = lines[start + 1:start + 1 + len(names)]
+        rows = lines[start + 1 : start + 1 + len(names)]
         assert [r.split()[0] for r in rows] == names, (title, rows)
         for name, row in zip(names, rows):
             assert row.split(None, 1)[1] == helps[name] and len(row) <= 80, row
@@ -157,7 +168,7 @@ def test_bench_help_lists_every_bench_on_one_line():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     first = lines.index("benches:") + 1
-    rows = lines[first:first + len(BENCHES)]
+    rows = lines[first : first + len(BENCHES)]
     assert [r.split(None, 1) for r in rows] == [[name, help_text] for name, _t, help_text in BENCHES]
     assert all(len(r) <= 80 for r in rows), rows
     assert lines[first + len(BENCHES)] == ""
@@ -181,8 +192,15 @@ def _ddm_fleet_parser():
 # (parser, the arguments every parse needs, old spelling, new spelling, value, destination, parsed value)
 RENAMED = [
     (_ddm_fleet_parser, ["sample"], "--method", "--solver", "heun", "solver", "heun"),
-    (_ddm_fleet_parser, ["generate", "--count", "3"], "--max-images-per-job", "--images-per-job", "2",
-     "images_per_job", 2),
+    (
+        _ddm_fleet_parser,
+        ["generate", "--count", "3"],
+        "--max-images-per-job",
+        "--images-per-job",
+        "2",
+        "images_per_job",
+        2,
+    ),
     (_ddm_fleet_parser, ["eval"], "--job-size", "--images-per-job", "7", "images_per_job", 7),
     (_sample_inprocess_parser, ["--out", "x"], "--job-size", "--images-per-job", "9", "images_per_job", 9),
     (_ddm_fleet_parser, ["partition", "--out", "x"], "--num-experts", "--experts", "3", "experts", 3),
@@ -233,11 +251,29 @@ def _every_option():
 
 
 #: Old spellings that may live on only as hidden, warning aliases (bus.options.add_deprecated_alias).
-OLD_SPELLINGS = {"--method": "--solver", "--max-images-per-job": "--images-per-job", "--job-size": "--images-per-job",
-                 "--num-experts": "--experts"}
+OLD_SPELLINGS = {
+    "--method": "--solver",
+    "--max-images-per-job": "--images-per-job",
+    "--job-size": "--images-per-job",
+    "--num-experts": "--experts",
+}
 #: Options whose metavar must be the same wherever they appear (one concept, one spelling).
-SAME_METAVAR = ("--nats", "--images-per-job", "--per-class", "--data-dir", "--checkpoints", "--partition", "--expert",
-                "--steps", "--seed", "--timeout", "--router", "--device", "--widths", "--limit")
+SAME_METAVAR = (
+    "--nats",
+    "--images-per-job",
+    "--per-class",
+    "--data-dir",
+    "--checkpoints",
+    "--partition",
+    "--expert",
+    "--steps",
+    "--seed",
+    "--timeout",
+    "--router",
+    "--device",
+    "--widths",
+    "--limit",
+)
 
 
 def test_no_two_commands_spell_one_concept_differently():
@@ -249,7 +285,11 @@ def test_no_two_commands_spell_one_concept_differently():
     for path, action in _every_option():
         hidden = action.help == argparse.SUPPRESS
         for opt in action.option_strings:
-            if opt in OLD_SPELLINGS and opt != "--method" or (opt == "--method" and set(action.choices or ()) & {"euler", "heun"}):
+            if (
+                opt in OLD_SPELLINGS
+                and opt != "--method"
+                or (opt == "--method" and set(action.choices or ()) & {"euler", "heun"})
+            ):
                 if not (hidden and isinstance(action, _DeprecatedAlias) and action.new == OLD_SPELLINGS[opt]):
                     problems.append(f"{path}: {opt} is visible; spell it {OLD_SPELLINGS[opt]}")
             if hidden:

@@ -5,22 +5,32 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 
 from client.jobs import fleet_status, run_job
 from schemas import JobRequest
-
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
 
 
 def test_missing_files_are_a_clear_error(tmp_path, capsys):
     from infra.cli import main
 
-    assert main(["coordinator", "--router", str(tmp_path / "nope.safetensors"), "--partition",
-                 "checkpoints/partition.json", "--nats", "nats://127.0.0.1:1"]) == 2
+    assert (
+        main(
+            [
+                "coordinator",
+                "--router",
+                str(tmp_path / "nope.safetensors"),
+                "--partition",
+                "checkpoints/partition.json",
+                "--nats",
+                "nats://127.0.0.1:1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "router" in err and "does not exist" in err
 
@@ -42,9 +52,24 @@ async def test_coordinator_process_serves_and_stops(nats_url, nc, tmp_path):
     router = make_tiny_router(tmp_path / "router")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infra.cli", "coordinator", "--router", str(router), "--partition",
-        "checkpoints/partition.json", "--nats", nats_url, "--max-rows", "64", "--step-timeout", "5",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "coordinator",
+        "--router",
+        str(router),
+        "--partition",
+        "checkpoints/partition.json",
+        "--nats",
+        nats_url,
+        "--max-rows",
+        "64",
+        "--step-timeout",
+        "5",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     ws = []

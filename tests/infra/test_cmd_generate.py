@@ -12,17 +12,17 @@ import sys
 import numpy as np
 import pytest
 
+from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from infra.cmd_generate import local_buckets, parse_digits
-
-from coordinator.local_fleet import LabelRouter
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
 
 
 def _cli(*args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "infra.cli", "generate", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", "generate", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_local_buckets_cover_the_job():
@@ -45,16 +45,19 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys):
     assert ".png or .npz" in capsys.readouterr().err
     assert main(["generate", "--digits", "3", "--steps", "5000", "--out", "x.png"]) == 2
     assert "bad request" in capsys.readouterr().err
-    for argv, msg in ((["--digits", "3,12"], "0-9"), (["--digits", "3", "--count", "2"], "not allowed with"),
-                      (["--count", "0"], "positive")):
+    for argv, msg in (
+        (["--digits", "3,12"], "0-9"),
+        (["--digits", "3", "--count", "2"], "not allowed with"),
+        (["--count", "0"], "positive"),
+    ):
         with pytest.raises(SystemExit) as err:
             main(["generate", *argv])
         assert err.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_no_fleet_is_a_clear_error(tmp_path, capsys):
-    from infra.cli import main
     from bus.nats_server import free_port
+    from infra.cli import main
 
     url = f"nats://127.0.0.1:{free_port()}"
     assert main(["generate", "--digits", "3", "--nats", url, "--out", str(tmp_path / "x.png"), "--no-progress"]) == 1
@@ -80,10 +83,25 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
         for k, p in enumerate(experts):
             ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
             await ws[-1].start()
-        async with Coordinator(LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url):
+        async with Coordinator(
+            LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url
+        ):
             npz = tmp_path / "out.npz"
-            r = await asyncio.to_thread(_cli, "--digits", "3,7,7", "--steps", "3", "--seed", "5", "--out", str(npz),
-                                        "--json", "--nats", nats_url, "--no-progress")
+            r = await asyncio.to_thread(
+                _cli,
+                "--digits",
+                "3,7,7",
+                "--steps",
+                "3",
+                "--seed",
+                "5",
+                "--out",
+                str(npz),
+                "--json",
+                "--nats",
+                nats_url,
+                "--no-progress",
+            )
             assert r.returncode == 0, r.stderr
             summary = json.loads(r.stdout)
             assert summary["seed"] == 5 and [i["digit"] for i in summary["images"]] == [3, 7, 7]
@@ -93,8 +111,23 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
             assert np.abs(data["images"]).max() <= 1.0
 
             png = tmp_path / "out.png"
-            r = await asyncio.to_thread(_cli, "--count", "4", "--steps", "2", "--solver", "heun", "--strategy", "oracle",
-                                        "--seed", "5", "--out", str(png), "--nats", nats_url)
+            r = await asyncio.to_thread(
+                _cli,
+                "--count",
+                "4",
+                "--steps",
+                "2",
+                "--solver",
+                "heun",
+                "--strategy",
+                "oracle",
+                "--seed",
+                "5",
+                "--out",
+                str(png),
+                "--nats",
+                nats_url,
+            )
             assert r.returncode == 0, r.stderr
             assert "wrote 4 images" in r.stdout
             from PIL import Image
@@ -118,8 +151,21 @@ def test_generate_local_runs_its_own_fleet(experts, tmp_path):
     make_tiny_router(d / "router")
     shutil.copy("checkpoints/partition.json", d / "partition.json")
     out = tmp_path / "local.npz"
-    r = _cli("--local", "--checkpoints", str(d), "--digits", "1,8", "--steps", "2", "--seed", "3", "--out", str(out),
-             "--json", timeout=300)
+    r = _cli(
+        "--local",
+        "--checkpoints",
+        str(d),
+        "--digits",
+        "1,8",
+        "--steps",
+        "2",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--json",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert [i["digit"] for i in s["images"]] == [1, 8]
@@ -170,9 +216,11 @@ def test_split_options_refuse_bad_values(capsys):
     from infra.cli import main
     from infra.cmd_generate import MAX_RUN_IMAGES
 
-    for argv, msg in ((["--count", "5", "--images-per-job", "257"], "at most 256 images per job"),
-                      (["--count", "5", "--jobs-in-flight", "0"], "positive"),
-                      (["--count", "5", "--seed", "-1"], "[0, 2^63)")):
+    for argv, msg in (
+        (["--count", "5", "--images-per-job", "257"], "at most 256 images per job"),
+        (["--count", "5", "--jobs-in-flight", "0"], "positive"),
+        (["--count", "5", "--seed", "-1"], "[0, 2^63)"),
+    ):
         with pytest.raises(SystemExit) as err:
             main(["generate", *argv])
         assert err.value.code == 2 and msg in capsys.readouterr().err
@@ -181,7 +229,9 @@ def test_split_options_refuse_bad_values(capsys):
 
 
 @pytest.mark.procs
-async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_split_timing(nats_url, experts, tmp_path):
+async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_split_timing(
+    nats_url, experts, tmp_path
+):
     """10 images in jobs of 4: 3 jobs (4 + 4 + 2) with seeds S, S+1, S+2, written in order; the first 4
     equal a single 10-image job's, job 2 equals a lone job of its classes seeded S+1, and the same run
     with another --jobs-in-flight (or as --digits) gives the same images."""
@@ -196,18 +246,22 @@ async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_s
         for k, p in enumerate(experts):
             ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
             await ws[-1].start()
-        async with Coordinator(LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5,
-                               nats_url=nats_url):
+        async with Coordinator(
+            LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url
+        ):
+
             async def gen(name, *argv):
                 out = tmp_path / f"{name}.npz"
-                r = await asyncio.to_thread(_cli, *argv, "--steps", "2", "--out", str(out), "--json", "--nats",
-                                            nats_url, "--no-progress")
+                r = await asyncio.to_thread(
+                    _cli, *argv, "--steps", "2", "--out", str(out), "--json", "--nats", nats_url, "--no-progress"
+                )
                 assert r.returncode == 0, r.stderr
                 data = np.load(out)
                 return json.loads(r.stdout), data["images"], data["labels"].tolist()
 
-            s, split, labels = await gen("split", "--count", "10", "--seed", "5", "--images-per-job", "4",
-                                         "--jobs-in-flight", "2")
+            s, split, labels = await gen(
+                "split", "--count", "10", "--seed", "5", "--images-per-job", "4", "--jobs-in-flight", "2"
+            )
             assert [(j["seed"], j["first_image"], j["images"]) for j in s["jobs"]] == [(5, 0, 4), (6, 4, 4), (7, 8, 2)]
             assert s["seed"] == 5 and len({j["job_id"] for j in s["jobs"]}) == 3 and split.shape == (10, 1, 32, 32)
             assert [i["digit"] for i in s["images"]] == labels and [i["index"] for i in s["images"]] == list(range(10))
@@ -220,8 +274,17 @@ async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_s
             _, job2, _ = await gen("job2", "--digits", ",".join(map(str, labels[4:8])), "--seed", "6")
             np.testing.assert_allclose(split[4:8], job2, atol=2e-4)
 
-            _, again, again_labels = await gen("again", "--digits", ",".join(map(str, labels)), "--seed", "5",
-                                               "--images-per-job", "4", "--jobs-in-flight", "3")
+            _, again, again_labels = await gen(
+                "again",
+                "--digits",
+                ",".join(map(str, labels)),
+                "--seed",
+                "5",
+                "--images-per-job",
+                "4",
+                "--jobs-in-flight",
+                "3",
+            )
             assert again_labels == labels
             np.testing.assert_allclose(split, again, atol=2e-4)
     finally:

@@ -40,8 +40,9 @@ def test_plan_sends_minus_one_digits_split_like_any_run():
 
     (one,), seed = plan_requests(_args("--unconditional", "--count", "3", "--seed", "8"))
     assert one.digits == [-1, -1, -1] and one.count is None and one.seed == 8 == seed
-    reqs, base = plan_requests(_args("--unconditional", "--count", "5", "--seed", "8", "--images-per-job", "2",
-                                     "--strategy", "full"))
+    reqs, base = plan_requests(
+        _args("--unconditional", "--count", "5", "--seed", "8", "--images-per-job", "2", "--strategy", "full")
+    )
     assert [r.digits for r in reqs] == [[-1, -1], [-1, -1], [-1]]
     assert [r.seed for r in reqs] == [job_seed(8, j) for j in range(3)] and base == 8
     assert all(r.strategy == "full" for r in reqs)
@@ -53,8 +54,9 @@ def test_plan_sends_minus_one_digits_split_like_any_run():
 def null_experts(tmp_path_factory):
     from models.tiny import make_tiny_experts
 
-    return make_tiny_experts(tmp_path_factory.mktemp("gen-null-experts"), 2, widths=TINY_WIDTHS, jitter=JITTER,
-                             groups=8, null_label=True)
+    return make_tiny_experts(
+        tmp_path_factory.mktemp("gen-null-experts"), 2, widths=TINY_WIDTHS, jitter=JITTER, groups=8, null_label=True
+    )
 
 
 @pytest.mark.procs
@@ -69,8 +71,9 @@ async def test_generate_unconditional_against_a_running_fleet(nats_url, null_exp
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "infra.cli", "generate", *argv], capture_output=True, text=True,
-                              timeout=120, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "infra.cli", "generate", *argv], capture_output=True, text=True, timeout=120, env=env
+        )
 
     try:
         for k, p in enumerate(null_experts):
@@ -79,9 +82,24 @@ async def test_generate_unconditional_against_a_running_fleet(nats_url, null_exp
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url):
             runs = []
             for name in ("a.npz", "b.npz"):
-                r = await asyncio.to_thread(cli, "--unconditional", "--count", "3", "--steps", "2", "--seed", "4",
-                                            "--strategy", "full", "--out", str(tmp_path / name), "--json",
-                                            "--nats", nats_url, "--no-progress")
+                r = await asyncio.to_thread(
+                    cli,
+                    "--unconditional",
+                    "--count",
+                    "3",
+                    "--steps",
+                    "2",
+                    "--seed",
+                    "4",
+                    "--strategy",
+                    "full",
+                    "--out",
+                    str(tmp_path / name),
+                    "--json",
+                    "--nats",
+                    nats_url,
+                    "--no-progress",
+                )
                 assert r.returncode == 0, r.stderr[-3000:]
                 runs.append((json.loads(r.stdout), np.load(tmp_path / name)))
             (summary, data), (_, again) = runs

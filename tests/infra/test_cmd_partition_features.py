@@ -12,7 +12,6 @@ from evaluation.classifier_jax import CACHE_NAME
 from infra.cli import main
 
 
-
 def test_judge_two_is_shipped():
     """The features partition reads judge 2; it ships in checkpoints/judges/ (else the command trains
     it, ~5 min, which the test below must not do silently)."""
@@ -35,13 +34,47 @@ def test_features_partition_cli_then_router(tmp_path, capsys):
     assert purity > 0.3, purity
 
     router = tmp_path / "router"
-    assert main(["train-router", "--partition", str(out), "--limit", "1500", "--val-limit", "100", "--steps", "3",
-                 "--bins", "2", "--out", str(router), "--run-dir", str(tmp_path / "run")]) == 0
+    assert (
+        main(
+            [
+                "train-router",
+                "--partition",
+                str(out),
+                "--limit",
+                "1500",
+                "--val-limit",
+                "100",
+                "--steps",
+                "3",
+                "--bins",
+                "2",
+                "--out",
+                str(router),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
     meta = json.loads(router.with_suffix(".json").read_text())
     assert meta["partition"]["method"] == "features" and meta["accuracy_vs_t"]["n"] == 100
 
 
 def test_features_partition_cli_rejects_bad_k(tmp_path, capsys):
-    assert main(["partition", "--method", "features", "--num-experts", "0", "--limit", "200",
-                 "--out", str(tmp_path / "p.json")]) == 2
+    assert (
+        main(
+            [
+                "partition",
+                "--method",
+                "features",
+                "--num-experts",
+                "0",
+                "--limit",
+                "200",
+                "--out",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 2
+    )
     assert "at least one expert" in capsys.readouterr().err

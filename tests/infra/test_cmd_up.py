@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from bus.nats_server import free_port
 from infra import cli
 from infra.launcher import ChildSpec, RestartPolicy, Supervisor
-from bus.nats_server import free_port
-
 from tests.coordinator.helpers import make_tiny_experts
 from tests.waiting import wait_until
 
@@ -63,8 +62,19 @@ def test_port_in_use(tiny_fleet_dir, capsys):
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        code = cli.main(["up", "--checkpoints", str(tiny_fleet_dir), "--port", str(busy),
-                         "--nats-port", str(free_port()), "--nats-monitor-port", "0"])
+        code = cli.main(
+            [
+                "up",
+                "--checkpoints",
+                str(tiny_fleet_dir),
+                "--port",
+                str(busy),
+                "--nats-port",
+                str(free_port()),
+                "--nats-monitor-port",
+                "0",
+            ]
+        )
     err = capsys.readouterr().err
     assert code == 2
     assert f"web port 127.0.0.1:{busy} is in use" in err and "--port" in err
@@ -97,10 +107,15 @@ def _py(code: str) -> list[str]:
 @pytest.mark.procs
 async def test_supervisor_restarts_then_gives_up_on_critical(tmp_path):
     lines: list[str] = []
-    crashy = ChildSpec("crashy", _py("import sys, time; print('boom', flush=True); time.sleep(0.3); sys.exit(3)"),
-                       role="test")
-    sup = Supervisor([[crashy]], tmp_path, out=lines.append,
-                     policy=RestartPolicy(backoff=0.05, backoff_max=0.1, max_crashes=3, crash_window=30))
+    crashy = ChildSpec(
+        "crashy", _py("import sys, time; print('boom', flush=True); time.sleep(0.3); sys.exit(3)"), role="test"
+    )
+    sup = Supervisor(
+        [[crashy]],
+        tmp_path,
+        out=lines.append,
+        policy=RestartPolicy(backoff=0.05, backoff_max=0.1, max_crashes=3, crash_window=30),
+    )
     code = await asyncio.wait_for(sup.run(handle_signals=False), 30)
     text = "\n".join(lines)
     assert code == 1
@@ -115,11 +130,18 @@ async def test_supervisor_gives_up_on_noncritical_keeps_rest(tmp_path):
     lines: list[str] = []
     keeper = ChildSpec("keeper", _py("import time; time.sleep(60)"), role="test")
     flaky = ChildSpec("flaky", _py("import time; time.sleep(0.2); raise SystemExit(4)"), role="test", critical=False)
-    sup = Supervisor([[keeper], [flaky]], tmp_path, out=lines.append,
-                     policy=RestartPolicy(backoff=0.05, backoff_max=0.05, max_crashes=2, crash_window=30))
+    sup = Supervisor(
+        [[keeper], [flaky]],
+        tmp_path,
+        out=lines.append,
+        policy=RestartPolicy(backoff=0.05, backoff_max=0.05, max_crashes=2, crash_window=30),
+    )
     task = asyncio.create_task(sup.run(handle_signals=False))
-    await wait_until(lambda: any("keeps running without flaky" in line for line in lines), timeout=20,
-                     what="'the rest of the fleet keeps running without flaky'")
+    await wait_until(
+        lambda: any("keeps running without flaky" in line for line in lines),
+        timeout=20,
+        what="'the rest of the fleet keeps running without flaky'",
+    )
     assert sup.children[0].running
     sup.request_stop()
     assert await asyncio.wait_for(task, 20) == 0
@@ -129,15 +151,23 @@ async def test_supervisor_gives_up_on_noncritical_keeps_rest(tmp_path):
 @pytest.mark.procs
 async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
     lines: list[str] = []
-    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
-    specs = [ChildSpec("first", _py("import time; time.sleep(60)"), role="test"),
-             ChildSpec("second", _py("import time; time.sleep(60)"), role="test"),
-             ChildSpec("stubborn", _py(ignore_term), role="test",
-                       probe=lambda c: _async_true_if("up" in c.log_since_start()))]
+    ignore_term = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
+    specs = [
+        ChildSpec("first", _py("import time; time.sleep(60)"), role="test"),
+        ChildSpec("second", _py("import time; time.sleep(60)"), role="test"),
+        ChildSpec(
+            "stubborn", _py(ignore_term), role="test", probe=lambda c: _async_true_if("up" in c.log_since_start())
+        ),
+    ]
     sup = Supervisor([specs[:1], specs[1:]], tmp_path, out=lines.append, stop_timeout=0.5)
     task = asyncio.create_task(sup.run(handle_signals=False))
-    await wait_until(lambda: len(sup.children) == 3 and all(c.ready for c in sup.children), timeout=20,
-                     what="all three children ready")
+    await wait_until(
+        lambda: len(sup.children) == 3 and all(c.ready for c in sup.children),
+        timeout=20,
+        what="all three children ready",
+    )
     pids = [c.pid for c in sup.children]
     sup.request_stop()
     assert await asyncio.wait_for(task, 20) == 0
@@ -165,15 +195,21 @@ async def test_supervisor_stop_during_startup(tmp_path):
 @pytest.mark.procs
 async def test_supervisor_second_signal_kills_at_once(tmp_path):
     lines: list[str] = []
-    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
-    stubborn = ChildSpec("stubborn", _py(ignore_term), role="test",
-                         probe=lambda c: _async_true_if("up" in c.log_since_start()))
+    ignore_term = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
+    stubborn = ChildSpec(
+        "stubborn", _py(ignore_term), role="test", probe=lambda c: _async_true_if("up" in c.log_since_start())
+    )
     sup = Supervisor([[stubborn]], tmp_path, out=lines.append, stop_timeout=60)
     task = asyncio.create_task(sup.run())  # real handlers for SIGINT/SIGTERM in this process
     await wait_until(lambda: sup.children and sup.children[0].ready, timeout=20, what="the stubborn child ready")
     os.kill(os.getpid(), signal.SIGTERM)
-    await wait_until(lambda: any(line.startswith("SIGTERM: stopping the fleet") for line in lines), timeout=10,
-                     what="the supervisor to act on the first SIGTERM")
+    await wait_until(
+        lambda: any(line.startswith("SIGTERM: stopping the fleet") for line in lines),
+        timeout=10,
+        what="the supervisor to act on the first SIGTERM",
+    )
     await asyncio.sleep(1.0)  # kept: a window in which the stubborn child must survive its SIGTERM (stop_timeout 60 s)
     assert not task.done() and sup.children[0].running  # waiting out the stop timeout
     os.kill(os.getpid(), signal.SIGTERM)
@@ -222,7 +258,9 @@ class Lines:
             try:
                 line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} in {timeout:g} s:\n" + "\n".join(self.lines))
+                raise AssertionError(
+                    f"no line matching {pattern!r} in {timeout:g} s:\n" + "\n".join(self.lines)
+                ) from None
             if line is None:
                 raise AssertionError(f"output ended without {pattern!r}:\n" + "\n".join(self.lines))
             self.lines.append(line)
@@ -251,10 +289,32 @@ async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
 
     nats_port, web_port = free_port(), free_port()
     url = f"nats://127.0.0.1:{nats_port}"
-    cmd = [sys.executable, "-m", "infra.cli", "up", "--checkpoints", str(tiny_fleet_dir), "--nats-port", str(nats_port),
-           "--nats-monitor-port", "0", "--port", str(web_port), "--buckets", "1,2", "--log-dir", str(tmp_path / "logs"),
-           "--backend-1", "torch", "--worker-args", "--threads 1", "--stop-timeout", "60",
-           "--js-store", str(tmp_path / "nats-js")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "up",
+        "--checkpoints",
+        str(tiny_fleet_dir),
+        "--nats-port",
+        str(nats_port),
+        "--nats-monitor-port",
+        "0",
+        "--port",
+        str(web_port),
+        "--buckets",
+        "1,2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--backend-1",
+        "torch",
+        "--worker-args",
+        "--threads 1",
+        "--stop-timeout",
+        "60",
+        "--js-store",
+        str(tmp_path / "nats-js"),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     out = Lines(proc.stdout)
     pids: dict[str, int] = {}
@@ -262,7 +322,9 @@ async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
         await asyncio.to_thread(out.wait_for, r"fleet ready: open http://127\.0\.0\.1:%d/" % web_port, 300)
         for name in ("nats-server", "worker-e0-0", "worker-e1-0", "coordinator", "web"):
             pids[name] = int((await asyncio.to_thread(out.wait_for, rf"^{name}\s+(\d+)\s", 1)).group(1))
-        assert re.search(r"^worker-e1-0\s+\d+\s+expert 1\s+torch\s+ddm\.v1\.expert\.1\.velocity", "\n".join(out.lines), re.M)
+        assert re.search(
+            r"^worker-e1-0\s+\d+\s+expert 1\s+torch\s+ddm\.v1\.expert\.1\.velocity", "\n".join(out.lines), re.M
+        )
         assert (tmp_path / "logs" / "coordinator.log").exists()
         # durable by default: JetStream on the bus (its store where asked), a --durable coordinator
         assert "durable jobs: on" in (tmp_path / "logs" / "coordinator.log").read_text()
@@ -277,7 +339,9 @@ async def test_up_serves_restarts_and_stops(tiny_fleet_dir, tmp_path):
         np.testing.assert_allclose(done.usage, [[1, 0], [0, 1]])
 
         os.kill(pids["worker-e0-0"], signal.SIGKILL)
-        await asyncio.to_thread(out.wait_for, r"CRASH worker-e0-0 \(pid %d\) .*killed by SIGKILL" % pids["worker-e0-0"], 10)
+        await asyncio.to_thread(
+            out.wait_for, r"CRASH worker-e0-0 \(pid %d\) .*killed by SIGKILL" % pids["worker-e0-0"], 10
+        )
         new_pid = int((await asyncio.to_thread(out.wait_for, r"restarted worker-e0-0: pid (\d+) ready", 240)).group(1))
         assert new_pid != pids["worker-e0-0"] and _alive(new_pid)
         pids["worker-e0-0 (restarted)"] = new_pid
@@ -320,13 +384,21 @@ def test_backends_default_and_override(tiny_fleet_dir):
     plain_bus, plain_rest = stages("--no-durable")
     assert "-js" not in plain_bus[0].argv and "--durable" not in plain_rest[-2].argv
     assert stages("--js-store", "/tmp/elsewhere")[0][0].argv[-1] == "/tmp/elsewhere"
-    assert [(c.name, c.backend) for c in rest] == [("worker-e0-0", "torch"), ("worker-e1-0", "jax"),
-                                                   ("coordinator", "-"), ("web", "-")]
+    assert [(c.name, c.backend) for c in rest] == [
+        ("worker-e0-0", "torch"),
+        ("worker-e1-0", "jax"),
+        ("coordinator", "-"),
+        ("web", "-"),
+    ]
     assert all(c.argv[:3] == [sys.executable, "-m", "infra.cli"] for c in rest)
     _, rest = stages("--backend-0", "jax", "--backend-1", "torch", "--workers", "2", "--no-web", "--buckets", "1,4")
-    assert [(c.name, c.backend) for c in rest] == [("worker-e0-0", "jax"), ("worker-e0-1", "jax"),
-                                                   ("worker-e1-0", "torch"), ("worker-e1-1", "torch"),
-                                                   ("coordinator", "-")]
+    assert [(c.name, c.backend) for c in rest] == [
+        ("worker-e0-0", "jax"),
+        ("worker-e0-1", "jax"),
+        ("worker-e1-0", "torch"),
+        ("worker-e1-1", "torch"),
+        ("coordinator", "-"),
+    ]
     assert "--buckets" in rest[0].argv and rest[0].argv[rest[0].argv.index("--buckets") + 1] == "1,4"
     assert not rest[0].critical and rest[-1].critical
 
@@ -339,8 +411,9 @@ async def test_worker_connects_through_a_server_list(tiny_expert_checkpoint, nat
     from workers.service import ExpertWorker
 
     dead = f"127.0.0.1:{free_port()}"  # no scheme: nats_servers() adds nats://
-    worker = ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=f"{dead},{nats_url}", buckets=(1,),
-                          connect_attempts=3)
+    worker = ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=f"{dead},{nats_url}", buckets=(1,), connect_attempts=3
+    )
     await worker.start()
     try:
         assert worker.nc.connected_url.port == int(nats_url.rsplit(":", 1)[1])
@@ -355,29 +428,38 @@ def test_commands_default_to_nats_url_env():
     env = {**os.environ, "NATS_URL": "nats://from-env:4999"}
     env.pop("DDM_NATS_URL", None)
     for command in ("worker", "coordinator", "web"):
-        out = subprocess.run([sys.executable, "-c", f"from infra import cli; cli.main(['{command}', '--help'])"],
-                             env=env, capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", f"from infra import cli; cli.main(['{command}', '--help'])"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         assert "comma-separated list" in out, (command, out)
-    code = ("from infra import cli; p = cli.build_parser(); print(p.parse_args({argv}).nats)")
+    code = "from infra import cli; p = cli.build_parser(); print(p.parse_args({argv}).nats)"
     for command in ("worker --expert 0 --checkpoint x", "coordinator", "web"):
         argv = repr(command.split())
-        got = subprocess.run([sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True,
-                             text=True, timeout=60).stdout.strip()
+        got = subprocess.run(
+            [sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
         assert got == "nats://from-env:4999", (command, got)
     for command in ("worker --expert 0 --checkpoint x", "coordinator", "web", "generate --count 1"):
         argv = repr(command.split())
         env = {**os.environ, "NATS_URL": "nats://from-env:4999", "DDM_NATS_URL": "nats://ddm-env:4998"}
-        got = subprocess.run([sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True,
-                             timeout=60)
+        got = subprocess.run(
+            [sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True, timeout=60
+        )
         assert got.stdout.strip() == "nats://from-env:4999" and "deprecated" not in got.stderr, (command, got)
         env.pop("NATS_URL")  # the old variable: still read, with one warning per process
-        got = subprocess.run([sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True,
-                             timeout=60)
+        got = subprocess.run(
+            [sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True, timeout=60
+        )
         assert got.stdout.strip() == "nats://ddm-env:4998", (command, got.stderr)
         assert got.stderr.count("DDM_NATS_URL is deprecated") == 1 and "set NATS_URL" in got.stderr, got.stderr
         env.pop("DDM_NATS_URL")
-        got = subprocess.run([sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True,
-                             timeout=60)
+        got = subprocess.run(
+            [sys.executable, "-c", code.format(argv=argv)], env=env, capture_output=True, text=True, timeout=60
+        )
         assert got.stdout.strip() == "nats://127.0.0.1:4222", (command, got.stderr)
 
 
@@ -388,9 +470,8 @@ def test_child_args_take_values_that_start_with_a_dash(tiny_fleet_dir):
     """`up --worker-args "--bf16"`, as the option's own help types it, reaches every worker's command
     line (argparse alone refuses it: "expected one argument"); the `=` form still works, and each
     child's argv parses as that command with the extra options applied."""
-    import contextlib
-
     import argparse
+    import contextlib
 
     from infra.cmd_up import Probes, add_arguments, build_stages, check_checkpoints
 
@@ -401,12 +482,22 @@ def test_child_args_take_values_that_start_with_a_dash(tiny_fleet_dir):
     parser = cli.build_parser()
     for worker_args in ("--bf16", example):
         for form in (["--worker-args", worker_args], [f"--worker-args={worker_args}"]):
-            args = cli.parse_args(["up", "--checkpoints", str(tiny_fleet_dir), *form,
-                                   "--coordinator-args", "--max-rows 256", "--web-args", "--fleet-interval 1"])
+            args = cli.parse_args(
+                [
+                    "up",
+                    "--checkpoints",
+                    str(tiny_fleet_dir),
+                    *form,
+                    "--coordinator-args",
+                    "--max-rows 256",
+                    "--web-args",
+                    "--fleet-interval 1",
+                ]
+            )
             assert args.worker_args == worker_args and args.coordinator_args == "--max-rows 256"
             _, rest = build_stages(args, check_checkpoints(args.checkpoints), "/bin/nats-server", Probes("nats://x:1"))
             workers = [c for c in rest if c.name.startswith("worker-")]
-            assert workers and all(c.argv[-len(worker_args.split()):] == worker_args.split() for c in workers)
+            assert workers and all(c.argv[-len(worker_args.split()) :] == worker_args.split() for c in workers)
             child = cli.parse_args(workers[0].argv[3:])  # drop `python -m infra.cli`
             assert child.command == "worker" and child.bf16 is True
             coord = next(c for c in rest if c.name == "coordinator")

@@ -21,8 +21,18 @@ CLI = [str(Path(sys.executable).parent / "ddm-fleet")]
 def test_help_explains_the_options():
     out = subprocess.run([*CLI, "web", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for flag in ("--port", "--host", "--nats", "--fleet-interval", "--allow-origin", "--allow-host", "--token-file",
-                 "--insecure-no-token", "--max-sockets-per-client", "--max-messages-per-second"):
+    for flag in (
+        "--port",
+        "--host",
+        "--nats",
+        "--fleet-interval",
+        "--allow-origin",
+        "--allow-host",
+        "--token-file",
+        "--insecure-no-token",
+        "--max-sockets-per-client",
+        "--max-messages-per-second",
+    ):
         assert flag in out.stdout
     assert "denoise" in out.stdout
 
@@ -30,8 +40,12 @@ def test_help_explains_the_options():
 @pytest.mark.procs
 def test_no_nats_is_a_clear_error_not_a_traceback():
     port = free_port()  # nothing listens there
-    out = subprocess.run([*CLI, "web", "--port", str(free_port()), "--nats", f"nats://web:s3cret@127.0.0.1:{port}"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*CLI, "web", "--port", str(free_port()), "--nats", f"nats://web:s3cret@127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "cannot connect to NATS" in out.stderr and "Traceback" not in out.stderr
     assert "nats://web:***@127.0.0.1" in out.stderr and "s3cret" not in out.stderr + out.stdout
@@ -49,8 +63,12 @@ def test_bad_arguments_exit_2(capsys):
 @pytest.mark.procs
 def test_serves_the_page_and_stops_on_sigint(nats_url):
     port = free_port()
-    proc = subprocess.Popen([*CLI, "web", "--port", str(port), "--nats", nats_url],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*CLI, "web", "--port", str(port), "--nats", nats_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -101,8 +119,12 @@ def test_token_file_protects_the_api_and_host_is_checked(nats_url, tmp_path):
     path = tmp_path / "web.token"
     path.write_text(token + "\n")
     port = free_port()
-    proc = subprocess.Popen([*CLI, "web", "--port", str(port), "--nats", nats_url, "--token-file", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*CLI, "web", "--port", str(port), "--nats", nats_url, "--token-file", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def get(path: str, headers: dict) -> tuple[int, str, dict]:
         req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)

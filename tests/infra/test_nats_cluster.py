@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
-from infra.nats_cluster import NatsCluster
 from bus.nats_server import nats_servers
+from infra.nats_cluster import NatsCluster
 from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,7 +30,10 @@ def cluster(tmp_path):
 def _step_request(expert: int, rows: int = 4, seed: int = 0) -> StepRequest:
     x = np.random.default_rng(seed).standard_normal((rows, 1, 32, 32)).astype(np.float32)
     return StepRequest(
-        expert=expert, x_t=x, t=np.full(rows, 0.25, np.float32), y=np.arange(rows, dtype=np.int64) % 10,
+        expert=expert,
+        x_t=x,
+        t=np.full(rows, 0.25, np.float32),
+        y=np.arange(rows, dtype=np.int64) % 10,
         row_ids=[f"r{i}" for i in range(rows)],
     )
 
@@ -40,16 +43,23 @@ async def _expert_responder(servers: list[str], expert: int, worker_id: str, **o
     import nats
 
     nc = await nats.connect(
-        servers=servers, name=worker_id, dont_randomize=True, allow_reconnect=True,
-        max_reconnect_attempts=-1, reconnect_time_wait=0.1, connect_timeout=2, **opts,
+        servers=servers,
+        name=worker_id,
+        dont_randomize=True,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.1,
+        connect_timeout=2,
+        **opts,
     )
     served: list[str] = []
 
     async def handle(msg):
         req = unpack(msg.data, StepRequest)
         served.append(worker_id)
-        reply = StepReply(expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids,
-                          backend="test", worker_id=worker_id)
+        reply = StepReply(
+            expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids, backend="test", worker_id=worker_id
+        )
         await msg.respond(pack(reply))
 
     await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert), cb=handle)
@@ -61,7 +71,8 @@ async def _request_until_ok(nc, req: StepRequest, deadline_s: float = 10.0, subj
     """Send until a reply comes: right after a subscribe or a failover, interest takes a
     moment to cross the routes, and until then the server answers 'no responders'.
     subject: where to send (default: the expert's queue-group subject)."""
-    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
 
     deadline = time.monotonic() + deadline_s
     while True:
@@ -210,8 +221,9 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
     from workers.service import SERVICE_NAME, ExpertWorker
 
     caplog.set_level(logging.WARNING)
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=cluster.url(1, "worker-0"),
-                            buckets=(1, 4)) as worker:
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)
+    ) as worker:
         coord = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
         # a client user receives replies only on its own inbox prefix (_INBOX_web.>)
         web = await nats.connect(cluster.url(2, "web"), connect_timeout=2, **client_connect_options("web"))
@@ -251,8 +263,8 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     from client.jobs import cancel_job, client_connect_options, fleet_status, run_job
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator, wait_for_experts
-    from tests.coordinator.helpers import make_tiny_experts
     from schemas import DoneEvent, JobRequest
+    from tests.coordinator.helpers import make_tiny_experts
     from workers.service import ExpertWorker
 
     caplog.set_level(logging.WARNING)
@@ -261,16 +273,22 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     c2e = [0] * 5 + [1] * 5
     paths = make_tiny_experts(tmp_path)
     leaf = cluster.leaf("leaf-expert-1")
-    workers = [ExpertWorker(0, paths[0], nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)),
-               ExpertWorker(1, paths[1], nats_url=leaf.client_url, buckets=(1, 4))]
+    workers = [
+        ExpertWorker(0, paths[0], nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)),
+        ExpertWorker(1, paths[1], nats_url=leaf.client_url, buckets=(1, 4)),
+    ]
     client = None
     try:
         for w in workers:
             await w.start()
-        async with Coordinator(LabelRouter(c2e, 2), num_experts=2, class_to_expert=c2e,
-                               nats_url=cluster.url(0, "coordinator"), step_timeout=10):
-            client = await nats.connect(cluster.url(2, "client"), connect_timeout=2,
-                                        **client_connect_options("client"))
+        async with Coordinator(
+            LabelRouter(c2e, 2),
+            num_experts=2,
+            class_to_expert=c2e,
+            nats_url=cluster.url(0, "coordinator"),
+            step_timeout=10,
+        ):
+            client = await nats.connect(cluster.url(2, "client"), connect_timeout=2, **client_connect_options("client"))
             probe = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
             try:  # until both experts' interest has reached node 0 (across a route and a leaf link)
                 await wait_for_experts(probe, 2, timeout=15)
@@ -319,10 +337,14 @@ def test_routes_need_the_route_credentials(cluster, tmp_path):
     rogues = []
     try:
         for name, userinfo in attempts.items():
-            rogue = NatsServer(extra_config=(f"server_name: rogue-{name}\ncluster {{ name: {cluster.name}, "
-                                             f"listen: 127.0.0.1:{free_port()}, "
-                                             f"routes: [\"nats-route://{userinfo}127.0.0.1:{target}\"] }}\n"),
-                               log_file=tmp_path / f"rogue-{name}.log")
+            rogue = NatsServer(
+                extra_config=(
+                    f"server_name: rogue-{name}\ncluster {{ name: {cluster.name}, "
+                    f"listen: 127.0.0.1:{free_port()}, "
+                    f'routes: ["nats-route://{userinfo}127.0.0.1:{target}"] }}\n'
+                ),
+                log_file=tmp_path / f"rogue-{name}.log",
+            )
             rogue.start()
             rogues.append(rogue)
         time.sleep(1.5)  # several route attempts (the rogue retries every second)
@@ -351,8 +373,7 @@ async def test_leaf_port_refuses_local_clients_without_the_password(cluster):
 
     for url in (leaf.url, leaf.client_url.replace("@", "x@")):  # no credentials / a wrong password
         with pytest.raises((NoServersError, nats.errors.Error, OSError)):
-            await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0,
-                               error_cb=quiet)
+            await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, error_cb=quiet)
     nc = await nats.connect(leaf.client_url, connect_timeout=2, allow_reconnect=False)
     await nc.flush()
     await nc.close()
@@ -432,8 +453,12 @@ async def test_jetstream_r3_buckets_survive_a_node_kill_under_the_coordinator_ro
 
         stores = sorted(p.name for p in Path(cluster._tmp.name).glob("js-*"))  # one store per node
         assert stores == [f"js-{cluster.node_name(i)}" for i in range(3)], stores
-        nc = await nats.connect(servers=cluster.servers("coordinator"), max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.2, connect_timeout=2)
+        nc = await nats.connect(
+            servers=cluster.servers("coordinator"),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=2,
+        )
         try:
             store = await JobStore(nc, "c", "run-1", lease_s=30.0, replicas=3).open()
             assert await store.adopt("job-1", b"checkpoint-1")

@@ -18,16 +18,31 @@ from pathlib import Path
 
 import pytest
 
-from infra.nats_cluster import (CONFIG_DIR, LEAF_LOCAL_PASSWORD_VAR, PASSWORD_VARS, ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR,
-                                 monitor, password_env, random_passwords)
 from bus.nats_server import NatsServer, check_config, free_port
+from infra.nats_cluster import (
+    CONFIG_DIR,
+    LEAF_LOCAL_PASSWORD_VAR,
+    PASSWORD_VARS,
+    ROUTE_PASSWORD_VAR,
+    ROUTE_URLS_VAR,
+    monitor,
+    password_env,
+    random_passwords,
+)
 from schemas import MAX_PAYLOAD_BYTES, MAX_STEP_ROWS, subjects
 
 pytestmark = pytest.mark.timeout(120)
 
 #: Configs meant to be run (the others are fragments they include).
-RUNNABLE = ["local.conf", "single.conf", "cluster.conf", "leaf.conf", "tls/tls.conf", "tls/leaf-tls.conf",
-            "nkeys/single-nkeys.conf"]
+RUNNABLE = [
+    "local.conf",
+    "single.conf",
+    "cluster.conf",
+    "leaf.conf",
+    "tls/tls.conf",
+    "tls/leaf-tls.conf",
+    "nkeys/single-nkeys.conf",
+]
 FRAGMENTS = ["limits.conf", "permissions.conf", "accounts.conf", "nkeys/accounts-nkeys.conf"]
 TLS_DIR = "/etc/ddm-fleet/tls/"
 
@@ -39,19 +54,23 @@ def deployment_env() -> dict[str, str]:
         **password_env(random_passwords()),
         ROUTE_PASSWORD_VAR: "route-pw-1",
         ROUTE_URLS_VAR: '["nats-route://route:route-pw-1@nats-1.ddm.internal:6222", '
-                        '"nats-route://route:route-pw-1@nats-2.ddm.internal:6222"]',
+        '"nats-route://route:route-pw-1@nats-2.ddm.internal:6222"]',
         LEAF_LOCAL_PASSWORD_VAR: "leaf-local-pw",
         "DDM_NATS_SERVER_NAME": "nats-test-1",
         "DDM_NATS_HUB_URLS": '["nats-leaf://leaf-expert-0:pw@nats-1.ddm.internal:7422", '
-                             '"nats-leaf://leaf-expert-0:pw@nats-2.ddm.internal:7422"]',
+        '"nats-leaf://leaf-expert-0:pw@nats-2.ddm.internal:7422"]',
     }
 
 
 @pytest.fixture(scope="module")
 def dev_certs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", str(CONFIG_DIR / "tls" / "make-dev-certs.sh"), str(out), "localhost", "127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        ["bash", str(CONFIG_DIR / "tls" / "make-dev-certs.sh"), str(out), "localhost", "127.0.0.1"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return out
 
 
@@ -108,16 +127,26 @@ def test_passwords_users_and_env_example_agree():
     assert users == PASSWORD_VARS
     example = (CONFIG_DIR / "nats.env.example").read_text()
     assert sorted(re.findall(r"^(DDM_NATS_\w+)=", example, re.M)) == sorted(
-        [*PASSWORD_VARS.values(), ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR])
+        [*PASSWORD_VARS.values(), ROUTE_PASSWORD_VAR, ROUTE_URLS_VAR]
+    )
 
 
 def test_permissions_use_the_protocol_subjects():
     """A protocol version bump (ddm.v2...) must update the permissions too."""
     perms = (CONFIG_DIR / "permissions.conf").read_text()
-    for subject in (subjects.ALL_EXPERTS, subjects.ALL_JOBS_SUBMIT, subjects.ALL_JOB_EVENTS, subjects.ALL_JOB_CANCELS,
-                    subjects.ALL_JOB_STATUS, subjects.FLEET_STATUS, subjects.expert_velocity(0),
-                    subjects.expert_velocity(1), subjects.ALL_EXPERTS_DIRECT,
-                    subjects.expert_velocity(0) + ".*", subjects.expert_velocity(1) + ".*"):
+    for subject in (
+        subjects.ALL_EXPERTS,
+        subjects.ALL_JOBS_SUBMIT,
+        subjects.ALL_JOB_EVENTS,
+        subjects.ALL_JOB_CANCELS,
+        subjects.ALL_JOB_STATUS,
+        subjects.FLEET_STATUS,
+        subjects.expert_velocity(0),
+        subjects.expert_velocity(1),
+        subjects.ALL_EXPERTS_DIRECT,
+        subjects.expert_velocity(0) + ".*",
+        subjects.expert_velocity(1) + ".*",
+    ):
         assert f'"{subject}"' in perms, subject
     used = set(re.findall(r'"(ddm\.[^"]+)"', perms))
     prefix = subjects.PREFIX + "."
@@ -141,17 +170,24 @@ def test_job_status_probe_is_allowed_wherever_cancel_is():
     publish / subscribe a job's cancel subject may do the same with its status subject; the
     coordinator serves it, clients, web and ops ask it, and workers and leaf links never see it."""
     sets = _permission_sets()
-    assert {"COORDINATOR_PERMISSIONS", "CLIENT_PERMISSIONS", "OPS_PERMISSIONS", "WORKER_0_PERMISSIONS",
-            "LEAF_EXPERT_0_PERMISSIONS"} <= set(sets), sorted(sets)
+    assert {
+        "COORDINATOR_PERMISSIONS",
+        "CLIENT_PERMISSIONS",
+        "OPS_PERMISSIONS",
+        "WORKER_0_PERMISSIONS",
+        "LEAF_EXPERT_0_PERMISSIONS",
+    } <= set(sets), sorted(sets)
     for name, verbs in sets.items():
         for verb, allowed in verbs.items():
             for cancel in [s for s in allowed if s.endswith(".jobs.*.cancel")]:
                 assert cancel.replace(".cancel", ".status") in allowed, (name, verb)
     assert subjects.ALL_JOB_STATUS in sets["COORDINATOR_PERMISSIONS"]["subscribe"]
     assert subjects.ALL_JOB_STATUS not in sets["COORDINATOR_PERMISSIONS"]["publish"]
-    for name, status in (("CLIENT_PERMISSIONS", f"{subjects.client_namespace('client')}.jobs.*.status"),
-                         ("WEB_PERMISSIONS", f"{subjects.client_namespace('web')}.jobs.*.status"),
-                         ("OPS_PERMISSIONS", subjects.ALL_JOB_STATUS)):
+    for name, status in (
+        ("CLIENT_PERMISSIONS", f"{subjects.client_namespace('client')}.jobs.*.status"),
+        ("WEB_PERMISSIONS", f"{subjects.client_namespace('web')}.jobs.*.status"),
+        ("OPS_PERMISSIONS", subjects.ALL_JOB_STATUS),
+    ):
         assert status in sets[name]["publish"], name
         assert status not in sets[name]["subscribe"], name
     for name, verbs in sets.items():
@@ -176,7 +212,8 @@ def test_direct_worker_subjects_are_allowed_wherever_the_queue_group_is():
                 assert queue + ".*" in allowed, (name, verb, queue)
                 checked += 1
             extra = {s for s in allowed if s.startswith(subjects.PREFIX + ".expert.")} - {
-                q for s in allowed if s.endswith(".velocity") for q in (s, s + ".*")}
+                q for s in allowed if s.endswith(".velocity") for q in (s, s + ".*")
+            }
             assert not extra, (name, verb, extra)
     assert checked >= 6, checked
     assert subjects.ALL_EXPERTS_DIRECT in sets["COORDINATOR_PERMISSIONS"]["publish"]
@@ -230,8 +267,9 @@ async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
     srv.config_file = wrapper
     ctx = ssl.create_default_context(cafile=str(dev_certs / "ca.pem"))
     with srv:
-        nc = await nats.connect(f"tls://web:{passwords['web']}@localhost:{srv.port}", tls=ctx, connect_timeout=3,
-                                allow_reconnect=False)
+        nc = await nats.connect(
+            f"tls://web:{passwords['web']}@localhost:{srv.port}", tls=ctx, connect_timeout=3, allow_reconnect=False
+        )
         try:
             assert nc.connected_url.scheme == "tls"
             await nc.flush()
@@ -239,14 +277,21 @@ async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
             await nc.close()
 
         # What DEPLOYMENT.md tells a process to do: trust the CA through SSL_CERT_FILE, no code.
-        script = ("import asyncio, sys, nats\n"
-                  "async def main():\n"
-                  "    nc = await nats.connect(sys.argv[1], connect_timeout=3, allow_reconnect=False)\n"
-                  "    await nc.flush(); await nc.close(); print('tls ok')\n"
-                  "asyncio.run(main())\n")
+        script = (
+            "import asyncio, sys, nats\n"
+            "async def main():\n"
+            "    nc = await nats.connect(sys.argv[1], connect_timeout=3, allow_reconnect=False)\n"
+            "    await nc.flush(); await nc.close(); print('tls ok')\n"
+            "asyncio.run(main())\n"
+        )
         env = {**os.environ, "SSL_CERT_FILE": str(dev_certs / "ca.pem")}
-        res = subprocess.run([sys.executable, "-c", script, f"tls://web:{passwords['web']}@localhost:{srv.port}"],
-                             env=env, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-c", script, f"tls://web:{passwords['web']}@localhost:{srv.port}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0 and "tls ok" in res.stdout, res.stderr[-2000:]
 
         async def quiet(err):
@@ -254,8 +299,13 @@ async def test_tls_config_serves_a_tls_client(config_tree, dev_certs):
 
         untrusting = ssl.create_default_context()  # system CAs only: the dev CA is unknown
         with pytest.raises(ssl.SSLCertVerificationError):
-            await nats.connect(f"tls://web:{passwords['web']}@localhost:{srv.port}", tls=untrusting,
-                               connect_timeout=3, allow_reconnect=False, error_cb=quiet)
+            await nats.connect(
+                f"tls://web:{passwords['web']}@localhost:{srv.port}",
+                tls=untrusting,
+                connect_timeout=3,
+                allow_reconnect=False,
+                error_cb=quiet,
+            )
 
 
 # ---------------------------------------------------------------- deployment files
@@ -305,14 +355,23 @@ def test_worker_units_pass_the_worker_flags():
     for unit in ("ddm-worker-neuron@.service", "ddm-worker-gpu@.service"):
         text = (SYSTEMD_DIR / unit).read_text()
         exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
-        for flag in ("worker", "--expert ${DDM_EXPERT}", "--checkpoint ${DDM_CHECKPOINT}", "--backend",
-                     "--metrics-port ${DDM_METRICS_PORT}"):
+        for flag in (
+            "worker",
+            "--expert ${DDM_EXPERT}",
+            "--checkpoint ${DDM_CHECKPOINT}",
+            "--backend",
+            "--metrics-port ${DDM_METRICS_PORT}",
+        ):
             assert flag in exec_start, (unit, flag)
         assert "--nats" not in exec_start  # the worker reads $NATS_URL from the env file itself
         assert "ExecStartPost=/opt/ddm-fleet/venv/bin/ddm-fleet wait-ready ${DDM_METRICS_PORT} --pid $MAINPID" in text
     neuron = (SYSTEMD_DIR / "ddm-worker-neuron@.service").read_text()
-    for needle in ("PJRT_DEVICE=NEURON", "NEURON_CC_FLAGS=", "--cache_dir=/var/cache/ddm-fleet/neuron",
-                   "TimeoutStartSec=45min"):
+    for needle in (
+        "PJRT_DEVICE=NEURON",
+        "NEURON_CC_FLAGS=",
+        "--cache_dir=/var/cache/ddm-fleet/neuron",
+        "TimeoutStartSec=45min",
+    ):
         assert needle in neuron
 
 
@@ -356,12 +415,19 @@ def test_shipped_example_env_files_are_refused():
 def test_example_passwords_are_refused_wherever_they_appear():
     from bus.nats_server import ExamplePasswordError, nats_servers, refuse_example_passwords
 
-    for url in ("nats://web:change-me@h:4222", "nats://web:CHANGE-ME@h1:4222,h2:4222", "tls://coordinator:change-me@h",
-                "h1:4222,nats://x:CHANGE-ME@h2", "nats://change-me@h:4222"):
+    for url in (
+        "nats://web:change-me@h:4222",
+        "nats://web:CHANGE-ME@h1:4222,h2:4222",
+        "tls://coordinator:change-me@h",
+        "h1:4222,nats://x:CHANGE-ME@h2",
+        "nats://change-me@h:4222",
+    ):
         with pytest.raises(ExamplePasswordError, match="example password"):
             nats_servers(url)
-    assert nats_servers("nats://web:9f0c2b7d@h1:4222,h2:4222") == ["nats://web:9f0c2b7d@h1:4222",
-                                                                   "nats://web:9f0c2b7d@h2:4222"]
+    assert nats_servers("nats://web:9f0c2b7d@h1:4222,h2:4222") == [
+        "nats://web:9f0c2b7d@h1:4222",
+        "nats://web:9f0c2b7d@h2:4222",
+    ]
     with pytest.raises(ExamplePasswordError, match="DDM_NATS_ROUTE_PASSWORD"):
         refuse_example_passwords(None, {"DDM_NATS_ROUTE_PASSWORD": "change-me"})
     with pytest.raises(ExamplePasswordError, match="DDM_NATS_HUB_URLS"):
@@ -371,8 +437,14 @@ def test_example_passwords_are_refused_wherever_they_appear():
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DDM_NATS_", "NATS_URL"))}
-    return subprocess.run([sys.executable, "-m", "infra.cli", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**clean, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **(env or {})},
+    )
 
 
 @pytest.mark.procs
@@ -385,7 +457,9 @@ def test_commands_refuse_an_example_password_at_start(tmp_path):
     res = _cli("worker", "--expert", "0", "--checkpoint", str(ck), "--nats", "nats://worker-0:change-me@127.0.0.1:1")
     assert res.returncode == 1 and "example password 'change-me'" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
-    res = _cli("worker", "--expert", "0", "--checkpoint", str(ck), env={"NATS_URL": "nats://worker-0:CHANGE-ME@127.0.0.1:1"})
+    res = _cli(
+        "worker", "--expert", "0", "--checkpoint", str(ck), env={"NATS_URL": "nats://worker-0:CHANGE-ME@127.0.0.1:1"}
+    )
     assert res.returncode == 1 and "example password 'CHANGE-ME'" in res.stderr, res.stderr
     res = _cli("nats", "cluster", "--size", "1", env={"DDM_NATS_WEB_PASSWORD": "change-me"})
     assert res.returncode == 2 and "DDM_NATS_WEB_PASSWORD is the example password" in res.stderr, res.stderr
@@ -395,8 +469,13 @@ def test_commands_refuse_an_example_password_at_start(tmp_path):
 
 def wait_ready(*args) -> subprocess.CompletedProcess:
     """`ddm-fleet wait-ready ARGS` in a child process, as systemd and Docker run it."""
-    return subprocess.run([sys.executable, "-m", "infra.cli", "wait-ready", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", "wait-ready", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.procs
@@ -458,7 +537,9 @@ async def test_wait_ready_command_asks_the_coordinator(nats_url):
     from coordinator.local_fleet import LabelRouter
     from coordinator.service import Coordinator
 
-    run = lambda *a: asyncio.to_thread(wait_ready, *a)
+    def run(*a):
+        return asyncio.to_thread(wait_ready, *a)
+
     res = await run("--fleet-status", nats_url, "--once")
     assert res.returncode == 3 and "not ready" in res.stderr  # no coordinator
     assert (await run("--fleet-status", "nats://127.0.0.1:1", "--once")).returncode == 3  # no server
@@ -511,14 +592,16 @@ def test_every_image_has_a_health_check(dockerfile):
     """docker run alone (no compose) still reports health: each image declares a HEALTHCHECK whose
     command is a real probe (`ddm-fleet wait-ready` or the NATS monitoring endpoint)."""
     text = (DOCKER_DIR / dockerfile).read_text()
-    m = re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (.+)$", text, re.M) or re.search(r"^HEALTHCHECK .*CMD (.+)$", text, re.M)
+    m = re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (.+)$", text, re.M) or re.search(
+        r"^HEALTHCHECK .*CMD (.+)$", text, re.M
+    )
     assert m, f"{dockerfile}: no HEALTHCHECK"
     assert "wait-ready" in text or "/healthz" in m.group(1), m.group(1)
 
 
 def test_cpu_image_health_check_follows_its_role():
     text = (DOCKER_DIR / "Dockerfile.cpu").read_text()
-    assert 'wait-ready 8080 --http /healthz --once' in text and "wait-ready 9478 --http /metrics --once" in text
+    assert "wait-ready 8080 --http /healthz --once" in text and "wait-ready 9478 --http /metrics --once" in text
     assert "${DDM_HEALTHCHECK:-" in text  # another role overrides it
 
 
@@ -598,14 +681,17 @@ def test_cluster_helper_mirrors_every_block_setting():
 
 
 def _nats_cli(*argv: str) -> subprocess.CompletedProcess:
-    code = ("import argparse, sys\n"
-            "from infra import cmd_nats\n"
-            "p = argparse.ArgumentParser(prog='ddm-fleet nats')\n"
-            "cmd_nats.add_arguments(p)\n"
-            "sys.exit(cmd_nats.run(p.parse_args(sys.argv[1:])))\n")
+    code = (
+        "import argparse, sys\n"
+        "from infra import cmd_nats\n"
+        "p = argparse.ArgumentParser(prog='ddm-fleet nats')\n"
+        "cmd_nats.add_arguments(p)\n"
+        "sys.exit(cmd_nats.run(p.parse_args(sys.argv[1:])))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDM_NATS_")}
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
 
 
 @pytest.mark.procs
@@ -623,13 +709,20 @@ def test_nats_cluster_command_serves_until_interrupted(tmp_path):
     import signal
     import time
 
-    code = ("import argparse, sys\n"
-            "from infra import cmd_nats\n"
-            "p = argparse.ArgumentParser()\n"
-            "cmd_nats.add_arguments(p)\n"
-            "sys.exit(cmd_nats.run(p.parse_args(sys.argv[1:])))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, "cluster", "--size", "2", "--leaf", "leaf-expert-0"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = (
+        "import argparse, sys\n"
+        "from infra import cmd_nats\n"
+        "p = argparse.ArgumentParser()\n"
+        "cmd_nats.add_arguments(p)\n"
+        "sys.exit(cmd_nats.run(p.parse_args(sys.argv[1:])))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "cluster", "--size", "2", "--leaf", "leaf-expert-0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         deadline = time.monotonic() + 60
@@ -671,7 +764,7 @@ def test_tls_routes_trust_only_the_route_ca(config_tree, dev_certs, tmp_path):
     route_tls = re.search(r"^(\s*tls \{.*?^\s*\})", cluster_block, re.M | re.S).group(1)
     assert f"{dev_certs}/route-ca.pem" in route_tls and f"{dev_certs}/ca.pem" not in route_tls
     assert "verify: true" in route_tls
-    rogue_tls = (route_tls.replace("route-cert.pem", "client-cert.pem").replace("route-key.pem", "client-key.pem"))
+    rogue_tls = route_tls.replace("route-cert.pem", "client-cert.pem").replace("route-key.pem", "client-key.pem")
 
     ports = [free_port() for _ in range(3)]
     routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in ports[:2])
@@ -679,9 +772,11 @@ def test_tls_routes_trust_only_the_route_ca(config_tree, dev_certs, tmp_path):
     def node(name: str, i: int, tls_block: str, route_list: str) -> NatsServer:
         srv = NatsServer(log_file=tmp_path / f"{name}.log")
         conf = tmp_path / f"{name}.conf"
-        conf.write_text(f"server_name: {name}\nlisten: 127.0.0.1:{srv.port}\nhttp: 127.0.0.1:{srv.http_port}\n"
-                        f"cluster {{\n  name: t\n  listen: 127.0.0.1:{ports[i]}\n{tls_block}\n"
-                        f"  routes: [{route_list}]\n}}\n")
+        conf.write_text(
+            f"server_name: {name}\nlisten: 127.0.0.1:{srv.port}\nhttp: 127.0.0.1:{srv.http_port}\n"
+            f"cluster {{\n  name: t\n  listen: 127.0.0.1:{ports[i]}\n{tls_block}\n"
+            f"  routes: [{route_list}]\n}}\n"
+        )
         srv.config_file = conf
         return srv
 

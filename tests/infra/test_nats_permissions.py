@@ -78,8 +78,9 @@ async def connect(server):
             errors.append(str(err))
 
         opts = client_connect_options(user) if user in CLIENT_USERS else {}
-        nc = await nats.connect(server.url(0, user), name=user, error_cb=on_error, connect_timeout=2,
-                                allow_reconnect=False, **opts)
+        nc = await nats.connect(
+            server.url(0, user), name=user, error_cb=on_error, connect_timeout=2, allow_reconnect=False, **opts
+        )
         opened.append(nc)
         return Conn(nc, errors)
 
@@ -98,8 +99,9 @@ async def synced(nc) -> None:
 
 
 def _step(expert: int) -> StepRequest:
-    return StepRequest(expert=expert, x_t=np.ones((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32),
-                       y=np.zeros(2, np.int64))
+    return StepRequest(
+        expert=expert, x_t=np.ones((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32), y=np.zeros(2, np.int64)
+    )
 
 
 async def _collect(conn: Conn, subject: str, **kw) -> list:
@@ -123,8 +125,13 @@ async def test_client_roles_submit_jobs_and_read_events(connect, user):
     async def on_submit(msg):
         req = unpack(msg.data, JobRequest)
         owner = subjects.parse_submit_subject(msg.subject)
-        await msg.respond(pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(owner, req.job_id),
-                                           digits=req.digits, seed=1)))
+        await msg.respond(
+            pack(
+                JobAccepted(
+                    job_id=req.job_id, events_subject=subjects.job_events(owner, req.job_id), digits=req.digits, seed=1
+                )
+            )
+        )
 
     await coord.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=on_submit)
     await synced(coord.nc)
@@ -134,8 +141,15 @@ async def test_client_roles_submit_jobs_and_read_events(connect, user):
     accepted = unpack(msg.data, SubmitReply)
     assert isinstance(accepted, JobAccepted) and accepted.job_id == "j1"
 
-    frame = FrameEvent(job_id="j1", step=0, steps=1, t=1.0, x=np.zeros((1, 1, 32, 32), np.float16), experts=[0],
-                       weights=np.ones((1, 2), np.float32))
+    frame = FrameEvent(
+        job_id="j1",
+        step=0,
+        steps=1,
+        t=1.0,
+        x=np.zeros((1, 1, 32, 32), np.float16),
+        experts=[0],
+        weights=np.ones((1, 2), np.float32),
+    )
     await coord.nc.publish(subjects.job_events(user, "j1"), pack(frame))
     await coord.nc.flush()
     await wait_until(lambda: events, timeout=2, what="the frame event")
@@ -209,10 +223,23 @@ async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(conne
 
     await ops.nc.subscribe(f"{subjects.inbox_prefix(user)}.>", cb=tap)
     await synced(ops.nc)
-    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=server.url(0, "coordinator"),
-                           step_timeout=30, retries=0, name=f"perm-coordinator-{user}"):
-        job = asyncio.create_task(run_job(cli.nc, JobRequest(job_id=job_id, digits=[3], steps=2), probe_every=0.3,
-                                          lost_after=30, unresponsive_after=unresponsive_after))
+    async with Coordinator(
+        LabelRouter([0] * 10, 1),
+        num_experts=1,
+        nats_url=server.url(0, "coordinator"),
+        step_timeout=30,
+        retries=0,
+        name=f"perm-coordinator-{user}",
+    ):
+        job = asyncio.create_task(
+            run_job(
+                cli.nc,
+                JobRequest(job_id=job_id, digits=[3], steps=2),
+                probe_every=0.3,
+                lost_after=30,
+                unresponsive_after=unresponsive_after,
+            )
+        )
         waiter = asyncio.create_task(long_enough.wait())
         try:
             await asyncio.wait({job, waiter}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
@@ -242,7 +269,8 @@ async def test_web_cannot_publish_to_experts(connect):
     await web.violation(subjects.expert_velocity(0))
 
     # A request is refused too: no reply, and the worker never sees it.
-    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
 
     with pytest.raises((NatsTimeout, NoRespondersError)):
         await web.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=0.5)
@@ -272,8 +300,14 @@ async def test_client_user_cannot_reach_into_another_users_namespace_or_inbox(co
     for subject in (subjects.job_cancel("web", "wj"), subjects.job_status("web", "wj"), subjects.jobs_submit("web")):
         await client.nc.publish(subject, pack(CancelRequest(job_id="wj")))
         await client.violation(subject)
-    for subject in (subjects.job_events("web", "wj"), f"{subjects.client_namespace('web')}.jobs.*.events",
-                    subjects.ALL_JOB_EVENTS, f"{subjects.inbox_prefix('web')}.>", "_INBOX.>", ">"):
+    for subject in (
+        subjects.job_events("web", "wj"),
+        f"{subjects.client_namespace('web')}.jobs.*.events",
+        subjects.ALL_JOB_EVENTS,
+        f"{subjects.inbox_prefix('web')}.>",
+        "_INBOX.>",
+        ">",
+    ):
         await client.nc.subscribe(subject)
         await client.violation(subject)
     await client.nc.flush()
@@ -305,18 +339,28 @@ async def test_client_user_cannot_cancel_probe_or_watch_a_web_users_job(connect,
     await worker.nc.subscribe(subjects.expert_velocity(0), queue=subjects.expert_queue_group(0), cb=held_velocity)
     await synced(worker.nc)
     events: list = []
-    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=server.url(0, "coordinator"),
-                           step_timeout=30, retries=0, name="perm-owner") as coord:
-        job = asyncio.create_task(run_job(web.nc, JobRequest(job_id="webjob", digits=[3], steps=2),
-                                          on_event=events.append, probe_every=5))
+    async with Coordinator(
+        LabelRouter([0] * 10, 1),
+        num_experts=1,
+        nats_url=server.url(0, "coordinator"),
+        step_timeout=30,
+        retries=0,
+        name="perm-owner",
+    ) as coord:
+        job = asyncio.create_task(
+            run_job(web.nc, JobRequest(job_id="webjob", digits=[3], steps=2), on_event=events.append, probe_every=5)
+        )
         try:
             await asyncio.wait_for(called.wait(), 10)
             assert coord.owner_of("webjob") == "web"
             # what the server lets `client` publish, in its own namespace: not acted on, nothing told
-            msg = await client.nc.request(subjects.job_cancel("client", "webjob"), pack(CancelRequest(job_id="webjob")),
-                                          timeout=5)
-            assert (unpack(msg.data, CancelReply).cancelled, unpack(msg.data, CancelReply).reason) == \
-                (False, UNKNOWN_JOB)
+            msg = await client.nc.request(
+                subjects.job_cancel("client", "webjob"), pack(CancelRequest(job_id="webjob")), timeout=5
+            )
+            assert (unpack(msg.data, CancelReply).cancelled, unpack(msg.data, CancelReply).reason) == (
+                False,
+                UNKNOWN_JOB,
+            )
             assert await cancel_job(client.nc, "webjob") is False  # client_of(nc) -> "client"
             assert (await job_status(client.nc, "webjob")).state == "unknown"
             # what it may not publish: web's namespace
@@ -357,9 +401,12 @@ def test_each_client_users_permissions_name_only_its_own_namespace_and_inbox():
         body = re.search(r"^" + given[user] + r" = \{(.*?)^\}", perms, re.M | re.S).group(1)
         named = set(re.findall(r'"([^"]+)"', body))
         jobs = {s for s in named if s.startswith(subjects.CLIENTS_PREFIX + ".")}
-        assert jobs == {subjects.jobs_submit(user), f"{subjects.client_namespace(user)}.jobs.*.cancel",
-                        f"{subjects.client_namespace(user)}.jobs.*.status",
-                        f"{subjects.client_namespace(user)}.jobs.*.events"}, (user, jobs)
+        assert jobs == {
+            subjects.jobs_submit(user),
+            f"{subjects.client_namespace(user)}.jobs.*.cancel",
+            f"{subjects.client_namespace(user)}.jobs.*.status",
+            f"{subjects.client_namespace(user)}.jobs.*.events",
+        }, (user, jobs)
         assert {s for s in named if s.startswith(subjects.INBOX)} == {f"{subjects.inbox_prefix(user)}.>"}, user
 
 
@@ -419,8 +466,9 @@ async def test_worker_serves_its_direct_subject_but_no_other_experts(connect):
 
     async def velocity(msg):
         step = unpack(msg.data, StepRequest)
-        await msg.respond(pack(StepReply(expert=0, velocity=-np.asarray(step.x_t), backend="test",
-                                         worker_id="perm-worker-0")))
+        await msg.respond(
+            pack(StepReply(expert=0, velocity=-np.asarray(step.x_t), backend="test", worker_id="perm-worker-0"))
+        )
 
     await worker.nc.subscribe(mine, queue=subjects.expert_queue_group(0), cb=velocity)
     await synced(worker.nc)
@@ -455,8 +503,12 @@ async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(co
 
     svc = await micro.add_service(worker.nc, name="ddm-expert-0", version="1.0.0", description="test worker")
     try:
-        await svc.add_endpoint(name="velocity", subject=subjects.expert_velocity(0),
-                               queue_group=subjects.expert_queue_group(0), handler=velocity)
+        await svc.add_endpoint(
+            name="velocity",
+            subject=subjects.expert_velocity(0),
+            queue_group=subjects.expert_queue_group(0),
+            handler=velocity,
+        )
         await synced(worker.nc)
         msg = await coord.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=2)
         assert unpack(msg.data, StepReply).velocity.shape == (2, 1, 32, 32)
@@ -487,8 +539,11 @@ async def test_ops_watches_and_asks_but_changes_nothing(connect):
     assert (await ops.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
     assert (await ops.nc.request(subjects.job_status("web", "j5"), b"", timeout=2)).data == b"status"
     await coord.nc.publish(subjects.job_events("web", "j5"), b"frame")
-    await wait_until(lambda: any(m.subject == subjects.job_events("web", "j5") for m in seen), timeout=2,
-                     what="ops to see the job event")
+    await wait_until(
+        lambda: any(m.subject == subjects.job_events("web", "j5") for m in seen),
+        timeout=2,
+        what="ops to see the job event",
+    )
     for subject in (subjects.expert_velocity(0), subjects.jobs_submit("web"), subjects.job_cancel("web", "j5")):
         await ops.nc.publish(subject, b"x")
         await ops.violation(subject)
@@ -521,6 +576,7 @@ async def test_unknown_or_wrong_credentials_are_refused(server, password):
     node = server.nodes[0]
     userinfo = "" if password is None else f"web:{password}@"
     with pytest.raises(nats.errors.Error) as err:
-        await nats.connect(f"nats://{userinfo}{node.host}:{node.port}", allow_reconnect=False, connect_timeout=2,
-                           error_cb=quiet)
+        await nats.connect(
+            f"nats://{userinfo}{node.host}:{node.port}", allow_reconnect=False, connect_timeout=2, error_cb=quiet
+        )
     assert "authorization violation" in str(err.value).lower()

@@ -35,26 +35,54 @@ LOCAL = set(SHIPPED) | {"tests"}
 #: role -> file patterns it owns (relative to the repo). "base" = the dependencies every install
 #: gets; every other role is the extra of that name.
 ROLES: dict[str, list[str]] = {
-    "base": ["schemas/*", "bus/*", "dataset/*", "client/*", "infra/__init__.py", "infra/cli.py", "infra/cmd_version.py",
-             "infra/cmd_nats.py", "infra/nats_cluster.py", "infra/cmd_data.py",
-             "infra/cmd_wait_ready.py", "infra/pip_stepwise.py", "infra/heap.py"],
+    "base": [
+        "schemas/*",
+        "bus/*",
+        "dataset/*",
+        "client/*",
+        "infra/__init__.py",
+        "infra/cli.py",
+        "infra/cmd_version.py",
+        "infra/cmd_nats.py",
+        "infra/nats_cluster.py",
+        "infra/cmd_data.py",
+        "infra/cmd_wait_ready.py",
+        "infra/pip_stepwise.py",
+        "infra/heap.py",
+    ],
     "worker": ["workers/*", "models/*", "flow/*", "infra/cmd_worker.py"],  # flow.path's torch helpers
-    "worker-jax": ["workers/backends/jax_backend.py", "models/unet_flax.py", "models/dit_flax.py",
-                   "models/arch_flax.py"],
+    "worker-jax": [
+        "workers/backends/jax_backend.py",
+        "models/unet_flax.py",
+        "models/dit_flax.py",
+        "models/arch_flax.py",
+    ],
     "xla": ["workers/backends/xla_backend.py"],
     "coordinator": ["coordinator/*", "infra/cmd_coordinator.py", "infra/cmd_generate.py", "infra/grid.py"],
     "web": ["web/*", "infra/cmd_web.py"],
     # partition: `--method features` reads judge 2 (evaluation.features: flax, torch)
-    "training": ["training/*", "infra/cmd_train_expert.py", "infra/cmd_train_router.py", "infra/cmd_sample.py",
-                 "infra/cmd_partition.py", "infra/cmd_distill.py"],
+    "training": [
+        "training/*",
+        "infra/cmd_train_expert.py",
+        "infra/cmd_train_router.py",
+        "infra/cmd_sample.py",
+        "infra/cmd_partition.py",
+        "infra/cmd_distill.py",
+    ],
     "eval": ["evaluation/*", "infra/cmd_eval.py", "benchmarks/*", "infra/cmd_bench.py"],
     "fuzz": ["fuzzing/*", "infra/cmd_fuzz.py"],
     "all": ["infra/cmd_up.py", "infra/launcher.py", "infra/gpu/*"],
 }
 
 #: Import names whose distribution is named otherwise (the rest: the import name, canonicalized).
-DIST_OF = {"PIL": "pillow", "nats": "nats-py", "yaml": "pyyaml", "pydantic_core": "pydantic",
-           "jaxlib": "jax", "torch_xla": "torch-xla"}
+DIST_OF = {
+    "PIL": "pillow",
+    "nats": "nats-py",
+    "yaml": "pyyaml",
+    "pydantic_core": "pydantic",
+    "jaxlib": "jax",
+    "torch_xla": "torch-xla",
+}
 
 #: Imports a role may use without its extra providing them, and where they come from instead.
 ELSEWHERE = {
@@ -68,6 +96,7 @@ NOT_IMPORTED = {
     "pytest-asyncio": "pytest plugin (asyncio_mode in pyproject)",
     "pytest-aiohttp": "pytest plugin (aiohttp_client fixtures)",
     "pytest-timeout": "pytest plugin (timeout in pyproject, @pytest.mark.timeout)",
+    "ruff": "the linter `make lint` runs (Makefile), an executable",
 }
 
 
@@ -100,7 +129,7 @@ def imported_names(path: Path, *, top_level_only: bool = False) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = package.split(".")
-                parts = parts[:len(parts) - node.level + 1]
+                parts = parts[: len(parts) - node.level + 1]
                 module = ".".join(parts + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -174,8 +203,11 @@ def role_modules(role: str) -> list[str]:
 
 
 def missing(found: dict[str, set[str]], have: set[str], allowed: dict[str, str]) -> list[str]:
-    return [f"{name} (imported by {', '.join(sorted(found[name]))}; distribution {dist_of(name)})"
-            for name in sorted(found) if dist_of(name) not in have and name not in allowed]
+    return [
+        f"{name} (imported by {', '.join(sorted(found[name]))}; distribution {dist_of(name)})"
+        for name in sorted(found)
+        if dist_of(name) not in have and name not in allowed
+    ]
 
 
 # ---------------------------------------------------------------- the helpers themselves
@@ -252,8 +284,11 @@ def test_all_is_every_role_but_xla():
 
 
 def constraint_pins(name: str) -> dict[str, Requirement]:
-    reqs = [Requirement(line.split("#")[0]) for line in (REPO / "infra" / name).read_text().splitlines()
-            if line.split("#")[0].strip()]
+    reqs = [
+        Requirement(line.split("#")[0])
+        for line in (REPO / "infra" / name).read_text().splitlines()
+        if line.split("#")[0].strip()
+    ]
     return {canonicalize_name(r.name): r for r in reqs}
 
 
@@ -267,8 +302,9 @@ def ranges_for(dist: str, *extras: str) -> list[Requirement]:
     return out
 
 
-@pytest.mark.parametrize("constraints, extras", [("constraints-cpu.txt", ("worker",)),
-                                                 ("constraints-xla.txt", ("worker", "xla"))])
+@pytest.mark.parametrize(
+    "constraints, extras", [("constraints-cpu.txt", ("worker",)), ("constraints-xla.txt", ("worker", "xla"))]
+)
 def test_constraint_pins_fall_inside_the_declared_ranges(constraints, extras):
     pins = constraint_pins(constraints)
     assert "torch" in pins
@@ -294,10 +330,16 @@ def test_makefile_installs_with_constraints_and_existing_extras():
     # every install goes through $(PIP_INSTALL): no wheel cache (a second copy of the XLA venv's
     # ~4 GB of CUDA wheels once filled a CI machine's disk)
     assert re.search(r"^PIP_INSTALL := pip install .*--no-cache-dir", makefile, re.M)
-    assert not [line for line in makefile.splitlines()
-                if "pip install" in line and "PIP_INSTALL :=" not in line and not line.startswith("#")]
-    installs = [line for line in makefile.splitlines()
-                if ("$(PIP_INSTALL)" in line or "pip_stepwise.py -c" in line) and "--upgrade pip" not in line]
+    assert not [
+        line
+        for line in makefile.splitlines()
+        if "pip install" in line and "PIP_INSTALL :=" not in line and not line.startswith("#")
+    ]
+    installs = [
+        line
+        for line in makefile.splitlines()
+        if ("$(PIP_INSTALL)" in line or "pip_stepwise.py -c" in line) and "--upgrade pip" not in line
+    ]
     assert len(installs) >= 3
     for line in installs:
         assert re.search(r"-c \$\((XLA_)?CONSTRAINTS\)", line), f"pip install without the constraints file: {line}"
@@ -307,8 +349,17 @@ def test_makefile_installs_with_constraints_and_existing_extras():
     assert "'.[all,test]'" in makefile and "'.[all]'" in makefile and "'.[xla,test]'" in makefile
 
 
-@pytest.mark.parametrize("path", ["Makefile", "README.md", "docs/DEPLOYMENT.md", "infra/docker/Dockerfile.cpu",
-                                  "infra/docker/Dockerfile.gpu", "infra/docker/compose.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "Makefile",
+        "README.md",
+        "docs/DEPLOYMENT.md",
+        "infra/docker/Dockerfile.cpu",
+        "infra/docker/Dockerfile.gpu",
+        "infra/docker/compose.yaml",
+    ],
+)
 def test_named_extras_exist(path):
     text = (REPO / path).read_text()
     named = re.findall(r"(?:\.|ddm-fleet|/src)\[([a-z0-9,${}_-]+)\]", text)

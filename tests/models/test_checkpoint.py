@@ -24,8 +24,12 @@ TINY = UNetConfig(widths=(8, 16, 32))
 
 
 def _meta(cfg):
-    return {"config": cfg.to_dict(), "expert_id": 0, "partition": {"file": "p.json", "classes": [0, 1]},
-            "training": {"steps": 1}}
+    return {
+        "config": cfg.to_dict(),
+        "expert_id": 0,
+        "partition": {"file": "p.json", "classes": [0, 1]},
+        "training": {"steps": 1},
+    }
 
 
 def _random_model(cfg, seed=0):

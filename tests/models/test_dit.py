@@ -65,18 +65,21 @@ def _flax_out(cfg, params, x, t, y) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(patch_size=3), "patch_size 3 must divide image_size 32"),
-    (dict(hidden_size=30, num_heads=4), "divisible by num_heads"),
-    (dict(hidden_size=18, num_heads=3), "multiple of 4"),
-    (dict(depth=0), "depth must be a positive integer"),
-    (dict(in_channels=0), "in_channels must be a positive integer"),
-    (dict(mlp_ratio=0), "mlp_ratio must be positive"),
-    (dict(time_freq_dim=7), "time_freq_dim must be a positive even number"),
-    (dict(time_freq_dim=0), "time_freq_dim must be a positive integer"),
-    (dict(hidden_size=32.0), "hidden_size must be a positive integer"),
-    (dict(num_classes=0), "num_classes must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(patch_size=3), "patch_size 3 must divide image_size 32"),
+        (dict(hidden_size=30, num_heads=4), "divisible by num_heads"),
+        (dict(hidden_size=18, num_heads=3), "multiple of 4"),
+        (dict(depth=0), "depth must be a positive integer"),
+        (dict(in_channels=0), "in_channels must be a positive integer"),
+        (dict(mlp_ratio=0), "mlp_ratio must be positive"),
+        (dict(time_freq_dim=7), "time_freq_dim must be a positive even number"),
+        (dict(time_freq_dim=0), "time_freq_dim must be a positive integer"),
+        (dict(hidden_size=32.0), "hidden_size must be a positive integer"),
+        (dict(num_classes=0), "num_classes must be a positive integer"),
+    ],
+)
 def test_config_refuses_bad_values_and_says_how_to_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DiTConfig(**kwargs)
@@ -199,7 +202,7 @@ def test_checkpoint_arch_mistakes_are_clear(tmp_path):
         save_checkpoint(tmp_path / "x", state, {"config": tiny_dit_config(hidden_size=64)})
     with pytest.raises(CheckpointError, match="weights do not match config widths"):  # dit weights, unet config
         save_checkpoint(tmp_path / "x", state, {"config": UNetConfig(widths=(8, 16))})
-    with pytest.raises(CheckpointError, match="looks like a dit config: add \"arch\": \"dit\""):
+    with pytest.raises(CheckpointError, match='looks like a dit config: add "arch": "dit"'):
         save_checkpoint(tmp_path / "x", state, {"config": cfg.to_dict()})  # no arch -> read as unet
     with pytest.raises(CheckpointError, match="meta says arch 'unet' but its config is a DiTConfig"):
         save_checkpoint(tmp_path / "x", state, {"arch": "unet", "config": cfg})

@@ -22,7 +22,9 @@ def trained():
     torch.set_num_threads(1)
     x, y = load_mnist("train", limit=2000)
     m = make_partition("classes", y, None, 2)
-    net, stats = train_router(m, x, y, RouterTrainConfig(steps=300, batch_size=64, label_dropout=1.0, lr=3e-3), progress=False)
+    net, stats = train_router(
+        m, x, y, RouterTrainConfig(steps=300, batch_size=64, label_dropout=1.0, lr=3e-3), progress=False
+    )
     return m, net, stats
 
 

@@ -51,8 +51,10 @@ def test_shipped_router_is_at_least_as_accurate_on_held_out_digits(routers):
     w16, shipped = routers
     manifest = load_manifest(CKPT / "partition.json")
     x, y = load_mnist("val", limit=1000)
-    acc = {name: accuracy_vs_t(r.net.eval(), manifest, x, y, bins=5, seed=11) for name, r in
-           (("w16", w16), ("shipped", shipped))}
+    acc = {
+        name: accuracy_vs_t(r.net.eval(), manifest, x, y, bins=5, seed=11)
+        for name, r in (("w16", w16), ("shipped", shipped))
+    }
     # a class partition with the label given: every row to its class's expert, at every t
     assert acc["shipped"]["acc_label"] == [1.0] * 5, acc
     # from pixels alone: near chance at pure noise, and past t = 0.4 within a point of the width-16

@@ -64,6 +64,7 @@ def test_flax_unet_matches_torch_on_unknown_label():
     with torch.no_grad():
         want = model(x, t, y).numpy()
     params = torch_to_flax_params(torch_state_to_numpy(model.state_dict()), cfg)
-    got = np.asarray(FlaxUNet(cfg).apply({"params": params}, jnp.asarray(x.numpy()), jnp.asarray(t.numpy()),
-                                         jnp.asarray(y.numpy())))
+    got = np.asarray(
+        FlaxUNet(cfg).apply({"params": params}, jnp.asarray(x.numpy()), jnp.asarray(t.numpy()), jnp.asarray(y.numpy()))
+    )
     np.testing.assert_allclose(got, want, atol=2e-4)

@@ -44,8 +44,15 @@ def _x(b=3, c=1, h=8, w=8, dtype=np.float32):
 
 def _step_request(**kw) -> StepRequest:
     b = 3
-    fields = dict(expert=1, x_t=_x(b), t=np.array([0.0, 0.5, 1.0], np.float32), y=np.array([3, 7, 0], np.int64),
-                  row_ids=["j1:0", "j1:1", "j2:0"], deadline=1.7e9, request_id="req-1")
+    fields = dict(
+        expert=1,
+        x_t=_x(b),
+        t=np.array([0.0, 0.5, 1.0], np.float32),
+        y=np.array([3, 7, 0], np.int64),
+        row_ids=["j1:0", "j1:1", "j2:0"],
+        deadline=1.7e9,
+        request_id="req-1",
+    )
     fields.update(kw)
     return StepRequest(**fields)
 
@@ -54,43 +61,113 @@ def _step_request(**kw) -> StepRequest:
 SAMPLES: list[BaseModel] = [
     _step_request(),
     StepRequest(expert=0, x_t=_x(1), t=np.zeros(1, np.float64), y=np.zeros(1, np.uint8)),  # defaults, other dtypes
-    StepReply(expert=1, velocity=_x(3), row_ids=["a", "b", "c"], backend="torch", device="cpu", worker_id="w-1",
-              compute_ms=12.5, batch_rows=8),
+    StepReply(
+        expert=1,
+        velocity=_x(3),
+        row_ids=["a", "b", "c"],
+        backend="torch",
+        device="cpu",
+        worker_id="w-1",
+        compute_ms=12.5,
+        batch_rows=8,
+    ),
     StepReply(expert=0, velocity=_x(2, dtype=np.float16)),
     ErrorReply(code=ErrorCode.TOO_LARGE, message="batch of 600 rows exceeds the limit of 512", request_id="req-9"),
-    JobRequest(job_id="job_1", digits=[0, 1, 9], steps=20, solver="heun", strategy="topk", top_k=2, seed=42,
-               stream=False, frame_every=5, deadline_s=30.0),
+    JobRequest(
+        job_id="job_1",
+        digits=[0, 1, 9],
+        steps=20,
+        solver="heun",
+        strategy="topk",
+        top_k=2,
+        seed=42,
+        stream=False,
+        frame_every=5,
+        deadline_s=30.0,
+    ),
     JobRequest(count=4, session="tab-1"),
-    JobAccepted(job_id="job_1", events_subject=schemas.subjects.job_events("anon", "job_1"), digits=[0, 1, 9], seed=42,
-                queue_position=3),
+    JobAccepted(
+        job_id="job_1",
+        events_subject=schemas.subjects.job_events("anon", "job_1"),
+        digits=[0, 1, 9],
+        seed=42,
+        queue_position=3,
+    ),
     JobRejected(code=ErrorCode.OVERLOADED, reason="too many jobs in flight"),
-    FrameEvent(job_id="job_1", step=5, steps=20, t=0.25, x=_x(3, dtype=np.float16), experts=[0, 1, -1],
-               weights=np.array([[1, 0], [0, 1], [0.5, 0.5]], np.float32), notes=["row 2: expert 1 slow"]),
-    DoneEvent(job_id="job_1", images=np.clip(_x(3), -1, 1), digits=[0, 1, 9],
-              usage=np.array([[1, 0], [0, 1], [0.5, 0.5]], np.float32), steps=20, strategy="full", elapsed_s=1.25,
-              notes=["done"]),
+    FrameEvent(
+        job_id="job_1",
+        step=5,
+        steps=20,
+        t=0.25,
+        x=_x(3, dtype=np.float16),
+        experts=[0, 1, -1],
+        weights=np.array([[1, 0], [0, 1], [0.5, 0.5]], np.float32),
+        notes=["row 2: expert 1 slow"],
+    ),
+    DoneEvent(
+        job_id="job_1",
+        images=np.clip(_x(3), -1, 1),
+        digits=[0, 1, 9],
+        usage=np.array([[1, 0], [0, 1], [0.5, 0.5]], np.float32),
+        steps=20,
+        strategy="full",
+        elapsed_s=1.25,
+        notes=["done"],
+    ),
     FailedEvent(job_id="job_1", code=ErrorCode.UNAVAILABLE, reason="no worker for expert 1"),
     CancelRequest(job_id="job_1"),
     CancelReply(job_id="job_1", cancelled=False, reason="already done"),
 ]
 
 if hasattr(messages_mod, "FleetStatus"):  # added alongside the coordinator's status endpoint
-    SAMPLES.append(messages_mod.FleetStatus(
-        coordinator="coord-1", active_jobs=2, active_rows=12, queued_jobs=1, max_rows=256, max_queued_jobs=64,
-        num_experts=2, jobs_submitted=10, jobs_done=7, jobs_failed=1, jobs_cancelled=1, jobs_rejected=0,
-        images_done=70, ticks=400, rows_per_s=210.5, tick_ms_p50=40.0, uptime_s=12.5, unavailable_experts=[1]))
+    SAMPLES.append(
+        messages_mod.FleetStatus(
+            coordinator="coord-1",
+            active_jobs=2,
+            active_rows=12,
+            queued_jobs=1,
+            max_rows=256,
+            max_queued_jobs=64,
+            num_experts=2,
+            jobs_submitted=10,
+            jobs_done=7,
+            jobs_failed=1,
+            jobs_cancelled=1,
+            jobs_rejected=0,
+            images_done=70,
+            ticks=400,
+            rows_per_s=210.5,
+            tick_ms_p50=40.0,
+            uptime_s=12.5,
+            unavailable_experts=[1],
+        )
+    )
 
 if hasattr(messages_mod, "JobStatus"):  # added alongside the coordinator's job status endpoint
     SAMPLES.append(messages_mod.JobStatus(job_id="job_1", state="running", step=5, steps=20, coordinator="coord-1"))
     SAMPLES.append(messages_mod.JobStatus(job_id="job_2", state="unknown"))
-    SAMPLES.append(messages_mod.JobStatus(job_id="job_3", state="unknown", coordinator="coord-b",
-                                          instance="20261126T085650Z-00aa11"))
+    SAMPLES.append(
+        messages_mod.JobStatus(
+            job_id="job_3", state="unknown", coordinator="coord-b", instance="20261126T085650Z-00aa11"
+        )
+    )
 
-SAMPLES.append(JobAccepted(job_id="job_2", events_subject=schemas.subjects.job_events("anon", "job_2"), digits=[4],
-                           seed=1, coordinator="coord-a", instance="20261126T085649Z-3fa2c1"))
+SAMPLES.append(
+    JobAccepted(
+        job_id="job_2",
+        events_subject=schemas.subjects.job_events("anon", "job_2"),
+        digits=[4],
+        seed=1,
+        coordinator="coord-a",
+        instance="20261126T085649Z-3fa2c1",
+    )
+)
 
-UNIONS = {JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent), SubmitReply: (JobAccepted, JobRejected, ErrorReply),
-          StepResult: (StepReply, ErrorReply)}
+UNIONS = {
+    JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent),
+    SubmitReply: (JobAccepted, JobRejected, ErrorReply),
+    StepResult: (StepReply, ErrorReply),
+}
 
 
 def _equal(a: BaseModel, b: BaseModel) -> None:
@@ -105,8 +182,14 @@ def _equal(a: BaseModel, b: BaseModel) -> None:
 
 
 def test_samples_cover_every_message_type():
-    defined = {obj for obj in vars(messages_mod).values()
-               if isinstance(obj, type) and issubclass(obj, messages_mod.Message) and obj is not messages_mod.Message}
+    defined = {
+        obj
+        for obj in vars(messages_mod).values()
+        if isinstance(obj, type)
+        and issubclass(obj, messages_mod.Message)
+        and obj is not messages_mod.Message
+        and not obj.__name__.startswith("_")
+    }
     assert defined == {type(m) for m in SAMPLES}
     exported = {getattr(schemas, n) for n in schemas.__all__ if isinstance(getattr(schemas, n), type)}
     assert defined <= exported
@@ -199,11 +282,25 @@ def test_extra_fields_are_bad_request():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("expert", "1"), ("expert", 1.0), ("expert", True), ("expert", None), ("expert", -1), ("expert", [1]),
-        ("row_ids", "abc"), ("row_ids", [1, 2, 3]), ("row_ids", ["a", "b", None]), ("row_ids", ["", "b", "c"]),
+        ("expert", "1"),
+        ("expert", 1.0),
+        ("expert", True),
+        ("expert", None),
+        ("expert", -1),
+        ("expert", [1]),
+        ("row_ids", "abc"),
+        ("row_ids", [1, 2, 3]),
+        ("row_ids", ["a", "b", None]),
+        ("row_ids", ["", "b", "c"]),
         ("row_ids", ["a" * (MAX_ID_LEN + 1), "b", "c"]),
-        ("deadline", "tomorrow"), ("request_id", 5), ("kind", "step_reply"), ("kind", 3),
-        ("x_t", b"raw"), ("x_t", None), ("t", [0.0, 0.5, 1.0]), ("y", {"dtype": "<i8"}),
+        ("deadline", "tomorrow"),
+        ("request_id", 5),
+        ("kind", "step_reply"),
+        ("kind", 3),
+        ("x_t", b"raw"),
+        ("x_t", None),
+        ("t", [0.0, 0.5, 1.0]),
+        ("y", {"dtype": "<i8"}),
     ],
 )
 def test_wrong_field_types_are_bad_request(field, value):
@@ -213,8 +310,17 @@ def test_wrong_field_types_are_bad_request(field, value):
 
 def test_wrong_types_in_job_request_are_not_coerced():
     base = _wire(JobRequest(digits=[1, 2]))
-    for field, value in [("steps", "40"), ("steps", 40.0), ("stream", 1), ("stream", "yes"), ("digits", [1, "2"]),
-                         ("digits", [1.0]), ("seed", "7"), ("solver", "rk4"), ("strategy", "best")]:
+    for field, value in [
+        ("steps", "40"),
+        ("steps", 40.0),
+        ("stream", 1),
+        ("stream", "yes"),
+        ("digits", [1, "2"]),
+        ("digits", [1.0]),
+        ("seed", "7"),
+        ("solver", "rk4"),
+        ("strategy", "best"),
+    ]:
         _refused({**base, field: value}, JobRequest, ErrorCode.BAD_REQUEST, field)
     ok = validate({**base, "deadline_s": 5}, JobRequest)  # an int is a fine float
     assert ok.deadline_s == 5.0 and isinstance(ok.deadline_s, float)
@@ -247,8 +353,11 @@ def _with(msg_wire: dict, **tensors) -> dict:
     [
         (dict(x_t=np.zeros((3, 64), np.float32)), ErrorCode.BAD_SHAPE, ["x_t", "[B, C, H, W]"]),
         (dict(x_t=np.zeros((3, 1, 1, 8, 8), np.float32)), ErrorCode.BAD_SHAPE, ["x_t"]),
-        (dict(x_t=np.zeros((0, 1, 8, 8), np.float32), t=np.zeros(0, np.float32), y=np.zeros(0, np.int64)),
-         ErrorCode.BAD_SHAPE, ["empty"]),
+        (
+            dict(x_t=np.zeros((0, 1, 8, 8), np.float32), t=np.zeros(0, np.float32), y=np.zeros(0, np.int64)),
+            ErrorCode.BAD_SHAPE,
+            ["empty"],
+        ),
         (dict(t=np.zeros(2, np.float32)), ErrorCode.BAD_SHAPE, ["t must be [B] = [3]"]),
         (dict(t=np.zeros((3, 1), np.float32)), ErrorCode.BAD_SHAPE, ["t must be"]),
         (dict(y=np.zeros(4, np.int64)), ErrorCode.BAD_SHAPE, ["y must be [B] = [3]"]),
@@ -294,8 +403,12 @@ def test_step_request_dtype_refusals_reach_the_client_as_bad_dtype():
 
 def test_oversize_batch_rows_are_too_large():
     n = MAX_STEP_ROWS + 1
-    wire = _with(_wire(_step_request(row_ids=[])), x_t=np.zeros((n, 1, 2, 2), np.float32), t=np.zeros(n, np.float32),
-                 y=np.zeros(n, np.int64))
+    wire = _with(
+        _wire(_step_request(row_ids=[])),
+        x_t=np.zeros((n, 1, 2, 2), np.float32),
+        t=np.zeros(n, np.float32),
+        y=np.zeros(n, np.int64),
+    )
     _refused(wire, StepRequest, ErrorCode.TOO_LARGE, str(MAX_STEP_ROWS))
     n = MAX_STEP_ROWS  # the limit itself is fine
     ok = _with(wire, x_t=np.zeros((n, 1, 2, 2), np.float32), t=np.zeros(n, np.float32), y=np.zeros(n, np.int64))
@@ -370,10 +483,24 @@ def test_coordinator_name_and_instance_are_optional_and_bounded():
     assert (accepted.coordinator, accepted.instance) == ("", "")
     for field in ("coordinator", "instance"):
         with pytest.raises(ProtocolError) as err:
-            unpack(msgpack.packb({"v": 1, "kind": "accepted", "job_id": "j1", "events_subject": "e", "digits": [1],
-                                  "seed": 0, field: "x" * 129}), JobAccepted)
+            unpack(
+                msgpack.packb(
+                    {
+                        "v": 1,
+                        "kind": "accepted",
+                        "job_id": "j1",
+                        "events_subject": "e",
+                        "digits": [1],
+                        "seed": 0,
+                        field: "x" * 129,
+                    }
+                ),
+                JobAccepted,
+            )
         assert err.value.code == ErrorCode.BAD_REQUEST and field in err.value.message
     with pytest.raises(ProtocolError) as err:
-        unpack(msgpack.packb({"v": 1, "kind": "job_status", "job_id": "j1", "state": "unknown",
-                              "instance": "x" * 129}), messages_mod.JobStatus)
+        unpack(
+            msgpack.packb({"v": 1, "kind": "job_status", "job_id": "j1", "state": "unknown", "instance": "x" * 129}),
+            messages_mod.JobStatus,
+        )
     assert err.value.code == ErrorCode.BAD_REQUEST and "instance" in err.value.message

@@ -14,17 +14,25 @@ from schemas import ErrorCode, FrameEvent, ProtocolError, pack, unpack
 def _frame_fields(rng: np.random.Generator, n: int, k: int, with_x1: bool, notes: int) -> dict:
     x = rng.normal(size=(n, 1, 4, 4)).astype(np.float16)
     w = rng.random((n, k)).astype(np.float32)
-    return dict(job_id=f"job-{rng.integers(1e9)}", step=int(rng.integers(0, 40)), steps=40,
-                t=float(rng.random()), x=x, experts=[int(e) for e in rng.integers(-1, k, size=n)],
-                weights=w / w.sum(axis=1, keepdims=True), notes=[f"row {i}: note" for i in range(notes)],
-                x1=(rng.normal(size=x.shape).astype(np.float16) if with_x1 else None))
+    return dict(
+        job_id=f"job-{rng.integers(1e9)}",
+        step=int(rng.integers(0, 40)),
+        steps=40,
+        t=float(rng.random()),
+        x=x,
+        experts=[int(e) for e in rng.integers(-1, k, size=n)],
+        weights=w / w.sum(axis=1, keepdims=True),
+        notes=[f"row {i}: note" for i in range(notes)],
+        x1=(rng.normal(size=x.shape).astype(np.float16) if with_x1 else None),
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_trusted_frames_pack_to_the_bytes_of_validated_ones(seed):
     rng = np.random.default_rng(seed)
-    fields = _frame_fields(rng, n=int(rng.integers(1, 5)), k=int(rng.integers(1, 9)),
-                           with_x1=bool(seed % 2), notes=seed % 3)
+    fields = _frame_fields(
+        rng, n=int(rng.integers(1, 5)), k=int(rng.integers(1, 9)), with_x1=bool(seed % 2), notes=seed % 3
+    )
     validated = FrameEvent(**fields)
     trusted = FrameEvent.trusted(**fields)
     slow = msgpack.packb(validated.model_dump(mode="python"), use_bin_type=True)  # pydantic's own dump
@@ -34,7 +42,12 @@ def test_trusted_frames_pack_to_the_bytes_of_validated_ones(seed):
     np.testing.assert_array_equal(back.x, fields["x"])
     np.testing.assert_array_equal(back.weights, fields["weights"])
     assert (back.step, back.steps, back.t, back.experts, back.notes) == (
-        fields["step"], fields["steps"], fields["t"], fields["experts"], fields["notes"])
+        fields["step"],
+        fields["steps"],
+        fields["t"],
+        fields["experts"],
+        fields["notes"],
+    )
     assert (back.x1 is None) == (fields["x1"] is None)
 
 

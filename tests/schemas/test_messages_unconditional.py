@@ -38,8 +38,15 @@ def test_job_request_with_unknown_labels_round_trips():
 
 
 def test_oracle_with_an_unknown_label_is_refused_clearly():
-    msg = _refused(_wire(digits=[2, -1, 5], strategy="oracle"), JobRequest, ErrorCode.BAD_REQUEST,
-                   "oracle", "label unknown", "row 1", "top1")
+    msg = _refused(
+        _wire(digits=[2, -1, 5], strategy="oracle"),
+        JobRequest,
+        ErrorCode.BAD_REQUEST,
+        "oracle",
+        "label unknown",
+        "row 1",
+        "top1",
+    )
     assert "1 of 3" in msg
     with pytest.raises(ValueError, match="oracle"):  # the in-process constructor refuses it too
         JobRequest(digits=[-1], strategy="oracle")
@@ -57,13 +64,31 @@ def test_an_old_style_request_parses_and_packs_as_before():
     assert (req.digits, req.steps, req.strategy, req.seed, req.n_unconditional) == ([3, 7], 20, "topk", 9, 0)
     # no new key travels: what a client sends is readable by a coordinator that predates -1 digits
     keys = set(msgpack.unpackb(pack(req), raw=False))
-    assert keys == {"v", "kind", "job_id", "digits", "count", "steps", "solver", "strategy", "top_k", "seed",
-                    "stream", "frame_every", "deadline_s", "session"}
+    assert keys == {
+        "v",
+        "kind",
+        "job_id",
+        "digits",
+        "count",
+        "steps",
+        "solver",
+        "strategy",
+        "top_k",
+        "seed",
+        "stream",
+        "frame_every",
+        "deadline_s",
+        "session",
+    }
     assert unpack(_wire(count=3), JobRequest).count == 3
 
 
 def test_step_request_carries_minus_one_labels():
-    req = StepRequest(expert=0, x_t=np.zeros((2, 1, 32, 32), np.float32), t=np.array([0.0, 0.5], np.float32),
-                      y=np.array([UNCONDITIONAL, 4], np.int64))
+    req = StepRequest(
+        expert=0,
+        x_t=np.zeros((2, 1, 32, 32), np.float32),
+        t=np.array([0.0, 0.5], np.float32),
+        y=np.array([UNCONDITIONAL, 4], np.int64),
+    )
     back = unpack(pack(req), StepRequest)
     assert back.y.tolist() == [-1, 4]  # the schema only checks dtype / shape; the worker checks the range

@@ -18,8 +18,14 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text()
 HINT = "update docs/PROTOCOL.md to match schemas/"
 
 MESSAGE_TYPES = sorted(
-    (obj for obj in vars(messages).values()
-     if isinstance(obj, type) and issubclass(obj, messages.Message) and obj is not messages.Message),
+    (
+        obj
+        for obj in vars(messages).values()
+        if isinstance(obj, type)
+        and issubclass(obj, messages.Message)
+        and obj is not messages.Message
+        and not obj.__name__.startswith("_")
+    ),
     key=lambda c: c.__name__,
 )
 
@@ -53,8 +59,14 @@ def test_every_error_code_is_documented():
 
 
 def test_every_subject_and_queue_group_is_documented():
-    for subject in (subjects.ALL_JOBS_SUBMIT, subjects.FLEET_STATUS, subjects.ALL_EXPERTS, subjects.ALL_JOB_EVENTS,
-                    subjects.ALL_JOB_CANCELS, subjects.ALL_JOB_STATUS):
+    for subject in (
+        subjects.ALL_JOBS_SUBMIT,
+        subjects.FLEET_STATUS,
+        subjects.ALL_EXPERTS,
+        subjects.ALL_JOB_EVENTS,
+        subjects.ALL_JOB_CANCELS,
+        subjects.ALL_JOB_STATUS,
+    ):
         assert f"`{subject}`" in DOC, subject
 
     def spelled(subject: str) -> str:
@@ -82,13 +94,19 @@ def test_dtypes_and_limits_match_the_code():
 
 
 def test_the_documented_example_bytes_are_what_the_codec_sends():
-    msg = StepRequest(expert=0, x_t=np.array([1.0, 2.0], np.float32).reshape(1, 1, 1, 2),
-                      t=np.array([0.5], np.float32), y=np.array([3], np.int64))
+    msg = StepRequest(
+        expert=0,
+        x_t=np.array([1.0, 2.0], np.float32).reshape(1, 1, 1, 2),
+        t=np.array([0.5], np.float32),
+        y=np.array([3], np.int64),
+    )
     wire = msgpack.unpackb(pack(msg), raw=False)
     for field in ("x_t", "t", "y"):
         spec = wire[field]
-        line = f'"{field}":' + (" " * (4 - len(field))) + f'{{"dtype": "{spec["dtype"]}", "shape": {spec["shape"]}, ' \
-               f'"data": h\'{spec["data"].hex().upper()}\'}}'
+        line = (
+            f'"{field}":' + (" " * (4 - len(field))) + f'{{"dtype": "{spec["dtype"]}", "shape": {spec["shape"]}, '
+            f"\"data\": h'{spec['data'].hex().upper()}'}}"
+        )
         assert line in DOC, f"example line for {field} should read: {line}"
 
 
@@ -117,8 +135,11 @@ def test_client_defaults_and_the_frozen_coordinator_are_documented():
 
 def test_a_token_that_is_no_job_id_is_documented_as_bad_request():
     for verb in ("cancel", "status"):
-        line = next(line for line in DOC.splitlines()
-                    if line.startswith(f"| `{subjects.CLIENTS_PREFIX}.<client>.jobs.<job_id>.{verb}`"))
+        line = next(
+            line
+            for line in DOC.splitlines()
+            if line.startswith(f"| `{subjects.CLIENTS_PREFIX}.<client>.jobs.<job_id>.{verb}`")
+        )
         assert "`error` / `bad_request` when the token is not a job id" in line, line
 
 
@@ -130,7 +151,9 @@ FLAT = " ".join(DOC.split())  # the doc with its line breaks folded, for phrases
 
 
 def test_a_submit_is_answered_accepted_or_rejected_never_error():
-    row = next(line for line in DOC.splitlines() if line.startswith(f"| `{subjects.CLIENTS_PREFIX}.<client>.jobs.submit`"))
+    row = next(
+        line for line in DOC.splitlines() if line.startswith(f"| `{subjects.CLIENTS_PREFIX}.<client>.jobs.submit`")
+    )
     assert "`accepted` or `rejected` (never `error`" in row, row
     assert "* submit reply: `accepted` | `rejected` (the coordinator never sends `error`" in DOC
     assert "reply: accepted | rejected ─" in DOC and "accepted | rejected | error" not in DOC
@@ -209,5 +232,5 @@ def test_ownership_reason_and_reply_rule_are_documented_as_the_coordinator_answe
     from coordinator.service import UNKNOWN_JOB
 
     assert f"reason `{UNKNOWN_JOB}`" in FLAT and f"hold in the requester's namespace: `{UNKNOWN_JOB}`" in FLAT
-    assert "gets no reply at all" in FLAT and "inbox_prefix=\"_INBOX_alice\"" in FLAT
+    assert "gets no reply at all" in FLAT and 'inbox_prefix="_INBOX_alice"' in FLAT
     assert "`<client>/<session>`" in FLAT

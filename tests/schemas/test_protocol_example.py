@@ -26,9 +26,9 @@ from schemas import (
     FrameEvent,
     JobAccepted,
     JobRequest,
+    StepReply,
     StepRequest,
     StepResult,
-    StepReply,
     pack,
     subjects,
     unpack,
@@ -67,14 +67,23 @@ async def _raw_expert(nc, expert: int, seen: list[bytes]):
             reply = {"v": 1, "kind": "error", "code": "bad_dtype", "message": "x_t must be <f4 here"}
         else:
             v = -np.frombuffer(x["data"], "<f4")
-            reply = {"v": 1, "kind": "step_reply", "expert": req["expert"],
-                     "velocity": {"dtype": "<f4", "shape": x["shape"], "data": v.tobytes()},
-                     "row_ids": req["row_ids"], "backend": "raw-msgpack", "device": "cpu", "worker_id": "w0",
-                     "compute_ms": 0.1, "batch_rows": x["shape"][0]}
+            reply = {
+                "v": 1,
+                "kind": "step_reply",
+                "expert": req["expert"],
+                "velocity": {"dtype": "<f4", "shape": x["shape"], "data": v.tobytes()},
+                "row_ids": req["row_ids"],
+                "backend": "raw-msgpack",
+                "device": "cpu",
+                "worker_id": "w0",
+                "compute_ms": 0.1,
+                "batch_rows": x["shape"][0],
+            }
         await msg.respond(msgpack.packb(reply, use_bin_type=True))
 
-    return await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert),
-                              cb=on_request)
+    return await nc.subscribe(
+        subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert), cb=on_request
+    )
 
 
 async def test_raw_step_request_round_trip(nc, raw):
@@ -89,8 +98,9 @@ async def test_raw_step_request_round_trip(nc, raw):
     req = unpack(seen[-1], StepRequest)
     np.testing.assert_array_equal(req.x_t, x)
     assert req.expert == 5 and req.y.dtype.str == "<i8" and req.t.tolist() == pytest.approx([0, 1 / 3, 2 / 3, 1])
-    assert isinstance(unpack(msgpack.packb({**reply, "velocity": raw.encode_tensor(reply["velocity"])}), StepResult),
-                      StepReply)
+    assert isinstance(
+        unpack(msgpack.packb({**reply, "velocity": raw.encode_tensor(reply["velocity"])}), StepResult), StepReply
+    )
     await sub.unsubscribe()
 
 
@@ -98,8 +108,15 @@ async def test_raw_client_surfaces_error_replies(nc, raw):
     sub = await _raw_expert(nc, 6, [])
     with pytest.raises(raw.ProtocolFailure) as info:
         # step() always sends <f4; build a raw request with a <f8 x_t, which this expert refuses
-        bad = raw.encode({"kind": "step_request", "expert": 6, "x_t": raw.encode_tensor(np.zeros((1, 1, 2, 2))),
-                          "t": raw.encode_tensor(np.zeros(1, np.float32)), "y": raw.encode_tensor(np.zeros(1, np.int64))})
+        bad = raw.encode(
+            {
+                "kind": "step_request",
+                "expert": 6,
+                "x_t": raw.encode_tensor(np.zeros((1, 1, 2, 2))),
+                "t": raw.encode_tensor(np.zeros(1, np.float32)),
+                "y": raw.encode_tensor(np.zeros(1, np.int64)),
+            }
+        )
         raw.raise_if_error(raw.decode((await nc.request(subjects.expert_velocity(6), bad, timeout=5)).data))
     assert info.value.code == "bad_dtype"
     await sub.unsubscribe()
@@ -132,8 +149,10 @@ class FakeCoordinator:
 
     async def start(self):
         self.owner: dict[str, str] = {}  # job id -> client token of its submit subject
-        self.subs = [await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=self.on_submit),
-                     await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self.on_cancel)]
+        self.subs = [
+            await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=self.on_submit),
+            await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self.on_cancel),
+        ]
         await self.nc.flush()
 
     async def stop(self):
@@ -159,21 +178,37 @@ class FakeCoordinator:
 
     def frame(self, req: JobRequest, step: int) -> FrameEvent:
         n = len(req.digits)
-        return FrameEvent(job_id=req.job_id, step=step, steps=req.steps, t=step / req.steps,
-                          x=np.full((n, 1, 32, 32), step / req.steps, np.float16), experts=[d // 5 for d in req.digits],
-                          weights=np.eye(2, dtype=np.float32)[[d // 5 for d in req.digits]])
+        return FrameEvent(
+            job_id=req.job_id,
+            step=step,
+            steps=req.steps,
+            t=step / req.steps,
+            x=np.full((n, 1, 32, 32), step / req.steps, np.float16),
+            experts=[d // 5 for d in req.digits],
+            weights=np.eye(2, dtype=np.float32)[[d // 5 for d in req.digits]],
+        )
 
     async def run(self, req: JobRequest):
         for step in range(1, req.steps + 1):
             await asyncio.sleep(self.step_delay)
             if req.job_id in self.cancelled:
-                await self.publish(FailedEvent(job_id=req.job_id, code=ErrorCode.CANCELLED, reason="cancelled by client"))
+                await self.publish(
+                    FailedEvent(job_id=req.job_id, code=ErrorCode.CANCELLED, reason="cancelled by client")
+                )
                 return
             await self.publish(self.frame(req, step))
         n = len(req.digits)
-        await self.publish(DoneEvent(job_id=req.job_id, images=np.ones((n, 1, 32, 32), np.float32), digits=req.digits,
-                                     usage=np.eye(2, dtype=np.float32)[[d // 5 for d in req.digits]], steps=req.steps,
-                                     strategy=req.strategy, elapsed_s=0.01))
+        await self.publish(
+            DoneEvent(
+                job_id=req.job_id,
+                images=np.ones((n, 1, 32, 32), np.float32),
+                digits=req.digits,
+                usage=np.eye(2, dtype=np.float32)[[d // 5 for d in req.digits]],
+                steps=req.steps,
+                strategy=req.strategy,
+                elapsed_s=0.01,
+            )
+        )
 
     async def on_cancel(self, msg):
         client, job_id, _ = subjects.parse_job_subject(msg.subject)

@@ -10,8 +10,11 @@ from schemas import JobRequest, ProtocolError, pack, subjects, unpack
 
 def test_job_subjects_live_in_the_clients_namespace_and_parse_back():
     assert subjects.jobs_submit("alice") == "ddm.v1.c.alice.jobs.submit"
-    for verb, make in (("events", subjects.job_events), ("cancel", subjects.job_cancel),
-                       ("status", subjects.job_status)):
+    for verb, make in (
+        ("events", subjects.job_events),
+        ("cancel", subjects.job_cancel),
+        ("status", subjects.job_status),
+    ):
         subject = make("alice", "j-1")
         assert subject == f"ddm.v1.c.alice.jobs.j-1.{verb}"
         assert subjects.parse_job_subject(subject) == ("alice", "j-1", verb)
@@ -25,9 +28,17 @@ def test_job_subjects_live_in_the_clients_namespace_and_parse_back():
 
 
 def test_parsers_refuse_wrong_shapes_and_bad_tokens():
-    for subject in ("ddm.v1.c.alice.jobs.j1.delete", "ddm.v1.c.alice.jobs.j1.cancel.x", "ddm.v2.c.a.jobs.j1.cancel",
-                    "ddm.v1.x.alice.jobs.j1.cancel", "ddm.v1.c.alice.job.j1.cancel", "ddm.v1.c.a%b.jobs.j1.cancel",
-                    "ddm.v1.c.alice.jobs.j%1.status", "", None):
+    for subject in (
+        "ddm.v1.c.alice.jobs.j1.delete",
+        "ddm.v1.c.alice.jobs.j1.cancel.x",
+        "ddm.v2.c.a.jobs.j1.cancel",
+        "ddm.v1.x.alice.jobs.j1.cancel",
+        "ddm.v1.c.alice.job.j1.cancel",
+        "ddm.v1.c.a%b.jobs.j1.cancel",
+        "ddm.v1.c.alice.jobs.j%1.status",
+        "",
+        None,
+    ):
         assert subjects.parse_job_subject(subject) is None, subject
     assert subjects.parse_job_namespace("ddm.v1.c.alice.jobs.j%1.status") == ("alice", "j%1")
     assert subjects.parse_job_namespace("ddm.v1.c.a%b.jobs.j1.status") is None
@@ -46,23 +57,26 @@ def test_wildcards_match_exactly_the_built_subjects():
     assert not matches(subjects.ALL_JOB_CANCELS, subjects.job_status("x", "j"))
 
 
-@pytest.mark.parametrize("reply, client, ok", [
-    ("_INBOX.abc.1", None, True),
-    ("_INBOX.abc.1", "alice", True),          # nats-py's default inbox: fine for anyone
-    ("_INBOX_alice.abc.1", None, True),
-    ("_INBOX_alice.abc.1", "alice", True),
-    ("_INBOX_alice.abc.1", "bob", False),     # a request in bob's namespace answered into alice's inbox
-    ("ddm.v1.c.bob.jobs.j1.events", None, False),
-    ("_INBOXES.x", None, False),
-    ("_INBOX_.x", None, False),
-    ("_INBOX", None, False),
-    ("_INBOX.", None, False),
-    ("_INBOX.a..b", None, False),
-    ("_INBOX.>", None, False),
-    ("_INBOX.a b", None, False),
-    ("", None, False),
-    (None, None, False),
-])
+@pytest.mark.parametrize(
+    "reply, client, ok",
+    [
+        ("_INBOX.abc.1", None, True),
+        ("_INBOX.abc.1", "alice", True),  # nats-py's default inbox: fine for anyone
+        ("_INBOX_alice.abc.1", None, True),
+        ("_INBOX_alice.abc.1", "alice", True),
+        ("_INBOX_alice.abc.1", "bob", False),  # a request in bob's namespace answered into alice's inbox
+        ("ddm.v1.c.bob.jobs.j1.events", None, False),
+        ("_INBOXES.x", None, False),
+        ("_INBOX_.x", None, False),
+        ("_INBOX", None, False),
+        ("_INBOX.", None, False),
+        ("_INBOX.a..b", None, False),
+        ("_INBOX.>", None, False),
+        ("_INBOX.a b", None, False),
+        ("", None, False),
+        (None, None, False),
+    ],
+)
 def test_replies_go_only_to_inboxes(reply, client, ok):
     assert subjects.is_reply_inbox(reply, client) is ok
 

@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from schemas import ErrorCode, ProtocolError, StepReply, StepRequest, decode_tensor, encode_tensor, pack, unpack
-from schemas.tensor import (BFLOAT16, FLOAT16_MAX, BFloat16Array, bfloat16_bits, bfloat16_to_float32, to_wire_dtype,
-                            widen_float32)
+from schemas.tensor import (
+    BFLOAT16,
+    FLOAT16_MAX,
+    BFloat16Array,
+    bfloat16_bits,
+    bfloat16_to_float32,
+    to_wire_dtype,
+    widen_float32,
+)
 
 
 def _request(x, **kw) -> StepRequest:
@@ -130,9 +137,11 @@ def test_frame_float16_is_numpys_clip_and_cast_bit_for_bit():
     assert "torch" in sys.modules
     rng = np.random.default_rng(5)
     parts = [rng.standard_normal(4096) * s for s in (1e-8, 1e-6, 1e-4, 1.0, 1e2, 1e4, 1e5)]
-    ties = (np.arange(1, 2049, dtype=np.float32) + 0.5)  # halfway between float16 integers above 2048
-    special = np.array([0.0, -0.0, 65504.0, 65520.0, 6e4, -6e4, 59999.99, np.inf, -np.inf, 5.96e-8, 2.98e-8,
-                        -2.98e-8, 6.1e-5, 1e-45], np.float32)
+    ties = np.arange(1, 2049, dtype=np.float32) + 0.5  # halfway between float16 integers above 2048
+    special = np.array(
+        [0.0, -0.0, 65504.0, 65520.0, 6e4, -6e4, 59999.99, np.inf, -np.inf, 5.96e-8, 2.98e-8, -2.98e-8, 6.1e-5, 1e-45],
+        np.float32,
+    )
     a = np.concatenate([*parts, ties + 2048, special]).astype(np.float32).reshape(-1, 1, 2, 1)
     want = np.clip(a, -FRAME_FLOAT16_LIMIT, FRAME_FLOAT16_LIMIT).astype(np.float16)
     got = frame_float16(a)
@@ -154,5 +163,6 @@ def test_frame_float16_is_numpys_clip_and_cast_bit_for_bit():
     finally:
         torch.set_num_threads(before)
     for other in (a.astype(np.float64), a[::2]):
-        assert np.array_equal(frame_float16(other).view(np.uint16),
-                              np.clip(other, -6e4, 6e4).astype(np.float16).view(np.uint16))
+        assert np.array_equal(
+            frame_float16(other).view(np.uint16), np.clip(other, -6e4, 6e4).astype(np.float16).view(np.uint16)
+        )

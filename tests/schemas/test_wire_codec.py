@@ -92,7 +92,28 @@ def test_zero_sized_and_scalar_tensors_round_trip():
 
 @pytest.mark.parametrize(
     "dtype",
-    ["|O", "O", ">f4", ">i8", ">u2", "=f4", "float32", "f4", "<c8", "<c16", "<M8[s]", "<m8[s]", "|V4", "<U3", "|S3", "<f16", "", 4, None, b"<f4"],
+    [
+        "|O",
+        "O",
+        ">f4",
+        ">i8",
+        ">u2",
+        "=f4",
+        "float32",
+        "f4",
+        "<c8",
+        "<c16",
+        "<M8[s]",
+        "<m8[s]",
+        "|V4",
+        "<U3",
+        "|S3",
+        "<f16",
+        "",
+        4,
+        None,
+        b"<f4",
+    ],
 )
 def test_object_unknown_big_endian_and_non_string_dtypes_are_bad_dtype(dtype):
     obj = {"dtype": dtype, "shape": [1], "data": b"\x00" * 4}
@@ -128,7 +149,15 @@ def test_malformed_shapes_are_bad_shape(shape):
 
 @pytest.mark.parametrize(
     "shape",
-    [[2**62, 2**62], [2**63], [2**64 - 1], [0, 2**63], [0, 2**64 - 1], [MAX_PAYLOAD_BYTES // 4 + 1], [4096, 4096, 4096]],
+    [
+        [2**62, 2**62],
+        [2**63],
+        [2**64 - 1],
+        [0, 2**63],
+        [0, 2**64 - 1],
+        [MAX_PAYLOAD_BYTES // 4 + 1],
+        [4096, 4096, 4096],
+    ],
 )
 def test_huge_claimed_shapes_are_too_large_without_allocating(shape):
     # Goes through real msgpack so the ints are what a peer can actually send.
@@ -176,8 +205,11 @@ def test_in_process_arrays_obey_the_same_dtype_rules():
 
 
 def _step_bytes(b: int = 2) -> bytes:
-    return pack(StepRequest(expert=0, x_t=np.zeros((b, 1, 4, 4), np.float32), t=np.zeros(b, np.float32),
-                            y=np.zeros(b, np.int64)))
+    return pack(
+        StepRequest(
+            expert=0, x_t=np.zeros((b, 1, 4, 4), np.float32), t=np.zeros(b, np.float32), y=np.zeros(b, np.int64)
+        )
+    )
 
 
 def test_truncated_messages_are_bad_request_at_every_cut():
@@ -252,15 +284,17 @@ def test_oversize_payload_on_unpack_is_too_large_before_decoding():
 
 
 def test_oversize_payload_on_pack_is_too_large():
-    msg = StepRequest(expert=0, x_t=np.zeros((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32),
-                      y=np.zeros(2, np.int64))
+    msg = StepRequest(
+        expert=0, x_t=np.zeros((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32), y=np.zeros(2, np.int64)
+    )
     assert len(pack(msg)) > 8192
     err = _code(pack, msg, max_bytes=8192)
     assert err.code is ErrorCode.TOO_LARGE and "StepRequest" in err.message
     # a real 8 MiB + 64 KiB batch: the batch is within MAX_STEP_ROWS but the bytes are over MAX_PAYLOAD_BYTES
     n = math.ceil(MAX_PAYLOAD_BYTES / (4 * 128 * 128)) + 1
-    big = StepRequest(expert=0, x_t=np.zeros((n, 1, 128, 128), np.float32), t=np.zeros(n, np.float32),
-                      y=np.zeros(n, np.int64))
+    big = StepRequest(
+        expert=0, x_t=np.zeros((n, 1, 128, 128), np.float32), t=np.zeros(n, np.float32), y=np.zeros(n, np.int64)
+    )
     assert _code(pack, big).code is ErrorCode.TOO_LARGE
 
 
@@ -294,21 +328,24 @@ def test_the_fast_path_decodes_what_the_full_checks_decode(seed):
     assert not fast.flags.writeable and not decode_tensor(wire).flags.writeable
 
 
-@pytest.mark.parametrize("obj", [
-    {"dtype": "<f4", "shape": [0, 3], "data": b""},  # zero dimension: the max(d, 1) size rule
-    {"dtype": "<f4", "shape": [True, 2], "data": b"\0" * 8},  # a bool is not a dimension
-    {"dtype": "<f4", "shape": [-1], "data": b""},
-    {"dtype": "<f4", "shape": (2,), "data": b"\0" * 8},  # a tuple (in-process), not the wire's list
-    {"dtype": "<f4", "shape": [2], "data": bytearray(8)},  # not bytes: the full path makes the view read-only
-    {"dtype": "<f4", "shape": [2], "data": memoryview(b"\0" * 8)},
-    {"dtype": "<f4", "shape": [2], "data": b"\0" * 7},
-    {"dtype": "|b1", "shape": [2], "data": b"\0\2"},  # bool bytes are checked for 0 / 1
-    {"dtype": "bfloat16", "shape": [2], "data": b"\0" * 4},  # widened: the one decode that copies
-    {"dtype": ">f4", "shape": [2], "data": b"\0" * 8},
-    {"dtype": "<f4", "shape": [2], "data": b"\0" * 8, "extra": 1},
-    {"dtype": "<f4", "shape": [2], "date": b"\0" * 8},
-    {"dtype": "<f4", "shape": [1] * (MAX_TENSOR_NDIM + 1), "data": b"\0" * 4},
-])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"dtype": "<f4", "shape": [0, 3], "data": b""},  # zero dimension: the max(d, 1) size rule
+        {"dtype": "<f4", "shape": [True, 2], "data": b"\0" * 8},  # a bool is not a dimension
+        {"dtype": "<f4", "shape": [-1], "data": b""},
+        {"dtype": "<f4", "shape": (2,), "data": b"\0" * 8},  # a tuple (in-process), not the wire's list
+        {"dtype": "<f4", "shape": [2], "data": bytearray(8)},  # not bytes: the full path makes the view read-only
+        {"dtype": "<f4", "shape": [2], "data": memoryview(b"\0" * 8)},
+        {"dtype": "<f4", "shape": [2], "data": b"\0" * 7},
+        {"dtype": "|b1", "shape": [2], "data": b"\0\2"},  # bool bytes are checked for 0 / 1
+        {"dtype": "bfloat16", "shape": [2], "data": b"\0" * 4},  # widened: the one decode that copies
+        {"dtype": ">f4", "shape": [2], "data": b"\0" * 8},
+        {"dtype": "<f4", "shape": [2], "data": b"\0" * 8, "extra": 1},
+        {"dtype": "<f4", "shape": [2], "date": b"\0" * 8},
+        {"dtype": "<f4", "shape": [1] * (MAX_TENSOR_NDIM + 1), "data": b"\0" * 4},
+    ],
+)
 def test_the_fast_path_leaves_every_other_tensor_to_the_full_checks(obj):
     """What the fast path does not take it leaves whole to the full checks: the same array or the
     same error as before it existed."""

@@ -44,4 +44,6 @@ def test_an_unknown_silent_error_still_gets_a_reason():
 
     text = decode_failure(OddError())
     assert text.startswith("OddError: ") and "no reason" in text
-    assert decode_failure(ValueError("Unpack failed: incomplete input")) == "ValueError: Unpack failed: incomplete input"
+    assert (
+        decode_failure(ValueError("Unpack failed: incomplete input")) == "ValueError: Unpack failed: incomplete input"
+    )

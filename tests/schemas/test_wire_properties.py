@@ -76,8 +76,12 @@ def test_arbitrary_bytes_validate_or_raise_protocol_error(raw, tp):
 
 
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(allow_nan=True),
-    st.text(max_size=8), st.binary(max_size=16),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.binary(max_size=16),
     st.sampled_from(["<f4", "<i8", "|b1", "step_request", "frame", "error", "bad_request", "v", "kind"]),
 )
 _values = st.recursive(
@@ -88,10 +92,33 @@ _values = st.recursive(
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["v", "kind", "expert", "x_t", "t", "y", "row_ids", "job_id", "code",
-                                        "message", "digits", "count", "dtype", "shape", "data", "other"]),
-                       _values, max_size=8),
-       st.sampled_from(TARGETS))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "v",
+                "kind",
+                "expert",
+                "x_t",
+                "t",
+                "y",
+                "row_ids",
+                "job_id",
+                "code",
+                "message",
+                "digits",
+                "count",
+                "dtype",
+                "shape",
+                "data",
+                "other",
+            ]
+        ),
+        _values,
+        max_size=8,
+    ),
+    st.sampled_from(TARGETS),
+)
 def test_arbitrary_msgpack_maps_validate_or_raise_protocol_error(obj, tp):
     obj.setdefault("v", 1)
     _unpack_or_protocol_error(msgpack.packb(obj, use_bin_type=True), tp)
@@ -99,8 +126,15 @@ def test_arbitrary_msgpack_maps_validate_or_raise_protocol_error(obj, tp):
 
 def _encoded_step_request(b: int, h: int, dtype: str) -> bytes:
     rng = np.random.default_rng(b * 100 + h)
-    return pack(StepRequest(expert=0, x_t=rng.standard_normal((b, 1, h, h)).astype(dtype),
-                            t=rng.random(b).astype(np.float32), y=rng.integers(0, 10, b), row_ids=[f"r{i}" for i in range(b)]))
+    return pack(
+        StepRequest(
+            expert=0,
+            x_t=rng.standard_normal((b, 1, h, h)).astype(dtype),
+            t=rng.random(b).astype(np.float32),
+            y=rng.integers(0, 10, b),
+            row_ids=[f"r{i}" for i in range(b)],
+        )
+    )
 
 
 def _arrays_in(msg) -> list[np.ndarray]:

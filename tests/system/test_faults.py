@@ -30,13 +30,21 @@ import msgpack
 import numpy as np
 import pytest
 
+from bus.nats_server import NatsServer
 from client.jobs import JobFailed, job_status, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator, wait_for_experts
-from bus.nats_server import NatsServer
-from schemas import DoneEvent, ErrorCode, FrameEvent, JobAccepted, JobRequest, StepRequest, encode_tensor, pack, \
-    subjects, unpack
-
+from schemas import (
+    DoneEvent,
+    ErrorCode,
+    FrameEvent,
+    JobAccepted,
+    JobRequest,
+    StepRequest,
+    encode_tensor,
+    subjects,
+    unpack,
+)
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
 
 pytestmark = pytest.mark.bus
@@ -55,10 +63,11 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         self.p: asyncio.subprocess.Process | None = None
 
-    async def start(self, timeout: float = 180.0) -> "Proc":
+    async def start(self, timeout: float = 180.0) -> Proc:
         with open(self.log_path, "ab") as log:
-            self.p = await asyncio.create_subprocess_exec(str(DDM), *self.args, stdout=asyncio.subprocess.PIPE,
-                                                          stderr=log, env=ENV)
+            self.p = await asyncio.create_subprocess_exec(
+                str(DDM), *self.args, stdout=asyncio.subprocess.PIPE, stderr=log, env=ENV
+            )
         line = await asyncio.wait_for(self.p.stdout.readline(), timeout)
         assert line.startswith(b"ready"), f"{self.name} did not start: {line!r}\n{self.log()}"
         return self
@@ -86,9 +95,26 @@ def server():
 
 @pytest.fixture(scope="module")
 async def workers(server, files):
-    ws = [Proc(f"worker{k}", ["worker", "--expert", k, "--checkpoint", path, "--nats", server.url,
-                              "--buckets", "1,2,4,8,16", "--threads", "1"], files["logs"])
-          for k, path in enumerate(files["experts"])]
+    ws = [
+        Proc(
+            f"worker{k}",
+            [
+                "worker",
+                "--expert",
+                k,
+                "--checkpoint",
+                path,
+                "--nats",
+                server.url,
+                "--buckets",
+                "1,2,4,8,16",
+                "--threads",
+                "1",
+            ],
+            files["logs"],
+        )
+        for k, path in enumerate(files["experts"])
+    ]
     try:
         await asyncio.gather(*(w.start() for w in ws))
         yield ws
@@ -156,8 +182,15 @@ async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
     late = await connect(server.url, "late-client", reconnect_time_wait=4)  # comes back after the others
     try:
         await wait_for_experts(client, 2, timeout=60)
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=server.url, max_rows=8, step_timeout=2,
-                               retries=3, name="restart-coordinator") as coord:
+        async with Coordinator(
+            LabelRouter(C2E, 2),
+            num_experts=2,
+            nats_url=server.url,
+            max_rows=8,
+            step_timeout=2,
+            retries=3,
+            name="restart-coordinator",
+        ) as coord:
             streaming = [JobRequest(job_id=f"restart{i}", digits=[i, 9 - i], steps=40, seed=i) for i in range(3)]
             quiet = JobRequest(job_id="restart-quiet", digits=[7], steps=16, seed=11, stream=False)  # 7 rows run
             queued = JobRequest(job_id="restart-queued", digits=[1, 2, 3, 4], steps=8, seed=12)  # waits for rows
@@ -188,8 +221,9 @@ async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
                 assert finite_images(d, len(j.digits)), j.job_id
                 assert not d.notes, (j.job_id, d.notes)  # no expert was given up for lost
             # the same jobs on an undisturbed fleet give the same images: no step lost or applied twice
-            again = await asyncio.gather(*(run_job(client, j.model_copy(update={"job_id": j.job_id + "-again"}))
-                                           for j in jobs))
+            again = await asyncio.gather(
+                *(run_job(client, j.model_copy(update={"job_id": j.job_id + "-again"})) for j in jobs)
+            )
             for j, d, a in zip(jobs, done, again):
                 np.testing.assert_allclose(d.images, a.images, atol=2e-4, err_msg=j.job_id)
 
@@ -222,16 +256,26 @@ def rogue_answer(mode: str, expert: int, worker_id: str):
             v = np.zeros((b, 1, 16, 16), np.float32)
         else:  # float64 values that overflow float32
             v = np.full(req.x_t.shape, 1e300, np.float64)
-        body = {"v": 1, "kind": "step_reply", "expert": expert, "velocity": encode_tensor(v),
-                "row_ids": list(req.row_ids), "backend": "rogue", "worker_id": worker_id}
+        body = {
+            "v": 1,
+            "kind": "step_reply",
+            "expert": expert,
+            "velocity": encode_tensor(v),
+            "row_ids": list(req.row_ids),
+            "backend": "rogue",
+            "worker_id": worker_id,
+        }
         await msg.respond(msgpack.packb(body, use_bin_type=True))
 
     return answer
 
 
 async def add_rogue(nc, expert: int, mode: str, worker_id: str):
-    sub = await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert),
-                             cb=rogue_answer(mode, expert, worker_id))
+    sub = await nc.subscribe(
+        subjects.expert_velocity(expert),
+        queue=subjects.expert_queue_group(expert),
+        cb=rogue_answer(mode, expert, worker_id),
+    )
     await settle(nc)
     return sub
 
@@ -253,21 +297,35 @@ async def test_rogue_workers_are_refused_logged_and_never_reach_the_images(serve
         # 40 bad-reply retries: a call to expert 0 / 1 gives up only after 41 rogue picks in a row (2^-41;
         # with 12, CI once saw expert 0 given up after 13, and a row that fell back from expert 2 then
         # went to expert 1 instead of 0, which no note names: the images differed from the clean run).
-        async with Coordinator(LabelRouter(c2e, 3), num_experts=3, class_to_expert=c2e, nats_url=server.url,
-                               step_timeout=5, bad_reply_retries=40, dispatch="queue",
-                               name="rogue-coordinator") as coord:
-            rogues = [await add_rogue(rogues_nc, 0, "nan", "rogue-nan-0"),  # next to real worker 0
-                      await add_rogue(rogues_nc, 1, "shape", "rogue-shape-1"),  # next to real worker 1
-                      await add_rogue(rogues_nc, 2, "overflow", "rogue-f64-2")]  # instead of any worker
-            jobs = [JobRequest(job_id=f"rogue{i}", digits=[i, 5 + i, 8 + i % 2], steps=16, seed=20 + i,
-                               strategy=s) for i, s in enumerate(["top1", "full", "oracle"])]
+        async with Coordinator(
+            LabelRouter(c2e, 3),
+            num_experts=3,
+            class_to_expert=c2e,
+            nats_url=server.url,
+            step_timeout=5,
+            bad_reply_retries=40,
+            dispatch="queue",
+            name="rogue-coordinator",
+        ) as coord:
+            rogues = [
+                await add_rogue(rogues_nc, 0, "nan", "rogue-nan-0"),  # next to real worker 0
+                await add_rogue(rogues_nc, 1, "shape", "rogue-shape-1"),  # next to real worker 1
+                await add_rogue(rogues_nc, 2, "overflow", "rogue-f64-2"),
+            ]  # instead of any worker
+            jobs = [
+                JobRequest(job_id=f"rogue{i}", digits=[i, 5 + i, 8 + i % 2], steps=16, seed=20 + i, strategy=s)
+                for i, s in enumerate(["top1", "full", "oracle"])
+            ]
             seen_frames = []
             done = await asyncio.wait_for(asyncio.gather(*(run_job(client, j, seen_frames.append) for j in jobs)), 90)
             tr = coord.transport
             assert tr.bad_replies >= 3 and {"rogue-nan-0", "rogue-shape-1", "rogue-f64-2"} <= set(tr.bad_workers)
             logged = "\n".join(r.getMessage() for r in caplog.records)
-            for worker_id, why in (("rogue-nan-0", "non_finite"), ("rogue-shape-1", "shape"),
-                                   ("rogue-f64-2", "NaN/Inf")):
+            for worker_id, why in (
+                ("rogue-nan-0", "non_finite"),
+                ("rogue-shape-1", "shape"),
+                ("rogue-f64-2", "NaN/Inf"),
+            ):
                 assert re.search(rf"bad reply to request \S+ from worker {worker_id}: .*{why}", logged), worker_id
             for ev in seen_frames:
                 if isinstance(ev, FrameEvent):
@@ -281,8 +339,10 @@ async def test_rogue_workers_are_refused_logged_and_never_reach_the_images(serve
             await settle(rogues_nc)
             # without the rogues (expert 2 now has no responders: same fallback) the images are the same,
             # so every step used real velocities only
-            clean = await asyncio.gather(*(run_job(client, j.model_copy(update={"job_id": j.job_id + "-clean"}))
-                                           for j in jobs))
+            clean = await asyncio.gather(
+                *(run_job(client, j.model_copy(update={"job_id": j.job_id + "-clean"})) for j in jobs)
+            )
+
             def gave_up(k: int) -> float:
                 return coord.metrics.sample("ddm_coordinator_expert_errors_total", expert=str(k), code="bad_reply")
 
@@ -301,8 +361,9 @@ async def test_an_expert_that_only_answers_garbage_fails_its_jobs_clearly(files)
         client = await connect(srv.url, "client")
         rogues_nc = await connect(srv.url, "rogues")
         try:
-            async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=srv.url, step_timeout=5,
-                                   name="garbage-coordinator") as coord:
+            async with Coordinator(
+                LabelRouter([0] * 10, 1), num_experts=1, nats_url=srv.url, step_timeout=5, name="garbage-coordinator"
+            ) as coord:
                 for mode, why in (("nan", "non_finite"), ("shape", "velocity shape [2, 1, 16, 16]")):
                     sub = await add_rogue(rogues_nc, 0, mode, f"rogue-{mode}")
                     with pytest.raises(JobFailed) as err:
@@ -320,8 +381,19 @@ async def test_an_expert_that_only_answers_garbage_fails_its_jobs_clearly(files)
 
 
 def coordinator_args(files, server, name: str) -> tuple[str, list]:
-    return name, ["coordinator", "--router", files["router"], "--partition", PARTITION, "--nats", server.url,
-                  "--max-rows", "4", "--step-timeout", "5"]
+    return name, [
+        "coordinator",
+        "--router",
+        files["router"],
+        "--partition",
+        PARTITION,
+        "--nats",
+        server.url,
+        "--max-rows",
+        "4",
+        "--step-timeout",
+        "5",
+    ]
 
 
 @pytest.mark.procs
@@ -340,8 +412,10 @@ async def test_coordinator_sigterm_fails_its_jobs_at_once(server, workers, files
             if isinstance(ev, JobAccepted) and ev.queue_position > 0:
                 queued.set()
 
-        jobs = [JobRequest(job_id="term-running", digits=[1, 6], steps=1000, seed=1),
-                JobRequest(job_id="term-queued", digits=[2, 3, 7], steps=10, seed=2)]
+        jobs = [
+            JobRequest(job_id="term-running", digits=[1, 6], steps=1000, seed=1),
+            JobRequest(job_id="term-queued", digits=[2, 3, 7], steps=10, seed=2),
+        ]
         tasks = [await start_job(client, j, on, probe_every=60, lost_after=120) for j in jobs]
         await asyncio.wait_for(asyncio.gather(running.wait(), queued.wait()), 60)
         coord.p.send_signal(signal.SIGTERM)
@@ -379,11 +453,16 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
             if isinstance(ev, JobAccepted) and ev.queue_position > 0:
                 queued.set()
 
-        impatient = await start_job(client, JobRequest(job_id="crash-a", digits=[0, 5], steps=1000), on,
-                                    probe_every=0.5, lost_after=3)
-        patient = [await start_job(client, j, on, probe_every=1.0, lost_after=120) for j in (
-            JobRequest(job_id="crash-b", digits=[4, 9], steps=1000),
-            JobRequest(job_id="crash-queued", digits=[1, 2, 3], steps=10))]
+        impatient = await start_job(
+            client, JobRequest(job_id="crash-a", digits=[0, 5], steps=1000), on, probe_every=0.5, lost_after=3
+        )
+        patient = [
+            await start_job(client, j, on, probe_every=1.0, lost_after=120)
+            for j in (
+                JobRequest(job_id="crash-b", digits=[4, 9], steps=1000),
+                JobRequest(job_id="crash-queued", digits=[1, 2, 3], steps=10),
+            )
+        ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running.values()), queued.wait()), 60)
         web = await aiohttp_client(create_app(WebConfig(nats_url=server.url, fleet_interval=5.0)))
         tab = await web.ws_connect("/ws")
@@ -454,22 +533,29 @@ async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server
         # Rows: 2 run; 3 + 3 wait in turn (--max-rows 4, FIFO); the short job waits behind both long ones.
         # A 1000-step job takes ~5 s on an idle box, so "frozen-queued" stays silent for ~3 such runs,
         # well over 2 * unresponsive_after, however fast the box; the test SIGSTOPs long before they end.
-        jobs = [JobRequest(job_id="frozen-running", digits=[1, 6], steps=1000, seed=1),
-                JobRequest(job_id="frozen-queued-long1", digits=[2, 3, 7], steps=1000, seed=3),
-                JobRequest(job_id="frozen-queued-long2", digits=[4, 5, 8], steps=1000, seed=4),
-                JobRequest(job_id="frozen-queued", digits=[2, 3, 7], steps=10, seed=2)]
-        tasks = [await start_job(client, j, on, probe_every=0.5, lost_after=120, unresponsive_after=unresponsive_after)
-                 for j in jobs]
+        jobs = [
+            JobRequest(job_id="frozen-running", digits=[1, 6], steps=1000, seed=1),
+            JobRequest(job_id="frozen-queued-long1", digits=[2, 3, 7], steps=1000, seed=3),
+            JobRequest(job_id="frozen-queued-long2", digits=[4, 5, 8], steps=1000, seed=4),
+            JobRequest(job_id="frozen-queued", digits=[2, 3, 7], steps=10, seed=2),
+        ]
+        tasks = [
+            await start_job(client, j, on, probe_every=0.5, lost_after=120, unresponsive_after=unresponsive_after)
+            for j in jobs
+        ]
         ready = asyncio.ensure_future(asyncio.gather(running.wait(), queued.wait(), silent_long.wait()))
         await asyncio.wait([ready, tasks[-1]], timeout=90, return_when=asyncio.FIRST_COMPLETED)  # fail fast
         if not ready.done():
             ready.cancel()
-            raise AssertionError(f"running={running.is_set()} queued={queued.is_set()} silent_long="
-                                 f"{silent_long.is_set()} (queued job started: {bool(silent_started)}); "
-                                 f"ended: {[j.job_id for j, t in zip(jobs, tasks) if t.done()]}")
+            raise AssertionError(
+                f"running={running.is_set()} queued={queued.is_set()} silent_long="
+                f"{silent_long.is_set()} (queued job started: {bool(silent_started)}); "
+                f"ended: {[j.job_id for j, t in zip(jobs, tasks) if t.done()]}"
+            )
         assert not tasks[-1].done() and not silent_started  # silent, still queued, not given up on
-        web = await aiohttp_client(create_app(WebConfig(nats_url=server.url, fleet_interval=5.0,
-                                                        unresponsive_after=unresponsive_after)))
+        web = await aiohttp_client(
+            create_app(WebConfig(nats_url=server.url, fleet_interval=5.0, unresponsive_after=unresponsive_after))
+        )
         tab = await web.ws_connect("/ws")
         await tab.send_json({"type": "generate", "digits": "7", "steps": 1000, "ref": "tab-job"})
         while (msg := await tab.receive_json(timeout=30))["type"] != "accepted":
@@ -504,6 +590,6 @@ async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server
             coord.p.terminate()
             try:
                 await asyncio.wait_for(coord.p.wait(), 30)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await coord.stop()
         await client.close()

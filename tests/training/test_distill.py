@@ -29,9 +29,20 @@ def _data(n=16, seed=0):
 
 
 def _cfg(tmp_path, teacher_dir, **kw):
-    base = dict(checkpoints=str(teacher_dir), out=str(tmp_path / "student"), run_dir=str(tmp_path / "run"), steps=30,
-                batch_size=16, lr=3e-3, warmup=3, ema_decay=0.0, save_every=1000, log_every=10, save_dtype="float32",
-                threads=1)
+    base = dict(
+        checkpoints=str(teacher_dir),
+        out=str(tmp_path / "student"),
+        run_dir=str(tmp_path / "run"),
+        steps=30,
+        batch_size=16,
+        lr=3e-3,
+        warmup=3,
+        ema_decay=0.0,
+        save_every=1000,
+        log_every=10,
+        save_dtype="float32",
+        threads=1,
+    )
     base.update(kw)
     return DistillConfig(**base)
 
@@ -52,7 +63,9 @@ def test_distill_lowers_loss_on_a_fixed_batch_and_serves(tmp_path, teacher_dir):
     teacher = Teacher.load(teacher_dir)
     images, labels = _data(16)
     cfg = _cfg(tmp_path, teacher_dir)
-    x_t, t, u = distill_batch(teacher, torch.from_numpy(images), torch.from_numpy(labels), torch.Generator().manual_seed(7))
+    x_t, t, u = distill_batch(
+        teacher, torch.from_numpy(images), torch.from_numpy(labels), torch.Generator().manual_seed(7)
+    )
     y = torch.from_numpy(labels)
 
     torch.manual_seed(cfg.seed)  # the student's init, as distill() builds it
@@ -80,18 +93,26 @@ def test_distill_lowers_loss_on_a_fixed_batch_and_serves(tmp_path, teacher_dir):
 def test_distill_resumes_and_refuses_another_teacher(tmp_path, teacher_dir):
     teacher = Teacher.load(teacher_dir)
     images, labels = _data(32)
-    first = distill(_cfg(tmp_path, teacher_dir, steps=10, save_every=5, log_every=5), teacher, images, labels,
-                    progress=False)
-    second = distill(_cfg(tmp_path, teacher_dir, steps=15, log_every=5), teacher, images, labels, resume=True,
-                     progress=False)
+    first = distill(
+        _cfg(tmp_path, teacher_dir, steps=10, save_every=5, log_every=5), teacher, images, labels, progress=False
+    )
+    second = distill(
+        _cfg(tmp_path, teacher_dir, steps=15, log_every=5), teacher, images, labels, resume=True, progress=False
+    )
     assert second["steps"] == 15 and [h["step"] for h in second["loss_history"]] == [5, 10, 15]
     assert second["loss_history"][:2] == first["loss_history"]
     meta, _ = load_checkpoint(tmp_path / "student.safetensors")
     assert meta["training"]["steps"] == 15
 
     with pytest.raises(DistillError, match="strategy"):
-        distill(_cfg(tmp_path, teacher_dir, steps=20, strategy="top1"), Teacher.load(teacher_dir, "top1"),
-                images, labels, resume=True, progress=False)
+        distill(
+            _cfg(tmp_path, teacher_dir, steps=20, strategy="top1"),
+            Teacher.load(teacher_dir, "top1"),
+            images,
+            labels,
+            resume=True,
+            progress=False,
+        )
     with pytest.raises(DistillError, match="null label"):  # tiny experts have no null label
         distill(_cfg(tmp_path, teacher_dir, label_dropout=0.2), teacher, images, labels, progress=False)
 
@@ -115,8 +136,29 @@ def test_distill_cli(tmp_path, teacher_dir, capsys):
     assert "noised training images" in help_text and "--resume" in help_text and "--strategy" in help_text
 
     out = tmp_path / "cli_student"
-    assert main(["distill", "--checkpoints", str(teacher_dir), "--steps", "3", "--batch-size", "8", "--limit", "32",
-                 "--out", str(out), "--run-dir", str(tmp_path / "r"), "--threads", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--checkpoints",
+                str(teacher_dir),
+                "--steps",
+                "3",
+                "--batch-size",
+                "8",
+                "--limit",
+                "32",
+                "--out",
+                str(out),
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--threads",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "saved" in capsys.readouterr().out
     meta, _ = load_checkpoint(out.with_suffix(".safetensors"))
     assert meta["training"]["steps"] == 3 and meta["partition"]["num_images"] == 32

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import distributed as ddp
 from models.checkpoint import load_checkpoint
+from training import distributed as ddp
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTITION = "checkpoints/partition.json"
@@ -45,12 +45,50 @@ def test_shards_are_disjoint_and_cover_the_global_batch():
 @pytest.mark.train
 def test_torchrun_two_ranks(tmp_path):
     out = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "infra.cli", "train-expert", "--backend", "torch", "--expert", "1", "--partition", PARTITION,
-           "--widths", "8,16,16", "--steps", "24", "--batch-size", "16", "--limit", "256", "--lr", "3e-3",
-           "--warmup", "4", "--ema-decay", "0.99", "--log-every", "6", "--save-every", "1000",
-           "--save-dtype", "float32", "--threads", "1", "--no-progress",
-           "--out", str(out / "e1"), "--run-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "infra.cli",
+        "train-expert",
+        "--backend",
+        "torch",
+        "--expert",
+        "1",
+        "--partition",
+        PARTITION,
+        "--widths",
+        "8,16,16",
+        "--steps",
+        "24",
+        "--batch-size",
+        "16",
+        "--limit",
+        "256",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "4",
+        "--ema-decay",
+        "0.99",
+        "--log-every",
+        "6",
+        "--save-every",
+        "1000",
+        "--save-dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out / "e1"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -32,9 +32,22 @@ BATCH = 16
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(expert=1, partition=PARTITION, widths=WIDTHS, steps=30, batch_size=BATCH, lr=3e-3, warmup=5,
-                ema_decay=0.99, save_every=1000, log_every=10, limit=256, save_dtype="float32",
-                out=str(tmp_path / "e1"), run_dir=str(tmp_path / "run"))
+    base = dict(
+        expert=1,
+        partition=PARTITION,
+        widths=WIDTHS,
+        steps=30,
+        batch_size=BATCH,
+        lr=3e-3,
+        warmup=5,
+        ema_decay=0.99,
+        save_every=1000,
+        log_every=10,
+        limit=256,
+        save_dtype="float32",
+        out=str(tmp_path / "e1"),
+        run_dir=str(tmp_path / "run"),
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -119,9 +132,32 @@ def test_cli_backend_jax(tmp_path):
     from infra.cli import main
 
     # same widths / batch / update rule as the runs above: the jitted step is reused, not recompiled
-    rc = main(["train-expert", "--backend", "jax", "--expert", "0", "--partition", PARTITION,
-               "--widths", ",".join(map(str, WIDTHS)), "--steps", "3", "--batch-size", str(BATCH),
-               "--limit", "64", "--ema-decay", "0.99", "--no-progress", "--out", str(tmp_path / "cli"), "--run-dir", str(tmp_path / "r")])
+    rc = main(
+        [
+            "train-expert",
+            "--backend",
+            "jax",
+            "--expert",
+            "0",
+            "--partition",
+            PARTITION,
+            "--widths",
+            ",".join(map(str, WIDTHS)),
+            "--steps",
+            "3",
+            "--batch-size",
+            str(BATCH),
+            "--limit",
+            "64",
+            "--ema-decay",
+            "0.99",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "cli"),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     assert rc == 0
     meta, _ = load_checkpoint(tmp_path / "cli.safetensors")
     assert meta["training"]["backend"] == "jax" and meta["training"]["steps"] == 3
@@ -176,8 +212,14 @@ print(json.dumps({"loss1": res[1][0], "loss2": res[2][0], "max_param_diff": diff
 @pytest.mark.slow  # ~20 s: jax training runs
 def test_sharded_step_equals_single_device_and_trains(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1700)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["batch_shards"] == 2 and r["shard_rows"] == 8 and r["params_replicated"]

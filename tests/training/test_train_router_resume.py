@@ -30,8 +30,9 @@ def data():
 
 
 def _cfg(run_dir, **kw):
-    base = dict(steps=8, batch_size=16, width=8, lr=3e-3, seed=3, save_every=4,
-                run_dir=str(run_dir) if run_dir else None)
+    base = dict(
+        steps=8, batch_size=16, width=8, lr=3e-3, seed=3, save_every=4, run_dir=str(run_dir) if run_dir else None
+    )
     base.update(kw)
     return RouterTrainConfig(**base)
 
@@ -80,9 +81,30 @@ def test_resume_refuses_missing_file_and_other_config(tmp_path, data):
 
 
 def _cli(partition, run_dir, out, *extra):
-    return main(["train-router", "--partition", str(partition), "--limit", str(LIMIT), "--val-limit", "20",
-                 "--bins", "2", "--batch-size", "16", "--width", "8", "--save-every", "2", "--run-dir", str(run_dir),
-                 "--out", str(out), *extra])
+    return main(
+        [
+            "train-router",
+            "--partition",
+            str(partition),
+            "--limit",
+            str(LIMIT),
+            "--val-limit",
+            "20",
+            "--bins",
+            "2",
+            "--batch-size",
+            "16",
+            "--width",
+            "8",
+            "--save-every",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_cli_resume_continues_and_refuses_mismatches(tmp_path, data, capsys):
@@ -112,8 +134,9 @@ def test_cli_resume_continues_and_refuses_mismatches(tmp_path, data, capsys):
     assert _cli(part, run, out, "--steps", "8", "--width", "16", "--resume") == 2
     assert "keep the same --width" in capsys.readouterr().err
     # another partition manifest (same images, other class groups): refused
-    other = save_manifest(make_partition("classes", y, None, 2, classes=[[0, 1, 2], list(range(3, 10))]),
-                          tmp_path / "other.json")
+    other = save_manifest(
+        make_partition("classes", y, None, 2, classes=[[0, 1, 2], list(range(3, 10))]), tmp_path / "other.json"
+    )
     assert _cli(other, run, out, "--steps", "8", "--resume") == 2
     assert "another partition manifest" in capsys.readouterr().err
     assert (run / RESUME_NAME).read_bytes() == before

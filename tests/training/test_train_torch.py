@@ -12,9 +12,23 @@ PARTITION = "checkpoints/partition.json"
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(expert=1, partition=PARTITION, widths=(8, 16, 16), steps=60, batch_size=16, lr=3e-3, warmup=5,
-                ema_decay=0.99, threads=1, save_every=1000, log_every=10, limit=512, save_dtype="float32",
-                out=str(tmp_path / "e1"), run_dir=str(tmp_path / "run"))
+    base = dict(
+        expert=1,
+        partition=PARTITION,
+        widths=(8, 16, 16),
+        steps=60,
+        batch_size=16,
+        lr=3e-3,
+        warmup=5,
+        ema_decay=0.99,
+        threads=1,
+        save_every=1000,
+        log_every=10,
+        limit=512,
+        save_dtype="float32",
+        out=str(tmp_path / "e1"),
+        run_dir=str(tmp_path / "run"),
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -61,8 +75,9 @@ def test_resume_refuses_other_widths(tmp_path, expert1_data):
     with pytest.raises(ValueError, match="widths"):
         train_expert(_cfg(tmp_path, steps=4, widths=(8, 16, 32)), images, labels, info, resume=True, progress=False)
     with pytest.raises(FileNotFoundError):
-        train_expert(_cfg(tmp_path, steps=4, run_dir=str(tmp_path / "none")), images, labels, info, resume=True,
-                     progress=False)
+        train_expert(
+            _cfg(tmp_path, steps=4, run_dir=str(tmp_path / "none")), images, labels, info, resume=True, progress=False
+        )
 
 
 def test_schedules_and_validation(tmp_path):
@@ -83,9 +98,30 @@ def test_schedules_and_validation(tmp_path):
 def test_cli_train_expert(tmp_path, capsys):
     from infra.cli import main
 
-    rc = main(["train-expert", "--expert", "0", "--partition", PARTITION, "--widths", "8,16,16", "--steps", "3",
-               "--batch-size", "8", "--limit", "64", "--threads", "1", "--no-progress",
-               "--out", str(tmp_path / "cli"), "--run-dir", str(tmp_path / "r")])
+    rc = main(
+        [
+            "train-expert",
+            "--expert",
+            "0",
+            "--partition",
+            PARTITION,
+            "--widths",
+            "8,16,16",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--limit",
+            "64",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "cli"),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     assert rc == 0
     meta, _ = load_checkpoint(tmp_path / "cli.safetensors")
     assert meta["weights_dtype"] == "float16" and meta["training"]["steps"] == 3
@@ -98,7 +134,6 @@ def test_sample_cli_routes_by_partition(tmp_path, capsys):
 
     from infra.cli import main
     from infra.cmd_sample import parse_classes, sample_oracle
-
     from models.tiny import make_tiny_expert
 
     a = make_tiny_expert(tmp_path / "a", expert_id=0, classes=[0, 1, 2, 3, 4])
@@ -108,8 +143,26 @@ def test_sample_cli_routes_by_partition(tmp_path, capsys):
     assert y.tolist() == [1, 1, 1, 7, 7, 7] and which.tolist() == [0, 0, 0, 1, 1, 1]
 
     out = tmp_path / "g.png"
-    assert main(["sample", "--checkpoint", str(a), "--checkpoint", str(b), "--classes", "3,8", "--per-class", "2",
-                 "--steps", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(a),
+                "--checkpoint",
+                str(b),
+                "--classes",
+                "3,8",
+                "--per-class",
+                "2",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert Image.open(out).size[1] == 2 * 66 + 2
     assert main(["sample", "--checkpoint", str(a), "--classes", "0-9", "--steps", "1", "--out", str(out)]) == 2
     assert "no checkpoint's partition holds class(es) [5, 6, 7, 8, 9]" in capsys.readouterr().err

@@ -15,9 +15,23 @@ from workers.backends.torch_backend import TorchBackend
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(expert=0, partition="checkpoints/partition.json", widths=(8, 16), steps=6, batch_size=16, lr=3e-3,
-                warmup=2, threads=1, save_every=1000, log_every=3, limit=64, save_dtype="float32",
-                out=str(tmp_path / "e0"), run_dir=str(tmp_path / "run"), label_dropout=0.5)
+    base = dict(
+        expert=0,
+        partition="checkpoints/partition.json",
+        widths=(8, 16),
+        steps=6,
+        batch_size=16,
+        lr=3e-3,
+        warmup=2,
+        threads=1,
+        save_every=1000,
+        log_every=3,
+        limit=64,
+        save_dtype="float32",
+        out=str(tmp_path / "e0"),
+        run_dir=str(tmp_path / "run"),
+        label_dropout=0.5,
+    )
     base.update(kw)
     return TrainConfig(**base)
 

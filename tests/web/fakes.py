@@ -15,12 +15,12 @@ from schemas import (
     CancelRequest,
     DoneEvent,
     ErrorCode,
+    ErrorReply,
+    FrameEvent,
     JobAccepted,
     JobRejected,
     JobRequest,
     ProtocolError,
-    FrameEvent,
-    ErrorReply,
     pack,
     subjects,
     unpack,
@@ -30,8 +30,16 @@ K = 2
 
 
 class FakeCoordinator:
-    def __init__(self, nc, *, frame_delay: float = 0.01, reject_over: int | None = None,
-                 status: dict | None = None, reply_late: bool = False, probe: bool = True):
+    def __init__(
+        self,
+        nc,
+        *,
+        frame_delay: float = 0.01,
+        reject_over: int | None = None,
+        status: dict | None = None,
+        reply_late: bool = False,
+        probe: bool = True,
+    ):
         self.nc = nc
         self.probe = probe  # False for a connection without publish rights on the submit subject
         self.reply_late = reply_late  # run the whole job before answering the submit request
@@ -45,7 +53,7 @@ class FakeCoordinator:
         self._subs = []
         self._tasks: set[asyncio.Task] = set()
 
-    async def __aenter__(self) -> "FakeCoordinator":
+    async def __aenter__(self) -> FakeCoordinator:
         self._subs.append(await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=self._on_submit))
         self._subs.append(await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel))
         if self.status is not None:
@@ -80,15 +88,24 @@ class FakeCoordinator:
             await msg.respond(pack(ErrorReply(code=err.code, message=err.message)))
             return
         if self.reject_over is not None and req.n_images > self.reject_over:
-            await msg.respond(pack(JobRejected(code=ErrorCode.OVERLOADED, reason=f"fake fleet takes at most {self.reject_over} images")))
+            await msg.respond(
+                pack(
+                    JobRejected(code=ErrorCode.OVERLOADED, reason=f"fake fleet takes at most {self.reject_over} images")
+                )
+            )
             return
         rng = np.random.default_rng(req.seed or 0)
         digits = req.digits if req.digits is not None else [int(d) for d in rng.integers(0, 10, req.count)]
         self.jobs[req.job_id] = req
         self.owners[req.job_id] = subjects.parse_submit_subject(msg.subject)
-        accepted = pack(JobAccepted(job_id=req.job_id, events_subject=subjects.job_events(self.owners[req.job_id],
-                                                                                          req.job_id),
-                                    digits=digits, seed=req.seed or 0))
+        accepted = pack(
+            JobAccepted(
+                job_id=req.job_id,
+                events_subject=subjects.job_events(self.owners[req.job_id], req.job_id),
+                digits=digits,
+                seed=req.seed or 0,
+            )
+        )
         if self.reply_late:
             await self._run(req, digits, rng)
             await self.nc.flush()
@@ -107,7 +124,9 @@ class FakeCoordinator:
         n = len(digits)
         subject = subjects.job_events(self.owners[req.job_id], req.job_id)
         noise = rng.standard_normal((n, 1, 32, 32)).astype(np.float32)
-        target = np.array([(d / 4.5) - 1.0 for d in digits], np.float32).reshape(n, 1, 1, 1) * np.ones((1, 1, 32, 32), np.float32)
+        target = np.array([(d / 4.5) - 1.0 for d in digits], np.float32).reshape(n, 1, 1, 1) * np.ones(
+            (1, 1, 32, 32), np.float32
+        )
         experts = [0 if d < 5 else 1 for d in digits]
         weights = np.array([[0.9, 0.1] if e == 0 else [0.2, 0.8] for e in experts], np.float32)
         x = noise
@@ -117,13 +136,37 @@ class FakeCoordinator:
             t = step / req.steps
             x = (1 - t) * noise + t * target
             if req.stream and step % req.frame_every == 0 and step < req.steps:
-                await self.nc.publish(subject, pack(FrameEvent(job_id=req.job_id, step=step, steps=req.steps, t=t,
-                                                               x=x.astype(np.float16), experts=experts, weights=weights)))
+                await self.nc.publish(
+                    subject,
+                    pack(
+                        FrameEvent(
+                            job_id=req.job_id,
+                            step=step,
+                            steps=req.steps,
+                            t=t,
+                            x=x.astype(np.float16),
+                            experts=experts,
+                            weights=weights,
+                        )
+                    ),
+                )
             await asyncio.sleep(self.frame_delay)
         usage = np.zeros((n, K), np.float32)
         usage[np.arange(n), experts] = 1.0
-        await self.nc.publish(subject, pack(DoneEvent(job_id=req.job_id, images=x, digits=digits, usage=usage,
-                                                      steps=req.steps, strategy=req.strategy, elapsed_s=0.1)))
+        await self.nc.publish(
+            subject,
+            pack(
+                DoneEvent(
+                    job_id=req.job_id,
+                    images=x,
+                    digits=digits,
+                    usage=usage,
+                    steps=req.steps,
+                    strategy=req.strategy,
+                    elapsed_s=0.1,
+                )
+            ),
+        )
         self.finished.append(req.job_id)
 
 
@@ -146,7 +189,9 @@ class FakeWorkerService:
         from nats.micro import add_service
 
         self.svc = await add_service(
-            self.nc, name="ddm-expert", version="0.1.0",
+            self.nc,
+            name="ddm-expert",
+            version="0.1.0",
             metadata={"expert": str(self.expert), "backend": self.backend, "device": self.device, "host": "testhost"},
             stats_handler=lambda _ep: self._stats(),
         )

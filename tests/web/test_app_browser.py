@@ -11,21 +11,30 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestServer
 
-from web.app import WebConfig, create_app
-from tests.web.fakes import FakeCoordinator
 from tests.waiting import wait_until
+from tests.web.fakes import FakeCoordinator
+from web.app import WebConfig, create_app
 
 CHROMIUM = os.environ.get("DDM_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "web.png"
 
 
 @pytest.fixture
 async def browser():
     if not os.path.exists(CHROMIUM):
-        pytest.fail(f"Chromium not found at {CHROMIUM}: install it with `apt-get install -y chromium` "
-                    "(or point DDM_CHROMIUM at a Chromium binary); browser tests do not skip")
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}: install it with `apt-get install -y chromium` "
+            "(or point DDM_CHROMIUM at a Chromium binary); browser tests do not skip"
+        )
     from playwright.async_api import async_playwright
 
     async with async_playwright() as pw:
@@ -38,8 +47,9 @@ async def browser():
 
 @pytest.fixture
 async def web_server(nats_url):
-    server = TestServer(create_app(WebConfig(nats_url=nats_url, fleet_interval=0.5, discovery_window=0.15)),
-                        host="127.0.0.1")
+    server = TestServer(
+        create_app(WebConfig(nats_url=nats_url, fleet_interval=0.5, discovery_window=0.15)), host="127.0.0.1"
+    )
     await server.start_server()
     yield server
     await server.close()
@@ -67,12 +77,16 @@ async def test_page_bad_input_then_generate_with_fake_coordinator(browser, web_s
         await page.check("input[name=mode][value=count]")
         await page.fill("#count", "10000")
         await page.click("#generate")
-        await page.wait_for_function("() => document.querySelector('#errors li').textContent.includes('256')", timeout=20_000)
+        await page.wait_for_function(
+            "() => document.querySelector('#errors li').textContent.includes('256')", timeout=20_000
+        )
         await page.fill("#steps", "0")
         await page.check("input[name=mode][value=digits]")
         await page.fill("#digits", "1")
         await page.click("#generate")
-        await page.wait_for_function("() => document.querySelector('#errors li').textContent.includes('steps')", timeout=20_000)
+        await page.wait_for_function(
+            "() => document.querySelector('#errors li').textContent.includes('steps')", timeout=20_000
+        )
         # a good job: tiles fill in, frames stream, final images come with PNG links
         await page.fill("#digits", "1,6,9")
         await page.fill("#steps", "20")
@@ -127,6 +141,7 @@ async def test_another_origin_cannot_use_the_viewer_socket_but_its_own_page_can(
 
     caplog.set_level(logging.WARNING, logger="web.guard")
     viewer = f"127.0.0.1:{web_server.port}"
+
     async def evil_page(_request):
         return web.Response(text=EVIL_PAGE.replace("VIEWER", viewer), content_type="text/html")
 
@@ -141,8 +156,9 @@ async def test_another_origin_cannot_use_the_viewer_socket_but_its_own_page_can(
         result = await page.evaluate("window.result")
         assert "open" not in result["events"] and result["messages"] == [], result
         assert result["code"] == 1006, result  # the handshake failed
-        await page.wait_for_function("() => window.result.fleet !== undefined || window.result.fleet_error !== undefined",
-                                     timeout=30_000)
+        await page.wait_for_function(
+            "() => window.result.fleet !== undefined || window.result.fleet_error !== undefined", timeout=30_000
+        )
         assert "fleet" not in await page.evaluate("window.result"), "the other origin read /api/fleet"
         evil_origin = f"http://127.0.0.1:{evil.port}"
         refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
@@ -183,8 +199,10 @@ async def test_token_from_the_url_fragment_opens_the_socket(browser, nats_url):
 
 
 def _shipped(directory: Path) -> bool:
-    return all((directory / f).exists() for f in ("expert0.safetensors", "expert1.safetensors",
-                                                  "router.safetensors", "partition.json"))
+    return all(
+        (directory / f).exists()
+        for f in ("expert0.safetensors", "expert1.safetensors", "router.safetensors", "partition.json")
+    )
 
 
 @pytest.fixture
@@ -203,8 +221,14 @@ async def real_fleet(nats_url, request):
 
         files = request.getfixturevalue("tiny_fleet_files")  # tests/web/conftest.py
         experts, router = files["experts"], Router.load(files["router"])
-        fleet = LocalFleet(experts, router, num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url,
-                           buckets=(1, 2, 4, 8, 16))
+        fleet = LocalFleet(
+            experts,
+            router,
+            num_experts=2,
+            class_to_expert=[0] * 5 + [1] * 5,
+            nats_url=nats_url,
+            buckets=(1, 2, 4, 8, 16),
+        )
     import torch
 
     threads = torch.get_num_threads()
@@ -220,7 +244,9 @@ async def real_fleet(nats_url, request):
 async def test_real_fleet_generate_in_the_browser(browser, web_server, real_fleet, tmp_path):
     page, errors = await open_page(browser, web_server)
     # the fleet panel discovers both experts' real workers (backend and device from their metadata)
-    await page.wait_for_function("() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
+    await page.wait_for_function(
+        "() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000
+    )
     assert await page.locator("#fleet-experts .expert[data-expert='0'] tr.worker").count() >= 1
     assert "torch" in await page.locator("#fleet-experts").inner_text()
     await page.wait_for_selector("#fleet-coordinator table", timeout=30_000)  # FleetStatus answered
@@ -229,7 +255,9 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     await page.select_option("#strategy", "top1")
     await page.click("#generate")
     # intermediate frames reach the screen before the final images
-    await page.wait_for_function("() => (j => j && +j.dataset.frames >= 1)(document.querySelector('.job'))", timeout=60_000)
+    await page.wait_for_function(
+        "() => (j => j && +j.dataset.frames >= 1)(document.querySelector('.job'))", timeout=60_000
+    )
     await page.screenshot(path=str(tmp_path / "web-running.png"), full_page=True)
     # ... and the final images arrive
     done = page.locator(".job[data-state=done]")
@@ -244,8 +272,10 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     # the canvas holds a real image (not all one grey level)
     spread = await canvases.first.evaluate(
         "c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        " let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
-        " return hi - lo; }")
+        " let lo = 255, hi = 0;"
+        " for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        " return hi - lo; }"
+    )
     assert spread > 0
     await page.screenshot(path=str(tmp_path / "web-done.png"), full_page=True)
     # the full ensemble: every step mixes both experts -> tiles outlined as "several" (-1)
@@ -253,7 +283,9 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     await page.fill("#steps", "6")
     await page.select_option("#strategy", "full")
     await page.click("#generate")
-    await page.wait_for_function("() => document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000)
+    await page.wait_for_function(
+        "() => document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000
+    )
     newest = page.locator(".job").first  # new jobs go on top
     assert await newest.locator(".tile canvas").evaluate_all("cs => cs.map(c => c.dataset.expert)") == ["-1", "-1"]
     assert await newest.locator(".bars").first.locator("span").count() == 2  # one weight bar per expert

@@ -11,8 +11,8 @@ import time
 import pytest
 from aiohttp.test_utils import TestServer
 
-from web.app import WebConfig, create_app
 from tests.web.test_app_browser import browser, open_page  # noqa: F401 (fixture)
+from web.app import WebConfig, create_app
 
 JOBS, IMAGES, STEPS = 64, 16, 40
 
@@ -59,13 +59,25 @@ async def sim_fleet(nats_url, tmp_path):
     try:
         for k, path in enumerate(checkpoints):
             for _ in range(2):
-                w = ExpertWorker(k, str(path), "sim", nats_url=nats_url, buckets=(16, 64, 256, 1024),
-                                 backend_options={"preset": "instant"})
+                w = ExpertWorker(
+                    k,
+                    str(path),
+                    "sim",
+                    nats_url=nats_url,
+                    buckets=(16, 64, 256, 1024),
+                    backend_options={"preset": "instant"},
+                )
                 await w.start()
                 workers.append(w)
         c2e = [0] * 5 + [1] * 5
-        async with Coordinator(LabelRouter(c2e, 2), num_experts=2, class_to_expert=c2e, nats_url=nats_url,
-                               max_rows=JOBS * IMAGES, max_client_rows=JOBS * IMAGES):
+        async with Coordinator(
+            LabelRouter(c2e, 2),
+            num_experts=2,
+            class_to_expert=c2e,
+            nats_url=nats_url,
+            max_rows=JOBS * IMAGES,
+            max_client_rows=JOBS * IMAGES,
+        ):
             yield workers
     finally:
         for w in workers:
@@ -74,8 +86,12 @@ async def sim_fleet(nats_url, tmp_path):
 
 @pytest.mark.slow  # ~1-2 min on a 2-core box
 async def test_64_jobs_of_16_images_streaming_at_once(browser, nats_url, sim_fleet):
-    server = TestServer(create_app(WebConfig(nats_url=nats_url, fleet_interval=2.0, max_jobs_per_socket=JOBS,
-                                             max_messages_per_second=200.0)), host="127.0.0.1")
+    server = TestServer(
+        create_app(
+            WebConfig(nats_url=nats_url, fleet_interval=2.0, max_jobs_per_socket=JOBS, max_messages_per_second=200.0)
+        ),
+        host="127.0.0.1",
+    )
     await server.start_server()
     try:
         page, errors = await open_page(browser, server)
@@ -103,24 +119,28 @@ async def test_64_jobs_of_16_images_streaming_at_once(browser, nats_url, sim_fle
         stats = await page.evaluate("({...state.stats, kept: keptBytes(), budget: KEEP_BYTES})")
         metrics = {m["name"]: m["value"] for m in (await cdp.send("Performance.getMetrics"))["metrics"]}
         frames = stats["frames"]
-        print(f"\n[web load] {JOBS} jobs x {IMAGES} images x {STEPS} steps (frame_x1): {frames} frames handled "
-              f"(of {JOBS * STEPS} published; the server coalesces per job) "
-              f"in {elapsed:.1f} s = {frames / elapsed:.0f} frames/s ({frames * IMAGES / elapsed:.0f} tiles/s); "
-              f"frame handler {stats['handleMs'] / max(frames, 1):.2f} ms/frame "
-              f"({100 * stats['handleMs'] / 1000 / elapsed:.0f}% of the wall time); "
-              f"JS heap {heap0 / 2**20:.1f} MiB before, peak {peak / 2**20:.1f} MiB, "
-              f"end {metrics.get('JSHeapUsedSize', 0) / 2**20:.1f} MiB; kept frames {stats['kept'] / 2**20:.1f} MiB "
-              f"(budget {stats['budget'] / 2**20:.0f} MiB)")
+        print(
+            f"\n[web load] {JOBS} jobs x {IMAGES} images x {STEPS} steps (frame_x1): {frames} frames handled "
+            f"(of {JOBS * STEPS} published; the server coalesces per job) "
+            f"in {elapsed:.1f} s = {frames / elapsed:.0f} frames/s ({frames * IMAGES / elapsed:.0f} tiles/s); "
+            f"frame handler {stats['handleMs'] / max(frames, 1):.2f} ms/frame "
+            f"({100 * stats['handleMs'] / 1000 / elapsed:.0f}% of the wall time); "
+            f"JS heap {heap0 / 2**20:.1f} MiB before, peak {peak / 2**20:.1f} MiB, "
+            f"end {metrics.get('JSHeapUsedSize', 0) / 2**20:.1f} MiB; kept frames {stats['kept'] / 2**20:.1f} MiB "
+            f"(budget {stats['budget'] / 2**20:.0f} MiB)"
+        )
         # every job streamed (coalescing may skip frames, never all) and the page stayed within its bound
         assert frames >= JOBS
         assert stats["kept"] <= stats["budget"]
         assert peak < stats["budget"] + 192 * 2**20, peak
         # the page's own capacity: the same frames (16 tiles, x and x1) through its handler as fast as it goes
         capacity = await page.evaluate(CAPACITY_JS, {"jobs": JOBS, "images": IMAGES, "steps": STEPS})
-        print(f"[web load] page capacity: {capacity['frames']} frames of {IMAGES} tiles (x and x1) through the "
-              f"frame handler + drawing in {capacity['ms']:.0f} ms = {1000 * capacity['frames'] / capacity['ms']:.0f} "
-              f"frames/s; kept pixel buffers {capacity['kept'] / 2**20:.1f} MiB (typed arrays, outside the JS heap), "
-              f"JS heap {await heap() / 2**20:.1f} MiB")
+        print(
+            f"[web load] page capacity: {capacity['frames']} frames of {IMAGES} tiles (x and x1) through the "
+            f"frame handler + drawing in {capacity['ms']:.0f} ms = {1000 * capacity['frames'] / capacity['ms']:.0f} "
+            f"frames/s; kept pixel buffers {capacity['kept'] / 2**20:.1f} MiB (typed arrays, outside the JS heap), "
+            f"JS heap {await heap() / 2**20:.1f} MiB"
+        )
         assert capacity["kept"] <= stats["budget"]
         # ... and it still answers: a finished job scrubs at once
         job = page.locator(".job[data-state=done]").first

@@ -3,16 +3,15 @@ everything it does (submit, events, cancel, fleet status, $SRV discovery) is all
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
 
 from infra.nats_cluster import NatsCluster
 from schemas import subjects
-from web.app import WebConfig, create_app
-from tests.web.fakes import FakeCoordinator, FakeWorkerService
 from tests.waiting import wait_until
+from tests.web.fakes import FakeCoordinator, FakeWorkerService
+from web.app import WebConfig, create_app
 
 pytestmark = pytest.mark.bus
 
@@ -38,11 +37,15 @@ async def test_web_user_can_do_everything_the_viewer_needs(aiohttp_client, clust
     coord_nc = await _connect(cluster.url(0, "coordinator"), errors)
     worker_nc = await _connect(cluster.url(0, "worker-0"), errors)
     try:
-        async with FakeCoordinator(coord_nc, probe=False, frame_delay=0.05,
-                                   status={"active_jobs": 1, "queued_jobs": 0}) as coordinator, \
-                FakeWorkerService(worker_nc, 0, "torch", "cpu", subject=subjects.expert_velocity(0)) as worker:
-            client = await aiohttp_client(create_app(WebConfig(nats_url=cluster.url(0, "web"), fleet_interval=0.3,
-                                                               discovery_window=0.2)))
+        async with (
+            FakeCoordinator(
+                coord_nc, probe=False, frame_delay=0.05, status={"active_jobs": 1, "queued_jobs": 0}
+            ) as coordinator,
+            FakeWorkerService(worker_nc, 0, "torch", "cpu", subject=subjects.expert_velocity(0)) as worker,
+        ):
+            client = await aiohttp_client(
+                create_app(WebConfig(nats_url=cluster.url(0, "web"), fleet_interval=0.3, discovery_window=0.2))
+            )
             ws = await client.ws_connect("/ws")
             await ws.send_json({"type": "generate", "digits": "4,5", "steps": 4})
             kinds, fleet_ok = [], False
@@ -60,7 +63,9 @@ async def test_web_user_can_do_everything_the_viewer_needs(aiohttp_client, clust
                 assert msg["type"] != "error", msg
             job_id = msg["job_id"]
             await ws.close()
-            await wait_until(lambda: job_id in coordinator.cancelled, timeout=5, what="the cancel from the closed socket")
+            await wait_until(
+                lambda: job_id in coordinator.cancelled, timeout=5, what="the cancel from the closed socket"
+            )
     finally:
         await coord_nc.close()
         await worker_nc.close()

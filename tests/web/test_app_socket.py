@@ -7,13 +7,12 @@ import asyncio
 import base64
 import json
 
-import msgpack
 import pytest
 
-from schemas import MAX_JOB_IMAGES, CancelRequest, pack, subjects
-from web.app import WebConfig, create_app
-from tests.web.fakes import FakeCoordinator
+from schemas import MAX_JOB_IMAGES, subjects
 from tests.waiting import wait_until
+from tests.web.fakes import FakeCoordinator
+from web.app import WebConfig, create_app
 
 
 @pytest.fixture
@@ -78,8 +77,18 @@ async def test_hello_then_generate_streams_frames_and_done(client, coordinator):
 
 async def test_count_and_options_reach_the_coordinator(client, coordinator):
     ws = await client.ws_connect("/ws")
-    await ws.send_json({"type": "generate", "count": 4, "steps": 5, "strategy": "topk", "top_k": 2,
-                        "solver": "heun", "seed": 11, "frame_every": 2})
+    await ws.send_json(
+        {
+            "type": "generate",
+            "count": 4,
+            "steps": 5,
+            "strategy": "topk",
+            "top_k": 2,
+            "solver": "heun",
+            "seed": 11,
+            "frame_every": 2,
+        }
+    )
     msgs = await collect_job(ws)
     assert msgs[-1]["type"] == "done" and len(msgs[-1]["tiles"]) == 4
     req = coordinator.jobs[msgs[0]["job_id"]]
@@ -88,29 +97,35 @@ async def test_count_and_options_reach_the_coordinator(client, coordinator):
     await ws.close()
 
 
-@pytest.mark.parametrize("payload, expected", [
-    ({"type": "generate", "digits": "3,x,7"}, "'x' is not a digit"),
-    ({"type": "generate", "digits": "12"}, "'12' is not a digit"),
-    ({"type": "generate", "count": 10000}, "count: Input should be less than or equal to 256"),
-    ({"type": "generate", "digits": ",".join(["1"] * 10000)}, "far too long; the limit is 256 images"),
-    ({"type": "generate", "digits": [1] * 10000}, "10000 images requested; the limit is 256"),
-    ({"type": "generate", "digits": "1", "steps": 0}, "steps: Input should be greater than or equal to 1"),
-    ({"type": "generate", "digits": "1", "steps": "many"}, "steps: Input should be a valid integer"),
-    ({"type": "generate", "digits": "1", "steps": 2.5}, "steps: Input should be a valid integer"),
-    ({"type": "generate", "digits": "1", "strategy": "best"}, "strategy: Input should be 'top1', 'topk', 'full' or 'oracle'"),
-    ({"type": "generate", "digits": "1", "count": 3}, "give exactly one of digits"),
-    ({"type": "generate"}, "give exactly one of digits"),
-    ({"type": "generate", "digits": "1", "job_id": "mine"}, "unknown field(s) in generate: job_id"),
-    ({"type": "generate", "digits": "1", "deadline_s": 0.5}, "deadline_s must be 1-3600 seconds, got 0.5"),
-    ({"type": "generate", "digits": "1", "deadline_s": "30"}, "deadline_s must be a number of seconds"),
-    ({"type": "launch"}, "unknown message type 'launch'"),
-    ({"kind": "generate"}, "message has no 'type'"),
-    ({"type": "cancel", "job_id": "someone-elses"}, "no running job 'someone-elses' in this tab"),
-    ({"type": "cancel"}, "cancel needs a job_id"),
-    ([1, 2, 3], "must be a JSON object"),
-    ("{not json", "malformed JSON"),
-    (b"\x00\x01", "send JSON text frames, not binary"),
-])
+@pytest.mark.parametrize(
+    "payload, expected",
+    [
+        ({"type": "generate", "digits": "3,x,7"}, "'x' is not a digit"),
+        ({"type": "generate", "digits": "12"}, "'12' is not a digit"),
+        ({"type": "generate", "count": 10000}, "count: Input should be less than or equal to 256"),
+        ({"type": "generate", "digits": ",".join(["1"] * 10000)}, "far too long; the limit is 256 images"),
+        ({"type": "generate", "digits": [1] * 10000}, "10000 images requested; the limit is 256"),
+        ({"type": "generate", "digits": "1", "steps": 0}, "steps: Input should be greater than or equal to 1"),
+        ({"type": "generate", "digits": "1", "steps": "many"}, "steps: Input should be a valid integer"),
+        ({"type": "generate", "digits": "1", "steps": 2.5}, "steps: Input should be a valid integer"),
+        (
+            {"type": "generate", "digits": "1", "strategy": "best"},
+            "strategy: Input should be 'top1', 'topk', 'full' or 'oracle'",
+        ),
+        ({"type": "generate", "digits": "1", "count": 3}, "give exactly one of labels"),
+        ({"type": "generate"}, "give exactly one of labels"),
+        ({"type": "generate", "digits": "1", "job_id": "mine"}, "unknown field(s) in generate: job_id"),
+        ({"type": "generate", "digits": "1", "deadline_s": 0.5}, "deadline_s must be 1-3600 seconds, got 0.5"),
+        ({"type": "generate", "digits": "1", "deadline_s": "30"}, "deadline_s must be a number of seconds"),
+        ({"type": "launch"}, "unknown message type 'launch'"),
+        ({"kind": "generate"}, "message has no 'type'"),
+        ({"type": "cancel", "job_id": "someone-elses"}, "no running job 'someone-elses' in this tab"),
+        ({"type": "cancel"}, "cancel needs a job_id"),
+        ([1, 2, 3], "must be a JSON object"),
+        ("{not json", "malformed JSON"),
+        (b"\x00\x01", "send JSON text frames, not binary"),
+    ],
+)
 async def test_bad_input_gets_a_visible_error_and_the_socket_keeps_working(client, coordinator, payload, expected):
     ws = await client.ws_connect("/ws")
     if isinstance(payload, bytes):
@@ -248,7 +263,11 @@ async def test_server_shutdown_closes_sockets_and_cancels_their_jobs(nats_url, n
             await ws.send_json({"type": "generate", "digits": "6", "steps": 500})
             job_id = (await next_msg(ws, {"accepted"}))["job_id"]
             closing = asyncio.ensure_future(server.close())  # on_shutdown closes sockets: 1001 going away
-            while (msg := await ws.receive(timeout=20)).type not in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING):
+            while (msg := await ws.receive(timeout=20)).type not in (
+                WSMsgType.CLOSE,
+                WSMsgType.CLOSED,
+                WSMsgType.CLOSING,
+            ):
                 pass
             assert msg.type == WSMsgType.CLOSE and msg.data == 1001, msg
             await asyncio.wait_for(closing, 30)
@@ -290,8 +309,14 @@ async def test_a_deadline_from_the_page_fails_the_job_with_deadline_exceeded(cli
             workers.append(ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1,)))
             await workers[-1].start()
         router = Router.load(tiny_fleet_files["router"])
-        async with Coordinator(router, num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url,
-                               max_rows=1, name="deadline-coordinator") as coord:
+        async with Coordinator(
+            router,
+            num_experts=2,
+            class_to_expert=[0] * 5 + [1] * 5,
+            nats_url=nats_url,
+            max_rows=1,
+            name="deadline-coordinator",
+        ) as coord:
             blocker = await submit_job(nc, JobRequest(job_id="blocker", digits=[1], steps=1000, stream=False))
             assert blocker.queue_position == 0
             ws = await client.ws_connect("/ws")

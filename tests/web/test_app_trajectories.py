@@ -28,7 +28,8 @@ async def _shot(page, name: str, **kw) -> None:
 async def _pixels(locator) -> list[int]:
     """The grey levels of a canvas (its red channel), row-major."""
     return await locator.evaluate(
-        "c => Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data.filter((_, i) => i % 4 === 0))")
+        "c => Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data.filter((_, i) => i % 4 === 0))"
+    )
 
 
 async def _download(page, button) -> bytes:
@@ -41,7 +42,9 @@ async def _download(page, button) -> bytes:
 @pytest.mark.slow  # ~30 s: three jobs on a real fleet driven from Chromium
 async def test_scrub_predict_timeline_compare_and_download_a_finished_job(browser, web_server, real_fleet):
     page, errors = await open_page(browser, web_server)
-    await page.wait_for_function("() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
+    await page.wait_for_function(
+        "() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000
+    )
     digits, steps = [0, 3, 5, 7, 8, 9], 16
     await page.fill("#digits", ",".join(map(str, digits)))
     await page.fill("#steps", str(steps))
@@ -93,8 +96,10 @@ async def test_scrub_predict_timeline_compare_and_download_a_finished_job(browse
     await job.locator(".speed").select_option("4")
     await job.locator(".play").click()
     await page.wait_for_function("() => document.querySelector('.job').dataset.playing === '1'", timeout=10_000)
-    await page.wait_for_function(f"() => (j => j.dataset.cursor === '{steps}' && !j.dataset.playing)"
-                                 "(document.querySelector('.job'))", timeout=30_000)
+    await page.wait_for_function(
+        f"() => (j => j.dataset.cursor === '{steps}' && !j.dataset.playing)(document.querySelector('.job'))",
+        timeout=30_000,
+    )
 
     # 3. router timeline: one line per expert per image, the served grid, numbers on hover
     plot = job.locator(".tile svg.plot").first
@@ -105,8 +110,10 @@ async def test_scrub_predict_timeline_compare_and_download_a_finished_job(browse
     text = await tip.inner_text()
     assert "expert 0" in text and "expert 1" in text and "step" in text and "served by" in text
     served = job.locator("canvas.served")
-    assert await served.get_attribute("width") == str(kept - (1 if kept > steps else 0)) or int(
-        await served.get_attribute("width")) >= 2
+    assert (
+        await served.get_attribute("width") == str(kept - (1 if kept > steps else 0))
+        or int(await served.get_attribute("width")) >= 2
+    )
     assert await served.get_attribute("height") == str(len(digits))
     await served.hover(position={"x": 5, "y": 3})
     assert "image 0 (digit 0)" in await tip.inner_text()
@@ -158,13 +165,19 @@ async def test_scrub_predict_timeline_compare_and_download_a_finished_job(browse
     # the comparison's card sits right under the original with rows A, B and |A - B|
     await job.locator(".cmp-solver").select_option("heun")
     await job.locator(".cmp-run").click()
-    await page.wait_for_function(f"() => [...document.querySelectorAll('.job.comparison[data-state=done]')]"
-                                 f".filter(j => j.dataset.compareOf === '{original_id}').length === 2", timeout=120_000)
+    await page.wait_for_function(
+        f"() => [...document.querySelectorAll('.job.comparison[data-state=done]')]"
+        f".filter(j => j.dataset.compareOf === '{original_id}').length === 2",
+        timeout=120_000,
+    )
     full = page.locator(f".job.comparison[data-compare-of='{original_id}']").first  # the newest is right below
-    assert await page.evaluate(f"() => document.querySelector(\"[data-job-id='{original_id}']\").nextElementSibling"
-                               ".dataset.jobId") == await full.get_attribute("data-job-id")
-    assert float(await full.get_attribute("data-mean-abs-diff")) > 0, (await full.locator(".job-notes").inner_text(),
-                                                                       await full.inner_text())
+    assert await page.evaluate(
+        f"() => document.querySelector(\"[data-job-id='{original_id}']\").nextElementSibling.dataset.jobId"
+    ) == await full.get_attribute("data-job-id")
+    assert float(await full.get_attribute("data-mean-abs-diff")) > 0, (
+        await full.locator(".job-notes").inner_text(),
+        await full.inner_text(),
+    )
     assert await full.locator(".cmp-a canvas").count() == 6 and await full.locator(".cmp-diff canvas").count() == 6
     assert "mean |A − B|" in await full.locator(".job-notes").inner_text()
     assert "heun" in await full.locator(".tiles").get_attribute("data-label")

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from tests.web.fakes import FakeCoordinator, FakeWorkerService
 from web.app import WebConfig, create_app
 from web.fleet import FleetMonitor, gather_replies
-from tests.web.fakes import FakeCoordinator, FakeWorkerService
 
 
 async def test_gather_replies_collects_every_service(nc):
@@ -22,9 +22,20 @@ async def test_gather_replies_collects_every_service(nc):
 
 async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
     monitor = FleetMonitor(nc, window=0.2)
-    async with FakeCoordinator(nc, status={"active_jobs": 2, "queued_jobs": 3, "rows_per_s": 120.5,
-                                           "unavailable_experts": [1], "kind": "fleet_status"}):
-        async with FakeWorkerService(nc, 0, "torch", "cpu") as w0a, FakeWorkerService(nc, 0, "torch-xla", "xla:0") as w0b:
+    async with FakeCoordinator(
+        nc,
+        status={
+            "active_jobs": 2,
+            "queued_jobs": 3,
+            "rows_per_s": 120.5,
+            "unavailable_experts": [1],
+            "kind": "fleet_status",
+        },
+    ):
+        async with (
+            FakeWorkerService(nc, 0, "torch", "cpu") as w0a,
+            FakeWorkerService(nc, 0, "torch-xla", "xla:0") as w0b,
+        ):
             async with FakeWorkerService(nc, 1, "jax", "cuda:0") as w1:
                 snap1 = await monitor.snapshot()
                 w0a.rows += 640

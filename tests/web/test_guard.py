@@ -91,8 +91,10 @@ def test_rate_limit_allows_a_burst_then_the_rate():
 @pytest.fixture
 async def viewer(aiohttp_client, nats_url):
     async def make(**kw):
-        return await aiohttp_client(create_app(WebConfig(nats_url=nats_url, fleet_interval=0.3,
-                                                         discovery_window=0.1, **kw)))
+        return await aiohttp_client(
+            create_app(WebConfig(nats_url=nats_url, fleet_interval=0.3, discovery_window=0.1, **kw))
+        )
+
     return make
 
 
@@ -151,9 +153,16 @@ async def test_cross_origin_websocket_is_refused_with_403(viewer, caplog):
     with pytest.raises(aiohttp.WSServerHandshakeError) as err:
         await client.ws_connect("/ws", headers={"Origin": "http://evil.example"})
     assert err.value.status == 403
-    r = await client.get("/ws", headers={"Origin": "http://evil.example", "Connection": "Upgrade",
-                                         "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
-                                         "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+    r = await client.get(
+        "/ws",
+        headers={
+            "Origin": "http://evil.example",
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        },
+    )
     assert r.status == 403 and "Origin 'http://evil.example' is not allowed" in await r.text()
     assert any("http://evil.example" in rec.getMessage() for rec in caplog.records)
     # the page's own origin works

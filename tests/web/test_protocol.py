@@ -15,16 +15,23 @@ from web.protocol import BadInput, Cancel, Generate, Ping, parse_client_message,
 from web.session import Outbox
 
 
-@pytest.mark.parametrize("text, digits", [("3,7,7", [3, 7, 7]), (" 0 9 ; 5 ", [0, 9, 5]), ("4", [4]),
-                                          ([1, 2], [1, 2])])
+@pytest.mark.parametrize("text, digits", [("3,7,7", [3, 7, 7]), (" 0 9 ; 5 ", [0, 9, 5]), ("4", [4]), ([1, 2], [1, 2])])
 def test_parse_digits_accepts(text, digits):
     assert parse_digits(text) == digits
 
 
-@pytest.mark.parametrize("value, fragment", [("", "at least one digit"), ("3,a", "'a' is not a digit"),
-                                             ("10", "'10' is not a digit"), ("-2", "'-2' is not a digit"),
-                                             ([1, True], "integers 0-9"), ([11], "integers 0-9"),
-                                             (3, "string like")])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("", "at least one digit"),
+        ("3,a", "'a' is not a digit"),
+        ("10", "'10' is not a digit"),
+        ("-2", "'-2' is not a digit"),
+        ([1, True], "integers 0-9"),
+        ([11], "integers 0-9"),
+        (3, "string like"),
+    ],
+)
 def test_parse_digits_refuses_with_a_reason(value, fragment):
     with pytest.raises(BadInput) as err:
         parse_digits(value)
@@ -32,8 +39,19 @@ def test_parse_digits_refuses_with_a_reason(value, fragment):
 
 
 def test_generate_builds_a_schema_job_request():
-    cmd = parse_client_message(json.dumps({"type": "generate", "digits": "1,2", "steps": 12, "strategy": "full",
-                                           "solver": "heun", "seed": 3, "ref": "r1"}))
+    cmd = parse_client_message(
+        json.dumps(
+            {
+                "type": "generate",
+                "digits": "1,2",
+                "steps": 12,
+                "strategy": "full",
+                "solver": "heun",
+                "seed": 3,
+                "ref": "r1",
+            }
+        )
+    )
     assert isinstance(cmd, Generate) and cmd.ref == "r1"
     r = cmd.request
     assert (r.digits, r.steps, r.strategy, r.solver, r.seed, r.job_id) == ([1, 2], 12, "full", "heun", 3, None)
@@ -60,11 +78,20 @@ def test_generate_passes_a_deadline_into_the_job_request(value, expected):
     assert r.deadline_s == expected
 
 
-@pytest.mark.parametrize("value, fragment", [
-    (0.5, "deadline_s must be 1-3600 seconds, got 0.5"), (0, "1-3600 seconds, got 0"), (-5, "got -5"),
-    (3601, "1-3600 seconds, got 3601"), (1e300, "1-3600 seconds"),
-    ("30", "deadline_s must be a number of seconds (1-3600), got '30'"), (True, "a number of seconds"),
-    ([30], "a number of seconds"), ({"s": 1}, "a number of seconds")])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        (0.5, "deadline_s must be 1-3600 seconds, got 0.5"),
+        (0, "1-3600 seconds, got 0"),
+        (-5, "got -5"),
+        (3601, "1-3600 seconds, got 3601"),
+        (1e300, "1-3600 seconds"),
+        ("30", "deadline_s must be a number of seconds (1-3600), got '30'"),
+        (True, "a number of seconds"),
+        ([30], "a number of seconds"),
+        ({"s": 1}, "a number of seconds"),
+    ],
+)
 def test_generate_refuses_a_deadline_out_of_bounds_with_the_bounds(value, fragment):
     with pytest.raises(BadInput) as err:
         parse_client_message(json.dumps({"type": "generate", "digits": "3", "deadline_s": value, "ref": 9}))
@@ -100,8 +127,15 @@ def test_tiles_are_raw_gray_bytes_per_image():
 
 
 def test_event_messages():
-    ev = FrameEvent(job_id="j1", step=3, steps=10, t=0.3, x=np.zeros((2, 1, 32, 32), np.float16),
-                    experts=[0, -1], weights=np.array([[0.12345, 0.87655], [0.5, 0.5]], np.float32))
+    ev = FrameEvent(
+        job_id="j1",
+        step=3,
+        steps=10,
+        t=0.3,
+        x=np.zeros((2, 1, 32, 32), np.float16),
+        experts=[0, -1],
+        weights=np.array([[0.12345, 0.87655], [0.5, 0.5]], np.float32),
+    )
     msg = event_message(ev)
     assert msg["type"] == "frame" and msg["size"] == [32, 32] and len(msg["tiles"]) == 2
     assert msg["weights"][0] == [0.123, 0.877] and msg["experts"] == [0, -1]

@@ -22,15 +22,24 @@ U = UNCONDITIONAL
 # ---------------------------------------------------------------- protocol units
 
 
-@pytest.mark.parametrize("value, digits", [("?", [U]), ("-1", [U]), ("?,3 -1;?", [U, 3, U, U]), ([U, 0, 9], [U, 0, 9]),
-                                           ("3,7", [3, 7])])
+@pytest.mark.parametrize(
+    "value, digits", [("?", [U]), ("-1", [U]), ("?,3 -1;?", [U, 3, U, U]), ([U, 0, 9], [U, 0, 9]), ("3,7", [3, 7])]
+)
 def test_parse_digits_takes_question_mark_and_minus_one_as_no_digit(value, digits):
     assert parse_digits(value) == digits
 
 
-@pytest.mark.parametrize("value, fragment", [("-2", "'-2' is not a digit"), ("??", "'??' is not a digit"),
-                                             ("?1", "'?1' is not a digit"), ([-2], "got -2 (or -1: no digit)"),
-                                             ([U, True], "integers 0-9"), ([10], "integers 0-9")])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("-2", "'-2' is not a digit"),
+        ("??", "'??' is not a digit"),
+        ("?1", "'?1' is not a digit"),
+        ([-2], "got -2 (or -1: no digit)"),
+        ([U, True], "integers 0-9"),
+        ([10], "integers 0-9"),
+    ],
+)
 def test_parse_digits_still_refuses_other_values(value, fragment):
     with pytest.raises(BadInput) as err:
         parse_digits(value)
@@ -58,7 +67,9 @@ def test_oracle_with_a_no_digit_row_is_refused_with_a_reason(digits):
 
 
 def test_oracle_with_every_digit_known_is_still_taken():
-    assert parse_client_message(json.dumps({"type": "generate", "digits": "3,7", "strategy": "oracle"})).request.digits == [3, 7]
+    assert parse_client_message(
+        json.dumps({"type": "generate", "digits": "3,7", "strategy": "oracle"})
+    ).request.digits == [3, 7]
     assert parse_client_message(json.dumps({"type": "generate", "count": 4, "strategy": "oracle"})).request.count == 4
 
 
@@ -68,7 +79,7 @@ def test_no_digit_rows_keep_the_job_limits():
     assert "300 images requested; the limit is 256" in err.value.message
     with pytest.raises(BadInput) as err:
         parse_client_message(json.dumps({"type": "generate", "digits": "?", "count": 2}))
-    assert "give exactly one of digits" in err.value.message
+    assert "give exactly one of labels" in err.value.message
 
 
 # ---------------------------------------------------------------- in Chromium, real fleets
@@ -93,8 +104,14 @@ async def null_label_fleet(nats_url, null_label_files):
     from models.router import Router
 
     experts, router = null_label_files
-    fleet = LocalFleet(experts, Router.load(router), num_experts=2, class_to_expert=[0] * 5 + [1] * 5,
-                       nats_url=nats_url, buckets=(1, 2, 4, 8))
+    fleet = LocalFleet(
+        experts,
+        Router.load(router),
+        num_experts=2,
+        class_to_expert=[0] * 5 + [1] * 5,
+        nats_url=nats_url,
+        buckets=(1, 2, 4, 8),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared small box: one intra-op thread keeps tiny forwards fast
     try:
@@ -111,7 +128,9 @@ async def _labels(job) -> list[str]:
 @pytest.mark.slow  # ~5 s: two jobs on a real tiny fleet driven from Chromium
 async def test_unconditional_job_completes_with_question_marks_on_its_tiles(browser, web_server, null_label_fleet):
     page, errors = await open_page(browser, web_server)
-    await page.wait_for_function("() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
+    await page.wait_for_function(
+        "() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000
+    )
     # the "unconditional (no digit)" choice with a count: three images, every label unknown
     await page.check("input[name=mode][value=count]")
     await page.fill("#count", "3")
@@ -126,9 +145,14 @@ async def test_unconditional_job_completes_with_question_marks_on_its_tiles(brow
     assert await _labels(job) == ["digit ?"] * 3
     canvases = job.locator(".tile canvas")
     assert await canvases.evaluate_all("cs => cs.every(c => c.dataset.final === '1')")
-    assert set(await canvases.evaluate_all("cs => cs.map(c => c.dataset.expert)")) <= {"0", "1"}  # top-1: the router's pick
-    assert await job.locator(".tile a.download").first.get_attribute("download") == \
-        f"ddm-{await job.get_attribute('data-job-id')}-0-nodigit.png"
+    assert set(await canvases.evaluate_all("cs => cs.map(c => c.dataset.expert)")) <= {
+        "0",
+        "1",
+    }  # top-1: the router's pick
+    assert (
+        await job.locator(".tile a.download").first.get_attribute("download")
+        == f"ddm-{await job.get_attribute('data-job-id')}-0-nodigit.png"
+    )
     await job.locator("canvas.served").hover(position={"x": 2, "y": 1})
     assert "image 0 (digit ?)" in await page.locator("#tip").inner_text()
 
@@ -138,7 +162,9 @@ async def test_unconditional_job_completes_with_question_marks_on_its_tiles(brow
     await page.fill("#digits", "?,4")
     await page.select_option("#strategy", "full")
     await page.click("#generate")
-    await page.wait_for_function("() => document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000)
+    await page.wait_for_function(
+        "() => document.querySelectorAll('.job[data-state=done]').length >= 2", timeout=120_000
+    )
     mixed = page.locator(".job").first  # new jobs go on top
     assert await _labels(mixed) == ["digit ?", "digit 4"]
     assert "2 images · 1 unconditional" in await mixed.locator(".job-title").inner_text()
@@ -153,7 +179,9 @@ async def test_refusals_of_unconditional_jobs_are_shown_on_the_page(browser, web
     """The experts of `real_fleet` have no null label (the shipped checkpoints, else tiny ones without):
     the coordinator refuses an unconditional job; oracle with one is refused by the web server itself."""
     page, errors = await open_page(browser, web_server)
-    await page.wait_for_function("() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000)
+    await page.wait_for_function(
+        "() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000
+    )
     first_error = page.locator("#errors li").first
     # oracle needs every digit: refused by web/protocol.py, said on the page
     await page.check("input[name=mode][value=count]")
@@ -169,8 +197,9 @@ async def test_refusals_of_unconditional_jobs_are_shown_on_the_page(browser, web
     # top-1: the web server takes it, the coordinator refuses it (no null label); the page shows why
     await page.select_option("#strategy", "top1")
     await page.click("#generate")
-    await page.wait_for_function("() => document.querySelector('#errors li').textContent.includes('rejected')",
-                                 timeout=30_000)
+    await page.wait_for_function(
+        "() => document.querySelector('#errors li').textContent.includes('rejected')", timeout=30_000
+    )
     text = await first_error.inner_text()
     assert "job rejected (bad_request)" in text and "null label" in text and "label-dropout" in text, text
     assert await page.locator(".job").count() == 0  # nothing left waiting: no card was ever accepted

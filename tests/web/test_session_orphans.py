@@ -32,10 +32,25 @@ def coordinator_proc(nats_url, tmp_path_factory):
     """A real coordinator (shipped router + partition) on the session's nats-server."""
     log = tmp_path_factory.mktemp("orphans") / "coordinator.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([CLI, "coordinator", "--router", str(ROOT / "checkpoints" / "router.safetensors"),
-                                 "--partition", str(ROOT / "checkpoints" / "partition.json"), "--nats", nats_url,
-                                 "--metrics-port", "0", "--step-timeout", "60"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [
+                CLI,
+                "coordinator",
+                "--router",
+                str(ROOT / "checkpoints" / "router.safetensors"),
+                "--partition",
+                str(ROOT / "checkpoints" / "partition.json"),
+                "--nats",
+                nats_url,
+                "--metrics-port",
+                "0",
+                "--step-timeout",
+                "60",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         yield proc, log
     finally:
@@ -62,8 +77,10 @@ async def fleet(coordinator_proc, nc):
             return False
 
     await wait_until(answers, timeout=90, what="the coordinator to serve fleet status")
-    subs = [await nc.subscribe(subjects.expert_velocity(e), queue=subjects.expert_queue_group(e), cb=_swallow)
-            for e in (0, 1)]
+    subs = [
+        await nc.subscribe(subjects.expert_velocity(e), queue=subjects.expert_queue_group(e), cb=_swallow)
+        for e in (0, 1)
+    ]
     try:
         yield proc
     finally:

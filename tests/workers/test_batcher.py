@@ -12,7 +12,10 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.waiting import wait_until
 from workers.batcher import (
     Batcher,
     BatcherClosed,
@@ -23,7 +26,6 @@ from workers.batcher import (
     parse_buckets,
     plan_buckets,
 )
-from tests.waiting import wait_until
 
 
 class RecordingModel:
@@ -192,9 +194,6 @@ async def test_observer_sees_rows_and_bucket():
     await b.submit(*rows(3))
     await b.close()
     assert seen == [(3, 4)]
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)

@@ -16,21 +16,24 @@ def _parse(argv, defaults=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@pytest.mark.parametrize("kwargs, hint", [
-    (dict(backend="tensorflow"), "torch, xla, jax, sim"),
-    (dict(buckets="1,x"), "comma-separated positive integers"),
-    (dict(buckets=(1, 2), max_batch=4), "add a bucket >= 4"),
-    (dict(merge="sometimes"), "auto, always"),
-    (dict(max_request_rows=0), "positive"),
-    (dict(max_queue_rows=0), "positive or None"),
-    (dict(max_inflight=0), ">= 1"),
-    (dict(metrics_port=70000), "1-65535"),
-    (dict(connect_attempts=0), "tries for the first bus connection"),
-    (dict(reconnect_wait_s=-1), ">= 0"),
-    (dict(threads=0), ">= 1"),
-    (dict(sim_preset="instant"), "need --backend sim"),
-    (dict(backend="sim", sim_row_ms=-0.5), ">= 0 milliseconds"),
-])
+@pytest.mark.parametrize(
+    "kwargs, hint",
+    [
+        (dict(backend="tensorflow"), "torch, xla, jax, sim"),
+        (dict(buckets="1,x"), "comma-separated positive integers"),
+        (dict(buckets=(1, 2), max_batch=4), "add a bucket >= 4"),
+        (dict(merge="sometimes"), "auto, always"),
+        (dict(max_request_rows=0), "positive"),
+        (dict(max_queue_rows=0), "positive or None"),
+        (dict(max_inflight=0), ">= 1"),
+        (dict(metrics_port=70000), "1-65535"),
+        (dict(connect_attempts=0), "tries for the first bus connection"),
+        (dict(reconnect_wait_s=-1), ">= 0"),
+        (dict(threads=0), ">= 1"),
+        (dict(sim_preset="instant"), "need --backend sim"),
+        (dict(backend="sim", sim_row_ms=-0.5), ">= 0 milliseconds"),
+    ],
+)
 def test_out_of_range_options_say_how_to_fix(kwargs, hint):
     with pytest.raises(ValueError, match=hint):
         WorkerConfig(**kwargs)
@@ -48,15 +51,41 @@ def test_backend_options_only_for_their_backend():
     assert WorkerConfig(threads=2, xla_cache="/c").backend_options() == {"threads": 2}
     assert WorkerConfig(backend="xla", threads=2, xla_cache="/c").backend_options() == {"cache_path": "/c"}
     assert WorkerConfig(backend="sim", sim_preset="instant", sim_row_ms=0.5).backend_options() == {
-        "preset": "instant", "row_ms": 0.5}
+        "preset": "instant",
+        "row_ms": 0.5,
+    }
 
 
 def test_arguments_round_trip_and_defaults():
     assert WorkerConfig.from_args(_parse([])) == WorkerConfig()
-    c = WorkerConfig.from_args(_parse(["--backend", "sim", "--sim-preset", "h200-jax", "--buckets", "1,2,4",
-                                       "--max-batch", "3", "--bf16", "--max-queue-rows", "0", "--merge", "always"]))
+    c = WorkerConfig.from_args(
+        _parse(
+            [
+                "--backend",
+                "sim",
+                "--sim-preset",
+                "h200-jax",
+                "--buckets",
+                "1,2,4",
+                "--max-batch",
+                "3",
+                "--bf16",
+                "--max-queue-rows",
+                "0",
+                "--merge",
+                "always",
+            ]
+        )
+    )
     assert (c.backend, c.sim_preset, c.buckets, c.max_batch, c.bf16, c.max_queue_rows, c.merge) == (
-        "sim", "h200-jax", (1, 2, 4), 3, True, None, "always")
+        "sim",
+        "h200-jax",
+        (1, 2, 4),
+        3,
+        True,
+        None,
+        "always",
+    )
     # to_argv gives a worker the same config
     assert WorkerConfig.from_args(_parse(c.to_argv())) == c
     assert WorkerConfig.from_args(_parse(WorkerConfig().to_argv())) == WorkerConfig()
@@ -103,8 +132,13 @@ def test_bench_says_which_worker_defaults_it_changed():
     assert "--max-queue-rows" in kept and "--max-inflight" in kept
     overridden = _defaults_in_use(WorkerConfig.from_args(p.parse_args(["--buckets", "1,4"])))
     assert "--buckets" not in overridden  # the user chose: nothing to announce
-    setup = {"backend": "torch", "device": "cpu", "precision": "float32", "checkpoint": "x",
-             "worker_defaults_changed": kept}
+    setup = {
+        "backend": "torch",
+        "device": "cpu",
+        "precision": "float32",
+        "checkpoint": "x",
+        "worker_defaults_changed": kept,
+    }
     assert "--buckets 1,8,64 (ddm-fleet worker: 1,2,4,8,16,32,64,128)" in format_table({"setup": setup, "rows": []})
 
 

@@ -61,7 +61,9 @@ def test_prometheus_text_is_valid_and_follows_naming_conventions():
     assert value(fams, "ddm_worker_latency_seconds_count", **lab) == 1
     assert fams["ddm_worker_padding_ratio"].type == "histogram" and fams["ddm_worker_errors"].type == "counter"
     # one name per family: the compute-time counter and the per-pass histogram no longer collide
-    assert fams["ddm_worker_compute_seconds"].type == "counter" and fams["ddm_worker_forward_seconds"].type == "histogram"
+    assert (
+        fams["ddm_worker_compute_seconds"].type == "counter" and fams["ddm_worker_forward_seconds"].type == "histogram"
+    )
     # no placeholder series: error codes appear when they happen
     text = WorkerMetrics(labels={"expert": "0"}).prometheus_text()
     assert "ddm_worker_errors_total{" not in text and 'code="none"' not in text

@@ -14,9 +14,8 @@ import pytest
 
 from bus.nats_server import NatsServer, free_port
 from schemas import ErrorCode, ErrorReply, StepReply, StepRequest, StepResult, encode_tensor, pack, subjects, unpack
-from workers.service import SERVICE_NAME, ExpertWorker
-
 from tests.waiting import wait_until
+from workers.service import SERVICE_NAME, ExpertWorker
 
 SUBJECT = subjects.expert_velocity(0)
 
@@ -39,11 +38,15 @@ def raw_request(**overrides) -> bytes:
     """A hand-built wire message (bypasses client-side validation), fields overridable."""
     n = 2
     msg = {
-        "v": 1, "kind": "step_request", "expert": 0,
+        "v": 1,
+        "kind": "step_request",
+        "expert": 0,
         "x_t": encode_tensor(np.zeros((n, 1, 32, 32), np.float32)),
         "t": encode_tensor(np.full(n, 0.5, np.float32)),
         "y": encode_tensor(np.zeros(n, np.int64)),
-        "row_ids": [], "deadline": None, "request_id": "bad-1",
+        "row_ids": [],
+        "deadline": None,
+        "request_id": "bad-1",
     }
     msg.update(overrides)
     return msgpack.packb(msg, use_bin_type=True)
@@ -56,8 +59,16 @@ async def ask(nc, data: bytes, subject: str = SUBJECT, timeout: float = 10.0):
 
 @pytest.fixture(scope="module")
 async def worker(nats_url, tiny_expert_checkpoint):
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8),
-                            max_request_rows=16, metrics_port=free_port(), metrics_host="127.0.0.1") as w:
+    async with ExpertWorker(
+        0,
+        tiny_expert_checkpoint,
+        "torch",
+        nats_url=nats_url,
+        buckets=(1, 2, 4, 8),
+        max_request_rows=16,
+        metrics_port=free_port(),
+        metrics_host="127.0.0.1",
+    ) as w:
         yield w
 
 
@@ -83,8 +94,14 @@ BAD_INPUTS = {
     "not a map": (msgpack.packb([1, 2, 3]), ErrorCode.BAD_REQUEST),
     "unknown protocol version": (raw_request(v=99), ErrorCode.UNSUPPORTED_VERSION),
     "wrong expert id": (raw_request(expert=3), ErrorCode.UNKNOWN_EXPERT),
-    "wrong H/W for the model": (raw_request(x_t=encode_tensor(np.zeros((2, 1, 16, 16), np.float32))), ErrorCode.BAD_SHAPE),
-    "wrong channels for the model": (raw_request(x_t=encode_tensor(np.zeros((2, 3, 32, 32), np.float32))), ErrorCode.BAD_SHAPE),
+    "wrong H/W for the model": (
+        raw_request(x_t=encode_tensor(np.zeros((2, 1, 16, 16), np.float32))),
+        ErrorCode.BAD_SHAPE,
+    ),
+    "wrong channels for the model": (
+        raw_request(x_t=encode_tensor(np.zeros((2, 3, 32, 32), np.float32))),
+        ErrorCode.BAD_SHAPE,
+    ),
     "x not 4-d": (raw_request(x_t=encode_tensor(np.zeros((2, 32, 32), np.float32))), ErrorCode.BAD_SHAPE),
     "t length mismatch": (raw_request(t=encode_tensor(np.zeros(3, np.float32))), ErrorCode.BAD_SHAPE),
     "integer x": (raw_request(x_t=encode_tensor(np.zeros((2, 1, 32, 32), np.int32))), ErrorCode.BAD_DTYPE),
@@ -93,8 +110,13 @@ BAD_INPUTS = {
     "label out of range": (raw_request(y=encode_tensor(np.array([0, 10], np.int64))), ErrorCode.BAD_REQUEST),
     "t outside [0, 1]": (raw_request(t=encode_tensor(np.array([0.5, 1.5], np.float32))), ErrorCode.BAD_REQUEST),
     "rows over the worker limit": (
-        raw_request(x_t=encode_tensor(np.zeros((17, 1, 32, 32), np.float32)), t=encode_tensor(np.zeros(17, np.float32)),
-                    y=encode_tensor(np.zeros(17, np.int64))), ErrorCode.TOO_LARGE),
+        raw_request(
+            x_t=encode_tensor(np.zeros((17, 1, 32, 32), np.float32)),
+            t=encode_tensor(np.zeros(17, np.float32)),
+            y=encode_tensor(np.zeros(17, np.int64)),
+        ),
+        ErrorCode.TOO_LARGE,
+    ),
     "deadline already passed": (raw_request(deadline=time.time() - 5), ErrorCode.DEADLINE_EXCEEDED),
 }
 
@@ -128,8 +150,9 @@ async def test_concurrent_requests_are_batched(nats_url, tiny_expert_checkpoint,
     # merge="always": requests queued behind a running pass ride in the next one. The default
     # ("auto") merges on a CPU only where its timings say one pass is cheaper than two, which on a
     # tiny model on a busy machine can go either way (its decisions: tests/workers/test_batcher.py).
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8),
-                            max_request_rows=16, merge="always") as worker:
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8), max_request_rows=16, merge="always"
+    ) as worker:
         before = worker.metrics.batches
         reqs = [make_request(1, seed=i) for i in range(8)]
         replies = await asyncio.gather(*(ask(nc, pack(r)) for r in reqs))
@@ -149,6 +172,10 @@ async def test_discovery_ping_info_stats(worker, nc):
     md = info["metadata"]
     assert md["device"] == "cpu" and md["buckets"] == "1,2,4,8" and md["version"] and md["protocol"] == "1"
     assert md["input_shape"] == "1,32,32"
+    from schemas.spec import ModelSpec  # the model spec travels as compact JSON; an old checkpoint's is implied
+
+    spec = ModelSpec.from_json(json.loads(md["spec"]))
+    assert spec.sample_shape == (1, 32, 32) and spec.num_classes == 10 and spec.space == "pixels"
     ep, direct = info["endpoints"]  # the queue group's, and this worker's own subject
     assert ep["subject"] == SUBJECT and ep["queue_group"] == subjects.expert_queue_group(0)
     assert direct["subject"] == subjects.expert_direct(0, subjects.worker_token(worker.worker_id))
@@ -284,8 +311,9 @@ async def test_worker_reconnects_after_a_server_restart(tiny_expert_checkpoint):
 
     srv = NatsServer().start()
     try:
-        async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=srv.url, buckets=(1, 2),
-                                reconnect_wait=0.2):
+        async with ExpertWorker(
+            0, tiny_expert_checkpoint, "torch", nats_url=srv.url, buckets=(1, 2), reconnect_wait=0.2
+        ):
             nc = await nats.connect(srv.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
             try:
                 assert isinstance((await ask(nc, pack(make_request(2))))[0], StepReply)
@@ -311,8 +339,9 @@ async def test_full_queue_answers_overloaded_at_once(tiny_expert_checkpoint):
 
     with NatsServer() as srv:
         be = FlakyTorchBackend(tiny_expert_checkpoint)
-        async with ExpertWorker(0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2), max_batch=1,
-                                max_queue_rows=2) as w:
+        async with ExpertWorker(
+            0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2), max_batch=1, max_queue_rows=2
+        ) as w:
             nc = await nats.connect(srv.url)
             try:
                 slow = asyncio.create_task(ask(nc, pack(make_request(1, t=np.full(1, 0.875, np.float32)))))

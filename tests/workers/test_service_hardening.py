@@ -11,20 +11,26 @@ import pytest
 
 from bus.nats_server import free_port
 from schemas import ErrorCode, ErrorReply, StepReply, StepRequest, StepResult, pack, subjects, unpack
-from workers.metrics_http import DEFAULT_METRICS_HOST
 from schemas.subjects import is_reply_inbox  # the rule the worker applies
-from workers.service import ExpertWorker
-
 from tests.waiting import wait_until
+from workers.metrics_http import DEFAULT_METRICS_HOST
+from workers.service import ExpertWorker
 
 SUBJECT = subjects.expert_velocity(0)
 
 
 def _request(n: int = 2, request_id: str = "q") -> bytes:
     rng = np.random.default_rng(0)
-    return pack(StepRequest(expert=0, x_t=rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
-                            t=np.full(n, 0.5, np.float32), y=np.zeros(n, np.int64),
-                            row_ids=[f"r{i}" for i in range(n)], request_id=request_id))
+    return pack(
+        StepRequest(
+            expert=0,
+            x_t=rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
+            t=np.full(n, 0.5, np.float32),
+            y=np.zeros(n, np.int64),
+            row_ids=[f"r{i}" for i in range(n)],
+            request_id=request_id,
+        )
+    )
 
 
 def test_inbox_subjects():
@@ -36,8 +42,9 @@ def test_inbox_subjects():
 
 async def test_metrics_bind_loopback_by_default(nats_url, tiny_expert_checkpoint):
     assert DEFAULT_METRICS_HOST == "127.0.0.1"
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2),
-                            metrics_port=free_port()) as w:
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2), metrics_port=free_port()
+    ) as w:
         hosts = {addr[0] for addr in w._metrics_runner.addresses}
     assert hosts == {"127.0.0.1"}
 
@@ -68,10 +75,10 @@ async def test_held_requests_are_bounded(nats_url, nc, tiny_expert_checkpoint):
     """max_inflight=1: requests that arrive while one is held are refused `overloaded` at once."""
     with pytest.raises(ValueError, match="max_inflight"):
         ExpertWorker(0, tiny_expert_checkpoint, "torch", max_inflight=0)
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2),
-                            max_inflight=1) as w:
-        replies = await asyncio.gather(*(nc.request(SUBJECT, _request(request_id=f"q{i}"), timeout=10)
-                                         for i in range(6)))
+    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2), max_inflight=1) as w:
+        replies = await asyncio.gather(
+            *(nc.request(SUBJECT, _request(request_id=f"q{i}"), timeout=10) for i in range(6))
+        )
         results = [unpack(m.data, StepResult) for m in replies]
         assert len(w._inflight) <= 1
     ok = [r for r in results if isinstance(r, StepReply)]

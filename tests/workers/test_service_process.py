@@ -30,12 +30,22 @@ def medium_checkpoint(tmp_path_factory) -> str:
 
 async def _start_worker(checkpoint: str, nats_url: str, *extra: str):
     proc = await asyncio.create_subprocess_exec(
-        *CLI, "worker", "--expert", "0", "--checkpoint", checkpoint, "--nats", nats_url, *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+        *CLI,
+        "worker",
+        "--expert",
+        "0",
+        "--checkpoint",
+        checkpoint,
+        "--nats",
+        nats_url,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
     )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 300)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         raise
     if not line.startswith(b"ready:"):
@@ -50,9 +60,16 @@ async def test_sigterm_during_a_batch_still_answers_every_held_request(medium_ch
     try:
         n = 6
         rng = np.random.default_rng(0)
-        reqs = [StepRequest(expert=0, x_t=rng.standard_normal((32, 1, 32, 32)).astype(np.float32),
-                            t=np.full(32, 0.5, np.float32), y=np.zeros(32, np.int64), request_id=f"q{i}")
-                for i in range(n)]
+        reqs = [
+            StepRequest(
+                expert=0,
+                x_t=rng.standard_normal((32, 1, 32, 32)).astype(np.float32),
+                t=np.full(32, 0.5, np.float32),
+                y=np.zeros(32, np.int64),
+                request_id=f"q{i}",
+            )
+            for i in range(n)
+        ]
         tasks = [asyncio.create_task(nc.request(subjects.expert_velocity(0), pack(r), timeout=120)) for r in reqs]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         proc.send_signal(signal.SIGTERM)  # the worker holds the other requests, one batch running
@@ -92,6 +109,17 @@ def test_worker_cli_rejects_bad_arguments_clearly(tiny_expert_checkpoint, tmp_pa
     assert r.returncode == 1 and "is for expert 0" in r.stderr and "Traceback" not in r.stderr
     from bus.nats_server import free_port
 
-    r = _cli("worker", "--expert", "0", "--checkpoint", tiny_expert_checkpoint, "--buckets", "1",
-             "--nats", f"nats://127.0.0.1:{free_port()}", "--connect-attempts", "1")
+    r = _cli(
+        "worker",
+        "--expert",
+        "0",
+        "--checkpoint",
+        tiny_expert_checkpoint,
+        "--buckets",
+        "1",
+        "--nats",
+        f"nats://127.0.0.1:{free_port()}",
+        "--connect-attempts",
+        "1",
+    )
     assert r.returncode == 1 and "cannot connect to NATS" in r.stderr and "Traceback" not in r.stderr

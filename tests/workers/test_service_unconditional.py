@@ -20,16 +20,24 @@ def null_label_checkpoint(tmp_path_factory) -> str:
     """A tiny random-init expert UNet with a null label (as `train-expert --label-dropout > 0`)."""
     from models.tiny import make_tiny_expert
 
-    return str(make_tiny_expert(tmp_path_factory.mktemp("null-expert") / "expert0", expert_id=0, seed=99,
-                                jitter=0.05, null_label=True))
+    return str(
+        make_tiny_expert(
+            tmp_path_factory.mktemp("null-expert") / "expert0", expert_id=0, seed=99, jitter=0.05, null_label=True
+        )
+    )
 
 
 def _request(y, seed: int = 0) -> StepRequest:
     rng = np.random.default_rng(seed)
     n = len(y)
-    return StepRequest(expert=0, x_t=rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
-                       t=rng.uniform(0, 1, n).astype(np.float32), y=np.asarray(y, np.int64),
-                       row_ids=[f"r{i}" for i in range(n)], request_id="unc-1")
+    return StepRequest(
+        expert=0,
+        x_t=rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
+        t=rng.uniform(0, 1, n).astype(np.float32),
+        y=np.asarray(y, np.int64),
+        row_ids=[f"r{i}" for i in range(n)],
+        request_id="unc-1",
+    )
 
 
 async def _ask(nc, req: StepRequest):
@@ -100,6 +108,6 @@ async def test_sim_worker_answers_minus_one(nats_url, nc, tiny_expert_checkpoint
         req = _request([UNCONDITIONAL, 5])
         reply = await _ask(nc, req)
         assert isinstance(reply, StepReply), reply
-        np.testing.assert_array_equal(reply.velocity, w.backend.forward(np.array(req.x_t), np.array(req.t),
-                                                                        np.array(req.y)))
-
+        np.testing.assert_array_equal(
+            reply.velocity, w.backend.forward(np.array(req.x_t), np.array(req.t), np.array(req.y))
+        )

@@ -15,8 +15,11 @@ from workers.service import ExpertWorker
 
 def _inputs(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, 1, 32, 32)).astype(np.float32), rng.uniform(0, 1, n).astype(np.float32),
-            rng.integers(0, 10, n).astype(np.int64))
+    return (
+        rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
+        rng.uniform(0, 1, n).astype(np.float32),
+        rng.integers(0, 10, n).astype(np.int64),
+    )
 
 
 async def _ask(nc, expert, x_wire, t, y, reply_dtype=None):
@@ -59,8 +62,9 @@ async def test_a_velocity_beyond_float16_is_a_clear_error_and_the_transport_fall
     x, t, y = _inputs(2, seed=1)
     x[:] = 1000.0
     t[:] = 1.0
-    async with ExpertWorker(5, sim_checkpoint, "sim", nats_url=nats_url, buckets=(1, 2),
-                            backend_options={"preset": "instant"}) as w:
+    async with ExpertWorker(
+        5, sim_checkpoint, "sim", nats_url=nats_url, buckets=(1, 2), backend_options={"preset": "instant"}
+    ) as w:
         _, err = await _ask(nc, 5, to_wire_dtype(x, "float16"), t, y, reply_dtype="float16")
         assert isinstance(err, ErrorReply) and err.code == ErrorCode.NON_FINITE and err.request_id == "w1"
         assert "velocity overflows float16" in err.message and "use float32" in err.message

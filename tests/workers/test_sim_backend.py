@@ -13,8 +13,19 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import (DoneEvent, ErrorCode, ErrorReply, JobRequest, StepReply, StepRequest, StepResult, encode_tensor,
-                     pack, subjects, unpack)
+from schemas import (
+    DoneEvent,
+    ErrorCode,
+    ErrorReply,
+    JobRequest,
+    StepReply,
+    StepRequest,
+    StepResult,
+    encode_tensor,
+    pack,
+    subjects,
+    unpack,
+)
 from workers.backends import BackendError, get_backend
 from workers.backends.sim_backend import PRESETS, SimBackend, sim_template
 
@@ -38,8 +49,11 @@ def _sim(checkpoint: str, **opts) -> SimBackend:
 
 def _inputs(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, 1, 32, 32)).astype(np.float32), rng.uniform(0, 1, n).astype(np.float32),
-            rng.integers(0, 10, n).astype(np.int64))
+    return (
+        rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
+        rng.uniform(0, 1, n).astype(np.float32),
+        rng.integers(0, 10, n).astype(np.int64),
+    )
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -79,8 +93,10 @@ def test_overrides_and_bad_options():
 
 @pytest.mark.procs
 def test_imports_numpy_only():
-    code = ("import sys; import workers.backends.sim_backend; "
-            "bad = [m for m in ('torch', 'jax', 'flax', 'torch_xla') if m in sys.modules]; print(bad)")
+    code = (
+        "import sys; import workers.backends.sim_backend; "
+        "bad = [m for m in ('torch', 'jax', 'flax', 'torch_xla') if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -123,7 +139,7 @@ def test_velocity_is_deterministic_and_independent_of_the_batch(sim_experts):
     np.testing.assert_array_equal(be.forward(x, t, y), full)
     np.testing.assert_array_equal(_sim(sim_experts[0], preset="instant").forward(x, t, y), full)
     for i in (0, 7, 15):  # a row alone, and inside a different batch, gives the same bits
-        np.testing.assert_array_equal(be.forward(x[i:i + 1], t[i:i + 1], y[i:i + 1])[0], full[i])
+        np.testing.assert_array_equal(be.forward(x[i : i + 1], t[i : i + 1], y[i : i + 1])[0], full[i])
     xo, to, yo = _inputs(5, seed=9)
     mixed = be.forward(np.concatenate([xo, x[3:4]]), np.concatenate([to, t[3:4]]), np.concatenate([yo, y[3:4]]))
     np.testing.assert_array_equal(mixed[-1], full[3])
@@ -166,9 +182,17 @@ def test_euler_from_noise_lands_on_the_class_template(sim_experts):
 
 
 def _raw(**overrides) -> bytes:
-    msg = {"v": 1, "kind": "step_request", "expert": 0, "x_t": encode_tensor(np.zeros((2, 1, 32, 32), np.float32)),
-           "t": encode_tensor(np.full(2, 0.5, np.float32)), "y": encode_tensor(np.zeros(2, np.int64)),
-           "row_ids": [], "deadline": None, "request_id": "bad-1"}
+    msg = {
+        "v": 1,
+        "kind": "step_request",
+        "expert": 0,
+        "x_t": encode_tensor(np.zeros((2, 1, 32, 32), np.float32)),
+        "t": encode_tensor(np.full(2, 0.5, np.float32)),
+        "y": encode_tensor(np.zeros(2, np.int64)),
+        "row_ids": [],
+        "deadline": None,
+        "request_id": "bad-1",
+    }
     msg.update(overrides)
     return msgpack.packb(msg, use_bin_type=True)
 
@@ -176,8 +200,14 @@ def _raw(**overrides) -> bytes:
 async def test_sim_worker_serves_and_refuses_bad_input(nats_url, nc, sim_experts):
     from workers.service import ExpertWorker
 
-    async with ExpertWorker(0, sim_experts[0], "sim", nats_url=nats_url, buckets=(1, 4, 16),
-                            backend_options={"batch_ms": 5.0, "row_ms": 0.1}) as worker:
+    async with ExpertWorker(
+        0,
+        sim_experts[0],
+        "sim",
+        nats_url=nats_url,
+        buckets=(1, 4, 16),
+        backend_options={"batch_ms": 5.0, "row_ms": 0.1},
+    ) as worker:
         assert worker.metadata()["backend"] == "sim"
         x, t, y = _inputs(3, seed=5)
         msg = await nc.request(subjects.expert_velocity(0), pack(StepRequest(expert=0, x_t=x, t=t, y=y)), timeout=10)
@@ -208,16 +238,21 @@ async def test_a_job_runs_through_two_sim_experts_and_converges(nats_url, nc, si
     from coordinator.service import Coordinator
     from workers.service import ExpertWorker
 
-    workers = [ExpertWorker(k, path, "sim", nats_url=nats_url, buckets=(1, 4, 16, 64),
-                            backend_options={"preset": "h200-jax"}) for k, path in enumerate(sim_experts)]
+    workers = [
+        ExpertWorker(k, path, "sim", nats_url=nats_url, buckets=(1, 4, 16, 64), backend_options={"preset": "h200-jax"})
+        for k, path in enumerate(sim_experts)
+    ]
     for w in workers:
         await w.start()
     try:
-        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url,
-                               step_timeout=10):
-            jobs = [JobRequest(digits=[3, 7], steps=4, seed=11, strategy="top1", solver="euler"),
-                    JobRequest(digits=[7], steps=4, seed=12, strategy="top1", solver="euler"),
-                    JobRequest(digits=[1, 2, 8], steps=3, seed=13, strategy="top1", solver="heun")]
+        async with Coordinator(
+            LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
+        ):
+            jobs = [
+                JobRequest(digits=[3, 7], steps=4, seed=11, strategy="top1", solver="euler"),
+                JobRequest(digits=[7], steps=4, seed=12, strategy="top1", solver="euler"),
+                JobRequest(digits=[1, 2, 8], steps=3, seed=13, strategy="top1", solver="heun"),
+            ]
             crowd = await asyncio.wait_for(asyncio.gather(*(run_job(nc, j) for j in jobs)), 120)
             solo = await asyncio.wait_for(run_job(nc, jobs[0]), 60)
     finally:
@@ -239,13 +274,34 @@ async def test_a_job_runs_through_two_sim_experts_and_converges(nats_url, nc, si
 @pytest.mark.procs
 async def test_worker_cli_with_the_sim_backend(nats_url, nc, sim_experts):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infra.cli", "worker", "--expert", "1", "--checkpoint", sim_experts[1], "--nats",
-        nats_url, "--backend", "sim", "--sim-preset", "instant", "--sim-batch-ms", "2", "--buckets", "1,8",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "worker",
+        "--expert",
+        "1",
+        "--checkpoint",
+        sim_experts[1],
+        "--nats",
+        nats_url,
+        "--backend",
+        "sim",
+        "--sim-preset",
+        "instant",
+        "--sim-batch-ms",
+        "2",
+        "--buckets",
+        "1,8",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        assert line.startswith(b"ready:") and b"backend=sim" in line and b"device=sim:instant" in line, \
-            (line, (await proc.stderr.read())[-2000:])
+        assert line.startswith(b"ready:") and b"backend=sim" in line and b"device=sim:instant" in line, (
+            line,
+            (await proc.stderr.read())[-2000:],
+        )
         x, t, y = _inputs(5, seed=2)
         msg = await nc.request(subjects.expert_velocity(1), pack(StepRequest(expert=1, x_t=x, t=t, y=y)), timeout=10)
         reply = unpack(msg.data, StepResult)
@@ -261,9 +317,24 @@ async def test_worker_cli_with_the_sim_backend(nats_url, nc, sim_experts):
 
 @pytest.mark.procs
 def test_sim_flags_need_the_sim_backend(sim_experts):
-    out = subprocess.run([sys.executable, "-m", "infra.cli", "worker", "--expert", "0", "--checkpoint",
-                          sim_experts[0], "--sim-preset", "h200-jax"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "infra.cli",
+            "worker",
+            "--expert",
+            "0",
+            "--checkpoint",
+            sim_experts[0],
+            "--sim-preset",
+            "h200-jax",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "need --backend sim" in out.stderr
 
 

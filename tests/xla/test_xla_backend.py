@@ -19,8 +19,11 @@ from workers.backends import get_backend
 
 def _batch(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, 1, 32, 32)).astype(np.float32), rng.uniform(0, 1, n).astype(np.float32),
-            rng.integers(0, 10, n).astype(np.int64))
+    return (
+        rng.standard_normal((n, 1, 32, 32)).astype(np.float32),
+        rng.uniform(0, 1, n).astype(np.float32),
+        rng.integers(0, 10, n).astype(np.int64),
+    )
 
 
 def _compiles() -> int:

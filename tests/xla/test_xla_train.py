@@ -18,16 +18,39 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_train_expert_on_xla_device_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "expert0"
-    cmd = [sys.executable, "-m", "infra.cli", "train-expert", "--expert", "0",
-           "--partition", str(ROOT / "checkpoints" / "partition.json"), "--device", "xla",
-           "--widths", "8,16,32", "--steps", "4", "--batch-size", "16", "--limit", "512", "--threads", "1",
-           "--out", str(out), "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "train-expert",
+        "--expert",
+        "0",
+        "--partition",
+        str(ROOT / "checkpoints" / "partition.json"),
+        "--device",
+        "xla",
+        "--widths",
+        "8,16,32",
+        "--steps",
+        "4",
+        "--batch-size",
+        "16",
+        "--limit",
+        "512",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "device xla" in proc.stdout + proc.stderr
 
-    from workers.backends import get_backend
     from models.checkpoint import load_checkpoint
+    from workers.backends import get_backend
 
     meta, state = load_checkpoint(out.with_suffix(".safetensors"))
     assert meta["training"]["steps"] == 4 and meta["training"]["device"] == "xla"
@@ -36,6 +59,9 @@ def test_train_expert_on_xla_device_writes_a_loadable_checkpoint(tmp_path):
     be = get_backend("torch")
     be.load(out.with_suffix(".safetensors"))
     rng = np.random.default_rng(0)
-    v = be.forward(rng.standard_normal((2, 1, 32, 32)).astype(np.float32), np.array([0.2, 0.8], np.float32),
-                   np.array([1, 3], np.int64))
+    v = be.forward(
+        rng.standard_normal((2, 1, 32, 32)).astype(np.float32),
+        np.array([0.2, 0.8], np.float32),
+        np.array([1, 3], np.int64),
+    )
     assert v.shape == (2, 1, 32, 32) and np.isfinite(v).all()

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable, Optional, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -54,13 +55,13 @@ class BackendBase:
     #: the sim's GPU-like model)? False lets the worker's batcher run exactly the rows it has.
     pads_to_buckets = True
 
-    def __init__(self, device: Optional[str] = None, bf16: bool = False):
+    def __init__(self, device: str | None = None, bf16: bool = False):
         self.requested_device = device
         self.device = device or "cpu"
         self.bf16 = bool(bf16)
         self.meta: dict[str, Any] = {}
         self.config = None  # models.config.UNetConfig or DiTConfig once loaded (`models.arch`)
-        self.checkpoint_path: Optional[str] = None
+        self.checkpoint_path: str | None = None
         self.warmup_s: dict[int, float] = {}
 
     # ---------------------------------------------------------------- info
@@ -89,7 +90,18 @@ class BackendBase:
         return bool(getattr(self.config, "null_label", False))
 
     @property
-    def expert(self) -> Optional[int]:
+    def spec(self):
+        """The loaded model's spec (`schemas.spec.ModelSpec`): the one stored in its checkpoint, or the
+        one its config implies for checkpoints made before specs (`models.spec.spec_of`)."""
+        from models.spec import spec_of
+
+        self._need_loaded()
+        if "spec" in self.meta:
+            return spec_of(self.meta, where=self.checkpoint_path or "checkpoint")
+        return spec_of({"config": self.config.to_dict(), "arch": self.meta.get("arch", "unet")})
+
+    @property
+    def expert(self) -> int | None:
         """Expert id recorded in the checkpoint, if any."""
         value = self.meta.get("expert", self.meta.get("expert_id"))
         if isinstance(value, dict):
@@ -160,7 +172,9 @@ class BackendBase:
             start = time.perf_counter()
             self.forward(x, t, y)
             self.warmup_s[b] = time.perf_counter() - start
-        log.info("%s backend warm: %s", self.name, ", ".join(f"{b}: {s * 1000:.0f} ms" for b, s in self.warmup_s.items()))
+        log.info(
+            "%s backend warm: %s", self.name, ", ".join(f"{b}: {s * 1000:.0f} ms" for b, s in self.warmup_s.items())
+        )
 
     # ---------------------------------------------------------------- subclass hooks
 

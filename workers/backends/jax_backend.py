@@ -7,8 +7,6 @@ Full float32 matmul/conv precision otherwise, so fp32 results match the torch ba
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from .base import BackendBase, BackendError
@@ -17,7 +15,7 @@ from .base import BackendBase, BackendError
 class JaxBackend(BackendBase):
     name = "jax"
 
-    def __init__(self, device: Optional[str] = None, bf16: bool = False):
+    def __init__(self, device: str | None = None, bf16: bool = False):
         super().__init__(device=device, bf16=bf16)
         import jax
 
@@ -27,7 +25,7 @@ class JaxBackend(BackendBase):
         self._fn = None
         self._params = None
 
-    def _pick_device(self, spec: Optional[str]):
+    def _pick_device(self, spec: str | None):
         jax = self._jax
         if not spec:
             return jax.devices()[0]
@@ -36,8 +34,9 @@ class JaxBackend(BackendBase):
         try:
             devices = jax.devices(platform)
         except RuntimeError as err:
-            raise BackendError(f"jax backend: no {platform!r} devices here ({err}); "
-                               f"available: {[d.platform for d in jax.devices()]}") from None
+            raise BackendError(
+                f"jax backend: no {platform!r} devices here ({err}); available: {[d.platform for d in jax.devices()]}"
+            ) from None
         try:
             return devices[int(index or 0)]
         except (ValueError, IndexError):
@@ -68,6 +67,12 @@ class JaxBackend(BackendBase):
 
     def _forward(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         jax = self._jax
-        args = jax.device_put((np.ascontiguousarray(x, np.float32), np.ascontiguousarray(t, np.float32),
-                               np.ascontiguousarray(y, np.int32)), self._dev)
+        args = jax.device_put(
+            (
+                np.ascontiguousarray(x, np.float32),
+                np.ascontiguousarray(t, np.float32),
+                np.ascontiguousarray(y, np.int32),
+            ),
+            self._dev,
+        )
         return np.asarray(self._fn(self._params, *args))

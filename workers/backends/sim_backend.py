@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -83,8 +82,14 @@ class SimBackend(BackendBase):
 
     name = "sim"
 
-    def __init__(self, device: Optional[str] = None, bf16: bool = False, preset: Optional[str] = None,
-                 batch_ms: Optional[float] = None, row_ms: Optional[float] = None):
+    def __init__(
+        self,
+        device: str | None = None,
+        bf16: bool = False,
+        preset: str | None = None,
+        batch_ms: float | None = None,
+        row_ms: float | None = None,
+    ):
         super().__init__(device=device, bf16=bf16)
         preset = preset or DEFAULT_PRESET
         if preset not in PRESETS:
@@ -97,7 +102,7 @@ class SimBackend(BackendBase):
             if not math.isfinite(value) or value < 0:
                 raise BackendError(f"sim backend: {label} must be a finite number >= 0, got {value}")
         self.device = device or f"sim:{preset}"
-        self._templates: Optional[np.ndarray] = None  # float32 [num_classes, C, H, W]
+        self._templates: np.ndarray | None = None  # float32 [num_classes, C, H, W]
 
     def latency_s(self, rows: int) -> float:
         """Seconds one forward pass of `rows` rows takes: (batch_ms + row_ms * rows) / 1000."""
@@ -137,8 +142,9 @@ class SimBackend(BackendBase):
         start = time.perf_counter()
         x = np.asarray(x, np.float32)
         if x.ndim != 4 or x.shape[1:] != self._templates.shape[1:]:
-            raise BackendError(f"sim backend: x must be [B, {', '.join(map(str, self._templates.shape[1:]))}], "
-                               f"got {list(x.shape)}")
+            raise BackendError(
+                f"sim backend: x must be [B, {', '.join(map(str, self._templates.shape[1:]))}], got {list(x.shape)}"
+            )
         rows = x.shape[0]
         t = np.asarray(t, np.float32).reshape(rows)
         y = np.asarray(y).reshape(rows).astype(np.int64)

@@ -9,8 +9,6 @@ worker does not pad batches to its buckets (`pads_to_buckets` False).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from .base import BackendBase, BackendError
@@ -19,8 +17,13 @@ from .base import BackendBase, BackendError
 class TorchBackend(BackendBase):
     name = "torch"
 
-    def __init__(self, device: Optional[str] = None, bf16: bool = False, channels_last: Optional[bool] = None,
-                 threads: Optional[int] = None):
+    def __init__(
+        self,
+        device: str | None = None,
+        bf16: bool = False,
+        channels_last: bool | None = None,
+        threads: int | None = None,
+    ):
         super().__init__(device=device or "cpu", bf16=bf16)
         import torch
 
@@ -57,8 +60,10 @@ class TorchBackend(BackendBase):
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         if missing or unexpected:
-            raise BackendError(f"torch backend: checkpoint does not match the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
+            raise BackendError(
+                f"torch backend: checkpoint does not match the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
         model = model.eval().to(self._device)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)

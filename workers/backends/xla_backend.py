@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from .base import BackendBase, BackendError
 
 log = logging.getLogger(__name__)
 
-_cache_ready: Optional[str] = None
+_cache_ready: str | None = None
 
 
 def init_persistent_cache(path: str) -> None:
@@ -49,7 +48,7 @@ def init_persistent_cache(path: str) -> None:
 class XlaBackend(BackendBase):
     name = "xla"
 
-    def __init__(self, device: Optional[str] = None, bf16: bool = False, cache_path: Optional[str] = None):
+    def __init__(self, device: str | None = None, bf16: bool = False, cache_path: str | None = None):
         super().__init__(device=device, bf16=bf16)
         try:
             import torch_xla  # noqa: F401

@@ -1,0 +1,106 @@
+"""The fleet's model spec, checked at the coordinator's start.
+
+The coordinator reads the spec of its router checkpoint, asks every expert worker on the bus for its
+spec (`$SRV.INFO.ddm-expert`: the `spec` key of the service metadata, compact JSON; workers of
+releases before specs advertise `input_shape` / `num_classes` instead, from which the spec is
+implied), and refuses to start when any member disagrees on what the fleet produces (sample shape,
+value range, space, prediction, time convention, classes), naming the worker that differs.
+
+    spec = await check_fleet_spec(nc, router_spec, num_experts=2)   # raises FleetSpecError
+
+Workers that start later are not checked here: a worker whose samples have another shape answers
+the coordinator's requests with `bad_shape`, which the transport treats as a bad reply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from bus.gather import gather_replies
+from schemas.spec import ModelSpec, SpecError, fleet_spec, legacy_spec
+
+log = logging.getLogger(__name__)
+
+#: The NATS micro service name every expert worker registers (workers.service.SERVICE_NAME).
+EXPERT_SERVICE = "ddm-expert"
+
+
+class FleetSpecError(SpecError):
+    """The fleet's members disagree on their model spec (the message names each odd one)."""
+
+
+def worker_spec(metadata: dict) -> ModelSpec:
+    """A worker's spec from its service metadata: the `spec` JSON, else the spec implied by
+    `input_shape` ("C,H,W") and `num_classes` (workers of releases before specs)."""
+    raw = metadata.get("spec")
+    if raw:
+        try:
+            data = json.loads(raw)
+        except (TypeError, ValueError) as err:
+            raise SpecError(f"metadata 'spec' is not JSON: {err}") from None
+        return ModelSpec.from_json(data if isinstance(data, dict) else {}, where="metadata 'spec'")
+    try:
+        c, h, w = (int(v) for v in str(metadata.get("input_shape", "1,32,32")).split(","))
+        classes = int(metadata.get("num_classes", 10))
+    except ValueError as err:
+        raise SpecError(f"metadata input_shape / num_classes unreadable: {err}") from None
+    if h != w:
+        return ModelSpec(sample_shape=(c, h, w))
+    return legacy_spec(
+        in_channels=c, image_size=h, num_classes=classes, null_label=metadata.get("null_label") == "true"
+    )
+
+
+def _member_name(md: dict) -> str:
+    where = f"{md.get('host', '?')} pid {md.get('pid', '?')}"
+    return f"expert {md.get('expert', '?')} worker {md.get('worker_id', '?')} ({where})"
+
+
+async def discover_worker_specs(nc, *, window_s: float = 0.5) -> dict[str, ModelSpec | SpecError]:
+    """{member name: spec} for every expert worker that answers `$SRV.INFO.ddm-expert` within
+    `window_s`; a worker whose advertised spec is unreadable maps to its SpecError."""
+    out: dict[str, ModelSpec | SpecError] = {}
+    for raw in await gather_replies(nc, f"$SRV.INFO.{EXPERT_SERVICE}", window=window_s):
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            continue
+        md = info.get("metadata") if isinstance(info, dict) else None
+        if not isinstance(md, dict):
+            continue
+        name = _member_name(md)
+        try:
+            out[name] = worker_spec(md)
+        except SpecError as err:
+            out[name] = err
+    return out
+
+
+def check_specs(router_spec: ModelSpec, workers: dict[str, ModelSpec | SpecError]) -> ModelSpec:
+    """The fleet's spec: the router's, checked against every worker's (pure; see module docstring).
+    Raises FleetSpecError naming every worker that differs or advertises an unreadable spec."""
+    bad = [f"{name}: {err}" for name, err in workers.items() if isinstance(err, SpecError)]
+    specs: dict[str, ModelSpec] = {"router": router_spec}
+    specs.update({n: s for n, s in workers.items() if isinstance(s, ModelSpec)})
+    try:
+        spec = fleet_spec(specs)
+    except SpecError as err:
+        bad.append(str(err))
+    if bad:
+        raise FleetSpecError("refusing to serve a fleet whose models disagree: " + " | ".join(bad))
+    return spec
+
+
+async def check_fleet_spec(nc, router_spec: ModelSpec, *, window_s: float = 0.5) -> ModelSpec:
+    """Discover the workers on the bus and return the fleet's spec (raises FleetSpecError)."""
+    workers = await discover_worker_specs(nc, window_s=window_s)
+    spec = check_specs(router_spec, workers)
+    log.info(
+        "fleet spec: %s, %s, %d classes; %d worker(s) agree",
+        list(spec.sample_shape),
+        spec.space,
+        spec.num_classes,
+        len(workers),
+    )
+    return spec

@@ -1,0 +1,194 @@
+"""The model spec: what every model of a fleet produces and takes, carried from checkpoint to viewer.
+
+One JSON object, stored in every checkpoint's metadata (`"spec"`), advertised by every worker in its
+service metadata, read by the coordinator at start (a fleet whose members disagree is refused) and
+returned by `fleet.status`. Everything downstream (scheduler shapes, router input, generate, viewer,
+eval, benches) reads shapes and class names from it instead of constants.
+
+    {"sample_shape": [3, 32, 32],            # [C, H, W] of one sample on the wire
+     "value_range": [-1.0, 1.0],             # the data's range (samples are clipped to it at the end)
+     "space": "pixels",                      # or "latent": then "decoder" names the stage to pixels
+     "decoder": null,
+     "conditioning": {"kind": "class", "num_classes": 10, "class_names": ["0", ...], "null_label": true},
+     "prediction": "velocity",               # in the project's time convention
+     "time_convention": "t0_noise_t1_data",  # t = 0 noise, t = 1 data
+     "arch": "unet"}                         # this model's network (may differ between experts)
+
+Checkpoints written before the spec existed have the implied spec `legacy_spec()` (1x32x32 pixels in
+[-1, 1], 10 classes named "0" to "9", velocity, UNet).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+#: The time convention every model of a fleet uses: x_t = (1 - t) noise + t data, v = data - noise.
+TIME_CONVENTION = "t0_noise_t1_data"
+
+#: Fields on which every member of a fleet must agree (the architecture may differ per expert, and
+#: whether an expert has a null label is probed per expert).
+FLEET_FIELDS = ("sample_shape", "value_range", "space", "decoder", "prediction", "time_convention")
+
+#: Largest sample a spec may declare (elements of C x H x W): 4 x 256 x 256 latents or a 3 x 512 x 512
+#: image; a step batch of such samples still has to fit MAX_PAYLOAD_BYTES in rows.
+MAX_SAMPLE_ELEMENTS = 3 * 512 * 512
+MAX_CLASSES = 100_000
+MAX_CLASS_NAME_LEN = 64
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _as_float_tuple(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value)
+    return value
+
+
+class SpecError(ValueError):
+    """A spec is malformed, or two specs that must agree do not."""
+
+
+class Conditioning(BaseModel):
+    """What a model is conditioned on: `class` labels 0..num_classes-1 (and -1 = unknown where
+    `null_label`), or `none` (unconditional models; every row's label is -1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["class", "none"] = "class"
+    num_classes: int = Field(default=10, ge=0, le=MAX_CLASSES)
+    class_names: list[str] | None = None
+    null_label: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Conditioning:
+        if self.kind == "none":
+            if self.num_classes != 0 or self.class_names:
+                raise ValueError("conditioning kind 'none' takes no classes: num_classes 0, no class_names")
+        elif self.num_classes < 1:
+            raise ValueError("conditioning kind 'class' needs num_classes >= 1 (or use kind 'none')")
+        if self.class_names is not None:
+            if len(self.class_names) != self.num_classes:
+                raise ValueError(f"class_names has {len(self.class_names)} names for {self.num_classes} classes")
+            bad = [n for n in self.class_names if not n or len(n) > MAX_CLASS_NAME_LEN]
+            if bad:
+                raise ValueError(f"class names must be 1-{MAX_CLASS_NAME_LEN} characters, got {bad[0]!r}")
+        return self
+
+    def name_of(self, label: int) -> str:
+        """The display name of `label` ("unknown" for -1)."""
+        if label < 0:
+            return "unknown"
+        if self.class_names is not None:
+            return self.class_names[label]
+        return str(label)
+
+
+class ModelSpec(BaseModel):
+    """The spec of one model (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # msgpack and JSON carry these as arrays (lists), which the wire's strict validation refuses as tuples
+    sample_shape: Annotated[tuple[int, int, int], BeforeValidator(_as_tuple)]
+    value_range: Annotated[tuple[float, float], BeforeValidator(_as_float_tuple)] = (-1.0, 1.0)
+    space: Literal["pixels", "latent"] = "pixels"
+    decoder: str | None = None
+    conditioning: Conditioning = Conditioning()
+    prediction: Literal["velocity"] = "velocity"
+    time_convention: Literal["t0_noise_t1_data"] = TIME_CONVENTION
+    arch: str = Field(default="unet", min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        c, h, w = self.sample_shape
+        if min(c, h, w) < 1:
+            raise ValueError(f"sample_shape must be [C, H, W] with every size >= 1, got {list(self.sample_shape)}")
+        if c * h * w > MAX_SAMPLE_ELEMENTS:
+            raise ValueError(
+                f"sample_shape {list(self.sample_shape)} has {c * h * w} elements; the limit is {MAX_SAMPLE_ELEMENTS}"
+            )
+        lo, hi = self.value_range
+        if not lo < hi:
+            raise ValueError(f"value_range must be [low, high] with low < high, got {list(self.value_range)}")
+        if self.space == "latent" and not self.decoder:
+            raise ValueError(
+                'a latent-space spec names its decoder ("decoder": the autoencoder that maps latents to pixels)'
+            )
+        if self.space == "pixels" and self.decoder:
+            raise ValueError("a pixel-space spec has no decoder")
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_classes(self) -> int:
+        return self.conditioning.num_classes
+
+    def to_json(self) -> dict:
+        """The spec as a JSON-ready dict (the checkpoint's and the service metadata's form)."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "spec") -> ModelSpec:
+        """Parse a spec dict; SpecError says where and what is wrong."""
+        from pydantic import ValidationError
+
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'spec'}: {e['msg']}" for e in err.errors())
+            raise SpecError(f"{where}: bad model spec: {problems}") from None
+
+    def differences(self, other: ModelSpec) -> list[str]:
+        """The fleet-level fields where `other` differs from this spec ("field: mine != theirs"), and
+        the class conditioning (kind, count and names); empty when they can serve one fleet."""
+        out = [
+            f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
+            for f in FLEET_FIELDS
+            if getattr(self, f) != getattr(other, f)
+        ]
+        a, b = self.conditioning, other.conditioning
+        if a.kind != b.kind or a.num_classes != b.num_classes:
+            out.append(f"conditioning: {a.kind} with {a.num_classes} classes != {b.kind} with {b.num_classes}")
+        elif a.class_names and b.class_names and a.class_names != b.class_names:
+            out.append(f"class_names: {a.class_names} != {b.class_names}")
+        return out
+
+
+def legacy_spec(
+    *, in_channels: int = 1, image_size: int = 32, num_classes: int = 10, null_label: bool = False, arch: str = "unet"
+) -> ModelSpec:
+    """The spec implied by a checkpoint made before specs existed (the MNIST fleet's: 1x32x32 pixels,
+    10 classes named "0"-"9", velocity, UNet), or by the UNet config fields given."""
+    names = [str(i) for i in range(num_classes)] if num_classes == 10 else None
+    return ModelSpec(
+        sample_shape=(in_channels, image_size, image_size),
+        conditioning=Conditioning(kind="class", num_classes=num_classes, class_names=names, null_label=null_label),
+        arch=arch,
+    )
+
+
+def fleet_spec(specs: dict[str, ModelSpec]) -> ModelSpec:
+    """The one spec a fleet serves, from its members' specs ({member name: spec}, e.g. "router",
+    "expert 0 (worker ab12)"). Raises SpecError naming each member that differs from the first one
+    (the router when present), with what differs. Class names missing on some members are taken from
+    the members that have them; the result's null_label is the first member's."""
+    if not specs:
+        raise SpecError("no model specs to compare")
+    items = list(specs.items())
+    ref_name, ref = items[0]
+    problems = []
+    for name, spec in items[1:]:
+        diff = ref.differences(spec)
+        if diff:
+            problems.append(f"{name} differs from {ref_name}: " + "; ".join(diff))
+    if problems:
+        raise SpecError("the fleet's models disagree on their spec: " + " | ".join(problems))
+    if ref.conditioning.class_names is None:
+        named = next((s.conditioning.class_names for _, s in items if s.conditioning.class_names), None)
+        if named is not None:
+            ref = ref.model_copy(update={"conditioning": ref.conditioning.model_copy(update={"class_names": named})})
+    return ref

@@ -1,0 +1,93 @@
+"""coordinator.fleet_spec: the coordinator checks its router's and every worker's model spec at start
+(real workers on a real nats-server) and refuses a fleet whose members disagree, naming the odd one."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.fleet_spec import FleetSpecError, check_fleet_spec, check_specs, worker_spec
+from models.tiny import make_tiny_expert
+from schemas.spec import Conditioning, ModelSpec, SpecError, legacy_spec
+from workers.service import ExpertWorker
+
+
+def test_worker_spec_reads_json_or_implies_one_from_old_metadata():
+    spec = ModelSpec(sample_shape=(3, 16, 16), conditioning=Conditioning(num_classes=4))
+    import json
+
+    assert worker_spec({"spec": json.dumps(spec.to_json())}) == spec
+    old = worker_spec({"input_shape": "1,32,32", "num_classes": "10"})
+    assert old.sample_shape == (1, 32, 32) and old.num_classes == 10
+    with pytest.raises(SpecError, match="not JSON"):
+        worker_spec({"spec": "{oops"})
+    with pytest.raises(SpecError, match="sample_shape"):
+        worker_spec({"spec": '{"sample_shape": [0, 1, 1]}'})
+
+
+def test_check_specs_names_unreadable_and_different_workers():
+    router = legacy_spec()
+    odd = legacy_spec(in_channels=3)
+    with pytest.raises(FleetSpecError) as err:
+        check_specs(
+            router,
+            {
+                "expert 0 worker a": legacy_spec(),
+                "expert 1 worker b": odd,
+                "expert 1 worker c": SpecError("metadata 'spec' is not JSON"),
+            },
+        )
+    msg = str(err.value)
+    assert "expert 1 worker b differs from router" in msg and "expert 1 worker c: metadata" in msg
+    assert "worker a" not in msg
+    assert check_specs(router, {"expert 0 worker a": legacy_spec()}) == router
+
+
+async def test_a_fleet_of_agreeing_workers_passes(nats_url, nc, tmp_path):
+    ck = make_tiny_expert(tmp_path / "e0", expert_id=0)
+    async with ExpertWorker(0, str(ck), "torch", nats_url=nats_url, buckets=(1,)):
+        spec = await check_fleet_spec(nc, legacy_spec(), window_s=0.5)
+    assert spec.sample_shape == (1, 32, 32)
+
+
+async def test_a_worker_with_another_shape_is_refused_by_name(nats_url, nc, tmp_path):
+    good = make_tiny_expert(tmp_path / "e0", expert_id=0)
+    rgb = make_tiny_expert(tmp_path / "e1", expert_id=1, in_channels=3)
+    async with (
+        ExpertWorker(0, str(good), "torch", nats_url=nats_url, buckets=(1,)),
+        ExpertWorker(1, str(rgb), "torch", nats_url=nats_url, buckets=(1,)) as odd,
+    ):
+        with pytest.raises(FleetSpecError) as err:
+            await check_fleet_spec(nc, legacy_spec(), window_s=0.5)
+    msg = str(err.value)
+    assert f"expert 1 worker {odd.worker_id}" in msg and "sample_shape" in msg and "(3, 32, 32)" in msg
+    assert "expert 0 worker" not in msg
+
+
+async def test_the_coordinator_refuses_to_start_on_a_fleet_that_disagrees(nats_url, tmp_path):
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+
+    rgb = make_tiny_expert(tmp_path / "e0", expert_id=0, in_channels=3)
+    async with ExpertWorker(0, str(rgb), "torch", nats_url=nats_url, buckets=(1,)) as odd:
+        coord = Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=legacy_spec())
+        with pytest.raises(FleetSpecError, match=f"expert 0 worker {odd.worker_id}"):
+            await coord.__aenter__()
+
+
+async def test_fleet_status_returns_the_spec_only_when_asked(nats_url, nc, tmp_path):
+    from client.jobs import fleet_status
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+    from schemas import FleetStatus, unpack
+
+    rgb = make_tiny_expert(tmp_path / "e0", expert_id=0, in_channels=3)
+    spec = legacy_spec(in_channels=3)
+    async with ExpertWorker(0, str(rgb), "torch", nats_url=nats_url, buckets=(1,)):
+        async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=spec) as coord:
+            assert coord.config.image_shape == (3, 32, 32)
+            plain = await nc.request("ddm.v1.fleet.status", b"", timeout=5)
+            assert b"spec" not in plain.data and unpack(plain.data, FleetStatus).spec is None  # what a v1 client sees
+            status = await fleet_status(nc, spec=True)
+            assert status.spec == spec and status.spec.sample_shape == (3, 32, 32)
+            as_json = await nc.request("ddm.v1.fleet.status", b'{"spec": true}', timeout=5)
+            assert unpack(as_json.data, FleetStatus).spec == spec

@@ -1,0 +1,98 @@
+"""schemas.spec: the model spec's validation, comparison across a fleet, and its legacy default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from models.spec import spec_of, with_spec
+from schemas.spec import Conditioning, ModelSpec, SpecError, fleet_spec, legacy_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rgb(**kw) -> ModelSpec:
+    base = dict(sample_shape=(3, 32, 32), conditioning=Conditioning(num_classes=4, class_names=list("abcd")))
+    return ModelSpec(**{**base, **kw})
+
+
+def test_round_trip_through_json():
+    spec = rgb(arch="dit")
+    again = ModelSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    assert again == spec and again.sample_shape == (3, 32, 32) and again.conditioning.class_names == list("abcd")
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"sample_shape": [0, 32, 32]}, "every size >= 1"),
+        ({"sample_shape": [3, 32]}, "sample_shape"),
+        ({"sample_shape": [3, 4096, 4096]}, "the limit is"),
+        ({"sample_shape": [1, 8, 8], "value_range": [1, -1]}, "low < high"),
+        ({"sample_shape": [4, 8, 8], "space": "latent"}, "names its decoder"),
+        ({"sample_shape": [1, 8, 8], "decoder": "vae"}, "pixel-space spec has no decoder"),
+        ({"sample_shape": [1, 8, 8], "prediction": "epsilon"}, "prediction"),
+        ({"sample_shape": [1, 8, 8], "time_convention": "t0_data_t1_noise"}, "time_convention"),
+        ({"sample_shape": [1, 8, 8], "conditioning": {"num_classes": 3, "class_names": ["a"]}}, "1 names for 3"),
+        ({"sample_shape": [1, 8, 8], "conditioning": {"kind": "none", "num_classes": 3}}, "takes no classes"),
+        ({"sample_shape": [1, 8, 8], "conditioning": {"kind": "class", "num_classes": 0}}, "num_classes >= 1"),
+        ({"sample_shape": [1, 8, 8], "surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_specs_are_refused_with_the_reason(bad, needle):
+    with pytest.raises(SpecError, match="expert 3") as err:
+        ModelSpec.from_json(bad, where="expert 3")
+    assert needle in str(err.value)
+
+
+def test_unconditional_spec_names_unknown():
+    spec = ModelSpec(sample_shape=(1, 8, 8), conditioning=Conditioning(kind="none", num_classes=0))
+    assert spec.num_classes == 0 and spec.conditioning.name_of(-1) == "unknown"
+    assert rgb().conditioning.name_of(2) == "c"
+    assert legacy_spec().conditioning.name_of(7) == "7"
+
+
+def test_fleet_spec_accepts_agreeing_members_of_different_architectures():
+    got = fleet_spec({"router": rgb(arch="router-cnn"), "expert 0": rgb(arch="unet"), "expert 1": rgb(arch="dit")})
+    assert got.sample_shape == (3, 32, 32)
+
+
+def test_fleet_spec_names_the_member_that_differs():
+    members = {"router": rgb(), "expert 0 (worker w1)": rgb(), "expert 1 (worker w2)": rgb(sample_shape=(1, 32, 32))}
+    with pytest.raises(SpecError) as err:
+        fleet_spec(members)
+    msg = str(err.value)
+    assert "expert 1 (worker w2) differs from router" in msg and "sample_shape" in msg and "expert 0" not in msg
+
+
+def test_fleet_spec_refuses_a_different_class_count_or_names():
+    with pytest.raises(SpecError, match="4 classes != class with 10"):
+        fleet_spec({"router": rgb(), "expert 0": legacy_spec(in_channels=3)})
+    other = rgb(conditioning=Conditioning(num_classes=4, class_names=list("wxyz")))
+    with pytest.raises(SpecError, match="class_names"):
+        fleet_spec({"router": rgb(), "expert 0": other})
+
+
+def test_fleet_spec_fills_class_names_from_a_member_that_has_them():
+    unnamed = rgb(conditioning=Conditioning(num_classes=4))
+    assert fleet_spec({"router": unnamed, "expert 0": rgb()}).conditioning.class_names == list("abcd")
+
+
+@pytest.mark.parametrize("name", ["expert0", "expert1", "monolith", "router"])
+def test_shipped_checkpoints_without_a_spec_imply_the_mnist_one(name):
+    meta = json.loads((ROOT / "checkpoints" / f"{name}.json").read_text())
+    assert "spec" not in meta
+    spec = spec_of(meta, where=name)
+    assert spec.sample_shape == (1, 32, 32) and spec.num_classes == 10 and spec.space == "pixels"
+    assert spec.conditioning.class_names == [str(i) for i in range(10)]
+
+
+def test_stored_spec_wins_and_must_match_the_config():
+    meta = {"config": {"in_channels": 3, "image_size": 32, "num_classes": 4}}
+    assert spec_of(with_spec(meta, rgb())).conditioning.class_names == list("abcd")
+    with pytest.raises(SpecError, match="config in_channels 1 != spec channels 3"):
+        spec_of(with_spec({"config": {"in_channels": 1}}, rgb()), where="x.json")
+    with pytest.raises(SpecError, match="must be a JSON object"):
+        spec_of({"spec": [1, 2]})
