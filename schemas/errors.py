@@ -11,7 +11,6 @@ import reprlib
 from enum import Enum
 from typing import Any
 
-
 #: What a code looks like on the wire (known or not): lowercase snake_case, at most 64 characters.
 _CODE_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
