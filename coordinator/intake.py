@@ -1,6 +1,29 @@
 """The coordinator's NATS endpoints: job submit, cancel and status in each client's namespace, and
-the fleet status, each answered on the requester's reply inbox (see `coordinator.service` for the
-subjects and the rules).
+the fleet status, each answered on the requester's reply inbox.
+
+Subjects (see `schemas.subjects`; `<c>` is the client token, the job's owner):
+* `ddm.v1.c.<c>.jobs.submit`        JobRequest -> JobAccepted | JobRejected (validation and
+                                    admission errors carry their ErrorCode); queue group
+                                    `ddm.v1.coordinators`, so several coordinators share the load.
+                                    The job is owned by `<c>`; its fairness key is "<c>" or
+                                    "<c>/<session>" (JobRequest.session). A job with digit -1
+                                    rows (label unknown) is refused `bad_request` when an expert
+                                    has no null label (a one-row probe per expert, kept
+                                    NULL_LABEL_TTL_S).
+* `ddm.v1.c.<c>.jobs.<id>.cancel`   CancelRequest (or empty body) -> CancelReply
+* `ddm.v1.c.<c>.jobs.<id>.status`   anything -> JobStatus (queued | running | done | failed | unknown);
+                                    for a job that finished recently the terminal event is published
+                                    again first, for a client that missed it (e.g. across a reconnect)
+* `ddm.v1.c.<c>.jobs.<id>.events`   published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
+* `ddm.v1.fleet.status`             anything -> FleetStatus
+
+Job ids are per client namespace: two clients may both run a job "abc" (each sees only its own
+events); a cancel or status request in a namespace `<c>` that does not own the job is answered
+exactly as for an unknown job (same reply, same delay) and never acted on.
+Replies go only to reply subjects under `_INBOX` (`_INBOX.…`, or `_INBOX_<c>.…` for a request
+in `<c>`'s namespace); a request with any other reply subject is dropped (rate-limited log line).
+A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
+[A-Za-z0-9_-]) is answered with ErrorReply(bad_request) at once.
 
 `Intake` decodes and checks a request, asks the coordinator (`coordinator.service.Coordinator`'s
 in-process API) and replies; it never keeps job state of its own. A request whose reply subject is
