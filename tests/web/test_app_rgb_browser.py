@@ -5,13 +5,17 @@ form, RGB tiles), generates by class name, and every final canvas holds exactly 
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+from PIL import Image
 
 from dataset.images import to_uint8
 from schemas import DoneEvent, JobEvent, subjects, unpack
 from schemas.spec import Conditioning, ModelSpec
 from tests.web.test_app_browser import browser, open_page, web_server  # noqa: F401 (fixtures)
+from tests.web.test_app_trajectories import _download
 
 NAMES = ["red", "green", "blue", "grey"]
 SPEC = ModelSpec(sample_shape=(3, 32, 32), conditioning=Conditioning(num_classes=4, class_names=NAMES))
@@ -99,6 +103,15 @@ async def test_rgb_fleet_canvases_hold_the_done_events_pixels(browser, web_serve
             np.testing.assert_array_equal(got, expected[i], err_msg=f"tile {i}")
         assert len({tuple(expected[i].reshape(-1, 3).mean(0).round(1)) for i in range(4)}) > 1  # not all alike
         assert any(len(np.unique(expected[i].reshape(-1, 3), axis=0)) > 1 for i in range(4))  # not flat
+        # the page's downloads keep the colours: .npz images [N, H, W, 3], a GIF in 256 colours
+        npz = np.load(io.BytesIO(await _download(page, done.locator(".download-npz"))))
+        assert npz["images"].shape == (4, 32, 32, 3) and (npz["images"] == expected).all()
+        assert npz["labels"].tolist() == [2, 0, -1, 3] and npz["frames"].shape[1:] == (4, 32, 32, 3)
+        gif = Image.open(io.BytesIO(await _download(page, done.locator(".download-gif"))))
+        gif.seek(gif.n_frames - 1)
+        r, g, b = np.asarray(gif.convert("RGB"))[2 + 10, 2 + 10]  # tile 0, pixel (5, 5), scaled 2x
+        want = expected[0, 5, 5].astype(int)  # 3-3-2 bits: within a quantisation step
+        assert abs(r - want[0]) <= 37 and abs(g - want[1]) <= 37 and abs(b - want[2]) <= 85, ((r, g, b), want)
         assert errors == [], errors
         await page.close()
     finally:

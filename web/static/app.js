@@ -751,13 +751,13 @@ function downloadNPZ(job) {
   const [h, w] = job.size;
   const n = job.tiles.length, K = job.K || (job.usage && job.usage[0] ? job.usage[0].length : 0);
   const F = job.traj.length;
+  const tile = job.ch === 3 ? [h, w, 3] : [h, w];  // RGB images as [.., H, W, 3]
+  const per = n * h * w * job.ch;
   const files = [
     ["images.npy", npy("|u1", [n, ...tile], job.final)],
     ["labels.npy", npy("<i4", [n], Int32Array.from(job.labels))],
     ["usage.npy", npy("<f4", [n, K], Float32Array.from((job.usage || []).flat()))],
   ];
-  const tile = job.ch === 3 ? [h, w, 3] : [h, w];  // RGB images as [.., H, W, 3]
-  const per = n * h * w * job.ch;
   const frames = new Uint8Array(F * per), frames1 = new Uint8Array(F * per);
   const weights = new Float32Array(F * n * K), experts = new Int32Array(F * n);
   job.traj.forEach((f, j) => {
