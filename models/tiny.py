@@ -6,7 +6,7 @@ to milliseconds. They are NOT for quality: the weights are random.
 
     make_tiny_expert(path, expert_id=0)              -> Path of <path>.safetensors
     make_tiny_experts(directory, num_experts=2)      -> [Path, ...] named expert0, expert1, ...
-    make_tiny_router(path, num_experts=2)            -> Path of <path>.safetensors
+    make_tiny_router(path, num_experts=2)            -> Path of <path>.safetensors (in_channels=3, ...)
     make_tiny_dit(path, expert_id=0)                 -> Path of <path>.safetensors (a DiT expert, "arch": "dit")
 
 Every call with the same arguments writes the same weights (seeded), so two processes that build
@@ -171,12 +171,15 @@ def make_tiny_router(
     width: int = 8,
     emb_dim: int = 16,
     meta: dict[str, Any] | None = None,
+    **shape: int,
 ) -> Path:
-    """Write a random-init RouterNet in the shipped router format; returns the ``.safetensors`` path."""
+    """Write a random-init RouterNet in the shipped router format; returns the ``.safetensors`` path.
+    ``shape`` overrides the RouterConfig's in_channels / image_size / num_classes (default 1 x 32 x 32,
+    10 classes); ``meta`` adds to its JSON (e.g. ``{"spec": spec.to_json()}`` to name the classes)."""
     import torch
 
     from .router import RouterConfig, RouterNet, save_router
 
     torch.manual_seed(seed)
-    net = RouterNet(cfg=RouterConfig(num_experts=num_experts, width=width, emb_dim=emb_dim))
+    net = RouterNet(cfg=RouterConfig(num_experts=num_experts, width=width, emb_dim=emb_dim, **shape))
     return save_router(path, net, {"tiny": True, **(meta or {})})

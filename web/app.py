@@ -8,10 +8,12 @@ Routes:
     GET /static/...   its JS and CSS (no build step)
     GET /ws           the websocket (protocol: web/protocol.py)
     GET /api/fleet    the latest fleet snapshot as JSON (web/fleet.py)
+    GET /api/spec     the fleet's model spec as the page gets it (web/spec.py)
     GET /healthz      "ok" while the NATS connection is up
 
 The server is just another bus client: one NATS connection (opened and drained in
-`cleanup_ctx`), one fleet poller task, one `Session` per socket. Sockets are closed on
+`cleanup_ctx`), one fleet poller task (which also asks the coordinator for the fleet's model spec and
+sends every socket a `spec` message when it changes), one `Session` per socket. Sockets are closed on
 shutdown, which cancels their unfinished jobs.
 
 Who may use it (web/guard.py): every request's Host and Origin are checked (421 / 403 otherwise),
@@ -36,6 +38,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from client.jobs import client_connect_options, client_from_url
 from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
+from schemas.spec import ModelSpec, legacy_spec
 
 from .fleet import FleetMonitor
 from .guard import (
@@ -52,6 +55,7 @@ from .guard import (
 )
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
 from .session import MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
+from .spec import fetch_spec, spec_message
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,22 @@ class FleetView:
 FLEET = web.AppKey("ddm_fleet", FleetView)
 
 
+@dataclass
+class SpecView:
+    """The fleet's model spec as the viewer knows it: `known` once a coordinator has said (until then the
+    MNIST fleet's, `legacy_spec()`); `message` is the page's `spec` message for it."""
+
+    spec: ModelSpec
+    known: bool = False
+
+    @property
+    def message(self) -> dict[str, Any]:
+        return spec_message(self.spec, known=self.known)
+
+
+SPEC = web.AppKey("ddm_spec", SpecView)
+
+
 def create_app(config: WebConfig | None = None) -> web.Application:
     """App factory. Nothing connects until the app starts (cleanup_ctx)."""
     app = web.Application(middlewares=[guard_middleware])
@@ -133,12 +153,14 @@ def create_app(config: WebConfig | None = None) -> web.Application:
     app[SOCKETS] = weakref.WeakSet()
     app[SESSIONS] = weakref.WeakSet()
     app[FLEET] = FleetView({"type": "fleet", "experts": [], "services": [], "coordinator": None, "time": None})
+    app[SPEC] = SpecView(legacy_spec())
     app.cleanup_ctx.append(_nats_ctx)
     app.cleanup_ctx.append(_fleet_ctx)
     app.on_shutdown.append(_close_sockets)
     app.router.add_get("/", index)
     app.router.add_get("/ws", websocket)
     app.router.add_get("/api/fleet", fleet_json)
+    app.router.add_get("/api/spec", spec_json)
     app.router.add_get("/healthz", healthz)
     app.router.add_static("/static/", STATIC_DIR, name="static")
     return app
@@ -183,16 +205,17 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
 
     async def poll() -> None:
         while True:
-            try:
-                snap = await monitor.snapshot()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # bus hiccup: keep the last snapshot, try again
-                log.warning("fleet snapshot failed: %s", err)
+            snap, spec = await asyncio.gather(monitor.snapshot(), fetch_spec(app[NATS]), return_exceptions=True)
+            if isinstance(snap, BaseException):  # bus hiccup: keep the last snapshot, try again
+                log.warning("fleet snapshot failed: %s", snap)
             else:
                 app[FLEET].latest = snap
                 for session in list(app[SESSIONS]):
                     session.outbox.put_latest("__fleet__", snap)
+            if isinstance(spec, BaseException):
+                log.warning("asking the coordinator for the fleet's spec failed: %s", spec)
+            elif spec is not None:
+                _update_spec(app, spec)
             await asyncio.sleep(cfg.fleet_interval)
 
     task = asyncio.create_task(poll(), name="ddm-web-fleet")
@@ -202,6 +225,19 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
     except asyncio.CancelledError:
         pass
+
+
+def _update_spec(app: web.Application, spec: ModelSpec) -> None:
+    """Keep the fleet's spec; when it changed (or became known), send every socket the `spec` message."""
+    view = app[SPEC]
+    if view.known and view.spec == spec:
+        return
+    if view.spec != spec:
+        log.info("the fleet's model spec: %s", spec.to_json())
+    view.spec, view.known = spec, True
+    msg = view.message
+    for session in list(app[SESSIONS]):
+        session.outbox.put_latest("__spec__", msg)
 
 
 async def _close_sockets(app: web.Application) -> None:
@@ -225,6 +261,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def fleet_json(request: web.Request) -> web.Response:
     return web.json_response(request.app[FLEET].latest)
+
+
+async def spec_json(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SPEC].message)
 
 
 def hello_message(cfg: WebConfig) -> dict[str, Any]:
@@ -297,10 +337,12 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
         unresponsive_after=cfg.unresponsive_after,
         max_queued=cfg.max_queued_messages,
         close_socket=close_socket,
+        spec=lambda: app[SPEC].spec,
     )
     rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
     app[SESSIONS].add(session)
     session.outbox.put(hello_message(cfg))
+    session.outbox.put_latest("__spec__", app[SPEC].message)
     if app[FLEET].latest.get("time") is not None:
         session.outbox.put_latest("__fleet__", app[FLEET].latest)
     sender = asyncio.create_task(session.run_sender(), name="ddm-web-sender")

@@ -1,8 +1,13 @@
 """Turn job events (tensors) into the compact JSON the page renders.
 
-Images travel to the browser as one base64 string per tile: the raw uint8 grayscale pixels
-of a [H, W] image, row-major (H*W bytes; 32*32 = 1024 bytes -> 1368 base64 chars). The page
-writes them into a canvas' ImageData. Router weights are rounded to 3 decimals.
+Images travel to the browser as one base64 string per tile, raw uint8 pixels, row-major:
+* 1 channel (MNIST): grey, H*W bytes (32*32 = 1024 bytes -> 1368 base64 chars);
+* 3 channels: RGB, H*W*3 bytes, interleaved (r, g, b of pixel 0, then pixel 1, ...);
+* 2 channels: grey, the channel mean;  4 or more: RGB of the first three channels (e.g. latents).
+`tile_channels(C)` says which (1 or 3); frame and done messages carry it as `channels`. The page
+writes the bytes into a canvas' ImageData. Floats become pixels by `dataset.images.to_uint8`, after
+the spec's `value_range` is mapped onto [-1, 1] (the identity for today's [-1, 1] fleets, so their
+bytes are unchanged). Router weights are rounded to 3 decimals.
 """
 
 from __future__ import annotations
@@ -15,17 +20,34 @@ import numpy as np
 from dataset.images import to_uint8
 from schemas import DoneEvent, FailedEvent, FrameEvent, JobAccepted
 
+#: The range `to_uint8` maps onto [0, 255]; other value ranges are mapped onto it first.
+MODEL_RANGE = (-1.0, 1.0)
 
-def tiles_b64(x: np.ndarray) -> list[str]:
-    """[N, C, H, W] float in [-1, 1] -> N base64 strings of H*W uint8 bytes each.
 
-    Grayscale is the channel mean, made pixels by `dataset.images.to_uint8` (clipped; a diverging
-    trajectory's non-finite values do not break the encoder)."""
+def tile_channels(channels: int) -> int:
+    """What a tile of a C-channel sample carries: 3 (RGB) for C >= 3, else 1 (grey)."""
+    return 3 if channels >= 3 else 1
+
+
+def tiles_b64(x: np.ndarray, value_range: tuple[float, float] = MODEL_RANGE) -> list[str]:
+    """[N, C, H, W] float in `value_range` -> N base64 strings of H*W*tile_channels(C) uint8 bytes each.
+
+    C == 1 or 2: grey, the channel mean, H*W bytes. C >= 3: RGB of channels 0-2, [H, W, 3] row-major
+    (interleaved), H*W*3 bytes. Pixels come from `dataset.images.to_uint8` (clipped; a diverging
+    trajectory's non-finite values do not break the encoder) after mapping `value_range` onto [-1, 1]."""
     a = np.asarray(x, dtype=np.float32)
     if a.ndim != 4:
         raise ValueError(f"expected images [N, C, H, W], got shape {list(a.shape)}")
-    gray = np.ascontiguousarray(to_uint8(a.mean(axis=1)))
-    return [base64.b64encode(tile.tobytes()).decode("ascii") for tile in gray]
+    lo, hi = float(value_range[0]), float(value_range[1])
+    if (lo, hi) != MODEL_RANGE:
+        if not hi > lo:
+            raise ValueError(f"value_range must be [low, high] with low < high, got {[lo, hi]}")
+        a = (a - np.float32(lo)) * np.float32(2.0 / (hi - lo)) - np.float32(1.0)
+    if tile_channels(a.shape[1]) == 3:
+        px = np.ascontiguousarray(to_uint8(a[:, :3].transpose(0, 2, 3, 1)))  # [N, H, W, 3]
+    else:
+        px = np.ascontiguousarray(to_uint8(a.mean(axis=1)))  # [N, H, W]
+    return [base64.b64encode(tile.tobytes()).decode("ascii") for tile in px]
 
 
 def _weights(w: np.ndarray, n: int) -> list[list[float]]:
@@ -36,20 +58,24 @@ def _weights(w: np.ndarray, n: int) -> list[list[float]]:
 
 
 def accepted_message(ev: JobAccepted) -> dict[str, Any]:
-    """JobAccepted -> {"type": "accepted", job_id, digits, seed, queue_position}. `seed` is a decimal
-    string: seeds go up to 2**63 and JavaScript numbers are exact only to 2**53."""
+    """JobAccepted -> {"type": "accepted", job_id, labels, digits, seed, queue_position}. `labels` is each
+    image's class (-1: unknown), whichever field the coordinator used; `digits` is the same list (what
+    pages before `labels` read). `seed` is a decimal string: seeds go up to 2**63 and JavaScript numbers
+    are exact only to 2**53."""
     return {
         "type": "accepted",
         "job_id": ev.job_id,
-        "digits": list(ev.digits),
+        "labels": list(ev.classes),
+        "digits": list(ev.classes),
         "seed": str(ev.seed),
         "queue_position": ev.queue_position,
     }
 
 
-def frame_message(ev: FrameEvent) -> dict[str, Any]:
-    """FrameEvent -> {"type": "frame", job_id, step, steps, t, size: [H, W], tiles, experts, weights, notes}
-    plus `x1` (tiles of the predicted final image, same encoding) when the event carries it."""
+def frame_message(ev: FrameEvent, value_range: tuple[float, float] = MODEL_RANGE) -> dict[str, Any]:
+    """FrameEvent -> {"type": "frame", job_id, step, steps, t, size: [H, W], channels, tiles, experts, weights,
+    notes} plus `x1` (tiles of the predicted final image, same encoding) when the event carries it.
+    `channels`: bytes per pixel of each tile (1 grey, 3 RGB; `tile_channels`)."""
     x = np.asarray(ev.x)
     n = x.shape[0] if x.ndim == 4 else 0
     msg = {
@@ -59,25 +85,29 @@ def frame_message(ev: FrameEvent) -> dict[str, Any]:
         "steps": ev.steps,
         "t": round(float(ev.t), 4),
         "size": list(x.shape[2:4]) if n else [0, 0],
-        "tiles": tiles_b64(x) if n else [],
+        "channels": tile_channels(x.shape[1]) if n else 1,
+        "tiles": tiles_b64(x, value_range) if n else [],
         "experts": list(ev.experts),
         "weights": _weights(ev.weights, n),
         "notes": list(ev.notes),
     }
     if ev.x1 is not None and n:
-        msg["x1"] = tiles_b64(ev.x1)
+        msg["x1"] = tiles_b64(ev.x1, value_range)
     return msg
 
 
-def done_message(ev: DoneEvent) -> dict[str, Any]:
-    """DoneEvent -> {"type": "done", job_id, size, tiles, digits, usage, steps, strategy, elapsed_s, notes}."""
+def done_message(ev: DoneEvent, value_range: tuple[float, float] = MODEL_RANGE) -> dict[str, Any]:
+    """DoneEvent -> {"type": "done", job_id, size, channels, tiles, labels, digits, usage, steps, strategy,
+    elapsed_s, notes} (`labels` / `digits`: as in `accepted_message`)."""
     x = np.asarray(ev.images)
     return {
         "type": "done",
         "job_id": ev.job_id,
         "size": list(x.shape[2:4]),
-        "tiles": tiles_b64(x),
-        "digits": list(ev.digits),
+        "channels": tile_channels(x.shape[1]),
+        "tiles": tiles_b64(x, value_range),
+        "labels": list(ev.classes),
+        "digits": list(ev.classes),
         "usage": _weights(ev.usage, x.shape[0]),
         "steps": ev.steps,
         "strategy": ev.strategy,
@@ -90,12 +120,12 @@ def failed_message(ev: FailedEvent) -> dict[str, Any]:
     return {"type": "failed", "job_id": ev.job_id, "code": ev.code.value, "reason": ev.reason}
 
 
-def event_message(ev: Any) -> dict[str, Any]:
-    """Any JobEvent -> its page message."""
+def event_message(ev: Any, value_range: tuple[float, float] = MODEL_RANGE) -> dict[str, Any]:
+    """Any JobEvent -> its page message (images in `value_range`, the fleet spec's)."""
     if isinstance(ev, FrameEvent):
-        return frame_message(ev)
+        return frame_message(ev, value_range)
     if isinstance(ev, DoneEvent):
-        return done_message(ev)
+        return done_message(ev, value_range)
     if isinstance(ev, FailedEvent):
         return failed_message(ev)
     if isinstance(ev, JobAccepted):

@@ -13,11 +13,17 @@ Every message is one JSON object with a `type`. Client -> server:
     {"type": "generate", "digits": "?,?,4" | [-1, -1, 4]}          "?" / "-1" / -1: no digit (label
                                                          unknown, unconditional: the router alone picks the
                                                          experts); not with strategy "oracle"
+    {"type": "generate", "labels": "cat, dog, ?" | "3 5" | [3, 5, -1]}  one image per class of the
+                                                         fleet's spec: class names or indices 0..num_classes-1
+                                                         (on the MNIST fleet exactly what `digits` takes)
     {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
     {"type": "ping"}                                                 answered with {"type": "pong"}
 
-Server -> client: `hello`, `accepted`, `frame`, `done`, `failed`, `rejected`, `cancelled`,
-`fleet`, `error`, `pong` (see `web/session.py` and `web/frames.py` for their fields).
+Server -> client: `hello`, `spec`, `accepted`, `frame`, `done`, `failed`, `rejected`, `cancelled`,
+`fleet`, `error`, `pong` (see `web/session.py`, `web/spec.py` and `web/frames.py` for their fields).
+
+Labels are read against the fleet's spec (`web/spec.py`); the job request names them `digits` on a fleet of
+ten classes (what every coordinator takes) and `labels` on any other (`web.spec.wire_label_field`).
 
 Nothing here touches the network: `parse_client_message` turns text into a typed command
 or raises `BadInput` whose message is shown to the user as is. Job parameters are validated
@@ -34,12 +40,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, UNCONDITIONAL, JobRequest, ProtocolError, validate
+from schemas.spec import MAX_CLASS_NAME_LEN, ModelSpec, legacy_spec
+
+from .spec import class_names, is_digit_fleet, wire_label_field
 
 #: Largest websocket text message the server reads (bytes); larger ones close the socket.
 MAX_CLIENT_MESSAGE_BYTES = 256 * 1024
 
 #: Job parameters a page may set; everything else in a `generate` message is refused.
 GENERATE_FIELDS = (
+    "labels",
     "digits",
     "count",
     "steps",
@@ -59,9 +69,15 @@ MIN_DEADLINE_S, MAX_DEADLINE_S = 1, 3600
 #: so an oversized string costs a length check, not a split of 256 KiB.
 MAX_DIGITS_CHARS = 8 * MAX_JOB_IMAGES + 64
 
+#: Longest `labels` string parsed: MAX_JOB_IMAGES class names of the longest length, with separators.
+MAX_LABELS_CHARS = (MAX_CLASS_NAME_LEN + 2) * MAX_JOB_IMAGES + 64
+
 _SPLIT = re.compile(r"[\s,;]+")
+_SPLIT_LIST = re.compile(r"\s*[,;]\s*")
 #: Tokens of a `digits` string that mean "no digit" (label unknown): the page's "?" and the wire's -1.
 NO_DIGIT_TOKENS = ("?", "-1")
+#: The spec labels are read against when none is given: the MNIST fleet's.
+MNIST_SPEC = legacy_spec()
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 40
 
@@ -137,6 +153,103 @@ def parse_digits(value: Any) -> list[int]:
     raise BadInput(f"digits must be a string like '3,7,7' or a list of integers, got {type(value).__name__}")
 
 
+def parse_labels(value: Any, spec: ModelSpec | None = None) -> list[int]:
+    """The classes of a `labels` entry against the fleet's spec -> [class index or -1, ...].
+
+    A string lists class names or indices 0..num_classes-1, separated by commas or semicolons (names may
+    hold spaces then: "aquarium fish, apple") or else by spaces; "?" or "-1" is "label unknown" (-1). A
+    token is first looked up as a class name (exactly, then ignoring case when that is unambiguous), then
+    read as an index. A list holds indices (-1 allowed) or names. On the MNIST fleet (classes "0"-"9") this
+    is `parse_digits`, with its messages. Raises BadInput naming the first offending entry."""
+    spec = spec if spec is not None else MNIST_SPEC
+    if is_digit_fleet(spec):
+        return parse_digits(value)
+    names = _NameIndex.of(spec)
+    n = len(names)
+    if isinstance(value, str):
+        if len(value) > MAX_LABELS_CHARS:
+            raise BadInput(
+                f"labels: {len(value)} characters is far too long; the limit is {MAX_JOB_IMAGES} images per job"
+            )
+        text = value.strip()
+        tokens = _SPLIT_LIST.split(text) if ("," in text or ";" in text) else text.split()
+        tokens = [tok.strip() for tok in tokens if tok.strip()]
+        if not tokens:
+            raise BadInput(f"enter at least one class, e.g. {_example(names)}")
+        return [_label_of(tok, names) for tok in tokens]
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            if isinstance(item, str):
+                out.append(_label_of(item.strip(), names))
+            elif isinstance(item, bool) or not isinstance(item, int) or not UNCONDITIONAL <= item < n:
+                raise BadInput(
+                    f"labels must be class indices 0-{n - 1} or class names, got {_shown(item)} "
+                    f"(or {UNCONDITIONAL}: label unknown)"
+                )
+            else:
+                out.append(item)
+        return out
+    raise BadInput(f"labels must be a string like {_example(names)!r} or a list, got {type(value).__name__}")
+
+
+class _NameIndex(list):
+    """A spec's class names with lookups by name and by case-folded name (None: ambiguous), built once
+    per spec (a fleet may have up to MAX_CLASSES classes; a job names up to MAX_JOB_IMAGES of them)."""
+
+    _cache: dict[int, tuple[ModelSpec, _NameIndex]] = {}
+
+    def __init__(self, names: list[str]):
+        super().__init__(names)
+        self.exact = {name: i for i, name in reversed(list(enumerate(names)))}
+        self.folded: dict[str, int | None] = {}
+        for i, name in enumerate(names):
+            key = name.casefold()
+            self.folded[key] = None if key in self.folded else i
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> _NameIndex:
+        hit = cls._cache.get(id(spec))
+        if hit is None or hit[0] is not spec:
+            if len(cls._cache) >= 4:
+                cls._cache.clear()
+            hit = cls._cache[id(spec)] = (spec, cls(class_names(spec)))
+        return hit[1]
+
+
+def _label_of(token: str, names: _NameIndex) -> int:
+    """One token of a labels string -> its class index (-1 for "?" / "-1"); BadInput if it names no class."""
+    if token in NO_DIGIT_TOKENS:
+        return UNCONDITIONAL
+    if token in names.exact:
+        return names.exact[token]
+    folded = names.folded.get(token.casefold())
+    if folded is not None:
+        return folded
+    if token.isascii() and token.isdigit() and len(token) <= 6 and int(token) < len(names):
+        return int(token)
+    shown = token if len(token) <= 24 else token[:24] + "…"
+    if not names:
+        raise BadInput(f"{shown!r}: this fleet is unconditional (no classes): use ? or a count of random images")
+    raise BadInput(
+        f"{shown!r} is not a class of this fleet: enter class names or numbers 0-{len(names) - 1} separated by "
+        f"commas, e.g. {_example(names)} (? for label unknown)"
+    )
+
+
+def _example(names: list[str]) -> str:
+    return ",".join(names[:3]) if names else "?"
+
+
+def _check_classes(classes: list[int], spec: ModelSpec, field: str, ref: Any) -> None:
+    """Every class index must be one of the fleet's (the coordinator would refuse it too, less plainly)."""
+    n = spec.num_classes
+    bad = next((c for c in classes if c != UNCONDITIONAL and not 0 <= c < n), None)
+    if bad is not None:
+        what = f"classes 0-{n - 1}" if n else "no classes (it is unconditional): use ?"
+        raise BadInput(f"{field}: {bad} is not a class of this fleet, which has {what}", ref=ref)
+
+
 def _refuse_oracle_without_labels(digits: list[int], strategy: Any, ref: Any) -> None:
     """Routing "oracle" runs the expert whose partition owns each image's digit: an image with no
     digit (-1) has none. Raises BadInput saying so and what to pick instead."""
@@ -151,7 +264,7 @@ def _refuse_oracle_without_labels(digits: list[int], strategy: Any, ref: Any) ->
         )
 
 
-def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
+def _job_request(msg: dict[str, Any], ref: Any, spec: ModelSpec) -> JobRequest:
     unknown = sorted(set(msg) - set(GENERATE_FIELDS) - {"type", "ref"})
     if unknown:
         shown = ", ".join(_shown(name) if len(str(name)) > 40 else str(name) for name in unknown[:8])
@@ -163,12 +276,18 @@ def _job_request(msg: dict[str, Any], ref: Any) -> JobRequest:
         fields["seed"] = int(seed)  # the page sends seeds as text: JS numbers lose digits past 2**53
     if "deadline_s" in fields:
         fields["deadline_s"] = _deadline(fields["deadline_s"], ref)
-    if "digits" in fields:
+    given = [name for name in ("labels", "digits") if name in fields]
+    if len(given) == 2:
+        raise BadInput("give labels or digits, not both", ref=ref)
+    if given:
+        field = given[0]
         try:
-            fields["digits"] = parse_digits(fields["digits"])
+            classes = parse_labels(fields.pop(field), spec) if field == "labels" else parse_digits(fields.pop(field))
         except BadInput as err:
             raise BadInput(err.message, ref=ref) from None
-        _refuse_oracle_without_labels(fields["digits"], fields.get("strategy"), ref)
+        _check_classes(classes, spec, field, ref)
+        _refuse_oracle_without_labels(classes, fields.get("strategy"), ref)
+        fields[wire_label_field(spec)] = classes
     try:  # strict, like the wire: the page sends numbers as JSON numbers
         return validate({"v": PROTOCOL_VERSION, "kind": "job_request", **fields}, JobRequest)
     except ProtocolError as err:
@@ -187,8 +306,9 @@ def _deadline(value: Any, ref: Any) -> float:
     return float(value)
 
 
-def parse_client_message(text: Any) -> ClientMessage:
-    """One websocket text frame -> a command. Raises BadInput for anything else."""
+def parse_client_message(text: Any, spec: ModelSpec | None = None) -> ClientMessage:
+    """One websocket text frame -> a command; labels are read against the fleet's `spec` (None: the
+    MNIST fleet's, `legacy_spec()`). Raises BadInput for anything else."""
     if not isinstance(text, str):
         raise BadInput("send JSON text frames, not binary")
     try:
@@ -202,7 +322,7 @@ def parse_client_message(text: Any) -> ClientMessage:
         raise BadInput("ref must be a short string or integer")
     kind = msg.get("type")
     if kind == "generate":
-        return Generate(_job_request(msg, ref), ref)
+        return Generate(_job_request(msg, ref, spec if spec is not None else MNIST_SPEC), ref)
     if kind == "cancel":
         job_id = msg.get("job_id")
         if not isinstance(job_id, str) or not job_id:

@@ -46,9 +46,10 @@ from schemas import (
     subjects,
     unpack,
 )
+from schemas.spec import ModelSpec
 
 from .frames import event_message
-from .protocol import BadInput, Cancel, Generate, Ping, parse_client_message
+from .protocol import MNIST_SPEC, BadInput, Cancel, Generate, Ping, parse_client_message
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +171,13 @@ class Session:
         unresponsive_after: float | None = 60.0,
         max_queued: int = MAX_QUEUED_MESSAGES,
         close_socket: Callable[[int, str], Awaitable[None]] | None = None,
+        spec: Callable[[], ModelSpec] | None = None,
     ):
-        """close_socket(code, reason): closes this session's socket (called when the client does not read)."""
+        """close_socket(code, reason): closes this session's socket (called when the client does not read).
+        spec(): the fleet's current model spec (labels are read against it, images mapped from its value
+        range); None: the MNIST fleet's."""
         self.nc = nc
+        self._spec = spec
         self._send = send
         self._close_socket = close_socket
         self._closer: asyncio.Future | None = None
@@ -193,6 +198,11 @@ class Session:
         client = client_of(nc)
         self.client = WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client
         self.session_tag = "s" + secrets.token_hex(8)
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The fleet's model spec as this session knows it now."""
+        return self._spec() if self._spec is not None else MNIST_SPEC
 
     # ------------------------------------------------------------ sending
 
@@ -217,7 +227,7 @@ class Session:
             kind, value = item
             if kind == "latest" and not isinstance(value, dict):
                 try:
-                    value = event_message(value)
+                    value = event_message(value, self.spec.value_range)
                 except (ValueError, TypeError) as err:
                     value = {"type": "error", "code": "internal", "message": f"undrawable event: {err}"}
             try:
@@ -230,7 +240,7 @@ class Session:
     def handle(self, text: Any) -> None:
         """One message from the page. Never raises for bad input: it answers with an error."""
         try:
-            cmd = parse_client_message(text)
+            cmd = parse_client_message(text, self.spec)
         except BadInput as err:
             self.error(err.message, code=err.code, ref=err.ref)
             return

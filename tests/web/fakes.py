@@ -95,14 +95,14 @@ class FakeCoordinator:
             )
             return
         rng = np.random.default_rng(req.seed or 0)
-        digits = req.digits if req.digits is not None else [int(d) for d in rng.integers(0, 10, req.count)]
+        digits = req.classes if req.classes is not None else [int(d) for d in rng.integers(0, 10, req.count)]
         self.jobs[req.job_id] = req
         self.owners[req.job_id] = subjects.parse_submit_subject(msg.subject)
         accepted = pack(
             JobAccepted(
                 job_id=req.job_id,
                 events_subject=subjects.job_events(self.owners[req.job_id], req.job_id),
-                digits=digits,
+                **{req.label_field: digits},  # events name the labels as the request did
                 seed=req.seed or 0,
             )
         )
@@ -159,7 +159,7 @@ class FakeCoordinator:
                 DoneEvent(
                     job_id=req.job_id,
                     images=x,
-                    digits=digits,
+                    **{req.label_field: digits},
                     usage=usage,
                     steps=req.steps,
                     strategy=req.strategy,

@@ -4,10 +4,25 @@
 const PALETTE = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45",
                  "#fabed4", "#469990", "#dcbeff", "#9a6324"];
 const MIXED = "#9aa0aa";
-// A digit of -1 is "no digit": the label is unknown (an unconditional image; the router alone picks the experts).
+// A label of -1 is "no digit" / "label unknown" (an unconditional image; the router alone picks the experts).
 const NO_DIGIT = -1;
-const digitText = (d) => (d === NO_DIGIT ? "?" : String(d));
 const NO_DIGIT_TITLE = "no digit: label unknown (unconditional), the router alone picked the experts";
+const NO_LABEL_TITLE = "label unknown (unconditional), the router alone picked the experts";
+// The fleet's model spec (the server's `spec` message, web/spec.py); until it comes, the MNIST fleet's.
+const MNIST_SPEC = { known: false, sample_shape: [1, 32, 32], channels: 1, size: [32, 32], tile_channels: 1,
+                     conditioning: "class", num_classes: 10, null_label: false, digits: true,
+                     class_names: ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"] };
+const DEFAULT_DIGITS = "0,1,2,3,4,5,6,7,8,9";
+const fleetSpec = () => state.spec || MNIST_SPEC;
+// A label as the page shows it: its class name ("?" when unknown); on the MNIST fleet "digit 3".
+const labelName = (l) => (l === NO_DIGIT ? "?" : (fleetSpec().class_names[l] ?? String(l)));
+const labelText = (l) => (fleetSpec().digits ? `digit ${labelName(l)}` : labelName(l));
+const unknownTitle = () => (fleetSpec().digits ? NO_DIGIT_TITLE : NO_LABEL_TITLE);
+// A label in a file name: digit3 / nodigit on the MNIST fleet, else the class name made file-safe / nolabel.
+function labelFile(l) {
+  if (fleetSpec().digits) return l === NO_DIGIT ? "nodigit" : `digit${l}`;
+  return l === NO_DIGIT ? "nolabel" : labelName(l).replace(/[^A-Za-z0-9_-]+/g, "_").slice(0, 40);
+}
 const expertColor = (e) => (e === null || e === undefined || e < 0) ? MIXED : PALETTE[e % PALETTE.length];
 
 const $ = (sel, root = document) => root.querySelector(sel);
@@ -126,9 +141,9 @@ function b64bytes(b64, out, offset) {
   return n;
 }
 
-// N base64 tiles of H*W bytes -> one Uint8Array [N*H*W]
-function decodeTiles(tiles, h, w) {
-  const px = h * w;
+// N base64 tiles of H*W*ch bytes (ch 1: grey, 3: RGB interleaved) -> one Uint8Array [N*H*W*ch]
+function decodeTiles(tiles, h, w, ch = 1) {
+  const px = h * w * ch;
   const out = new Uint8Array(tiles.length * px);
   tiles.forEach((t, i) => b64bytes(t, out, i * px));
   return out;
@@ -199,7 +214,7 @@ const svg = (tag, attrs = {}) => {
   return node;
 };
 
-function jobCard(jobId, digits) {
+function jobCard(jobId, labels) {
   let job = state.jobs.get(jobId);
   if (job) return job;
   const card = $("#job-template").content.firstElementChild.cloneNode(true);
@@ -207,9 +222,9 @@ function jobCard(jobId, digits) {
   card.dataset.frames = "0";
   card.dataset.kept = "0";
   $(".job-title", card).textContent = jobId;
-  job = { id: jobId, card, tiles: [], steps: 0, frames: 0, digits: digits || [], state: "submitted",
+  job = { id: jobId, card, tiles: [], steps: 0, frames: 0, labels: labels || [], state: "submitted",
           traj: [], timeline: [], keptBytes: 0, dropped: false, thinned: false, cursor: -1, view: "x",
-          size: [32, 32], final: null, usage: null, seed: null, req: null, K: 0, hasX1: false,
+          size: [32, 32], ch: 1, final: null, usage: null, seed: null, req: null, K: 0, hasX1: false,
           playTimer: null, compareOf: null, strategy: null };
   $(".cancel", card).onclick = () => send({ type: "cancel", job_id: jobId });
   $(".download-all", card).onclick = () => downloadPNG(job);
@@ -229,7 +244,7 @@ function jobCard(jobId, digits) {
   $("#empty-hint").hidden = true;
   $("#jobs").prepend(card);
   state.jobs.set(jobId, job);
-  if (job.digits.length) ensureTiles(job, job.digits.length);
+  if (job.labels.length) ensureTiles(job, job.labels.length);
   return job;
 }
 
@@ -242,9 +257,9 @@ function ensureTiles(job, n) {
     const plot = svg("svg", { class: "plot", viewBox: `0 0 ${PLOT_W} ${PLOT_H}`, width: PLOT_W, height: PLOT_H,
                               "aria-label": "router weight per expert over t" });
     plot.style.display = "none";
-    const digit = job.digits[i];
-    const label = el("div", { class: "label" }, el("span", { text: digit === undefined ? `#${i}` : `digit ${digitText(digit)}` }));
-    if (digit === NO_DIGIT) label.title = NO_DIGIT_TITLE;
+    const cls = job.labels[i];
+    const label = el("div", { class: "label" }, el("span", { text: cls === undefined ? `#${i}` : labelText(cls) }));
+    if (cls === NO_DIGIT) label.title = unknownTitle();
     box.append(el("div", { class: "tile" }, canvas, bars, plot, label));
     const tile = { canvas, bars, plot, label, link: null, cursor: null };
     plot.addEventListener("mousemove", (ev) => hoverPlot(job, i, ev));
@@ -262,19 +277,29 @@ function setJobState(job, s, text) {
   if (finished) stopPlay(job);
 }
 
-// uint8 grey pixels -> canvas
-function drawPixels(canvas, px, offset, h, w) {
+// uint8 pixels -> canvas: ch 1 grey (H*W bytes), ch 3 RGB interleaved (H*W*3 bytes), from px[offset].
+function drawPixels(canvas, px, offset, h, w, ch = 1) {
   if (canvas.width !== w || canvas.height !== h) { canvas.width = w; canvas.height = h; }
   const ctx = canvas.getContext("2d");
   const img = ctx.createImageData(w, h);
   const d = img.data;
   const n = w * h;
-  for (let i = 0; i < n; i++) {
-    const v = px[offset + i];
-    d[4 * i] = v; d[4 * i + 1] = v; d[4 * i + 2] = v; d[4 * i + 3] = 255;
+  if (ch === 3) {
+    for (let i = 0; i < n; i++) {
+      const o = offset + 3 * i;
+      d[4 * i] = px[o]; d[4 * i + 1] = px[o + 1]; d[4 * i + 2] = px[o + 2]; d[4 * i + 3] = 255;
+    }
+  } else {
+    for (let i = 0; i < n; i++) {
+      const v = px[offset + i];
+      d[4 * i] = v; d[4 * i + 1] = v; d[4 * i + 2] = v; d[4 * i + 3] = 255;
+    }
   }
   ctx.putImageData(img, 0, 0);
 }
+
+// Bytes of one tile of a job: H*W*channels.
+function tileBytes(job) { return job.size[0] * job.size[1] * job.ch; }
 
 function drawBars(bars, weights) {
   if (!weights) return;
@@ -298,7 +323,7 @@ function drawFrame(job, f) {
   const n = Math.min(job.tiles.length, f.experts.length);
   for (let i = 0; i < n; i++) {
     const tile = job.tiles[i];
-    if (px) drawPixels(tile.canvas, px, i * h * w, h, w);
+    if (px) drawPixels(tile.canvas, px, i * h * w * job.ch, h, w, job.ch);
     const e = f.experts[i];
     tile.canvas.dataset.expert = String(e);
     tile.canvas.style.borderColor = expertColor(e);
@@ -325,9 +350,11 @@ function onFrame(msg) {
   if (job.state !== "running" && job.state !== "submitted") return;
   ensureTiles(job, msg.tiles.length);
   const [h, w] = msg.size;
+  const ch = msg.channels || 1;
   job.size = [h, w];
-  const f = { step: msg.step, t: msg.t, x: decodeTiles(msg.tiles, h, w),
-              x1: msg.x1 ? decodeTiles(msg.x1, h, w) : null, experts: msg.experts, weights: msg.weights };
+  job.ch = ch;
+  const f = { step: msg.step, t: msg.t, x: decodeTiles(msg.tiles, h, w, ch),
+              x1: msg.x1 ? decodeTiles(msg.x1, h, w, ch) : null, experts: msg.experts, weights: msg.weights };
   if (f.x1 && !job.hasX1) { job.hasX1 = true; $(".views", job.card).hidden = false; }
   if (msg.weights.length) job.K = Math.max(job.K, msg.weights[0].length);
   job.timeline.push({ step: msg.step, t: msg.t, experts: msg.experts, weights: msg.weights });
@@ -352,12 +379,16 @@ function onFrame(msg) {
 }
 
 function onDone(msg) {
-  const job = jobCard(msg.job_id, msg.digits);
-  if (!job.digits.length) job.digits = msg.digits;
+  const labels = msg.labels || msg.digits;
+  const job = jobCard(msg.job_id, labels);
+  if (!job.labels.length) job.labels = labels;
   ensureTiles(job, msg.tiles.length);
   const [h, w] = msg.size;
+  const ch = msg.channels || 1;
   job.size = [h, w];
-  job.final = decodeTiles(msg.tiles, h, w);
+  job.ch = ch;
+  job.card.dataset.channels = String(ch);
+  job.final = decodeTiles(msg.tiles, h, w, ch);
   job.usage = msg.usage;
   job.steps = msg.steps;
   job.strategy = msg.strategy;
@@ -378,16 +409,15 @@ function onDone(msg) {
   }
   msg.tiles.forEach((_, i) => {
     const tile = job.tiles[i];
-    drawPixels(tile.canvas, job.final, i * h * w, h, w);
+    drawPixels(tile.canvas, job.final, i * h * w * ch, h, w, ch);
     tile.canvas.dataset.final = "1";
     if (msg.usage && msg.usage[i]) {
       drawBars(tile.bars, msg.usage[i]);
       tile.bars.title = "share of steps per expert: " + msg.usage[i].map((u, k) => `expert ${k} ${u.toFixed(2)}`).join(", ");
     }
     if (!tile.link) {
-      const digit = msg.digits[i];
       tile.link = el("a", { href: "#", class: "download", text: "PNG", title: "download this image",
-                            download: `ddm-${msg.job_id}-${i}-${digit === NO_DIGIT ? "nodigit" : `digit${digit}`}.png` });
+                            download: `ddm-${msg.job_id}-${i}-${labelFile(labels[i])}.png` });
       tile.link.onclick = () => { tile.link.href = pngURL([tile.canvas], 4); };
       tile.label.append(tile.link);
     }
@@ -565,7 +595,7 @@ function hoverPlot(job, i, ev) {
   const r = c.getBoundingClientRect();
   const t = Math.min(1, Math.max(0, (ev.clientX - r.left) / r.width));
   const f = nearestEntry(tl, t);
-  showTip(ev, `image ${i} (digit ${digitText(job.digits[i])}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
+  showTip(ev, `image ${i} (${labelText(job.labels[i])}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
               `${weightsText(f.weights[i])}\n${servedText(f.experts[i])}`);
 }
 
@@ -577,7 +607,7 @@ function hoverServed(job, ev) {
   const j = Math.min(tl.length - 1, Math.max(0, Math.floor((ev.clientX - r.left) / r.width * tl.length)));
   const i = Math.min(c.height - 1, Math.max(0, Math.floor((ev.clientY - r.top) / r.height * c.height)));
   const f = tl[j];
-  showTip(ev, `image ${i} (digit ${digitText(job.digits[i])}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
+  showTip(ev, `image ${i} (${labelText(job.labels[i])}) · step ${f.step} · t=${Number(f.t).toFixed(2)}\n` +
               `${servedText(f.experts[i])}\n${weightsText(f.weights[i])}`);
 }
 
@@ -594,10 +624,10 @@ function hideTip() { $("#tip").hidden = true; }
 // ------------------------------------------------------------------ compare (same seed, other routing)
 
 function compare(job) {
-  if (job.seed === null || !job.digits.length) { showError("this job has no seed or digits to rerun"); return; }
+  if (job.seed === null || !job.labels.length) { showError("this job has no seed or labels to rerun"); return; }
   const strategy = $(".cmp-strategy", job.card).value;
   const solver = $(".cmp-solver", job.card).value;
-  const req = { type: "generate", ref: state.nextRef++, digits: job.digits.join(","), seed: job.seed,
+  const req = { type: "generate", ref: state.nextRef++, labels: job.labels.slice(), seed: job.seed,
                 steps: job.steps, strategy, solver };
   if (strategy === "topk") req.top_k = (job.req && job.req.top_k) || 2;
   if ($("#frame_x1").checked) req.frame_x1 = true;
@@ -622,9 +652,9 @@ function linkComparison(job, orig) {
   const [h, w] = orig.size;
   orig.tiles.forEach((t, i) => {
     const c = el("canvas", { width: w, height: h });
-    if (orig.final) drawPixels(c, orig.final, i * h * w, h, w);
+    if (orig.final) drawPixels(c, orig.final, i * h * w * orig.ch, h, w, orig.ch);
     c.style.borderColor = t.canvas.style.borderColor;
-    a.append(el("div", { class: "ctile" }, c, el("div", { class: "label", text: `digit ${digitText(orig.digits[i])}` })));
+    a.append(el("div", { class: "ctile" }, c, el("div", { class: "label", text: labelText(orig.labels[i]) })));
   });
   $(".tiles", job.card).dataset.label = `B · ${describe(job)}`;
 }
@@ -633,7 +663,8 @@ function showComparison(job) {
   const orig = job.compareOf;
   if (!orig.final || !job.final || orig.final.length !== job.final.length) return;
   const [h, w] = job.size;
-  const px = h * w;
+  const ch = job.ch;
+  const px = h * w * ch;  // bytes per tile: the mean |A - B| is over every channel
   const box = $(".cmp-diff", job.card);
   box.hidden = false;
   box.replaceChildren(el("div", { class: "row-label", text: "|A − B|" }));
@@ -648,7 +679,7 @@ function showComparison(job) {
     const mean = sum / px;
     diffs.push(mean);
     const c = el("canvas", { width: w, height: h, class: "diff" });
-    drawPixels(c, d, 0, h, w);
+    drawPixels(c, d, 0, h, w, ch);
     box.append(el("div", { class: "ctile", "data-mad": mean.toFixed(2) }, c,
       el("div", { class: "label", text: `mean |Δ| ${mean.toFixed(1)}` })));
   });
@@ -671,7 +702,7 @@ function gridCanvas(job, px, scale) {
   ctx.imageSmoothingEnabled = false;
   const one = document.createElement("canvas");
   for (let i = 0; i < n; i++) {
-    drawPixels(one, px, i * h * w, h, w);
+    drawPixels(one, px, i * h * w * job.ch, h, w, job.ch);
     ctx.drawImage(one, gap + (i % cols) * (w * scale + gap), gap + Math.floor(i / cols) * (h * scale + gap), w * scale, h * scale);
   }
   return out;
@@ -689,7 +720,8 @@ function downloadPNG(job) {
   gridCanvas(job, job.final, 2).toBlob((b) => saveBlob(b, `ddm-${job.id}.png`), "image/png");
 }
 
-// Same grid layout, grey levels only, as GIF frames (the current view: x_t or predicted x1).
+// Same grid layout as GIF frames (the current view: x_t or predicted x1): 256 grey levels, or for RGB
+// fleets 256 colours (3 bits red, 3 green, 2 blue: a GIF frame has at most 256 colours).
 function downloadGIF(job) {
   let frames = job.traj.length ? job.traj : (job.final ? [{ x: job.final, x1: job.final }] : []);
   if (!frames.length) return;
@@ -700,16 +732,18 @@ function downloadGIF(job) {
   const scale = 2;
   const first = gridCanvas(job, viewPixels(job, frames[0]), scale);
   const W = first.width, H = first.height;
+  const rgb = job.ch === 3;
   const greys = frames.map((f) => {
     const c = f === frames[0] ? first : gridCanvas(job, viewPixels(job, f), scale);
     const rgba = c.getContext("2d").getImageData(0, 0, W, H).data;
     const g = new Uint8Array(W * H);
-    for (let i = 0; i < g.length; i++) g[i] = rgba[4 * i];
+    if (rgb) for (let i = 0; i < g.length; i++) g[i] = (rgba[4 * i] & 0xe0) | ((rgba[4 * i + 1] >> 3) & 0x1c) | (rgba[4 * i + 2] >> 6);
+    else for (let i = 0; i < g.length; i++) g[i] = rgba[4 * i];
     return g;
   });
   const speed = Number($(".speed", job.card).value) || 1;
   const delayCs = Math.max(2, Math.round(100 / (BASE_FPS * speed)));
-  saveBlob(new Blob([encodeGIF(W, H, greys, delayCs)], { type: "image/gif" }), `ddm-${job.id}-${job.view}.gif`);
+  saveBlob(new Blob([encodeGIF(W, H, greys, delayCs, rgb)], { type: "image/gif" }), `ddm-${job.id}-${job.view}.gif`);
 }
 
 function downloadNPZ(job) {
@@ -717,16 +751,18 @@ function downloadNPZ(job) {
   const [h, w] = job.size;
   const n = job.tiles.length, K = job.K || (job.usage && job.usage[0] ? job.usage[0].length : 0);
   const F = job.traj.length;
+  const tile = job.ch === 3 ? [h, w, 3] : [h, w];  // RGB images as [.., H, W, 3]
+  const per = n * h * w * job.ch;
   const files = [
-    ["images.npy", npy("|u1", [n, h, w], job.final)],
-    ["labels.npy", npy("<i4", [n], Int32Array.from(job.digits))],
+    ["images.npy", npy("|u1", [n, ...tile], job.final)],
+    ["labels.npy", npy("<i4", [n], Int32Array.from(job.labels))],
     ["usage.npy", npy("<f4", [n, K], Float32Array.from((job.usage || []).flat()))],
   ];
-  const frames = new Uint8Array(F * n * h * w), frames1 = new Uint8Array(F * n * h * w);
+  const frames = new Uint8Array(F * per), frames1 = new Uint8Array(F * per);
   const weights = new Float32Array(F * n * K), experts = new Int32Array(F * n);
   job.traj.forEach((f, j) => {
-    frames.set(f.x, j * n * h * w);
-    frames1.set(f.x1 || f.x, j * n * h * w);
+    frames.set(f.x, j * per);
+    frames1.set(f.x1 || f.x, j * per);
     for (let i = 0; i < n; i++) {
       experts[j * n + i] = f.experts[i];
       for (let k = 0; k < K; k++) weights[(j * n + i) * K + k] = f.weights && f.weights[i] ? f.weights[i][k] : NaN;
@@ -734,8 +770,8 @@ function downloadNPZ(job) {
   });
   files.push(["frame_steps.npy", npy("<i4", [F], Int32Array.from(job.traj.map((f) => f.step)))]);
   files.push(["frame_t.npy", npy("<f4", [F], Float32Array.from(job.traj.map((f) => f.t)))]);
-  files.push(["frames.npy", npy("|u1", [F, n, h, w], frames)]);
-  if (job.hasX1) files.push(["frames_x1.npy", npy("|u1", [F, n, h, w], frames1)]);
+  files.push(["frames.npy", npy("|u1", [F, n, ...tile], frames)]);
+  if (job.hasX1) files.push(["frames_x1.npy", npy("|u1", [F, n, ...tile], frames1)]);
   files.push(["frame_experts.npy", npy("<i4", [F, n], experts)]);
   files.push(["frame_weights.npy", npy("<f4", [F, n, K], weights)]);
   saveBlob(new Blob([zipStored(files)], { type: "application/zip" }), `ddm-${job.id}.npz`);
@@ -803,14 +839,18 @@ function zipStored(files) {
   return out;
 }
 
-// Animated GIF89a, 256 grey levels (global colour table), looping; frames: Uint8Array [H*W] of levels.
-function encodeGIF(W, H, frames, delayCs) {
+// Animated GIF89a, looping; frames: Uint8Array [H*W] of palette indices. The global colour table is 256 grey
+// levels, or with `rgb332` 256 colours: index bits rrrgggbb.
+function encodeGIF(W, H, frames, delayCs, rgb332 = false) {
   const out = [];
   const u8 = (v) => out.push(v & 255);
   const u16 = (v) => { out.push(v & 255, (v >> 8) & 255); };
   const text = (s) => { for (const ch of s) out.push(ch.charCodeAt(0)); };
   text("GIF89a"); u16(W); u16(H); u8(0xf7); u8(0); u8(0);
-  for (let i = 0; i < 256; i++) out.push(i, i, i);
+  for (let i = 0; i < 256; i++) {
+    if (rgb332) out.push(Math.round((i >> 5) * 255 / 7), Math.round(((i >> 2) & 7) * 255 / 7), Math.round((i & 3) * 255 / 3));
+    else out.push(i, i, i);
+  }
   u8(0x21); u8(0xff); u8(11); text("NETSCAPE2.0"); u8(3); u8(1); u16(0); u8(0);
   frames.forEach((px, j) => {
     u8(0x21); u8(0xf9); u8(4); u8(0x04); u16(j === frames.length - 1 ? 150 : delayCs); u8(0); u8(0);
@@ -872,26 +912,55 @@ function pngURL(canvases, scale) {
   return out.toDataURL("image/png");
 }
 
+// The fleet's spec: what the form asks for (class names or digits) and how tiles are captioned.
+function onSpec(msg) {
+  state.spec = msg;
+  document.body.dataset.channels = String(msg.tile_channels || 1);
+  document.body.dataset.classes = String(msg.num_classes);
+  const input = $("#digits");
+  const names = msg.class_names || [];
+  const digits = !!msg.digits;
+  $("#labels-word").textContent = digits ? "digits" : "classes";
+  $("#uncond-word").textContent = digits ? "unconditional (no digit)" : "unconditional (label unknown)";
+  const shown = names.length > 12 ? `${names.slice(0, 12).join(", ")}, … (${names.length})` : names.join(", ");
+  input.title = digits
+    ? "digits 0-9, comma separated; ? = no digit (label unknown: the router alone picks the experts)"
+    : `class names or numbers 0-${names.length - 1}, comma separated; ? = label unknown. Classes: ${shown}`;
+  input.setAttribute("aria-label", digits ? "digits, comma separated (? = no digit)" : "classes, comma separated (? = unknown)");
+  input.placeholder = digits ? "e.g. 3,7,7 or ?,?,4" : `e.g. ${names.slice(0, 3).join(", ")}`;
+  // the untouched default input follows the fleet: its first ten classes (back to 0-9 on an MNIST fleet)
+  if (!digits && input.value === DEFAULT_DIGITS && names.length) {
+    input.value = names.slice(0, 10).join(", ");
+    input.dataset.fromSpec = "1";
+  } else if (digits && input.dataset.fromSpec === "1") {
+    input.value = DEFAULT_DIGITS;
+    delete input.dataset.fromSpec;
+  }
+  $("#count").setAttribute("aria-label", digits ? "number of random digits" : "number of random classes");
+}
+
 const HANDLERS = {
   hello: (msg) => { state.limits = msg; },
+  spec: onSpec,
   pong: () => {},
   accepted: (msg) => {
     const req = state.pending.get(msg.ref);
     state.pending.delete(msg.ref);
-    const job = jobCard(msg.job_id, msg.digits);
+    const labels = msg.labels || msg.digits;
+    const job = jobCard(msg.job_id, labels);
     job.seed = msg.seed;
     if (req) {
       job.req = { steps: req.steps, strategy: req.strategy, solver: req.solver, top_k: req.top_k || 2 };
       $(".job-notes", job.card).textContent = `${req.steps} steps · ${describe(job)}`;
     }
-    if (!job.digits.length) { job.digits = msg.digits; }
-    ensureTiles(job, msg.digits.length);
+    if (!job.labels.length) { job.labels = labels; }
+    ensureTiles(job, labels.length);
     job.tiles.forEach((t, i) => {
-      $("span", t.label).textContent = `digit ${digitText(msg.digits[i])}`;
-      if (msg.digits[i] === NO_DIGIT) t.label.title = NO_DIGIT_TITLE; else t.label.removeAttribute("title");
+      $("span", t.label).textContent = labelText(labels[i]);
+      if (labels[i] === NO_DIGIT) t.label.title = unknownTitle(); else t.label.removeAttribute("title");
     });
-    const unknown = msg.digits.filter((d) => d === NO_DIGIT).length;
-    const n = msg.digits.length;
+    const unknown = labels.filter((d) => d === NO_DIGIT).length;
+    const n = labels.length;
     const uncond = !unknown ? "" : unknown === n ? " · unconditional" : ` · ${unknown} unconditional`;
     $(".job-title", job.card).textContent = `${n} image${n === 1 ? "" : "s"}${uncond} · seed ${msg.seed}`;
     $(".job-title", job.card).title = msg.job_id;
@@ -932,7 +1001,7 @@ const HANDLERS = {
 function readForm() {
   const mode = $("input[name=mode]:checked").value;
   const req = { type: "generate", ref: state.nextRef++ };
-  if (mode === "digits") req.digits = $("#digits").value;
+  if (mode === "digits") req.labels = $("#digits").value;  // class names or indices, read by the server
   else req.count = numberOrText($("#count"));
   if ($("#unconditional").checked) unconditional(req);
   req.steps = numberOrText($("#steps"));
@@ -945,17 +1014,18 @@ function readForm() {
   return req;
 }
 
-// "unconditional (no digit)": the same number of images, every one with digit -1 (label unknown). A count
+// "unconditional (no digit)": the same number of images, every one with label -1 (unknown). A count
 // the server would refuse anyway (not a whole number, over the per-job limit) goes as typed, so it says why.
 function unconditional(req) {
-  if (req.digits !== undefined) {
-    const tokens = req.digits.split(/[\s,;]+/).filter((tok) => tok !== "");
-    if (tokens.length) req.digits = tokens.map(() => "?").join(",");
+  if (req.labels !== undefined) {
+    const text = req.labels.trim();  // split as the server does: by commas / semicolons, else by spaces
+    const tokens = (/[,;]/.test(text) ? text.split(/\s*[,;]\s*/) : text.split(/\s+/)).filter((tok) => tok !== "");
+    if (tokens.length) req.labels = tokens.map(() => "?").join(",");
     return;
   }
   const max = (state.limits && state.limits.max_images) || 256;
   if (Number.isInteger(req.count) && req.count >= 1 && req.count <= max) {
-    req.digits = new Array(req.count).fill(NO_DIGIT);
+    req.labels = new Array(req.count).fill(NO_DIGIT);
     delete req.count;
   }
 }
