@@ -18,6 +18,12 @@ Methods (all seeded and deterministic):
 
 The manifest records, per expert, its ``indices`` into the train split, its ``classes`` and a
 class histogram, plus ``class_to_expert`` (majority owner of each class; the oracle strategy).
+
+Any prepared dataset (dataset/prepared.py) can be partitioned: the manifest then records which one
+under ``dataset`` (name, directory, content hash, sample shape, class count and names), and the
+class lists have that dataset's class count (none for an unlabelled dataset: labels all -1, where
+only kmeans and random apply). A manifest without ``dataset`` indexes MNIST's 50k train split with
+10 classes (every manifest made before this field; MNIST manifests are still written without it).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class ExpertPart(BaseModel):
 
     id: int = Field(ge=0)
     classes: list[int]  # classes this expert is meant for (classes method) or that it holds (others)
-    class_counts: list[int] = Field(default_factory=list)  # images per class 0..9
+    class_counts: list[int] = Field(default_factory=list)  # images per class 0..num_classes-1
     indices: list[int]  # sorted indices into the train split
 
     @property
@@ -51,10 +57,44 @@ class ExpertPart(BaseModel):
         return len(self.indices)
 
 
+class DatasetRef(BaseModel):
+    """Which prepared dataset a partition was made from (absent in MNIST manifests)."""
+
+    name: str
+    path: str  # the directory it was read from (a hint: the content hash identifies it)
+    content_hash: str  # the prepared manifest's content_hash
+    sample_shape: list[int]  # [C, S, S]
+    num_classes: int = Field(ge=0)  # 0 = unlabelled (conditioning none)
+    class_names: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def from_prepared(cls, prepared_manifest: dict, path: str | os.PathLike) -> DatasetRef:
+        """The reference to a prepared dataset from its manifest (`dataset.prepared.read_manifest`)."""
+        names = list(prepared_manifest.get("class_names") or [])
+        c, s = int(prepared_manifest["channels"]), int(prepared_manifest["size"])
+        return cls(
+            name=str(prepared_manifest["name"]),
+            path=str(path),
+            content_hash=str(prepared_manifest["content_hash"]),
+            sample_shape=[c, s, s],
+            num_classes=len(names),
+            class_names=names,
+        )
+
+    def describe(self) -> str:
+        """'<name>' (<path>, 3x32x32, content sha256 1234abcd...) for error messages."""
+        shape = "x".join(str(v) for v in self.sample_shape)
+        return f"dataset {self.name!r} ({self.path}, {shape}, content sha256 {self.content_hash[:12]}...)"
+
+
+#: How error messages name the dataset of a manifest without a `dataset` block.
+MNIST_DESCRIPTION = "MNIST (the built-in train split, 1x32x32, 10 classes; no --data)"
+
+
 class KMeansAssigner(BaseModel):
     """What it takes to assign any image to a k-means expert: features -> nearest fine centroid."""
 
-    pool: int  # average-pool factor on the 32x32 image
+    pool: int  # average-pool factor on the S x S image
     mean: list[float]  # [D] feature mean
     components: list[list[float]]  # [P, D] principal directions
     fine_centroids: list[list[float]]  # [F, P]
@@ -86,10 +126,20 @@ class Manifest(BaseModel):
     seed: int = 0
     split: str = "train"
     num_images: int  # size of the split the indices point into
-    class_owner: list[int] = Field(alias="class_to_expert")  # [10] majority expert per class
+    class_owner: list[int] = Field(alias="class_to_expert")  # [num_classes] majority expert per class
     experts: list[ExpertPart]
     kmeans: KMeansAssigner | None = None
     features: FeatureAssigner | None = None
+    dataset: DatasetRef | None = None  # the prepared dataset it indexes; None = MNIST
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the dataset it indexes (10 for MNIST, 0 for an unlabelled dataset)."""
+        return self.dataset.num_classes if self.dataset is not None else NUM_CLASSES
+
+    def dataset_description(self) -> str:
+        """The dataset it was made from, for messages."""
+        return self.dataset.describe() if self.dataset is not None else MNIST_DESCRIPTION
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -97,8 +147,9 @@ class Manifest(BaseModel):
             raise ValueError(f"num_experts={self.num_experts} but {len(self.experts)} experts listed")
         if [e.id for e in self.experts] != list(range(self.num_experts)):
             raise ValueError("expert ids must be 0..K-1 in order")
-        if len(self.class_owner) != NUM_CLASSES or any(not 0 <= k < self.num_experts for k in self.class_owner):
-            raise ValueError(f"class_to_expert must list {NUM_CLASSES} expert ids in 0..{self.num_experts - 1}")
+        nc = self.num_classes
+        if len(self.class_owner) != nc or any(not 0 <= k < self.num_experts for k in self.class_owner):
+            raise ValueError(f"class_to_expert must list {nc} expert ids in 0..{self.num_experts - 1}")
         total = sum(len(e.indices) for e in self.experts)
         all_idx = (
             np.concatenate([np.asarray(e.indices, dtype=np.int64) for e in self.experts])
@@ -113,8 +164,8 @@ class Manifest(BaseModel):
 
     def class_to_expert(self, y: int) -> int:
         """Expert that holds most images of class ``y`` (the oracle route)."""
-        if not 0 <= int(y) < NUM_CLASSES:
-            raise PartitionError(f"class {y} outside 0..{NUM_CLASSES - 1}")
+        if not 0 <= int(y) < self.num_classes:
+            raise PartitionError(f"class {y} outside 0..{self.num_classes - 1}")
         return self.class_owner[int(y)]
 
     def expert_of_index(self) -> np.ndarray:
@@ -129,7 +180,7 @@ class Manifest(BaseModel):
     ) -> np.ndarray:
         """Expert of images not in the manifest (e.g. the val split), int64 [N].
 
-        images float32 [N, 1, 32, 32], labels int64 [N]. classes: by label; kmeans: nearest fine
+        images float32 [N, C, S, S], labels int64 [N]. classes: by label; kmeans: nearest fine
         centroid; features: nearest fine centroid of ``features`` float32 [N, D] (required, made by
         the extractor named in ``self.features.extractor``); random: a seeded random draw (there is
         nothing to learn).
@@ -153,18 +204,22 @@ class Manifest(BaseModel):
         return np.random.default_rng(seed).integers(0, self.num_experts, size=len(labels)).astype(np.int64)
 
     def summary(self) -> str:
-        """A text table: images and class histogram per expert."""
-        head = f"{'expert':>6} {'images':>7} " + " ".join(f"{c:>5}" for c in range(NUM_CLASSES)) + "  classes"
+        """A text table: images and class histogram per expert (the histogram up to 20 classes)."""
+        nc = self.num_classes
+        hist = 0 < nc <= 20
+        head = f"{'expert':>6} {'images':>7} " + (" ".join(f"{c:>5}" for c in range(nc)) if hist else "") + "  classes"
         lines = [f"partition method={self.method} K={self.num_experts} seed={self.seed} split={self.split}"]
+        if self.dataset is not None:
+            lines.append(f"dataset: {self.dataset.describe()}")
         if self.features is not None:
             lines.append(f"features: {self.features.extractor} ({self.features.dim} dims)")
         lines.append(head)
         for e in self.experts:
-            counts = e.class_counts or [0] * NUM_CLASSES
-            lines.append(
-                f"{e.id:>6} {e.num_images:>7} " + " ".join(f"{c:>5}" for c in counts) + "  " + _fmt_classes(e.classes)
-            )
-        lines.append("class_to_expert: " + " ".join(f"{c}->{k}" for c, k in enumerate(self.class_owner)))
+            counts = e.class_counts or [0] * nc
+            cells = " ".join(f"{c:>5}" for c in counts) if hist else ""
+            lines.append(f"{e.id:>6} {e.num_images:>7} " + cells + "  " + _fmt_classes(e.classes))
+        if nc:
+            lines.append("class_to_expert: " + " ".join(f"{c}->{k}" for c, k in enumerate(self.class_owner)))
         return "\n".join(lines)
 
 
@@ -224,14 +279,17 @@ def parse_class_groups(text: str) -> list[list[int]]:
     return groups
 
 
-def default_class_groups(num_experts: int) -> list[list[int]]:
+def default_class_groups(num_experts: int, num_classes: int = NUM_CLASSES) -> list[list[int]]:
     """Contiguous near-equal class ranges: K=2 -> [[0..4], [5..9]]."""
-    bounds = np.linspace(0, NUM_CLASSES, num_experts + 1).round().astype(int)
+    bounds = np.linspace(0, num_classes, num_experts + 1).round().astype(int)
     return [list(range(bounds[k], bounds[k + 1])) for k in range(num_experts)]
 
 
-def _class_hist(labels: np.ndarray) -> list[int]:
-    return np.bincount(labels, minlength=NUM_CLASSES)[:NUM_CLASSES].astype(int).tolist()
+def _class_hist(labels: np.ndarray, num_classes: int = NUM_CLASSES) -> list[int]:
+    if not num_classes:
+        return []
+    labels = labels[labels >= 0]
+    return np.bincount(labels, minlength=num_classes)[:num_classes].astype(int).tolist()
 
 
 def _build(
@@ -243,20 +301,22 @@ def _build(
     classes: list[list[int]] | None = None,
     kmeans: KMeansAssigner | None = None,
     features: FeatureAssigner | None = None,
+    dataset: DatasetRef | None = None,
 ) -> Manifest:
     """owner int64 [N]: expert of each index."""
+    nc = dataset.num_classes if dataset is not None else NUM_CLASSES
     experts = []
-    counts = np.zeros((num_experts, NUM_CLASSES), dtype=np.int64)
+    counts = np.zeros((num_experts, nc), dtype=np.int64)
     for k in range(num_experts):
         idx = np.flatnonzero(owner == k)
-        hist = _class_hist(labels[idx])
+        hist = _class_hist(labels[idx], nc)
         counts[k] = hist
-        held = classes[k] if classes is not None else [c for c in range(NUM_CLASSES) if hist[c] > 0]
+        held = classes[k] if classes is not None else [c for c in range(nc) if hist[c] > 0]
         experts.append(ExpertPart(id=k, classes=sorted(held), class_counts=hist, indices=idx.tolist()))
     if classes is not None:
-        class_owner = [next(k for k, g in enumerate(classes) if c in g) for c in range(NUM_CLASSES)]
+        class_owner = [next(k for k, g in enumerate(classes) if c in g) for c in range(nc)]
     else:
-        class_owner = counts.argmax(axis=0).astype(int).tolist()  # ties -> lowest expert id
+        class_owner = counts.argmax(axis=0).astype(int).tolist() if nc else []  # ties -> lowest expert id
     return Manifest(
         method=method,
         num_experts=num_experts,
@@ -266,48 +326,68 @@ def _build(
         experts=experts,
         kmeans=kmeans,
         features=features,
+        dataset=dataset,
     )
 
 
-def partition_by_classes(labels: np.ndarray, groups: list[list[int]], seed: int = 0) -> Manifest:
-    """Each expert k gets every image whose label is in ``groups[k]``; groups must cover 0..9 once."""
+def partition_by_classes(
+    labels: np.ndarray, groups: list[list[int]], seed: int = 0, dataset: DatasetRef | None = None
+) -> Manifest:
+    """Each expert k gets every image whose label is in ``groups[k]``; groups must cover every class
+    (0..9 for MNIST, the dataset's classes otherwise) once."""
+    nc = dataset.num_classes if dataset is not None else NUM_CLASSES
+    if nc == 0:
+        raise PartitionError(
+            f"{dataset.describe() if dataset else 'this dataset'} is unlabelled: the classes method needs "
+            "labels; use --method kmeans or random"
+        )
     flat = [c for g in groups for c in g]
-    bad = sorted({c for c in flat if not 0 <= c < NUM_CLASSES})
+    bad = sorted({c for c in flat if not 0 <= c < nc})
     if bad:
-        raise PartitionError(f"classes {bad} outside 0..{NUM_CLASSES - 1}")
+        raise PartitionError(f"classes {bad} outside 0..{nc - 1}")
     dup = sorted({c for c in flat if flat.count(c) > 1})
     if dup:
         raise PartitionError(f"classes {dup} are given to more than one expert; partitions must be disjoint")
-    missing = sorted(set(range(NUM_CLASSES)) - set(flat))
+    missing = sorted(set(range(nc)) - set(flat))
     if missing:
         raise PartitionError(f"classes {missing} belong to no expert; every class needs an owner")
     if any(not g for g in groups):
         raise PartitionError("every expert needs at least one class")
-    lut = np.empty(NUM_CLASSES, dtype=np.int64)
+    lut = np.empty(nc, dtype=np.int64)
     for k, g in enumerate(groups):
         lut[g] = k
-    return _build("classes", labels, lut[labels], len(groups), seed, classes=groups)
+    return _build("classes", labels, lut[labels], len(groups), seed, classes=groups, dataset=dataset)
 
 
-def partition_random(labels: np.ndarray, num_experts: int, seed: int = 0) -> Manifest:
+def partition_random(
+    labels: np.ndarray, num_experts: int, seed: int = 0, dataset: DatasetRef | None = None
+) -> Manifest:
     """A seeded permutation cut into ``num_experts`` near-equal parts."""
     perm = np.random.default_rng(seed).permutation(len(labels))
     owner = np.empty(len(labels), dtype=np.int64)
     for k, part in enumerate(np.array_split(perm, num_experts)):
         owner[part] = k
-    return _build("random", labels, owner, num_experts, seed)
+    return _build("random", labels, owner, num_experts, seed, dataset=dataset)
 
 
 # --------------------------------------------------------------------------- k-means
 
 
+def default_pool(size: int) -> int:
+    """The average-pool factor that brings an S x S image to about 8 x 8 (4 for MNIST's 32):
+    the largest divisor of S that is at most S / 8 (at least 1)."""
+    target = max(1, size // 8)
+    return max(p for p in range(1, target + 1) if size % p == 0)
+
+
 def image_features(images: np.ndarray, pool: int = 4) -> np.ndarray:
-    """float32 [N, 1, 32, 32] -> float32 [N, (32/pool)^2] average-pooled pixels."""
+    """float32 [N, C, H, W] -> float32 [N, C * (H/pool) * (W/pool)] average-pooled pixels
+    (channel-major; [N, 64] for MNIST's [N, 1, 32, 32] with pool 4)."""
     x = np.asarray(images, dtype=np.float32)
-    if x.ndim != 4 or x.shape[1] != 1 or x.shape[2] % pool or x.shape[3] % pool:
-        raise PartitionError(f"images must be [N, 1, H, W] with H, W divisible by {pool}; got {list(x.shape)}")
-    n, _, h, w = x.shape
-    return x.reshape(n, h // pool, pool, w // pool, pool).mean(axis=(2, 4)).reshape(n, -1)
+    if x.ndim != 4 or x.shape[2] % pool or x.shape[3] % pool:
+        raise PartitionError(f"images must be [N, C, H, W] with H, W divisible by {pool}; got {list(x.shape)}")
+    n, c, h, w = x.shape
+    return x.reshape(n, c, h // pool, pool, w // pool, pool).mean(axis=(3, 5)).reshape(n, -1)
 
 
 def _sq_dists(x: np.ndarray, c: np.ndarray, xx: np.ndarray | None = None) -> np.ndarray:
@@ -405,15 +485,18 @@ def partition_kmeans(
     *,
     fine_clusters: int = 256,
     pca_dims: int = 32,
-    pool: int = 4,
+    pool: int | None = None,
     progress: bool = False,
+    dataset: DatasetRef | None = None,
 ) -> Manifest:
     """Two-stage k-means (fine, then coarse on the fine centroids) on PCA'd pooled pixels.
 
-    images float32 [N, 1, 32, 32], labels int64 [N].
+    images float32 [N, C, S, S], labels int64 [N] (-1 = unlabelled); pool: the average-pool factor
+    (default `default_pool(S)`: 4 for 32 x 32).
     """
     if len(images) != len(labels):
         raise PartitionError(f"{len(images)} images but {len(labels)} labels")
+    pool = default_pool(int(np.shape(images)[-1])) if pool is None else pool
     mean, vt, fine_c, coarse_a = _two_stage(
         image_features(images, pool), num_experts, seed, fine_clusters, pca_dims, "kmeans", progress
     )
@@ -426,7 +509,9 @@ def partition_kmeans(
     )
     # assign through the stored float32 assigner, so train and unseen images follow one rule
     owner = _assign_kmeans(assigner, images)
-    return _build("kmeans", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, kmeans=assigner)
+    return _build(
+        "kmeans", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, kmeans=assigner, dataset=dataset
+    )
 
 
 def _assign_features(a: FeatureAssigner, feats: np.ndarray, n: int | None = None) -> np.ndarray:
@@ -450,6 +535,7 @@ def partition_features(
     fine_clusters: int = 256,
     pca_dims: int = 32,
     progress: bool = False,
+    dataset: DatasetRef | None = None,
 ) -> Manifest:
     """Two-stage k-means (as :func:`partition_kmeans`) on caller-computed features.
 
@@ -477,7 +563,9 @@ def partition_features(
     )
     owner = _assign_features(assigner, f)
     _check_used(owner, num_experts, "features")
-    return _build("features", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, features=assigner)
+    return _build(
+        "features", np.asarray(labels, dtype=np.int64), owner, num_experts, seed, features=assigner, dataset=dataset
+    )
 
 
 def make_partition(
@@ -490,34 +578,59 @@ def make_partition(
     progress: bool = False,
     features: np.ndarray | None = None,
     extractor: str = "unnamed",
+    dataset: DatasetRef | None = None,
 ) -> Manifest:
-    """Build a manifest. labels int64 [N]; images float32 [N, 1, 32, 32] (needed for kmeans only).
+    """Build a manifest. labels int64 [N]; images float32 [N, C, S, S] (needed for kmeans only).
 
-    ``classes`` (classes method): one list of digits per expert; default :func:`default_class_groups`.
+    ``classes`` (classes method): one list of classes per expert; default :func:`default_class_groups`.
     ``features`` float32 [N, D] (features method only) and ``extractor``, the name of what made them.
+    ``dataset``: the prepared dataset the labels and images come from (recorded in the manifest; its
+    class count bounds the labels, -1 everywhere for an unlabelled one); None = MNIST (10 classes).
     """
     labels = np.asarray(labels, dtype=np.int64)
+    nc = dataset.num_classes if dataset is not None else NUM_CLASSES
     if labels.ndim != 1 or len(labels) == 0:
         raise PartitionError("labels must be a non-empty 1-D array")
-    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
-        raise PartitionError(f"labels must lie in 0..{NUM_CLASSES - 1}")
+    if nc == 0:
+        if (labels != -1).any():
+            raise PartitionError("an unlabelled dataset's labels must all be -1")
+    elif labels.min() < 0 or labels.max() >= nc:
+        raise PartitionError(f"labels must lie in 0..{nc - 1}")
     if num_experts < 1:
         raise PartitionError(f"need at least one expert, got {num_experts}")
     if method == "classes":
-        groups = classes if classes is not None else default_class_groups(num_experts)
+        groups = classes if classes is not None else default_class_groups(num_experts, nc)
         if len(groups) != num_experts:
             raise PartitionError(f"{len(groups)} class groups given for {num_experts} experts")
-        return partition_by_classes(labels, groups, seed)
+        return partition_by_classes(labels, groups, seed, dataset=dataset)
     if num_experts > len(labels):
         raise PartitionError(f"{num_experts} experts but only {len(labels)} images")
     if method == "random":
-        return partition_random(labels, num_experts, seed)
+        return partition_random(labels, num_experts, seed, dataset=dataset)
     if method == "kmeans":
         if images is None:
             raise PartitionError("kmeans partitioning needs the images")
-        return partition_kmeans(images, labels, num_experts, seed, progress=progress)
+        return partition_kmeans(images, labels, num_experts, seed, progress=progress, dataset=dataset)
     if method == "features":
         if features is None:
             raise PartitionError("features partitioning needs a feature matrix [N, D] (one row per image)")
-        return partition_features(features, labels, num_experts, seed, extractor=extractor, progress=progress)
+        return partition_features(
+            features, labels, num_experts, seed, extractor=extractor, progress=progress, dataset=dataset
+        )
     raise PartitionError(f"unknown partition method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def check_same_dataset(manifest: Manifest, dataset: DatasetRef | None, where: str = "the partition") -> None:
+    """Refuse (PartitionError naming both) to use a partition with data other than the dataset it was
+    made from. ``dataset`` None = MNIST; prepared datasets are compared by content hash."""
+    mine = manifest.dataset
+    if mine is None and dataset is None:
+        return
+    if mine is not None and dataset is not None and mine.content_hash == dataset.content_hash:
+        return
+    given = dataset.describe() if dataset is not None else MNIST_DESCRIPTION
+    fix = f"pass --data {mine.path}" if mine is not None else "leave out --data (it indexes MNIST)"
+    raise PartitionError(
+        f"{where} was made from {manifest.dataset_description()}, but the data given is {given}; "
+        f"{fix}, or make a partition of this data with `ddm-fleet partition --data DIR --out ...`"
+    )

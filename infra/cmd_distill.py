@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="prepared dataset directory the experts were trained on (default: MNIST)",
+    )
+    parser.add_argument(
         "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
     )
     parser.add_argument(
@@ -80,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from dataset.mnist import DataError, load_mnist
+    from dataset.mnist import DataError
     from models.config import parse_widths
+    from training.datasets import load_split
     from training.distill import DistillConfig, DistillError, Teacher, distill
 
     try:
@@ -107,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
             limit=args.limit,
         )
         teacher = Teacher.load(cfg.checkpoints, cfg.strategy, cfg.device)
-        images, labels = load_mnist("train", cfg.data_dir, limit=cfg.limit)
+        images, labels, _ = load_split(args.data, "train", data_dir=cfg.data_dir, limit=cfg.limit)
         print(
             f"distilling {teacher.num_experts} experts + router ({cfg.strategy}) from {cfg.checkpoints} into one "
-            f"UNet on {len(images)} noised train images, {cfg.steps} steps x batch {cfg.batch_size}",
+            f"{teacher.spec.arch} on {len(images)} noised train images, {cfg.steps} steps x batch {cfg.batch_size}",
             flush=True,
         )
         stats = distill(cfg, teacher, images, labels, resume=args.resume, progress=not args.no_progress)

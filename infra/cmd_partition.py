@@ -1,4 +1,8 @@
-"""Split the MNIST train split into K disjoint expert partitions and write a JSON manifest.
+"""Split a dataset's train split into K disjoint expert partitions and write a JSON manifest.
+
+The dataset is MNIST (the default) or a prepared dataset directory (`--data DIR`, made by `ddm-fleet
+data prepare`: any image size, channel count and class count, or unlabelled); the manifest records
+which one, and train-expert / train-router refuse to use it with other data.
 
 Methods: `classes` (digit lists per expert; default for 2 experts 0-4 / 5-9), `kmeans` (two-stage
 k-means on PCA'd pooled pixels, the DDM paper's recipe on cheap features), `features` (the same
@@ -8,6 +12,7 @@ DINOv2 recipe: here judge 2's penultimate layer `embed`, 128-d, see evaluation/f
 expert's train indices, its classes and `class_to_expert` (the oracle route). Examples:
 
     ddm-fleet partition --method classes --experts 2 --classes 0-4,5-9 --out checkpoints/partition.json
+    ddm-fleet partition --data data/prepared/pets --method kmeans --experts 4 --out runs/pets/partition.json
     ddm-fleet partition --method features --experts 8 --out checkpoints/features8/partition.json
 
 Cost of `features`: judge 2 loads from checkpoints/judges/ (or the data dir's cache) in about a
@@ -53,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit", type=int, default=None, metavar="N", help="use only the first N train images (quick experiments)"
     )
     parser.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="a prepared dataset directory (`ddm-fleet data prepare`) to partition instead of MNIST",
+    )
+    parser.add_argument(
         "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
     )
     parser.add_argument("--out", required=True, help="manifest JSON to write, e.g. checkpoints/partition.json")
@@ -61,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from dataset.mnist import DataError, load_mnist
+    from dataset.mnist import DataError
     from dataset.partition import PartitionError, make_partition, parse_class_groups, save_manifest
+    from training.datasets import load_split
 
     try:
         groups = parse_class_groups(args.classes) if args.classes else None
@@ -70,8 +82,13 @@ def run(args: argparse.Namespace) -> int:
             raise PartitionError("--classes only applies to --method classes")
         if groups is not None and len(groups) != args.experts:
             raise PartitionError(f"--classes gives {len(groups)} groups but --experts is {args.experts}")
-        images, labels = load_mnist("train", args.data_dir, limit=args.limit)
+        images, labels, ref = load_split(args.data, "train", data_dir=args.data_dir, limit=args.limit)
         features, extractor = None, "unnamed"
+        if args.method == "features" and ref is not None and tuple(ref.sample_shape) != (1, 32, 32):
+            raise PartitionError(
+                f"--method features uses judge 2, trained on MNIST's 1x32x32 digits; {ref.describe()} "
+                "is another shape: use --method kmeans (pooled pixels) or random"
+            )
         if args.method == "features":
             from evaluation.features import partition_features
 
@@ -86,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             progress=True,
             features=features,
             extractor=extractor,
+            dataset=ref,
         )
         path = save_manifest(m, args.out)
     except (PartitionError, DataError, ValueError) as exc:

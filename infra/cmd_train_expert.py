@@ -1,11 +1,19 @@
-"""Train one expert flow-matching UNet on ONLY its own data partition.
+"""Train one expert flow-matching model (UNet or DiT) on ONLY its own data partition.
 
-Reads the partition manifest (`ddm-fleet partition`), keeps the images of `--expert`, and trains with
+Reads the partition manifest (`ddm-fleet partition`), keeps the images of `--expert` from the dataset
+the partition was made from (MNIST, or a prepared dataset: `--data DIR`, refused when it is not the
+partition's), builds `--arch unet` (`--widths`) or `--arch dit` (`--patch-size --hidden-size --depth
+--heads --mlp-ratio`) for the data's image shape and classes, and trains with
 the chosen backend: `torch` (CPU / CUDA / torch_xla, training/train_torch.py) or `jax`
 (training/train_jax.py). Writes the shipping checkpoint `<out>.safetensors` + `<out>.json` (EMA weights)
 every --save-every steps and at the end, plus `<run-dir>/resume.pt` (jax: `resume_jax.msgpack`) for --resume.
 
-Example (the shipped small expert 0):
+The checkpoint's JSON carries the model spec (sample shape, classes and their names, conditioning,
+null label, arch), which workers advertise and the coordinator checks.
+
+Examples (a DiT expert on a prepared dataset; the shipped small MNIST expert 0):
+  ddm-fleet train-expert --data data/prepared/pets --partition runs/pets/partition.json --expert 0 \\
+      --arch dit --patch-size 4 --hidden-size 192 --depth 6 --heads 6 --out runs/pets/expert0
   ddm-fleet train-expert --expert 0 --partition checkpoints/partition.json --widths 32,64,128 \\
       --steps 2000 --batch-size 128 --bf16 --out checkpoints/expert0
 
@@ -56,10 +64,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (about 2x faster on AVX-512 CPUs)")
     parser.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="prepared dataset directory (`ddm-fleet data prepare`); must be the one the partition was "
+        "made from (default: the partition's dataset, MNIST for partitions that name none)",
+    )
+    parser.add_argument(
+        "--arch", choices=("unet", "dit"), default="unet", help="expert architecture (default %(default)s)"
+    )
+    parser.add_argument(
         "--widths",
         default="32,64,128",
-        help="UNet channel widths per level (default %(default)s; reference 64,128,256)",
+        help="--arch unet: channel widths per level (default %(default)s; reference 64,128,256)",
     )
+    dit = parser.add_argument_group("--arch dit sizes")
+    dit.add_argument(
+        "--patch-size", type=int, default=2, help="pixels per patch side; must divide the image size (default 2)"
+    )
+    dit.add_argument("--hidden-size", type=int, default=128, help="token width (default %(default)s)")
+    dit.add_argument("--depth", type=int, default=6, help="transformer blocks (default %(default)s)")
+    dit.add_argument(
+        "--heads", type=int, default=4, help="attention heads; must divide --hidden-size (default %(default)s)"
+    )
+    dit.add_argument("--mlp-ratio", type=float, default=4.0, help="MLP width / hidden size (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     parser.add_argument(
         "--out", default=None, help="checkpoint path without extension (default: checkpoints/expert<K>)"

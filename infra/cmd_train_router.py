@@ -1,10 +1,13 @@
 """Train the router r(x_t, t, y) -> K logits that predicts which expert's partition a noisy sample
 belongs to, under the experts' own noising (t ~ U[0, 1], x_t = (1 - t) noise + t x).
 
-Reads the partition manifest, trains a small CNN on CPU with a tqdm bar (loss, accuracy), measures
-top-1 accuracy in 10 t bins on the val split (label given and label unknown; for a `features`
-partition the val images are assigned through judge 2's features, evaluation/features.py), and writes
-<out>.safetensors + <out>.json (the accuracy table is in the JSON under "accuracy_vs_t").
+Reads the partition manifest and its dataset (MNIST, or the prepared dataset it was made from:
+`--data DIR`, refused when it is another), trains a small CNN for the data's image shape and classes
+on CPU with a tqdm bar (loss, accuracy), measures top-1 accuracy in 10 t bins on the val split (label
+given and label unknown; for a `features` partition the val images are assigned through judge 2's
+features, evaluation/features.py; a prepared dataset without a val split is not evaluated), and writes
+<out>.safetensors + <out>.json (the accuracy table is in the JSON under "accuracy_vs_t", the model
+spec under "spec": the fleet's sample shape and classes, which the coordinator serves).
 Every --save-every steps and at the end it writes <run-dir>/router_resume.pt (network, optimizer,
 LR schedule, step, RNG states); after an interruption, the same command with --resume continues
 from there up to --steps on the same sample stream (it refuses a file from another --partition /
@@ -68,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
     parser.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="prepared dataset directory; must be the partition's (default: the partition's dataset, or MNIST)",
+    )
+    parser.add_argument(
         "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
     )
 
@@ -77,9 +86,11 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dataset.mnist import DataError, load_mnist
+    from dataset.mnist import DataError
     from dataset.partition import PartitionError, load_manifest
     from models.router import RouterError, save_router
+    from models.spec import with_spec
+    from training.datasets import describe, has_split, load_split, resolve_data, spec_for
     from training.train_router import RouterTrainConfig, accuracy_vs_t, format_accuracy_table, train_router
 
     torch.set_num_threads(max(1, args.threads))
@@ -95,21 +106,26 @@ def run(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             save_every=args.save_every,
         )
-        images, labels = load_mnist(manifest.split, args.data_dir, limit=args.limit)
+        path, ref = resolve_data(manifest, args.data, args.partition)
+        images, labels, _ = load_split(path, manifest.split, data_dir=args.data_dir, limit=args.limit)
         net, stats = train_router(manifest, images, labels, cfg, resume=args.resume, manifest_file=str(args.partition))
         del images
-        xv, yv = load_mnist("val", args.data_dir, limit=args.val_limit)
-        fv = None
-        if manifest.method == "features":  # val targets come from the same extractor's features
-            from evaluation.features import partition_features
+        acc = None
+        if has_split(path, "val"):
+            xv, yv, _ = load_split(path, "val", data_dir=args.data_dir, limit=args.val_limit)
+            fv = None
+            if manifest.method == "features":  # val targets come from the same extractor's features
+                from evaluation.features import partition_features
 
-            fv, extractor = partition_features(xv, args.data_dir)
-            if manifest.features is not None and extractor != manifest.features.extractor:
-                raise PartitionError(
-                    f"the partition was clustered with {manifest.features.extractor} but this "
-                    f"checkout's extractor is {extractor}; val targets would not match"
-                )
-        acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, features=fv)
+                fv, extractor = partition_features(xv, args.data_dir)
+                if manifest.features is not None and extractor != manifest.features.extractor:
+                    raise PartitionError(
+                        f"the partition was clustered with {manifest.features.extractor} but this "
+                        f"checkout's extractor is {extractor}; val targets would not match"
+                    )
+            acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, features=fv)
+        else:
+            print(f"{ref.describe() if ref else 'the dataset'} has no val split: accuracy vs t not measured")
         meta = {
             "partition": {
                 "file": str(args.partition),
@@ -121,7 +137,10 @@ def run(args: argparse.Namespace) -> int:
             "training": stats,
             "accuracy_vs_t": acc,
         }
-        path = save_router(args.out, net, meta)
+        if ref is not None:
+            meta["partition"]["dataset"] = describe(ref)
+        spec = spec_for(ref, null_label=cfg.label_dropout > 0, arch="router")
+        out_path = save_router(args.out, net, with_spec(meta, spec))
     except (RouterError, PartitionError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -129,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         f"trained {stats['steps']} steps in {stats['wall_s']} s: loss {stats['final_loss']}, "
         f"train acc {stats['final_train_acc']}"
     )
-    print(format_accuracy_table(acc))
-    print(f"wrote {path} and {path.with_suffix('.json')}")
+    if acc is not None:
+        print(format_accuracy_table(acc))
+    print(f"wrote {out_path} and {out_path.with_suffix('.json')}")
     return 0

@@ -24,6 +24,9 @@ of the weights (what is saved), a tqdm bar, and every `save_every` steps the exp
 With `label_dropout` p > 0 a fraction p of rows is distilled with the label unknown (y = -1 for
 teacher and student; the student gets a null label, `UNetConfig.null_label`); this needs experts
 trained with a null label (`train-expert --label-dropout`). The router always accepts -1.
+
+The student's checkpoint stores the teacher fleet's model spec (`Teacher.spec`: the router's and the
+experts' specs, which must agree), with the student's architecture and null label.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class Teacher:
     experts: K `unet_torch.UNet` in eval mode, expert k at index k; router: a `RouterNet`.
     """
 
-    def __init__(self, experts: Sequence, router, strategy: str = "full", sources: dict | None = None):
+    def __init__(self, experts: Sequence, router, strategy: str = "full", sources: dict | None = None, spec=None):
         if strategy not in STRATEGIES:
             raise DistillError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if len(experts) != router.cfg.num_experts:
@@ -116,6 +119,12 @@ class Teacher:
         self.config = experts[0].cfg  # the student's default architecture
         self.null_label = all(c.null_label for c in cfgs)
         self.sources = sources or {}
+        if spec is None:  # the spec the experts' config implies (checkpoints made before specs)
+            from models.arch import arch_name
+            from models.spec import spec_of
+
+            spec = spec_of({"config": self.config.to_dict(), "arch": arch_name(self.config)})
+        self.spec = spec  # schemas.spec.ModelSpec of the fleet the teacher is
         for m in (*self.experts, self.router):
             for p in m.parameters():
                 p.requires_grad_(False)
@@ -131,13 +140,16 @@ class Teacher:
 
         from models.arch import build_torch
         from models.checkpoint import CheckpointError, load_checkpoint
-        from models.router import Router, RouterError
+        from models.router import Router, RouterError, load_router_meta
+        from models.spec import spec_of
+        from schemas.spec import SpecError, fleet_spec
 
         d = Path(directory)
         router_path = d / "router.safetensors"
         try:
             router = Router.load(router_path).net
-        except RouterError as exc:
+            specs = {"router": spec_of(load_router_meta(router_path), where=str(router_path))}
+        except (RouterError, SpecError) as exc:
             raise DistillError(f"teacher router: {exc}") from None
         k = router.cfg.num_experts
         experts, sources = [], {"router": {"file": str(router_path), "sha256": _digest(router_path)}, "experts": []}
@@ -147,7 +159,8 @@ class Teacher:
                 raise DistillError(f"the router routes to {k} experts but {path} is missing")
             try:
                 meta, state = load_checkpoint(path)
-            except CheckpointError as exc:
+                specs[f"expert {i}"] = spec_of(meta, where=str(path))
+            except (CheckpointError, SpecError) as exc:
                 raise DistillError(f"teacher expert {i}: {exc}") from None
             model = build_torch(meta)  # UNet or DiT, by the checkpoint's "arch"
             model.load_state_dict({n: torch.from_numpy(v) for n, v in state.items()})
@@ -159,7 +172,11 @@ class Teacher:
                     "classes": (meta.get("partition") or {}).get("classes"),
                 }
             )
-        return cls(experts, router.to(device), strategy, sources)
+        try:
+            spec = fleet_spec(specs)
+        except SpecError as exc:
+            raise DistillError(f"teacher in {d}: {exc}") from None
+        return cls(experts, router.to(device), strategy, sources, spec=spec)
 
     def weights(self, x_t, t, y):
         """Combination weights [B, K] float32 (rows sum to 1) for x_t [B,1,32,32], t [B], y [B] (-1 = unknown)."""
@@ -209,7 +226,8 @@ def distill(
 ) -> dict:
     """Train the student; returns the training stats written into the checkpoint JSON.
 
-    images float32 [N, 1, 32, 32] in [-1, 1], labels int64 [N] (the train split, or a --limit prefix).
+    images float32 [N, C, S, S] in [-1, 1] (the teacher's sample shape), labels int64 [N] (the train
+    split, or a --limit prefix).
     """
     import torch
     from tqdm import tqdm
@@ -217,6 +235,7 @@ def distill(
     from models.arch import arch_name, build_torch
     from models.checkpoint import save_checkpoint, torch_state_to_numpy
     from models.config import DiTConfig
+    from models.spec import with_spec
     from models.unet_torch import count_params
     from training.train_torch import ema_decay_at, lr_at, restore_resume_state, save_resume_state
 
@@ -233,8 +252,14 @@ def distill(
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
+    if tuple(images.shape[1:]) != tuple(teacher.spec.sample_shape):
+        raise DistillError(
+            f"the images are {list(images.shape[1:])} but the teacher's experts make "
+            f"{list(teacher.spec.sample_shape)}: distill on the dataset they were trained on (--data)"
+        )
+    unconditional = teacher.spec.conditioning.kind == "none"  # every label is the null label
     base = teacher.config.to_dict()
-    base.update(null_label=cfg.label_dropout > 0)
+    base.update(null_label=cfg.label_dropout > 0 or unconditional)
     if cfg.widths is not None:
         if isinstance(teacher.config, DiTConfig):
             raise DistillError(
@@ -243,6 +268,8 @@ def distill(
             )
         base["widths"] = list(cfg.widths)
     scfg = type(teacher.config).from_dict(base)  # the teachers' architecture (UNet or DiT)
+    cond = teacher.spec.conditioning.model_copy(update={"null_label": bool(scfg.null_label)})
+    student_spec = teacher.spec.model_copy(update={"arch": arch_name(scfg), "conditioning": cond})
     student = build_torch(scfg).to(device)
     params = list(student.parameters())
     ema = [p.detach().clone() for p in params]
@@ -308,7 +335,7 @@ def distill(
             },
             "training": stats,
         }
-        save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
+        save_checkpoint(cfg.out, ema_state(), with_spec(meta, student_spec), dtype=cfg.save_dtype)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resume_state(
             resume_path,

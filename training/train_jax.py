@@ -1,9 +1,10 @@
-"""Train one expert UNet with JAX/Flax on ONLY its partition's images (single device or data parallel).
+"""Train one expert (UNet or DiT) with JAX/Flax on ONLY its partition's images (single device or data parallel).
 
 Entry point: `train(args)` (called by `ddm-fleet train-expert --backend jax`). Same run definition as the
-torch trainer (`training.train_torch.TrainConfig`, same flags, same data, same schedules):
+torch trainer (`training.train_torch.TrainConfig`, same flags, same data, same schedules, the same model
+config from the data and `--arch`: `train_torch.model_config`, and the same spec in the checkpoint):
 
-    batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
+    batch x [B,C,S,S], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
     loss = flow-matching MSE (flow/path.py: x_t = (1-t) noise + t x, target v = x - noise)
     optax: clip_by_global_norm(grad_clip) -> AdamW(b1=0.9, b2=0.99) with warmup + cosine LR (`lr_at`)
     EMA of the params (what is saved), one jit-compiled step (loss, grads, update, EMA)
@@ -35,7 +36,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from training.train_torch import TrainConfig, config_from_args, load_expert_data, lr_at
+from training.train_torch import (
+    TrainConfig,
+    arch_summary,
+    check_resume_model,
+    config_from_args,
+    data_model,
+    data_name,
+    load_expert_data,
+    lr_at,
+    model_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +74,16 @@ def make_optimizer(cfg: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.scale_by_adam(b1=0.9, b2=0.99, eps=1e-8))
 
 
-def initial_params(cfg: TrainConfig) -> dict:
-    """Seeded initial weights: the torch UNet's init for `cfg.seed`, mapped 1:1 into the flax tree.
+def mnist_model_config(cfg: TrainConfig):
+    """The model config of `cfg` on MNIST (1x32x32, 10 classes): the default where none is given."""
+    from training.datasets import MNIST_CLASSES, MNIST_SHAPE
+
+    return model_config(cfg, MNIST_SHAPE, MNIST_CLASSES, cfg.label_dropout > 0)
+
+
+def initial_params(cfg: TrainConfig, mcfg=None) -> dict:
+    """Seeded initial weights: the torch model's init for `cfg.seed`, mapped 1:1 into the flax tree.
+    mcfg: the UNetConfig / DiTConfig (default: `cfg` on MNIST).
 
     So `--seed S` starts the torch and the JAX trainer from the same weights, and no XLA compile is spent
     on the initialisers (on a CPU, compiling flax's `init` costs as much as compiling the train step).
@@ -73,21 +92,20 @@ def initial_params(cfg: TrainConfig) -> dict:
 
     from models.arch import build_torch
     from models.checkpoint import torch_state_to_numpy, torch_to_flax_params
-    from models.config import UNetConfig
 
-    ucfg = UNetConfig(widths=cfg.widths)
+    ucfg = mnist_model_config(cfg) if mcfg is None else mcfg
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         state = torch_state_to_numpy(build_torch(ucfg).state_dict())
     return torch_to_flax_params(state, ucfg)
 
 
-def init_state(cfg: TrainConfig, tx) -> TrainState:
+def init_state(cfg: TrainConfig, tx, mcfg=None) -> TrainState:
     """Fresh params (`initial_params`), optimizer state and EMA (= params) on the default device."""
     import jax
     import jax.numpy as jnp
 
-    params = jax.tree_util.tree_map(jnp.asarray, initial_params(cfg))
+    params = jax.tree_util.tree_map(jnp.asarray, initial_params(cfg, mcfg))
     ema = jax.tree_util.tree_map(jnp.copy, params)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), ema)
 
@@ -109,15 +127,15 @@ def flow_loss(model, params, x, y, key):
     return mse(v_pred.astype("float32"), target_velocity(x, noise))
 
 
-def make_step_fn(cfg: TrainConfig, tx):
-    """Un-jitted step `(state, x [B,C,H,W], y [B], key, lr) -> (state, loss)`: grads, AdamW update, EMA."""
+def make_step_fn(cfg: TrainConfig, tx, mcfg=None):
+    """Un-jitted step `(state, x [B,C,H,W], y [B], key, lr) -> (state, loss)`: grads, AdamW update, EMA.
+    mcfg: the UNetConfig / DiTConfig (default: `cfg` on MNIST)."""
     import jax
     import jax.numpy as jnp
 
     from models.arch_flax import build_flax
-    from models.config import UNetConfig
 
-    model = build_flax(UNetConfig(widths=cfg.widths))
+    model = build_flax(mnist_model_config(cfg) if mcfg is None else mcfg)
     wd, ema_max = cfg.weight_decay, cfg.ema_decay
 
     def step_fn(state: TrainState, x, y, key, lr):
@@ -170,26 +188,26 @@ def make_placement(devices: int, batch_size: int) -> Placement:
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_step(widths: tuple, weight_decay: float, ema_decay: float, grad_clip: float, place: Placement):
+def _jitted_step(mcfg, weight_decay: float, ema_decay: float, grad_clip: float, place: Placement):
     """One jitted step per (model, update rule, placement): reused across runs in a process (no recompile).
 
     Several devices: state, key and lr replicated, x and y split on the batch axis, loss replicated.
     """
     import jax
 
-    cfg = TrainConfig(
-        expert=0, partition="", widths=widths, weight_decay=weight_decay, ema_decay=ema_decay, grad_clip=grad_clip
-    )
-    step_fn = make_step_fn(cfg, make_optimizer(cfg))
+    cfg = TrainConfig(expert=0, partition="", weight_decay=weight_decay, ema_decay=ema_decay, grad_clip=grad_clip)
+    step_fn = make_step_fn(cfg, make_optimizer(cfg), mcfg)
     if place.n == 1:
         return jax.jit(step_fn, donate_argnums=0)
     r, b = place.replicated, place.batch
     return jax.jit(step_fn, in_shardings=(r, b, b, r, r), out_shardings=(r, r), donate_argnums=0)
 
 
-def jit_step(cfg: TrainConfig, place: Placement):
-    """The compiled `(state, x, y, key, lr) -> (state, loss)` for this run's config and devices."""
-    return _jitted_step(tuple(cfg.widths), cfg.weight_decay, cfg.ema_decay, cfg.grad_clip, place)
+def jit_step(cfg: TrainConfig, place: Placement, mcfg=None):
+    """The compiled `(state, x, y, key, lr) -> (state, loss)` for this run's config (model config
+    `mcfg`, default `cfg` on MNIST) and devices."""
+    mcfg = mnist_model_config(cfg) if mcfg is None else mcfg
+    return _jitted_step(mcfg, cfg.weight_decay, cfg.ema_decay, cfg.grad_clip, place)
 
 
 def put_state(state, place: Placement):
@@ -246,7 +264,8 @@ def train_expert(
 ) -> dict:
     """Run the training loop; returns the training stats written into the checkpoint JSON.
 
-    images float32 [N,1,32,32] in [-1,1], labels int64 [N]: the expert's own data only.
+    images float32 [N,C,S,S] in [-1,1], labels int64 [N] (-1 = unlabelled): the expert's own data only;
+    partition_info["dataset"] (when present) names the prepared dataset (else MNIST).
     devices: how many JAX devices to train on data-parallel (0 = all of the default backend's).
     """
     import jax
@@ -254,7 +273,7 @@ def train_expert(
 
     from models.arch_flax import count_params
     from models.checkpoint import flax_to_torch_state, save_checkpoint
-    from models.config import UNetConfig
+    from models.spec import with_spec
 
     if cfg.label_dropout > 0:
         raise ValueError(
@@ -262,9 +281,11 @@ def train_expert(
             "so far; use --backend torch"
         )
     place = make_placement(devices, cfg.batch_size)
-    ucfg = UNetConfig(widths=cfg.widths)
+    ucfg, spec = data_model(cfg, partition_info)
+    if tuple(images.shape[1:]) != tuple(spec.sample_shape):
+        raise ValueError(f"images are {list(images.shape[1:])} but the data's spec says {list(spec.sample_shape)}")
     tx = make_optimizer(cfg)
-    state = init_state(cfg, tx)
+    state = init_state(cfg, tx, ucfg)
     run_dir = Path(cfg.run_dir)
     resume_path = run_dir / RESUME_NAME
     wall_before, history = 0.0, []
@@ -276,13 +297,14 @@ def train_expert(
                 f"--resume: {resume_path} is for expert {rmeta['expert']} widths {rmeta['widths']}, "
                 f"not expert {cfg.expert} widths {list(cfg.widths)}"
             )
+        check_resume_model(rmeta, ucfg, resume_path)
         wall_before, history = rmeta["wall_s"], rmeta["history"]
         rng.bit_generator.state = rmeta["np_rng"]
         log.info("resumed from %s at step %d", resume_path, int(state.step))
     step = int(state.step)
     n_params = count_params(state.params)
     state = put_state(state, place)
-    train_step = jit_step(cfg, place)
+    train_step = jit_step(cfg, place, ucfg)
     base_key = jax.random.PRNGKey(cfg.seed + 1)
 
     def save(final: bool) -> dict:
@@ -303,13 +325,13 @@ def train_expert(
         }
         host = jax.device_get(state)
         meta = {
-            "config": ucfg.to_dict(),
+            "config": ucfg,
             "expert_id": cfg.expert,
             "partition": partition_info,
             "training": stats,
             "weights": "ema",
         }
-        save_checkpoint(cfg.out, flax_to_torch_state(host.ema), meta, dtype=cfg.save_dtype)
+        save_checkpoint(cfg.out, flax_to_torch_state(host.ema), with_spec(meta, spec), dtype=cfg.save_dtype)
         save_resume(
             resume_path,
             host,
@@ -320,6 +342,8 @@ def train_expert(
                 "np_rng": rng.bit_generator.state,
                 "widths": list(cfg.widths),
                 "expert": cfg.expert,
+                "arch": cfg.arch,
+                "model_config": ucfg.to_dict(),
             },
         )
         return stats
@@ -402,8 +426,8 @@ def train(args: argparse.Namespace) -> int:
     images, labels, info = load_expert_data(cfg)
     n_dev = devices or jax.device_count()
     print(
-        f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
-        f"jax {jax.default_backend()} x{n_dev} data-parallel, widths {list(cfg.widths)}, "
+        f"expert {cfg.expert}: {info['num_images']} images of {data_name(info)}, classes {info['classes']}, "
+        f"jax {jax.default_backend()} x{n_dev} data-parallel, {arch_summary(cfg)}, "
         f"{cfg.steps} steps x batch {cfg.batch_size}",
         flush=True,
     )

@@ -1,6 +1,6 @@
 """Train the router to predict each clean sample's partition from its noisy version.
 
-Per step: draw a batch of train images x [B, 1, 32, 32] with expert targets k [B] from the manifest,
+Per step: draw a batch of train images x [B, C, S, S] with expert targets k [B] from the manifest,
 t ~ U[0, 1], noise ~ N(0, I), x_t = (1 - t) noise + t x (the experts' own noising), drop the class
 label to "unknown" with probability ``label_dropout``, and minimise cross-entropy(r(x_t, t, y), k).
 
@@ -15,6 +15,10 @@ states, the last 100 losses; via training/train_torch's ``save_resume_state``), 
 ``train_router(..., resume=True)`` continues from it up to ``cfg.steps`` on the same sample stream,
 so an interrupted run resumed with the same flags ends with the same weights as an uninterrupted one.
 It refuses a file made from another partition manifest or another network config.
+
+The router's input shape and class count are the data's (`router_config`: MNIST 1x32x32 with 10
+classes, or the prepared dataset the partition was made from; an unlabelled one has 0 classes, so
+every label is the "unknown" row).
 """
 
 from __future__ import annotations
@@ -54,6 +58,27 @@ class RouterTrainConfig:
             raise RouterError(f"label_dropout must lie in [0, 1], got {self.label_dropout}")
         if self.lr <= 0:
             raise RouterError(f"lr must be > 0, got {self.lr}")
+
+
+def router_config(manifest: Manifest, images: np.ndarray, cfg: RouterTrainConfig) -> RouterConfig:
+    """The RouterNet config for `images` [N, C, S, S] (S divisible by 8) and the manifest's experts
+    and classes."""
+    shape = tuple(int(v) for v in np.shape(images)[1:])
+    if len(shape) != 3 or shape[1] != shape[2]:
+        raise RouterError(f"router images must be [N, C, S, S], got {list(np.shape(images))}")
+    if shape[1] % 8:
+        raise RouterError(
+            f"the router's three stride-2 stages need an image size divisible by 8; the data is "
+            f"{shape[1]}x{shape[2]}: prepare it with another --size"
+        )
+    return RouterConfig(
+        num_experts=manifest.num_experts,
+        num_classes=manifest.num_classes,
+        width=cfg.width,
+        emb_dim=cfg.emb_dim,
+        image_size=shape[1],
+        in_channels=shape[0],
+    )
 
 
 def train_targets(manifest: Manifest, num_images: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,7 +143,7 @@ def train_router(
     stop_after: int | None = None,
     manifest_file: str | None = None,
 ):
-    """Train a RouterNet. images float32 [N, 1, 32, 32] (the split the manifest indexes), labels int64 [N].
+    """Train a RouterNet. images float32 [N, C, S, S] (the split the manifest indexes), labels int64 [N].
 
     ``resume``: continue from ``<cfg.run_dir>/router_resume.pt`` up to ``cfg.steps`` (RouterError if it is
     missing or from another manifest / network config). ``stop_after``: end the loop once that many steps
@@ -139,7 +164,7 @@ def train_router(
     idx, targets = train_targets(manifest, len(images))
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    net_cfg = RouterConfig(num_experts=manifest.num_experts, width=cfg.width, emb_dim=cfg.emb_dim)
+    net_cfg = router_config(manifest, images, cfg)
     net = RouterNet(cfg=net_cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = max(1, min(100, cfg.steps // 10))
@@ -230,7 +255,7 @@ def accuracy_vs_t(
     progress: bool = False,
     features: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Top-1 router accuracy per t bin on held-out images (float32 [N, 1, 32, 32], labels int64 [N]).
+    """Top-1 router accuracy per t bin on held-out images (float32 [N, C, S, S], labels int64 [N]).
 
     ``features`` float32 [N, D]: the held-out images' features, needed for a ``features`` partition
     (made by the extractor its manifest names; the caller computes them).

@@ -1,13 +1,21 @@
-"""Train one expert UNet with PyTorch (CPU, CUDA or torch_xla) on ONLY its partition's images.
+"""Train one expert (UNet or DiT) with PyTorch (CPU, CUDA or torch_xla) on ONLY its partition's images.
 
-Entry point: `train(args)` (called by `ddm-fleet train-expert --backend torch`). The loop:
+Entry point: `train(args)` (called by `ddm-fleet train-expert --backend torch`). The data is MNIST or the
+prepared dataset the partition was made from (`--data DIR`, training/datasets.py); the image shape,
+channels and classes come from it, the architecture from `--arch unet|dit` and its size flags
+(`model_config`). The loop:
 
-    batch x [B,1,32,32], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
+    batch x [B,C,S,S], y [B] from the expert's indices (shuffled each epoch, drop_last: static shapes)
     loss = flow-matching MSE (flow/path.py), AdamW, warmup + cosine LR, grad-norm clip 1.0
     EMA of the weights (what is saved), bf16 autocast optional, channels_last on CPU
     --label-dropout p > 0: each label becomes -1 ("unknown") with probability p, and the model gets a
     null class row (UNetConfig.null_label, recorded in the checkpoint's config), so one network
     generates with and without a label (classifier-free style); p = 0 (default) trains as before
+    unlabelled dataset (labels all -1, conditioning none): every label is the null label (as if
+    --label-dropout were 1.0); the model has one unused class row and a null row
+
+The checkpoint's JSON stores the model spec (`models.spec.with_spec`: sample shape, classes and their
+names, conditioning, null label, arch), so workers and the coordinator know what it produces.
 
 Every `--save-every` steps and at the end it writes the shipping checkpoint (`--out`, EMA weights,
 models/checkpoint.py format) and a resume file (`<run-dir>/resume.pt`: model, EMA, optimizer, step,
@@ -34,7 +42,13 @@ class TrainConfig:
 
     expert: int
     partition: str
+    arch: str = "unet"  # "unet" (widths) or "dit" (patch_size, hidden_size, depth, heads, mlp_ratio)
     widths: tuple[int, ...] = (32, 64, 128)
+    patch_size: int = 2
+    hidden_size: int = 128
+    depth: int = 6
+    heads: int = 4
+    mlp_ratio: float = 4.0
     steps: int = 2000
     batch_size: int = 128
     lr: float = 1e-3
@@ -52,7 +66,8 @@ class TrainConfig:
     log_every: int = 50  # steps per loss_history entry
     save_dtype: str = "float16"
     threads: int = 0
-    data_dir: str | None = None
+    data_dir: str | None = None  # MNIST cache directory
+    data: str | None = None  # a prepared dataset directory (None: the partition's, or MNIST)
     limit: int | None = None  # use only the first N images of the partition (tests, smoke runs)
     label_dropout: float = 0.0  # > 0: labels -> -1 with this probability, model gets a null label
 
@@ -73,6 +88,77 @@ class TrainConfig:
             raise ValueError(f"--label-dropout must be in [0, 1), got {self.label_dropout}")
         if self.device not in ("cpu", "cuda", "xla") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu, cuda[:N] or xla, got {self.device!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.arch == "dit":
+            for name in ("patch_size", "hidden_size", "depth", "heads"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or int(value) != value or value <= 0:
+                    raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if self.hidden_size % self.heads:
+                ok = [h for h in range(1, 17) if self.hidden_size % h == 0]
+                raise ValueError(
+                    f"--hidden-size {self.hidden_size} must be divisible by --heads {self.heads} "
+                    f"(each head gets hidden-size / heads channels); --heads could be one of {ok}"
+                )
+            if self.hidden_size % 4:
+                raise ValueError(
+                    f"--hidden-size {self.hidden_size} must be a multiple of 4 (the 2-D position embedding "
+                    "gives a quarter of it to each of sin/cos of row/column)"
+                )
+            if not self.mlp_ratio > 0:
+                raise ValueError(f"--mlp-ratio must be positive (e.g. 4.0), got {self.mlp_ratio}")
+
+
+#: The expert architectures train-expert builds (models/arch.py).
+ARCHS = ("unet", "dit")
+
+
+def model_config(cfg: TrainConfig, shape: tuple[int, int, int], num_classes: int, null_label: bool):
+    """The expert's UNetConfig / DiTConfig for data of `shape` [C, S, S] with `num_classes` classes
+    (0 = unlabelled: one unused class row; the model then always has a null label). ValueError naming
+    the flag to change when the architecture does not fit the data."""
+    from models.config import DiTConfig, UNetConfig
+
+    c, s, w = shape
+    if s != w:
+        raise ValueError(f"the data's images are {s}x{w}; experts take square images (prepare them with --size S)")
+    null_label = bool(null_label or num_classes == 0)
+    classes = max(1, int(num_classes))
+    if cfg.arch == "dit":
+        if s % cfg.patch_size:
+            ok = [p for p in range(1, min(s, 8) + 1) if s % p == 0]
+            raise ValueError(f"--patch-size {cfg.patch_size} must divide the data's image size {s}; choose one of {ok}")
+        return DiTConfig(
+            in_channels=c,
+            image_size=s,
+            patch_size=int(cfg.patch_size),
+            hidden_size=int(cfg.hidden_size),
+            depth=int(cfg.depth),
+            num_heads=int(cfg.heads),
+            mlp_ratio=float(cfg.mlp_ratio),
+            num_classes=classes,
+            null_label=null_label,
+        )
+    levels = len(cfg.widths)
+    if s % (2**levels):
+        raise ValueError(
+            f"--widths {','.join(map(str, cfg.widths))} has {levels} levels, which needs an image size divisible "
+            f"by {2**levels}; the data's images are {s}x{s}: give fewer widths or prepare another --size"
+        )
+    return UNetConfig(in_channels=c, image_size=s, num_classes=classes, widths=cfg.widths, null_label=null_label)
+
+
+def data_model(cfg: TrainConfig, partition_info: dict):
+    """(model config, model spec) of this run on the data `partition_info` describes (its "dataset"
+    block from `load_expert_data`; absent = MNIST)."""
+    from dataset.partition import DatasetRef
+    from training.datasets import num_classes_of, shape_of, spec_for
+
+    ref = DatasetRef.model_validate(partition_info["dataset"]) if "dataset" in partition_info else None
+    nc = num_classes_of(ref)
+    mcfg = model_config(cfg, shape_of(ref), nc, cfg.label_dropout > 0)
+    return mcfg, spec_for(ref, null_label=mcfg.null_label, arch=cfg.arch)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -89,9 +175,11 @@ def ema_decay_at(step: int, decay: float) -> float:
 
 
 def load_expert_data(cfg: TrainConfig):
-    """-> (images float32 [N,1,32,32] in [-1,1], labels int64 [N], partition info dict) for this expert only."""
-    from dataset.mnist import load_mnist
+    """-> (images float32 [N,C,S,S] in [-1,1], labels int64 [N] (-1 = unlabelled), partition info dict)
+    for this expert only. The data is the partition's dataset (`--data`, checked against the partition;
+    MNIST when the partition names none); info["dataset"] describes a prepared one."""
     from dataset.partition import load_manifest
+    from training.datasets import load_split, resolve_data
 
     manifest = load_manifest(cfg.partition)
     if not 0 <= cfg.expert < manifest.num_experts:
@@ -99,7 +187,8 @@ def load_expert_data(cfg: TrainConfig):
             f"--expert {cfg.expert} not in partition {cfg.partition} (experts 0..{manifest.num_experts - 1})"
         )
     part = manifest.experts[cfg.expert]
-    images, labels = load_mnist(manifest.split, cfg.data_dir)
+    path, ref = resolve_data(manifest, cfg.data, cfg.partition)
+    images, labels, _ = load_split(path, manifest.split, data_dir=cfg.data_dir)
     if len(images) != manifest.num_images:
         raise ValueError(
             f"partition {cfg.partition} indexes {manifest.num_images} {manifest.split} images "
@@ -117,8 +206,12 @@ def load_expert_data(cfg: TrainConfig):
         "split": manifest.split,
         "classes": list(part.classes),
         "num_images": int(len(idx)),
-        "class_counts": np.bincount(labels[idx], minlength=10).tolist(),
+        "class_counts": np.bincount(labels[idx][labels[idx] >= 0], minlength=manifest.num_classes).tolist()
+        if manifest.num_classes
+        else [],
     }
+    if ref is not None:
+        info["dataset"] = ref.model_dump()
     return images[idx], labels[idx], info
 
 
@@ -184,7 +277,8 @@ def train_expert(
 ) -> dict:
     """Run the training loop; returns the training stats written into the checkpoint JSON.
 
-    images float32 [N,1,32,32] in [-1,1], labels int64 [N]: the expert's own data only.
+    images float32 [N,C,S,S] in [-1,1], labels int64 [N] (-1 = unlabelled): the expert's own data only;
+    partition_info["dataset"] (when present) names the prepared dataset they come from (else MNIST).
     """
     import torch
     from tqdm import tqdm
@@ -192,7 +286,7 @@ def train_expert(
     from flow.path import torch_flow_loss
     from models.arch import build_torch
     from models.checkpoint import save_checkpoint, torch_state_to_numpy
-    from models.config import UNetConfig
+    from models.spec import with_spec
     from models.unet_torch import count_params
 
     if cfg.threads > 0:
@@ -205,7 +299,9 @@ def train_expert(
     ddp.init(dist_info, device)
     torch.manual_seed(cfg.seed)
     dev = _Device(device, cfg.bf16)
-    ucfg = UNetConfig(widths=cfg.widths, null_label=cfg.label_dropout > 0)
+    ucfg, spec = data_model(cfg, partition_info)
+    if tuple(images.shape[1:]) != tuple(spec.sample_shape):
+        raise ValueError(f"images are {list(images.shape[1:])} but the data's spec says {list(spec.sample_shape)}")
     model = build_torch(ucfg).to(dev.device)
     if dev.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -230,6 +326,7 @@ def train_expert(
                 f"--resume: {resume_path} was trained with{'' if ck.get('null_label') else 'out'} a null "
                 f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it"
             )
+        check_resume_model(ck, ucfg, resume_path)
         step, wall_before, history = restore_resume_state(ck, model, ema, opt, rng)
         log.info("resumed from %s at step %d", resume_path, step)
 
@@ -271,13 +368,13 @@ def train_expert(
         if not dist_info.is_main:  # only rank 0 writes
             return stats
         meta = {
-            "config": ucfg.to_dict(),
+            "config": ucfg,
             "expert_id": cfg.expert,
             "partition": partition_info,
             "training": stats,
             "weights": "ema",
         }
-        save_checkpoint(cfg.out, ema_state(), meta, dtype=cfg.save_dtype)
+        save_checkpoint(cfg.out, ema_state(), with_spec(meta, spec), dtype=cfg.save_dtype)
         save_resume_state(
             resume_path,
             model,
@@ -290,6 +387,8 @@ def train_expert(
             widths=list(cfg.widths),
             expert=cfg.expert,
             null_label=ucfg.null_label,
+            arch=cfg.arch,
+            model_config=ucfg.to_dict(),
         )
         return stats
 
@@ -371,6 +470,21 @@ def train_expert(
     return stats
 
 
+def check_resume_model(ck: dict, mcfg, resume_path) -> None:
+    """Refuse a resume file of another architecture or model config (files made before it recorded
+    them are UNets, checked by their widths)."""
+    from models.arch import arch_name
+
+    arch = ck.get("arch", "unet")
+    if arch != arch_name(mcfg):
+        raise ValueError(f"--resume: {resume_path} holds a {arch}, not a {arch_name(mcfg)}; keep --arch {arch}")
+    if "model_config" in ck and ck["model_config"] != mcfg.to_dict():
+        raise ValueError(
+            f"--resume: {resume_path} holds a {arch} {ck['model_config']}, not {mcfg.to_dict()}; "
+            "keep the size flags and --data of the interrupted run"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from models.config import parse_widths
 
@@ -378,6 +492,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         expert=args.expert,
         partition=args.partition,
+        arch=getattr(args, "arch", "unet") or "unet",
+        patch_size=getattr(args, "patch_size", 2),
+        hidden_size=getattr(args, "hidden_size", 128),
+        depth=getattr(args, "depth", 6),
+        heads=getattr(args, "heads", 4),
+        mlp_ratio=getattr(args, "mlp_ratio", 4.0),
+        data=getattr(args, "data", None),
         widths=widths,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -438,6 +559,22 @@ def restore_resume_state(ck: dict, model, ema, opt, rng: np.random.Generator) ->
     return ck["step"], ck["wall_s"], ck["history"]
 
 
+def data_name(info: dict) -> str:
+    """'MNIST' or the prepared dataset's name and shape, for the start line."""
+    d = info.get("dataset")
+    return "MNIST" if d is None else f"{d['name']} ({'x'.join(map(str, d['sample_shape']))})"
+
+
+def arch_summary(cfg: TrainConfig) -> str:
+    """'unet widths [32, 64, 128]' or 'dit patch 2 hidden 128 depth 6 heads 4 mlp 4.0'."""
+    if cfg.arch == "dit":
+        return (
+            f"dit patch {cfg.patch_size} hidden {cfg.hidden_size} depth {cfg.depth} heads {cfg.heads} "
+            f"mlp {cfg.mlp_ratio:g}"
+        )
+    return f"unet widths {list(cfg.widths)}"
+
+
 def train(args: argparse.Namespace) -> int:
     """CLI entry for `ddm-fleet train-expert --backend torch` (also under torchrun: data parallel)."""
     from training.distributed import detect
@@ -447,8 +584,8 @@ def train(args: argparse.Namespace) -> int:
     dist_info = detect()
     if dist_info.is_main:
         print(
-            f"expert {cfg.expert}: {info['num_images']} images, classes {info['classes']}, "
-            f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, widths {list(cfg.widths)}, "
+            f"expert {cfg.expert}: {info['num_images']} images of {data_name(info)}, classes {info['classes']}, "
+            f"device {cfg.device}{' bf16' if cfg.bf16 else ''}, {arch_summary(cfg)}, "
             f"{cfg.steps} steps x batch {cfg.batch_size}"
             f"{f', data parallel x{dist_info.world_size}' if dist_info.enabled else ''}",
             flush=True,

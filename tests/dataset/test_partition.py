@@ -154,3 +154,29 @@ def test_partition_cli(tmp_path, capsys):
         == 2
     )
     assert "belong to no expert" in capsys.readouterr().err
+
+
+def test_image_features_of_any_shape_and_default_pool():
+    from dataset.partition import default_pool, image_features
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 1, 32, 32)).astype(np.float32)
+    want = x[:, 0].reshape(4, 8, 4, 8, 4).mean(axis=(2, 4)).reshape(4, -1)  # MNIST's features, as before
+    assert np.allclose(image_features(x, 4), want) and default_pool(32) == 4
+    rgb = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+    f = image_features(rgb, default_pool(16))
+    assert f.shape == (2, 3 * 8 * 8) and np.allclose(f[:, :64], image_features(rgb[:, :1], 2))
+    assert default_pool(64) == 8 and default_pool(28) == 2 and default_pool(48) == 6
+
+
+def test_partition_of_a_dataset_with_other_classes():
+    from dataset.partition import DatasetRef, Manifest
+
+    ref = DatasetRef(name="d", path="/x", content_hash="ab" * 32, sample_shape=[3, 8, 8], num_classes=4)
+    labels = np.array([0, 1, 2, 3, 3, 2, 1, 0], np.int64)
+    m = make_partition("classes", labels, None, 2, dataset=ref)
+    assert m.class_owner == [0, 0, 1, 1] and m.num_classes == 4 and m.experts[1].class_counts == [0, 0, 2, 2]
+    again = Manifest.model_validate(json.loads(m.model_dump_json(by_alias=True, exclude_none=True)))
+    assert again.dataset == ref and again.class_to_expert(3) == 1
+    with pytest.raises(PartitionError, match="labels must lie in 0..3"):
+        make_partition("random", labels + 1, None, 2, dataset=ref)
