@@ -185,10 +185,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--job-timeout must be > 0 seconds")
     if not args.min_level_s >= 0:
         raise ValueError("--min-level-s must be >= 0 seconds")
-    args.limit_batch_list = (
-        [] if args.limit_batches.strip().lower() == "none" else _ints(args.limit_batches, "--limit-batches")
-    )
+    _limit_batches(args)
     _coordinator(args)  # the coordinator's settings: ValueError naming the flag
+
+
+def _limit_batches(args: argparse.Namespace) -> list[int]:
+    """--limit-batches as a list ([] for none); ValueError naming the flag."""
+    text = str(getattr(args, "limit_batches", "none"))
+    return [] if text.strip().lower() == "none" else _ints(text, "--limit-batches")
 
 
 def _coordinator(args: argparse.Namespace):
@@ -398,7 +402,7 @@ def _forward_limit(args, models) -> dict | None:
     from coordinator.local_fleet import load_backends
     from coordinator.scheduler import EVALS_PER_STEP, experts_per_row
 
-    batches = getattr(args, "limit_batch_list", None)
+    batches = _limit_batches(args)
     if not batches:
         return None
     backend_name = getattr(args, "backend", "torch")
