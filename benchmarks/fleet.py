@@ -2,7 +2,9 @@
 what happened to every job and how much memory each process of the fleet took.
 
 For each --concurrency C, C clients each run --jobs-per-client jobs back to back (a closed
-loop) and we report images/s and p50/p99 job latency (submit -> final images at the client):
+loop), and go on until the level has lasted --min-level-s seconds (5 by default, so a level of
+one client measures seconds of work, not two short jobs); we report the jobs run, images/s and
+p50/p99 job latency (submit -> final images at the client):
 
 * fleet:   client -> NATS -> coordinator (`ddm-fleet coordinator`, its own process: router,
            scheduler, admission limits) -> NATS -> one worker process per expert
@@ -10,8 +12,13 @@ loop) and we report images/s and p50/p99 job latency (submit -> final images at 
 * ceiling: the same scheduler, router and models in one process, experts called directly
            (no NATS, no msgpack, no worker processes), same continuous batching;
 
-and the ratio fleet / ceiling of images/s. Every job's outcome is counted: completed, rejected
-(the coordinator refused the submit: admission control, `--max-rows` / `--max-queued-jobs`, with
+and the ratio fleet / ceiling of images/s. Next to both, the machine's forward-only limit: the
+experts' own forward timed in this process at --limit-batches (best batch kept), one thread per
+core on the CPU, in images/s for the run's steps, solver and strategy (see --limit-batches), with
+fleet / limit and ceiling / limit: how much of the hardware each path turns into images.
+
+Every job's outcome is counted: completed, rejected (the coordinator refused the submit:
+admission control, `--max-rows` / `--max-queued-jobs`, with
 the ErrorCode the client got), failed (accepted, then a FailedEvent, with its code) and LOST
 (neither images nor a failure within --job-timeout seconds; must be 0). The coordinator's own
 counters for the level are shown next to the clients' view, and what it still holds after the
@@ -408,6 +415,7 @@ def _forward_limit(args, models) -> dict | None:
     backend_name = getattr(args, "backend", "torch")
     device = getattr(args, "device", None)
     per_core = backend_name == "torch" and (device is None or str(device).startswith("cpu"))
+    load0 = os.getloadavg()[0]
     torch_threads = None
     if per_core:
         import torch
@@ -457,6 +465,7 @@ def _forward_limit(args, models) -> dict | None:
         "unit": "core" if per_core else "device",
         "batches": list(batches),
         "experts": experts,
+        "load1": [round(load0, 2), round(os.getloadavg()[0], 2)],  # a loaded machine lowers the limit
     }
 
 
@@ -913,7 +922,9 @@ def format_table(results: dict) -> str:
             f"{lim['rows_per_image']} rows per image ({s['steps']} steps x {lim['evals_per_step']} evaluation(s) "
             f"x {lim['experts_per_row']} expert(s) per row); rows/s: the experts' own forward in this process at "
             f"their best batch of {','.join(map(str, lim['batches']))} ({per}), {how}, experts averaged by time "
-            "per row. jobs = jobs the clients ran in the level"
+            "per row"
+            + (f" (load1 {lim['load1'][0]}>{lim['load1'][1]} while timed)" if lim.get("load1") else "")
+            + ". jobs = jobs the clients ran in the level"
         )
     outcome_rows = [
         (path, r["concurrency"], r[path])
