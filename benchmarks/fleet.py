@@ -2,7 +2,9 @@
 what happened to every job and how much memory each process of the fleet took.
 
 For each --concurrency C, C clients each run --jobs-per-client jobs back to back (a closed
-loop) and we report images/s and p50/p99 job latency (submit -> final images at the client):
+loop), and go on until the level has lasted --min-level-s seconds (5 by default, so a level of
+one client measures seconds of work, not two short jobs); we report the jobs run, images/s and
+p50/p99 job latency (submit -> final images at the client):
 
 * fleet:   client -> NATS -> coordinator (`ddm-fleet coordinator`, its own process: router,
            scheduler, admission limits) -> NATS -> one worker process per expert
@@ -10,8 +12,13 @@ loop) and we report images/s and p50/p99 job latency (submit -> final images at 
 * ceiling: the same scheduler, router and models in one process, experts called directly
            (no NATS, no msgpack, no worker processes), same continuous batching;
 
-and the ratio fleet / ceiling of images/s. Every job's outcome is counted: completed, rejected
-(the coordinator refused the submit: admission control, `--max-rows` / `--max-queued-jobs`, with
+and the ratio fleet / ceiling of images/s. Next to both, the machine's forward-only limit: the
+experts' own forward timed in this process at --limit-batches (best batch kept), one thread per
+core on the CPU, in images/s for the run's steps, solver and strategy (see --limit-batches), with
+fleet / limit and ceiling / limit: how much of the hardware each path turns into images.
+
+Every job's outcome is counted: completed, rejected (the coordinator refused the submit:
+admission control, `--max-rows` / `--max-queued-jobs`, with
 the ErrorCode the client got), failed (accepted, then a FailedEvent, with its code) and LOST
 (neither images nor a failure within --job-timeout seconds; must be 0). The coordinator's own
 counters for the level are shown next to the clients' view, and what it still holds after the
@@ -76,7 +83,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="jobs each client runs back to back (default %(default)s)",
+        help="jobs each client runs back to back, at least (default %(default)s; see --min-level-s)",
+    )
+    parser.add_argument(
+        "--min-level-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="each level lasts at least S seconds, on both paths: a client whose jobs all completed "
+        "starts another until the level has run S seconds (and it has run --jobs-per-client), so a "
+        "level of few clients measures more than a second of work; the jobs run are reported per "
+        "level. 0: exactly --jobs-per-client jobs (default %(default)s)",
+    )
+    parser.add_argument(
+        "--limit-batches",
+        default="8,32,128",
+        metavar="B,B,...|none",
+        help="batch sizes at which the experts' own forward is timed in this process for the "
+        "forward-only limit, on the CPU one thread per core: images/s = best rows/s / (steps x "
+        "evaluations per step (heun 2) x experts per row (top1/oracle 1, topk k, full all)), where "
+        "best rows/s is each expert's best over these batches, averaged over experts by time per "
+        "row (rows spread evenly), times this machine's cores (on a GPU: the device's own rate). "
+        "fleet / limit and ceiling / limit are reported; none: skip it (default %(default)s)",
     )
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler")
@@ -162,7 +190,16 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.job_timeout > 0:
         raise ValueError("--job-timeout must be > 0 seconds")
+    if not args.min_level_s >= 0:
+        raise ValueError("--min-level-s must be >= 0 seconds")
+    _limit_batches(args)
     _coordinator(args)  # the coordinator's settings: ValueError naming the flag
+
+
+def _limit_batches(args: argparse.Namespace) -> list[int]:
+    """--limit-batches as a list ([] for none); ValueError naming the flag."""
+    text = str(getattr(args, "limit_batches", "none"))
+    return [] if text.strip().lower() == "none" else _ints(text, "--limit-batches")
 
 
 def _coordinator(args: argparse.Namespace):
@@ -255,14 +292,15 @@ def _models(args, tmpdir: str) -> dict:
     }
 
 
-def _requests(args, c: int, tag: str):
+def _requests(args, c: int, tag: str) -> list:
+    """One job maker per client: maker(j) -> the client's j-th JobRequest (j = 0, 1, ...)."""
     from schemas import JobRequest
 
     # Each simulated client is its own session, so the coordinator's per-client quotas and fair
     # admission see C clients (as C browser tabs would be), not one client with C x J jobs.
-    return [
-        [
-            JobRequest(
+    def maker(i: int):
+        def make(j: int) -> JobRequest:
+            return JobRequest(
                 job_id=f"b{tag}{c}x{i}x{j}",
                 count=args.images_per_job,
                 steps=args.steps,
@@ -272,22 +310,26 @@ def _requests(args, c: int, tag: str):
                 stream=not args.no_stream,
                 session=f"bench-{i}",
             )
-            for j in range(args.jobs_per_client)
-        ]
-        for i in range(c)
-    ]
+
+        return make
+
+    return [maker(i) for i in range(c)]
 
 
 OUTCOMES = ("completed", "rejected", "failed", "lost")
 
 
-async def _closed_loop(run_one, per_client) -> dict:
+async def _closed_loop(run_one, per_client, min_jobs: int, min_s: float = 0.0) -> dict:
     """Run each client's jobs back to back, all clients concurrently.
 
-    run_one(request) -> (outcome, detail, answer_s): ("completed", DoneEvent), ("rejected", code),
-    ("failed", code) or ("lost", None), and the seconds until the submit was answered (accepted
-    or rejected; None if never). Returns counts per outcome, the codes, images/s and latency over
-    the completed jobs, and the p50/p99 time to answer a submit."""
+    per_client: one maker(j) -> JobRequest per client (`_requests`). Each client runs `min_jobs`
+    jobs, then goes on starting jobs while the level has lasted less than `min_s` seconds, as long as
+    every job it ran completed (a refused or failed job ends its extra jobs: no submit storm against
+    admission control). run_one(request) -> (outcome, detail, answer_s): ("completed", DoneEvent),
+    ("rejected", code), ("failed", code) or ("lost", None), and the seconds until the submit was
+    answered (accepted or rejected; None if never). Returns counts per outcome, the codes, images/s
+    and latency over the completed jobs, the p50/p99 time to answer a submit, and the jobs each
+    client ran ([min, max])."""
     import asyncio
     from collections import Counter
 
@@ -298,10 +340,14 @@ async def _closed_loop(run_one, per_client) -> dict:
     images = 0
     counts: Counter = Counter()
     codes = {"rejected": Counter(), "failed": Counter()}
+    ran: list[int] = []
 
-    async def client(jobs):
+    async def client(make):
         nonlocal images
-        for req in jobs:
+        j, all_completed = 0, True
+        while j < min_jobs or (all_completed and time.perf_counter() - start < min_s):
+            req = make(j)
+            j += 1
             t0 = time.perf_counter()
             outcome, detail, answer_s = await run_one(req)
             counts[outcome] += 1
@@ -310,17 +356,21 @@ async def _closed_loop(run_one, per_client) -> dict:
             if outcome == "completed":
                 lat.append(time.perf_counter() - t0)
                 images += len(detail.digits)
-            elif outcome in codes:
-                codes[outcome][str(detail)] += 1
+            else:
+                all_completed = False
+                if outcome in codes:
+                    codes[outcome][str(detail)] += 1
+        ran.append(j)
 
     def pct(values, q):
         return round(float(np.percentile(values, q)), 4) if values else None
 
     start = time.perf_counter()
-    await asyncio.gather(*(client(j) for j in per_client))
+    await asyncio.gather(*(client(m) for m in per_client))
     wall = time.perf_counter() - start
     return {
-        "submitted": sum(len(j) for j in per_client),
+        "submitted": sum(ran),
+        "jobs_per_client": [min(ran), max(ran)] if ran else [0, 0],
         **{k: counts[k] for k in OUTCOMES},
         "rejected_codes": dict(codes["rejected"]),
         "failed_codes": dict(codes["failed"]),
@@ -332,6 +382,90 @@ async def _closed_loop(run_one, per_client) -> dict:
         "p99_s": pct(lat, 99),
         "answer_p50_s": pct(answer, 50),
         "answer_p99_s": pct(answer, 99),
+    }
+
+
+# ----------------------------------------------------------------------------- the forward-only limit
+
+#: Seconds each (expert, batch size) forward is repeated for, at least (2 forwards at least, after one warm-up).
+LIMIT_TIME_S = 0.3
+
+
+def _forward_limit(args, models) -> dict | None:
+    """What this machine could serve if it did nothing but the experts' forwards.
+
+    Each expert's own forward (the backend the workers use, this process, random inputs) is timed at
+    each of --limit-batches; its best rows/s is kept. On the CPU with torch the forward runs on one
+    thread and the machine's rate is that per-core rate times os.cpu_count() (one thread per core, no
+    fighting threads); elsewhere (a GPU, jax) one process's rate is the device's. Rows are taken as
+    spread evenly over the experts, so the experts' rates are averaged by time per row. Then
+    images/s = rows/s / (steps x evaluations per step x experts per row) (`coordinator.scheduler.job_cost`
+    per image). Returns None when --limit-batches is none."""
+    import gc
+    import statistics
+
+    import numpy as np
+
+    from coordinator.local_fleet import load_backends
+    from coordinator.scheduler import EVALS_PER_STEP, experts_per_row
+
+    batches = _limit_batches(args)
+    if not batches:
+        return None
+    backend_name = getattr(args, "backend", "torch")
+    device = getattr(args, "device", None)
+    per_core = backend_name == "torch" and (device is None or str(device).startswith("cpu"))
+    load0 = os.getloadavg()[0]
+    torch_threads = None
+    if per_core:
+        import torch
+
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+    try:
+        backends = load_backends(models["experts"], backend_name, bf16=args.bf16, buckets=(), device=device)
+        rng = np.random.default_rng(0)
+        experts = []
+        for be in backends:
+            by_batch = {}
+            for b in batches:
+                x = rng.standard_normal((b, *be.input_shape)).astype(np.float32)
+                t = rng.uniform(0, 1, b).astype(np.float32)
+                y = rng.integers(0, max(int(be.num_classes), 1), b).astype(np.int64)
+                be.forward(x, t, y)  # warm-up (a new shape may compile)
+                times: list[float] = []
+                end = time.perf_counter() + LIMIT_TIME_S
+                while len(times) < 2 or time.perf_counter() < end:
+                    t0 = time.perf_counter()
+                    be.forward(x, t, y)
+                    times.append(time.perf_counter() - t0)
+                by_batch[b] = round(b / statistics.median(times), 1)
+            best = max(by_batch, key=by_batch.get)
+            experts.append({"best_batch": best, "rows_per_s": by_batch[best], "rows_per_s_by_batch": by_batch})
+        del backends
+        gc.collect()
+    finally:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+    units = (os.cpu_count() or 1) if per_core else 1
+    per_unit = 1.0 / statistics.fmean(1.0 / e["rows_per_s"] for e in experts)
+    req = _requests(args, 1, "limit")[0](0)
+    evals = EVALS_PER_STEP.get(args.solver, 1)
+    epr = experts_per_row(req, models["k"])
+    rows_per_image = args.steps * evals * epr
+    rows_per_s = per_unit * units
+    return {
+        "images_per_s": round(rows_per_s / rows_per_image, 2),
+        "rows_per_s": round(rows_per_s, 1),
+        "rows_per_image": rows_per_image,
+        "evals_per_step": evals,
+        "experts_per_row": epr,
+        "threads_per_forward": 1 if per_core else None,
+        "units": units,
+        "unit": "core" if per_core else "device",
+        "batches": list(batches),
+        "experts": experts,
+        "load1": [round(load0, 2), round(os.getloadavg()[0], 2)],  # a loaded machine lowers the limit
     }
 
 
@@ -400,13 +534,13 @@ async def _ceiling(args, models) -> dict:
             waiting.pop(req.job_id, None)
 
     try:
-        await _closed_loop(run_one, _requests(args, 1, "w"))  # warm-up
+        await _closed_loop(run_one, _requests(args, 1, "w"), args.jobs_per_client)  # warm-up
         out = []
         for level, c in enumerate(args.concurrency_list):
             me = os.getpid()
             reset_peak(me)
             load0, cpu0, t0 = os.getloadavg()[0], cpu_seconds(me), time.monotonic()
-            res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"))
+            res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"), args.jobs_per_client, args.min_level_s)
             res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             res["memory"] = {"bench (in-process fleet)": proc_memory(me)}
             res["cpu"] = _cpu_used(
@@ -593,7 +727,7 @@ async def _fleet(args, models) -> dict:
                         )
                     )
 
-            warm = await _closed_loop(run_one, _requests(args, 1, "w"))
+            warm = await _closed_loop(run_one, _requests(args, 1, "w"), args.jobs_per_client)
             if warm["completed"] != warm["submitted"]:
                 check_alive()
                 raise RuntimeError(f"the warm-up job did not complete: {warm}")
@@ -606,7 +740,9 @@ async def _fleet(args, models) -> dict:
                 warned = {ch.name: ch.warnings for ch in children}
                 load0, t0 = os.getloadavg()[0], time.monotonic()
                 cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                res = await _closed_loop(run_one, _requests(args, c, f"f{level}-"))
+                res = await _closed_loop(
+                    run_one, _requests(args, c, f"f{level}-"), args.jobs_per_client, args.min_level_s
+                )
                 res["cpu"] = _cpu_used(cpu0, pids, time.monotonic() - t0)
                 res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
@@ -664,6 +800,7 @@ async def bench_fleet(args) -> dict:
         models = _models(args, tmp)
         if args.threads is None:  # share the cores out among the worker processes
             args.threads = max(1, (os.cpu_count() or 1) // (models["k"] * getattr(args, "workers_per_expert", 1)))
+        limit = _forward_limit(args, models)  # first: the machine is quiet, no fleet processes yet
         ceiling = await _ceiling(args, models) if args.only != "fleet" else None
         start_memory, fleet = await _fleet(args, models) if args.only != "ceiling" else (None, None)
     rows = []
@@ -675,6 +812,10 @@ async def bench_fleet(args) -> dict:
             row["ceiling"] = ceiling[level]
         if fleet and ceiling:
             row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
+        if limit is not None:
+            for path in ("fleet", "ceiling"):
+                if path in row:
+                    row[f"{path}_over_limit"] = round(row[path]["images_per_s"] / max(limit["images_per_s"], 1e-9), 3)
         rows.append(row)
     cfg = _coordinator(args)
     setup = {
@@ -683,6 +824,7 @@ async def bench_fleet(args) -> dict:
         "steps": args.steps,
         "images_per_job": args.images_per_job,
         "jobs_per_client": args.jobs_per_client,
+        "min_level_s": args.min_level_s,
         "strategy": args.strategy,
         "solver": args.solver,
         "stream": not args.no_stream,
@@ -707,7 +849,7 @@ async def bench_fleet(args) -> dict:
         "load_avg_start": [round(v, 2) for v in load_start],
         "load_avg_end": [round(v, 2) for v in os.getloadavg()],
     }
-    out = {"setup": setup, "rows": rows}
+    out = {"setup": setup, "rows": rows, "limit": limit}
     if start_memory is not None:
         out["fleet_memory_at_start"] = start_memory  # after start-up and one warm-up job
     return out
@@ -732,7 +874,9 @@ def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [
         f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
-        f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client, stream={s['stream']}, "
+        f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client"
+        + (f" at least, levels of {s['min_level_s']:g} s at least" if s.get("min_level_s") else "")
+        + f", stream={s['stream']}, "
         f"bf16={s['bf16']}, {s.get('backend', 'torch')} on {s.get('device', 'default')}, {s['cpus']} cpus"
         + (", durable jobs" if s.get("durable") else "")
     ]
@@ -744,24 +888,44 @@ def format_table(results: dict) -> str:
             f"{s['job_timeout_s']:g} s; load avg at start {' '.join(map(str, s['load_avg_start']))}, "
             f"at end {' '.join(map(str, s['load_avg_end']))}"
         )
+    lim = results.get("limit")
     lines.append(
-        f"{'conc':>5} | {'fleet img/s':>11} {'p50 s':>7} {'p99 s':>7} | {'ceil img/s':>10} {'p50 s':>7} "
-        f"{'p99 s':>7} | {'ratio':>5}"
+        f"{'conc':>5} | {'fleet img/s':>11} {'p50 s':>7} {'p99 s':>7} {'jobs':>5} | {'ceil img/s':>10} {'p50 s':>7} "
+        f"{'p99 s':>7} {'jobs':>5} | {'fleet/ceil':>10} {'fleet/lim':>9} {'ceil/lim':>8}"
     )
     for r in results["rows"]:
         f, c = r.get("fleet"), r.get("ceiling")
         fs = (
-            f"{f['images_per_s']:>11.1f} {_num(f['p50_s'], '.3f', 7)} {_num(f['p99_s'], '.3f', 7)}"
+            f"{f['images_per_s']:>11.1f} {_num(f['p50_s'], '.3f', 7)} {_num(f['p99_s'], '.3f', 7)} "
+            f"{_num(f.get('submitted'), 'd', 5)}"
             if f
-            else f"{'-':>11} {'-':>7} {'-':>7}"
+            else f"{'-':>11} {'-':>7} {'-':>7} {'-':>5}"
         )
         cs = (
-            f"{c['images_per_s']:>10.1f} {_num(c['p50_s'], '.3f', 7)} {_num(c['p99_s'], '.3f', 7)}"
+            f"{c['images_per_s']:>10.1f} {_num(c['p50_s'], '.3f', 7)} {_num(c['p99_s'], '.3f', 7)} "
+            f"{_num(c.get('submitted'), 'd', 5)}"
             if c
-            else f"{'-':>10} {'-':>7} {'-':>7}"
+            else f"{'-':>10} {'-':>7} {'-':>7} {'-':>5}"
         )
-        ratio = f"{r['ratio']:>5.2f}" if "ratio" in r else f"{'-':>5}"
-        lines.append(f"{r['concurrency']:>5} | {fs} | {cs} | {ratio}")
+        ratios = (
+            f"{_num(r.get('ratio'), '.2f', 10)} {_num(r.get('fleet_over_limit'), '.2f', 9)} "
+            f"{_num(r.get('ceiling_over_limit'), '.2f', 8)}"
+        )
+        lines.append(f"{r['concurrency']:>5} | {fs} | {cs} | {ratios}")
+    if lim:
+        per = ", ".join(
+            f"expert{i} {e['rows_per_s']:,.0f} rows/s at batch {e['best_batch']}" for i, e in enumerate(lim["experts"])
+        )
+        how = f"one thread per core x {lim['units']} cores" if lim["unit"] == "core" else "one process on the device"
+        lines.append(
+            f"forward-only limit {lim['images_per_s']:.1f} img/s = {lim['rows_per_s']:,.0f} rows/s / "
+            f"{lim['rows_per_image']} rows per image ({s['steps']} steps x {lim['evals_per_step']} evaluation(s) "
+            f"x {lim['experts_per_row']} expert(s) per row); rows/s: the experts' own forward in this process at "
+            f"their best batch of {','.join(map(str, lim['batches']))} ({per}), {how}, experts averaged by time "
+            "per row"
+            + (f" (load1 {lim['load1'][0]}>{lim['load1'][1]} while timed)" if lim.get("load1") else "")
+            + ". jobs = jobs the clients ran in the level"
+        )
     outcome_rows = [
         (path, r["concurrency"], r[path])
         for r in results["rows"]

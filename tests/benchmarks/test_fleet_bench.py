@@ -1,8 +1,12 @@
-"""`ddm-fleet bench fleet`: argument checks, the in-process ceiling path, and the report table."""
+"""`ddm-fleet bench fleet`: argument checks, the in-process ceiling path, the per-level minimum duration,
+the forward-only limit, and the report table."""
 
 from __future__ import annotations
 
 import argparse
+import json
+
+import pytest
 
 from benchmarks import fleet as bench
 
@@ -27,6 +31,10 @@ def test_bad_arguments_are_refused(capsys):
     assert "--job-timeout" in capsys.readouterr().err
     assert bench.run(_args(router="/nonexistent.safetensors")) == 2
     assert "--router /nonexistent.safetensors does not exist" in capsys.readouterr().err
+    assert bench.run(_args(min_level_s=-1.0)) == 2
+    assert "--min-level-s" in capsys.readouterr().err
+    assert bench.run(_args(limit_batches="8,x")) == 2
+    assert "--limit-batches" in capsys.readouterr().err
 
 
 async def test_ceiling_path_measures_every_concurrency(tmp_path):
@@ -43,6 +51,8 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
             buckets="1,4",
             only="ceiling",
             jobs_per_client=2,
+            min_level_s=0.0,
+            limit_batches="1,4",
         )
         args.concurrency_list = [1, 3]
         res = await bench.bench_fleet(args)
@@ -55,9 +65,69 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
     assert rows[3]["ceiling"]["p99_s"] >= rows[3]["ceiling"]["p50_s"] > 0
     assert rows[3]["ceiling"]["submitted"] == 6 and rows[3]["ceiling"]["completed"] == 6
     assert rows[3]["ceiling"]["rejected"] == rows[3]["ceiling"]["lost"] == rows[3]["ceiling"]["failed"] == 0
+    assert rows[1]["ceiling"]["jobs_per_client"] == [2, 2]  # --min-level-s 0: exactly --jobs-per-client
     table = bench.format_table(res).splitlines()
     assert "ceil img/s" in table[2] and [t.split()[0] for t in table[3:5]] == ["1", "3"]
-    assert table[8].split("|")[1].split() == ["6", "6", "0", "0", "0"]  # ceiling 3: submitted .. LOST
+    assert table[4].split("|")[2].split()[3] == "6"  # ceiling 3: jobs run
+    assert table[5].startswith("forward-only limit ")
+    assert table[9].split("|")[1].split() == ["6", "6", "0", "0", "0"]  # ceiling 3: submitted .. LOST
+
+
+def test_a_level_lasts_min_level_s_and_the_forward_limit_is_reported(tmp_path, capsys):
+    # One client, jobs of a few ms: with --min-level-s 0.6 it runs far more than --jobs-per-client 2
+    # jobs, and the level lasts the 0.6 s. The limit (tiny experts' forward alone) is at least the
+    # in-process rate, give or take the noise of a shared machine.
+    args = _args(
+        concurrency="1,2",
+        steps=2,
+        widths="8,16,32",
+        checkpoints=str(tmp_path / "none"),
+        buckets="1,4",
+        only="ceiling",
+        jobs_per_client=2,
+        min_level_s=0.6,
+        limit_batches="1,4",
+        threads=1,
+        json=True,
+    )
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench.run(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(capsys.readouterr().out)
+    assert res["setup"]["min_level_s"] == 0.6
+    for row in res["rows"]:
+        x = row["ceiling"]
+        assert x["wall_s"] >= 0.6, x
+        assert x["submitted"] == x["completed"] > 2 * row["concurrency"], x
+        lo, hi = x["jobs_per_client"]
+        assert 2 < lo <= hi and lo * row["concurrency"] <= x["submitted"] <= hi * row["concurrency"]
+    lim = res["limit"]
+    assert lim["rows_per_image"] == 2 and lim["evals_per_step"] == 1 and lim["experts_per_row"] == 1
+    assert lim["unit"] == "core" and lim["threads_per_forward"] == 1 and lim["batches"] == [1, 4]
+    assert [e["best_batch"] in (1, 4) for e in lim["experts"]] == [True, True]
+    assert lim["images_per_s"] == pytest.approx(lim["rows_per_s"] / 2, rel=0.01)
+    for row in res["rows"]:
+        assert row["ceiling_over_limit"] == pytest.approx(
+            row["ceiling"]["images_per_s"] / lim["images_per_s"], rel=0.01
+        )
+        assert row["ceiling_over_limit"] < 1.5, (row, lim)  # the forward alone is the limit, within noise
+    assert "fleet_over_limit" not in res["rows"][0]
+
+
+def test_limit_counts_rows_per_image_for_the_run_s_solver_and_strategy(tmp_path):
+    # heun: 2 evaluations per step; full: every expert per row. 3 steps x 2 x 2 experts = 12 rows per image.
+    args = _args(
+        steps=3, solver="heun", strategy="full", widths="8,16,32", checkpoints=str(tmp_path / "none"), limit_batches="2"
+    )
+    models = bench._models(args, str(tmp_path))
+    lim = bench._forward_limit(args, models)
+    assert (lim["evals_per_step"], lim["experts_per_row"], lim["rows_per_image"]) == (2, 2, 12)
+    assert lim["images_per_s"] == pytest.approx(lim["rows_per_s"] / 12, rel=0.01)
+    assert bench._forward_limit(_args(limit_batches="none"), models) is None
 
 
 def test_table_shows_ratio():
@@ -83,16 +153,69 @@ def test_table_shows_ratio():
             }
         ],
     }
-    assert bench.format_table(res).splitlines()[-1].split() == [
+    res["limit"] = {
+        "images_per_s": 20.0,
+        "rows_per_s": 800.0,
+        "rows_per_image": 40,
+        "evals_per_step": 1,
+        "experts_per_row": 1,
+        "threads_per_forward": 1,
+        "units": 2,
+        "unit": "core",
+        "batches": [8, 32],
+        "experts": [{"best_batch": 32, "rows_per_s": 400.0, "rows_per_s_by_batch": {"8": 300.0, "32": 400.0}}],
+    }
+    res["rows"][0]["fleet_over_limit"] = 0.25
+    res["rows"][0]["ceiling_over_limit"] = 0.5
+    lines = bench.format_table(res).splitlines()
+    assert lines[1].split("|")[-1].split() == ["fleet/ceil", "fleet/lim", "ceil/lim"]
+    assert lines[2].split() == [
         "8",
         "|",
         "5.0",
         "1.000",
         "2.000",
+        "-",
         "|",
         "10.0",
         "0.500",
         "1.000",
+        "-",
         "|",
         "0.50",
+        "0.25",
+        "0.50",
     ]
+    assert lines[3].startswith("forward-only limit 20.0 img/s = 800 rows/s / 40 rows per image")
+    assert "expert0 400 rows/s at batch 32" in lines[3] and "one thread per core x 2 cores" in lines[3]
+
+
+@pytest.mark.slow  # ~10 s: a real fleet (nats-server, coordinator and worker processes) for 1.5 s
+@pytest.mark.bus
+@pytest.mark.procs
+async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(tmp_path):
+    args = _args(
+        concurrency="1",
+        steps=2,
+        widths="8,16,32",
+        checkpoints=str(tmp_path / "none"),
+        buckets="1,4",
+        only="fleet",
+        jobs_per_client=1,
+        min_level_s=1.5,
+        limit_batches="1,4",
+        threads=1,
+        job_timeout=60.0,
+    )
+    res = await bench.bench_fleet(args)
+    x = res["rows"][0]["fleet"]
+    assert x["wall_s"] >= 1.5 and x["submitted"] == x["completed"] > 1 and x["jobs_per_client"] == [x["submitted"]] * 2
+    lim = res["limit"]
+    # one client of 2-step jobs through NATS is far from the tiny experts' forward alone (noise allowed)
+    assert lim["images_per_s"] >= 0.7 * x["images_per_s"], (lim, x)
+    assert res["rows"][0]["fleet_over_limit"] == pytest.approx(x["images_per_s"] / lim["images_per_s"], rel=0.01)
+    assert json.loads(json.dumps(res))["limit"]["rows_per_image"] == 2
+    table = bench.format_table(res).splitlines()
+    assert table[3].split("|")[1].split()[3] == str(x["submitted"])  # the jobs run
+    assert table[3].split("|")[3].split()[1] == f"{res['rows'][0]['fleet_over_limit']:.2f}"
+    assert table[4].startswith("forward-only limit ")

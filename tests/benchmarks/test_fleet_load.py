@@ -41,6 +41,8 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
         max_rows=20,
         max_queued_jobs=20,
         job_timeout=60.0,
+        min_level_s=0.0,  # exactly 2 jobs per client
+        limit_batches="none",
     )
     t0 = time.monotonic()
     res = await bench.bench_fleet(args)
