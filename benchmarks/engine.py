@@ -114,19 +114,26 @@ async def bench(args: argparse.Namespace) -> dict:
 
     import numpy as np
 
+    from client.labels import job_labels
     from coordinator.engine import Engine
     from coordinator.scheduler import Scheduler, SchedulerConfig
-    from coordinator.service import load_router_and_partition
+    from coordinator.service import load_router_and_partition, router_spec
     from schemas import JobRequest, pack
 
     from .scale import Progress
 
     router, k, c2e = load_router_and_partition(router_path(args), os.path.join(args.checkpoints, "partition.json"))
+    spec = router_spec(router_path(args))  # the fleet's sample shape and class count
     timed = TimedRouter(router)
     n_rows = args.jobs * args.images_per_job
     sched = Scheduler(
         SchedulerConfig(
-            num_experts=k, class_to_expert=c2e, max_rows=max(1024, n_rows), max_queued_jobs=max(1024, 2 * args.jobs)
+            num_experts=k,
+            class_to_expert=c2e,
+            max_rows=max(1024, n_rows),
+            max_queued_jobs=max(1024, 2 * args.jobs),
+            image_shape=tuple(spec.sample_shape),
+            num_classes=len(c2e),
         )
     )
     packed = {"events": 0, "bytes": 0}
@@ -151,11 +158,11 @@ async def bench(args: argparse.Namespace) -> dict:
     def top_up() -> None:
         nonlocal submitted
         while sched.active_jobs + sched.queued_jobs < args.jobs:
-            digits = [int(d) for d in rng.integers(0, 10, size=args.images_per_job)]
+            labels = [int(d) for d in rng.integers(0, len(c2e), size=args.images_per_job)]
             engine.submit(
                 JobRequest(
                     job_id=f"engine-bench-{submitted}",
-                    digits=digits,
+                    **job_labels(spec, labels),
                     steps=args.steps,
                     seed=submitted,
                     strategy=args.strategy,

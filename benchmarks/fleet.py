@@ -221,6 +221,7 @@ def _models(args, tmpdir: str) -> dict:
     """Expert checkpoint paths, router and partition files (the coordinator process loads them),
     number of experts, class_to_expert and a description."""
     from coordinator.local_fleet import shipped_paths
+    from coordinator.startup import router_spec
     from dataset.partition import load_manifest
 
     try:
@@ -241,7 +242,7 @@ def _models(args, tmpdir: str) -> dict:
             "router": str(router),
             "partition": str(paths["partition"]),
             "k": k,
-            "c2e": [int(manifest.class_to_expert(y)) for y in range(10)],
+            "c2e": [int(manifest.class_to_expert(y)) for y in range(router_spec(router).num_classes)],
             "described": f"checkpoints in {args.checkpoints}/"
             + (f", router {router}" if args.router is not None else ""),
         }
@@ -355,7 +356,7 @@ async def _closed_loop(run_one, per_client, min_jobs: int, min_s: float = 0.0) -
                 answer.append(answer_s)
             if outcome == "completed":
                 lat.append(time.perf_counter() - t0)
-                images += len(detail.digits)
+                images += len(detail.classes)
             else:
                 all_completed = False
                 if outcome in codes:
@@ -479,6 +480,7 @@ async def _ceiling(args, models) -> dict:
     from coordinator.local_fleet import InProcessTransport, load_backends
     from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
     from coordinator.service import load_router_and_partition
+    from coordinator.startup import router_spec
 
     if args.threads:
         import torch
@@ -505,7 +507,12 @@ async def _ceiling(args, models) -> dict:
     engine = Engine(
         Scheduler(
             SchedulerConfig(
-                num_experts=k, max_rows=cfg.max_rows, max_queued_jobs=cfg.max_queued_jobs, class_to_expert=c2e
+                num_experts=k,
+                max_rows=cfg.max_rows,
+                max_queued_jobs=cfg.max_queued_jobs,
+                class_to_expert=c2e,
+                image_shape=tuple(router_spec(models["router"]).sample_shape),  # the fleet's, not MNIST's
+                num_classes=len(c2e),
             )
         ),
         router,

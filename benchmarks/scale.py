@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _models(args, tmpdir: str) -> dict:
     """Router and partition for the coordinators, one tiny checkpoint per expert for the sim workers."""
+    from coordinator.startup import router_spec
     from dataset.partition import load_manifest
     from models.tiny import make_tiny_experts
 
@@ -318,7 +319,13 @@ def _models(args, tmpdir: str) -> dict:
             )
         )
         described = "random tiny router, classes 0-4 | 5-9"
-    experts = [str(p) for p in make_tiny_experts(os.path.join(tmpdir, "sim"), k)]
+    # the sim workers serve the router's sample shape and class count (the sim backend reads them from here)
+    spec = router_spec(router)
+    c, size, _ = spec.sample_shape
+    shape = {"in_channels": c, "image_size": size, "num_classes": max(1, spec.num_classes)}
+    experts = [
+        str(p) for p in make_tiny_experts(os.path.join(tmpdir, "sim"), k, split_classes=spec.num_classes == 10, **shape)
+    ]
     return {"router": str(router), "partition": str(partition), "k": k, "experts": experts, "described": described}
 
 
@@ -557,7 +564,7 @@ async def measure(
             t0 = time.perf_counter()
             outcome, detail, _ = await fleet_job(nc, req, args.job_timeout)
             t1 = time.perf_counter()
-            finished.append((t1, t1 - t0, outcome, len(detail.digits) if outcome == "completed" else 0))
+            finished.append((t1, t1 - t0, outcome, len(detail.classes) if outcome == "completed" else 0))
 
     pids = {c.name: c.pid for c in fleet.coordinators}
     worker_pids = [w.pid for ws in fleet.workers for w in ws]

@@ -5,7 +5,8 @@
         done = await run_job(fleet.nc, JobRequest(digits=[3, 7]))
 
 `LocalFleet.from_dir("checkpoints")` uses the shipped file names (expert<k>.safetensors,
-router.safetensors, partition.json). Used by `ddm-fleet generate --local`, `bench fleet` and
+router.safetensors, partition.json) and serves the router's model spec, so any fleet directory works
+(RGB, any class count, UNet or DiT experts). Used by `ddm-fleet generate --local`, `bench fleet` and
 tests; a user with no NATS server can generate images with it.
 
 `InProcessTransport` calls loaded backends directly (no NATS, same batching): the ceiling the

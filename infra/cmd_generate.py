@@ -1,4 +1,4 @@
-"""Generate digits through the fleet and save them as a PNG grid or an .npz file.
+"""Generate images through the fleet and save them as a PNG grid or an .npz file.
 
 Submits the images as generation jobs to the coordinator (subscribing to each job's events
 first, so no frame is missed), shows one progress bar over all images from the streamed frames,
@@ -6,8 +6,15 @@ and writes the final images in the order asked for. With --local it first starts
 fleet in this process (its own nats-server, one worker per expert, a coordinator) from the
 checkpoints in --checkpoints, so no running fleet is needed.
 
+Shapes and classes come from the fleet's model spec (`schemas.spec`), asked of the coordinator
+(`fleet_status(nc, spec=True)`; a coordinator older than specs serves the MNIST fleet, 1x32x32 and
+ten classes "0"-"9"). --labels takes the fleet's class names or indices ("?" = label unknown);
+--digits is the v1 spelling for 0-9; --count draws from the fleet's class count. Jobs name their
+labels `digits` on a ten-class fleet (as v1 did) and `labels` on any other.
+
 examples:
   ddm-fleet generate --digits 3,7,7 --out grid.png --local
+  ddm-fleet generate --labels "cat,dog,?" --out pets.png --local --checkpoints ck-cifar   # class names
   ddm-fleet generate --count 16 --steps 40 --strategy top1 --seed 1 --out samples.npz
   ddm-fleet generate --count 1000 --seed 7 --out thousand.npz          # 4 jobs: 256 + 256 + 256 + 232
   ddm-fleet generate --digits 0,1,2,3,4,5,6,7,8,9 --solver heun --steps 20 --out g.png --json
@@ -32,9 +39,11 @@ label (`train-expert --label-dropout > 0`); a fleet whose experts have none refu
 (`bad_request`). --strategy oracle needs the label, so it is refused with --unconditional. Their
 label is -1 in the .npz `labels` and in --json.
 
---out: .png writes one grid (images in rows of --per-row); .npz writes `images` float32
-[N, 1, 32, 32] in [-1, 1], `labels` int64 [N] and `usage` float32 [N, K] (fraction of steps each
-expert contributed to each image). --json prints the run summary with per-image expert usage.
+--out: .png writes one grid (images in rows of --per-row; grey for one channel, RGB for three);
+.npz writes `images` float32 [N, C, H, W] in the spec's value range (e.g. [-1, 1]), `labels` int64
+[N] (-1 = unknown), `class_names` str [num_classes] and `usage` float32 [N, K] (fraction of steps
+each expert contributed to each image). --json prints the run summary with each image's label,
+class name and expert usage (and `digit`, as v1 did, on a ten-digit fleet).
 The bus URL defaults to $NATS_URL, else nats://127.0.0.1:4222.
 """
 
@@ -99,12 +108,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--digits", type=parse_digits, metavar="D,D,...", help="the class of each image, e.g. 3,7,7")
+    what.add_argument(
+        "--labels",
+        metavar="NAMES|INDICES",
+        help='the class of each image, by the fleet\'s class names or indices, e.g. "cat,dog,?" or 3,5 '
+        "(? = label unknown)",
+    )
+    what.add_argument(
+        "--digits", type=parse_digits, metavar="D,D,...", help="the class of each image as 0-9, e.g. 3,7,7 (v1)"
+    )
     what.add_argument(
         "--count",
         type=_positive,
         metavar="N",
-        help=f"N images of random classes drawn from --seed (at most {MAX_RUN_IMAGES})",
+        help=f"N images of random classes of the fleet drawn from --seed (at most {MAX_RUN_IMAGES})",
     )
     parser.add_argument(
         "--unconditional",
@@ -209,17 +226,43 @@ def job_seed(base_seed: int, job_index: int) -> int:
     return (int(base_seed) + int(job_index)) % SEED_RANGE
 
 
-def plan_requests(args: argparse.Namespace) -> tuple[list, int | None]:
+def requested_classes(args: argparse.Namespace, spec=None) -> list[int] | None:
+    """The class of each image as asked: --digits, --labels (names or indices of `spec`'s classes, default
+    the MNIST fleet's) or --unconditional --count N (-1 each); None for a plain --count. Raises ValueError
+    for a label that is no class of the fleet."""
+    from client.labels import parse_labels
+    from schemas import UNCONDITIONAL
+    from schemas.spec import legacy_spec
+
+    spec = spec if spec is not None else legacy_spec()
+    if getattr(args, "unconditional", False):  # the label unknown on every row
+        return [UNCONDITIONAL] * args.count
+    if getattr(args, "labels", None) is not None:
+        return parse_labels(args.labels, spec)
+    if args.digits is None:
+        return None
+    n = spec.num_classes
+    bad = next((d for d in args.digits if d >= n), None)
+    if bad is not None:
+        raise ValueError(f"--digits {bad}: this fleet has {n} classes (0-{n - 1}); see --labels")
+    return list(args.digits)
+
+
+def plan_requests(args: argparse.Namespace, spec=None) -> tuple[list, int | None]:
     """The JobRequests of a run, in image order, and the run's seed S (None: one job, seed chosen
-    by the coordinator). Raises pydantic's ValidationError / schemas.ProtocolError for bad values."""
+    by the coordinator). `spec`: the fleet's model spec (default: the MNIST fleet's); the labels go
+    under `digits` on a ten-class fleet, `labels` on any other (client.labels.label_field). Raises
+    ValueError for labels the fleet lacks, pydantic's ValidationError / schemas.ProtocolError for bad values."""
     import secrets
 
+    from client.labels import job_labels
     from coordinator.rows import draw_digits
     from schemas import UNCONDITIONAL, JobRequest
+    from schemas.spec import legacy_spec
 
-    n = len(args.digits) if args.digits is not None else args.count
-    if getattr(args, "unconditional", False):  # the label unknown on every row: a digits job of -1
-        args = argparse.Namespace(**{**vars(args), "digits": [UNCONDITIONAL] * n, "count": None})
+    spec = spec if spec is not None else legacy_spec()
+    classes = requested_classes(args, spec)
+    n = len(classes) if classes is not None else args.count
     common = dict(
         steps=args.steps,
         strategy=args.strategy,
@@ -229,22 +272,26 @@ def plan_requests(args: argparse.Namespace) -> tuple[list, int | None]:
         frame_every=max(1, args.steps // 100),
     )
     if n <= args.images_per_job:  # one job, exactly as the coordinator runs a single request
-        return [JobRequest(digits=args.digits, count=args.count, seed=args.seed, **common)], args.seed
+        what = {"count": args.count} if classes is None else job_labels(spec, classes)
+        return [JobRequest(seed=args.seed, **what, **common)], args.seed
     base = args.seed if args.seed is not None else secrets.randbits(63)
-    digits = list(args.digits) if args.digits is not None else draw_digits(base, n)
+    if classes is None:  # drawn as the coordinator draws a count job's classes
+        conditional = spec.conditioning.kind == "class"
+        classes = draw_digits(base, n, spec.num_classes) if conditional else [UNCONDITIONAL] * n
     return [
-        JobRequest(digits=digits[r.start : r.stop], seed=job_seed(base, j), **common)
+        JobRequest(**job_labels(spec, classes[r.start : r.stop]), seed=job_seed(base, j), **common)
         for j, r in enumerate(split_images(n, args.images_per_job))
     ], base
 
 
 @dataclass
 class RunResult:
-    """A whole run, its jobs' results joined in image order. images [N, 1, 32, 32] float32 in [-1, 1],
-    digits [N], usage [N, K]; jobs: one {job_id, seed, first_image, images} per job."""
+    """A whole run, its jobs' results joined in image order. images [N, C, H, W] float32 in the spec's
+    value range, labels [N] (-1 = unknown), usage [N, K]; jobs: one {job_id, seed, first_image, images}
+    per job."""
 
     images: object
-    digits: list[int]
+    labels: list[int]
     usage: object
     elapsed_s: float
     seed: int | None
@@ -258,14 +305,14 @@ def join_results(dones: list, seeds: list[int], run_seed: int | None, elapsed_s:
 
     jobs, notes, first = [], [], 0
     for j, done in enumerate(dones):
-        jobs.append({"job_id": done.job_id, "seed": seeds[j], "first_image": first, "images": len(done.digits)})
-        first += len(done.digits)
+        jobs.append({"job_id": done.job_id, "seed": seeds[j], "first_image": first, "images": len(done.classes)})
+        first += len(done.classes)
         notes += [f"job {j + 1}/{len(dones)}: {n}" if len(dones) > 1 else n for n in done.notes]
     if len(dones) == 1:
         elapsed_s = dones[0].elapsed_s
     return RunResult(
         images=np.concatenate([np.asarray(d.images, np.float32) for d in dones]),
-        digits=[int(d) for done in dones for d in done.digits],
+        labels=[int(c) for done in dones for c in done.classes],
         usage=np.concatenate([np.asarray(d.usage, np.float32) for d in dones]),
         elapsed_s=elapsed_s,
         seed=run_seed if run_seed is not None else seeds[0],
@@ -274,26 +321,51 @@ def join_results(dones: list, seeds: list[int], run_seed: int | None, elapsed_s:
     )
 
 
-def save_output(done, path: str, per_row: int) -> None:
+def save_output(result: RunResult, path: str, per_row: int, spec=None) -> None:
+    """Write `result` to `path`: .npz (images, labels, class_names, usage) or a PNG grid (grey or RGB)."""
     import numpy as np
 
+    from client.labels import class_names
+    from schemas.spec import legacy_spec
+
+    spec = spec if spec is not None else legacy_spec()
     ext = os.path.splitext(path)[1].lower()
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     if ext == ".npz":
         np.savez_compressed(
             path,
-            images=np.asarray(done.images, np.float32),
-            labels=np.asarray(done.digits, np.int64),
-            usage=np.asarray(done.usage, np.float32),
+            images=np.asarray(result.images, np.float32),
+            labels=np.asarray(result.labels, np.int64),
+            class_names=np.asarray(class_names(spec), dtype=str),
+            usage=np.asarray(result.usage, np.float32),
         )
     else:
         from infra.grid import write_grid
 
-        write_grid(path, np.asarray(done.images), nrow=min(per_row, len(done.digits)))
+        lo, hi = spec.value_range
+        images = np.asarray(result.images, np.float32)
+        if (lo, hi) != (-1.0, 1.0):  # the grid shows [-1, 1]
+            images = (images - lo) / (hi - lo) * 2.0 - 1.0
+        write_grid(path, images, nrow=min(per_row, len(result.labels)))
 
 
-def summary(result: RunResult, steps: int, strategy: str, path: str) -> dict:
+def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None) -> dict:
+    """The --json summary: per image its index, label (-1 = unknown), class name ("?" when unknown), expert
+    usage, and on the ten-digit (MNIST) fleet `digit` as well (as v1 printed it)."""
+    from client.labels import class_names, name_of
+    from schemas.spec import legacy_spec
+
+    spec = spec if spec is not None else legacy_spec()
+    names = class_names(spec)
+    digit_fleet = names == [str(i) for i in range(10)]
+
+    def image(i: int, label: int) -> dict:
+        out = {"index": i, "label": label, "class": name_of(spec, label, names)}
+        if digit_fleet:
+            out["digit"] = label
+        return {**out, "usage": [round(float(u), 4) for u in result.usage[i]]}
+
     return {
         "job_id": result.jobs[0]["job_id"],
         "seed": result.seed,
@@ -302,10 +374,9 @@ def summary(result: RunResult, steps: int, strategy: str, path: str) -> dict:
         "elapsed_s": round(result.elapsed_s, 3),
         "out": path,
         "jobs": result.jobs,
-        "images": [
-            {"index": i, "digit": int(d), "usage": [round(float(u), 4) for u in result.usage[i]]}
-            for i, d in enumerate(result.digits)
-        ],
+        "sample_shape": list(spec.sample_shape),
+        "class_names": names,
+        "images": [image(i, int(c)) for i, c in enumerate(result.labels)],
         "notes": list(result.notes),
     }
 
@@ -373,6 +444,19 @@ async def run_jobs(nc, requests: list, *, in_flight: int, timeout: float, bar=No
     return list(dones), seeds
 
 
+def _images_asked(args: argparse.Namespace) -> int:
+    """How many images the run makes (--labels: its entries, before they are checked against the fleet)."""
+    import re
+
+    if args.digits is not None:
+        return len(args.digits)
+    if args.labels is not None:
+        text = args.labels.strip()
+        parts = re.split(r"[,;]", text) if ("," in text or ";" in text) else text.split()
+        return sum(1 for p in parts if p.strip())
+    return args.count
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import json
@@ -385,10 +469,11 @@ def run(args: argparse.Namespace) -> int:
     if ext not in (".png", ".npz"):
         print(f"ddm-fleet generate: --out must end in .png or .npz, got {args.out!r}", file=sys.stderr)
         return 2
-    n_images = len(args.digits) if args.digits is not None else args.count
-    if args.unconditional and args.digits is not None:
+    n_images = _images_asked(args)
+    if args.unconditional and args.count is None:
         print(
-            "ddm-fleet generate: --unconditional takes --count N (every image's label is unknown), not --digits",
+            "ddm-fleet generate: --unconditional takes --count N (every image's label is unknown), not --digits or "
+            "--labels (where ? marks an unknown label)",
             file=sys.stderr,
         )
         return 2
@@ -406,14 +491,31 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        requests, run_seed = plan_requests(args)
+    try:  # checked against the MNIST fleet's spec before connecting; again against the fleet's own below
+        plan_requests(args if args.labels is None else argparse.Namespace(**{**vars(args), "labels": "0"}))
     except Exception as err:  # pydantic validation: limits
         print(f"ddm-fleet generate: bad request: {err}", file=sys.stderr)
         return 2
 
     async def job(nc) -> int:
         from tqdm import tqdm
+
+        from client.jobs import JobFailed, fleet_status
+        from client.labels import name_of
+        from schemas.spec import legacy_spec
+
+        try:  # the fleet's shapes and classes; a coordinator older than specs serves the MNIST fleet
+            status = await fleet_status(nc, spec=True, timeout=5.0)
+        except JobFailed as err:
+            print(f"ddm-fleet generate: {err.reason} (start a coordinator, or use --local)", file=sys.stderr)
+            return 1
+        spec = status.spec if status.spec is not None else legacy_spec()
+        try:
+            requests, run_seed = plan_requests(args, spec)
+        except Exception as err:  # a label the fleet lacks; pydantic validation: limits
+            print(f"ddm-fleet generate: bad request: {err}", file=sys.stderr)
+            return 2
+        n_images = sum(r.n_images for r in requests)
 
         bar = (
             None
@@ -438,14 +540,19 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
         result = join_results(dones, seeds, run_seed, time.monotonic() - started)
-        save_output(result, args.out, args.per_row)
+        try:
+            save_output(result, args.out, args.per_row, spec)
+        except ValueError as err:  # e.g. a grid of 4-channel latents
+            print(f"ddm-fleet generate: {err}", file=sys.stderr)
+            return 2
         if args.json:
-            print(json.dumps(summary(result, args.steps, args.strategy, args.out), indent=2))
+            print(json.dumps(summary(result, args.steps, args.strategy, args.out, spec), indent=2))
         else:
-            digits = ",".join(map(str, result.digits)) if len(result.digits) <= 64 else "..."
+            names = [name_of(spec, c) for c in result.labels]
+            shown = ",".join(names) if len(names) <= 64 else "..."
             jobs = f" as {len(requests)} jobs" if len(requests) > 1 else ""
             print(
-                f"wrote {len(result.digits)} images ({digits}) to {args.out} in {result.elapsed_s:.2f} s{jobs} "
+                f"wrote {len(result.labels)} images ({shown}) to {args.out} in {result.elapsed_s:.2f} s{jobs} "
                 f"(seed {result.seed})"
             )
         return 0

@@ -1,8 +1,10 @@
-"""Sample digits in-process from expert checkpoints and write a PNG grid (no NATS, no router).
+"""Sample images in-process from expert checkpoints and write a PNG grid (no NATS, no router).
 
 Each requested class is routed to the checkpoint whose partition holds it (oracle routing, read from
 each checkpoint's JSON), then integrated from t=0 noise to t=1 with Euler or Heun. One grid row per
-class, labelled "<class> (e<expert>)".
+class, labelled "<class name> (e<expert>)". Sample shape and class names come from the checkpoints'
+model spec (`models.spec.spec_of`; checkpoints older than specs: 1x32x32, classes "0"-"9"); the
+experts must agree on it. RGB experts give an RGB grid.
 
 Example (the shipped docs/samples.png):
   ddm-fleet sample --checkpoint checkpoints/expert0.safetensors --checkpoint checkpoints/expert1.safetensors \\
@@ -63,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="samples.png", help="PNG to write (default %(default)s)")
-    parser.add_argument("--npz", default=None, help="also save the raw samples [N,1,32,32] and labels to this .npz")
+    parser.add_argument(
+        "--npz", default=None, help="also save the raw samples [N, C, H, W], labels and class names to this .npz"
+    )
 
 
 def sample_oracle(
@@ -75,7 +79,8 @@ def sample_oracle(
     seed: int = 0,
     progress: bool = True,
 ):
-    """-> (images float32 [len(classes)*per_class, 1, 32, 32] in model range, labels int64, expert ids int64).
+    """-> (images float32 [len(classes)*per_class, C, H, W] in model range, labels int64, expert ids int64,
+    the experts' model spec). [C, H, W] is the spec's sample shape.
 
     Rows are grouped class by class; each class uses the expert whose partition lists it.
     """
@@ -85,19 +90,23 @@ def sample_oracle(
 
     from flow.solver import sample
     from models.checkpoint import load_torch_model
+    from models.spec import spec_of
+    from schemas.spec import fleet_spec
 
-    models, owner = [], {}
+    models, owner, specs = [], {}, {}
     for i, path in enumerate(checkpoints):
         model, meta = load_torch_model(path)
         models.append(model)
+        specs[f"expert {i} ({path})"] = spec_of(meta, where=str(path))
         for c in meta.get("partition", {}).get("classes", []):
             owner.setdefault(int(c), i)
+    spec = fleet_spec(specs)  # SpecError (a ValueError) when the experts disagree
     missing = [c for c in classes if c not in owner]
     if missing:
         raise ValueError(f"no checkpoint's partition holds class(es) {missing}; pass the matching --checkpoint")
     y = np.repeat(np.asarray(classes, np.int64), per_class)
     which = np.asarray([owner[int(c)] for c in y], np.int64)
-    x = np.random.default_rng(seed).standard_normal((len(y), 1, 32, 32)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((len(y), *spec.sample_shape)).astype(np.float32)
 
     def velocity(xb, tb, yb):
         out = np.empty_like(xb)
@@ -112,7 +121,7 @@ def sample_oracle(
 
     with tqdm(total=steps, desc=f"sampling ({solver})", disable=not progress, unit="step") as bar:
         x = sample(velocity, x, y, steps, solver, callback=lambda *_: bar.update(1))
-    return x, y, which
+    return x, y, which, spec
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,15 +136,24 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         from infra.grid import write_grid
 
-        x, y, which = sample_oracle(ckpts, classes, args.per_class, args.steps, args.solver, args.seed)
+        x, y, which, spec = sample_oracle(ckpts, classes, args.per_class, args.steps, args.solver, args.seed)
     except (ValueError, FileNotFoundError) as e:
         print(f"sample: error: {e}", file=sys.stderr)
         return 2
-    labels = [f"{c} (e{int(which[i * args.per_class])})" for i, c in enumerate(classes)]
-    path = write_grid(args.out, x, nrow=args.per_class, row_labels=labels)
+    from client.labels import class_names, name_of
+
+    names = class_names(spec)
+    labels = [f"{name_of(spec, c, names)} (e{int(which[i * args.per_class])})" for i, c in enumerate(classes)]
+    lo, hi = spec.value_range
+    shown = x if (lo, hi) == (-1.0, 1.0) else (x - lo) / (hi - lo) * 2.0 - 1.0  # the grid shows [-1, 1]
+    try:
+        path = write_grid(args.out, shown, nrow=args.per_class, row_labels=labels)
+    except ValueError as e:  # neither grey nor RGB (e.g. 4-channel latents)
+        print(f"sample: error: {e}", file=sys.stderr)
+        return 2
     if args.npz:
         import numpy as np
 
-        np.savez_compressed(args.npz, images=x, labels=y, experts=which)
+        np.savez_compressed(args.npz, images=x, labels=y, experts=which, class_names=np.asarray(names, dtype=str))
     print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.solver} {args.steps} steps)")
     return 0

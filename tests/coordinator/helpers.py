@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.tiny import make_tiny_expert
+from models.tiny import make_tiny_dit, make_tiny_expert
 from models.tiny import make_tiny_experts as _factory_experts
 from models.tiny import make_tiny_router as _factory_router
 
 TINY_WIDTHS = (8, 16, 32)
 JITTER = 0.05
 
-__all__ = ["TINY_WIDTHS", "JITTER", "make_tiny_expert", "make_tiny_experts", "make_tiny_router"]
+__all__ = ["TINY_WIDTHS", "JITTER", "make_tiny_expert", "make_tiny_experts", "make_tiny_dits", "make_tiny_router"]
 
 
 def make_tiny_experts(directory: Path, num_experts: int = 2) -> list[Path]:
@@ -28,3 +28,28 @@ def make_tiny_experts(directory: Path, num_experts: int = 2) -> list[Path]:
 def make_tiny_router(path: Path, num_experts: int = 2) -> Path:
     """A random-init RouterNet (width 8, emb 16, seed 5) in the shipped router format."""
     return _factory_router(path, num_experts, meta={"test": True})
+
+
+def make_tiny_dits(directory: Path, num_experts: int = 2) -> list[Path]:
+    """``num_experts`` tiny DiT experts ``<directory>/expert<k>`` (``models.tiny.make_tiny_dit``: 8x8 tokens,
+    width 32, two blocks, jitter 0.05), classes dealt out as `make_tiny_experts` does (0-4 | 5-9)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return [
+        make_tiny_dit(
+            directory / f"expert{k}",
+            expert_id=k,
+            classes=list(range(10 * k // num_experts, 10 * (k + 1) // num_experts)),
+        )
+        for k in range(num_experts)
+    ]
+
+
+def make_tiny_fleet_experts(directory: Path, arch: str = "unet", num_experts: int = 2) -> list[Path]:
+    """Tiny experts of `arch` ("unet": `make_tiny_experts`, "dit": `make_tiny_dits`) for fleet tests
+    parametrized over the architecture."""
+    if arch == "dit":
+        return make_tiny_dits(directory, num_experts)
+    if arch != "unet":
+        raise ValueError(f"arch must be unet or dit, got {arch!r}")
+    return make_tiny_experts(directory, num_experts)

@@ -27,19 +27,25 @@ from schemas import (
     subjects,
     unpack,
 )
-from tests.coordinator.helpers import make_tiny_experts
+from tests.coordinator.helpers import make_tiny_fleet_experts
 from tests.waiting import wait_until
 
 C2E = [0] * 5 + [1] * 5
 
 
+#: Tests that run on a UNet fleet and on a DiT fleet (the protocol does not depend on the architecture).
+BOTH_ARCHS = pytest.mark.parametrize("experts", ["unet", "dit"], indirect=True)
+
+
 @pytest.fixture(scope="module")
-def experts(tmp_path_factory):
+def experts(tmp_path_factory, request):
+    """Two tiny experts (classes 0-4 | 5-9), UNets unless a test parametrizes the architecture (BOTH_ARCHS)."""
     import torch
 
+    arch = getattr(request, "param", "unet")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield make_tiny_experts(tmp_path_factory.mktemp("reply-experts"))
+    yield make_tiny_fleet_experts(tmp_path_factory.mktemp(f"reply-experts-{arch}"), arch)
     torch.set_num_threads(threads)
 
 
@@ -97,6 +103,7 @@ async def test_queue_position_is_zero_when_running_and_one_for_the_next(nats_url
             assert await cancel_job(nc, job_id)
 
 
+@BOTH_ARCHS
 async def test_a_cancelled_job_reports_the_step_it_reached(nats_url, nc, workers):
     async with Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url):
         seen = asyncio.Event()
@@ -131,6 +138,7 @@ async def test_a_cancel_whose_body_names_another_job_is_refused(nats_url, nc, wo
         assert await cancel_job(nc, "keep-me") is True
 
 
+@BOTH_ARCHS
 async def test_last_frame_and_done_differ_by_float16_rounding_only(nats_url, nc, workers):
     import numpy as np
 

@@ -23,5 +23,27 @@ def test_grid_png(tmp_path):
     np.testing.assert_array_equal(np.asarray(Image.open(path)), g)
     with pytest.raises(ValueError, match="row labels"):
         write_grid(tmp_path / "x.png", imgs, nrow=3, row_labels=["only one"])
-    with pytest.raises(ValueError, match="single-channel"):
-        make_grid(np.zeros((2, 3, 8, 8)), nrow=2)
+    with pytest.raises(ValueError, match="grey .* or RGB"):
+        make_grid(np.zeros((2, 4, 8, 8)), nrow=2)
+
+
+def test_rgb_grid_holds_each_images_pixels_per_channel(tmp_path):
+    """[N, 3, H, W] -> an RGB canvas: tile i at its row/column holds to_uint8 of image i, channels last;
+    the padding is grey 40 in every channel; the PNG is RGB with those pixels (labels add a white margin)."""
+    from dataset.images import to_uint8
+
+    rng = np.random.default_rng(0)
+    imgs = rng.uniform(-1, 1, (5, 3, 4, 6)).astype(np.float32)
+    g = make_grid(imgs, nrow=3, pad=2)
+    assert g.shape == (2 * 6 + 2, 3 * 8 + 2, 3) and g.dtype == np.uint8
+    for i in range(5):
+        r, c = divmod(i, 3)
+        tile = g[2 + r * 6 : 2 + r * 6 + 4, 2 + c * 8 : 2 + c * 8 + 6]
+        np.testing.assert_array_equal(tile, to_uint8(imgs[i]).transpose(1, 2, 0))
+    assert (g[:2] == 40).all() and (g[8:, 2 + 2 * 8 :] == 40).all()  # top pad; the empty 6th slot
+    path = write_grid(tmp_path / "rgb.png", imgs, nrow=3, scale=1)
+    im = Image.open(path)
+    assert im.mode == "RGB" and im.size == (3 * 8 + 2, 2 * 6 + 2)
+    np.testing.assert_array_equal(np.asarray(im), g)
+    big = Image.open(write_grid(tmp_path / "rgb2.png", imgs, nrow=3, scale=2, row_labels=["a", "b"]))
+    assert big.mode == "RGB" and big.size[1] == 2 * 10 + 2 and tuple(big.getpixel((0, 0))) == (255, 255, 255)

@@ -45,7 +45,7 @@ from schemas import (
     subjects,
     unpack,
 )
-from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
+from tests.coordinator.helpers import make_tiny_fleet_experts, make_tiny_router
 
 pytestmark = pytest.mark.bus
 
@@ -82,9 +82,11 @@ class Proc:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults")
-    return {"experts": make_tiny_experts(d), "router": make_tiny_router(d / "router"), "logs": d}
+def files(tmp_path_factory, request):
+    """Two tiny experts (UNets, unless a test parametrizes the architecture: `files` "unet" / "dit"), a router."""
+    arch = getattr(request, "param", "unet")
+    d = tmp_path_factory.mktemp(f"faults-{arch}")
+    return {"experts": make_tiny_fleet_experts(d, arch), "router": make_tiny_router(d / "router"), "logs": d}
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +283,7 @@ async def add_rogue(nc, expert: int, mode: str, worker_id: str):
 
 
 @pytest.mark.procs
+@pytest.mark.parametrize("files", ["unet", "dit"], indirect=True)  # the same promise from a DiT fleet
 async def test_rogue_workers_are_refused_logged_and_never_reach_the_images(server, workers, caplog):
     """Promise: a reply with NaN / the wrong shape is a failed try: retried (the queue group picks
     again), logged with the worker id it claims; an expert with only a rogue is fallen back from."""
@@ -468,7 +471,7 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
         tab = await web.ws_connect("/ws")
         await tab.send_json({"type": "generate", "digits": "7", "steps": 20, "ref": "tab-job"})
         while (msg := await tab.receive_json(timeout=30))["type"] != "accepted":
-            assert msg["type"] in ("hello", "fleet"), msg
+            assert msg["type"] in ("hello", "fleet", "spec"), msg
         tab_job = msg["job_id"]
 
         first.p.kill()  # kill -9: no FailedEvent is ever sent
@@ -487,7 +490,7 @@ async def test_coordinator_crash_and_restart_tells_the_clients(server, workers, 
         assert time.monotonic() - t1 < 15
         # the tab (the web session probes its silent jobs too) shows its job as failed
         while (msg := await tab.receive_json(timeout=30))["type"] != "failed":
-            assert msg["type"] in ("fleet", "frame"), msg
+            assert msg["type"] in ("fleet", "frame", "spec"), msg
         assert msg["job_id"] == tab_job and msg["code"] == "unavailable"
         assert "coordinator lost the job" in msg["reason"]
         await tab.close()
@@ -559,7 +562,7 @@ async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server
         tab = await web.ws_connect("/ws")
         await tab.send_json({"type": "generate", "digits": "7", "steps": 1000, "ref": "tab-job"})
         while (msg := await tab.receive_json(timeout=30))["type"] != "accepted":
-            assert msg["type"] in ("hello", "fleet"), msg
+            assert msg["type"] in ("hello", "fleet", "spec"), msg
         tab_job = msg["job_id"]
 
         coord.p.send_signal(signal.SIGSTOP)
@@ -575,7 +578,7 @@ async def test_frozen_coordinator_fails_its_jobs_after_unresponsive_after(server
         # counted from the last answer: a frame or a status reply at most probe_every before the SIGSTOP
         assert unresponsive_after - 1 <= time.monotonic() - t0 < unresponsive_after + 15
         while (msg := await tab.receive_json(timeout=30))["type"] != "failed":
-            assert msg["type"] in ("fleet", "frame"), msg
+            assert msg["type"] in ("fleet", "frame", "spec"), msg
         assert msg["job_id"] == tab_job and msg["code"] == "unavailable", msg
         assert f"the coordinator has not answered for {unresponsive_after:g} s" in msg["reason"], msg
         await tab.close()

@@ -138,7 +138,8 @@ def test_sample_cli_routes_by_partition(tmp_path, capsys):
 
     a = make_tiny_expert(tmp_path / "a", expert_id=0, classes=[0, 1, 2, 3, 4])
     b = make_tiny_expert(tmp_path / "b", expert_id=1, classes=[5, 6, 7, 8, 9])
-    x, y, which = sample_oracle([str(a), str(b)], [1, 7], per_class=3, steps=2, progress=False)
+    x, y, which, spec = sample_oracle([str(a), str(b)], [1, 7], per_class=3, steps=2, progress=False)
+    assert spec.sample_shape == (1, 32, 32) and spec.num_classes == 10  # implied: no spec in the checkpoints
     assert x.shape == (6, 1, 32, 32) and x.dtype == np.float32 and np.isfinite(x).all()
     assert y.tolist() == [1, 1, 1, 7, 7, 7] and which.tolist() == [0, 0, 0, 1, 1, 1]
 
@@ -169,3 +170,37 @@ def test_sample_cli_routes_by_partition(tmp_path, capsys):
     assert parse_classes("0-2,9") == [0, 1, 2, 9]
     with pytest.raises(ValueError):
         parse_classes("5-1")
+
+
+def test_sample_cli_takes_shape_and_class_names_from_the_spec(tmp_path, capsys):
+    """RGB experts with a spec naming 4 classes: samples [N, 3, 16, 16], an RGB grid, class names in the npz;
+    experts whose specs disagree are refused."""
+    from PIL import Image
+
+    from infra.cli import main
+    from models.checkpoint import load_checkpoint, save_checkpoint
+    from models.spec import with_spec
+    from models.tiny import make_tiny_expert
+    from schemas.spec import Conditioning, ModelSpec
+
+    names = ["cat", "dog", "owl", "fox"]
+    spec = ModelSpec(sample_shape=(3, 16, 16), conditioning=Conditioning(num_classes=4, class_names=names))
+    paths = []
+    for k in range(2):
+        p = make_tiny_expert(tmp_path / f"e{k}", expert_id=k, classes=[2 * k, 2 * k + 1], in_channels=3,
+                             image_size=16, num_classes=4)  # fmt: skip
+        meta, state = load_checkpoint(p)
+        paths.append(str(save_checkpoint(p, state, with_spec(meta, spec))))
+    out, npz = tmp_path / "rgb.png", tmp_path / "rgb.npz"
+    argv = ["sample", "--checkpoint", paths[0], "--checkpoint", paths[1], "--classes", "1,2", "--per-class", "3",
+            "--steps", "2", "--out", str(out), "--npz", str(npz)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    im = Image.open(out)
+    assert im.mode == "RGB" and im.size[1] == 2 * 34 + 2  # 2 rows of 16 px scaled 2x, 2 px gaps
+    data = np.load(npz)
+    assert data["images"].shape == (6, 3, 16, 16) and data["labels"].tolist() == [1, 1, 1, 2, 2, 2]
+    assert data["class_names"].tolist() == names
+    grey = make_tiny_expert(tmp_path / "grey", expert_id=2, classes=[0])
+    assert main(["sample", "--checkpoint", paths[0], "--checkpoint", str(grey), "--classes", "1", "--out",
+                 str(out)]) == 2  # fmt: skip
+    assert "disagree" in capsys.readouterr().err
