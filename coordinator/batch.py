@@ -110,14 +110,14 @@ class Batch:
 
     def draws(self) -> np.ndarray:
         """[R] float64 uniforms of the drawn strategies (`strategies.DRAWN`): row r's depends only on its
-        job's seed, its index in the job and its group's evaluation count (`strategies.draw_uniforms`),
-        never on the batch; NaN for rows of other strategies. Built once per batch."""
+        job's seed and its index in the job (`strategies.draw_uniforms`), never on the batch or the
+        evaluation; NaN for rows of other strategies. Built once per batch."""
         if self._draws is None:
             u = np.full(len(self), np.nan)
             for gi, g in enumerate(self.groups):
                 if g.strategy in strategies.DRAWN:
                     rows = self.group_rows(gi)
-                    u[rows] = strategies.draw_uniforms(g.seed, self.index_in_job[rows], g.evals)
+                    u[rows] = strategies.draw_uniforms(g.seed, self.index_in_job[rows])
             self._draws = u
         return self._draws
 

@@ -10,12 +10,16 @@ available); the combined velocity of row r is  u_r = sum_k w[r, k] * v_k(x_r, t_
 * oracle: one-hot at the partition owning the row's class; if that expert is unavailable,
           the router's best available expert instead.
 * sample: one-hot at an expert DRAWN from the router's probabilities (among available experts,
-          renormalised), with a uniform fixed by (job seed, row index, evaluation index)
-          (`draw_uniforms`): a seeded job gets the same draws whatever batch its rows ride in. For
-          unconditional rows (label unknown) top1 commits every row to the router's likeliest expert
-          while x is still near noise, which skews the class mix; drawing keeps each expert's share
-          of rows equal to the router's probability for it (docs/RESULTS.md, "Unconditional sampling
-          that keeps the mix"). One expert per row per evaluation, as top1.
+          renormalised) by inverse CDF at the row's own quantile u, fixed for the whole job by
+          (job seed, row index) (`draw_uniforms(seed, row)`). At the first evaluation that is a draw
+          with the router's probabilities; the row then keeps its quantile, so it keeps its expert
+          unless the router's weights move an interval boundary past u, and follows the router's
+          choice once it is confident (a one-hot router leaves one interval). A seeded job gets the
+          same draws whatever batch its rows ride in. For unconditional rows (label unknown) top1
+          commits every row to the router's likeliest expert while x is still near noise, which skews
+          the class mix; drawing gives each expert about the router's share of rows (docs/RESULTS.md,
+          "Unconditional sampling that keeps the mix"; a fresh draw at every evaluation was measured
+          there too, and was worse). One expert per row per evaluation, as top1.
 
 `available` is a [K] bool mask; unavailable experts never get weight, which is how the
 engine falls back when an expert has no responders.
@@ -27,7 +31,7 @@ import numpy as np
 
 STRATEGIES = ("top1", "topk", "full", "oracle", "sample")
 
-#: Strategies that need `draw_uniforms` (one uniform per row per evaluation).
+#: Strategies that need `draw_uniforms` (one uniform per row: `draw_uniforms(seed, row)`).
 DRAWN = ("sample",)
 
 
@@ -99,15 +103,16 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def draw_uniforms(seed: int | np.ndarray, row: np.ndarray, eval_index: int | np.ndarray) -> np.ndarray:
-    """[R] float64 uniforms in [0, 1), one per (job seed, row index in its job, evaluation index).
+def draw_uniforms(seed: int | np.ndarray, row: np.ndarray, draw: int | np.ndarray = 0) -> np.ndarray:
+    """[R] float64 uniforms in [0, 1), one per (job seed, row index in its job, draw number).
 
     A counter-based hash (SplitMix64 chained over the three integers), so each value depends only on
     its own triple, never on which rows share the batch, their order or the batch size; vectorised
-    (no generator object per row). `seed` and `eval_index` broadcast against `row` [R]."""
+    (no generator object per row). `seed` and `draw` broadcast against `row` [R]. Strategy sample
+    uses draw 0 at every evaluation (one quantile per row for the whole job)."""
     row = np.asarray(row, dtype=np.int64)
     seed = np.broadcast_to(np.asarray(seed, dtype=np.int64), row.shape)
-    ev = np.broadcast_to(np.asarray(eval_index, dtype=np.int64), row.shape)
+    ev = np.broadcast_to(np.asarray(draw, dtype=np.int64), row.shape)
     with np.errstate(over="ignore"):
         h = _splitmix64(seed.astype(np.uint64) ^ np.uint64(0x5AD0_D1CE))  # domain tag: routing draws
         h = _splitmix64(h ^ row.astype(np.uint64))
@@ -173,6 +178,6 @@ def select(
         return oracle(router_w, available, owner)
     if strategy == "sample":
         if u is None:
-            raise ValueError("sample strategy needs one uniform per row (draw_uniforms(seed, row, eval_index))")
+            raise ValueError("sample strategy needs one uniform per row (draw_uniforms(seed, row))")
         return sample(router_w, available, u)
     raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")

@@ -114,22 +114,19 @@ def _ddm_velocity(
     """velocity(x, t, y) = sum_k w_k v_k with w from `strategy`; only experts with weight run on a row.
 
     Adds each row's nonzero weights' indicator to `usage` [N, K] (divide by the number of calls).
-    Drawn strategies (`coordinator.strategies.DRAWN`) draw row i's expert at the n-th call (n = 0, 1,
-    ...: the fleet's evaluation count) from `draw_uniforms(seeds[i], rows[i], n)`, as the fleet does for
-    row rows[i] of a job seeded seeds[i]."""
+    Drawn strategies (`coordinator.strategies.DRAWN`) draw row i's expert at its quantile
+    `draw_uniforms(seeds[i], rows[i])` at every call, as the fleet does for row rows[i] of a job seeded
+    seeds[i]."""
     from coordinator.strategies import DRAWN, draw_uniforms, select
 
     k_all = router.num_experts
     available = np.ones(k_all, bool)
-    calls = [0]
-    job_rows = rows
-    if strategy in DRAWN and (seeds is None or job_rows is None):
+    if strategy in DRAWN and (seeds is None or rows is None):
         raise ValueError(f"strategy {strategy} needs each row's job seed and index in its job")
+    quantile = draw_uniforms(seeds, rows) if strategy in DRAWN else None  # [N] one per row, kept all job
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        u = draw_uniforms(seeds, job_rows, calls[0]) if strategy in DRAWN else None
-        calls[0] += 1
-        w = select(strategy, router.weights(x, t, y), available, top_k=top_k, owner=owner, u=u)
+        w = select(strategy, router.weights(x, t, y), available, top_k=top_k, owner=owner, u=quantile)
         usage[:] += w > 0
         u = np.zeros_like(x)
         for k in range(k_all):

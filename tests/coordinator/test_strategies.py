@@ -75,7 +75,7 @@ def test_draw_uniforms_depend_only_on_seed_row_and_evaluation():
     np.testing.assert_array_equal(strategies.draw_uniforms(7, np.array([12]), 3), a[12:13])
     mixed = strategies.draw_uniforms(np.array([7, 8, 7]), np.array([12, 12, 5]), np.array([3, 3, 4]))
     assert mixed[0] == a[12] and mixed[1] != a[12] and mixed[2] != a[5]
-    # another seed, another evaluation index: other values
+    # another seed, another draw number: other values
     assert not np.isin(strategies.draw_uniforms(8, rows, 3), a).any()
     assert not np.isin(strategies.draw_uniforms(7, rows, 4), a).any()
 
