@@ -46,6 +46,7 @@ class Batch:
         self.strategy = np.repeat(np.array(strategies_), sizes)  # [R] str
         self.top_k = np.repeat(np.array([g.top_k for g in groups], np.int64), sizes)  # [R]
         self.owner = np.concatenate([g.oracle_expert for g in groups])  # [R]
+        self._draws: np.ndarray | None = None  # [R] routing uniforms, built on first use (`draws`)
         self.available = np.ones(num_experts, bool)
         for k in unavailable:
             if 0 <= k < num_experts:
@@ -107,6 +108,22 @@ class Batch:
         self.weights = self._select(self.available)
         return self
 
+    def draws(self) -> np.ndarray:
+        """[R] float64 uniforms of the drawn strategies (`strategies.DRAWN`): row r's depends only on its
+        job's seed and its index in the job (`strategies.draw_uniforms`), never on the batch or the
+        evaluation; NaN for rows of other strategies. Built once per batch."""
+        if self._draws is None:
+            u = np.full(len(self), np.nan)
+            for gi, g in enumerate(self.groups):
+                if g.strategy in strategies.DRAWN:
+                    rows = self.group_rows(gi)
+                    u[rows] = strategies.draw_uniforms(g.seed, self.index_in_job[rows])
+            self._draws = u
+        return self._draws
+
+    def _u(self, strategy: str, idx: np.ndarray) -> np.ndarray | None:
+        return self.draws()[idx] if strategy in strategies.DRAWN else None
+
     def _select(
         self, available: np.ndarray, rows: np.ndarray | None = None, router_w: np.ndarray | None = None
     ) -> np.ndarray:
@@ -119,14 +136,21 @@ class Batch:
         out = np.zeros((len(idx), self.num_experts), np.float64)
         if len(self._strategies) == 1:  # the usual case: no per-strategy masks to build
             s = self._strategies[0]
-            out[:] = strategies.select(s, router_w, available, top_k=self.top_k[idx], owner=self.owner[idx])
+            out[:] = strategies.select(
+                s, router_w, available, top_k=self.top_k[idx], owner=self.owner[idx], u=self._u(s, idx)
+            )
             return out
         strat = self.strategy[idx]
         for s in np.unique(strat):
             sel = np.nonzero(strat == s)[0]
             rows_s = idx[sel]
             out[sel] = strategies.select(
-                str(s), router_w[sel], available, top_k=self.top_k[rows_s], owner=self.owner[rows_s]
+                str(s),
+                router_w[sel],
+                available,
+                top_k=self.top_k[rows_s],
+                owner=self.owner[rows_s],
+                u=self._u(str(s), rows_s),
             )
         return out
 

@@ -80,6 +80,7 @@ class RowGroup:
     evals: int = 0  # velocity evaluations applied
     route_w: np.ndarray | None = None  # [N, K] float64 router weights last computed for these rows
     routed_at: int = -1  # `evals` when route_w was computed
+    seed: int = 0  # the job's seed: drawn strategies (`strategies.DRAWN`) draw from (seed, row, evals)
     usage: np.ndarray = field(init=False)
     last_weights: np.ndarray = field(init=False)
     last_experts: np.ndarray = field(init=False)
@@ -106,9 +107,10 @@ class RowGroup:
 
     @classmethod
     def from_seed(cls, job_id: str, seed: int, digits: list[int], image_shape: tuple[int, ...], **kw) -> RowGroup:
-        """Rows whose noise is `initial_noise(seed, i, image_shape)` for row i."""
+        """Rows whose noise is `initial_noise(seed, i, image_shape)` for row i (and whose routing draws,
+        for a drawn strategy, come from the same seed)."""
         x = np.stack([initial_noise(seed, i, image_shape) for i in range(len(digits))])
-        return cls(job_id=job_id, y=np.asarray(digits, np.int64), x=x, **kw)
+        return cls(job_id=job_id, y=np.asarray(digits, np.int64), x=x, seed=int(seed), **kw)
 
     @property
     def n(self) -> int:

@@ -584,6 +584,7 @@ class Scheduler:
                 evals=int(cp.evals),
                 route_w=None if cp.route_w is None else np.array(cp.route_w, np.float64),
                 routed_at=int(cp.routed_at),
+                seed=int(cp.seed),
             )
             group.usage = np.array(cp.usage, np.int64)
         starts_now = self._starts_now(client, n)

@@ -32,15 +32,15 @@ class Config:
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """'monolith' | 'top1' | 'top2' (any topK) | 'full' | 'oracle'."""
+        """'monolith' | 'top1' | 'top2' (any topK) | 'full' | 'oracle' | 'sample'."""
         t = text.strip().lower()
         if t == "monolith":
             return cls("monolith", "monolith")
-        if t in ("top1", "full", "oracle"):
+        if t in ("top1", "full", "oracle", "sample"):
             return cls(f"ddm-{t}", "ddm", t)
         if t.startswith("top") and t[3:].isdigit() and int(t[3:]) >= 2:
             return cls(f"ddm-{t}", "ddm", "topk", int(t[3:]))
-        raise ValueError(f"unknown configuration {text!r}: use monolith, top1, top2 (topK), full or oracle")
+        raise ValueError(f"unknown configuration {text!r}: use monolith, top1, top2 (topK), full, oracle or sample")
 
 
 @dataclass

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SampleConfig:
     """One output file: `model` is 'ddm' (router + experts) or a path to one checkpoint (a monolith or
-    a distilled student, served alone); `strategy` top1 / topk / full / oracle (ddm only)."""
+    a distilled student, served alone); `strategy` top1 / topk / full / oracle / sample (ddm only)."""
 
     name: str
     model: str
@@ -102,18 +102,31 @@ class _Experts:
 
 
 def _ddm_velocity(
-    experts: _Experts, router: _TorchRouter, strategy: str, top_k: int, owner: np.ndarray, usage: np.ndarray
+    experts: _Experts,
+    router: _TorchRouter,
+    strategy: str,
+    top_k: int,
+    owner: np.ndarray,
+    usage: np.ndarray,
+    seeds: np.ndarray | None = None,
+    rows: np.ndarray | None = None,
 ):
     """velocity(x, t, y) = sum_k w_k v_k with w from `strategy`; only experts with weight run on a row.
 
-    Adds each row's nonzero weights' indicator to `usage` [N, K] (divide by the number of calls)."""
-    from coordinator.strategies import select
+    Adds each row's nonzero weights' indicator to `usage` [N, K] (divide by the number of calls).
+    Drawn strategies (`coordinator.strategies.DRAWN`) draw row i's expert at its quantile
+    `draw_uniforms(seeds[i], rows[i])` at every call, as the fleet does for row rows[i] of a job seeded
+    seeds[i]."""
+    from coordinator.strategies import DRAWN, draw_uniforms, select
 
     k_all = router.num_experts
     available = np.ones(k_all, bool)
+    if strategy in DRAWN and (seeds is None or rows is None):
+        raise ValueError(f"strategy {strategy} needs each row's job seed and index in its job")
+    quantile = draw_uniforms(seeds, rows) if strategy in DRAWN else None  # [N] one per row, kept all job
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        w = select(strategy, router.weights(x, t, y), available, top_k=top_k, owner=owner)
+        w = select(strategy, router.weights(x, t, y), available, top_k=top_k, owner=owner, u=quantile)
         usage[:] += w > 0
         u = np.zeros_like(x)
         for k in range(k_all):
@@ -135,8 +148,13 @@ def generate(
     solver: str,
     device: str,
     checkpoints: str | None = None,
+    seed: int = 0,
+    job_size: int = 50,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """-> (images [N,1,32,32] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32)."""
+    """-> (images [N,1,32,32] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
+
+    Row r belongs to job r // job_size seeded seed + r // job_size (as `initial_batch` makes `noise`):
+    what the drawn strategies draw from."""
     from flow.solver import EVALS_PER_STEP, check_method, sample
 
     y = np.full(len(digits), -1, np.int64) if cfg.unconditional else np.asarray(digits, np.int64)
@@ -153,7 +171,10 @@ def generate(
             raise ValueError("oracle routing needs the label; it is undefined for unconditional rows")
         owner = np.asarray(part["class_to_expert"], np.int64)[np.clip(y, 0, 9)]
         usage = np.zeros((len(y), k), np.float64)
-        velocity = _ddm_velocity(experts, router, cfg.strategy, cfg.top_k, owner, usage)
+        r = np.arange(len(y))
+        velocity = _ddm_velocity(
+            experts, router, cfg.strategy, cfg.top_k, owner, usage, seeds=seed + r // job_size, rows=r % job_size
+        )
     else:
         experts = _Experts([cfg.model], device)
         usage = np.zeros((len(y), 1), np.float64)
@@ -180,7 +201,7 @@ def save_npz(path: Path, images: np.ndarray, labels: np.ndarray, usage: np.ndarr
 def parse_configs(
     text: str, checkpoints: str | None, monolith: str | None, distilled: str | None, unconditional: bool
 ) -> list[SampleConfig]:
-    """'monolith,top1,top2,full,oracle,distilled' -> configs (uncond- prefix when unconditional)."""
+    """'monolith,top1,top2,full,oracle,sample,distilled' -> configs (uncond- prefix when unconditional)."""
     out = []
     pre = "uncond-" if unconditional else ""
     for item in [s.strip().lower() for s in text.split(",") if s.strip()]:
@@ -192,12 +213,12 @@ def parse_configs(
             if not distilled:
                 raise ValueError("'distilled' needs --distilled")
             out.append(SampleConfig(pre + "distilled", distilled, unconditional=unconditional))
-        elif item in ("top1", "full", "oracle"):
+        elif item in ("top1", "full", "oracle", "sample"):
             out.append(SampleConfig(f"{pre}ddm-{item}", "ddm", item, unconditional=unconditional))
         elif item.startswith("top") and item[3:].isdigit():
             out.append(SampleConfig(f"{pre}ddm-{item}", "ddm", "topk", int(item[3:]), unconditional=unconditional))
         else:
-            raise ValueError(f"unknown configuration {item!r}: monolith, distilled, top1, topK, full, oracle")
+            raise ValueError(f"unknown configuration {item!r}: monolith, distilled, top1, topK, full, oracle, sample")
     return out
 
 
@@ -220,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--configs",
         default="monolith,top1,top2,full,oracle",
-        help="comma list of monolith, distilled, top1, topK, full, oracle (default %(default)s)",
+        help="comma list of monolith, distilled, top1, topK, full, oracle, sample (default %(default)s)",
     )
     p.add_argument(
         "--unconditional",
@@ -285,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             solver=args.solver,
             device=args.device,
             checkpoints=args.checkpoints,
+            seed=args.seed,
+            job_size=args.images_per_job,
         )
         labels = np.full(len(digits), -1, np.int64) if cfg.unconditional else digits
         meta = {

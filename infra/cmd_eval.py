@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configs",
         default="monolith,top1,top2,full,oracle",
-        help="comma list of monolith, top1, top2 (topK), full, oracle (default %(default)s)",
+        help="comma list of monolith, top1, top2 (topK), full, oracle, sample (default %(default)s)",
     )
     parser.add_argument(
         "--checkpoints",

@@ -134,10 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategy",
-        choices=("top1", "topk", "full", "oracle"),
+        choices=("top1", "topk", "full", "oracle", "sample"),
         default="top1",
         help="expert routing: top1 (router argmax, default), topk (k best, renormalised), "
-        "full (all experts, router weighted), oracle (the partition owning the class)",
+        "full (all experts, router weighted), oracle (the partition owning the class), "
+        "sample (one expert drawn from the router's probabilities, seeded: keeps the class mix "
+        "of --unconditional images)",
     )
     parser.add_argument(
         "--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default %(default)s)"
@@ -479,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.unconditional and args.strategy == "oracle":
         print(
-            "ddm-fleet generate: --strategy oracle needs each image's class; use top1, topk or full with "
+            "ddm-fleet generate: --strategy oracle needs each image's class; use top1, topk, full or sample with "
             "--unconditional",
             file=sys.stderr,
         )

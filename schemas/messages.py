@@ -107,7 +107,7 @@ MAX_COORDINATOR_NAME_LEN = 128
 
 #: A coordinator's name or instance id: at most MAX_COORDINATOR_NAME_LEN characters ("" = not said).
 CoordinatorName = Annotated[str, Field(max_length=MAX_COORDINATOR_NAME_LEN)]
-Strategy = Literal["top1", "topk", "full", "oracle"]
+Strategy = Literal["top1", "topk", "full", "oracle", "sample"]
 #: A float precision an expert step may travel in (`schemas.tensor.WIRE_FLOATS`).
 WireFloat = Literal["float32", "float16", "bfloat16"]
 Solver = Literal["euler", "heun"]
@@ -309,7 +309,7 @@ class JobRequest(Message):
                         f"strategy oracle needs each image's class (it runs the expert whose partition owns it), but "
                         f"{len(rows)} of {len(classes)} {field} are {UNCONDITIONAL} (label unknown), "
                         f"e.g. row {rows[0]}: "
-                        "use strategy top1, topk or full for unconditional images"
+                        "use strategy top1, topk, full or sample for unconditional images"
                     ),
                 )
         return self

@@ -273,7 +273,7 @@ def hello_message(cfg: WebConfig) -> dict[str, Any]:
         "max_images": MAX_JOB_IMAGES,
         "max_steps": MAX_JOB_STEPS,
         "max_jobs": cfg.max_jobs_per_socket,
-        "strategies": ["top1", "topk", "full", "oracle"],
+        "strategies": ["top1", "topk", "full", "oracle", "sample"],
         "solvers": ["euler", "heun"],
     }
 

@@ -251,7 +251,9 @@ async def _sim_workers(nats_url, experts, per_expert):
 def _probe_jobs() -> list[JobRequest]:
     return [
         JobRequest(job_id=f"probe-{i}", digits=[3, 8, 1, 6], steps=6, seed=77 + i, stream=True, strategy=s, solver=v)
-        for i, (s, v) in enumerate([("top1", "euler"), ("top1", "heun"), ("full", "euler"), ("oracle", "heun")])
+        for i, (s, v) in enumerate(
+            [("top1", "euler"), ("top1", "heun"), ("full", "euler"), ("oracle", "heun"), ("sample", "heun")]
+        )
     ]
 
 
@@ -274,11 +276,11 @@ async def test_seeded_images_are_bit_identical_whatever_the_cohorts_crowd_or_wor
 ):
     """Each probe job alone (cohorts=1, one worker per expert) and amid 40 other jobs (cohorts 3, two
     workers per expert, requests split over them): the same bytes. The shipped router's weights can
-    differ in the last bits between batch sizes (1e-11 at B=1), so with it only top1 and oracle
+    differ in the last bits between batch sizes (1e-11 at B=1), so with it only top1, oracle and sample
     routing (which use the weights to choose, not to mix) are held to bit-identity."""
     if router_name == "shipped":
         router, k, c2e = load_router_and_partition("checkpoints/router.safetensors", "checkpoints/partition.json")
-        probes = [p for p in _probe_jobs() if p.strategy in ("top1", "oracle")]
+        probes = [p for p in _probe_jobs() if p.strategy in ("top1", "oracle", "sample")]
     else:
         router, k, c2e = LabelRouter(C2E, 2), 2, C2E
         probes = _probe_jobs()

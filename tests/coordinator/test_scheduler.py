@@ -398,3 +398,51 @@ def test_rows_left_by_a_garbage_answering_expert_fail_with_its_code():
     s.update(b, 0.0)
     (f,) = s.pop_events()
     assert f.code == ErrorCode.UNAVAILABLE and f.reason.startswith("no expert could serve a step (row 0: expert 1")
+
+
+def test_sampled_job_is_identical_alone_and_amid_other_jobs():
+    """strategy sample draws each row's expert from (seed, row, evaluation): the same images (and
+    the same experts, in `usage`) alone and batched with other jobs, of every strategy, in any order."""
+    req = dict(job_id="me", digits=[-1, -1, 3, -1, 7, -1, -1, -1], steps=7, seed=99, strategy="sample")
+    router = prefer(1)  # 0.7 on expert 1, 0.3 on expert 0
+    alone = make()
+    alone.submit(JobRequest(**req), 0.0)
+    done_alone = done_of(run_all(alone, router, V2), "me")
+
+    crowd = make(max_rows=64)
+    for i in range(30):
+        crowd.submit(
+            JobRequest(
+                job_id=f"o{i}",
+                count=1 + i % 4,
+                steps=2 + i % 9,
+                seed=i,
+                strategy=["sample", "top1", "full", "topk"][i % 4],
+                solver=["euler", "heun"][i % 2],
+            ),
+            0.0,
+        )
+    tick(crowd, router, V2)
+    tick(crowd, router, V2)
+    crowd.submit(JobRequest(**req), 0.0)  # joins mid-way, at another offset in the batch
+    ev = run_all(crowd, router, V2)
+    done_crowd = done_of(ev, "me")
+    np.testing.assert_array_equal(done_crowd.images, done_alone.images)
+    np.testing.assert_array_equal(done_crowd.usage, done_alone.usage)
+    # it did draw: both experts served; under a router whose weights never move, each row keeps the
+    # expert of its first draw (one quantile per row for the whole job)
+    assert set(np.unique(done_alone.usage)) == {0.0, 1.0}
+    assert 0 < done_alone.usage[:, 0].sum() < len(done_alone.usage)
+    assert done_alone.strategy == "sample"
+
+
+def test_sampled_job_draws_from_its_seed():
+    """Two seeds, other draws; the same seed, the same draws (the noise alone would differ too, so the
+    usage, which only the draws set, is what is compared)."""
+    used = []
+    for seed in (5, 5, 6):
+        s = make()
+        s.submit(JobRequest(job_id="j", digits=[-1] * 8, steps=10, seed=seed, strategy="sample"), 0.0)
+        used.append(done_of(run_all(s, prefer(0), V2), "j").usage)
+    np.testing.assert_array_equal(used[0], used[1])
+    assert not np.array_equal(used[0], used[2])

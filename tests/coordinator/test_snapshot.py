@@ -48,7 +48,7 @@ def done(events, job_id) -> DoneEvent:
 
 
 @pytest.mark.parametrize("solver", ["euler", "heun"])
-@pytest.mark.parametrize("strategy", ["top1", "full"])
+@pytest.mark.parametrize("strategy", ["top1", "full", "sample"])  # sample: the draws follow the seed
 @pytest.mark.parametrize("evals", [1, 5, 8])  # heun: 5 stops between its two stages (v0 kept)
 @pytest.mark.parametrize("every", [1, 3])
 def test_restored_job_ends_bit_identical(solver, strategy, evals, every):

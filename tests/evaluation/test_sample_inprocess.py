@@ -46,7 +46,7 @@ async def _fleet_images(ck, strategy: str, digits, steps: int, job_size: int, mo
         return await generate_through_fleet(fleet.nc, digits, cfg, spec)
 
 
-@pytest.mark.parametrize("strategy", ["top1", "oracle", "full", "monolith"])
+@pytest.mark.parametrize("strategy", ["top1", "oracle", "full", "sample", "monolith"])
 @pytest.mark.bus
 async def test_same_images_as_the_fleet(tiny_ddm, strategy):
     """Same digits, seeds (jobs of job_size seeded seed + j) and solver as `ddm-fleet eval`: the images
@@ -72,6 +72,8 @@ async def test_same_images_as_the_fleet(tiny_ddm, strategy):
         solver="euler",
         device="cpu",
         checkpoints=str(tiny_ddm),
+        seed=0,
+        job_size=job_size,  # sample: the draws follow each row's job seed and index in it, as the fleet's
     )
     assert got.shape == (20, 1, 32, 32) and usage.shape == want_usage.shape
     np.testing.assert_allclose(got, want, atol=1e-5)

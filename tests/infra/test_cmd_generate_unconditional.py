@@ -50,6 +50,14 @@ def test_plan_sends_minus_one_digits_split_like_any_run():
     assert plain.count == 3 and plain.digits is None
 
 
+def test_strategy_sample_reaches_the_requests():
+    """--strategy sample (the routing that keeps the class mix of unconditional images) is sent as is."""
+    from infra.cmd_generate import plan_requests
+
+    reqs, _ = plan_requests(_args("--unconditional", "--count", "4", "--seed", "3", "--strategy", "sample"))
+    assert [r.strategy for r in reqs] == ["sample"] and reqs[0].digits == [-1] * 4
+
+
 @pytest.fixture(scope="module")
 def null_experts(tmp_path_factory):
     from models.tiny import make_tiny_experts

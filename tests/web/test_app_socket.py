@@ -110,7 +110,7 @@ async def test_count_and_options_reach_the_coordinator(client, coordinator):
         ({"type": "generate", "digits": "1", "steps": 2.5}, "steps: Input should be a valid integer"),
         (
             {"type": "generate", "digits": "1", "strategy": "best"},
-            "strategy: Input should be 'top1', 'topk', 'full' or 'oracle'",
+            "strategy: Input should be 'top1', 'topk', 'full', 'oracle' or 'sample'",
         ),
         ({"type": "generate", "digits": "1", "count": 3}, "give exactly one of labels"),
         ({"type": "generate"}, "give exactly one of labels"),
