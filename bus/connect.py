@@ -57,6 +57,7 @@ class _FirstConnect:
         self.limit, self.then = limit, then
         self.failures = 0
         self.last: Exception | None = None
+        self.auth_error: Exception | None = None  # the server refused the credentials (kept: a reset may follow)
         self.connected = False
 
     async def on_error(self, err: Exception) -> None:  # a coroutine function, as nats-py requires
@@ -65,8 +66,10 @@ class _FirstConnect:
             return
         self.failures += 1
         self.last = err
+        if _is_auth_error(err):
+            self.auth_error = err
         log.debug("NATS connect attempt %d/%d failed: %s", self.failures, self.limit, err)
-        if self.failures >= self.limit or _is_auth_error(err):  # a refused password will not get better
+        if self.failures >= self.limit or self.auth_error is not None:  # a refused password will not get better
             raise _GiveUp
 
 
@@ -157,14 +160,14 @@ async def connect(
         except Exception:  # never connected: nothing more to release
             pass
         if isinstance(err, _GiveUp):
-            why = _describe(attempts.last)
+            why = _describe(attempts.auth_error or attempts.last)
         elif isinstance(err, asyncio.TimeoutError):  # before OSError: TimeoutError is one
             why = f"no answer within {bound_s:.0f} s" + (f" ({_describe(attempts.last)})" if attempts.last else "")
         elif isinstance(err, (OSError, nats.errors.Error)):
             why = _describe(err)
         else:  # a programming error (a bad callback, ...) or a cancellation: not the bus's fault
             raise
-        auth = _is_auth_error(attempts.last or err)
+        auth = attempts.auth_error is not None or _is_auth_error(attempts.last or err)
         raise BusUnavailable(_message(servers, why, auth=auth)) from None  # no chained error: it may hold the URL
     attempts.connected = True
     if reconnect == "forever":

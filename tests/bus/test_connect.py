@@ -100,6 +100,9 @@ async def test_inbox_prefix_and_pending_size_honoured(nats_url):
             await msg.respond(b"pong")
 
         await responder.subscribe("test.connect.inbox", cb=answer)
+        # nats-py may write a flush's PING ahead of a SUB still in its buffer: the second round trip
+        # proves the server has the subscription (as coordinator.service does before serving)
+        await responder.flush()
         await responder.flush()
         reply = await nc.request("test.connect.inbox", b"ping", timeout=2)
         assert reply.data == b"pong"
