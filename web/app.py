@@ -60,6 +60,9 @@ from .spec import fetch_spec, spec_message
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
+#: Seconds a socket closed by the server (not reading, too many messages, no token) has to finish the
+#: closing handshake before its connection is aborted.
+CLOSE_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -304,17 +307,30 @@ async def websocket(request: web.Request) -> web.StreamResponse:
             del per_client[client]
 
 
+def _abort(request: web.Request) -> None:
+    """Drop the connection at once (RST): unsent data is discarded, the socket and its buffers freed."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
 async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketResponse:
     app = request.app
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,))
     await ws.prepare(request)
 
     async def close_socket(code: int, reason: str) -> None:
-        """Close with a reason; a client that does not read cannot stall it (the transport is cut)."""
+        """Close with a reason; a client that does not read cannot stall it: unless the closing handshake
+        finishes within CLOSE_TIMEOUT_S, the connection is aborted (RST: its socket and buffers freed).
+        Also when the close is cancelled half-way (the handler ended meanwhile)."""
+        closed = False
         try:
-            await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), 3)
+            closed = await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), CLOSE_TIMEOUT_S)
         except (TimeoutError, ConnectionError, RuntimeError):
             pass
+        finally:
+            if not closed:
+                _abort(request)
 
     if not app[POLICY].token_ok(offered_tokens(request)):
         refuse_log(
@@ -367,5 +383,7 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
             await asyncio.wait_for(sender, timeout=2)
         except (TimeoutError, asyncio.CancelledError):
             sender.cancel()
+        if session.closer is not None:  # closed as not reading: its connection is gone before its slot is freed
+            await asyncio.wait([session.closer], timeout=CLOSE_TIMEOUT_S + 1)
         app[SOCKETS].discard(ws)
     return ws

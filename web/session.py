@@ -215,6 +215,11 @@ class Session:
             msg["job_id"] = job_id
         self.outbox.put(msg)
 
+    @property
+    def closer(self) -> asyncio.Future | None:
+        """The closing of this socket as not reading, once the outbox overflowed (None before)."""
+        return self._closer
+
     def _on_overflow(self) -> None:
         reason = f"not reading: over {self.outbox.max_messages} messages waiting for this socket"
         log.warning("closing a websocket: %s", reason)
