@@ -18,7 +18,8 @@ shutdown, which cancels their unfinished jobs.
 
 Who may use it (web/guard.py): every request's Host and Origin are checked (421 / 403 otherwise),
 every response carries CSP and frame headers, the websocket and /api/* need the token when one is
-configured. Per client address at most `max_sockets_per_client` sockets (429 otherwise); per socket at
+configured. Per client (its address, or behind `trusted_proxies` the X-Forwarded-For hop they name:
+web/guard.py `client_key`) at most `max_sockets_per_client` sockets (429 otherwise); per socket at
 most `max_messages_per_second` messages (the socket is closed with 1008 beyond a burst of
 `2 x` that) and `max_queued_messages` unsent control messages (closed with 1008: not reading).
 """
@@ -47,11 +48,14 @@ from .guard import (
     SUBPROTOCOL,
     AccessPolicy,
     LogLimiter,
+    Network,
     RateLimit,
     add_security_headers,
     guard_middleware,
     offered_tokens,
+    parse_trusted_proxies,
     refuse_log,
+    request_client_key,
 )
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
 from .session import MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
@@ -73,7 +77,9 @@ class WebConfig:
     unresponsive_after: a tab's job fails (`unavailable`) when the coordinator has answered nothing
     (no event, no status reply) for this many seconds, e.g. it is frozen; None = wait on.
     allow_origins / allow_hosts / token: see web/guard.py `AccessPolicy` (token None: none required).
-    max_sockets_per_client: open sockets per client IP address. max_messages_per_second: per socket.
+    max_sockets_per_client: open sockets per client (web/guard.py `client_key`: its address, loopback as one,
+    IPv6 by /64). trusted_proxies: addresses / networks of reverse proxies whose X-Forwarded-For names the
+    client (default none: the peer is the client). max_messages_per_second: per socket.
     max_queued_messages: unsent control messages per socket before it is closed as not reading."""
 
     nats_url: str = "nats://127.0.0.1:4222"
@@ -88,6 +94,7 @@ class WebConfig:
     max_sockets_per_client: int = 16
     max_messages_per_second: float = 20.0
     max_queued_messages: int = MAX_QUEUED_MESSAGES
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -106,7 +113,12 @@ class WebConfig:
             raise ValueError(f"max_messages_per_second must be > 0, got {self.max_messages_per_second!r}")
         object.__setattr__(self, "allow_origins", tuple(self.allow_origins))
         object.__setattr__(self, "allow_hosts", tuple(self.allow_hosts))
+        object.__setattr__(self, "trusted_proxies", tuple(self.trusted_proxies))
+        self.proxies()  # raises ValueError for a bad address or network
         self.policy()  # raises ValueError for a bad origin, host or token
+
+    def proxies(self) -> tuple[Network, ...]:
+        return parse_trusted_proxies(self.trusted_proxies)
 
     def policy(self) -> AccessPolicy:
         return AccessPolicy(allow_origins=self.allow_origins, allow_hosts=self.allow_hosts, token=self.token)
@@ -117,6 +129,7 @@ NATS = web.AppKey("ddm_nats", Any)
 SOCKETS = web.AppKey("ddm_sockets", weakref.WeakSet)
 SESSIONS = web.AppKey("ddm_sessions", weakref.WeakSet)
 PER_CLIENT = web.AppKey("ddm_sockets_per_client", Counter)
+PROXIES = web.AppKey("ddm_trusted_proxies", tuple)
 
 
 @dataclass
@@ -152,6 +165,7 @@ def create_app(config: WebConfig | None = None) -> web.Application:
     app[POLICY] = app[CONFIG].policy()
     app[REFUSALS] = LogLimiter()
     app[PER_CLIENT] = Counter()
+    app[PROXIES] = app[CONFIG].proxies()
     app.on_response_prepare.append(add_security_headers)
     app[SOCKETS] = weakref.WeakSet()
     app[SESSIONS] = weakref.WeakSet()
@@ -284,7 +298,7 @@ def hello_message(cfg: WebConfig) -> dict[str, Any]:
 async def websocket(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[CONFIG]
-    client = request.remote or "?"
+    client = request_client_key(request, app[PROXIES])
     per_client = app[PER_CLIENT]
     if per_client[client] >= cfg.max_sockets_per_client:
         refuse_log(
