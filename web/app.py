@@ -37,11 +37,11 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from bus import http_log
 from client.jobs import client_connect_options, client_from_url
 from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
 from schemas.spec import ModelSpec, legacy_spec
 
-from . import server_log
 from .fleet import FleetMonitor
 from .guard import (
     POLICY,
@@ -161,7 +161,7 @@ SPEC = web.AppKey("ddm_spec", SpecView)
 
 def create_app(config: WebConfig | None = None) -> web.Application:
     """App factory. Nothing connects until the app starts (cleanup_ctx)."""
-    server_log.install()  # malformed requests: one summarised line per 10 s, not a traceback each
+    http_log.install()  # malformed requests: one summarised line per 10 s, not a traceback each
     app = web.Application(middlewares=[guard_middleware])
     app[CONFIG] = config or WebConfig()
     app[POLICY] = app[CONFIG].policy()

@@ -2,7 +2,8 @@
 
 aiohttp logs every request it cannot parse (a bad header, a bad Content-Length, a second request with
 a bad method) as an error with a full traceback, on logger `aiohttp.server`: anyone who can reach the
-port can fill the log. `install()` (create_app calls it) adds a filter to that logger that turns each
+port can fill the log. `install()` (the web viewer's `create_app` and the coordinator's and workers'
+`/metrics` server call it) adds a filter to that logger that turns each
 such record into one warning line without the traceback, naming the peer and what was wrong, and lets
 at most one through per `EVERY_S` seconds; the line says how many were held back since the last one.
 Other errors on that logger (an exception in a handler: a bug) keep their traceback.
