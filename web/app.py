@@ -127,7 +127,8 @@ class WebConfig:
 
 CONFIG = web.AppKey("ddm_config", WebConfig)
 NATS = web.AppKey("ddm_nats", Any)
-SOCKETS = web.AppKey("ddm_sockets", weakref.WeakSet)
+#: open sockets -> their close_socket(code, reason): a close bounded in time that aborts what it cannot close
+SOCKETS = web.AppKey("ddm_sockets", weakref.WeakKeyDictionary)
 SESSIONS = web.AppKey("ddm_sessions", weakref.WeakSet)
 PER_CLIENT = web.AppKey("ddm_sockets_per_client", Counter)
 PROXIES = web.AppKey("ddm_trusted_proxies", tuple)
@@ -169,7 +170,7 @@ def create_app(config: WebConfig | None = None) -> web.Application:
     app[PER_CLIENT] = Counter()
     app[PROXIES] = app[CONFIG].proxies()
     app.on_response_prepare.append(add_security_headers)
-    app[SOCKETS] = weakref.WeakSet()
+    app[SOCKETS] = weakref.WeakKeyDictionary()
     app[SESSIONS] = weakref.WeakSet()
     app[FLEET] = FleetView({"type": "fleet", "experts": [], "services": [], "coordinator": None, "time": None})
     app[SPEC] = SpecView(legacy_spec())
@@ -260,8 +261,12 @@ def _update_spec(app: web.Application, spec: ModelSpec) -> None:
 
 
 async def _close_sockets(app: web.Application) -> None:
-    for ws in list(app[SOCKETS]):
-        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+    """Close every socket at once, each within CLOSE_TIMEOUT_S: a client that does not read cannot hold
+    up the shutdown (what cannot be closed in time is aborted)."""
+    closers = list(app[SOCKETS].values())
+    await asyncio.gather(
+        *(close(WSCloseCode.GOING_AWAY, "server shutdown") for close in closers), return_exceptions=True
+    )
 
 
 # ---------------------------------------------------------------- handlers
@@ -360,7 +365,7 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
             "token required: open the viewer with #token=<token> (see ddm-fleet web --help)",
         )
         return ws
-    app[SOCKETS].add(ws)
+    app[SOCKETS][ws] = close_socket
     session = Session(
         app[NATS],
         ws.send_json,
@@ -401,5 +406,5 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
             sender.cancel()
         if session.closer is not None:  # closed as not reading: its connection is gone before its slot is freed
             await asyncio.wait([session.closer], timeout=CLOSE_TIMEOUT_S + 1)
-        app[SOCKETS].discard(ws)
+        app[SOCKETS].pop(ws, None)
     return ws

@@ -253,3 +253,39 @@ async def test_sockets_closed_for_not_reading_are_aborted_and_free_their_address
     finally:
         for sock in sockets:
             sock.close()
+
+
+async def test_clients_that_never_read_do_not_hold_up_the_shutdown(nats_url):
+    """Every socket is closed at once at shutdown, each within CLOSE_TIMEOUT_S: clients that never read
+    a byte, whose connections are full (the close frame cannot even be written), cost one close
+    time-out, not a wait for ever."""
+    from aiohttp.test_utils import TestServer
+
+    from web.app import CLOSE_TIMEOUT_S
+
+    server = TestServer(
+        create_app(WebConfig(nats_url=nats_url, max_messages_per_second=1e9, max_queued_messages=10**6))
+    )
+    await server.start_server()
+    app = server.app
+    loop = asyncio.get_running_loop()
+    fields = ", ".join(f'"f{i:02d}{"x" * 37}": 1' for i in range(8))
+    junk = _frame('{"type": "generate", %s}' % fields) * 10
+    sockets = []
+    try:
+        for n in range(1, 3):
+            sock = await raw_socket_that_never_reads(server.port)
+            sockets.append(sock)
+            await wait_until(lambda n=n: len(app[SESSIONS]) == n, timeout=10, what="the socket's session")
+            # until its answers back up behind full kernel buffers (the sender is stuck)
+            while max(s.outbox.queued_messages for s in app[SESSIONS]) < 100:
+                await asyncio.wait_for(loop.sock_sendall(sock, junk), 5)
+                await asyncio.sleep(0.002)
+        start = loop.time()
+        await asyncio.wait_for(server.close(), 60)
+        took = loop.time() - start
+        assert took < 2 * CLOSE_TIMEOUT_S + 2, f"shutdown took {took:.1f} s"
+        assert not app[SESSIONS]
+    finally:
+        for sock in sockets:
+            sock.close()
