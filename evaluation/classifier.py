@@ -44,7 +44,7 @@ def find_judge(name: str, data_dir: str | Path | None = None) -> Path | None:
     return shipped_judge(name)
 
 
-def _build():
+def _build(in_channels: int = 1, num_classes: int = 10):
     import torch
     from torch import nn
 
@@ -52,7 +52,7 @@ def _build():
         def __init__(self):
             super().__init__()
             self.body = nn.Sequential(
-                nn.Conv2d(1, 32, 3, padding=1),
+                nn.Conv2d(in_channels, 32, 3, padding=1),
                 nn.BatchNorm2d(32),
                 nn.ReLU(),
                 nn.Conv2d(32, 32, 3, padding=1),
@@ -74,7 +74,7 @@ def _build():
                 nn.Linear(128 * 16, 256),
                 nn.ReLU(),
             )
-            self.head = nn.Sequential(nn.Dropout(0.3), nn.Linear(256, 10))
+            self.head = nn.Sequential(nn.Dropout(0.3), nn.Linear(256, num_classes))
 
         def features(self, x: torch.Tensor) -> torch.Tensor:
             return self.body(x)
@@ -85,10 +85,22 @@ def _build():
     return MnistCNN()
 
 
-def _random_shift(x: np.ndarray, rng: np.random.Generator, max_shift: int = 2) -> np.ndarray:
-    """Shift each image [N,1,H,W] by up to max_shift px (background -1 fills)."""
+def fit_input(x):
+    """The CNN's body reads 32x32: other sizes are resized (area average down, bilinear up)."""
+    if x.shape[-2:] == (32, 32):
+        return x
+    import torch.nn.functional as F
+
+    mode = "area" if x.shape[-1] > 32 else "bilinear"
+    return F.interpolate(x, size=(32, 32), mode=mode, **({"align_corners": False} if mode == "bilinear" else {}))
+
+
+def _random_shift(x: np.ndarray, rng: np.random.Generator, max_shift: int = 2, edge: bool = False) -> np.ndarray:
+    """Shift each image [N,C,H,W] by up to max_shift px (background -1 fills; `edge`: the border pixels
+    repeat, for data whose background is not -1)."""
     n, _, h, w = x.shape
-    padded = np.pad(x, ((0, 0), (0, 0), (max_shift,) * 2, (max_shift,) * 2), constant_values=-1.0)
+    pad = ((0, 0), (0, 0), (max_shift,) * 2, (max_shift,) * 2)
+    padded = np.pad(x, pad, mode="edge") if edge else np.pad(x, pad, constant_values=-1.0)
     dy = rng.integers(0, 2 * max_shift + 1, n)
     dx = rng.integers(0, 2 * max_shift + 1, n)
     out = np.empty_like(x)
@@ -104,16 +116,27 @@ class Classifier:
         self.model = model.eval()
         self.meta = meta
 
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """[C, H, W] the judge reads: MNIST's 1x32x32 unless trained on a prepared dataset."""
+        return tuple(self.meta.get("input_shape", (1, 32, 32)))
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.meta.get("num_classes", 10))
+
     def _run(self, images: np.ndarray, fn, batch: int = 512) -> np.ndarray:
         import torch
 
         x = np.asarray(images, np.float32)
-        if x.ndim != 4 or x.shape[1:] != (1, 32, 32):
-            raise ValueError(f"classifier expects images [N, 1, 32, 32], got {x.shape}")
+        if x.ndim != 4 or x.shape[1:] != self.input_shape:
+            want = ", ".join(map(str, self.input_shape))
+            raise ValueError(f"this judge reads images [N, {want}], got {list(x.shape)}")
         outs = []
         with torch.inference_mode():
             for i in range(0, len(x), batch):
-                outs.append(fn(torch.from_numpy(np.ascontiguousarray(x[i : i + batch]))).float().numpy())
+                xb = fit_input(torch.from_numpy(np.ascontiguousarray(x[i : i + batch])))
+                outs.append(fn(xb).float().numpy())
         return np.concatenate(outs) if outs else np.zeros((0,), np.float32)
 
     def logits(self, images: np.ndarray) -> np.ndarray:
@@ -160,7 +183,7 @@ class Classifier:
 
         weights = Path(weights)
         meta = json.loads(weights.with_suffix(".json").read_text())
-        model = _build()
+        model = _build(int(meta.get("input_shape", (1,))[0]), int(meta.get("num_classes", 10)))
         model.load_state_dict(load_file(str(weights)))
         return cls(model, meta)
 

@@ -1,9 +1,10 @@
-"""Re-score saved images (`ddm-fleet eval --save-images DIR` output) with both judges, with statistics.
+"""Re-score saved images (`ddm-fleet eval --save-images DIR` output) with the judges, with statistics.
 
-Every `<configuration>.npz` in DIR holds `images` [N,1,32,32], float32 in [-1,1] or uint8 0..255 (read
-as x / 127.5 - 1), `labels` int [N] (the requested digits, or -1 on every row for an unconditional
-file) and optionally `usage` [N,K]. Nothing is generated: the same images are read back and scored by
-judge 1 and judge 2 side by side, with how often the two judges agree.
+Every `<configuration>.npz` in DIR holds `images` [N,C,H,W] (MNIST: [N,1,32,32]), float32 in [-1,1] or
+uint8 0..255 (read as x / 127.5 - 1), `labels` int [N] (the requested classes, or -1 on every row for an
+unconditional file) and optionally `usage` [N,K]. Nothing is generated: the same images are read back
+and scored by every judge of `Judges` side by side (judge 1 and judge 2; on a prepared dataset also
+the data judge, and the colour check where the dataset has a palette), with how often judges 1 and 2 agree.
 
 * Conditional files: accuracy (95% Wilson interval) and FID (95% bootstrap interval) per judge.
 * Unconditional files (labels all -1): accuracy is undefined; each judge's predicted class
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .judges import DualScore, Judges
+from .judges import JUDGE_LABELS, DualScore, Judges
 from .stats import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
@@ -50,7 +51,6 @@ CANONICAL_ORDER = ("monolith", "ddm-top1", "ddm-top2", "ddm-full", "ddm-oracle",
 UNCONDITIONAL_PREFIX = "uncond-"
 BASELINE_NAMES = ("monolith", "distilled")  # what the default comparisons test the DDM rows against
 CONDITIONAL, UNCONDITIONAL = "conditional", "unconditional"
-JUDGES = (("judge 1", "judge1", ""), ("judge 2", "judge2", "_judge2"))  # label, DualScore field, JSON suffix
 
 
 class SavedImagesError(ValueError):
@@ -60,8 +60,8 @@ class SavedImagesError(ValueError):
 @dataclass
 class Saved:
     name: str
-    images: np.ndarray  # float32 [N,1,32,32] in [-1,1]
-    labels: np.ndarray  # int64 [N]: digits 0-9, or -1 on every row (unconditional)
+    images: np.ndarray  # float32 [N,C,H,W] in [-1,1]
+    labels: np.ndarray  # int64 [N]: classes >= 0, or -1 on every row (unconditional)
     usage: np.ndarray | None  # [N,K] expert weights per image, if saved
 
     @property
@@ -76,19 +76,23 @@ class Rescored:
     experts_per_step: float | None  # from the saved usage (None when the file has none)
     kind: str = CONDITIONAL
     labels: np.ndarray | None = field(default=None, repr=False)  # [N] the saved labels (pairing checks)
-    # filled by `RowStatistics.attach`; keys "" (judge 1) and "_judge2"
+    # filled by `RowStatistics.attach`; keys: the judges' JSON suffixes ("" judge 1, "_judge2", "_data")
     accuracy_interval: dict = field(default_factory=dict)  # suffix -> (low, high), Wilson (conditional)
     fid_interval: dict = field(default_factory=dict)  # suffix -> (low, high), bootstrap
     classes: dict = field(default_factory=dict)  # suffix -> ClassDistribution (unconditional)
     tv_interval: dict = field(default_factory=dict)  # suffix -> (low, high), bootstrap (unconditional)
     samples: dict = field(default_factory=dict, repr=False)  # "fid" / "accuracy" / "tv" + suffix -> [B]
+    colour_interval: tuple | None = None  # Wilson interval of the colour-correct fraction
 
     def as_dict(self) -> dict:
         d = {"config": self.name, "kind": self.kind, **self.score.as_dict(), "experts_per_step": self.experts_per_step}
-        if self.kind == UNCONDITIONAL:  # no digit was requested: accuracy is undefined, not 0
-            for key in ("accuracy", "accuracy_judge2", "per_class_accuracy", "per_class_accuracy_judge2"):
-                d[key] = None
-        for _, _, sfx in JUDGES:
+        suffixes = [sfx for _, sfx, _ in self.score.panel()]
+        if self.kind == UNCONDITIONAL:  # no class was requested: accuracy is undefined, not 0
+            for sfx in suffixes:
+                d[f"accuracy{sfx}"] = d[f"per_class_accuracy{sfx}"] = None
+        if self.colour_interval is not None:
+            d["colour_correct_interval"] = list(self.colour_interval)
+        for sfx in suffixes:
             if sfx in self.accuracy_interval:
                 d[f"accuracy{sfx}_interval"] = list(self.accuracy_interval[sfx])
             if sfx in self.fid_interval:
@@ -102,7 +106,8 @@ class Rescored:
 
 
 def load_saved(path: str | Path) -> Saved:
-    """Read and check one `<configuration>.npz` (images float in [-1, 1] or uint8 0..255; labels 0-9 or all -1)."""
+    """Read and check one `<configuration>.npz` (images float in [-1, 1] or uint8 0..255; labels >= 0 or all -1).
+    The shape and class count are checked against the judges when they score it."""
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -114,10 +119,10 @@ def load_saved(path: str | Path) -> Saved:
         if isinstance(e, SavedImagesError):
             raise
         raise SavedImagesError(f"{path}: unreadable ({e})") from e
-    if images.ndim != 4 or images.shape[1:] != (1, 32, 32):
+    if images.ndim != 4 or images.shape[1] not in (1, 2, 3, 4):
         raise SavedImagesError(
-            f"{path}: images must be [N, 1, 32, 32] (28x28 digits padded by 2, as load_mnist "
-            f"does), got {list(images.shape)}"
+            f"{path}: images must be [N, C, H, W] (MNIST: [N, 1, 32, 32], 28x28 digits padded by 2, as "
+            f"load_mnist does), got {list(images.shape)}"
         )
     if images.dtype == np.uint8:  # 0..255 -> [-1, 1], the inverse of (x + 1) * 127.5
         images = images.astype(np.float32) / 127.5 - 1.0
@@ -126,8 +131,8 @@ def load_saved(path: str | Path) -> Saved:
     if len(images) < 2 or len(labels) != len(images):
         raise SavedImagesError(f"{path}: {len(images)} images and {len(labels)} labels (need equal, >= 2)")
     labels = np.asarray(labels)
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < -1 or labels.max() > 9:
-        raise SavedImagesError(f"{path}: labels must be integer digits 0-9, or -1 (unconditional)")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < -1:
+        raise SavedImagesError(f"{path}: labels must be integer classes >= 0 (digits 0-9), or -1 (unconditional)")
     if (labels < 0).any() and not (labels < 0).all():
         raise SavedImagesError(
             f"{path}: {int((labels < 0).sum())} of {len(labels)} labels are -1; a file is either "
@@ -136,7 +141,8 @@ def load_saved(path: str | Path) -> Saved:
     lo, hi = float(images.min()), float(images.max())
     # The judges were trained on [-1, 1] with background -1; a [0, 1] or [0, 255] float file would be
     # read as grey or saturated digits and scored wrongly without any error, so refuse it.
-    if lo > -0.5 or hi > 1.5 or not np.isfinite(images).all():
+    # (Colour images may have no black pixel: there only a non-negative minimum is refused.)
+    if (lo > -0.5 if images.shape[1] == 1 else lo >= 0.0) or hi > 1.5 or not np.isfinite(images).all():
         raise SavedImagesError(
             f"{path}: image values span [{lo:.3g}, {hi:.3g}]; expected the generator's [-1, 1] "
             "with background -1 (convert [0, 1] images with x * 2 - 1, or save uint8 0..255)"
@@ -171,10 +177,7 @@ class RowStatistics:
         if resamples < 0:
             raise ValueError(f"bootstrap resamples must be >= 0, got {resamples}")
         self.resamples, self.seed = resamples, seed
-        self.references = {
-            "": FidReference.from_features(judges.reference1),
-            "_judge2": FidReference.from_features(judges.reference2),
-        }
+        self.references = {sfx: FidReference.from_features(ref) for sfx, ref in judges.references().items()}
         self._weights: dict[int, np.ndarray] = {}
 
     def weights(self, n: int) -> np.ndarray:
@@ -184,13 +187,15 @@ class RowStatistics:
 
     def attach(self, row: Rescored) -> Rescored:
         labels = row.labels
-        for _, field_name, sfx in JUDGES:
-            s = getattr(row.score, field_name)
+        colour = row.score.colour
+        if colour is not None:
+            row.colour_interval = wilson_interval(int(colour.correct.sum()), len(colour.correct))
+        for _, sfx, s in row.score.panel():
             if row.kind == CONDITIONAL:
                 correct = s.predictions == labels
                 row.accuracy_interval[sfx] = wilson_interval(int(correct.sum()), len(correct))
             else:
-                row.classes[sfx] = class_distribution(s.predictions)
+                row.classes[sfx] = class_distribution(s.predictions, len(s.predicted_counts))
             if self.resamples == 0:
                 continue
             w = self.weights(s.n)
@@ -200,7 +205,7 @@ class RowStatistics:
             if row.kind == CONDITIONAL:
                 row.samples[f"accuracy{sfx}"] = w @ (s.predictions == labels).astype(np.float64) / s.n
             else:
-                tv = bootstrap_tv_uniform(s.predictions, w)
+                tv = bootstrap_tv_uniform(s.predictions, w, len(s.predicted_counts))
                 row.samples[f"tv{sfx}"] = tv
                 row.tv_interval[sfx] = recentred_interval(row.classes[sfx].tv_uniform, tv)
         return row
@@ -262,12 +267,10 @@ def real_baseline(
 def real_baseline_unconditional(
     n: int, judges: Judges, data_dir=None, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED
 ) -> Rescored:
-    """n real validation digits drawn without replacement (fixed seed 0) and scored as unconditional
+    """n real validation images drawn without replacement (fixed seed 0) and scored as unconditional
     images: the class-distribution and FID floor of real data at this sample size. ValueError when n
-    exceeds the 10k validation digits."""
-    from dataset.mnist import load_mnist
-
-    x, _ = load_mnist("val", data_dir)
+    exceeds the validation split."""
+    x, _ = judges.real_images("val", data_dir)
     if n > len(x):
         raise ValueError(f"an unconditional baseline of {n} images needs more than the {len(x)} validation digits")
     pick = np.sort(np.random.default_rng(0).permutation(len(x))[:n])
@@ -281,7 +284,7 @@ def real_baseline_unconditional(
 
 @dataclass
 class Comparison:
-    """A against B (differences are A - B) on the same requests, per judge (keys "" and "_judge2")."""
+    """A against B (differences are A - B) on the same requests, per judge (keys: the judges' suffixes)."""
 
     a: str
     b: str
@@ -290,10 +293,13 @@ class Comparison:
     accuracy: dict = field(default_factory=dict)  # suffix -> Difference (conditional, needs the bootstrap)
     tv: dict = field(default_factory=dict)  # suffix -> Difference (unconditional, needs the bootstrap)
     fid: dict = field(default_factory=dict)  # suffix -> Difference (needs the bootstrap)
+    colour: McNemar | None = None  # colour correctness, paired (datasets with a palette)
 
     def as_dict(self) -> dict:
         d: dict = {"a": self.a, "b": self.b, "kind": self.kind}
-        for _, _, sfx in JUDGES:
+        if self.colour is not None:
+            d["mcnemar_colour"] = self.colour.as_dict()
+        for sfx in JUDGE_LABELS:
             if sfx in self.mcnemar:
                 d[f"mcnemar{sfx}"] = self.mcnemar[sfx].as_dict()
             for name, table in (
@@ -310,16 +316,19 @@ def compare(a: Rescored, b: Rescored) -> Comparison:
     """Paired tests of row A against row B; SavedImagesError when they are not paired (kind, size, digits)."""
     if a.kind != b.kind:
         raise SavedImagesError(f"cannot pair {a.name} ({a.kind}) with {b.name} ({b.kind})")
-    if a.score.judge1.n != b.score.judge1.n:
+    if a.score.n != b.score.n:
         raise SavedImagesError(
-            f"cannot pair {a.name} ({a.score.judge1.n} images) with {b.name} "
-            f"({b.score.judge1.n}): paired files share digits and seeds row for row"
+            f"cannot pair {a.name} ({a.score.n} images) with {b.name} "
+            f"({b.score.n}): paired files share digits and seeds row for row"
         )
     if a.kind == CONDITIONAL and not np.array_equal(a.labels, b.labels):
         raise SavedImagesError(f"cannot pair {a.name} with {b.name}: their requested digits differ row for row")
     out = Comparison(a.name, b.name, a.kind)
-    for _, field_name, sfx in JUDGES:
-        sa, sb = getattr(a.score, field_name), getattr(b.score, field_name)
+    if a.score.colour is not None and b.score.colour is not None:
+        out.colour = mcnemar(a.score.colour.correct, b.score.colour.correct)
+    b_panel = {sfx: s for _, sfx, s in b.score.panel()}
+    for _, sfx, sa in a.score.panel():
+        sb = b_panel[sfx]
         if a.kind == CONDITIONAL:
             out.mcnemar[sfx] = mcnemar(sa.predictions == a.labels, sb.predictions == b.labels)
             if f"accuracy{sfx}" in a.samples and f"accuracy{sfx}" in b.samples:
@@ -412,11 +421,14 @@ def format_rescore_table(
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = DEFAULT_SEED,
 ) -> str:
-    """Markdown: a conditional table (accuracy and FID per judge, agreement; `baseline` last), an
+    """Markdown: a conditional table (accuracy and FID per judge, agreement, colour; `baseline` last), an
     unconditional table (TV distance of the predicted classes to uniform, FID; `unconditional_baseline`
     last) with each judge's class histogram, and the paired comparisons. Cells: value [95% interval]."""
     cond = [r for r in rows if r.kind == CONDITIONAL]
     uncond = [r for r in rows if r.kind == UNCONDITIONAL]
+    panel = judges.panel()
+    pair = judges.judge1 is not None  # judges 1 and 2: their agreement is a column
+    colour = judges.palette is not None
     lines = [
         f"re-scored {len(rows)} saved configurations from {directory} ({len(cond)} conditional, "
         f"{len(uncond)} unconditional)",
@@ -432,53 +444,65 @@ def format_rescore_table(
     def eps(r: Rescored) -> str:
         return "-" if r.experts_per_step is None else f"{r.experts_per_step:.2f}"
 
+    def tail(r: Rescored) -> str:
+        cells = [f"{r.score.agreement:.4f}"] if pair else []
+        if colour:
+            c = r.score.colour
+            cells.append(_interval(float(c.correct.mean()), r.colour_interval, 4) if c is not None else "-")
+        return " | ".join([*cells, eps(r)])
+
+    tail_head = "".join([" | judges agree" if pair else "", " | colour correct" if colour else "", " | experts/step |"])
+    tail_rule = "---:|" * (1 + pair + colour)
+
+    def scores(r: Rescored) -> dict:
+        return {sfx: s for _, sfx, s in r.score.panel()}
+
     if cond:
         lines += [
             "",
-            "Conditional (the requested digit):",
+            "Conditional (the requested class):",
             "",
-            "| configuration | images | cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 "
-            "| judges agree | experts/step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| configuration | images | "
+            + " | ".join(f"cond. acc. {label}" for label, _ in panel)
+            + " | "
+            + " | ".join(f"FID {label}" for label, _ in panel)
+            + tail_head,
+            "|---|---:|" + "---:|" * (2 * len(panel)) + tail_rule,
         ]
         for r in [*cond, *([baseline] if baseline is not None else [])]:
-            s1, s2 = r.score.judge1, r.score.judge2
-            lines.append(
-                f"| {r.name} | {s1.n} | {_interval(s1.accuracy, r.accuracy_interval.get(''), 4)} | "
-                f"{_interval(s2.accuracy, r.accuracy_interval.get('_judge2'), 4)} | "
-                f"{_interval(s1.fid, r.fid_interval.get(''), 3)} | "
-                f"{_interval(s2.fid, r.fid_interval.get('_judge2'), 3)} | "
-                f"{r.score.agreement:.4f} | {eps(r)} |"
-            )
+            sc = scores(r)
+            acc = [_interval(sc[sfx].accuracy, r.accuracy_interval.get(sfx), 4) for _, sfx in panel]
+            fid = [_interval(sc[sfx].fid, r.fid_interval.get(sfx), 3) for _, sfx in panel]
+            lines.append(f"| {r.name} | {r.score.n} | " + " | ".join([*acc, *fid]) + f" | {tail(r)} |")
     if uncond:
         shown = [*uncond, *([unconditional_baseline] if unconditional_baseline is not None else [])]
         lines += [
             "",
-            "Unconditional (no digit requested; TV = total variation distance of the judge's predicted "
-            "class distribution to uniform, 0 = uniform, 0.9 = a single digit):",
+            "Unconditional (no class requested; TV = total variation distance of the judge's predicted "
+            "class distribution to uniform, 0 = uniform, 0.9 = a single class of 10):",
             "",
-            "| configuration | images | TV to uniform judge 1 | TV to uniform judge 2 | FID judge 1 "
-            "| FID judge 2 | judges agree | experts/step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| configuration | images | "
+            + " | ".join(f"TV to uniform {label}" for label, _ in panel)
+            + " | "
+            + " | ".join(f"FID {label}" for label, _ in panel)
+            + tail_head,
+            "|---|---:|" + "---:|" * (2 * len(panel)) + tail_rule,
         ]
         for r in shown:
-            s1, s2 = r.score.judge1, r.score.judge2
-            lines.append(
-                f"| {r.name} | {s1.n} | {_interval(r.classes[''].tv_uniform, r.tv_interval.get(''), 4)} | "
-                f"{_interval(r.classes['_judge2'].tv_uniform, r.tv_interval.get('_judge2'), 4)} | "
-                f"{_interval(s1.fid, r.fid_interval.get(''), 3)} | "
-                f"{_interval(s2.fid, r.fid_interval.get('_judge2'), 3)} | "
-                f"{r.score.agreement:.4f} | {eps(r)} |"
-            )
+            sc = scores(r)
+            tv = [_interval(r.classes[sfx].tv_uniform, r.tv_interval.get(sfx), 4) for _, sfx in panel]
+            fid = [_interval(sc[sfx].fid, r.fid_interval.get(sfx), 3) for _, sfx in panel]
+            lines.append(f"| {r.name} | {r.score.n} | " + " | ".join([*tv, *fid]) + f" | {tail(r)} |")
+        n_classes = len(shown[0].classes[panel[0][1]].fractions)
         lines += [
             "",
-            "Predicted class distribution of the unconditional rows (% of images per digit):",
+            "Predicted class distribution of the unconditional rows (% of images per class):",
             "",
-            "| configuration | judge | " + " | ".join(str(c) for c in range(10)) + " | entropy bits | chi² p |",
-            "|---|---|" + "---:|" * 12,
+            "| configuration | judge | " + " | ".join(str(c) for c in range(n_classes)) + " | entropy bits | chi² p |",
+            "|---|---|" + "---:|" * (n_classes + 2),
         ]
         for r in shown:
-            for label, _, sfx in JUDGES:
+            for label, sfx in panel:
                 cd: ClassDistribution = r.classes[sfx]
                 cells = " | ".join(f"{100 * f:.1f}" for f in cd.fractions)
                 lines.append(f"| {r.name} | {label} | {cells} | {cd.entropy_bits:.3f} | {_p(cd.chi2_p)} |")
@@ -487,7 +511,7 @@ def format_rescore_table(
     if cmp_c:
         lines += [
             "",
-            "Paired comparisons, conditional (same digits and seeds row for row; differences are A - B; "
+            "Paired comparisons, conditional (same classes and seeds row for row; differences are A - B; "
             "McNemar: exact binomial p on the images only one of the two gets right):",
             "",
             "| A vs B | judge | acc. A | acc. B | only A right | only B right | McNemar p | Δ acc. [95%] "
@@ -495,7 +519,7 @@ def format_rescore_table(
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for c in cmp_c:
-            for label, _, sfx in JUDGES:
+            for label, sfx in panel:
                 m: McNemar = c.mcnemar[sfx]
                 f = c.fid.get(sfx)
                 lines.append(
@@ -513,13 +537,27 @@ def format_rescore_table(
         ]
         by_name = {r.name: r for r in rows}
         for c in cmp_u:
-            for label, _, sfx in JUDGES:
+            for label, sfx in panel:
                 t, f = c.tv.get(sfx), c.fid.get(sfx)
                 lines.append(
                     f"| {c.a} vs {c.b} | {label} | {by_name[c.a].classes[sfx].tv_uniform:.4f} | "
                     f"{by_name[c.b].classes[sfx].tv_uniform:.4f} | {_difference(t, 4)} | "
                     f"{_p_boot(t)} | {_difference(f, 3)} | {_p_boot(f)} |"
                 )
+    with_colour = [c for c in comparisons if c.colour is not None]
+    if with_colour:
+        lines += [
+            "",
+            "Paired comparisons, colour correctness (McNemar on the images only one of the two gets right):",
+            "",
+            "| A vs B | colour A | colour B | only A right | only B right | McNemar p |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for c in with_colour:
+            m = c.colour
+            lines.append(
+                f"| {c.a} vs {c.b} | {m.accuracy_a:.4f} | {m.accuracy_b:.4f} | {m.only_a} | {m.only_b} | {_p(m.p)} |"
+            )
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)

@@ -58,6 +58,7 @@ class EvalSpec:
     save_dir: str | None = None  # write <name>.npz (images, labels, usage) per configuration
     progress: bool = True
     device: str | None = None  # the local fleet's worker device (cuda, cuda:1, ...); None = the CPU
+    num_classes: int = 10  # classes asked for, per_class of each (a prepared dataset's class count)
 
 
 @dataclass
@@ -98,21 +99,24 @@ class Row:
         }
 
 
-def requested_digits(per_class: int) -> np.ndarray:
-    """[10 * per_class] digits 0..9, each per_class times, interleaved so every job mixes classes."""
-    return np.tile(np.arange(10), per_class).astype(np.int64)
+def requested_digits(per_class: int, num_classes: int = 10) -> np.ndarray:
+    """[num_classes * per_class] classes 0..C-1 (MNIST: the digits), each per_class times, interleaved so
+    every job mixes classes."""
+    return np.tile(np.arange(num_classes), per_class).astype(np.int64)
 
 
 async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: EvalSpec, bar=None):
-    """Submit jobs of spec.job_size concurrently; returns (images [N,1,32,32], usage [N,K])."""
+    """Submit jobs of spec.job_size concurrently; returns (images [N, C, H, W], usage [N,K]). MNIST's ten
+    classes are asked as `digits` (the v1 spelling), any other class count as `labels`."""
     from client.jobs import run_job
     from schemas import JobRequest
 
     chunks = [digits[i : i + spec.job_size] for i in range(0, len(digits), spec.job_size)]
 
     async def one(j: int, chunk: np.ndarray):
+        field = "digits" if spec.num_classes == 10 else "labels"
         req = JobRequest(
-            digits=chunk.tolist(),
+            **{field: chunk.tolist()},
             steps=spec.steps,
             solver=spec.solver,
             strategy=cfg.strategy,
@@ -142,7 +146,8 @@ def _fleet_for(model: str, spec: EvalSpec):
         raise FileNotFoundError(
             f"monolith checkpoint {path} not found; train it (checkpoints/README.md) or drop 'monolith' from --configs"
         )
-    return LocalFleet([path], LabelRouter([0] * 10, 1), num_experts=1, class_to_expert=[0] * 10, **opts)
+    zeros = [0] * spec.num_classes
+    return LocalFleet([path], LabelRouter(zeros, 1), num_experts=1, class_to_expert=zeros, **opts)
 
 
 def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
@@ -160,18 +165,21 @@ def _flops(cfg: Config, spec: EvalSpec, experts_per_step: float) -> float:
     return spec.steps * evals * (router + experts_per_step * expert_flops(ckpt))
 
 
-async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
+async def evaluate(spec: EvalSpec, judges=None, *, score: bool = True) -> list[Row]:
     """Generate and score every configuration. `judges` (a `judges.Judges`) defaults to both cached
-    judges, trained once if missing."""
+    judges, trained once if missing. `score=False` only generates and saves (spec.save_dir), for
+    `evaluation.rescore` to score with intervals; it returns no rows."""
     from tqdm import tqdm
 
     from bus.connect import connect
 
     from .judges import Judges
 
-    if judges is None:
+    if not score and not spec.save_dir:
+        raise ValueError("generating without scoring needs a directory to save the images in")
+    if judges is None and score:
         judges = await asyncio.to_thread(Judges.load, spec.data_dir, progress=spec.progress)
-    digits = requested_digits(spec.per_class)
+    digits = requested_digits(spec.per_class, spec.num_classes)
     rows: list[Row] = []
     by_model: dict[str, list[Config]] = {}
     for c in spec.configs:
@@ -197,6 +205,13 @@ async def evaluate(spec: EvalSpec, judges=None) -> list[Row]:
                 with tqdm(total=len(digits), desc=cfg.name, unit="img", disable=not spec.progress) as bar:
                     images, usage = await generate_through_fleet(nc, digits, cfg, spec, bar)
                 seconds = time.perf_counter() - t0
+                if not score:
+                    Path(spec.save_dir).mkdir(parents=True, exist_ok=True)
+                    np.savez_compressed(
+                        Path(spec.save_dir) / f"{cfg.name}.npz", images=images, labels=digits, usage=usage
+                    )
+                    log.info("%s: %d images in %.1f s", cfg.name, len(images), seconds)
+                    continue
                 d = await asyncio.to_thread(judges.score, images, digits)
                 s, s2 = d.judge1, d.judge2
                 eps = float(usage.sum(axis=1).mean())

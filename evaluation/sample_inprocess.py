@@ -11,7 +11,8 @@ the router asked at every evaluation. Unconditional rows (y = -1) use the same s
 unconditional file pairs row for row with its conditional one.
 
 Each configuration is written as `<name>.npz` in the format `ddm-fleet eval --save-images` writes
-(`images` [N, 1, 32, 32], `labels` [N] (-1 = unconditional), `usage` [N, K]); with `uint8=True`
+(`images` [N, C, H, W] in the checkpoints' spec shape (MNIST: [N, 1, 32, 32]), `labels` [N]
+(-1 = unconditional), `usage` [N, K]); with `uint8=True`
 the images are stored as uint8 pixels (`dataset.images.to_uint8`: (x + 1) * 127.5, rounded half to even), 4x
 smaller (`evaluation.rescore` reads both).
 
@@ -151,7 +152,7 @@ def generate(
     seed: int = 0,
     job_size: int = 50,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """-> (images [N,1,32,32] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
+    """-> (images [N, C, H, W] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
 
     Row r belongs to job r // job_size seeded seed + r // job_size (as `initial_batch` makes `noise`):
     what the drawn strategies draw from."""
@@ -169,7 +170,8 @@ def generate(
             raise ValueError(f"{d}: router has {router.num_experts} experts, partition {k}")
         if cfg.strategy == "oracle" and cfg.unconditional:
             raise ValueError("oracle routing needs the label; it is undefined for unconditional rows")
-        owner = np.asarray(part["class_to_expert"], np.int64)[np.clip(y, 0, 9)]
+        c2e = np.asarray(part["class_to_expert"], np.int64)
+        owner = c2e[np.clip(y, 0, len(c2e) - 1)]
         usage = np.zeros((len(y), k), np.float64)
         r = np.arange(len(y))
         velocity = _ddm_velocity(
@@ -220,6 +222,31 @@ def parse_configs(
         else:
             raise ValueError(f"unknown configuration {item!r}: monolith, distilled, top1, topK, full, oracle, sample")
     return out
+
+
+def checkpoints_spec(configs: Sequence[SampleConfig], checkpoints: str | None):
+    """The one model spec every configuration's checkpoints share (shape and classes of the images);
+    ValueError naming the first that differs."""
+    from models.checkpoint import load_meta
+    from models.spec import spec_of
+
+    paths = []
+    for cfg in configs:
+        if cfg.model == "ddm":
+            d = Path(checkpoints or ".")
+            k = int(json.loads((d / "partition.json").read_text())["num_experts"])
+            paths += [d / f"expert{i}.safetensors" for i in range(k)]
+        else:
+            paths.append(Path(cfg.model))
+    specs = {str(p): spec_of(load_meta(p), str(p)) for p in dict.fromkeys(paths)}
+    first_path, first = next(iter(specs.items()))
+    for path, spec in specs.items():
+        if spec.sample_shape != first.sample_shape or spec.num_classes != first.num_classes:
+            raise ValueError(
+                f"{path} makes {list(spec.sample_shape)} images of {spec.num_classes} classes, {first_path} "
+                f"{list(first.sample_shape)} of {first.num_classes}: configurations must be comparable"
+            )
+    return first
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,8 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .run import requested_digits  # the digits `ddm-fleet eval` asks for
 
     configs = parse_configs(args.configs, args.checkpoints, args.monolith, args.distilled, args.unconditional)
-    digits = requested_digits(args.per_class)
-    noise = initial_batch(len(digits), args.images_per_job, args.seed)
+    spec = checkpoints_spec(configs, args.checkpoints)
+    digits = requested_digits(args.per_class, max(1, spec.num_classes))
+    noise = initial_batch(len(digits), args.images_per_job, args.seed, tuple(spec.sample_shape))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.skip_existing:

@@ -34,7 +34,9 @@ def prepare_images(images: np.ndarray) -> np.ndarray:
     return np.clip(np.asarray(images, np.float32), -1.0, 1.0)
 
 
-def score_images(classifier, images: np.ndarray, digits: np.ndarray, reference_features: np.ndarray) -> Score:
+def score_images(
+    classifier, images: np.ndarray, digits: np.ndarray, reference_features: np.ndarray, num_classes: int = 10
+) -> Score:
     """images [N,1,32,32] in [-1,1], digits [N] requested classes (-1: unconditional, no class asked
     for; accuracy counts only the rows with a digit, nan when there are none), reference_features [M,D]
     (the same judge's features of the reference set). Works with any judge that has predict/features."""
@@ -46,14 +48,14 @@ def score_images(classifier, images: np.ndarray, digits: np.ndarray, reference_f
     feats = classifier.features(images)
     asked = digits >= 0
     per_class = []
-    for c in range(10):
+    for c in range(num_classes):
         mask = digits == c
         per_class.append(float((pred[mask] == c).mean()) if mask.any() else float("nan"))
     return Score(
         n=int(len(images)),
         accuracy=float((pred[asked] == digits[asked]).mean()) if asked.any() else float("nan"),
         fid=fid_from_features(feats, reference_features),
-        predicted_counts=np.bincount(pred, minlength=10).astype(int).tolist(),
+        predicted_counts=np.bincount(pred, minlength=num_classes).astype(int).tolist(),
         per_class_accuracy=per_class,
         predictions=np.asarray(pred, np.int64),
         features=np.asarray(feats, np.float32),

@@ -23,7 +23,16 @@ requested digits; -1 on every row of an unconditional file), usage [N,K] optiona
   The quality study's names: monolith, ddm-top1, ddm-top2, ddm-full, ddm-oracle, distilled (.npz),
   and uncond-monolith, uncond-ddm-top1, ..., uncond-distilled for unconditional files.
 
+Any prepared dataset (--data DIR, the one the fleet was trained on): the images are generated,
+saved (--save-images, else a temporary directory) and re-scored as above. Judges 1 and 2 read the
+images' digit view (luminance, background -1) when the classes are the digits 0-9 (colour MNIST);
+the data judge, a CNN trained once on DIR's train split and cached there, adds accuracy and FID in
+that data's own features (RGB, any size); a palette in DIR's manifest adds colour correctness
+(McNemar-paired between configurations).
+
 examples:
+  ddm-fleet eval --data data/colour-mnist --checkpoints checkpoints/colour --per-class 100
+  ddm-fleet eval --rescore out/colour --data data/colour-mnist   # saved colour images, all judges
   ddm-fleet eval                                   # monolith, top1, top2, full, oracle
   ddm-fleet eval --configs top1,oracle --per-class 20 --steps 20
   ddm-fleet eval --save-images out/eval --json     # keep the images for an independent re-score
@@ -88,6 +97,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="MNIST and judges cache directory (default: $DDM_DATA_DIR or ./data)",
     )
     parser.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="the prepared dataset (`ddm-fleet data prepare`) the fleet was trained on: its test split is FID's "
+        "reference, a judge trained on it (the data judge) joins judges 1 and 2, and a recorded palette "
+        "adds the colour check; the images are saved and scored with intervals as --rescore does "
+        "(default: MNIST)",
+    )
+    parser.add_argument(
         "--save-images", default=None, metavar="DIR", help="write <configuration>.npz with images, labels, usage"
     )
     parser.add_argument(
@@ -134,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"ddm-fleet eval: {e}") from e
     if args.per_class < 2 or args.steps < 1:
         raise SystemExit("ddm-fleet eval: --per-class must be >= 2 and --steps >= 1")
+    if args.data:
+        return _generate_then_rescore(args, configs)
     spec = EvalSpec(
         configs=configs,
         checkpoints=args.checkpoints,
@@ -163,6 +183,48 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows, spec, judges))
     return 0
+
+
+def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
+    """`eval --data DIR`: generate every configuration through the fleet, save it, then re-score the
+    directory with the dataset's judges (intervals, paired comparisons)."""
+    import asyncio
+    import tempfile
+
+    from dataset.prepared import PreparedDataError, read_manifest
+    from evaluation.run import EvalSpec, evaluate
+
+    try:
+        manifest = read_manifest(args.data)
+    except (PreparedDataError, FileNotFoundError, OSError) as e:
+        raise SystemExit(f"ddm-fleet eval: --data {args.data}: {e}") from e
+    classes = len(manifest.get("class_names") or [])
+    if not classes:
+        raise SystemExit(f"ddm-fleet eval: --data {args.data} is unlabelled; evaluation asks for classes")
+    save = args.save_images or tempfile.mkdtemp(prefix="ddm-eval-")
+    spec = EvalSpec(
+        configs=configs,
+        checkpoints=args.checkpoints,
+        monolith=args.monolith,
+        per_class=args.per_class,
+        steps=args.steps,
+        solver=args.solver,
+        seed=args.seed,
+        job_size=args.images_per_job,
+        nats_url=args.nats,
+        data_dir=args.data_dir,
+        save_dir=save,
+        progress=not args.no_progress,
+        device=args.device,
+        num_classes=classes,
+    )
+    try:
+        asyncio.run(evaluate(spec, score=False))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"ddm-fleet eval: {e}") from e
+    print(f"images saved in {save}", flush=True)
+    args.rescore = save
+    return _rescore(args)
 
 
 def _rescore(args: argparse.Namespace) -> int:
@@ -196,7 +258,7 @@ def _rescore(args: argparse.Namespace) -> int:
         missing = sorted({n for pair in pairs or () for n in pair} - set(found))
         if missing:
             raise SavedImagesError(f"--compare names {', '.join(missing)}; the saved configurations are {found}")
-        judges = Judges.load(args.data_dir, progress=not args.no_progress)
+        judges = Judges.load(args.data_dir, progress=not args.no_progress, dataset=args.data)
         rows = rescore_dir(args.rescore, judges, progress=not args.no_progress, saved=saved, **boot)
         del saved
         pairs_done, pair_notes = comparisons(rows, pairs)
@@ -210,7 +272,7 @@ def _rescore(args: argparse.Namespace) -> int:
         uncond_baseline = None
         if uncond:
             try:
-                uncond_baseline = real_baseline_unconditional(uncond[0].score.judge1.n, judges, args.data_dir, **boot)
+                uncond_baseline = real_baseline_unconditional(uncond[0].score.n, judges, args.data_dir, **boot)
             except ValueError as e:
                 notes.append(f"no unconditional real-digit row: {e}")
     except (SavedImagesError, ValueError) as e:
@@ -236,6 +298,11 @@ def _rescore(args: argparse.Namespace) -> int:
                         "judge1_test_accuracy": judges.test_accuracy1,
                         "judge2_test_accuracy": judges.test_accuracy2,
                         "test_agreement": judges.test_agreement,
+                        **(
+                            {"data_judge_test_accuracy": judges.test_accuracy_data, "dataset": judges.dataset}
+                            if judges.data_judge is not None
+                            else {}
+                        ),
                     },
                     "bootstrap": boot,
                     "rows": [r.as_dict() for r in rows],

@@ -7,13 +7,16 @@ which one, and train-expert / train-router refuse to use it with other data.
 Methods: `classes` (digit lists per expert; default for 2 experts 0-4 / 5-9), `kmeans` (two-stage
 k-means on PCA'd pooled pixels, the DDM paper's recipe on cheap features), `features` (the same
 k-means in the feature space of a pretrained network trained for another purpose, the paper's
-DINOv2 recipe: here judge 2's penultimate layer `embed`, 128-d, see evaluation/features.py),
-`random`. Prints a table of images and the class histogram per expert. The manifest lists each
-expert's train indices, its classes and `class_to_expert` (the oracle route). Examples:
+DINOv2 recipe; `--features` picks the network: judge 2's penultimate layer `embed` (128-d, the
+default), `data-judge:DIR` (a CNN trained on a prepared dataset's classes) or `torch:PATH` (your
+own TorchScript module); see evaluation/features.py), `random`. Prints a table of images and the
+class histogram per expert. The manifest lists each expert's train indices, its classes and
+`class_to_expert` (the oracle route). Examples:
 
     ddm-fleet partition --method classes --experts 2 --classes 0-4,5-9 --out checkpoints/partition.json
     ddm-fleet partition --data data/prepared/pets --method kmeans --experts 4 --out runs/pets/partition.json
     ddm-fleet partition --method features --experts 8 --out checkpoints/features8/partition.json
+    ddm-fleet partition --data data/pets --method features --features torch:my_encoder.pt --experts 4 --out p.json
 
 Cost of `features`: judge 2 loads from checkpoints/judges/ (or the data dir's cache) in about a
 second; without either it is trained once (about 5 minutes on 2 CPU cores) and cached. Its features
@@ -33,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method",
         choices=("classes", "kmeans", "features", "random"),
         default="classes",
-        help="how to split (default: classes); features = k-means of judge 2's penultimate features",
+        help="how to split (default: classes); features = k-means of a network's features (--features)",
     )
     parser.add_argument(
         "--experts",
@@ -56,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--limit", type=int, default=None, metavar="N", help="use only the first N train images (quick experiments)"
+    )
+    parser.add_argument(
+        "--features",
+        default=None,
+        metavar="CHOICE",
+        help="--method features: the network whose features are clustered: judge2 (default; digits, RGB through "
+        "their luminance), data-judge:DIR (a CNN trained on the prepared dataset DIR) or torch:PATH (your "
+        "TorchScript module, [N,C,H,W] in [-1,1] -> [N,D])",
     )
     parser.add_argument(
         "--data",
@@ -82,17 +93,14 @@ def run(args: argparse.Namespace) -> int:
             raise PartitionError("--classes only applies to --method classes")
         if groups is not None and len(groups) != args.experts:
             raise PartitionError(f"--classes gives {len(groups)} groups but --experts is {args.experts}")
+        if args.features is not None and args.method != "features":
+            raise PartitionError("--features only applies to --method features")
         images, labels, ref = load_split(args.data, "train", data_dir=args.data_dir, limit=args.limit)
         features, extractor = None, "unnamed"
-        if args.method == "features" and ref is not None and tuple(ref.sample_shape) != (1, 32, 32):
-            raise PartitionError(
-                f"--method features uses judge 2, trained on MNIST's 1x32x32 digits; {ref.describe()} "
-                "is another shape: use --method kmeans (pooled pixels) or random"
-            )
         if args.method == "features":
             from evaluation.features import partition_features
 
-            features, extractor = partition_features(images, args.data_dir)
+            features, extractor = partition_features(images, args.data_dir, choice=args.features or "judge2")
         m = make_partition(
             args.method,
             labels,

@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
     parser.add_argument(
+        "--features",
+        default=None,
+        metavar="CHOICE",
+        help="a features partition: the extractor to ask for val targets when it moved (e.g. torch:NEWPATH; its "
+        "weights must be the recorded ones; default: the one the partition names)",
+    )
+    parser.add_argument(
         "--data",
         default=None,
         metavar="DIR",
@@ -115,14 +122,15 @@ def run(args: argparse.Namespace) -> int:
             xv, yv, _ = load_split(path, "val", data_dir=args.data_dir, limit=args.val_limit)
             fv = None
             if manifest.method == "features":  # val targets come from the same extractor's features
-                from evaluation.features import partition_features
+                from evaluation.features import ExtractorError, extractor_for
 
-                fv, extractor = partition_features(xv, args.data_dir)
-                if manifest.features is not None and extractor != manifest.features.extractor:
-                    raise PartitionError(
-                        f"the partition was clustered with {manifest.features.extractor} but this "
-                        f"checkout's extractor is {extractor}; val targets would not match"
-                    )
+                if manifest.features is None:
+                    raise PartitionError(f"{args.partition}: a features partition without its extractor's name")
+                try:
+                    ex = extractor_for(manifest.features.extractor, args.data_dir, choice=args.features)
+                except ExtractorError as e:
+                    raise PartitionError(str(e)) from e
+                fv = ex.features(xv)
             acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, features=fv)
         else:
             print(f"{ref.describe() if ref else 'the dataset'} has no val split: accuracy vs t not measured")

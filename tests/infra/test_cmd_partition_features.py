@@ -78,3 +78,56 @@ def test_features_partition_cli_rejects_bad_k(tmp_path, capsys):
         == 2
     )
     assert "at least one expert" in capsys.readouterr().err
+
+
+def _save_user_module(path):
+    """A user's TorchScript feature network: mean colour per channel and a 4x4 pooled luminance."""
+    import torch
+
+    class Colours(torch.nn.Module):
+        def forward(self, x):
+            pooled = torch.nn.functional.adaptive_avg_pool2d(x.mean(1, keepdim=True), 4).flatten(1)
+            return torch.cat([x.mean((2, 3)), pooled], 1)
+
+    torch.jit.save(torch.jit.script(Colours()), str(path))
+
+
+@pytest.mark.train
+def test_features_from_a_users_torch_module_on_colour_data(tmp_path, capsys):
+    from dataset import builtin as B
+    from dataset import mnist as D
+
+    D.prepare_mnist(progress=False)
+    data = tmp_path / "colour"
+    B.prepare_builtin("colour-mnist", data, seed=0, limit=1200, progress=False)
+    module = tmp_path / "colours.pt"
+    _save_user_module(module)
+    out = tmp_path / "partition.json"
+    argv = ["partition", "--data", str(data), "--method", "features", "--features", f"torch:{module}"]
+    assert main([*argv, "--experts", "3", "--out", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["features"]["dim"] == 3 + 16 and m["features"]["extractor"].startswith(f"torch:{module}@")
+    assert sorted(np.concatenate([e["indices"] for e in m["experts"]]).tolist()) == list(range(1200))
+
+    router = ["train-router", "--partition", str(out), "--data", str(data), "--steps", "2", "--val-limit", "50"]
+    router += ["--bins", "2", "--run-dir", str(tmp_path / "run")]
+    assert main([*router, "--out", str(tmp_path / "router")]) == 0
+    # the same network moved elsewhere is accepted; other weights are refused (val targets would not match)
+    moved = tmp_path / "moved.pt"
+    moved.write_bytes(module.read_bytes())
+    assert main([*router, "--features", f"torch:{moved}", "--out", str(tmp_path / "router2")]) == 0
+    module.write_bytes(b"not a module")
+    capsys.readouterr()
+    assert main([*router, "--out", str(tmp_path / "router3")]) == 2
+    assert "not a TorchScript module" in capsys.readouterr().err
+
+
+def test_features_choice_errors_are_clear(tmp_path, capsys):
+    argv = ["partition", "--method", "features", "--limit", "200", "--out", str(tmp_path / "p.json")]
+    assert main([*argv, "--features", "dinosaur"]) == 2
+    assert "unknown feature extractor 'dinosaur'" in capsys.readouterr().err
+    assert main([*argv, "--features", f"torch:{tmp_path / 'missing.pt'}"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    kmeans = ["partition", "--method", "kmeans", "--features", "judge2", "--limit", "200", "--out", str(tmp_path / "k")]
+    assert main(kmeans) == 2
+    assert "--features only applies to --method features" in capsys.readouterr().err
