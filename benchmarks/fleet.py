@@ -58,6 +58,8 @@ from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, ru
 COORDINATOR_OPTIONS = (
     "max_rows",
     "max_queued_jobs",
+    "max_client_rows",
+    "max_client_queued_jobs",
     "step_timeout",
     "retries",
     *ENGINE_OPTIONS,
@@ -67,7 +69,15 @@ COORDINATOR_OPTIONS = (
     "dispatch",
     "durable",
 )
-COORDINATOR_DEFAULTS = {"max_rows": 4096, "max_queued_jobs": 4096, "step_timeout": 60.0, "retries": 1}
+# (the simulated clients are sessions of one NATS client: its quotas are lifted to the fleet's limits)
+COORDINATOR_DEFAULTS = {
+    "max_rows": 4096,
+    "max_queued_jobs": 4096,
+    "max_client_rows": 4096,
+    "max_client_queued_jobs": 4096,
+    "step_timeout": 60.0,
+    "retries": 1,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -414,6 +414,7 @@ class Fleet:
                 max_rows=max_rows,
                 max_queued_jobs=max(256, max_rows),
                 max_client_queued_jobs=max(64, max_rows),
+                max_client_rows=max_rows,  # the clients share one NATS client
             )
             cmd = cli_argv(
                 "coordinator",
@@ -428,7 +429,14 @@ class Fleet:
                 "--wait-experts",
                 120,
                 *cfg.to_argv(
-                    only=("name", "max_rows", "max_queued_jobs", "max_client_queued_jobs", *COORDINATOR_OPTIONS)
+                    only=(
+                        "name",
+                        "max_rows",
+                        "max_queued_jobs",
+                        "max_client_rows",
+                        "max_client_queued_jobs",
+                        *COORDINATOR_OPTIONS,
+                    )
                 ),
             )
             self.coordinators.append(await Child.start(f"coordinator{i}", cmd))

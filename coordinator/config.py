@@ -33,6 +33,9 @@ MAX_REQUEST_ROWS = 512
 DEFAULT_METRICS_PORT = 9478
 #: Solver steps between two snapshot writes of a durable job (see docs/COORDINATOR.md for the cost).
 DEFAULT_CHECKPOINT_EVERY = 10
+#: Rows one client (every session of it together) runs at once by default: the largest job
+#: (schemas.MAX_JOB_IMAGES), a quarter of the default --max-rows.
+DEFAULT_CLIENT_ROWS = 256
 #: Seconds a durable job's ownership lease lives without renewal (renewed every third of it).
 DEFAULT_LEASE_S = 6.0
 
@@ -54,8 +57,10 @@ class CoordinatorConfig:
     # admission and fair sharing (coordinator.scheduler.SchedulerConfig)
     max_rows: int = 1024
     max_queued_jobs: int = 256
-    max_client_rows: int | None = None  # None: max_rows
+    max_client_rows: int | None = DEFAULT_CLIENT_ROWS  # None: max_rows
     max_client_queued_jobs: int = 64
+    max_session_rows: int | None = None  # None: max_client_rows
+    max_session_queued_jobs: int | None = None  # None: max_client_queued_jobs
     max_job_cost: int | None = 256_000  # None: no limit
     max_job_run_s: float | None = 600.0  # None: no limit
     image_shape: tuple[int, int, int] = (1, 32, 32)
@@ -102,6 +107,8 @@ class CoordinatorConfig:
             ("--max-queued-jobs", self.max_queued_jobs, 1),
             ("--max-client-rows", self.max_client_rows, 1),
             ("--max-client-queued-jobs", self.max_client_queued_jobs, 1),
+            ("--max-session-rows", self.max_session_rows, 1),
+            ("--max-session-queued-jobs", self.max_session_queued_jobs, 1),
             ("--max-job-cost", self.max_job_cost, 1),
             ("--retries", self.retries, 0),
             ("--bad-reply-retries", self.bad_reply_retries, 0),
@@ -111,7 +118,12 @@ class CoordinatorConfig:
             ("--js-replicas", self.js_replicas, 1),
             ("keep_finished", self.keep_finished, 0),
         ):
-            if value is None and flag in ("--max-client-rows", "--max-job-cost"):
+            if value is None and flag in (
+                "--max-client-rows",
+                "--max-job-cost",
+                "--max-session-rows",
+                "--max-session-queued-jobs",
+            ):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
@@ -183,6 +195,8 @@ class CoordinatorConfig:
             **classes,
             max_client_rows=self.max_client_rows,
             max_client_queued_jobs=self.max_client_queued_jobs,
+            max_session_rows=self.max_session_rows,
+            max_session_queued_jobs=self.max_session_queued_jobs,
             max_job_cost=self.max_job_cost,
             max_job_run_s=self.max_job_run_s,
         )
@@ -363,15 +377,31 @@ _OPTIONS: tuple[_Option, ...] = (
         "max_client_rows",
         type=int,
         metavar="N",
-        help="most images one client runs at once (default: --max-rows); its further jobs wait, a larger job "
+        zero_is_none=True,
+        help="most images one client (the <client> of its subjects, every session of it together) runs at "
+        "once (default %(default)s, at most --max-rows; 0: --max-rows); its further jobs wait, a larger job "
         "is rejected with `too_large`. Below --max-rows it keeps rows free for others",
     ),
     _Option(
         "max_client_queued_jobs",
         type=int,
         metavar="N",
-        help="most jobs one client may have waiting; more are rejected with `overloaded` (default %(default)s, "
-        "at most --max-queued-jobs)",
+        help="most jobs one client (every session of it together) may have waiting; more are rejected with "
+        "`overloaded` (default %(default)s, at most --max-queued-jobs)",
+    ),
+    _Option(
+        "max_session_rows",
+        type=int,
+        metavar="N",
+        zero_is_none=True,
+        help="most images one session of a client (a job's `session` tag) runs at once (default: --max-client-rows)",
+    ),
+    _Option(
+        "max_session_queued_jobs",
+        type=int,
+        metavar="N",
+        zero_is_none=True,
+        help="most jobs one session of a client may have waiting (default: --max-client-queued-jobs)",
     ),
     _Option(
         "max_job_cost",
