@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
+    from bus.connect import redacted
     from coordinator.config import CoordinatorConfig
 
     log = logging.getLogger("ddm.coordinator")
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             except JetStreamUnavailable as err:
                 print(
-                    f"ddm-fleet coordinator: --durable needs NATS JetStream on {config.nats}: {err}",
+                    f"ddm-fleet coordinator: --durable needs NATS JetStream on {redacted(config.nats)}: {err}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                 shape = "x".join(map(str, coord.spec.sample_shape))
                 print(
-                    f"ready: coordinator for {k} experts on {config.nats} (max {config.max_rows} rows, "
+                    f"ready: coordinator for {k} experts on {redacted(config.nats)} (max {config.max_rows} rows, "
                     f"{config.max_queued_jobs} queued jobs; {shape} {coord.spec.space}, "
                     f"{coord.spec.num_classes} classes)"
                     + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""),
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:
         if type(err).__module__.startswith("nats"):
             print(
-                f"ddm-fleet coordinator: cannot reach NATS at {config.nats}: {type(err).__name__} {err}",
+                f"ddm-fleet coordinator: cannot reach NATS at {redacted(config.nats)}: {type(err).__name__} {err}",
                 file=sys.stderr,
             )
             return 1
