@@ -225,6 +225,8 @@ def redacted(urls: str | list[str]) -> str:
 
 def _redacted(url: str) -> str:
     scheme, sep, rest = url.partition("://")
+    if not sep:  # host:port without a scheme (nats_servers adds nats://)
+        scheme, rest = "", url
     creds, at, host = rest.rpartition("@")
     if not at:
         return url
