@@ -60,6 +60,8 @@ COORDINATOR_OPTIONS = (
     "max_queued_jobs",
     "max_client_rows",
     "max_client_queued_jobs",
+    "submit_rate",
+    "status_rate",
     "step_timeout",
     "retries",
     *ENGINE_OPTIONS,
@@ -69,12 +71,14 @@ COORDINATOR_OPTIONS = (
     "dispatch",
     "durable",
 )
-# (the simulated clients are sessions of one NATS client: its quotas are lifted to the fleet's limits)
+# (the simulated clients are sessions of one NATS client: its quotas and rate limits are lifted)
 COORDINATOR_DEFAULTS = {
     "max_rows": 4096,
     "max_queued_jobs": 4096,
     "max_client_rows": 4096,
     "max_client_queued_jobs": 4096,
+    "submit_rate": None,
+    "status_rate": None,
     "step_timeout": 60.0,
     "retries": 1,
 }

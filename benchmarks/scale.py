@@ -415,6 +415,8 @@ class Fleet:
                 max_queued_jobs=max(256, max_rows),
                 max_client_queued_jobs=max(64, max_rows),
                 max_client_rows=max_rows,  # the clients share one NATS client
+                submit_rate=None,
+                status_rate=None,
             )
             cmd = cli_argv(
                 "coordinator",
@@ -435,6 +437,8 @@ class Fleet:
                         "max_queued_jobs",
                         "max_client_rows",
                         "max_client_queued_jobs",
+                        "submit_rate",
+                        "status_rate",
                         *COORDINATOR_OPTIONS,
                     )
                 ),

@@ -36,6 +36,10 @@ DEFAULT_CHECKPOINT_EVERY = 10
 #: Rows one client (every session of it together) runs at once by default: the largest job
 #: (schemas.MAX_JOB_IMAGES), a quarter of the default --max-rows.
 DEFAULT_CLIENT_ROWS = 256
+#: Submits per second one client may send (bursts of 2 s worth); more are rejected `rate_limited`.
+DEFAULT_SUBMIT_RATE = 50.0
+#: Job status requests per second one client may send (bursts of 2 s worth); more get `rate_limited`.
+DEFAULT_STATUS_RATE = 50.0
 #: Seconds a durable job's ownership lease lives without renewal (renewed every third of it).
 DEFAULT_LEASE_S = 6.0
 
@@ -63,6 +67,9 @@ class CoordinatorConfig:
     max_session_queued_jobs: int | None = None  # None: max_client_queued_jobs
     max_job_cost: int | None = 256_000  # None: no limit
     max_job_run_s: float | None = 600.0  # None: no limit
+    # requests per second per client (token buckets of 2 s worth; None: no limit)
+    submit_rate: float | None = DEFAULT_SUBMIT_RATE
+    status_rate: float | None = DEFAULT_STATUS_RATE
     image_shape: tuple[int, int, int] = (1, 32, 32)
     # expert requests (coordinator.transport.NatsTransport)
     step_timeout: float = 10.0
@@ -141,15 +148,22 @@ class CoordinatorConfig:
             ("--step-timeout", self.step_timeout),
             ("--lease-s", self.lease_s),
             ("--max-job-run-s", self.max_job_run_s),
+            ("--submit-rate", self.submit_rate),
+            ("--status-rate", self.status_rate),
             ("--hedge-after-s", self.hedge_after_s),
             ("keep_finished_mb", self.keep_finished_mb),
             ("keep_finished_s", self.keep_finished_s),
         ):
-            if value is None and flag in ("--max-job-run-s", "--hedge-after-s"):
+            if value is None and flag in ("--max-job-run-s", "--hedge-after-s", "--submit-rate", "--status-rate"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(
-                    f"{flag} must be a number of seconds > 0, got {value!r}"
+                    (
+                        f"{flag} must be a number of requests per second > 0 (0 on the command line: no limit)"
+                        if flag in ("--submit-rate", "--status-rate")
+                        else f"{flag} must be a number of seconds > 0"
+                    )
+                    + f", got {value!r}"
                     + (" (0 on the command line: no limit)" if flag == "--max-job-run-s" else "")
                 )
         if not isinstance(self.wait_experts, (int, float)) or self.wait_experts < 0:
@@ -419,6 +433,23 @@ _OPTIONS: tuple[_Option, ...] = (
         zero_is_none=True,
         help="most seconds a job may run once started; longer fails with `deadline_exceeded` (default "
         "%(default)s; 0: no limit)",
+    ),
+    _Option(
+        "submit_rate",
+        type=float,
+        metavar="N",
+        zero_is_none=True,
+        help="most job submits per second from one client (bursts of 2 s worth); more are rejected with "
+        "`rate_limited` (default %(default)s; 0: no limit)",
+    ),
+    _Option(
+        "status_rate",
+        type=float,
+        metavar="N",
+        zero_is_none=True,
+        help="most job status requests per second from one client (bursts of 2 s worth); more are answered "
+        "`rate_limited` (default %(default)s; 0: no limit). Each job's result is published again at most "
+        "every 2 s, however often its status is asked",
     ),
     _Option(
         "step_timeout",
