@@ -112,8 +112,8 @@ class Intake:
         self.republished = 0  # terminal events published again for status requests
         self.rate_limited = 0  # submit / status requests answered `rate_limited`
         cfg = coordinator.settings
-        self._submits = TokenBuckets(cfg.submit_rate, 2 * cfg.submit_rate) if cfg.submit_rate else None
-        self._statuses = TokenBuckets(cfg.status_rate, 2 * cfg.status_rate) if cfg.status_rate else None
+        self._submits = TokenBuckets(cfg.submit_rate, max(1.0, 2 * cfg.submit_rate)) if cfg.submit_rate else None
+        self._statuses = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
         self._republishes = TokenBuckets(REPUBLISH_RATE, 2 * REPUBLISH_RATE)
         self._republished_at: OrderedDict[tuple[str, str], float] = OrderedDict()
         # submits being handled (awaiting the null-label probe): (client, job id) -> cancelled meanwhile
@@ -194,7 +194,7 @@ class Intake:
     @staticmethod
     def _too_fast(what: str, client: str, rate: float, wait: float) -> str:
         return (
-            f"too many {what} from client {client!r} (limit {rate:g} per second, bursts of {2 * rate:g}); "
+            f"too many {what} from client {client!r} (limit {rate:g} per second, bursts of {max(1, 2 * rate):g}); "
             f"retry in {max(wait, 0.01):.2f} s"
         )
 

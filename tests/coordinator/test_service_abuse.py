@@ -260,3 +260,26 @@ async def test_submits_are_rate_limited_per_client(nats_url, nc, tiny_experts):
             )
     finally:
         await _stop(ws)
+
+
+async def test_a_rate_limited_status_probe_keeps_the_job_waiting(nats_url, nc, tiny_experts, caplog):
+    """`client.jobs.JobProbe` (run_job's and the viewer's probe) takes a `rate_limited` answer as an
+    answer: the job is neither lost nor the coordinator frozen, and the log says why."""
+    import logging
+
+    from client.jobs import JobProbe
+
+    ws = await _sim_workers(nats_url, tiny_experts, batch_ms=200.0)
+    try:
+        async with _coordinator(nats_url, status_rate=0.2) as coord:
+            acc = await _request(nc, subjects.jobs_submit("p"), pack(JobRequest(job_id="slow", digits=[1], steps=50)))
+            assert isinstance(acc, JobAccepted)
+            probe = JobProbe(nc, "slow", lost_after=1, timeout=1, unresponsive_after=2, client="p")
+            probe.accepted_by(acc)
+            with caplog.at_level(logging.INFO, logger="client.jobs"):
+                assert await probe.check() is None  # answered `running` (the bucket's one token)
+                assert await probe.check() is None  # then `rate_limited`: still an answer
+            assert "status request refused: too many job status requests from client 'p'" in caplog.text
+            assert coord.metrics.sample("ddm_coordinator_requests_rate_limited_total", kind="status") >= 1
+    finally:
+        await _stop(ws)
