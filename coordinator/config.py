@@ -62,7 +62,7 @@ class CoordinatorConfig:
     max_rows: int = 1024
     max_queued_jobs: int = 256
     max_client_rows: int | None = DEFAULT_CLIENT_ROWS  # None: max_rows
-    max_client_queued_jobs: int = 64
+    max_client_queued_jobs: int | None = None  # None: a quarter of max_queued_jobs (64 of the default 256)
     max_session_rows: int | None = None  # None: max_client_rows
     max_session_queued_jobs: int | None = None  # None: max_client_queued_jobs
     max_job_cost: int | None = 256_000  # None: no limit
@@ -127,6 +127,7 @@ class CoordinatorConfig:
         ):
             if value is None and flag in (
                 "--max-client-rows",
+                "--max-client-queued-jobs",
                 "--max-job-cost",
                 "--max-session-rows",
                 "--max-session-queued-jobs",
@@ -208,12 +209,20 @@ class CoordinatorConfig:
             class_to_expert=class_to_expert,
             **classes,
             max_client_rows=self.max_client_rows,
-            max_client_queued_jobs=self.max_client_queued_jobs,
+            max_client_queued_jobs=self.client_queued_jobs,
             max_session_rows=self.max_session_rows,
             max_session_queued_jobs=self.max_session_queued_jobs,
             max_job_cost=self.max_job_cost,
             max_job_run_s=self.max_job_run_s,
         )
+
+    @property
+    def client_queued_jobs(self) -> int:
+        """Jobs one client may keep waiting: --max-client-queued-jobs, by default a quarter of
+        --max-queued-jobs (at least 1), so that one client never fills the queue."""
+        if self.max_client_queued_jobs is not None:
+            return self.max_client_queued_jobs
+        return max(1, self.max_queued_jobs // 4)
 
     def replace(self, **changes: Any) -> CoordinatorConfig:
         """A copy with `changes` (checked again)."""
@@ -401,7 +410,7 @@ _OPTIONS: tuple[_Option, ...] = (
         type=int,
         metavar="N",
         help="most jobs one client (every session of it together) may have waiting; more are rejected with "
-        "`overloaded` (default %(default)s, at most --max-queued-jobs)",
+        "`overloaded` (default: a quarter of --max-queued-jobs, 64 with its default; at most --max-queued-jobs)",
     ),
     _Option(
         "max_session_rows",
