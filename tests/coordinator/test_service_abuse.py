@@ -13,6 +13,7 @@ the test), a real Coordinator with the shipped defaults unless a test says other
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -213,16 +214,18 @@ async def test_status_requests_do_not_republish_a_result_each_and_are_rate_limit
 
             await nc.subscribe(inbox, cb=on_reply)
             await nc.flush()
+            t0 = time.monotonic()
             for _ in range(300):
                 await nc.publish(subjects.job_status("a", "big"), b"", reply=inbox)
             await nc.flush()
             await wait_until(lambda: len(replies) == 300, timeout=30, what="300 status replies")
+            took = time.monotonic() - t0  # the buckets refill meanwhile: 50 status/s, a result every 2 s
             states = [r.state for r in replies if isinstance(r, JobStatus)]
             limited = [r for r in replies if isinstance(r, ErrorReply)]
-            assert set(states) == {"done"} and 100 <= len(states) < 200, len(states)
+            assert set(states) == {"done"} and 100 <= len(states) <= 101 + 50 * took, (len(states), took)
             assert limited and {r.code for r in limited} == {ErrorCode.RATE_LIMITED}
             assert "retry in" in limited[0].message
-            assert len(republished) == 1 and republished[0] > 64 * 1024 * 4  # the whole result, once
+            assert 1 <= len(republished) <= 1 + took / 2 and republished[0] > 64 * 1024 * 4  # the whole result
             assert coord.metrics.sample("ddm_coordinator_requests_rate_limited_total", kind="status") == len(limited)
             # another client's status request is answered meanwhile
             other = await _request(nc, subjects.job_status("b", "big"), b"", JobStatus)
@@ -244,12 +247,15 @@ async def test_submits_are_rate_limited_per_client(nats_url, nc, tiny_experts):
     ws = await _sim_workers(nats_url, tiny_experts, batch_ms=0.0)
     try:
         async with _coordinator(nats_url) as coord:
+            t0 = time.monotonic()
             replies = await asyncio.gather(
                 *(_request(nc, subjects.jobs_submit("flood"), b"\xc1not msgpack") for _ in range(150))
             )
+            took = time.monotonic() - t0  # the bucket refills at 50/s meanwhile
             codes = [r.code for r in replies]
             assert set(codes) == {ErrorCode.BAD_REQUEST, ErrorCode.RATE_LIMITED}
-            assert 100 <= codes.count(ErrorCode.BAD_REQUEST) < 110, codes.count(ErrorCode.BAD_REQUEST)
+            read = codes.count(ErrorCode.BAD_REQUEST)
+            assert 100 <= read <= 101 + 50 * took, (read, took)
             limited = next(r for r in replies if r.code == ErrorCode.RATE_LIMITED)
             assert "'flood'" in limited.reason and "limit 50 per second" in limited.reason
             done = await run_job(nc, JobRequest(digits=[1], steps=2, seed=3), client="calm")
