@@ -13,9 +13,10 @@ Subjects (see `schemas.subjects`; `<c>` is the client token, the job's owner):
 * `ddm.v1.c.<c>.jobs.<id>.cancel`   CancelRequest (or empty body) -> CancelReply. A cancel of a job
                                     whose submit is still being handled (its null-label probe awaited)
                                     cancels it (the submit is answered `rejected` / `cancelled`); a
-                                    cancel of a job this coordinator does not know is remembered
-                                    CANCEL_MEMORY_S, so a submit of that id arriving late is refused
-                                    `cancelled` rather than run for nobody
+                                    cancel of a job this coordinator does not know, while submits
+                                    wait here to be handled, is remembered CANCEL_MEMORY_S, so a
+                                    submit of that id among them is refused `cancelled` rather than
+                                    run for nobody
 * `ddm.v1.c.<c>.jobs.<id>.status`   anything -> JobStatus (queued | running | done | failed | unknown);
                                     for a job that finished recently the terminal event is published
                                     again first, for a client that missed it (e.g. across a reconnect),
@@ -120,6 +121,8 @@ class Intake:
         self._pending: dict[tuple[str, str], bool] = {}
         # cancels of jobs unknown here: (client, job id) -> monotonic time of the cancel
         self._cancelled_unknown: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._submits_in_hand = 0  # on_submit calls running
+        self.submit_sub = None  # the submit subscription (set by the coordinator): its backlog
 
     def close(self) -> None:
         """Drop the delayed replies still pending."""
@@ -198,6 +201,13 @@ class Intake:
             f"retry in {max(wait, 0.01):.2f} s"
         )
 
+    def _submits_waiting(self) -> bool:
+        """True while a submit is being handled here or waits in the submit subscription's queue: a
+        submit published before a cancel may then still come after it (submits are handled one at
+        a time). With none, a submit of the job sent before the cancel went to another coordinator."""
+        pending = getattr(self.submit_sub, "pending_msgs", 0) if self.submit_sub is not None else 0
+        return self._submits_in_hand > 0 or bool(pending)
+
     def _remember_cancel(self, client: str, job_id: str) -> None:
         now = time.monotonic()
         self._cancelled_unknown.pop((client, job_id), None)
@@ -232,6 +242,13 @@ class Intake:
 
     # ------------------------------------------------------------ handlers
     async def on_submit(self, msg) -> None:
+        self._submits_in_hand += 1
+        try:
+            await self._on_submit(msg)
+        finally:
+            self._submits_in_hand -= 1
+
+    async def _on_submit(self, msg) -> None:
         # Every submit is answered `accepted` or `rejected`; each `rejected` counts in jobs_rejected
         # (the scheduler counts its own refusals, this intake the rest).
         client = subjects.parse_submit_subject(msg.subject)
@@ -343,8 +360,8 @@ class Intake:
         if ok:
             await self._reply(msg, CancelReply(job_id=job_id, cancelled=True))
         else:  # answer "unknown" a little later, so the coordinator that owns the job (if any) answers first
-            if self.coord.ledger.finished(client, job_id) is None:  # its submit may still come: refuse it then
-                self._remember_cancel(client, job_id)
+            if self._submits_waiting() and self.coord.ledger.finished(client, job_id) is None:
+                self._remember_cancel(client, job_id)  # its submit may be among them: refuse it then
             self._reply_later(msg, CancelReply(job_id=job_id, cancelled=False, reason=UNKNOWN_JOB))
 
     async def on_job_status(self, msg) -> None:

@@ -180,6 +180,13 @@ async def test_a_cancel_that_overtakes_its_submit_is_remembered(nats_url, nc, ti
             # the memory is for that job only: the same id submitted again later runs
             again = await _request(nc, subjects.jobs_submit("tab"), pack(late))
             assert isinstance(again, JobAccepted)
+            # with no submit waiting here, a cancel of an unknown job is not remembered (a submit sent
+            # before it went to another coordinator): the id stays free for a new job
+            reuse = JobRequest(job_id="elsewhere", digits=[5], steps=1, stream=False)
+            await _request(
+                nc, subjects.job_cancel("tab", "elsewhere"), pack(CancelRequest(job_id="elsewhere")), CancelReply
+            )
+            assert isinstance(await _request(nc, subjects.jobs_submit("tab"), pack(reuse)), JobAccepted)
     finally:
         await _stop(ws)
 
