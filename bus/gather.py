@@ -4,12 +4,16 @@ A plain request keeps only the first reply; discovery (`$SRV.INFO`, `$SRV.STATS`
 needs them all. Used by the web page's fleet panel and by the coordinator's spec check at start.
 Bounded: at most `MAX_DISCOVERY_REPLIES` replies, each at most `MAX_REPLY_BYTES` (bigger ones are
 skipped) and `MAX_DISCOVERY_BYTES` in all (the subscription's pending limits drop the rest).
+Replies come on a fresh `bus.inbox.discovery_inbox` (`<inbox prefix>.d.<128 random bits>`): the
+workers that see it learn nothing about the connection's other reply subjects.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+from .inbox import discovery_inbox
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ async def gather_replies(
 ) -> list[bytes]:
     """Publish one request on `subject` and collect the replies of `window` seconds: at most
     `max_replies` of at most `max_reply_bytes` each (larger ones skipped), `max_bytes` in all."""
-    inbox = nc.new_inbox()
+    inbox = discovery_inbox(nc)
     replies: list[bytes] = []
     total = 0
     sub = await nc.subscribe(inbox, max_msgs=max_replies, pending_msgs_limit=max_replies, pending_bytes_limit=max_bytes)

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bus.inbox import private_inbox, private_request
+from bus.ratelimited_log import RateLimitedLog
 from schemas import (
     CancelReply,
     CancelRequest,
@@ -57,6 +59,8 @@ from schemas import (
 )
 
 log = logging.getLogger(__name__)
+#: Status replies about another job than the one asked about (JobProbe): one line per 10 s at most.
+_FORGED_LOG = RateLimitedLog(log)
 
 #: The status header of the server's reply to a request nobody subscribes to.
 _NO_RESPONDERS = "503"
@@ -178,8 +182,11 @@ async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | Non
     "unknown" if none has it, or if it is another client's).
     Raises nats.errors.NoRespondersError when no coordinator serves job status, and
     nats.errors.TimeoutError when none answered in time."""
-    msg = await nc.request(subjects.job_status(_client(nc, client), job_id), b"", timeout=timeout)
-    return unpack(msg.data, JobStatus)
+    msg = await private_request(nc, subjects.job_status(_client(nc, client), job_id), b"", timeout=timeout)
+    st = unpack(msg.data, JobStatus)
+    if st.job_id != job_id:
+        raise ProtocolError(ErrorCode.BAD_REPLY, f"the status reply names job {st.job_id!r}, not {job_id!r}")
+    return st
 
 
 class JobProbe:
@@ -232,6 +239,7 @@ class JobProbe:
         self.owner: str | None = None  # name of the coordinator that holds the job, once known
         self.owner_instance: str | None = None  # its run that accepted the job, if it said
         self.ignored = 0  # "unknown" answers of other coordinators, not counted
+        self.forged = 0  # answers about another job than this one: dropped, never acted on
         if accepted is not None:
             self.accepted_by(accepted)
 
@@ -318,10 +326,14 @@ class JobProbe:
         counts (any state from the owner, or not "unknown" from anyone; without a known owner, the
         first), or None when only other coordinators' "unknown"s came. Raises NoRespondersError
         (nobody serves job status), TimeoutError (no answer at all), ProtocolError (only
-        undecodable answers)."""
+        undecodable answers).
+
+        The request goes out on a fresh `bus.inbox.private_inbox` (128 random bits), and an answer
+        about another job than this one is dropped (counted in `forged`, logged at most every 10 s):
+        whatever came there, it says nothing about this job and is never acted on."""
         import nats.errors
 
-        inbox = self.nc.new_inbox()
+        inbox = private_inbox(self.nc)
         sub = await self.nc.subscribe(inbox)
         others = 0
         garbled: ProtocolError | None = None
@@ -339,6 +351,15 @@ class JobProbe:
                     st = unpack(msg.data, JobStatus)
                 except ProtocolError as err:
                     garbled = _refusal(msg.data) or err
+                    continue
+                if st.job_id != self.job_id:
+                    self.forged += 1
+                    _FORGED_LOG.warning(
+                        "job %s: dropped a status reply about job %r (not the job asked about; %d dropped so far)",
+                        self.job_id,
+                        st.job_id[:80],
+                        self.forged,
+                    )
                     continue
                 if st.state != "unknown" or self.owner is None or st.coordinator == self.owner:
                     return st
@@ -361,7 +382,7 @@ class JobProbe:
         import nats.errors
 
         try:
-            await self.nc.request(subjects.FLEET_STATUS, b"", timeout=self.timeout)
+            await private_request(self.nc, subjects.FLEET_STATUS, b"", timeout=self.timeout)
         except nats.errors.NoRespondersError:
             return False
         except Exception:
@@ -555,7 +576,7 @@ async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False) -> Fleet
 
     body = b"\x81\xa4spec\xc3" if spec else b""  # msgpack {"spec": true}
     try:
-        msg = await nc.request(subjects.FLEET_STATUS, body, timeout=timeout)
+        msg = await private_request(nc, subjects.FLEET_STATUS, body, timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         raise JobFailed(ErrorCode.UNAVAILABLE, "no coordinator answers on " + subjects.FLEET_STATUS) from None
     return unpack(msg.data, FleetStatus)

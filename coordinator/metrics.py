@@ -44,6 +44,10 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
                                                                    original did), failed (neither usable);
                                                                    hedges sent = the sum; hedge rate = that /
                                                                    requests
+    ddm_coordinator_expert_stray_replies_total          counter    replies dropped: no request of this coordinator
+                                                                   waits on their subject (forged, duplicate, or
+                                                                   late after a time-out), once a transport is watched
+    ddm_coordinator_expert_late_replies_total           counter    replies of hedge legs that lost (dropped quietly)
     ddm_coordinator_checkpoints_written_total           counter    --durable: job checkpoints written to JetStream
                                                                    (admission, every --checkpoint-every steps,
                                                                    take-over, hand-over)
@@ -140,6 +144,17 @@ class _TransportCollector:
         for (expert, route), n in sorted(dict(getattr(self.transport, "dispatch_counts", {})).items()):
             legs.add_metric([str(expert), route], n)
         yield legs
+        yield CounterMetricFamily(
+            "ddm_coordinator_expert_stray_replies",
+            "Replies dropped on the expert reply subscription: no request of ours waits on that subject "
+            "(forged, duplicate or late after a time-out).",
+            value=int(getattr(self.transport, "stray_replies", 0)),
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_expert_late_replies",
+            "Replies of a hedge leg cancelled because the other leg answered first (expected, dropped quietly).",
+            value=int(getattr(self.transport, "late_replies", 0)),
+        )
         yield CounterMetricFamily(
             "ddm_coordinator_direct_fallbacks",
             "Direct legs answered 'no responders' (the worker is gone) and sent to the queue group instead.",

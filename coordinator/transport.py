@@ -75,6 +75,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from bus.inbox import private_inbox
 from schemas import (
     ErrorCode,
     ErrorReply,
@@ -405,7 +406,7 @@ class NatsTransport:
         if self._prefix is None:
             async with self._mux_lock:
                 if self._prefix is None:
-                    prefix = self.nc.new_inbox()  # "<inbox prefix>.<nuid>": unique per transport
+                    prefix = private_inbox(self.nc)  # "<inbox prefix>.<random>": nothing like nats-py's own
                     await self.nc.subscribe(prefix + ".*", cb=self._on_reply)
                     self._prefix = prefix
         return self._prefix

@@ -16,7 +16,7 @@ Examples:
   ddm-fleet web --port 8080 --nats nats://127.0.0.1:4222
   DDM_WEB_TOKEN=$(cat /etc/ddm/web.token) ddm-fleet web --host 0.0.0.0 --allow-host viewer.lan
   ddm-fleet web --token-file /etc/ddm/web.token --allow-host viewer.example.com \
-      --allow-origin https://viewer.example.com          # behind a TLS reverse proxy
+      --allow-origin https://viewer.example.com --trusted-proxy 127.0.0.1   # behind a TLS reverse proxy
 """
 
 from __future__ import annotations
@@ -88,7 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         metavar="N",
-        help="open websockets per client IP address (default 16; behind a proxy all share its address)",
+        help="open websockets per client IP address (default 16; all loopback addresses count as one, an "
+        "IPv6 address by its /64; behind a reverse proxy all share its address unless --trusted-proxy names it)",
+    )
+    parser.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="a reverse proxy's address or network (repeatable, e.g. 127.0.0.1 or 10.0.0.0/8): for requests "
+        "from it the client is the right-most X-Forwarded-For hop that is not a trusted proxy (default: none; "
+        "X-Forwarded-For is ignored). Name only proxies that set X-Forwarded-For themselves",
     )
     parser.add_argument(
         "--max-messages-per-second",
@@ -124,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             allow_hosts=tuple(args.allow_host),
             token=token,
             max_sockets_per_client=args.max_sockets_per_client,
+            trusted_proxies=tuple(args.trusted_proxy),
             max_messages_per_second=args.max_messages_per_second,
         )
     except ValueError as err:

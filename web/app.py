@@ -18,7 +18,8 @@ shutdown, which cancels their unfinished jobs.
 
 Who may use it (web/guard.py): every request's Host and Origin are checked (421 / 403 otherwise),
 every response carries CSP and frame headers, the websocket and /api/* need the token when one is
-configured. Per client address at most `max_sockets_per_client` sockets (429 otherwise); per socket at
+configured. Per client (its address, or behind `trusted_proxies` the X-Forwarded-For hop they name:
+web/guard.py `client_key`) at most `max_sockets_per_client` sockets (429 otherwise); per socket at
 most `max_messages_per_second` messages (the socket is closed with 1008 beyond a burst of
 `2 x` that) and `max_queued_messages` unsent control messages (closed with 1008: not reading).
 """
@@ -36,6 +37,7 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from bus import http_log
 from client.jobs import client_connect_options, client_from_url
 from schemas import MAX_JOB_IMAGES, MAX_JOB_STEPS, subjects
 from schemas.spec import ModelSpec, legacy_spec
@@ -47,11 +49,14 @@ from .guard import (
     SUBPROTOCOL,
     AccessPolicy,
     LogLimiter,
+    Network,
     RateLimit,
     add_security_headers,
     guard_middleware,
     offered_tokens,
+    parse_trusted_proxies,
     refuse_log,
+    request_client_key,
 )
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
 from .session import MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
@@ -60,6 +65,9 @@ from .spec import fetch_spec, spec_message
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
+#: Seconds a socket closed by the server (not reading, too many messages, no token) has to finish the
+#: closing handshake before its connection is aborted.
+CLOSE_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,9 @@ class WebConfig:
     unresponsive_after: a tab's job fails (`unavailable`) when the coordinator has answered nothing
     (no event, no status reply) for this many seconds, e.g. it is frozen; None = wait on.
     allow_origins / allow_hosts / token: see web/guard.py `AccessPolicy` (token None: none required).
-    max_sockets_per_client: open sockets per client IP address. max_messages_per_second: per socket.
+    max_sockets_per_client: open sockets per client (web/guard.py `client_key`: its address, loopback as one,
+    IPv6 by /64). trusted_proxies: addresses / networks of reverse proxies whose X-Forwarded-For names the
+    client (default none: the peer is the client). max_messages_per_second: per socket.
     max_queued_messages: unsent control messages per socket before it is closed as not reading."""
 
     nats_url: str = "nats://127.0.0.1:4222"
@@ -85,6 +95,7 @@ class WebConfig:
     max_sockets_per_client: int = 16
     max_messages_per_second: float = 20.0
     max_queued_messages: int = MAX_QUEUED_MESSAGES
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -103,7 +114,12 @@ class WebConfig:
             raise ValueError(f"max_messages_per_second must be > 0, got {self.max_messages_per_second!r}")
         object.__setattr__(self, "allow_origins", tuple(self.allow_origins))
         object.__setattr__(self, "allow_hosts", tuple(self.allow_hosts))
+        object.__setattr__(self, "trusted_proxies", tuple(self.trusted_proxies))
+        self.proxies()  # raises ValueError for a bad address or network
         self.policy()  # raises ValueError for a bad origin, host or token
+
+    def proxies(self) -> tuple[Network, ...]:
+        return parse_trusted_proxies(self.trusted_proxies)
 
     def policy(self) -> AccessPolicy:
         return AccessPolicy(allow_origins=self.allow_origins, allow_hosts=self.allow_hosts, token=self.token)
@@ -111,9 +127,11 @@ class WebConfig:
 
 CONFIG = web.AppKey("ddm_config", WebConfig)
 NATS = web.AppKey("ddm_nats", Any)
-SOCKETS = web.AppKey("ddm_sockets", weakref.WeakSet)
+#: open sockets -> their close_socket(code, reason): a close bounded in time that aborts what it cannot close
+SOCKETS = web.AppKey("ddm_sockets", weakref.WeakKeyDictionary)
 SESSIONS = web.AppKey("ddm_sessions", weakref.WeakSet)
 PER_CLIENT = web.AppKey("ddm_sockets_per_client", Counter)
+PROXIES = web.AppKey("ddm_trusted_proxies", tuple)
 
 
 @dataclass
@@ -144,13 +162,15 @@ SPEC = web.AppKey("ddm_spec", SpecView)
 
 def create_app(config: WebConfig | None = None) -> web.Application:
     """App factory. Nothing connects until the app starts (cleanup_ctx)."""
+    http_log.install()  # malformed requests: one summarised line per 10 s, not a traceback each
     app = web.Application(middlewares=[guard_middleware])
     app[CONFIG] = config or WebConfig()
     app[POLICY] = app[CONFIG].policy()
     app[REFUSALS] = LogLimiter()
     app[PER_CLIENT] = Counter()
+    app[PROXIES] = app[CONFIG].proxies()
     app.on_response_prepare.append(add_security_headers)
-    app[SOCKETS] = weakref.WeakSet()
+    app[SOCKETS] = weakref.WeakKeyDictionary()
     app[SESSIONS] = weakref.WeakSet()
     app[FLEET] = FleetView({"type": "fleet", "experts": [], "services": [], "coordinator": None, "time": None})
     app[SPEC] = SpecView(legacy_spec())
@@ -241,8 +261,12 @@ def _update_spec(app: web.Application, spec: ModelSpec) -> None:
 
 
 async def _close_sockets(app: web.Application) -> None:
-    for ws in list(app[SOCKETS]):
-        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+    """Close every socket at once, each within CLOSE_TIMEOUT_S: a client that does not read cannot hold
+    up the shutdown (what cannot be closed in time is aborted)."""
+    closers = list(app[SOCKETS].values())
+    await asyncio.gather(
+        *(close(WSCloseCode.GOING_AWAY, "server shutdown") for close in closers), return_exceptions=True
+    )
 
 
 # ---------------------------------------------------------------- handlers
@@ -281,7 +305,7 @@ def hello_message(cfg: WebConfig) -> dict[str, Any]:
 async def websocket(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[CONFIG]
-    client = request.remote or "?"
+    client = request_client_key(request, app[PROXIES])
     per_client = app[PER_CLIENT]
     if per_client[client] >= cfg.max_sockets_per_client:
         refuse_log(
@@ -304,17 +328,30 @@ async def websocket(request: web.Request) -> web.StreamResponse:
             del per_client[client]
 
 
+def _abort(request: web.Request) -> None:
+    """Drop the connection at once (RST): unsent data is discarded, the socket and its buffers freed."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
 async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketResponse:
     app = request.app
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,))
     await ws.prepare(request)
 
     async def close_socket(code: int, reason: str) -> None:
-        """Close with a reason; a client that does not read cannot stall it (the transport is cut)."""
+        """Close with a reason; a client that does not read cannot stall it: unless the closing handshake
+        finishes within CLOSE_TIMEOUT_S, the connection is aborted (RST: its socket and buffers freed).
+        Also when the close is cancelled half-way (the handler ended meanwhile)."""
+        closed = False
         try:
-            await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), 3)
+            closed = await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), CLOSE_TIMEOUT_S)
         except (TimeoutError, ConnectionError, RuntimeError):
             pass
+        finally:
+            if not closed:
+                _abort(request)
 
     if not app[POLICY].token_ok(offered_tokens(request)):
         refuse_log(
@@ -328,7 +365,7 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
             "token required: open the viewer with #token=<token> (see ddm-fleet web --help)",
         )
         return ws
-    app[SOCKETS].add(ws)
+    app[SOCKETS][ws] = close_socket
     session = Session(
         app[NATS],
         ws.send_json,
@@ -367,5 +404,7 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
             await asyncio.wait_for(sender, timeout=2)
         except (TimeoutError, asyncio.CancelledError):
             sender.cancel()
-        app[SOCKETS].discard(ws)
+        if session.closer is not None:  # closed as not reading: its connection is gone before its slot is freed
+            await asyncio.wait([session.closer], timeout=CLOSE_TIMEOUT_S + 1)
+        app[SOCKETS].pop(ws, None)
     return ws

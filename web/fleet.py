@@ -17,6 +17,10 @@
 
 A worker that stops answering disappears from the next snapshot.
 
+Reply subjects: discovery replies come on `<inbox prefix>.d.<random>` (every worker, leaf hosts too, may
+answer there), the coordinator's status on a private `<inbox prefix>.<random>` of its own (bus/inbox.py):
+fresh random bits each time, nothing a worker could predict from the requests it sees.
+
 Bounded: at most `MAX_DISCOVERY_REPLIES` replies per request, each at most `MAX_REPLY_BYTES` (bigger
 ones are skipped) and `MAX_DISCOVERY_BYTES` in all (the subscription's pending limits drop the rest);
 a coordinator status over `MAX_REPLY_BYTES` counts as no answer.
@@ -31,6 +35,7 @@ import time
 from typing import Any
 
 from bus.gather import MAX_DISCOVERY_BYTES, MAX_DISCOVERY_REPLIES, MAX_REPLY_BYTES, gather_replies  # noqa: F401
+from bus.inbox import private_request
 from schemas import subjects
 
 log = logging.getLogger(__name__)
@@ -106,7 +111,7 @@ class FleetMonitor:
 
     async def coordinator_status(self) -> dict[str, Any] | None:
         try:
-            msg = await self.nc.request(subjects.FLEET_STATUS, b"", timeout=self.status_timeout)
+            msg = await private_request(self.nc, subjects.FLEET_STATUS, b"", timeout=self.status_timeout)
         except Exception:
             return None
         if len(msg.data) > MAX_REPLY_BYTES:

@@ -15,6 +15,13 @@
   constant time. The page itself and its static files need no token (they hold no data).
 * Every response carries CSP, X-Frame-Options, X-Content-Type-Options and Referrer-Policy headers.
 
+* Client key (the per-address socket limit, `client_key`): the peer's address; all loopback addresses
+  count as one (`loopback`), an IPv6 address by its /64 (one host's usual share). Behind a reverse proxy
+  every peer is the proxy: name it with `trusted_proxies` (`ddm-fleet web --trusted-proxy CIDR`) and the
+  client is the right-most X-Forwarded-For hop that is not a trusted proxy (what the nearest trusted proxy
+  saw; anything a client writes into the header itself lies to the left of that). Without trusted
+  proxies X-Forwarded-For is ignored.
+
 Refusals log one line naming the origin / host (at most `LOG_BURST` lines per 10 s, then a count).
 """
 
@@ -206,6 +213,82 @@ def offered_tokens(request: web.Request) -> list[str]:
     if scheme.lower() == "bearer" and value.strip():
         out.append(value.strip())
     return out[:4]
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: X-Forwarded-For hops read (from the right) before giving up on finding an untrusted one.
+MAX_FORWARDED_HOPS = 32
+
+
+def parse_trusted_proxies(values: Iterable[str]) -> tuple[Network, ...]:
+    """'10.0.0.0/8', '127.0.0.1', '::1' -> networks; ValueError naming a bad one."""
+    out = []
+    for value in values:
+        try:
+            out.append(ipaddress.ip_network(value.strip(), strict=False))
+        except ValueError:
+            raise ValueError(
+                f"--trusted-proxy {value!r} is not an address or network: use e.g. 10.0.0.5, 10.0.0.0/8 or ::1"
+            ) from None
+    return tuple(out)
+
+
+def parse_address(text: str) -> Address | None:
+    """'10.0.0.5', '10.0.0.5:4711', '[2001:db8::1]:443', '2001:db8::1', '::ffff:10.0.0.5' -> the address
+    (an IPv4-mapped IPv6 address as IPv4); None if it is none."""
+    text = text.strip()
+    if text.startswith("["):
+        text = text[1 : text.find("]")] if "]" in text else ""
+    elif text.count(":") == 1:
+        text = text.split(":", 1)[0]
+    try:
+        addr = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def address_key(addr: Address) -> str:
+    """What the per-client limits count by: `loopback` for every loopback address (one machine),
+    an IPv6 address's /64, else the address."""
+    if addr.is_loopback:
+        return "loopback"
+    if addr.version == 6:
+        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+    return str(addr)
+
+
+def client_key(peer: str | None, forwarded_for: Iterable[str], trusted: tuple[Network, ...]) -> str:
+    """The client a request counts against: its peer address, or behind trusted proxies (the peer is one)
+    the right-most X-Forwarded-For hop that is not a trusted proxy (`forwarded_for`: every
+    X-Forwarded-For header value, in order). All hops trusted: the left-most one. A malformed hop ends
+    the walk: the client is the trusted hop that reported it."""
+    addr = parse_address(peer) if peer else None
+    if addr is None:
+        return "?"
+
+    def is_trusted(a: Address) -> bool:
+        return any(a in net for net in trusted)
+
+    if not trusted or not is_trusted(addr):
+        return address_key(addr)
+    hops = [hop for value in forwarded_for for hop in value.split(",") if hop.strip()]
+    for hop in reversed(hops[-MAX_FORWARDED_HOPS:]):
+        hop_addr = parse_address(hop)
+        if hop_addr is None:
+            break
+        addr = hop_addr
+        if not is_trusted(hop_addr):
+            break
+    return address_key(addr)
+
+
+def request_client_key(request: web.Request, trusted: tuple[Network, ...]) -> str:
+    """`client_key` of an aiohttp request (its peer, its X-Forwarded-For headers)."""
+    return client_key(request.remote, request.headers.getall("X-Forwarded-For", []), trusted)
 
 
 class LogLimiter:

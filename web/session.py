@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus.inbox import private_request
 from client.jobs import JobProbe, client_of
 from schemas import (
     CancelRequest,
@@ -214,6 +215,11 @@ class Session:
             msg["job_id"] = job_id
         self.outbox.put(msg)
 
+    @property
+    def closer(self) -> asyncio.Future | None:
+        """The closing of this socket as not reading, once the outbox overflowed (None before)."""
+        return self._closer
+
     def _on_overflow(self) -> None:
         reason = f"not reading: over {self.outbox.max_messages} messages waiting for this socket"
         log.warning("closing a websocket: %s", reason)
@@ -305,8 +311,12 @@ class Session:
             return
         job.sub = sub
         try:
-            reply_msg = await self.nc.request(subjects.jobs_submit(self.client), pack(req), timeout=self.submit_timeout)
+            reply_msg = await private_request(
+                self.nc, subjects.jobs_submit(self.client), pack(req), timeout=self.submit_timeout
+            )
             reply = unpack(reply_msg.data, SubmitReply)
+            if isinstance(reply, JobAccepted) and reply.job_id != job_id:
+                raise ProtocolError(ErrorCode.BAD_REPLY, f"the submit reply names job {reply.job_id!r}, not {job_id!r}")
         except Exception as err:
             await self._forget(job_id)
             self._ended_early.pop(job_id, None)

@@ -13,6 +13,7 @@ Each WorkerMetrics has its own `CollectorRegistry`, so several workers in one pr
     ddm_worker_rows_total                counter    rows (images) requested
     ddm_worker_replies_total             counter    successful step replies sent
     ddm_worker_errors_total{code}        counter    error replies sent, by error code
+    ddm_worker_requests_dropped_total    counter    requests never answered: their reply subject is no inbox
     ddm_worker_batches_total             counter    forward passes run
     ddm_worker_padded_rows_total         counter    padding rows computed and thrown away
     ddm_worker_compute_seconds_total     counter    wall time inside the model
@@ -70,6 +71,9 @@ class WorkerMetrics:
         self._requests = counter("ddm_worker_requests", "Step requests received.")
         self._rows = counter("ddm_worker_rows", "Rows (images) requested.")
         self._replies = counter("ddm_worker_replies", "Successful step replies sent.")
+        self._dropped = counter(
+            "ddm_worker_requests_dropped", "Requests never answered: their reply subject is not a NATS inbox."
+        )
         self._errors = Counter(
             "ddm_worker_errors", "Error replies sent, by error code.", [*names, "code"], registry=self.registry
         )  # a series per code, from its first error on
@@ -91,6 +95,10 @@ class WorkerMetrics:
     def reply(self, latency_s: float) -> None:
         self._replies.inc()
         self._latency.observe(latency_s)
+
+    def dropped(self) -> None:
+        """A request dropped unanswered (its reply subject is outside _INBOX)."""
+        self._dropped.inc()
 
     def error(self, code: str) -> None:
         child = self._error_codes.get(code)

@@ -52,7 +52,10 @@ async def serve_metrics(source: Any, port: int, host: str = DEFAULT_METRICS_HOST
     from aiohttp import web
     from prometheus_client import generate_latest
 
+    from bus import http_log
+
     registry = _registry(source)
+    http_log.install()  # malformed requests: one summarised line per 10 s, not a traceback each
 
     async def handle(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})

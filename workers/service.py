@@ -482,6 +482,7 @@ class ExpertWorker:
 
     def _drop(self, reply_to: str) -> None:
         self.dropped_requests += 1
+        self.metrics.dropped()
         self._drop_log.warning(
             "dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* (%d dropped so far)",
             reply_to[:200],

@@ -87,15 +87,27 @@ class Forger:
 
 
 async def _images(nats_url, nc, request: JobRequest, forger: Forger | None = None):
+    """(images, transport, the stray-reply count on the coordinator's GET /metrics)."""
     async with Coordinator(
-        LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
+        LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10, metrics_port=0
     ) as coord:
         assert isinstance(coord.transport, NatsTransport)
         done = await run_job(nc, request, timeout=60)
         if forger is not None:  # let the last forgeries arrive before reading the counters
             await forger.nc.flush()
             await asyncio.sleep(0.2)
-        return np.asarray(done.images), coord.transport
+        scraped = await asyncio.to_thread(_scraped, coord.metrics_port, "ddm_coordinator_expert_stray_replies_total")
+        return np.asarray(done.images), coord.transport, scraped
+
+
+def _scraped(port: int, series: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")]
+    assert len(values) == 1, (series, values)
+    return values[0]
 
 
 async def test_forged_replies_never_reach_an_image(nats_url, nc, tiny_experts):
@@ -104,14 +116,14 @@ async def test_forged_replies_never_reach_an_image(nats_url, nc, tiny_experts):
     ws = await _workers(nats_url, tiny_experts)
     try:
         request = JobRequest(digits=[1, 3, 7, 8], steps=4, seed=11, strategy="full", solver="euler")
-        clean, clean_tr = await _images(nats_url, nc, request)
-        assert clean_tr.stray_replies == 0
+        clean, clean_tr, clean_scraped = await _images(nats_url, nc, request)
+        assert clean_tr.stray_replies == 0 and clean_scraped == 0
 
         forger_nc = await nats.connect(nats_url, name="forger")
         try:
             forger = Forger(forger_nc)
             await forger.start()
-            forged, tr = await _images(nats_url, nc, request, forger)
+            forged, tr, scraped = await _images(nats_url, nc, request, forger)
         finally:
             await forger_nc.drain()
     finally:
@@ -122,6 +134,7 @@ async def test_forged_replies_never_reach_an_image(nats_url, nc, tiny_experts):
     assert forger.forged >= 5 * 2 * 4 and forger.replayed >= 1
     # every forgery reached the coordinator's reply subscription and was dropped there
     assert tr.stray_replies == forger.forged
+    assert scraped == forger.forged  # and counted on the coordinator's /metrics
     assert tr.bad_replies == 0 and tr.retried == 0
     np.testing.assert_allclose(forged, clean, rtol=0, atol=1e-5)
     # and the forged velocity would have shown: one Euler step of 7.5 moves pixels by >1

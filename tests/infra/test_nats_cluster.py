@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
+from bus.inbox import discovery_inbox
 from bus.nats_server import nats_servers
 from infra.nats_cluster import NatsCluster
 from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
@@ -302,8 +303,8 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
             assert status.jobs_done >= 1
             assert await cancel_job(client, "j-nonexistent") is False
             # discovery from the client user reaches both workers, the leaf one too (its reply goes
-            # up the leaf link to the client's own inbox prefix, _INBOX_client.>)
-            inbox = client.new_inbox()
+            # up the leaf link to the client's discovery inboxes, _INBOX_client.d.>)
+            inbox = discovery_inbox(client)
             pongs = await client.subscribe(inbox)
             await client.publish("$SRV.PING.ddm-expert", b"", reply=inbox)
             ids = set()

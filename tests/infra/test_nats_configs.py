@@ -221,14 +221,19 @@ def test_direct_worker_subjects_are_allowed_wherever_the_queue_group_is():
     assert subjects.expert_velocity(1) + ".*" not in sets["WORKER_0_PERMISSIONS"]["subscribe"]
 
 
-def test_leaf_links_may_answer_every_inbox_and_nothing_else():
-    """Leaf links carry replies only: they may publish to `_INBOX.>` and to every client user's
-    own inbox prefix (discovery replies from leaf workers), and to nothing outside an inbox."""
+def test_leaf_links_may_answer_discovery_and_expert_requests_and_nothing_else():
+    """Leaf links carry replies only: they may publish to `_INBOX.>` (the coordinator's expert
+    requests, each with its own random reply subject) and, of every client user's own inbox, only
+    the discovery part `_INBOX_<user>.d.>`: never a client's probe, status or submit replies."""
     sets = _permission_sets()
-    inboxes = {s for verbs in sets.values() for s in verbs["subscribe"] if s.startswith("_INBOX")}
-    assert "_INBOX.>" in inboxes and len(inboxes) >= 3, inboxes
+    client_inboxes = {
+        s for verbs in sets.values() for s in verbs["subscribe"] if s.startswith("_INBOX_") and s.endswith(".>")
+    }
+    assert {"_INBOX_client.>", "_INBOX_web.>"} <= client_inboxes, client_inboxes
+    want = {"_INBOX.>"} | {s[: -len(">")] + "d.>" for s in client_inboxes}
     for name in ("LEAF_EXPERT_0_PERMISSIONS", "LEAF_EXPERT_1_PERMISSIONS"):
-        assert sets[name]["publish"] == inboxes, (name, sets[name]["publish"], inboxes)
+        assert sets[name]["publish"] == want, (name, sets[name]["publish"], want)
+        assert not client_inboxes & sets[name]["publish"], name
 
 
 @pytest.mark.bus

@@ -11,7 +11,8 @@ import pytest
 from aiohttp import WSMsgType
 
 from schemas import MAX_JOB_IMAGES
-from web.app import SESSIONS, WebConfig, create_app
+from tests.waiting import wait_until
+from web.app import PER_CLIENT, SESSIONS, WebConfig, create_app
 from web.fleet import MAX_REPLY_BYTES, gather_replies
 from web.protocol import BadInput, parse_client_message, parse_digits
 from web.session import Outbox
@@ -166,3 +167,125 @@ async def test_discovery_replies_are_bounded_in_count_and_size(nc):
         assert 1 <= len(got) <= 5 and sum(map(len, got)) <= 60
     finally:
         await sub.unsubscribe()
+
+
+def established_from(port: int) -> int:
+    """Server-side TCP connections in ESTABLISHED state on local `port` (this host's /proc/net/tcp*)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                        n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _frame(text: str) -> bytes:
+    """One masked websocket text frame (mask key 0: the payload goes as is), as a client sends it."""
+    data = text.encode()
+    n = len(data)
+    head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big"))
+    return head + b"\0\0\0\0" + data
+
+
+async def raw_socket_that_never_reads(port: int):
+    """A TCP connection that upgrades to the viewer's websocket and never reads a byte (tiny receive
+    buffer), like a slow or hostile client; returns the socket (non-blocking)."""
+    import base64
+    import os
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    await loop.sock_sendall(
+        sock,
+        (
+            f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: ddm.v1\r\n\r\n"
+        ).encode(),
+    )
+    return sock
+
+
+async def test_sockets_closed_for_not_reading_are_aborted_and_free_their_address(aiohttp_client, nats_url):
+    """A client that never reads (not even the close) cannot keep connections past the per-address
+    limit: each socket the server closes as not reading is aborted once the close has had its time, so
+    the server holds no connection for it and its kernel buffers are freed."""
+    from web.app import CLOSE_TIMEOUT_S
+
+    app, client = await viewer(
+        aiohttp_client, nats_url, max_messages_per_second=1e9, max_queued_messages=200, max_sockets_per_client=2
+    )
+    port = client.port
+    assert established_from(port) == 0
+    loop = asyncio.get_running_loop()
+    # each frame is answered with a ~500-byte error (8 unknown fields, named): what the client never reads
+    fields = ", ".join(f'"f{i:02d}{"x" * 37}": 1' for i in range(8))
+    junk = _frame('{"type": "generate", %s}' % fields) * 10
+    sockets = []
+    try:
+        for _ in range(4):  # twice the limit, one after the other
+            sock = await raw_socket_that_never_reads(port)
+            sockets.append(sock)
+            await wait_until(lambda: len(app[SESSIONS]) == 1, timeout=10, what="the socket's session")
+            end = loop.time() + 30
+            while app[SESSIONS] and loop.time() < end:  # until the server's buffers are full and it gives up
+                try:  # paced: the answers fill the kernel's buffers before the outbox overflows
+                    await asyncio.wait_for(loop.sock_sendall(sock, junk), 0.5)
+                    await asyncio.sleep(0.002)
+                except (TimeoutError, ConnectionError):
+                    await asyncio.sleep(0.1)  # the server stopped reading us (closing) or cut us off
+            await wait_until(lambda: not app[PER_CLIENT], timeout=CLOSE_TIMEOUT_S + 10, what="the handler to end")
+            assert established_from(port) == 0, "its slot was freed while its connection stays open"
+        # the server's side of every one of them is gone (the client never read a byte of the close)
+        await wait_until(
+            lambda: established_from(port) == 0, timeout=CLOSE_TIMEOUT_S + 5, what="no server connections left"
+        )
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def test_clients_that_never_read_do_not_hold_up_the_shutdown(nats_url):
+    """Every socket is closed at once at shutdown, each within CLOSE_TIMEOUT_S: clients that never read
+    a byte, whose connections are full (the close frame cannot even be written), cost one close
+    time-out, not a wait for ever."""
+    from aiohttp.test_utils import TestServer
+
+    from web.app import CLOSE_TIMEOUT_S
+
+    server = TestServer(
+        create_app(WebConfig(nats_url=nats_url, max_messages_per_second=1e9, max_queued_messages=10**6))
+    )
+    await server.start_server()
+    app = server.app
+    loop = asyncio.get_running_loop()
+    fields = ", ".join(f'"f{i:02d}{"x" * 37}": 1' for i in range(8))
+    junk = _frame('{"type": "generate", %s}' % fields) * 10
+    sockets = []
+    try:
+        for n in range(1, 3):
+            sock = await raw_socket_that_never_reads(server.port)
+            sockets.append(sock)
+            await wait_until(lambda n=n: len(app[SESSIONS]) == n, timeout=10, what="the socket's session")
+            # until its answers back up behind full kernel buffers (the sender is stuck)
+            while max(s.outbox.queued_messages for s in app[SESSIONS]) < 100:
+                await asyncio.wait_for(loop.sock_sendall(sock, junk), 5)
+                await asyncio.sleep(0.002)
+        start = loop.time()
+        await asyncio.wait_for(server.close(), 60)
+        took = loop.time() - start
+        assert took < 2 * CLOSE_TIMEOUT_S + 2, f"shutdown took {took:.1f} s"
+        assert not app[SESSIONS]
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -59,16 +59,31 @@ async def test_reply_subject_outside_inbox_is_dropped(nats_url, nc, tiny_expert_
         got.append(msg)
 
     sub = await nc.subscribe(victim, cb=on_victim)
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2)) as w:
+    port = free_port()
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2), metrics_port=port
+    ) as w:
         await nc.publish(SUBJECT, _request(), reply=victim)
         await nc.publish(SUBJECT, _request(), reply="_INBOXevil.x")
         await nc.flush()
         await wait_until(lambda: w.dropped_requests == 2, timeout=10)
+        assert await asyncio.to_thread(_scraped, port, "ddm_worker_requests_dropped_total") == 2  # on /metrics
         msg = await nc.request(SUBJECT, _request(), timeout=10)  # an _INBOX reply still works
         assert isinstance(unpack(msg.data, StepResult), StepReply)
         await asyncio.sleep(0.2)
     await sub.unsubscribe()
     assert got == [] and w.metrics.replies == 1
+
+
+def _scraped(port: int, series: str) -> float:
+    """The value of `series` (any labels) on GET http://127.0.0.1:port/metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series)]
+    assert len(values) == 1, (series, values)
+    return values[0]
 
 
 async def test_held_requests_are_bounded(nats_url, nc, tiny_expert_checkpoint):
