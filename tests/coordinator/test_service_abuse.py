@@ -174,8 +174,11 @@ async def test_a_cancel_that_overtakes_its_submit_is_remembered(nats_url, nc, ti
             reply = await t_late
             assert isinstance(reply, JobRejected) and reply.code == ErrorCode.CANCELLED, reply
             assert "before the coordinator took it" in reply.reason
-            await wait_until(lambda: coord.status().jobs_done == 1, timeout=30, what="`first` done")
+            await wait_until(
+                lambda: any(isinstance(e, DoneEvent) for e in events), timeout=30, what="`first`'s done event"
+            )
             assert [e.job_id for e in events if isinstance(e, DoneEvent)] == ["first"]
+            assert coord.status().jobs_done == 1
             assert not coord.engine.scheduler.knows("late")
             # the memory is for that job only: the same id submitted again later runs
             again = await _request(nc, subjects.jobs_submit("tab"), pack(late))
