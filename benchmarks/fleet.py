@@ -58,6 +58,10 @@ from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, ru
 COORDINATOR_OPTIONS = (
     "max_rows",
     "max_queued_jobs",
+    "max_client_rows",
+    "max_client_queued_jobs",
+    "submit_rate",
+    "status_rate",
     "step_timeout",
     "retries",
     *ENGINE_OPTIONS,
@@ -67,7 +71,17 @@ COORDINATOR_OPTIONS = (
     "dispatch",
     "durable",
 )
-COORDINATOR_DEFAULTS = {"max_rows": 4096, "max_queued_jobs": 4096, "step_timeout": 60.0, "retries": 1}
+# (the simulated clients are sessions of one NATS client: its quotas and rate limits are lifted)
+COORDINATOR_DEFAULTS = {
+    "max_rows": 4096,
+    "max_queued_jobs": 4096,
+    "max_client_rows": 4096,
+    "max_client_queued_jobs": 4096,
+    "submit_rate": None,
+    "status_rate": None,
+    "step_timeout": 60.0,
+    "retries": 1,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -414,6 +414,9 @@ class Fleet:
                 max_rows=max_rows,
                 max_queued_jobs=max(256, max_rows),
                 max_client_queued_jobs=max(64, max_rows),
+                max_client_rows=max_rows,  # the clients share one NATS client
+                submit_rate=None,
+                status_rate=None,
             )
             cmd = cli_argv(
                 "coordinator",
@@ -428,7 +431,16 @@ class Fleet:
                 "--wait-experts",
                 120,
                 *cfg.to_argv(
-                    only=("name", "max_rows", "max_queued_jobs", "max_client_queued_jobs", *COORDINATOR_OPTIONS)
+                    only=(
+                        "name",
+                        "max_rows",
+                        "max_queued_jobs",
+                        "max_client_rows",
+                        "max_client_queued_jobs",
+                        "submit_rate",
+                        "status_rate",
+                        *COORDINATOR_OPTIONS,
+                    )
                 ),
             )
             self.coordinators.append(await Child.start(f"coordinator{i}", cmd))

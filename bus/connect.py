@@ -215,6 +215,25 @@ def without_credentials(urls: str | list[str]) -> str:
     return ",".join(_without_credentials(u.strip()) for u in items)
 
 
+def redacted(urls: str | list[str]) -> str:
+    """`urls` (one URL, a comma-separated list, or a list) for logs: each user:password@ as
+    user:***@ and each token@ (or nkey seed) as ***@, so a log says which user connected and never
+    the secret, e.g. "nats://web:***@10.0.0.5:4222,nats://web:***@10.0.0.6:4222"."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    return ",".join(_redacted(u.strip()) for u in items)
+
+
+def _redacted(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:  # host:port without a scheme (nats_servers adds nats://)
+        scheme, rest = "", url
+    creds, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = creds.partition(":")
+    return f"{scheme}{sep}{user}:***@{host}" if colon else f"{scheme}{sep}***@{host}"
+
+
 def _without_credentials(url: str) -> str:
     """`url` with any user:password@ or token@ removed, for messages."""
     scheme, sep, rest = url.partition("://")

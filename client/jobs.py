@@ -291,7 +291,10 @@ class JobProbe:
             return self._silent()
         except ProtocolError as err:
             self._last_answer = time.monotonic()  # something answered
-            log.warning("job %s: undecodable status reply (%s)", self.job_id, err)
+            if err.code == ErrorCode.RATE_LIMITED:  # asked too often (this client's probes together): ask later
+                log.info("job %s: status request refused: %s", self.job_id, err.message)
+            else:
+                log.warning("job %s: undecodable status reply (%s)", self.job_id, err)
             return None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
             raise
@@ -347,7 +350,7 @@ class JobProbe:
                 try:
                     st = unpack(msg.data, JobStatus)
                 except ProtocolError as err:
-                    garbled = err
+                    garbled = _refusal(msg.data) or err
                     continue
                 if st.job_id != self.job_id:
                     self.forged += 1
@@ -548,6 +551,16 @@ async def run_job(
                     await asyncio.shield(cancel_job(nc, job_id, client=client))
             except BaseException:
                 pass
+
+
+def _refusal(data: bytes) -> ProtocolError | None:
+    """The coordinator's `error` reply to a status request (e.g. `rate_limited`) as a ProtocolError
+    with its code, or None if `data` is not one."""
+    try:
+        reply = unpack(data, ErrorReply)
+    except ProtocolError:
+        return None
+    return ProtocolError(reply.code, reply.message)
 
 
 async def _send_cancel(nc, job_id: str, client: str) -> None:

@@ -33,6 +33,13 @@ MAX_REQUEST_ROWS = 512
 DEFAULT_METRICS_PORT = 9478
 #: Solver steps between two snapshot writes of a durable job (see docs/COORDINATOR.md for the cost).
 DEFAULT_CHECKPOINT_EVERY = 10
+#: Rows one client (every session of it together) runs at once by default: the largest job
+#: (schemas.MAX_JOB_IMAGES), a quarter of the default --max-rows.
+DEFAULT_CLIENT_ROWS = 256
+#: Submits per second one client may send (bursts of 2 s worth); more are rejected `rate_limited`.
+DEFAULT_SUBMIT_RATE = 50.0
+#: Job status requests per second one client may send (bursts of 2 s worth); more get `rate_limited`.
+DEFAULT_STATUS_RATE = 50.0
 #: Seconds a durable job's ownership lease lives without renewal (renewed every third of it).
 DEFAULT_LEASE_S = 6.0
 
@@ -54,10 +61,15 @@ class CoordinatorConfig:
     # admission and fair sharing (coordinator.scheduler.SchedulerConfig)
     max_rows: int = 1024
     max_queued_jobs: int = 256
-    max_client_rows: int | None = None  # None: max_rows
-    max_client_queued_jobs: int = 64
+    max_client_rows: int | None = DEFAULT_CLIENT_ROWS  # None: max_rows
+    max_client_queued_jobs: int | None = None  # None: a quarter of max_queued_jobs (64 of the default 256)
+    max_session_rows: int | None = None  # None: max_client_rows
+    max_session_queued_jobs: int | None = None  # None: max_client_queued_jobs
     max_job_cost: int | None = 256_000  # None: no limit
     max_job_run_s: float | None = 600.0  # None: no limit
+    # requests per second per client (token buckets of 2 s worth; None: no limit)
+    submit_rate: float | None = DEFAULT_SUBMIT_RATE
+    status_rate: float | None = DEFAULT_STATUS_RATE
     image_shape: tuple[int, int, int] = (1, 32, 32)
     # expert requests (coordinator.transport.NatsTransport)
     step_timeout: float = 10.0
@@ -102,6 +114,8 @@ class CoordinatorConfig:
             ("--max-queued-jobs", self.max_queued_jobs, 1),
             ("--max-client-rows", self.max_client_rows, 1),
             ("--max-client-queued-jobs", self.max_client_queued_jobs, 1),
+            ("--max-session-rows", self.max_session_rows, 1),
+            ("--max-session-queued-jobs", self.max_session_queued_jobs, 1),
             ("--max-job-cost", self.max_job_cost, 1),
             ("--retries", self.retries, 0),
             ("--bad-reply-retries", self.bad_reply_retries, 0),
@@ -111,7 +125,13 @@ class CoordinatorConfig:
             ("--js-replicas", self.js_replicas, 1),
             ("keep_finished", self.keep_finished, 0),
         ):
-            if value is None and flag in ("--max-client-rows", "--max-job-cost"):
+            if value is None and flag in (
+                "--max-client-rows",
+                "--max-client-queued-jobs",
+                "--max-job-cost",
+                "--max-session-rows",
+                "--max-session-queued-jobs",
+            ):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
@@ -129,15 +149,22 @@ class CoordinatorConfig:
             ("--step-timeout", self.step_timeout),
             ("--lease-s", self.lease_s),
             ("--max-job-run-s", self.max_job_run_s),
+            ("--submit-rate", self.submit_rate),
+            ("--status-rate", self.status_rate),
             ("--hedge-after-s", self.hedge_after_s),
             ("keep_finished_mb", self.keep_finished_mb),
             ("keep_finished_s", self.keep_finished_s),
         ):
-            if value is None and flag in ("--max-job-run-s", "--hedge-after-s"):
+            if value is None and flag in ("--max-job-run-s", "--hedge-after-s", "--submit-rate", "--status-rate"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(
-                    f"{flag} must be a number of seconds > 0, got {value!r}"
+                    (
+                        f"{flag} must be a number of requests per second > 0 (0 on the command line: no limit)"
+                        if flag in ("--submit-rate", "--status-rate")
+                        else f"{flag} must be a number of seconds > 0"
+                    )
+                    + f", got {value!r}"
                     + (" (0 on the command line: no limit)" if flag == "--max-job-run-s" else "")
                 )
         if not isinstance(self.wait_experts, (int, float)) or self.wait_experts < 0:
@@ -182,10 +209,20 @@ class CoordinatorConfig:
             class_to_expert=class_to_expert,
             **classes,
             max_client_rows=self.max_client_rows,
-            max_client_queued_jobs=self.max_client_queued_jobs,
+            max_client_queued_jobs=self.client_queued_jobs,
+            max_session_rows=self.max_session_rows,
+            max_session_queued_jobs=self.max_session_queued_jobs,
             max_job_cost=self.max_job_cost,
             max_job_run_s=self.max_job_run_s,
         )
+
+    @property
+    def client_queued_jobs(self) -> int:
+        """Jobs one client may keep waiting: --max-client-queued-jobs, by default a quarter of
+        --max-queued-jobs (at least 1), so that one client never fills the queue."""
+        if self.max_client_queued_jobs is not None:
+            return self.max_client_queued_jobs
+        return max(1, self.max_queued_jobs // 4)
 
     def replace(self, **changes: Any) -> CoordinatorConfig:
         """A copy with `changes` (checked again)."""
@@ -363,15 +400,31 @@ _OPTIONS: tuple[_Option, ...] = (
         "max_client_rows",
         type=int,
         metavar="N",
-        help="most images one client runs at once (default: --max-rows); its further jobs wait, a larger job "
+        zero_is_none=True,
+        help="most images one client (the <client> of its subjects, every session of it together) runs at "
+        "once (default %(default)s, at most --max-rows; 0: --max-rows); its further jobs wait, a larger job "
         "is rejected with `too_large`. Below --max-rows it keeps rows free for others",
     ),
     _Option(
         "max_client_queued_jobs",
         type=int,
         metavar="N",
-        help="most jobs one client may have waiting; more are rejected with `overloaded` (default %(default)s, "
-        "at most --max-queued-jobs)",
+        help="most jobs one client (every session of it together) may have waiting; more are rejected with "
+        "`overloaded` (default: a quarter of --max-queued-jobs, 64 with its default; at most --max-queued-jobs)",
+    ),
+    _Option(
+        "max_session_rows",
+        type=int,
+        metavar="N",
+        zero_is_none=True,
+        help="most images one session of a client (a job's `session` tag) runs at once (default: --max-client-rows)",
+    ),
+    _Option(
+        "max_session_queued_jobs",
+        type=int,
+        metavar="N",
+        zero_is_none=True,
+        help="most jobs one session of a client may have waiting (default: --max-client-queued-jobs)",
     ),
     _Option(
         "max_job_cost",
@@ -389,6 +442,23 @@ _OPTIONS: tuple[_Option, ...] = (
         zero_is_none=True,
         help="most seconds a job may run once started; longer fails with `deadline_exceeded` (default "
         "%(default)s; 0: no limit)",
+    ),
+    _Option(
+        "submit_rate",
+        type=float,
+        metavar="N",
+        zero_is_none=True,
+        help="most job submits per second from one client (bursts of 2 s worth); more are rejected with "
+        "`rate_limited` (default %(default)s; 0: no limit)",
+    ),
+    _Option(
+        "status_rate",
+        type=float,
+        metavar="N",
+        zero_is_none=True,
+        help="most job status requests per second from one client (bursts of 2 s worth); more are answered "
+        "`rate_limited` (default %(default)s; 0: no limit). Each job's result is published again at most "
+        "every 2 s, however often its status is asked",
     ),
     _Option(
         "step_timeout",

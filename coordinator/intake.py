@@ -10,16 +10,28 @@ Subjects (see `schemas.subjects`; `<c>` is the client token, the job's owner):
                                     rows (label unknown) is refused `bad_request` when an expert
                                     has no null label (a one-row probe per expert, kept
                                     NULL_LABEL_TTL_S).
-* `ddm.v1.c.<c>.jobs.<id>.cancel`   CancelRequest (or empty body) -> CancelReply
+* `ddm.v1.c.<c>.jobs.<id>.cancel`   CancelRequest (or empty body) -> CancelReply. A cancel of a job
+                                    whose submit is still being handled (its null-label probe awaited)
+                                    cancels it (the submit is answered `rejected` / `cancelled`); a
+                                    cancel of a job this coordinator does not know, while submits
+                                    wait here to be handled, is remembered CANCEL_MEMORY_S, so a
+                                    submit of that id among them is refused `cancelled` rather than
+                                    run for nobody
 * `ddm.v1.c.<c>.jobs.<id>.status`   anything -> JobStatus (queued | running | done | failed | unknown);
                                     for a job that finished recently the terminal event is published
-                                    again first, for a client that missed it (e.g. across a reconnect)
+                                    again first, for a client that missed it (e.g. across a reconnect),
+                                    at most once every REPUBLISH_EVERY_S per job and
+                                    REPUBLISH_RATE per second per client (beyond: ErrorReply
+                                    `rate_limited`)
 * `ddm.v1.c.<c>.jobs.<id>.events`   published: JobAccepted, FrameEvent*, DoneEvent | FailedEvent
 * `ddm.v1.fleet.status`             anything -> FleetStatus
 
 Job ids are per client namespace: two clients may both run a job "abc" (each sees only its own
 events); a cancel or status request in a namespace `<c>` that does not own the job is answered
 exactly as for an unknown job (same reply, same delay) and never acted on.
+Rate limits (`CoordinatorConfig.submit_rate` / `status_rate`, per client `<c>`, token buckets of
+2 s worth): a submit over the limit is answered JobRejected(rate_limited), a status request
+ErrorReply(rate_limited), before the request is decoded.
 Replies go only to reply subjects under `_INBOX` (`_INBOX.…`, or `_INBOX_<c>.…` for a request
 in `<c>`'s namespace); a request with any other reply subject is dropped (rate-limited log line).
 A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
@@ -34,6 +46,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from bus.ratelimited_log import RateLimitedLog
@@ -52,6 +66,7 @@ from schemas import (
 )
 from schemas.errors import shown
 
+from .rate_limit import TokenBuckets
 from .scheduler import Rejected
 
 if TYPE_CHECKING:
@@ -68,6 +83,22 @@ MAX_DELAYED_REPLIES = 1024
 #: The reason of a cancel that is not acted on: no such job in the requester's namespace
 #: (never had it, finished, cancelled, or another client's: indistinguishable on purpose).
 UNKNOWN_JOB = "unknown job"
+#: Seconds a cancel of a job this coordinator does not know is remembered: a submit of that job
+#: arriving meanwhile (delayed behind other submits, or taken after its client gave up waiting) is
+#: refused `cancelled` instead of running for nobody.
+CANCEL_MEMORY_S = 120.0
+#: Most such cancels remembered (the oldest are forgotten first).
+MAX_REMEMBERED_CANCELS = 4096
+#: A finished job's terminal event is published again for status requests at most this often (s);
+#: a status request in between gets the state alone (the event went out less than this ago).
+REPUBLISH_EVERY_S = 2.0
+#: Terminal events published again per second per client, over all its jobs (bursts of twice that);
+#: a status request beyond it is answered `rate_limited`: a `done` of 256 images is 1 MB.
+REPUBLISH_RATE = 4.0
+#: Most (client, job) republish times kept.
+MAX_REPUBLISH_TIMES = 4096
+#: Reason of a submit refused because its client cancelled the job first.
+CANCELLED_BEFORE_ADMISSION = "cancelled by its client before the coordinator took it"
 
 
 class Intake:
@@ -80,6 +111,18 @@ class Intake:
         self.replies_dropped = 0
         self.rejected_unread = 0  # submits rejected before the scheduler saw them (undecodable, invalid, internal)
         self.republished = 0  # terminal events published again for status requests
+        self.rate_limited = 0  # submit / status requests answered `rate_limited`
+        cfg = coordinator.settings
+        self._submits = TokenBuckets(cfg.submit_rate, max(1.0, 2 * cfg.submit_rate)) if cfg.submit_rate else None
+        self._statuses = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
+        self._republishes = TokenBuckets(REPUBLISH_RATE, 2 * REPUBLISH_RATE)
+        self._republished_at: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # submits being handled (awaiting the null-label probe): (client, job id) -> cancelled meanwhile
+        self._pending: dict[tuple[str, str], bool] = {}
+        # cancels of jobs unknown here: (client, job id) -> monotonic time of the cancel
+        self._cancelled_unknown: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._submits_in_hand = 0  # on_submit calls running
+        self.submit_sub = None  # the submit subscription (set by the coordinator): its backlog
 
     def close(self) -> None:
         """Drop the delayed replies still pending."""
@@ -141,8 +184,71 @@ class Intake:
         self.coord.metrics.rejected(code)
         return self._reply(msg, JobRejected(code=code, reason=reason))
 
+    def _over_rate(self, buckets: TokenBuckets | None, client: str, kind: str) -> float:
+        """0.0 if `client` may make one more request of this kind now, else seconds to wait."""
+        if buckets is None:
+            return 0.0
+        wait = buckets.take(client, time.monotonic())
+        if wait:
+            self.rate_limited += 1
+            self.coord.metrics.rate_limited(kind)
+        return wait
+
+    @staticmethod
+    def _too_fast(what: str, client: str, rate: float, wait: float) -> str:
+        return (
+            f"too many {what} from client {client!r} (limit {rate:g} per second, bursts of {max(1, 2 * rate):g}); "
+            f"retry in {max(wait, 0.01):.2f} s"
+        )
+
+    def _submits_waiting(self) -> bool:
+        """True while a submit is being handled here or waits in the submit subscription's queue: a
+        submit published before a cancel may then still come after it (submits are handled one at
+        a time). With none, a submit of the job sent before the cancel went to another coordinator."""
+        pending = getattr(self.submit_sub, "pending_msgs", 0) if self.submit_sub is not None else 0
+        return self._submits_in_hand > 0 or bool(pending)
+
+    def _remember_cancel(self, client: str, job_id: str) -> None:
+        now = time.monotonic()
+        self._cancelled_unknown.pop((client, job_id), None)
+        self._cancelled_unknown[(client, job_id)] = now
+        while self._cancelled_unknown:
+            key, t = next(iter(self._cancelled_unknown.items()))
+            if len(self._cancelled_unknown) <= MAX_REMEMBERED_CANCELS and now - t <= CANCEL_MEMORY_S:
+                break
+            del self._cancelled_unknown[key]
+
+    def _was_cancelled(self, client: str, job_id: str) -> bool:
+        """True (and forgotten) if `client` cancelled `job_id` within CANCEL_MEMORY_S, before this
+        coordinator knew the job."""
+        t = self._cancelled_unknown.pop((client, job_id), None)
+        return t is not None and time.monotonic() - t <= CANCEL_MEMORY_S
+
+    def _may_republish(self, client: str, job_id: str) -> bool | None:
+        """Whether to publish a finished job's terminal event again now: True; False (it went out
+        less than REPUBLISH_EVERY_S ago: the state alone answers); None (this client is over
+        REPUBLISH_RATE: answer `rate_limited`)."""
+        now = time.monotonic()
+        last = self._republished_at.get((client, job_id))
+        if last is not None and now - last < REPUBLISH_EVERY_S:
+            return False
+        if self._republishes.take(client, now):
+            return None
+        self._republished_at.pop((client, job_id), None)
+        self._republished_at[(client, job_id)] = now
+        while len(self._republished_at) > MAX_REPUBLISH_TIMES:
+            self._republished_at.popitem(last=False)
+        return True
+
     # ------------------------------------------------------------ handlers
     async def on_submit(self, msg) -> None:
+        self._submits_in_hand += 1
+        try:
+            await self._on_submit(msg)
+        finally:
+            self._submits_in_hand -= 1
+
+    async def _on_submit(self, msg) -> None:
         # Every submit is answered `accepted` or `rejected`; each `rejected` counts in jobs_rejected
         # (the scheduler counts its own refusals, this intake the rest).
         client = subjects.parse_submit_subject(msg.subject)
@@ -158,18 +264,36 @@ class Intake:
                 ),
             )
             return
+        wait = self._over_rate(self._submits, client, "submit")
+        if wait:
+            reason = self._too_fast("submits", client, self.coord.settings.submit_rate, wait)
+            await self._refused(msg, ErrorCode.RATE_LIMITED, reason)
+            return
         try:
             request = unpack(msg.data, JobRequest)
         except ProtocolError as err:
             await self._refused(msg, err.code, err.message)
             return
-        try:
-            await self.coord.null_labels.check(request)
-        except Rejected as err:
-            await self._refused(msg, err.code, err.reason)
+        key = (client, request.job_id) if request.job_id is not None else None
+        if key is not None and self._was_cancelled(*key):
+            await self._refused(msg, ErrorCode.CANCELLED, CANCELLED_BEFORE_ADMISSION)
             return
-        except Exception:  # a failed probe never costs the job: its rows meet the workers' own check
-            log.exception("null-label probe failed")
+        mine = key is not None and key not in self._pending
+        if mine:
+            self._pending[key] = False  # a cancel from here on cancels it (see on_cancel)
+        try:
+            try:
+                await self.coord.null_labels.check(request)
+            except Rejected as err:
+                await self._refused(msg, err.code, err.reason)
+                return
+            except Exception:  # a failed probe never costs the job: its rows meet the workers' own check
+                log.exception("null-label probe failed")
+        finally:
+            cancelled = self._pending.pop(key, False) if mine else False
+        if cancelled:
+            await self._refused(msg, ErrorCode.CANCELLED, CANCELLED_BEFORE_ADMISSION)
+            return
         try:
             # admission + the accepted event are queued before any await, so the event
             # precedes every frame of this job on the events subject
@@ -230,9 +354,14 @@ class Intake:
                 )
                 return
         ok = await self.coord.cancel(job_id, client=client)  # another client's job: not acted on, "unknown"
+        if not ok and (client, job_id) in self._pending:  # its submit awaits the null-label probe
+            self._pending[(client, job_id)] = True
+            ok = True
         if ok:
             await self._reply(msg, CancelReply(job_id=job_id, cancelled=True))
         else:  # answer "unknown" a little later, so the coordinator that owns the job (if any) answers first
+            if self._submits_waiting() and self.coord.ledger.finished(client, job_id) is None:
+                self._remember_cancel(client, job_id)  # its submit may be among them: refuse it then
             self._reply_later(msg, CancelReply(job_id=job_id, cancelled=False, reason=UNKNOWN_JOB))
 
     async def on_job_status(self, msg) -> None:
@@ -245,6 +374,11 @@ class Intake:
             return
         client, job_id = parsed.client, parsed.job_id
         coord = self.coord
+        wait = self._over_rate(self._statuses, client, "status")
+        if wait:
+            message = self._too_fast("job status requests", client, coord.settings.status_rate, wait)
+            await self._reply(msg, ErrorReply(code=ErrorCode.RATE_LIMITED, message=message))
+            return
         if coord.durable_jobs is not None and coord.durable_jobs.is_fenced(client, job_id):
             return  # another coordinator took the job over: its answer counts, not our "unknown"
         try:
@@ -259,7 +393,17 @@ class Intake:
                 return
             if status.state in ("done", "failed"):  # publish the result again, then say so
                 ev = coord.finished_event(job_id, client=client)
-                if ev is not None:
+                again = self._may_republish(client, job_id) if ev is not None else False
+                if again is None:  # this client asks for more results again than REPUBLISH_RATE
+                    self.rate_limited += 1
+                    coord.metrics.rate_limited("republish")
+                    message = (
+                        f"too many finished jobs' results asked again by client {client!r} (limit "
+                        f"{REPUBLISH_RATE:g} per second); retry in a second"
+                    )
+                    await self._reply(msg, ErrorReply(code=ErrorCode.RATE_LIMITED, message=message))
+                    return
+                if again:
                     self.republished += 1
                     await coord.send_event(client, ev)
             await self._reply(msg, status)

@@ -19,7 +19,12 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
     ddm_coordinator_jobs_rejected_total{code}           counter    jobs refused at submit, by ErrorCode
     ddm_coordinator_jobs_rejected_by_limit_total{limit} counter    ... of those, refused by an admission limit
                                                                    (max_rows, max_queued_jobs, max_client_rows,
-                                                                   max_client_queued_jobs, max_job_cost)
+                                                                   max_client_queued_jobs, max_session_rows,
+                                                                   max_session_queued_jobs, max_job_cost)
+    ddm_coordinator_requests_rate_limited_total{kind}   counter    requests answered `rate_limited`, by kind:
+                                                                   submit (also counted in jobs_rejected), status,
+                                                                   republish (a finished job's result asked
+                                                                   again over its client's rate)
     ddm_coordinator_jobs_over_run_time_total            counter    jobs failed for running past max_job_run_s
     ddm_coordinator_jobs_finished_total{outcome}        counter    done | failed | cancelled
     ddm_coordinator_queued_jobs                         gauge      jobs waiting for rows (queue depth)
@@ -234,6 +239,12 @@ class CoordinatorMetrics:
             ["limit"],
             registry=self.registry,
         )
+        self._rate_limited = Counter(
+            "ddm_coordinator_requests_rate_limited",
+            "Requests answered rate_limited, by kind (submit, status, republish).",
+            ["kind"],
+            registry=self.registry,
+        )
         self._request_s = Histogram(
             "ddm_coordinator_expert_request_seconds",
             "One expert's velocity call per tick (its requests and retries).",
@@ -254,6 +265,10 @@ class CoordinatorMetrics:
         self._rejected.labels(code=ErrorCode(code).value).inc()
         if limit is not None:
             self._rejected_by_limit.labels(limit=str(limit)).inc()
+
+    def rate_limited(self, kind: str) -> None:
+        """Count a request answered `rate_limited` (kind: submit, status or republish)."""
+        self._rate_limited.labels(kind=kind).inc()
 
     def expert_call(self, expert: int, seconds: float) -> None:
         """Observe the duration of one expert's velocity call (successful or not)."""

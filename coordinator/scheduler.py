@@ -19,23 +19,29 @@ What callers may read: `active_rows`, `active_jobs`, `queued_jobs`, `active_job_
 Jobs that arrive mid-run join at the next `schedule`; finished jobs leave in `update`;
 `cancel` frees a job's rows at once (a batch in flight simply skips them on update).
 
-Fair sharing. Every job belongs to a `client` (an opaque key given at submit; "anon" by default).
+Fair sharing. Every job belongs to a `client` key given at submit ("anon" by default): a client
+name, or "<client>/<session>" for one session of that client (the service's fairness key). Quotas
+apply to the client (every session of it together: the part before "/") and to each session, so
+that a client cannot multiply its share by naming a new session per job.
 Limits (each refusal names the limit and its value; `Rejected.limit` is its config name):
 
 * `max_rows` active rows in all, `max_queued_jobs` waiting jobs in all (`overloaded` beyond);
-* `max_client_rows` active rows per client (None: `max_rows`): a client at its quota waits in the
-  queue (throttled), a job larger than the quota is refused `too_large`;
-* `max_client_queued_jobs` waiting jobs per client (`overloaded` beyond), so one client cannot
-  fill the queue and starve the rest;
+* `max_client_rows` active rows per client, all its sessions together (None: `max_rows`): a client
+  at its quota waits in the queue (throttled), a job larger than the quota is refused `too_large`;
+* `max_client_queued_jobs` waiting jobs per client, all its sessions together (`overloaded`
+  beyond), so one client cannot fill the queue and starve the rest;
+* `max_session_rows`, `max_session_queued_jobs`: the same per "<client>/<session>" key (None: the
+  client's quota);
 * `max_job_cost` row-evaluations per job (`too_large` beyond), see `job_cost`;
 * `max_job_run_s` seconds a job may run once started (`deadline_exceeded` beyond).
 
-Admission is fair across clients and FIFO within one: when rows free up, the head job of the
-client with the fewest running rows is admitted first (ties: round robin, the client admitted least
-recently goes first); a client at its row quota is skipped. A job is admitted whole; if the
-chosen job does not fit the free rows, admission stops there (it keeps its turn, so large jobs are
-not starved by small ones). A job starts at once when its rows are free and no other client could
-take them. With one client this is today's FIFO queue.
+Admission is fair across clients, then across the sessions of a client, and FIFO within a
+session: when rows free up, the head job of the client with the fewest running rows is admitted
+first (ties: round robin, the client admitted least recently goes first), and of that client's
+sessions the one with the fewest running rows; a client or session at its row quota is skipped. A
+job is admitted whole; if the chosen job does not fit the free rows, admission stops there (it
+keeps its turn, so large jobs are not starved by small ones). A job starts at once when its rows
+are free and no other client could take them. With one client this is today's FIFO queue.
 """
 
 from __future__ import annotations
@@ -106,7 +112,8 @@ def job_cost(request: JobRequest, num_experts: int) -> int:
 class SchedulerConfig:
     """Limits and shapes. `class_to_expert[y]` is the partition owning class y (oracle).
 
-    Per-client limits (see the module docstring): max_client_rows (None: max_rows),
+    Per-client limits (see the module docstring): max_client_rows (None: max_rows; a client's
+    sessions together), max_session_rows / max_session_queued_jobs (None: the client's),
     max_client_queued_jobs (clamped to max_queued_jobs), max_job_cost (row-evaluations, `job_cost`;
     None: no limit), max_job_run_s (seconds from start; None: no limit)."""
 
@@ -120,6 +127,8 @@ class SchedulerConfig:
     max_client_queued_jobs: int = 64
     max_job_cost: int | None = 256_000
     max_job_run_s: float | None = 600.0
+    max_session_rows: int | None = None
+    max_session_queued_jobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -140,6 +149,12 @@ class SchedulerConfig:
                 f"max_client_queued_jobs must be >= 1 (jobs one client may have waiting), "
                 f"got {self.max_client_queued_jobs}"
             )
+        for name in ("max_session_rows", "max_session_queued_jobs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(
+                    f"{name} must be >= 1 (per session of a client) or None (the client's quota), got {value}"
+                )
         if self.max_job_cost is not None and self.max_job_cost < 1:
             raise ValueError(f"max_job_cost must be >= 1 row-evaluation or None, got {self.max_job_cost}")
         if self.max_job_run_s is not None and not self.max_job_run_s > 0:
@@ -162,6 +177,27 @@ class SchedulerConfig:
     def client_queued_jobs(self) -> int:
         """Jobs one client may have waiting (max_client_queued_jobs, at most max_queued_jobs)."""
         return min(self.max_client_queued_jobs, self.max_queued_jobs)
+
+    @property
+    def session_rows(self) -> int:
+        """Rows one session of a client may run at once (max_session_rows, at most client_rows)."""
+        return min(self.max_session_rows or self.client_rows, self.client_rows)
+
+    @property
+    def session_queued_jobs(self) -> int:
+        """Jobs one session of a client may have waiting (max_session_queued_jobs, at most client_queued_jobs)."""
+        return min(self.max_session_queued_jobs or self.client_queued_jobs, self.client_queued_jobs)
+
+
+def owner_of_key(key: str) -> str:
+    """The client of a fairness key: "c" for "c" and for "c/<session>"."""
+    return key.split("/", 1)[0]
+
+
+def _keys(key: str) -> tuple[str, ...]:
+    """The usage counters a job of fairness key `key` counts in: its client's, and its session's."""
+    owner = owner_of_key(key)
+    return (owner,) if owner == key else (owner, key)
 
 
 @dataclass(eq=False)
@@ -231,9 +267,11 @@ class Scheduler:
         self.config = config
         self._queue: deque[Job] = deque()  # waiting jobs, in arrival order
         self._active: dict[str, Job] = {}
-        self._client_rows: dict[str, int] = {}  # client -> running rows (no zero entries)
-        self._client_queued: dict[str, int] = {}  # client -> waiting jobs (no zero entries)
-        self._served: dict[str, int] = {}  # client -> admission count at its last admission (LRU order)
+        # running rows / waiting jobs (no zero entries) of each client, all sessions together ("c"),
+        # and of each session ("c/s")
+        self._client_rows: dict[str, int] = {}
+        self._client_queued: dict[str, int] = {}
+        self._served: dict[str, int] = {}  # client or session -> admission count at its last admission (LRU order)
         self._seq = 0
         self._admissions = 0
         self._in_flight: set[str] = set()  # ids of running jobs whose batch has not come back (see schedule)
@@ -276,7 +314,8 @@ class Scheduler:
         return job.client if job is not None else None
 
     def client_usage(self, client: str) -> dict[str, int]:
-        """{running_rows, queued_jobs} of one client key (zeros for a client with nothing here)."""
+        """{running_rows, queued_jobs} of one client ("c": all its sessions together) or one session
+        ("c/s"); zeros for one with nothing here."""
         return dict(running_rows=self._client_rows.get(client, 0), queued_jobs=self._client_queued.get(client, 0))
 
     def job_progress(self, job_id: str) -> dict | None:
@@ -325,6 +364,13 @@ class Scheduler:
                 f"{cfg.client_rows} rows at once (limit {cfg.client_rows})",
                 "max_client_rows",
             )
+        if n > cfg.session_rows and owner_of_key(client) != client:
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"session quota: job asks for {n} images but one session runs at most "
+                f"{cfg.session_rows} rows at once (limit {cfg.session_rows})",
+                "max_session_rows",
+            )
         if cfg.max_job_cost is not None:
             cost = job_cost(request, cfg.num_experts)
             if cost > cfg.max_job_cost:
@@ -358,16 +404,7 @@ class Scheduler:
                     f"{len(self._queue)} jobs already queued (limit {cfg.max_queued_jobs}); retry later",
                     "max_queued_jobs",
                 )
-            queued = self._client_queued.get(client, 0)
-            if queued >= cfg.client_queued_jobs:
-                raise Rejected(
-                    ErrorCode.OVERLOADED,
-                    (
-                        f"client quota: {queued} queued jobs (limit {cfg.client_queued_jobs}) and "
-                        f"{self._client_rows.get(client, 0)} running rows; retry when one finishes"
-                    ),
-                    "max_client_queued_jobs",
-                )
+            self._check_queue_quota(client, "")
         seed = int(request.seed) if request.seed is not None else secrets.randbits(63)
         digits = list(request.classes) if request.classes is not None else draw_digits(seed, n, cfg.num_classes)
         deadline = now + request.deadline_s if request.deadline_s is not None else None
@@ -387,19 +424,58 @@ class Scheduler:
             self._start(job, now)
         else:
             self._queue.append(job)
-            self._client_queued[client] = self._client_queued.get(client, 0) + 1
+            self._count(self._client_queued, client, 1)
         return Admission(job_id=job_id, digits=digits, seed=seed, queue_position=0 if starts_now else len(self._queue))
 
+    def _check_queue_quota(self, client: str, prefix: str) -> None:
+        """Raise Rejected(overloaded) if a job of key `client` may not wait: its client, or its
+        session, has its quota of queued jobs."""
+        cfg = self.config
+        owner = owner_of_key(client)
+        for key, limit, what, name in (
+            (owner, cfg.client_queued_jobs, "client", "max_client_queued_jobs"),
+            (client, cfg.session_queued_jobs, "session", "max_session_queued_jobs"),
+        ):
+            if what == "session" and key == owner:
+                continue
+            queued = self._client_queued.get(key, 0)
+            if queued >= limit:
+                raise Rejected(
+                    ErrorCode.OVERLOADED,
+                    (
+                        f"{prefix}{what} quota: {queued} queued jobs (limit {limit}) and "
+                        f"{self._client_rows.get(key, 0)} running rows; retry when one finishes"
+                    ),
+                    name,
+                )
+
+    def _count(self, counts: dict[str, int], client: str, delta: int) -> None:
+        """Add `delta` to the counts of a key's client and session (dropping zeros)."""
+        for key in _keys(client):
+            left = counts.get(key, 0) + delta
+            if left:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
+
+    def _held(self, client: str, n: int) -> bool:
+        """True if n more rows of key `client` would pass its client's or its session's row quota."""
+        cfg = self.config
+        owner = owner_of_key(client)
+        if self._client_rows.get(owner, 0) + n > cfg.client_rows:
+            return True
+        return owner != client and self._client_rows.get(client, 0) + n > cfg.session_rows
+
     def _starts_now(self, client: str, n: int) -> bool:
-        """A new job of `client` with n rows may start at once: its client has nothing waiting, it
-        fits the free rows and the client's quota, and every waiting job is held by its own client's
-        row quota (so none of them could take these rows)."""
+        """A new job of `client` with n rows may start at once: its session (or client without one)
+        has nothing waiting, it fits the free rows and the quotas, and every waiting job is held by
+        its own quotas (so none of them could take these rows)."""
         cfg = self.config
         if self._client_queued.get(client, 0) or self.active_rows + n > cfg.max_rows:
             return False
-        if self._client_rows.get(client, 0) + n > cfg.client_rows:
+        if self._held(client, n):
             return False
-        return all(self._client_rows.get(c, 0) + j.n > cfg.client_rows for c, j in self._heads().items())
+        return all(self._held(c, j.n) for c, j in self._heads().items())
 
     def _heads(self) -> dict[str, Job]:
         """{client: its longest-waiting job}, clients in the order their head jobs arrived."""
@@ -410,21 +486,13 @@ class Scheduler:
 
     def _dequeue(self, job: Job) -> None:
         self._queue.remove(job)
-        left = self._client_queued[job.client] - 1
-        if left:
-            self._client_queued[job.client] = left
-        else:
-            del self._client_queued[job.client]
+        self._count(self._client_queued, job.client, -1)
 
     def _deactivate(self, job: Job) -> None:
         del self._active[job.job_id]
         self._active_rows -= job.n
         self._in_flight.discard(job.job_id)
-        left = self._client_rows[job.client] - job.n
-        if left:
-            self._client_rows[job.client] = left
-        else:
-            del self._client_rows[job.client]
+        self._count(self._client_rows, job.client, -job.n)
 
     def _remove(self, job_id: str):
         """Take a job out of the active set or the queue; the job, or None if unknown."""
@@ -529,6 +597,12 @@ class Scheduler:
                 f"restore: job has {n} images but one client runs at most {cfg.client_rows} rows at once here",
                 "max_client_rows",
             )
+        if n > cfg.session_rows and owner_of_key(client) != client:
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"restore: job has {n} images but one session runs at most {cfg.session_rows} rows at once here",
+                "max_session_rows",
+            )
         if cfg.max_job_cost is not None and job_cost(req, cfg.num_experts) > cfg.max_job_cost:
             raise Rejected(
                 ErrorCode.TOO_LARGE,
@@ -595,12 +669,7 @@ class Scheduler:
                     f"restore: {len(self._queue)} jobs already queued (limit {cfg.max_queued_jobs})",
                     "max_queued_jobs",
                 )
-            if self._client_queued.get(client, 0) >= cfg.client_queued_jobs:
-                raise Rejected(
-                    ErrorCode.OVERLOADED,
-                    f"restore: client quota of {cfg.client_queued_jobs} queued jobs reached",
-                    "max_client_queued_jobs",
-                )
+            self._check_queue_quota(client, "restore: ")
         deadline = cp.submitted_at + req.deadline_s if req.deadline_s is not None else None
         self._seq += 1
         job = Job(
@@ -622,7 +691,7 @@ class Scheduler:
             self._start(job, now)
         else:
             self._queue.append(job)
-            self._client_queued[client] = self._client_queued.get(client, 0) + 1
+            self._count(self._client_queued, client, 1)
         return Admission(
             job_id=job.job_id, digits=job.digits, seed=job.seed, queue_position=0 if starts_now else len(self._queue)
         )
@@ -736,25 +805,32 @@ class Scheduler:
             job.started_at = now
         self._active[job.job_id] = job
         self._active_rows += job.n
-        self._client_rows[job.client] = self._client_rows.get(job.client, 0) + job.n
+        self._count(self._client_rows, job.client, job.n)
         self._admissions += 1
-        self._served.pop(job.client, None)
-        self._served[job.client] = self._admissions
-        if len(self._served) > MAX_TRACKED_CLIENTS:
+        for key in _keys(job.client):
+            self._served.pop(key, None)
+            self._served[key] = self._admissions
+        while len(self._served) > MAX_TRACKED_CLIENTS:
             del self._served[next(iter(self._served))]
 
     def _next_admission(self) -> Job | None:
         """The waiting job to admit next: the head job of the client with the fewest running rows
-        (ties: the client admitted least recently, then the job that waited longest), skipping
-        clients at their row quota; None if none."""
-        quota = self.config.client_rows
-        best: tuple[int, int, int] | None = None
+        (ties: the client admitted least recently), of that client's sessions the one with the
+        fewest running rows (ties: least recently admitted, then the job that waited longest),
+        skipping clients and sessions at their row quota; None if none."""
+        best: tuple[int, int, int, int, int] | None = None
         pick = None
         for client, job in self._heads().items():
-            running = self._client_rows.get(client, 0)
-            if running + job.n > quota:
+            if self._held(client, job.n):
                 continue
-            key = (running, self._served.get(client, -1), job.seq)
+            owner = owner_of_key(client)
+            key = (
+                self._client_rows.get(owner, 0),
+                self._served.get(owner, -1),
+                self._client_rows.get(client, 0),
+                self._served.get(client, -1),
+                job.seq,
+            )
             if best is None or key < best:
                 best, pick = key, job
         return pick

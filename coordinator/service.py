@@ -198,6 +198,7 @@ class Coordinator:
             await self.nc.subscribe(subjects.ALL_JOB_STATUS, cb=intake.on_job_status),
             await self.nc.subscribe(subjects.FLEET_STATUS, cb=intake.on_status),
         ]
+        intake.submit_sub = self._subs[0]  # its backlog tells whether a cancel may overtake a submit
         # nats-py writes a flush's PING straight to the socket, possibly ahead of SUBs still in its
         # buffer; by the time that PONG is back the flusher task has written them, so a second
         # round trip proves the server has every subscription (and clients find us at once).

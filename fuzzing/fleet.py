@@ -88,6 +88,8 @@ class Fleet:
             step_timeout=5.0,
             retries=1,
             name="fuzz-coordinator",
+            submit_rate=None,  # the fuzzer sends as fast as the coordinator answers: parsing, not rate limits
+            status_rate=None,
         )
         await self.coordinator.__aenter__()
         from aiohttp import web

@@ -60,6 +60,7 @@ COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
             ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routings (accuracy, FID)"),
             ("bench", "infra.cmd_bench", "benchmarks: bench worker | fleet | scale | engine"),
             ("fuzz", "infra.cmd_fuzz", "throw hostile input at decoders, worker, coordinator, web"),
+            ("probe", "infra.cmd_probe", "rerun attacks on quotas, status, cancel, discovery"),
         ],
     ),
     (

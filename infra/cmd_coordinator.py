@@ -12,10 +12,13 @@ claims and retried (--bad-reply-retries); a job no expert could serve fails with
 `unavailable`. A NATS server restart costs the requests in flight a retry, not the jobs. A request with no reply
 after the expert's usual p99 is sent once more (--hedge), so a killed worker stalls its jobs for about
 that long, not for --step-timeout.
-Fair sharing across clients (the NATS user / client token, plus the viewer's socket): at most
---max-client-rows running rows and --max-client-queued-jobs waiting jobs per client, at most
---max-job-cost row-evaluations per job and --max-job-run-s seconds of running per job; freed rows go
-to the client with the fewest running rows. Refusals name the limit and its value.
+Fair sharing across clients (the NATS user / client token; a job's session, e.g. the viewer's socket,
+shares its client's quotas): at most --max-client-rows running rows (default 256) and
+--max-client-queued-jobs waiting jobs per client, all its sessions together (--max-session-rows /
+--max-session-queued-jobs bound one session), at most --max-job-cost row-evaluations per job and
+--max-job-run-s seconds of running per job; freed rows go to the client with the fewest running
+rows. Refusals name the limit and its value. Each client may send --submit-rate submits and
+--status-rate job status requests per second (more: `rate_limited`).
 SIGTERM / Ctrl-C: running and queued jobs fail with `unavailable` ("coordinator shutting down"),
 then exit 0. If the engine loop dies, every job fails with `internal`, submits are refused with
 `unavailable` and the process exits 1, so that its supervisor restarts it. After a crash, a
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
+    from bus.connect import redacted
     from coordinator.config import CoordinatorConfig
 
     log = logging.getLogger("ddm.coordinator")
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             except JetStreamUnavailable as err:
                 print(
-                    f"ddm-fleet coordinator: --durable needs NATS JetStream on {config.nats}: {err}",
+                    f"ddm-fleet coordinator: --durable needs NATS JetStream on {redacted(config.nats)}: {err}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                 shape = "x".join(map(str, coord.spec.sample_shape))
                 print(
-                    f"ready: coordinator for {k} experts on {config.nats} (max {config.max_rows} rows, "
+                    f"ready: coordinator for {k} experts on {redacted(config.nats)} (max {config.max_rows} rows, "
                     f"{config.max_queued_jobs} queued jobs; {shape} {coord.spec.space}, "
                     f"{coord.spec.num_classes} classes)"
                     + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""),
@@ -155,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:
         if type(err).__module__.startswith("nats"):
             print(
-                f"ddm-fleet coordinator: cannot reach NATS at {config.nats}: {type(err).__name__} {err}",
+                f"ddm-fleet coordinator: cannot reach NATS at {redacted(config.nats)}: {type(err).__name__} {err}",
                 file=sys.stderr,
             )
             return 1

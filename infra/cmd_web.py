@@ -186,11 +186,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _redact(url: str) -> str:
-    """nats://user:secret@host:4222 -> nats://user:***@host:4222 (for logs)."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://***@{host}"
+def _redact(urls: str) -> str:
+    """nats://user:secret@host:4222 -> nats://user:***@host:4222, for every URL of a list (for logs)."""
+    from bus.connect import redacted
+
+    return redacted(urls)

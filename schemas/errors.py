@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "unavailable"  # no expert could serve a step; the coordinator is gone or lost the job
     BAD_REPLY = "bad_reply"  # an expert worker answered with an invalid reply (NaN, wrong shape, ...) on every try
     INTERNAL = "internal"  # a bug on our side; the message says more
+    RATE_LIMITED = "rate_limited"  # this client sent more requests of a kind per second than allowed; retry later
 
     @classmethod
     def _missing_(cls, value: object) -> ErrorCode | None:

@@ -36,8 +36,9 @@ NaN/Inf velocity from absurd finite inputs (|x_t| over `SANE_ABS_X`: `non_finite
 failures (`internal`) each get an error reply. A full queue (`max_queue_rows` rows waiting, or
 `max_inflight` requests held) answers `overloaded` at once, so a client can retry elsewhere
 instead of waiting. Replies go only to reply subjects under `_INBOX` (`_INBOX.` or
-`_INBOX_<token>.`, what NATS clients use); a request naming any other reply subject (e.g. another
-client's job events) is dropped unanswered and logged at most every `DROP_LOG_EVERY_S` seconds (`bus.ratelimited_log`).
+`_INBOX_<token>.`, what NATS clients use), discovery replies too (`workers.discovery`); a request
+naming any other reply subject (e.g. another client's job events) is dropped unanswered and logged
+at most every `DROP_LOG_EVERY_S` seconds (`bus.ratelimited_log`).
 Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
@@ -302,11 +303,12 @@ class ExpertWorker:
         return meta
 
     async def _advertise(self) -> None:
-        from nats.micro import add_service
+        from .discovery import add_inbox_only_service
 
         version = package_version()
-        self._service = await add_service(
+        self._service = await add_inbox_only_service(
             self.nc,
+            self._drop,
             name=SERVICE_NAME,
             version=version if version.count(".") == 2 else "0.0.0",
             description=f"ddm-fleet expert {self.expert} velocity worker",

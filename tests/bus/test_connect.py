@@ -165,3 +165,15 @@ def test_without_credentials_for_logs():
 
     assert without_credentials("nats://bob:Pw9x@a:4222, nats://b:4222") == "nats://a:4222,nats://b:4222"
     assert without_credentials(["tok3n@h:1"]) == "h:1"
+
+
+def test_redacted_keeps_the_user_and_hides_every_secret_of_a_server_list():
+    from bus.connect import redacted
+
+    assert (
+        redacted("nats://web:s3cret@h1:4222,nats://web:s3cret@h2:4222")
+        == "nats://web:***@h1:4222,nats://web:***@h2:4222"
+    )
+    assert redacted("nats://tok3n@h:4222") == "nats://***@h:4222"
+    assert redacted(["nats://h:4222", "tls://u:p%40ss@h:4443"]) == "nats://h:4222,tls://u:***@h:4443"
+    assert redacted("u:pw@h:4222") == "u:***@h:4222"  # no scheme

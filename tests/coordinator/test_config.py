@@ -69,3 +69,15 @@ def test_a_bench_declares_a_subset_with_its_own_defaults_and_says_so():
     assert note == "bench defaults differing from `ddm-fleet coordinator`: --step-timeout 60 (coordinator: 10)"
     with pytest.raises(ValueError, match="no coordinator flag"):
         _parse([], only=("step_timeout", "bogus"))
+
+
+def test_client_quotas_are_on_by_default_and_scale_with_the_queue():
+    """A client never gets every row or every queue slot with the shipped settings, and the queue
+    quota follows --max-queued-jobs (a quarter of it) unless given."""
+    base = CoordinatorConfig().scheduler_config(2)
+    assert (base.client_rows, base.max_rows, base.client_queued_jobs, base.max_queued_jobs) == (256, 1024, 64, 256)
+    small = CoordinatorConfig(max_queued_jobs=16).scheduler_config(2)
+    assert small.client_queued_jobs == 4
+    assert CoordinatorConfig(max_queued_jobs=16, max_client_queued_jobs=16).scheduler_config(2).client_queued_jobs == 16
+    assert CoordinatorConfig(max_queued_jobs=1).scheduler_config(2).client_queued_jobs == 1
+    assert (CoordinatorConfig().submit_rate, CoordinatorConfig().status_rate) == (50.0, 50.0)

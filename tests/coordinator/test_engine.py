@@ -239,15 +239,18 @@ async def test_a_dying_loop_fails_every_job_with_internal_and_refuses_submits():
 
 
 async def test_client_keys_reach_the_scheduler_and_name_the_events_subject():
-    e, _ = engine(Velocities(), max_rows=1, max_client_queued_jobs=1)
+    e, _ = engine(Velocities(), max_rows=1, max_client_queued_jobs=2, max_session_queued_jobs=1)
     acc = e.submit(JobRequest(job_id="w1", digits=[1]), client="web/tab-7")
     assert acc.events_subject == "ddm.v1.c.web.jobs.w1.events"  # the session only keys fairness
     assert e.scheduler.owner_of("w1") == "web/tab-7"
-    e.submit(JobRequest(job_id="w2", digits=[1]), client="web/tab-7")  # queued: its client's one place
+    e.submit(JobRequest(job_id="w2", digits=[1]), client="web/tab-7")  # queued: its session's one place
     with pytest.raises(Rejected) as err:
         e.submit(JobRequest(digits=[1]), client="web/tab-7")
-    assert err.value.limit == "max_client_queued_jobs"
+    assert err.value.limit == "max_session_queued_jobs"
     e.submit(JobRequest(job_id="w3", digits=[1]), client="web/tab-8")  # another socket still gets in
+    with pytest.raises(Rejected) as err:  # ... until the client's own quota (its sessions together)
+        e.submit(JobRequest(digits=[1]), client="web/tab-9")
+    assert err.value.limit == "max_client_queued_jobs"
     assert e.metrics.sample("ddm_coordinator_jobs_rejected_by_limit_total", limit="max_client_queued_jobs") == 1
     with pytest.raises(Rejected, match="client name"):
         e.submit(JobRequest(digits=[1]), client="no.dots/x")

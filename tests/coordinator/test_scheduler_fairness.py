@@ -118,6 +118,55 @@ def test_client_queue_quota_refuses_the_flooder_with_the_limit_and_not_others():
     assert err.value.limit == "max_queued_jobs" and "(limit 2)" in err.value.reason
 
 
+def test_a_new_session_per_job_does_not_escape_the_client_quotas():
+    """A client naming a fresh session for every job ("heavy/s0", "heavy/s1", ...) counts as one
+    client: its sessions together stop at max_client_rows running rows and max_client_queued_jobs
+    waiting jobs, and another client's job is admitted before heavy's next one."""
+    s = make(max_rows=8, max_queued_jobs=8, max_client_rows=4, max_client_queued_jobs=3)
+    for i in range(4):  # 2 running (4 rows, heavy's quota), then 2 waiting
+        s.submit(JobRequest(job_id=f"h{i}", digits=[1, 2], steps=2), 0.0, client=f"heavy/s{i}")
+    s.submit(JobRequest(job_id="h4", digits=[1, 2], steps=2), 0.0, client="heavy/s4")
+    assert s.client_usage("heavy") == dict(running_rows=4, queued_jobs=3)
+    assert s.client_usage("heavy/s0") == dict(running_rows=2, queued_jobs=0)
+    with pytest.raises(Rejected) as err:
+        s.submit(JobRequest(job_id="h5", digits=[1]), 0.0, client="heavy/s5")
+    assert err.value.code == ErrorCode.OVERLOADED and err.value.limit == "max_client_queued_jobs"
+    assert err.value.reason.startswith("client quota: 3 queued jobs (limit 3)")
+    with pytest.raises(Rejected) as err:
+        s.submit(JobRequest(job_id="h6", digits=[1] * 5), 0.0, client="heavy/s6")
+    assert err.value.code == ErrorCode.TOO_LARGE and err.value.limit == "max_client_rows"
+    # light starts at once: heavy's waiting jobs are held by heavy's quota, not by free rows
+    assert s.submit(JobRequest(job_id="l0", digits=[3] * 4, steps=2), 0.0, client="light/x").queue_position == 0
+    assert s.active_rows == 8
+
+
+def test_session_quotas_apply_within_a_client_and_sessions_share_its_turns():
+    """max_session_rows / max_session_queued_jobs bound each "<client>/<session>"; when rows free up,
+    the sessions of one client take turns (fewest running rows first), and the client's own quota
+    bounds them all."""
+    s = make(max_rows=2, max_queued_jobs=16, max_client_queued_jobs=8, max_session_rows=1, max_session_queued_jobs=2)
+    with pytest.raises(Rejected) as err:
+        s.submit(JobRequest(digits=[1, 2]), 0.0, client="c/a")
+    assert err.value.code == ErrorCode.TOO_LARGE and err.value.limit == "max_session_rows"
+    for j in ("a0", "a1", "a2"):  # a0 runs (a's 1 row), a1 and a2 wait
+        s.submit(JobRequest(job_id=j, digits=[1], steps=1, stream=False), 0.0, client="c/a")
+    with pytest.raises(Rejected) as err:
+        s.submit(JobRequest(job_id="a3", digits=[1]), 0.0, client="c/a")
+    assert err.value.limit == "max_session_queued_jobs" and "session quota: 2 queued jobs (limit 2)" in err.value.reason
+    s.submit(JobRequest(job_id="b0", digits=[1], steps=1, stream=False), 0.0, client="c/b")
+    assert s.client_usage("c") == dict(running_rows=2, queued_jobs=2)
+    order = []
+    for i in range(6):
+        ids, _ = round_(s, float(i))
+        if ids is None:
+            break
+        order.append(sorted(ids))
+    assert order == [["a0", "b0"], ["a1"], ["a2"]]  # session a never runs 2 rows at once
+    # (config checks)
+    with pytest.raises(ValueError, match="max_session_rows"):
+        make(max_session_rows=0)
+
+
 @pytest.mark.parametrize(
     "solver,strategy,top_k,evals,experts",
     [

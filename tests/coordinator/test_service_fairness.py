@@ -230,7 +230,9 @@ async def test_ddm_fleet_coordinator_exits_nonzero_when_its_engine_dies(nats_url
 def test_fair_sharing_flags_are_checked():
     from infra.cli import main
 
-    for flag in ("--max-client-rows", "--max-client-queued-jobs"):
-        assert main(["coordinator", flag, "0"]) == 2
-    for flag in ("--max-job-cost", "--max-job-run-s"):
+    assert main(["coordinator", "--max-client-queued-jobs", "0"]) == 2
+    # 0 means "no quota of its own" for these (rows: --max-rows; a session's: its client's)
+    for flag in ("--max-client-rows", "--max-session-rows", "--max-session-queued-jobs"):
+        assert main(["coordinator", flag, "-1"]) == 2
+    for flag in ("--max-job-cost", "--max-job-run-s", "--submit-rate", "--status-rate"):
         assert main(["coordinator", flag, "-1"]) == 2

@@ -127,7 +127,7 @@ WORKFLOW = [
     ("train", ["train-expert", "train-router", "distill"]),
     ("serve", ["worker", "coordinator", "web", "up", "nats"]),
     ("generate", ["generate", "sample"]),
-    ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz"]),
+    ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz", "probe"]),
     ("version and helpers", ["version", "wait-ready"]),
 ]
 

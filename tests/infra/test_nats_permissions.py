@@ -523,6 +523,55 @@ async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(co
         await svc.stop()
 
 
+@pytest.mark.parametrize("where", ["hub", "leaf"])
+async def test_discovery_cannot_make_a_worker_write_onto_a_clients_job_subject(
+    connect, server, tiny_expert_checkpoint, where
+):
+    """A client may publish $SRV discovery with any reply subject, and a worker answers the reply
+    subject a request names: a real worker (as `worker-0` on the hub, or behind a worker host's leaf
+    node) must not answer discovery whose reply subject is another client's job events (nor any
+    non-inbox subject), while discovery on an inbox still works."""
+    import json
+
+    from bus.inbox import discovery_inbox
+    from workers.service import ExpertWorker
+
+    async def discover(subject: str, timeout: float) -> dict:  # as the viewer asks: on its discovery inbox
+        inbox = discovery_inbox(web.nc)
+        sub = await web.nc.subscribe(inbox, max_msgs=1)
+        await web.nc.publish(subject, b"", reply=inbox)
+        return json.loads((await sub.next_msg(timeout=timeout)).data)
+
+    attacker, web = await connect("client"), await connect("web")
+    target = subjects.job_events("web", "j1")
+    events = await _collect(web, f"{subjects.client_namespace('web')}.jobs.*.events")
+    url = server.url(0, "worker-0") if where == "hub" else server.leaf("leaf-expert-0", name="leaf-srv").client_url
+    worker = ExpertWorker(expert=0, checkpoint=tiny_expert_checkpoint, nats_url=url, buckets=(1,))
+    await worker.start()
+    try:
+        sid = worker.service_id
+        ask = f"$SRV.INFO.ddm-expert.{sid}"
+        # discovery on the asker's own inbox is answered (once interest has crossed the leaf link)
+        info = None
+        for _ in range(50):
+            try:
+                info = await discover(ask, 1)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert info is not None and info["id"] == sid
+        for verb in ("PING", "INFO", "STATS"):
+            for subject in (f"$SRV.{verb}", f"$SRV.{verb}.ddm-expert", f"$SRV.{verb}.ddm-expert.{sid}"):
+                await attacker.nc.publish(subject, b"", reply=target)
+        await attacker.nc.flush()
+        assert (await discover(ask, 2))["id"] == sid  # after them too
+        await asyncio.sleep(0.3)  # grace for a message that must never arrive: no event marks its absence
+        assert [m.subject for m in events] == [] and attacker.errors == [] and web.errors == []
+        assert worker.dropped_requests == 9
+    finally:
+        await worker.stop()
+
+
 # ---------------------------------------------------------------- operators
 
 

@@ -70,7 +70,7 @@ ROLES: dict[str, list[str]] = {
         "infra/cmd_distill.py",
     ],
     "eval": ["evaluation/*", "infra/cmd_eval.py", "benchmarks/*", "infra/cmd_bench.py"],
-    "fuzz": ["fuzzing/*", "infra/cmd_fuzz.py"],
+    "fuzz": ["fuzzing/*", "infra/cmd_fuzz.py", "infra/cmd_probe.py"],
     "all": ["infra/cmd_up.py", "infra/launcher.py", "infra/gpu/*"],
 }
 

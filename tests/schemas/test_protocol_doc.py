@@ -161,7 +161,7 @@ def test_a_submit_is_answered_accepted_or_rejected_never_error():
 
     from coordinator.intake import Intake
 
-    src = inspect.getsource(Intake.on_submit)  # every refusal goes through _refused or JobRejected directly
+    src = inspect.getsource(Intake._on_submit)  # every refusal goes through _refused or JobRejected directly
     assert "ErrorReply" not in src and src.count("_refused(") + src.count("JobRejected(") >= 4
     assert "ErrorReply" not in inspect.getsource(Intake._refused)
 
