@@ -32,6 +32,7 @@ COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
     (
         "train",
         [
+            ("train-autoencoder", "infra.cmd_train_autoencoder", "train a KL autoencoder for latent-space experts"),
             ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch or jax)"),
             ("train-router", "infra.cmd_train_router", "train the router that picks a noisy image's experts"),
             ("distill", "infra.cmd_distill", "distill the experts + router into one dense UNet"),

