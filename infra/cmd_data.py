@@ -171,37 +171,6 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _encode(args: argparse.Namespace) -> int:
-    if args.autoencoder is None or args.data is None:
-        return _usage(args, "encode needs --autoencoder PATH and --data DIR")
-    if args.batch_size < 1:
-        return _usage(args, f"--batch-size must be positive, got {args.batch_size}")
-    from models.autoencoder import AutoencoderError
-    from training.encode_latents import encode_dataset
-
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    try:
-        result = encode_dataset(
-            args.autoencoder, args.data, args.out, dtype=args.dtype, batch_size=args.batch_size, force=args.force
-        )
-    except AutoencoderError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    m = result.manifest
-    counts = ", ".join(f"{s} {i['count']}" for s, i in m["splits"].items())
-    shape = f"{m['channels']}x{m['size']}x{m['size']}"
-    if result.built:
-        print(f"encoded {args.data} into {result.path}: {shape} {args.dtype} latents, {counts}")
-    else:
-        print(f"latent cache is up to date at {result.path} (same data and autoencoder; nothing to do): {counts}")
-    print(f"decoder: {m['latent']['decoder']}")
-    print(f"content hash: {m['content_hash']}")
-    return 0
-
-
 def _info_default(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -246,7 +215,10 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "encode":
             if args.dir is not None:
                 return _usage(args, f"encode takes no directory argument ({args.dir!r}); use --data DIR")
-            return _encode(args)
+            import importlib
+
+            # needs torch (the training extra): its own module, imported on use as infra/cli.py does
+            return importlib.import_module("infra.cmd_data_encode").run_encode(args)
         if args.dir is None:
             return _info_default(args)
         from dataset.prepared import summary, verify_prepared
