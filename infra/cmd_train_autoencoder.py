@@ -9,7 +9,7 @@ dataset's latents, and partition / train-expert / train-router take that cache a
 
 Examples:
   ddm-fleet train-autoencoder --data data/colour-mnist --out runs/colour-latent/autoencoder
-  ddm-fleet train-autoencoder --data data/colour-mnist --widths 16,32 --out runs/ae16   # 4x16x16 latents
+  ddm-fleet train-autoencoder --data data/colour-mnist --widths 16,32,64 --out runs/ae8   # 4x8x8 latents
   ddm-fleet train-autoencoder --data data/colour-mnist --out runs/colour-latent/autoencoder --resume --steps 4000
 """
 
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--widths",
-        default="16,32,64",
-        help="channels per level; each level after the first halves the size (default %(default)s: 32 -> 8)",
+        default="16,32",
+        help="channels per level; each level after the first halves the size (default %(default)s: 32 -> 16)",
     )
     parser.add_argument("--latent-channels", type=int, default=4, help="latent channels c (default %(default)s)")
     parser.add_argument("--loss", choices=("l1", "mse"), default="l1", help="reconstruction loss (default %(default)s)")

@@ -47,12 +47,13 @@ class AutoencoderError(ValueError):
 @dataclass(frozen=True)
 class AutoencoderConfig:
     """The network's shape. `widths`: channels per resolution level; each level after the first halves
-    the size, so the downsampling factor is 2 ** (len(widths) - 1): (32, 64, 64) maps 32x32 to 8x8."""
+    the size, so the downsampling factor is 2 ** (len(widths) - 1): (16, 32) maps 32x32 to 16x16,
+    (16, 32, 64) to 8x8."""
 
     in_channels: int = 3
     image_size: int = 32
     latent_channels: int = 4
-    widths: tuple[int, ...] = (32, 64, 64)
+    widths: tuple[int, ...] = (16, 32)
     groups: int = 8
 
     def __post_init__(self) -> None:

@@ -1,10 +1,11 @@
 """A small KL autoencoder in PyTorch, and its numpy API (`LatentCodec`) for encoding data and decoding samples.
 
-Layout (widths w = (w0, w1, w2), 32x32 RGB input, 4 latent channels):
+Layout (widths w = (w0, ..., w_L), 32x32 RGB input, 4 latent channels; (16, 32) gives 16x16 latents,
+(16, 32, 64) 8x8):
 
     encoder: conv_in(C -> w0) ; per level i: ResBlock(-> w_i), then a stride-2 conv (all but the last level)
-             ; mid ResBlock ; GroupNorm, SiLU, conv(-> 2c) = posterior mean and log-variance   [B, 2c, 8, 8]
-    decoder: conv_in(c -> w_last) ; mid ResBlock ; per level from the last: ResBlock(-> w_i), then nearest x2
+             ; mid ResBlock ; GroupNorm, SiLU, conv(-> 2c) = posterior mean and log-variance   [B, 2c, h, w]
+    decoder: conv_in(c -> w_L) ; mid ResBlock ; per level from the last: ResBlock(-> w_i), then nearest x2
              upsample + conv (all but the first level) ; GroupNorm, SiLU, conv(-> C)           [B, C, 32, 32]
 
 ResBlock(cin, cout): GroupNorm -> SiLU -> conv3x3 -> GroupNorm -> SiLU -> conv3x3, plus a 1x1 shortcut
@@ -181,6 +182,8 @@ class LatentCodec:
             raise AutoencoderError(f"{what} must be [N, {', '.join(map(str, shape))}], got {list(x.shape)}")
         if not np.issubdtype(x.dtype, np.floating):
             raise AutoencoderError(f"{what} must be float (images in [-1, 1], latents scaled), got {x.dtype}")
+        if not np.isfinite(x).all():
+            raise AutoencoderError(f"{what} hold non-finite values (NaN or inf)")
         return x
 
     @torch.no_grad()

@@ -36,7 +36,7 @@ class AETrainConfig:
     data: str
     out: str = "runs/autoencoder/autoencoder"
     run_dir: str = "runs/autoencoder"
-    widths: tuple[int, ...] = (16, 32, 64)
+    widths: tuple[int, ...] = (16, 32)
     latent_channels: int = 4
     loss: str = "l1"
     kl_weight: float = 1e-4

@@ -103,6 +103,8 @@ def test_codec_encodes_scaled_latents_and_decodes_to_the_value_range(setup, tmp_
         codec.decode(np.zeros((2, 4, 4, 4), np.float32))
     with pytest.raises(AutoencoderError, match="must be float"):
         codec.decode(np.zeros((2, 4, 8, 8), np.int64))
+    with pytest.raises(AutoencoderError, match="non-finite"):
+        codec.decode(np.full((2, 4, 8, 8), np.nan, np.float32))
 
 
 def test_autoencoder_checkpoint_edited_json_is_refused(setup, tmp_path):
