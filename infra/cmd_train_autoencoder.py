@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint path without suffix (default %(default)s)",
     )
     parser.add_argument(
-        "--run-dir", default=None, metavar="DIR", help="where resume.pt lives (default: the --out's directory)"
+        "--run-dir", default=None, metavar="DIR", help="where resume.pt lives (default runs/<the --out's name>)"
     )
     parser.add_argument(
         "--widths",
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = AETrainConfig(
             data=args.data,
             out=args.out,
-            run_dir=args.run_dir or str(Path(args.out).parent),
+            run_dir=args.run_dir or str(Path("runs") / Path(args.out).name),
             widths=parse_widths(args.widths),
             latent_channels=args.latent_channels,
             loss=args.loss,

@@ -127,7 +127,7 @@ def test_train_autoencoder_few_steps_then_resume(tmp_path, capsys):
     data = _prepare(tmp_path / "ds")
     out = tmp_path / "run" / "ae"
     args = ["train-autoencoder", "--data", str(data), "--widths", "8,16", "--batch-size", "8", "--threads", "1"]
-    args += ["--out", str(out), "--no-progress", "--save-every", "2"]
+    args += ["--out", str(out), "--run-dir", str(tmp_path / "run"), "--no-progress", "--save-every", "2"]
     assert main([*args, "--steps", "4"]) == 0
     meta = load_autoencoder_meta(out)
     spec, stats = meta["spec"], meta["training"]
