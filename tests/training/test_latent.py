@@ -250,7 +250,21 @@ def test_latent_expert_and_router_say_latent(setup, tmp_path, capsys):
 
     # without --data the partition's own cache is used; the router's spec says latent too
     router = tmp_path / "router"
-    assert main(["train-router", "--partition", str(part), *QUICK[:6], "--out", str(router)]) == 0
+    assert (
+        main(
+            [
+                "train-router",
+                "--partition",
+                str(part),
+                *QUICK[:6],
+                "--out",
+                str(router),
+                "--run-dir",
+                str(tmp_path / "rr"),
+            ]
+        )
+        == 0
+    )
     rspec = spec_of(load_router_meta(router))
     assert rspec.space == "latent" and rspec.decoder == decoder and list(rspec.sample_shape) == [4, 8, 8]
 
@@ -275,7 +289,23 @@ def test_pixel_partition_trains_on_its_latents_and_resume_keeps_the_autoencoder(
     assert spec_of(load_checkpoint(out.with_suffix(".safetensors"))[0]).space == "latent"
     # the router on latents of a pixel partition: val targets come from the source images
     router = tmp_path / "router"
-    assert main(["train-router", "--data", str(cache), "--partition", str(part), *QUICK[:6], "--out", str(router)]) == 0
+    assert (
+        main(
+            [
+                "train-router",
+                "--data",
+                str(cache),
+                "--partition",
+                str(part),
+                *QUICK[:6],
+                "--out",
+                str(router),
+                "--run-dir",
+                str(tmp_path / "rr"),
+            ]
+        )
+        == 0
+    )
     assert load_router_meta(router)["accuracy_vs_t"]["n"] == 16
 
     # the same pixel partition accepts either autoencoder's cache, but a run keeps its autoencoder on resume
