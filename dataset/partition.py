@@ -66,12 +66,30 @@ class DatasetRef(BaseModel):
     sample_shape: list[int]  # [C, S, S]
     num_classes: int = Field(ge=0)  # 0 = unlabelled (conditioning none)
     class_names: list[str] = Field(default_factory=list)
+    # A latent cache (`ddm-fleet data encode`): the model spec's decoder string, the latents' value
+    # range, the content hash of the image dataset they encode and the autoencoder's path (a hint).
+    # All None for images.
+    space: Literal["pixels", "latent"] | None = None
+    decoder: str | None = None
+    value_range: list[float] | None = None
+    source_hash: str | None = None
+    autoencoder: str | None = None
 
     @classmethod
     def from_prepared(cls, prepared_manifest: dict, path: str | os.PathLike) -> DatasetRef:
         """The reference to a prepared dataset from its manifest (`dataset.prepared.read_manifest`)."""
         names = list(prepared_manifest.get("class_names") or [])
         c, s = int(prepared_manifest["channels"]), int(prepared_manifest["size"])
+        latent = {}
+        if prepared_manifest.get("space") == "latent":
+            lat = prepared_manifest.get("latent") or {}
+            latent = {
+                "space": "latent",
+                "decoder": lat.get("decoder"),
+                "value_range": [float(v) for v in prepared_manifest["value_range"]],
+                "source_hash": (lat.get("source") or {}).get("content_hash"),
+                "autoencoder": lat.get("autoencoder"),
+            }
         return cls(
             name=str(prepared_manifest["name"]),
             path=str(path),
@@ -79,12 +97,22 @@ class DatasetRef(BaseModel):
             sample_shape=[c, s, s],
             num_classes=len(names),
             class_names=names,
+            **latent,
         )
 
+    @property
+    def is_latent(self) -> bool:
+        return self.space == "latent"
+
     def describe(self) -> str:
-        """'<name>' (<path>, 3x32x32, content sha256 1234abcd...) for error messages."""
+        """'<name>' (<path>, 3x32x32, content sha256 1234abcd...) for error messages; a latent cache
+        also names its autoencoder."""
         shape = "x".join(str(v) for v in self.sample_shape)
-        return f"dataset {self.name!r} ({self.path}, {shape}, content sha256 {self.content_hash[:12]}...)"
+        what = f"{shape}, content sha256 {self.content_hash[:12]}..."
+        if self.is_latent:
+            by = self.decoder or "an unnamed autoencoder"
+            what = f"{shape} latents of {by}, content sha256 {self.content_hash[:12]}..."
+        return f"dataset {self.name!r} ({self.path}, {what})"
 
 
 #: How error messages name the dataset of a manifest without a `dataset` block.
@@ -628,7 +656,16 @@ def check_same_dataset(manifest: Manifest, dataset: DatasetRef | None, where: st
         return
     if mine is not None and dataset is not None and mine.content_hash == dataset.content_hash:
         return
+    if mine is not None and dataset is not None and dataset.is_latent and dataset.source_hash == mine.content_hash:
+        return  # the latents of the very images the partition indexes (same order, same count)
     given = dataset.describe() if dataset is not None else MNIST_DESCRIPTION
+    if mine is not None and dataset is not None and mine.is_latent and dataset.is_latent:
+        if mine.source_hash == dataset.source_hash and mine.decoder != dataset.decoder:
+            raise PartitionError(
+                f"{where} was made from latents of {mine.decoder}, but the latent cache given ({dataset.path}) "
+                f"holds latents of another autoencoder, {dataset.decoder}; latents of two autoencoders do not "
+                f"mix: pass --data {mine.path}, or make a partition of this cache"
+            )
     fix = f"pass --data {mine.path}" if mine is not None else "leave out --data (it indexes MNIST)"
     raise PartitionError(
         f"{where} was made from {manifest.dataset_description()}, but the data given is {given}; "

@@ -99,15 +99,20 @@ def _split_stats(labels: np.ndarray, num_classes: int) -> dict:
     }
 
 
-def _check_arrays(split: str, arrays: dict[str, np.ndarray], channels: int, size: int, num_classes: int) -> None:
+def _check_arrays(
+    split: str, arrays: dict[str, np.ndarray], channels: int, size: int, num_classes: int, latent: bool = False
+) -> None:
     images, labels = arrays.get("images"), arrays.get("labels")
     if images is None or labels is None:
         raise ValueError(f"split {split}: needs 'images' and 'labels' arrays")
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (channels, size, size):
+    dtypes = (np.float16, np.float32) if latent else (np.uint8,)
+    if images.dtype not in dtypes or images.ndim != 4 or images.shape[1:] != (channels, size, size):
+        want = "float16 or float32 latents" if latent else "uint8 images"
         raise ValueError(
-            f"split {split}: images must be uint8 [N, {channels}, {size}, {size}], "
-            f"got {images.dtype} {list(images.shape)}"
+            f"split {split}: {want} must be [N, {channels}, {size}, {size}], got {images.dtype} {list(images.shape)}"
         )
+    if latent and not bool(np.isfinite(images).all()):
+        raise ValueError(f"split {split}: latents hold non-finite values")
     if labels.dtype != np.int64 or labels.shape != (len(images),):
         raise ValueError(
             f"split {split}: labels must be int64 [{len(images)}], got {labels.dtype} {list(labels.shape)}"
@@ -140,6 +145,7 @@ def write_prepared(
     made: dict,
     key: str,
     extra: dict | None = None,
+    latent: dict | None = None,
 ) -> dict:
     """Write a prepared dataset atomically (a temp dir swapped in) and return its manifest.
 
@@ -147,13 +153,16 @@ def write_prepared(
     ``class_names``: one per class (labels index it), or None for an unlabelled set (labels all -1).
     ``made``: how it was made (seed, options); ``key``: :func:`inputs_key` of the inputs, compared by
     :func:`up_to_date`; ``extra``: more manifest fields (e.g. colour MNIST's palette table).
+    ``latent``: a latent cache (training/encode_latents.py): "images" are float16/float32 latents
+    [N, c, h, w] used as they are, and this dict (autoencoder, decoder, scaling, source dataset,
+    "value_range") is stored under "latent"; the manifest says "space": "latent".
     """
     out = Path(out)
     first = next(iter(splits.values()))["images"]
     channels, size = int(first.shape[1]), int(first.shape[2])
     num_classes = len(class_names or [])
     for split, arrays in splits.items():
-        _check_arrays(split, arrays, channels, size, num_classes)
+        _check_arrays(split, arrays, channels, size, num_classes, latent=latent is not None)
     _ensure_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -182,8 +191,12 @@ def write_prepared(
             "size": size,
             "channels": channels,
             "sample_shape": [channels, size, size],
-            "value_range": [-1.0, 1.0],
-            "pixel_to_model": "x = p * 2/255 - 1 (uint8 p), float32",
+            "value_range": list(latent["value_range"]) if latent else [-1.0, 1.0],
+            **(
+                {"space": "latent", "pixel_to_model": "latents as stored (scaled to unit variance), as float32"}
+                if latent
+                else {"pixel_to_model": "x = p * 2/255 - 1 (uint8 p), float32"}
+            ),
             "conditioning": {"kind": "class", "num_classes": num_classes} if class_names else {"kind": "none"},
             "class_names": list(class_names or []),
             "splits": split_info,
@@ -194,6 +207,7 @@ def write_prepared(
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
             "inputs_key": key,
+            **({"latent": latent} if latent else {}),
             **(extra or {}),
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -366,14 +380,31 @@ def to_model_range(images_u8: np.ndarray) -> np.ndarray:
     return _LUT[x]
 
 
+def is_latent(manifest: dict) -> bool:
+    """Whether a prepared manifest is a latent cache (float latents of an autoencoder, not uint8 images)."""
+    return manifest.get("space") == "latent"
+
+
+def _images_line(manifest: dict) -> str:
+    c, s = manifest["channels"], manifest["size"]
+    if not is_latent(manifest):
+        return f"images:  {c}x{s}x{s} uint8 ({'RGB' if c == 3 else 'grey'}), model range [-1, 1]"
+    lat = manifest.get("latent", {})
+    src = lat.get("source", {})
+    return (
+        f"latents: {c}x{s}x{s} {lat.get('dtype', '?')} of {src.get('name', '?')} "
+        f"({'x'.join(map(str, lat.get('image_shape', [])))} images), value range {manifest.get('value_range')}, "
+        f"autoencoder {lat.get('autoencoder', '?')} (sha256 {str(lat.get('autoencoder_hash', '?'))[:16]}...)"
+    )
+
+
 def summary(manifest: dict, path: str | os.PathLike | None = None) -> str:
     """A few lines for `ddm-fleet data info DIR`: name, shape, classes, counts per split and class, hash."""
     names = manifest.get("class_names") or []
-    c, s = manifest["channels"], manifest["size"]
     lines = [
         f"dataset: {manifest['name']}" + (f"  ({path})" if path else ""),
         f"source:  {json.dumps(manifest.get('source', {}), sort_keys=True)}",
-        f"images:  {c}x{s}x{s} uint8 ({'RGB' if c == 3 else 'grey'}), model range [-1, 1]",
+        _images_line(manifest),
         f"classes: {len(names)}: {', '.join(names)}" if names else "classes: none (unlabelled; conditioning none)",
         f"made:    {json.dumps({k: v for k, v in manifest.get('made', {}).items()}, sort_keys=True)}",
         f"content: sha256 {manifest['content_hash']}",

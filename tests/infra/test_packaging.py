@@ -68,6 +68,8 @@ ROLES: dict[str, list[str]] = {
         "infra/cmd_sample.py",
         "infra/cmd_partition.py",
         "infra/cmd_distill.py",
+        "infra/cmd_train_autoencoder.py",
+        "infra/cmd_data_encode.py",
     ],
     "eval": ["evaluation/*", "infra/cmd_eval.py", "benchmarks/*", "infra/cmd_bench.py"],
     "fuzz": ["fuzzing/*", "infra/cmd_fuzz.py", "infra/cmd_probe.py"],
