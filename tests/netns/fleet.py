@@ -214,7 +214,7 @@ async def stop(proc) -> bytes:
 
 #: The hosts of the standard partition fleet, and the NATS node each one's processes connect to.
 NATS_HOSTS = ["n0", "n1", "n2"]
-NODE_OF = {"ca": "n0", "cb": "n1", "w0": "n0", "w1": "n1", "cl": "n2", "obs": "n2"}
+NODE_OF = {"ca": "n0", "cb": "n1", "w0": "n0", "w1": "n1", "cl": "n1", "obs": "n1"}
 HOSTS = NATS_HOSTS + list(NODE_OF)
 #: durable coordinator name -> its host
 COORD_HOSTS = {"ca": "ca", "cb": "cb"}
@@ -223,8 +223,8 @@ COORD_HOSTS = {"ca": "ca", "cb": "cb"}
 class Fleet:
     """The standard partition fleet on a fresh Net: n0 n1 n2 (NATS, JetStream R3), coordinators ca
     (on n0) and cb (on n1), a sim worker of every expert on w0 (n0) and on w1 (n1), a client loop on
-    cl (n2) and an observer loop on obs (n2: reads the durable buckets). Built by `start`, torn
-    down by `close`."""
+    cl (n1) and an observer loop on obs (n1: reads the durable buckets); n2 serves no process, only
+    routes and JetStream. Built by `start`, torn down by `close`."""
 
     def __init__(self, workdir: Path, experts, router, *, lease_s: float, batch_ms: float, checkpoint_every: int = 10):
         self.workdir, self.experts, self.router = Path(workdir), list(experts), router
@@ -266,7 +266,7 @@ class Fleet:
 
         async def connect_client():
             return await nats.connect(
-                c.url("n2", "client"),
+                c.url(NODE_OF["cl"], "client"),
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.2,
                 **ping,
@@ -275,7 +275,7 @@ class Fleet:
 
         self.client_nc = await self.cl.run(connect_client())
         self.reader = await self.obs.run(
-            nats.connect(c.url("n2", "coordinator"), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+            nats.connect(c.url(NODE_OF["obs"], "coordinator"), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         )
         return self
 
@@ -302,7 +302,7 @@ class Fleet:
         from tests.coordinator.durable_procs import reference_images
 
         async def run():
-            nc = await nats.connect(self.cluster.url("n2", "client"), **client_connect_options("client"))
+            nc = await nats.connect(self.cluster.url(NODE_OF["obs"], "client"), **client_connect_options("client"))
             try:
                 return await reference_images(nc, reqs, tag)
             finally:

@@ -3,8 +3,8 @@ the whole history of its jobs.
 
 The fleet (tests.netns.fleet.Fleet): a 3-node NATS cluster with JetStream R3 on hosts n0 n1 n2, two
 durable coordinators ca (connected to n0) and cb (n1), a sim worker of each expert on w0 (n0) and on
-w1 (n1), the client on cl (n2). Links are cut at the switch (`ip link set <port> down`) or the switch
-is split in two (each side on a bridge of its own), then healed.
+w1 (n1), the client on cl (n1; n2 serves JetStream and routes only). Links are cut at the switch
+(`ip link set <port> down`) or the switch is split in two (each side on a bridge of its own), then healed.
 
 Every test checks: every job submitted ends exactly once (one `done`, no `failed`), its images are
 bit-identical to an undisturbed run of the same requests, and once a coordinator lost a job's lease
@@ -105,19 +105,59 @@ async def mid_run(fleet: Fleet, log: EventLog, ids) -> tuple[str, list[str]]:
     return victim, [j for j in running if owners[j] == victim]
 
 
+class OwnerWatch:
+    """Polls the owner of every job (ddm_job_owners) every `every` s in the background: for each job,
+    the times at which its owner changed (a take-over), as the observer saw them."""
+
+    def __init__(self, fleet: Fleet, ids, every: float = 0.1):
+        self.fleet, self.ids, self.every = fleet, list(ids), every
+        self.owner: dict[str, str] = {}
+        self.changes: dict[str, list[tuple[float, str]]] = {}
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                owners = await asyncio.wait_for(self.fleet.owners(self.ids), 5)
+            except Exception:  # the observer's node electing a leader: try again
+                owners = {}
+            now = time.monotonic()
+            for j, o in owners.items():
+                if o is None:
+                    continue
+                if j in self.owner and self.owner[j] != o:
+                    self.changes.setdefault(j, []).append((now, o))
+                self.owner[j] = o
+            await asyncio.sleep(self.every)
+
+    def last_change(self) -> dict[str, float]:
+        return {j: ch[-1][0] for j, ch in self.changes.items()}
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
 def longest_pause(log: EventLog, j: str, after: float = 0.0) -> float:
     ts = [t for t, _, _ in log.events.get(j, []) if t >= after]
     return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
 
 
-def check_history(log: EventLog, ids, *, taken: dict[str, float] | None = None) -> None:
+def check_history(
+    log: EventLog, ids, *, taken: dict[str, float] | None = None, whole: bool = False, complete: bool = True
+) -> None:
     """Exactly one `done` per job, last frame the last step, nothing after `done`; for a job taken
-    over at time taken[j]: the frames after it strictly increase (one publisher)."""
+    over at time taken[j]: the frames after it strictly increase (one publisher); with `whole`, the
+    frames of a job never taken over strictly increase from the first (never resent, never stale).
+    `complete=False`: frames may be missing (a client that was away), the last one too."""
     for j in ids:
+        if whole and not (taken and j in taken):
+            steps = log.steps(j)
+            assert all(b > a for a, b in zip(steps, steps[1:])), f"{j}: {render(log.events[j], log.events[j][0][0])}"
         ev = log.events[j]
         kinds = [k for _, k, _ in ev]
         assert kinds.count("done") == 1 and "failed" not in kinds, f"{j}: {render(ev, ev[0][0])}"
-        assert kinds[-1] == "done" and log.steps(j)[-1] == STEPS, f"{j}: {render(ev, ev[0][0])}"
+        assert kinds[-1] == "done" and (log.steps(j)[-1] == STEPS or not complete), f"{j}: {render(ev, ev[0][0])}"
         if taken and j in taken:
             after = [s for t, k, s in ev if k == "frame" and t > taken[j]]
             assert after and all(b > a for a, b in zip(after, after[1:])), f"{j}: {render(ev, taken[j])}"
@@ -182,3 +222,161 @@ async def test_owner_host_cut_from_the_cluster_standby_takes_over_and_the_healed
         assert f"job {j}: ".encode() in errs[victim] and b"stops publishing for it" in errs[victim], errs[victim][
             -3000:
         ]
+
+
+async def test_worker_host_cut_mid_batch_its_requests_go_to_the_other_host(fleet):
+    log = EventLog()
+    reqs, runs = await jobs_on_both(fleet, log, "wcut")
+    ids = [r.job_id for r in reqs]
+    watch = OwnerWatch(fleet, ids)
+    await mid_run(fleet, log, ids)
+    running = [j for j in ids if not log.dones(j)]
+    fleet.net.cut("w0")  # both experts' workers on w0 hold requests of this tick
+    cut_at = time.monotonic()
+    got = await asyncio.wait_for(asyncio.gather(*runs), 300)
+    await watch.stop()
+    check_history(log, ids, taken=watch.last_change(), whole=True)
+    pauses = [longest_pause(log, j, cut_at - 1) for j in running]
+    print(
+        f"\ncut worker host w0 with {len(running)}/{len(ids)} jobs running: all done "
+        f"{max(log.events[j][-1][0] for j in ids) - cut_at:.1f} s later; longest pause of a job {max(pauses):.1f} s "
+        f"(hedging; step timeout 5 s); take-overs {len(watch.changes)}; 0 lost, 0 failed, 1 done each"
+    )
+    await check_images(fleet, reqs, got, "wcutref")
+    check_logs(await fleet.close())
+
+
+async def test_client_cut_and_healed_recovers_its_jobs_by_status(fleet):
+    # the client pings every 0.5 s: it sees the dead link, reconnects once healed, and what was published
+    # meanwhile (frames, `done`s) is gone with the old connection; it must ask for its jobs' status
+    await fleet.cl.run(_short_pings(fleet.client_nc))
+    log = EventLog()
+    reqs, runs = await jobs_on_both(fleet, log, "ccut")
+    ids = [r.job_id for r in reqs]
+    await mid_run(fleet, log, ids)
+    fleet.net.cut("cl")
+    cut_at = time.monotonic()
+    # the jobs run on while the client is away: wait until both coordinators have finished them
+    await wait_until(lambda: _no_leases(fleet, ids), timeout=120, interval=0.2, what="every job finished")
+    fleet.net.heal("cl")
+    healed_at = time.monotonic()
+    got = await asyncio.wait_for(asyncio.gather(*runs), 300)
+    done_while_away = [j for j in ids if max(log.steps(j)) < STEPS]  # its last frames and `done` were lost
+    check_history(log, ids, whole=True, complete=False)
+    print(
+        f"\ncut the client's host for {healed_at - cut_at:.1f} s (every job finished meanwhile); "
+        f"{len(done_while_away)}/{len(ids)} jobs recovered by status after the heal, last `done` "
+        f"{max(log.events[j][-1][0] for j in ids) - healed_at:.1f} s after it; 0 lost, 0 failed, 1 done each"
+    )
+    assert done_while_away, "no job lost its `done` with the cut: cut longer"
+    await check_images(fleet, reqs, got, "ccutref")
+    check_logs(await fleet.close())
+
+
+async def _short_pings(nc) -> None:
+    nc.options["ping_interval"] = 0.5
+    nc.options["max_outstanding_pings"] = 3
+    nc._ping_interval_task.cancel()
+    nc._ping_interval_task = asyncio.ensure_future(nc._ping_interval())
+
+
+async def _no_leases(fleet: Fleet, ids) -> bool:
+    return not any((await fleet.owners(ids)).values())
+
+
+async def test_split_brain_owner_cut_from_the_jetstream_majority_still_reaching_its_workers(fleet):
+    log = EventLog()
+    reqs, runs = await jobs_on_both(fleet, log, "split")
+    ids = [r.job_id for r in reqs]
+    watch = OwnerWatch(fleet, ids)
+    await mid_run(fleet, log, ids)
+    running = [j for j in ids if not log.dones(j)]
+    theirs = [j for j, o in (await fleet.owners(running)).items() if o == "ca"]
+    assert theirs, "ca owns no running job: make the jobs longer"
+    # ca keeps n0 and the workers on w0; n0 is cut from n1 and n2 (JetStream's majority) and the rest
+    fleet.net.partition(["ca", "n0", "w0"], ["cb", "n1", "n2", "w1", "cl", "obs"])
+    cut_at = time.monotonic()
+
+    async def taken():
+        owners = await fleet.owners(theirs)
+        return all(o == "cb" or log.dones(j) for j, o in owners.items())
+
+    await wait_until(taken, timeout=60, interval=0.1, what="cb holds the jobs of ca, cut off with n0")
+    taken_at = time.monotonic()
+    await wait_until(
+        lambda: all(log.dones(j) or any(t > taken_at for t, _, _ in log.events[j]) for j in theirs),
+        timeout=60,
+        what="frames of cb",
+    )
+    fleet.net.heal_all()
+    healed_at = time.monotonic()
+    got = await asyncio.wait_for(asyncio.gather(*runs), 300)
+    await watch.stop()
+    taken_times = {**watch.last_change(), **{j: taken_at for j in theirs}}
+    check_history(log, ids, taken=taken_times, whole=True)
+    pauses = [longest_pause(log, j, cut_at - 1) for j in theirs]
+    print(
+        f"\nsplit {{ca, n0, w0}} from the rest with {len(theirs)}/{len(ids)} running jobs ca's: cb held them "
+        f"{taken_at - cut_at:.1f} s later (lease {LEASE_S:g} s); longest pause {max(pauses):.1f} s; healed "
+        f"{healed_at - cut_at:.1f} s after the split; 0 lost, 0 failed, 1 done each"
+    )
+    await check_images(fleet, reqs, got, "splitref")
+    errs = await fleet.close()
+    check_logs(errs)
+    for j in theirs:
+        assert f"job {j}: ".encode() in errs["ca"] and b"stops publishing for it" in errs["ca"], errs["ca"][-3000:]
+
+
+async def test_minority_nats_node_cut_then_healed_rejoins_and_no_job_ends_twice(fleet):
+    log = EventLog()
+    reqs, runs = await jobs_on_both(fleet, log, "ncut")
+    ids = [r.job_id for r in reqs]
+    watch = OwnerWatch(fleet, ids)
+    await mid_run(fleet, log, ids)
+    streams = ("KV_ddm_jobs", "KV_ddm_job_owners")
+    leaders = {s: await asyncio.to_thread(fleet.cluster.stream_leader, "n1", s) for s in streams}
+    fleet.net.cut("n2")  # routes and JetStream only: n0 and n1 keep the quorum
+    cut_at = time.monotonic()
+    await asyncio.sleep(2 * LEASE_S)
+    fleet.net.heal("n2")
+    healed_at = time.monotonic()
+    got = await asyncio.wait_for(asyncio.gather(*runs), 300)
+    await watch.stop()
+    check_history(log, ids, taken=watch.last_change(), whole=True)
+    # n2 is back in the mesh and a current JetStream peer
+    await asyncio.to_thread(fleet.cluster.wait_formed, 60)
+    await asyncio.to_thread(fleet.cluster.wait_jetstream, 60)
+    pauses = [longest_pause(log, j, cut_at - 1) for j in ids]
+    print(
+        f"\ncut NATS node n2 (leader of {[s for s, h in leaders.items() if h == 'n2'] or 'no bucket'}) for "
+        f"{healed_at - cut_at:.1f} s: longest pause of a job {max(pauses):.1f} s; take-overs {len(watch.changes)}; "
+        "n2 rejoined (routes, JetStream peer current); 0 lost, 0 failed, 1 done each"
+    )
+    await check_images(fleet, reqs, got, "ncutref")
+    check_logs(await fleet.close())
+
+
+async def test_flapping_owner_link_within_a_lease(fleet):
+    log = EventLog()
+    reqs, runs = await jobs_on_both(fleet, log, "flap")
+    ids = [r.job_id for r in reqs]
+    watch = OwnerWatch(fleet, ids)
+    victim, theirs = await mid_run(fleet, log, ids)
+    host = fleet.host_of(victim)
+    cut_at = time.monotonic()
+    for _ in range(4):  # each cut shorter than the lease, four of them within two leases
+        fleet.net.cut(host)
+        await asyncio.sleep(LEASE_S / 4)
+        fleet.net.heal(host)
+        await asyncio.sleep(LEASE_S / 4)
+    got = await asyncio.wait_for(asyncio.gather(*runs), 300)
+    await watch.stop()
+    check_history(log, ids, taken=watch.last_change(), whole=True)
+    pauses = [longest_pause(log, j, cut_at - 1) for j in theirs]
+    print(
+        f"\nflapped {victim}'s link 4 times ({LEASE_S / 4:g} s down, {LEASE_S / 4:g} s up) with {len(theirs)} running "
+        f"jobs its own: longest pause {max(pauses):.1f} s; jobs taken over {len(watch.changes)}; "
+        "0 lost, 0 failed, 1 done each"
+    )
+    await check_images(fleet, reqs, got, "flapref")
+    check_logs(await fleet.close())
