@@ -287,6 +287,15 @@ class Fleet:
 
         return await self.obs.run(owners_of(self.reader, ids))
 
+    async def owners_now(self, ids) -> dict[str, str | None] | None:
+        """`owners`, or None while the buckets do not answer (their stream electing a leader after a cut)."""
+        import nats.errors
+
+        try:
+            return await asyncio.wait_for(self.owners(ids), 10)
+        except (nats.errors.Error, TimeoutError):
+            return None
+
     def submit(self, req, log, **kw) -> asyncio.Future:
         """run_job(req) on the client host; an asyncio future of this loop."""
         from client.jobs import run_job
