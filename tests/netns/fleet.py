@@ -324,6 +324,7 @@ class Fleet:
         errs = {}
         for name, proc in self.coords.items():
             errs[name] = await stop(proc)
+            (self.workdir / f"{name}.stderr").write_bytes(errs[name])  # kept with the test's tmp dir
         for procs in self.workers.values():
             for p in procs:
                 await stop(p)
