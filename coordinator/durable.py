@@ -146,7 +146,6 @@ class JobStore:
         self._cp_rev: dict[str, int] = {}  # job id -> revision of our last checkpoint write
         self._lease_rev: dict[str, int] = {}  # job id -> revision of our lease
         self.last_renewed = time.monotonic()
-        self._renewed: dict[str, float] = {}  # job id -> monotonic time before our last write of its lease
         self.writes = 0  # checkpoint writes (admission, periodic, take-over, hand-over)
         self.bytes_written = 0
         self.takeovers = 0  # jobs taken from another run (take())
@@ -235,13 +234,11 @@ class JobStore:
         another coordinator already holds a job of that id (then it is not durable here)."""
         import nats.js.errors
 
-        started = time.monotonic()
         try:
             self._lease_rev[job_id] = await self.owners.create(job_id, self._lease())
         except nats.js.errors.KeyWrongLastSequenceError:
             log.warning("job %s: another coordinator holds a durable job of that id; not durable here", job_id)
             return False
-        self._renewed[job_id] = started
         self._cp_rev[job_id] = await self._write(job_id, checkpoint, last=None)
         return True
 
@@ -276,7 +273,6 @@ class JobStore:
                 new_rev = await self.owners.update(job_id, self._lease(), last=rev)
                 if job_id in self._lease_rev:  # (dropped meanwhile: its lease is left to lapse)
                     self._lease_rev[job_id] = new_rev
-                    self._renewed[job_id] = started
             except nats.js.errors.KeyWrongLastSequenceError:
                 self.forget(job_id)
                 lost.append(job_id)
@@ -287,26 +283,16 @@ class JobStore:
             self.last_renewed = started
         return lost
 
-    def expired(self, job_id: str | None = None) -> bool:
-        """True when the lease of `job_id` (None: of any held job) could not be renewed for lease_s:
-        others may have taken the job (e.g. this process was stopped, SIGSTOP, longer than that, or
-        cut off). Each lease counts from its own last write (a job just taken over has a fresh one
-        whatever the renewals of the others). Checked before every event a durable coordinator
-        publishes, so a process that wakes up publishes nothing stale."""
-        now = time.monotonic()
-        if job_id is not None:
-            return job_id in self._lease_rev and now - self._renewed.get(job_id, self.last_renewed) > self.lease_s
-        return any(now - self._renewed.get(j, self.last_renewed) > self.lease_s for j in self._lease_rev)
-
-    def expired_jobs(self) -> list[str]:
-        """The held jobs whose leases could not be renewed for lease_s (see `expired`)."""
-        return [j for j in self._lease_rev if self.expired(j)]
+    def expired(self) -> bool:
+        """True when the leases could not be renewed for lease_s: others may have taken the jobs
+        (e.g. this process was stopped, SIGSTOP, longer than that). Checked before every event a
+        durable coordinator publishes, so a process that wakes up publishes nothing stale."""
+        return bool(self._lease_rev) and time.monotonic() - self.last_renewed > self.lease_s
 
     async def release(self, job_id: str, *, keep_checkpoint: bool = False) -> None:
         """Give a held job up: delete its checkpoint (unless keep_checkpoint: a hand-over) and its
         lease, each only at the revision this run wrote (never a newer owner's)."""
         cp_rev, lease_rev = self._cp_rev.pop(job_id, None), self._lease_rev.pop(job_id, None)
-        self._renewed.pop(job_id, None)
         try:
             if not keep_checkpoint and cp_rev is not None:
                 await self.jobs.delete(job_id, last=cp_rev)
@@ -319,7 +305,6 @@ class JobStore:
         """This run lost a held job (another coordinator took it, or its lease lapsed): drop it here
         without touching the buckets (counted in `leases_lost`)."""
         self._cp_rev.pop(job_id, None)
-        self._renewed.pop(job_id, None)
         if self._lease_rev.pop(job_id, None) is not None:
             self.leases_lost += 1
 
@@ -372,7 +357,6 @@ class JobStore:
         import nats.errors
         import nats.js.errors
 
-        started = time.monotonic()
         try:
             if owner_rev is None:
                 rev = await self.owners.create(job_id, self._lease())
@@ -384,7 +368,6 @@ class JobStore:
             log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id, type(err).__name__, err)
             return None
         self._lease_rev[job_id] = rev
-        self._renewed[job_id] = started
         try:
             entry = await self.jobs.get(job_id)
             self._cp_rev[job_id] = await self._write(job_id, entry.value, last=entry.revision)

@@ -3,9 +3,8 @@ JetStream (`coordinator.durable.JobStore`), takes over orphaned jobs, fences the
 hands its jobs over on a clean exit.
 
 Jobs are named here by the engine's internal id (the JetStream key); `coordinator.ledger` maps them
-to (client, job id). Timing: leases are renewed (by a task of their own) and orphans looked for every
-`lease_s / 3` seconds; snapshots are written on admission and every `checkpoint_every` solver steps; a
-watchdog fences each job whose lease could not be renewed for `lease_s`.
+to (client, job id). Timing: leases are renewed and orphans looked for every `lease_s / 3` seconds;
+snapshots are written on admission and every `checkpoint_every` solver steps.
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ class DurableJobs:
 
     def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_lapse=None):
         self.store, self.ledger, self.name = store, ledger, name
-        # awaited when this run's leases lapse (it was cut off or stalled): unless the bus answers a ping
-        # at once, the service drops its connection with whatever it still holds unsent
-        # (bus.connect.discard_unsent), so that frames queued behind a cut link never reach a client
-        # after another coordinator took the jobs over; True when it dropped it
+        # called when this run's leases lapse (it was cut off or stalled): the service drops its bus
+        # connection with whatever it still holds unsent (bus.connect.discard_unsent), so that frames
+        # queued behind a cut link never reach a client after another coordinator took the jobs over
         self.on_lapse = on_lapse
         self.checkpoint_every = checkpoint_every
         self.engine = None
@@ -45,8 +43,6 @@ class DurableJobs:
         self._ops: list[tuple[str, str]] = []  # ("adopt" | "release", internal id), in order
         self._task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
-        self._renew_task: asyncio.Task | None = None
-        self._lapse_task: asyncio.Future | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
         self.jobs_resumed = 0
@@ -62,7 +58,6 @@ class DurableJobs:
         await self.resume_orphans()
         self._task = asyncio.create_task(self._loop(), name="coordinator-durable")
         self._watch_task = asyncio.create_task(self._watch(), name="coordinator-durable-watch")
-        self._renew_task = asyncio.create_task(self._renew_loop(), name="coordinator-durable-renew")
 
     # ------------------------------------------------------------ called by the service
     def op(self, op: str, internal: str) -> None:
@@ -80,7 +75,7 @@ class DurableJobs:
         job_id = event.job_id
         if job_id in self._fenced:
             return False
-        if self.store.expired(job_id):
+        if self.store.holds(job_id) and self.store.expired():
             # this run could not renew its leases for lease_s (it was stopped, e.g. SIGSTOP, or cut
             # off): another coordinator may run the job already; publish nothing, let the lease lapse
             self.store.forget(job_id)
@@ -99,19 +94,28 @@ class DurableJobs:
 
     async def _loop(self) -> None:
         """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end,
-        and take over orphaned jobs every lease_s / 3 (leases are renewed by `_renew_loop`, so that a slow
-        scan or write, e.g. while the JetStream cluster elects a leader, never lets them lapse)."""
+        renew this run's leases every lease_s / 3 and take over orphaned jobs as often."""
         period = self.lease_s / 3
-        next_scan = time.monotonic() + period
+        next_renew = next_scan = time.monotonic() + period
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=max(next_scan - time.monotonic(), 0.01))
+                await asyncio.wait_for(
+                    self.wake.wait(), timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01)
+                )
             except TimeoutError:
                 pass
             self.wake.clear()
             try:
                 await self._round()
                 now = time.monotonic()
+                if now >= next_renew:
+                    next_renew = now + period
+                    for job_id in await self.store.renew():
+                        self.fence(job_id, "another coordinator took over its lease")
+                    if self.store.expired():
+                        for job_id in self.store.held:
+                            self.store.forget(job_id)
+                            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
                 if now >= next_scan:
                     next_scan = now + period
                     await self.resume_orphans()
@@ -121,49 +125,30 @@ class DurableJobs:
                 log.exception("durable jobs: a round of bucket writes failed")
                 await asyncio.sleep(min(period, 1.0))
 
-    async def _renew_loop(self) -> None:
-        """Renew this run's leases at once (jobs just resumed may have waited for the others' restore),
-        then every lease_s / 3; fence the jobs another coordinator took."""
-        period = self.lease_s / 3
-        while True:
-            try:
-                for job_id in await self.store.renew():
-                    self.fence(job_id, "another coordinator took over its lease")
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("durable jobs: renewing the leases failed")
-            await asyncio.sleep(period)
-
     async def _watch(self) -> None:
-        """Every lease_s / 8: drop every held job whose lease could not be renewed for lease_s, and then
-        the bus connection's unsent messages (`_lapsed`). Apart from `_loop`, whose renewals may each wait
+        """Every lease_s / 8: once this run's leases could not be renewed for lease_s, drop every job it
+        holds and its unsent messages (`_lapsed`). Apart from `_loop`, whose renewals may each wait
         out a bus timeout while a link is cut."""
         period = max(self.lease_s / 8, 0.05)
         while True:
             await asyncio.sleep(period)
-            lapsed = self.store.expired_jobs()
-            for job_id in lapsed:
-                self.store.forget(job_id)
-                self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
-            if lapsed:
+            if self.store.expired():
+                why = f"its lease could not be renewed for {self.lease_s:g} s"
+                for job_id in self.store.held:
+                    self.store.forget(job_id)
+                    self.fence(job_id, why)
                 self._lapsed()
 
     def _lapsed(self) -> None:
-        """Leases lapsed: have the service check its bus link (once at a time, see `on_lapse`)."""
-        if self.on_lapse is None or (self._lapse_task is not None and not self._lapse_task.done()):
+        if self.on_lapse is None:
             return
-        self._lapse_task = asyncio.ensure_future(self._check_link())
-
-    async def _check_link(self) -> None:
         try:
-            if await self.on_lapse():
+            if self.on_lapse():
                 log.warning(
-                    "durable jobs: leases lapsed and the bus did not answer; dropped the bus connection with "
-                    "its unsent messages (reconnecting)"
+                    "durable jobs: leases lapsed; dropped the bus connection with its unsent messages (reconnecting)"
                 )
         except Exception as err:  # never let the fence fail on the way out
-            log.warning("durable jobs: checking the bus connection failed: %r", err)
+            log.warning("durable jobs: dropping the bus connection failed: %r", err)
 
     async def _round(self) -> None:
         ops, self._ops = self._ops, []
@@ -247,14 +232,14 @@ class DurableJobs:
     async def hand_over(self) -> None:
         """Clean exit: write a last snapshot of every job this run owns, give up their leases and
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
-        for task in (self._task, self._watch_task, self._renew_task):
+        for task in (self._task, self._watch_task):
             if task is not None:
                 task.cancel()
                 try:
                     await task
                 except BaseException:
                     pass
-        self._task = self._watch_task = self._renew_task = None
+        self._task = self._watch_task = None
         if self.engine is None:
             return
         try:

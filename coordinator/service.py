@@ -123,16 +123,11 @@ class Coordinator:
     republished = property(lambda self: self.intake.republished)
     rejected_unread = property(lambda self: self.intake.rejected_unread)
 
-    async def _discard_unsent(self) -> bool:
-        """Durable leases lapsed: if the server does not answer a ping within a second (a PONG means it
-        received everything sent before), drop the bus connection with what it still holds unsent."""
+    def _discard_unsent(self) -> bool:
+        """Drop the bus connection with what it still holds unsent (durable leases lapsed)."""
         from bus.connect import discard_unsent
 
-        try:
-            await self.nc.flush(timeout=min(1.0, self.store.lease_s / 4))
-            return False
-        except Exception:
-            return discard_unsent(self.nc)
+        return discard_unsent(self.nc)
 
     jobs_resumed = property(lambda self: self.durable_jobs.jobs_resumed if self.durable_jobs else 0)
 
