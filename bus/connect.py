@@ -179,6 +179,33 @@ async def connect(
     return nc
 
 
+def discard_unsent(nc) -> bool:
+    """Drop `nc`'s socket at once, with every byte it holds that the server has not received yet:
+    nats-py's unflushed buffer, asyncio's write buffer and the kernel's send queue (SO_LINGER 0:
+    closing resets the connection instead of delivering the queue later). nats-py then reconnects
+    as after any lost connection (subscriptions are renewed). For a process that must not have its
+    recent messages delivered late: a coordinator cut off from the bus whose leases lapsed, whose
+    frames queued behind the cut would otherwise reach clients once the link heals, after another
+    coordinator took its jobs over. Returns False when there is no open socket to drop."""
+    import socket
+    import struct
+
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    transport = getattr(writer, "transport", None)
+    if transport is None or transport.is_closing():
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError as err:  # already closed underneath: nothing left to deliver
+            log.debug("SO_LINGER on a closing socket: %r", err)
+    nc._pending = []
+    nc._pending_data_size = 0
+    transport.abort()
+    return True
+
+
 def _describe(err: BaseException | None) -> str:
     return str(err) or type(err).__name__
 

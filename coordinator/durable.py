@@ -270,7 +270,9 @@ class JobStore:
         lost, ok, started = [], True, time.monotonic()
         for job_id, rev in list(self._lease_rev.items()):
             try:
-                self._lease_rev[job_id] = await self.owners.update(job_id, self._lease(), last=rev)
+                new_rev = await self.owners.update(job_id, self._lease(), last=rev)
+                if job_id in self._lease_rev:  # (dropped meanwhile: its lease is left to lapse)
+                    self._lease_rev[job_id] = new_rev
             except nats.js.errors.KeyWrongLastSequenceError:
                 self.forget(job_id)
                 lost.append(job_id)

@@ -31,13 +31,18 @@ MAX_FENCED = 4096
 class DurableJobs:
     """The durable side of one coordinator run: `store` opened, then `start()` with its engine."""
 
-    def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int):
+    def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_lapse=None):
         self.store, self.ledger, self.name = store, ledger, name
+        # called when this run's leases lapse (it was cut off or stalled): the service drops its bus
+        # connection with whatever it still holds unsent (bus.connect.discard_unsent), so that frames
+        # queued behind a cut link never reach a client after another coordinator took the jobs over
+        self.on_lapse = on_lapse
         self.checkpoint_every = checkpoint_every
         self.engine = None
         self.wake = asyncio.Event()  # set by the scheduler when a snapshot is due, and by `op`
         self._ops: list[tuple[str, str]] = []  # ("adopt" | "release", internal id), in order
         self._task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
         self.jobs_resumed = 0
@@ -52,6 +57,7 @@ class DurableJobs:
         self.engine = engine
         await self.resume_orphans()
         self._task = asyncio.create_task(self._loop(), name="coordinator-durable")
+        self._watch_task = asyncio.create_task(self._watch(), name="coordinator-durable-watch")
 
     # ------------------------------------------------------------ called by the service
     def op(self, op: str, internal: str) -> None:
@@ -74,6 +80,7 @@ class DurableJobs:
             # off): another coordinator may run the job already; publish nothing, let the lease lapse
             self.store.forget(job_id)
             self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
+            self._lapsed()
             return False
         if event.kind in ("done", "failed"):
             self.op("release", job_id)
@@ -117,6 +124,31 @@ class DurableJobs:
             except Exception:
                 log.exception("durable jobs: a round of bucket writes failed")
                 await asyncio.sleep(min(period, 1.0))
+
+    async def _watch(self) -> None:
+        """Every lease_s / 8: once this run's leases could not be renewed for lease_s, drop every job it
+        holds and its unsent messages (`_lapsed`). Apart from `_loop`, whose renewals may each wait
+        out a bus timeout while a link is cut."""
+        period = max(self.lease_s / 8, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            if self.store.expired():
+                why = f"its lease could not be renewed for {self.lease_s:g} s"
+                for job_id in self.store.held:
+                    self.store.forget(job_id)
+                    self.fence(job_id, why)
+                self._lapsed()
+
+    def _lapsed(self) -> None:
+        if self.on_lapse is None:
+            return
+        try:
+            if self.on_lapse():
+                log.warning(
+                    "durable jobs: leases lapsed; dropped the bus connection with its unsent messages (reconnecting)"
+                )
+        except Exception as err:  # never let the fence fail on the way out
+            log.warning("durable jobs: dropping the bus connection failed: %r", err)
 
     async def _round(self) -> None:
         ops, self._ops = self._ops, []
@@ -200,13 +232,14 @@ class DurableJobs:
     async def hand_over(self) -> None:
         """Clean exit: write a last snapshot of every job this run owns, give up their leases and
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
-            self._task = None
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except BaseException:
+                    pass
+        self._task = self._watch_task = None
         if self.engine is None:
             return
         try:

@@ -122,6 +122,13 @@ class Coordinator:
     replies_dropped = property(lambda self: self.intake.replies_dropped)
     republished = property(lambda self: self.intake.republished)
     rejected_unread = property(lambda self: self.intake.rejected_unread)
+
+    def _discard_unsent(self) -> bool:
+        """Drop the bus connection with what it still holds unsent (durable leases lapsed)."""
+        from bus.connect import discard_unsent
+
+        return discard_unsent(self.nc)
+
     jobs_resumed = property(lambda self: self.durable_jobs.jobs_resumed if self.durable_jobs else 0)
 
     @property
@@ -163,7 +170,11 @@ class Coordinator:
                     self.nc, self.name, self.instance, lease_s=cfg.lease_s, replicas=cfg.js_replicas
                 ).open()
                 self.durable_jobs = DurableJobs(
-                    self.store, self.ledger, name=self.name, checkpoint_every=cfg.checkpoint_every
+                    self.store,
+                    self.ledger,
+                    name=self.name,
+                    checkpoint_every=cfg.checkpoint_every,
+                    on_lapse=self._discard_unsent,
                 )
                 sched = CheckpointingScheduler(self.config, cfg.checkpoint_every, on_due=self.durable_jobs.wake.set)
             else:
