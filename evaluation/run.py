@@ -146,6 +146,9 @@ def _fleet_for(model: str, spec: EvalSpec):
         raise FileNotFoundError(
             f"monolith checkpoint {path} not found; train it (checkpoints/README.md) or drop 'monolith' from --configs"
         )
+    from coordinator.startup import router_spec
+
+    opts["coordinator_options"]["spec"] = router_spec(path)  # the monolith's own spec: its shape and classes
     zeros = [0] * spec.num_classes
     return LocalFleet([path], LabelRouter(zeros, 1), num_experts=1, class_to_expert=zeros, **opts)
 

@@ -218,9 +218,11 @@ def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
         device=args.device,
         num_classes=classes,
     )
+    from client.jobs import JobFailed
+
     try:
         asyncio.run(evaluate(spec, score=False))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, JobFailed) as e:
         raise SystemExit(f"ddm-fleet eval: {e}") from e
     print(f"images saved in {save}", flush=True)
     args.rescore = save
