@@ -58,6 +58,7 @@ class EvalSpec:
     save_dir: str | None = None  # write <name>.npz (images, labels, usage) per configuration
     progress: bool = True
     device: str | None = None  # the local fleet's worker device (cuda, cuda:1, ...); None = the CPU
+    dtype: str = "auto"  # the local fleet's experts: "auto" | "float32" | "bfloat16" (`models.precision`)
 
 
 @dataclass
@@ -132,7 +133,11 @@ async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: Eval
 def _fleet_for(model: str, spec: EvalSpec):
     from coordinator.local_fleet import LabelRouter, LocalFleet
 
-    opts = {"coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024}, "device": spec.device}
+    opts = {
+        "coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024},
+        "device": spec.device,
+        "dtype": spec.dtype,
+    }
     if model == "ddm":
         if spec.nats_url:
             return None
