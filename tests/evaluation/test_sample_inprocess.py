@@ -35,11 +35,15 @@ async def _fleet_images(ck, strategy: str, digits, steps: int, job_size: int, mo
 
     if monolith:
         fleet = LocalFleet(
-            [str(ck / "monolith.safetensors")], LabelRouter([0] * 10, 1), num_experts=1, class_to_expert=[0] * 10
+            [str(ck / "monolith.safetensors")],
+            LabelRouter([0] * 10, 1),
+            num_experts=1,
+            class_to_expert=[0] * 10,
+            dtype="float32",
         )
         cfg = Config("monolith", "monolith")
     else:
-        fleet = LocalFleet.from_dir(ck)
+        fleet = LocalFleet.from_dir(ck, dtype="float32")
         cfg = Config.parse(strategy)
     spec = EvalSpec(configs=[cfg], checkpoints=str(ck), per_class=2, steps=steps, job_size=job_size, progress=False)
     async with fleet:
