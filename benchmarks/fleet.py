@@ -217,11 +217,7 @@ def _coordinator(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.precision import resolve_dtype
-
     announce_defaults(args, COORDINATOR_DEFAULTS)
-    # "auto" decided once, here: the workers and the ceiling then compute in the same dtype
-    args.dtype = resolve_dtype(args.dtype, backend=getattr(args, "backend", "torch"), device=args.device)
     return run_bench("fleet", args, check_args, bench_fleet, format_table)
 
 
@@ -811,8 +807,12 @@ async def _fleet(args, models) -> dict:
 async def bench_fleet(args) -> dict:
     import tempfile
 
+    from models.precision import resolve_dtype
+
     if not hasattr(args, "concurrency_list"):
         check_args(args)
+    # "auto" decided once, here: the workers, the ceiling and the forward limit compute in the same dtype
+    args.dtype = resolve_dtype(args.dtype, backend=getattr(args, "backend", "torch"), device=args.device)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ddm-bench-fleet-") as tmp:
         models = _models(args, tmp)
