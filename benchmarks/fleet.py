@@ -49,6 +49,8 @@ import argparse
 import os
 import time
 
+from bus.options import add_dtype_option
+
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
@@ -135,7 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="32,64,128",
         help="UNet widths of the random experts used when --checkpoints has none (default %(default)s)",
     )
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute in workers and in the ceiling")
+    add_dtype_option(
+        parser,
+        help="the experts' compute type in the workers and in the ceiling: auto = bfloat16 where the device "
+        "computes it natively (CPU with AMX or AVX512-BF16, CUDA compute capability >= 8.0), else float32 "
+        "(default %(default)s)",
+    )
     parser.add_argument(
         "--backend",
         choices=("torch", "jax"),
@@ -438,7 +445,7 @@ def _forward_limit(args, models) -> dict | None:
         torch_threads = torch.get_num_threads()
         torch.set_num_threads(1)
     try:
-        backends = load_backends(models["experts"], backend_name, bf16=args.bf16, buckets=(), device=device)
+        backends = load_backends(models["experts"], backend_name, dtype=args.dtype, buckets=(), device=device)
         rng = np.random.default_rng(0)
         experts = []
         for be in backends:
@@ -506,7 +513,7 @@ async def _ceiling(args, models) -> dict:
         load_backends,
         models["experts"],
         getattr(args, "backend", "torch"),
-        bf16=args.bf16,
+        dtype=args.dtype,
         buckets=buckets,
         device=getattr(args, "device", None),
     )
@@ -695,7 +702,7 @@ async def _fleet(args, models) -> dict:
                         "--merge",
                         getattr(args, "merge", "auto"),
                     )
-                    cmd += ["--bf16"] if args.bf16 else []
+                    cmd += ["--dtype", args.dtype]
                     cmd += ["--backend", getattr(args, "backend", "torch")]
                     cmd += ["--device", args.device] if getattr(args, "device", None) else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -814,8 +821,12 @@ async def _fleet(args, models) -> dict:
 async def bench_fleet(args) -> dict:
     import tempfile
 
+    from models.precision import resolve_dtype
+
     if not hasattr(args, "concurrency_list"):
         check_args(args)
+    # "auto" decided once, here: the workers, the ceiling and the forward limit compute in the same dtype
+    args.dtype = resolve_dtype(args.dtype, backend=getattr(args, "backend", "torch"), device=args.device)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ddm-bench-fleet-") as tmp:
         models = _models(args, tmp)
@@ -849,7 +860,7 @@ async def bench_fleet(args) -> dict:
         "strategy": args.strategy,
         "solver": args.solver,
         "stream": not args.no_stream,
-        "bf16": args.bf16,
+        "dtype": args.dtype,
         "backend": getattr(args, "backend", "torch"),
         "device": getattr(args, "device", None) or "default",
         "threads": args.threads,
@@ -898,7 +909,8 @@ def format_table(results: dict) -> str:
         f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client"
         + (f" at least, levels of {s['min_level_s']:g} s at least" if s.get("min_level_s") else "")
         + f", stream={s['stream']}, "
-        f"bf16={s['bf16']}, {s.get('backend', 'torch')} on {s.get('device', 'default')}, {s['cpus']} cpus"
+        f"dtype={s.get('dtype') or ('bfloat16' if s.get('bf16') else 'float32')}, "
+        f"{s.get('backend', 'torch')} on {s.get('device', 'default')}, {s['cpus']} cpus"
         + (", durable jobs" if s.get("durable") else "")
     ]
     if "max_rows" in s:

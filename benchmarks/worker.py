@@ -253,7 +253,7 @@ async def bench_worker(args: argparse.Namespace, config) -> dict:
             ckpt = _random_checkpoint(
                 args.widths, stack.enter_context(tempfile.TemporaryDirectory(prefix="ddm-bench-"))
             )
-        backend = get_backend(config.backend, device=config.device, bf16=config.bf16, **config.backend_options())
+        backend = get_backend(config.backend, device=config.device, dtype=config.dtype, **config.backend_options())
         await asyncio.to_thread(backend.load, ckpt)
         expert = backend.expert if backend.expert is not None else 0
         url = args.nats or stack.enter_context(NatsServer()).url

@@ -3,7 +3,10 @@
 * `add_nats_option`: `--nats URL`, defaulting to $NATS_URL, spelled and explained the same everywhere;
 * `add_switch`: an on/off setting is `--name` / `--no-name` (argparse's BooleanOptionalAction); the
   older `--name on|off` spelling is still accepted with a deprecation warning;
-* `add_deprecated_alias`: an old option name that still works, warns once, and stores into the new one.
+* `add_deprecated_alias`: an old option name that still works, warns once, and stores into the new one
+  (a flag that took no value, e.g. `--bf16`, stores a fixed value: `const="bfloat16"`);
+* `add_dtype_option`: `--dtype auto|float32|bfloat16` (`models.precision`), with `--bf16` / `--no-bf16`
+  kept as deprecated spellings of `--dtype bfloat16` / `--dtype float32`.
 
 Warnings go to stderr as ``ddm-fleet: warning: ...`` so scripts that parse stdout are unaffected.
 """
@@ -110,17 +113,42 @@ def add_switch(
 class _DeprecatedAlias(argparse.Action):
     def __init__(self, option_strings, dest, new: str, **kwargs):
         self.new = new
+        if "const" in kwargs:  # a flag without a value: stores `const` into the new option
+            kwargs.setdefault("nargs", 0)
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if self.nargs == 0:
+            warn_deprecated(option_string, f"{self.new} {self.const}")
+            setattr(namespace, self.dest, self.const)
+            return
         warn_deprecated(option_string, self.new)
         setattr(namespace, self.dest, values)
 
 
 def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
     """Accept `old` (e.g. "--method") as a hidden spelling of the option `new` (e.g. "--solver"): same
-    destination, same type/choices (pass them in `kwargs`), a warning on stderr when used."""
+    destination, same type/choices (pass them in `kwargs`), a warning on stderr when used. With
+    `const=VALUE` the old option takes no value and stores VALUE (`--bf16` -> `--dtype bfloat16`)."""
     dest = new.lstrip("-").replace("-", "_")
     parser.add_argument(
         old, action=_DeprecatedAlias, new=new, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
     )
+
+
+def add_dtype_option(parser, *, default: str = "auto", help: str | None = None) -> None:
+    """`--dtype auto|float32|bfloat16` into `dtype` (resolve it with `models.precision.resolve_dtype`),
+    plus the deprecated `--bf16` (= `--dtype bfloat16`) and `--no-bf16` (= `--dtype float32`)."""
+    from models.precision import DTYPES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=default,
+        help=help
+        or "the experts' compute type: auto = bfloat16 where the device computes it natively (CPU with AMX or "
+        "AVX512-BF16, CUDA compute capability >= 8.0, TPU / Trainium), else float32; float32 for images "
+        "identical bit for bit on every host of a kind (default %(default)s)",
+    )
+    add_deprecated_alias(parser, "--bf16", "--dtype", const="bfloat16")
+    add_deprecated_alias(parser, "--no-bf16", "--dtype", const="float32")

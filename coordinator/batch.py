@@ -56,6 +56,9 @@ class Batch:
         self.router_w: np.ndarray | None = None  # [R, K]
         self.weights: np.ndarray | None = None  # [R, K] combination weights
         self.ideal: np.ndarray | None = None  # [R, K] weights with every expert up
+        #: some job of the batch asked for `report_dtypes`: the engine notes which workers answered
+        self.reports_dtypes = any(g.answered is not None for g in groups)
+        self.workers: dict[int, set[str]] = {}  # expert -> ids of the workers that answered it this tick
         self._v = np.zeros((num_experts,) + self.x.shape, np.float32)  # [K, R, C, H, W]
         self._have = np.zeros((len(self.y), num_experts), bool)
 
@@ -173,6 +176,10 @@ class Batch:
             raise RuntimeError("call route() before requests()")
         need = (self.weights > 0) & ~self._have & self.available[None, :]
         return {k: np.nonzero(need[:, k])[0] for k in range(self.num_experts) if need[:, k].any()}
+
+    def note_workers(self, expert: int, workers) -> None:
+        """The workers (ids) whose replies gave expert's velocities this tick."""
+        self.workers.setdefault(expert, set()).update(w for w in workers if w)
 
     def record(self, expert: int, idx: np.ndarray, v: np.ndarray) -> None:
         """Store expert's velocity v [len(idx), C, H, W] for batch rows idx."""

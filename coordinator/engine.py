@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import time
@@ -66,6 +67,11 @@ from .metrics import CoordinatorMetrics
 from .scheduler import DEFAULT_CLIENT, Rejected, Scheduler
 
 log = logging.getLogger(__name__)
+
+#: While set to a list (by the engine, around one expert call of a batch whose jobs asked for
+#: `report_dtypes`), the transport appends the worker id of every reply it uses for that call: the
+#: engine then knows which workers computed those rows, and the scheduler which dtypes (`worker_dtype`).
+ANSWERED_BY: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("answered_by", default=None)
 
 #: Most ticks kept for rows_per_s (older ones drop out even within rate_window_s).
 MAX_RATE_SAMPLES = 4096
@@ -167,6 +173,8 @@ class Engine:
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
         self.router = router
         self.transport = transport
+        # what a worker computes in, by its id ("" unknown): a transport that learns it says so
+        scheduler.dtype_of = getattr(transport, "worker_dtype", None) or (lambda worker: "")
         self.emit = emit
         self.clock = clock
         self.router_in_thread = router_in_thread
@@ -536,11 +544,16 @@ class Engine:
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
+        answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
         try:
             v = await self.transport.velocity(
                 k, batch.x[idx], batch.t[idx], batch.y[idx], [batch.row_ids[i] for i in idx]
             )
+            if answered is not None:
+                batch.note_workers(k, ANSWERED_BY.get() or ())
         finally:
+            if answered is not None:
+                ANSWERED_BY.reset(answered)
             self.metrics.expert_call(k, time.perf_counter() - started)
         v = np.asarray(v)
         want = (len(idx),) + batch.x.shape[1:]

@@ -124,16 +124,17 @@ def load_backends(
     paths: Sequence[str | os.PathLike],
     backend: str = "torch",
     *,
-    bf16: bool = False,
+    dtype: str = "auto",
     buckets: Sequence[int] = (),
     device: str | None = None,
 ) -> list[Any]:
-    """One loaded backend per checkpoint (on `device`, None: the backend's default), warmed at `buckets`."""
+    """One loaded backend per checkpoint (on `device`, None: the backend's default), warmed at `buckets`,
+    computing in `dtype` ("auto" | "float32" | "bfloat16", `models.precision`)."""
     from workers.backends import get_backend
 
     out = []
     for p in paths:
-        be = get_backend(backend, bf16=bf16, **({"device": device} if device else {}))
+        be = get_backend(backend, dtype=dtype, **({"device": device} if device else {}))
         be.load(p)
         if buckets:
             be.warmup(buckets)
@@ -156,7 +157,7 @@ class LocalFleet:
         workers_per_expert: int = 1,
         backend: str = "torch",
         device: str | None = None,
-        bf16: bool = False,
+        dtype: str = "auto",
         buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         coordinator_options: dict | None = None,
     ):
@@ -170,7 +171,7 @@ class LocalFleet:
         self.workers_per_expert = workers_per_expert
         self.backend = backend
         self.device = device  # the workers' device (None: the backend's default, the CPU for torch)
-        self.bf16 = bf16
+        self.dtype = dtype  # the workers' dtype: "auto" | "float32" | "bfloat16" (`models.precision`)
         self.buckets = tuple(buckets)
         self.coordinator_options = dict(coordinator_options or {})
         self.server = None
@@ -211,7 +212,7 @@ class LocalFleet:
                         checkpoint=path,
                         backend=self.backend,
                         device=self.device,
-                        bf16=self.bf16,
+                        dtype=self.dtype,
                         nats_url=self.url,
                         buckets=self.buckets,
                     )

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,6 +265,8 @@ class Stats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        #: worker id -> the dtype it computes in ("" unknown); the engine sets its transport's
+        self.dtype_of: Callable[[str], str] = lambda worker: ""
         self._queue: deque[Job] = deque()  # waiting jobs, in arrival order
         self._active: dict[str, Job] = {}
         # running rows / waiting jobs (no zero entries) of each client, all sessions together ("c"),
@@ -323,11 +325,28 @@ class Scheduler:
         this scheduler holds, else None (never had it, or it finished)."""
         job = self._active.get(job_id)
         if job is not None:
-            return dict(state="running", step=int(job.step), steps=int(job.request.steps), queue_position=0)
+            out = dict(state="running", step=int(job.step), steps=int(job.request.steps), queue_position=0)
+            if job.request.report_dtypes:
+                out["expert_dtypes"] = self.expert_dtypes(job.group)
+            return out
         for i, job in enumerate(self._queue):
             if job.job_id == job_id:
-                return dict(state="queued", step=0, steps=int(job.request.steps), queue_position=i + 1)
+                out = dict(state="queued", step=0, steps=int(job.request.steps), queue_position=i + 1)
+                if job.request.report_dtypes:
+                    out["expert_dtypes"] = [""] * self.config.num_experts
+                return out
         return None
+
+    def expert_dtypes(self, group: RowGroup | None) -> list[str] | None:
+        """K entries: the dtypes the workers that computed each expert's rows of `group` compute in
+        (`dtype_of`), sorted and comma-joined; "" where none did (or none says). None: not asked."""
+        if group is None or group.answered is None:
+            return None
+        out = []
+        for workers in group.answered:
+            kinds = sorted({self.dtype_of(w) for w in workers} - {""})
+            out.append(",".join(kinds))
+        return out
 
     # ------------------------------------------------------------ intake
     def submit(
@@ -801,6 +820,8 @@ class Scheduler:
                 num_experts=cfg.num_experts,
                 oracle_expert=np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in job.digits], np.int64),
             )
+        if req.report_dtypes and job.group.answered is None:
+            job.group.answered = [set() for _ in range(cfg.num_experts)]
         if job.started_at is None:  # (a restored job keeps its first start)
             job.started_at = now
         self._active[job.job_id] = job
@@ -864,6 +885,9 @@ class Scheduler:
                 self._fail_unserved(job, batch, rows, row_notes)
                 continue
             job.pending_notes.extend(row_notes)
+            if group.answered is not None and batch.workers:
+                for k in np.nonzero(used[rows].any(axis=0))[0]:
+                    group.answered[k].update(batch.workers.get(int(k), ()))
             group.usage += used[rows]
             group.last_weights = weights32[rows]
             group.last_experts = experts[rows]
@@ -937,6 +961,7 @@ class Scheduler:
                     strategy=req.strategy,
                     elapsed_s=max(now - job.submitted_at, 0.0),
                     notes=job.notes,
+                    expert_dtypes=self.expert_dtypes(g),
                 )
             )
 

@@ -386,6 +386,7 @@ class Coordinator:
             steps=steps,
             coordinator=self.name,
             instance=self.instance,
+            expert_dtypes=getattr(ev, "expert_dtypes", None),  # a done job that asked for them
         )
 
     # ------------------------------------------------------------ events

@@ -92,7 +92,7 @@ from schemas.limits import MAX_STEP_ROWS
 from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
 from .dispatch import DISPATCH_MODES, DispatchPolicy
-from .engine import BadExpertReply, ExpertUnavailable
+from .engine import ANSWERED_BY, BadExpertReply, ExpertUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ NO_RESPONDERS_BACKOFF = 0.25
 
 #: Most worker ids `NatsTransport.bad_workers` remembers (least recently blamed dropped first).
 BAD_WORKERS_KEPT = 256
+#: fewest seconds between two service discoveries for the workers' dtypes (`NatsTransport.worker_dtype`)
+DTYPE_REFRESH_S = 2.0
 
 #: Seconds between two log lines about stray (unexpected or forged) replies.
 STRAY_LOG_INTERVAL = 10.0
@@ -355,6 +357,11 @@ class NatsTransport:
         self.stray_replies = 0  # replies on a token with no outstanding request (forged, duplicate, late)
         self._reconnects_seen = self._reconnects()
         self._reconnected_at = float("-inf")
+        #: worker id -> the dtype it advertises (`dtype`, or `precision` of older workers) in its
+        #: service metadata; replaced whole by `refresh_worker_dtypes` (at most every DTYPE_REFRESH_S)
+        self.worker_dtypes: dict[str, str] = {}
+        self._dtype_refresh: asyncio.Task | None = None
+        self._dtype_refreshed_at = float("-inf")
         self._prefix: str | None = None  # "<inbox prefix>.<nuid>": the reply mux's subject is prefix + ".*"
         self._pending: dict[str, asyncio.Future] = {}  # reply token -> the request's future
         self._mux_lock = asyncio.Lock()
@@ -661,6 +668,7 @@ class NatsTransport:
             if primary.done() or delay is None or delay >= self.step_timeout or not self.hedging.take(expert):
                 v, worker = await primary
                 self.hedging.observe(expert, loop.time() - sent, worker)
+                _answered_by(worker)
                 return v
             left = self.step_timeout - (loop.time() - sent)
             # a direct primary's copy goes to another known worker with room, else the queue group
@@ -679,6 +687,7 @@ class NatsTransport:
                         if leg is hedge and token is not None:  # its worker is late (frozen?): stop picking it
                             self.dispatcher.forget(expert, token)
                         self.hedging.observe(expert, loop.time() - sent, worker)  # censored when the copy won
+                        _answered_by(worker)
                         return v
                     failure = _worse(failure, err)
             self._count_hedge(expert, "failed")
@@ -687,6 +696,52 @@ class NatsTransport:
             for leg in (primary, hedge):
                 if leg is not None and not leg.done():
                     leg.cancel()  # its token is retired: a reply that still comes is dropped quietly
+
+    def worker_dtype(self, worker_id: str) -> str:
+        """The dtype `worker_id` computes in ("float32", "bfloat16"), as its service metadata says;
+        "" while unknown (a worker not discovered yet, whose discovery this starts, or one too old to say)."""
+        got = self.worker_dtypes.get(worker_id)
+        if got is None:
+            self._refresh_dtypes_soon()
+            return ""
+        return got
+
+    def _refresh_dtypes_soon(self) -> None:
+        if self._dtype_refresh is not None and not self._dtype_refresh.done():
+            return
+        if time.monotonic() - self._dtype_refreshed_at < DTYPE_REFRESH_S:
+            return
+        try:
+            self._dtype_refresh = asyncio.get_running_loop().create_task(self.refresh_worker_dtypes())
+        except RuntimeError:  # no loop running (a synchronous caller): the next call on the loop will
+            return
+
+    async def refresh_worker_dtypes(self, window_s: float = 0.3) -> dict[str, str]:
+        """Ask every expert worker for its service metadata (`$SRV.INFO.ddm-expert`, replies of
+        `window_s` seconds) and keep each one's dtype. Never raises: a failed discovery keeps the old map."""
+        import json
+
+        from bus.gather import gather_replies
+
+        from .fleet_spec import EXPERT_SERVICE
+
+        self._dtype_refreshed_at = time.monotonic()
+        try:
+            replies = await gather_replies(self.nc, f"$SRV.INFO.{EXPERT_SERVICE}", window=window_s)
+        except Exception as err:  # disconnected, closed: try again later
+            log.debug("worker dtype discovery failed: %r", err)
+            return self.worker_dtypes
+        found: dict[str, str] = {}
+        for raw in replies:
+            try:
+                md = json.loads(raw).get("metadata")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(md, dict) and isinstance(md.get("worker_id"), str):
+                dtype = md.get("dtype", md.get("precision", ""))
+                found[md["worker_id"][:128]] = dtype if isinstance(dtype, str) and dtype.isalnum() else ""
+        self.worker_dtypes = found
+        return found
 
     def _count_hedge(self, expert: int, outcome: str) -> None:
         key = (expert, outcome)
@@ -750,3 +805,10 @@ class _ErrorReply(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _answered_by(worker: str) -> None:
+    """Note the worker whose reply a call used, for the engine's call in flight (`engine.ANSWERED_BY`)."""
+    seen = ANSWERED_BY.get()
+    if seen is not None:
+        seen.append(worker)

@@ -59,6 +59,7 @@ class EvalSpec:
     progress: bool = True
     device: str | None = None  # the local fleet's worker device (cuda, cuda:1, ...); None = the CPU
     num_classes: int = 10  # classes asked for, per_class of each (a prepared dataset's class count)
+    dtype: str = "auto"  # the local fleet's experts: "auto" | "float32" | "bfloat16" (`models.precision`)
 
 
 @dataclass
@@ -136,7 +137,11 @@ async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: Eval
 def _fleet_for(model: str, spec: EvalSpec):
     from coordinator.local_fleet import LabelRouter, LocalFleet
 
-    opts = {"coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024}, "device": spec.device}
+    opts = {
+        "coordinator_options": {"max_rows": 4096, "max_queued_jobs": 1024},
+        "device": spec.device,
+        "dtype": spec.dtype,
+    }
     if model == "ddm":
         if spec.nats_url:
             return None

@@ -87,10 +87,11 @@ class _TorchRouter:
 class _Experts:
     """K expert backends (torch) on one device; forward(k, x, t, y) in chunks of `chunk` rows."""
 
-    def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048):
+    def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048, dtype: str = "auto"):
         from coordinator.local_fleet import load_backends
 
-        self.backends = load_backends(paths, "torch", device=device)
+        self.backends = load_backends(paths, "torch", device=device, dtype=dtype)
+        self.dtype = self.backends[0].dtype if self.backends else "float32"
         self.chunk = chunk
 
     def forward(self, k: int, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -151,11 +152,13 @@ def generate(
     checkpoints: str | None = None,
     seed: int = 0,
     job_size: int = 50,
+    dtype: str = "auto",
 ) -> tuple[np.ndarray, np.ndarray]:
     """-> (images [N, C, H, W] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
 
     Row r belongs to job r // job_size seeded seed + r // job_size (as `initial_batch` makes `noise`):
-    what the drawn strategies draw from."""
+    what the drawn strategies draw from. `dtype`: the experts' ("auto" | "float32" | "bfloat16",
+    `models.precision`); the router computes in float32, as the coordinator does."""
     from flow.solver import EVALS_PER_STEP, check_method, sample
 
     y = np.full(len(digits), -1, np.int64) if cfg.unconditional else np.asarray(digits, np.int64)
@@ -164,7 +167,7 @@ def generate(
         d = Path(checkpoints or ".")
         part = json.loads((d / "partition.json").read_text())
         k = int(part["num_experts"])
-        experts = _Experts([str(d / f"expert{i}.safetensors") for i in range(k)], device)
+        experts = _Experts([str(d / f"expert{i}.safetensors") for i in range(k)], device, dtype=dtype)
         router = _TorchRouter(str(d / "router.safetensors"), device)
         if router.num_experts != k:
             raise ValueError(f"{d}: router has {router.num_experts} experts, partition {k}")
@@ -178,7 +181,7 @@ def generate(
             experts, router, cfg.strategy, cfg.top_k, owner, usage, seeds=seed + r // job_size, rows=r % job_size
         )
     else:
-        experts = _Experts([cfg.model], device)
+        experts = _Experts([cfg.model], device, dtype=dtype)
         usage = np.zeros((len(y), 1), np.float64)
 
         def velocity(x, t, yy):
@@ -251,7 +254,7 @@ def checkpoints_spec(configs: Sequence[SampleConfig], checkpoints: str | None):
 
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
-    from bus.options import add_deprecated_alias
+    from bus.options import add_deprecated_alias, add_dtype_option
 
     p = argparse.ArgumentParser(
         prog="python -m evaluation.sample_inprocess",
@@ -295,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_deprecated_alias(p, "--job-size", "--images-per-job", type=int, metavar="N")
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
+    add_dtype_option(p)
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <config>.npz")
     p.add_argument(
@@ -319,6 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     noise = initial_batch(len(digits), args.images_per_job, args.seed, tuple(spec.sample_shape))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from models.precision import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, backend="torch", device=args.device)
+    print(json.dumps({"dtype": dtype, "asked": args.dtype}), flush=True)
     if args.skip_existing:
         kept = [c.name for c in configs if (out / f"{c.name}.npz").exists()]
         if kept:
@@ -336,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoints=args.checkpoints,
             seed=args.seed,
             job_size=args.images_per_job,
+            dtype=dtype,
         )
         labels = np.full(len(digits), -1, np.int64) if cfg.unconditional else digits
         meta = {
@@ -346,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "job_size": args.images_per_job,
             "per_class": args.per_class,
             "device": args.device,
+            "dtype": dtype,
             "seconds": round(time.perf_counter() - start, 2),
         }
         save_npz(out / f"{cfg.name}.npz", images, labels, usage, not args.float_images, meta)

@@ -27,7 +27,7 @@ BENCHES: list[tuple[str, str, str]] = [
 
 EXAMPLES = """examples:
   ddm-fleet bench worker                                  # random small UNet, torch, own nats-server
-  ddm-fleet bench worker --checkpoint checkpoints/expert0.safetensors --bf16 --buckets 1,8,64,128
+  ddm-fleet bench worker --checkpoint checkpoints/expert0.safetensors --dtype bfloat16 --buckets 1,8,64,128
   ddm-fleet bench worker --backend jax --nats nats://127.0.0.1:4222
   ddm-fleet bench worker --device cuda:0 --buckets 64,256 --in-flight 1,2,4 --wire-dtype float32,float16
   ddm-fleet bench fleet --concurrency 1000 --jobs-per-client 1 --steps 8 --only fleet \\

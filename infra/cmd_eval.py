@@ -47,7 +47,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.options import add_deprecated_alias, add_nats_option
+    from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device", default=None, help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)"
+    )
+    add_dtype_option(
+        parser,
+        help="the local fleet's experts' compute type: auto = bfloat16 where the device computes it natively "
+        "(CPU with AMX or AVX512-BF16, CUDA compute capability >= 8.0), else float32 (default %(default)s)",
     )
     parser.add_argument(
         "--data-dir",
@@ -168,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         save_dir=args.save_images,
         progress=not args.no_progress,
         device=args.device,
+        dtype=args.dtype,
     )
     try:
         judges = Judges.load(args.data_dir, progress=not args.no_progress)

@@ -103,7 +103,7 @@ def _per_job(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.options import add_deprecated_alias, add_nats_option
+    from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option
     from schemas.limits import MAX_JOB_IMAGES, MAX_JOB_STEPS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -189,6 +189,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="checkpoints",
         metavar="DIR",
         help="--local: directory with expert<k>.safetensors, router.safetensors, partition.json",
+    )
+    add_dtype_option(
+        parser,
+        help="--local: the experts' compute type: auto = bfloat16 where the CPU/GPU computes it natively "
+        "(AMX or AVX512-BF16, CUDA compute capability >= 8.0), else float32; float32 for images identical "
+        "bit for bit across hosts (default %(default)s; a running fleet's workers have their own)",
     )
     add_nats_option(
         parser,
@@ -567,7 +573,9 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"starting a local fleet from {args.checkpoints}/ ...", file=sys.stderr, flush=True)
             rows = min(n_images, args.images_per_job * args.jobs_in_flight)
-            async with LocalFleet.from_dir(args.checkpoints, buckets=local_buckets(rows)) as fleet:
+            async with LocalFleet.from_dir(
+                args.checkpoints, buckets=local_buckets(rows), dtype=getattr(args, "dtype", "auto")
+            ) as fleet:
                 return await job(fleet.nc)
         from client.jobs import client_connect_options, client_from_url
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bus.options import add_deprecated_alias
+from bus.options import add_deprecated_alias, add_dtype_option
 
 
 def parse_classes(text: str) -> list[int]:
@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_deprecated_alias(parser, "--method", "--solver", choices=("euler", "heun"))
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    add_dtype_option(parser)
     parser.add_argument("--out", default="samples.png", help="PNG to write (default %(default)s)")
     parser.add_argument(
         "--npz", default=None, help="also save the raw samples [N, C, H, W], labels and class names to this .npz"
@@ -78,11 +79,13 @@ def sample_oracle(
     solver: str = "euler",
     seed: int = 0,
     progress: bool = True,
+    dtype: str = "float32",
 ):
     """-> (images float32 [len(classes)*per_class, C, H, W] in model range, labels int64, expert ids int64,
     the experts' model spec). [C, H, W] is the spec's sample shape.
 
-    Rows are grouped class by class; each class uses the expert whose partition lists it.
+    Rows are grouped class by class; each class uses the expert whose partition lists it. `dtype`
+    "bfloat16" runs the experts under bfloat16 autocast on the CPU ("auto": `models.precision`).
     """
     import numpy as np
     import torch
@@ -90,6 +93,7 @@ def sample_oracle(
 
     from flow.solver import sample
     from models.checkpoint import load_torch_model
+    from models.precision import resolve_dtype
     from models.spec import spec_of
     from schemas.spec import fleet_spec
 
@@ -108,15 +112,19 @@ def sample_oracle(
     which = np.asarray([owner[int(c)] for c in y], np.int64)
     x = np.random.default_rng(seed).standard_normal((len(y), *spec.sample_shape)).astype(np.float32)
 
+    bf16 = resolve_dtype(dtype, backend="torch", device="cpu") == "bfloat16"
+
     def velocity(xb, tb, yb):
         out = np.empty_like(xb)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             for k, model in enumerate(models):
                 rows = np.nonzero(which == k)[0]
                 if len(rows):
-                    out[rows] = model(
-                        torch.from_numpy(xb[rows]), torch.from_numpy(tb[rows]), torch.from_numpy(yb[rows])
-                    ).numpy()
+                    out[rows] = (
+                        model(torch.from_numpy(xb[rows]), torch.from_numpy(tb[rows]), torch.from_numpy(yb[rows]))
+                        .float()
+                        .numpy()
+                    )
         return out
 
     with tqdm(total=steps, desc=f"sampling ({solver})", disable=not progress, unit="step") as bar:
@@ -136,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         from infra.grid import write_grid
 
-        x, y, which, spec = sample_oracle(ckpts, classes, args.per_class, args.steps, args.solver, args.seed)
+        x, y, which, spec = sample_oracle(
+            ckpts, classes, args.per_class, args.steps, args.solver, args.seed, dtype=getattr(args, "dtype", "auto")
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"sample: error: {e}", file=sys.stderr)
         return 2
@@ -155,5 +165,8 @@ def run(args: argparse.Namespace) -> int:
         import numpy as np
 
         np.savez_compressed(args.npz, images=x, labels=y, experts=which, class_names=np.asarray(names, dtype=str))
-    print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.solver} {args.steps} steps)")
+    from models.precision import resolve_dtype
+
+    dtype = resolve_dtype(getattr(args, "dtype", "auto"), backend="torch", device="cpu")
+    print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.solver} {args.steps} steps, {dtype})")
     return 0

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-args",
         default="",
         metavar="ARGS",
-        help='extra `ddm-fleet worker` options for every worker, e.g. "--bf16 --threads 1"',
+        help='extra `ddm-fleet worker` options for every worker, e.g. "--dtype float32 --threads 1"',
     )
     parser.add_argument(
         "--coordinator-args",

@@ -10,7 +10,7 @@ examples:
   ddm-fleet worker --expert 0 --checkpoint checkpoints/expert0.safetensors
   ddm-fleet worker --expert 1 --checkpoint checkpoints/expert1.safetensors --backend jax
   ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend xla   # PJRT_DEVICE=CPU|NEURON
-  ddm-fleet worker --expert 0 --checkpoint ... --bf16 --metrics-port 9477 --nats nats://10.0.0.5:4222
+  ddm-fleet worker --expert 0 --checkpoint ... --dtype float32 --metrics-port 9477 --nats nats://10.0.0.5:4222
   ddm-fleet worker --expert 0 --checkpoint ck/expert0.safetensors --backend sim --sim-preset h200-jax  # no model
   NATS_URL_FILE=/etc/ddm-fleet/worker.url ddm-fleet worker --expert 0 --checkpoint ...   # URL with a password
 

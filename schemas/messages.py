@@ -273,6 +273,7 @@ class JobRequest(Message):
     deadline_s: float | None = Field(default=None, gt=0, le=3600)
     session: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     frame_x1: bool = False  # frames also carry x1, the model's estimate of the final sample
+    report_dtypes: bool = False  # done / job_status also carry expert_dtypes (what each expert computed in)
 
     @model_serializer(mode="wrap")
     def _omit_new_defaults(self, handler):  # not on the wire unless used: older coordinators refuse unknown keys
@@ -280,6 +281,8 @@ class JobRequest(Message):
         if isinstance(out, dict):
             if not self.frame_x1:
                 out.pop("frame_x1", None)
+            if not self.report_dtypes:
+                out.pop("report_dtypes", None)
             if self.labels is None:
                 out.pop("labels", None)
         return out
@@ -478,9 +481,16 @@ class FrameEvent(Message):
         return out
 
 
+#: one entry of `expert_dtypes`: "" (the expert computed none of the job's rows, or its workers do not
+#: say), "float32", "bfloat16", or several of them comma-joined in sorted order when workers differed
+ExpertDtype = Annotated[str, Field(pattern=r"^[a-z0-9,]{0,64}$")]
+
+
 class DoneEvent(_Labelled):
     """Final images. images: [N, C, H, W] float32 in [-1, 1]. usage: [N, K] fraction of
-    steps on which each expert contributed to each image."""
+    steps on which each expert contributed to each image. expert_dtypes: K entries, what each
+    expert computed this job's rows in (`ExpertDtype`), only when the job asked
+    (`JobRequest.report_dtypes`); else None and not on the wire (older clients refuse unknown keys)."""
 
     kind: Literal["done"] = "done"
     job_id: Id
@@ -490,6 +500,16 @@ class DoneEvent(_Labelled):
     strategy: Strategy
     elapsed_s: float = Field(ge=0)
     notes: list[str] = Field(default_factory=list)
+    expert_dtypes: list[ExpertDtype] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_label_field(self, handler):  # replaces _Labelled's (one model serializer per model)
+        out = handler(self)
+        if isinstance(out, dict):
+            out.pop("labels" if self.labels is None else "digits", None)
+            if self.expert_dtypes is None:  # not on the wire unless asked: older clients refuse unknown keys
+                out.pop("expert_dtypes", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> DoneEvent:
@@ -503,6 +523,11 @@ class DoneEvent(_Labelled):
             raise _err(ErrorCode.BAD_SHAPE, f"{field} has {len(self.classes)} entries for {n} images")
         if self.usage.ndim != 2 or self.usage.shape[0] != n:
             raise _err(ErrorCode.BAD_SHAPE, f"usage must be [N, K] with N = {n}, got {list(self.usage.shape)}")
+        if self.expert_dtypes is not None and len(self.expert_dtypes) != self.usage.shape[1]:
+            raise _err(
+                ErrorCode.BAD_SHAPE,
+                f"expert_dtypes has {len(self.expert_dtypes)} entries for {self.usage.shape[1]} experts",
+            )
         return self
 
 
@@ -549,6 +574,16 @@ class JobStatus(Message):
     queue_position: int = Field(default=0, ge=0)
     coordinator: str = ""
     instance: CoordinatorName = ""
+    #: K entries, what each expert computed the job's rows in so far (as `DoneEvent.expert_dtypes`),
+    #: only for a job that asked (`JobRequest.report_dtypes`); else None and not on the wire
+    expert_dtypes: list[ExpertDtype] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_dtypes(self, handler):  # older clients refuse unknown keys
+        out = handler(self)
+        if isinstance(out, dict) and self.expert_dtypes is None:
+            out.pop("expert_dtypes", None)
+        return out
 
 
 class FleetStatus(Message):

@@ -2,9 +2,10 @@
 
 * Workers: NATS micro service discovery. One request on `$SRV.INFO` and one on `$SRV.STATS`
   reach every service; all replies that arrive within a short window are collected (a plain
-  request would keep only the first). A worker advertises its expert id, backend and device in
-  its service metadata (keys `expert` / `expert_id`, `backend`, `device`); services without an
-  expert id are listed as "other services".
+  request would keep only the first). A worker advertises its expert id, backend, device and the
+  dtype its expert computes in in its service metadata (keys `expert` / `expert_id`, `backend`,
+  `device`, `dtype`, or `precision` from workers older than `dtype`); services without an expert id
+  are listed as "other services".
 * Throughput: rows/s from the difference of two STATS snapshots (endpoint stats `data.rows`
   when the worker reports it, else requests/s).
 * Latency: `latency_ms`, the mean receive-to-reply time of the requests served between two
@@ -142,6 +143,7 @@ class FleetMonitor:
                 "version": str(info.get("version", "")),
                 "backend": str(meta.get("backend", "")),
                 "device": str(meta.get("device", "")),
+                "dtype": str(meta.get("dtype", meta.get("precision", ""))),  # float32 / bfloat16; "" unknown
                 "host": str(meta.get("host", meta.get("hostname", ""))),
                 "requests": None,
                 "errors": None,

@@ -77,7 +77,8 @@ class WorkerConfig:
     """Serving options of one expert worker. Units: rows are batch rows (images); seconds are `_s`.
 
     backend: model runtime (`BACKENDS`); device: torch cpu | cuda[:N], xla xla[:N], jax cpu | gpu[:N] |
-    tpu[:N] (None: the backend's default); bf16: bfloat16 compute.
+    tpu[:N] (None: the backend's default); dtype: the expert's compute type, "auto" (bfloat16 where the
+    device computes it natively, else float32: `models.precision`), "float32" or "bfloat16".
     buckets: batch sizes compiled and padded to; max_batch: most rows per forward pass (None: the largest
     bucket; buckets above the one that holds it are dropped: `plan`). merge: "auto" (merge queued requests into one
     pass where the warm forward times say it is cheaper) or "always".
@@ -91,7 +92,7 @@ class WorkerConfig:
 
     backend: str = "torch"
     device: str | None = None
-    bf16: bool = False
+    dtype: str = "auto"
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     max_batch: int | None = None
     merge: str = "auto"
@@ -114,6 +115,9 @@ class WorkerConfig:
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from models.precision import check_dtype
+
+        fix("dtype", check_dtype(self.dtype))
         fix("buckets", parse_buckets(self.buckets))
         plan_buckets(self.buckets, self.max_batch)  # max_batch fits a bucket (the error says which to add)
         if self.merge not in MERGE_MODES:
@@ -156,7 +160,7 @@ class WorkerConfig:
         return plan_buckets(self.buckets, self.max_batch)
 
     def backend_options(self) -> dict:
-        """Keyword arguments for `workers.backends.get_backend(self.backend, ...)` beyond device and bf16:
+        """Keyword arguments for `workers.backends.get_backend(self.backend, ...)` beyond device and dtype:
         threads (torch), cache_path (xla), preset / batch_ms / row_ms (sim); only those set."""
         opts: dict = {}
         if self.backend == "torch" and self.threads:
@@ -208,7 +212,8 @@ class WorkerConfig:
             str(self.connect_attempts),
             "--metrics-host",
             self.metrics_host,
-            "--bf16" if self.bf16 else "--no-bf16",
+            "--dtype",
+            self.dtype,
         ]
         for flag, value in (
             ("--device", self.device),
@@ -228,10 +233,10 @@ class WorkerConfig:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:
-        """Declare every serving option on `parser` (`--backend`, `--buckets`, `--bf16/--no-bf16`, ...).
+        """Declare every serving option on `parser` (`--backend`, `--buckets`, `--dtype`, ...).
         `defaults`: {field name: value} a command uses instead of the worker's (e.g. a bench's buckets);
         the help shows the command's default."""
-        from bus.options import add_switch
+        from bus.options import add_dtype_option
 
         d = {f.name: f.default for f in fields(WorkerConfig)}
         unknown = set(defaults or {}) - set(d)
@@ -278,7 +283,14 @@ class WorkerConfig:
             default=d["device"],
             help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]",
         )
-        add_switch(g, "bf16", default=d["bf16"], help="bfloat16 compute (torch autocast / xla autocast / jax cast)")
+        add_dtype_option(
+            g,
+            default=d["dtype"],
+            help="the expert's compute type: auto = bfloat16 where the device computes it natively (CPU with "
+            "AMX or AVX512-BF16, CUDA compute capability >= 8.0, XLA: TPU / Trainium), else float32; bfloat16 "
+            "(torch / xla autocast, jax cast; inputs and outputs stay float32); float32 for images identical "
+            "bit for bit across hosts. The worker advertises the dtype it computes in (default %(default)s)",
+        )
         g.add_argument("--buckets", default=buckets, help=f"batch sizes compiled and padded to (default: {buckets})")
         g.add_argument(
             "--max-batch",

@@ -17,7 +17,7 @@ Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / 
 
     async with ExpertWorker(expert=0, checkpoint="checkpoints/expert0.safetensors",
                             backend="torch", nats_url="nats://127.0.0.1:4222",
-                            buckets=(1, 2, 4, 8, 16, 32, 64), bf16=False) as worker:
+                            buckets=(1, 2, 4, 8, 16, 32, 64), dtype="auto") as worker:
         ...                      # serving; worker.metrics, worker.info(), worker.service_id
     # leaving the block: stop taking work, answer what is held, drain, close
 
@@ -41,7 +41,8 @@ naming any other reply subject (e.g. another client's job events) is dropped una
 at most every `DROP_LOG_EVERY_S` seconds (`bus.ratelimited_log`).
 Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
-Service discovery: name `ddm-expert`; metadata has expert, backend, device, precision, buckets,
+Service discovery: name `ddm-expert`; metadata has expert, backend, device, dtype (what the expert
+computes in: float32 or bfloat16; `precision` is its older name), buckets,
 max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
 worker_id, host, pid, checkpoint, subject, direct_subject.
 STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
@@ -112,11 +113,13 @@ class ExpertWorker:
     ):
         """`backend`: a name (default `config.backend`, "torch") or a loaded `Backend` object.
         `config`: the serving options (`WorkerConfig`); any of its fields may also be given as keyword
-        arguments (`buckets=`, `max_batch=`, `bf16=`, `merge=`, `max_queue_rows=`, ...), which override it.
+        arguments (`buckets=`, `max_batch=`, `dtype=`, `merge=`, `max_queue_rows=`, ...), which override it.
         `reconnect_wait`: the older name of `reconnect_wait_s`. Raises ValueError (saying what to fix) for
         out-of-range options."""
         if reconnect_wait is not None:
             serving["reconnect_wait_s"] = reconnect_wait
+        if "bf16" in serving:  # the older spelling of dtype
+            serving["dtype"] = "bfloat16" if serving.pop("bf16") else "float32"
         unknown = set(serving) - {f.name for f in dataclasses.fields(WorkerConfig)}
         if unknown:
             raise TypeError(f"ExpertWorker() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
@@ -148,7 +151,7 @@ class ExpertWorker:
             self.backend = backend
         self.checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
         self.device = config.device
-        self.bf16 = config.bf16
+        self.dtype = config.dtype  # as asked ("auto" resolved by the backend: `self.backend.dtype`)
         self.backend_options = dict(backend_options or {})
         self.nats_url = nats_url
         self.metrics_port = config.metrics_port
@@ -224,7 +227,7 @@ class ExpertWorker:
         from .backends import get_backend
 
         if self.backend is None:
-            self.backend = get_backend(self._backend_name, device=self.device, bf16=self.bf16, **self.backend_options)
+            self.backend = get_backend(self._backend_name, device=self.device, dtype=self.dtype, **self.backend_options)
         if not getattr(self.backend, "loaded", self.checkpoint is None):
             if self.checkpoint is None:
                 raise ValueError("the backend object is not loaded and no checkpoint was given")

@@ -52,7 +52,7 @@ async def _workers(nats_url, experts, per_expert=1):
     ws = []
     for k, path in enumerate(experts):
         for _ in range(per_expert):
-            w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16, 64))
+            w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16, 64), dtype="float32")
             await w.start()
             ws.append(w)
     return ws
@@ -287,7 +287,7 @@ WORKER_SCRIPT = """
 import asyncio, sys
 from workers.service import ExpertWorker
 async def main():
-    async with ExpertWorker(expert=0, checkpoint=sys.argv[1], nats_url=sys.argv[2], buckets=(1, 4, 16)) as w:
+    async with ExpertWorker(expert=0, checkpoint=sys.argv[1], nats_url=sys.argv[2], buckets=(1, 4, 16), dtype="float32") as w:
         print("ready", flush=True)
         await asyncio.Event().wait()
 asyncio.run(main())
@@ -308,7 +308,7 @@ async def test_killing_one_of_two_worker_processes_loses_no_job(nats_url, nc, ex
     ]
     from workers.service import ExpertWorker
 
-    w1 = ExpertWorker(expert=1, checkpoint=experts[1], nats_url=nats_url, buckets=(1, 4, 16))
+    w1 = ExpertWorker(expert=1, checkpoint=experts[1], nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
     await w1.start()
     try:
         for p in procs:

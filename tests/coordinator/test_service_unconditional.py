@@ -41,7 +41,7 @@ async def _workers(nats_url, paths):
 
     ws = []
     for k, p in enumerate(paths):
-        ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4, 8)))
+        ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4, 8), dtype="float32"))
         await ws[-1].start()
     return ws
 

@@ -33,7 +33,7 @@ async def _workers(nats_url, experts):
 
     ws = []
     for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16))
+        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
         await w.start()
         ws.append(w)
     return ws

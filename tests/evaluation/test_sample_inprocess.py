@@ -35,11 +35,15 @@ async def _fleet_images(ck, strategy: str, digits, steps: int, job_size: int, mo
 
     if monolith:
         fleet = LocalFleet(
-            [str(ck / "monolith.safetensors")], LabelRouter([0] * 10, 1), num_experts=1, class_to_expert=[0] * 10
+            [str(ck / "monolith.safetensors")],
+            LabelRouter([0] * 10, 1),
+            num_experts=1,
+            class_to_expert=[0] * 10,
+            dtype="float32",
         )
         cfg = Config("monolith", "monolith")
     else:
-        fleet = LocalFleet.from_dir(ck)
+        fleet = LocalFleet.from_dir(ck, dtype="float32")
         cfg = Config.parse(strategy)
     spec = EvalSpec(configs=[cfg], checkpoints=str(ck), per_class=2, steps=steps, job_size=job_size, progress=False)
     async with fleet:
@@ -74,11 +78,36 @@ async def test_same_images_as_the_fleet(tiny_ddm, strategy):
         checkpoints=str(tiny_ddm),
         seed=0,
         job_size=job_size,  # sample: the draws follow each row's job seed and index in it, as the fleet's
+        dtype="float32",  # as the fleet's workers above: images compared to the last bits
     )
     assert got.shape == (20, 1, 32, 32) and usage.shape == want_usage.shape
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert np.abs(got).max() <= 1.0 and np.abs(got - want).max() < 1e-5
     np.testing.assert_allclose(usage, want_usage, atol=1e-6)
+
+
+def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
+    """--dtype bfloat16 computes the experts in bfloat16: other images than float32's (seeded
+    reproducibility holds per dtype), close to them, and the same again for the same seed."""
+    from evaluation.run import requested_digits
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
+
+    digits = requested_digits(1)
+    kw = dict(
+        digits=digits,
+        noise=initial_batch(len(digits), 5, 0),
+        steps=3,
+        solver="euler",
+        device="cpu",
+        checkpoints=str(tiny_ddm),
+        job_size=5,
+    )
+    cfg = SampleConfig("ddm-top1", "ddm", "top1")
+    fp32, _ = generate(cfg, dtype="float32", **kw)
+    bf16, _ = generate(cfg, dtype="bfloat16", **kw)
+    again, _ = generate(cfg, dtype="bfloat16", **kw)
+    np.testing.assert_array_equal(bf16, again)
+    assert 0 < np.abs(bf16 - fp32).max() < 0.1
 
 
 @pytest.mark.slow
@@ -100,6 +129,8 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
                 "1",
                 "--steps",
                 "2",
+                "--dtype",
+                "float32",
                 "--out",
                 str(out),
             ]
@@ -133,7 +164,7 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
     d = np.load(out / "ddm-top2.npz")
     assert d["images"].dtype == np.uint8 and d["images"].shape == (10, 1, 32, 32)
     assert d["labels"].tolist() == list(range(10)) and np.allclose(d["usage"].sum(1), 2.0)
-    assert json.loads(str(d["meta"]))["steps"] == 2
+    assert json.loads(str(d["meta"]))["steps"] == 2 and json.loads(str(d["meta"]))["dtype"] == "float32"
     u = np.load(out / "uncond-ddm-top1.npz")
     assert (u["labels"] == -1).all()
     # --skip-existing resumes: files already there are kept byte for byte, only missing ones are made

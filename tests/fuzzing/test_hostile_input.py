@@ -592,7 +592,7 @@ async def test_unauthenticated_raw_connections_are_cut_off_and_reach_no_worker(a
 
     node = auth_cluster.nodes[0]
     async with ExpertWorker(
-        0, tiny_expert_checkpoint, "torch", nats_url=auth_cluster.url(0, "worker-0"), buckets=(1, 2)
+        0, tiny_expert_checkpoint, "torch", nats_url=auth_cluster.url(0, "worker-0"), buckets=(1, 2), dtype="float32"
     ) as worker:
         data = _step_bytes(1)
         attempts = [

@@ -81,7 +81,7 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
     ws = []
     try:
         for k, p in enumerate(experts):
-            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
+            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4), dtype="float32"))
             await ws[-1].start()
         async with Coordinator(
             LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url
@@ -244,7 +244,7 @@ async def test_a_run_over_the_job_limit_is_split_with_seeds_independent_of_the_s
     ws = []
     try:
         for k, p in enumerate(experts):
-            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
+            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4), dtype="float32"))
             await ws[-1].start()
         async with Coordinator(
             LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, class_to_expert=[0] * 5 + [1] * 5, nats_url=nats_url
@@ -305,7 +305,7 @@ async def test_run_jobs_keeps_at_most_j_in_flight_and_one_bar_over_all_images(na
     ws = []
     try:
         for k, p in enumerate(experts):
-            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
+            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4), dtype="float32"))
             await ws[-1].start()
         async with Coordinator(LabelRouter([0] * 5 + [1] * 5, 2), num_experts=2, nats_url=nats_url):
             live, most = set(), 0

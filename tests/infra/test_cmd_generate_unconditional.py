@@ -85,7 +85,7 @@ async def test_generate_unconditional_against_a_running_fleet(nats_url, null_exp
 
     try:
         for k, p in enumerate(null_experts):
-            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4)))
+            ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4), dtype="float32"))
             await ws[-1].start()
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url):
             runs = []

@@ -478,7 +478,7 @@ def test_child_args_take_values_that_start_with_a_dash(tiny_fleet_dir):
     up = argparse.ArgumentParser()
     add_arguments(up)
     help_text = next(a.help for a in up._actions if a.dest == "worker_args")
-    example = re.search(r'e\.g\. "([^"]+)"', help_text).group(1)  # "--bf16 --threads 1"
+    example = re.search(r'e\.g\. "([^"]+)"', help_text).group(1)  # "--dtype float32 --threads 1"
     parser = cli.build_parser()
     for worker_args in ("--bf16", example):
         for form in (["--worker-args", worker_args], [f"--worker-args={worker_args}"]):
@@ -499,7 +499,8 @@ def test_child_args_take_values_that_start_with_a_dash(tiny_fleet_dir):
             workers = [c for c in rest if c.name.startswith("worker-")]
             assert workers and all(c.argv[-len(worker_args.split()) :] == worker_args.split() for c in workers)
             child = cli.parse_args(workers[0].argv[3:])  # drop `python -m infra.cli`
-            assert child.command == "worker" and child.bf16 is True
+            want = "bfloat16" if worker_args == "--bf16" else "float32"  # --bf16: deprecated --dtype bfloat16
+            assert child.command == "worker" and child.dtype == want
             coord = next(c for c in rest if c.name == "coordinator")
             assert cli.parse_args(coord.argv[3:]).max_rows == 256
             web = next(c for c in rest if c.name == "web")

@@ -223,7 +223,7 @@ async def test_real_worker_serves_under_worker_role_permissions(cluster, tiny_ex
 
     caplog.set_level(logging.WARNING)
     async with ExpertWorker(
-        0, tiny_expert_checkpoint, "torch", nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)
+        0, tiny_expert_checkpoint, "torch", nats_url=cluster.url(1, "worker-0"), buckets=(1, 4), dtype="float32"
     ) as worker:
         coord = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
         # a client user receives replies only on its own inbox prefix (_INBOX_web.>)
@@ -275,8 +275,8 @@ async def test_whole_fleet_runs_under_role_permissions(cluster, tmp_path, caplog
     paths = make_tiny_experts(tmp_path)
     leaf = cluster.leaf("leaf-expert-1")
     workers = [
-        ExpertWorker(0, paths[0], nats_url=cluster.url(1, "worker-0"), buckets=(1, 4)),
-        ExpertWorker(1, paths[1], nats_url=leaf.client_url, buckets=(1, 4)),
+        ExpertWorker(0, paths[0], nats_url=cluster.url(1, "worker-0"), buckets=(1, 4), dtype="float32"),
+        ExpertWorker(1, paths[1], nats_url=leaf.client_url, buckets=(1, 4), dtype="float32"),
     ]
     client = None
     try:

@@ -173,8 +173,10 @@ class FakeCoordinator:
 class FakeWorkerService:
     """A micro service that advertises like an expert worker and counts rows in its stats."""
 
-    def __init__(self, nc, expert: int, backend: str, device: str, subject: str | None = None):
-        self.nc, self.expert, self.backend, self.device = nc, expert, backend, device
+    def __init__(
+        self, nc, expert: int, backend: str, device: str, subject: str | None = None, dtype: str = "float32"
+    ):
+        self.nc, self.expert, self.backend, self.device, self.dtype = nc, expert, backend, device, dtype
         self.subject = subject or f"test.fleet.{id(self)}"
         self.rows = 0
         self.latency: tuple[float, int] | None = None  # (seconds, requests): reported like a worker's histogram
@@ -192,7 +194,13 @@ class FakeWorkerService:
             self.nc,
             name="ddm-expert",
             version="0.1.0",
-            metadata={"expert": str(self.expert), "backend": self.backend, "device": self.device, "host": "testhost"},
+            metadata={
+                "expert": str(self.expert),
+                "backend": self.backend,
+                "device": self.device,
+                "dtype": self.dtype,
+                "host": "testhost",
+            },
             stats_handler=lambda _ep: self._stats(),
         )
 

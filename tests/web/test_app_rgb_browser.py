@@ -48,6 +48,7 @@ async def rgb_fleet(nats_url, tmp_path):
         nats_url=nats_url,
         buckets=(1, 2, 4),
         coordinator_options={"spec": router_spec(router_path)},
+        dtype="float32",
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # spinning OpenMP threads make tiny forwards far slower on a shared 2-core box

@@ -36,7 +36,7 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
             FakeWorkerService(nc, 0, "torch", "cpu") as w0a,
             FakeWorkerService(nc, 0, "torch-xla", "xla:0") as w0b,
         ):
-            async with FakeWorkerService(nc, 1, "jax", "cuda:0") as w1:
+            async with FakeWorkerService(nc, 1, "jax", "cuda:0", dtype="bfloat16") as w1:
                 snap1 = await monitor.snapshot()
                 w0a.rows += 640
                 await asyncio.sleep(0.2)  # not an ordering wait: the rate is rows over the time between snapshots
@@ -44,9 +44,10 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
             snap3 = await monitor.snapshot()  # w1 has left
     experts = {e["expert"]: e["workers"] for e in snap2["experts"]}
     assert {w["id"] for w in experts[0]} >= {w0a.id, w0b.id}
-    assert [w["backend"] for w in experts[1] if w["id"] == w1.id] == ["jax"]
+    assert [(w["backend"], w["dtype"]) for w in experts[1] if w["id"] == w1.id] == [("jax", "bfloat16")]
     row = next(w for w in experts[0] if w["id"] == w0a.id)
     assert row["device"] == "cpu" and row["host"] == "testhost" and row["rate_unit"] == "rows/s"
+    assert row["dtype"] == "float32"
     assert row["rows"] == 640 and 640 / 2 < row["rows_per_s"] < 640 / 0.2 + 1  # 640 rows over ~0.4 s
     first = next(w for e in snap1["experts"] for w in e["workers"] if w["id"] == w0a.id)
     assert first["rows_per_s"] is None  # one snapshot is not a rate yet

@@ -69,7 +69,8 @@ def test_arguments_round_trip_and_defaults():
                 "1,2,4",
                 "--max-batch",
                 "3",
-                "--bf16",
+                "--dtype",
+                "bfloat16",
                 "--max-queue-rows",
                 "0",
                 "--merge",
@@ -77,12 +78,12 @@ def test_arguments_round_trip_and_defaults():
             ]
         )
     )
-    assert (c.backend, c.sim_preset, c.buckets, c.max_batch, c.bf16, c.max_queue_rows, c.merge) == (
+    assert (c.backend, c.sim_preset, c.buckets, c.max_batch, c.dtype, c.max_queue_rows, c.merge) == (
         "sim",
         "h200-jax",
         (1, 2, 4),
         3,
-        True,
+        "bfloat16",
         None,
         "always",
     )
@@ -91,11 +92,21 @@ def test_arguments_round_trip_and_defaults():
     assert WorkerConfig.from_args(_parse(WorkerConfig().to_argv())) == WorkerConfig()
 
 
-def test_switch_spellings_of_bf16(capsys):
-    assert _parse(["--bf16"]).bf16 is True
-    assert _parse(["--bf16", "--no-bf16"]).bf16 is False
-    assert _parse(["--bf16", "on"]).bf16 is True  # the old spelling, with a warning
-    assert "deprecated" in capsys.readouterr().err
+def test_dtype_option_and_its_deprecated_bf16_spellings(capsys):
+    assert _parse([]).dtype == "auto" == WorkerConfig().dtype
+    assert _parse(["--dtype", "float32"]).dtype == "float32"
+    assert capsys.readouterr().err == ""
+    assert _parse(["--bf16"]).dtype == "bfloat16"  # deprecated alias of --dtype bfloat16, with a warning
+    assert "--bf16 is deprecated and will be removed; use --dtype bfloat16" in capsys.readouterr().err
+    assert _parse(["--bf16", "--no-bf16"]).dtype == "float32"
+    assert _parse(["--dtype", "bfloat16", "--dtype", "float32"]).dtype == "float32"  # the last one wins
+    with pytest.raises(SystemExit):
+        _parse(["--dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown dtype 'half'"):
+        WorkerConfig(dtype="half")
+    assert WorkerConfig(dtype="BF16").dtype == "bfloat16"
+    assert WorkerConfig.from_args(_parse(WorkerConfig(dtype="float32").to_argv())).dtype == "float32"
 
 
 def test_a_command_can_change_a_default_and_say_so():

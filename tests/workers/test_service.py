@@ -68,6 +68,7 @@ async def worker(nats_url, tiny_expert_checkpoint):
         max_request_rows=16,
         metrics_port=free_port(),
         metrics_host="127.0.0.1",
+        dtype="float32",
     ) as w:
         yield w
 
@@ -151,7 +152,14 @@ async def test_concurrent_requests_are_batched(nats_url, tiny_expert_checkpoint,
     # ("auto") merges on a CPU only where its timings say one pass is cheaper than two, which on a
     # tiny model on a busy machine can go either way (its decisions: tests/workers/test_batcher.py).
     async with ExpertWorker(
-        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8), max_request_rows=16, merge="always"
+        0,
+        tiny_expert_checkpoint,
+        "torch",
+        nats_url=nats_url,
+        buckets=(1, 2, 4, 8),
+        max_request_rows=16,
+        merge="always",
+        dtype="float32",
     ) as worker:
         before = worker.metrics.batches
         reqs = [make_request(1, seed=i) for i in range(8)]
@@ -172,6 +180,7 @@ async def test_discovery_ping_info_stats(worker, nc):
     md = info["metadata"]
     assert md["device"] == "cpu" and md["buckets"] == "1,2,4,8" and md["version"] and md["protocol"] == "1"
     assert md["input_shape"] == "1,32,32"
+    assert md["dtype"] == md["precision"] == "float32"  # what it computes in (this fixture pins float32)
     from schemas.spec import ModelSpec  # the model spec travels as compact JSON; an old checkpoint's is implied
 
     spec = ModelSpec.from_json(json.loads(md["spec"]))
@@ -204,7 +213,9 @@ async def test_prometheus_endpoint(worker, nc):
 
 
 async def test_two_workers_of_one_expert_share_the_work(worker, nc, nats_url, tiny_expert_checkpoint):
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8)) as second:
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8), dtype="float32"
+    ) as second:
         replies = await asyncio.gather(*(ask(nc, pack(make_request(2, seed=i))) for i in range(24)))
         ids = {rep.worker_id for rep, _ in replies}
         assert ids == {worker.worker_id, second.worker_id}
@@ -213,7 +224,7 @@ async def test_two_workers_of_one_expert_share_the_work(worker, nc, nats_url, ti
 
 async def test_checkpoint_for_another_expert_is_refused(nats_url, tiny_expert_checkpoint):
     with pytest.raises(ValueError, match="is for expert 0, not expert 2"):
-        async with ExpertWorker(2, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1,)):
+        async with ExpertWorker(2, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1,), dtype="float32"):
             pass
 
 
@@ -223,7 +234,7 @@ async def test_torch_and_jax_workers_answer_with_the_same_velocity(worker, nc, t
     req = make_request(5, seed=11)
     torch_reply, _ = await ask(nc, pack(req))
     with NatsServer() as srv:  # a private bus so the request certainly reaches the jax worker
-        async with ExpertWorker(0, tiny_expert_checkpoint, "jax", nats_url=srv.url, buckets=(8,)):
+        async with ExpertWorker(0, tiny_expert_checkpoint, "jax", nats_url=srv.url, buckets=(8,), dtype="float32"):
             nc2 = await nats.connect(srv.url)
             try:
                 jax_reply, _ = await ask(nc2, pack(req), timeout=60)
@@ -312,7 +323,7 @@ async def test_worker_reconnects_after_a_server_restart(tiny_expert_checkpoint):
     srv = NatsServer().start()
     try:
         async with ExpertWorker(
-            0, tiny_expert_checkpoint, "torch", nats_url=srv.url, buckets=(1, 2), reconnect_wait=0.2
+            0, tiny_expert_checkpoint, "torch", nats_url=srv.url, buckets=(1, 2), reconnect_wait=0.2, dtype="float32"
         ):
             nc = await nats.connect(srv.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
             try:
@@ -367,6 +378,20 @@ async def test_messages_without_a_reply_subject_are_ignored_safely(worker, nc):
     assert isinstance(reply, StepReply)
 
 
+def test_worker_resolves_dtype_auto_for_its_device_and_advertises_it(tiny_expert_checkpoint):
+    """`dtype="auto"` (the default) becomes what this CPU computes natively, in the backend and in the
+    service metadata; an explicit dtype and the older `bf16=` keyword are kept as asked."""
+    from models.precision import resolve_dtype
+
+    want = resolve_dtype("auto", backend="torch", device="cpu")
+    for kwargs, expected in (({}, want), ({"dtype": "bfloat16"}, "bfloat16"), ({"bf16": False}, "float32")):
+        w = ExpertWorker(0, tiny_expert_checkpoint, "torch", buckets=(1,), **kwargs)
+        w._prepare_backend()
+        assert w.backend.dtype == expected and w.metadata()["dtype"] == expected, kwargs
+    with pytest.raises(ValueError, match="unknown dtype 'float16'"):
+        ExpertWorker(0, tiny_expert_checkpoint, dtype="float16")
+
+
 def test_worker_arguments_are_validated(tiny_expert_checkpoint):
     with pytest.raises(ValueError, match="non-negative int"):
         ExpertWorker(-1, tiny_expert_checkpoint)
@@ -375,4 +400,4 @@ def test_worker_arguments_are_validated(tiny_expert_checkpoint):
     with pytest.raises(ValueError, match="max_queue_rows"):
         ExpertWorker(0, tiny_expert_checkpoint, max_queue_rows=0)
     with pytest.raises(ValueError, match="largest bucket"):
-        ExpertWorker(0, tiny_expert_checkpoint, buckets=(1, 2), max_batch=4)
+        ExpertWorker(0, tiny_expert_checkpoint, buckets=(1, 2), max_batch=4, dtype="float32")

@@ -46,7 +46,9 @@ async def _ask(nc, req: StepRequest):
 
 
 async def test_a_model_without_a_null_label_refuses_minus_one_and_keeps_serving(nats_url, nc, tiny_expert_checkpoint):
-    async with ExpertWorker(0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4)) as w:
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4), dtype="float32"
+    ) as w:
         assert w.backend.null_label is False and "null_label" not in w.info()["metadata"]
         for _ in range(3):  # again and again: the worker never dies of it
             reply = await _ask(nc, _request([3, UNCONDITIONAL]))
@@ -63,7 +65,9 @@ async def test_a_model_without_a_null_label_refuses_minus_one_and_keeps_serving(
 
 
 async def test_a_model_with_a_null_label_serves_minus_one(nats_url, nc, null_label_checkpoint):
-    async with ExpertWorker(0, null_label_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4)) as w:
+    async with ExpertWorker(
+        0, null_label_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4), dtype="float32"
+    ) as w:
         assert w.backend.null_label is True and w.info()["metadata"]["null_label"] == "true"
         req = _request([UNCONDITIONAL, 3, UNCONDITIONAL], seed=2)
         reply = await _ask(nc, req)

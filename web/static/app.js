@@ -1048,7 +1048,7 @@ function renderFleet(msg) {
   if (!msg.experts.length) box.append(el("p", { class: "hint", text: "no expert workers discovered" }));
   for (const ex of msg.experts) {
     state.experts = Math.max(state.experts, ex.expert + 1);
-    const table = el("table", {}, el("tr", {}, ...["worker @ host", "backend", "device", "rows/s", "ms", "reqs"].map((h) => el("th", { text: h }))));
+    const table = el("table", {}, el("tr", {}, ...["worker @ host", "backend", "device", "dtype", "rows/s", "ms", "reqs"].map((h) => el("th", { text: h }))));
     for (const w of ex.workers) {
       const rate = w.rows_per_s === null || w.rows_per_s === undefined ? "…" : `${w.rows_per_s}${w.rate_unit === "req/s" ? " req" : ""}`;
       const lat = w.latency_ms === null || w.latency_ms === undefined ? "…" : Number(w.latency_ms).toFixed(1);
@@ -1056,6 +1056,7 @@ function renderFleet(msg) {
         el("span", { text: w.id.slice(-8) }), el("span", { class: "host", text: w.host ? `@ ${w.host}` : "" }));
       table.append(el("tr", { class: "worker", "data-worker-id": w.id, "data-host": w.host || "" },
         who, el("td", { text: w.backend || "?" }), el("td", { text: w.device || "?" }),
+        el("td", { class: "dtype", text: w.dtype || "?" }),
         el("td", { class: "n", text: rate }), el("td", { class: "n", text: lat }),
         el("td", { class: "n", text: w.requests ?? "" })));
     }

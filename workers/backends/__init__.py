@@ -1,7 +1,7 @@
 """Model runtimes for expert workers: one file per backend, imported only when asked for.
 
     from workers.backends import get_backend
-    be = get_backend("torch", device="cpu", bf16=True)     # or "xla", "jax", "sim" (simulated expert)
+    be = get_backend("torch", device="cpu", dtype="auto")   # or "xla", "jax", "sim" (simulated expert)
     be.load(path); be.warmup([1, 2, 4]); v = be.forward(x, t, y)
 
 See `workers.backends.base` for the `Backend` protocol.
@@ -24,7 +24,8 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 
 def get_backend(name: str, **opts: Any) -> Backend:
-    """A fresh, unloaded backend by name. opts: device=None, bf16=False, plus backend extras."""
+    """A fresh, unloaded backend by name. opts: device=None, dtype="float32" ("auto" | "bfloat16",
+    `models.precision`; bf16=True is the older spelling), plus backend extras."""
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     module, cls = BACKENDS[name]

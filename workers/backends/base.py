@@ -2,7 +2,7 @@
 
 A backend owns one expert model on one device:
 
-    be = get_backend("torch", device="cpu", bf16=False)
+    be = get_backend("torch", device="cpu", dtype="auto")  # or "float32" / "bfloat16" (models.precision)
     be.load("checkpoints/expert0.safetensors")     # same file for torch, xla and jax
     be.warmup([1, 2, 4, 8])                         # compile / autotune every bucket shape
     v = be.forward(x, t, y)                         # x float32 [B, C, H, W], t float32 [B], y int64 [B]
@@ -55,10 +55,16 @@ class BackendBase:
     #: the sim's GPU-like model)? False lets the worker's batcher run exactly the rows it has.
     pads_to_buckets = True
 
-    def __init__(self, device: str | None = None, bf16: bool = False):
+    def __init__(self, device: str | None = None, dtype: str = "auto", bf16: bool | None = None):
+        """dtype: "auto" | "float32" | "bfloat16" (`models.precision`; auto resolved here for this device).
+        bf16: the older spelling (True = "bfloat16", False = "float32"); it wins when given."""
+        from models.precision import resolve_dtype
+
         self.requested_device = device
         self.device = device or "cpu"
-        self.bf16 = bool(bf16)
+        if bf16 is not None:
+            dtype = "bfloat16" if bf16 else "float32"
+        self.dtype = resolve_dtype(dtype, backend=self.name, device=device)
         self.meta: dict[str, Any] = {}
         self.config = None  # models.config.UNetConfig or DiTConfig once loaded (`models.arch`)
         self.checkpoint_path: str | None = None
@@ -109,12 +115,18 @@ class BackendBase:
         return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     @property
+    def bf16(self) -> bool:
+        """Does the forward compute in bfloat16?"""
+        return self.dtype == "bfloat16"
+
+    @property
     def precision(self) -> str:
-        return "bfloat16" if self.bf16 else "float32"
+        """The dtype the forward computes in: "float32" or "bfloat16" (same as `dtype`)."""
+        return self.dtype
 
     def describe(self) -> dict[str, str]:
-        """String metadata for service discovery."""
-        return {"backend": self.name, "device": self.device, "precision": self.precision}
+        """String metadata for service discovery (`dtype`; `precision` is its older name, kept for readers)."""
+        return {"backend": self.name, "device": self.device, "dtype": self.dtype, "precision": self.dtype}
 
     def _need_loaded(self) -> None:
         if self.config is None:

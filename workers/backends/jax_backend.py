@@ -1,7 +1,8 @@
 """JAX / Flax backend for the expert model (UNet or DiT): one jax.jit, compiled once per bucket shape.
 
 Options: device "cpu" | "gpu" | "cuda" | "tpu", optionally ":N" (default: jax's default device);
-bf16=True casts weights and inputs to bfloat16 inside the jitted function (outputs float32).
+dtype="bfloat16" (bf16=True, the older spelling) casts weights and inputs to bfloat16 inside the
+jitted function (outputs float32).
 Full float32 matmul/conv precision otherwise, so fp32 results match the torch backend.
 """
 
@@ -15,8 +16,8 @@ from .base import BackendBase, BackendError
 class JaxBackend(BackendBase):
     name = "jax"
 
-    def __init__(self, device: str | None = None, bf16: bool = False):
-        super().__init__(device=device, bf16=bf16)
+    def __init__(self, device: str | None = None, dtype: str = "float32", bf16: bool | None = None):
+        super().__init__(device=device, dtype=dtype, bf16=bf16)
         import jax
 
         self._jax = jax

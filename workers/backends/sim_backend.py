@@ -39,8 +39,9 @@ Presets (`--sim-preset`), fitted to the H200 in-process rows/s in docs/DEPLOYMEN
     h200-jax    batch_ms 2.20  row_ms 0.0165    (measured 2.19 / 2.39 / 3.22 / 6.44 ms; fit 2.22 / 2.33 / 3.26 / 6.43)
     instant     batch_ms 0     row_ms 0
 
-`batch_ms` / `row_ms` (`--sim-batch-ms` / `--sim-row-ms`) override the preset's values. `bf16` is
-accepted and only reported (`precision`); the velocity is float32 either way.
+`batch_ms` / `row_ms` (`--sim-batch-ms` / `--sim-row-ms`) override the preset's values. `dtype` (or
+the older `bf16`) is accepted and only reported (`auto` is float32 here: nothing is computed); the
+velocity is float32 either way.
 """
 
 from __future__ import annotations
@@ -85,12 +86,13 @@ class SimBackend(BackendBase):
     def __init__(
         self,
         device: str | None = None,
-        bf16: bool = False,
+        dtype: str = "float32",
+        bf16: bool | None = None,
         preset: str | None = None,
         batch_ms: float | None = None,
         row_ms: float | None = None,
     ):
-        super().__init__(device=device, bf16=bf16)
+        super().__init__(device=device, dtype=dtype, bf16=bf16)
         preset = preset or DEFAULT_PRESET
         if preset not in PRESETS:
             raise BackendError(f"sim backend: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")

@@ -1,8 +1,9 @@
 """PyTorch backend (CPU or CUDA) for the expert model (UNet or DiT, `models.arch`).
 
-Options: device "cpu" | "cuda" | "cuda:N" (default: cpu); bf16=True runs under bfloat16 autocast
-(inputs and outputs stay float32); channels_last (default on CPU, where it is ~2x faster with
-bf16 on this box's AVX-512). Eager mode: torch.compile gains nothing here (see DESIGN.md).
+Options: device "cpu" | "cuda" | "cuda:N" (default: cpu); dtype "float32" (default) | "bfloat16" | "auto"
+(`models.precision`): bfloat16 runs under bfloat16 autocast (inputs and outputs stay float32);
+channels_last (default on CPU, where it is ~2x faster with bf16 on this box's AVX-512). Eager mode:
+torch.compile gains nothing here (see DESIGN.md).
 On CUDA, inputs and outputs go through pinned host memory with non-blocking copies. On a CPU the
 worker does not pad batches to its buckets (`pads_to_buckets` False).
 """
@@ -20,11 +21,12 @@ class TorchBackend(BackendBase):
     def __init__(
         self,
         device: str | None = None,
-        bf16: bool = False,
+        dtype: str = "float32",
+        bf16: bool | None = None,
         channels_last: bool | None = None,
         threads: int | None = None,
     ):
-        super().__init__(device=device or "cpu", bf16=bf16)
+        super().__init__(device=device or "cpu", dtype=dtype, bf16=bf16)
         import torch
 
         try:

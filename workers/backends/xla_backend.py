@@ -4,7 +4,8 @@ XLA compiles one graph per input shape, so the worker pads every batch to a buck
 every bucket before it advertises itself. Options:
 
 * device: None (torch_xla's default device) or "xla" / "xla:N".
-* bf16=True: bfloat16 autocast on the device (inputs and outputs float32).
+* dtype "bfloat16" (or "auto", which is bfloat16 on an XLA device; bf16=True is the older spelling):
+  bfloat16 autocast on the device (inputs and outputs float32).
 * cache_path: persistent compilation cache directory (also read from $XLA_PERSISTENT_CACHE_PATH),
   set up with `torch_xla.runtime.initialize_cache` before the first compilation, so a restarted
   worker skips recompiling its buckets.
@@ -48,8 +49,10 @@ def init_persistent_cache(path: str) -> None:
 class XlaBackend(BackendBase):
     name = "xla"
 
-    def __init__(self, device: str | None = None, bf16: bool = False, cache_path: str | None = None):
-        super().__init__(device=device, bf16=bf16)
+    def __init__(
+        self, device: str | None = None, dtype: str = "float32", bf16: bool | None = None, cache_path: str | None = None
+    ):
+        super().__init__(device=device, dtype=dtype, bf16=bf16)
         try:
             import torch_xla  # noqa: F401
             import torch_xla.core.xla_model as xm
