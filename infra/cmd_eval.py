@@ -223,6 +223,7 @@ def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
         progress=not args.no_progress,
         device=args.device,
         num_classes=classes,
+        dtype=args.dtype,
     )
     from client.jobs import JobFailed
 
