@@ -136,11 +136,13 @@ def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **
     )
 
 
+#: the `--dtype` choices (`models.precision` resolves them)
+DTYPES = ("auto", "float32", "bfloat16")
+
+
 def add_dtype_option(parser, *, default: str = "auto", help: str | None = None) -> None:
     """`--dtype auto|float32|bfloat16` into `dtype` (resolve it with `models.precision.resolve_dtype`),
     plus the deprecated `--bf16` (= `--dtype bfloat16`) and `--no-bf16` (= `--dtype float32`)."""
-    from models.precision import DTYPES
-
     parser.add_argument(
         "--dtype",
         choices=DTYPES,

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("auto", "float32", "bfloat16")
+from bus.options import DTYPES  # noqa: F401  (the one list of choices; re-exported here)
+
 #: the flags in /proc/cpuinfo that mean native bfloat16 arithmetic (AMX tiles, AVX-512 dot products)
 BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 #: CUDA compute capability from which tensor cores take bfloat16 (Ampere)

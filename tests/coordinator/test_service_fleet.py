@@ -287,7 +287,8 @@ WORKER_SCRIPT = """
 import asyncio, sys
 from workers.service import ExpertWorker
 async def main():
-    async with ExpertWorker(expert=0, checkpoint=sys.argv[1], nats_url=sys.argv[2], buckets=(1, 4, 16), dtype="float32") as w:
+    opts = dict(buckets=(1, 4, 16), dtype="float32")
+    async with ExpertWorker(expert=0, checkpoint=sys.argv[1], nats_url=sys.argv[2], **opts) as w:
         print("ready", flush=True)
         await asyncio.Event().wait()
 asyncio.run(main())

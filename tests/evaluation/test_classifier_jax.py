@@ -104,12 +104,12 @@ def test_load_saved_refuses_the_wrong_image_convention(tmp_path):
 
     x, y = load_mnist("val", limit=8)
     np.savez(tmp_path / "unit-range.npz", images=(x + 1) / 2, labels=y)  # [0, 1] instead of [-1, 1]
-    np.savez(tmp_path / "unpadded.npz", images=x[:, :, 2:30, 2:30], labels=y)  # 28x28
+    np.savez(tmp_path / "unpadded.npz", images=x.reshape(len(x), -1), labels=y)  # flat vectors, not images
     np.savez(tmp_path / "no-labels.npz", images=x)
     np.savez(tmp_path / "ok.npz", images=x, labels=y)
     with pytest.raises(SavedImagesError, match=r"\[-1, 1\]"):
         load_saved(tmp_path / "unit-range.npz")
-    with pytest.raises(SavedImagesError, match=r"\[N, 1, 32, 32\]"):
+    with pytest.raises(SavedImagesError, match=r"\[N, C, H, W\] \(MNIST: \[N, 1, 32, 32\]"):
         load_saved(tmp_path / "unpadded.npz")
     with pytest.raises(SavedImagesError, match="labels"):
         load_saved(tmp_path / "no-labels.npz")

@@ -88,9 +88,13 @@ DIST_OF = {
 }
 
 #: Imports a role may use without its extra providing them, and where they come from instead.
+_JAX_PROBE = {"jax": "the worker-jax extra (models.precision asks jax for a TPU only when jax is installed)"}
 ELSEWHERE = {
-    "xla": {"torch_neuronx": "Neuron pip repository (Trainium hosts; optional, imported when present)"},
+    "xla": {"torch_neuronx": "Neuron pip repository (Trainium hosts; optional, imported when present)", **_JAX_PROBE},
     "training": {"torch_xla": "the xla extra (train-expert --device xla)"},
+    "worker": _JAX_PROBE,
+    "coordinator": _JAX_PROBE,
+    "fuzz": _JAX_PROBE,
 }
 
 #: Declared distributions that no module imports, and why they are declared anyway.

@@ -173,9 +173,7 @@ class FakeCoordinator:
 class FakeWorkerService:
     """A micro service that advertises like an expert worker and counts rows in its stats."""
 
-    def __init__(
-        self, nc, expert: int, backend: str, device: str, subject: str | None = None, dtype: str = "float32"
-    ):
+    def __init__(self, nc, expert: int, backend: str, device: str, subject: str | None = None, dtype: str = "float32"):
         self.nc, self.expert, self.backend, self.device, self.dtype = nc, expert, backend, device, dtype
         self.subject = subject or f"test.fleet.{id(self)}"
         self.rows = 0
