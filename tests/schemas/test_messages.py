@@ -163,9 +163,7 @@ SAMPLES.append(
     )
 )
 
-SAMPLES.append(
-    messages_mod.DecodeRequest(decoder="ab" * 32, latents=_x(2), request_id="r1", deadline=5.0)
-)
+SAMPLES.append(messages_mod.DecodeRequest(decoder="ab" * 32, latents=_x(2), request_id="r1", deadline=5.0))
 SAMPLES.append(messages_mod.DecodeReply(decoder="0f" * 32, images=_x(2), worker_id="w", device="cpu", compute_ms=1.5))
 SAMPLES.append(  # a latent fleet's done, with the latents the job asked for
     DoneEvent(
