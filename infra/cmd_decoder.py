@@ -60,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await worker.start()
-        print(f"ready: decoder on {worker.subject} device={args.device} worker_id={worker.worker_id}", flush=True)
+        print(
+            f"ready: decoder on {worker.subject} device={args.device} worker_id={worker.worker_id} "
+            f"service_id={worker.service_id}",
+            flush=True,
+        )
         await stop.wait()
         log.info("signal received: finishing held requests")
         await worker.stop()

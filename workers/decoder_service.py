@@ -82,6 +82,10 @@ class DecoderWorker:
         return self.codec.content_hash
 
     @property
+    def service_id(self) -> str | None:
+        return self._service.id if self._service is not None else None
+
+    @property
     def subject(self) -> str:
         return subjects.decoder_decode(self.content_hash)
 
