@@ -218,3 +218,38 @@ async def test_killing_one_of_two_decoder_processes_loses_no_job(nats_url, nc, f
     for r in results:  # each decoded by the survivor (or the victim before it died): the same decoder
         assert r.images.shape == (2, 3, 16, 16)
     print(f"\n8 latent jobs, one of two decoders killed (kill -9) mid-run: 0 lost, {took:.1f} s in all")
+
+
+async def test_decoder_answers_bad_requests_with_codes_and_keeps_serving(nats_url, nc, fleet):
+    from schemas import DecodeReply, DecodeRequest, DecodeResult, pack, unpack
+    from workers.decoder_service import DecoderWorker
+
+    ae, codec, spec, paths = fleet
+    async with DecoderWorker(ae, nats_url=nats_url) as dec:
+        h = codec.content_hash
+
+        async def ask(body: bytes):
+            return unpack((await nc.request(dec.subject, body, timeout=20)).data, DecodeResult)
+
+        bad = {
+            b"\xc1 not msgpack": ErrorCode.BAD_REQUEST,
+            pack(DecodeRequest(decoder="0" * 64, latents=np.zeros((1, 4, 8, 8), np.float32))): ErrorCode.BAD_REQUEST,
+            pack(DecodeRequest(decoder=h, latents=np.zeros((2, 4, 4, 4), np.float32))): ErrorCode.BAD_SHAPE,
+            pack(DecodeRequest(decoder=h, latents=np.zeros((1, 4, 8, 8), np.float32), deadline=1.0)): (
+                ErrorCode.DEADLINE_EXCEEDED
+            ),
+        }
+        for body, code in bad.items():
+            reply = await ask(body)
+            assert reply.kind == "error" and reply.code == code, (code, reply)
+        import msgpack
+
+        from schemas.tensor import encode_tensor
+
+        nan = {"v": 1, "kind": "decode_request", "decoder": h, "latents": encode_tensor(np.full((1, 4, 8, 8), np.nan))}
+        assert (await ask(msgpack.packb(nan, use_bin_type=True))).code == ErrorCode.NON_FINITE
+        z = np.random.default_rng(0).standard_normal((3, 4, 8, 8)).astype(np.float32)
+        good = await ask(pack(DecodeRequest(decoder=h, latents=z)))
+        assert isinstance(good, DecodeReply) and good.decoder == h and good.worker_id == dec.worker_id
+        np.testing.assert_allclose(good.images, codec.decode(z), atol=1e-6)
+        assert dec.errors == 5 and dec.requests == 1
