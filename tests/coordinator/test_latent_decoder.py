@@ -189,7 +189,7 @@ async def test_killing_one_of_two_decoder_processes_loses_no_job(nats_url, nc, f
             spec=spec,
             step_timeout=2.0,
             retries=3,
-        ):
+        ) as coord:
             previews = 0
             killed_at: list[float] = []
             victim = procs[0]
@@ -209,6 +209,7 @@ async def test_killing_one_of_two_decoder_processes_loses_no_job(nats_url, nc, f
             start = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*(run_job(nc, j, on) for j in jobs)), 240)
             took = time.monotonic() - start
+            retried = coord.decoder.failures
     finally:
         await _stop(ws)
         for p in procs:
@@ -224,7 +225,7 @@ async def test_killing_one_of_two_decoder_processes_loses_no_job(nats_url, nc, f
     pause = max((b - a for a, b in zip([killed_at[0], *after], after)), default=0.0)
     print(
         f"\n8 latent jobs, one of two decoders killed (kill -9) mid-run: 0 lost, {took:.1f} s in all, "
-        f"longest gap between events after the kill {pause:.2f} s"
+        f"longest gap between events after the kill {pause:.2f} s, {retried} decode tries failed (retried)"
     )
 
 
@@ -261,3 +262,12 @@ async def test_decoder_answers_bad_requests_with_codes_and_keeps_serving(nats_ur
         assert isinstance(good, DecodeReply) and good.decoder == h and good.worker_id == dec.worker_id
         np.testing.assert_allclose(good.images, codec.decode(z), atol=1e-6)
         assert dec.errors == 5 and dec.requests == 1
+        # the coordinator's client: calls of one loop turn go in one request, split back in order
+        from coordinator.decoder_client import DecoderClient
+
+        client = DecoderClient(nc, h, timeout=20, retries=0)
+        parts = [z[:1], z[1:3], z[:2]]
+        got = await asyncio.gather(*(client.decode(p) for p in parts))
+        assert dec.requests == 2 and client.requests == 1
+        for p, images in zip(parts, got):
+            np.testing.assert_allclose(images, codec.decode(p), atol=1e-6)
