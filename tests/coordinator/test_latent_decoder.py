@@ -118,7 +118,7 @@ async def test_done_images_are_the_decoded_latents_and_previews_ride_on_chosen_f
     assert isinstance(done, DoneEvent)
     assert done.latents.shape == (3, 4, 8, 8) and done.images.shape == (3, 3, 16, 16)
     assert np.abs(done.latents).max() > 1.0 or np.abs(done.latents).min() < 1.0  # real latents, not pixels
-    np.testing.assert_allclose(done.images, codec.decode(done.latents), atol=1e-5)
+    np.testing.assert_allclose(done.images, codec.decode(np.array(done.latents)), atol=1e-5)
     assert done.images.min() >= -1.0 and done.images.max() <= 1.0
     assert plain.latents is None and plain.images.shape == (1, 3, 16, 16)
     # previews: step 2 (a multiple of preview_every) and the last step 3; not step 1
@@ -271,3 +271,44 @@ async def test_decoder_answers_bad_requests_with_codes_and_keeps_serving(nats_ur
         assert dec.requests == 2 and client.requests == 1
         for p, images in zip(parts, got):
             np.testing.assert_allclose(images, codec.decode(p), atol=1e-6)
+
+
+class _SlowCodec:
+    """The real codec, taking `delay` seconds more per decode (a loaded decoder)."""
+
+    def __init__(self, codec, delay: float):
+        self.codec, self.delay = codec, delay
+        self.latent_shape, self.image_shape = codec.latent_shape, codec.image_shape
+        self.content_hash = codec.content_hash
+
+    def decode(self, z):
+        time.sleep(self.delay)
+        return self.codec.decode(z)
+
+
+async def test_a_job_being_decoded_is_running_not_unknown(nats_url, nc, fleet):
+    """Between its last step and its decoded `done`, a job's status is `running` at its last step (a
+    client must not take it for lost)."""
+    from workers.decoder_service import DecoderWorker
+
+    ae, codec, spec, paths = fleet
+    ws = await _experts(nats_url, paths)
+    try:
+        async with DecoderWorker(codec=_SlowCodec(codec, 2.0), nats_url=nats_url):
+            async with Coordinator(
+                LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, spec=spec, step_timeout=10
+            ) as coord:
+                last = asyncio.Event()
+                req = JobRequest(job_id="slowdec", digits=[2], steps=2, seed=3)
+                job = asyncio.ensure_future(
+                    run_job(nc, req, lambda ev: last.set() if ev.kind == "frame" and ev.step == ev.steps else None)
+                )
+                await asyncio.wait_for(last.wait(), 60)
+                during = await coord.job_status("slowdec")
+                done = await asyncio.wait_for(job, 60)
+                after = await coord.job_status("slowdec")
+    finally:
+        await _stop(ws)
+    assert during.state == "running" and during.step == during.steps == 2
+    assert after.state == "done" and isinstance(done, DoneEvent)
+    assert done.images.shape == (1, 3, 16, 16)
