@@ -312,3 +312,11 @@ async def test_a_job_being_decoded_is_running_not_unknown(nats_url, nc, fleet):
     assert during.state == "running" and during.step == during.steps == 2
     assert after.state == "done" and isinstance(done, DoneEvent)
     assert done.images.shape == (1, 3, 16, 16)
+
+
+def test_decoder_command_refuses_a_missing_checkpoint(tmp_path, capsys):
+    from infra.cli import main
+
+    assert main(["decoder", "--checkpoint", str(tmp_path / "nope.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.safetensors" in err and "not found" in err
