@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 
 import numpy as np
 
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 NO_RESPONDERS_WAIT_S = 0.5
 #: Rows of one decode request (whole calls are never split; one call may exceed it alone).
 DEFAULT_MAX_ROWS = 256
+#: After a decode fails, previews are skipped for this long (final images are still tried), so a
+#: fleet whose decoders are gone does not hold every job's frames for the full retry time each.
+PREVIEW_BACKOFF_S = 10.0
 #: Error codes worth another try (another decoder of the queue group may answer).
 RETRY_CODES = {ErrorCode.OVERLOADED, ErrorCode.INTERNAL, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.UNAVAILABLE}
 
@@ -61,6 +65,12 @@ class DecoderClient:
         self._tasks: set[asyncio.Task] = set()
         self.requests = 0  # decode requests sent (tries included)
         self.failures = 0  # tries that failed
+        self._failed_at = -float("inf")  # monotonic time of the last DecoderUnavailable
+
+    @property
+    def previews_paused(self) -> bool:
+        """True within PREVIEW_BACKOFF_S of the last failed decode: skip previews meanwhile."""
+        return time.monotonic() - self._failed_at < PREVIEW_BACKOFF_S
 
     async def decode(self, latents: np.ndarray) -> np.ndarray:
         """The images of `latents` float32 [N, c, h, w] (batched with other calls of this loop turn)."""
@@ -134,6 +144,7 @@ class DecoderClient:
                 log.warning("decode request %s, try %d: %s", request_id, attempt + 1, reason)
                 if err.code not in RETRY_CODES and err.code != ErrorCode.BAD_REPLY:
                     break  # the request itself is refused: another try would be refused too
+        self._failed_at = time.monotonic()
         raise DecoderUnavailable(reason)
 
     def _check(self, data: bytes, rows: int) -> np.ndarray:

@@ -459,6 +459,8 @@ class Coordinator:
                     event = decoder_failed(event.job_id, str(err))
             elif event.kind == "frame" and wants_preview(opts, event):
                 try:
+                    if self.decoder.previews_paused:  # do not hold the frames of every job on a dead decoder
+                        raise DecoderUnavailable("a decode failed in the last seconds; previews resume after a pause")
                     event = with_preview(event, await self.decoder.decode(frame_latents(event)))
                 except DecoderUnavailable as err:
                     event = without_preview(event, err.reason)

@@ -155,13 +155,23 @@ async def test_no_decoder_fails_the_job_with_decoder_unavailable_not_a_hang(nats
             with pytest.raises(JobFailed) as info:
                 await asyncio.wait_for(run_job(nc, JobRequest(digits=[1, 8], steps=2, seed=1)), 60)
             took = time.monotonic() - start
+            # a failed decode pauses previews: the next job's frames go out at once, without them, with a note
+            frames: list[FrameEvent] = []
+            with pytest.raises(JobFailed):
+                await run_job(
+                    nc,
+                    JobRequest(digits=[2], steps=3, seed=2, preview_every=1),
+                    lambda ev: frames.append(ev) if ev.kind == "frame" else None,
+                )
             status = coord.status()
     finally:
         await _stop(ws)
     assert info.value.code == ErrorCode.DECODER_UNAVAILABLE
     assert "no decoder serves" in info.value.reason and codec.content_hash in info.value.reason
     assert took < 30
-    assert status.jobs_failed == 1 and status.jobs_done == 0
+    assert status.jobs_failed == 2 and status.jobs_done == 0
+    assert [f.step for f in frames] == [1, 2, 3] and all(f.preview is None for f in frames)
+    assert all(any(n.startswith("no preview: ") for n in f.notes) for f in frames)
 
 
 DECODER_CMD = [sys.executable, "-m", "infra.cli", "decoder", "--threads", "1", "--checkpoint"]
