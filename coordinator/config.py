@@ -214,6 +214,7 @@ class CoordinatorConfig:
             max_session_queued_jobs=self.max_session_queued_jobs,
             max_job_cost=self.max_job_cost,
             max_job_run_s=self.max_job_run_s,
+            latent=spec is not None and spec.space == "latent",
         )
 
     @property

@@ -81,6 +81,10 @@ class JobLedger:
         if internal in self._progress:
             self._progress[internal] = (int(step), int(steps))
 
+    def progress(self, internal: str) -> tuple[int, int] | None:
+        """(step, steps) last known of a live job, else None."""
+        return self._progress.get(internal)
+
     def forget(self, internal: str) -> JobName | None:
         """Drop a live job without a terminal event (fenced, handed over); returns its name."""
         self._progress.pop(internal, None)
@@ -112,7 +116,8 @@ class JobLedger:
         old = self._finished.pop(name, None)
         if old is not None:
             self._finished_bytes -= old[2]
-        size = sum(int(getattr(event, f).nbytes) for f in ("images", "usage") if hasattr(event, f)) + 256
+        arrays = (getattr(event, f, None) for f in ("images", "usage", "latents"))
+        size = sum(int(a.nbytes) for a in arrays if a is not None) + 256
         reached = self._progress.pop(internal, None)
         if event.kind == "done":
             reached = (int(event.steps), int(event.steps))

@@ -129,6 +129,9 @@ class SchedulerConfig:
     max_job_run_s: float | None = 600.0
     max_session_rows: int | None = None
     max_session_queued_jobs: int | None = None
+    # latent fleet: a done event's `images` and `latents` are the final samples as they are (not
+    # clipped); the coordinator's decode stage turns them into images
+    latent: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -951,10 +954,12 @@ class Scheduler:
             self._deactivate(job)
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
+            final = g.x.astype(np.float32) if self.config.latent else np.clip(g.x, -1.0, 1.0).astype(np.float32)
             self._events.append(
                 DoneEvent(
                     job_id=job.job_id,
-                    images=np.clip(g.x, -1.0, 1.0).astype(np.float32),
+                    images=final,
+                    latents=final if self.config.latent else None,
                     **{req.label_field: job.digits},
                     usage=(g.usage / max(g.evals, 1)).astype(np.float32),
                     steps=req.steps,

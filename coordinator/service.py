@@ -36,6 +36,16 @@ from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, ProtocolErr
 from schemas.spec import ModelSpec, legacy_spec
 
 from .config import CoordinatorConfig
+from .decode_stage import (
+    LatentOptions,
+    decoded_done,
+    decoder_failed,
+    final_latents,
+    frame_latents,
+    wants_preview,
+    with_preview,
+    without_preview,
+)
 from .durable import CheckpointingScheduler, JobStore
 from .durable_jobs import DurableJobs
 from .engine import Engine, RouterLike, Transport
@@ -109,6 +119,10 @@ class Coordinator:
         self.metrics = None  # CoordinatorMetrics, once entered
         self.store: JobStore | None = None
         self.durable_jobs: DurableJobs | None = None  # durable jobs (coordinator.durable_jobs): --durable only
+        # latent fleets: the decoder stage (coordinator.decode_stage; calls in coordinator.decoder_client)
+        self.decoder = None  # a DecoderClient, once entered, when the spec says space latent
+        self._latent_opts: dict[str, LatentOptions] = {}  # internal id -> what the job asked of the decoder
+        self._decoding: dict[str, asyncio.Task] = {}  # internal id -> the last event of the job in the stage
 
     @classmethod
     def from_files(cls, router_path, partition_path, config: CoordinatorConfig | None = None, **kw) -> Coordinator:
@@ -152,6 +166,20 @@ class Coordinator:
                 if self._own_nc:
                     await self.nc.close()
                 raise
+        if self.spec.space == "latent":
+            from models.autoencoder import content_hash_of
+
+            from .decoder_client import DecoderClient
+
+            digest = content_hash_of(self.spec.decoder or "")
+            if digest is None or not subjects.is_content_hash(digest):
+                if self._own_nc:
+                    await self.nc.close()
+                raise ValueError(
+                    f"the fleet's spec says space latent with decoder {self.spec.decoder!r}, which names no "
+                    "autoencoder ('autoencoder@sha256:<content hash>'): no decoder can serve it"
+                )
+            self.decoder = DecoderClient(self.nc, digest, timeout=cfg.step_timeout, retries=cfg.retries)
         if self.transport is None:
             self.transport = NatsTransport(
                 self.nc,
@@ -239,6 +267,8 @@ class Coordinator:
             await self.durable_jobs.hand_over()
         if self.engine is not None:
             await self.engine.stop()
+        if self._decoding:  # jobs in the decode stage finish (or fail: decoder_unavailable) within its bounds
+            await asyncio.wait(list(self._decoding.values()), timeout=self.step_timeout * (self.retries + 1) + 5)
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout=self.step_timeout * (self.retries + 1) + 5)
@@ -318,6 +348,8 @@ class Coordinator:
         )
         if self.durable_jobs is not None:
             self.durable_jobs.op("adopt", internal)
+        if self.decoder is not None:
+            self._latent_opts[internal] = LatentOptions.of(request)
         publish = self._publish(accepted)
         return self._as_client(accepted, client, job_id or internal), publish
 
@@ -373,6 +405,9 @@ class Coordinator:
             await self.engine.flush_events()
             internal = self.ledger.find(job_id, client)
         state = self.engine.job_state(internal) if internal is not None else None
+        if state is None and internal is not None and internal in self._decoding:  # its images are being decoded
+            step, steps = self.ledger.progress(internal) or (0, 0)
+            state = {"state": "running", "step": step, "steps": steps}
         if state is not None:
             return JobStatus(job_id=job_id, coordinator=self.name, instance=self.instance, **state)
         found = self.ledger.find_finished(job_id, client)
@@ -391,9 +426,64 @@ class Coordinator:
 
     # ------------------------------------------------------------ events
     async def _publish(self, event) -> None:
-        """The engine's events, to their job's owner under the job id it knows."""
+        """The engine's events, to their job's owner under the job id it knows. A latent fleet's
+        `done` and preview frames go through the decode stage first (`_decode_then_publish`), in the
+        job's order, without holding up the engine."""
         if self.durable_jobs is not None and not self.durable_jobs.before_publish(event):
             return  # another coordinator runs this job now
+        internal = event.job_id
+        if self.decoder is not None and event.kind != "accepted":
+            opts = self._latent_opts.get(internal, LatentOptions())
+            staged = event.kind == "done" or (event.kind == "frame" and wants_preview(opts, event))
+            if staged or internal in self._decoding:
+                if event.kind in ("done", "failed"):
+                    self._latent_opts.pop(internal, None)
+                before = self._decoding.get(internal)
+                task = asyncio.ensure_future(self._decode_then_publish(event, opts, before))
+                self._decoding[internal] = task
+                task.add_done_callback(
+                    lambda t, i=internal: self._decoding.pop(i, None) if self._decoding.get(i) is t else None
+                )
+                return
+            if event.kind == "failed":
+                self._latent_opts.pop(internal, None)
+        await self._publish_now(event)
+
+    def _left_stage(self, internal: str, task: asyncio.Task) -> None:
+        if self._decoding.get(internal) is task:  # the job's last staged event is out
+            del self._decoding[internal]
+
+    async def _decode_then_publish(self, event, opts: LatentOptions, before: asyncio.Future | None) -> None:
+        """After the job's previous staged event: decode what `event` needs, then publish it. A `done`
+        whose latents no decoder turned into images becomes `failed` / `decoder_unavailable`."""
+        from .decoder_client import DecoderUnavailable
+
+        if before is not None:
+            await asyncio.wait([before])
+        try:
+            if event.kind == "done":
+                try:
+                    event = decoded_done(event, await self.decoder.decode(final_latents(event)), opts)
+                except (DecoderUnavailable, ValueError) as err:
+                    log.warning("job %s: decoding its images failed: %s", event.job_id, err)
+                    stats = self.engine.scheduler.stats  # the job failed after all
+                    stats.jobs_done, stats.jobs_failed = stats.jobs_done - 1, stats.jobs_failed + 1
+                    stats.images_done -= len(event.images)
+                    event = decoder_failed(event.job_id, str(err))
+            elif event.kind == "frame" and wants_preview(opts, event):
+                try:
+                    if self.decoder.previews_paused:  # do not hold the frames of every job on a dead decoder
+                        raise DecoderUnavailable("a decode failed in the last seconds; previews resume after a pause")
+                    event = with_preview(event, await self.decoder.decode(frame_latents(event)))
+                except DecoderUnavailable as err:
+                    event = without_preview(event, err.reason)
+            await self._publish_now(event)
+        except Exception:  # never lose the event to a bug in the stage
+            log.exception("decode stage failed for %s of job %s", event.kind, event.job_id)
+            if event.kind in ("done", "failed"):
+                await self._publish_now(decoder_failed(event.job_id, "internal error in the decode stage"))
+
+    async def _publish_now(self, event) -> None:
         internal = event.job_id
         name = self.ledger.name_of(internal)
         if name is None:  # cannot happen for a job this coordinator admitted; never guess a namespace

@@ -238,7 +238,7 @@ MESSAGE_TYPES: list[type[Message]] = sorted(
     ),  # not the bases (Message, _Labelled)
     key=lambda cls: cls.__name__,
 )
-MESSAGE_TARGETS: list[Any] = [*MESSAGE_TYPES, StepResult, SubmitReply, JobEvent]
+MESSAGE_TARGETS: list[Any] = [*MESSAGE_TYPES, StepResult, SubmitReply, JobEvent, _messages.DecodeResult]
 
 
 def _wire(msg: Message) -> dict:
@@ -316,6 +316,8 @@ def message_seeds(image: tuple[int, int, int] = (1, 4, 4), rows: tuple[int, ...]
         JobStatus(job_id="j1", state="running", step=2, steps=4, coordinator="c"),
         JobStatus(job_id="fuzz-job", state="queued", steps=40, queue_position=3),
         JobStatus(job_id="j1", state="unknown", coordinator="c2"),
+        _messages.DecodeRequest(decoder="ab" * 32, latents=rng.standard_normal((2, 4, 2, 2)).astype(np.float32)),
+        _messages.DecodeReply(decoder="ab" * 32, images=rng.uniform(-1, 1, (2, *image)).astype(np.float32)),
     ]
     return [_wire(m) for m in out]
 

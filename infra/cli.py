@@ -42,6 +42,7 @@ COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         "serve",
         [
             ("worker", "infra.cmd_worker", "serve one expert model over NATS (torch, xla, jax or sim)"),
+            ("decoder", "infra.cmd_decoder", "serve an autoencoder's decoder over NATS (latent fleets)"),
             ("coordinator", "infra.cmd_coordinator", "route and batch every job's steps over the experts' workers"),
             ("web", "infra.cmd_web", "serve the web viewer: watch images denoise live"),
             ("up", "infra.cmd_up", "run the local fleet: nats-server, workers, coordinator, web"),

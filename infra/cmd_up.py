@@ -4,9 +4,11 @@ Starts, each as its own process: a nats-server (infra/nats/local.conf, loopback 
 with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet worker` per expert
 checkpoint (expert 0 on torch, expert 1 on jax, like the reference demo's two frameworks;
 --backend-K picks another, unset experts alternate torch/jax), the `ddm-fleet coordinator` and the
-`ddm-fleet web` page. Waits until each is ready (the bus accepts connections, every worker answers
-$SRV.PING, the coordinator answers ddm.v1.fleet.status, the page answers HTTP 200), then prints what
-runs where and the URL to open.
+`ddm-fleet web` page, and for a latent fleet (the router's spec says `space: latent`) one
+`ddm-fleet decoder` of `<DIR>/autoencoder.safetensors`, which must be the autoencoder the spec names.
+Waits until each is ready (the bus accepts connections, every worker and decoder answers
+$SRV.PING, the coordinator answers ddm.v1.fleet.status, the page answers HTTP 200), then prints
+what runs where and the URL to open.
 
 Jobs are durable by default (`ddm-fleet coordinator --durable`, docs/COORDINATOR.md): the coordinator
 checkpoints every running job in JetStream, so a coordinator that crashes and is restarted here resumes
@@ -185,7 +187,37 @@ def check_checkpoints(directory: str | os.PathLike) -> dict:
         )
     if k is not None and k < 1:
         raise UpError(f"{partition} says num_experts={k}")
-    return {"experts": [p.resolve() for p in experts], "router": router.resolve(), "partition": partition.resolve()}
+    out = {"experts": [p.resolve() for p in experts], "router": router.resolve(), "partition": partition.resolve()}
+    autoencoder = latent_decoder(d, router)
+    if autoencoder is not None:
+        out["autoencoder"] = autoencoder
+    return out
+
+
+def latent_decoder(d: Path, router: Path) -> tuple[Path, str] | None:
+    """(autoencoder checkpoint, content hash) when the router's spec says space latent: the fleet
+    needs a decoder, served from `<DIR>/autoencoder.safetensors`; None for a pixel fleet.
+    UpError when the autoencoder is missing or is not the one the spec names."""
+    from coordinator.startup import router_spec
+    from models.autoencoder import AutoencoderError, content_hash_of, load_autoencoder_meta
+
+    try:
+        spec = router_spec(router)
+    except (ValueError, OSError) as err:
+        raise UpError(f"{router.with_suffix('.json')}: {err}") from None
+    if spec.space != "latent":
+        return None
+    want = content_hash_of(spec.decoder or "")
+    ae = d / "autoencoder.safetensors"
+    if want is None:
+        raise UpError(f"the router's spec says space latent with decoder {spec.decoder!r}, which names no autoencoder")
+    try:
+        got = load_autoencoder_meta(ae)["content_hash"]
+    except AutoencoderError as err:
+        raise UpError(f"a latent fleet needs its autoencoder as {ae} (the decoder serves it): {err}") from None
+    if got != want:
+        raise UpError(f"{ae} is autoencoder {got[:12]}…, but the fleet's spec names {want[:12]}…")
+    return ae.resolve(), got
 
 
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:
@@ -260,6 +292,20 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
                     stop_group="workers",
                 )
             )
+    if ck.get("autoencoder"):  # a latent fleet: one decoder (add more with `ddm-fleet decoder`)
+        ae, digest = ck["autoencoder"]
+        rest.append(
+            ChildSpec(
+                "decoder-0",
+                cli + ["decoder", "--checkpoint", str(ae), "--nats", nats_url],
+                role="decoder",
+                where=subjects.decoder_decode(digest),
+                probe=probes.decoder,
+                critical=False,
+                env=env,
+                stop_group="workers",
+            )
+        )
     coord = (
         cli
         + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]), "--nats", nats_url]
@@ -363,6 +409,17 @@ class Probes:
             return False
         nc = await self._conn()
         await nc.request(f"$SRV.PING.ddm-expert.{m.group(1)}", b"", timeout=1.0)
+        return True
+
+    async def decoder(self, child) -> bool:
+        """The decoder printed `ready: decoder ... service_id=ID` and that service answers $SRV.PING."""
+        import re
+
+        m = re.search(r"^ready: decoder .*service_id=(\S+)", child.log_since_start(), re.M)
+        if not m:
+            return False
+        nc = await self._conn()
+        await nc.request(f"$SRV.PING.ddm-decoder.{m.group(1)}", b"", timeout=1.0)
         return True
 
     async def coordinator(self, child) -> bool:

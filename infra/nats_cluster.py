@@ -50,6 +50,7 @@ PASSWORD_VARS: dict[str, str] = {
     "worker-0": "DDM_NATS_WORKER_0_PASSWORD",
     "worker-1": "DDM_NATS_WORKER_1_PASSWORD",
     "worker": "DDM_NATS_WORKER_PASSWORD",
+    "decoder": "DDM_NATS_DECODER_PASSWORD",
     "ops": "DDM_NATS_OPS_PASSWORD",
     "leaf-expert-0": "DDM_NATS_LEAF_0_PASSWORD",
     "leaf-expert-1": "DDM_NATS_LEAF_1_PASSWORD",

@@ -30,6 +30,7 @@ class ErrorCode(str, Enum):
     CANCELLED = "cancelled"  # job cancelled by its client
     UNAVAILABLE = "unavailable"  # no expert could serve a step; the coordinator is gone or lost the job
     BAD_REPLY = "bad_reply"  # an expert worker answered with an invalid reply (NaN, wrong shape, ...) on every try
+    DECODER_UNAVAILABLE = "decoder_unavailable"  # a latent job's decoder did not answer usably (none running, timeouts)
     INTERNAL = "internal"  # a bug on our side; the message says more
     RATE_LIMITED = "rate_limited"  # this client sent more requests of a kind per second than allowed; retry later
 

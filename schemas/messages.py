@@ -231,6 +231,48 @@ class StepReply(Message):
         return self
 
 
+class DecodeRequest(Message):
+    """Coordinator -> decoder (on `ddm.v1.decoder.<hash>.decode`): latents [B, c, h, w] -> images.
+
+    decoder: the content hash of the autoencoder the latents belong to (the subject's token; a
+    decoder of another autoencoder answers `bad_request`). deadline: unix time (s) after which the
+    decoder drops the request (`deadline_exceeded`) instead of computing it."""
+
+    kind: Literal["decode_request"] = "decode_request"
+    decoder: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    latents: FiniteTensor
+    request_id: Id | None = None
+    deadline: float | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> DecodeRequest:
+        _need_float(self.latents, "latents")
+        if self.latents.ndim != 4 or self.latents.shape[0] == 0:
+            raise _err(ErrorCode.BAD_SHAPE, f"latents must be [B, c, h, w] with B >= 1, got {list(self.latents.shape)}")
+        if self.latents.shape[0] > MAX_STEP_ROWS:
+            raise _err(ErrorCode.TOO_LARGE, f"{self.latents.shape[0]} rows exceed the limit of {MAX_STEP_ROWS}")
+        return self
+
+
+class DecodeReply(Message):
+    """Decoder -> coordinator: images [B, C, H, W] float32 in the autoencoder's value range, in the
+    request's row order."""
+
+    kind: Literal["decode_reply"] = "decode_reply"
+    decoder: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    images: FiniteTensor
+    worker_id: str = ""
+    device: str = ""
+    compute_ms: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DecodeReply:
+        _need_float(self.images, "images")
+        if self.images.ndim != 4:
+            raise _err(ErrorCode.BAD_SHAPE, f"images must be [B, C, H, W], got {list(self.images.shape)}")
+        return self
+
+
 class ErrorReply(Message):
     """Any server -> client: the request failed. `code` is an ErrorCode value."""
 
@@ -274,6 +316,10 @@ class JobRequest(Message):
     session: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     frame_x1: bool = False  # frames also carry x1, the model's estimate of the final sample
     report_dtypes: bool = False  # done / job_status also carry expert_dtypes (what each expert computed in)
+    # latent fleets only: frames whose step is a multiple of this (and the last) also carry `preview`
+    # (the decoded images); None = no previews
+    preview_every: int | None = Field(default=None, ge=1, le=MAX_JOB_STEPS)
+    return_latents: bool = False  # latent fleets only: `done` also carries `latents` (the final samples)
 
     @model_serializer(mode="wrap")
     def _omit_new_defaults(self, handler):  # not on the wire unless used: older coordinators refuse unknown keys
@@ -283,6 +329,10 @@ class JobRequest(Message):
                 out.pop("frame_x1", None)
             if not self.report_dtypes:
                 out.pop("report_dtypes", None)
+            if self.preview_every is None:
+                out.pop("preview_every", None)
+            if not self.return_latents:
+                out.pop("return_latents", None)
             if self.labels is None:
                 out.pop("labels", None)
         return out
@@ -409,12 +459,16 @@ class FrameEvent(Message):
     weights: Tensor
     notes: list[str] = Field(default_factory=list)  # e.g. "row 2: expert 1 unavailable, fell back to 0"
     x1: Tensor | None = None
+    preview: Tensor | None = None  # latent fleets: the decoded images of x (`JobRequest.preview_every`)
 
     @model_serializer(mode="wrap")
     def _omit_absent_x1(self, handler):  # not on the wire unless asked: older clients refuse unknown keys
         out = handler(self)
-        if isinstance(out, dict) and self.x1 is None:
-            out.pop("x1", None)
+        if isinstance(out, dict):
+            if self.x1 is None:
+                out.pop("x1", None)
+            if self.preview is None:
+                out.pop("preview", None)
         return out
 
     @model_validator(mode="after")
@@ -478,6 +532,8 @@ class FrameEvent(Message):
         }
         if self.x1 is not None:
             out["x1"] = encode_tensor(self.x1)
+        if self.preview is not None:
+            out["preview"] = encode_tensor(self.preview)
         return out
 
 
@@ -490,7 +546,9 @@ class DoneEvent(_Labelled):
     """Final images. images: [N, C, H, W] float32 in [-1, 1]. usage: [N, K] fraction of
     steps on which each expert contributed to each image. expert_dtypes: K entries, what each
     expert computed this job's rows in (`ExpertDtype`), only when the job asked
-    (`JobRequest.report_dtypes`); else None and not on the wire (older clients refuse unknown keys)."""
+    (`JobRequest.report_dtypes`); else None and not on the wire (older clients refuse unknown keys).
+    latents: [N, c, h, w] float32, the final samples of a latent fleet before decoding, only when the
+    job asked (`JobRequest.return_latents`)."""
 
     kind: Literal["done"] = "done"
     job_id: Id
@@ -501,6 +559,7 @@ class DoneEvent(_Labelled):
     elapsed_s: float = Field(ge=0)
     notes: list[str] = Field(default_factory=list)
     expert_dtypes: list[ExpertDtype] | None = None
+    latents: FiniteTensor | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unused_label_field(self, handler):  # replaces _Labelled's (one model serializer per model)
@@ -509,6 +568,8 @@ class DoneEvent(_Labelled):
             out.pop("labels" if self.labels is None else "digits", None)
             if self.expert_dtypes is None:  # not on the wire unless asked: older clients refuse unknown keys
                 out.pop("expert_dtypes", None)
+            if self.latents is None:  # likewise
+                out.pop("latents", None)
         return out
 
     @model_validator(mode="after")
@@ -626,3 +687,4 @@ class FleetStatus(Message):
 JobEvent = Annotated[JobAccepted | FrameEvent | DoneEvent | FailedEvent, Field(discriminator="kind")]
 SubmitReply = Annotated[JobAccepted | JobRejected | ErrorReply, Field(discriminator="kind")]
 StepResult = Annotated[StepReply | ErrorReply, Field(discriminator="kind")]
+DecodeResult = Annotated[DecodeReply | ErrorReply, Field(discriminator="kind")]

@@ -7,6 +7,8 @@
     ddm.v1.c.<client>.jobs.<job_id>.cancel          cancel a job (request/reply or plain publish)
     ddm.v1.c.<client>.jobs.<job_id>.status          what the coordinator knows of a job (request/reply)
     ddm.v1.fleet.status                             coordinator status snapshot (request/reply)
+    ddm.v1.decoder.<hash>.decode                    latents -> images (request/reply, queue group; <hash> =
+                                                    the autoencoder's content hash, 64 hex digits)
 
 Job subjects live in the submitting client's namespace `ddm.v1.c.<client>.`: the job belongs
 to that client, its events go only to its namespace, and a cancel or status request from
@@ -93,6 +95,28 @@ def expert_queue_group(expert_id: int) -> str:
     return f"{PREFIX}.expert.{expert_id}.workers"
 
 
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def is_content_hash(value: object) -> bool:
+    """True if `value` is a content hash as decoder subjects take it (64 lowercase hex digits)."""
+    return isinstance(value, str) and _HASH_RE.fullmatch(value) is not None
+
+
+def decoder_decode(content_hash: str) -> str:
+    """Subject the decoders of the autoencoder with `content_hash` (sha256, 64 lowercase hex digits)
+    serve; requests carry a `DecodeRequest`. Only the coordinator may publish it (infra/nats)."""
+    if not isinstance(content_hash, str) or not _HASH_RE.fullmatch(content_hash):
+        raise ValueError(f"decoder hash must be 64 lowercase hex digits (a content hash), got {content_hash!r:.80}")
+    return f"{PREFIX}.decoder.{content_hash}.decode"
+
+
+def decoder_queue_group(content_hash: str) -> str:
+    """Queue group shared by every decoder process of one autoencoder (one gets each request)."""
+    decoder_decode(content_hash)
+    return f"{PREFIX}.decoder.{content_hash}.workers"
+
+
 def client_namespace(client: str) -> str:
     """`ddm.v1.c.<client>`: the root of one client's job subjects."""
     return f"{CLIENTS_PREFIX}.{check_client(client)}"
@@ -129,6 +153,7 @@ ALL_JOBS_SUBMIT = f"{CLIENTS_PREFIX}.*.jobs.submit"
 ALL_JOB_EVENTS = f"{CLIENTS_PREFIX}.*.jobs.*.events"
 ALL_JOB_CANCELS = f"{CLIENTS_PREFIX}.*.jobs.*.cancel"
 ALL_JOB_STATUS = f"{CLIENTS_PREFIX}.*.jobs.*.status"
+ALL_DECODERS = f"{PREFIX}.decoder.*.decode"
 
 
 class JobSubject(NamedTuple):

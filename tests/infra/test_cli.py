@@ -125,7 +125,7 @@ WORKFLOW = [
     ("data", ["data"]),
     ("partition", ["partition"]),
     ("train", ["train-autoencoder", "train-expert", "train-router", "distill"]),
-    ("serve", ["worker", "coordinator", "web", "up", "nats"]),
+    ("serve", ["worker", "decoder", "coordinator", "web", "up", "nats"]),
     ("generate", ["generate", "sample"]),
     ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz", "probe"]),
     ("version and helpers", ["version", "wait-ready"]),

@@ -508,3 +508,50 @@ def test_child_args_take_values_that_start_with_a_dash(tiny_fleet_dir):
     with pytest.raises(SystemExit):  # the plain parser still refuses it: the join in cli.parse_args is what helps
         with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
             parser.parse_args(["up", "--worker-args", "--bf16"])
+
+
+def test_latent_fleet_starts_a_decoder_of_its_autoencoder(tiny_fleet_dir, tmp_path):
+    """A router whose spec says space latent makes `up` start one `ddm-fleet decoder` of
+    <DIR>/autoencoder.safetensors; a missing or different autoencoder is refused before anything starts."""
+    import json
+
+    import torch
+
+    from infra.cmd_up import Probes, UpError, build_stages, check_checkpoints
+    from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
+    from models.autoencoder_torch import Autoencoder
+    from models.checkpoint import torch_state_to_numpy
+    from schemas import subjects
+
+    d = tmp_path / "latent"
+    shutil.copytree(tiny_fleet_dir, d)
+
+    def autoencoder(path, seed):
+        cfg = AutoencoderConfig(in_channels=3, image_size=8, latent_channels=4, widths=(8, 16))
+        torch.manual_seed(seed)
+        meta = {"config": cfg.to_dict(), "spec": make_spec(cfg, scale_factor=1.0, shift_factor=0.0, latent_range=3.0)}
+        save_autoencoder(path, torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
+        return json.loads(path.with_suffix(".json").read_text())["content_hash"]
+
+    digest = autoencoder(tmp_path / "ae", 1)
+    rj = d / "router.json"
+    meta = json.loads(rj.read_text())
+    from models.spec import spec_of
+
+    spec = {**spec_of(meta).to_json(), "space": "latent", "decoder": decoder_name(digest)}
+    rj.write_text(json.dumps({**meta, "spec": spec}))
+    with pytest.raises(UpError, match="autoencoder.safetensors"):
+        check_checkpoints(d)
+    autoencoder(d / "autoencoder", 2)  # another autoencoder than the spec names
+    with pytest.raises(UpError, match="spec names"):
+        check_checkpoints(d)
+    for suffix in (".safetensors", ".json"):
+        shutil.copy((tmp_path / "ae").with_suffix(suffix), (d / "autoencoder").with_suffix(suffix))
+    args = cli.build_parser().parse_args(["up", "--checkpoints", str(d), "--no-web"])
+    _, rest = build_stages(args, check_checkpoints(d), "/bin/nats-server", Probes("nats://x:1"))
+    dec = next(c for c in rest if c.name == "decoder-0")
+    assert dec.argv[3:6] == ["decoder", "--checkpoint", str((d / "autoencoder.safetensors").resolve())]
+    assert dec.where == subjects.decoder_decode(digest) and not dec.critical
+    # a pixel fleet has none
+    _, rest = build_stages(args, check_checkpoints(tiny_fleet_dir), "/bin/nats-server", Probes("nats://x:1"))
+    assert not any(c.name.startswith("decoder") for c in rest)

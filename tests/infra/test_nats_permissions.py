@@ -629,3 +629,37 @@ async def test_unknown_or_wrong_credentials_are_refused(server, password):
             f"nats://{userinfo}{node.host}:{node.port}", allow_reconnect=False, connect_timeout=2, error_cb=quiet
         )
     assert "authorization violation" in str(err.value).lower()
+
+
+# ---------------------------------------------------------------- decoders (latent fleets)
+async def test_only_the_coordinator_may_call_a_decoder(connect):
+    """A decoder user serves ddm.v1.decoder.<H>.decode; the coordinator's requests reach it and
+    its replies come back; a client user's are refused by the server and never delivered; a
+    decoder may not serve experts or watch jobs."""
+    from schemas import DecodeReply, DecodeRequest
+
+    h = "ab" * 32
+    decoder, coord, web = await connect("decoder"), await connect("coordinator"), await connect("web")
+    delivered: list = []
+
+    async def serve(msg):
+        delivered.append(msg)
+        req = unpack(msg.data, DecodeRequest)
+        await msg.respond(pack(DecodeReply(decoder=h, images=np.zeros((len(req.latents), 3, 4, 4), np.float32))))
+
+    await decoder.nc.subscribe(subjects.decoder_decode(h), queue=subjects.decoder_queue_group(h), cb=serve)
+    await synced(decoder.nc)
+    body = pack(DecodeRequest(decoder=h, latents=np.ones((2, 4, 2, 2), np.float32)))
+    reply = unpack((await coord.nc.request(subjects.decoder_decode(h), body, timeout=5)).data, DecodeReply)
+    assert reply.images.shape == (2, 3, 4, 4) and len(delivered) == 1
+
+    await web.nc.publish(subjects.decoder_decode(h), body)
+    await web.nc.flush()
+    await web.violation(subjects.decoder_decode(h))
+    await asyncio.sleep(0.1)  # grace for a message that must never arrive
+    assert len(delivered) == 1
+
+    await decoder.nc.subscribe(subjects.expert_velocity(0))
+    await decoder.violation(subjects.expert_velocity(0))
+    await decoder.nc.subscribe(subjects.ALL_JOB_EVENTS)
+    await decoder.violation(subjects.ALL_JOB_EVENTS)

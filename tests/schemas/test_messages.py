@@ -163,10 +163,26 @@ SAMPLES.append(
     )
 )
 
+SAMPLES.append(messages_mod.DecodeRequest(decoder="ab" * 32, latents=_x(2), request_id="r1", deadline=5.0))
+SAMPLES.append(messages_mod.DecodeReply(decoder="0f" * 32, images=_x(2), worker_id="w", device="cpu", compute_ms=1.5))
+SAMPLES.append(  # a latent fleet's done, with the latents the job asked for
+    DoneEvent(
+        job_id="j_lat",
+        images=_x(1),
+        digits=[3],
+        usage=np.ones((1, 2), np.float32),
+        steps=4,
+        strategy="top1",
+        elapsed_s=0.5,
+        latents=np.zeros((1, 4, 8, 8), np.float32),
+    )
+)
+
 UNIONS = {
     JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent),
     SubmitReply: (JobAccepted, JobRejected, ErrorReply),
     StepResult: (StepReply, ErrorReply),
+    messages_mod.DecodeResult: (messages_mod.DecodeReply, ErrorReply),
 }
 
 
@@ -205,7 +221,7 @@ def test_round_trip_every_message(msg):
     assert pack(unpack(raw, type(msg))) == raw  # stable re-encoding
 
 
-@pytest.mark.parametrize("union", list(UNIONS), ids=["JobEvent", "SubmitReply", "StepResult"])
+@pytest.mark.parametrize("union", list(UNIONS), ids=["JobEvent", "SubmitReply", "StepResult", "DecodeResult"])
 def test_round_trip_through_discriminated_unions(union):
     members = UNIONS[union]
     for msg in SAMPLES:

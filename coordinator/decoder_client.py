@@ -1,0 +1,169 @@
+"""The coordinator's calls to a latent fleet's decoders (`ddm-fleet decoder`) over NATS.
+
+    client = DecoderClient(nc, content_hash, timeout=10.0, retries=2)
+    images = await client.decode(latents)     # float32 [N, c, h, w] -> float32 [N, C, H, W]
+                                              # raises DecoderUnavailable(reason)
+
+Calls made in the same event-loop turn (the done events of one tick, several jobs' preview frames)
+are sent as one `DecodeRequest` of their rows together (at most `max_rows`, whole calls only) and the
+reply is split back. Each request goes to the decoders' queue group; a time-out, *no responders*,
+an `overloaded` / `internal` / `deadline_exceeded` reply or an unusable reply is tried again, up to
+`retries` more times (the queue group sends a retry to another decoder, so a decoder killed
+mid-request costs one `timeout`); then `DecoderUnavailable`. A reply that is no
+`DecodeReply` of this autoencoder with one image per latent row counts as a failed try. Nothing
+waits longer than (retries + 1) × (timeout + `NO_RESPONDERS_WAIT_S`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import numpy as np
+
+from schemas import DecodeRequest, DecodeResult, ErrorCode, ProtocolError, pack, subjects, unpack
+
+log = logging.getLogger(__name__)
+
+#: Pause before trying again after *no responders* (a decoder restarting, the bus reconnecting).
+NO_RESPONDERS_WAIT_S = 0.5
+#: Rows of one decode request (whole calls are never split; one call may exceed it alone).
+DEFAULT_MAX_ROWS = 256
+#: After a decode fails, previews are skipped for this long (final images are still tried), so a
+#: fleet whose decoders are gone does not hold every job's frames for the full retry time each.
+PREVIEW_BACKOFF_S = 10.0
+#: Error codes worth another try (another decoder of the queue group may answer).
+RETRY_CODES = {ErrorCode.OVERLOADED, ErrorCode.INTERNAL, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.UNAVAILABLE}
+
+
+class DecoderUnavailable(Exception):
+    """No decoder answered usably; `reason` says what happened on the last try."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class DecoderClient:
+    def __init__(
+        self,
+        nc,
+        content_hash: str,
+        *,
+        timeout: float = 10.0,
+        retries: int = 2,
+        max_rows: int = DEFAULT_MAX_ROWS,
+    ):
+        self.nc = nc
+        self.content_hash = content_hash
+        self.subject = subjects.decoder_decode(content_hash)
+        self.timeout, self.retries, self.max_rows = float(timeout), int(retries), int(max_rows)
+        self._pending: list[tuple[np.ndarray, asyncio.Future]] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task] = set()
+        self.requests = 0  # decode requests sent (tries included)
+        self.failures = 0  # tries that failed
+        self._failed_at = -float("inf")  # monotonic time of the last DecoderUnavailable
+
+    @property
+    def previews_paused(self) -> bool:
+        """True within PREVIEW_BACKOFF_S of the last failed decode: skip previews meanwhile."""
+        return time.monotonic() - self._failed_at < PREVIEW_BACKOFF_S
+
+    async def decode(self, latents: np.ndarray) -> np.ndarray:
+        """The images of `latents` float32 [N, c, h, w] (batched with other calls of this loop turn)."""
+        z = np.ascontiguousarray(latents, dtype=np.float32)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((z, fut))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, []
+        pending = [(z, f) for z, f in pending if not f.done()]  # a caller that gave up
+        while pending:
+            take, rows = 0, 0
+            while take < len(pending) and (take == 0 or rows + len(pending[take][0]) <= self.max_rows):
+                rows += len(pending[take][0])
+                take += 1
+            group, pending = pending[:take], pending[take:]
+            task = asyncio.ensure_future(self._serve(group))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, group: list[tuple[np.ndarray, asyncio.Future]]) -> None:
+        try:
+            images = await self._request(np.concatenate([z for z, _ in group]) if len(group) > 1 else group[0][0])
+        except Exception as err:  # DecoderUnavailable, or a bug: every caller learns it
+            err = err if isinstance(err, DecoderUnavailable) else DecoderUnavailable(f"{type(err).__name__}: {err}")
+            for _, fut in group:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        at = 0
+        for z, fut in group:
+            if not fut.done():
+                fut.set_result(images[at : at + len(z)])
+            at += len(z)
+
+    async def _request(self, z: np.ndarray) -> np.ndarray:
+        import nats.errors
+
+        request_id = secrets.token_hex(8)
+        payload = pack(DecodeRequest(decoder=self.content_hash, latents=z, request_id=request_id))
+        reason = "no try was made"
+        for attempt in range(self.retries + 1):
+            self.requests += 1
+            try:
+                msg = await self.nc.request(self.subject, payload, timeout=self.timeout)
+            except nats.errors.NoRespondersError:
+                reason = f"no decoder serves {self.subject} (start `ddm-fleet decoder --checkpoint <autoencoder>`)"
+                self.failures += 1
+                if attempt < self.retries:
+                    await asyncio.sleep(NO_RESPONDERS_WAIT_S)
+                continue
+            except (TimeoutError, nats.errors.TimeoutError):
+                reason = f"no decoder answered within {self.timeout:g} s"
+                self.failures += 1
+                continue
+            except Exception as err:  # connection trouble
+                reason = f"request failed: {type(err).__name__}: {err}"
+                self.failures += 1
+                await asyncio.sleep(NO_RESPONDERS_WAIT_S)
+                continue
+            try:
+                return self._check(msg.data, len(z))
+            except ProtocolError as err:
+                reason = f"decoder answered {err.code.value}: {err.message}"
+                self.failures += 1
+                log.warning("decode request %s, try %d: %s", request_id, attempt + 1, reason)
+                if err.code not in RETRY_CODES and err.code != ErrorCode.BAD_REPLY:
+                    break  # the request itself is refused: another try would be refused too
+        self._failed_at = time.monotonic()
+        raise DecoderUnavailable(reason)
+
+    def _check(self, data: bytes, rows: int) -> np.ndarray:
+        try:
+            reply = unpack(data, DecodeResult)
+        except ProtocolError as err:
+            raise ProtocolError(ErrorCode.BAD_REPLY, f"unusable reply ({err.code.value}: {err.message})") from None
+        if reply.kind == "error":
+            raise ProtocolError(reply.code, reply.message)
+        if reply.decoder != self.content_hash:
+            raise ProtocolError(ErrorCode.BAD_REPLY, f"a reply from decoder {reply.decoder[:12]}…, not ours")
+        if reply.images.shape[0] != rows:
+            raise ProtocolError(
+                ErrorCode.BAD_REPLY,
+                f"{reply.images.shape[0]} images for {rows} latents (shape {list(reply.images.shape)})",
+            )
+        return np.asarray(reply.images, dtype=np.float32)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

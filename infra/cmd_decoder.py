@@ -1,0 +1,78 @@
+"""Serve an autoencoder's decoder over NATS (a `nats.micro` service in the decoder's queue group).
+
+A latent fleet's coordinator asks a decoder for the pixels of each job's final latents (and of its
+preview frames). Loads the autoencoder checkpoint, then subscribes to
+ddm.v1.decoder.<content hash>.decode in queue group ddm.v1.decoder.<content hash>.workers: start the
+same command again (on any host) to add capacity. SIGTERM / Ctrl-C: answer what is held, exit 0.
+
+examples:
+  ddm-fleet decoder --checkpoint runs/colour-latent/autoencoder.safetensors
+  ddm-fleet decoder --checkpoint checkpoints/colour-latent/autoencoder.safetensors --nats nats://10.0.0.5:4222
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bus.options import add_nats_option
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="PATH", help="autoencoder checkpoint (.safetensors with its .json)"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device for the decoder (default: cpu)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    add_nats_option(
+        parser,
+        help="NATS server (default: $NATS_URL, else the URL in the file $NATS_URL_FILE, else nats://127.0.0.1:4222)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+    import sys
+
+    from models.autoencoder import AutoencoderError
+
+    log = logging.getLogger("ddm.decoder")
+    if not os.path.exists(args.checkpoint):
+        print(f"ddm-fleet decoder: checkpoint {args.checkpoint!r} not found", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print("ddm-fleet decoder: --threads must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    async def main() -> int:
+        from workers.decoder_service import DecoderWorker
+
+        worker = DecoderWorker(args.checkpoint, nats_url=args.nats, device=args.device)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await worker.start()
+        print(
+            f"ready: decoder on {worker.subject} device={args.device} worker_id={worker.worker_id} "
+            f"service_id={worker.service_id}",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("signal received: finishing held requests")
+        await worker.stop()
+        print(f"stopped: {worker.requests} replies, {worker.errors} errors", flush=True)
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except (AutoencoderError, ValueError, ConnectionError, OSError) as err:
+        print(f"ddm-fleet decoder: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,265 @@
+"""A decoder worker: one autoencoder's decoder served over NATS as a `nats.micro` service.
+
+A latent fleet's experts denoise latents; the coordinator asks a decoder for the pixels of each
+job's final latents (and of its preview frames). The worker answers `DecodeRequest`s on
+`schemas.subjects.decoder_decode(H)` in the queue group `decoder_queue_group(H)`, H the
+autoencoder's content hash, so every decoder process of that autoencoder shares the load and
+another one adds capacity with no configuration (as expert workers do).
+
+    async with DecoderWorker("runs/colour-latent/autoencoder.safetensors", nats_url=url) as dec:
+        ...   # serving; dec.subject, dec.content_hash
+
+Replies: `DecodeReply` (images [B, C, H, W] float32 in the autoencoder's value range, in request
+row order) or `ErrorReply` with a stable code. Bad input never stops the worker: undecodable bytes,
+another autoencoder's hash, latents of the wrong shape, NaN (refused when decoding the message),
+an expired deadline (never computed) and decoder failures (`internal`) each get an error reply.
+Requests run one at a time in a worker thread (the asyncio loop keeps answering `$SRV.*`); a
+request that arrives while `max_queued` are waiting is answered `overloaded` at once. Replies go
+only to reply subjects under `_INBOX` (as expert workers).
+
+Service discovery: name `ddm-decoder`, endpoint `decode`; metadata has decoder (the content hash),
+latent_shape, image_shape, device, worker_id, host, pid, checkpoint, subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from schemas import DecodeReply, DecodeRequest, ErrorCode, ErrorReply, ProtocolError, pack, subjects, unpack
+
+from .service import _peek_request_id, package_version
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "ddm-decoder"
+ENDPOINT_NAME = "decode"
+#: Requests waiting for the decoder thread before new ones are answered `overloaded`.
+DEFAULT_MAX_QUEUED = 64
+
+
+class DecoderWorker:
+    """Serve one autoencoder's decoder over NATS (see module docstring). Async context manager.
+
+    `codec`: an already-loaded `models.autoencoder_torch.LatentCodec` (then `checkpoint` may be None)."""
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike | None = None,
+        *,
+        codec: Any = None,
+        nats_url: str = "nats://127.0.0.1:4222",
+        nc: Any = None,
+        device: str = "cpu",
+        worker_id: str | None = None,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        connect_attempts: int = 3,
+    ):
+        if codec is None and checkpoint is None:
+            raise ValueError("give a decoder checkpoint (an autoencoder's .safetensors) or a loaded codec")
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        self.checkpoint, self.codec, self.device = checkpoint, codec, device
+        self.nats_url, self.nc, self._own_nc = nats_url, nc, nc is None
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-decoder-{uuid.uuid4().hex[:6]}"
+        self.max_queued, self.connect_attempts = max_queued, connect_attempts
+        self._service = None
+        self._lock = asyncio.Lock()  # one decode at a time (the model runs in a thread)
+        self._waiting = 0
+        self._inflight: set[asyncio.Task] = set()
+        self.requests = self.errors = self.rows = 0
+        self.dropped_requests = 0
+
+    @property
+    def content_hash(self) -> str:
+        return self.codec.content_hash
+
+    @property
+    def service_id(self) -> str | None:
+        return self._service.id if self._service is not None else None
+
+    @property
+    def subject(self) -> str:
+        return subjects.decoder_decode(self.content_hash)
+
+    async def __aenter__(self) -> DecoderWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Connect, load the decoder (and run it once), then subscribe last."""
+        from bus.connect import connect
+
+        try:
+            if self.nc is None:
+                self.nc = await connect(
+                    self.nats_url,
+                    name="ddm-decoder",
+                    reconnect="forever",
+                    first_connect_attempts=max(1, self.connect_attempts),
+                    pending_size=64 * 1024 * 1024,
+                )
+            if self.codec is None:
+                self.codec = await asyncio.to_thread(self._load)
+            await asyncio.to_thread(self.codec.decode, np.zeros((1, *self.codec.latent_shape), np.float32))
+            await self._advertise()
+        except BaseException:
+            await self._close_nc()
+            raise
+        log.info("decoder %s serving %s (%s)", self.worker_id, self.subject, self.device)
+
+    def _load(self):
+        from models.autoencoder_torch import LatentCodec
+
+        return LatentCodec.load(self.checkpoint, device=self.device)
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "decoder": self.content_hash,
+            "latent_shape": ",".join(map(str, self.codec.latent_shape)),
+            "image_shape": ",".join(map(str, self.codec.image_shape)),
+            "device": str(self.device),
+            "worker_id": self.worker_id,
+            "host": socket.gethostname(),
+            "pid": str(os.getpid()),
+            "checkpoint": str(self.checkpoint or ""),
+            "subject": self.subject,
+            "protocol": str(subjects.PREFIX),
+        }
+
+    async def _advertise(self) -> None:
+        from nats.micro import add_service
+
+        version = package_version()
+        self._service = await add_service(
+            self.nc,
+            name=SERVICE_NAME,
+            version=version if version.count(".") == 2 else "0.0.0",
+            description="ddm-fleet latent decoder",
+            metadata=self.metadata(),
+            stats_handler=lambda _endpoint: {"requests": self.requests, "rows": self.rows, "errors": self.errors},
+        )
+        await self._service.add_endpoint(
+            name=ENDPOINT_NAME,
+            subject=self.subject,
+            queue_group=subjects.decoder_queue_group(self.content_hash),
+            handler=self._on_request,
+            metadata={"decoder": self.content_hash, "request": "DecodeRequest", "reply": "DecodeReply|ErrorReply"},
+        )
+        await self.nc.flush()
+        await self.nc.flush()  # a second round trip: the server surely has the queue subscription
+
+    async def stop(self) -> None:
+        """Stop taking requests, answer the ones held, close the connection (if ours)."""
+        if self._service is not None:
+            try:
+                await self._service.stop()
+            except Exception as err:
+                log.warning("stopping the micro service: %s", err)
+            self._service = None
+        if self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        await self._close_nc()
+
+    async def _close_nc(self) -> None:
+        if self._own_nc and self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()
+
+    # ------------------------------------------------------------------ requests
+    async def _on_request(self, req) -> None:
+        """micro handler: check the reply subject and queue the work (callbacks are serial)."""
+        reply_to = req._msg.reply or ""
+        if not subjects.is_reply_inbox(reply_to):
+            self.dropped_requests += 1
+            log.warning("dropped a decode request with reply subject %r (replies go only to _INBOX)", reply_to[:200])
+            return
+        if self._waiting >= self.max_queued:
+            await self._reply_error(
+                req, ErrorCode.OVERLOADED, f"decoder holds {self._waiting} requests; retry or start another decoder"
+            )
+            return
+        self._waiting += 1
+        task = asyncio.create_task(self._serve(req))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _serve(self, req) -> None:
+        try:
+            try:
+                msg = unpack(req.data, DecodeRequest)
+                z = self._check(msg)
+                async with self._lock:
+                    if msg.deadline is not None and time.time() > msg.deadline:
+                        raise ProtocolError(
+                            ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed before decoding"
+                        )
+                    start = time.perf_counter()
+                    try:
+                        images = await asyncio.to_thread(self.codec.decode, z)
+                    except Exception as err:
+                        log.exception("decoding failed")
+                        raise ProtocolError(
+                            ErrorCode.INTERNAL, f"decoder failed: {type(err).__name__}: {err}"
+                        ) from None
+                    ms = (time.perf_counter() - start) * 1000.0
+            except ProtocolError as err:
+                await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
+                return
+            except Exception as err:  # a bug in validation must not kill the subscription
+                log.exception("unexpected error while serving a decode request")
+                await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+                return
+            self.requests += 1
+            self.rows += len(z)
+            reply = DecodeReply(
+                decoder=self.content_hash,
+                images=images,
+                worker_id=self.worker_id,
+                device=str(self.device),
+                compute_ms=ms,
+            )
+            await self._send(req, pack(reply))
+        finally:
+            self._waiting -= 1
+
+    def _check(self, msg: DecodeRequest) -> np.ndarray:
+        if msg.decoder != self.content_hash:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"this decoder serves autoencoder {self.content_hash[:12]}…, not {msg.decoder[:12]}…",
+            )
+        z = msg.latents
+        if tuple(z.shape[1:]) != tuple(self.codec.latent_shape):
+            raise ProtocolError(
+                ErrorCode.BAD_SHAPE,
+                f"latents must be [B, {', '.join(map(str, self.codec.latent_shape))}], got {list(z.shape)}",
+            )
+        return np.array(z, dtype=np.float32)  # a writable copy (the wire's arrays are read-only views)
+
+    async def _reply_error(self, req, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+        self.errors += 1
+        try:
+            data = pack(ErrorReply(code=code, message=message, request_id=request_id))
+        except Exception:
+            data = pack(ErrorReply(code=code, message=message))
+        headers = {"Nats-Service-Error": message[:512].replace("\n", " "), "Nats-Service-Error-Code": code.value}
+        await self._send(req, data, headers)
+
+    async def _send(self, req, data: bytes, headers: dict | None = None) -> None:
+        try:
+            await req.respond(data, headers=headers)
+        except Exception as err:
+            log.warning("could not send a decode reply: %s: %s", type(err).__name__, err)
