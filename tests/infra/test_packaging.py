@@ -51,7 +51,7 @@ ROLES: dict[str, list[str]] = {
         "infra/heap.py",
     ],
     # flow.path's torch helpers; bus.http_log serves the processes that run an aiohttp server (worker, coordinator, web)
-    "worker": ["workers/*", "models/*", "flow/*", "infra/cmd_worker.py", "bus/http_log.py"],
+    "worker": ["workers/*", "models/*", "flow/*", "infra/cmd_worker.py", "infra/cmd_decoder.py", "bus/http_log.py"],
     "worker-jax": [
         "workers/backends/jax_backend.py",
         "models/unet_flax.py",
