@@ -98,5 +98,5 @@ def test_eval_rescore_with_data_scores_every_judge_and_colour(colour_dir, data_j
     assert swapped["colour_correct"] == 0.0
     assert len(real["fid_data_interval"]) == 2
     (cmp,) = out["comparisons"]
-    assert cmp["mcnemar_colour"]["only_b"] > cmp["mcnemar_colour"]["only_a"]
+    assert cmp["mcnemar_colour"]["only_b_right"] > cmp["mcnemar_colour"]["only_a_right"]
     assert out["judges"]["dataset"] == str(colour_dir)
