@@ -390,6 +390,17 @@ class JobProbe:
         return True
 
 
+def _accepted_among(messages) -> bool:
+    """Whether any of the received (undecoded) event messages is the job's `accepted` event."""
+    for msg in list(messages):
+        try:
+            if isinstance(unpack(msg.data, JobEvent), JobAccepted):
+                return True
+        except ProtocolError:
+            continue
+    return False
+
+
 async def run_job(
     nc,
     request: JobRequest,
@@ -532,7 +543,11 @@ async def run_job(
             probe.accepted_by(await submit_job(nc, request, timeout=submit_timeout, client=client))
         except _NoSubmitReply:
             submitted = True  # the coordinator may have taken the job all the same: cancel it below
-            raise
+            # A coordinator publishes `accepted` on the job's events before it answers the submit: when
+            # the answer is lost (the coordinator stopped between the two), that event says it has the job.
+            if not _accepted_among(inbox):
+                raise
+            log.info("job %s: the submit was not answered, but the job's accepted event came: following it", job_id)
         submitted = True
         probe.heard()
         return await (asyncio.wait_for(wait_events(), timeout) if timeout else wait_events())

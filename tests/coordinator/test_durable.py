@@ -185,6 +185,13 @@ async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list
         runs += [asyncio.ensure_future(run_job(nc, r, log, timeout=120, probe_every=1.0)) for r in batch]
         ids = [r.job_id for r in reqs]
         owners = await wait_until(lambda ids=ids: _all_owned(nc, ids), timeout=20, what="every job has a lease")
+        # a lease is written before the submit's answer is sent: a fault between the two would leave a
+        # submit unanswered, which is not what these tests are about
+        await wait_until(
+            lambda ids=ids: all(any(k == "accepted" for _, k, _ in log.events.get(j, ())) for j in ids),
+            timeout=20,
+            what="every submit answered",
+        )
         if len(set(owners.values())) == 2:
             return reqs, runs, owners
     raise AssertionError(f"the queue group gave every job to one coordinator: {owners}")
