@@ -64,7 +64,7 @@ async def test_xla_worker_serves_over_nats(tiny_expert_checkpoint, nc, nats_url)
     x, t, y = _batch(3, seed=9)
     ref = get_backend("torch")
     ref.load(tiny_expert_checkpoint)
-    async with ExpertWorker(0, tiny_expert_checkpoint, "xla", nats_url=nats_url, buckets=(4,)) as w:
+    async with ExpertWorker(0, tiny_expert_checkpoint, "xla", nats_url=nats_url, buckets=(4,), dtype="float32") as w:
         assert w.metadata()["backend"] == "xla"
         msg = await nc.request(subjects.expert_velocity(0), pack(StepRequest(expert=0, x_t=x, t=t, y=y)), timeout=60)
     reply = unpack(msg.data, StepResult)
