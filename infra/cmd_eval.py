@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rescore:
         return _rescore(args)
     from evaluation.judges import Judges
-    from evaluation.run import Config, EvalSpec, baseline_row, evaluate, format_table
+    from evaluation.run import Config, baseline_row, evaluate, format_table
 
     try:
         configs = [Config.parse(c) for c in args.configs.split(",") if c.strip()]
@@ -159,22 +159,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("ddm-fleet eval: --per-class must be >= 2 and --steps >= 1")
     if args.data:
         return _generate_then_rescore(args, configs)
-    spec = EvalSpec(
-        configs=configs,
-        checkpoints=args.checkpoints,
-        monolith=args.monolith,
-        per_class=args.per_class,
-        steps=args.steps,
-        solver=args.solver,
-        seed=args.seed,
-        job_size=args.images_per_job,
-        nats_url=args.nats,
-        data_dir=args.data_dir,
-        save_dir=args.save_images,
-        progress=not args.no_progress,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    spec = _eval_spec(args, configs, save_dir=args.save_images)
     try:
         judges = Judges.load(args.data_dir, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as e:
@@ -191,24 +176,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
-    """`eval --data DIR`: generate every configuration through the fleet, save it, then re-score the
-    directory with the dataset's judges (intervals, paired comparisons)."""
-    import asyncio
-    import tempfile
+def _eval_spec(args: argparse.Namespace, configs, **extra):
+    """The EvalSpec of the command line's generation options (`extra`: save_dir, num_classes)."""
+    from evaluation.run import EvalSpec
 
-    from dataset.prepared import PreparedDataError, read_manifest
-    from evaluation.run import EvalSpec, evaluate
-
-    try:
-        manifest = read_manifest(args.data)
-    except (PreparedDataError, FileNotFoundError, OSError) as e:
-        raise SystemExit(f"ddm-fleet eval: --data {args.data}: {e}") from e
-    classes = len(manifest.get("class_names") or [])
-    if not classes:
-        raise SystemExit(f"ddm-fleet eval: --data {args.data} is unlabelled; evaluation asks for classes")
-    save = args.save_images or tempfile.mkdtemp(prefix="ddm-eval-")
-    spec = EvalSpec(
+    return EvalSpec(
         configs=configs,
         checkpoints=args.checkpoints,
         monolith=args.monolith,
@@ -219,12 +191,31 @@ def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
         job_size=args.images_per_job,
         nats_url=args.nats,
         data_dir=args.data_dir,
-        save_dir=save,
         progress=not args.no_progress,
         device=args.device,
-        num_classes=classes,
         dtype=args.dtype,
+        **extra,
     )
+
+
+def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
+    """`eval --data DIR`: generate every configuration through the fleet, save it, then re-score the
+    directory with the dataset's judges (intervals, paired comparisons)."""
+    import asyncio
+    import tempfile
+
+    from dataset.prepared import PreparedDataError, read_manifest
+    from evaluation.run import evaluate
+
+    try:
+        manifest = read_manifest(args.data)
+    except (PreparedDataError, FileNotFoundError, OSError) as e:
+        raise SystemExit(f"ddm-fleet eval: --data {args.data}: {e}") from e
+    classes = len(manifest.get("class_names") or [])
+    if not classes:
+        raise SystemExit(f"ddm-fleet eval: --data {args.data} is unlabelled; evaluation asks for classes")
+    save = args.save_images or tempfile.mkdtemp(prefix="ddm-eval-")
+    spec = _eval_spec(args, configs, save_dir=save, num_classes=classes)
     from client.jobs import JobFailed
 
     try:
