@@ -12,10 +12,11 @@ p50/p99 job latency (submit -> final images at the client):
 * ceiling: the same scheduler, router and models in one process, experts called directly
            (no NATS, no msgpack, no worker processes), same continuous batching;
 
-and the ratio fleet / ceiling of images/s. Next to both, the machine's forward-only limit: the
-experts' own forward timed in this process at --limit-batches (best batch kept), one thread per
-core on the CPU, in images/s for the run's steps, solver and strategy (see --limit-batches), with
-fleet / limit and ceiling / limit: how much of the hardware each path turns into images.
+and the ratio fleet / ceiling of images/s, and where a tick's time goes on each path (the processes' own
+clocks from /metrics: coordinator, wire, worker, forward; `benchmarks/step_profile.py`). Next to both,
+the machine's forward-only limit: the experts' own forward timed in this process at --limit-batches
+(best batch kept), one thread per core on the CPU, in images/s for the run's steps, solver and strategy
+(see --limit-batches), with fleet / limit and ceiling / limit: how much of the hardware each path turns into images.
 
 Every job's outcome is counted: completed, rejected (the coordinator refused the submit:
 admission control, `--max-rows` / `--max-queued-jobs`, with
@@ -51,6 +52,7 @@ import time
 
 from bus.options import add_dtype_option
 
+from . import step_profile
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
@@ -568,7 +570,16 @@ async def _ceiling(args, models) -> dict:
             me = os.getpid()
             reset_peak(me)
             load0, cpu0, t0 = os.getloadavg()[0], cpu_seconds(me), time.monotonic()
+            clocks0 = _engine_clocks(engine)
             res = await _closed_loop(run_one, _requests(args, c, f"c{level}-"), args.jobs_per_client, args.min_level_s)
+            d = step_profile.delta(clocks0, _engine_clocks(engine))
+            res["split_ms"] = step_profile.inprocess_split(
+                int(d["ticks"]),
+                d["tick_s"],
+                d["router_s"],
+                d["call_s"],
+                _client_step_s(res, c, args.steps),
+            )
             res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             res["memory"] = {"bench (in-process fleet)": proc_memory(me)}
             res["cpu"] = _cpu_used(
@@ -579,6 +590,20 @@ async def _ceiling(args, models) -> dict:
     finally:
         await engine.stop()
         await task
+
+
+def _client_step_s(res: dict, c: int, steps: int) -> float | None:
+    """At one client, the level's wall time per step of its jobs (jobs run back to back, so this is what
+    one user waits per step, submit and done included); None at more clients (a tick serves many jobs)."""
+    return res["wall_s"] / (res["jobs"] * steps) if c == 1 and res.get("jobs") else None
+
+
+def _engine_clocks(engine) -> dict:
+    """An in-process engine's tick, router and expert-call clocks, as the fleet's coordinator exports them."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(engine.metrics.registry).decode()
+    return step_profile.parse_samples(text, step_profile.COORDINATOR_SERIES)
 
 
 def _cpu_used(before: dict, pids: dict, wall_s: float) -> dict:
@@ -621,6 +646,14 @@ async def fleet_job(nc, request, bound: float):
     except TimeoutError:
         return "lost", None, accepted
     return "completed", done, accepted
+
+
+def _split_samples(coordinator_port: int, worker_ports: list[int]) -> tuple[dict | None, list[dict | None]]:
+    """The coordinator's and each worker's clock counters (`benchmarks.step_profile`)."""
+    return (
+        step_profile.scrape(coordinator_port, step_profile.COORDINATOR_SERIES),
+        [step_profile.scrape(p, step_profile.WORKER_SERIES) for p in worker_ports],
+    )
 
 
 async def _coordinator_counts(nc) -> dict | None:
@@ -684,7 +717,10 @@ async def _fleet(args, models) -> dict:
         children: list[Child] = []
         nc = None
         try:
+            from bus.nats_server import free_port
+
             per = getattr(args, "workers_per_expert", 1)
+            worker_ports: list[int] = []
             for i, path in enumerate(models["experts"]):
                 for j in range(per):
                     cmd = cli_argv(
@@ -702,15 +738,14 @@ async def _fleet(args, models) -> dict:
                         "--merge",
                         getattr(args, "merge", "auto"),
                     )
-                    cmd += ["--dtype", args.dtype]
+                    worker_ports.append(free_port())
+                    cmd += ["--dtype", args.dtype, "--metrics-port", str(worker_ports[-1])]
                     cmd += ["--backend", getattr(args, "backend", "torch")]
                     cmd += ["--device", args.device] if getattr(args, "device", None) else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
                     children.append(await Child.start(f"worker{i}" + (f".{j}" if per > 1 else ""), cmd))
             await asyncio.gather(*(c.wait_ready(600) for c in children))
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-            from bus.nats_server import free_port
-
             metrics_port = free_port()
             coordinator = await Child.start(
                 "coordinator",
@@ -764,6 +799,7 @@ async def _fleet(args, models) -> dict:
             for level, c in enumerate(args.concurrency_list):
                 before = await _coordinator_counts(nc)
                 hedges_before = await _hedge_counts(metrics_port)
+                split_before = await asyncio.to_thread(_split_samples, metrics_port, worker_ports)
                 reset = {name: reset_peak(pid) for name, pid in pids.items()}
                 warned = {ch.name: ch.warnings for ch in children}
                 load0, t0 = os.getloadavg()[0], time.monotonic()
@@ -791,6 +827,12 @@ async def _fleet(args, models) -> dict:
                 else:
                     res["coordinator"] = None
                 hedges_after = await _hedge_counts(metrics_port)
+                split_after = await asyncio.to_thread(_split_samples, metrics_port, worker_ports)
+                res["split_ms"] = step_profile.fleet_split(
+                    step_profile.delta(split_before[0], split_after[0]),
+                    step_profile.summed([step_profile.delta(b, a) for b, a in zip(split_before[1], split_after[1])]),
+                    _client_step_s(res, c, args.steps),
+                )
                 if hedges_before is not None and hedges_after is not None:
                     h = {k: hedges_after[k] - hedges_before[k] for k in hedges_after}
                     res["speculation"] = {
@@ -1003,6 +1045,10 @@ def format_table(results: dict) -> str:
                     else f" ({g['rows_guessed']} rows guessed, {g['rows_guessed_unused']} unused)"
                 )
             )
+    for r in results["rows"]:
+        lines += step_profile.format_split(
+            r["concurrency"], r.get("fleet", {}).get("split_ms"), r.get("ceiling", {}).get("split_ms")
+        )
     for r in results["rows"]:
         for name, w in r.get("fleet", {}).get("log_warnings", {}).items():
             lines.append(

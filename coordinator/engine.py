@@ -207,6 +207,8 @@ class Engine:
         self.started_at = clock()
         self.last_unavailable: dict[int, str] = {}
         self.tick_ms: deque[float] = deque(maxlen=100)
+        self.tick_s_total = 0.0  # every tick's and router forward's time, summed (/metrics; bench step profile)
+        self.router_s_total = 0.0
         self.dead: str | None = None  # why the loop died (then submits are refused), else None
 
     # ------------------------------------------------------------ intake
@@ -408,7 +410,9 @@ class Engine:
             if out:
                 self._batches_out -= 1
         if batch is not None:
-            self.tick_ms.append((time.perf_counter() - started) * 1000)
+            took = time.perf_counter() - started
+            self.tick_ms.append(took * 1000)
+            self.tick_s_total += took
             self._count_rows(len(batch))
             self._poke()  # its jobs are free again: an idle lane may take them
         await self.flush_events()
@@ -448,12 +452,14 @@ class Engine:
         idx = slice(None) if fresh.all() else np.nonzero(fresh)[0]
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
         async with self._router_lock:
+            started = time.perf_counter()
             if self.router_in_thread:
                 got = await asyncio.get_running_loop().run_in_executor(
                     self._router_thread(), self.router.weights, x, t, y
                 )
             else:
                 got = self.router.weights(x, t, y)
+            self.router_s_total += time.perf_counter() - started
         got = np.asarray(got, dtype=np.float64)
         if got.shape != (len(y), w.shape[1]):
             raise ValueError(f"router weights must be [R, K] = [{len(y)}, {w.shape[1]}], got {list(got.shape)}")

@@ -48,6 +48,11 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
                                                                    waits on their subject (forged, duplicate, or
                                                                    late after a time-out), once a transport is watched
     ddm_coordinator_expert_late_replies_total           counter    replies of hedge legs that lost (dropped quietly)
+    ddm_coordinator_tick_seconds_total                  counter    seconds in ticks (schedule to solver update:
+                                                                   routing, expert calls, update); / ticks =
+                                                                   mean tick time
+    ddm_coordinator_router_seconds_total                counter    seconds of router forwards (overlapping guessed
+                                                                   expert calls under --speculate)
     ddm_coordinator_checkpoints_written_total           counter    --durable: job checkpoints written to JetStream
                                                                    (admission, every --checkpoint-every steps,
                                                                    take-over, hand-over)
@@ -198,6 +203,16 @@ class _EngineCollector:
             "ddm_coordinator_rows_guessed_unused",
             "Guessed rows whose answer the routing did not need (work the experts did in vain).",
             value=self.engine.rows_guessed_unused,
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_tick_seconds",
+            "Seconds spent in ticks: from a batch's scheduling to its solver update (routing, expert calls, update).",
+            value=self.engine.tick_s_total,
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_router_seconds",
+            "Seconds the router's forward took (it may overlap guessed expert calls, --speculate).",
+            value=self.engine.router_s_total,
         )
 
 

@@ -221,3 +221,11 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
     assert table[3].split("|")[1].split()[3] == str(x["submitted"])  # the jobs run
     assert table[3].split("|")[3].split()[1] == f"{res['rows'][0]['fleet_over_limit']:.2f}"
     assert table[4].startswith("forward-only limit ")
+    # where the ticks' time went, from the processes' own clocks: one tick per step of the one client's jobs
+    split = x["split_ms"]
+    assert split["ticks"] == x["completed"] * 2, split
+    assert split["forward"] > 0 and split["worker"] >= 0 and split["worker_requests_per_tick"] >= 1, split
+    assert split["coordinator"] + split["expert_call"] == pytest.approx(split["tick"], abs=0.01)
+    assert split["wire"] + split["worker"] + split["forward"] == pytest.approx(split["expert_call"], abs=0.01)
+    assert split["client_step"] == pytest.approx(1000 * x["wall_s"] / (x["jobs"] * 2), rel=0.01)
+    assert any("where a tick's time goes at c = 1" in line for line in table)
