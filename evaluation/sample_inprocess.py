@@ -252,6 +252,35 @@ def checkpoints_spec(configs: Sequence[SampleConfig], checkpoints: str | None):
     return first
 
 
+def latent_decoder(spec, args) -> object | None:
+    """For a spec with `space: latent`: the `LatentCodec` that decodes its samples (--autoencoder, else
+    autoencoder.safetensors beside the checkpoints or the monolith), checked against the autoencoder the
+    spec names. None for a pixel spec. ValueError when it is missing or another one."""
+    if getattr(spec, "space", "pixel") != "latent":
+        return None
+    from models.autoencoder import content_hash_of, load_autoencoder_meta
+    from models.autoencoder_torch import LatentCodec
+
+    want = content_hash_of(spec.decoder or "")
+    if args.autoencoder:
+        path = Path(args.autoencoder)
+    else:
+        near = [
+            Path(d) / "autoencoder.safetensors"
+            for d in (args.checkpoints, args.monolith and Path(args.monolith).parent)
+            if d
+        ]
+        path = next((p for p in near if p.exists()), None)
+        if path is None:
+            raise ValueError(
+                f"these checkpoints make latents of autoencoder {spec.decoder}; pass --autoencoder PATH to decode them"
+            )
+    got = load_autoencoder_meta(path)["content_hash"]
+    if got != want:
+        raise ValueError(f"{path} is autoencoder {got[:12]}…, but the checkpoints' spec names {(want or '?')[:12]}…")
+    return LatentCodec.load(str(path), device=args.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
     from bus.options import add_deprecated_alias, add_dtype_option
@@ -300,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
     add_dtype_option(p)
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
+    p.add_argument(
+        "--autoencoder",
+        metavar="PATH",
+        help="a latent fleet's autoencoder, which decodes the samples before they are saved (default: "
+        "autoencoder.safetensors beside the --checkpoints or the --monolith; must be the one the spec names)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <config>.npz")
     p.add_argument(
         "--skip-existing",
@@ -321,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = checkpoints_spec(configs, args.checkpoints)
     digits = requested_digits(args.per_class, max(1, spec.num_classes))
     noise = initial_batch(len(digits), args.images_per_job, args.seed, tuple(spec.sample_shape))
+    try:
+        codec = latent_decoder(spec, args)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"error: {err}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from models.precision import resolve_dtype
@@ -346,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             job_size=args.images_per_job,
             dtype=dtype,
         )
+        if codec is not None:  # latents -> images, as the fleet's decoder stage does
+            images = codec.decode(images)
         labels = np.full(len(digits), -1, np.int64) if cfg.unconditional else digits
         meta = {
             "config": cfg.__dict__,
@@ -356,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "per_class": args.per_class,
             "device": args.device,
             "dtype": dtype,
+            "decoded_by": None if codec is None else codec.content_hash,
             "seconds": round(time.perf_counter() - start, 2),
         }
         save_npz(out / f"{cfg.name}.npz", images, labels, usage, not args.float_images, meta)

@@ -204,3 +204,67 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
         )
     with pytest.raises(ValueError, match="unknown configuration"):
         parse_configs("top1,bogus", None, None, None, False)
+
+
+def test_latent_checkpoints_are_decoded_by_the_autoencoder_their_spec_names(tmp_path):
+    """A latent monolith's samples go through its autoencoder (found beside it) before they are saved, exactly
+    as `LatentCodec.decode` computes them; another autoencoder is refused, naming it."""
+    import torch
+
+    from dataset.images import to_uint8
+    from evaluation.run import requested_digits
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch, main
+    from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
+    from models.autoencoder_torch import Autoencoder, LatentCodec
+    from models.checkpoint import torch_state_to_numpy
+    from models.tiny import make_tiny_expert
+    from schemas.spec import ModelSpec, legacy_spec
+
+    cfg = AutoencoderConfig(in_channels=3, image_size=16, latent_channels=4, widths=(8, 16))  # 3x16x16 <-> 4x8x8
+
+    def autoencoder(path, seed):
+        torch.manual_seed(seed)
+        meta = {"config": cfg.to_dict(), "spec": make_spec(cfg, scale_factor=1.5, shift_factor=0.1, latent_range=4.0)}
+        return save_autoencoder(path, torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
+
+    ck = tmp_path / "latent"
+    ck.mkdir()
+    codec = LatentCodec.load(autoencoder(ck / "autoencoder", 0))
+    spec = {
+        **legacy_spec(in_channels=4, image_size=8).to_json(),
+        "space": "latent",
+        "decoder": decoder_name(codec.content_hash),
+        "value_range": [-4.0, 4.0],
+    }
+    mono = make_tiny_expert(ck / "monolith", expert_id=0, in_channels=4, image_size=8, jitter=0.05, classes=range(10))
+    js = mono.with_suffix(".json")
+    js.write_text(json.dumps({**json.loads(js.read_text()), "spec": ModelSpec.from_json(spec).to_json()}))
+
+    out = tmp_path / "img"
+    argv = ["--monolith", str(mono), "--configs", "monolith", "--per-class", "1", "--steps", "2"]
+    argv += ["--images-per-job", "5", "--dtype", "float32", "--out", str(out)]
+    assert main(argv) == 0
+    got = np.load(out / "monolith.npz")
+    assert got["images"].shape == (10, 3, 16, 16) and got["images"].dtype == np.uint8
+    assert json.loads(str(got["meta"]))["decoded_by"] == codec.content_hash
+    digits = requested_digits(1, 10)
+    latents, _ = generate(
+        SampleConfig("monolith", str(mono)),
+        digits=digits,
+        noise=initial_batch(10, 5, 0, (4, 8, 8)),
+        steps=2,
+        solver="euler",
+        device="cpu",
+        checkpoints=None,
+        seed=0,
+        job_size=5,
+        dtype="float32",
+    )
+    np.testing.assert_array_equal(got["images"], to_uint8(codec.decode(latents)))
+
+    other = autoencoder(tmp_path / "other", 1)
+    with pytest.raises(SystemExit, match="is autoencoder .* but the checkpoints' spec names"):
+        main([*argv[:-2], "--autoencoder", str(other), "--out", str(tmp_path / "img2")])
+    (ck / "autoencoder.safetensors").unlink()
+    with pytest.raises(SystemExit, match="pass --autoencoder PATH"):
+        main([*argv[:-2], "--out", str(tmp_path / "img3")])
