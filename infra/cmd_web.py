@@ -49,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between two refreshes of the fleet panel (default %(default)s)",
     )
     parser.add_argument(
+        "--preview-every",
+        type=int,
+        default=4,
+        metavar="N",
+        help="on a latent fleet (spec space: latent), jobs ask the coordinator for decoded preview frames "
+        "every N steps (and the last), which the page draws instead of latents (default %(default)s; "
+        "rounded up to a multiple of the job's frame interval)",
+    )
+    parser.add_argument(
         "--submit-timeout",
         type=float,
         default=5.0,
@@ -136,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             max_sockets_per_client=args.max_sockets_per_client,
             trusted_proxies=tuple(args.trusted_proxy),
             max_messages_per_second=args.max_messages_per_second,
+            preview_every=args.preview_every,
         )
     except ValueError as err:
         print(f"ddm-fleet web: {err}", file=sys.stderr)

@@ -59,7 +59,7 @@ from .guard import (
     request_client_key,
 )
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
-from .session import MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
+from .session import DEFAULT_PREVIEW_EVERY, MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
 from .spec import fetch_spec, spec_message
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ class WebConfig:
     max_sockets_per_client: open sockets per client (web/guard.py `client_key`: its address, loopback as one,
     IPv6 by /64). trusted_proxies: addresses / networks of reverse proxies whose X-Forwarded-For names the
     client (default none: the peer is the client). max_messages_per_second: per socket.
-    max_queued_messages: unsent control messages per socket before it is closed as not reading."""
+    max_queued_messages: unsent control messages per socket before it is closed as not reading.
+    preview_every: on a latent fleet (spec `space: latent`), jobs ask the coordinator for decoded preview
+    frames every this many steps (and the last), which the page draws instead of latents."""
 
     nats_url: str = "nats://127.0.0.1:4222"
     fleet_interval: float = 2.0
@@ -96,6 +98,7 @@ class WebConfig:
     max_messages_per_second: float = 20.0
     max_queued_messages: int = MAX_QUEUED_MESSAGES
     trusted_proxies: tuple[str, ...] = ()
+    preview_every: int = DEFAULT_PREVIEW_EVERY
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -110,6 +113,8 @@ class WebConfig:
         for name in ("max_sockets_per_client", "max_queued_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if isinstance(self.preview_every, bool) or not 1 <= self.preview_every <= MAX_JOB_STEPS:
+            raise ValueError(f"preview_every must be 1-{MAX_JOB_STEPS} steps, got {self.preview_every!r}")
         if not self.max_messages_per_second > 0:
             raise ValueError(f"max_messages_per_second must be > 0, got {self.max_messages_per_second!r}")
         object.__setattr__(self, "allow_origins", tuple(self.allow_origins))
@@ -299,6 +304,7 @@ def hello_message(cfg: WebConfig) -> dict[str, Any]:
         "max_jobs": cfg.max_jobs_per_socket,
         "strategies": ["top1", "topk", "full", "oracle", "sample"],
         "solvers": ["euler", "heun"],
+        "preview_every": cfg.preview_every,
     }
 
 
@@ -375,6 +381,7 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
         max_queued=cfg.max_queued_messages,
         close_socket=close_socket,
         spec=lambda: app[SPEC].spec,
+        preview_every=cfg.preview_every,
     )
     rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
     app[SESSIONS].add(session)

@@ -5,7 +5,8 @@
   request would keep only the first). A worker advertises its expert id, backend, device and the
   dtype its expert computes in in its service metadata (keys `expert` / `expert_id`, `backend`,
   `device`, `dtype`, or `precision` from workers older than `dtype`); services without an expert id
-  are listed as "other services".
+  are listed as "other services". A decoder (latent fleets) says which autoencoder it serves
+  (metadata `decoder`, its content hash) and its `image_shape`: its row carries both.
 * Throughput: rows/s from the difference of two STATS snapshots (endpoint stats `data.rows`
   when the worker reports it, else requests/s).
 * Latency: `latency_ms`, the mean receive-to-reply time of the requests served between two
@@ -151,6 +152,9 @@ class FleetMonitor:
                 "rate_unit": "rows/s",
                 "latency_ms": None,
             }
+            if isinstance(meta.get("decoder"), str) and meta["decoder"]:  # a decoder of a latent fleet
+                row["decoder"] = meta["decoder"][:128]
+                row["image_shape"] = str(meta.get("image_shape", ""))[:64]
             st = stats.get(wid)
             if st is not None:
                 self._add_rates(row, st, now)

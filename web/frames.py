@@ -8,6 +8,10 @@ Images travel to the browser as one base64 string per tile, raw uint8 pixels, ro
 writes the bytes into a canvas' ImageData. Floats become pixels by `dataset.images.to_uint8`, after
 the spec's `value_range` is mapped onto [-1, 1] (the identity for today's [-1, 1] fleets, so their
 bytes are unchanged). Router weights are rounded to 3 decimals.
+
+A latent fleet (spec `space: latent`) is drawn from its decoder's images, never from latent channels:
+frames that carry `preview` (the job's `preview_every`) show those, the others carry no tiles, and
+`done` shows the decoded final images (pixels in [-1, 1]).
 """
 
 from __future__ import annotations
@@ -72,34 +76,53 @@ def accepted_message(ev: JobAccepted) -> dict[str, Any]:
     }
 
 
-def frame_message(ev: FrameEvent, value_range: tuple[float, float] = MODEL_RANGE) -> dict[str, Any]:
+def frame_message(
+    ev: FrameEvent, value_range: tuple[float, float] = MODEL_RANGE, *, latent: bool = False
+) -> dict[str, Any]:
     """FrameEvent -> {"type": "frame", job_id, step, steps, t, size: [H, W], channels, tiles, experts, weights,
     notes} plus `x1` (tiles of the predicted final image, same encoding) when the event carries it.
-    `channels`: bytes per pixel of each tile (1 grey, 3 RGB; `tile_channels`)."""
+    `channels`: bytes per pixel of each tile (1 grey, 3 RGB; `tile_channels`).
+
+    latent: the fleet works on latents (its spec's `space`). Its frames' `x` is latents, which are not drawn:
+    a frame that carries `preview` (the decoded images, pixels in [-1, 1]) gets those as `tiles` and
+    `"preview": true`; one without gets `tiles: []` (the page keeps what it shows and updates the rest).
+    `x1` (latents too) is never sent for a latent fleet."""
     x = np.asarray(ev.x)
     n = x.shape[0] if x.ndim == 4 else 0
+    pixels, pixel_range = x, value_range
+    if latent:
+        pixels = np.asarray(ev.preview) if ev.preview is not None else None
+        pixel_range = MODEL_RANGE  # the decoder's images, whatever the latents' range
+    drawn = pixels is not None and pixels.ndim == 4 and n > 0
     msg = {
         "type": "frame",
         "job_id": ev.job_id,
         "step": ev.step,
         "steps": ev.steps,
         "t": round(float(ev.t), 4),
-        "size": list(x.shape[2:4]) if n else [0, 0],
-        "channels": tile_channels(x.shape[1]) if n else 1,
-        "tiles": tiles_b64(x, value_range) if n else [],
+        "size": list(pixels.shape[2:4]) if drawn else [0, 0],
+        "channels": tile_channels(pixels.shape[1]) if drawn else 1,
+        "tiles": tiles_b64(pixels, pixel_range) if drawn else [],
         "experts": list(ev.experts),
         "weights": _weights(ev.weights, n),
         "notes": list(ev.notes),
     }
-    if ev.x1 is not None and n:
+    if latent:
+        msg["preview"] = drawn
+    elif ev.x1 is not None and n:
         msg["x1"] = tiles_b64(ev.x1, value_range)
     return msg
 
 
-def done_message(ev: DoneEvent, value_range: tuple[float, float] = MODEL_RANGE) -> dict[str, Any]:
+def done_message(
+    ev: DoneEvent, value_range: tuple[float, float] = MODEL_RANGE, *, latent: bool = False
+) -> dict[str, Any]:
     """DoneEvent -> {"type": "done", job_id, size, channels, tiles, labels, digits, usage, steps, strategy,
-    elapsed_s, notes} (`labels` / `digits`: as in `accepted_message`)."""
+    elapsed_s, notes} (`labels` / `digits`: as in `accepted_message`). latent: the fleet works on latents,
+    and `images` are the decoder's output, pixels in [-1, 1] (not in the latents' `value_range`)."""
     x = np.asarray(ev.images)
+    if latent:
+        value_range = MODEL_RANGE
     return {
         "type": "done",
         "job_id": ev.job_id,
@@ -120,12 +143,13 @@ def failed_message(ev: FailedEvent) -> dict[str, Any]:
     return {"type": "failed", "job_id": ev.job_id, "code": ev.code.value, "reason": ev.reason}
 
 
-def event_message(ev: Any, value_range: tuple[float, float] = MODEL_RANGE) -> dict[str, Any]:
-    """Any JobEvent -> its page message (images in `value_range`, the fleet spec's)."""
+def event_message(ev: Any, value_range: tuple[float, float] = MODEL_RANGE, *, latent: bool = False) -> dict[str, Any]:
+    """Any JobEvent -> its page message (images in `value_range`, the fleet spec's; `latent`: the spec's
+    space is latent, so frames show their decoded previews and `done` the decoded images)."""
     if isinstance(ev, FrameEvent):
-        return frame_message(ev, value_range)
+        return frame_message(ev, value_range, latent=latent)
     if isinstance(ev, DoneEvent):
-        return done_message(ev, value_range)
+        return done_message(ev, value_range, latent=latent)
     if isinstance(ev, FailedEvent):
         return failed_message(ev)
     if isinstance(ev, JobAccepted):

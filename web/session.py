@@ -33,6 +33,7 @@ from typing import Any
 from bus.inbox import private_request
 from client.jobs import JobProbe, client_of
 from schemas import (
+    MAX_JOB_STEPS,
     CancelRequest,
     DoneEvent,
     ErrorCode,
@@ -62,6 +63,25 @@ MAX_QUEUED_MESSAGES = 256
 CLOSE_NOT_READING = 1008
 #: The client token of a viewer whose NATS connection names none (an open bus).
 WEB_CLIENT = "web"
+#: On a latent fleet, a job asks for decoded preview frames every this many steps (`WebConfig.preview_every`).
+DEFAULT_PREVIEW_EVERY = 4
+
+
+def preview_interval(every: int, frame_every: int) -> int:
+    """The `preview_every` of a job: `every` rounded up to a multiple of its `frame_every` (previews ride on
+    frames, which exist only every `frame_every` steps), at most MAX_JOB_STEPS."""
+    fe = max(1, int(frame_every))
+    n = -(-max(1, int(every)) // fe) * fe
+    return n if n <= MAX_JOB_STEPS else fe * (MAX_JOB_STEPS // fe)
+
+
+_MISSING = object()
+
+
+def preview_key(job_id: str) -> str:
+    """The outbox slot of a job's latest frame that carries a decoded preview (latent fleets): coalesced
+    apart from its other frames, so frames without a preview never supersede the last one with."""
+    return job_id + "/preview"
 
 
 class Outbox:
@@ -116,7 +136,13 @@ class Outbox:
         self._ready.set()
 
     def drop(self, key: str) -> None:
-        self._frames.pop(key, None)
+        """Forget the pending item under `key`, and its place in the queue: a later `put_latest(key)` queues
+        it again at the end (never ahead of what was queued meanwhile)."""
+        if self._frames.pop(key, _MISSING) is not _MISSING:
+            try:
+                self._queue.remove(("latest", key))
+            except ValueError:
+                pass
 
     def close(self) -> None:
         self.closed = True
@@ -173,10 +199,15 @@ class Session:
         max_queued: int = MAX_QUEUED_MESSAGES,
         close_socket: Callable[[int, str], Awaitable[None]] | None = None,
         spec: Callable[[], ModelSpec] | None = None,
+        preview_every: int = DEFAULT_PREVIEW_EVERY,
     ):
         """close_socket(code, reason): closes this session's socket (called when the client does not read).
         spec(): the fleet's current model spec (labels are read against it, images mapped from its value
-        range); None: the MNIST fleet's."""
+        range); None: the MNIST fleet's. preview_every: on a latent fleet, every job asks for decoded preview
+        frames this often (in steps; rounded up to a multiple of the job's frame_every)."""
+        if not 1 <= preview_every <= MAX_JOB_STEPS:
+            raise ValueError(f"preview_every must be 1-{MAX_JOB_STEPS}, got {preview_every!r}")
+        self.preview_every = preview_every
         self.nc = nc
         self._spec = spec
         self._send = send
@@ -233,7 +264,8 @@ class Session:
             kind, value = item
             if kind == "latest" and not isinstance(value, dict):
                 try:
-                    value = event_message(value, self.spec.value_range)
+                    spec = self.spec
+                    value = event_message(value, spec.value_range, latent=spec.space == "latent")
                 except (ValueError, TypeError) as err:
                     value = {"type": "error", "code": "internal", "message": f"undrawable event: {err}"}
             try:
@@ -291,12 +323,12 @@ class Session:
                 elif lost is not None and self.jobs.get(job_id) is job:
                     await self._forget(job_id)
                     await self._publish_cancel(job_id)  # a frozen coordinator may wake up: not for nobody
-                    self.outbox.drop(job_id)
+                    self._drop_frames(job_id)
                     self.outbox.put(event_message(FailedEvent(job_id=job_id, code=ErrorCode.UNAVAILABLE, reason=lost)))
 
     async def submit(self, job_id: str, request) -> None:
         """Subscribe to the job's events, then submit it; report the outcome to the page."""
-        req = request.model_copy(update={"job_id": job_id, "session": self.session_tag})
+        req = request.model_copy(update={"job_id": job_id, "session": self.session_tag, **self._latent_fields(request)})
         job = self.jobs.get(job_id)
         if job is None:
             return
@@ -335,6 +367,13 @@ class Session:
             out["ref"] = job.ref
         self.outbox.put(out)
 
+    def _latent_fields(self, request) -> dict[str, Any]:
+        """What a job on a latent fleet asks for besides the page's fields: decoded previews every
+        `preview_interval` steps, and no `frame_x1` (latents the page would not draw). {} on a pixel fleet."""
+        if self.spec.space != "latent":
+            return {}
+        return {"preview_every": preview_interval(self.preview_every, request.frame_every), "frame_x1": False}
+
     def _announce(self, job_id: str, accepted: JobAccepted) -> None:
         """Send `accepted` once, then whatever events came before it."""
         job = self.jobs.get(job_id) or self._ended_early.pop(job_id, None)
@@ -358,7 +397,7 @@ class Session:
             msg["ref"] = job.ref
         self.outbox.put(msg)
         for ev in job.early:
-            self.outbox.put_latest(job_id, ev)
+            self._queue_event(job_id, ev)
         job.early.clear()
 
     async def _on_event(self, msg) -> None:
@@ -389,13 +428,27 @@ class Session:
         else:
             if terminal:
                 self.outbox.drop(job_id)  # a pending frame is superseded by the result
-            self.outbox.put_latest(job_id, ev)
+            self._queue_event(job_id, ev)
         if terminal:
             if not job.announced:
                 self._ended_early[job_id] = job
             # Last statement: unsubscribing from inside the subscription's own callback cancels
             # the task running this callback.
             await self._forget(job_id)
+
+    def _queue_event(self, job_id: str, ev: Any) -> None:
+        """Queue one job event, coalesced: a frame replaces the job's pending frame. A frame with a decoded
+        preview (latent fleets) first drops the pending frame without one (older), then takes the preview
+        slot, so a slow page skips frames but still gets the latest preview, in step order."""
+        if isinstance(ev, FrameEvent) and ev.preview is not None:
+            self.outbox.drop(job_id)
+            self.outbox.put_latest(preview_key(job_id), ev)
+        else:
+            self.outbox.put_latest(job_id, ev)
+
+    def _drop_frames(self, job_id: str) -> None:
+        self.outbox.drop(job_id)
+        self.outbox.drop(preview_key(job_id))
 
     async def _forget(self, job_id: str) -> None:
         job = self.jobs.pop(job_id, None)
@@ -409,7 +462,7 @@ class Session:
                 self.error(f"no running job {job_id[:80]!r} in this tab", code="bad_request", ref=ref)
             return
         await self._forget(job_id)
-        self.outbox.drop(job_id)
+        self._drop_frames(job_id)
         await self._publish_cancel(job_id)
         if notify:
             msg = {"type": "cancelled", "job_id": job_id}

@@ -13,7 +13,11 @@ The page gets it as one message, on connect and whenever it changes:
      "value_range": [-1.0, 1.0], "space": "pixels",
      "conditioning": "class", "num_classes": 10, "null_label": false,
      "class_names": ["airplane", ...],         # always num_classes names ("0", "1", ... when the spec has none)
-     "digits": false}                          # true for the MNIST fleet: the page says "digit 3"
+     "digits": false,                          # true for the MNIST fleet: the page says "digit 3"
+     "decoder": null}                          # a latent fleet's autoencoder, "autoencoder@sha256:<hash>"
+
+A latent fleet (`space: "latent"`): `sample_shape` is the latents' shape; the page draws the decoder's
+images (previews and final images, web/frames.py), not the latents, and says which decoder the fleet uses.
 
 Which field a job request names its labels with (`wire_label_field`): `digits` for a fleet of ten classes
 (every label fits the v1 field, and a coordinator older than `labels` refuses unknown keys), `labels`
@@ -70,6 +74,7 @@ def spec_message(spec: ModelSpec, *, known: bool = True) -> dict[str, Any]:
         "null_label": spec.conditioning.null_label,
         "class_names": class_names(spec),
         "digits": is_digit_fleet(spec),
+        "decoder": spec.decoder,
     }
 
 

@@ -163,6 +163,16 @@ async def test_outbox_coalesces_frames_and_keeps_order():
     assert await waiter is None
 
 
+async def test_a_dropped_slot_queued_again_goes_last_and_previews_are_not_superseded():
+    box = Outbox()
+    box.put_latest("job", "frame 3")
+    box.drop("job")  # a preview frame supersedes it (web/session.py `_queue_event`)
+    box.put_latest("job/preview", "preview 4")
+    box.put_latest("job", "frame 5")  # queued after the preview, never in frame 3's old place
+    got = [await box.get() for _ in range(2)]
+    assert got == [("latest", "preview 4"), ("latest", "frame 5")]
+
+
 def test_generate_passes_frame_x1_through_as_a_strict_boolean():
     base = {"type": "generate", "digits": "1,2"}
     assert parse_client_message(json.dumps(base)).request.frame_x1 is False  # off unless asked

@@ -83,6 +83,52 @@ def test_frame_and_done_messages_carry_channels_and_labels():
     assert acc["labels"] == acc["digits"] == [0, 3] and acc["seed"] == "5"
 
 
+def test_a_latent_fleets_frames_show_their_decoded_previews_never_latents():
+    latents = np.full((2, 4, 2, 2), 3.0, np.float32)  # in the latents' range [-4, 4]
+    images = np.repeat(_rgb_input(), 2, axis=0)  # decoded: pixels in [-1, 1]
+    w = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    kw = dict(job_id="j", steps=4, experts=[0, 1], weights=w)
+    plain = event_message(FrameEvent(step=1, t=0.25, x=latents, x1=latents, **kw), (-4.0, 4.0), latent=True)
+    assert plain["tiles"] == [] and plain["preview"] is False and "x1" not in plain
+    assert plain["experts"] == [0, 1] and plain["weights"] == [[1.0, 0.0], [0.0, 1.0]]
+    shown = event_message(
+        FrameEvent(step=4, t=1.0, x=latents, preview=images.astype(np.float16), **kw), (-4.0, 4.0), latent=True
+    )
+    assert shown["preview"] is True and shown["size"] == [2, 2] and shown["channels"] == 3
+    assert shown["tiles"] == tiles_b64(images)  # the previews in [-1, 1], not mapped from the latents' range
+    done = event_message(
+        DoneEvent(job_id="j", images=images, labels=[3, -1], usage=w, steps=4, strategy="top1", elapsed_s=0.1),
+        (-4.0, 4.0),
+        latent=True,
+    )
+    assert done["tiles"] == tiles_b64(images)
+    # a pixel fleet: as before (tiles of x, x1 when asked, no preview key)
+    pixels = event_message(FrameEvent(step=1, t=0.25, x=images, x1=images, **kw))
+    assert pixels["tiles"] == pixels["x1"] == tiles_b64(images) and "preview" not in pixels
+
+
+def test_preview_interval_is_a_multiple_of_frame_every():
+    from web.session import preview_interval
+
+    assert preview_interval(4, 1) == 4 and preview_interval(4, 3) == 6 and preview_interval(4, 4) == 4
+    assert preview_interval(1, 5) == 5 and preview_interval(4, 999) == 999
+
+
+def test_web_config_preview_every_is_bounded():
+    assert WebConfig().preview_every == 4 and WebConfig(preview_every=10).preview_every == 10
+    for bad in (0, -1, 10**6, True):
+        with pytest.raises(ValueError, match="preview_every"):
+            WebConfig(preview_every=bad)
+
+
+def test_latent_spec_message_names_the_decoder():
+    latent = ModelSpec.from_json(
+        {**legacy_spec(in_channels=4, image_size=8).to_json(), "space": "latent", "decoder": "autoencoder@sha256:ab"}
+    )
+    msg = spec_message(latent)
+    assert msg["space"] == "latent" and msg["decoder"] == "autoencoder@sha256:ab" and msg["sample_shape"] == [4, 8, 8]
+
+
 # ---------------------------------------------------------------- spec and labels
 
 
@@ -102,6 +148,7 @@ def test_spec_message_of_the_mnist_and_an_rgb_fleet():
         "null_label": False,
         "class_names": [str(i) for i in range(10)],
         "digits": True,
+        "decoder": None,
     }
     rgb = spec_message(RGB4)
     assert rgb["known"] and rgb["channels"] == rgb["tile_channels"] == 3 and rgb["sample_shape"] == [3, 32, 32]

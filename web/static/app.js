@@ -348,17 +348,29 @@ function onFrame(msg) {
   const t0 = performance.now();
   const job = jobCard(msg.job_id);
   if (job.state !== "running" && job.state !== "submitted") return;
-  ensureTiles(job, msg.tiles.length);
-  const [h, w] = msg.size;
-  const ch = msg.channels || 1;
-  job.size = [h, w];
-  job.ch = ch;
-  const f = { step: msg.step, t: msg.t, x: decodeTiles(msg.tiles, h, w, ch),
-              x1: msg.x1 ? decodeTiles(msg.x1, h, w, ch) : null, experts: msg.experts, weights: msg.weights };
+  // a latent fleet's frame without a decoded preview carries no tiles: the tiles keep what they show
+  const pixels = msg.tiles.length > 0;
+  ensureTiles(job, pixels ? msg.tiles.length : msg.experts.length);
+  let f;
+  if (pixels) {
+    const [h, w] = msg.size;
+    const ch = msg.channels || 1;
+    job.size = [h, w];
+    job.ch = ch;
+    f = { step: msg.step, t: msg.t, x: decodeTiles(msg.tiles, h, w, ch),
+          x1: msg.x1 ? decodeTiles(msg.x1, h, w, ch) : null, experts: msg.experts, weights: msg.weights };
+  } else {
+    f = { step: msg.step, t: msg.t, x: null, x1: null, experts: msg.experts, weights: msg.weights };
+  }
+  if (msg.preview) {
+    job.previews = (job.previews || 0) + 1;
+    job.card.dataset.previews = String(job.previews);
+    job.card.dataset.previewStep = String(msg.step);
+  }
   if (f.x1 && !job.hasX1) { job.hasX1 = true; $(".views", job.card).hidden = false; }
   if (msg.weights.length) job.K = Math.max(job.K, msg.weights[0].length);
   job.timeline.push({ step: msg.step, t: msg.t, experts: msg.experts, weights: msg.weights });
-  if (!job.dropped) {
+  if (!job.dropped && pixels) {
     job.traj.push(f);
     job.keptBytes += frameBytes(f);
     enforceBounds(job);
@@ -916,6 +928,12 @@ function pngURL(canvases, scale) {
 function onSpec(msg) {
   state.spec = msg;
   document.body.dataset.channels = String(msg.tile_channels || 1);
+  document.body.dataset.space = msg.space || "pixels";
+  const latent = msg.space === "latent";
+  const x1 = $("#frame_x1");
+  x1.disabled = latent;  // a latent fleet's x̂1 is latents: the page draws decoded previews instead
+  x1.parentElement.title = latent ? "not on a latent fleet: its frames show the decoder's previews" : "";
+  renderSpace();
   document.body.dataset.classes = String(msg.num_classes);
   const input = $("#digits");
   const names = msg.class_names || [];
@@ -1042,7 +1060,27 @@ function numberOrText(input) {
 
 const HISTORY_S = 300;  // sparklines cover the last 5 minutes of fleet snapshots
 
+// What the fleet works on: pixels, or latents decoded by a named decoder (and how many decoder processes run).
+function renderSpace() {
+  const box = $("#fleet-space");
+  const spec = fleetSpec();
+  if (spec.space !== "latent") { box.hidden = true; box.replaceChildren(); return; }
+  const decoders = state.decoders || [];
+  const mine = decoders.filter((d) => spec.decoder && spec.decoder.endsWith(d.decoder));
+  const shape = (spec.sample_shape || []).join("×");
+  const image = mine.length && mine[0].image_shape ? ` → ${mine[0].image_shape.split(",").join("×")} images` : "";
+  const procs = mine.length ? `${mine.length} decoder process${mine.length === 1 ? "" : "es"}${image}` : "no decoder running";
+  box.replaceChildren(
+    el("b", { text: "latent fleet" }), ` · ${shape} latents · decoder `,
+    el("code", { class: "decoder-name", text: spec.decoder || "?", title: spec.decoder || "" }),
+    el("span", { class: "decoders", text: ` · ${procs}` }));
+  box.dataset.decoders = String(mine.length);
+  box.hidden = false;
+}
+
 function renderFleet(msg) {
+  state.decoders = (msg.services || []).filter((s) => s.decoder);
+  renderSpace();
   const box = $("#fleet-experts");
   box.replaceChildren();
   if (!msg.experts.length) box.append(el("p", { class: "hint", text: "no expert workers discovered" }));
