@@ -54,3 +54,13 @@ def test_format_split_puts_fleet_beside_in_process():
     fwd = next(line for line in lines if line.strip().startswith("forward"))
     assert fwd.split()[-2:] == ["6.00", "-"]
     assert sp.format_split(1, None, None) == []
+
+
+def test_parallel_calls_are_summed_and_the_coordinator_share_is_not_derived():
+    coord = {"ticks": 10.0, "tick_s": 0.8, "router_s": 0.1, "call_s": 1.2, "calls": 20.0}
+    workers = {"latency_s": 1.0, "requests": 20.0, "forward_s": 0.7, "forwards": 20.0}
+    split = sp.fleet_split(coord, workers, None)
+    assert split["calls_per_tick"] == 2 and split["expert_call"] == pytest.approx(120.0)
+    assert "coordinator" not in split and split["forward"] == pytest.approx(70.0)
+    assert "in parallel" in sp.format_split(64, split, None)[0]
+    assert "coordinator" not in sp.inprocess_split(10, 0.8, 0.1, 1.2, None)
