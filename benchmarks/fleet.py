@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from bus.options import add_dtype_option
 
@@ -260,14 +261,17 @@ def _models(args, tmpdir: str) -> dict:
                 f"{len(paths['experts'])} expert checkpoints"
             )
         router = router_path(args)
+        autoencoder = _latent_autoencoder(args.checkpoints, router_spec(router))
         return {
             "experts": [str(p) for p in paths["experts"][:k]],
             "router": str(router),
             "partition": str(paths["partition"]),
             "k": k,
             "c2e": [int(manifest.class_to_expert(y)) for y in range(router_spec(router).num_classes)],
+            "autoencoder": autoencoder,
             "described": f"checkpoints in {args.checkpoints}/"
-            + (f", router {router}" if args.router is not None else ""),
+            + (f", router {router}" if args.router is not None else "")
+            + (f", latent: a decoder of {autoencoder} decodes every job's images" if autoencoder else ""),
         }
     if args.router is not None:
         raise ValueError(
@@ -314,6 +318,23 @@ def _models(args, tmpdir: str) -> dict:
         "c2e": [0] * 5 + [1] * 5,
         "described": f"random UNets widths={args.widths}, random router",
     }
+
+
+def _latent_autoencoder(directory, spec) -> str | None:
+    """A latent fleet's autoencoder (`<DIR>/autoencoder.safetensors`, the one its spec names), whose decoder
+    the fleet runs and the ceiling calls in-process; None for a pixel fleet. FileNotFoundError / ValueError
+    when it is missing or another one."""
+    if spec.space != "latent":
+        return None
+    from models.autoencoder import content_hash_of, load_autoencoder_meta
+
+    path = Path(directory) / "autoencoder.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"a latent fleet needs its autoencoder as {path} (its spec names {spec.decoder})")
+    got, want = load_autoencoder_meta(path)["content_hash"], content_hash_of(spec.decoder or "")
+    if got != want:
+        raise ValueError(f"{path} is autoencoder {got[:12]}…, but the fleet's spec names {(want or '?')[:12]}…")
+    return str(path)
 
 
 def _requests(args, c: int, tag: str) -> list:
@@ -520,11 +541,31 @@ async def _ceiling(args, models) -> dict:
         device=getattr(args, "device", None),
     )
     waiting: dict[str, asyncio.Future] = {}
+    codec = None
+    if models.get("autoencoder"):  # a latent fleet: the ceiling decodes every job's latents in-process too
+        from models.autoencoder_torch import LatentCodec
+
+        codec = LatentCodec.load(models["autoencoder"], device=getattr(args, "device", None) or "cpu")
+
+    async def decoded(ev, fut):
+        try:
+            images = await asyncio.to_thread(codec.decode, ev.images)
+        except Exception as err:  # a decoder that cannot decode its own latents: the bench stops, saying why
+            fut.done() or fut.set_exception(err)
+            return
+        fut.done() or fut.set_result(ev.model_copy(update={"images": images}))
+
+    decodes: set[asyncio.Task] = set()  # held until done (the loop keeps only weak references)
 
     def emit(ev):
         fut = waiting.get(ev.job_id)
         if fut is not None and not fut.done() and ev.kind in ("done", "failed"):
-            fut.set_result(ev)
+            if codec is not None and ev.kind == "done":
+                task = asyncio.ensure_future(decoded(ev, fut))
+                decodes.add(task)
+                task.add_done_callback(decodes.discard)
+            else:
+                fut.set_result(ev)
 
     cfg = _coordinator(args)
     engine = Engine(
@@ -744,6 +785,11 @@ async def _fleet(args, models) -> dict:
                     cmd += ["--device", args.device] if getattr(args, "device", None) else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
                     children.append(await Child.start(f"worker{i}" + (f".{j}" if per > 1 else ""), cmd))
+            if models.get("autoencoder"):  # a latent fleet: one decoder process turns final latents into images
+                cmd = cli_argv("decoder", "--checkpoint", models["autoencoder"], "--nats", srv.url)
+                cmd += ["--threads", str(args.threads)] if args.threads else []
+                cmd += ["--device", args.device] if getattr(args, "device", None) else []
+                children.append(await Child.start("decoder", cmd))
             await asyncio.gather(*(c.wait_ready(600) for c in children))
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
             metrics_port = free_port()

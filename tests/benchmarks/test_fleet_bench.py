@@ -229,3 +229,61 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
     assert split["wire"] + split["worker"] + split["forward"] == pytest.approx(split["expert_call"], abs=0.01)
     assert split["client_step"] == pytest.approx(1000 * x["wall_s"] / (x["jobs"] * 2), rel=0.01)
     assert any("where a tick's time goes at c = 1" in line for line in table)
+
+
+@pytest.mark.slow  # ~10 s: a real latent fleet (nats-server, coordinator, workers and a decoder process)
+@pytest.mark.bus
+@pytest.mark.procs
+async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path):
+    """Checkpoints whose spec says latent: the fleet path runs a decoder process (without one its jobs fail
+    decoder_unavailable) and the ceiling decodes in-process; a missing autoencoder is refused by name."""
+    import shutil
+
+    import torch
+
+    from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
+    from models.autoencoder_torch import Autoencoder
+    from models.checkpoint import torch_state_to_numpy
+    from models.tiny import make_tiny_expert, make_tiny_router
+    from schemas.spec import ModelSpec, legacy_spec
+
+    d = tmp_path / "latent"
+    d.mkdir()
+    cfg = AutoencoderConfig(in_channels=3, image_size=16, latent_channels=4, widths=(8, 16))  # 3x16x16 <-> 4x8x8
+    torch.manual_seed(0)
+    meta = {"config": cfg.to_dict(), "spec": make_spec(cfg, scale_factor=1.0, shift_factor=0.0, latent_range=3.0)}
+    save_autoencoder(d / "autoencoder", torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
+    digest = json.loads((d / "autoencoder.json").read_text())["content_hash"]
+    spec = ModelSpec.from_json(
+        {**legacy_spec(in_channels=4, image_size=8).to_json(), "space": "latent", "decoder": decoder_name(digest)}
+    )
+    for k in range(2):
+        path = make_tiny_expert(
+            d / f"expert{k}", expert_id=k, in_channels=4, image_size=8, jitter=0.05, classes=range(5 * k, 5 * k + 5)
+        )
+        js = path.with_suffix(".json")
+        js.write_text(json.dumps({**json.loads(js.read_text()), "spec": spec.to_json()}))
+    make_tiny_router(d / "router", 2, in_channels=4, image_size=8, meta={"spec": spec.to_json()})
+    shutil.copy("checkpoints/partition.json", d / "partition.json")
+    args = _args(
+        concurrency="2",
+        steps=2,
+        checkpoints=str(d),
+        buckets="1,4",
+        jobs_per_client=2,
+        min_level_s=0.0,
+        limit_batches="none",
+        threads=1,
+        job_timeout=60.0,
+        dtype="float32",
+    )
+    res = await bench.bench_fleet(args)
+    assert "latent: a decoder of" in res["setup"]["models"]
+    for path in ("fleet", "ceiling"):
+        x = res["rows"][0][path]
+        assert x["completed"] == x["submitted"] == 4 and x["lost"] == 0, (path, x)
+    assert "decoder" in res["rows"][0]["fleet"]["cpu"]["seconds"]  # its own process, counted with the others
+
+    (d / "autoencoder.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="needs its autoencoder"):
+        bench._models(args, str(tmp_path))
