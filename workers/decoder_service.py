@@ -113,12 +113,19 @@ class DecoderWorker:
                 )
             if self.codec is None:
                 self.codec = await asyncio.to_thread(self._load)
-            await asyncio.to_thread(self.codec.decode, np.zeros((1, *self.codec.latent_shape), np.float32))
+            await asyncio.to_thread(self.codec.decode, np.zeros((1, *self._warm_shape()), np.float32))
             await self._advertise()
         except BaseException:
             await self._close_nc()
             raise
         log.info("decoder %s serving %s (%s)", self.worker_id, self.subject, self.device)
+
+    def _warm_shape(self) -> tuple[int, ...]:
+        """The latents of the first (warm-up) decode: at most 8x8 when the codec takes any size (a diffusers
+        VAE's default shape is its config's sample size, 64x64 latents for 512 px, slow on a CPU)."""
+        c, h, w = self.codec.latent_shape
+        small = (c, min(h, 8), min(w, 8))
+        return small if self.codec.latent_shape_error(small) is None else (c, h, w)
 
     def _load(self):
         from models.codec import load_codec
