@@ -151,6 +151,29 @@ def test_data_encode_with_a_diffusers_vae(vae, capsys):
     assert "1-channel images" in err and "3x16x16" in err and not (d / "x").exists()
 
 
+@pytest.mark.train
+def test_a_latent_expert_on_a_vae_cache_names_the_vae(vae, tmp_path):
+    """partition + train-expert on the VAE's latent cache: the expert's spec says latent and names the
+    VAE's content hash as its decoder (what `up` and the coordinator find the decoder by)."""
+    from models.checkpoint import load_checkpoint
+    from models.spec import spec_of
+    from tests.training.test_latent import DIT, QUICK
+
+    path, d = vae
+    data = _prepare(tmp_path / "ds", seed=3)
+    cache = tmp_path / "ds-latents"
+    assert main(["data", "encode", "--vae", str(path), "--data", str(data), "--out", str(cache)]) == 0
+    part = tmp_path / "part.json"
+    assert main(["partition", "--data", str(cache), "--method", "kmeans", "--experts", "2", "--out", str(part)]) == 0
+    out = tmp_path / "expert0"
+    args = ["train-expert", "--data", str(cache), "--partition", str(part), "--expert", "0", *DIT, *QUICK]
+    assert main([*args, "--out", str(out), "--run-dir", str(tmp_path / "run")]) == 0
+    meta, _ = load_checkpoint(out.with_suffix(".safetensors"))
+    spec = spec_of(meta)
+    assert spec.space == "latent" and list(spec.sample_shape) == [4, 8, 8]
+    assert content_hash_of(spec.decoder) == codec_info(path).content_hash
+
+
 DECODER_CMD = [sys.executable, "-m", "infra.cli", "decoder", "--threads", "1", "--vae"]
 
 
