@@ -235,3 +235,29 @@ def test_up_serves_the_vae_directory_of_a_latent_fleet(vae, tiny_fleet_dir, tmp_
     dec = next(c for c in rest if c.name == "decoder-0")
     assert dec.argv[3:6] == ["decoder", "--checkpoint", str((d / "vae").resolve())]
     assert dec.where == subjects.decoder_decode(digest)
+
+
+def test_sampled_latents_are_decoded_by_the_vae_beside_the_checkpoints(vae, tmp_path):
+    """A latent monolith whose spec names the VAE, with the VAE saved as vae/ beside it: the in-process
+    sampler decodes its samples with that VAE before saving them (and refuses another VAE)."""
+    from evaluation.sample_inprocess import main as sample_main
+    from models.tiny import make_tiny_expert
+    from schemas.spec import ModelSpec, legacy_spec
+
+    path, _ = vae
+    ck = tmp_path / "latent"
+    ck.mkdir()
+    shutil.copytree(path, ck / "vae")
+    digest = codec_info(path).content_hash
+    spec = {**legacy_spec(in_channels=4, image_size=8).to_json(), "space": "latent", "decoder": decoder_name(digest)}
+    mono = make_tiny_expert(ck / "monolith", expert_id=0, in_channels=4, image_size=8, jitter=0.05, classes=range(10))
+    js = mono.with_suffix(".json")
+    js.write_text(json.dumps({**json.loads(js.read_text()), "spec": ModelSpec.from_json(spec).to_json()}))
+    argv = ["--monolith", str(mono), "--configs", "monolith", "--per-class", "1", "--steps", "2"]
+    argv += ["--images-per-job", "5", "--dtype", "float32"]
+    assert sample_main([*argv, "--out", str(tmp_path / "img")]) == 0
+    got = np.load(tmp_path / "img" / "monolith.npz")
+    assert got["images"].shape == (10, 3, 16, 16) and json.loads(str(got["meta"]))["decoded_by"] == digest
+    other = _save_vae(tmp_path / "other", seed=9)
+    with pytest.raises(SystemExit, match="but the checkpoints' spec names"):
+        sample_main([*argv, "--vae", str(other), "--out", str(tmp_path / "img2")])
