@@ -102,7 +102,7 @@ ELSEWHERE = {
     "worker": {**_JAX_PROBE, **_VAE},
     "coordinator": _JAX_PROBE,
     "fuzz": _JAX_PROBE,
-    "eval": _DINO,
+    "eval": {**_DINO, **_VAE},
     "all": _VAE,
 }
 
