@@ -29,8 +29,6 @@ import numpy as np
 
 from models.autoencoder import AutoencoderError
 
-BACKENDS = ("autoencoder", "diffusers")
-
 
 @dataclass(frozen=True)
 class CodecInfo:

@@ -120,8 +120,9 @@ def read_info(path: str | os.PathLike) -> CodecInfo:
 
 
 class DiffusersVAE:
-    """A diffusers AutoencoderKL behind the codec API (numpy in, numpy out). Any image size whose sides
-    its downsampling divides; `image_shape` / `latent_shape` are the ones it was loaded for."""
+    """A diffusers AutoencoderKL behind the codec API (numpy in, numpy out). Encodes any image size whose
+    sides its downsampling divides; decodes latents up to the size of its config's `sample_size` (or of
+    the images it was loaded for); `image_shape` / `latent_shape` are the ones it was loaded for."""
 
     def __init__(self, model, info: CodecInfo, device: str = "cpu", image_shape=None):
         self.model = model
@@ -129,6 +130,9 @@ class DiffusersVAE:
         self.device = device
         self.image_shape: tuple[int, int, int] = tuple(int(v) for v in (image_shape or info.image_shape))
         self.latent_shape = info.latent_shape_for(self.image_shape)
+        # the largest latents decoded: those of its config's sample size, or of the images it was loaded for
+        # (a request for huge latents could take the decoder's memory)
+        self.max_side = max(*info.latent_shape[1:], *self.latent_shape[1:])
         self.value_range = info.value_range
         self.scale, self.shift = info.scale_factor, info.shift_factor
 
@@ -155,9 +159,10 @@ class DiffusersVAE:
     def latent_shape_error(self, shape) -> str | None:
         """None when latents [c, h, w] of this shape can be decoded, else what is expected."""
         shape = tuple(shape)
-        if len(shape) == 3 and shape[0] == self.info.latent_channels and min(shape) >= 1:
-            return None
-        return f"latents must be [B, {self.info.latent_channels}, h, w]"
+        if len(shape) == 3 and shape[0] == self.info.latent_channels and 1 <= min(shape[1:]) <= max(shape[1:]):
+            if max(shape[1:]) <= self.max_side:
+                return None
+        return f"latents must be {self._latents_wanted('B')}"
 
     def _images_ok(self, shape) -> bool:
         try:
@@ -184,7 +189,7 @@ class DiffusersVAE:
         """scaled latents float [N, c, h, w] -> images float32 [N, C, h*f, w*f] clipped to [-1, 1]."""
         import torch
 
-        z = check_array(latents, lambda s: self.latent_shape_error(s) is None, self._wanted(), "latents")
+        z = check_array(latents, lambda s: self.latent_shape_error(s) is None, self._latents_wanted("N"), "latents")
         c, f = self.info.image_shape[0], self.info.downsample
         out = np.empty((len(z), c, z.shape[2] * f, z.shape[3] * f), np.float32)
         lo, hi = self.value_range
@@ -195,5 +200,5 @@ class DiffusersVAE:
                 out[i : i + len(zb)] = xb.clamp(lo, hi).float().cpu().numpy()
         return out
 
-    def _wanted(self) -> str:
-        return f"[N, {self.info.latent_channels}, h, w]"
+    def _latents_wanted(self, batch: str) -> str:
+        return f"[{batch}, {self.info.latent_channels}, h, w] with h, w <= {self.max_side}"

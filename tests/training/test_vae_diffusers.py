@@ -88,9 +88,11 @@ def test_vae_loads_through_our_code_and_encodes_scaled_latents(vae):
     # a convolutional VAE takes other sizes its downsampling divides
     assert codec.encode(x[:, :, :8, :8]).shape == (5, 4, 4, 4)
     assert codec.latent_shape_error((4, 3, 5)) is None and codec.latent_shape_error((3, 8, 8)) is not None
+    # latents larger than those of its sample size (16 px: 8x8) are refused: a request cannot take its memory
+    assert "h, w <= 8" in codec.latent_shape_error((4, 9, 8))
     with pytest.raises(AutoencoderError, match="multiples of 2"):
         codec.encode(x[:, :, :15, :15])
-    with pytest.raises(AutoencoderError, match=r"latents must be \[N, 4, h, w\]"):
+    with pytest.raises(AutoencoderError, match=r"latents must be \[N, 4, h, w\] with h, w <= 8"):
         codec.decode(np.zeros((1, 3, 8, 8), np.float32))
     with pytest.raises(AutoencoderError, match="non-finite"):
         codec.decode(np.full((1, 4, 8, 8), np.nan, np.float32))
@@ -102,6 +104,9 @@ def test_content_hash_names_weights_and_config(vae, tmp_path):
     path, _ = vae
     info = codec_info(path)
     assert len(info.content_hash) == 64 and info.path == str(path)
+    spec = info.spec()
+    assert spec["backend"] == "diffusers" and spec["latent_shape"] == [4, 8, 8] and spec["downsample"] == 2
+    assert (spec["scale_factor"], spec["shift_factor"], spec["image_shape"]) == (SCALE, SHIFT, [3, 16, 16])
     again = _save_vae(tmp_path / "same", seed=0)  # the same weights and config, saved again
     assert codec_info(again).content_hash == info.content_hash
     assert codec_info(_save_vae(tmp_path / "other", seed=1)).content_hash != info.content_hash
