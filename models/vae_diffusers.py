@@ -186,19 +186,22 @@ class DiffusersVAE:
         return out
 
     def decode(self, latents: np.ndarray, batch_size: int = 64) -> np.ndarray:
-        """scaled latents float [N, c, h, w] -> images float32 [N, C, h*f, w*f] clipped to [-1, 1]."""
+        """scaled latents float [N, c, h, w] -> images float32 [N, C, h*f, w*f] clipped to [-1, 1] (C: the
+        config's out_channels)."""
         import torch
 
         z = check_array(latents, lambda s: self.latent_shape_error(s) is None, self._latents_wanted("N"), "latents")
-        c, f = self.info.image_shape[0], self.info.downsample
-        out = np.empty((len(z), c, z.shape[2] * f, z.shape[3] * f), np.float32)
         lo, hi = self.value_range
+        parts = []
         with torch.no_grad():
             for i in range(0, len(z), batch_size):
                 zb = torch.from_numpy(np.ascontiguousarray(z[i : i + batch_size], dtype=np.float32)).to(self.device)
-                xb = self.model.decode(zb / self.scale + self.shift).sample
-                out[i : i + len(zb)] = xb.clamp(lo, hi).float().cpu().numpy()
-        return out
+                xb = self.model.decode(zb / self.scale + self.shift).sample  # [b, out_channels, h*f, w*f]
+                parts.append(xb.clamp(lo, hi).float().cpu().numpy())
+        if not parts:  # no rows
+            f = self.info.downsample
+            return np.zeros((0, int(self.model.config.out_channels), z.shape[2] * f, z.shape[3] * f), np.float32)
+        return np.concatenate(parts)
 
     def _latents_wanted(self, batch: str) -> str:
         return f"[{batch}, {self.info.latent_channels}, h, w] with h, w <= {self.max_side}"
