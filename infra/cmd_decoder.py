@@ -1,13 +1,15 @@
 """Serve an autoencoder's decoder over NATS (a `nats.micro` service in the decoder's queue group).
 
 A latent fleet's coordinator asks a decoder for the pixels of each job's final latents (and of its
-preview frames). Loads the autoencoder checkpoint, then subscribes to
+preview frames). Loads the autoencoder checkpoint (or a diffusers AutoencoderKL directory, --vae DIR),
+then subscribes to
 ddm.v1.decoder.<content hash>.decode in queue group ddm.v1.decoder.<content hash>.workers: start the
 same command again (on any host) to add capacity. SIGTERM / Ctrl-C: answer what is held, exit 0.
 
 examples:
   ddm-fleet decoder --checkpoint runs/colour-latent/autoencoder.safetensors
   ddm-fleet decoder --checkpoint checkpoints/colour-latent/autoencoder.safetensors --nats nats://10.0.0.5:4222
+  ddm-fleet decoder --vae vae/sd-vae-ft-mse      # a diffusers AutoencoderKL saved with save_pretrained
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "--checkpoint", required=True, metavar="PATH", help="autoencoder checkpoint (.safetensors with its .json)"
+        "--checkpoint",
+        "--vae",
+        dest="checkpoint",
+        required=True,
+        metavar="PATH",
+        help="autoencoder checkpoint (.safetensors with its .json), or a diffusers AutoencoderKL directory "
+        "(save_pretrained; the pretrained extra)",
     )
     parser.add_argument("--device", default="cpu", help="torch device for the decoder (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")

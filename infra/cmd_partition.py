@@ -8,8 +8,9 @@ Methods: `classes` (digit lists per expert; default for 2 experts 0-4 / 5-9), `k
 k-means on PCA'd pooled pixels, the DDM paper's recipe on cheap features), `features` (the same
 k-means in the feature space of a pretrained network trained for another purpose, the paper's
 DINOv2 recipe; `--features` picks the network: judge 2's penultimate layer `embed` (128-d, the
-default), `data-judge:DIR` (a CNN trained on a prepared dataset's classes) or `torch:PATH` (your
-own TorchScript module); see evaluation/features.py), `random`. Prints a table of images and the
+default), `data-judge:DIR` (a CNN trained on a prepared dataset's classes), `torch:PATH` (your
+own TorchScript module) or `dinov2:DIR` (a transformers DINOv2 saved with save_pretrained: its CLS
+token; the pretrained extra); see evaluation/features.py), `random`. Prints a table of images and the
 class histogram per expert. The manifest lists each expert's train indices, its classes and
 `class_to_expert` (the oracle route). Examples:
 
@@ -17,6 +18,7 @@ class histogram per expert. The manifest lists each expert's train indices, its 
     ddm-fleet partition --data data/prepared/pets --method kmeans --experts 4 --out runs/pets/partition.json
     ddm-fleet partition --method features --experts 8 --out checkpoints/features8/partition.json
     ddm-fleet partition --data data/pets --method features --features torch:my_encoder.pt --experts 4 --out p.json
+    ddm-fleet partition --data data/pets --method features --features dinov2:dinov2-small --experts 4 --out p.json
 
 Cost of `features`: judge 2 loads from checkpoints/judges/ (or the data dir's cache) in about a
 second; without either it is trained once (about 5 minutes on 2 CPU cores) and cached. Its features
@@ -65,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="CHOICE",
         help="--method features: the network whose features are clustered: judge2 (default; digits, RGB through "
-        "their luminance), data-judge:DIR (a CNN trained on the prepared dataset DIR) or torch:PATH (your "
-        "TorchScript module, [N,C,H,W] in [-1,1] -> [N,D])",
+        "their luminance), data-judge:DIR (a CNN trained on the prepared dataset DIR), torch:PATH (your "
+        "TorchScript module, [N,C,H,W] in [-1,1] -> [N,D]) or dinov2:DIR (a transformers DINOv2 directory, "
+        "save_pretrained; its CLS token; the pretrained extra)",
     )
     parser.add_argument(
         "--data",

@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--features",
         default=None,
         metavar="CHOICE",
-        help="a features partition: the extractor to ask for val targets when it moved (e.g. torch:NEWPATH; its "
-        "weights must be the recorded ones; default: the one the partition names)",
+        help="a features partition: the extractor to ask for val targets when it moved (e.g. torch:NEWPATH or "
+        "dinov2:NEWDIR; its weights must be the recorded ones; default: the one the partition names)",
     )
     parser.add_argument(
         "--data",

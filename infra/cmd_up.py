@@ -5,7 +5,8 @@ with JetStream storing under --js-store, default out/nats-js), one `ddm-fleet wo
 checkpoint (expert 0 on torch, expert 1 on jax, like the reference demo's two frameworks;
 --backend-K picks another, unset experts alternate torch/jax), the `ddm-fleet coordinator` and the
 `ddm-fleet web` page, and for a latent fleet (the router's spec says `space: latent`) one
-`ddm-fleet decoder` of `<DIR>/autoencoder.safetensors`, which must be the autoencoder the spec names.
+`ddm-fleet decoder` of `<DIR>/autoencoder.safetensors` (or of a diffusers AutoencoderKL directory
+`<DIR>/vae/`), which must be the autoencoder the spec names.
 Waits until each is ready (the bus accepts connections, every worker and decoder answers
 $SRV.PING, the coordinator answers ddm.v1.fleet.status, the page answers HTTP 200), then prints
 what runs where and the URL to open.
@@ -196,10 +197,12 @@ def check_checkpoints(directory: str | os.PathLike) -> dict:
 
 def latent_decoder(d: Path, router: Path) -> tuple[Path, str] | None:
     """(autoencoder checkpoint, content hash) when the router's spec says space latent: the fleet
-    needs a decoder, served from `<DIR>/autoencoder.safetensors`; None for a pixel fleet.
+    needs a decoder, served from `<DIR>/autoencoder.safetensors`, or from a diffusers AutoencoderKL
+    directory `<DIR>/vae/` when there is no such file; None for a pixel fleet.
     UpError when the autoencoder is missing or is not the one the spec names."""
     from coordinator.startup import router_spec
-    from models.autoencoder import AutoencoderError, content_hash_of, load_autoencoder_meta
+    from models.autoencoder import AutoencoderError, content_hash_of
+    from models.codec import codec_info
 
     try:
         spec = router_spec(router)
@@ -209,12 +212,17 @@ def latent_decoder(d: Path, router: Path) -> tuple[Path, str] | None:
         return None
     want = content_hash_of(spec.decoder or "")
     ae = d / "autoencoder.safetensors"
+    if not ae.exists() and (d / "vae").is_dir():
+        ae = d / "vae"
     if want is None:
         raise UpError(f"the router's spec says space latent with decoder {spec.decoder!r}, which names no autoencoder")
     try:
-        got = load_autoencoder_meta(ae)["content_hash"]
+        got = codec_info(ae).content_hash
     except AutoencoderError as err:
-        raise UpError(f"a latent fleet needs its autoencoder as {ae} (the decoder serves it): {err}") from None
+        raise UpError(
+            f"a latent fleet needs its autoencoder as {ae} (or a diffusers VAE directory {d / 'vae'}; the decoder "
+            f"serves it): {err}"
+        ) from None
     if got != want:
         raise UpError(f"{ae} is autoencoder {got[:12]}…, but the fleet's spec names {want[:12]}…")
     return ae.resolve(), got

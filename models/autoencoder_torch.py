@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.autoencoder import AutoencoderConfig, AutoencoderError, load_autoencoder
+from models.autoencoder import AutoencoderConfig, AutoencoderError, checkpoint_paths, load_autoencoder
+from models.codec import CodecInfo, check_array, info_from_meta
 
 LOGVAR_RANGE = (-30.0, 20.0)
 
@@ -142,12 +143,13 @@ def psnr_db(x, y, value_range=(-1.0, 1.0)) -> float:
 
 
 class LatentCodec:
-    """A loaded autoencoder behind a numpy API: `encode` images to scaled latents, `decode` them back.
+    """A loaded autoencoder behind a numpy API: `encode` images to scaled latents, `decode` them back
+    (the `autoencoder` backend of models/codec.py's `Codec` protocol).
 
     Scaled latents are z = (mean - shift_factor) * scale_factor (unit variance on the train data);
     `decode` undoes the scaling, runs the decoder and clips to the spec's value range."""
 
-    def __init__(self, model: Autoencoder, meta: dict, device: str = "cpu"):
+    def __init__(self, model: Autoencoder, meta: dict, device: str = "cpu", path: str = ""):
         self.model = model.to(device).eval()
         self.meta = meta
         self.device = device
@@ -157,6 +159,7 @@ class LatentCodec:
         self.shift = float(spec["shift_factor"])
         self.value_range = tuple(float(v) for v in spec.get("value_range", (-1.0, 1.0)))
         self.content_hash: str = meta.get("content_hash", "")
+        self.info: CodecInfo = info_from_meta(meta, path)
 
     @classmethod
     def load(cls, path, device: str = "cpu") -> LatentCodec:
@@ -166,7 +169,7 @@ class LatentCodec:
             model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
         except RuntimeError as exc:
             raise AutoencoderError(f"{path}: weights do not match its config: {exc}") from None
-        return cls(model, meta, device)
+        return cls(model, meta, device, str(checkpoint_paths(path)[0]))
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -176,15 +179,15 @@ class LatentCodec:
     def image_shape(self) -> tuple[int, int, int]:
         return self.cfg.image_shape
 
+    def latent_shape_error(self, shape) -> str | None:
+        """None when latents [c, h, w] of this shape can be decoded, else what is expected."""
+        if tuple(shape) == tuple(self.latent_shape):
+            return None
+        return f"latents must be [B, {', '.join(map(str, self.latent_shape))}]"
+
     def _check(self, x: np.ndarray, shape: tuple[int, int, int], what: str) -> np.ndarray:
-        x = np.asarray(x)
-        if x.ndim != 4 or tuple(x.shape[1:]) != tuple(shape):
-            raise AutoencoderError(f"{what} must be [N, {', '.join(map(str, shape))}], got {list(x.shape)}")
-        if not np.issubdtype(x.dtype, np.floating):
-            raise AutoencoderError(f"{what} must be float (images in [-1, 1], latents scaled), got {x.dtype}")
-        if not np.isfinite(x).all():
-            raise AutoencoderError(f"{what} hold non-finite values (NaN or inf)")
-        return x
+        wanted = f"[N, {', '.join(map(str, shape))}]"
+        return check_array(x, lambda s: s == tuple(shape), wanted, what)
 
     @torch.no_grad()
     def encode(self, images: np.ndarray, batch_size: int = 256) -> np.ndarray:

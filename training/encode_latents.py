@@ -1,6 +1,10 @@
 """Encode a prepared image dataset once into a latent cache: the input of latent-space experts.
 
     result = encode_dataset("runs/ae.safetensors", "data/colour-mnist", out=None)   # -> data/colour-mnist-latents
+    result = encode_dataset("vae/sd-vae", "data/colour-mnist")   # a diffusers AutoencoderKL directory works too
+
+The autoencoder is either backend of models/codec.py: a `ddm-fleet train-autoencoder` checkpoint or a
+diffusers `AutoencoderKL` saved with `save_pretrained` (the `pretrained` extra).
 
 A latent cache is a prepared dataset (dataset/prepared.py: shards + manifest, checked on load) whose
 "images" are the autoencoder's scaled latents (float16 by default, or float32) [N, c, h, w], with the
@@ -119,22 +123,21 @@ def encode_dataset(
         up_to_date,
         write_prepared,
     )
-    from models.autoencoder import AutoencoderConfig, checkpoint_paths, decoder_name, load_autoencoder_meta
+    from models.autoencoder import AutoencoderError, decoder_name
+    from models.codec import codec_info, load_codec
 
     if dtype not in DTYPES:
         raise LatentCacheError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    meta = load_autoencoder_meta(autoencoder)
-    ae_hash = meta["content_hash"]
+    ae = codec_info(autoencoder)
+    ae_hash = ae.content_hash
     src = read_manifest(data)
     if is_latent(src):
         raise LatentCacheError(f"{data} is a latent cache already; encode the image dataset it came from")
-    cfg = AutoencoderConfig.from_dict(meta["config"])
-    shape = [int(src["channels"]), int(src["size"]), int(src["size"])]
-    if shape != list(cfg.image_shape):
-        raise LatentCacheError(
-            f"autoencoder {autoencoder} takes {'x'.join(map(str, cfg.image_shape))} images but {data} holds "
-            f"{'x'.join(map(str, shape))}; train an autoencoder on this dataset (`ddm-fleet train-autoencoder`)"
-        )
+    shape = (int(src["channels"]), int(src["size"]), int(src["size"]))
+    try:
+        latent_shape = ae.latent_shape_for(shape)
+    except AutoencoderError as exc:
+        raise LatentCacheError(f"{data} holds {'x'.join(map(str, shape))} images: {exc}") from None
     out = Path(out) if out is not None else default_out(data)
     if out.resolve() == Path(data).resolve():
         raise LatentCacheError(f"--out {out} is the source dataset itself; choose another directory")
@@ -145,15 +148,13 @@ def encode_dataset(
         if manifest is not None:
             return PrepareResult(out, manifest, built=False)
 
-    from models.autoencoder_torch import LatentCodec
-
-    codec = LatentCodec.load(autoencoder, device=device)
+    codec = load_codec(autoencoder, device=device, image_shape=shape)
     total = sum(int(info["count"]) for info in src["splits"].values())
     splits: dict[str, dict[str, np.ndarray]] = {}
     with tqdm(total=total, disable=not progress, desc="encode", unit="img", dynamic_ncols=True) as bar:
         for split, info in src["splits"].items():
             images, labels, _ = load_prepared(data, split, mmap=True)
-            z = np.empty((len(images), *cfg.latent_shape), dtype=dtype)
+            z = np.empty((len(images), *latent_shape), dtype=dtype)
             for i in range(0, len(images), batch_size):
                 chunk = to_model_range(np.asarray(images[i : i + batch_size]))
                 z[i : i + len(chunk)] = codec.encode(chunk, batch_size=batch_size).astype(dtype)
@@ -165,15 +166,16 @@ def encode_dataset(
             splits[split] = arrays
     first = splits["train"]["images"] if "train" in splits else next(iter(splits.values()))["images"]
     measured = math.ceil(float(np.abs(first.astype(np.float32)).max(initial=0.0)) * 2) / 2
-    r = max(float(meta["spec"]["latent_range"][1]), measured)
+    r = max(ae.latent_range or 0.0, measured, 0.5)
     latent = {
-        "autoencoder": str(checkpoint_paths(autoencoder)[0]),
+        "autoencoder": ae.path,
+        "autoencoder_backend": ae.backend,
         "autoencoder_hash": ae_hash,
         "decoder": decoder_name(ae_hash),
-        "scale_factor": meta["spec"]["scale_factor"],
-        "shift_factor": meta["spec"]["shift_factor"],
-        "image_shape": list(cfg.image_shape),
-        "downsample": cfg.downsample,
+        "scale_factor": ae.scale_factor,
+        "shift_factor": ae.shift_factor,
+        "image_shape": list(shape),
+        "downsample": ae.downsample,
         "dtype": dtype,
         "value_range": [-r, r],
         "source": {"name": src["name"], "path": str(data), "content_hash": src["content_hash"]},
@@ -184,7 +186,7 @@ def encode_dataset(
         name=f"{src['name']}-latents",
         source={"kind": "latents", "dataset": src["name"], "path": str(data)},
         class_names=list(src.get("class_names") or []) or None,
-        made={"autoencoder": str(checkpoint_paths(autoencoder)[0]), "dtype": dtype},
+        made={"autoencoder": ae.path, "dtype": dtype},
         key=key,
         latent=latent,
     )

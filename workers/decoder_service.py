@@ -8,6 +8,7 @@ another one adds capacity with no configuration (as expert workers do).
 
     async with DecoderWorker("runs/colour-latent/autoencoder.safetensors", nats_url=url) as dec:
         ...   # serving; dec.subject, dec.content_hash
+    DecoderWorker("vae/sd-vae-ft-mse", nats_url=url)   # a diffusers AutoencoderKL (the pretrained extra)
 
 Replies: `DecodeReply` (images [B, C, H, W] float32 in the autoencoder's value range, in request
 row order) or `ErrorReply` with a stable code. Bad input never stops the worker: undecodable bytes,
@@ -48,7 +49,8 @@ DEFAULT_MAX_QUEUED = 64
 class DecoderWorker:
     """Serve one autoencoder's decoder over NATS (see module docstring). Async context manager.
 
-    `codec`: an already-loaded `models.autoencoder_torch.LatentCodec` (then `checkpoint` may be None)."""
+    `checkpoint`: our autoencoder's checkpoint or a diffusers AutoencoderKL directory (models/codec.py);
+    `codec`: an already-loaded codec of either backend (then `checkpoint` may be None)."""
 
     def __init__(
         self,
@@ -111,17 +113,24 @@ class DecoderWorker:
                 )
             if self.codec is None:
                 self.codec = await asyncio.to_thread(self._load)
-            await asyncio.to_thread(self.codec.decode, np.zeros((1, *self.codec.latent_shape), np.float32))
+            await asyncio.to_thread(self.codec.decode, np.zeros((1, *self._warm_shape()), np.float32))
             await self._advertise()
         except BaseException:
             await self._close_nc()
             raise
         log.info("decoder %s serving %s (%s)", self.worker_id, self.subject, self.device)
 
-    def _load(self):
-        from models.autoencoder_torch import LatentCodec
+    def _warm_shape(self) -> tuple[int, ...]:
+        """The latents of the first (warm-up) decode: at most 8x8 when the codec takes any size (a diffusers
+        VAE's default shape is its config's sample size, 64x64 latents for 512 px, slow on a CPU)."""
+        c, h, w = self.codec.latent_shape
+        small = (c, min(h, 8), min(w, 8))
+        return small if self.codec.latent_shape_error(small) is None else (c, h, w)
 
-        return LatentCodec.load(self.checkpoint, device=self.device)
+    def _load(self):
+        from models.codec import load_codec
+
+        return load_codec(self.checkpoint, device=self.device)
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -242,11 +251,9 @@ class DecoderWorker:
                 f"this decoder serves autoencoder {self.content_hash[:12]}…, not {msg.decoder[:12]}…",
             )
         z = msg.latents
-        if tuple(z.shape[1:]) != tuple(self.codec.latent_shape):
-            raise ProtocolError(
-                ErrorCode.BAD_SHAPE,
-                f"latents must be [B, {', '.join(map(str, self.codec.latent_shape))}], got {list(z.shape)}",
-            )
+        wrong = self.codec.latent_shape_error(tuple(z.shape[1:])) if z.ndim == 4 else "latents must be [B, c, h, w]"
+        if wrong:
+            raise ProtocolError(ErrorCode.BAD_SHAPE, f"{wrong}, got {list(z.shape)}")
         return np.array(z, dtype=np.float32)  # a writable copy (the wire's arrays are read-only views)
 
     async def _reply_error(self, req, code: ErrorCode, message: str, request_id: str | None = None) -> None:

@@ -290,6 +290,7 @@ class _SlowCodec:
         self.codec, self.delay = codec, delay
         self.latent_shape, self.image_shape = codec.latent_shape, codec.image_shape
         self.content_hash = codec.content_hash
+        self.latent_shape_error = codec.latent_shape_error
 
     def decode(self, z):
         time.sleep(self.delay)

@@ -75,6 +75,8 @@ ROLES: dict[str, list[str]] = {
     "eval": ["evaluation/*", "infra/cmd_eval.py", "benchmarks/*", "infra/cmd_bench.py"],
     "fuzz": ["fuzzing/*", "infra/cmd_fuzz.py", "infra/cmd_probe.py"],
     "all": ["infra/cmd_up.py", "infra/launcher.py", "infra/gpu/*"],
+    # the standard pretrained parts: a diffusers VAE as a latent codec, DINOv2 features
+    "pretrained": ["models/vae_diffusers.py", "evaluation/features_dinov2.py"],
 }
 
 #: Import names whose distribution is named otherwise (the rest: the import name, canonicalized).
@@ -89,12 +91,19 @@ DIST_OF = {
 
 #: Imports a role may use without its extra providing them, and where they come from instead.
 _JAX_PROBE = {"jax": "the worker-jax extra (models.precision asks jax for a TPU only when jax is installed)"}
+#: The pretrained extra's libraries: imported only inside functions, when a user names a diffusers VAE or
+#: DINOv2 directory (test_pretrained_libraries_load_only_when_asked checks that nothing imports them at
+#: module level).
+_VAE = {"diffusers": "the pretrained extra (a diffusers AutoencoderKL given as --vae DIR, models/vae_diffusers.py)"}
+_DINO = {"transformers": "the pretrained extra (--features dinov2:DIR, evaluation/features_dinov2.py)"}
 ELSEWHERE = {
     "xla": {"torch_neuronx": "Neuron pip repository (Trainium hosts; optional, imported when present)", **_JAX_PROBE},
-    "training": {"torch_xla": "the xla extra (train-expert --device xla)"},
-    "worker": _JAX_PROBE,
+    "training": {"torch_xla": "the xla extra (train-expert --device xla)", **_VAE, **_DINO},
+    "worker": {**_JAX_PROBE, **_VAE},
     "coordinator": _JAX_PROBE,
     "fuzz": _JAX_PROBE,
+    "eval": {**_DINO, **_VAE},
+    "all": _VAE,
 }
 
 #: Declared distributions that no module imports, and why they are declared anyway.
@@ -255,6 +264,16 @@ def test_role_extra_provides_its_imports(role):
         assert name in found, f"{role} no longer imports {name}: drop it from ELSEWHERE"
 
 
+def test_pretrained_libraries_load_only_when_asked():
+    """No shipped module imports diffusers or transformers when it is imported (nor through what it
+    imports at module level): a host without the pretrained extra runs everything else."""
+    found = third_party_imports([module_name(p) for p in shipped_files()], top_level_only=True)
+    assert {name: sorted(found[name]) for name in ("diffusers", "transformers") if name in found} == {}
+    everywhere = third_party_imports([module_name(p) for p in shipped_files()])
+    assert {"diffusers", "transformers"} <= set(everywhere)  # the check above reads the modules that use them
+    assert {"diffusers", "transformers"} <= provided("pretrained") and "diffusers" not in provided("all")
+
+
 def test_cli_help_needs_only_the_base():
     """`ddm-fleet --help` imports every command module: their module-level imports (and what
     those import at module level) must come with the base install (heavy ones go in run())."""
@@ -267,7 +286,7 @@ def test_cli_help_needs_only_the_base():
 
 def test_tests_are_covered_by_test_and_all():
     suite = [module_name(p) for p in sorted((REPO / "tests").rglob("*.py")) if "xla" not in p.parts]
-    assert missing(third_party_imports(suite), provided("all", "test"), ELSEWHERE["training"]) == []
+    assert missing(third_party_imports(suite), provided("all", "pretrained", "test"), ELSEWHERE["training"]) == []
     xla = [module_name(p) for p in sorted((REPO / "tests" / "xla").rglob("*.py"))]
     assert missing(third_party_imports(xla), provided("xla", "test"), ELSEWHERE["xla"]) == []
 
@@ -282,9 +301,9 @@ def test_every_declared_library_is_used():
         assert canonicalize_name(dist) in declared, f"{dist} is no longer declared: drop it from NOT_IMPORTED"
 
 
-def test_all_is_every_role_but_xla():
+def test_all_is_every_role_but_xla_and_pretrained():
     (only,) = EXTRAS["all"]
-    assert set(Requirement(only).extras) == set(ROLES) - {"base", "all", "xla"}
+    assert set(Requirement(only).extras) == set(ROLES) - {"base", "all", "xla", "pretrained"}
 
 
 # ---------------------------------------------------------------- pins and installs
@@ -353,7 +372,7 @@ def test_makefile_installs_with_constraints_and_existing_extras():
     assert "CONSTRAINTS := infra/constraints-cpu.txt" in makefile
     assert "XLA_CONSTRAINTS := infra/constraints-xla.txt" in makefile
     assert re.search(r"KEY := \$\(shell cat pyproject.toml \$\(CONSTRAINTS\)", makefile)
-    assert "'.[all,test]'" in makefile and "'.[all]'" in makefile and "'.[xla,test]'" in makefile
+    assert "'.[all,pretrained,test]'" in makefile and "'.[all]'" in makefile and "'.[xla,test]'" in makefile
 
 
 @pytest.mark.parametrize(
