@@ -13,9 +13,10 @@ import shutil
 import numpy as np
 import pytest
 
-pytest.importorskip(
-    "transformers", reason="the pretrained extra (pip install 'ddm-fleet[pretrained]') is not installed"
-)
+try:
+    import transformers  # noqa: F401
+except ImportError:  # `make test` installs the extra: without it these tests fail loudly, never skip
+    pytest.fail("the pretrained extra is missing: pip install 'ddm-fleet[pretrained]' (make test does)", pytrace=False)
 
 from evaluation.features import ExtractorError, choice_of, extractor_for, load_extractor  # noqa: E402
 from evaluation.features_dinov2 import IMAGENET_MEAN, preprocessing  # noqa: E402

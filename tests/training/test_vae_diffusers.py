@@ -18,7 +18,10 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("diffusers", reason="the pretrained extra (pip install 'ddm-fleet[pretrained]') is not installed")
+try:
+    import diffusers  # noqa: F401
+except ImportError:  # `make test` installs the extra: without it these tests fail loudly, never skip
+    pytest.fail("the pretrained extra is missing: pip install 'ddm-fleet[pretrained]' (make test does)", pytrace=False)
 
 from dataset.prepared import load_prepared, read_manifest, to_model_range  # noqa: E402
 from infra.cli import main  # noqa: E402
