@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 from bus.options import add_dtype_option
 
@@ -321,20 +320,12 @@ def _models(args, tmpdir: str) -> dict:
 
 
 def _latent_autoencoder(directory, spec) -> str | None:
-    """A latent fleet's autoencoder (`<DIR>/autoencoder.safetensors`, the one its spec names), whose decoder
-    the fleet runs and the ceiling calls in-process; None for a pixel fleet. FileNotFoundError / ValueError
-    when it is missing or another one."""
-    if spec.space != "latent":
-        return None
-    from models.autoencoder import content_hash_of, load_autoencoder_meta
+    """A latent fleet's autoencoder (in `directory`, the one its spec names), whose decoder the fleet runs
+    and the ceiling calls in-process; None for a pixel fleet (`models.codec.fleet_codec`)."""
+    from models.codec import fleet_codec
 
-    path = Path(directory) / "autoencoder.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"a latent fleet needs its autoencoder as {path} (its spec names {spec.decoder})")
-    got, want = load_autoencoder_meta(path)["content_hash"], content_hash_of(spec.decoder or "")
-    if got != want:
-        raise ValueError(f"{path} is autoencoder {got[:12]}…, but the fleet's spec names {(want or '?')[:12]}…")
-    return str(path)
+    path = fleet_codec(spec, [directory])
+    return None if path is None else str(path)
 
 
 def _requests(args, c: int, tag: str) -> list:
@@ -543,9 +534,9 @@ async def _ceiling(args, models) -> dict:
     waiting: dict[str, asyncio.Future] = {}
     codec = None
     if models.get("autoencoder"):  # a latent fleet: the ceiling decodes every job's latents in-process too
-        from models.autoencoder_torch import LatentCodec
+        from models.codec import load_codec
 
-        codec = LatentCodec.load(models["autoencoder"], device=getattr(args, "device", None) or "cpu")
+        codec = load_codec(models["autoencoder"], device=getattr(args, "device", None) or "cpu")
 
     async def decoded(ev, fut):
         try:

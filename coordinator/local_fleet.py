@@ -144,7 +144,8 @@ def load_backends(
 
 class LocalFleet:
     """nats-server (own, on a free port, unless `nats_url` is given) + `workers_per_expert`
-    in-process ExpertWorkers per checkpoint + a Coordinator. Async context manager."""
+    in-process ExpertWorkers per checkpoint + a Coordinator, and for a latent fleet a DecoderWorker of
+    `decoder_checkpoint` (`from_dir` finds the autoencoder beside the checkpoints). Async context manager."""
 
     def __init__(
         self,
@@ -160,6 +161,7 @@ class LocalFleet:
         dtype: str = "auto",
         buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         coordinator_options: dict | None = None,
+        decoder_checkpoint: str | os.PathLike | None = None,
     ):
         if len(expert_checkpoints) != num_experts:
             raise ValueError(f"{len(expert_checkpoints)} expert checkpoints for {num_experts} experts")
@@ -178,6 +180,9 @@ class LocalFleet:
         self.nc = None
         self.workers: list = []
         self.coordinator = None
+        # a latent fleet's autoencoder: an in-process decoder serves it (`ddm-fleet decoder`'s service)
+        self.decoder_checkpoint = None if decoder_checkpoint is None else os.fspath(decoder_checkpoint)
+        self.decoder = None
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike = DEFAULT_DIR, **kw) -> LocalFleet:
@@ -188,6 +193,10 @@ class LocalFleet:
         options = dict(kw.get("coordinator_options") or {})
         options.setdefault("spec", router_spec(paths["router"]))
         kw["coordinator_options"] = options
+        if "decoder_checkpoint" not in kw:  # a latent fleet decodes with the autoencoder beside it
+            from models.codec import fleet_codec
+
+            kw["decoder_checkpoint"] = fleet_codec(options["spec"], [directory])
         return cls(paths["experts"][:k], router, num_experts=k, class_to_expert=c2e, **kw)
 
     async def __aenter__(self) -> LocalFleet:
@@ -218,6 +227,11 @@ class LocalFleet:
                     )
                     await w.start()
                     self.workers.append(w)
+            if self.decoder_checkpoint is not None:
+                from workers.decoder_service import DecoderWorker
+
+                self.decoder = DecoderWorker(self.decoder_checkpoint, nats_url=self.url, device=self.device or "cpu")
+                await self.decoder.start()
             self.coordinator = Coordinator(
                 self.router,
                 num_experts=self.num_experts,
@@ -241,6 +255,12 @@ class LocalFleet:
             except Exception:
                 log.exception("stopping a worker failed")
         self.workers = []
+        if self.decoder is not None:
+            try:
+                await self.decoder.stop()
+            except Exception:
+                log.exception("stopping the decoder failed")
+            self.decoder = None
         if self.nc is not None:
             try:
                 await self.nc.drain()

@@ -255,28 +255,12 @@ def checkpoints_spec(configs: Sequence[SampleConfig], checkpoints: str | None):
 def latent_decoder(spec, args) -> object | None:
     """For a spec with `space: latent`: the codec that decodes its samples (--autoencoder, else
     autoencoder.safetensors, or a diffusers VAE directory vae/, beside the checkpoints or the monolith),
-    checked against the autoencoder the spec names. None for a pixel spec. ValueError when it is missing
-    or another one."""
-    if getattr(spec, "space", "pixel") != "latent":
-        return None
-    from models.autoencoder import content_hash_of
-    from models.codec import codec_info, load_codec
+    checked against the autoencoder the spec names (`models.codec.fleet_codec`). None for a pixel spec."""
+    from models.codec import fleet_codec, load_codec
 
-    want = content_hash_of(spec.decoder or "")
-    if args.autoencoder:
-        path = Path(args.autoencoder)
-    else:
-        dirs = [Path(d) for d in (args.checkpoints, args.monolith and Path(args.monolith).parent) if d]
-        near = [p for d in dirs for p in (d / "autoencoder.safetensors", d / "vae" / "config.json")]
-        path = next((p if p.suffix == ".safetensors" else p.parent for p in near if p.exists()), None)
-        if path is None:
-            raise ValueError(
-                f"these checkpoints make latents of autoencoder {spec.decoder}; pass --autoencoder PATH to decode them"
-            )
-    got = codec_info(path).content_hash
-    if got != want:
-        raise ValueError(f"{path} is autoencoder {got[:12]}…, but the checkpoints' spec names {(want or '?')[:12]}…")
-    return load_codec(str(path), device=args.device)
+    dirs = (args.checkpoints, args.monolith and Path(args.monolith).parent)
+    path = fleet_codec(spec, dirs, given=args.autoencoder)
+    return None if path is None else load_codec(str(path), device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:

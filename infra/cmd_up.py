@@ -201,31 +201,18 @@ def latent_decoder(d: Path, router: Path) -> tuple[Path, str] | None:
     directory `<DIR>/vae/` when there is no such file; None for a pixel fleet.
     UpError when the autoencoder is missing or is not the one the spec names."""
     from coordinator.startup import router_spec
-    from models.autoencoder import AutoencoderError, content_hash_of
-    from models.codec import codec_info
+    from models.autoencoder import AutoencoderError
+    from models.codec import codec_info, fleet_codec
 
     try:
         spec = router_spec(router)
     except (ValueError, OSError) as err:
         raise UpError(f"{router.with_suffix('.json')}: {err}") from None
-    if spec.space != "latent":
-        return None
-    want = content_hash_of(spec.decoder or "")
-    ae = d / "autoencoder.safetensors"
-    if not ae.exists() and (d / "vae").is_dir():
-        ae = d / "vae"
-    if want is None:
-        raise UpError(f"the router's spec says space latent with decoder {spec.decoder!r}, which names no autoencoder")
     try:
-        got = codec_info(ae).content_hash
+        ae = fleet_codec(spec, [d])
     except AutoencoderError as err:
-        raise UpError(
-            f"a latent fleet needs its autoencoder as {ae} (or a diffusers VAE directory {d / 'vae'}; the decoder "
-            f"serves it): {err}"
-        ) from None
-    if got != want:
-        raise UpError(f"{ae} is autoencoder {got[:12]}…, but the fleet's spec names {want[:12]}…")
-    return ae.resolve(), got
+        raise UpError(f"a latent fleet needs its autoencoder (the decoder serves it): {err}") from None
+    return None if ae is None else (ae.resolve(), codec_info(ae).content_hash)
 
 
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:

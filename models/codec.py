@@ -147,6 +147,45 @@ def info_from_meta(meta: dict, path: str) -> CodecInfo:
     )
 
 
+def codec_in(directory: str | os.PathLike) -> Path | None:
+    """The autoencoder a fleet directory holds: `autoencoder.safetensors`, else a diffusers VAE
+    directory `vae/`; None when it holds neither."""
+    d = Path(directory)
+    if (d / "autoencoder.safetensors").exists():
+        return d / "autoencoder.safetensors"
+    if (d / "vae" / "config.json").exists():
+        return d / "vae"
+    return None
+
+
+def fleet_codec(spec, directories, given: str | os.PathLike | None = None) -> Path | None:
+    """For a model spec with `space: latent`, the autoencoder that decodes its samples: `given`, else the
+    first of `directories` that holds one (`codec_in`), checked to be the one the spec names. None for a
+    pixel spec. AutoencoderError (a ValueError) saying what is missing or which autoencoder differs."""
+    if getattr(spec, "space", "pixel") != "latent":
+        return None
+    from models.autoencoder import content_hash_of
+
+    want = content_hash_of(spec.decoder or "")
+    if want is None:
+        raise AutoencoderError(f"the spec says space latent with decoder {spec.decoder!r}, which names no autoencoder")
+    if given is not None:
+        path = Path(given)
+    else:
+        dirs = [Path(d) for d in directories if d]
+        path = next((p for p in map(codec_in, dirs) if p is not None), None)
+        if path is None:
+            where = " or ".join(str(d / "autoencoder.safetensors") for d in dirs) or "no directory"
+            raise AutoencoderError(
+                f"these checkpoints make latents of {spec.decoder}: their autoencoder is needed as {where} "
+                "(or a diffusers VAE directory vae/ there)"
+            )
+    got = codec_info(path).content_hash
+    if got != want:
+        raise AutoencoderError(f"{path} is autoencoder {got[:12]}…, but the spec names {want[:12]}…")
+    return path
+
+
 def load_codec(path: str | os.PathLike, device: str = "cpu", image_shape=None) -> Codec:
     """Load the codec at `path` (either backend). `image_shape`: the images it will see (a diffusers VAE
     takes any size its downsampling divides; default: its config's sample_size)."""

@@ -285,5 +285,5 @@ async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path
     assert "decoder" in res["rows"][0]["fleet"]["cpu"]["seconds"]  # its own process, counted with the others
 
     (d / "autoencoder.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="needs its autoencoder"):
+    with pytest.raises(ValueError, match="their autoencoder is needed as"):
         bench._models(args, str(tmp_path))

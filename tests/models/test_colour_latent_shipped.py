@@ -1,0 +1,51 @@
+"""The shipped latent colour MNIST fleet (checkpoints/colour-latent/): one latent spec across experts, router
+and monolith naming the autoencoder shipped beside them, and a job through a real local fleet (with its
+decoder) that comes back as RGB digits in the palette."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.startup import router_spec
+from dataset.builtin import BACKGROUNDS, FOREGROUNDS
+from evaluation.views import colour_check
+from models.autoencoder import decoder_name
+from models.codec import codec_info, fleet_codec
+
+CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour-latent"
+FILES = ["expert0", "expert1", "expert2", "expert3", "router", "monolith"]
+
+
+def test_every_latent_checkpoint_names_the_shipped_autoencoder():
+    info = codec_info(CKPT / "autoencoder.safetensors")
+    assert info.image_shape == (3, 32, 32) and info.latent_channels == 4 and info.downsample == 2
+    meta = json.loads((CKPT / "autoencoder.json").read_text())
+    assert meta["training"]["val_psnr_db"] >= 30.0
+    for name in FILES:
+        spec = router_spec(CKPT / f"{name}.safetensors")
+        assert spec.space == "latent" and tuple(spec.sample_shape) == (4, 16, 16), name
+        assert spec.decoder == decoder_name(info.content_hash), name
+        assert spec.num_classes == 10 and spec.conditioning.null_label, name
+        assert fleet_codec(spec, [CKPT]) == CKPT / "autoencoder.safetensors"
+    # the pixel fleet's partition: the same images per expert, so the two fleets compare like for like
+    assert (CKPT / "partition.json").read_bytes() == (CKPT.parent / "colour" / "partition.json").read_bytes()
+
+
+async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
+    from client.jobs import run_job
+    from coordinator.local_fleet import LocalFleet
+    from schemas import JobRequest
+
+    async with LocalFleet.from_dir(CKPT, dtype="float32", buckets=(1, 2, 4, 8)) as fleet:
+        assert fleet.decoder is not None
+        req = JobRequest(labels=[0, 3, 7, 9, -1, -1], steps=20, seed=5, strategy="top1", stream=False)
+        done = await run_job(fleet.nc, req, timeout=300)
+    images = np.asarray(done.images, np.float32)
+    assert images.shape == (6, 3, 32, 32) and np.isfinite(images).all()
+    fg = np.array(list(FOREGROUNDS.values()), np.float32)
+    bg = np.array(list(BACKGROUNDS.values()), np.float32)
+    reading = colour_check(images, fg, bg)
+    assert reading.correct.sum() >= 5, (reading.foreground_error, reading.background_error)
