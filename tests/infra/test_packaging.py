@@ -100,8 +100,8 @@ ELSEWHERE = {
     "xla": {"torch_neuronx": "Neuron pip repository (Trainium hosts; optional, imported when present)", **_JAX_PROBE},
     "training": {"torch_xla": "the xla extra (train-expert --device xla)", **_VAE, **_DINO},
     "worker": {**_JAX_PROBE, **_VAE},
-    "coordinator": _JAX_PROBE,
-    "fuzz": _JAX_PROBE,
+    "coordinator": {**_JAX_PROBE, **_VAE},  # LocalFleet can serve a latent fleet's decoder (a diffusers VAE too)
+    "fuzz": {**_JAX_PROBE, **_VAE},  # fuzzes a LocalFleet, which can decode with a diffusers VAE
     "eval": {**_DINO, **_VAE},
     "all": _VAE,
 }
