@@ -45,6 +45,8 @@ import logging
 import time
 from typing import Any
 
+from schemas import ProtocolError
+
 from .config import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S  # noqa: F401 (re-exported)
 from .scheduler import Scheduler, SchedulerConfig
 from .snapshot import MAX_CHECKPOINT_BYTES
@@ -349,11 +351,14 @@ class JobStore:
                 found.append((job_id, entry.revision))
         return found
 
-    async def take(self, job_id: str, owner_rev: int | None) -> bytes | None:
+    async def take(self, job_id: str, owner_rev: int | None, rewrite=None) -> bytes | None:
         """Take a job over (revision-checked) and return its checkpoint bytes; None if another
-        coordinator was first or the checkpoint is gone. The checkpoint is rewritten at once, so
-        its previous owner's next write fails (fencing). A bus error (timeout) also gives None, with
-        a warning: a lease that was written all the same expires, and the job is taken later."""
+        coordinator was first or the checkpoint is gone. The checkpoint is rewritten at once (as
+        `rewrite(bytes)` makes it: the service bumps its owner epoch, coordinator.snapshot.bump_epoch),
+        so its previous owner's next write fails (fencing), and the next taker reads the new epoch. A
+        bus error (timeout) also gives None, with a warning: a lease that was written all the same
+        expires, and the job is taken later. A checkpoint `rewrite` refuses (ProtocolError) is left
+        where it is, for another coordinator."""
         import nats.errors
         import nats.js.errors
 
@@ -370,7 +375,14 @@ class JobStore:
         self._lease_rev[job_id] = rev
         try:
             entry = await self.jobs.get(job_id)
-            self._cp_rev[job_id] = await self._write(job_id, entry.value, last=entry.revision)
+            data = bytes(entry.value) if rewrite is None else rewrite(bytes(entry.value))
+            self._cp_rev[job_id] = await self._write(job_id, data, last=entry.revision)
+        except ProtocolError as err:
+            log.error(
+                "job %s: its checkpoint cannot be taken over here (%s); left for another coordinator", job_id, err
+            )
+            await self.release(job_id, keep_checkpoint=True)
+            return None
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyWrongLastSequenceError):
             await self.release(job_id, keep_checkpoint=True)
             return None
@@ -381,4 +393,4 @@ class JobStore:
             await self.release(job_id, keep_checkpoint=True)
             return None
         self.takeovers += 1
-        return bytes(entry.value)
+        return data

@@ -19,6 +19,7 @@ from schemas import ErrorCode, ProtocolError, subjects
 from .durable import JobLost, JobStore
 from .ledger import JobLedger
 from .scheduler import Rejected
+from .snapshot import bump_epoch
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
 
@@ -46,6 +47,7 @@ class DurableJobs:
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
         self.jobs_resumed = 0
+        self._previous_owner = ""  # the owner of the checkpoint `_bumped` rewrote last (for the log)
 
     @property
     def lease_s(self) -> float:
@@ -90,7 +92,9 @@ class DurableJobs:
     def _encoded(self, internal: str) -> bytes | None:
         """The job's snapshot bytes now, or None if the scheduler no longer holds it."""
         cp = self.engine.scheduler.checkpoint(internal)
-        return None if cp is None else encode_snapshot(cp, owner=self.name, written_at=time.time())
+        if cp is None:
+            return None
+        return encode_snapshot(cp, owner=self.name, written_at=time.time(), epoch=self.ledger.epoch_of(internal))
 
     async def _loop(self) -> None:
         """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end,
@@ -190,14 +194,22 @@ class DurableJobs:
         self._fenced.pop(internal, None)
         self._fenced_names.pop(name, None)
 
+    def _bumped(self, data: bytes) -> bytes:
+        """A checkpoint as this run takes it over: its owner epoch one more (coordinator.snapshot.bump_epoch)."""
+        new, _, previous = bump_epoch(data, owner=self.name, written_at=time.time())
+        self._previous_owner = previous
+        return new
+
     async def resume_orphans(self) -> int:
         """Take over and resume every snapshotted job nobody else owns (see coordinator.durable);
         returns how many were resumed."""
         sched, resumed = self.engine.scheduler, 0
+
         for job_id, owner_rev in await self.store.orphans():
             if sched.knows(job_id):
                 continue
-            data = await self.store.take(job_id, owner_rev)
+            self._previous_owner = ""
+            data = await self.store.take(job_id, owner_rev, rewrite=self._bumped)
             if data is None:
                 continue
             try:
@@ -215,15 +227,24 @@ class DurableJobs:
                 await self.store.release(job_id, keep_checkpoint=True)
                 continue
             self._unfence(job_id, (owner, client_id))
-            self.ledger.admit(job_id, owner, client_id, steps=int(cp.request.steps), step=int(cp.step))
+            self.ledger.admit(
+                job_id,
+                owner,
+                client_id,
+                steps=int(cp.request.steps),
+                step=int(cp.step),
+                epoch=rec.epoch,  # one more than its previous owner's (the take wrote it: `_bumped`)
+                report_epoch=cp.request.report_epoch,
+            )
             self.jobs_resumed += 1
             resumed += 1
             log.info(
-                "job %s resumed at step %d/%d from the checkpoint of %s",
+                "job %s resumed at step %d/%d from the checkpoint of %s (owner epoch %d)",
                 job_id,
                 cp.step,
                 cp.request.steps,
-                rec.owner or "?",
+                self._previous_owner or "?",
+                rec.epoch,
             )
         if resumed:
             self.engine.wake()  # wake idle engine lanes (submit does the same)
