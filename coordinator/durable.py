@@ -236,13 +236,24 @@ class JobStore:
         another coordinator already holds a job of that id (then it is not durable here)."""
         import nats.js.errors
 
+        sent = time.monotonic()
         try:
             self._lease_rev[job_id] = await self.owners.create(job_id, self._lease())
         except nats.js.errors.KeyWrongLastSequenceError:
             log.warning("job %s: another coordinator holds a durable job of that id; not durable here", job_id)
             return False
+        self._fresh(sent)
         self._cp_rev[job_id] = await self._write(job_id, checkpoint, last=None)
         return True
+
+    def _fresh(self, sent: float) -> None:
+        """A lease was just written (its request sent at `sent`): when it is the only one this run
+        holds, the leases count as renewed then. Else `last_renewed` may be from before a lapse (this
+        run held nothing since, so no round renewed anything), and a job taken back right after a
+        lapse would be fenced again at its first event, with a fresh lease of ours that nobody then
+        runs until it expires."""
+        if len(self._lease_rev) == 1:
+            self.last_renewed = max(self.last_renewed, sent)
 
     async def _write(self, job_id: str, data: bytes, last: int | None) -> int:
         rev = await (self.jobs.put(job_id, data) if last is None else self.jobs.update(job_id, data, last=last))
@@ -362,6 +373,7 @@ class JobStore:
         import nats.errors
         import nats.js.errors
 
+        sent = time.monotonic()
         try:
             if owner_rev is None:
                 rev = await self.owners.create(job_id, self._lease())
@@ -373,6 +385,7 @@ class JobStore:
             log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id, type(err).__name__, err)
             return None
         self._lease_rev[job_id] = rev
+        self._fresh(sent)
         try:
             entry = await self.jobs.get(job_id)
             data = bytes(entry.value) if rewrite is None else rewrite(bytes(entry.value))

@@ -80,9 +80,7 @@ class DurableJobs:
         if self.store.holds(job_id) and self.store.expired():
             # this run could not renew its leases for lease_s (it was stopped, e.g. SIGSTOP, or cut
             # off): another coordinator may run the job already; publish nothing, let the lease lapse
-            self.store.forget(job_id)
-            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
-            self._lapsed()
+            self.lapse()
             return False
         if event.kind in ("done", "failed"):
             self.op("release", job_id)
@@ -114,12 +112,7 @@ class DurableJobs:
                 now = time.monotonic()
                 if now >= next_renew:
                     next_renew = now + period
-                    for job_id in await self.store.renew():
-                        self.fence(job_id, "another coordinator took over its lease")
-                    if self.store.expired():
-                        for job_id in self.store.held:
-                            self.store.forget(job_id)
-                            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
+                    await self.renew()
                 if now >= next_scan:
                     next_scan = now + period
                     await self.resume_orphans()
@@ -129,19 +122,34 @@ class DurableJobs:
                 log.exception("durable jobs: a round of bucket writes failed")
                 await asyncio.sleep(min(period, 1.0))
 
+    async def renew(self) -> None:
+        """One renewal round: renew every lease; fence the jobs another coordinator took; and when the
+        leases lapsed meanwhile (the round itself may have waited out bus timeouts on a cut link),
+        `lapse`: whichever of this loop, `_watch` and `before_publish` sees the lapse first drops the
+        unsent messages (before, a lapse this loop saw first fenced the jobs but kept the bus
+        connection and the frames queued behind a cut, which reached clients after a take-over)."""
+        for job_id in await self.store.renew():
+            self.fence(job_id, "another coordinator took over its lease")
+        if self.store.expired():
+            self.lapse()
+
+    def lapse(self) -> None:
+        """This run's leases could not be renewed for lease_s: fence every job it holds (others may run
+        them already) and drop the bus connection with its unsent messages (`on_lapse`)."""
+        why = f"its lease could not be renewed for {self.lease_s:g} s"
+        for job_id in self.store.held:
+            self.store.forget(job_id)
+            self.fence(job_id, why)
+        self._lapsed()
+
     async def _watch(self) -> None:
-        """Every lease_s / 8: once this run's leases could not be renewed for lease_s, drop every job it
-        holds and its unsent messages (`_lapsed`). Apart from `_loop`, whose renewals may each wait
-        out a bus timeout while a link is cut."""
+        """Every lease_s / 8: once this run's leases could not be renewed for lease_s, `lapse`. Apart
+        from `_loop`, whose renewals may each wait out a bus timeout while a link is cut."""
         period = max(self.lease_s / 8, 0.05)
         while True:
             await asyncio.sleep(period)
             if self.store.expired():
-                why = f"its lease could not be renewed for {self.lease_s:g} s"
-                for job_id in self.store.held:
-                    self.store.forget(job_id)
-                    self.fence(job_id, why)
-                self._lapsed()
+                self.lapse()
 
     def _lapsed(self) -> None:
         if self.on_lapse is None:
