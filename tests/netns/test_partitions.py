@@ -295,7 +295,13 @@ async def test_split_brain_owner_cut_from_the_jetstream_majority_still_reaching_
     log = EventLog()
     reqs, runs = await jobs_on_both(fleet, log, "split")
     ids = [r.job_id for r in reqs]
-    await mid_run(fleet, log, ids)
+    # ca's jobs past their first checkpoint (waiting for every job's, ca's could all end first)
+    mine = [j for j, o in (await fleet.owners(ids)).items() if o == "ca"]
+    await wait_until(
+        lambda: all(log.dones(j) or max(log.steps(j), default=0) >= 12 for j in mine),
+        timeout=120,
+        what="ca's jobs past step 12",
+    )
     running = [j for j in ids if not log.dones(j)]
     theirs = [j for j, o in (await fleet.owners(running)).items() if o == "ca"]
     assert theirs, "ca owns no running job: make the jobs longer"
