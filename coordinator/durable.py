@@ -276,24 +276,32 @@ class JobStore:
     async def renew(self) -> list[str]:
         """Renew every lease; returns the ids of the jobs lost (wrong revision, or the lease expired).
         Other errors (timeouts) leave the lease as it is; see `expired`."""
+        import asyncio
+
         import nats.errors
         import nats.js.errors
 
         # the leases written below expire lease_s after their write, so count from before it
         lost, ok, started = [], True, time.monotonic()
-        for job_id, rev in list(self._lease_rev.items()):
+
+        async def one(job_id: str, rev: int) -> None:
+            nonlocal ok
             try:
                 new_rev = await self.owners.update(job_id, self._lease(), last=rev)
-                if job_id in self._lease_rev:  # (dropped meanwhile: its lease is left to lapse)
+                if self._lease_rev.get(job_id) == rev:  # (dropped or taken again meanwhile: not ours to set)
                     self._lease_rev[job_id] = new_rev
             except nats.js.errors.KeyWrongLastSequenceError:
-                self.forget(job_id)
-                lost.append(job_id)
+                if self._lease_rev.get(job_id) == rev:
+                    self.forget(job_id)
+                    lost.append(job_id)
             except (nats.errors.Error, OSError) as err:
                 ok = False
                 log.warning("renewing the lease of job %s failed: %r", job_id, err)
-        if ok:
-            self.last_renewed = started
+
+        # all at once: a round lasts one round trip (or one timeout), not one per job
+        await asyncio.gather(*(one(job_id, rev) for job_id, rev in list(self._lease_rev.items())))
+        if ok:  # every lease held at `started` was renewed; one taken since is younger than `started`
+            self.last_renewed = max(self.last_renewed, started)
         return lost
 
     def expired(self) -> bool:

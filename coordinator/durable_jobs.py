@@ -44,6 +44,7 @@ class DurableJobs:
         self._ops: list[tuple[str, str]] = []  # ("adopt" | "release", internal id), in order
         self._task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._renew_task: asyncio.Task | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
         self.jobs_resumed = 0
@@ -60,6 +61,7 @@ class DurableJobs:
         await self.resume_orphans()
         self._task = asyncio.create_task(self._loop(), name="coordinator-durable")
         self._watch_task = asyncio.create_task(self._watch(), name="coordinator-durable-watch")
+        self._renew_task = asyncio.create_task(self._renewals(), name="coordinator-durable-renew")
 
     # ------------------------------------------------------------ called by the service
     def op(self, op: str, internal: str) -> None:
@@ -95,24 +97,20 @@ class DurableJobs:
         return encode_snapshot(cp, owner=self.name, written_at=time.time(), epoch=self.ledger.epoch_of(internal))
 
     async def _loop(self) -> None:
-        """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end,
-        renew this run's leases every lease_s / 3 and take over orphaned jobs as often."""
+        """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end, and
+        take over orphaned jobs every lease_s / 3. (Leases are renewed by `_renewals`, apart: a scan or
+        a snapshot write that waits out bus timeouts must not let this run's leases lapse.)"""
         period = self.lease_s / 3
-        next_renew = next_scan = time.monotonic() + period
+        next_scan = time.monotonic() + period
         while True:
             try:
-                await asyncio.wait_for(
-                    self.wake.wait(), timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01)
-                )
+                await asyncio.wait_for(self.wake.wait(), timeout=max(next_scan - time.monotonic(), 0.01))
             except TimeoutError:
                 pass
             self.wake.clear()
             try:
                 await self._round()
                 now = time.monotonic()
-                if now >= next_renew:
-                    next_renew = now + period
-                    await self.renew()
                 if now >= next_scan:
                     next_scan = now + period
                     await self.resume_orphans()
@@ -121,6 +119,21 @@ class DurableJobs:
             except Exception:
                 log.exception("durable jobs: a round of bucket writes failed")
                 await asyncio.sleep(min(period, 1.0))
+
+    async def _renewals(self) -> None:
+        """Renew this run's leases every lease_s / 3, in a task of its own. In `_loop` with the scan for
+        orphans and the snapshot writes, a round that waited out bus timeouts (after a dropped
+        connection, each request in flight waits its full timeout) let the leases lapse, which drops
+        the connection again: on a loaded box leases lapsed over and over, with no fault at all."""
+        period = self.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.renew()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("durable jobs: a round of lease renewals failed")
 
     async def renew(self) -> None:
         """One renewal round: renew every lease; fence the jobs another coordinator took; and when the
@@ -261,14 +274,14 @@ class DurableJobs:
     async def hand_over(self) -> None:
         """Clean exit: write a last snapshot of every job this run owns, give up their leases and
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
-        for task in (self._task, self._watch_task):
+        for task in (self._task, self._watch_task, self._renew_task):
             if task is not None:
                 task.cancel()
                 try:
                     await task
                 except BaseException:
                     pass
-        self._task = self._watch_task = None
+        self._task = self._watch_task = self._renew_task = None
         if self.engine is None:
             return
         try:
