@@ -40,7 +40,6 @@ has expired.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -277,6 +276,8 @@ class JobStore:
     async def renew(self) -> list[str]:
         """Renew every lease; returns the ids of the jobs lost (wrong revision, or the lease expired).
         Other errors (timeouts) leave the lease as it is; see `expired`."""
+        import asyncio
+
         import nats.errors
         import nats.js.errors
 
@@ -286,22 +287,14 @@ class JobStore:
         async def one(job_id: str, rev: int) -> None:
             nonlocal ok
             try:
-                # bounded well below the lease: a round that waited out the client's 5 s timeout (a request
-                # lost with a dropped connection) let every lease lapse before the next round
-                new_rev = await asyncio.wait_for(self.owners.update(job_id, self._lease(), last=rev), self.lease_s / 2)
+                new_rev = await self.owners.update(job_id, self._lease(), last=rev)
                 if self._lease_rev.get(job_id) == rev:  # (dropped or taken again meanwhile: not ours to set)
                     self._lease_rev[job_id] = new_rev
             except nats.js.errors.KeyWrongLastSequenceError:
-                if self._lease_rev.get(job_id) != rev:
-                    return
-                mine = await self._own_revision(job_id)
-                if mine is not None:  # our own renewal whose answer we gave up on: go on from it
-                    self._lease_rev[job_id] = mine
-                    ok = False  # not renewed by this round
-                    return
-                self.forget(job_id)
-                lost.append(job_id)
-            except (nats.errors.Error, OSError, TimeoutError) as err:
+                if self._lease_rev.get(job_id) == rev:
+                    self.forget(job_id)
+                    lost.append(job_id)
+            except (nats.errors.Error, OSError) as err:
                 ok = False
                 log.warning("renewing the lease of job %s failed: %r", job_id, err)
 
@@ -310,18 +303,6 @@ class JobStore:
         if ok:  # every lease held at `started` was renewed; one taken since is younger than `started`
             self.last_renewed = max(self.last_renewed, started)
         return lost
-
-    async def _own_revision(self, job_id: str) -> int | None:
-        """The revision of the job's lease entry when it is this run's own (a renewal that was written
-        although its answer did not come in time), else None (another coordinator's, none, or unreadable)."""
-        try:
-            entry = await asyncio.wait_for(self.owners.get(job_id), self.lease_s / 2)
-            lease = json.loads(bytes(entry.value or b"{}"))
-        except Exception:
-            return None
-        if lease.get("name") == self.name and lease.get("instance") == self.instance:
-            return entry.revision
-        return None
 
     def expired(self) -> bool:
         """True when the leases could not be renewed for lease_s: others may have taken the jobs

@@ -111,36 +111,3 @@ def test_a_lease_taken_back_after_a_lapse_counts_as_fresh():
     store._lease_rev["k"] = 8
     store._fresh(time.monotonic())
     assert store.expired()
-
-
-class FakeOwners:
-    """The owners bucket: `entries` job id -> (revision, lease JSON); update is revision-checked."""
-
-    def __init__(self, entries):
-        self.entries, self.seq = dict(entries), max(r for r, _ in entries.values())
-
-    async def update(self, key, value, last=None):
-        import nats.js.errors
-
-        if self.entries[key][0] != last:
-            raise nats.js.errors.KeyWrongLastSequenceError()
-        self.seq += 1
-        self.entries[key] = (self.seq, value)
-        return self.seq
-
-    async def get(self, key):
-        from types import SimpleNamespace
-
-        rev, value = self.entries[key]
-        return SimpleNamespace(revision=rev, value=value)
-
-
-async def test_a_renewal_written_but_unanswered_is_not_taken_for_a_lost_lease():
-    store = JobStore(None, "ca", "run-1", lease_s=4.0)
-    mine, theirs = store._lease(), b'{"name": "cb", "instance": "run-9"}'
-    # job a: our last renewal was written (revision 11) but its answer was lost; job b: cb took it over
-    store.owners = FakeOwners({"a": (11, mine), "b": (12, theirs)})
-    store._lease_rev = {"a": 10, "b": 9}
-    assert await store.renew() == ["b"]
-    assert store._lease_rev == {"a": 11}  # a is still ours: the next round renews it from its revision
-    assert await store.renew() == [] and store._lease_rev == {"a": 13}
