@@ -37,6 +37,7 @@ from typing import Any
 
 from bus.inbox import private_inbox, private_request
 from bus.ratelimited_log import RateLimitedLog
+from client.epochs import EpochFilter, epoch_of
 from schemas import (
     CancelReply,
     CancelRequest,
@@ -225,6 +226,7 @@ class JobProbe:
         unresponsive_after: float | None = None,
         client: str | None = None,
         accepted: JobAccepted | None = None,
+        epochs: EpochFilter | None = None,
     ):
         if unresponsive_after is not None and not unresponsive_after > 0:
             raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
@@ -240,6 +242,9 @@ class JobProbe:
         self.owner_instance: str | None = None  # its run that accepted the job, if it said
         self.ignored = 0  # "unknown" answers of other coordinators, not counted
         self.forged = 0  # answers about another job than this one: dropped, never acted on
+        # the job's owner epochs (shared with its event follower): an answer of a lower epoch than the
+        # events seen comes from a coordinator that lost the job, and is not acted on
+        self.epochs = epochs
         if accepted is not None:
             self.accepted_by(accepted)
 
@@ -361,6 +366,9 @@ class JobProbe:
                         self.forged,
                     )
                     continue
+                if self.epochs is not None and not self.epochs.admit_status(st):
+                    others += 1  # from an owner that lost the job since: it says nothing about it now
+                    continue
                 if st.state != "unknown" or self.owner is None or st.coordinator == self.owner:
                     return st
                 others += 1
@@ -413,6 +421,8 @@ async def run_job(
     lost_after: float = 15.0,
     unresponsive_after: float | None = 60.0,
     client: str | None = None,
+    report_epoch: bool = True,
+    on_stale: Callable[[Any], Any] | None = None,
 ) -> DoneEvent:
     """Submit `request` as `client` (default `client_of(nc)`: the NATS user, else "anon") and wait
     for its DoneEvent.
@@ -432,6 +442,10 @@ async def run_job(
     although a live coordinator answers status requests while a tick waits on its experts. A client
     whose account may not publish the status subject gets no answers either: a job of its that stays
     silent that long fails the same way.
+    report_epoch (default True): ask for the job's owner epoch on every event (`JobRequest.report_epoch`;
+    a coordinator older than the field refuses the request: pass False for one) and drop the events of a
+    lower epoch than the highest seen (client.epochs: frames or a `done` of a coordinator that lost the
+    job to another, arriving late); on_stale(event) (sync or async) sees each event so dropped.
     """
     if probe_every is not None and probe_every <= 0:
         raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
@@ -439,7 +453,10 @@ async def run_job(
         raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
     if request.job_id is None:
         request = request.model_copy(update={"job_id": new_job_id()})
+    if report_epoch and not request.report_epoch:
+        request = request.model_copy(update={"report_epoch": True})
     job_id = request.job_id
+    epochs = EpochFilter(job_id)
     client = _client(nc, client)
     # Events land in `inbox` from a callback and are handled in this task: waiting costs one future
     # (and a timer when a limit applies) per wait, where `sub.next_msg(timeout)` made two tasks and a
@@ -481,11 +498,12 @@ async def run_job(
         timeout=max(1.0, min(probe_every or 2.0, 5.0)),
         unresponsive_after=unresponsive_after,
         client=client,
+        epochs=epochs,
     )
 
-    async def deliver(ev) -> None:
-        if on_event is not None:
-            out = on_event(ev)
+    async def deliver(ev, to=on_event) -> None:
+        if to is not None:
+            out = to(ev)
             if inspect.isawaitable(out):
                 await out
 
@@ -521,6 +539,9 @@ async def run_job(
             except ProtocolError as err:
                 log.warning("job %s: skipping undecodable event (%s)", job_id, err)
                 continue
+            if not epochs.admit(ev):  # from a coordinator that lost the job to another: never delivered
+                await deliver(ev, on_stale)
+                continue
             if isinstance(ev, FrameEvent):
                 streaming = True
             if isinstance(ev, JobAccepted):
@@ -540,7 +561,9 @@ async def run_job(
     try:
         await nc.flush()
         try:
-            probe.accepted_by(await submit_job(nc, request, timeout=submit_timeout, client=client))
+            reply = await submit_job(nc, request, timeout=submit_timeout, client=client)
+            probe.accepted_by(reply)
+            epochs.highest = max(epochs.highest, epoch_of(reply))  # the first owner's epoch, as in its `accepted`
         except _NoSubmitReply:
             submitted = True  # the coordinator may have taken the job all the same: cancel it below
             # A coordinator publishes `accepted` on the job's events before it answers the submit: when

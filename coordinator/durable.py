@@ -45,6 +45,8 @@ import logging
 import time
 from typing import Any
 
+from schemas import ProtocolError
+
 from .config import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEASE_S  # noqa: F401 (re-exported)
 from .scheduler import Scheduler, SchedulerConfig
 from .snapshot import MAX_CHECKPOINT_BYTES
@@ -234,13 +236,24 @@ class JobStore:
         another coordinator already holds a job of that id (then it is not durable here)."""
         import nats.js.errors
 
+        sent = time.monotonic()
         try:
             self._lease_rev[job_id] = await self.owners.create(job_id, self._lease())
         except nats.js.errors.KeyWrongLastSequenceError:
             log.warning("job %s: another coordinator holds a durable job of that id; not durable here", job_id)
             return False
+        self._fresh(sent)
         self._cp_rev[job_id] = await self._write(job_id, checkpoint, last=None)
         return True
+
+    def _fresh(self, sent: float) -> None:
+        """A lease was just written (its request sent at `sent`): when it is the only one this run
+        holds, the leases count as renewed then. Else `last_renewed` may be from before a lapse (this
+        run held nothing since, so no round renewed anything), and a job taken back right after a
+        lapse would be fenced again at its first event, with a fresh lease of ours that nobody then
+        runs until it expires."""
+        if len(self._lease_rev) == 1:
+            self.last_renewed = max(self.last_renewed, sent)
 
     async def _write(self, job_id: str, data: bytes, last: int | None) -> int:
         rev = await (self.jobs.put(job_id, data) if last is None else self.jobs.update(job_id, data, last=last))
@@ -263,24 +276,32 @@ class JobStore:
     async def renew(self) -> list[str]:
         """Renew every lease; returns the ids of the jobs lost (wrong revision, or the lease expired).
         Other errors (timeouts) leave the lease as it is; see `expired`."""
+        import asyncio
+
         import nats.errors
         import nats.js.errors
 
         # the leases written below expire lease_s after their write, so count from before it
         lost, ok, started = [], True, time.monotonic()
-        for job_id, rev in list(self._lease_rev.items()):
+
+        async def one(job_id: str, rev: int) -> None:
+            nonlocal ok
             try:
                 new_rev = await self.owners.update(job_id, self._lease(), last=rev)
-                if job_id in self._lease_rev:  # (dropped meanwhile: its lease is left to lapse)
+                if self._lease_rev.get(job_id) == rev:  # (dropped or taken again meanwhile: not ours to set)
                     self._lease_rev[job_id] = new_rev
             except nats.js.errors.KeyWrongLastSequenceError:
-                self.forget(job_id)
-                lost.append(job_id)
+                if self._lease_rev.get(job_id) == rev:
+                    self.forget(job_id)
+                    lost.append(job_id)
             except (nats.errors.Error, OSError) as err:
                 ok = False
                 log.warning("renewing the lease of job %s failed: %r", job_id, err)
-        if ok:
-            self.last_renewed = started
+
+        # all at once: a round lasts one round trip (or one timeout), not one per job
+        await asyncio.gather(*(one(job_id, rev) for job_id, rev in list(self._lease_rev.items())))
+        if ok:  # every lease held at `started` was renewed; one taken since is younger than `started`
+            self.last_renewed = max(self.last_renewed, started)
         return lost
 
     def expired(self) -> bool:
@@ -349,14 +370,18 @@ class JobStore:
                 found.append((job_id, entry.revision))
         return found
 
-    async def take(self, job_id: str, owner_rev: int | None) -> bytes | None:
+    async def take(self, job_id: str, owner_rev: int | None, rewrite=None) -> bytes | None:
         """Take a job over (revision-checked) and return its checkpoint bytes; None if another
-        coordinator was first or the checkpoint is gone. The checkpoint is rewritten at once, so
-        its previous owner's next write fails (fencing). A bus error (timeout) also gives None, with
-        a warning: a lease that was written all the same expires, and the job is taken later."""
+        coordinator was first or the checkpoint is gone. The checkpoint is rewritten at once (as
+        `rewrite(bytes)` makes it: the service bumps its owner epoch, coordinator.snapshot.bump_epoch),
+        so its previous owner's next write fails (fencing), and the next taker reads the new epoch. A
+        bus error (timeout) also gives None, with a warning: a lease that was written all the same
+        expires, and the job is taken later. A checkpoint `rewrite` refuses (ProtocolError) is left
+        where it is, for another coordinator."""
         import nats.errors
         import nats.js.errors
 
+        sent = time.monotonic()
         try:
             if owner_rev is None:
                 rev = await self.owners.create(job_id, self._lease())
@@ -368,9 +393,17 @@ class JobStore:
             log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id, type(err).__name__, err)
             return None
         self._lease_rev[job_id] = rev
+        self._fresh(sent)
         try:
             entry = await self.jobs.get(job_id)
-            self._cp_rev[job_id] = await self._write(job_id, entry.value, last=entry.revision)
+            data = bytes(entry.value) if rewrite is None else rewrite(bytes(entry.value))
+            self._cp_rev[job_id] = await self._write(job_id, data, last=entry.revision)
+        except ProtocolError as err:
+            log.error(
+                "job %s: its checkpoint cannot be taken over here (%s); left for another coordinator", job_id, err
+            )
+            await self.release(job_id, keep_checkpoint=True)
+            return None
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyWrongLastSequenceError):
             await self.release(job_id, keep_checkpoint=True)
             return None
@@ -381,4 +414,4 @@ class JobStore:
             await self.release(job_id, keep_checkpoint=True)
             return None
         self.takeovers += 1
-        return bytes(entry.value)
+        return data

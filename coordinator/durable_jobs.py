@@ -19,6 +19,7 @@ from schemas import ErrorCode, ProtocolError, subjects
 from .durable import JobLost, JobStore
 from .ledger import JobLedger
 from .scheduler import Rejected
+from .snapshot import bump_epoch
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
 
@@ -43,9 +44,11 @@ class DurableJobs:
         self._ops: list[tuple[str, str]] = []  # ("adopt" | "release", internal id), in order
         self._task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._renew_task: asyncio.Task | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
         self.jobs_resumed = 0
+        self._previous_owner = ""  # the owner of the checkpoint `_bumped` rewrote last (for the log)
 
     @property
     def lease_s(self) -> float:
@@ -58,6 +61,7 @@ class DurableJobs:
         await self.resume_orphans()
         self._task = asyncio.create_task(self._loop(), name="coordinator-durable")
         self._watch_task = asyncio.create_task(self._watch(), name="coordinator-durable-watch")
+        self._renew_task = asyncio.create_task(self._renewals(), name="coordinator-durable-renew")
 
     # ------------------------------------------------------------ called by the service
     def op(self, op: str, internal: str) -> None:
@@ -78,9 +82,7 @@ class DurableJobs:
         if self.store.holds(job_id) and self.store.expired():
             # this run could not renew its leases for lease_s (it was stopped, e.g. SIGSTOP, or cut
             # off): another coordinator may run the job already; publish nothing, let the lease lapse
-            self.store.forget(job_id)
-            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
-            self._lapsed()
+            self.lapse()
             return False
         if event.kind in ("done", "failed"):
             self.op("release", job_id)
@@ -90,32 +92,25 @@ class DurableJobs:
     def _encoded(self, internal: str) -> bytes | None:
         """The job's snapshot bytes now, or None if the scheduler no longer holds it."""
         cp = self.engine.scheduler.checkpoint(internal)
-        return None if cp is None else encode_snapshot(cp, owner=self.name, written_at=time.time())
+        if cp is None:
+            return None
+        return encode_snapshot(cp, owner=self.name, written_at=time.time(), epoch=self.ledger.epoch_of(internal))
 
     async def _loop(self) -> None:
-        """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end,
-        renew this run's leases every lease_s / 3 and take over orphaned jobs as often."""
+        """Write snapshots (admission, every checkpoint_every steps), delete them when jobs end, and
+        take over orphaned jobs every lease_s / 3. (Leases are renewed by `_renewals`, apart: a scan or
+        a snapshot write that waits out bus timeouts must not let this run's leases lapse.)"""
         period = self.lease_s / 3
-        next_renew = next_scan = time.monotonic() + period
+        next_scan = time.monotonic() + period
         while True:
             try:
-                await asyncio.wait_for(
-                    self.wake.wait(), timeout=max(min(next_renew, next_scan) - time.monotonic(), 0.01)
-                )
+                await asyncio.wait_for(self.wake.wait(), timeout=max(next_scan - time.monotonic(), 0.01))
             except TimeoutError:
                 pass
             self.wake.clear()
             try:
                 await self._round()
                 now = time.monotonic()
-                if now >= next_renew:
-                    next_renew = now + period
-                    for job_id in await self.store.renew():
-                        self.fence(job_id, "another coordinator took over its lease")
-                    if self.store.expired():
-                        for job_id in self.store.held:
-                            self.store.forget(job_id)
-                            self.fence(job_id, f"its lease could not be renewed for {self.lease_s:g} s")
                 if now >= next_scan:
                     next_scan = now + period
                     await self.resume_orphans()
@@ -125,19 +120,49 @@ class DurableJobs:
                 log.exception("durable jobs: a round of bucket writes failed")
                 await asyncio.sleep(min(period, 1.0))
 
+    async def _renewals(self) -> None:
+        """Renew this run's leases every lease_s / 3, in a task of its own. In `_loop` with the scan for
+        orphans and the snapshot writes, a round that waited out bus timeouts (after a dropped
+        connection, each request in flight waits its full timeout) let the leases lapse, which drops
+        the connection again: on a loaded box leases lapsed over and over, with no fault at all."""
+        period = self.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.renew()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("durable jobs: a round of lease renewals failed")
+
+    async def renew(self) -> None:
+        """One renewal round: renew every lease; fence the jobs another coordinator took; and when the
+        leases lapsed meanwhile (the round itself may have waited out bus timeouts on a cut link),
+        `lapse`: whichever of this loop, `_watch` and `before_publish` sees the lapse first drops the
+        unsent messages (before, a lapse this loop saw first fenced the jobs but kept the bus
+        connection and the frames queued behind a cut, which reached clients after a take-over)."""
+        for job_id in await self.store.renew():
+            self.fence(job_id, "another coordinator took over its lease")
+        if self.store.expired():
+            self.lapse()
+
+    def lapse(self) -> None:
+        """This run's leases could not be renewed for lease_s: fence every job it holds (others may run
+        them already) and drop the bus connection with its unsent messages (`on_lapse`)."""
+        why = f"its lease could not be renewed for {self.lease_s:g} s"
+        for job_id in self.store.held:
+            self.store.forget(job_id)
+            self.fence(job_id, why)
+        self._lapsed()
+
     async def _watch(self) -> None:
-        """Every lease_s / 8: once this run's leases could not be renewed for lease_s, drop every job it
-        holds and its unsent messages (`_lapsed`). Apart from `_loop`, whose renewals may each wait
-        out a bus timeout while a link is cut."""
+        """Every lease_s / 8: once this run's leases could not be renewed for lease_s, `lapse`. Apart
+        from `_loop`, whose renewals may each wait out a bus timeout while a link is cut."""
         period = max(self.lease_s / 8, 0.05)
         while True:
             await asyncio.sleep(period)
             if self.store.expired():
-                why = f"its lease could not be renewed for {self.lease_s:g} s"
-                for job_id in self.store.held:
-                    self.store.forget(job_id)
-                    self.fence(job_id, why)
-                self._lapsed()
+                self.lapse()
 
     def _lapsed(self) -> None:
         if self.on_lapse is None:
@@ -190,14 +215,22 @@ class DurableJobs:
         self._fenced.pop(internal, None)
         self._fenced_names.pop(name, None)
 
+    def _bumped(self, data: bytes) -> bytes:
+        """A checkpoint as this run takes it over: its owner epoch one more (coordinator.snapshot.bump_epoch)."""
+        new, _, previous = bump_epoch(data, owner=self.name, written_at=time.time())
+        self._previous_owner = previous
+        return new
+
     async def resume_orphans(self) -> int:
         """Take over and resume every snapshotted job nobody else owns (see coordinator.durable);
         returns how many were resumed."""
         sched, resumed = self.engine.scheduler, 0
+
         for job_id, owner_rev in await self.store.orphans():
             if sched.knows(job_id):
                 continue
-            data = await self.store.take(job_id, owner_rev)
+            self._previous_owner = ""
+            data = await self.store.take(job_id, owner_rev, rewrite=self._bumped)
             if data is None:
                 continue
             try:
@@ -215,15 +248,24 @@ class DurableJobs:
                 await self.store.release(job_id, keep_checkpoint=True)
                 continue
             self._unfence(job_id, (owner, client_id))
-            self.ledger.admit(job_id, owner, client_id, steps=int(cp.request.steps), step=int(cp.step))
+            self.ledger.admit(
+                job_id,
+                owner,
+                client_id,
+                steps=int(cp.request.steps),
+                step=int(cp.step),
+                epoch=rec.epoch,  # one more than its previous owner's (the take wrote it: `_bumped`)
+                report_epoch=cp.request.report_epoch,
+            )
             self.jobs_resumed += 1
             resumed += 1
             log.info(
-                "job %s resumed at step %d/%d from the checkpoint of %s",
+                "job %s resumed at step %d/%d from the checkpoint of %s (owner epoch %d)",
                 job_id,
                 cp.step,
                 cp.request.steps,
-                rec.owner or "?",
+                self._previous_owner or "?",
+                rec.epoch,
             )
         if resumed:
             self.engine.wake()  # wake idle engine lanes (submit does the same)
@@ -232,14 +274,14 @@ class DurableJobs:
     async def hand_over(self) -> None:
         """Clean exit: write a last snapshot of every job this run owns, give up their leases and
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
-        for task in (self._task, self._watch_task):
+        for task in (self._task, self._watch_task, self._renew_task):
             if task is not None:
                 task.cancel()
                 try:
                     await task
                 except BaseException:
                     pass
-        self._task = self._watch_task = None
+        self._task = self._watch_task = self._renew_task = None
         if self.engine is None:
             return
         try:

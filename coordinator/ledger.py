@@ -36,6 +36,9 @@ class JobLedger:
         self._live: dict[JobName, str] = {}  # (client, job id) -> internal id
         self._names: dict[str, JobName] = {}  # internal id -> (client, job id)
         self._progress: dict[str, tuple[int, int]] = {}  # internal id -> (step, steps) last known
+        # internal id -> the job's owner epoch here (0: not durable; 1: a durable job's first owner; one
+        # more at each take-over), and whether its events carry it (JobRequest.report_epoch)
+        self._epochs: dict[str, tuple[int, bool]] = {}
         # (client, job id) -> (monotonic t, terminal event (client's job id), bytes, (step, steps) reached)
         self._finished: OrderedDict[JobName, tuple[float, Any, int, tuple[int, int]]] = OrderedDict()
         self._finished_bytes = 0
@@ -54,11 +57,35 @@ class JobLedger:
     def is_live(self, client: str, job_id: str) -> bool:
         return (client, job_id) in self._live
 
-    def admit(self, internal: str, client: str, job_id: str, steps: int, step: int = 0) -> None:
-        """Record a job just admitted (or resumed at `step`)."""
+    def admit(
+        self,
+        internal: str,
+        client: str,
+        job_id: str,
+        steps: int,
+        step: int = 0,
+        *,
+        epoch: int = 0,
+        report_epoch: bool = False,
+    ) -> None:
+        """Record a job just admitted (or resumed at `step`), held here at owner `epoch`; with
+        `report_epoch` its events carry it (`stamp`)."""
         self._live[(client, job_id)] = internal
         self._names[internal] = (client, job_id)
         self._progress[internal] = (int(step), int(steps))
+        self._epochs[internal] = (int(epoch), bool(report_epoch))
+
+    def epoch_of(self, internal: str) -> int:
+        """The owner epoch this coordinator holds a live job at (0 for a job it does not know)."""
+        return self._epochs.get(internal, (0, False))[0]
+
+    def stamp(self, internal: str, event):
+        """`event` with the job's `epoch` set, when the job asked for it (JobRequest.report_epoch);
+        else `event` itself."""
+        epoch, report = self._epochs.get(internal, (0, False))
+        if not report or getattr(event, "epoch", None) == epoch:
+            return event
+        return event.model_copy(update={"epoch": epoch})
 
     def internal(self, client: str, job_id: str) -> str | None:
         """The internal id of `client`'s live job `job_id`, or None."""
@@ -91,6 +118,7 @@ class JobLedger:
         return self._unlink(internal)
 
     def _unlink(self, internal: str) -> JobName | None:
+        self._epochs.pop(internal, None)
         name = self._names.pop(internal, None)
         if name is not None and self._live.get(name) == internal:
             del self._live[name]

@@ -369,7 +369,17 @@ class Coordinator:
             raise
         accepted = accepted.model_copy(update={"coordinator": self.name, "instance": self.instance})
         internal = accepted.job_id
-        self.ledger.admit(internal, client, job_id or internal, steps=request.steps)
+        # owner epoch: 1 for a durable job's first owner (a take-over writes one more into its
+        # checkpoint, coordinator.durable), 0 for a job that is not durable
+        self.ledger.admit(
+            internal,
+            client,
+            job_id or internal,
+            steps=request.steps,
+            epoch=1 if self.durable_jobs is not None else 0,
+            report_epoch=request.report_epoch,
+        )
+        accepted = self.ledger.stamp(internal, accepted)
         self.ledger.prune(
             self.engine.scheduler.knows, internal, 2 * (self.config.max_queued_jobs + self.config.max_rows) + 64
         )
@@ -439,7 +449,8 @@ class Coordinator:
             step, steps = self.ledger.progress(internal) or (0, 0)
             state = {"state": "running", "step": step, "steps": steps}
         if state is not None:
-            return JobStatus(job_id=job_id, coordinator=self.name, instance=self.instance, **state)
+            st = JobStatus(job_id=job_id, coordinator=self.name, instance=self.instance, **state)
+            return self.ledger.stamp(internal, st)
         found = self.ledger.find_finished(job_id, client)
         if found is None:
             return None
@@ -452,6 +463,7 @@ class Coordinator:
             coordinator=self.name,
             instance=self.instance,
             expert_dtypes=getattr(ev, "expert_dtypes", None),  # a done job that asked for them
+            epoch=getattr(ev, "epoch", None),  # a job that asked for it: the epoch its result was published at
         )
 
     # ------------------------------------------------------------ events
@@ -521,7 +533,7 @@ class Coordinator:
             return
         if event.kind == "frame":
             self.ledger.note_progress(internal, event.step, event.steps)
-        event = self._as_client(event, *name)
+        event = self.ledger.stamp(internal, self._as_client(event, *name))
         if event.kind in ("done", "failed"):
             self.ledger.remember(internal, event)
         await self.send_event(name[0], event)

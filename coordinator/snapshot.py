@@ -90,16 +90,19 @@ class JobCheckpointRecord(Message):
     pending_notes: list[str] = Field(default_factory=list)
     owner: str = ""
     written_at: float = 0.0
+    #: the job's owner epoch (docs/PROTOCOL.md, "Owner epochs"): 1 for its first owner, one more at each
+    #: take-over (`bump_epoch`, written by the taker before it publishes anything); 0: written before epochs
+    epoch: int = Field(default=0, ge=0, lt=2**63)
 
 
 #: Largest checkpoint accepted (bytes): 256 images x 2 tensors x 4 KiB plus fields fit far below.
 MAX_CHECKPOINT_BYTES = 8 * 1024 * 1024
 
 
-def encode(cp: JobCheckpoint, *, owner: str = "", written_at: float = 0.0) -> bytes:
+def encode(cp: JobCheckpoint, *, owner: str = "", written_at: float = 0.0, epoch: int = 0) -> bytes:
     """JobCheckpoint -> msgpack bytes (raises ProtocolError if it cannot be encoded)."""
     try:
-        rec = _record(cp, owner, written_at)
+        rec = _record(cp, owner, written_at, epoch)
     except ValidationError as err:
         first = err.errors(include_url=False, include_input=False)[0]
         raise ProtocolError(
@@ -110,7 +113,17 @@ def encode(cp: JobCheckpoint, *, owner: str = "", written_at: float = 0.0) -> by
     return pack(rec, max_bytes=MAX_CHECKPOINT_BYTES)
 
 
-def _record(cp: JobCheckpoint, owner: str, written_at: float) -> JobCheckpointRecord:
+def bump_epoch(data: bytes, *, owner: str = "", written_at: float = 0.0) -> tuple[bytes, int, str]:
+    """A checkpoint's bytes as its taker writes them back: the owner epoch one more than the stored
+    one, `owner` and `written_at` its own; (bytes, the new epoch, the owner that wrote `data`). Raises
+    ProtocolError on bytes that are no checkpoint."""
+    rec = unpack(data, JobCheckpointRecord, max_bytes=MAX_CHECKPOINT_BYTES)
+    epoch, previous = rec.epoch + 1, rec.owner
+    rec = rec.model_copy(update={"epoch": epoch, "owner": owner, "written_at": float(written_at)})
+    return pack(rec, max_bytes=MAX_CHECKPOINT_BYTES), epoch, previous
+
+
+def _record(cp: JobCheckpoint, owner: str, written_at: float, epoch: int = 0) -> JobCheckpointRecord:
     return JobCheckpointRecord(
         job_id=cp.job_id,
         client=cp.client,
@@ -132,6 +145,7 @@ def _record(cp: JobCheckpoint, owner: str, written_at: float) -> JobCheckpointRe
         pending_notes=list(cp.pending_notes),
         owner=owner,
         written_at=float(written_at),
+        epoch=int(epoch),
     )
 
 

@@ -131,6 +131,13 @@ def _need_int(a: np.ndarray, name: str) -> None:
         raise _err(ErrorCode.BAD_DTYPE, f"{name} must be an integer tensor, got {a.dtype.str}")
 
 
+#: A job's owner epoch (`JobRequest.report_epoch`): a number that strictly increases each time the job
+#: changes owner (a durable job taken over by another coordinator, or by a restart): 0 for a job that
+#: is not durable, 1 for a durable job's first owner, one more at each take-over. A client keeps the
+#: highest it has seen and drops events of a lower one (client.epochs).
+Epoch = Annotated[int, Field(ge=0, lt=2**63)]
+
+
 class Message(BaseModel):
     """Base: protocol version check, strict field set, arrays allowed."""
 
@@ -316,6 +323,7 @@ class JobRequest(Message):
     session: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     frame_x1: bool = False  # frames also carry x1, the model's estimate of the final sample
     report_dtypes: bool = False  # done / job_status also carry expert_dtypes (what each expert computed in)
+    report_epoch: bool = False  # every event and job_status of the job also carries `epoch` (its owner epoch)
     # latent fleets only: frames whose step is a multiple of this (and the last) also carry `preview`
     # (the decoded images); None = no previews
     preview_every: int | None = Field(default=None, ge=1, le=MAX_JOB_STEPS)
@@ -329,6 +337,8 @@ class JobRequest(Message):
                 out.pop("frame_x1", None)
             if not self.report_dtypes:
                 out.pop("report_dtypes", None)
+            if not self.report_epoch:
+                out.pop("report_epoch", None)
             if self.preview_every is None:
                 out.pop("preview_every", None)
             if not self.return_latents:
@@ -401,6 +411,8 @@ class _Labelled(Message):
         out = handler(self)
         if isinstance(out, dict):
             out.pop("labels" if self.labels is None else "digits", None)
+            if getattr(self, "epoch", 0) is None:  # not on the wire unless asked: older clients refuse unknown keys
+                out.pop("epoch", None)
         return out
 
     @model_validator(mode="after")
@@ -429,6 +441,7 @@ class JobAccepted(_Labelled):
     queue_position: int = 0
     coordinator: CoordinatorName = ""
     instance: CoordinatorName = ""
+    epoch: Epoch | None = None  # the job's owner epoch, only when the job asked (JobRequest.report_epoch)
 
 
 class JobRejected(Message):
@@ -460,6 +473,7 @@ class FrameEvent(Message):
     notes: list[str] = Field(default_factory=list)  # e.g. "row 2: expert 1 unavailable, fell back to 0"
     x1: Tensor | None = None
     preview: Tensor | None = None  # latent fleets: the decoded images of x (`JobRequest.preview_every`)
+    epoch: Epoch | None = None  # the job's owner epoch, only when the job asked (JobRequest.report_epoch)
 
     @model_serializer(mode="wrap")
     def _omit_absent_x1(self, handler):  # not on the wire unless asked: older clients refuse unknown keys
@@ -469,6 +483,8 @@ class FrameEvent(Message):
                 out.pop("x1", None)
             if self.preview is None:
                 out.pop("preview", None)
+            if self.epoch is None:
+                out.pop("epoch", None)
         return out
 
     @model_validator(mode="after")
@@ -534,6 +550,8 @@ class FrameEvent(Message):
             out["x1"] = encode_tensor(self.x1)
         if self.preview is not None:
             out["preview"] = encode_tensor(self.preview)
+        if self.epoch is not None:
+            out["epoch"] = int(self.epoch)
         return out
 
 
@@ -560,6 +578,7 @@ class DoneEvent(_Labelled):
     notes: list[str] = Field(default_factory=list)
     expert_dtypes: list[ExpertDtype] | None = None
     latents: FiniteTensor | None = None
+    epoch: Epoch | None = None  # the job's owner epoch, only when the job asked (JobRequest.report_epoch)
 
     @model_serializer(mode="wrap")
     def _omit_unused_label_field(self, handler):  # replaces _Labelled's (one model serializer per model)
@@ -570,6 +589,8 @@ class DoneEvent(_Labelled):
                 out.pop("expert_dtypes", None)
             if self.latents is None:  # likewise
                 out.pop("latents", None)
+            if self.epoch is None:  # likewise
+                out.pop("epoch", None)
         return out
 
     @model_validator(mode="after")
@@ -597,6 +618,14 @@ class FailedEvent(Message):
     job_id: Id
     code: Code
     reason: Text
+    epoch: Epoch | None = None  # the job's owner epoch, only when the job asked (JobRequest.report_epoch)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_epoch(self, handler):  # not on the wire unless asked: older clients refuse unknown keys
+        out = handler(self)
+        if isinstance(out, dict) and self.epoch is None:
+            out.pop("epoch", None)
+        return out
 
 
 class CancelRequest(Message):
@@ -638,12 +667,18 @@ class JobStatus(Message):
     #: K entries, what each expert computed the job's rows in so far (as `DoneEvent.expert_dtypes`),
     #: only for a job that asked (`JobRequest.report_dtypes`); else None and not on the wire
     expert_dtypes: list[ExpertDtype] | None = None
+    #: the job's owner epoch as this coordinator holds it, only for a job that asked (`JobRequest.report_epoch`)
+    #: and that this coordinator knows; else None and not on the wire
+    epoch: Epoch | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent_dtypes(self, handler):  # older clients refuse unknown keys
         out = handler(self)
-        if isinstance(out, dict) and self.expert_dtypes is None:
-            out.pop("expert_dtypes", None)
+        if isinstance(out, dict):
+            if self.expert_dtypes is None:
+                out.pop("expert_dtypes", None)
+            if self.epoch is None:
+                out.pop("epoch", None)
         return out
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.inbox import private_request
+from client.epochs import EpochFilter, epoch_of
 from client.jobs import JobProbe, client_of
 from schemas import (
     MAX_JOB_STEPS,
@@ -176,6 +177,7 @@ class _Job:
     early: list = field(default_factory=list)
     last_event: float = field(default_factory=time.monotonic)
     probe: Any = None  # JobProbe, once announced
+    epochs: EpochFilter = field(default_factory=EpochFilter)  # owner epochs: stale events are dropped
 
 
 class Session:
@@ -230,6 +232,7 @@ class Session:
         client = client_of(nc)
         self.client = WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client
         self.session_tag = "s" + secrets.token_hex(8)
+        self.stale_events = 0  # events dropped for a lower owner epoch than their job's highest (client.epochs)
 
     @property
     def spec(self) -> ModelSpec:
@@ -328,10 +331,12 @@ class Session:
 
     async def submit(self, job_id: str, request) -> None:
         """Subscribe to the job's events, then submit it; report the outcome to the page."""
-        req = request.model_copy(update={"job_id": job_id, "session": self.session_tag, **self._latent_fields(request)})
+        fields = {"job_id": job_id, "session": self.session_tag, "report_epoch": True, **self._latent_fields(request)}
+        req = request.model_copy(update=fields)
         job = self.jobs.get(job_id)
         if job is None:
             return
+        job.epochs.job_id = job_id
         try:
             sub = await self.nc.subscribe(subjects.job_events(self.client, job_id), cb=self._on_event)
         except Exception as err:  # connection closed / draining
@@ -381,6 +386,7 @@ class Session:
             return
         job.announced = True
         job.last_event = time.monotonic()
+        job.epochs.highest = max(job.epochs.highest, epoch_of(accepted))  # the submit reply's, as its event's
         job.probe = JobProbe(
             self.nc,
             job_id,
@@ -389,6 +395,7 @@ class Session:
             unresponsive_after=self.unresponsive_after,
             client=self.client,
             accepted=accepted,
+            epochs=job.epochs,
         )
         if job_id in self.jobs and (self._watcher is None or self._watcher.done()):
             self._watcher = self._spawn(self._watch())
@@ -412,6 +419,9 @@ class Session:
             self.error(f"undecodable event from the coordinator: {err.message}", code=err.code.value, job_id=job_id)
             return
         if ev.job_id != job_id:
+            return
+        if not job.epochs.admit(ev):  # from a coordinator that lost the job to another (counted, logged at debug)
+            self.stale_events += 1
             return
         job.last_event = time.monotonic()
         if job.probe is not None:

@@ -116,13 +116,27 @@ async def reference_images(nc, reqs, tag):
 
 
 class EventLog:
-    """Every event of the watched jobs, in arrival order: (monotonic time, kind, step or None)."""
+    """Every event the client delivered for the watched jobs, in arrival order: (monotonic time, kind,
+    step or None), and the owner epoch of each (`epochs`, in the same order: None when it carried none).
+    Pass `log.stale` as run_job's `on_stale`: `stale_events` keeps the events the client dropped for a
+    lower owner epoch than one it had seen, as (monotonic time, kind, step or None, epoch)."""
 
     def __init__(self):
         self.events: dict[str, list[tuple[float, str, int | None]]] = {}
+        self.epochs: dict[str, list[int | None]] = {}
+        self.stale_events: dict[str, list[tuple[float, str, int | None, int | None]]] = {}
 
     def __call__(self, ev):
         self.events.setdefault(ev.job_id, []).append((time.monotonic(), ev.kind, getattr(ev, "step", None)))
+        self.epochs.setdefault(ev.job_id, []).append(getattr(ev, "epoch", None))
+
+    def stale(self, ev):
+        self.stale_events.setdefault(ev.job_id, []).append(
+            (time.monotonic(), ev.kind, getattr(ev, "step", None), getattr(ev, "epoch", None))
+        )
+
+    def n_stale(self, job_ids=None) -> int:
+        return sum(len(v) for j, v in self.stale_events.items() if job_ids is None or j in job_ids)
 
     def steps(self, job_id) -> list[int]:
         return [s for _, k, s in self.events.get(job_id, []) if k == "frame"]

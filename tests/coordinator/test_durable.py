@@ -182,7 +182,9 @@ async def two_coordinators_with_jobs(nc, url, router, log: EventLog, procs: list
     for round_ in range(6):
         batch = pair_jobs(tag, round_)
         reqs += batch
-        runs += [asyncio.ensure_future(run_job(nc, r, log, timeout=120, probe_every=1.0)) for r in batch]
+        runs += [
+            asyncio.ensure_future(run_job(nc, r, log, timeout=120, probe_every=1.0, on_stale=log.stale)) for r in batch
+        ]
         ids = [r.job_id for r in reqs]
         owners = await wait_until(lambda ids=ids: _all_owned(nc, ids), timeout=20, what="every job has a lease")
         # a lease is written before the submit's answer is sent: a fault between the two would leave a
@@ -360,6 +362,99 @@ async def test_sigstopped_owner_loses_its_jobs_and_publishes_nothing_for_them_af
         finally:
             if victim is not None:  # never leave a stopped process behind
                 os.kill(victim.pid, signal.SIGCONT)
+
+
+@pytest.mark.slow
+@pytest.mark.procs
+async def test_a_stale_epoch_frame_and_done_after_a_take_over_never_reach_the_client(js_bus, tiny_files):
+    """Owner epochs: the survivor takes the killed owner's jobs over at epoch 2 (the first owner's was 1);
+    a frame and a `done` of epoch 1 arriving after that (as a cut-off owner's would, from a NATS node's
+    routes) are dropped by the client. A client without the rule (the raw subscriber here, which takes
+    the first `done` as the result) would have taken the stale `done`'s wrong images."""
+    import time
+
+    import nats
+
+    from schemas import DoneEvent, JobEvent, pack, subjects, unpack
+
+    async with durable_pair(js_bus, tiny_files, "ep") as (nc, procs, log, reqs, runs, victim_name, survivor, theirs):
+        ids = [r.job_id for r in reqs]
+        victim = procs[0] if victim_name == "dura" else procs[1]
+        victim.kill()  # SIGKILL: its jobs are taken over at the next epoch
+        await victim.wait()
+        await wait_until(lambda: _taken(nc, log, theirs, survivor), timeout=30, interval=0.05, what="take-over")
+        # every job of the victim still running has streamed frames of the new owner (epoch 2)
+        await wait_until(
+            lambda: all(log.dones(j) or 2 in log.epochs[j] for j in theirs), timeout=30, what="frames of epoch 2"
+        )
+        raw: dict[str, list] = {}  # every event on the wire, decoded, as a client without the rule reads them
+        spy = await nats.connect(js_bus.url, name="pytest-epoch-spy")
+        try:
+
+            async def record(msg):
+                ev = unpack(msg.data, JobEvent)
+                raw.setdefault(ev.job_id, []).append(ev)
+
+            live = [j for j in theirs if not log.dones(j)]
+            assert live, "the taken-over jobs all ended before the injection: make them longer"
+            subs = [await spy.subscribe(subjects.job_events("anon", j), cb=record) for j in live]
+            await spy.flush()
+            injected_at = time.monotonic()
+            for j in live:  # what the old owner would publish: its next frame, then a `done` of other images
+                last = log.steps(j)[-1]
+                stale_frame = FrameEvent.trusted(
+                    job_id=j,
+                    step=min(last + 1, 60),
+                    steps=60,
+                    t=min(last + 1, 60) / 60,
+                    x=np.zeros((2, 1, 32, 32), np.float16),
+                    experts=[0, 0],
+                    weights=np.ones((2, 2), np.float32),
+                    notes=[],
+                ).model_copy(update={"epoch": 1})
+                digits = next(r.digits for r in reqs if r.job_id == j)
+                stale_done = DoneEvent(
+                    job_id=j,
+                    images=np.zeros((2, 1, 32, 32), np.float32),
+                    digits=digits,
+                    usage=np.ones((2, 2), np.float32),
+                    steps=60,
+                    strategy="top1",
+                    elapsed_s=1.0,
+                    epoch=1,
+                )
+                await spy.publish(subjects.job_events("anon", j), pack(stale_frame))
+                await spy.publish(subjects.job_events("anon", j), pack(stale_done))
+            await spy.flush()
+            want_f = asyncio.ensure_future(reference_images(nc, reqs, "epref"))
+            got = await asyncio.wait_for(asyncio.gather(*runs), 120)  # 0 failed, 0 lost
+            want = await asyncio.wait_for(want_f, 120)
+            for sub in subs:
+                await sub.unsubscribe()
+        finally:
+            await spy.close()
+        for g in got:  # the stale `done` (zeros) never became a result
+            assert np.array_equal(want[g.job_id].images, g.images), g.job_id
+        for j in ids:
+            assert log.dones(j) == 1, (j, log.events[j])
+            seen = [e for e in log.epochs[j] if e is not None]
+            assert len(seen) == len(log.epochs[j]) and seen == sorted(seen), (j, log.epochs[j])  # never back
+        dropped = {j: [(k, e) for _, k, _, e in log.stale_events.get(j, [])] for j in live}
+        # each job still running when the events went out dropped both (a job whose real `done` came
+        # first had unsubscribed: it never read them)
+        ended_first = [j for j in live if next(t for t, k, _ in log.events[j] if k == "done") <= injected_at]
+        for j in live:
+            if j not in ended_first:
+                assert dropped[j] == [("frame", 1), ("done", 1)], (j, dropped[j], log.events[j])
+        assert log.n_stale(live) >= 2, dropped
+        # ... while on the wire the stale `done` came first: a client taking the first `done` took zeros
+        fooled = [j for j in live if next(e for e in raw[j] if isinstance(e, DoneEvent)).epoch == 1]
+        assert fooled and all(j not in ended_first for j in fooled), raw.keys()
+        print(
+            f"\ntook over {len(theirs)} jobs at epoch 2; injected an epoch-1 frame and done into {len(live)} running "
+            f"ones: {log.n_stale(live)} dropped by the client, {len(fooled)} would have fooled a client "
+            "taking the first done"
+        )
 
 
 async def test_lease_follows_the_owners_bucket_ttl_set_by_the_first_coordinator(js_bus):

@@ -297,10 +297,11 @@ class Fleet:
             return None
 
     def submit(self, req, log, **kw) -> asyncio.Future:
-        """run_job(req) on the client host; an asyncio future of this loop."""
+        """run_job(req) on the client host, delivering to `log` (and, when it has one, the events dropped for
+        a stale owner epoch to `log.stale`); an asyncio future of this loop."""
         from client.jobs import run_job
 
-        kw = {"timeout": 300, "probe_every": 1.0, "lost_after": 120, **kw}
+        kw = {"timeout": 300, "probe_every": 1.0, "lost_after": 120, "on_stale": getattr(log, "stale", None), **kw}
         return asyncio.wrap_future(self.cl.submit(run_job(self.client_nc, req, log, **kw)))
 
     async def reference_images(self, reqs, tag: str) -> dict:

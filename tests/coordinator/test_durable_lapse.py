@@ -1,0 +1,113 @@
+"""What a durable coordinator does when its leases lapse (coordinator.durable_jobs, coordinator.durable),
+pure: a fake bucket store and engine, the real DurableJobs, JobLedger and JobStore bookkeeping.
+
+Whichever part notices the lapse first (the renewal loop, the watchdog, or the check before an event)
+fences every held job and drops the bus connection with its unsent messages once; a job taken back
+after a lapse is not fenced again at once for a lapse that is over."""
+
+from __future__ import annotations
+
+import time
+
+from coordinator.durable import JobStore
+from coordinator.durable_jobs import DurableJobs
+from coordinator.ledger import JobLedger
+from schemas import FailedEvent
+
+
+class FakeStore:
+    """The JobStore surface DurableJobs uses, in memory: `lapsed` says whether the leases lapsed."""
+
+    lease_s = 4.0
+
+    def __init__(self, held, lost=()):
+        self._held, self.lost, self.lapsed = list(held), list(lost), False
+
+    @property
+    def held(self):
+        return list(self._held)
+
+    def holds(self, job_id):
+        return job_id in self._held
+
+    def expired(self):
+        return bool(self._held) and self.lapsed
+
+    def forget(self, job_id):
+        if job_id in self._held:
+            self._held.remove(job_id)
+
+    async def renew(self):
+        lost = [j for j in self.lost if j in self._held]
+        for j in lost:
+            self.forget(j)
+        return lost
+
+
+class FakeScheduler:
+    def __init__(self):
+        self.dropped = []
+
+    def drop(self, job_id):
+        self.dropped.append(job_id)
+        return True
+
+
+class FakeEngine:
+    def __init__(self):
+        self.scheduler = FakeScheduler()
+
+
+def durable(held, lost=()):
+    ledger = JobLedger()
+    for j in held:
+        ledger.admit(j, "anon", j, steps=40, epoch=1)
+    drops = []
+
+    def on_lapse():
+        drops.append(1)
+        return True
+
+    dj = DurableJobs(FakeStore(held, lost), ledger, name="ca", checkpoint_every=10, on_lapse=on_lapse)
+    dj.engine = FakeEngine()
+    return dj, drops
+
+
+async def test_a_lapse_the_renewal_loop_sees_first_fences_every_job_and_drops_the_unsent_messages():
+    dj, drops = durable(["a", "b", "c"])
+    dj.store.lapsed = True  # the round waited out bus timeouts on a cut link: the leases lapsed meanwhile
+    await dj.renew()
+    assert dj.store.held == [] and sorted(dj.engine.scheduler.dropped) == ["a", "b", "c"]
+    assert all(dj.is_fenced("anon", j) for j in "abc")
+    assert drops == [1]  # the frames queued behind the cut go with the connection, never to a client
+    # the watchdog and the events that follow find nothing held: no second drop
+    assert not dj.before_publish(FailedEvent(job_id="a", code="internal", reason="x"))
+    assert drops == [1]
+
+
+async def test_a_lease_another_coordinator_took_fences_that_job_only():
+    dj, drops = durable(["a", "b"], lost=["a"])
+    await dj.renew()
+    assert dj.store.held == ["b"] and dj.engine.scheduler.dropped == ["a"] and dj.is_fenced("anon", "a")
+    assert drops == []  # the other leases are alive: the connection stays
+
+
+def test_a_lapse_seen_before_an_event_fences_every_held_job_at_once():
+    dj, drops = durable(["a", "b"])
+    dj.store.lapsed = True
+    assert not dj.before_publish(FailedEvent(job_id="b", code="internal", reason="x"))
+    assert dj.store.held == [] and sorted(dj.engine.scheduler.dropped) == ["a", "b"] and drops == [1]
+
+
+def test_a_lease_taken_back_after_a_lapse_counts_as_fresh():
+    store = JobStore(None, "ca", "run-1", lease_s=4.0)
+    store.last_renewed = time.monotonic() - 60  # a lapse long ago: nothing held, no renewal since
+    store._lease_rev["j"] = 7  # take() / adopt() wrote this job's lease just now
+    assert store.expired()
+    store._fresh(time.monotonic() - 0.1)
+    assert not store.expired()  # else the job would be fenced at its first event, its fresh lease left to lapse
+    # with other leases held, the oldest renewal still counts: a new lease does not vouch for them
+    store.last_renewed = time.monotonic() - 60
+    store._lease_rev["k"] = 8
+    store._fresh(time.monotonic())
+    assert store.expired()
