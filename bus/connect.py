@@ -186,7 +186,8 @@ def discard_unsent(nc) -> bool:
     as after any lost connection (subscriptions are renewed). For a process that must not have its
     recent messages delivered late: a coordinator cut off from the bus whose leases lapsed, whose
     frames queued behind the cut would otherwise reach clients once the link heals, after another
-    coordinator took its jobs over. Returns False when there is no open socket to drop."""
+    coordinator took its jobs over. Returns False when there is no open socket to drop, or when nothing is
+    queued in it (`unsent_bytes` 0: then the connection stays, and so does what it is receiving)."""
     import socket
     import struct
 
@@ -195,6 +196,10 @@ def discard_unsent(nc) -> bool:
     if transport is None or transport.is_closing():
         return False
     sock = transport.get_extra_info("socket")
+    if not unsent_bytes(nc, transport, sock):
+        # nothing queued anywhere: nothing could arrive late, and dropping the connection would only lose
+        # what it is receiving (a submit whose answer then never comes)
+        return False
     if sock is not None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -204,6 +209,24 @@ def discard_unsent(nc) -> bool:
     nc._pending_data_size = 0
     transport.abort()
     return True
+
+
+def unsent_bytes(nc, transport, sock) -> int:
+    """Bytes `nc` holds that the server has not acknowledged: nats-py's buffer, asyncio's write buffer and
+    the kernel's send queue (SIOCOUTQ: unsent and unacknowledged). A socket whose queue cannot be read
+    counts as holding some."""
+    held = int(getattr(nc, "_pending_data_size", 0) or 0) + int(transport.get_write_buffer_size())
+    if sock is None:
+        return held
+    try:
+        import fcntl
+        import struct
+        import termios
+
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):
+        return held + 1
+    return held + queued
 
 
 def _describe(err: BaseException | None) -> str:

@@ -147,6 +147,7 @@ class JobStore:
         self.jobs = self.owners = None
         self._cp_rev: dict[str, int] = {}  # job id -> revision of our last checkpoint write
         self._lease_rev: dict[str, int] = {}  # job id -> revision of our lease
+        self._lease_at: dict[str, float] = {}  # job id -> when our lease's last successful write was sent
         self.last_renewed = time.monotonic()
         self.writes = 0  # checkpoint writes (admission, periodic, take-over, hand-over)
         self.bytes_written = 0
@@ -239,21 +240,12 @@ class JobStore:
         sent = time.monotonic()
         try:
             self._lease_rev[job_id] = await self.owners.create(job_id, self._lease())
+            self._lease_at[job_id] = sent
         except nats.js.errors.KeyWrongLastSequenceError:
             log.warning("job %s: another coordinator holds a durable job of that id; not durable here", job_id)
             return False
-        self._fresh(sent)
         self._cp_rev[job_id] = await self._write(job_id, checkpoint, last=None)
         return True
-
-    def _fresh(self, sent: float) -> None:
-        """A lease was just written (its request sent at `sent`): when it is the only one this run
-        holds, the leases count as renewed then. Else `last_renewed` may be from before a lapse (this
-        run held nothing since, so no round renewed anything), and a job taken back right after a
-        lapse would be fenced again at its first event, with a fresh lease of ours that nobody then
-        runs until it expires."""
-        if len(self._lease_rev) == 1:
-            self.last_renewed = max(self.last_renewed, sent)
 
     async def _write(self, job_id: str, data: bytes, last: int | None) -> int:
         rev = await (self.jobs.put(job_id, data) if last is None else self.jobs.update(job_id, data, last=last))
@@ -290,6 +282,7 @@ class JobStore:
                 new_rev = await self.owners.update(job_id, self._lease(), last=rev)
                 if self._lease_rev.get(job_id) == rev:  # (dropped or taken again meanwhile: not ours to set)
                     self._lease_rev[job_id] = new_rev
+                    self._lease_at[job_id] = started
             except nats.js.errors.KeyWrongLastSequenceError:
                 if self._lease_rev.get(job_id) == rev:
                     self.forget(job_id)
@@ -308,12 +301,16 @@ class JobStore:
         """True when the leases could not be renewed for lease_s: others may have taken the jobs
         (e.g. this process was stopped, SIGSTOP, longer than that). Checked before every event a
         durable coordinator publishes, so a process that wakes up publishes nothing stale."""
-        return bool(self._lease_rev) and time.monotonic() - self.last_renewed > self.lease_s
+        # each lease expires lease_s after its own last write: a lease written after a lapse (a job adopted or
+        # taken back) is fresh however long ago the other leases were renewed, and one not renewed is not
+        now = time.monotonic()
+        return any(now - at > self.lease_s for at in self._lease_at.values())
 
     async def release(self, job_id: str, *, keep_checkpoint: bool = False) -> None:
         """Give a held job up: delete its checkpoint (unless keep_checkpoint: a hand-over) and its
         lease, each only at the revision this run wrote (never a newer owner's)."""
         cp_rev, lease_rev = self._cp_rev.pop(job_id, None), self._lease_rev.pop(job_id, None)
+        self._lease_at.pop(job_id, None)
         try:
             if not keep_checkpoint and cp_rev is not None:
                 await self.jobs.delete(job_id, last=cp_rev)
@@ -326,6 +323,7 @@ class JobStore:
         """This run lost a held job (another coordinator took it, or its lease lapsed): drop it here
         without touching the buckets (counted in `leases_lost`)."""
         self._cp_rev.pop(job_id, None)
+        self._lease_at.pop(job_id, None)
         if self._lease_rev.pop(job_id, None) is not None:
             self.leases_lost += 1
 
@@ -393,7 +391,7 @@ class JobStore:
             log.warning("taking job %s failed (%s: %s); trying again at the next scan", job_id, type(err).__name__, err)
             return None
         self._lease_rev[job_id] = rev
-        self._fresh(sent)
+        self._lease_at[job_id] = sent
         try:
             entry = await self.jobs.get(job_id)
             data = bytes(entry.value) if rewrite is None else rewrite(bytes(entry.value))

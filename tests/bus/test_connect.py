@@ -177,3 +177,32 @@ def test_redacted_keeps_the_user_and_hides_every_secret_of_a_server_list():
     assert redacted("nats://tok3n@h:4222") == "nats://***@h:4222"
     assert redacted(["nats://h:4222", "tls://u:p%40ss@h:4443"]) == "nats://h:4222,tls://u:***@h:4443"
     assert redacted("u:pw@h:4222") == "u:***@h:4222"  # no scheme
+
+
+@pytest.mark.bus
+async def test_discard_unsent_keeps_a_connection_with_nothing_queued(nc):
+    """A coordinator whose leases lapsed drops its connection only for what it still has queued (frames that
+    could arrive after a take-over); an idle, flushed connection stays up, and so do its subscriptions, so
+    a request it is receiving at that moment is not lost with it."""
+    import asyncio
+
+    from bus.connect import discard_unsent, unsent_bytes
+
+    got = []
+
+    async def on_msg(msg):
+        got.append(msg.data)
+
+    sub = await nc.subscribe("ddm.test.idle", cb=on_msg)
+    await nc.flush()
+    transport = nc._transport._io_writer.transport
+    assert unsent_bytes(nc, transport, transport.get_extra_info("socket")) == 0
+    assert discard_unsent(nc) is False and nc.is_connected
+    await nc.publish("ddm.test.idle", b"still here")
+    await nc.flush()
+    for _ in range(50):
+        if got:
+            break
+        await asyncio.sleep(0.02)
+    assert got == [b"still here"]
+    await sub.unsubscribe()

@@ -100,14 +100,18 @@ def test_a_lapse_seen_before_an_event_fences_every_held_job_at_once():
 
 
 def test_a_lease_taken_back_after_a_lapse_counts_as_fresh():
+    """Each lease expires lease_s after its own last write: leases adopted or taken back after a lapse are
+    fresh, however many are written at once (several submits right after a wake-up; a rule keyed on 'the
+    only lease held' fenced them again at their first event and dropped their submit replies with the
+    connection), while a lease that was not renewed still expires."""
     store = JobStore(None, "ca", "run-1", lease_s=4.0)
     store.last_renewed = time.monotonic() - 60  # a lapse long ago: nothing held, no renewal since
-    store._lease_rev["j"] = 7  # take() / adopt() wrote this job's lease just now
+    assert not store.expired()  # nothing held: nothing to lapse
+    now = time.monotonic()
+    for j, rev in (("j", 7), ("k", 8), ("l", 9)):  # adopt() / take() wrote these leases just now, concurrently
+        store._lease_rev[j], store._lease_at[j] = rev, now - 0.1
+    assert not store.expired()  # else the jobs would be fenced at their first event, their fresh leases left to lapse
+    store._lease_rev["old"], store._lease_at["old"] = 3, now - 60  # one that no round renewed
     assert store.expired()
-    store._fresh(time.monotonic() - 0.1)
-    assert not store.expired()  # else the job would be fenced at its first event, its fresh lease left to lapse
-    # with other leases held, the oldest renewal still counts: a new lease does not vouch for them
-    store.last_renewed = time.monotonic() - 60
-    store._lease_rev["k"] = 8
-    store._fresh(time.monotonic())
-    assert store.expired()
+    store.forget("old")
+    assert not store.expired() and store.held == ["j", "k", "l"]
