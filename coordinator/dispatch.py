@@ -17,6 +17,9 @@ least recently sent to), or None, meaning "send it to the queue group", when
   - the least loaded known worker already has `depth` outstanding (everyone is busy: NATS's random
     pick is as good, and it reaches workers this coordinator does not know yet),
   - or this is the `explore_every`-th pick of k (so new workers are discovered under steady load).
+`fence(experts)`: those experts' queue groups hold a worker of another model spec (the coordinator's
+worker discovery says so), so their picks go to a known worker however busy, and to the queue group
+only when none is known.
 `forget(k, token)` drops a worker that timed out or answered badly (it is learned again from its
 next good reply); with `ban=True` (no responders on its direct subject: gone, or a worker that
 predates direct subjects) its replies are not learned from for `ttl_s` seconds.
@@ -68,6 +71,7 @@ class DispatchPolicy:
         ttl_s: float = DEFAULT_TTL_S,
         max_workers: int = MAX_WORKERS_PER_EXPERT,
         clock: Callable[[], float] = time.monotonic,
+        only_fenced: bool = False,
     ):
         if not callable(token_of):
             raise ValueError("token_of must be a function worker id -> token")
@@ -86,14 +90,21 @@ class DispatchPolicy:
         self._outstanding: dict[int, dict[str, int]] = {}  # expert -> token -> requests out (> 0 only)
         self._picks: dict[int, int] = {}
         self._seq = 0
+        #: experts whose queue group holds a worker of another model spec: their picks avoid the queue group
+        self._fenced: frozenset[int] = frozenset()
+        #: dispatch="queue": this policy only steers the fenced experts; every other pick is the queue group
+        self.only_fenced = only_fenced
 
     # ------------------------------------------------------------ questions
     def pick(self, expert: int, exclude: Collection[str] = (), *, explore: bool = True) -> str | None:
         """The token of the worker of `expert` to send the next request to, or None: the queue group.
         exclude: tokens not to pick (a hedge's primary); explore=False: this pick never goes to the
         queue group just to explore (and does not count towards `explore_every`)."""
+        fenced = expert in self._fenced
+        if self.only_fenced and not fenced:
+            return None
         known = self._expire(expert)
-        if explore and self.explore_every:
+        if explore and self.explore_every and not fenced:
             n = self._picks[expert] = self._picks.get(expert, 0) + 1
             if n % self.explore_every == 0:
                 return None
@@ -107,9 +118,17 @@ class DispatchPolicy:
             key = (out.get(token, 0), entry.last_sent)
             if best_key is None or key < best_key:
                 best, best_key = token, key
-        if best is None or best_key[0] >= self.depth:
+        if best is None or (best_key[0] >= self.depth and not fenced):
             return None
         return best
+
+    def fence(self, experts: Collection[int]) -> None:
+        """Experts whose queue group holds a worker that must not be used (another model spec): their picks
+        never go to the queue group to explore or because every known worker is busy; only when none is known."""
+        self._fenced = frozenset(experts)
+
+    def fenced(self) -> frozenset[int]:
+        return self._fenced
 
     def outstanding(self, expert: int, token: str) -> int:
         """Requests this coordinator has out at that worker."""

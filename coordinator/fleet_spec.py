@@ -8,14 +8,17 @@ value range, space, prediction, time convention, classes), naming the worker tha
 
     spec = await check_fleet_spec(nc, router_spec, num_experts=2)   # raises FleetSpecError
 
-Workers that start later are not checked here: a worker whose samples have another shape answers
-the coordinator's requests with `bad_shape`, which the transport treats as a bad reply.
+Workers that start later are checked as the coordinator discovers them (`check_worker`, called by
+the transport's periodic `$SRV.INFO` discovery, coordinator/transport.py): a worker whose spec differs
+is rejected (never addressed directly, its replies refused), logged by name and counted; the
+coordinator keeps serving with the matching workers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 from bus.gather import gather_replies
 from schemas.spec import ModelSpec, SpecError, fleet_spec, legacy_spec
@@ -104,3 +107,52 @@ async def check_fleet_spec(nc, router_spec: ModelSpec, *, window_s: float = 0.5)
         len(workers),
     )
     return spec
+
+
+@dataclass(frozen=True)
+class RejectedWorker:
+    """A worker on the bus whose model spec differs from the fleet's (or cannot be read): not used."""
+
+    worker_id: str
+    service_id: str
+    host: str
+    expert: int
+    differs: str
+
+    def describe(self) -> str:
+        """Who it is: "expert K worker <id> (service <nats.micro id>, host <hostname>)"."""
+        return f"expert {self.expert} worker {self.worker_id} (service {self.service_id}, host {self.host})"
+
+    def to_json(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "service_id": self.service_id,
+            "host": self.host,
+            "expert": self.expert,
+            "differs": self.differs,
+        }
+
+
+def check_worker(fleet: ModelSpec, info: dict) -> RejectedWorker | None:
+    """A worker's `$SRV.INFO` reply (decoded JSON) checked against the fleet's spec: None when it serves
+    the same fleet (or names no worker id: nothing to route by), else the RejectedWorker saying what differs."""
+    md = info.get("metadata") if isinstance(info, dict) else None
+    if not isinstance(md, dict) or not isinstance(md.get("worker_id"), str):
+        return None
+    try:
+        diff = fleet.differences(worker_spec(md))
+    except SpecError as err:
+        diff = [f"unreadable spec: {err}"]
+    if not diff:
+        return None
+    try:
+        expert = int(md.get("expert", -1))
+    except (TypeError, ValueError):
+        expert = -1
+    return RejectedWorker(
+        worker_id=md["worker_id"][:128],
+        service_id=str(info.get("id", "?"))[:64],
+        host=str(md.get("host", "?"))[:128],
+        expert=expert,
+        differs="; ".join(diff)[:1000],
+    )

@@ -53,6 +53,11 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
                                                                    mean tick time
     ddm_coordinator_router_seconds_total                counter    seconds of router forwards (overlapping guessed
                                                                    expert calls under --speculate)
+    ddm_coordinator_rejected_workers                    gauge      expert workers on the bus whose model spec differs
+                                                                   from the fleet's (not used), at the last discovery
+    ddm_coordinator_workers_rejected_total              counter    distinct workers ever rejected for their spec
+    ddm_coordinator_rejected_replies_total              counter    replies refused as from a worker of another spec
+                                                                   (bad_shape, or a rejected worker's); sent again
     ddm_coordinator_checkpoints_written_total           counter    --durable: job checkpoints written to JetStream
                                                                    (admission, every --checkpoint-every steps,
                                                                    take-over, hand-over)
@@ -164,6 +169,22 @@ class _TransportCollector:
             "ddm_coordinator_direct_fallbacks",
             "Direct legs answered 'no responders' (the worker is gone) and sent to the queue group instead.",
             value=int(getattr(self.transport, "direct_fallbacks", 0)),
+        )
+        yield GaugeMetricFamily(
+            "ddm_coordinator_rejected_workers",
+            "Expert workers on the bus (at the last discovery) whose model spec differs from the fleet's: not used.",
+            value=len(getattr(self.transport, "rejected_workers", None) or {}),
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_workers_rejected",
+            "Distinct expert workers found with a model spec that differs from the fleet's (each counted once).",
+            value=int(getattr(self.transport, "workers_rejected_total", 0)),
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_rejected_replies",
+            "Expert replies refused because their worker serves another model spec (bad_shape, or a rejected "
+            "worker's reply); each request was sent again.",
+            value=int(getattr(self.transport, "rejected_replies", 0)),
         )
         dispatcher = getattr(self.transport, "dispatcher", None)
         known = GaugeMetricFamily(

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, ProtocolError, pack, subjects
+from schemas.messages import RejectedWorkerInfo
 from schemas.spec import ModelSpec, legacy_spec
 
 from .config import CoordinatorConfig
@@ -60,6 +61,8 @@ from .startup import load_router_and_partition, router_spec, wait_for_experts  #
 log = logging.getLogger(__name__)
 
 COORDINATOR_QUEUE = f"{subjects.PREFIX}.coordinators"
+#: Seconds between two discoveries of the expert workers, whose specs are checked against the fleet's.
+WORKER_CHECK_S = 5.0
 
 
 class EngineDied(RuntimeError):
@@ -107,6 +110,8 @@ class Coordinator:
         self.instance = new_instance_id()
         self.engine: Engine | None = None
         self._task: asyncio.Task | None = None
+        self._worker_watch: asyncio.Task | None = None
+        self.worker_check_s = WORKER_CHECK_S
         self._subs: list = []
         self.ledger = JobLedger(
             keep_finished=cfg.keep_finished,
@@ -247,6 +252,10 @@ class Coordinator:
             await self.durable_jobs.start(self.engine)
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         self._task.add_done_callback(self._engine_ended)
+        if self.check_spec and hasattr(self.transport, "refresh_workers"):
+            # workers that join later are checked as they are discovered (coordinator/fleet_spec.py)
+            self.transport.fleet_spec = self.spec
+            self._worker_watch = asyncio.create_task(self._watch_workers(), name="coordinator-worker-specs")
         log.info(
             "coordinator up: %d experts, max %d rows, %d queued jobs",
             self.config.num_experts,
@@ -255,7 +264,25 @@ class Coordinator:
         )
         return self
 
+    async def _watch_workers(self) -> None:
+        """Every WORKER_CHECK_S: discover the expert workers and reject those whose spec differs from the
+        fleet's (the transport logs each by name, stops addressing it and refuses its replies)."""
+        while True:
+            try:
+                await self.transport.refresh_workers()
+            except Exception as err:  # never let discovery take the coordinator down
+                log.warning("worker discovery failed: %r", err)
+            await asyncio.sleep(self.worker_check_s)
+
+    def rejected_workers(self) -> list:
+        """The workers on the bus (at the last discovery) whose model spec differs from the fleet's."""
+        rejected = getattr(self.transport, "rejected_workers", None) or {}
+        return sorted(rejected.values(), key=lambda w: (w.expert, w.worker_id))
+
     async def __aexit__(self, *exc) -> None:
+        if self._worker_watch is not None:
+            self._worker_watch.cancel()
+            self._worker_watch = None
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -390,7 +417,10 @@ class Coordinator:
         st["jobs_rejected"] = (
             st.get("jobs_rejected", 0) + self.intake.rejected_unread
         )  # every submit answered `rejected`
-        return FleetStatus(coordinator=self.name, spec=self.spec if include_spec else None, **st)
+        rejected = [RejectedWorkerInfo(**w.to_json()) for w in self.rejected_workers()] if include_spec else None
+        return FleetStatus(
+            coordinator=self.name, spec=self.spec if include_spec else None, rejected_workers=rejected, **st
+        )
 
     def owner_of(self, job_id: str) -> str | None:
         """The client token that owns a live or recently finished job `job_id` (any client's), else None."""

@@ -15,6 +15,14 @@ error or unusable reply, forgets the worker and is retried as below (elsewhere).
 `dispatch_counts[(expert, "direct" | "queue")]` (every leg sent, hedges included) and
 `direct_fallbacks`. `dispatch="queue"`: every try to the queue group, as before direct subjects.
 
+Worker specs: once the coordinator sets `fleet_spec`, every discovery (`refresh_workers`, every few
+seconds) checks each worker's advertised spec (coordinator/fleet_spec.py `check_worker`). A worker
+that differs goes into `rejected_workers` (a warning naming it once); its expert is fenced
+(`DispatchPolicy.fence`): its requests go only to matching workers' direct subjects, which discovery
+makes known, never to the queue group the odd worker shares (also with `dispatch="queue"`), unless no
+matching worker is known. A reply claiming a rejected worker, or a `bad_shape` error (requests carry the
+checked fleet's shape), is a bad reply: the request goes again.
+
 A request is retried when:
 * it times out, or gets a transient error reply (`overloaded`, `deadline_exceeded`,
   `unavailable`, `internal`): at most `retries` more tries;
@@ -362,6 +370,14 @@ class NatsTransport:
         self.worker_dtypes: dict[str, str] = {}
         self._dtype_refresh: asyncio.Task | None = None
         self._dtype_refreshed_at = float("-inf")
+        #: the fleet's model spec (set by the coordinator after its start check); None: workers unchecked
+        self.fleet_spec = None
+        #: worker id -> RejectedWorker (coordinator/fleet_spec.py): on the bus at the last discovery, with a
+        #: spec that differs from `fleet_spec`. Never addressed directly; its replies are refused
+        self.rejected_workers: dict = {}
+        self.workers_rejected_total = 0  # distinct workers ever rejected (each counted once)
+        self._rejected_ever: set[str] = set()
+        self.rejected_replies = 0  # replies refused because their worker's spec differs (also in bad_replies)
         self._prefix: str | None = None  # "<inbox prefix>.<nuid>": the reply mux's subject is prefix + ".*"
         self._pending: dict[str, asyncio.Future] = {}  # reply token -> the request's future
         self._mux_lock = asyncio.Lock()
@@ -582,7 +598,7 @@ class NatsTransport:
         """The most workers known for one expert (learned by direct dispatch from good replies,
         each forgotten `ttl_s` after its last one); None with dispatch="queue", which learns none.
         The engine's `cohorts="auto"` sizes its cohorts from it."""
-        if self.dispatcher is None:
+        if self.dispatcher is None or self.dispatch == "queue":
             return None
         return self.dispatcher.most_known()
 
@@ -673,6 +689,12 @@ class NatsTransport:
             left = self.step_timeout - (loop.time() - sent)
             # a direct primary's copy goes to another known worker with room, else the queue group
             other = self._pick(expert, (token,), explore=False) if token is not None else None
+            if other is None and self.dispatcher is not None and expert in self.dispatcher.fenced():
+                # no other matching worker known, and the queue group holds one of another spec: no copy
+                v, worker = await primary
+                self.hedging.observe(expert, loop.time() - sent, worker)
+                _answered_by(worker)
+                return v
             hedge = self._start_leg(expert, subject, payload, max(left, 0.001), shape, row_ids, other)
             outcome_if_first = {primary: "lost", hedge: "won"}
             pending: set = {primary, hedge}
@@ -732,16 +754,65 @@ class NatsTransport:
             log.debug("worker dtype discovery failed: %r", err)
             return self.worker_dtypes
         found: dict[str, str] = {}
+        infos = []
         for raw in replies:
             try:
-                md = json.loads(raw).get("metadata")
+                info = json.loads(raw)
+                md = info.get("metadata")
             except (ValueError, AttributeError):
                 continue
             if isinstance(md, dict) and isinstance(md.get("worker_id"), str):
                 dtype = md.get("dtype", md.get("precision", ""))
                 found[md["worker_id"][:128]] = dtype if isinstance(dtype, str) and dtype.isalnum() else ""
+                infos.append(info)
         self.worker_dtypes = found
+        if self.fleet_spec is not None:
+            self._check_worker_specs(infos)
         return found
+
+    async def refresh_workers(self, window_s: float = 0.3) -> dict:
+        """Discover the expert workers now (`refresh_worker_dtypes`: dtypes, and every worker's spec checked
+        against `fleet_spec`); returns `rejected_workers`. The coordinator calls it every few seconds."""
+        await self.refresh_worker_dtypes(window_s)
+        return self.rejected_workers
+
+    def _check_worker_specs(self, infos: list[dict]) -> None:
+        """Reject the discovered workers whose spec differs from the fleet's (a warning naming each the first
+        time); experts with a rejected worker stop using their queue group (where the odd worker would take
+        requests) while a matching worker is known: matching workers seen in discovery are addressed directly."""
+        from .fleet_spec import check_worker
+
+        rejected: dict = {}
+        matching: dict[int, list[str]] = {}
+        for info in infos:
+            bad = check_worker(self.fleet_spec, info)
+            md = info["metadata"]
+            if bad is None:
+                try:
+                    matching.setdefault(int(md.get("expert", -1)), []).append(md["worker_id"][:128])
+                except (TypeError, ValueError):
+                    pass
+                continue
+            rejected[bad.worker_id] = bad
+            if bad.worker_id not in self._rejected_ever:
+                self._rejected_ever.add(bad.worker_id)
+                self.workers_rejected_total += 1
+                log.warning(
+                    "not using %s: its model spec differs from the fleet's (%s); serving on with the matching workers",
+                    bad.describe(),
+                    bad.differs,
+                )
+        for gone in set(self.rejected_workers) - set(rejected):
+            log.info("rejected worker %s is no longer on the bus", gone)
+        self.rejected_workers = rejected
+        fenced = {w.expert for w in rejected.values()}
+        if self.dispatcher is None and fenced:  # dispatch="queue": steer only the fenced experts, directly
+            self.dispatcher = DispatchPolicy(subjects.worker_token, only_fenced=True)
+        if self.dispatcher is not None:
+            self.dispatcher.fence(fenced)
+            for expert in fenced:
+                for worker in matching.get(expert, []):
+                    self.dispatcher.seen(expert, worker)
 
     def _count_hedge(self, expert: int, outcome: str) -> None:
         key = (expert, outcome)
@@ -759,11 +830,21 @@ class NatsTransport:
         except ProtocolError as err:
             raise _BadReply(f"undecodable ({err.code.value}: {err.message})") from None
         worker = _claimed_worker(raw)
+        odd = self.rejected_workers.get(worker) if worker else None
+        if odd is not None:
+            self.rejected_replies += 1
+            raise _BadReply(f"its model spec differs from the fleet's ({odd.differs}); reply not used", worker)
         try:
             reply = validate(raw, StepResult)
         except ProtocolError as err:
             raise _BadReply(f"{err.code.value}: {err.message}", worker) from None
         if isinstance(reply, ErrorReply):
+            if reply.code == ErrorCode.BAD_SHAPE and self.fleet_spec is not None:
+                # requests carry the checked fleet's shape: only a worker of another spec says bad_shape (from
+                # the queue group, unnamed); try again elsewhere, and find out who it is
+                self.rejected_replies += 1
+                self._refresh_dtypes_soon()
+                raise _BadReply(f"bad_shape: {reply.message} (a worker whose model spec differs from the fleet's)")
             raise _ErrorReply(reply.code, reply.message)
         assert isinstance(reply, StepReply)
         if reply.expert != expert:

@@ -682,6 +682,19 @@ class JobStatus(Message):
         return out
 
 
+class RejectedWorkerInfo(BaseModel):
+    """A worker on the bus that the coordinator does not use: its model spec differs from the fleet's
+    (`FleetStatus.rejected_workers`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    worker_id: str = Field(max_length=128)
+    service_id: str = Field(max_length=64)
+    host: str = Field(max_length=128)
+    expert: int
+    differs: str = Field(max_length=1000)
+
+
 class FleetStatus(Message):
     """Coordinator -> anyone (reply on `ddm.v1.fleet.status`): a load snapshot.
 
@@ -710,12 +723,16 @@ class FleetStatus(Message):
     #: the fleet's model spec (`schemas.spec.ModelSpec`), only when the status request asked for it
     #: (a map with "spec": true), so that v1 clients, which refuse unknown keys, never see it
     spec: ModelSpec | None = None
+    #: workers on the bus whose spec differs from the fleet's (not used), sent with `spec` only (same opt-in)
+    rejected_workers: list[RejectedWorkerInfo] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_spec_unless_asked(self, handler):
         out = handler(self)
         if isinstance(out, dict) and self.spec is None:
             out.pop("spec", None)
+        if isinstance(out, dict) and self.rejected_workers is None:
+            out.pop("rejected_workers", None)
         return out
 
 

@@ -173,3 +173,22 @@ def test_most_known_is_the_most_workers_of_any_expert_within_the_ttl():
     p.seen(1, "e")
     clock.now += 15  # a, b, c not seen for 35 s: forgotten; e seen 15 s ago
     assert p.most_known() == 1
+
+
+def test_a_fenced_expert_never_uses_its_queue_group_while_a_worker_is_known():
+    p, _ = policy(explore_every=4, depth=1)
+    p.seen(0, "a")
+    p.seen(1, "b")
+    p.fence({0})
+    assert p.fenced() == {0}
+    picks = []
+    for _ in range(8):  # no exploring, and busy beyond depth still goes to the known worker
+        t = p.pick(0)
+        p.sent(0, t)
+        picks.append(t)
+    assert picks == ["t-a"] * 8
+    assert p.pick(1) == "t-b" and p.pick(1) == "t-b" and p.pick(1) == "t-b" and p.pick(1) is None  # 1: not fenced
+    assert p.pick(2) is None  # nothing known: the queue group is the last resort
+    p.fence(())
+    p.sent(0, "t-a")
+    assert p.pick(0, explore=False) is None  # unfenced: at depth means the queue group again

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.fleet_spec import FleetSpecError, check_fleet_spec, check_specs, worker_spec
+from coordinator.fleet_spec import FleetSpecError, check_fleet_spec, check_specs, check_worker, worker_spec
 from models.tiny import make_tiny_expert
 from schemas.spec import Conditioning, ModelSpec, SpecError, legacy_spec
 from workers.service import ExpertWorker
@@ -40,6 +40,21 @@ def test_check_specs_names_unreadable_and_different_workers():
     assert "expert 1 worker b differs from router" in msg and "expert 1 worker c: metadata" in msg
     assert "worker a" not in msg
     assert check_specs(router, {"expert 0 worker a": legacy_spec()}) == router
+
+
+def test_check_worker_names_a_worker_whose_spec_differs():
+    import json
+
+    rgb = json.dumps(legacy_spec(in_channels=3).to_json())
+    info = {"id": "SVC1", "metadata": {"worker_id": "w-odd", "expert": "1", "host": "box", "spec": rgb}}
+    bad = check_worker(legacy_spec(), info)
+    assert (bad.worker_id, bad.service_id, bad.host, bad.expert) == ("w-odd", "SVC1", "box", 1)
+    assert "sample_shape" in bad.differs and bad.describe() == "expert 1 worker w-odd (service SVC1, host box)"
+    same = {"id": "SVC2", "metadata": {"worker_id": "w-ok", "expert": "0", "input_shape": "1,32,32"}}
+    assert check_worker(legacy_spec(), same) is None
+    unreadable = {"id": "SVC3", "metadata": {"worker_id": "w-x", "expert": "0", "spec": "{oops"}}
+    assert "unreadable spec" in check_worker(legacy_spec(), unreadable).differs
+    assert check_worker(legacy_spec(), {"id": "SVC4", "metadata": {}}) is None  # no worker id: nothing to route by
 
 
 async def test_a_fleet_of_agreeing_workers_passes(nats_url, nc, tmp_path):

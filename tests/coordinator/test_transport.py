@@ -95,6 +95,47 @@ async def test_bad_replies_and_refusals_make_the_expert_unavailable(nc):
         await sub.unsubscribe()
 
 
+async def test_on_a_checked_fleet_bad_shape_means_an_odd_worker_and_is_asked_again(nc):
+    """With the fleet's spec known (the coordinator checked it at start), requests carry the right shape:
+    a bad_shape answer comes from a worker of another spec in the queue group; the request goes again."""
+    from schemas.spec import legacy_spec
+
+    calls = []
+
+    async def odd_then_good(req):
+        calls.append(req.request_id)
+        if len(calls) == 1:
+            return ErrorReply(code=ErrorCode.BAD_SHAPE, message="x_t must be [B, 3, 32, 32]")
+        return _ok(req)
+
+    sub = await _serve(nc, odd_then_good)
+    try:
+        tr = NatsTransport(nc, retries=0, bad_reply_retries=1, dispatch="queue")
+        tr.fleet_spec = legacy_spec()
+        x, t, y, ids = _inputs(2)
+        np.testing.assert_array_equal(await tr.velocity(EXPERT, x, t, y, ids), -x)
+        assert len(calls) == 2 and tr.rejected_replies == 1 and tr.bad_replies == 1
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_replies_of_a_rejected_worker_are_not_used(nc):
+    from coordinator.fleet_spec import RejectedWorker
+
+    async def claims(req):
+        return StepReply(expert=req.expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids, worker_id="odd-1")
+
+    sub = await _serve(nc, claims)
+    try:
+        tr = NatsTransport(nc, step_timeout=1, retries=0, bad_reply_retries=1, dispatch="queue")
+        tr.rejected_workers = {"odd-1": RejectedWorker("odd-1", "svc", "h", EXPERT, "num_classes: 10 != 4")}
+        with pytest.raises(ExpertUnavailable, match="model spec differs"):
+            await tr.velocity(EXPERT, *_inputs(1))
+        assert tr.rejected_replies == 2
+    finally:
+        await sub.unsubscribe()
+
+
 async def test_no_responders_fails_at_once(nc):
     tr = NatsTransport(nc, step_timeout=30, retries=5)
     with pytest.raises(ExpertUnavailable, match="no responders"):
