@@ -111,6 +111,7 @@ class Coordinator:
         self.engine: Engine | None = None
         self._task: asyncio.Task | None = None
         self._worker_watch: asyncio.Task | None = None
+        self._watching = True  # False once closing: the worker watch loop ends
         self.worker_check_s = WORKER_CHECK_S
         self._subs: list = []
         self.ledger = JobLedger(
@@ -267,12 +268,16 @@ class Coordinator:
     async def _watch_workers(self) -> None:
         """Every WORKER_CHECK_S: discover the expert workers and reject those whose spec differs from the
         fleet's (the transport logs each by name, stops addressing it and refuses its replies)."""
-        while True:
+        # The loop also ends on `_watching` going False: a cancel can be lost inside nats-py (a cancelled
+        # next_msg reads as ConnectionClosedError on a closed connection; 3.11's wait_for may swallow one),
+        # and a task that outlives a lost cancel would hang asyncio.run's shutdown.
+        while self._watching:
             try:
                 await self.transport.refresh_workers()
             except Exception as err:  # never let discovery take the coordinator down
                 log.warning("worker discovery failed: %r", err)
-            await asyncio.sleep(self.worker_check_s)
+            if self._watching:
+                await asyncio.sleep(self.worker_check_s)
 
     def rejected_workers(self) -> list:
         """The workers on the bus (at the last discovery) whose model spec differs from the fleet's."""
@@ -281,7 +286,9 @@ class Coordinator:
 
     async def __aexit__(self, *exc) -> None:
         if self._worker_watch is not None:
+            self._watching = False
             self._worker_watch.cancel()
+            await asyncio.wait({self._worker_watch}, timeout=2.0)  # at most one discovery window
             self._worker_watch = None
         for sub in self._subs:
             try:

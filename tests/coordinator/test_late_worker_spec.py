@@ -134,3 +134,47 @@ async def test_a_late_worker_of_another_spec_is_rejected_by_name_and_never_used(
         for p in (good, odd):
             if p is not None:
                 await _stop(p)
+
+
+async def test_leaving_ends_the_worker_watch_even_when_a_discovery_swallows_its_cancel(nats_url, nc, tmp_path):
+    """nats-py can turn a cancel into a ConnectionClosedError (and 3.11's wait_for can drop one): a watch loop
+    that kept going after that would hang asyncio.run's shutdown (seen: a coordinator that never exited after
+    SIGTERM). Leaving the coordinator ends the watch anyway, within a discovery window."""
+    ck = make_tiny_expert(tmp_path / "e", expert_id=0, widths=(8, 16, 32))
+    worker, _ = await _worker(ck, nats_url, tmp_path / "w.log")
+    try:
+        coord = Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=legacy_spec())
+        coord.worker_check_s = 0.05
+        swallowed = []
+
+        async def stubborn_refresh(window_s: float = 0.3) -> dict:
+            try:
+                await asyncio.sleep(window_s)
+            except asyncio.CancelledError:
+                swallowed.append(1)  # what a lost cancel looks like to the loop: the call just returns
+                asyncio.current_task().uncancel()
+            return {}
+
+        async with coord:
+            coord.transport.refresh_workers = stubborn_refresh
+            watch = coord._worker_watch
+            await asyncio.sleep(0.5)
+        assert watch.done() and swallowed, (watch, swallowed)
+    finally:
+        await _stop(worker)
+
+
+async def test_a_gather_cancelled_while_nats_reads_it_as_closed_still_ends(nats_url):
+    """bus.gather_replies re-raises a cancel that reached it as another error (nats-py's ConnectionClosedError
+    for a cancelled next_msg once the connection closes), instead of returning as if the window were over."""
+    import nats
+
+    from bus.gather import gather_replies
+
+    nc2 = await nats.connect(nats_url)
+    task = asyncio.ensure_future(gather_replies(nc2, "nobody.answers", window=30))
+    await asyncio.sleep(0.2)
+    await nc2.close()  # next_msg now reads a cancel as ConnectionClosedError
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
