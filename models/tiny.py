@@ -8,6 +8,8 @@ to milliseconds. They are NOT for quality: the weights are random.
     make_tiny_experts(directory, num_experts=2)      -> [Path, ...] named expert0, expert1, ...
     make_tiny_router(path, num_experts=2)            -> Path of <path>.safetensors (in_channels=3, ...)
     make_tiny_dit(path, expert_id=0)                 -> Path of <path>.safetensors (a DiT expert, "arch": "dit")
+    make_tiny_autoencoder(path, seed=0)              -> Path of <path>.safetensors (3x16x16 images <-> 4x8x8 latents)
+    make_tiny_latent_fleet(directory)                -> TinyLatentFleet: an autoencoder + experts whose spec names it
 
 Every call with the same arguments writes the same weights (seeded), so two processes that build
 "the same" tiny fleet serve identical velocities.
@@ -15,10 +17,15 @@ Every call with the same arguments writes the same weights (seeded), so two proc
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from schemas.spec import ModelSpec
 
 TINY_WIDTHS = (8, 16)
 
@@ -183,3 +190,115 @@ def make_tiny_router(
     torch.manual_seed(seed)
     net = RouterNet(cfg=RouterConfig(num_experts=num_experts, width=width, emb_dim=emb_dim, **shape))
     return save_router(path, net, {"tiny": True, **(meta or {})})
+
+
+def make_tiny_autoencoder(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    in_channels: int = 3,
+    image_size: int = 16,
+    latent_channels: int = 4,
+    widths: Sequence[int] = (8, 16),
+    scale_factor: float = 1.5,
+    shift_factor: float = 0.1,
+    latent_range: float = 4.0,
+) -> Path:
+    """Write a random-init autoencoder in the shipped format (`models.autoencoder`) and return its
+    ``.safetensors`` path; its JSON holds the ``content_hash`` a latent spec's decoder names.
+
+    The defaults map 3x16x16 images to 4x8x8 latents (each width after the first halves the size);
+    ``scale_factor`` / ``shift_factor`` / ``latent_range`` go into its spec as a trained one's would.
+    Two seeds give two autoencoders (two content hashes)."""
+    import torch
+
+    from .autoencoder import AutoencoderConfig, make_spec, save_autoencoder
+    from .autoencoder_torch import Autoencoder
+    from .checkpoint import torch_state_to_numpy
+
+    cfg = AutoencoderConfig(
+        in_channels=in_channels, image_size=image_size, latent_channels=latent_channels, widths=tuple(widths)
+    )
+    torch.manual_seed(seed)
+    meta = {
+        "config": cfg.to_dict(),
+        "spec": make_spec(cfg, scale_factor=scale_factor, shift_factor=shift_factor, latent_range=latent_range),
+    }
+    return save_autoencoder(path, torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
+
+
+@dataclass(frozen=True)
+class TinyLatentFleet:
+    """What `make_tiny_latent_fleet` wrote (``.safetensors`` paths) and the latent spec every model carries."""
+
+    autoencoder: Path
+    spec: ModelSpec
+    experts: list[Path] = field(default_factory=list)
+    router: Path | None = None
+    monolith: Path | None = None
+
+
+def make_tiny_latent_fleet(
+    directory: str | os.PathLike,
+    num_experts: int = 2,
+    *,
+    image_size: int = 16,
+    autoencoder_seed: int = 0,
+    scale_factor: float = 1.5,
+    shift_factor: float = 0.1,
+    latent_range: float = 4.0,
+    jitter: float = 0.05,
+    router: bool = False,
+    monolith: bool = False,
+) -> TinyLatentFleet:
+    """A tiny latent fleet in ``directory``, laid out as `up`, the evaluation and the benchmarks find one:
+
+    ``autoencoder`` (`make_tiny_autoencoder`: 3 x image_size^2 RGB <-> 4 x (image_size/2)^2 latents) and
+    ``num_experts`` latent experts ``expert<k>`` (the ten classes dealt out as `make_tiny_experts` does,
+    ``jitter`` as `make_tiny_expert`), each with a spec that says ``space: latent``, names the autoencoder as
+    its decoder and has ``value_range`` +-``latent_range`` (as `ddm-fleet data encode` records); with
+    ``router`` a `make_tiny_router` of that spec, with ``monolith`` a ``monolith`` expert of all ten classes."""
+    from schemas.spec import ModelSpec, legacy_spec
+
+    from .autoencoder import decoder_name
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ae = make_tiny_autoencoder(
+        directory / "autoencoder",
+        seed=autoencoder_seed,
+        image_size=image_size,
+        scale_factor=scale_factor,
+        shift_factor=shift_factor,
+        latent_range=latent_range,
+    )
+    ae_meta = json.loads(ae.with_suffix(".json").read_text())
+    channels, size, _ = ae_meta["spec"]["latent_shape"]
+    spec = ModelSpec.from_json(
+        {
+            **legacy_spec(in_channels=channels, image_size=size).to_json(),
+            "space": "latent",
+            "decoder": decoder_name(ae_meta["content_hash"]),
+            "value_range": [-float(latent_range), float(latent_range)],
+        }
+    )
+
+    def expert(name: str, expert_id: int, classes: Sequence[int]) -> Path:
+        path = make_tiny_expert(
+            directory / name, expert_id=expert_id, in_channels=channels, image_size=size, jitter=jitter, classes=classes
+        )
+        js = path.with_suffix(".json")
+        js.write_text(json.dumps({**json.loads(js.read_text()), "spec": spec.to_json()}))
+        return path
+
+    experts = [
+        expert(f"expert{k}", k, range((10 * k) // num_experts, (10 * (k + 1)) // num_experts))
+        for k in range(num_experts)
+    ]
+    router_path = None
+    if router:
+        router_path = make_tiny_router(
+            directory / "router", num_experts, in_channels=channels, image_size=size, meta={"spec": spec.to_json()}
+        )
+    mono = expert("monolith", 0, range(10)) if monolith else None
+    return TinyLatentFleet(autoencoder=ae, spec=spec, experts=experts, router=router_path, monolith=mono)

@@ -239,31 +239,10 @@ async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path
     decoder_unavailable) and the ceiling decodes in-process; a missing autoencoder is refused by name."""
     import shutil
 
-    import torch
+    from models.tiny import make_tiny_latent_fleet
 
-    from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
-    from models.autoencoder_torch import Autoencoder
-    from models.checkpoint import torch_state_to_numpy
-    from models.tiny import make_tiny_expert, make_tiny_router
-    from schemas.spec import ModelSpec, legacy_spec
-
-    d = tmp_path / "latent"
-    d.mkdir()
-    cfg = AutoencoderConfig(in_channels=3, image_size=16, latent_channels=4, widths=(8, 16))  # 3x16x16 <-> 4x8x8
-    torch.manual_seed(0)
-    meta = {"config": cfg.to_dict(), "spec": make_spec(cfg, scale_factor=1.0, shift_factor=0.0, latent_range=3.0)}
-    save_autoencoder(d / "autoencoder", torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
-    digest = json.loads((d / "autoencoder.json").read_text())["content_hash"]
-    spec = ModelSpec.from_json(
-        {**legacy_spec(in_channels=4, image_size=8).to_json(), "space": "latent", "decoder": decoder_name(digest)}
-    )
-    for k in range(2):
-        path = make_tiny_expert(
-            d / f"expert{k}", expert_id=k, in_channels=4, image_size=8, jitter=0.05, classes=range(5 * k, 5 * k + 5)
-        )
-        js = path.with_suffix(".json")
-        js.write_text(json.dumps({**json.loads(js.read_text()), "spec": spec.to_json()}))
-    make_tiny_router(d / "router", 2, in_channels=4, image_size=8, meta={"spec": spec.to_json()})
+    d = tmp_path / "latent"  # 3x16x16 images <-> 4x8x8 latents, two experts and a router
+    make_tiny_latent_fleet(d, router=True, scale_factor=1.0, shift_factor=0.0, latent_range=3.0)
     shutil.copy("checkpoints/partition.json", d / "partition.json")
     args = _args(
         concurrency="2",

@@ -8,7 +8,6 @@ hang); a decoder killed with kill -9 while a second one runs loses no job."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -21,47 +20,23 @@ import pytest
 from client.jobs import JobFailed, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
-from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
 from schemas import DoneEvent, ErrorCode, FrameEvent, JobRequest, subjects
-from schemas.spec import ModelSpec, legacy_spec
 
-AE = AutoencoderConfig(in_channels=3, image_size=16, latent_channels=4, widths=(8, 16))  # 3x16x16 <-> 4x8x8
 C2E = [0] * 5 + [1] * 5
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """(autoencoder path, its LatentCodec, the latent spec, [expert paths])."""
+    """(autoencoder path, its LatentCodec, the latent spec, [expert paths]): 3x16x16 images <-> 4x8x8 latents."""
     import torch
 
-    from models.autoencoder_torch import Autoencoder, LatentCodec
-    from models.checkpoint import torch_state_to_numpy
-    from models.tiny import make_tiny_expert
+    from models.autoencoder_torch import LatentCodec
+    from models.tiny import make_tiny_latent_fleet
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("latent-fleet")
-    torch.manual_seed(3)
-    meta = {"config": AE.to_dict(), "spec": make_spec(AE, scale_factor=1.5, shift_factor=0.1, latent_range=4.0)}
-    ae = save_autoencoder(d / "ae", torch_state_to_numpy(Autoencoder(AE).state_dict()), meta)
-    codec = LatentCodec.load(ae)
-    spec = ModelSpec.from_json(
-        {
-            **legacy_spec(in_channels=4, image_size=8).to_json(),
-            "space": "latent",
-            "decoder": decoder_name(codec.content_hash),
-            "value_range": [-4.0, 4.0],
-        }
-    )
-    experts = []
-    for k in range(2):
-        path = make_tiny_expert(
-            d / f"expert{k}", expert_id=k, in_channels=4, image_size=8, jitter=0.05, classes=range(5 * k, 5 * k + 5)
-        )
-        js = path.with_suffix(".json")
-        js.write_text(json.dumps({**json.loads(js.read_text()), "spec": spec.to_json()}))
-        experts.append(path)
-    yield ae, codec, spec, experts
+    made = make_tiny_latent_fleet(tmp_path_factory.mktemp("latent-fleet"), autoencoder_seed=3)
+    yield made.autoencoder, LatentCodec.load(made.autoencoder), made.spec, made.experts
     torch.set_num_threads(threads)
 
 

@@ -209,36 +209,15 @@ def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
 def test_latent_checkpoints_are_decoded_by_the_autoencoder_their_spec_names(tmp_path):
     """A latent monolith's samples go through its autoencoder (found beside it) before they are saved, exactly
     as `LatentCodec.decode` computes them; another autoencoder is refused, naming it."""
-    import torch
-
     from dataset.images import to_uint8
     from evaluation.run import requested_digits
     from evaluation.sample_inprocess import SampleConfig, generate, initial_batch, main
-    from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
-    from models.autoencoder_torch import Autoencoder, LatentCodec
-    from models.checkpoint import torch_state_to_numpy
-    from models.tiny import make_tiny_expert
-    from schemas.spec import ModelSpec, legacy_spec
+    from models.autoencoder_torch import LatentCodec
+    from models.tiny import make_tiny_autoencoder, make_tiny_latent_fleet
 
-    cfg = AutoencoderConfig(in_channels=3, image_size=16, latent_channels=4, widths=(8, 16))  # 3x16x16 <-> 4x8x8
-
-    def autoencoder(path, seed):
-        torch.manual_seed(seed)
-        meta = {"config": cfg.to_dict(), "spec": make_spec(cfg, scale_factor=1.5, shift_factor=0.1, latent_range=4.0)}
-        return save_autoencoder(path, torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
-
-    ck = tmp_path / "latent"
-    ck.mkdir()
-    codec = LatentCodec.load(autoencoder(ck / "autoencoder", 0))
-    spec = {
-        **legacy_spec(in_channels=4, image_size=8).to_json(),
-        "space": "latent",
-        "decoder": decoder_name(codec.content_hash),
-        "value_range": [-4.0, 4.0],
-    }
-    mono = make_tiny_expert(ck / "monolith", expert_id=0, in_channels=4, image_size=8, jitter=0.05, classes=range(10))
-    js = mono.with_suffix(".json")
-    js.write_text(json.dumps({**json.loads(js.read_text()), "spec": ModelSpec.from_json(spec).to_json()}))
+    ck = tmp_path / "latent"  # 3x16x16 images <-> 4x8x8 latents, a monolith of the ten classes beside them
+    made = make_tiny_latent_fleet(ck, num_experts=0, monolith=True)
+    codec, mono = LatentCodec.load(made.autoencoder), made.monolith
 
     out = tmp_path / "img"
     argv = ["--monolith", str(mono), "--configs", "monolith", "--per-class", "1", "--steps", "2"]
@@ -262,7 +241,7 @@ def test_latent_checkpoints_are_decoded_by_the_autoencoder_their_spec_names(tmp_
     )
     np.testing.assert_array_equal(got["images"], to_uint8(codec.decode(latents)))
 
-    other = autoencoder(tmp_path / "other", 1)
+    other = make_tiny_autoencoder(tmp_path / "other", seed=1)
     with pytest.raises(SystemExit, match="is autoencoder .* but the spec names"):
         main([*argv[:-2], "--autoencoder", str(other), "--out", str(tmp_path / "img2")])
     (ck / "autoencoder.safetensors").unlink()

@@ -7,14 +7,12 @@ decoder; without a decoder the job's `decoder_unavailable` failure is shown."""
 from __future__ import annotations
 
 import io
-import json
 
 import numpy as np
 import pytest
 
 from dataset.images import to_uint8
 from schemas import DoneEvent, FrameEvent, JobEvent, subjects, unpack
-from schemas.spec import ModelSpec, legacy_spec
 from tests.web.test_app_browser import browser, open_page, web_server  # noqa: F401 (fixtures)
 from tests.web.test_app_trajectories import _download
 
@@ -24,36 +22,11 @@ C2E = [0] * 5 + [1] * 5
 @pytest.fixture(scope="module")
 def latent_files(tmp_path_factory):
     """(autoencoder path, its LatentCodec, the latent spec, [expert paths]): random-init, real formats."""
-    import torch
+    from models.autoencoder_torch import LatentCodec
+    from models.tiny import make_tiny_latent_fleet
 
-    from models.autoencoder import AutoencoderConfig, decoder_name, make_spec, save_autoencoder
-    from models.autoencoder_torch import Autoencoder, LatentCodec
-    from models.checkpoint import torch_state_to_numpy
-    from models.tiny import make_tiny_expert
-
-    cfg = AutoencoderConfig(in_channels=3, image_size=16, latent_channels=4, widths=(8, 16))
-    d = tmp_path_factory.mktemp("latent-web")
-    torch.manual_seed(5)
-    meta = {"config": cfg.to_dict(), "spec": make_spec(cfg, scale_factor=1.5, shift_factor=0.1, latent_range=4.0)}
-    ae = save_autoencoder(d / "ae", torch_state_to_numpy(Autoencoder(cfg).state_dict()), meta)
-    codec = LatentCodec.load(ae)
-    spec = ModelSpec.from_json(
-        {
-            **legacy_spec(in_channels=4, image_size=8).to_json(),
-            "space": "latent",
-            "decoder": decoder_name(codec.content_hash),
-            "value_range": [-4.0, 4.0],
-        }
-    )
-    experts = []
-    for k in range(2):
-        path = make_tiny_expert(
-            d / f"expert{k}", expert_id=k, in_channels=4, image_size=8, jitter=0.05, classes=range(5 * k, 5 * k + 5)
-        )
-        js = path.with_suffix(".json")
-        js.write_text(json.dumps({**json.loads(js.read_text()), "spec": spec.to_json()}))
-        experts.append(path)
-    return ae, codec, spec, experts
+    made = make_tiny_latent_fleet(tmp_path_factory.mktemp("latent-web"), autoencoder_seed=5)
+    return made.autoencoder, LatentCodec.load(made.autoencoder), made.spec, made.experts
 
 
 class _LatentFleet:
