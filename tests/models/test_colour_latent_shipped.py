@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.startup import router_spec
-from dataset.builtin import BACKGROUNDS, FOREGROUNDS
-from evaluation.views import colour_check
+from dataset.builtin import palette_table
+from evaluation.views import colour_check, palette_arrays
 from models.autoencoder import decoder_name
 from models.codec import codec_info, fleet_codec
 
@@ -45,7 +45,5 @@ async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
         done = await run_job(fleet.nc, req, timeout=300)
     images = np.asarray(done.images, np.float32)
     assert images.shape == (6, 3, 32, 32) and np.isfinite(images).all()
-    fg = np.array(list(FOREGROUNDS.values()), np.float32)
-    bg = np.array(list(BACKGROUNDS.values()), np.float32)
-    reading = colour_check(images, fg, bg)
+    reading = colour_check(images, *palette_arrays({"palette": palette_table()}))  # as the judges read a manifest
     assert reading.correct.sum() >= 5, (reading.foreground_error, reading.background_error)

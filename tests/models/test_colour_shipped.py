@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.startup import router_spec
-from dataset.builtin import BACKGROUNDS, FOREGROUNDS
-from evaluation.views import colour_check
+from dataset.builtin import palette_table
+from evaluation.views import colour_check, palette_arrays
 
 CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour"
 FILES = ["expert0", "expert1", "expert2", "expert3", "router", "monolith"]
@@ -39,7 +39,5 @@ async def test_the_colour_fleet_serves_rgb_digits_in_the_palette():
         done = await run_job(fleet.nc, req, timeout=300)
     images = np.asarray(done.images, np.float32)
     assert images.shape == (6, 3, 32, 32) and np.isfinite(images).all()
-    fg = np.array(list(FOREGROUNDS.values()), np.float32)
-    bg = np.array(list(BACKGROUNDS.values()), np.float32)
-    reading = colour_check(images, fg, bg)
+    reading = colour_check(images, *palette_arrays({"palette": palette_table()}))  # as the judges read a manifest
     assert reading.correct.sum() >= 5, (reading.foreground_error, reading.background_error)
