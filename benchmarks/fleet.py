@@ -505,6 +505,34 @@ def _forward_limit(args, models) -> dict | None:
     }
 
 
+def limit_at_load(limit: dict, rows_in_flight: float, experts: int) -> dict:
+    """The forward-only limit a level's load allows: with `rows_in_flight` rows (clients x images per job x
+    experts per row) spread over `experts` experts, no expert call can hold more than rows / experts rows,
+    so each expert's rate is read at that batch (log-linear between the timed batches; clamped to the
+    smallest and largest timed) instead of at its best. -> {"batch", "images_per_s", "rows_per_s"}."""
+    import math
+    import statistics
+
+    batch = max(1.0, rows_in_flight / max(experts, 1))
+    rates = []
+    for e in limit["experts"]:
+        table = sorted((int(b), float(r)) for b, r in e["rows_per_s_by_batch"].items())
+        b = min(max(batch, table[0][0]), table[-1][0])
+        rate = table[-1][1]
+        for (b0, r0), (b1, r1) in zip(table, table[1:]):
+            if b0 <= b <= b1:
+                f = 0.0 if b1 == b0 else (math.log2(b) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+                rate = r0 + f * (r1 - r0)
+                break
+        rates.append(min(rate, e["rows_per_s"]))  # never above the expert's best
+    rows_per_s = limit["units"] / statistics.fmean(1.0 / r for r in rates)
+    return {
+        "batch": round(batch, 1),
+        "rows_per_s": round(rows_per_s, 1),
+        "images_per_s": round(rows_per_s / limit["rows_per_image"], 2),
+    }
+
+
 # ----------------------------------------------------------------------------- the two paths
 
 
@@ -924,9 +952,14 @@ async def bench_fleet(args) -> dict:
         if fleet and ceiling:
             row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
         if limit is not None:
+            at_load = limit_at_load(limit, c * args.images_per_job * limit["experts_per_row"], models["k"])
+            row["limit_at_load"] = at_load
             for path in ("fleet", "ceiling"):
                 if path in row:
                     row[f"{path}_over_limit"] = round(row[path]["images_per_s"] / max(limit["images_per_s"], 1e-9), 3)
+                    row[f"{path}_over_limit_at_load"] = round(
+                        row[path]["images_per_s"] / max(at_load["images_per_s"], 1e-9), 3
+                    )
         rows.append(row)
     cfg = _coordinator(args)
     setup = {
@@ -1038,6 +1071,22 @@ def format_table(results: dict) -> str:
             + (f" (load1 {lim['load1'][0]}>{lim['load1'][1]} while timed)" if lim.get("load1") else "")
             + ". jobs = jobs the clients ran in the level"
         )
+        at_load = [r for r in results["rows"] if r.get("limit_at_load")]
+        if at_load:
+            lines.append(
+                "the limit at each level's load (no expert call can hold more than clients x images per job x "
+                "experts per row / experts rows; each expert's forward read at that batch): "
+                + "; ".join(
+                    f"conc {r['concurrency']}: batch {r['limit_at_load']['batch']:g}, "
+                    f"{r['limit_at_load']['images_per_s']:.1f} img/s"
+                    + "".join(
+                        f", {path}/that {r[f'{path}_over_limit_at_load']:.2f}"
+                        for path in ("fleet", "ceiling")
+                        if f"{path}_over_limit_at_load" in r
+                    )
+                    for r in at_load
+                )
+            )
     outcome_rows = [
         (path, r["concurrency"], r[path])
         for r in results["rows"]

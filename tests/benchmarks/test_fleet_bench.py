@@ -116,6 +116,12 @@ def test_a_level_lasts_min_level_s_and_the_forward_limit_is_reported(tmp_path, c
             row["ceiling"]["images_per_s"] / lim["images_per_s"], rel=0.01
         )
         assert row["ceiling_over_limit"] < 1.5, (row, lim)  # the forward alone is the limit, within noise
+        at = row["limit_at_load"]  # 1 or 2 rows over 2 experts: each expert read at its smallest timed batch
+        assert at["batch"] == max(1.0, row["concurrency"] / 2)
+        assert at["images_per_s"] <= lim["images_per_s"] * 1.001
+        assert row["ceiling_over_limit_at_load"] == pytest.approx(
+            row["ceiling"]["images_per_s"] / at["images_per_s"], rel=0.01
+        )
     assert "fleet_over_limit" not in res["rows"][0]
 
 
@@ -129,6 +135,26 @@ def test_limit_counts_rows_per_image_for_the_run_s_solver_and_strategy(tmp_path)
     assert (lim["evals_per_step"], lim["experts_per_row"], lim["rows_per_image"]) == (2, 2, 12)
     assert lim["images_per_s"] == pytest.approx(lim["rows_per_s"] / 12, rel=0.01)
     assert bench._forward_limit(_args(limit_batches="none"), models) is None
+
+
+def test_the_limit_at_a_level_s_load_reads_each_expert_at_the_batch_the_load_allows():
+    """64 rows over 2 experts: calls of at most 32 rows, so each expert's rate is read at batch 32 (log-linear
+    between the timed 8 and 128), never above its best; one row per expert reads the smallest timed batch."""
+    lim = {
+        "units": 2,
+        "rows_per_image": 40,
+        "experts": [
+            {"rows_per_s": 400.0, "rows_per_s_by_batch": {"8": 100.0, "32": 200.0, "128": 400.0}},
+            {"rows_per_s": 300.0, "rows_per_s_by_batch": {"8": 100.0, "128": 300.0}},
+        ],
+    }
+    at = bench.limit_at_load(lim, 64, 2)
+    assert at["batch"] == 32
+    # expert 0 at 32: 200 (timed); expert 1 at 32: halfway from 8 to 128 in log2 -> 200; 2 cores
+    assert at["rows_per_s"] == pytest.approx(2 * 200.0) and at["images_per_s"] == pytest.approx(400.0 / 40)
+    assert bench.limit_at_load(lim, 2, 2)["rows_per_s"] == pytest.approx(2 * 100.0)  # below 8: clamped to 8
+    big = bench.limit_at_load(lim, 10_000, 2)  # above the largest timed batch: the experts' best
+    assert big["rows_per_s"] == pytest.approx(2 / ((1 / 400 + 1 / 300) / 2), abs=0.1)
 
 
 def test_table_shows_ratio():
