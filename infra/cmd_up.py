@@ -11,6 +11,10 @@ Waits until each is ready (the bus accepts connections, every worker and decoder
 $SRV.PING, the coordinator answers ddm.v1.fleet.status, the page answers HTTP 200), then prints
 what runs where and the URL to open.
 
+On a host without accelerators whose cores the fleet fills (at most its worker processes + 2), with one
+worker per expert, the coordinator runs one cohort (`--cohorts 1`; docs/CAPACITY.md, "Cohorts on one small
+host") unless --coordinator-args sets --cohorts.
+
 Jobs are durable by default (`ddm-fleet coordinator --durable`, docs/COORDINATOR.md): the coordinator
 checkpoints every running job in JetStream, so a coordinator that crashes and is restarted here resumes
 its jobs mid-trajectory (clients see a pause, then the same images), and Ctrl-C hands running jobs
@@ -227,6 +231,34 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
             ) from None
 
 
+#: Device files of accelerators the workers could use (NVIDIA, AWS Neuron, TPU / other accel, AMD ROCm):
+#: where none exists, every worker `up` starts computes on this host's CPU.
+ACCELERATOR_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/neuron0", "/dev/accel0", "/dev/kfd")
+
+
+def shared_cpu_cohorts(
+    coordinator_args: str,
+    workers_per_expert: int,
+    worker_processes: int,
+    *,
+    cpu_count: int | None = None,
+    accelerator: bool | None = None,
+) -> list[str]:
+    """Coordinator options for a fleet whose processes all share a few CPU cores: ["--cohorts", "1"] when
+    this host has no accelerator, one worker per expert, at most (worker processes + 2) cores, and the
+    user set no --cohorts; else []. A second cohort only overlaps work where a core is idle, and halves
+    every expert request: on 2 cores one cohort served 1.35-1.4x the images at 8 clients and the same at 1
+    and 64 (docs/CAPACITY.md, "Cohorts on one small host")."""
+    if "--cohorts" in coordinator_args or workers_per_expert != 1:
+        return []
+    cores = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    if accelerator is None:
+        accelerator = any(os.path.exists(dev) for dev in ACCELERATOR_DEVICES)
+    if accelerator or cores > worker_processes + 2:
+        return []
+    return ["--cohorts", "1"]
+
+
 def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> list[list]:
     from infra.launcher import ChildSpec
     from schemas import subjects
@@ -305,6 +337,7 @@ def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> l
         cli
         + ["coordinator", "--router", str(ck["router"]), "--partition", str(ck["partition"]), "--nats", nats_url]
         + (["--durable"] if durable else [])
+        + shared_cpu_cohorts(args.coordinator_args, args.workers, len(ck["experts"]) * args.workers)
         + shlex.split(args.coordinator_args)
     )
     rest.append(

@@ -403,6 +403,31 @@ def test_backends_default_and_override(tiny_fleet_dir):
     assert not rest[0].critical and rest[-1].critical
 
 
+def test_a_fleet_sharing_a_few_cpu_cores_runs_one_cohort_unless_told_otherwise(tiny_fleet_dir):
+    """On a host without accelerators whose cores the fleet's processes fill (at most worker processes + 2),
+    with one worker per expert, `up` starts the coordinator with --cohorts 1 (measured: docs/CAPACITY.md);
+    with an accelerator, more cores, several workers per expert, or the user's own --cohorts it does not."""
+    from infra.cmd_up import Probes, build_stages, check_checkpoints, shared_cpu_cohorts
+
+    assert shared_cpu_cohorts("", 1, 2, cpu_count=2, accelerator=False) == ["--cohorts", "1"]
+    assert shared_cpu_cohorts("", 1, 2, cpu_count=4, accelerator=False) == ["--cohorts", "1"]
+    assert shared_cpu_cohorts("", 1, 2, cpu_count=5, accelerator=False) == []  # cores to spare: overlap pays
+    assert shared_cpu_cohorts("", 1, 2, cpu_count=2, accelerator=True) == []  # workers may be on a GPU
+    assert shared_cpu_cohorts("", 2, 4, cpu_count=2, accelerator=False) == []  # cohorts feed several workers
+    assert shared_cpu_cohorts("--cohorts 3", 1, 2, cpu_count=2, accelerator=False) == []
+
+    def coordinator_argv(*argv):
+        args = cli.build_parser().parse_args(["up", "--checkpoints", str(tiny_fleet_dir), *argv])
+        stages = build_stages(args, check_checkpoints(args.checkpoints), "/bin/nats-server", Probes("nats://x:1"))
+        return next(c for c in stages[1] if c.name == "coordinator").argv
+
+    want = shared_cpu_cohorts("", 1, 2)  # this host's answer, whatever it is
+    argv = coordinator_argv()
+    assert (argv[argv.index("--cohorts") :][:2] if "--cohorts" in argv else []) == want
+    argv = coordinator_argv("--coordinator-args=--cohorts 2")
+    assert argv.count("--cohorts") == 1 and argv[argv.index("--cohorts") + 1] == "2"
+
+
 # ------------------------------------------------------------------ --nats: $NATS_URL and comma-separated lists
 
 
