@@ -70,7 +70,8 @@ async def test_ceiling_path_measures_every_concurrency(tmp_path):
     assert "ceil img/s" in table[2] and [t.split()[0] for t in table[3:5]] == ["1", "3"]
     assert table[4].split("|")[2].split()[3] == "6"  # ceiling 3: jobs run
     assert table[5].startswith("forward-only limit ")
-    assert table[9].split("|")[1].split() == ["6", "6", "0", "0", "0"]  # ceiling 3: submitted .. LOST
+    assert table[6].startswith("the limit at each level's load") and "conc 3: batch 1.5, " in table[6]
+    assert table[10].split("|")[1].split() == ["6", "6", "0", "0", "0"]  # ceiling 3: submitted .. LOST
 
 
 def test_a_level_lasts_min_level_s_and_the_forward_limit_is_reported(tmp_path, capsys):
