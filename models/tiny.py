@@ -148,6 +148,12 @@ def make_tiny_dit(
     return save_checkpoint(path, torch_state_to_numpy(model.state_dict()), meta, dtype=dtype)
 
 
+def class_block(k: int, num_experts: int) -> list[int]:
+    """The ten digits dealt out in contiguous blocks, expert ``k``'s share (2 experts: 0-4 | 5-9), as the
+    shipped partition."""
+    return list(range((10 * k) // num_experts, (10 * (k + 1)) // num_experts))
+
+
 def make_tiny_experts(
     directory: str | os.PathLike,
     num_experts: int = 2,
@@ -162,10 +168,7 @@ def make_tiny_experts(
     directory.mkdir(parents=True, exist_ok=True)
     out = []
     for k in range(num_experts):
-        classes = None
-        if split_classes:
-            lo, hi = (10 * k) // num_experts, (10 * (k + 1)) // num_experts
-            classes = list(range(lo, hi))
+        classes = class_block(k, num_experts) if split_classes else None
         out.append(make_tiny_expert(directory / f"{prefix}{k}", expert_id=k, classes=classes, **kwargs))
     return out
 
@@ -291,10 +294,7 @@ def make_tiny_latent_fleet(
         js.write_text(json.dumps({**json.loads(js.read_text()), "spec": spec.to_json()}))
         return path
 
-    experts = [
-        expert(f"expert{k}", k, range((10 * k) // num_experts, (10 * (k + 1)) // num_experts))
-        for k in range(num_experts)
-    ]
+    experts = [expert(f"expert{k}", k, class_block(k, num_experts)) for k in range(num_experts)]
     router_path = None
     if router:
         router_path = make_tiny_router(
