@@ -10,10 +10,10 @@ workers that see it learn nothing about the connection's other reply subjects.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
+from .cancel import raise_if_cancelled
 from .inbox import discovery_inbox
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ async def gather_replies(
             try:
                 msg = await sub.next_msg(timeout=left)
             except Exception:  # nats TimeoutError: window over
-                _raise_if_cancelled()  # nats-py reads a cancel on a closed connection as ConnectionClosedError
+                raise_if_cancelled()  # nats-py reads a cancel on a closed connection as ConnectionClosedError
                 break
             if len(msg.data) > max_reply_bytes:
                 log.info("skipping a %d-byte reply on %s (limit %d)", len(msg.data), subject, max_reply_bytes)
@@ -65,11 +65,3 @@ async def gather_replies(
         except Exception:
             pass
     return replies
-
-
-def _raise_if_cancelled() -> None:
-    """Raise CancelledError if the current task has been asked to stop: an error that stands for a cancel
-    must not let the task carry on (a loop around the gather would then never end)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError()

@@ -14,6 +14,7 @@ import logging
 import time
 from collections import OrderedDict
 
+from bus.cancel import raise_if_cancelled
 from schemas import ErrorCode, ProtocolError, subjects
 
 from .durable import JobLost, JobStore
@@ -117,6 +118,7 @@ class DurableJobs:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                raise_if_cancelled()  # a cancel nats-py reported as a closed connection
                 log.exception("durable jobs: a round of bucket writes failed")
                 await asyncio.sleep(min(period, 1.0))
 
@@ -133,6 +135,7 @@ class DurableJobs:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                raise_if_cancelled()
                 log.exception("durable jobs: a round of lease renewals failed")
 
     async def renew(self) -> None:

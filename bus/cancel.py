@@ -1,0 +1,25 @@
+"""A cancel that reached a task disguised as another error.
+
+nats-py turns a cancelled wait on a connection it has closed into `ConnectionClosedError` (and 3.11's
+`asyncio.wait_for` can drop a cancel that races its timeout). A loop that catches `Exception` to
+survive bus trouble then goes round again, and whoever cancelled it and awaits it waits forever.
+Such loops call `raise_if_cancelled()` in their `except Exception` branch:
+
+    while True:
+        try:
+            await renew()
+        except Exception:
+            raise_if_cancelled()   # asked to stop: stop, whatever the error looked like
+            log.exception("renewal failed")
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task has been asked to stop (`Task.cancelling()`)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()

@@ -1,0 +1,75 @@
+"""The durable-jobs loops stop when cancelled, even when the cancel reaches them disguised.
+
+nats-py reports a wait cancelled on a connection it has closed as `ConnectionClosedError`; the renewal
+and bucket-write loops catch `Exception` to survive bus trouble, so without `bus.cancel.raise_if_cancelled`
+they went round again and `hand_over` (which cancels and awaits them) waited forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.durable_jobs import DurableJobs
+from coordinator.ledger import JobLedger
+
+
+async def _raise_cancel():
+    raise asyncio.CancelledError()
+
+
+class DisguisingStore:
+    """A store whose bus call, once cancelled, raises what nats-py raises on a closed connection."""
+
+    lease_s = 0.03
+    held: tuple = ()
+
+    def __init__(self):
+        self.calls = 0
+        self.entered = asyncio.Event()
+
+    async def renew(self):
+        self.calls += 1
+        self.entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise ConnectionError("nats: connection closed") from None
+        return []
+
+    def expired(self) -> bool:
+        return False
+
+
+async def test_renewals_stop_on_a_cancel_disguised_as_a_closed_connection():
+    store = DisguisingStore()
+    jobs = DurableJobs(store, JobLedger(), name="c1", checkpoint_every=4)
+    task = asyncio.create_task(jobs._renewals())
+    await asyncio.wait_for(store.entered.wait(), 5)
+    task.cancel()
+    await asyncio.wait({task}, timeout=2)
+    stopped = task.done()
+    if not stopped:  # before the fix: the loop renewed again, forever; end it for the next test
+        store.renew = _raise_cancel
+        task.cancel()
+        await asyncio.wait({task}, timeout=2)
+    assert stopped, "the renewal loop survived its cancel"
+    assert task.cancelled() and store.calls == 1
+
+
+async def test_a_failed_renewal_that_is_not_a_cancel_keeps_the_loop_going():
+    class Failing(DisguisingStore):
+        async def renew(self):
+            self.calls += 1
+            if self.calls >= 3:
+                self.entered.set()
+            raise ConnectionError("nats: timeout")
+
+    store = Failing()
+    jobs = DurableJobs(store, JobLedger(), name="c1", checkpoint_every=4)
+    task = asyncio.create_task(jobs._renewals())
+    await asyncio.wait_for(store.entered.wait(), 5)  # it went on after two failures
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2)
