@@ -14,7 +14,7 @@ CHROMIUM := $(or $(DDM_CHROMIUM),/usr/bin/chromium)
 # torch) on a disk that CI machines do not always have to spare.
 PIP_INSTALL := pip install --quiet --no-cache-dir
 
-.PHONY: demo test test-fast lint install chromium test-xla clean
+.PHONY: demo test test-fast lint install chromium cxx test-xla clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,7 @@ $(RUNTIME_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 
 # What the suite needs: every role, the pretrained extra (diffusers, transformers: their tests) and
 # the test tools (a superset of the runtime install).
-$(TEST_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python chromium
+$(TEST_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python chromium cxx
 	$(BIN)/$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[all,pretrained,test]'
 	rm -f $(VENV)/.installed-*
 	touch $(RUNTIME_STAMP) $(TEST_STAMP)
@@ -42,6 +42,17 @@ chromium:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	else \
 	  echo "make: no Chromium at $(CHROMIUM) (browser tests); run: sudo apt-get install -y chromium (or set DDM_CHROMIUM)" >&2; exit 1; \
+	fi
+
+# A C++ compiler for torch.compile (inductor writes C++; the workers' `--compile auto` uses it on a CPU,
+# tests/workers/test_torch_compile.py asks for it): present, or Debian's g++ when running as root.
+cxx:
+	@if command -v g++ >/dev/null || command -v c++ >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing Debian's g++ for torch.compile"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; \
+	else \
+	  echo "make: no C++ compiler (torch.compile needs one); run: sudo apt-get install -y g++" >&2; exit 1; \
 	fi
 
 install: $(RUNTIME_STAMP)

@@ -51,6 +51,7 @@ import os
 import time
 
 from bus.options import add_dtype_option
+from workers.backends.torch_compile import COMPILE_CHOICES
 
 from . import step_profile
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
@@ -150,6 +151,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("torch", "jax"),
         default="torch",
         help="model runtime of the workers and of the ceiling's experts (default %(default)s)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="auto",
+        help="torch: compile the experts (torch.compile, inductor freezing) in the workers, the ceiling and the "
+        "forward-only limit alike; auto = on for a CPU with a C++ compiler ($DDM_FLEET_COMPILE=on|off "
+        "overrides; workers.backends.torch_compile) (default %(default)s)",
     )
     parser.add_argument(
         "--device",
@@ -459,7 +468,9 @@ def _forward_limit(args, models) -> dict | None:
         torch_threads = torch.get_num_threads()
         torch.set_num_threads(1)
     try:
-        backends = load_backends(models["experts"], backend_name, dtype=args.dtype, buckets=(), device=device)
+        backends = load_backends(
+            models["experts"], backend_name, dtype=args.dtype, buckets=(), device=device, compile=args.compile
+        )
         rng = np.random.default_rng(0)
         experts = []
         for be in backends:
@@ -558,6 +569,7 @@ async def _ceiling(args, models) -> dict:
         dtype=args.dtype,
         buckets=buckets,
         device=getattr(args, "device", None),
+        compile=args.compile,
     )
     waiting: dict[str, asyncio.Future] = {}
     codec = None
@@ -800,6 +812,7 @@ async def _fleet(args, models) -> dict:
                     )
                     worker_ports.append(free_port())
                     cmd += ["--dtype", args.dtype, "--metrics-port", str(worker_ports[-1])]
+                    cmd += ["--compile", args.compile] if getattr(args, "backend", "torch") == "torch" else []
                     cmd += ["--backend", getattr(args, "backend", "torch")]
                     cmd += ["--device", args.device] if getattr(args, "device", None) else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -925,6 +938,16 @@ async def _fleet(args, models) -> dict:
         store.cleanup()
 
 
+def resolve_bench_compile(args) -> str:
+    """--compile decided once for the workers, the ceiling and the forward limit: "on" or "off"."""
+    from workers.backends.torch_compile import resolve_compile
+
+    if getattr(args, "backend", "torch") != "torch":
+        return "off"
+    on, _ = resolve_compile(getattr(args, "compile", "auto"), device=getattr(args, "device", None) or "cpu")
+    return "on" if on else "off"
+
+
 async def bench_fleet(args) -> dict:
     import tempfile
 
@@ -934,6 +957,7 @@ async def bench_fleet(args) -> dict:
         check_args(args)
     # "auto" decided once, here: the workers, the ceiling and the forward limit compute in the same dtype
     args.dtype = resolve_dtype(args.dtype, backend=getattr(args, "backend", "torch"), device=args.device)
+    args.compile = resolve_bench_compile(args)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ddm-bench-fleet-") as tmp:
         models = _models(args, tmp)
@@ -973,6 +997,7 @@ async def bench_fleet(args) -> dict:
         "solver": args.solver,
         "stream": not args.no_stream,
         "dtype": args.dtype,
+        "compile": args.compile,
         "backend": getattr(args, "backend", "torch"),
         "device": getattr(args, "device", None) or "default",
         "threads": args.threads,

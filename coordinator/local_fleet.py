@@ -127,14 +127,17 @@ def load_backends(
     dtype: str = "auto",
     buckets: Sequence[int] = (),
     device: str | None = None,
+    compile: str = "off",
 ) -> list[Any]:
     """One loaded backend per checkpoint (on `device`, None: the backend's default), warmed at `buckets`,
-    computing in `dtype` ("auto" | "float32" | "bfloat16", `models.precision`)."""
+    computing in `dtype` ("auto" | "float32" | "bfloat16", `models.precision`); torch: `compile` "off" |
+    "on" | "auto" (`workers.backends.torch_compile`)."""
     from workers.backends import get_backend
 
     out = []
+    extra = {"compile": compile} if backend == "torch" else {}
     for p in paths:
-        be = get_backend(backend, dtype=dtype, **({"device": device} if device else {}))
+        be = get_backend(backend, dtype=dtype, **({"device": device} if device else {}), **extra)
         be.load(p)
         if buckets:
             be.warmup(buckets)
@@ -159,6 +162,7 @@ class LocalFleet:
         backend: str = "torch",
         device: str | None = None,
         dtype: str = "auto",
+        compile: str = "off",
         buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         coordinator_options: dict | None = None,
         decoder_checkpoint: str | os.PathLike | None = None,
@@ -174,6 +178,8 @@ class LocalFleet:
         self.backend = backend
         self.device = device  # the workers' device (None: the backend's default, the CPU for torch)
         self.dtype = dtype  # the workers' dtype: "auto" | "float32" | "bfloat16" (`models.precision`)
+        # torch workers: "off" (a short-lived fleet: a compile would cost more than it saves), "on", "auto"
+        self.compile = compile
         self.buckets = tuple(buckets)
         self.coordinator_options = dict(coordinator_options or {})
         self.server = None
@@ -224,6 +230,7 @@ class LocalFleet:
                         dtype=self.dtype,
                         nats_url=self.url,
                         buckets=self.buckets,
+                        **({"compile": self.compile} if self.backend == "torch" else {}),
                     )
                     await w.start()
                     self.workers.append(w)

@@ -86,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
             start.cancel()
             await asyncio.gather(start, return_exceptions=True)
             await worker.stop()
-            return 0
+            # the load / warm-up thread cannot be interrupted (a --compile warm-up runs for tens of
+            # seconds) and asyncio.run would wait for it: nothing is subscribed yet, so leave now
+            print("stopped during start-up", flush=True)
+            sys.stderr.flush()
+            os._exit(0)
         start.result()  # raises start-up errors
         meta = worker.metadata()
         print(

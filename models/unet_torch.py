@@ -43,13 +43,14 @@ class NullLabelError(ValueError):
 def map_labels(y: torch.Tensor, cfg: UNetConfig) -> torch.Tensor:
     """y [B] int in 0..num_classes-1 or -1 -> embedding rows [B] int64 (-1 -> num_classes with null_label).
 
-    Raises NullLabelError for -1 when the model has no null label, checked only on CPU tensors (a
-    check on a GPU / XLA tensor would stall the device; serving validates labels before the model).
+    Raises NullLabelError for -1 when the model has no null label, checked only on CPU tensors in eager
+    mode (a check on a GPU / XLA tensor would stall the device, one in a compiled graph would break it
+    in two; serving validates labels before the model).
     """
     y = y.long()
     if cfg.null_label:
         return torch.where(y < 0, torch.full_like(y, cfg.num_classes), y)
-    if y.device.type == "cpu" and y.numel() and int(y.min()) < 0:
+    if y.device.type == "cpu" and not torch.compiler.is_compiling() and y.numel() and int(y.min()) < 0:
         raise NullLabelError(
             "this model was trained without a null label, so it cannot generate with an unknown "
             "label (y = -1); train one with --label-dropout > 0"

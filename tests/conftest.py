@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bus.nats_server import NatsServer
+
+# What `--compile auto` means in this suite (workers.backends.torch_compile): off, so that the hundreds
+# of torch workers the tests start (and their subprocesses, which inherit it) do not each spend 20-40 s
+# compiling. The compiled path has its own tests (tests/workers/test_torch_compile.py) that ask for it.
+os.environ["DDM_FLEET_COMPILE"] = "off"
 
 # tests/xla/ needs torch_xla (.venv-xla): run by `make test-xla`, not collected by a plain `pytest`.
 collect_ignore = ["xla"]

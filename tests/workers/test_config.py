@@ -48,7 +48,7 @@ def test_normalised_values():
 
 
 def test_backend_options_only_for_their_backend():
-    assert WorkerConfig(threads=2, xla_cache="/c").backend_options() == {"threads": 2}
+    assert WorkerConfig(threads=2, xla_cache="/c").backend_options() == {"threads": 2, "compile": "auto"}
     assert WorkerConfig(backend="xla", threads=2, xla_cache="/c").backend_options() == {"cache_path": "/c"}
     assert WorkerConfig(backend="sim", sim_preset="instant", sim_row_ms=0.5).backend_options() == {
         "preset": "instant",

@@ -1,0 +1,127 @@
+"""`--compile`: the decision (pure), and the compiled torch forward on real tiny UNet and DiT experts, alone
+and behind a worker on a real nats-server. This suite sets DDM_FLEET_COMPILE=off (tests/conftest.py), so
+`auto` is off here; these tests ask for `on`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from workers.backends.torch_compile import check_compile, choose_compile, find_compiler, resolve_compile
+
+
+def _need_compiler() -> None:
+    assert find_compiler() is not None, "no C++ compiler: `make test` installs g++ (the Makefile's cxx target)"
+
+
+@pytest.mark.parametrize(
+    "requested, kind, compiler, env, expected",
+    [
+        ("on", "cuda", None, "off", True),  # asked for wins over everything
+        ("off", "cpu", "/usr/bin/g++", "on", False),
+        ("auto", "cpu", "/usr/bin/g++", None, True),
+        ("auto", "cpu", None, None, False),  # inductor writes C++: no compiler, no compile
+        ("auto", "cuda", "/usr/bin/g++", None, False),  # not measured on GPUs: eager stays
+        ("auto", "cpu", "/usr/bin/g++", "off", False),  # the host's meaning of auto (the test suite's)
+        ("auto", "cuda", None, "on", True),
+        ("auto", "cpu", "/usr/bin/g++", " ", True),  # an empty variable is unset
+    ],
+)
+def test_choose_compile(requested, kind, compiler, env, expected):
+    on, why = choose_compile(requested, device_kind=kind, compiler=compiler, env=env)
+    assert on is expected and why
+
+
+def test_the_reason_says_what_decided():
+    assert "no C++ compiler" in choose_compile("auto", device_kind="cpu", compiler=None)[1]
+    assert "DDM_FLEET_COMPILE=off" in choose_compile("auto", device_kind="cpu", compiler="g++", env="off")[1]
+
+
+def test_check_compile_spellings_and_errors():
+    assert check_compile(None) == "auto" and check_compile(True) == "on" and check_compile(False) == "off"
+    assert check_compile(" ON ") == "on" and check_compile("0") == "off"
+    with pytest.raises(ValueError, match="auto, on, off"):
+        check_compile("fast")
+    with pytest.raises(ValueError, match="unknown compile setting"):
+        choose_compile("sometimes", device_kind="cpu", compiler="g++")
+
+
+def test_the_suite_runs_auto_as_off():
+    assert resolve_compile("auto", device="cpu") == (False, "auto: DDM_FLEET_COMPILE=off")
+
+
+def test_worker_config_carries_compile():
+    from workers.config import WorkerConfig
+
+    cfg = WorkerConfig(compile="ON")
+    assert cfg.compile == "on" and cfg.backend_options()["compile"] == "on"
+    assert cfg.to_argv()[cfg.to_argv().index("--compile") + 1] == "on"
+    assert "compile" not in WorkerConfig(backend="sim").backend_options()
+    with pytest.raises(ValueError, match="compile"):
+        WorkerConfig(compile="maybe")
+
+
+def _inputs(b: int, shape, num_classes: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((b, *shape)).astype(np.float32)
+    t = rng.uniform(0, 1, b).astype(np.float32)
+    y = rng.integers(0, num_classes, b).astype(np.int64)
+    return x, t, y
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["unet", "dit"])
+def test_compiled_forward_matches_eager_at_every_batch(tmp_path, arch):
+    """float32: the compiled graph computes the same velocities as eager (fused kernels round differently,
+    so within 1e-4 of velocities ~1), for a batch of 1 and for batch sizes the warm-up never saw (one
+    dynamic graph: no compile per size); the backend says it is compiled. A null-label model takes y = -1."""
+    import torch._dynamo
+
+    _need_compiler()
+    from models.tiny import make_tiny_dit, make_tiny_expert
+    from workers.backends import get_backend
+
+    make = make_tiny_expert if arch == "unet" else make_tiny_dit
+    ckpt = make(tmp_path / "e0", seed=3, null_label=(arch == "unet"))
+    eager = get_backend("torch", dtype="float32", threads=1, compile="off")
+    compiled = get_backend("torch", dtype="float32", threads=1, compile="on")
+    for be in (eager, compiled):
+        be.load(ckpt)
+    assert compiled.describe()["compiled"] == "true" and eager.describe()["compiled"] == "false"
+    assert compiled.compile_reason == "asked for" and not compiled.channels_last
+    compiled.warmup([1, 2, 4])
+    torch._dynamo.utils.counters.clear()
+    shape = compiled.input_shape
+    for b in (1, 3, 7, 4):
+        x, t, y = _inputs(b, shape, compiled.num_classes, seed=b)
+        if compiled.null_label:
+            y[0] = -1
+        np.testing.assert_allclose(compiled.forward(x, t, y), eager.forward(x, t, y), atol=1e-4, rtol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # 3 and 7 rows: no new compile
+
+
+@pytest.mark.slow
+async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, tiny_expert_checkpoint):
+    """`ddm-fleet worker --compile on` behind NATS: advertises compiled, answers with the eager model's
+    velocity (float32, within the fused kernels' rounding)."""
+    from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
+    from workers.backends import get_backend
+
+    _need_compiler()
+    from workers.service import SERVICE_NAME, ExpertWorker
+
+    eager = get_backend("torch", dtype="float32", compile="off")
+    eager.load(tiny_expert_checkpoint)
+    async with ExpertWorker(
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 2, 4, 8), dtype="float32", compile="on"
+    ) as w:
+        info = json.loads((await nc.request(f"$SRV.INFO.{SERVICE_NAME}.{w.service_id}", b"", timeout=5)).data)
+        assert info["metadata"]["compiled"] == "true" and info["metadata"]["dtype"] == "float32"
+        x, t, y = _inputs(5, (1, 32, 32), 10, seed=9)
+        req = StepRequest(expert=0, x_t=x, t=t, y=y, row_ids=[f"r{i}" for i in range(5)], request_id="c1")
+        msg = await nc.request(subjects.expert_velocity(0), pack(req), timeout=30)
+        reply = unpack(msg.data, StepResult)
+        assert isinstance(reply, StepReply), reply
+        np.testing.assert_allclose(reply.velocity, eager.forward(x, t, y), atol=1e-4, rtol=1e-4)
