@@ -87,10 +87,10 @@ class _TorchRouter:
 class _Experts:
     """K expert backends (torch) on one device; forward(k, x, t, y) in chunks of `chunk` rows."""
 
-    def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048, dtype: str = "auto"):
+    def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048, dtype: str = "auto", compile: str = "off"):
         from coordinator.local_fleet import load_backends
 
-        self.backends = load_backends(paths, "torch", device=device, dtype=dtype)
+        self.backends = load_backends(paths, "torch", device=device, dtype=dtype, compile=compile)
         self.dtype = self.backends[0].dtype if self.backends else "float32"
         self.chunk = chunk
 
@@ -153,12 +153,14 @@ def generate(
     seed: int = 0,
     job_size: int = 50,
     dtype: str = "auto",
+    compile: str = "off",
 ) -> tuple[np.ndarray, np.ndarray]:
     """-> (images [N, C, H, W] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
 
     Row r belongs to job r // job_size seeded seed + r // job_size (as `initial_batch` makes `noise`):
     what the drawn strategies draw from. `dtype`: the experts' ("auto" | "float32" | "bfloat16",
-    `models.precision`); the router computes in float32, as the coordinator does."""
+    `models.precision`); the router computes in float32, as the coordinator does. `compile`: the experts'
+    torch.compile setting ("off" | "on" | "auto", `workers.backends.torch_compile`)."""
     from flow.solver import EVALS_PER_STEP, check_method, sample
 
     y = np.full(len(digits), -1, np.int64) if cfg.unconditional else np.asarray(digits, np.int64)
@@ -167,7 +169,7 @@ def generate(
         d = Path(checkpoints or ".")
         part = json.loads((d / "partition.json").read_text())
         k = int(part["num_experts"])
-        experts = _Experts([str(d / f"expert{i}.safetensors") for i in range(k)], device, dtype=dtype)
+        experts = _Experts([str(d / f"expert{i}.safetensors") for i in range(k)], device, dtype=dtype, compile=compile)
         router = _TorchRouter(str(d / "router.safetensors"), device)
         if router.num_experts != k:
             raise ValueError(f"{d}: router has {router.num_experts} experts, partition {k}")
@@ -181,7 +183,7 @@ def generate(
             experts, router, cfg.strategy, cfg.top_k, owner, usage, seeds=seed + r // job_size, rows=r % job_size
         )
     else:
-        experts = _Experts([cfg.model], device, dtype=dtype)
+        experts = _Experts([cfg.model], device, dtype=dtype, compile=compile)
         usage = np.zeros((len(y), 1), np.float64)
 
         def velocity(x, t, yy):
@@ -310,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_deprecated_alias(p, "--job-size", "--images-per-job", type=int, metavar="N")
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
     add_dtype_option(p)
+    p.add_argument(
+        "--compile",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="torch.compile the experts (inductor freezing; workers.backends.torch_compile): images as a "
+        "compiled worker computes them; pays off from a few thousand images (default %(default)s)",
+    )
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument(
         "--autoencoder",
@@ -369,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             job_size=args.images_per_job,
             dtype=dtype,
+            compile=args.compile,
         )
         if codec is not None:  # latents -> images, as the fleet's decoder stage does
             images = codec.decode(images)
@@ -382,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "per_class": args.per_class,
             "device": args.device,
             "dtype": dtype,
+            "compile": args.compile,
             "decoded_by": None if codec is None else codec.content_hash,
             "seconds": round(time.perf_counter() - start, 2),
         }

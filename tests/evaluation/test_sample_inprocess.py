@@ -111,6 +111,29 @@ def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
 
 
 @pytest.mark.slow
+def test_compiled_experts_give_the_eager_images_within_rounding(tiny_ddm):
+    """--compile on: the images a compiled worker would give, within float32 rounding of the eager ones."""
+    from evaluation.run import requested_digits
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
+
+    digits = requested_digits(1)
+    kw = dict(
+        digits=digits,
+        noise=initial_batch(len(digits), 5, 0),
+        steps=3,
+        solver="euler",
+        device="cpu",
+        checkpoints=str(tiny_ddm),
+        job_size=5,
+        dtype="float32",
+    )
+    cfg = SampleConfig("ddm-top1", "ddm", "top1")
+    eager, _ = generate(cfg, compile="off", **kw)
+    compiled, _ = generate(cfg, compile="on", **kw)
+    np.testing.assert_allclose(compiled, eager, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_cli_writes_files_rescore_reads(tiny_ddm, tmp_path):
     """The CLI writes <config>.npz (uint8 images by default), labels -1 for unconditional, no oracle there."""
     from evaluation.sample_inprocess import main, parse_configs
