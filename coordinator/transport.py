@@ -83,6 +83,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from bus.cancel import raise_if_cancelled
 from bus.inbox import private_inbox
 from schemas import (
     ErrorCode,
@@ -529,6 +530,7 @@ class NatsTransport:
                     continue
                 raise ExpertUnavailable(expert, "has no responders") from None
             except (TimeoutError, nats.errors.TimeoutError):
+                raise_if_cancelled()  # 3.11's wait_for can turn a cancel into a timeout: do not retry then
                 down = self._observe_reconnects() != epoch or not getattr(self.nc, "is_connected", True)
                 if down and lost < MAX_LOST_TO_RECONNECT:
                     lost += 1

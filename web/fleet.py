@@ -145,6 +145,7 @@ class FleetMonitor:
                 "backend": str(meta.get("backend", "")),
                 "device": str(meta.get("device", "")),
                 "dtype": str(meta.get("dtype", meta.get("precision", ""))),  # float32 / bfloat16; "" unknown
+                "compiled": meta.get("compiled") == "true",  # a torch worker running its compiled forward
                 "host": str(meta.get("host", meta.get("hostname", ""))),
                 "requests": None,
                 "errors": None,

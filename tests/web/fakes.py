@@ -173,8 +173,18 @@ class FakeCoordinator:
 class FakeWorkerService:
     """A micro service that advertises like an expert worker and counts rows in its stats."""
 
-    def __init__(self, nc, expert: int, backend: str, device: str, subject: str | None = None, dtype: str = "float32"):
+    def __init__(
+        self,
+        nc,
+        expert: int,
+        backend: str,
+        device: str,
+        subject: str | None = None,
+        dtype: str = "float32",
+        compiled: bool | None = None,
+    ):
         self.nc, self.expert, self.backend, self.device, self.dtype = nc, expert, backend, device, dtype
+        self.compiled = compiled  # None: the key is absent (a worker of an older release)
         self.subject = subject or f"test.fleet.{id(self)}"
         self.rows = 0
         self.latency: tuple[float, int] | None = None  # (seconds, requests): reported like a worker's histogram
@@ -198,6 +208,7 @@ class FakeWorkerService:
                 "device": self.device,
                 "dtype": self.dtype,
                 "host": "testhost",
+                **({} if self.compiled is None else {"compiled": str(self.compiled).lower()}),
             },
             stats_handler=lambda _ep: self._stats(),
         )

@@ -33,7 +33,7 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
         },
     ):
         async with (
-            FakeWorkerService(nc, 0, "torch", "cpu") as w0a,
+            FakeWorkerService(nc, 0, "torch", "cpu", compiled=True) as w0a,
             FakeWorkerService(nc, 0, "torch-xla", "xla:0") as w0b,
         ):
             async with FakeWorkerService(nc, 1, "jax", "cuda:0", dtype="bfloat16") as w1:
@@ -47,7 +47,8 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
     assert [(w["backend"], w["dtype"]) for w in experts[1] if w["id"] == w1.id] == [("jax", "bfloat16")]
     row = next(w for w in experts[0] if w["id"] == w0a.id)
     assert row["device"] == "cpu" and row["host"] == "testhost" and row["rate_unit"] == "rows/s"
-    assert row["dtype"] == "float32"
+    assert row["dtype"] == "float32" and row["compiled"] is True
+    assert [w["compiled"] for w in experts[1] if w["id"] == w1.id] == [False]  # no key: an older worker
     assert row["rows"] == 640 and 640 / 2 < row["rows_per_s"] < 640 / 0.2 + 1  # 640 rows over ~0.4 s
     first = next(w for e in snap1["experts"] for w in e["workers"] if w["id"] == w0a.id)
     assert first["rows_per_s"] is None  # one snapshot is not a rate yet

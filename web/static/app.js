@@ -1094,7 +1094,7 @@ function renderFleet(msg) {
         el("span", { text: w.id.slice(-8) }), el("span", { class: "host", text: w.host ? `@ ${w.host}` : "" }));
       table.append(el("tr", { class: "worker", "data-worker-id": w.id, "data-host": w.host || "" },
         who, el("td", { text: w.backend || "?" }), el("td", { text: w.device || "?" }),
-        el("td", { class: "dtype", text: w.dtype || "?" }),
+        el("td", { class: "dtype", title: w.compiled ? "compiled forward (torch.compile)" : "", text: `${w.dtype || "?"}${w.compiled ? ", compiled" : ""}` }),
         el("td", { class: "n", text: rate }), el("td", { class: "n", text: lat }),
         el("td", { class: "n", text: w.requests ?? "" })));
     }
