@@ -125,3 +125,32 @@ async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, tiny_expert_ch
         reply = unpack(msg.data, StepResult)
         assert isinstance(reply, StepReply), reply
         np.testing.assert_allclose(reply.velocity, eager.forward(x, t, y), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, monkeypatch):
+    """An in-process fleet or a bench compiles several experts of one architecture: each gets its own graph
+    (its frozen weights, never another's), and none is left to run eager when they outnumber dynamo's
+    recompile limit (8 by default, two graphs per expert; set to 2 here, so that three experts show it)."""
+    import torch._dynamo
+
+    _need_compiler()
+    from models.tiny import make_tiny_expert
+    from workers.backends import get_backend
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.utils.counters.clear()
+    experts = []
+    for k in range(3):
+        ckpt = make_tiny_expert(tmp_path / f"e{k}", expert_id=k, seed=20 + k)
+        pair = [get_backend("torch", dtype="float32", threads=1, compile=c) for c in ("on", "off")]
+        for be in pair:
+            be.load(ckpt)
+        experts.append(pair)
+    assert torch._dynamo.config.recompile_limit >= 64
+    x, t, y = _inputs(3, (1, 32, 32), 10, seed=3)
+    eager = [e.forward(x, t, y) for _, e in experts]
+    for k, (compiled, _) in enumerate(experts):
+        np.testing.assert_allclose(compiled.forward(x, t, y), eager[k], atol=1e-4, rtol=1e-4)
+        assert np.abs(eager[k] - eager[(k + 1) % 3]).max() > 0.1  # the experts do differ
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3  # none left to run eager

@@ -96,6 +96,7 @@ class TorchBackend(BackendBase):
             # freezing: weights as constants, folded and prepacked for oneDNN (the gain; without it
             # inductor is within noise of eager here). Process-wide: a worker holds one expert.
             inductor_config.freezing = True
+            _allow_compiled_models(torch)
             model = torch.compile(model, dynamic=False)  # the batch dimension is marked dynamic per call
         self._model = model
         if self._device.type == "cuda":
@@ -139,6 +140,24 @@ class TorchBackend(BackendBase):
             host.copy_(out, non_blocking=True)
         torch.cuda.current_stream(dev).synchronize()
         return host.numpy()
+
+
+#: compiled graphs per model code (UNet.forward, DiT.forward) one process may hold: two per expert (a batch of 1,
+#: any other), and an in-process fleet or a bench holds several experts of one architecture
+RECOMPILE_LIMIT = 64
+
+
+def _allow_compiled_models(torch) -> None:
+    """Dynamo keeps at most `recompile_limit` graphs (8 by default) per function and runs the rest eager,
+    silently: each expert's frozen weights make its own two graphs, so five experts in one process would
+    leave the fifth uncompiled. Raise it (never lower it)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, the older
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(int(getattr(cfg, name)), RECOMPILE_LIMIT))
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(int(getattr(cfg, name)), 4 * RECOMPILE_LIMIT))
 
 
 def _pinned(a: np.ndarray, dtype):
