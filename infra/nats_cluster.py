@@ -106,9 +106,16 @@ http: {host}:{http_port}
 """
 
 
+def random_password() -> str:
+    """A fresh random password that nats-server reads as a string: a letter, then 24 hex digits. (A
+    bare token_hex is all digits about once in 80,000 draws, and nats-server parses an all-digit
+    $VARIABLE as an integer: "out of the range", and the server does not start.)"""
+    return "p" + secrets.token_hex(12)
+
+
 def random_passwords() -> dict[str, str]:
     """A fresh password for every user in accounts.conf."""
-    return {user: secrets.token_hex(12) for user in PASSWORD_VARS}
+    return {user: random_password() for user in PASSWORD_VARS}
 
 
 def password_env(passwords: dict[str, str]) -> dict[str, str]:
@@ -163,7 +170,7 @@ class NatsCluster:
         self.host = host
         self.name = name
         self.passwords = dict(passwords) if passwords else random_passwords()
-        self.route_password = secrets.token_hex(12)
+        self.route_password = random_password()
         self.env = {**password_env(self.passwords), ROUTE_PASSWORD_VAR: self.route_password}
         self.log_dir = Path(log_dir) if log_dir else None
         self.jetstream = bool(jetstream)
@@ -345,7 +352,7 @@ class NatsCluster:
         name = name or f"leaf-{len(self._leaves)}"
         workdir = Path(self._tmp.name)
         hub_urls = "[" + ", ".join(json.dumps(u) for u in self.leaf_urls(user)) + "]"
-        local_password = secrets.token_hex(12)
+        local_password = random_password()
         leaf = NatsServer(
             self.host,
             env={
