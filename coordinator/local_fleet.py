@@ -230,7 +230,7 @@ class LocalFleet:
                         dtype=self.dtype,
                         nats_url=self.url,
                         buckets=self.buckets,
-                        **({"compile": self.compile} if self.backend == "torch" else {}),
+                        compile=self.compile,  # a serving option of every backend; only torch uses it
                     )
                     await w.start()
                     self.workers.append(w)

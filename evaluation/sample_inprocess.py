@@ -268,6 +268,7 @@ def latent_decoder(spec, args) -> object | None:
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
     from bus.options import add_deprecated_alias, add_dtype_option
+    from workers.backends.torch_compile import COMPILE_CHOICES
 
     p = argparse.ArgumentParser(
         prog="python -m evaluation.sample_inprocess",
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_option(p)
     p.add_argument(
         "--compile",
-        choices=("off", "on", "auto"),
+        choices=COMPILE_CHOICES,
         default="off",
         help="torch.compile the experts (inductor freezing; workers.backends.torch_compile): images as a "
         "compiled worker computes them; pays off from a few thousand images (default %(default)s)",

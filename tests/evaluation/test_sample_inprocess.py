@@ -86,26 +86,32 @@ async def test_same_images_as_the_fleet(tiny_ddm, strategy):
     np.testing.assert_allclose(usage, want_usage, atol=1e-6)
 
 
-def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
-    """--dtype bfloat16 computes the experts in bfloat16: other images than float32's (seeded
-    reproducibility holds per dtype), close to them, and the same again for the same seed."""
+def _top1_images(ddm, **opts) -> np.ndarray:
+    """One image per digit from the tiny DDM, top1, 3 Euler steps, jobs of 5 (`opts`: dtype, compile)."""
     from evaluation.run import requested_digits
     from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
 
     digits = requested_digits(1)
-    kw = dict(
+    images, _ = generate(
+        SampleConfig("ddm-top1", "ddm", "top1"),
         digits=digits,
         noise=initial_batch(len(digits), 5, 0),
         steps=3,
         solver="euler",
         device="cpu",
-        checkpoints=str(tiny_ddm),
+        checkpoints=str(ddm),
         job_size=5,
+        **opts,
     )
-    cfg = SampleConfig("ddm-top1", "ddm", "top1")
-    fp32, _ = generate(cfg, dtype="float32", **kw)
-    bf16, _ = generate(cfg, dtype="bfloat16", **kw)
-    again, _ = generate(cfg, dtype="bfloat16", **kw)
+    return images
+
+
+def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
+    """--dtype bfloat16 computes the experts in bfloat16: other images than float32's (seeded
+    reproducibility holds per dtype), close to them, and the same again for the same seed."""
+    fp32 = _top1_images(tiny_ddm, dtype="float32")
+    bf16 = _top1_images(tiny_ddm, dtype="bfloat16")
+    again = _top1_images(tiny_ddm, dtype="bfloat16")
     np.testing.assert_array_equal(bf16, again)
     assert 0 < np.abs(bf16 - fp32).max() < 0.1
 
@@ -113,23 +119,8 @@ def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
 @pytest.mark.slow
 def test_compiled_experts_give_the_eager_images_within_rounding(tiny_ddm):
     """--compile on: the images a compiled worker would give, within float32 rounding of the eager ones."""
-    from evaluation.run import requested_digits
-    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
-
-    digits = requested_digits(1)
-    kw = dict(
-        digits=digits,
-        noise=initial_batch(len(digits), 5, 0),
-        steps=3,
-        solver="euler",
-        device="cpu",
-        checkpoints=str(tiny_ddm),
-        job_size=5,
-        dtype="float32",
-    )
-    cfg = SampleConfig("ddm-top1", "ddm", "top1")
-    eager, _ = generate(cfg, compile="off", **kw)
-    compiled, _ = generate(cfg, compile="on", **kw)
+    eager = _top1_images(tiny_ddm, dtype="float32", compile="off")
+    compiled = _top1_images(tiny_ddm, dtype="float32", compile="on")
     np.testing.assert_allclose(compiled, eager, atol=1e-4)
 
 
