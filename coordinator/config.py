@@ -84,6 +84,8 @@ class CoordinatorConfig:
     cohorts: int | str = "auto"
     route_every: int = 1
     speculate: bool = True
+    run_ahead: int = 8  # engine.DEFAULT_RUN_AHEAD
+    run_ahead_rows: int = 4  # engine.DEFAULT_RUN_AHEAD_ROWS
     # finished jobs kept for status requests
     keep_finished: int = 256
     keep_finished_mb: float = 64.0
@@ -121,6 +123,8 @@ class CoordinatorConfig:
             ("--bad-reply-retries", self.bad_reply_retries, 0),
             ("--request-rows", self.request_rows, 1),
             ("--route-every", self.route_every, 1),
+            ("--run-ahead", self.run_ahead, 0),
+            ("--run-ahead-rows", self.run_ahead_rows, 0),
             ("--checkpoint-every", self.checkpoint_every, 1),
             ("--js-replicas", self.js_replicas, 1),
             ("keep_finished", self.keep_finished, 0),
@@ -513,6 +517,23 @@ _OPTIONS: tuple[_Option, ...] = (
         "chose; a job's first evaluation waits), then ask for the rows the router sent elsewhere. Hides "
         "the router's time behind the experts' at no cost to the images; a guess the router overrules "
         "costs its expert that work (ddm_coordinator_rows_guessed_unused_total)",
+    ),
+    _Option(
+        "run_ahead",
+        type=int,
+        metavar="A",
+        help="let an expert request of a small tick (at most --run-ahead-rows rows) compute up to A more "
+        "Euler steps on its worker, streamed back as they are computed (default %(default)s; 0: off). "
+        "A lone job then pays the round trip through NATS once per A steps instead of every step; a "
+        "streamed velocity is used only where the routing chose that expert and the rows are exactly "
+        'where the worker stepped them, so images do not change (docs/CAPACITY.md "Running ahead"). '
+        "Workers of older releases refuse it, and are asked plainly",
+    ),
+    _Option(
+        "run_ahead_rows",
+        type=int,
+        metavar="N",
+        help="most rows a tick may hold for its expert requests to run ahead (default %(default)s)",
     ),
     _Option(
         "wire_dtype",

@@ -64,6 +64,7 @@ from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
 from .metrics import CoordinatorMetrics
+from .run_ahead import PAUSE_AFTER_MISS, AheadCounters, AheadEnded, AheadRun, plan_ahead
 from .scheduler import DEFAULT_CLIENT, Rejected, Scheduler
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,12 @@ MAX_RATE_SAMPLES = 4096
 #: Batches out at once (see Scheduler.schedule): 2 lets one cohort be routed and updated while
 #: the experts work on the other. Also the floor of `cohorts="auto"`.
 DEFAULT_COHORTS = 2
+
+#: Running ahead (coordinator/run_ahead.py): most further steps one expert request computes, and
+#: the most rows a tick may hold for its requests to run ahead (a lone job or two: at load, batching
+#: already spreads the round trip over many rows).
+DEFAULT_RUN_AHEAD = 8
+DEFAULT_RUN_AHEAD_ROWS = 4
 #: `cohorts="auto"`: size the cohorts from the workers each expert has (see cohorts_for_workers).
 AUTO_COHORTS = "auto"
 
@@ -167,6 +174,8 @@ class Engine:
         route_every: int = 1,
         request_rows: int | None = None,
         speculate: bool = True,
+        run_ahead: int = DEFAULT_RUN_AHEAD,
+        run_ahead_rows: int = DEFAULT_RUN_AHEAD_ROWS,
     ):
         check_cohorts(cohorts)
         self.scheduler = scheduler
@@ -196,6 +205,14 @@ class Engine:
         self.rows_guessed = 0  # rows sent to an expert before the router spoke (speculate)
         self.rows_guessed_unused = 0  # ... of which the routing did not need that expert's answer
         self._unwatched: set[asyncio.Future] = set()  # unneeded guessed calls still running
+        for name, value in (("run_ahead", run_ahead), ("run_ahead_rows", run_ahead_rows)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
+        self.run_ahead = run_ahead  # further steps per request of a small tick (0: never run ahead)
+        self.run_ahead_rows = run_ahead_rows
+        self.ahead = AheadCounters()
+        self._runs: dict[tuple[str, ...], AheadRun] = {}  # row ids of a request -> its velocities running ahead
+        self._executed = 0  # ticks executed (a run not used for two of them is dropped)
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._router_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its thread (see _route)
@@ -302,6 +319,7 @@ class Engine:
         finally:
             for task in [*self._lanes, *self._unwatched]:
                 task.cancel()
+            self._drop_runs("engine stopped")
             self._running = False
             self._close_router_thread()
 
@@ -376,6 +394,7 @@ class Engine:
         router's thread ends too (an engine driven by `tick()` alone has it until stop or collection)."""
         self._stopping = True
         self._poke()
+        self._drop_runs("engine stopped")
         self.scheduler.fail_all(ErrorCode.UNAVAILABLE, reason)
         await self.flush_events()
         self._close_router_thread()
@@ -423,6 +442,9 @@ class Engine:
         marked on the batch with its ErrorCode. With `speculate`, the likely requests
         (`Batch.guess_requests`) go out while the router runs, and the routing's other needs
         when it has spoken (see `_take_guesses`)."""
+        self._executed += 1
+        if self._runs:
+            self._drop_runs("unused", older_than=self._executed - 2)
         fresh, w = batch.routing_plan(self.route_every)
         guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
         if fresh.any():
@@ -549,18 +571,88 @@ class Engine:
             batch.record(k, idx, res)
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
+        row_ids = [batch.row_ids[i] for i in idx]
+        groups = [batch.groups[g] for g in np.searchsorted(batch.bounds, idx, side="right") - 1]
+        v = await self._take_ahead(batch, k, idx, row_ids, groups) if self._runs else None
+        if v is not None:
+            return v
+        plan = None
+        if self.run_ahead and len(batch) <= self.run_ahead_rows and hasattr(self.transport, "velocity_ahead"):
+            plan = plan_ahead(groups, self.run_ahead)
         started = time.perf_counter()
         answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
+        x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
         try:
-            v = await self.transport.velocity(
-                k, batch.x[idx], batch.t[idx], batch.y[idx], [batch.row_ids[i] for i in idx]
-            )
+            if plan is None:
+                v, stream = await self.transport.velocity(k, x, t, y, row_ids), None
+            else:
+                v, stream = await self.transport.velocity_ahead(k, x, t, y, row_ids, plan.t, plan.dt)
             if answered is not None:
                 batch.note_workers(k, ANSWERED_BY.get() or ())
         finally:
             if answered is not None:
                 ANSWERED_BY.reset(answered)
             self.metrics.expert_call(k, time.perf_counter() - started)
+        v = self._checked(batch, k, idx, v)
+        if stream is not None:
+            self.ahead.runs += 1
+            key = tuple(row_ids)
+            if (old := self._runs.pop(key, None)) is not None:
+                self._end_run(old, "replaced")
+            run = AheadRun.start(k, stream, plan, groups, x, v)
+            run.last_tick = self._executed
+            self._runs[key] = run
+        return v
+
+    async def _take_ahead(
+        self, batch: Batch, k: int, idx: np.ndarray, row_ids: list[str], groups: list
+    ) -> np.ndarray | None:
+        """Expert k's velocity for rows idx from a run already streaming it in (coordinator/run_ahead.py),
+        or None: no run fits (one that no longer can is ended)."""
+        key = tuple(row_ids)
+        run = self._runs.pop(key, None)
+        if run is None:
+            return None
+        x = batch.x[idx]
+        if not run.fits(k, groups, x, batch.t[idx]):
+            self._end_run(run, "diverged" if run.expert == k else "rerouted", pause=True)
+            return None
+        try:
+            v = await run.stream.next(getattr(self.transport, "step_timeout", 10.0))
+            v = self._checked(batch, k, idx, v)
+        except (AheadEnded, BadExpertReply) as err:
+            log.debug("expert %d: a run ahead ended: %s", k, err)
+            self._end_run(run, "stream ended")
+            return None
+        self.ahead.rows_taken += len(idx)
+        if batch.reports_dtypes:
+            batch.note_workers(k, (run.stream.worker,))
+        run.took(x, v)
+        run.last_tick = self._executed
+        if run.left:
+            self._runs[key] = run
+        else:
+            run.stream.close()
+        return v
+
+    def _end_run(self, run: AheadRun, why: str, pause: bool = False) -> None:
+        """Stop using a run: its stream is closed, its unused steps counted; `pause`: its jobs do not run
+        ahead for a few evaluations (the routing moved them)."""
+        run.stream.close()
+        self.ahead.end(run, why)
+        if pause:
+            for g in run.groups:
+                g.ahead_paused_until = g.evals + PAUSE_AFTER_MISS
+
+    def _drop_runs(self, why: str, older_than: int | None = None) -> None:
+        """End every run (or those last used before tick `older_than`)."""
+        for key, run in list(self._runs.items()):
+            if older_than is None or run.last_tick < older_than:
+                del self._runs[key]
+                self._end_run(run, why)
+
+    def _checked(self, batch: Batch, k: int, idx: np.ndarray, v) -> np.ndarray:
+        """Expert k's reply for rows idx as float32 [n, C, H, W]; BadExpertReply if it is not one."""
         v = np.asarray(v)
         want = (len(idx),) + batch.x.shape[1:]
         if v.shape != want:

@@ -84,6 +84,8 @@ class RowGroup:
     #: per expert, the ids of the workers that computed its rows (only for a job that asked for
     #: `report_dtypes`; None otherwise, and not kept across a durable take-over)
     answered: list[set[str]] | None = None
+    #: running ahead (coordinator/run_ahead.py) waits until `evals` reaches this after a run went unused
+    ahead_paused_until: int = 0
     usage: np.ndarray = field(init=False)
     last_weights: np.ndarray = field(init=False)
     last_experts: np.ndarray = field(init=False)
@@ -137,6 +139,14 @@ class RowGroup:
     def dt(self) -> np.float32:
         """Step size of the current step, float32 (as the update uses it)."""
         return self._dts[self.step]
+
+    def grid_times(self, start: int, count: int) -> np.ndarray:
+        """[count] float32: the grid times of steps start .. start + count - 1 (as a batch's t carries them)."""
+        return self._grid[start : start + count].astype(np.float32)
+
+    def step_sizes(self, start: int, count: int) -> np.ndarray:
+        """[count] float32: the step sizes dt of steps start .. start + count - 1 (as the update uses them)."""
+        return np.array(self._dts[start : start + count], dtype=np.float32)
 
     def needs_routing(self, every: int) -> bool:
         """Whether this evaluation asks the router afresh: the first one, then every `every`-th

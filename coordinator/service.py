@@ -222,6 +222,8 @@ class Coordinator:
                 cohorts=cfg.cohorts,
                 route_every=cfg.route_every,
                 speculate=cfg.speculate,
+                run_ahead=cfg.run_ahead,
+                run_ahead_rows=cfg.run_ahead_rows,
                 request_rows=(
                     rows_per(np.zeros((1, *self.config.image_shape), np.float32)) if callable(rows_per) else None
                 ),

@@ -102,6 +102,7 @@ from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
 from .dispatch import DISPATCH_MODES, DispatchPolicy
 from .engine import ANSWERED_BY, BadExpertReply, ExpertUnavailable
+from .run_ahead import AheadStream
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ HEDGE_BUDGET = 0.1
 HEDGE_BURST = 8.0
 #: ... recent replies whose worker ids say whether an expert has several workers.
 HEDGE_WORKERS_WINDOW = 64
+#: Seconds an expert's requests do not run ahead after one of its workers refused the fields (an older worker).
+NO_AHEAD_S = 300.0
 #: Tokens of cancelled hedge legs remembered, so that their late replies are dropped quietly.
 RETIRED_TOKENS_KEPT = 4096
 
@@ -381,6 +384,10 @@ class NatsTransport:
         self.rejected_replies = 0  # replies refused because their worker's spec differs (also in bad_replies)
         self._prefix: str | None = None  # "<inbox prefix>.<nuid>": the reply mux's subject is prefix + ".*"
         self._pending: dict[str, asyncio.Future] = {}  # reply token -> the request's future
+        self._streams: dict[str, AheadStream] = {}  # token of a run-ahead subject -> its stream
+        self._closed_streams: OrderedDict[str, None] = OrderedDict()  # their tokens once closed (late: quiet)
+        #: expert -> monotonic time until which its requests do not run ahead (a worker refused the fields)
+        self.no_ahead_until: dict[int, float] = {}
         self._mux_lock = asyncio.Lock()
         self._stray_logged_at = float("-inf")
 
@@ -390,10 +397,46 @@ class NatsTransport:
         n = len(x)
         per = self.rows_per_request(x)
         if n <= per:
-            return await self._request(expert, x, t, y, row_ids)
+            return (await self._request(expert, x, t, y, row_ids))[0]
         parts = [slice(i, i + per) for i in range(0, n, per)]
         outs = await asyncio.gather(*(self._request(expert, x[s], t[s], y[s], row_ids[s]) for s in parts))
-        return np.concatenate(outs, axis=0)
+        return np.concatenate([v for v, _ in outs], axis=0)
+
+    async def velocity_ahead(
+        self,
+        expert: int,
+        x: np.ndarray,
+        t: np.ndarray,
+        y: np.ndarray,
+        row_ids: list[str],
+        ahead_t: np.ndarray,
+        ahead_dt: np.ndarray,
+    ) -> tuple[np.ndarray, AheadStream | None]:
+        """`velocity`, in one request that also runs A = len(ahead_t) steps ahead (coordinator/run_ahead.py):
+        (velocity float32 [n, C, H, W], the stream of the further velocities). The stream is None, and
+        the request an ordinary one, when the rows need several requests or the expert's workers
+        refused the fields lately (older workers)."""
+        if len(x) > self.rows_per_request(x) or time.monotonic() < self.no_ahead_until.get(expert, float("-inf")):
+            return await self.velocity(expert, x, t, y, row_ids), None
+        return await self._request(expert, x, t, y, row_ids, ahead=(ahead_t, ahead_dt))
+
+    def _open_stream(self, prefix: str, expert: int, steps: int, shape, row_ids) -> tuple[AheadStream, str]:
+        """A run-ahead stream on a fresh subject under the reply mux: (stream, subject)."""
+        token = secrets.token_hex(16)
+
+        def check(data: bytes) -> tuple[np.ndarray, str, int]:
+            v, worker, reply = self._check_reply(expert, data, shape, row_ids)
+            return v, worker, reply.ahead_index
+
+        def close() -> None:
+            self._streams.pop(token, None)
+            self._closed_streams[token] = None
+            while len(self._closed_streams) > RETIRED_TOKENS_KEPT:
+                self._closed_streams.popitem(last=False)
+
+        stream = AheadStream(steps, check, close)
+        self._streams[token] = stream
+        return stream, f"{prefix}.{token}"
 
     def rows_per_request(self, x: np.ndarray) -> int:
         """Most rows of x [n, C, H, W] in one request: `max_rows`, and fewer when a request or its
@@ -438,6 +481,12 @@ class NatsTransport:
     async def _on_reply(self, msg) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
         fut = self._pending.pop(token, None)  # accepted once: a second reply finds nothing
+        if fut is None and (stream := self._streams.get(token)) is not None:
+            stream.put(msg.data)
+            return
+        if fut is None and token in self._closed_streams:  # a run ahead no longer wanted: its worker goes on
+            self.late_replies += 1
+            return
         if fut is None or fut.done():
             if fut is None and token in self._retired:  # the losing leg of a hedged try: expected
                 del self._retired[token]
@@ -497,7 +546,22 @@ class NatsTransport:
             log.warning("expert %d: %s; sending this request in float32", expert, err.message)
             return x32, None
 
-    async def _request(self, expert: int, x, t, y, row_ids) -> np.ndarray:
+    async def _request(
+        self, expert: int, x, t, y, row_ids, ahead: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, AheadStream | None]:
+        """(velocity, None), or with `ahead` = (ahead_t [A, n], ahead_dt [A, n]) (velocity, its run-ahead
+        stream): the request tried as the module docstring says."""
+        opened: list[AheadStream] = []
+        try:
+            return await self._tries(expert, x, t, y, row_ids, ahead, opened)
+        except BaseException:
+            for stream in opened:
+                stream.close()
+            raise
+
+    async def _tries(
+        self, expert: int, x, t, y, row_ids, ahead, opened: list[AheadStream]
+    ) -> tuple[np.ndarray, AheadStream | None]:
         import nats.errors
 
         subject = subjects.expert_velocity(expert)
@@ -507,23 +571,36 @@ class NatsTransport:
         tries = bad_tries = lost = 0
         last = "no attempt"
         attempt = 0
+        stream: AheadStream | None = None
         while True:
             if attempt:
                 self.retried += 1
             attempt += 1
             epoch = self._observe_reconnects()
+            fields: dict = dict(x_t=x_wire, reply_dtype=reply_dtype, deadline=time.time() + self.step_timeout)
+            if stream is not None:
+                stream.close()
+                stream = None
+            if ahead is not None:  # x travels in float32 (the worker steps it); the model sees it as x_wire
+                steps = len(ahead[0])
+                stream, ahead_to = self._open_stream(await self._ensure_mux(), expert, steps, x32.shape, row_ids)
+                opened.append(stream)
+                fields.update(
+                    x_t=x32,
+                    ahead_t=np.ascontiguousarray(ahead[0], np.float32),
+                    ahead_dt=np.ascontiguousarray(ahead[1], np.float32),
+                    ahead_to=ahead_to,
+                    input_dtype=reply_dtype,
+                    deadline=time.time() + self.step_timeout * (1 + steps),
+                )
             req = StepRequest(
-                expert=expert,
-                x_t=x_wire,
-                t=t32,
-                y=y64,
-                row_ids=list(row_ids),
-                deadline=time.time() + self.step_timeout,
-                request_id=f"s{next(self._ids)}",
-                reply_dtype=reply_dtype,
+                expert=expert, t=t32, y=y64, row_ids=list(row_ids), request_id=f"s{next(self._ids)}", **fields
             )
             try:
-                return await self._exchange(expert, subject, pack(req), x32.shape, row_ids)
+                v, worker = await self._exchange(expert, subject, pack(req), x32.shape, row_ids)
+                if stream is not None:
+                    stream.worker = worker
+                return v, stream
             except nats.errors.NoRespondersError:
                 if self._in_reconnect_grace():
                     await asyncio.sleep(NO_RESPONDERS_BACKOFF)
@@ -572,6 +649,12 @@ class NatsTransport:
                 continue
             except _ErrorReply as err:
                 last = f"error reply {err.code.value}: {err.message}"
+                if ahead is not None and err.code in (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_VERSION):
+                    # a worker older than running ahead refuses its fields: ask plainly, and not again for a while
+                    self.no_ahead_until[expert] = time.monotonic() + NO_AHEAD_S
+                    log.info("expert %d: a worker refused to run ahead (%s); asking plainly", expert, last)
+                    ahead = None
+                    continue
                 if err.code == ErrorCode.NON_FINITE and reply_dtype is not None:
                     # e.g. a velocity beyond float16's range: the worker said so; ask again in float32
                     self.wire_fallbacks += 1
@@ -669,8 +752,8 @@ class NatsTransport:
         msg = await self._ask(subject, payload, timeout)
         return self._usable(expert, msg.data, shape, row_ids)
 
-    async def _exchange(self, expert: int, subject: str, payload: bytes, shape, row_ids) -> np.ndarray:
-        """One try: the velocity float32 [n, C, H, W], or the exception of its failure (NATS
+    async def _exchange(self, expert: int, subject: str, payload: bytes, shape, row_ids) -> tuple[np.ndarray, str]:
+        """One try: (the velocity float32 [n, C, H, W], the worker id it claims), or the exception of its failure (NATS
         timeout / no responders, _BadReply, _ErrorReply). Hedged as the module docstring says."""
         loop = asyncio.get_running_loop()
         self.requests_sent[expert] = self.requests_sent.get(expert, 0) + 1
@@ -687,7 +770,7 @@ class NatsTransport:
                 v, worker = await primary
                 self.hedging.observe(expert, loop.time() - sent, worker)
                 _answered_by(worker)
-                return v
+                return v, worker
             left = self.step_timeout - (loop.time() - sent)
             # a direct primary's copy goes to another known worker with room, else the queue group
             other = self._pick(expert, (token,), explore=False) if token is not None else None
@@ -696,7 +779,7 @@ class NatsTransport:
                 v, worker = await primary
                 self.hedging.observe(expert, loop.time() - sent, worker)
                 _answered_by(worker)
-                return v
+                return v, worker
             hedge = self._start_leg(expert, subject, payload, max(left, 0.001), shape, row_ids, other)
             outcome_if_first = {primary: "lost", hedge: "won"}
             pending: set = {primary, hedge}
@@ -712,7 +795,7 @@ class NatsTransport:
                             self.dispatcher.forget(expert, token)
                         self.hedging.observe(expert, loop.time() - sent, worker)  # censored when the copy won
                         _answered_by(worker)
-                        return v
+                        return v, worker
                     failure = _worse(failure, err)
             self._count_hedge(expert, "failed")
             raise failure
@@ -826,7 +909,16 @@ class NatsTransport:
 
     def _check(self, expert: int, data: bytes, shape: tuple[int, ...], row_ids) -> tuple[np.ndarray, str]:
         """The reply's velocity as float32 [n, C, H, W] and the worker id it claims; raises
-        _BadReply or _ErrorReply."""
+        _BadReply or _ErrorReply (also for a run-ahead reply where the first is due)."""
+        v, worker, reply = self._check_reply(expert, data, shape, row_ids)
+        if reply.ahead_index:
+            raise _BadReply(f"a run-ahead velocity ({reply.ahead_index}) where the step's own was due", worker)
+        return v, worker
+
+    def _check_reply(
+        self, expert: int, data: bytes, shape: tuple[int, ...], row_ids
+    ) -> tuple[np.ndarray, str, StepReply]:
+        """`_check`'s checks: (velocity float32 [n, C, H, W], claimed worker id, the reply)."""
         try:
             raw = loads(data)
         except ProtocolError as err:
@@ -861,7 +953,7 @@ class NatsTransport:
         v = widen_float32(v)  # float32: the received bytes' read-only view, no copy
         if not np.isfinite(v).all():  # e.g. float64 values beyond float32's range
             raise _BadReply("velocity has NaN/Inf values as float32", worker)
-        return v, worker
+        return v, worker, reply
 
 
 def _worse(a: BaseException | None, b: BaseException) -> BaseException:

@@ -9,6 +9,9 @@ MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 #: Most rows (images) in one expert step request.
 MAX_STEP_ROWS = 512
 
+#: Most further steps one expert step request may ask a worker to run ahead (`StepRequest.ahead_t`).
+MAX_RUN_AHEAD = 16
+
 #: Largest tensor rank accepted on the wire.
 MAX_TENSOR_NDIM = 8
 

@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ProtocolError, shown
-from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_STEP_ROWS
+from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_RUN_AHEAD, MAX_STEP_ROWS
 from .spec import MAX_CLASSES, TIME_CONVENTION, ModelSpec  # noqa: F401 (TIME_CONVENTION: re-exported by schemas)
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
 from .version import PROTOCOL_VERSION
@@ -110,6 +110,9 @@ CoordinatorName = Annotated[str, Field(max_length=MAX_COORDINATOR_NAME_LEN)]
 Strategy = Literal["top1", "topk", "full", "oracle", "sample"]
 #: A float precision an expert step may travel in (`schemas.tensor.WIRE_FLOATS`).
 WireFloat = Literal["float32", "float16", "bfloat16"]
+
+#: StepRequest's optional fields for running ahead (left out of the wire map when unused).
+_AHEAD_FIELDS = ("ahead_t", "ahead_dt", "ahead_to", "input_dtype")
 Solver = Literal["euler", "heun"]
 #: The label of an unconditional row ("label unknown"): a `JobRequest.labels` (or `digits`) entry and a
 #: `StepRequest.y` value. Experts trained with a null label (`train-expert --label-dropout`) and
@@ -170,6 +173,16 @@ class StepRequest(Message):
     should travel back in ("float32" | "float16" | "bfloat16"; None = float32, and then the field
     is left out of the wire map so that workers older than the field accept the request).
     request_id: the same for every copy of one try (a hedged request is sent twice with it).
+
+    Running ahead (all four fields together, or none; left out of the wire map when unused, so
+    that older workers accept the request). The worker answers the step at t as usual, then takes
+    A more Euler steps on its own, x' = x + ahead_dt[a] * v (`flow.solver.euler_update`, with v as
+    the reply carries it: in `reply_dtype`, widened to float32), evaluates at t' = ahead_t[a], and
+    publishes each of those A velocities to `ahead_to` as a StepReply with `ahead_index` a + 1, in
+    order (an ErrorReply there ends the run). The model sees each x as it would have travelled:
+    rounded to `input_dtype` (None: float32). x_t must be float32 then (the steps start from it).
+    ahead_t: [A, B] float in [0, 1].  ahead_dt: [A, B] float.  ahead_to: a reply inbox.
+    A coordinator uses the answers only where its own routing and state agree with them.
     """
 
     kind: Literal["step_request"] = "step_request"
@@ -181,13 +194,24 @@ class StepRequest(Message):
     deadline: float | None = None
     request_id: Id | None = None
     reply_dtype: WireFloat | None = None
+    ahead_t: FiniteTensor | None = None
+    ahead_dt: FiniteTensor | None = None
+    ahead_to: str | None = Field(default=None, max_length=MAX_ID_LEN + 64)
+    input_dtype: WireFloat | None = None
 
     @model_serializer(mode="wrap")
     def _omit_default_reply_dtype(self, handler):  # not on the wire unless asked: older workers refuse unknown keys
         out = handler(self)
-        if isinstance(out, dict) and self.reply_dtype is None:
-            out.pop("reply_dtype", None)
+        if isinstance(out, dict):
+            for key in ("reply_dtype", *_AHEAD_FIELDS):
+                if getattr(self, key) is None:
+                    out.pop(key, None)
         return out
+
+    @property
+    def ahead(self) -> int:
+        """Further steps asked for (0: an ordinary request)."""
+        return 0 if self.ahead_t is None else int(self.ahead_t.shape[0])
 
     @model_validator(mode="after")
     def _check(self) -> StepRequest:
@@ -209,7 +233,38 @@ class StepRequest(Message):
             raise _err(ErrorCode.BAD_SHAPE, f"row_ids has {len(self.row_ids)} entries for a batch of {b}")
         if ((self.t < 0) | (self.t > 1)).any():
             raise _err(ErrorCode.BAD_REQUEST, "t must lie in [0, 1] (t=0 noise, t=1 data)")
+        if self.ahead_t is not None or self.ahead_dt is not None or self.ahead_to is not None:
+            self._check_ahead(b)
+        elif self.input_dtype is not None:
+            raise _err(ErrorCode.BAD_REQUEST, "input_dtype is only for a request that runs ahead (ahead_t)")
         return self
+
+    def _check_ahead(self, b: int) -> None:
+        from .subjects import is_reply_inbox
+
+        if self.ahead_t is None or self.ahead_dt is None or self.ahead_to is None:
+            raise _err(ErrorCode.BAD_REQUEST, "running ahead needs ahead_t, ahead_dt and ahead_to together")
+        _need_float(self.ahead_t, "ahead_t")
+        _need_float(self.ahead_dt, "ahead_dt")
+        a = self.ahead_t.shape[0] if self.ahead_t.ndim == 2 else 0
+        if self.ahead_t.shape != (a, b) or not 1 <= a <= MAX_RUN_AHEAD:
+            raise _err(
+                ErrorCode.BAD_SHAPE,
+                f"ahead_t must be [A, B] with B = {b} and 1 <= A <= {MAX_RUN_AHEAD}, got {list(self.ahead_t.shape)}",
+            )
+        if self.ahead_dt.shape != self.ahead_t.shape:
+            raise _err(
+                ErrorCode.BAD_SHAPE,
+                f"ahead_dt must be [A, B] = {list(self.ahead_t.shape)}, got {list(self.ahead_dt.shape)}",
+            )
+        if ((self.ahead_t < 0) | (self.ahead_t > 1)).any():
+            raise _err(ErrorCode.BAD_REQUEST, "ahead_t must lie in [0, 1] (t=0 noise, t=1 data)")
+        if self.x_t.dtype != np.float32:
+            raise _err(ErrorCode.BAD_DTYPE, f"a request that runs ahead carries x_t in float32, got {self.x_t.dtype}")
+        if not is_reply_inbox(self.ahead_to):
+            raise _err(
+                ErrorCode.BAD_REQUEST, f"ahead_to must be a reply inbox (_INBOX.<...>), got {shown(self.ahead_to)}"
+            )
 
 
 class StepReply(Message):
@@ -227,6 +282,15 @@ class StepReply(Message):
     # rows in the forward pass this request rode in (its padded bucket, or the rows themselves where
     # the worker does not pad)
     batch_rows: int = Field(default=0, ge=0)
+    # which velocity of a request that runs ahead this is: 0 the step asked for, a the a-th step after it
+    ahead_index: int = Field(default=0, ge=0, le=MAX_RUN_AHEAD)
+
+    @model_serializer(mode="wrap")
+    def _omit_first_index(self, handler):  # not on the wire unless running ahead: older coordinators refuse it
+        out = handler(self)
+        if isinstance(out, dict) and self.ahead_index == 0:
+            out.pop("ahead_index", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> StepReply:

@@ -170,6 +170,14 @@ def to_wire_dtype(a: Any, wire: str | None, *, name: str = "tensor") -> np.ndarr
     return out
 
 
+def as_received(a: np.ndarray) -> np.ndarray:
+    """The float32 values a receiver decodes from `a` as `to_wire_dtype` made it for the wire (float32
+    as is, float16 widened, a `BFloat16Array` rounded to bfloat16): what the other side will compute with."""
+    if isinstance(a, BFloat16Array):
+        return bfloat16_to_float32(bfloat16_bits(np.asarray(a).view(np.ndarray)))
+    return widen_float32(np.asarray(a))
+
+
 def encode_tensor(array: Any) -> dict[str, Any]:
     """ndarray -> wire dict. Converts to C order and little-endian if needed; a `BFloat16Array`
     is sent as dtype "bfloat16"."""

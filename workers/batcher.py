@@ -130,6 +130,7 @@ class _Request:
     outputs: list = field(default_factory=list)
     infos: list = field(default_factory=list)
     done: int = 0
+    solo: bool = False  # computed in a pass of its own, never merged with other requests
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
@@ -209,8 +210,12 @@ class Batcher:
 
     # ------------------------------------------------------------------ submit
 
-    def submit(self, x: np.ndarray, t: np.ndarray, y: np.ndarray, deadline: float | None = None) -> asyncio.Future:
+    def submit(
+        self, x: np.ndarray, t: np.ndarray, y: np.ndarray, deadline: float | None = None, solo: bool = False
+    ) -> asyncio.Future:
         """Queue x [B, C, H, W] float32, t [B] float32, y [B] int64; returns a future of `Result`.
+        `solo`: never merge it with other requests (a step run ahead: whether the coordinator uses it
+        depends on timing, so it must not change what a request beside it computes).
 
         Raises BatcherClosed when shutting down. The future fails with DeadlineExceeded or
         ModelError.
@@ -222,7 +227,7 @@ class Batcher:
             raise ValueError(f"submit needs x [B, ...], t [B], y [B] with B > 0; got {x.shape}, {t.shape}, {y.shape}")
         fut = asyncio.get_running_loop().create_future()
         starts = list(range(0, b, self.max_batch))
-        req = _Request(future=fut, deadline=deadline, n_chunks=len(starts), enqueued=time.perf_counter())
+        req = _Request(future=fut, deadline=deadline, n_chunks=len(starts), enqueued=time.perf_counter(), solo=solo)
         req.outputs = [None] * len(starts)
         for i, s in enumerate(starts):
             e = s + self.max_batch
@@ -250,7 +255,7 @@ class Batcher:
                 self._queued_rows -= chunk.rows
                 req.future.set_exception(DeadlineExceeded("deadline passed before the request was computed"))
                 continue
-            if batch and rows + chunk.rows > self.max_batch:
+            if batch and (req.solo or batch[0].parent.solo or rows + chunk.rows > self.max_batch):
                 kept.append(chunk)
                 continue
             if batch and not self._merge_pays(rows, chunk.rows):

@@ -64,8 +64,10 @@ from typing import Any
 import numpy as np
 
 from bus.ratelimited_log import RateLimitedLog
+from flow.solver import euler_update
 from schemas import UNCONDITIONAL, ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
-from schemas.tensor import to_wire_dtype, widen_float32
+from schemas.limits import MAX_RUN_AHEAD
+from schemas.tensor import as_received, to_wire_dtype, widen_float32
 from schemas.version import PROTOCOL_VERSION
 
 from .batcher import Batcher, BatcherClosed, DeadlineExceeded, ModelError
@@ -287,6 +289,7 @@ class ExpertWorker:
             "checkpoint": os.path.basename(self.checkpoint or getattr(be, "checkpoint_path", "") or ""),
             "subject": subjects.expert_velocity(self.expert),
             "direct_subject": self.direct_subject,
+            "run_ahead": str(MAX_RUN_AHEAD),  # most further steps one request may ask for (StepRequest.ahead_t)
         }
         if hasattr(be, "describe"):
             meta.update(be.describe())
@@ -467,7 +470,9 @@ class ExpertWorker:
                     f"worker queue is full ({self._batcher.queued_rows} rows waiting, limit "
                     f"{self.max_queue_rows}); retry or send to another worker",
                 )
-            fut = self._batcher.submit(x, t, y, deadline=step.deadline)
+            # a request that runs ahead carries x in float32; the model sees it as it would have travelled
+            x_in = as_received(to_wire_dtype(x, step.input_dtype, name="x_t")) if step.input_dtype else x
+            fut = self._batcher.submit(x_in, t, y, deadline=step.deadline)
         except ProtocolError as err:
             await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
             return
@@ -479,7 +484,7 @@ class ExpertWorker:
             await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}", _peek_request_id(req.data))
             return
         self.metrics.request(x.shape[0])
-        task = asyncio.create_task(self._complete(req, step, fut, received))
+        task = asyncio.create_task(self._complete(req, step, fut, received, x, y))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -548,7 +553,9 @@ class ExpertWorker:
             allowed = f"[0, {classes - 1}]" + (f" or {UNCONDITIONAL} (label unknown)" if has_null else "")
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"class labels y must lie in {allowed}, got min {lo} max {hi}")
 
-    async def _complete(self, req, step: StepRequest, fut: asyncio.Future, received: float) -> None:
+    async def _complete(
+        self, req, step: StepRequest, fut: asyncio.Future, received: float, x: np.ndarray, y: np.ndarray
+    ) -> None:
         try:
             result = await fut
         except DeadlineExceeded as err:
@@ -594,6 +601,59 @@ class ExpertWorker:
             return
         if await self._send(req, data):
             self.metrics.reply(time.perf_counter() - received)
+            if step.ahead:
+                await self._run_ahead(step, x, y, velocity)
+
+    async def _run_ahead(self, step: StepRequest, x: np.ndarray, y: np.ndarray, velocity: np.ndarray) -> None:
+        """The request's further steps (`StepRequest.ahead_t`): x' = x + dt * v with v as the coordinator
+        received it, the model at x' as it would have travelled; each velocity published to `ahead_to`
+        as soon as it is computed. A failure is published there as an ErrorReply and ends the run."""
+        assert step.ahead_t is not None and step.ahead_dt is not None and step.ahead_to is not None
+        n = x.shape[0]
+        for a in range(step.ahead):
+            try:
+                x = euler_update(x, step.ahead_dt[a], as_received(velocity))
+                if not np.isfinite(x).all():
+                    raise ProtocolError(ErrorCode.NON_FINITE, f"x diverged (NaN/Inf) at step {a + 1} ahead")
+                x_in = as_received(to_wire_dtype(x, step.input_dtype, name="x_t"))
+                t = np.ascontiguousarray(step.ahead_t[a], dtype=np.float32)
+                self.metrics.request(n)
+                result = await self._batcher.submit(x_in, t, y, deadline=step.deadline, solo=True)
+                if not np.isfinite(result.velocity).all():
+                    raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
+                velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
+                reply = StepReply(
+                    expert=self.expert,
+                    velocity=velocity,
+                    row_ids=list(step.row_ids),
+                    backend=self.backend.name,
+                    device=str(self.backend.device),
+                    worker_id=self.worker_id,
+                    compute_ms=round(result.info.compute_s * 1000.0, 3),
+                    batch_rows=result.info.bucket,
+                    ahead_index=a + 1,
+                )
+                await self.nc.publish(step.ahead_to, pack(reply))
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                if isinstance(err, ProtocolError):
+                    code, message = err.code, err.message
+                elif isinstance(err, DeadlineExceeded):
+                    code, message = ErrorCode.DEADLINE_EXCEEDED, str(err)
+                elif isinstance(err, BatcherClosed):
+                    code, message = ErrorCode.UNAVAILABLE, str(err)
+                else:
+                    code, message = ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"
+                self.metrics.error(ErrorCode(code).value)
+                log.debug("running ahead stopped at step %d: %s", a + 1, message)
+                try:
+                    await self.nc.publish(
+                        step.ahead_to, pack(ErrorReply(code=code, message=message, request_id=step.request_id))
+                    )
+                except Exception as send_err:
+                    log.warning("could not send a run-ahead error: %s: %s", type(send_err).__name__, send_err)
+                return
 
     async def _reply_error(self, req, code: ErrorCode | str, message: str, request_id: str | None = None) -> None:
         code = ErrorCode(code)

@@ -1,0 +1,167 @@
+"""Running ahead (coordinator/run_ahead.py) over a real nats-server with real workers (tiny UNets):
+a lone job's expert requests compute the next steps on the worker, and the images are the same,
+bit for bit, as without it; routing that moves a job mid-run, bad run-ahead fields and a worker
+that refuses them lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from client.jobs import run_job
+from coordinator.local_fleet import LabelRouter
+from coordinator.service import Coordinator
+from schemas import ErrorCode, ErrorReply, JobRequest, StepReply, StepRequest, pack, subjects, unpack
+from tests.coordinator.helpers import make_tiny_experts
+
+C2E = [0] * 5 + [1] * 5
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield make_tiny_experts(tmp_path_factory.mktemp("experts"))
+    torch.set_num_threads(threads)
+
+
+class TimeRouter:
+    """Expert 0 before t = 0.5, expert 1 from then on (every label): moves each job mid-run."""
+
+    num_experts = 2
+
+    def weights(self, x, t, y):
+        w = np.full((len(y), 2), 0.1)
+        w[np.arange(len(y)), (np.asarray(t) >= 0.5).astype(int)] = 0.9
+        return w
+
+
+async def _workers(nats_url, experts):
+    from workers.service import ExpertWorker
+
+    ws = []
+    for k, path in enumerate(experts):
+        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
+        await w.start()
+        ws.append(w)
+    return ws
+
+
+async def _run(nats_url, nc, router, jobs, **cfg):
+    async with Coordinator(router, num_experts=2, class_to_expert=C2E, nats_url=nats_url, **cfg) as coord:
+        done = [await run_job(nc, j) for j in jobs]  # one at a time: a lone job, as run ahead is for
+        return done, coord.engine.ahead
+
+
+JOBS = [
+    JobRequest(digits=[3], steps=12, seed=5),
+    JobRequest(digits=[7, 1], steps=9, seed=6, strategy="oracle"),
+    JobRequest(digits=[2, 8, 4], steps=5, seed=7, strategy="sample"),
+]
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+async def test_lone_jobs_run_ahead_and_their_images_do_not_change(nats_url, nc, experts, wire):
+    ws = await _workers(nats_url, experts)
+    try:
+        plain, off = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=0, wire_dtype=wire)
+        ahead, on = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=4, wire_dtype=wire)
+    finally:
+        for w in ws:
+            await w.stop()
+    assert off.runs == 0 and off.rows_taken == 0
+    # job 1: 12 steps, runs of 1 + 4 steps: 3 requests cover 1..15 > 12 (the last run is cut to what is left)
+    assert on.runs >= 3 and on.rows_taken >= 1 * 8 + 2 * 6 + 3 * 3, on
+    assert on.steps_wasted == 0 and not on.ended, on
+    for a, b in zip(plain, ahead):
+        assert a.images.tobytes() == b.images.tobytes()
+        np.testing.assert_array_equal(a.usage, b.usage)
+    served = sum(w.metrics.replies for w in ws)
+    assert served > 0
+
+
+async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, experts):
+    ws = await _workers(nats_url, experts)
+    job = JobRequest(digits=[3, 6], steps=10, seed=11)
+    try:
+        (plain,), _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=0)
+        (ahead,), on = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=8)
+    finally:
+        for w in ws:
+            await w.stop()
+    assert plain.images.tobytes() == ahead.images.tobytes()
+    np.testing.assert_array_equal(plain.usage, ahead.usage)
+    assert (plain.usage > 0).all()  # both experts served each image: the job was moved
+    # the run sent at step 0 (8 more steps, from expert 0) is left at step 5, where the router moves the rows
+    assert sum(on.ended.values()) >= 1 and on.steps_wasted >= 1, on
+    assert on.rows_taken >= 2 * 4, on
+
+
+def _request(**kw):
+    base = dict(
+        expert=0,
+        x_t=np.zeros((2, 1, 32, 32), np.float32),
+        t=np.zeros(2, np.float32),
+        y=np.array([1, 2]),
+        ahead_t=np.array([[0.5, 0.5]], np.float32),
+        ahead_dt=np.array([[0.5, 0.5]], np.float32),
+        ahead_to="_INBOX.test.ahead",
+    )
+    base.update(kw)
+    return base
+
+
+async def test_a_worker_streams_its_steps_and_refuses_bad_run_ahead_fields(nats_url, nc, experts):
+    from workers.service import ExpertWorker
+
+    w = ExpertWorker(expert=0, checkpoint=experts[0], nats_url=nats_url, buckets=(1, 4), dtype="float32")
+    await w.start()
+    try:
+        assert w.metadata()["run_ahead"] == "16"
+        got: asyncio.Queue = asyncio.Queue()
+        sub = await nc.subscribe("_INBOX.test.ahead", cb=got.put)
+        x0 = np.random.default_rng(0).standard_normal((2, 1, 32, 32)).astype(np.float32)
+        req = StepRequest(
+            **_request(
+                x_t=x0,
+                ahead_t=np.array([[0.25, 0.25], [0.5, 0.5]], np.float32),
+                ahead_dt=np.array([[0.25, 0.25], [0.25, 0.25]], np.float32),
+            )
+        )
+        first = unpack((await nc.request(subjects.expert_velocity(0), pack(req), timeout=10)).data, StepReply)
+        rest = [unpack((await asyncio.wait_for(got.get(), 10)).data, StepReply) for _ in range(2)]
+        assert [r.ahead_index for r in (first, *rest)] == [0, 1, 2]
+        # the same three steps asked one at a time, x stepped here
+        x, t = x0, 0.0
+        for r in (first, *rest):
+            one = StepRequest(expert=0, x_t=x, t=np.full(2, t, np.float32), y=np.array([1, 2]))
+            v = unpack((await nc.request(subjects.expert_velocity(0), pack(one), timeout=10)).data, StepReply)
+            assert v.velocity.tobytes() == r.velocity.tobytes()
+            x, t = (x + np.float32(0.25) * v.velocity).astype(np.float32), t + 0.25
+        await sub.unsubscribe()
+        bad = {
+            "ahead_to": (_request(ahead_to="jobs.someone.events"), ErrorCode.BAD_REQUEST),
+            "shape": (_request(ahead_t=np.zeros((1, 3), np.float32)), ErrorCode.BAD_SHAPE),
+            "missing": ({k: v for k, v in _request().items() if k != "ahead_dt"}, ErrorCode.BAD_REQUEST),
+            "dtype": (_request(x_t=np.zeros((2, 1, 32, 32), np.float16)), ErrorCode.BAD_DTYPE),
+        }
+        import msgpack
+
+        for name, (fields, code) in bad.items():
+            data = msgpack.packb({"v": 1, "kind": "step_request", **_wire(fields)})
+            reply = unpack((await nc.request(subjects.expert_velocity(0), data, timeout=10)).data, ErrorReply)
+            assert reply.code == code, (name, reply)
+        ok = StepRequest(expert=0, x_t=x0, t=np.zeros(2, np.float32), y=np.array([1, 2]))
+        assert unpack((await nc.request(subjects.expert_velocity(0), pack(ok), timeout=10)).data, StepReply)
+    finally:
+        await w.stop()
+
+
+def _wire(fields: dict) -> dict:
+    from schemas.tensor import encode_tensor
+
+    return {k: encode_tensor(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()}
