@@ -53,6 +53,11 @@ Series (counters end in _total; rates with rate(), e.g. rows/s = rate(ddm_coordi
                                                                    mean tick time
     ddm_coordinator_router_seconds_total                counter    seconds of router forwards (overlapping guessed
                                                                    expert calls under --speculate)
+    ddm_coordinator_run_ahead_requests_total            counter    expert requests sent to run ahead (--run-ahead)
+    ddm_coordinator_rows_run_ahead_total                counter    row evaluations answered by a run ahead instead of
+                                                                   a request
+    ddm_coordinator_run_ahead_steps_wasted_total        counter    steps run ahead that were never used (the routing
+                                                                   moved the rows, the job ended or failed)
     ddm_coordinator_rejected_workers                    gauge      expert workers on the bus whose model spec differs
                                                                    from the fleet's (not used), at the last discovery
     ddm_coordinator_workers_rejected_total              counter    distinct workers ever rejected for their spec
@@ -224,6 +229,22 @@ class _EngineCollector:
             "ddm_coordinator_rows_guessed_unused",
             "Guessed rows whose answer the routing did not need (work the experts did in vain).",
             value=self.engine.rows_guessed_unused,
+        )
+        ahead = self.engine.ahead
+        yield CounterMetricFamily(
+            "ddm_coordinator_run_ahead_requests",
+            "Expert requests sent to run ahead (--run-ahead).",
+            value=ahead.runs,
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_rows_run_ahead",
+            "Row evaluations answered by a run ahead instead of a request (--run-ahead).",
+            value=ahead.rows_taken,
+        )
+        yield CounterMetricFamily(
+            "ddm_coordinator_run_ahead_steps_wasted",
+            "Steps run ahead on a worker that were never used (the routing moved the rows, the job ended).",
+            value=ahead.steps_wasted,
         )
         yield CounterMetricFamily(
             "ddm_coordinator_tick_seconds",

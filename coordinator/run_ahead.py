@@ -39,6 +39,12 @@ ONE_EXPERT_STRATEGIES = frozenset({"top1", "oracle", "sample"})
 #: Evaluations a job does not run ahead after one of its runs ended unused (the routing moved it).
 PAUSE_AFTER_MISS = 4
 
+#: How long the next streamed velocity may take: this many times the request's first reply, at least
+#: AHEAD_MIN_WAIT_S (a step run ahead is one more forward, no slower than the first reply's). A stream
+#: that stalls (e.g. a server whose permissions let a worker answer only once) ends after that.
+AHEAD_WAIT_FACTOR = 4.0
+AHEAD_MIN_WAIT_S = 0.5
+
 
 class AheadEnded(Exception):
     """The stream of a request that runs ahead stopped (an error reply, a time-out, a bad reply)."""
@@ -133,9 +139,18 @@ class AheadStream:
     message's bytes into (velocity float32 [n, C, H, W], worker id, ahead_index) or raises (a bad or
     error reply); `close` is called once when the stream is no longer wanted."""
 
-    def __init__(self, steps: int, check: Callable[[bytes], tuple[np.ndarray, str, int]], close: Callable[[], None]):
+    def __init__(
+        self,
+        steps: int,
+        check: Callable[[bytes], tuple[np.ndarray, str, int]],
+        close: Callable[[], None],
+        on_stall: Callable[[], None] | None = None,
+    ):
         self.steps = steps
+        self.first_s = 0.0  # how long the request's first reply took (the transport sets it)
+        self._on_stall = on_stall
         self.worker = ""  # set when the first reply is taken: only its worker's stream counts
+        self.tokens: list[str] = []  # the reply subjects' tokens of the request's legs (the transport's)
         self._check = check
         self._close = close
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=steps + 2)
@@ -150,16 +165,24 @@ class AheadStream:
         except asyncio.QueueFull:
             self.dropped += 1
 
+    def wait_s(self, most: float) -> float:
+        """Seconds to wait for the next velocity: AHEAD_WAIT_FACTOR x the first reply's time, at least
+        AHEAD_MIN_WAIT_S, at most `most`."""
+        return min(most, max(AHEAD_MIN_WAIT_S, AHEAD_WAIT_FACTOR * self.first_s))
+
     async def next(self, timeout: float) -> np.ndarray:
         """The next velocity, float32 [n, C, H, W]; AheadEnded when the stream stopped or none came in
-        `timeout` seconds."""
+        `wait_s(timeout)` seconds (then `on_stall` is told)."""
         if self.closed or self.received >= self.steps:
             raise AheadEnded("the run is over")
+        wait = self.wait_s(timeout)
         while True:
             try:
-                data = await asyncio.wait_for(self._queue.get(), timeout)
+                data = await asyncio.wait_for(self._queue.get(), wait)
             except TimeoutError:
-                raise AheadEnded(f"no velocity ran ahead within {timeout:g} s") from None
+                if self._on_stall is not None:
+                    self._on_stall()
+                raise AheadEnded(f"no velocity ran ahead within {wait:.3g} s") from None
             try:
                 v, worker, index = self._check(data)
             except Exception as err:

@@ -420,23 +420,35 @@ class NatsTransport:
             return await self.velocity(expert, x, t, y, row_ids), None
         return await self._request(expert, x, t, y, row_ids, ahead=(ahead_t, ahead_dt))
 
-    def _open_stream(self, prefix: str, expert: int, steps: int, shape, row_ids) -> tuple[AheadStream, str]:
-        """A run-ahead stream on a fresh subject under the reply mux: (stream, subject)."""
-        token = secrets.token_hex(16)
+    def _open_stream(self, expert: int, steps: int, shape, row_ids) -> AheadStream:
+        """The stream of a request that runs ahead: the replies after the first one on each leg's reply
+        subject (`_ask` adds them) go to it, checked as replies; once closed, late ones are dropped quietly."""
 
         def check(data: bytes) -> tuple[np.ndarray, str, int]:
             v, worker, reply = self._check_reply(expert, data, shape, row_ids)
             return v, worker, reply.ahead_index
 
         def close() -> None:
-            self._streams.pop(token, None)
+            for token in stream.tokens:
+                self._forget_stream_token(token)
+
+        def stalled() -> None:  # e.g. a server that lets a worker answer only once: ask plainly for a while
+            self.no_ahead_until[expert] = time.monotonic() + NO_AHEAD_S
+            log.warning(
+                "expert %d: a run-ahead stream stalled (its worker's further replies did not come; the NATS "
+                "server's allow_responses max must be >= 17 for workers); asking plainly for %g s",
+                expert,
+                NO_AHEAD_S,
+            )
+
+        stream = AheadStream(steps, check, close, stalled)
+        return stream
+
+    def _forget_stream_token(self, token: str) -> None:
+        if self._streams.pop(token, None) is not None:
             self._closed_streams[token] = None
             while len(self._closed_streams) > RETIRED_TOKENS_KEPT:
                 self._closed_streams.popitem(last=False)
-
-        stream = AheadStream(steps, check, close)
-        self._streams[token] = stream
-        return stream, f"{prefix}.{token}"
 
     def rows_per_request(self, x: np.ndarray) -> int:
         """Most rows of x [n, C, H, W] in one request: `max_rows`, and fewer when a request or its
@@ -508,9 +520,10 @@ class NatsTransport:
                 self.stray_replies,
             )
 
-    async def _ask(self, subject: str, payload: bytes, timeout: float):
+    async def _ask(self, subject: str, payload: bytes, timeout: float, stream: AheadStream | None = None):
         """Publish a request with a fresh unguessable reply subject; the reply message.
-        Raises nats.errors.TimeoutError or NoRespondersError like `nc.request`."""
+        Raises nats.errors.TimeoutError or NoRespondersError like `nc.request`. With `stream` (a request
+        that runs ahead), the replies after the first on that subject go to the stream."""
         import nats.errors
         from nats.js.api import Header
 
@@ -518,6 +531,9 @@ class NatsTransport:
         token = secrets.token_hex(16)
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
+        if stream is not None:
+            self._streams[token] = stream
+            stream.tokens.append(token)
         try:
             await self.nc.publish(subject, payload, reply=f"{prefix}.{token}")
             try:
@@ -528,6 +544,12 @@ class NatsTransport:
             self._retired[token] = None
             while len(self._retired) > RETIRED_TOKENS_KEPT:
                 self._retired.popitem(last=False)
+            if stream is not None:
+                self._forget_stream_token(token)
+            raise
+        except BaseException:
+            if stream is not None:
+                self._forget_stream_token(token)
             raise
         finally:
             self._pending.pop(token, None)
@@ -583,13 +605,12 @@ class NatsTransport:
                 stream = None
             if ahead is not None:  # x travels in float32 (the worker steps it); the model sees it as x_wire
                 steps = len(ahead[0])
-                stream, ahead_to = self._open_stream(await self._ensure_mux(), expert, steps, x32.shape, row_ids)
+                stream = self._open_stream(expert, steps, x32.shape, row_ids)
                 opened.append(stream)
                 fields.update(
                     x_t=x32,
                     ahead_t=np.ascontiguousarray(ahead[0], np.float32),
                     ahead_dt=np.ascontiguousarray(ahead[1], np.float32),
-                    ahead_to=ahead_to,
                     input_dtype=reply_dtype,
                     deadline=time.time() + self.step_timeout * (1 + steps),
                 )
@@ -597,9 +618,10 @@ class NatsTransport:
                 expert=expert, t=t32, y=y64, row_ids=list(row_ids), request_id=f"s{next(self._ids)}", **fields
             )
             try:
-                v, worker = await self._exchange(expert, subject, pack(req), x32.shape, row_ids)
+                began = time.monotonic()
+                v, worker = await self._exchange(expert, subject, pack(req), x32.shape, row_ids, stream)
                 if stream is not None:
-                    stream.worker = worker
+                    stream.worker, stream.first_s = worker, time.monotonic() - began
                 return v, stream
             except nats.errors.NoRespondersError:
                 if self._in_reconnect_grace():
@@ -695,12 +717,20 @@ class NatsTransport:
         return self.dispatcher.pick(expert, exclude, explore=explore)
 
     def _start_leg(
-        self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids, token: str | None
+        self,
+        expert: int,
+        subject: str,
+        payload: bytes,
+        timeout: float,
+        shape,
+        row_ids,
+        token: str | None,
+        stream: AheadStream | None = None,
     ) -> asyncio.Future:
         """The task of one leg. A direct leg counts as outstanding at its worker from now (before the
         task first runs, so the next pick of a gathered batch sees it) until the task is done,
         whether it succeeded, failed or was cancelled (even before it started)."""
-        leg = asyncio.ensure_future(self._leg(expert, subject, payload, timeout, shape, row_ids, token))
+        leg = asyncio.ensure_future(self._leg(expert, subject, payload, timeout, shape, row_ids, token, stream))
         if token is not None:
             self.dispatcher.sent(expert, token)
             leg.add_done_callback(lambda _leg, d=self.dispatcher: d.finished(expert, token))
@@ -718,7 +748,15 @@ class NatsTransport:
         return v, worker
 
     async def _leg(
-        self, expert: int, subject: str, payload: bytes, timeout: float, shape, row_ids, token: str | None = None
+        self,
+        expert: int,
+        subject: str,
+        payload: bytes,
+        timeout: float,
+        shape,
+        row_ids,
+        token: str | None = None,
+        stream: AheadStream | None = None,
     ):
         """Send the request once and check the reply: (velocity float32, worker id). token: send it
         to that worker's direct subject first; "no responders" there sends it to the queue group
@@ -730,7 +768,7 @@ class NatsTransport:
             began = loop.time()
             self._count_dispatch(expert, "direct")
             try:
-                msg = await self._ask(subjects.expert_direct(expert, token), payload, timeout)
+                msg = await self._ask(subjects.expert_direct(expert, token), payload, timeout, stream)
                 return self._usable(expert, msg.data, shape, row_ids)
             except nats.errors.NoRespondersError:  # stopped, or a worker without a direct subject
                 # (just after a reconnect the worker may only not have resubscribed yet: no ban then)
@@ -749,10 +787,12 @@ class NatsTransport:
                 raise
             timeout = max(timeout - (loop.time() - began), 0.001)
         self._count_dispatch(expert, "queue")
-        msg = await self._ask(subject, payload, timeout)
+        msg = await self._ask(subject, payload, timeout, stream)
         return self._usable(expert, msg.data, shape, row_ids)
 
-    async def _exchange(self, expert: int, subject: str, payload: bytes, shape, row_ids) -> tuple[np.ndarray, str]:
+    async def _exchange(
+        self, expert: int, subject: str, payload: bytes, shape, row_ids, stream: AheadStream | None = None
+    ) -> tuple[np.ndarray, str]:
         """One try: (the velocity float32 [n, C, H, W], the worker id it claims), or the exception of its failure (NATS
         timeout / no responders, _BadReply, _ErrorReply). Hedged as the module docstring says."""
         loop = asyncio.get_running_loop()
@@ -761,7 +801,7 @@ class NatsTransport:
         delay = self.hedging.delay(expert)
         sent = loop.time()
         token = self._pick(expert)
-        primary = self._start_leg(expert, subject, payload, self.step_timeout, shape, row_ids, token)
+        primary = self._start_leg(expert, subject, payload, self.step_timeout, shape, row_ids, token, stream)
         hedge = None
         try:
             if delay is not None and delay < self.step_timeout:
@@ -780,7 +820,7 @@ class NatsTransport:
                 self.hedging.observe(expert, loop.time() - sent, worker)
                 _answered_by(worker)
                 return v, worker
-            hedge = self._start_leg(expert, subject, payload, max(left, 0.001), shape, row_ids, other)
+            hedge = self._start_leg(expert, subject, payload, max(left, 0.001), shape, row_ids, other, stream)
             outcome_if_first = {primary: "lost", hedge: "won"}
             pending: set = {primary, hedge}
             failure: BaseException | None = None

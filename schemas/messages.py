@@ -112,7 +112,7 @@ Strategy = Literal["top1", "topk", "full", "oracle", "sample"]
 WireFloat = Literal["float32", "float16", "bfloat16"]
 
 #: StepRequest's optional fields for running ahead (left out of the wire map when unused).
-_AHEAD_FIELDS = ("ahead_t", "ahead_dt", "ahead_to", "input_dtype")
+_AHEAD_FIELDS = ("ahead_t", "ahead_dt", "input_dtype")
 Solver = Literal["euler", "heun"]
 #: The label of an unconditional row ("label unknown"): a `JobRequest.labels` (or `digits`) entry and a
 #: `StepRequest.y` value. Experts trained with a null label (`train-expert --label-dropout`) and
@@ -174,14 +174,14 @@ class StepRequest(Message):
     is left out of the wire map so that workers older than the field accept the request).
     request_id: the same for every copy of one try (a hedged request is sent twice with it).
 
-    Running ahead (all four fields together, or none; left out of the wire map when unused, so
-    that older workers accept the request). The worker answers the step at t as usual, then takes
+    Running ahead (ahead_t and ahead_dt together, or neither; left out of the wire map when unused,
+    so that older workers accept the request). The worker answers the step at t as usual, then takes
     A more Euler steps on its own, x' = x + ahead_dt[a] * v (`flow.solver.euler_update`, with v as
     the reply carries it: in `reply_dtype`, widened to float32), evaluates at t' = ahead_t[a], and
-    publishes each of those A velocities to `ahead_to` as a StepReply with `ahead_index` a + 1, in
-    order (an ErrorReply there ends the run). The model sees each x as it would have travelled:
-    rounded to `input_dtype` (None: float32). x_t must be float32 then (the steps start from it).
-    ahead_t: [A, B] float in [0, 1].  ahead_dt: [A, B] float.  ahead_to: a reply inbox.
+    answers each of those A velocities on the same reply subject as a StepReply with `ahead_index`
+    a + 1, in order (an ErrorReply there ends the run). The model sees each x as it would have
+    travelled: rounded to `input_dtype` (None: float32). x_t must be float32 then (the steps start
+    from it). ahead_t: [A, B] float in [0, 1].  ahead_dt: [A, B] float.
     A coordinator uses the answers only where its own routing and state agree with them.
     """
 
@@ -196,7 +196,6 @@ class StepRequest(Message):
     reply_dtype: WireFloat | None = None
     ahead_t: FiniteTensor | None = None
     ahead_dt: FiniteTensor | None = None
-    ahead_to: str | None = Field(default=None, max_length=MAX_ID_LEN + 64)
     input_dtype: WireFloat | None = None
 
     @model_serializer(mode="wrap")
@@ -233,17 +232,15 @@ class StepRequest(Message):
             raise _err(ErrorCode.BAD_SHAPE, f"row_ids has {len(self.row_ids)} entries for a batch of {b}")
         if ((self.t < 0) | (self.t > 1)).any():
             raise _err(ErrorCode.BAD_REQUEST, "t must lie in [0, 1] (t=0 noise, t=1 data)")
-        if self.ahead_t is not None or self.ahead_dt is not None or self.ahead_to is not None:
+        if self.ahead_t is not None or self.ahead_dt is not None:
             self._check_ahead(b)
         elif self.input_dtype is not None:
             raise _err(ErrorCode.BAD_REQUEST, "input_dtype is only for a request that runs ahead (ahead_t)")
         return self
 
     def _check_ahead(self, b: int) -> None:
-        from .subjects import is_reply_inbox
-
-        if self.ahead_t is None or self.ahead_dt is None or self.ahead_to is None:
-            raise _err(ErrorCode.BAD_REQUEST, "running ahead needs ahead_t, ahead_dt and ahead_to together")
+        if self.ahead_t is None or self.ahead_dt is None:
+            raise _err(ErrorCode.BAD_REQUEST, "running ahead needs ahead_t and ahead_dt together")
         _need_float(self.ahead_t, "ahead_t")
         _need_float(self.ahead_dt, "ahead_dt")
         a = self.ahead_t.shape[0] if self.ahead_t.ndim == 2 else 0
@@ -261,10 +258,6 @@ class StepRequest(Message):
             raise _err(ErrorCode.BAD_REQUEST, "ahead_t must lie in [0, 1] (t=0 noise, t=1 data)")
         if self.x_t.dtype != np.float32:
             raise _err(ErrorCode.BAD_DTYPE, f"a request that runs ahead carries x_t in float32, got {self.x_t.dtype}")
-        if not is_reply_inbox(self.ahead_to):
-            raise _err(
-                ErrorCode.BAD_REQUEST, f"ahead_to must be a reply inbox (_INBOX.<...>), got {shown(self.ahead_to)}"
-            )
 
 
 class StepReply(Message):

@@ -602,13 +602,14 @@ class ExpertWorker:
         if await self._send(req, data):
             self.metrics.reply(time.perf_counter() - received)
             if step.ahead:
-                await self._run_ahead(step, x, y, velocity)
+                await self._run_ahead(req, step, x, y, velocity)
 
-    async def _run_ahead(self, step: StepRequest, x: np.ndarray, y: np.ndarray, velocity: np.ndarray) -> None:
+    async def _run_ahead(self, req, step: StepRequest, x: np.ndarray, y: np.ndarray, velocity: np.ndarray) -> None:
         """The request's further steps (`StepRequest.ahead_t`): x' = x + dt * v with v as the coordinator
-        received it, the model at x' as it would have travelled; each velocity published to `ahead_to`
-        as soon as it is computed. A failure is published there as an ErrorReply and ends the run."""
-        assert step.ahead_t is not None and step.ahead_dt is not None and step.ahead_to is not None
+        received it, the model at x' as it would have travelled; each velocity answered on the request's
+        reply subject as soon as it is computed. A failure is answered there as an ErrorReply and ends
+        the run (so does a reply that cannot be sent: nobody would read the rest)."""
+        assert step.ahead_t is not None and step.ahead_dt is not None
         n = x.shape[0]
         for a in range(step.ahead):
             try:
@@ -633,7 +634,8 @@ class ExpertWorker:
                     batch_rows=result.info.bucket,
                     ahead_index=a + 1,
                 )
-                await self.nc.publish(step.ahead_to, pack(reply))
+                if not await self._send(req, pack(reply)):
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as err:
@@ -645,14 +647,8 @@ class ExpertWorker:
                     code, message = ErrorCode.UNAVAILABLE, str(err)
                 else:
                     code, message = ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"
-                self.metrics.error(ErrorCode(code).value)
                 log.debug("running ahead stopped at step %d: %s", a + 1, message)
-                try:
-                    await self.nc.publish(
-                        step.ahead_to, pack(ErrorReply(code=code, message=message, request_id=step.request_id))
-                    )
-                except Exception as send_err:
-                    log.warning("could not send a run-ahead error: %s: %s", type(send_err).__name__, send_err)
+                await self._reply_error(req, code, message, step.request_id)
                 return
 
     async def _reply_error(self, req, code: ErrorCode | str, message: str, request_id: str | None = None) -> None:

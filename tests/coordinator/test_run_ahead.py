@@ -109,7 +109,6 @@ def _request(**kw):
         y=np.array([1, 2]),
         ahead_t=np.array([[0.5, 0.5]], np.float32),
         ahead_dt=np.array([[0.5, 0.5]], np.float32),
-        ahead_to="_INBOX.test.ahead",
     )
     base.update(kw)
     return base
@@ -123,7 +122,7 @@ async def test_a_worker_streams_its_steps_and_refuses_bad_run_ahead_fields(nats_
     try:
         assert w.metadata()["run_ahead"] == "16"
         got: asyncio.Queue = asyncio.Queue()
-        sub = await nc.subscribe("_INBOX.test.ahead", cb=got.put)
+        sub = await nc.subscribe("_INBOX.test.ahead", cb=got.put)  # every reply of one request comes here
         x0 = np.random.default_rng(0).standard_normal((2, 1, 32, 32)).astype(np.float32)
         req = StepRequest(
             **_request(
@@ -132,8 +131,8 @@ async def test_a_worker_streams_its_steps_and_refuses_bad_run_ahead_fields(nats_
                 ahead_dt=np.array([[0.25, 0.25], [0.25, 0.25]], np.float32),
             )
         )
-        first = unpack((await nc.request(subjects.expert_velocity(0), pack(req), timeout=10)).data, StepReply)
-        rest = [unpack((await asyncio.wait_for(got.get(), 10)).data, StepReply) for _ in range(2)]
+        await nc.publish(subjects.expert_velocity(0), pack(req), reply="_INBOX.test.ahead")
+        first, *rest = [unpack((await asyncio.wait_for(got.get(), 10)).data, StepReply) for _ in range(3)]
         assert [r.ahead_index for r in (first, *rest)] == [0, 1, 2]
         # the same three steps asked one at a time, x stepped here
         x, t = x0, 0.0
@@ -144,7 +143,11 @@ async def test_a_worker_streams_its_steps_and_refuses_bad_run_ahead_fields(nats_
             x, t = (x + np.float32(0.25) * v.velocity).astype(np.float32), t + 0.25
         await sub.unsubscribe()
         bad = {
-            "ahead_to": (_request(ahead_to="jobs.someone.events"), ErrorCode.BAD_REQUEST),
+            "t range": (_request(ahead_t=np.array([[0.5, 1.5]], np.float32)), ErrorCode.BAD_REQUEST),
+            "too far": (
+                _request(ahead_t=np.full((17, 2), 0.5, np.float32), ahead_dt=np.zeros((17, 2), np.float32)),
+                ErrorCode.BAD_SHAPE,
+            ),
             "shape": (_request(ahead_t=np.zeros((1, 3), np.float32)), ErrorCode.BAD_SHAPE),
             "missing": ({k: v for k, v in _request().items() if k != "ahead_dt"}, ErrorCode.BAD_REQUEST),
             "dtype": (_request(x_t=np.zeros((2, 1, 32, 32), np.float16)), ErrorCode.BAD_DTYPE),
@@ -165,3 +168,41 @@ def _wire(fields: dict) -> dict:
     from schemas.tensor import encode_tensor
 
     return {k: encode_tensor(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+
+
+async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url, nc, experts):
+    """A server that lets workers answer only once (allow_responses max 1) drops every reply after the
+    first: the coordinator waits a few forwards' time, asks plainly, and stops running that expert ahead.
+    Simulated by a worker that answers only the first reply of each request (its later ones dropped)."""
+    from workers.service import ExpertWorker
+
+    ws = []
+    for k, path in enumerate(experts):
+        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
+        await w.start()
+        ws.append(w)
+    for w in ws:  # the worker's further replies never reach the coordinator
+        sent = w._send
+
+        async def first_only(req, data, headers=None, _sent=sent):
+            if getattr(req, "_answered", False):
+                return True
+            req._answered = True
+            return await _sent(req, data, headers)
+
+        w._send = first_only
+    job = JobRequest(digits=[3], steps=6, seed=2)
+    try:
+        (plain,), _ = await _run(nats_url, nc, LabelRouter(C2E, 2), [job], run_ahead=0)
+        async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url) as coord:
+            began = asyncio.get_running_loop().time()
+            stalled = await run_job(nc, job)
+            took = asyncio.get_running_loop().time() - began
+            again = await run_job(nc, job)
+            ahead, tr = coord.engine.ahead, coord.transport
+    finally:
+        for w in ws:
+            await w.stop()
+    assert plain.images.tobytes() == stalled.images.tobytes() == again.images.tobytes()
+    assert ahead.runs == 1 and ahead.ended == {"stream ended": 1}, ahead
+    assert 0 in tr.no_ahead_until and took < 5  # one short wait (>= 0.5 s), not the 10 s step time-out

@@ -209,8 +209,12 @@ async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
             assert at("ddm_coordinator_jobs_rejected_total", code="bad_request") == 1
             assert at("ddm_coordinator_row_fallbacks_total") == 4  # the digit-7 row, every evaluation
             assert at("ddm_coordinator_expert_errors_total", expert="1", code="unavailable") == 4
-            assert at("ddm_coordinator_expert_request_seconds_count", expert="0") == 7
-            assert at("ddm_coordinator_expert_request_seconds_bucket", expert="0", le="+Inf") == 7
+            # the first job's 3 Euler steps: one request that runs 2 steps ahead (--run-ahead); heun: 4 requests
+            assert at("ddm_coordinator_expert_request_seconds_count", expert="0") == 1 + 4
+            assert at("ddm_coordinator_expert_request_seconds_bucket", expert="0", le="+Inf") == 1 + 4
+            assert at("ddm_coordinator_run_ahead_requests_total") == 1
+            assert at("ddm_coordinator_rows_run_ahead_total") == 2 * 2
+            assert at("ddm_coordinator_run_ahead_steps_wasted_total") == 0
             assert at("ddm_coordinator_expert_request_seconds_sum", expert="0") > 0
             assert at("ddm_coordinator_active_jobs") == 0 and at("ddm_coordinator_active_rows") == 0
         with pytest.raises(OSError):  # the server went away with the coordinator

@@ -293,7 +293,9 @@ async def test_dispatch_counters_are_exported_as_metrics(nats_url, nc, workers):
     from coordinator.service import Coordinator
     from schemas import JobRequest
 
-    async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, step_timeout=10) as coord:
+    async with Coordinator(  # run_ahead 0: a request (at least one leg) per step
+        LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, step_timeout=10, run_ahead=0
+    ) as coord:
         for i in range(3):
             await run_job(nc, JobRequest(job_id=f"m{i}", digits=[1, 2], steps=6, seed=i, stream=False))
         m, tr = coord.metrics, coord.transport
