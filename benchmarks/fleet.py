@@ -1013,6 +1013,8 @@ async def bench_fleet(args) -> dict:
         "cohorts": cfg.cohorts,
         "route_every": cfg.route_every,
         "speculate": "on" if cfg.speculate else "off",
+        "run_ahead": cfg.run_ahead,
+        "run_ahead_rows": cfg.run_ahead_rows,
         "durable": cfg.durable,
         "merge": getattr(args, "merge", "auto"),
         "load_avg_start": [round(v, 2) for v in load_start],
@@ -1149,7 +1151,7 @@ def format_table(results: dict) -> str:
                 f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                 f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
                 f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, "
-                f"speculate {s.get('speculate', 'on')}"
+                f"speculate {s.get('speculate', 'on')}, run ahead {s.get('run_ahead', 0)}"
                 + (
                     ""
                     if not (g := r["fleet"].get("speculation"))

@@ -10,7 +10,7 @@ import os
 
 
 def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str = "", where: str = "") -> None:
-    """Add --cohorts, --route-every and --speculate / --no-speculate, exactly as `ddm-fleet coordinator`
+    """Add --cohorts, --route-every, --speculate / --no-speculate, --run-ahead and --run-ahead-rows, exactly as `ddm-fleet coordinator`
     declares them (`coordinator.config.CoordinatorConfig`). `cohorts_default` and `where` are kept for
     callers; the help is the coordinator's."""
     from coordinator.config import CoordinatorConfig
@@ -19,7 +19,7 @@ def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str = "
 
 
 #: The coordinator's engine settings every bench takes.
-ENGINE_OPTIONS = ("cohorts", "route_every", "speculate")
+ENGINE_OPTIONS = ("cohorts", "route_every", "speculate", "run_ahead", "run_ahead_rows")
 
 
 def announce_defaults(args: argparse.Namespace, defaults: dict) -> None:
