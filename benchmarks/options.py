@@ -10,9 +10,9 @@ import os
 
 
 def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str = "", where: str = "") -> None:
-    """Add --cohorts, --route-every, --speculate / --no-speculate, --run-ahead and --run-ahead-rows, exactly as `ddm-fleet coordinator`
-    declares them (`coordinator.config.CoordinatorConfig`). `cohorts_default` and `where` are kept for
-    callers; the help is the coordinator's."""
+    """Add --cohorts, --route-every, --speculate / --no-speculate, --run-ahead and --run-ahead-rows, exactly
+    as `ddm-fleet coordinator` declares them (`coordinator.config.CoordinatorConfig`). `cohorts_default`
+    and `where` are kept for callers; the help is the coordinator's."""
     from coordinator.config import CoordinatorConfig
 
     CoordinatorConfig.add_arguments(parser, only=ENGINE_OPTIONS)

@@ -15,6 +15,11 @@ ticks. At one client a tick is one step of one job and makes one expert call, so
     outside ticks   = client's step - tick time: submit, accept and done spread over the steps,
                       frames reaching the client
 
+Running ahead (the coordinator's --run-ahead): most ticks then take a velocity the worker streamed
+ahead instead of calling; `run_ahead_rows` per tick says how many. A worker's receive-to-reply time
+covers only a request's first velocity while its forwards include the steps run ahead, so the wire and
+the worker's own time are not split then; `forward` is still the model's time per tick.
+
 With more clients a tick steps many jobs and calls its experts in parallel (and several ticks overlap,
 --cohorts): the expert-call parts are then summed over a tick's calls and can exceed the tick, so the
 coordinator's own share is not derived; the parts still compare fleet with in-process and call with forward.
@@ -31,6 +36,7 @@ COORDINATOR_SERIES = {
     "ddm_coordinator_router_seconds_total": "router_s",
     "ddm_coordinator_expert_request_seconds_sum": "call_s",
     "ddm_coordinator_expert_request_seconds_count": "calls",
+    "ddm_coordinator_rows_run_ahead_total": "ahead_rows",
 }
 WORKER_SERIES = {
     "ddm_worker_latency_seconds_sum": "latency_s",
@@ -95,11 +101,15 @@ def fleet_split(coord: dict | None, workers: dict | None, client_step_s: float |
     ms["calls_per_tick"] = coord["calls"] / ticks
     if ms["calls_per_tick"] <= 1.05:  # one call at a time: the tick is that call plus the coordinator's own work
         ms["coordinator"] = ms["tick"] - ms["expert_call"]
+    ahead = coord.get("ahead_rows", 0.0)
+    if ahead > 0:
+        ms["run_ahead_rows"] = ahead / ticks
     if workers is not None and workers.get("requests", 0) > 0:
         ms["worker_requests_per_tick"] = workers["requests"] / ticks
         ms["forward"] = 1000 * workers["forward_s"] / ticks
-        ms["worker"] = 1000 * (workers["latency_s"] - workers["forward_s"]) / ticks
-        ms["wire"] = ms["expert_call"] - 1000 * workers["latency_s"] / ticks
+        if ahead <= 0:  # else the worker's latency covers only first replies (module docstring)
+            ms["worker"] = 1000 * (workers["latency_s"] - workers["forward_s"]) / ticks
+            ms["wire"] = ms["expert_call"] - 1000 * workers["latency_s"] / ticks
     if client_step_s is not None:
         ms["client_step"] = 1000 * client_step_s
         ms["outside_ticks"] = ms["client_step"] - ms["tick"]
@@ -127,6 +137,7 @@ ROWS = (
     ("coordinator", "    coordinator: schedule, route, update, events"),
     ("router", "      of which the router's forward (may overlap the call)"),
     ("expert_call", "    expert call"),
+    ("run_ahead_rows", "      rows answered by running ahead (per tick; no call then)"),
     ("wire", "      wire: msgpack in the coordinator, 2 NATS trips, wake-ups"),
     ("worker", "      worker: decode, pad, encode, wait for its previous forward"),
     ("forward", "      forward"),
