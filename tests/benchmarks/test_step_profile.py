@@ -20,7 +20,7 @@ ddm_coordinator_rows_stepped_total 100.0
 
 def test_parse_samples_sums_label_sets_and_ignores_other_series():
     got = sp.parse_samples(COORDINATOR_TEXT, sp.COORDINATOR_SERIES)
-    assert got == {"ticks": 100.0, "tick_s": 1.2, "router_s": 0.3, "call_s": 1.0, "calls": 100.0}
+    assert got == {"ticks": 100.0, "tick_s": 1.2, "router_s": 0.3, "call_s": 1.0, "calls": 100.0, "ahead_rows": 0.0}
     assert sp.parse_samples("garbage line\nddm_worker_latency_seconds_sum nan?\n", sp.WORKER_SERIES)["latency_s"] == 0
 
 
@@ -41,6 +41,14 @@ def test_fleet_split_names_each_part_per_tick():
     partial = sp.fleet_split(sp.delta(before, after), sp.summed([w0, None]), None)
     assert "forward" not in partial and "wire" not in partial and "client_step" not in partial
     assert sp.fleet_split(None, workers, None) is None
+    # running ahead: 80 of the 100 ticks took a streamed velocity; the workers' 100 forwards hold all the
+    # steps, their receive-to-reply only the 20 requests' first ones: no wire / worker split then
+    ahead = dict(sp.delta(before, after), ahead_rows=80.0)
+    split = sp.fleet_split(ahead, workers, None)
+    assert split["run_ahead_rows"] == pytest.approx(0.8) and split["forward"] == pytest.approx(6.0)
+    assert "wire" not in split and "worker" not in split
+    lines = sp.format_split(1, split, None)
+    assert any("rows answered by running ahead" in line and "0.80" in line for line in lines)
     assert sp.fleet_split(dict(before), workers, None) is None  # no ticks in the level
 
 
