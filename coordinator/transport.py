@@ -435,8 +435,9 @@ class NatsTransport:
         def stalled() -> None:  # e.g. a server that lets a worker answer only once: ask plainly for a while
             self.no_ahead_until[expert] = time.monotonic() + NO_AHEAD_S
             log.warning(
-                "expert %d: a run-ahead stream stalled (its worker's further replies did not come; the NATS "
-                "server's allow_responses max must be >= 17 for workers); asking plainly for %g s",
+                "expert %d: a run-ahead stream stalled (its worker's further replies did not come: a frozen "
+                "worker, or a NATS server whose permissions let workers answer only once, where allow_responses "
+                "max must be >= 17); asking that expert plainly for %g s",
                 expert,
                 NO_AHEAD_S,
             )
