@@ -522,7 +522,8 @@ _OPTIONS: tuple[_Option, ...] = (
         "run_ahead",
         type=int,
         metavar="A",
-        help="let an expert request of a small tick (at most --run-ahead-rows rows) compute up to A more "
+        help="while the coordinator runs at most --run-ahead-rows rows (a job or two alone), let each expert "
+        "request compute up to A more "
         "Euler steps on its worker, streamed back as they are computed (default %(default)s; 0: off). "
         "A lone job then pays the round trip through NATS once per A steps instead of every step; a "
         "streamed velocity is used only where the routing chose that expert and the rows are exactly "
@@ -533,7 +534,8 @@ _OPTIONS: tuple[_Option, ...] = (
         "run_ahead_rows",
         type=int,
         metavar="N",
-        help="most rows a tick may hold for its expert requests to run ahead (default %(default)s)",
+        help="most rows the coordinator may be running (all its jobs' images) for its expert requests to run "
+        "ahead (default %(default)s): at load, batching already shares the round trip among many rows",
     ),
     _Option(
         "wire_dtype",

@@ -82,8 +82,9 @@ MAX_RATE_SAMPLES = 4096
 DEFAULT_COHORTS = 2
 
 #: Running ahead (coordinator/run_ahead.py): most further steps one expert request computes, and
-#: the most rows a tick may hold for its requests to run ahead (a lone job or two: at load, batching
-#: already spreads the round trip over many rows).
+#: the most rows the coordinator may hold (all its running jobs) for its requests to run ahead (a lone
+#: job or two: at load, batching already spreads the round trip over many rows, and a worker merges
+#: the requests of several ticks into one forward, which steps run ahead never are).
 DEFAULT_RUN_AHEAD = 8
 DEFAULT_RUN_AHEAD_ROWS = 4
 #: `cohorts="auto"`: size the cohorts from the workers each expert has (see cohorts_for_workers).
@@ -577,7 +578,11 @@ class Engine:
         if v is not None:
             return v
         plan = None
-        if self.run_ahead and len(batch) <= self.run_ahead_rows and hasattr(self.transport, "velocity_ahead"):
+        if (
+            self.run_ahead
+            and self.scheduler.active_rows <= self.run_ahead_rows  # a job or two alone on the fleet
+            and hasattr(self.transport, "velocity_ahead")
+        ):
             plan = plan_ahead(groups, self.run_ahead)
         started = time.perf_counter()
         answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
