@@ -147,3 +147,65 @@ def test_config_is_checked():
         NatsTransport(None, step_timeout=0)
     with pytest.raises(ValueError, match="max_rows"):
         NatsTransport(None, max_rows=10_000)
+
+
+async def test_a_worker_older_than_running_ahead_is_asked_plainly(nc):
+    """An older worker refuses the run-ahead fields as unknown keys (`bad_request`): the transport asks
+    again without them, not counting a try, and does not ask that expert to run ahead for a while."""
+    from schemas import loads
+
+    seen = []
+
+    async def cb(msg):
+        raw = loads(msg.data)
+        seen.append(sorted(k for k in raw if k.startswith("ahead")))
+        if "ahead_t" in raw:  # what pydantic's extra="forbid" of an older release answers
+            await msg.respond(
+                pack(ErrorReply(code=ErrorCode.BAD_REQUEST, message="ahead_t: Extra inputs are not permitted"))
+            )
+        else:
+            await msg.respond(pack(_ok(unpack(msg.data, StepRequest))))
+
+    sub = await nc.subscribe(subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT), cb=cb)
+    try:
+        tr = NatsTransport(nc, step_timeout=2, retries=0)
+        x, t, y, ids = _inputs(2)
+        ahead_t, ahead_dt = np.full((3, 2), 0.75, np.float32), np.full((3, 2), 0.25, np.float32)
+        v, stream = await tr.velocity_ahead(EXPERT, x, t, y, ids, ahead_t, ahead_dt)
+        np.testing.assert_array_equal(v, -x)
+        assert stream is None and seen == [["ahead_dt", "ahead_t"], []] and tr.retried == 1
+        assert EXPERT in tr.no_ahead_until
+        v, stream = await tr.velocity_ahead(EXPERT, x, t, y, ids, ahead_t, ahead_dt)  # asked plainly at once
+        assert stream is None and seen[2:] == [[]]
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_run_ahead_stream_checks_each_reply_like_the_first(nc):
+    """The further replies of a request that runs ahead go to its stream in order; one that is not a usable
+    velocity (wrong shape, an error reply) ends the stream instead of reaching a sample."""
+    from coordinator.run_ahead import AheadEnded
+
+    async def cb(msg):
+        req = unpack(msg.data, StepRequest)
+        await msg.respond(pack(_ok(req)))
+        good = StepReply(expert=req.expert, velocity=np.ones_like(req.x_t), row_ids=req.row_ids, ahead_index=1)
+        await msg.respond(pack(good))
+        bad = StepReply(expert=req.expert, velocity=np.ones((1, 1, 4, 4), np.float32), ahead_index=2)
+        await msg.respond(pack(bad))
+
+    sub = await nc.subscribe(subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT), cb=cb)
+    try:
+        tr = NatsTransport(nc, step_timeout=2)
+        x, t, y, ids = _inputs(2)
+        v, stream = await tr.velocity_ahead(
+            EXPERT, x, t, y, ids, np.full((2, 2), 0.75, np.float32), np.full((2, 2), 0.25, np.float32)
+        )
+        np.testing.assert_array_equal(v, -x)
+        np.testing.assert_array_equal(await stream.next(2.0), np.ones_like(x))
+        with pytest.raises(AheadEnded, match="shape"):
+            await stream.next(2.0)
+        stream.close()
+        assert not tr._streams and tr.stray_replies == 0
+    finally:
+        await sub.unsubscribe()
