@@ -64,7 +64,7 @@ from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
 from .metrics import CoordinatorMetrics
-from .run_ahead import PAUSE_AFTER_MISS, AheadCounters, AheadEnded, AheadRun, plan_ahead
+from .run_ahead import PAUSE_AFTER_MISS, AheadCounters, AheadEnded, AheadPlan, AheadRun, plan_ahead
 from .scheduler import DEFAULT_CLIENT, Rejected, Scheduler
 
 log = logging.getLogger(__name__)
@@ -600,6 +600,8 @@ class Engine:
             self.metrics.expert_call(k, time.perf_counter() - started)
         v = self._checked(batch, k, idx, v)
         if stream is not None:
+            if stream.steps < plan.steps:  # the expert's workers take fewer steps ahead
+                plan = AheadPlan(stream.steps, plan.t[: stream.steps], plan.dt[: stream.steps])
             self.ahead.runs += 1
             key = tuple(row_ids)
             if (old := self._runs.pop(key, None)) is not None:

@@ -255,9 +255,11 @@ class Coordinator:
             await self.durable_jobs.start(self.engine)
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         self._task.add_done_callback(self._engine_ended)
-        if self.check_spec and hasattr(self.transport, "refresh_workers"):
-            # workers that join later are checked as they are discovered (coordinator/fleet_spec.py)
-            self.transport.fleet_spec = self.spec
+        if (self.check_spec or cfg.run_ahead) and hasattr(self.transport, "refresh_workers"):
+            # workers that join later are checked as they are discovered (coordinator/fleet_spec.py), and
+            # what each expert's workers can run ahead is learned (coordinator/run_ahead.py)
+            if self.check_spec:
+                self.transport.fleet_spec = self.spec
             self._worker_watch = asyncio.create_task(self._watch_workers(), name="coordinator-worker-specs")
         log.info(
             "coordinator up: %d experts, max %d rows, %d queued jobs",

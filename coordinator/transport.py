@@ -97,7 +97,7 @@ from schemas import (
     subjects,
     validate,
 )
-from schemas.limits import MAX_STEP_ROWS
+from schemas.limits import MAX_RUN_AHEAD, MAX_STEP_ROWS
 from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
 from .dispatch import DISPATCH_MODES, DispatchPolicy
@@ -388,6 +388,9 @@ class NatsTransport:
         self._closed_streams: OrderedDict[str, None] = OrderedDict()  # their tokens once closed (late: quiet)
         #: expert -> monotonic time until which its requests do not run ahead (a worker refused the fields)
         self.no_ahead_until: dict[int, float] = {}
+        #: expert -> the most steps every one of its workers runs ahead (service metadata `run_ahead`, learned
+        #: at each discovery; an expert with a worker that does not say is absent: its requests never run ahead)
+        self.run_ahead_of: dict[int, int] = {}
         self._mux_lock = asyncio.Lock()
         self._stray_logged_at = float("-inf")
 
@@ -412,13 +415,19 @@ class NatsTransport:
         ahead_t: np.ndarray,
         ahead_dt: np.ndarray,
     ) -> tuple[np.ndarray, AheadStream | None]:
-        """`velocity`, in one request that also runs A = len(ahead_t) steps ahead (coordinator/run_ahead.py):
-        (velocity float32 [n, C, H, W], the stream of the further velocities). The stream is None, and
-        the request an ordinary one, when the rows need several requests or the expert's workers
-        refused the fields lately (older workers)."""
-        if len(x) > self.rows_per_request(x) or time.monotonic() < self.no_ahead_until.get(expert, float("-inf")):
+        """`velocity`, in one request that also runs up to A = len(ahead_t) steps ahead (coordinator/run_ahead.py):
+        (velocity float32 [n, C, H, W], the stream of the further velocities; its `steps` may be fewer than A:
+        as many as every worker of the expert takes). The stream is None, and the request an ordinary one,
+        when the rows need several requests, a discovered worker of the expert does not advertise running
+        ahead (an older or another implementation; none discovered yet), or its stream stalled lately."""
+        most = min(len(ahead_t), self.run_ahead_of.get(expert, 0))
+        if (
+            most < 1
+            or len(x) > self.rows_per_request(x)
+            or time.monotonic() < self.no_ahead_until.get(expert, float("-inf"))
+        ):
             return await self.velocity(expert, x, t, y, row_ids), None
-        return await self._request(expert, x, t, y, row_ids, ahead=(ahead_t, ahead_dt))
+        return await self._request(expert, x, t, y, row_ids, ahead=(ahead_t[:most], ahead_dt[:most]))
 
     def _open_stream(self, expert: int, steps: int, shape, row_ids) -> AheadStream:
         """The stream of a request that runs ahead: the replies after the first one on each leg's reply
@@ -880,6 +889,7 @@ class NatsTransport:
             log.debug("worker dtype discovery failed: %r", err)
             return self.worker_dtypes
         found: dict[str, str] = {}
+        ahead: dict[int, int] = {}
         infos = []
         for raw in replies:
             try:
@@ -891,7 +901,12 @@ class NatsTransport:
                 dtype = md.get("dtype", md.get("precision", ""))
                 found[md["worker_id"][:128]] = dtype if isinstance(dtype, str) and dtype.isalnum() else ""
                 infos.append(info)
+                expert, steps = str(md.get("expert", "")), str(md.get("run_ahead", "0"))
+                if expert.isdigit():
+                    k = int(expert)
+                    ahead[k] = min(ahead.get(k, MAX_RUN_AHEAD), int(steps) if steps.isdigit() else 0)
         self.worker_dtypes = found
+        self.run_ahead_of = {k: n for k, n in ahead.items() if n > 0}
         if self.fleet_spec is not None:
             self._check_worker_specs(infos)
         return found

@@ -53,6 +53,9 @@ async def _workers(nats_url, experts):
 
 async def _run(nats_url, nc, router, jobs, **cfg):
     async with Coordinator(router, num_experts=2, class_to_expert=C2E, nats_url=nats_url, **cfg) as coord:
+        await coord.transport.refresh_workers()  # what the workers run ahead: learned at discovery
+        if cfg.get("run_ahead", 8):
+            assert coord.transport.run_ahead_of == {0: 16, 1: 16}
         done = [await run_job(nc, j) for j in jobs]  # one at a time: a lone job, as run ahead is for
         return done, coord.engine.ahead
 
@@ -195,6 +198,7 @@ async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url
     try:
         (plain,), _ = await _run(nats_url, nc, LabelRouter(C2E, 2), [job], run_ahead=0)
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url) as coord:
+            await coord.transport.refresh_workers()
             began = asyncio.get_running_loop().time()
             stalled = await run_job(nc, job)
             took = asyncio.get_running_loop().time() - began
@@ -206,3 +210,37 @@ async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url
     assert plain.images.tobytes() == stalled.images.tobytes() == again.images.tobytes()
     assert ahead.runs == 1 and ahead.ended == {"stream ended": 1}, ahead
     assert 0 in tr.no_ahead_until and took < 5  # one short wait (>= 0.5 s), not the 10 s step time-out
+
+
+async def test_only_experts_whose_workers_say_they_run_ahead_are_asked_to(nats_url, nc, experts):
+    """Discovery learns each expert's `run_ahead` (the least of its workers'); an expert served by a
+    responder that does not advertise it (an older release, another implementation) is asked plainly."""
+    from coordinator.transport import NatsTransport
+    from workers.service import ExpertWorker
+
+    w = ExpertWorker(expert=0, checkpoint=experts[0], nats_url=nats_url, buckets=(1, 4), dtype="float32")
+    await w.start()
+
+    async def plain(msg):  # expert 1: answers steps, says nothing in discovery
+        step = unpack(msg.data, StepRequest)
+        assert step.ahead == 0, "a responder that never said it runs ahead was asked to"
+        await msg.respond(pack(StepReply(expert=1, velocity=np.zeros_like(step.x_t), row_ids=step.row_ids)))
+
+    sub = await nc.subscribe(subjects.expert_velocity(1), queue=subjects.expert_queue_group(1), cb=plain)
+    try:
+        tr = NatsTransport(nc, step_timeout=5)
+        await tr.refresh_workers()
+        assert tr.run_ahead_of == {0: 16}
+        x = np.zeros((1, 1, 32, 32), np.float32)
+        t, y, ids = np.zeros(1, np.float32), np.array([1]), ["r0"]
+        at, dt = np.full((20, 1), 0.5, np.float32)[:16], np.full((16, 1), 0.01, np.float32)
+        v, stream = await tr.velocity_ahead(1, x, t, y, ids, at, dt)
+        assert stream is None and v.shape == x.shape
+        v, stream = await tr.velocity_ahead(0, x, t, y, ids, at[:3], dt[:3])
+        assert stream is not None and stream.steps == 3
+        for _ in range(3):
+            assert (await stream.next(5.0)).shape == x.shape
+        stream.close()
+    finally:
+        await sub.unsubscribe()
+        await w.stop()

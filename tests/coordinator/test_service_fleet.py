@@ -187,6 +187,7 @@ async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
         ) as coord:
             port = coord.metrics_port
             assert port and port > 0
+            await coord.transport.refresh_workers()  # so that the first job runs ahead (learned at discovery)
             before = await _scrape(port)
             assert before[("ddm_coordinator_ticks_total", frozenset())] == 0
             assert before[("ddm_coordinator_queued_jobs", frozenset())] == 0

@@ -169,6 +169,7 @@ async def test_a_worker_older_than_running_ahead_is_asked_plainly(nc):
     sub = await nc.subscribe(subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT), cb=cb)
     try:
         tr = NatsTransport(nc, step_timeout=2, retries=0)
+        tr.run_ahead_of[EXPERT] = 16  # as if discovery had said so (a worker that claims it, then refuses)
         x, t, y, ids = _inputs(2)
         ahead_t, ahead_dt = np.full((3, 2), 0.75, np.float32), np.full((3, 2), 0.25, np.float32)
         v, stream = await tr.velocity_ahead(EXPERT, x, t, y, ids, ahead_t, ahead_dt)
@@ -197,6 +198,7 @@ async def test_a_run_ahead_stream_checks_each_reply_like_the_first(nc):
     sub = await nc.subscribe(subjects.expert_velocity(EXPERT), queue=subjects.expert_queue_group(EXPERT), cb=cb)
     try:
         tr = NatsTransport(nc, step_timeout=2)
+        tr.run_ahead_of[EXPERT] = 16  # as discovery learns it from a worker's metadata
         x, t, y, ids = _inputs(2)
         v, stream = await tr.velocity_ahead(
             EXPERT, x, t, y, ids, np.full((2, 2), 0.75, np.float32), np.full((2, 2), 0.25, np.float32)
