@@ -1151,12 +1151,13 @@ def format_table(results: dict) -> str:
                 f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                 f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
                 f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, "
-                f"speculate {s.get('speculate', 'on')}, run ahead {s.get('run_ahead', 0)}"
+                f"speculate {s.get('speculate', 'on')}"
                 + (
                     ""
                     if not (g := r["fleet"].get("speculation"))
                     else f" ({g['rows_guessed']} rows guessed, {g['rows_guessed_unused']} unused)"
                 )
+                + f", run ahead {s.get('run_ahead', 0)}"
             )
     for r in results["rows"]:
         lines += step_profile.format_split(

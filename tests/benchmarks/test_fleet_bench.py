@@ -235,9 +235,11 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
         threads=1,
         job_timeout=60.0,
         dtype="float32",  # these tiny random experts run slower under bfloat16 autocast than in float32
+        run_ahead=0,  # one expert request per step: the split below (running ahead's: test_step_profile.py)
     )
     res = await bench.bench_fleet(args)
     x = res["rows"][0]["fleet"]
+    assert res["setup"]["run_ahead"] == 0
     assert x["wall_s"] >= 1.5 and x["submitted"] == x["completed"] > 1 and x["jobs_per_client"] == [x["submitted"]] * 2
     lim = res["limit"]
     # one client of 2-step jobs through NATS is far from the tiny experts' forward alone (noise allowed)
