@@ -213,7 +213,7 @@ class Engine:
         self.run_ahead_rows = run_ahead_rows
         self.ahead = AheadCounters()
         self._runs: dict[tuple[str, ...], AheadRun] = {}  # row ids of a request -> its velocities running ahead
-        self._executed = 0  # ticks executed (a run not used for two of them is dropped)
+        self._executed = 0  # ticks executed (a run its rows' cohort skipped a tick of is dropped)
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._router_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its thread (see _route)
@@ -444,8 +444,8 @@ class Engine:
         (`Batch.guess_requests`) go out while the router runs, and the routing's other needs
         when it has spoken (see `_take_guesses`)."""
         self._executed += 1
-        if self._runs:
-            self._drop_runs("unused", older_than=self._executed - 2)
+        if self._runs:  # a run its rows skipped a tick of (cancelled, failed, finished) is not used again
+            self._drop_runs("unused", older_than=self._executed - 1 - self.cohorts_now())
         fresh, w = batch.routing_plan(self.route_every)
         guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
         if fresh.any():
@@ -573,17 +573,18 @@ class Engine:
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         row_ids = [batch.row_ids[i] for i in idx]
-        groups = [batch.groups[g] for g in np.searchsorted(batch.bounds, idx, side="right") - 1]
-        v = await self._take_ahead(batch, k, idx, row_ids, groups) if self._runs else None
-        if v is not None:
-            return v
-        plan = None
-        if (
+        plan = groups = None
+        if self._runs or (
             self.run_ahead
             and self.scheduler.active_rows <= self.run_ahead_rows  # a job or two alone on the fleet
             and hasattr(self.transport, "velocity_ahead")
         ):
-            plan = plan_ahead(groups, self.run_ahead)
+            groups = [batch.groups[g] for g in np.searchsorted(batch.bounds, idx, side="right") - 1]
+            v = await self._take_ahead(batch, k, idx, row_ids, groups) if self._runs else None
+            if v is not None:
+                return v
+            if self.run_ahead and self.scheduler.active_rows <= self.run_ahead_rows:
+                plan = plan_ahead(groups, self.run_ahead)
         started = time.perf_counter()
         answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
