@@ -44,7 +44,8 @@ Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, dtype (what the expert
 computes in: float32 or bfloat16; `precision` is its older name), buckets,
 max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
-worker_id, host, pid, checkpoint, subject, direct_subject.
+worker_id, host, pid, checkpoint, subject, direct_subject, run_ahead (the most further steps one request
+may ask it to run ahead: `StepRequest.ahead_t`, answered with up to that many more replies).
 STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
 """
 
