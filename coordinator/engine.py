@@ -599,7 +599,12 @@ class Engine:
             if answered is not None:
                 ANSWERED_BY.reset(answered)
             self.metrics.expert_call(k, time.perf_counter() - started)
-        v = self._checked(batch, k, idx, v)
+        try:
+            v = self._checked(batch, k, idx, v)
+        except BaseException:
+            if stream is not None:
+                stream.close()
+            raise
         if stream is not None:
             if stream.steps < plan.steps:  # the expert's workers take fewer steps ahead
                 plan = AheadPlan(stream.steps, plan.t[: stream.steps], plan.dt[: stream.steps])
@@ -632,15 +637,20 @@ class Engine:
             log.debug("expert %d: a run ahead ended: %s", k, err)
             self._end_run(run, "stream ended")
             return None
+        except BaseException:  # cancelled (the engine stops): the run is out of `_runs`, close it here
+            self._end_run(run, "cancelled")
+            raise
         self.ahead.rows_taken += len(idx)
         if batch.reports_dtypes:
             batch.note_workers(k, (run.stream.worker,))
         run.took(x, v)
         run.last_tick = self._executed
-        if run.left:
-            self._runs[key] = run
-        else:
+        if not run.left:
             run.stream.close()
+        elif key in self._runs:  # a call for these rows started a newer run meanwhile (speculation): it wins
+            self._end_run(run, "replaced")
+        else:
+            self._runs[key] = run
         return v
 
     def _end_run(self, run: AheadRun, why: str, pause: bool = False) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bus.cancel import raise_if_cancelled
 from flow.solver import euler_update
 
 from .rows import RowGroup
@@ -149,19 +150,20 @@ class AheadStream:
         self.steps = steps
         self.first_s = 0.0  # how long the request's first reply took (the transport sets it)
         self._on_stall = on_stall
-        self.worker = ""  # set when the first reply is taken: only its worker's stream counts
+        self.worker = ""  # the worker that answered the request's first reply
         self.tokens: list[str] = []  # the reply subjects' tokens of the request's legs (the transport's)
+        self.token = ""  # ... of the leg whose first reply was taken: only its further replies count
         self._check = check
         self._close = close
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=steps + 2)
+        self._queue: asyncio.Queue[tuple[bytes, str]] = asyncio.Queue(maxsize=2 * steps + 2)
         self.received = 0
         self.closed = False
         self.dropped = 0  # messages not taken: another worker's (a hedge copy) or beyond the queue
 
-    def put(self, data: bytes) -> None:
-        """A message arrived on the stream's subject."""
+    def put(self, data: bytes, token: str = "") -> None:
+        """A message arrived on the reply subject of one of the request's legs (`token`)."""
         try:
-            self._queue.put_nowait(data)
+            self._queue.put_nowait((data, token))
         except asyncio.QueueFull:
             self.dropped += 1
 
@@ -178,8 +180,9 @@ class AheadStream:
         wait = self.wait_s(timeout)
         while True:
             try:
-                data = await asyncio.wait_for(self._queue.get(), wait)
+                data, token = await asyncio.wait_for(self._queue.get(), wait)
             except TimeoutError:
+                raise_if_cancelled()  # 3.11's wait_for can turn a cancel into a time-out: not a stall then
                 if self._on_stall is not None:
                     self._on_stall()
                 raise AheadEnded(f"no velocity ran ahead within {wait:.3g} s") from None
@@ -187,7 +190,7 @@ class AheadStream:
                 v, worker, index = self._check(data)
             except Exception as err:
                 raise AheadEnded(f"{type(err).__name__}: {err}") from None
-            if self.worker and worker != self.worker:  # a hedged copy's worker streams too: not ours
+            if self.token and token != self.token:  # the other leg of a hedged request streams too: not ours
                 self.dropped += 1
                 continue
             if index != self.received + 1:

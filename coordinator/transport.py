@@ -504,7 +504,7 @@ class NatsTransport:
         token = msg.subject.rsplit(".", 1)[-1]
         fut = self._pending.pop(token, None)  # accepted once: a second reply finds nothing
         if fut is None and (stream := self._streams.get(token)) is not None:
-            stream.put(msg.data)
+            stream.put(msg.data, token)
             return
         if fut is None and token in self._closed_streams:  # a run ahead no longer wanted: its worker goes on
             self.late_replies += 1
@@ -613,6 +613,10 @@ class NatsTransport:
             if stream is not None:
                 stream.close()
                 stream = None
+            if ahead is not None and (reply_dtype or "float32") != self.wire_dtype:
+                # this try fell back to float32 (an overflow of the wire's float16): a step run ahead would be
+                # computed in float32 where a later plain request travels in float16 again, so ask plainly
+                ahead = None
             if ahead is not None:  # x travels in float32 (the worker steps it); the model sees it as x_wire
                 steps = len(ahead[0])
                 stream = self._open_stream(expert, steps, x32.shape, row_ids)
@@ -629,9 +633,12 @@ class NatsTransport:
             )
             try:
                 began = time.monotonic()
-                v, worker = await self._exchange(expert, subject, pack(req), x32.shape, row_ids, stream)
-                if stream is not None:
+                v, worker, reply_token = await self._exchange(expert, subject, pack(req), x32.shape, row_ids, stream)
+                if stream is not None:  # only the answering leg's further replies count (a hedge's copy streams too)
                     stream.worker, stream.first_s = worker, time.monotonic() - began
+                    stream.token = reply_token
+                    for other in [tok for tok in stream.tokens if tok != reply_token]:
+                        self._forget_stream_token(other)
                 return v, stream
             except nats.errors.NoRespondersError:
                 if self._in_reconnect_grace():
@@ -779,7 +786,7 @@ class NatsTransport:
             self._count_dispatch(expert, "direct")
             try:
                 msg = await self._ask(subjects.expert_direct(expert, token), payload, timeout, stream)
-                return self._usable(expert, msg.data, shape, row_ids)
+                return (*self._usable(expert, msg.data, shape, row_ids), _token_of(msg))
             except nats.errors.NoRespondersError:  # stopped, or a worker without a direct subject
                 # (just after a reconnect the worker may only not have resubscribed yet: no ban then)
                 self.dispatcher.forget(expert, token, ban=not self._in_reconnect_grace())
@@ -798,12 +805,13 @@ class NatsTransport:
             timeout = max(timeout - (loop.time() - began), 0.001)
         self._count_dispatch(expert, "queue")
         msg = await self._ask(subject, payload, timeout, stream)
-        return self._usable(expert, msg.data, shape, row_ids)
+        return (*self._usable(expert, msg.data, shape, row_ids), _token_of(msg))
 
     async def _exchange(
         self, expert: int, subject: str, payload: bytes, shape, row_ids, stream: AheadStream | None = None
-    ) -> tuple[np.ndarray, str]:
-        """One try: (the velocity float32 [n, C, H, W], the worker id it claims), or the exception of its failure (NATS
+    ) -> tuple[np.ndarray, str, str]:
+        """One try: (the velocity float32 [n, C, H, W], the worker id it claims, the token of the reply subject
+        it came on), or the exception of its failure (NATS
         timeout / no responders, _BadReply, _ErrorReply). Hedged as the module docstring says."""
         loop = asyncio.get_running_loop()
         self.requests_sent[expert] = self.requests_sent.get(expert, 0) + 1
@@ -817,19 +825,19 @@ class NatsTransport:
             if delay is not None and delay < self.step_timeout:
                 await asyncio.wait({primary}, timeout=delay)
             if primary.done() or delay is None or delay >= self.step_timeout or not self.hedging.take(expert):
-                v, worker = await primary
+                v, worker, reply_token = await primary
                 self.hedging.observe(expert, loop.time() - sent, worker)
                 _answered_by(worker)
-                return v, worker
+                return v, worker, reply_token
             left = self.step_timeout - (loop.time() - sent)
             # a direct primary's copy goes to another known worker with room, else the queue group
             other = self._pick(expert, (token,), explore=False) if token is not None else None
             if other is None and self.dispatcher is not None and expert in self.dispatcher.fenced():
                 # no other matching worker known, and the queue group holds one of another spec: no copy
-                v, worker = await primary
+                v, worker, reply_token = await primary
                 self.hedging.observe(expert, loop.time() - sent, worker)
                 _answered_by(worker)
-                return v, worker
+                return v, worker, reply_token
             hedge = self._start_leg(expert, subject, payload, max(left, 0.001), shape, row_ids, other, stream)
             outcome_if_first = {primary: "lost", hedge: "won"}
             pending: set = {primary, hedge}
@@ -839,13 +847,13 @@ class NatsTransport:
                 for leg in done:
                     err = leg.exception()
                     if err is None:
-                        v, worker = leg.result()
+                        v, worker, reply_token = leg.result()
                         self._count_hedge(expert, outcome_if_first[leg])
                         if leg is hedge and token is not None:  # its worker is late (frozen?): stop picking it
                             self.dispatcher.forget(expert, token)
                         self.hedging.observe(expert, loop.time() - sent, worker)  # censored when the copy won
                         _answered_by(worker)
-                        return v, worker
+                        return v, worker, reply_token
                     failure = _worse(failure, err)
             self._count_hedge(expert, "failed")
             raise failure
@@ -901,10 +909,9 @@ class NatsTransport:
                 dtype = md.get("dtype", md.get("precision", ""))
                 found[md["worker_id"][:128]] = dtype if isinstance(dtype, str) and dtype.isalnum() else ""
                 infos.append(info)
-                expert, steps = str(md.get("expert", "")), str(md.get("run_ahead", "0"))
-                if expert.isdigit():
-                    k = int(expert)
-                    ahead[k] = min(ahead.get(k, MAX_RUN_AHEAD), int(steps) if steps.isdigit() else 0)
+                expert, steps = _small_int(md.get("expert")), _small_int(md.get("run_ahead"))
+                if expert is not None:
+                    ahead[expert] = min(ahead.get(expert, MAX_RUN_AHEAD), steps or 0)
         self.worker_dtypes = found
         self.run_ahead_of = {k: n for k, n in ahead.items() if n > 0}
         if self.fleet_spec is not None:
@@ -1036,6 +1043,17 @@ class _ErrorReply(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _small_int(value) -> int | None:
+    """A service-metadata value that should be a small non-negative int ("16"), else None (never raises)."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 6 else None
+
+
+def _token_of(msg) -> str:
+    """The token of the reply subject a message came on (the last token of `<prefix>.<token>`)."""
+    return msg.subject.rsplit(".", 1)[-1]
 
 
 def _answered_by(worker: str) -> None:

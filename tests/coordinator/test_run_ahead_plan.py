@@ -89,7 +89,7 @@ def test_taking_a_velocity_moves_the_expectation_one_step_on():
     assert run.fits(0, [g, g], g.x, np.full(2, plan.t[1, 0])) and run.left == 1
 
 
-async def test_a_stream_gives_its_workers_velocities_in_order_and_ends_on_anything_else():
+async def test_a_stream_gives_its_legs_velocities_in_order_and_ends_on_anything_else():
     v = np.ones((2, *SHAPE), np.float32)
 
     def check(data: bytes):  # b"<worker>:<ahead_index>"
@@ -97,9 +97,9 @@ async def test_a_stream_gives_its_workers_velocities_in_order_and_ends_on_anythi
         return v, worker, int(index)
 
     stream = AheadStream(3, check=check, close=lambda: None)
-    stream.worker = "w1"
-    for data in (b"w2:1", b"w1:1", b"w1:2", b"w1:4"):  # w2: a hedged copy's worker, skipped
-        stream.put(data)
+    stream.token = "leg1"  # the leg whose first reply was taken
+    for data, leg in ((b"w2:1", "leg2"), (b"w1:1", "leg1"), (b"w1:2", "leg1"), (b"w1:4", "leg1")):
+        stream.put(data, leg)  # leg2: the hedged copy of the request, streaming too: skipped
     assert (await stream.next(1.0)).shape == v.shape
     assert stream.received == 1 and stream.dropped == 1
     await stream.next(1.0)

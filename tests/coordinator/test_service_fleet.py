@@ -187,7 +187,12 @@ async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
         ) as coord:
             port = coord.metrics_port
             assert port and port > 0
-            await coord.transport.refresh_workers()  # so that the first job runs ahead (learned at discovery)
+
+            async def discovered():  # so that the first job runs ahead (learned at discovery; a busy box may miss one)
+                await coord.transport.refresh_workers()
+                return coord.transport.run_ahead_of.get(0) == 16
+
+            await wait_until(discovered, timeout=20, interval=0.1)
             before = await _scrape(port)
             assert before[("ddm_coordinator_ticks_total", frozenset())] == 0
             assert before[("ddm_coordinator_queued_jobs", frozenset())] == 0
