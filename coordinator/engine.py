@@ -573,17 +573,18 @@ class Engine:
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         row_ids = [batch.row_ids[i] for i in idx]
-        plan = groups = None
-        if self._runs or (
+        plan = None
+        may_start = (
             self.run_ahead
             and self.scheduler.active_rows <= self.run_ahead_rows  # a job or two alone on the fleet
             and hasattr(self.transport, "velocity_ahead")
-        ):
+        )
+        if self._runs or may_start:
             groups = [batch.groups[g] for g in np.searchsorted(batch.bounds, idx, side="right") - 1]
             v = await self._take_ahead(batch, k, idx, row_ids, groups) if self._runs else None
             if v is not None:
                 return v
-            if self.run_ahead and self.scheduler.active_rows <= self.run_ahead_rows:
+            if may_start:
                 plan = plan_ahead(groups, self.run_ahead)
         started = time.perf_counter()
         answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context

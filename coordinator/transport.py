@@ -550,15 +550,12 @@ class NatsTransport:
                 msg = await asyncio.wait_for(fut, timeout)
             except TimeoutError:
                 raise nats.errors.TimeoutError from None
-        except asyncio.CancelledError:  # a hedge leg that lost: its reply may still come, quietly dropped
-            self._retired[token] = None
-            while len(self._retired) > RETIRED_TOKENS_KEPT:
-                self._retired.popitem(last=False)
-            if stream is not None:
-                self._forget_stream_token(token)
-            raise
-        except BaseException:
-            if stream is not None:
+        except BaseException as err:
+            if isinstance(err, asyncio.CancelledError):  # a hedge leg that lost: its reply may still come, dropped
+                self._retired[token] = None
+                while len(self._retired) > RETIRED_TOKENS_KEPT:
+                    self._retired.popitem(last=False)
+            if stream is not None:  # this leg's further replies are not wanted either
                 self._forget_stream_token(token)
             raise
         finally:
@@ -775,7 +772,8 @@ class NatsTransport:
         token: str | None = None,
         stream: AheadStream | None = None,
     ):
-        """Send the request once and check the reply: (velocity float32, worker id). token: send it
+        """Send the request once and check the reply: (velocity float32, worker id, the token of the reply
+        subject it came on). token: send it
         to that worker's direct subject first; "no responders" there sends it to the queue group
         `subject` at once (same leg, the time left); any other failure forgets that worker."""
         import nats.errors

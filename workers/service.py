@@ -581,17 +581,7 @@ class ExpertWorker:
                 raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
             # float32, or the precision the request asked for (float16 overflow: `non_finite`, saying so)
             velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
-            reply = StepReply(
-                expert=self.expert,
-                velocity=velocity,
-                row_ids=list(step.row_ids),
-                backend=self.backend.name,
-                device=str(self.backend.device),
-                worker_id=self.worker_id,
-                compute_ms=round(result.info.compute_s * 1000.0, 3),
-                batch_rows=result.info.bucket,
-            )
-            data = pack(reply)
+            data = self._step_reply(step, velocity, result)
         except ProtocolError as err:
             await self._reply_error(
                 req, err.code if err.code != ErrorCode.BAD_REQUEST else ErrorCode.INTERNAL, err.message, step.request_id
@@ -604,6 +594,22 @@ class ExpertWorker:
             self.metrics.reply(time.perf_counter() - received)
             if step.ahead:
                 await self._run_ahead(req, step, x, y, velocity)
+
+    def _step_reply(self, step: StepRequest, velocity: np.ndarray, result, ahead_index: int = 0) -> bytes:
+        """The packed StepReply of `velocity` (already in the wire dtype) computed in `result`'s pass."""
+        return pack(
+            StepReply(
+                expert=self.expert,
+                velocity=velocity,
+                row_ids=list(step.row_ids),
+                backend=self.backend.name,
+                device=str(self.backend.device),
+                worker_id=self.worker_id,
+                compute_ms=round(result.info.compute_s * 1000.0, 3),
+                batch_rows=result.info.bucket,
+                ahead_index=ahead_index,
+            )
+        )
 
     async def _run_ahead(self, req, step: StepRequest, x: np.ndarray, y: np.ndarray, velocity: np.ndarray) -> None:
         """The request's further steps (`StepRequest.ahead_t`): x' = x + dt * v with v as the coordinator
@@ -624,18 +630,7 @@ class ExpertWorker:
                 if not np.isfinite(result.velocity).all():
                     raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
                 velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
-                reply = StepReply(
-                    expert=self.expert,
-                    velocity=velocity,
-                    row_ids=list(step.row_ids),
-                    backend=self.backend.name,
-                    device=str(self.backend.device),
-                    worker_id=self.worker_id,
-                    compute_ms=round(result.info.compute_s * 1000.0, 3),
-                    batch_rows=result.info.bucket,
-                    ahead_index=a + 1,
-                )
-                if not await self._send(req, pack(reply)):
+                if not await self._send(req, self._step_reply(step, velocity, result, ahead_index=a + 1)):
                     return
             except asyncio.CancelledError:
                 raise
