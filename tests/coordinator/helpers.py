@@ -16,7 +16,16 @@ from models.tiny import make_tiny_router as _factory_router
 TINY_WIDTHS = (8, 16, 32)
 JITTER = 0.05
 
-__all__ = ["TINY_WIDTHS", "JITTER", "make_tiny_expert", "make_tiny_experts", "make_tiny_dits", "make_tiny_router"]
+__all__ = [
+    "TINY_WIDTHS",
+    "JITTER",
+    "make_tiny_expert",
+    "make_tiny_experts",
+    "make_tiny_dits",
+    "make_tiny_router",
+    "start_workers",
+    "stop_workers",
+]
 
 
 def make_tiny_experts(directory: Path, num_experts: int = 2) -> list[Path]:
@@ -53,3 +62,28 @@ def make_tiny_fleet_experts(directory: Path, arch: str = "unet", num_experts: in
     if arch != "unet":
         raise ValueError(f"arch must be unet or dit, got {arch!r}")
     return make_tiny_experts(directory, num_experts)
+
+
+async def start_workers(
+    nats_url: str, paths, *, buckets=(1, 4, 16), dtype: str | None = None, per_expert: int = 1
+) -> list:
+    """Real `ExpertWorker`s in this process, `per_expert` for each checkpoint (expert k = paths[k]),
+    started in order; `dtype` None leaves the worker's default (auto). Stop them with `stop_workers`."""
+    from workers.service import ExpertWorker
+
+    ws = []
+    try:
+        for k, path in enumerate(paths):
+            for _ in range(per_expert):
+                kw = {} if dtype is None else {"dtype": dtype}
+                ws.append(ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=tuple(buckets), **kw))
+                await ws[-1].start()
+    except BaseException:
+        await stop_workers(ws)
+        raise
+    return ws
+
+
+async def stop_workers(ws) -> None:
+    for w in ws:
+        await w.stop()

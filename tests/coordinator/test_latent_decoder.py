@@ -21,6 +21,7 @@ from client.jobs import JobFailed, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from schemas import DoneEvent, ErrorCode, FrameEvent, JobRequest, subjects
+from tests.coordinator.helpers import start_workers, stop_workers
 
 C2E = [0] * 5 + [1] * 5
 
@@ -40,27 +41,11 @@ def fleet(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-async def _experts(nats_url, paths):
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(paths):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16))
-        await w.start()
-        ws.append(w)
-    return ws
-
-
-async def _stop(ws):
-    for w in ws:
-        await w.stop()
-
-
 async def test_done_images_are_the_decoded_latents_and_previews_ride_on_chosen_frames(nats_url, nc, fleet):
     from workers.decoder_service import DecoderWorker
 
     ae, codec, spec, paths = fleet
-    ws = await _experts(nats_url, paths)
+    ws = await start_workers(nats_url, paths)
     try:
         async with DecoderWorker(ae, nats_url=nats_url) as dec:
             assert dec.subject == subjects.decoder_decode(codec.content_hash)
@@ -89,7 +74,7 @@ async def test_done_images_are_the_decoded_latents_and_previews_ride_on_chosen_f
                 await sub.unsubscribe()
         assert dec.requests >= 1 and dec.rows >= 3 + 1 + 1
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
     assert isinstance(done, DoneEvent)
     assert done.latents.shape == (3, 4, 8, 8) and done.images.shape == (3, 3, 16, 16)
     assert np.abs(done.latents).max() > 1.0 or np.abs(done.latents).min() < 1.0  # real latents, not pixels
@@ -115,7 +100,7 @@ def _kind(data: bytes) -> str:
 
 async def test_no_decoder_fails_the_job_with_decoder_unavailable_not_a_hang(nats_url, nc, fleet):
     ae, codec, spec, paths = fleet
-    ws = await _experts(nats_url, paths)
+    ws = await start_workers(nats_url, paths)
     try:
         async with Coordinator(
             LabelRouter(C2E, 2),
@@ -140,7 +125,7 @@ async def test_no_decoder_fails_the_job_with_decoder_unavailable_not_a_hang(nats
                 )
             status = coord.status()
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
     assert info.value.code == ErrorCode.DECODER_UNAVAILABLE
     assert "no decoder serves" in info.value.reason and codec.content_hash in info.value.reason
     assert took < 30
@@ -161,7 +146,7 @@ async def test_killing_one_of_two_decoder_processes_loses_no_job(nats_url, nc, f
         subprocess.Popen([*DECODER_CMD, str(ae), "--nats", nats_url], stdout=subprocess.PIPE, env=env, cwd=os.getcwd())
         for _ in range(2)
     ]
-    ws = await _experts(nats_url, paths)
+    ws = await start_workers(nats_url, paths)
     try:
         for p in procs:
             line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
@@ -196,7 +181,7 @@ async def test_killing_one_of_two_decoder_processes_loses_no_job(nats_url, nc, f
             took = time.monotonic() - start
             retried = coord.decoder.failures
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -278,7 +263,7 @@ async def test_a_job_being_decoded_is_running_not_unknown(nats_url, nc, fleet):
     from workers.decoder_service import DecoderWorker
 
     ae, codec, spec, paths = fleet
-    ws = await _experts(nats_url, paths)
+    ws = await start_workers(nats_url, paths)
     try:
         async with DecoderWorker(codec=_SlowCodec(codec, 2.0), nats_url=nats_url):
             async with Coordinator(
@@ -294,7 +279,7 @@ async def test_a_job_being_decoded_is_running_not_unknown(nats_url, nc, fleet):
                 done = await asyncio.wait_for(job, 60)
                 after = await coord.job_status("slowdec")
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
     assert during.state == "running" and during.step == during.steps == 2
     assert after.state == "done" and isinstance(done, DoneEvent)
     assert done.images.shape == (1, 3, 16, 16)

@@ -14,20 +14,10 @@ from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from schemas import ErrorCode, ErrorReply, JobRequest, StepReply, StepRequest, pack, subjects, unpack
-from tests.coordinator.helpers import make_tiny_experts
+from tests.coordinator.helpers import start_workers, stop_workers
 from tests.waiting import wait_until
 
 C2E = [0] * 5 + [1] * 5
-
-
-@pytest.fixture(scope="module")
-def experts(tmp_path_factory):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield make_tiny_experts(tmp_path_factory.mktemp("experts"))
-    torch.set_num_threads(threads)
 
 
 class TimeRouter:
@@ -39,17 +29,6 @@ class TimeRouter:
         w = np.full((len(y), 2), 0.1)
         w[np.arange(len(y)), (np.asarray(t) >= 0.5).astype(int)] = 0.9
         return w
-
-
-async def _workers(nats_url, experts):
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
-        await w.start()
-        ws.append(w)
-    return ws
 
 
 async def _discovered(transport, want: dict) -> None:
@@ -79,13 +58,12 @@ JOBS = [
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16", "float16"])
 async def test_lone_jobs_run_ahead_and_their_images_do_not_change(nats_url, nc, experts, wire):
-    ws = await _workers(nats_url, experts)
+    ws = await start_workers(nats_url, experts, dtype="float32")
     try:
         plain, off = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=0, wire_dtype=wire)
         ahead, on = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=4, wire_dtype=wire)
     finally:
-        for w in ws:
-            await w.stop()
+        await stop_workers(ws)
     assert off.runs == 0 and off.rows_taken == 0
     # job 1: 12 steps in runs of 1 + 4 (the last cut to what is left): 3 requests, 9 velocities streamed
     # (all of them unless the box stalls a stream for 0.5 s: then that run ends, and the images stay the same)
@@ -96,14 +74,13 @@ async def test_lone_jobs_run_ahead_and_their_images_do_not_change(nats_url, nc, 
 
 
 async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, experts):
-    ws = await _workers(nats_url, experts)
+    ws = await start_workers(nats_url, experts, dtype="float32")
     job = JobRequest(digits=[3, 6], steps=10, seed=11)
     try:
         (plain,), _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=0)
         (ahead,), on = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=8)
     finally:
-        for w in ws:
-            await w.stop()
+        await stop_workers(ws)
     assert plain.images.tobytes() == ahead.images.tobytes()
     np.testing.assert_array_equal(plain.usage, ahead.usage)
     assert (plain.usage > 0).all()  # both experts served each image: the job was moved
@@ -185,13 +162,7 @@ async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url
     """A server that lets workers answer only once (allow_responses max 1) drops every reply after the
     first: the coordinator waits a few forwards' time, asks plainly, and stops running that expert ahead.
     Simulated by a worker that answers only the first reply of each request (its later ones dropped)."""
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
-        await w.start()
-        ws.append(w)
+    ws = await start_workers(nats_url, experts, dtype="float32")
     for w in ws:  # the worker's further replies never reach the coordinator
         sent = w._send
 
@@ -213,8 +184,7 @@ async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url
             again = await run_job(nc, job)
             ahead, tr = coord.engine.ahead, coord.transport
     finally:
-        for w in ws:
-            await w.stop()
+        await stop_workers(ws)
     assert plain.images.tobytes() == stalled.images.tobytes() == again.images.tobytes()
     assert ahead.runs == 1 and ahead.ended == {"stream ended": 1}, ahead
     assert 0 in tr.no_ahead_until and took < 5  # one short wait (>= 0.5 s), not the 10 s step time-out
@@ -253,3 +223,50 @@ async def test_only_experts_whose_workers_say_they_run_ahead_are_asked_to(nats_u
     finally:
         await sub.unsubscribe()
         await w.stop()
+
+
+async def test_a_hedged_request_runs_ahead_on_the_worker_that_answered(nats_url, nc, experts):
+    """Expert 0 has two workers, one late with every reply (a loaded host): its requests are hedged to
+    the other, both legs run ahead, and only the answering leg's stream is used; the late leg's further
+    replies never reach an image. The images are those of the same jobs asked without running ahead."""
+    ws = await start_workers(nats_url, experts, dtype="float32")
+    ws += await start_workers(nats_url, experts[:1], dtype="float32")  # a second worker of expert 0
+    late, sent = {"on": False}, ws[2]._send
+
+    async def late_send(req, data, headers=None, _sent=sent):
+        if late["on"]:
+            await asyncio.sleep(0.3)
+        return await _sent(req, data, headers)
+
+    ws[2]._send = late_send
+    jobs = [JobRequest(digits=[d % 5], steps=10, seed=40 + d) for d in range(10)]  # expert 0's classes
+    try:
+        plain, _ = await _run(nats_url, nc, LabelRouter(C2E, 2), jobs, run_ahead=0)
+        late["on"] = True
+        # queue-group dispatch: NATS hands each try to either worker, so both are seen and hedging is on
+        async with Coordinator(
+            LabelRouter(C2E, 2),
+            num_experts=2,
+            class_to_expert=C2E,
+            nats_url=nats_url,
+            run_ahead=4,
+            dispatch="queue",
+            hedge_after_s=0.05,
+        ) as coord:
+            tr = coord.transport
+            await _discovered(tr, {0: 16, 1: 16})
+            ahead = [await run_job(nc, j) for j in jobs]
+            hedges, runs, bad = sum(tr.hedge_counts.values()), coord.engine.ahead, tr.bad_replies
+    finally:
+        await stop_workers(ws)
+    # the late worker's tries were hedged (about half of them, NATS picking at random: 20 requests); the
+    # legs that lost streamed too, and their replies were dropped, not taken into a run
+    assert hedges >= 1 and tr.late_replies >= 1, (tr.hedge_counts, tr.late_replies)
+    # the runs streamed to their ends (20 runs of 4 further steps): a reply of the other leg taken into a
+    # run would break its order and end it, in every hedged run (about 8 of 20). A loaded box may stall
+    # one stream: that run ends and the expert stops running ahead for minutes (fewer runs, none ended)
+    assert runs.runs >= 1 and sum(runs.ended.values()) <= 1 and runs.rows_taken >= 4 * (runs.runs - 1), runs
+    assert bad == 0
+    for a, b in zip(plain, ahead):
+        assert a.images.tobytes() == b.images.tobytes()
+        np.testing.assert_array_equal(a.usage, b.usage)

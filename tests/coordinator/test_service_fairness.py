@@ -11,7 +11,7 @@ from client.jobs import JobFailed, run_job, submit_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator, EngineDied
 from schemas import ErrorCode, JobRequest
-from tests.coordinator.helpers import make_tiny_experts
+from tests.coordinator.helpers import start_workers, stop_workers
 from tests.waiting import wait_until
 
 C2E = [0] * 5 + [1] * 5
@@ -19,33 +19,12 @@ HEAVY_STEPS = 30
 LIGHT_STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def experts(tmp_path_factory):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core box: spinning OpenMP threads slow a tiny forward 100x
-    yield make_tiny_experts(tmp_path_factory.mktemp("fair-experts"))
-    torch.set_num_threads(threads)
-
-
-async def _workers(nats_url, experts):
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4))
-        await w.start()
-        ws.append(w)
-    return ws
-
-
 async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(nats_url, nc, experts):
     """`heavy` keeps its queue full of 2-image x 30-step jobs (the coordinator runs 4 rows); `light`
     runs three 1-image x 4-step jobs one after another. Each light job must finish within one heavy
     job plus its own steps (counted in engine ticks; global FIFO would make it wait for heavy's whole
     queue, >= 60 ticks), and heavy's surplus is refused with the quota, its limit and value."""
-    ws = await _workers(nats_url, experts)
+    ws = await start_workers(nats_url, experts, buckets=(1, 4))
     try:
         async with Coordinator(
             LabelRouter(C2E, 2),
@@ -114,15 +93,14 @@ async def test_a_flooding_client_is_throttled_while_a_light_one_keeps_finishing(
                 "ddm_coordinator_jobs_rejected_by_limit_total", limit="max_client_queued_jobs"
             ) == len(refusals)
     finally:
-        for w in ws:
-            await w.stop()
+        await stop_workers(ws)
 
 
 async def test_a_dead_engine_fails_every_job_refuses_submits_and_raises_for_the_supervisor(nats_url, nc, experts):
     """A failure the tick cannot contain (here: the scheduler's update and fail_batch both break) kills
     the loop: the running and queued jobs' clients get `internal`, a new submit over NATS is refused
     `unavailable`, and serve_until raises EngineDied (`ddm-fleet coordinator` then exits 1)."""
-    ws = await _workers(nats_url, experts)
+    ws = await start_workers(nats_url, experts, buckets=(1, 4))
     try:
         async with Coordinator(
             LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, max_rows=1
@@ -162,8 +140,7 @@ async def test_a_dead_engine_fails_every_job_refuses_submits_and_raises_for_the_
             assert err.value.code == ErrorCode.UNAVAILABLE and "engine stopped" in str(err.value)
             assert coord.engine_error.startswith("coordinator engine stopped: RuntimeError")
     finally:
-        for w in ws:
-            await w.stop()
+        await stop_workers(ws)
 
 
 #: `ddm-fleet coordinator` with a failure injected into the scheduler class (its update and

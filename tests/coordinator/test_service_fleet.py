@@ -29,38 +29,14 @@ from schemas import (
     subjects,
     unpack,
 )
-from tests.coordinator.helpers import make_tiny_experts
+from tests.coordinator.helpers import start_workers, stop_workers
 from tests.waiting import wait_until
 
 C2E = [0] * 5 + [1] * 5
 
 
-@pytest.fixture(scope="module")
-def experts(tmp_path_factory):
-    import torch
-
-    # one intra-op thread: on a shared 2-core box, spinning OpenMP threads make a tiny forward 100x slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield make_tiny_experts(tmp_path_factory.mktemp("experts"))
-    torch.set_num_threads(threads)
-
-
 async def _workers(nats_url, experts, per_expert=1):
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(experts):
-        for _ in range(per_expert):
-            w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16, 64), dtype="float32")
-            await w.start()
-            ws.append(w)
-    return ws
-
-
-async def _stop(ws):
-    for w in ws:
-        await w.stop()
+    return await start_workers(nats_url, experts, buckets=(1, 4, 16, 64), dtype="float32", per_expert=per_expert)
 
 
 def _jobs(n):
@@ -113,7 +89,7 @@ async def test_50_concurrent_jobs_match_their_solo_runs(nats_url, nc, experts):
         assert len(frames) == len(streamed)
         assert status.rows_per_s > 0 and status.ticks > 0
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_url, nc, experts):
@@ -152,7 +128,7 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
                 coord.status().jobs_rejected == 5
             )  # 2 undecodable / wrong-version submits + 3 refused by the scheduler
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 async def _scrape(port: int) -> dict:
@@ -226,7 +202,7 @@ async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
         with pytest.raises(OSError):  # the server went away with the coordinator
             await _scrape(port)
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 async def test_metrics_port_taken_is_an_error_unless_optional(nats_url):
@@ -274,7 +250,7 @@ async def test_cancel_mid_run_frees_rows(nats_url, nc, experts):
             assert coord.status().active_rows == 0
             assert await cancel_job(nc, "cancel-me") is False
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 async def test_expert_without_responders_falls_back_with_a_note(nats_url, nc, experts):
@@ -290,7 +266,7 @@ async def test_expert_without_responders_falls_back_with_a_note(nats_url, nc, ex
         assert done.usage[0, 2] == 0 and done.usage[0, :2].sum() == 1
         assert any("fell back" in n for n in done.notes)
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 WORKER_SCRIPT = """
@@ -368,4 +344,4 @@ async def test_request_rows_spreads_an_experts_batch_over_its_workers(nats_url, 
         assert all(w.metrics.replies > 0 for w in expert0), [w.metrics.replies for w in expert0]
         assert sum(w.metrics.replies for w in expert0) == 4 * 6  # 8 rows in requests of 2, 6 ticks
     finally:
-        await _stop(ws)
+        await stop_workers(ws)

@@ -15,7 +15,7 @@ from coordinator.local_fleet import LabelRouter
 from coordinator.rows import initial_noise
 from coordinator.service import Coordinator
 from schemas import UNCONDITIONAL, ErrorCode, FrameEvent, JobRejected, JobRequest, SubmitReply, subjects, unpack
-from tests.coordinator.helpers import JITTER, TINY_WIDTHS
+from tests.coordinator.helpers import JITTER, TINY_WIDTHS, start_workers, stop_workers
 
 C2E = [0] * 5 + [1] * 5
 U = UNCONDITIONAL
@@ -36,21 +36,6 @@ def null_experts(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-async def _workers(nats_url, paths):
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, p in enumerate(paths):
-        ws.append(ExpertWorker(expert=k, checkpoint=p, nats_url=nats_url, buckets=(1, 4, 8), dtype="float32"))
-        await ws[-1].start()
-    return ws
-
-
-async def _stop(ws):
-    for w in ws:
-        await w.stop()
-
-
 async def _submit_raw(nc, fields: dict):
     data = msgpack.packb({"v": 1, "kind": "job_request", **fields}, use_bin_type=True)
     msg = await nc.request(subjects.jobs_submit("anon"), data, timeout=10)
@@ -68,7 +53,7 @@ async def test_unconditional_job_end_to_end_routed_by_the_router(nats_url, nc, n
     from models.router import Router
 
     router = Router.load(tiny_router)
-    ws = await _workers(nats_url, null_experts)
+    ws = await start_workers(nats_url, null_experts, buckets=(1, 4, 8), dtype="float32")
     try:
         async with Coordinator(router, num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10):
             digits = [U, U, 4, U]
@@ -101,11 +86,12 @@ async def test_unconditional_job_end_to_end_routed_by_the_router(nats_url, nc, n
             assert isinstance(rejected, JobRejected) and rejected.code == ErrorCode.BAD_REQUEST
             assert "oracle" in rejected.reason and "label unknown" in rejected.reason
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 async def test_a_fleet_without_null_labels_refuses_unconditional_jobs_and_keeps_serving(nats_url, nc, tiny_experts):
-    ws = await _workers(nats_url, tiny_experts)  # experts trained without label dropout: no null label
+    # experts trained without label dropout: no null label
+    ws = await start_workers(nats_url, tiny_experts, buckets=(1, 4, 8), dtype="float32")
     try:
         async with Coordinator(
             LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
@@ -124,7 +110,7 @@ async def test_a_fleet_without_null_labels_refuses_unconditional_jobs_and_keeps_
             assert after.images.shape == (1, 1, 32, 32)
             assert (await fleet_status(nc)).jobs_rejected == before + 2
     finally:
-        await _stop(ws)
+        await stop_workers(ws)
 
 
 async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_after_a_while(nats_url, nc, null_experts):
@@ -133,7 +119,8 @@ async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_afte
     not refused for it (expert 1 serves its rows, as an expert with no responders is treated)."""
     from coordinator import service
 
-    ws = await _workers(nats_url, null_experts[:1])  # expert 0 only: expert 1 never answers
+    # expert 0 only: expert 1 never answers
+    ws = await start_workers(nats_url, null_experts[:1], buckets=(1, 4, 8), dtype="float32")
     try:
         async with Coordinator(
             LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
@@ -153,4 +140,4 @@ async def test_an_expert_that_does_not_answer_the_probe_is_asked_again_only_afte
             assert coord.null_labels.known[0][0] is True and coord.null_labels.known[1][0] is None
             assert service.NULL_LABEL_UNKNOWN_TTL_S < service.NULL_LABEL_TTL_S
     finally:
-        await _stop(ws)
+        await stop_workers(ws)

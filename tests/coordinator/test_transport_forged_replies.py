@@ -21,22 +21,12 @@ from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from coordinator.transport import NatsTransport
 from schemas import JobRequest, StepReply, StepRequest, pack, subjects, unpack
+from tests.coordinator.helpers import start_workers, stop_workers
 
 pytestmark = pytest.mark.timeout(120)
 
 C2E = [0] * 5 + [1] * 5
 FORGED_V = 7.5  # a finite velocity far from anything the tiny experts answer
-
-
-async def _workers(nats_url, experts):
-    from workers.service import ExpertWorker
-
-    ws = []
-    for k, path in enumerate(experts):
-        w = ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=(1, 4, 16), dtype="float32")
-        await w.start()
-        ws.append(w)
-    return ws
 
 
 class Forger:
@@ -113,7 +103,7 @@ def _scraped(port: int, series: str) -> float:
 async def test_forged_replies_never_reach_an_image(nats_url, nc, tiny_experts):
     import nats
 
-    ws = await _workers(nats_url, tiny_experts)
+    ws = await start_workers(nats_url, tiny_experts, dtype="float32")
     try:
         request = JobRequest(digits=[1, 3, 7, 8], steps=4, seed=11, strategy="full", solver="euler")
         clean, clean_tr, clean_scraped = await _images(nats_url, nc, request)
@@ -127,8 +117,7 @@ async def test_forged_replies_never_reach_an_image(nats_url, nc, tiny_experts):
         finally:
             await forger_nc.drain()
     finally:
-        for w in ws:
-            await w.stop()
+        await stop_workers(ws)
 
     assert forger.requests or forger.replayed, "the forger never saw a request: the test proves nothing"
     assert forger.forged >= 5 * 2 * 4 and forger.replayed >= 1
