@@ -66,8 +66,9 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The whole suite; it ends with its 25 slowest tests (CI's budget for `.ci/run` is 45 minutes on 2 cores).
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The quick tier, for after each edit: pure units and in-process tests. Leaves out the tests that need
 # a nats-server (bus), start processes (procs), drive Chromium (browser), train (train) or are slow;
