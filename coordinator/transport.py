@@ -501,7 +501,7 @@ class NatsTransport:
         return self._prefix
 
     async def _on_reply(self, msg) -> None:
-        token = msg.subject.rsplit(".", 1)[-1]
+        token = _token_of(msg)
         fut = self._pending.pop(token, None)  # accepted once: a second reply finds nothing
         if fut is None and (stream := self._streams.get(token)) is not None:
             stream.put(msg.data, token)

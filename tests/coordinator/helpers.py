@@ -25,6 +25,7 @@ __all__ = [
     "make_tiny_router",
     "start_workers",
     "stop_workers",
+    "run_ahead_discovered",
 ]
 
 
@@ -71,11 +72,11 @@ async def start_workers(
     started in order; `dtype` None leaves the worker's default (auto). Stop them with `stop_workers`."""
     from workers.service import ExpertWorker
 
+    kw = {} if dtype is None else {"dtype": dtype}
     ws = []
     try:
         for k, path in enumerate(paths):
             for _ in range(per_expert):
-                kw = {} if dtype is None else {"dtype": dtype}
                 ws.append(ExpertWorker(expert=k, checkpoint=path, nats_url=nats_url, buckets=tuple(buckets), **kw))
                 await ws[-1].start()
     except BaseException:
@@ -87,3 +88,15 @@ async def start_workers(
 async def stop_workers(ws) -> None:
     for w in ws:
         await w.stop()
+
+
+async def run_ahead_discovered(transport, want: dict) -> None:
+    """Discover the workers until the transport knows each expert's run-ahead steps to be `want` (what the
+    workers advertise is learned at discovery; a loaded box may miss a worker's answer in one round)."""
+    from tests.waiting import wait_until
+
+    async def known():
+        await transport.refresh_workers()
+        return transport.run_ahead_of == want
+
+    await wait_until(known, timeout=20, interval=0.1, what=f"run_ahead_of == {want}")

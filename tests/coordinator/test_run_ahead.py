@@ -14,8 +14,7 @@ from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from schemas import ErrorCode, ErrorReply, JobRequest, StepReply, StepRequest, pack, subjects, unpack
-from tests.coordinator.helpers import start_workers, stop_workers
-from tests.waiting import wait_until
+from tests.coordinator.helpers import run_ahead_discovered, start_workers, stop_workers
 
 C2E = [0] * 5 + [1] * 5
 
@@ -31,20 +30,10 @@ class TimeRouter:
         return w
 
 
-async def _discovered(transport, want: dict) -> None:
-    """Discover the workers until each expert's run-ahead is known (a loaded box may miss a reply)."""
-
-    async def known():
-        await transport.refresh_workers()
-        return transport.run_ahead_of == want
-
-    await wait_until(known, timeout=20, interval=0.1, what=f"run_ahead_of == {want}")
-
-
 async def _run(nats_url, nc, router, jobs, **cfg):
     async with Coordinator(router, num_experts=2, class_to_expert=C2E, nats_url=nats_url, **cfg) as coord:
         if cfg.get("run_ahead", 8):  # what the workers run ahead is learned at discovery
-            await _discovered(coord.transport, {0: 16, 1: 16})
+            await run_ahead_discovered(coord.transport, {0: 16, 1: 16})
         done = [await run_job(nc, j) for j in jobs]  # one at a time: a lone job, as run ahead is for
         return done, coord.engine.ahead
 
@@ -177,7 +166,7 @@ async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url
     try:
         (plain,), _ = await _run(nats_url, nc, LabelRouter(C2E, 2), [job], run_ahead=0)
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url) as coord:
-            await _discovered(coord.transport, {0: 16, 1: 16})
+            await run_ahead_discovered(coord.transport, {0: 16, 1: 16})
             began = asyncio.get_running_loop().time()
             stalled = await run_job(nc, job)
             took = asyncio.get_running_loop().time() - began
@@ -209,7 +198,7 @@ async def test_only_experts_whose_workers_say_they_run_ahead_are_asked_to(nats_u
     sub = await nc.subscribe(subjects.expert_velocity(1), queue=subjects.expert_queue_group(1), cb=plain)
     try:
         tr = NatsTransport(nc, step_timeout=5)
-        await _discovered(tr, {0: 16})
+        await run_ahead_discovered(tr, {0: 16})
         x = np.zeros((1, 1, 32, 32), np.float32)
         t, y, ids = np.zeros(1, np.float32), np.array([1]), ["r0"]
         at, dt = np.full((20, 1), 0.5, np.float32)[:16], np.full((16, 1), 0.01, np.float32)
@@ -254,7 +243,7 @@ async def test_a_hedged_request_runs_ahead_on_the_worker_that_answered(nats_url,
             hedge_after_s=0.05,
         ) as coord:
             tr = coord.transport
-            await _discovered(tr, {0: 16, 1: 16})
+            await run_ahead_discovered(tr, {0: 16, 1: 16})
             ahead = [await run_job(nc, j) for j in jobs]
             hedges, runs, bad = sum(tr.hedge_counts.values()), coord.engine.ahead, tr.bad_replies
     finally:

@@ -29,7 +29,7 @@ from schemas import (
     subjects,
     unpack,
 )
-from tests.coordinator.helpers import start_workers, stop_workers
+from tests.coordinator.helpers import run_ahead_discovered, start_workers, stop_workers
 from tests.waiting import wait_until
 
 C2E = [0] * 5 + [1] * 5
@@ -163,12 +163,7 @@ async def test_metrics_endpoint_counts_a_real_run(nats_url, nc, experts):
         ) as coord:
             port = coord.metrics_port
             assert port and port > 0
-
-            async def discovered():  # so that the first job runs ahead (learned at discovery; a busy box may miss one)
-                await coord.transport.refresh_workers()
-                return coord.transport.run_ahead_of.get(0) == 16
-
-            await wait_until(discovered, timeout=20, interval=0.1)
+            await run_ahead_discovered(coord.transport, {0: 16})  # only expert 0 is served: its first job runs ahead
             before = await _scrape(port)
             assert before[("ddm_coordinator_ticks_total", frozenset())] == 0
             assert before[("ddm_coordinator_queued_jobs", frozenset())] == 0
