@@ -6,11 +6,15 @@ survive bus trouble then goes round again, and whoever cancelled it and awaits i
 Such loops call `raise_if_cancelled()` in their `except Exception` branch:
 
     while True:
+        raise_if_cancelled()
         try:
             await renew()
         except Exception:
             raise_if_cancelled()   # asked to stop: stop, whatever the error looked like
             log.exception("renewal failed")
+
+and, since a cancel 3.11's `wait_for` dropped leaves no error at all (the call just returns), at the
+head of each round too: `Task.cancelling()` still counts the request.
 """
 
 from __future__ import annotations

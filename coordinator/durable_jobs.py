@@ -26,6 +26,9 @@ from .snapshot import encode as encode_snapshot
 
 log = logging.getLogger(__name__)
 
+#: Seconds `hand_over` waits for its loops to end once cancelled (a bus call in flight ends or times out).
+HAND_OVER_WAIT_S = 5.0
+
 #: Lost jobs remembered (publish nothing for them; status requests are left to their new owner).
 MAX_FENCED = 4096
 
@@ -104,6 +107,7 @@ class DurableJobs:
         period = self.lease_s / 3
         next_scan = time.monotonic() + period
         while True:
+            raise_if_cancelled()  # a cancel 3.11's wait_for (here or in nats-py) swallowed
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout=max(next_scan - time.monotonic(), 0.01))
             except TimeoutError:
@@ -129,6 +133,7 @@ class DurableJobs:
         the connection again: on a loaded box leases lapsed over and over, with no fault at all."""
         period = self.lease_s / 3
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(period)
             try:
                 await self.renew()
@@ -277,13 +282,16 @@ class DurableJobs:
     async def hand_over(self) -> None:
         """Clean exit: write a last snapshot of every job this run owns, give up their leases and
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
-        for task in (self._task, self._watch_task, self._renew_task):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except BaseException:
-                    pass
+        tasks = [t for t in (self._task, self._watch_task, self._renew_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:  # bounded: a loop that outlived its cancel must not keep the process from exiting
+            await asyncio.wait(tasks, timeout=HAND_OVER_WAIT_S)
+        for task in tasks:
+            if not task.done():
+                log.warning("durable jobs: %s did not stop when cancelled; handing over anyway", task.get_name())
+            elif not task.cancelled() and task.exception() is not None:
+                log.warning("durable jobs: %s had failed: %r", task.get_name(), task.exception())
         self._task = self._watch_task = self._renew_task = None
         if self.engine is None:
             return

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         from bus.connect import connect
+        from bus.exit_watch import watch_exit
         from coordinator.durable import JetStreamUnavailable
         from coordinator.fleet_spec import FleetSpecError
         from coordinator.service import (
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                     return 1
                 log.info("signal received: failing running jobs and draining")
+                watch_exit(what="ddm-fleet coordinator")  # a stop that hangs says on what (stderr: the log)
                 st = coord.status()
             print(f"stopped: {st.jobs_done} jobs done, {st.images_done} images", flush=True)
         finally:

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     async def main() -> int:
+        from bus.exit_watch import watch_exit
         from workers.decoder_service import DecoderWorker
 
         worker = DecoderWorker(args.checkpoint, nats_url=args.nats, device=args.device)
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         )
         await stop.wait()
         log.info("signal received: finishing held requests")
+        watch_exit(what="ddm-fleet decoder")  # a stop that hangs says on what (stderr: the log)
         await worker.stop()
         print(f"stopped: {worker.requests} replies, {worker.errors} errors", flush=True)
         return 0

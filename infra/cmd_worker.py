@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
+        from bus.exit_watch import watch_exit
         from workers.service import ExpertWorker
 
         worker = ExpertWorker(args.expert, args.checkpoint, config=config, nats_url=args.nats)
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         )
         await waiter
         log.info("signal received: finishing held requests and draining")
+        watch_exit(what="ddm-fleet worker")  # a stop that hangs says on what (stderr: the log)
         await worker.stop()
         print(f"stopped: {worker.metrics.replies} replies, {worker.metrics.error_total} errors", flush=True)
         return 0

@@ -33,6 +33,9 @@ from pathlib import Path
 
 Probe = Callable[["Child"], Awaitable[bool]]
 
+#: Log lines shown for a child killed because it did not stop (enough for the stacks it wrote).
+KILLED_LOG_LINES = 80
+
 
 @dataclass
 class ChildSpec:
@@ -388,7 +391,11 @@ class Supervisor:
         except TimeoutError:
             _signal_group(pid, signal.SIGKILL)
             await child.proc.wait()
-            self.out(f"killed {child.name} (pid {pid}): no exit {self.stop_timeout:g} s after SIGTERM")
+            tail = child.log_tail(KILLED_LOG_LINES)  # what it hung on, if it said (bus.exit_watch)
+            self.out(
+                f"killed {child.name} (pid {pid}): no exit {self.stop_timeout:g} s after SIGTERM; log {child.log_path}"
+                + (":\n" + _indent(tail) if tail else "")
+            )
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -73,3 +73,57 @@ async def test_a_failed_renewal_that_is_not_a_cancel_keeps_the_loop_going():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 2)
+
+
+class SwallowingStore(DisguisingStore):
+    """A store whose bus call, once cancelled, returns normally: what 3.11's `asyncio.wait_for` does when
+    the awaited reply lands in the same loop iteration as the cancel (nats-py's requests wait that way)."""
+
+    async def renew(self):
+        self.calls += 1
+        self.entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # the cancel is gone: only Task.cancelling() still says it was asked
+        return []
+
+
+async def test_renewals_stop_on_a_cancel_the_bus_call_swallowed():
+    store = SwallowingStore()
+    jobs = DurableJobs(store, JobLedger(), name="c1", checkpoint_every=4)
+    task = asyncio.create_task(jobs._renewals())
+    await asyncio.wait_for(store.entered.wait(), 5)
+    task.cancel()
+    await asyncio.wait({task}, timeout=2)
+    stopped = task.done()
+    if not stopped:  # before the fix: the loop slept and renewed again, forever
+        store.renew = _raise_cancel
+        task.cancel()
+        await asyncio.wait({task}, timeout=2)
+    assert stopped, "the renewal loop survived a swallowed cancel"
+    assert task.cancelled() and store.calls == 1
+
+
+async def test_hand_over_returns_even_if_a_loop_never_stops(monkeypatch, caplog):
+    import coordinator.durable_jobs as durable_jobs
+
+    monkeypatch.setattr(durable_jobs, "HAND_OVER_WAIT_S", 0.2)
+    release = asyncio.Event()
+
+    async def stubborn():  # a loop that ignores its cancels (a bug elsewhere must not hang the exit)
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass
+
+    jobs = DurableJobs(DisguisingStore(), JobLedger(), name="c1", checkpoint_every=4)
+    task = jobs._renew_task = asyncio.create_task(stubborn(), name="stubborn-loop")
+    try:
+        await asyncio.wait_for(jobs.hand_over(), 3)
+        assert "stubborn-loop did not stop when cancelled" in caplog.text
+        assert not task.done() and jobs._renew_task is None
+    finally:
+        release.set()
+        await asyncio.wait({task}, timeout=2)

@@ -152,7 +152,8 @@ async def test_supervisor_gives_up_on_noncritical_keeps_rest(tmp_path):
 async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
     lines: list[str] = []
     ignore_term = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+        "import signal, time; signal.signal(signal.SIGTERM, lambda *a: print('stuck on the way out', flush=True)); "
+        "print('up', flush=True); time.sleep(60)"
     )
     specs = [
         ChildSpec("first", _py("import time; time.sleep(60)"), role="test"),
@@ -173,7 +174,9 @@ async def test_supervisor_stops_in_reverse_order_and_kills_stubborn(tmp_path):
     assert await asyncio.wait_for(task, 20) == 0
     stops = [line.split()[1] for line in lines if line.startswith(("stopped ", "killed "))]
     assert stops == ["stubborn", "second", "first"]
-    assert any(line.startswith("killed stubborn") for line in lines)
+    killed = [line for line in lines if line.startswith("killed stubborn")]
+    assert len(killed) == 1 and "no exit 0.5 s after SIGTERM" in killed[0]
+    assert "| stuck on the way out" in killed[0]  # its log's tail: what it said while it hung
     for pid in pids:
         assert not _alive(pid)
 
