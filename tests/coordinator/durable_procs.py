@@ -115,6 +115,36 @@ async def reference_images(nc, reqs, tag):
     return {r.job_id: g for r, g in zip(reqs, got)}
 
 
+async def reference_images_apart(reqs, experts, router, tag):
+    """The same requests on a fleet of their own in this process: a loopback nats-server, sim workers of
+    `experts` without latency, a plain (not durable) coordinator with `router`; {job id of reqs:
+    DoneEvent}. Images depend on neither latency nor durability (top1 / oracle jobs are bit-identical
+    whatever is batched beside them), so this is the undisturbed run, in a few seconds instead of the
+    disturbed fleet's tens (its workers' latency keeps its jobs long enough to be cut mid-run)."""
+    import nats
+
+    from bus.nats_server import NatsServer
+    from coordinator.service import Coordinator
+    from coordinator.startup import load_router_and_partition, router_spec
+
+    server = await asyncio.to_thread(NatsServer().start)
+    ws, nc = [], None
+    try:
+        ws = await sim_workers(server.url, experts, batch_ms=0.0)
+        model, k, c2e = load_router_and_partition(router, "checkpoints/partition.json")
+        nc = await nats.connect(server.url)
+        async with Coordinator(
+            model, num_experts=k, class_to_expert=c2e, nats_url=server.url, spec=router_spec(router)
+        ):
+            return await reference_images(nc, reqs, tag)
+    finally:
+        if nc is not None:
+            await nc.close()
+        for w in ws:
+            await w.stop()
+        await asyncio.to_thread(server.stop)
+
+
 class EventLog:
     """Every event the client delivered for the watched jobs, in arrival order: (monotonic time, kind,
     step or None), and the owner epoch of each (`epochs`, in the same order: None when it carried none).

@@ -22,7 +22,7 @@ from schemas import JobRequest
 from tests.coordinator.durable_procs import (
     EventLog,
     owners_of,
-    reference_images,
+    reference_images_apart,
     sim_workers,
     start_coordinator,
     stop,
@@ -208,7 +208,7 @@ async def test_kill9_of_a_nats_node_mid_run_every_durable_job_completes_bit_iden
         )
         for j in ids:
             assert log.dones(j) == 1 and log.steps(j)[-1] == 60, (j, log.events[j])
-        want = await asyncio.wait_for(reference_images(client, reqs, "clref"), 180)
+        want = await asyncio.wait_for(reference_images_apart(reqs, tiny_experts, tiny_router, "clref"), 180)
         for g in got:
             w = want[g.job_id]
             assert np.array_equal(w.images, g.images), g.job_id

@@ -305,20 +305,11 @@ class Fleet:
         return asyncio.wrap_future(self.cl.submit(run_job(self.client_nc, req, log, **kw)))
 
     async def reference_images(self, reqs, tag: str) -> dict:
-        """The same requests run undisturbed (new ids "<tag>-<i>") from the observer host, as user client."""
-        import nats
+        """The same requests run undisturbed (new ids "<tag>-<i>"), on a fleet of their own on loopback
+        with the same experts and router and no latency (`durable_procs.reference_images_apart`)."""
+        from tests.coordinator.durable_procs import reference_images_apart
 
-        from client.jobs import client_connect_options
-        from tests.coordinator.durable_procs import reference_images
-
-        async def run():
-            nc = await nats.connect(self.cluster.url(NODE_OF["obs"], "client"), **client_connect_options("client"))
-            try:
-                return await reference_images(nc, reqs, tag)
-            finally:
-                await nc.close()
-
-        return await self.obs.run(run())
+        return await reference_images_apart(reqs, self.experts, self.router, tag)
 
     async def close(self) -> dict[str, bytes]:
         """Stop everything; returns each coordinator's stderr."""
