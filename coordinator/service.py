@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 COORDINATOR_QUEUE = f"{subjects.PREFIX}.coordinators"
 #: Seconds between two discoveries of the expert workers, whose specs are checked against the fleet's.
 WORKER_CHECK_S = 5.0
+#: Seconds a stopping coordinator lets its last tick finish before cancelling it (its jobs have failed
+#: with `unavailable`, or been handed over, already).
+STOP_GRACE_S = 3.0
 
 
 class EngineDied(RuntimeError):
@@ -308,12 +311,15 @@ class Coordinator:
         if self._decoding:  # jobs in the decode stage finish (or fail: decoder_unavailable) within its bounds
             await asyncio.wait(list(self._decoding.values()), timeout=self.step_timeout * (self.retries + 1) + 5)
         if self._task is not None:
-            try:
-                await asyncio.wait_for(self._task, timeout=self.step_timeout * (self.retries + 1) + 5)
-            except (TimeoutError, asyncio.CancelledError):
+            # Every job has failed or been handed over by now: a tick still waiting on an expert (up to the
+            # step timeout and its retries) has nothing left to deliver, so it gets a moment, not that long.
+            await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
+            if not self._task.done():
+                log.info("stopping: cancelling the tick still waiting on the experts")
                 self._task.cancel()
-            except Exception:
-                log.exception("engine ended with an error")
+                await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                log.error("engine ended with an error", exc_info=self._task.exception())
         if self.nc is not None:
             try:
                 await self.nc.flush(timeout=2)

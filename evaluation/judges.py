@@ -20,10 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
+from .judge_cache import logits_and_features
 from .score import Score, agreement, prepare_images, score_images
 from .views import ColourReading, colour_check, digit_view, has_digit_view, palette_arrays
 
 JUDGE_LABELS = {"": "judge 1", "_judge2": "judge 2", "_data": "data judge"}  # JSON suffix -> label
+
+
+def _cache_dir(data_dir) -> Path:
+    """Where the judges' readings of the real test split are kept: the data dir (`$DDM_DATA_DIR`, ./data)."""
+    from dataset.mnist import default_data_dir
+
+    return Path(data_dir) if data_dir else default_data_dir()
 
 
 @dataclass
@@ -101,7 +109,7 @@ class Judges:
         if dataset is None:
             j1 = Classifier.load_or_train(data_dir, progress=progress)
             j2 = JaxClassifier.load_or_train(data_dir, progress=progress)
-            judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir))
+            judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir), cache_dir=_cache_dir(data_dir))
         else:
             judges = cls._for_dataset(dataset, data_dir, progress, min_accuracy)
         for name, acc in (("judge 1", judges.test_accuracy1), ("judge 2", judges.test_accuracy2)):
@@ -128,11 +136,11 @@ class Judges:
         if _digit_classes(manifest) and has_digit_view(shape):
             j1 = Classifier.load_or_train(data_dir, progress=progress)
             j2 = JaxClassifier.load_or_train(data_dir, progress=progress)
-            judges = cls.from_judges(j1, j2, digit_view(x), y)
+            judges = cls.from_judges(j1, j2, digit_view(x), y, cache_dir=_cache_dir(data_dir))
         else:
             judges = cls(None, None, None, None, None, None, None)
         dj = load_or_train_data_judge(dataset, progress=progress, min_accuracy=min_accuracy)
-        logits, feats = dj.logits_and_features(x)
+        logits, feats = logits_and_features(dj, x, _cache_dir(data_dir))
         judges.data_judge, judges.reference_data = dj, feats
         judges.test_accuracy_data = float((logits.argmax(1) == y).mean())
         judges.dataset, judges.dataset_name = str(dataset), str(manifest.get("name", dataset))
@@ -141,10 +149,12 @@ class Judges:
         return judges
 
     @classmethod
-    def from_judges(cls, j1, j2, x_ref: np.ndarray, y_ref: np.ndarray) -> Judges:
+    def from_judges(cls, j1, j2, x_ref: np.ndarray, y_ref: np.ndarray, *, cache_dir=None) -> Judges:
+        """Both judges' reading of the reference set (`x_ref`, `y_ref`); `cache_dir`: keep it there
+        between runs (`judge_cache`: keyed by the judges' weights and the images)."""
         x_ref = prepare_images(x_ref)
-        logits1, ref1 = j1.logits_and_features(x_ref)
-        logits2, ref2 = j2.logits_and_features(x_ref)
+        logits1, ref1 = logits_and_features(j1, x_ref, cache_dir)
+        logits2, ref2 = logits_and_features(j2, x_ref, cache_dir)
         p1, p2 = logits1.argmax(1), logits2.argmax(1)
         return cls(
             j1, j2, ref1, ref2, float((p1 == y_ref).mean()), float((p2 == y_ref).mean()), float((p1 == p2).mean())

@@ -49,9 +49,8 @@ async def _sim_workers(nats_url, paths, batch_ms: float) -> list:
     """One sim worker per expert whose every forward pass lasts `batch_ms` ms (a sleep: no CPU)."""
     from workers.service import ExpertWorker
 
-    ws = []
-    for k, path in enumerate(paths):
-        w = ExpertWorker(
+    ws = [
+        ExpertWorker(
             k,
             str(path),
             "sim",
@@ -59,8 +58,13 @@ async def _sim_workers(nats_url, paths, batch_ms: float) -> list:
             buckets=(1, 16, 256, 512),
             backend_options={"batch_ms": batch_ms, "row_ms": 0.0},
         )
-        await w.start()
-        ws.append(w)
+        for k, path in enumerate(paths)
+    ]
+    try:  # each warm-up sleeps through its buckets: side by side
+        await asyncio.gather(*(w.start() for w in ws))
+    except BaseException:
+        await _stop(ws)
+        raise
     return ws
 
 

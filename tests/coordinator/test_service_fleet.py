@@ -340,3 +340,30 @@ async def test_request_rows_spreads_an_experts_batch_over_its_workers(nats_url, 
         assert sum(w.metrics.replies for w in expert0) == 4 * 6  # 8 rows in requests of 2, 6 ticks
     finally:
         await stop_workers(ws)
+
+
+async def test_stopping_does_not_wait_out_a_tick_on_experts_that_never_answer(nats_url, nc):
+    """Leaving the context while a tick waits on an expert that holds its request (a 60 s step timeout,
+    2 retries): the job fails `unavailable` at once and the coordinator is gone in seconds, not minutes."""
+    held = asyncio.Event()
+
+    async def hold(msg):  # takes every expert request, answers none
+        held.set()
+
+    subs = [await nc.subscribe(subjects.expert_velocity(k), cb=hold) for k in range(2)]
+    await nc.flush()
+    try:
+        coord = Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, step_timeout=60.0, retries=2)
+        await coord.__aenter__()
+        failed = asyncio.create_task(run_job(nc, JobRequest(job_id="held", digits=[1, 7], steps=4)))
+        await asyncio.wait_for(held.wait(), 30)
+        started = time.monotonic()
+        await asyncio.wait_for(coord.__aexit__(None, None, None), 20)
+        took = time.monotonic() - started
+        with pytest.raises(JobFailed) as err:
+            await asyncio.wait_for(failed, 10)
+        assert err.value.code == ErrorCode.UNAVAILABLE and "shutting down" in str(err.value)
+        assert took < 10, f"stopping took {took:.1f} s"
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
