@@ -3,23 +3,22 @@
 A service asked to stop (SIGTERM) that hangs on the way out gets SIGKILLed by its supervisor, and its
 log then ends at "signal received" with nothing on why. `watch_exit(after_s)`, called from the event
 loop's thread once the stop began, starts a daemon timer: if the process is still alive after `after_s`
-seconds it writes the stack of every asyncio task of that loop and of every thread to stderr (the
-service's log). A process that exits in time never prints anything.
+seconds it writes every thread's stack, then where each asyncio task of that loop waits, to stderr
+(the service's log). A process that exits in time never prints anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
-import io
 import sys
 import threading
+import traceback
 
-#: Seconds after the stop began before the stacks are written (a clean stop takes a few seconds; a
-#: coordinator with jobs in flight may wait out a step timeout; supervisors kill after 60-90 s).
-EXIT_WATCH_S = 30.0
+#: Seconds after the stop began before the stacks are written: a clean stop takes a few seconds, and
+#: supervisors kill sooner or later after SIGTERM (`ddm-fleet up` after 20 s, systemd after 90 s).
+EXIT_WATCH_S = 15.0
 
-#: Frames shown per task (the innermost ones).
+#: Frames shown per thread and per task (the innermost ones).
 STACK_LIMIT = 12
 
 
@@ -51,12 +50,21 @@ def await_chain(task: asyncio.Task) -> list[str]:
 
 
 def _report(loop: asyncio.AbstractEventLoop, after_s: float, what: str, file) -> None:
+    """Threads first, then the tasks (a supervisor shows the tail of the log: the tasks say most)."""
     out = file if file is not None else sys.stderr
+    lines = [f"{what} still exiting {after_s:g} s after it was asked to stop; its threads:"]
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # this timer
+        lines.append(f"  thread {names.get(ident, ident)}:")
+        stack = traceback.extract_stack(frame)[-STACK_LIMIT:]
+        lines.extend(f"    {f.filename}:{f.lineno} in {f.name}" for f in stack)
     try:
         tasks = sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name())
-    except RuntimeError:  # the loop's task set changed under us too often: show the threads alone
+    except RuntimeError:  # the loop's task set changed under us too often: the threads alone
         tasks = []
-    lines = [f"{what} still exiting {after_s:g} s after it was asked to stop; {len(tasks)} asyncio task(s):"]
+    lines.append(f"  {len(tasks)} asyncio task(s):")
     for task in tasks:
         lines.append(f"  task {task.get_name()}:")
         try:
@@ -64,7 +72,3 @@ def _report(loop: asyncio.AbstractEventLoop, after_s: float, what: str, file) ->
         except Exception as err:  # read from another thread: the task may move on meanwhile
             lines.append(f"    (unavailable: {err!r})")
     print("\n".join(lines), file=out, flush=True)
-    try:
-        faulthandler.dump_traceback(file=out, all_threads=True)
-    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):  # a file without a descriptor
-        pass

@@ -52,6 +52,7 @@ class DurableJobs:
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
         self.jobs_resumed = 0
+        self._closing = False  # hand_over began: take no orphan and adopt no job any more
         self._previous_owner = ""  # the owner of the checkpoint `_bumped` rewrote last (for the log)
 
     @property
@@ -235,6 +236,9 @@ class DurableJobs:
         sched, resumed = self.engine.scheduler, 0
 
         for job_id, owner_rev in await self.store.orphans():
+            raise_if_cancelled()
+            if self._closing:  # handing over (a loop that outlived its cancel must not take jobs now)
+                break
             if sched.knows(job_id):
                 continue
             self._previous_owner = ""
@@ -282,6 +286,7 @@ class DurableJobs:
     async def hand_over(self) -> None:
         """Clean exit: write a last snapshot of every job this run owns, give up their leases and
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
+        self._closing = True
         tasks = [t for t in (self._task, self._watch_task, self._renew_task) if t is not None]
         for task in tasks:
             task.cancel()

@@ -318,7 +318,12 @@ class Engine:
             await self._die(err)
             raise
         finally:
-            for task in [*self._lanes, *self._unwatched]:
+            lanes = [t for t in self._lanes if not t.done()]
+            for task in lanes:
+                task.cancel()
+            if lanes:  # let them unwind (a call they abandon on the way joins _unwatched), bounded
+                await asyncio.wait(lanes, timeout=1.0)
+            for task in list(self._unwatched):
                 task.cancel()
             self._drop_runs("engine stopped")
             self._running = False

@@ -12,8 +12,10 @@ that cannot be read is computed again; a directory that cannot be written is ski
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -29,18 +31,18 @@ def weights_digest(judge) -> str:
     """SHA-256 of a judge's weights: the torch judges' state dict (`.model`), the JAX judge's params."""
     h = hashlib.sha256(FORMAT)
     h.update(type(judge).__name__.encode())
+    h.update(json.dumps(getattr(judge, "meta", None), sort_keys=True, default=str).encode())  # its input shape...
     if hasattr(judge, "model"):
-        for name, tensor in sorted(judge.model.state_dict().items()):
-            h.update(name.encode())
-            h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        named = [(k, v.detach().cpu().float().contiguous().numpy()) for k, v in judge.model.state_dict().items()]
     elif hasattr(judge, "params"):
         import jax
 
-        for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(judge.params), key=lambda kv: str(kv[0])):
-            h.update(str(path).encode())
-            h.update(np.asarray(leaf).tobytes())
+        named = [(str(k), np.asarray(v)) for k, v in jax.tree_util.tree_leaves_with_path(judge.params)]
     else:
         raise TypeError(f"no weights to fingerprint on {type(judge).__name__}")
+    for name, array in sorted(named, key=lambda kv: kv[0]):
+        h.update(f"{name}:{array.dtype}:{array.shape}".encode())
+        h.update(np.ascontiguousarray(array).tobytes())
     return h.hexdigest()
 
 
@@ -59,7 +61,11 @@ def logits_and_features(
     (None: no cache)."""
     if cache_dir is None:
         return judge.logits_and_features(images)
-    path = Path(cache_dir) / SUBDIR / f"{cache_key(judge, images)}.npz"
+    try:
+        path = Path(cache_dir) / SUBDIR / f"{cache_key(judge, images)}.npz"
+    except Exception as err:  # a judge this module cannot fingerprint: read, keep nothing
+        log.info("judge reference not kept (%r)", err)
+        return judge.logits_and_features(images)
     try:
         with np.load(path) as kept:
             logits, feats = kept["logits"], kept["features"]
@@ -71,11 +77,25 @@ def logits_and_features(
     except Exception as err:  # a truncated or foreign file: compute again, overwrite
         log.warning("judge reference %s unreadable (%r): computing it again", path, err)
     logits, feats = judge.logits_and_features(images)
+    _keep(path, logits, feats)
+    return logits, feats
+
+
+def _keep(path: Path, logits: np.ndarray, feats: np.ndarray) -> None:
+    """Write whole or not at all (a reader never sees half a file; two writers each rename their own)."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.npz")
-        np.savez(tmp, logits=logits, features=feats)
-        os.replace(tmp, path)  # whole or absent: a reader never sees half a file
-    except OSError as err:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, logits=logits, features=feats)
+        os.replace(tmp, path)
+        tmp = None
+    except Exception as err:  # a full disk, a read-only data dir: the reading is only not kept
         log.info("judge reference not kept (%s): %r", path.parent, err)
-    return logits, feats
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

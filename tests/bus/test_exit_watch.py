@@ -23,7 +23,8 @@ async def test_reports_each_task_and_where_it_waits():
             if out.getvalue():
                 break
         text = out.getvalue()
-        assert "test service still exiting 0.05 s after it was asked to stop" in text
+        assert "test service still exiting 0.05 s after it was asked to stop; its threads:" in text
+        assert "thread MainThread:" in text and "exit-watch" not in text  # the loop's thread, not the timer
         assert "task the-stuck-one:" in text
         block = text.split("task the-stuck-one:")[1]
         assert "in _stuck_on" in block and "in wait" in block  # down through Event.wait to its future

@@ -122,11 +122,14 @@ async def reference_images_apart(reqs, experts, router, tag):
     whatever is batched beside them), so this is the undisturbed run, in a few seconds instead of the
     disturbed fleet's tens (its workers' latency keeps its jobs long enough to be cut mid-run)."""
     import nats
+    import torch
 
     from bus.nats_server import NatsServer
     from coordinator.service import Coordinator
     from coordinator.startup import load_router_and_partition, router_spec
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the fleet's coordinator processes (OMP_NUM_THREADS=1)
     server = await asyncio.to_thread(NatsServer().start)
     ws, nc = [], None
     try:
@@ -143,6 +146,7 @@ async def reference_images_apart(reqs, experts, router, tag):
         for w in ws:
             await w.stop()
         await asyncio.to_thread(server.stop)
+        torch.set_num_threads(threads)
 
 
 class EventLog:

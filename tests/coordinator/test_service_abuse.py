@@ -60,11 +60,11 @@ async def _sim_workers(nats_url, paths, batch_ms: float) -> list:
         )
         for k, path in enumerate(paths)
     ]
-    try:  # each warm-up sleeps through its buckets: side by side
-        await asyncio.gather(*(w.start() for w in ws))
-    except BaseException:
+    started = await asyncio.gather(*(w.start() for w in ws), return_exceptions=True)  # warm-ups side by side
+    failed = [r for r in started if isinstance(r, BaseException)]
+    if failed:
         await _stop(ws)
-        raise
+        raise failed[0]
     return ws
 
 

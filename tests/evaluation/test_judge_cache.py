@@ -95,3 +95,17 @@ def test_the_jax_judge_has_a_digest_of_its_own_weights():
     assert weights_digest(J(1.0)) == weights_digest(J(1.0)) != weights_digest(J(2.0))
     with pytest.raises(TypeError, match="no weights"):
         weights_digest(object())
+
+
+def test_a_judge_without_weights_to_fingerprint_is_read_and_nothing_kept(tmp_path):
+    class Opaque:
+        passes = 0
+
+        def logits_and_features(self, images):
+            self.passes += 1
+            return np.zeros((len(images), 3), np.float32), np.ones((len(images), 2), np.float32)
+
+    judge = Opaque()
+    logits_and_features(judge, _images(), tmp_path)
+    logits_and_features(judge, _images(), tmp_path)
+    assert judge.passes == 2 and not (tmp_path / SUBDIR).exists()
