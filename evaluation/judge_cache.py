@@ -6,7 +6,8 @@ reference; their logits give the judge's accuracy, measured, never read from the
 keeps them in `<data dir>/judge-references/<key>.npz`, where the key is a SHA-256 of the judge's weights
 (every tensor, bit for bit) and of the images themselves: another judge, retrained weights or other
 reference images give another key, so a kept file is only ever the same computation's result. A file
-that cannot be read is computed again; a directory that cannot be written is skipped (computed each time).
+that cannot be read is computed again; a directory that cannot be written is skipped (computed each time);
+the 8 most recently used readings are kept (10-15 MB each for the 10k MNIST test digits).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SUBDIR = "judge-references"
+#: Readings kept per directory, the least recently used dropped first (a judge retrained, another test set).
+MAX_KEPT = 8
 #: Bumped when what is kept (or how a judge computes it) changes meaning.
 FORMAT = b"judge-reference-v1"
 
@@ -70,6 +73,7 @@ def logits_and_features(
         with np.load(path) as kept:
             logits, feats = kept["logits"], kept["features"]
         if len(logits) == len(feats) == len(images):
+            _touch(path)
             return logits, feats
         log.warning("judge reference %s does not match its images: computing it again", path)
     except FileNotFoundError:
@@ -91,6 +95,7 @@ def _keep(path: Path, logits: np.ndarray, feats: np.ndarray) -> None:
             np.savez(f, logits=logits, features=feats)
         os.replace(tmp, path)
         tmp = None
+        _prune(path.parent)
     except Exception as err:  # a full disk, a read-only data dir: the reading is only not kept
         log.info("judge reference not kept (%s): %r", path.parent, err)
     finally:
@@ -99,3 +104,21 @@ def _keep(path: Path, logits: np.ndarray, feats: np.ndarray) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)  # its age is its last use: `_prune` drops the least recently used
+    except OSError:
+        pass
+
+
+def _prune(directory: Path) -> None:
+    """Keep the MAX_KEPT most recently used readings."""
+    try:
+        kept = sorted(directory.glob("*.npz"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in kept[MAX_KEPT:]:
+            old.unlink()
+            log.info("judge reference %s dropped (least recently used of more than %d)", old.name, MAX_KEPT)
+    except OSError:  # another process pruned it first, or no right to: not ours to fail on
+        pass

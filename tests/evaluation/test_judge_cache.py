@@ -109,3 +109,27 @@ def test_a_judge_without_weights_to_fingerprint_is_read_and_nothing_kept(tmp_pat
     logits_and_features(judge, _images(), tmp_path)
     logits_and_features(judge, _images(), tmp_path)
     assert judge.passes == 2 and not (tmp_path / SUBDIR).exists()
+
+
+def test_only_the_most_recently_used_readings_are_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    import evaluation.judge_cache as judge_cache
+
+    monkeypatch.setattr(judge_cache, "MAX_KEPT", 2)
+    judge = CountingJudge(0)
+    first, second, third = _images(1), _images(2), _images(3)
+    logits_and_features(judge, first, tmp_path)
+    logits_and_features(judge, second, tmp_path)
+    for f in (tmp_path / SUBDIR).glob("*.npz"):  # both an hour old, the first read again just now
+        os.utime(f, (time.time() - 3600, time.time() - 3600))
+    logits_and_features(judge, first, tmp_path)
+    assert judge.passes == 2
+    logits_and_features(judge, third, tmp_path)  # a third reading: the least recently used (second) goes
+    assert judge.passes == 3 and len(list((tmp_path / SUBDIR).glob("*.npz"))) == 2
+    logits_and_features(judge, first, tmp_path)
+    logits_and_features(judge, third, tmp_path)
+    assert judge.passes == 3
+    logits_and_features(judge, second, tmp_path)
+    assert judge.passes == 4
