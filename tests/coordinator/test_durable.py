@@ -119,7 +119,9 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
         at_kill = {j: max(s) for j, s in steps.items()}
         proc2, head2 = await start_coordinator(url, router, "--durable", "--checkpoint-every", "10", "--name", "dur")
         procs.append(proc2)
-        assert b"resumed 4 jobs" in head2, head2
+        if b"resumed 4 jobs" not in head2:  # say why: both runs' logs
+            logs = [(await stop(p))[-6000:].decode(errors="replace") for p in procs]
+            raise AssertionError(f"{head2!r}\n--- the killed run:\n{logs[0]}\n--- the restart:\n{logs[1]}")
         got = await asyncio.wait_for(asyncio.gather(*runs), 180)
         for w, g in zip(want, got):
             assert np.array_equal(w.images, g.images), g.job_id

@@ -239,8 +239,8 @@ async def test_decoder_answers_bad_requests_with_codes_and_keeps_serving(nats_ur
         parts = [z[:1], z[1:3], z[:2]]
         got = await asyncio.gather(*(client.decode(p) for p in parts))
         assert dec.requests == 2 and client.requests == 1
-        for p, images in zip(parts, got):
-            np.testing.assert_allclose(images, codec.decode(p), atol=1e-6)
+        for p, images in zip(parts, got):  # decoded 5 rows at once: conv sums round by batch size (~1e-6)
+            np.testing.assert_allclose(images, codec.decode(p), atol=1e-5)
 
 
 class _SlowCodec:
