@@ -67,6 +67,18 @@ class DurableJobs:
         self._task = asyncio.create_task(self._loop(), name="coordinator-durable")
         self._watch_task = asyncio.create_task(self._watch(), name="coordinator-durable-watch")
         self._renew_task = asyncio.create_task(self._renewals(), name="coordinator-durable-renew")
+        for task in (self._task, self._watch_task, self._renew_task):
+            task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A loop of these runs until `hand_over`: one that ends before says so loudly (its jobs'
+        snapshots or leases are no longer kept)."""
+        if self._closing:
+            return
+        why = "cancelled" if task.cancelled() else repr(task.exception() or "returned")
+        log.error(
+            "durable jobs: %s ended before the hand-over (%s): jobs are no longer kept durable", task.get_name(), why
+        )
 
     # ------------------------------------------------------------ called by the service
     def op(self, op: str, internal: str) -> None:

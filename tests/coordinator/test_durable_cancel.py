@@ -118,3 +118,25 @@ async def test_hand_over_returns_even_if_a_loop_never_stops(monkeypatch, caplog)
     finally:
         release.set()
         await asyncio.wait({task}, timeout=2)
+
+
+async def test_a_loop_that_ends_before_the_hand_over_says_so(caplog):
+    jobs = DurableJobs(DisguisingStore(), JobLedger(), name="c1", checkpoint_every=4)
+
+    async def loop():
+        await asyncio.sleep(3600)
+
+    early = asyncio.create_task(loop(), name="coordinator-durable")
+    early.add_done_callback(jobs._loop_ended)
+    early.cancel()
+    await asyncio.wait({early})
+    await asyncio.sleep(0)  # done callbacks run on the next loop turn
+    assert "coordinator-durable ended before the hand-over (cancelled)" in caplog.text
+    caplog.clear()
+    jobs._closing = True  # at the hand-over, the same end is the expected one
+    late = asyncio.create_task(loop(), name="coordinator-durable")
+    late.add_done_callback(jobs._loop_ended)
+    late.cancel()
+    await asyncio.wait({late})
+    await asyncio.sleep(0)
+    assert "ended before the hand-over" not in caplog.text
