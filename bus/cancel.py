@@ -22,6 +22,17 @@ from __future__ import annotations
 import asyncio
 
 
+async def cancel_and_wait(tasks, timeout: float) -> list[asyncio.Task]:
+    """Cancel `tasks` and wait at most `timeout` s for them to end (a task that outlives its cancel must
+    not hold up whoever stops it); returns those still running."""
+    tasks = [t for t in tasks if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    return [t for t in tasks if not t.done()]
+
+
 def raise_if_cancelled() -> None:
     """Raise CancelledError if the current task has been asked to stop (`Task.cancelling()`)."""
     task = asyncio.current_task()

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from bus.cancel import raise_if_cancelled
+from bus.cancel import cancel_and_wait, raise_if_cancelled
 from schemas import ErrorCode, ProtocolError, subjects
 
 from .durable import JobLost, JobStore
@@ -300,14 +300,10 @@ class DurableJobs:
         forget them (no `failed` event), so that its restart or another coordinator goes on with them."""
         self._closing = True
         tasks = [t for t in (self._task, self._watch_task, self._renew_task) if t is not None]
+        for task in await cancel_and_wait(tasks, HAND_OVER_WAIT_S):
+            log.warning("durable jobs: %s did not stop when cancelled; handing over anyway", task.get_name())
         for task in tasks:
-            task.cancel()
-        if tasks:  # bounded: a loop that outlived its cancel must not keep the process from exiting
-            await asyncio.wait(tasks, timeout=HAND_OVER_WAIT_S)
-        for task in tasks:
-            if not task.done():
-                log.warning("durable jobs: %s did not stop when cancelled; handing over anyway", task.get_name())
-            elif not task.cancelled() and task.exception() is not None:
+            if task.done() and not task.cancelled() and task.exception() is not None:
                 log.warning("durable jobs: %s had failed: %r", task.get_name(), task.exception())
         self._task = self._watch_task = self._renew_task = None
         if self.engine is None:

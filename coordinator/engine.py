@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from bus.cancel import cancel_and_wait
 from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
@@ -318,11 +319,8 @@ class Engine:
             await self._die(err)
             raise
         finally:
-            lanes = [t for t in self._lanes if not t.done()]
-            for task in lanes:
-                task.cancel()
-            if lanes:  # let them unwind (a call they abandon on the way joins _unwatched), bounded
-                await asyncio.wait(lanes, timeout=1.0)
+            # let the lanes unwind (a call they abandon on the way joins _unwatched), bounded
+            await cancel_and_wait(self._lanes, 1.0)
             for task in list(self._unwatched):
                 task.cancel()
             self._drop_runs("engine stopped")

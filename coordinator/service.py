@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from bus.cancel import cancel_and_wait
 from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, ProtocolError, pack, subjects
 from schemas.messages import RejectedWorkerInfo
 from schemas.spec import ModelSpec, legacy_spec
@@ -294,8 +295,7 @@ class Coordinator:
     async def __aexit__(self, *exc) -> None:
         if self._worker_watch is not None:
             self._watching = False
-            self._worker_watch.cancel()
-            await asyncio.wait({self._worker_watch}, timeout=2.0)  # at most one discovery window
+            await cancel_and_wait([self._worker_watch], 2.0)  # at most one discovery window
             self._worker_watch = None
         for sub in self._subs:
             try:
@@ -316,8 +316,7 @@ class Coordinator:
             await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
             if not self._task.done():
                 log.info("stopping: cancelling the tick still waiting on the experts")
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
+                await cancel_and_wait([self._task], STOP_GRACE_S)
             elif not self._task.cancelled() and self._task.exception() is not None:
                 log.error("engine ended with an error", exc_info=self._task.exception())
         if self.nc is not None:

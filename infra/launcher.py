@@ -316,10 +316,9 @@ class Supervisor:
                 child.ready = True
                 return
             if time.monotonic() > deadline:
-                tail = child.log_tail()
                 raise StartupError(
                     f"{child.name} (pid {child.pid}) was not ready after {self.ready_timeout:g} s; "
-                    f"log {child.log_path}" + (":\n" + _indent(tail) if tail else " (no output yet)")
+                    + _log_and_tail(child, empty=" (no output yet)")
                 )
             try:
                 await asyncio.wait_for(child.proc.wait(), self.probe_interval)
@@ -329,9 +328,7 @@ class Supervisor:
     def _exit_report(self, child: Child, when: str) -> str:
         rc = child.proc.returncode
         how = f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit code {rc}"
-        tail = child.log_tail()
-        text = f"{child.name} (pid {child.pid}) exited {when}: {how}; log {child.log_path}"
-        return text + (":\n" + _indent(tail) if tail else " (empty)")
+        return f"{child.name} (pid {child.pid}) exited {when}: {how}; " + _log_and_tail(child)
 
     async def _watch(self, child: Child) -> None:
         """Restart `child` whenever it exits on its own, until stop or give-up."""
@@ -391,10 +388,9 @@ class Supervisor:
         except TimeoutError:
             _signal_group(pid, signal.SIGKILL)
             await child.proc.wait()
-            tail = child.log_tail(KILLED_LOG_LINES)  # what it hung on, if it said (bus.exit_watch)
-            self.out(
-                f"killed {child.name} (pid {pid}): no exit {self.stop_timeout:g} s after SIGTERM; log {child.log_path}"
-                + (":\n" + _indent(tail) if tail else "")
+            self.out(  # with what it hung on, if it said (bus.exit_watch)
+                f"killed {child.name} (pid {pid}): no exit {self.stop_timeout:g} s after SIGTERM; "
+                + _log_and_tail(child, KILLED_LOG_LINES)
             )
 
 
@@ -407,6 +403,13 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _log_and_tail(child: Child, lines: int = 15, empty: str = " (empty)") -> str:
+    """ "log <path>:" and the last `lines` lines of what the child's current process wrote, indented
+    (`empty` after the path when it wrote nothing)."""
+    tail = child.log_tail(lines)
+    return f"log {child.log_path}" + (":\n" + _indent(tail) if tail else empty)
 
 
 def _indent(lines: Sequence[str]) -> str:
