@@ -927,10 +927,9 @@ async def _fleet(args, models) -> dict:
             return start_memory, out
         finally:
             if nc is not None:
-                try:
-                    await nc.drain()
-                except Exception:
-                    pass
+                from bus.connect import drain_or_close
+
+                await drain_or_close(nc)
             # coordinator first (its running jobs fail), then the workers
             for group in (children[:1], children[1:]):
                 await asyncio.gather(*(c.stop() for c in group), return_exceptions=True)

@@ -627,10 +627,9 @@ async def measure(
         for t in pending:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        try:
-            await nc.drain()
-        except Exception:
-            pass
+        from bus.connect import drain_or_close
+
+        await drain_or_close(nc)
     fleet.check_alive()
     if any(b is None for b in before) or any(a is None for a in after):
         raise RuntimeError("could not read a coordinator's /metrics")

@@ -179,6 +179,55 @@ async def connect(
     return nc
 
 
+#: Seconds a stopping process waits for its connection to drain (subscriptions answered, what it published
+#: flushed) before closing it anyway: within `ddm-fleet up`'s stop timeout, unlike nats-py's 30 s.
+DRAIN_TIMEOUT_S = 5.0
+
+
+async def drain_or_close(nc, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+    """Drain `nc` (its subscriptions' messages handled, what it published flushed), or close it after
+    about `timeout_s` seconds if that does not finish (a handler that never returns, a server that went
+    away): a stopping process neither waits on the bus for long nor dies of it. Returns True when the
+    connection drained, False when it had to be closed (a warning says why); never raises but for a
+    cancel."""
+    import nats.errors
+
+    if nc is None or nc.is_closed:
+        return True
+    # nats-py's own bound on the subscriptions' drain (a timeout there goes to error_cb, then it flushes and
+    # closes); ours below is longer, so a cancel from it lands in that flush or close, which let it through
+    # (one landing in the subscriptions' wait is swallowed by nats-py and would not bound anything)
+    nc.options["drain_timeout"] = min(float(nc.options.get("drain_timeout", timeout_s)), timeout_s)
+    timed_out = []  # nats-py reports its drain timeout only to error_cb
+    error_cb = getattr(nc, "_error_cb", None)
+
+    async def note(err: Exception) -> None:
+        if isinstance(err, nats.errors.DrainTimeoutError):
+            timed_out.append(err)
+        elif error_cb is not None:
+            await error_cb(err)
+
+    if error_cb is not None:
+        nc._error_cb = note
+    why = ""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout_s + 2.0)
+        if nc.is_closed and not timed_out:
+            return True
+        why = f"handlers still busy after {timeout_s:g} s" if timed_out else "it did not close"
+    except (nats.errors.Error, OSError) as err:  # reconnecting, the server gone, a flush without its PONG, our bound
+        why = f"{type(err).__name__}: {err}" if str(err) else f"not done within {timeout_s + 2.0:g} s"
+    finally:
+        if error_cb is not None:
+            nc._error_cb = error_cb
+    log.warning("NATS connection %s: draining failed (%s); closing it", nc.options.get("name") or "", why)
+    try:
+        await asyncio.wait_for(nc.close(), 2.0)
+    except (nats.errors.Error, OSError) as err:  # TimeoutError is an OSError
+        log.debug("closing after a failed drain: %r", err)
+    return False
+
+
 def discard_unsent(nc) -> bool:
     """Drop `nc`'s socket at once, with every byte it holds that the server has not received yet:
     nats-py's unflushed buffer, asyncio's write buffer and the kernel's send queue (SO_LINGER 0:

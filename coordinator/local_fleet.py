@@ -269,10 +269,9 @@ class LocalFleet:
                 log.exception("stopping the decoder failed")
             self.decoder = None
         if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:
-                pass
+            from bus.connect import drain_or_close
+
+            await drain_or_close(self.nc)
             self.nc = None
         if self.server is not None:
             await asyncio.to_thread(self.server.__exit__, None, None, None)  # stop + remove its config dir

@@ -325,7 +325,9 @@ class Coordinator:
             except Exception:
                 pass
             if self._own_nc:
-                await self.nc.drain()
+                from bus.connect import drain_or_close
+
+                await drain_or_close(self.nc)
         await self.endpoint.stop()
 
     async def serve_forever(self) -> None:

@@ -257,7 +257,9 @@ async def evaluate(spec: EvalSpec, judges=None, *, score: bool = True) -> list[R
                 )
         finally:
             if fleet is None:
-                await nc.drain()
+                from bus.connect import drain_or_close
+
+                await drain_or_close(nc)
             else:
                 await fleet.__aexit__(None, None, None)
     return rows

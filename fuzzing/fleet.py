@@ -120,11 +120,10 @@ class Fleet:
         return [str(p) for p in paths]
 
     async def __aexit__(self, *exc) -> None:
-        if self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+        if self.nc is not None:
+            from bus.connect import drain_or_close
+
+            await drain_or_close(self.nc)
         if self.web_runner is not None:
             await self.web_runner.cleanup()
         if self.coordinator is not None:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
-        from bus.connect import connect
+        from bus.connect import connect, drain_or_close
         from bus.exit_watch import watch_exit
         from coordinator.durable import JetStreamUnavailable
         from coordinator.fleet_spec import FleetSpecError
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 st = coord.status()
             print(f"stopped: {st.jobs_done} jobs done, {st.images_done} images", flush=True)
         finally:
-            await nc.drain()
+            await drain_or_close(nc)
         return 0
 
     class _Entered:  # `async with` over a Coordinator already entered (so entering errors are told apart)

@@ -566,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     async def main() -> int:
-        from bus.connect import connect
+        from bus.connect import connect, drain_or_close
 
         if args.local:
             from coordinator.local_fleet import LocalFleet
@@ -596,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return await job(nc)
         finally:
-            await nc.drain()
+            await drain_or_close(nc)
 
     from bus.connect import BusUnavailable, without_credentials
 

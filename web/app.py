@@ -218,10 +218,9 @@ async def _nats_ctx(app: web.Application) -> AsyncIterator[None]:
         raise RuntimeError(str(err)) from None
     app[NATS] = nc
     yield
-    try:
-        await nc.drain()
-    except Exception:
-        await nc.close()
+    from bus.connect import drain_or_close
+
+    await drain_or_close(nc)
 
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -181,11 +181,10 @@ class DecoderWorker:
         await self._close_nc()
 
     async def _close_nc(self) -> None:
-        if self._own_nc and self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+        if self._own_nc and self.nc is not None:
+            from bus.connect import drain_or_close
+
+            await drain_or_close(self.nc)
 
     # ------------------------------------------------------------------ requests
     async def _on_request(self, req) -> None:

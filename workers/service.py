@@ -441,11 +441,10 @@ class ExpertWorker:
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
-        if self._own_nc and self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+        if self._own_nc and self.nc is not None:
+            from bus.connect import drain_or_close
+
+            await drain_or_close(self.nc)
         self._started = False
 
     # ------------------------------------------------------------------ requests

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bus.connect import BusUnavailable, connect
+from bus.connect import BusUnavailable, connect, drain_or_close
 from bus.nats_server import NatsServer, free_port
 
 
@@ -210,3 +210,59 @@ async def test_discard_unsent_keeps_a_connection_with_nothing_queued(nc):
         await asyncio.sleep(0.02)
     assert got == [b"still here"]
     await sub.unsubscribe()
+
+
+async def test_drain_or_close_delivers_what_was_published_and_closes(nats_url):
+    nc = await connect(nats_url, name="test-drain")
+    listener = await connect(nats_url, name="test-drain-listener")
+    try:
+        sub = await listener.subscribe("test.drain.out")
+        await listener.flush()
+        for i in range(100):
+            await nc.publish("test.drain.out", str(i).encode())
+        assert await drain_or_close(nc) is True
+        assert nc.is_closed
+        got = [(await sub.next_msg(timeout=2)).data for _ in range(100)]
+        assert got == [str(i).encode() for i in range(100)]
+    finally:
+        await listener.close()
+
+
+async def test_drain_or_close_closes_a_connection_whose_handler_never_returns(nats_url, caplog):
+    """nats-py's drain waits 30 s by default for a subscription whose handler is stuck; a stopping process
+    must not: the connection is closed after the bound, with a warning, and nothing raises."""
+    nc = await connect(nats_url, name="test-drain-stuck")
+    entered = asyncio.Event()
+
+    async def stuck(msg):
+        entered.set()
+        await asyncio.Event().wait()
+
+    await nc.subscribe("test.drain.stuck", cb=stuck)
+    await nc.publish("test.drain.stuck", b"x")
+    await asyncio.wait_for(entered.wait(), 5)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="ddm.bus"):
+        ok = await drain_or_close(nc, timeout_s=0.5)
+    took = time.monotonic() - t0
+    assert ok is False and nc.is_closed
+    assert 0.4 <= took < 5.0, took  # 30 s with nats-py's default
+    assert any("handlers still busy after 0.5 s" in r.getMessage() for r in caplog.records), caplog.text
+
+
+async def test_drain_or_close_on_a_connection_whose_server_is_gone():
+    with NatsServer() as srv:
+        nc = await connect(srv.url, name="test-drain-gone", reconnect=1, reconnect_wait_s=0.2)
+        await nc.subscribe("test.drain.gone")
+    # the server has stopped: the drain cannot flush; the connection ends closed, quickly, without raising
+    t0 = time.monotonic()
+    await drain_or_close(nc, timeout_s=1.0)
+    assert nc.is_closed
+    assert time.monotonic() - t0 < 6.0
+
+
+async def test_drain_or_close_on_a_closed_connection_is_a_no_op(nats_url):
+    nc = await connect(nats_url, name="test-drain-closed")
+    await nc.close()
+    assert await drain_or_close(nc) is True
+    assert await drain_or_close(None) is True
