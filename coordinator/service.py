@@ -33,7 +33,17 @@ from typing import Any
 import numpy as np
 
 from bus.cancel import cancel_and_wait
-from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, ProtocolError, pack, subjects
+from schemas import (
+    ErrorCode,
+    FailedEvent,
+    FleetStatus,
+    JobAccepted,
+    JobRequest,
+    JobStatus,
+    ProtocolError,
+    pack,
+    subjects,
+)
 from schemas.messages import RejectedWorkerInfo
 from schemas.spec import ModelSpec, legacy_spec
 
@@ -67,6 +77,10 @@ WORKER_CHECK_S = 5.0
 #: Seconds a stopping coordinator lets its last tick finish before cancelling it (its jobs have failed
 #: with `unavailable`, or been handed over, already).
 STOP_GRACE_S = 3.0
+#: Seconds a stopping coordinator waits for the images of jobs in its decode stage (decoders answer in
+#: milliseconds; a hung one is asked for up to the step timeout x (retries + 1)) before failing those jobs
+#: `unavailable`: within `ddm-fleet up`'s 20 s stop timeout.
+DECODE_STOP_WAIT_S = 8.0
 
 
 class EngineDied(RuntimeError):
@@ -133,6 +147,9 @@ class Coordinator:
         self.decoder = None  # a DecoderClient, once entered, when the spec says space latent
         self._latent_opts: dict[str, LatentOptions] = {}  # internal id -> what the job asked of the decoder
         self._decoding: dict[str, asyncio.Task] = {}  # internal id -> the last event of the job in the stage
+        self._stage_tasks: set[asyncio.Task] = set()  # every event in the stage
+        self._stage_ends: dict[str, Any] = {}  # internal id -> its done / failed, in the stage, not yet published
+        self.decode_stop_wait_s = DECODE_STOP_WAIT_S
 
     @classmethod
     def from_files(cls, router_path, partition_path, config: CoordinatorConfig | None = None, **kw) -> Coordinator:
@@ -308,8 +325,8 @@ class Coordinator:
             await self.durable_jobs.hand_over()
         if self.engine is not None:
             await self.engine.stop()
-        if self._decoding:  # jobs in the decode stage finish (or fail: decoder_unavailable) within its bounds
-            await asyncio.wait(list(self._decoding.values()), timeout=self.step_timeout * (self.retries + 1) + 5)
+        if self._stage_tasks:
+            await self._close_decode_stage()
         if self._task is not None:
             # Every job has failed or been handed over by now: a tick still waiting on an expert (up to the
             # step timeout and its retries) has nothing left to deliver, so it gets a moment, not that long.
@@ -498,9 +515,12 @@ class Coordinator:
             if staged or internal in self._decoding:
                 if event.kind in ("done", "failed"):
                     self._latent_opts.pop(internal, None)
+                    self._stage_ends[internal] = event
                 before = self._decoding.get(internal)
                 task = asyncio.ensure_future(self._decode_then_publish(event, opts, before))
                 self._decoding[internal] = task
+                self._stage_tasks.add(task)
+                task.add_done_callback(self._stage_tasks.discard)
                 task.add_done_callback(
                     lambda t, i=internal: self._decoding.pop(i, None) if self._decoding.get(i) is t else None
                 )
@@ -508,10 +528,6 @@ class Coordinator:
             if event.kind == "failed":
                 self._latent_opts.pop(internal, None)
         await self._publish_now(event)
-
-    def _left_stage(self, internal: str, task: asyncio.Task) -> None:
-        if self._decoding.get(internal) is task:  # the job's last staged event is out
-            del self._decoding[internal]
 
     async def _decode_then_publish(self, event, opts: LatentOptions, before: asyncio.Future | None) -> None:
         """After the job's previous staged event: decode what `event` needs, then publish it. A `done`
@@ -526,9 +542,7 @@ class Coordinator:
                     event = decoded_done(event, await self.decoder.decode(final_latents(event)), opts)
                 except (DecoderUnavailable, ValueError) as err:
                     log.warning("job %s: decoding its images failed: %s", event.job_id, err)
-                    stats = self.engine.scheduler.stats  # the job failed after all
-                    stats.jobs_done, stats.jobs_failed = stats.jobs_done - 1, stats.jobs_failed + 1
-                    stats.images_done -= len(event.images)
+                    self._done_failed_after_all(event)
                     event = decoder_failed(event.job_id, str(err))
             elif event.kind == "frame" and wants_preview(opts, event):
                 try:
@@ -542,6 +556,44 @@ class Coordinator:
             log.exception("decode stage failed for %s of job %s", event.kind, event.job_id)
             if event.kind in ("done", "failed"):
                 await self._publish_now(decoder_failed(event.job_id, "internal error in the decode stage"))
+        if event.kind in ("done", "failed"):  # out (a cancel at shutdown skips this: `_close_decode_stage`)
+            self._stage_ends.pop(event.job_id, None)
+
+    def _done_failed_after_all(self, done) -> None:
+        """A `done` that will not reach its client as such: count the job as failed."""
+        stats = self.engine.scheduler.stats
+        stats.jobs_done, stats.jobs_failed = stats.jobs_done - 1, stats.jobs_failed + 1
+        stats.images_done -= len(done.images)
+
+    async def _close_decode_stage(self) -> None:
+        """Stopping: jobs whose images are being decoded get `decode_stop_wait_s` seconds; then the stage is
+        cancelled, and each job whose last event had not gone out gets it now without decoding: a `failed`
+        as it was, a `done` as `failed` / `unavailable` (its images were never decoded). Previews still in
+        the stage are dropped."""
+        pending = [t for t in self._stage_tasks if not t.done()]
+        await asyncio.wait(pending, timeout=self.decode_stop_wait_s)
+        if not any(not t.done() for t in pending):
+            return
+        await cancel_and_wait(pending, 1.0)
+        ends, self._stage_ends = self._stage_ends, {}
+        if ends:
+            log.warning(
+                "stopping: %d jobs still in the decode stage after %g s; publishing their end without images",
+                len(ends),
+                self.decode_stop_wait_s,
+            )
+        for internal, event in ends.items():
+            if event.kind == "done":
+                self._done_failed_after_all(event)
+                event = FailedEvent(
+                    job_id=internal,
+                    code=ErrorCode.UNAVAILABLE,
+                    reason="the coordinator stopped while the job's images were being decoded; submit it again",
+                )
+            try:
+                await self._publish_now(event)
+            except Exception:  # pragma: no cover - a bug here must not stop the others' ends
+                log.exception("publishing the end of job %s at shutdown failed", internal)
 
     async def _publish_now(self, event) -> None:
         internal = event.job_id

@@ -134,6 +134,51 @@ async def test_no_decoder_fails_the_job_with_decoder_unavailable_not_a_hang(nats
     assert all(any(n.startswith("no preview: ") for n in f.notes) for f in frames)
 
 
+async def test_stopping_with_a_hung_decoder_ends_the_job_within_the_bound(nats_url, nc, fleet):
+    """A decoder that took the request and never answers (what a frozen decoder process looks like on the
+    bus: a subscriber that keeps what it gets): stopping the coordinator does not wait out the decode's
+    bound (here 30 s, the step timeout), and the client hears `unavailable` rather than nothing."""
+    ae, codec, spec, paths = fleet
+    asked = asyncio.Event()
+
+    async def keep(msg):
+        asked.set()
+
+    hung = await nc.subscribe(
+        subjects.decoder_decode(codec.content_hash), queue=subjects.decoder_queue_group(codec.content_hash), cb=keep
+    )
+    await nc.flush()
+    ws = await start_workers(nats_url, paths)
+    try:
+        coord = Coordinator(
+            LabelRouter(C2E, 2),
+            num_experts=2,
+            class_to_expert=C2E,
+            nats_url=nats_url,
+            spec=spec,
+            step_timeout=30,
+            retries=0,
+        )
+        coord.decode_stop_wait_s = 1.0
+        await coord.__aenter__()
+        job = asyncio.ensure_future(run_job(nc, JobRequest(digits=[3], steps=2, seed=7), timeout=120))
+        try:
+            await asyncio.wait_for(asked.wait(), 60)  # the job's done is in the decode stage
+        finally:
+            start = time.monotonic()
+            await coord.__aexit__(None, None, None)
+            took = time.monotonic() - start
+        with pytest.raises(JobFailed) as info:
+            await asyncio.wait_for(job, 10)
+        status = coord.status()
+    finally:
+        await hung.unsubscribe()
+        await stop_workers(ws)
+    assert took < 10, took  # before: the decode's 30 s + 5
+    assert info.value.code == ErrorCode.UNAVAILABLE and "decoded" in info.value.reason
+    assert status.jobs_done == 0 and status.jobs_failed == 1
+
+
 DECODER_CMD = [sys.executable, "-m", "infra.cli", "decoder", "--threads", "1", "--checkpoint"]
 
 
