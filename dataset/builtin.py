@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataset.mnist import PAD, SPLITS, default_data_dir, prepare_mnist
+from dataset.mnist import PAD, SPLITS, prepare_mnist, resolve_data_dir
 from dataset.prepared import PrepareResult, inputs_key, up_to_date, write_prepared
 
 BUILTIN = ("mnist", "colour-mnist")
@@ -102,7 +102,7 @@ def draw_palette(seed: int, split: str, n: int) -> np.ndarray:
 
 def default_out(dataset: str, data_dir=None, limit: int | None = None) -> Path:
     """``<data dir>/<dataset>`` (``-limit<N>`` appended when limited, so a test never replaces the full set)."""
-    base = Path(data_dir) if data_dir is not None else default_data_dir()
+    base = resolve_data_dir(data_dir)
     return base / (dataset + (f"-limit{limit}" if limit is not None else ""))
 
 

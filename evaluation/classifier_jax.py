@@ -193,9 +193,9 @@ class JaxClassifier:
     # ------------------------------------------------------------ train / load
     @classmethod
     def cache_paths(cls, data_dir: str | Path | None = None) -> tuple[Path, Path]:
-        from dataset.mnist import default_data_dir
+        from dataset.mnist import resolve_data_dir
 
-        root = Path(data_dir) if data_dir else default_data_dir()
+        root = resolve_data_dir(data_dir)
         return root / f"{CACHE_NAME}.safetensors", root / f"{CACHE_NAME}.json"
 
     @classmethod

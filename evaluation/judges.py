@@ -20,18 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from dataset.mnist import resolve_data_dir
+
 from .judge_cache import logits_and_features
 from .score import Score, agreement, prepare_images, score_images
 from .views import ColourReading, colour_check, digit_view, has_digit_view, palette_arrays
 
 JUDGE_LABELS = {"": "judge 1", "_judge2": "judge 2", "_data": "data judge"}  # JSON suffix -> label
-
-
-def _cache_dir(data_dir) -> Path:
-    """Where the judges' readings of the real test split are kept: the data dir (`$DDM_DATA_DIR`, ./data)."""
-    from dataset.mnist import default_data_dir
-
-    return Path(data_dir) if data_dir else default_data_dir()
 
 
 @dataclass
@@ -109,7 +104,7 @@ class Judges:
         if dataset is None:
             j1 = Classifier.load_or_train(data_dir, progress=progress)
             j2 = JaxClassifier.load_or_train(data_dir, progress=progress)
-            judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir), cache_dir=_cache_dir(data_dir))
+            judges = cls.from_judges(j1, j2, *load_mnist("test", data_dir), cache_dir=resolve_data_dir(data_dir))
         else:
             judges = cls._for_dataset(dataset, data_dir, progress, min_accuracy)
         for name, acc in (("judge 1", judges.test_accuracy1), ("judge 2", judges.test_accuracy2)):
@@ -136,11 +131,11 @@ class Judges:
         if _digit_classes(manifest) and has_digit_view(shape):
             j1 = Classifier.load_or_train(data_dir, progress=progress)
             j2 = JaxClassifier.load_or_train(data_dir, progress=progress)
-            judges = cls.from_judges(j1, j2, digit_view(x), y, cache_dir=_cache_dir(data_dir))
+            judges = cls.from_judges(j1, j2, digit_view(x), y, cache_dir=resolve_data_dir(data_dir))
         else:
             judges = cls(None, None, None, None, None, None, None)
         dj = load_or_train_data_judge(dataset, progress=progress, min_accuracy=min_accuracy)
-        logits, feats = logits_and_features(dj, x, _cache_dir(data_dir))
+        logits, feats = logits_and_features(dj, x, resolve_data_dir(data_dir))
         judges.data_judge, judges.reference_data = dj, feats
         judges.test_accuracy_data = float((logits.argmax(1) == y).mean())
         judges.dataset, judges.dataset_name = str(dataset), str(manifest.get("name", dataset))

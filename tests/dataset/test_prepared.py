@@ -354,3 +354,13 @@ def test_cli_colour_mnist_limit(mnist_cache, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "3x32x32, 10 classes, train 20, val 20, test 20" in r.stdout
+
+
+def test_resolve_data_dir_takes_the_given_dir_else_the_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDM_DATA_DIR", str(tmp_path / "env"))
+    assert D.resolve_data_dir(None) == tmp_path / "env"
+    assert D.resolve_data_dir("") == tmp_path / "env"  # an empty --data-dir means not given
+    assert D.resolve_data_dir(tmp_path / "mine") == tmp_path / "mine"
+    assert B.default_out("colour-mnist", None) == tmp_path / "env" / "colour-mnist"
+    monkeypatch.delenv("DDM_DATA_DIR")
+    assert D.resolve_data_dir(None) == Path("data")
