@@ -106,6 +106,24 @@ async def wait_no_checkpoints(nc, timeout: float) -> None:
     await wait_until(empty, timeout=timeout, what="checkpoints deleted once the jobs are done")
 
 
+async def wait_checkpoints(nc, n: int, timeout: float) -> None:
+    """Wait until the `ddm_jobs` KV bucket holds at least `n` checkpoints: the jobs' snapshots are on the
+    server, not only queued in the coordinator (its bucket writes lag its frames on a loaded box)."""
+    import nats.js.errors
+
+    from tests.waiting import wait_until
+
+    kv = await nc.jetstream().key_value("ddm_jobs")
+
+    async def written():
+        try:
+            return len(await kv.keys()) >= n
+        except nats.js.errors.NoKeysError:
+            return False
+
+    await wait_until(written, timeout=timeout, what=f"{n} job checkpoints in the ddm_jobs bucket")
+
+
 async def reference_images(nc, reqs, tag):
     """The same requests, run undisturbed (new job ids "<tag>-<i>"): {job id of reqs: DoneEvent}."""
     from client.jobs import run_job

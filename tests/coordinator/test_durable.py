@@ -26,6 +26,7 @@ from tests.coordinator.durable_procs import (
     sim_workers,
     start_coordinator,
     stop,
+    wait_checkpoints,
     wait_no_checkpoints,
 )
 from tests.coordinator.helpers import make_tiny_experts, make_tiny_router
@@ -96,6 +97,7 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
         procs.append(proc)
         assert b"durable jobs: on" in head and b"checkpoint every 10 steps" in head
         want = await asyncio.gather(*(run_job(nc, r, timeout=120) for r in jobs("ref")))
+        await wait_no_checkpoints(nc, timeout=10)  # the reference runs left none: the count below is the kill run's
 
         steps: dict[str, list[int]] = {}
 
@@ -114,6 +116,7 @@ async def test_kill9_mid_run_then_restart_resumes_every_job_bit_identical(js_ser
             what="every job past step 12",
         )
         assert max(max(s) for s in steps.values()) < 60
+        await wait_checkpoints(nc, 4, timeout=30)  # what the restart can resume is what reached the server
         proc.kill()  # SIGKILL: no hand-over, no last checkpoint
         await proc.wait()
         at_kill = {j: max(s) for j, s in steps.items()}
