@@ -325,17 +325,8 @@ class Coordinator:
             await self.durable_jobs.hand_over()
         if self.engine is not None:
             await self.engine.stop()
-        if self._stage_tasks:
-            await self._close_decode_stage()
-        if self._task is not None:
-            # Every job has failed or been handed over by now: a tick still waiting on an expert (up to the
-            # step timeout and its retries) has nothing left to deliver, so it gets a moment, not that long.
-            await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
-            if not self._task.done():
-                log.info("stopping: cancelling the tick still waiting on the experts")
-                await cancel_and_wait([self._task], STOP_GRACE_S)
-            elif not self._task.cancelled() and self._task.exception() is not None:
-                log.error("engine ended with an error", exc_info=self._task.exception())
+        # the engine's last tick and the decode stage wind down side by side (one stop, not their sum)
+        await asyncio.gather(self._end_engine_task(), self._close_decode_stage())
         if self.nc is not None:
             try:
                 await self.nc.flush(timeout=2)
@@ -551,13 +542,28 @@ class Coordinator:
                     event = with_preview(event, await self.decoder.decode(frame_latents(event)))
                 except DecoderUnavailable as err:
                     event = without_preview(event, err.reason)
+            # the job's end leaves the stage's books before the publish: a cancel at shutdown that lands in
+            # it must not have `_close_decode_stage` publish the end a second time
+            if event.kind in ("done", "failed"):
+                self._stage_ends.pop(event.job_id, None)
             await self._publish_now(event)
         except Exception:  # never lose the event to a bug in the stage
             log.exception("decode stage failed for %s of job %s", event.kind, event.job_id)
             if event.kind in ("done", "failed"):
+                self._stage_ends.pop(event.job_id, None)
                 await self._publish_now(decoder_failed(event.job_id, "internal error in the decode stage"))
-        if event.kind in ("done", "failed"):  # out (a cancel at shutdown skips this: `_close_decode_stage`)
-            self._stage_ends.pop(event.job_id, None)
+
+    async def _end_engine_task(self) -> None:
+        """Every job has failed or been handed over by now: a tick still waiting on an expert (up to the step
+        timeout and its retries) has nothing left to deliver, so it gets a moment, not that long."""
+        if self._task is None:
+            return
+        await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
+        if not self._task.done():
+            log.info("stopping: cancelling the tick still waiting on the experts")
+            await cancel_and_wait([self._task], STOP_GRACE_S)
+        elif not self._task.cancelled() and self._task.exception() is not None:
+            log.error("engine ended with an error", exc_info=self._task.exception())
 
     def _done_failed_after_all(self, done) -> None:
         """A `done` that will not reach its client as such: count the job as failed."""
@@ -571,7 +577,10 @@ class Coordinator:
         as it was, a `done` as `failed` / `unavailable` (its images were never decoded). Previews still in
         the stage are dropped."""
         pending = [t for t in self._stage_tasks if not t.done()]
-        await asyncio.wait(pending, timeout=self.decode_stop_wait_s)
+        if pending:
+            await asyncio.wait(pending, timeout=self.decode_stop_wait_s)
+        if self.decoder is not None:  # a decode still asked of a hung decoder is not waited for either
+            await self.decoder.close()
         if not any(not t.done() for t in pending):
             return
         await cancel_and_wait(pending, 1.0)
@@ -583,14 +592,14 @@ class Coordinator:
                 self.decode_stop_wait_s,
             )
         for internal, event in ends.items():
-            if event.kind == "done":
-                self._done_failed_after_all(event)
-                event = FailedEvent(
-                    job_id=internal,
-                    code=ErrorCode.UNAVAILABLE,
-                    reason="the coordinator stopped while the job's images were being decoded; submit it again",
-                )
             try:
+                if event.kind == "done":
+                    self._done_failed_after_all(event)
+                    event = FailedEvent(
+                        job_id=internal,
+                        code=ErrorCode.UNAVAILABLE,
+                        reason="the coordinator stopped while the job's images were being decoded; submit it again",
+                    )
                 await self._publish_now(event)
             except Exception:  # pragma: no cover - a bug here must not stop the others' ends
                 log.exception("publishing the end of job %s at shutdown failed", internal)

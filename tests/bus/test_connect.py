@@ -247,7 +247,7 @@ async def test_drain_or_close_closes_a_connection_whose_handler_never_returns(na
     took = time.monotonic() - t0
     assert ok is False and nc.is_closed
     assert 0.4 <= took < 5.0, took  # 30 s with nats-py's default
-    assert any("handlers still busy after 0.5 s" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("not drained within 0.5 s" in r.getMessage() for r in caplog.records), caplog.text
 
 
 async def test_drain_or_close_on_a_connection_whose_server_is_gone():
@@ -258,7 +258,7 @@ async def test_drain_or_close_on_a_connection_whose_server_is_gone():
     t0 = time.monotonic()
     await drain_or_close(nc, timeout_s=1.0)
     assert nc.is_closed
-    assert time.monotonic() - t0 < 6.0
+    assert time.monotonic() - t0 < 10.0
 
 
 async def test_drain_or_close_on_a_closed_connection_is_a_no_op(nats_url):
