@@ -581,7 +581,7 @@ class Coordinator:
             await asyncio.wait(pending, timeout=self.decode_stop_wait_s)
         if self.decoder is not None:  # a decode still asked of a hung decoder is not waited for either
             await self.decoder.close()
-        if not any(not t.done() for t in pending):
+        if all(t.done() for t in pending):
             return
         await cancel_and_wait(pending, 1.0)
         ends, self._stage_ends = self._stage_ends, {}

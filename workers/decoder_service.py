@@ -181,7 +181,7 @@ class DecoderWorker:
         await self._close_nc()
 
     async def _close_nc(self) -> None:
-        if self._own_nc and self.nc is not None:
+        if self._own_nc:  # (drain_or_close: nothing to do for no connection or a closed one)
             from bus.connect import drain_or_close
 
             await drain_or_close(self.nc)

@@ -441,7 +441,7 @@ class ExpertWorker:
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
-        if self._own_nc and self.nc is not None:
+        if self._own_nc:  # (drain_or_close: nothing to do for no connection or a closed one)
             from bus.connect import drain_or_close
 
             await drain_or_close(self.nc)

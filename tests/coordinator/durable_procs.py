@@ -88,40 +88,33 @@ async def owners_of(nc, job_ids) -> dict[str, str | None]:
     return out
 
 
-async def wait_no_checkpoints(nc, timeout: float) -> None:
-    """Wait until the `ddm_jobs` KV bucket holds no checkpoint (the jobs are done and cleaned up)."""
+async def _wait_checkpoint_count(nc, ok, timeout: float, what: str) -> None:
+    """Wait until `ok(n)` holds for n, the number of checkpoints in the `ddm_jobs` KV bucket."""
     import nats.js.errors
 
     from tests.waiting import wait_until
 
     kv = await nc.jetstream().key_value("ddm_jobs")
 
-    async def empty():
+    async def count_ok():
         try:
-            await kv.keys()
-            return False
+            n = len(await kv.keys())
         except nats.js.errors.NoKeysError:
-            return True
+            n = 0
+        return ok(n)
 
-    await wait_until(empty, timeout=timeout, what="checkpoints deleted once the jobs are done")
+    await wait_until(count_ok, timeout=timeout, what=what)
+
+
+async def wait_no_checkpoints(nc, timeout: float) -> None:
+    """Wait until the `ddm_jobs` KV bucket holds no checkpoint (the jobs are done and cleaned up)."""
+    await _wait_checkpoint_count(nc, lambda n: n == 0, timeout, "checkpoints deleted once the jobs are done")
 
 
 async def wait_checkpoints(nc, n: int, timeout: float) -> None:
     """Wait until the `ddm_jobs` KV bucket holds at least `n` checkpoints: the jobs' snapshots are on the
     server, not only queued in the coordinator (its bucket writes lag its frames on a loaded box)."""
-    import nats.js.errors
-
-    from tests.waiting import wait_until
-
-    kv = await nc.jetstream().key_value("ddm_jobs")
-
-    async def written():
-        try:
-            return len(await kv.keys()) >= n
-        except nats.js.errors.NoKeysError:
-            return False
-
-    await wait_until(written, timeout=timeout, what=f"{n} job checkpoints in the ddm_jobs bucket")
+    await _wait_checkpoint_count(nc, lambda have: have >= n, timeout, f"{n} job checkpoints in the ddm_jobs bucket")
 
 
 async def reference_images(nc, reqs, tag):
