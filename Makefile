@@ -66,9 +66,13 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The whole suite; it ends with its 25 slowest tests (CI's budget for `.ci/run` is 45 minutes on 2 cores).
+# The whole suite, TEST_WORKERS test processes side by side (pytest-xdist; most tests wait on servers,
+# processes and timeouts, so more workers than cores pays: measured in the README's "Tests"). Tests that
+# share a module's fixture stay on one worker (--dist loadgroup, tests/conftest.py). It ends with the 25
+# slowest tests and the wall and CPU seconds per marker tier (tests/timing_report.py).
+TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # The quick tier, for after each edit: pure units and in-process tests. Leaves out the tests that need
 # a nats-server (bus), start processes (procs), drive Chromium (browser), train (train) or are slow;

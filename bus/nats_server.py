@@ -247,6 +247,8 @@ class NatsServer:
         env: dict[str, str] | None = None,
     ):
         self.host = host
+        # ports this object chose (not the caller) may be chosen again if another process takes them first
+        self._own_ports = port is None and config_file is None
         self.port = port or free_port(host)
         self.http_port = free_port(host)
         self.extra_config = extra_config
@@ -261,7 +263,23 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
+        """Start the server and wait until it accepts connections. When this object chose the ports, a server
+        that exits at once (another process bound a port between the choice and the start: tests running
+        side by side) is started again on fresh ports, up to 3 times."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                if not self._own_ports or attempt == 2:
+                    raise
+                log.warning("nats-server on %s exited at once; trying fresh ports", self.url)
+                self.port, self.http_port = free_port(self.host), free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> NatsServer:
         if self.config_file is None:
+            if self._tmp:
+                self._tmp.cleanup()
             self._tmp = tempfile.TemporaryDirectory(prefix="ddm-nats-")
             cfg = Path(self._tmp.name) / "nats.conf"
             cfg.write_text(
@@ -284,7 +302,8 @@ class NatsServer:
                 raise RuntimeError(f"nats-server exited with {code}; config {cfg}{hint}")
             try:
                 wait_for_port(self.host, self.port, min(0.5, max(deadline - time.monotonic(), 0.01)))
-                break
+                if self.proc.poll() is None:  # the port answers, and not (only) because another process has it
+                    break
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     self.stop()

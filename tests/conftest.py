@@ -1,8 +1,15 @@
-"""Shared fixtures. Tests that touch the bus use a real nats-server on a free port."""
+"""Shared fixtures. Tests that touch the bus use a real nats-server on a free port.
+
+The suite runs side by side on pytest-xdist workers (`make test`: `-n`, `--dist loadgroup`); what that needs
+is set up here: one intra-op thread per test process, one torch.compile cache for every process of every run,
+the tests that share a module's fixtures kept on one worker, and the long tests handed out first.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +19,21 @@ from bus.nats_server import NatsServer
 # of torch workers the tests start (and their subprocesses, which inherit it) do not each spend 20-40 s
 # compiling. The compiled path has its own tests (tests/workers/test_torch_compile.py) that ask for it.
 os.environ["DDM_FLEET_COMPILE"] = "off"
+
+# Side by side, the workers already fill the cores: an intra-op thread pool per process would only spin
+# against the others (OpenMP threads busy-wait). Children (workers, coordinators) inherit it; a test that
+# wants more threads sets them itself. Set before anything imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# One torch.compile (inductor) cache for the suite, in the venv: every test process and its children
+# share it, and a later run of the suite reuses it. The compiled experts' graphs are frozen with oneDNN
+# weights, which inductor's FX graph cache cannot hold (it bypasses them: "mkldnn tensors unpickleable");
+# what it keeps is the generated C++ and its builds, about two thirds of a cold compile's CPU.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(sys.prefix) / "cache" / "torchinductor"))
+
+# wall and CPU seconds per marker tier, printed at the end of a run (tests/timing_report.py)
+pytest_plugins = ["tests.timing_report"]
 
 # tests/xla/ needs torch_xla (.venv-xla): run by `make test-xla`, not collected by a plain `pytest`.
 collect_ignore = ["xla"]
@@ -23,11 +45,39 @@ collect_ignore = ["xla"]
 FIXTURE_MARKERS = {"nats_server": "bus", "browser": "browser"}
 
 
-def pytest_collection_modifyitems(items):
+#: markers of the tests handed out first when the suite runs side by side (the long ones: see below)
+FIRST = ("slow", "train")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
+def pytest_collection_modifyitems(config, items):
     for item in items:
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+        group = _shared_fixture_group(item)
+        if group and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if config.getoption("numprocesses", None) or hasattr(config, "workerinput"):
+        # Side by side, a long test started last is the run's tail: hand the long ones out first (a stable
+        # sort; every worker computes the same order, as pytest-xdist requires).
+        items.sort(key=lambda it: not any(it.get_closest_marker(m) for m in FIRST))
+
+
+def _shared_fixture_group(item) -> str | None:
+    """The xdist group of a test that uses a module- or class-scoped fixture: its module (its class). Such a
+    fixture (a fleet, a trained model, a cluster) is made once per process that runs the module's tests, so
+    they go to one worker, one after another, instead of each worker making its own. Session fixtures are
+    per worker whatever the grouping."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    scopes = {d.scope for defs in info.name2fixturedefs.values() for d in defs}
+    if "module" in scopes or "package" in scopes:
+        return item.nodeid.split("::")[0]
+    if "class" in scopes and item.cls is not None:
+        return item.nodeid.rsplit("::", 1)[0].split("[")[0]
+    return None
 
 
 @pytest.fixture(scope="session")

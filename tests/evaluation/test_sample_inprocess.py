@@ -6,6 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.workers.test_torch_compile import COMPILES
+
 
 @pytest.fixture(scope="module")
 def tiny_ddm(tmp_path_factory):
@@ -118,6 +120,7 @@ def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
 
 
 @pytest.mark.slow
+@COMPILES
 def test_compiled_experts_give_the_eager_images_within_rounding(tiny_ddm):
     """--compile on: the images a compiled worker would give, within float32 rounding of the eager ones.
     (Digits of expert 0 alone, routed by label in one job: one graph to compile, not one per expert and

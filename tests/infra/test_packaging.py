@@ -112,6 +112,7 @@ NOT_IMPORTED = {
     "pytest-asyncio": "pytest plugin (asyncio_mode in pyproject)",
     "pytest-aiohttp": "pytest plugin (aiohttp_client fixtures)",
     "pytest-timeout": "pytest plugin (timeout in pyproject, @pytest.mark.timeout)",
+    "pytest-xdist": "pytest plugin (`make test` runs the suite with -n and --dist loadgroup)",
     "ruff": "the linter `make lint` runs (Makefile), an executable",
 }
 

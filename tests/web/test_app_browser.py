@@ -15,34 +15,7 @@ from tests.waiting import wait_until
 from tests.web.fakes import FakeCoordinator
 from web.app import WebConfig, create_app
 
-CHROMIUM = os.environ.get("DDM_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "web.png"
-
-
-@pytest.fixture
-async def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(
-            f"Chromium not found at {CHROMIUM}: install it with `apt-get install -y chromium` "
-            "(or point DDM_CHROMIUM at a Chromium binary); browser tests do not skip"
-        )
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            await b.close()
 
 
 @pytest.fixture

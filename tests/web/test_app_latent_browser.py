@@ -13,7 +13,7 @@ import pytest
 
 from dataset.images import to_uint8
 from schemas import DoneEvent, FrameEvent, JobEvent, subjects, unpack
-from tests.web.test_app_browser import browser, open_page, web_server  # noqa: F401 (fixtures)
+from tests.web.test_app_browser import open_page, web_server  # noqa: F401 (fixtures)
 from tests.web.test_app_trajectories import _download
 
 C2E = [0] * 5 + [1] * 5

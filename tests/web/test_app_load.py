@@ -11,7 +11,7 @@ import time
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.web.test_app_browser import browser, open_page  # noqa: F401 (fixture)
+from tests.web.test_app_browser import open_page
 from web.app import WebConfig, create_app
 
 JOBS, IMAGES, STEPS = 64, 16, 40

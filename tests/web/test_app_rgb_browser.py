@@ -14,7 +14,7 @@ from PIL import Image
 from dataset.images import to_uint8
 from schemas import DoneEvent, JobEvent, subjects, unpack
 from schemas.spec import Conditioning, ModelSpec
-from tests.web.test_app_browser import browser, open_page, web_server  # noqa: F401 (fixtures)
+from tests.web.test_app_browser import open_page, web_server  # noqa: F401 (fixtures)
 from tests.web.test_app_trajectories import _download
 
 NAMES = ["red", "green", "blue", "grey"]

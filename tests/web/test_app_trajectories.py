@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.web.test_app_browser import DOCS_SCREENSHOT, browser, open_page, real_fleet, web_server  # noqa: F401 (fixtures)
+from tests.web.test_app_browser import DOCS_SCREENSHOT, open_page, real_fleet, web_server  # noqa: F401 (fixtures)
 
 SHOTS = Path(__file__).resolve().parents[2] / "out" / "screenshots"
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from schemas import UNCONDITIONAL
-from tests.web.test_app_browser import browser, open_page, real_fleet, web_server  # noqa: F401 (fixtures)
+from tests.web.test_app_browser import open_page, real_fleet, web_server  # noqa: F401 (fixtures)
 from tests.web.test_app_trajectories import _shot
 from web.protocol import BadInput, Generate, parse_client_message, parse_digits
 

@@ -11,6 +11,11 @@ import pytest
 
 from workers.backends.torch_compile import check_compile, choose_compile, find_compiler, resolve_compile
 
+#: the tests that compile, here and in tests/evaluation/test_sample_inprocess.py, run on one pytest-xdist worker
+#: one after another: the first builds the kernels, the rest find them in the suite's inductor cache
+#: (tests/conftest.py), about a third of the CPU of a cold compile
+COMPILES = pytest.mark.xdist_group("torch-compile")
+
 
 def _need_compiler() -> None:
     assert find_compiler() is not None, "no C++ compiler: `make test` installs g++ (the Makefile's cxx target)"
@@ -72,6 +77,7 @@ def _inputs(b: int, shape, num_classes: int, seed: int = 0):
 
 
 @pytest.mark.slow
+@COMPILES
 @pytest.mark.parametrize("arch", ["unet", "dit"])
 def test_compiled_forward_matches_eager_at_every_batch(tmp_path, arch):
     """float32: the compiled graph computes the same velocities as eager (fused kernels round differently,
@@ -103,6 +109,7 @@ def test_compiled_forward_matches_eager_at_every_batch(tmp_path, arch):
 
 
 @pytest.mark.slow
+@COMPILES
 async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, tiny_expert_checkpoint):
     """`ddm-fleet worker --compile on` behind NATS: advertises compiled, answers with the eager model's
     velocity (float32, within the fused kernels' rounding)."""
@@ -128,6 +135,7 @@ async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, tiny_expert_ch
 
 
 @pytest.mark.slow
+@COMPILES
 def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, monkeypatch):
     """An in-process fleet or a bench compiles several experts of one architecture: each gets its own graph
     (its frozen weights, never another's), and none is left to run eager when they outnumber dynamo's
