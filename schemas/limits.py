@@ -12,6 +12,9 @@ MAX_STEP_ROWS = 512
 #: Most further steps one expert step request may ask a worker to run ahead (`StepRequest.ahead_t`).
 MAX_RUN_AHEAD = 16
 
+#: Largest classifier-free guidance scale a job may ask for (`JobRequest.guidance_scale`; 1 = off).
+MAX_GUIDANCE_SCALE = 20.0
+
 #: Largest tensor rank accepted on the wire.
 MAX_TENSOR_NDIM = 8
 

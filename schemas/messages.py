@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ProtocolError, shown
-from .limits import MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_RUN_AHEAD, MAX_STEP_ROWS
+from .limits import MAX_GUIDANCE_SCALE, MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_RUN_AHEAD, MAX_STEP_ROWS
 from .spec import MAX_CLASSES, TIME_CONVENTION, ModelSpec  # noqa: F401 (TIME_CONVENTION: re-exported by schemas)
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
 from .version import PROTOCOL_VERSION
@@ -168,6 +168,11 @@ class StepRequest(Message):
     """Coordinator -> expert worker: one batched velocity evaluation.
 
     x_t: [B, C, H, W] float, finite.  t: [B] float in [0, 1].  y: [B] int class labels.
+    guidance: [B] float, finite, each in [0, MAX_GUIDANCE_SCALE], or None (left out of the wire map):
+    classifier-free guidance, row r's velocity is v(x, null) + s_r (v(x, y_r) - v(x, null))
+    (`flow.guidance`); rows with s_r = 1 or y_r = -1 are answered as without it. Only a model with a
+    null label serves a guided row (else `bad_request`); older workers refuse the key (`bad_request`),
+    so a coordinator sends it only to workers that advertise `guidance`.
     row_ids: B opaque ids echoed back.  deadline: unix time (s) after which the
     worker drops the request instead of computing it.  reply_dtype: the precision the velocity
     should travel back in ("float32" | "float16" | "bfloat16"; None = float32, and then the field
@@ -197,12 +202,13 @@ class StepRequest(Message):
     ahead_t: FiniteTensor | None = None
     ahead_dt: FiniteTensor | None = None
     input_dtype: WireFloat | None = None
+    guidance: FiniteTensor | None = None
 
     @model_serializer(mode="wrap")
     def _omit_default_reply_dtype(self, handler):  # not on the wire unless asked: older workers refuse unknown keys
         out = handler(self)
         if isinstance(out, dict):
-            for key in ("reply_dtype", *_AHEAD_FIELDS):
+            for key in ("reply_dtype", *_AHEAD_FIELDS, "guidance"):
                 if getattr(self, key) is None:
                     out.pop(key, None)
         return out
@@ -232,11 +238,24 @@ class StepRequest(Message):
             raise _err(ErrorCode.BAD_SHAPE, f"row_ids has {len(self.row_ids)} entries for a batch of {b}")
         if ((self.t < 0) | (self.t > 1)).any():
             raise _err(ErrorCode.BAD_REQUEST, "t must lie in [0, 1] (t=0 noise, t=1 data)")
+        if self.guidance is not None:
+            self._check_guidance(b)
         if self.ahead_t is not None or self.ahead_dt is not None:
             self._check_ahead(b)
         elif self.input_dtype is not None:
             raise _err(ErrorCode.BAD_REQUEST, "input_dtype is only for a request that runs ahead (ahead_t)")
         return self
+
+    def _check_guidance(self, b: int) -> None:
+        _need_float(self.guidance, "guidance")
+        if self.guidance.shape != (b,):
+            raise _err(ErrorCode.BAD_SHAPE, f"guidance must be [B] = [{b}], got {list(self.guidance.shape)}")
+        if ((self.guidance < 0) | (self.guidance > MAX_GUIDANCE_SCALE)).any():
+            raise _err(
+                ErrorCode.BAD_REQUEST,
+                f"guidance scales must lie in [0, {MAX_GUIDANCE_SCALE:g}] (1 = no guidance), got "
+                f"min {float(self.guidance.min()):g} max {float(self.guidance.max()):g}",
+            )
 
     def _check_ahead(self, b: int) -> None:
         if self.ahead_t is None or self.ahead_dt is None:
@@ -385,11 +404,27 @@ class JobRequest(Message):
     # (the decoded images); None = no previews
     preview_every: int | None = Field(default=None, ge=1, le=MAX_JOB_STEPS)
     return_latents: bool = False  # latent fleets only: `done` also carries `latents` (the final samples)
+    # classifier-free guidance scale s (`flow.guidance`): 1 = off; only with experts that have a null label
+    guidance_scale: float = 1.0
+
+    @field_validator("guidance_scale", mode="before")
+    @classmethod
+    def _check_guidance_scale(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (0.0 <= float(value) <= MAX_GUIDANCE_SCALE):  # NaN fails this too
+                raise _err(
+                    ErrorCode.BAD_REQUEST,
+                    f"guidance_scale must be a finite number in [0, {MAX_GUIDANCE_SCALE:g}] (1 = no guidance, "
+                    f"the usual range 1.5-7), got {value!r}",
+                )
+        return value
 
     @model_serializer(mode="wrap")
     def _omit_new_defaults(self, handler):  # not on the wire unless used: older coordinators refuse unknown keys
         out = handler(self)
         if isinstance(out, dict):
+            if self.guidance_scale == 1.0:
+                out.pop("guidance_scale", None)
             if not self.frame_x1:
                 out.pop("frame_x1", None)
             if not self.report_dtypes:
@@ -454,6 +489,12 @@ class JobRequest(Message):
         """Rows whose label is unknown (-1): the router alone picks their experts."""
         classes = self.classes
         return sum(1 for d in classes if d == UNCONDITIONAL) if classes is not None else 0
+
+    @property
+    def n_guided(self) -> int:
+        """Rows that classifier-free guidance doubles (each evaluated with its label and the null label):
+        the rows with a known label when `guidance_scale` is not 1, else 0."""
+        return 0 if self.guidance_scale == 1.0 else self.n_images - self.n_unconditional
 
 
 class _Labelled(Message):
@@ -727,11 +768,16 @@ class JobStatus(Message):
     #: the job's owner epoch as this coordinator holds it, only for a job that asked (`JobRequest.report_epoch`)
     #: and that this coordinator knows; else None and not on the wire
     epoch: Epoch | None = None
+    #: the job's classifier-free guidance scale (`JobRequest.guidance_scale`), only for a queued or running job
+    #: that asked for one other than 1 (a client that never sends one never sees it); else None, not on the wire
+    guidance_scale: float | None = Field(default=None, ge=0, le=MAX_GUIDANCE_SCALE)
 
     @model_serializer(mode="wrap")
     def _omit_absent_dtypes(self, handler):  # older clients refuse unknown keys
         out = handler(self)
         if isinstance(out, dict):
+            if self.guidance_scale is None:
+                out.pop("guidance_scale", None)
             if self.expert_dtypes is None:
                 out.pop("expert_dtypes", None)
             if self.epoch is None:

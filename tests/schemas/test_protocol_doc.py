@@ -88,6 +88,7 @@ def test_dtypes_and_limits_match_the_code():
     assert f"| rows in one `step_request` | {limits.MAX_STEP_ROWS} |" in DOC
     assert f"| tensor rank | {limits.MAX_TENSOR_NDIM} |" in DOC
     assert f"| {limits.MAX_JOB_IMAGES} |" in DOC and f"| steps in one job | {limits.MAX_JOB_STEPS} |" in DOC
+    assert f"| 0 to {limits.MAX_GUIDANCE_SCALE:g} | `bad_request` |" in DOC
     assert f"1-{limits.MAX_ID_LEN} characters" in DOC
     assert f"{messages.MAX_MESSAGE_LEN} characters" in DOC
     assert schemas.TIME_CONVENTION in DOC
