@@ -45,7 +45,14 @@ Service discovery: name `ddm-expert`; metadata has expert, backend, device, dtyp
 computes in: float32 or bfloat16; `precision` is its older name), buckets,
 max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
 worker_id, host, pid, checkpoint, subject, direct_subject, run_ahead (the most further steps one request
-may ask it to run ahead: `StepRequest.ahead_t`, answered with up to that many more replies).
+may ask it to run ahead: `StepRequest.ahead_t`, answered with up to that many more replies), guidance
+("true": it serves `StepRequest.guidance`, classifier-free guidance).
+
+Classifier-free guidance (`StepRequest.guidance`, a scale per row): each row with a scale other than 1
+and a known label rides in the same forward pass as a twin of itself with y = -1 (the null label), and
+the reply carries v(x, -1) + s (v(x, y) - v(x, -1)) (`flow.guidance`), cast to `reply_dtype` after; rows
+run ahead are guided the same way. The twins count against `max_request_rows` and `max_queue_rows`. A
+model without a null label refuses such a request (`bad_request`).
 STATS endpoint `data` holds `WorkerMetrics.snapshot()`.
 """
 
@@ -65,6 +72,7 @@ from typing import Any
 import numpy as np
 
 from bus.ratelimited_log import RateLimitedLog
+from flow.guidance import add_null_twins, fold_twins, guided_rows
 from flow.solver import euler_update
 from schemas import UNCONDITIONAL, ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
 from schemas.limits import MAX_RUN_AHEAD
@@ -291,6 +299,7 @@ class ExpertWorker:
             "subject": subjects.expert_velocity(self.expert),
             "direct_subject": self.direct_subject,
             "run_ahead": str(MAX_RUN_AHEAD),  # most further steps one request may ask for (StepRequest.ahead_t)
+            "guidance": "true",  # serves StepRequest.guidance (a model without a null label still refuses it)
         }
         if hasattr(be, "describe"):
             meta.update(be.describe())
@@ -463,8 +472,9 @@ class ExpertWorker:
                     f"worker holds {len(self._inflight)} requests (limit {self.max_inflight}); "
                     f"retry or send to another worker",
                 )
-            step, x, t, y = self._decode(req.data)
-            if self.max_queue_rows is not None and self._batcher.queued_rows + x.shape[0] > self.max_queue_rows:
+            step, x, t, y, twins = self._decode(req.data)
+            rows = x.shape[0] + len(twins)  # the rows this request puts through the model
+            if self.max_queue_rows is not None and self._batcher.queued_rows + rows > self.max_queue_rows:
                 raise ProtocolError(
                     ErrorCode.OVERLOADED,
                     f"worker queue is full ({self._batcher.queued_rows} rows waiting, limit "
@@ -472,7 +482,7 @@ class ExpertWorker:
                 )
             # a request that runs ahead carries x in float32; the model sees it as it would have travelled
             x_in = as_received(to_wire_dtype(x, step.input_dtype, name="x_t")) if step.input_dtype else x
-            fut = self._batcher.submit(x_in, t, y, deadline=step.deadline)
+            fut = self._batcher.submit(*add_null_twins(x_in, t, y, twins), deadline=step.deadline)
         except ProtocolError as err:
             await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
             return
@@ -483,8 +493,8 @@ class ExpertWorker:
             log.exception("unexpected error while decoding a request")
             await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}", _peek_request_id(req.data))
             return
-        self.metrics.request(x.shape[0])
-        task = asyncio.create_task(self._complete(req, step, fut, received, x, y))
+        self.metrics.request(rows)
+        task = asyncio.create_task(self._complete(req, step, fut, received, x, y, twins))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -499,8 +509,9 @@ class ExpertWorker:
             self.dropped_requests,
         )
 
-    def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray]:
-        """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B]); ProtocolError if bad.
+    def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B], twins int64 [G]: the rows
+        guidance doubles, `_twins`); ProtocolError if bad.
 
         float32 x_t / t are read-only views over the received bytes (no copy; the batcher and
         backends only read them); float16 x_t is widened to float32 here (one pass)."""
@@ -517,14 +528,19 @@ class ExpertWorker:
                 ErrorCode.BAD_SHAPE,
                 f"x_t rows must be [C, H, W] = {list(want)} for this model, got {list(step.x_t.shape[1:])}",
             )
-        if b > self.max_request_rows:
+        twins = self._twins(step, step.y)
+        if b + len(twins) > self.max_request_rows:
+            doubled = f" ({b} and {len(twins)} null-label twins of its guided rows)" if len(twins) else ""
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"request has {b} rows; this worker accepts at most {self.max_request_rows} per request",
+                f"request has {b + len(twins)} rows{doubled}; this worker accepts at most {self.max_request_rows} "
+                "per request",
             )
         classes = getattr(self.backend, "num_classes", None)
         if classes is not None and b:
             self._check_labels(step.y, classes)
+        if len(twins):
+            self._check_guidance()
         if step.deadline is not None and time.time() > step.deadline:
             raise ProtocolError(
                 ErrorCode.DEADLINE_EXCEEDED,
@@ -533,7 +549,28 @@ class ExpertWorker:
         x = widen_float32(step.x_t)
         t = np.asarray(step.t, dtype=np.float32)
         y = np.asarray(step.y, dtype=np.int64)
-        return step, x, t, y
+        return step, x, t, y, twins
+
+    @staticmethod
+    def _twins(step: StepRequest, y: np.ndarray) -> np.ndarray:
+        """[G] the rows of the request that classifier-free guidance doubles (`flow.guidance.guided_rows`):
+        a scale other than 1 and a known label; none without `guidance`."""
+        if step.guidance is None:
+            return np.zeros(0, np.int64)
+        return guided_rows(y, step.guidance)
+
+    def _check_guidance(self) -> None:
+        """A request with guided rows needs the null label (each row's twin is evaluated at y = -1);
+        ProtocolError(bad_request) saying so when the model has none."""
+        if not getattr(self.backend, "null_label", False):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                (
+                    f"classifier-free guidance (a guidance scale other than 1) needs an expert trained with a null "
+                    f"label (train-expert --label-dropout > 0); expert {self.expert}'s model on this worker has none: "
+                    "send the job with guidance_scale 1, or serve a checkpoint that has a null label"
+                ),
+            )
 
     def _check_labels(self, y: np.ndarray, classes: int) -> None:
         """y [B] int: each label in [0, classes), or -1 (label unknown) when the model has a null
@@ -554,8 +591,17 @@ class ExpertWorker:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"class labels y must lie in {allowed}, got min {lo} max {hi}")
 
     async def _complete(
-        self, req, step: StepRequest, fut: asyncio.Future, received: float, x: np.ndarray, y: np.ndarray
+        self,
+        req,
+        step: StepRequest,
+        fut: asyncio.Future,
+        received: float,
+        x: np.ndarray,
+        y: np.ndarray,
+        twins: np.ndarray,
     ) -> None:
+        """Answer the request once its forward pass is done: x [B, C, H, W], y [B] as received, `twins` [G]
+        the rows whose null twins follow them in the pass (guided: combined here, before the cast)."""
         try:
             result = await fut
         except DeadlineExceeded as err:
@@ -578,8 +624,9 @@ class ExpertWorker:
                         f"overflow); a sample x_t stays within a few units of 0",
                     )
                 raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
-            # float32, or the precision the request asked for (float16 overflow: `non_finite`, saying so)
-            velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
+            # guided rows combined in float32, then float32 or the precision the request asked for (float16
+            # overflow: `non_finite`, saying so)
+            velocity = to_wire_dtype(self._guided(result.velocity, step, twins), step.reply_dtype, name="velocity")
             data = self._step_reply(step, velocity, result)
         except ProtocolError as err:
             await self._reply_error(
@@ -592,7 +639,19 @@ class ExpertWorker:
         if await self._send(req, data):
             self.metrics.reply(time.perf_counter() - received)
             if step.ahead:
-                await self._run_ahead(req, step, x, y, velocity)
+                await self._run_ahead(req, step, x, y, velocity, twins)
+
+    @staticmethod
+    def _guided(v: np.ndarray, step: StepRequest, twins: np.ndarray) -> np.ndarray:
+        """The forward's velocities [B + G, C, H, W] -> the request's [B, C, H, W]: guided rows combined with
+        their twins (`flow.guidance.fold_twins`), every other row as the model gave it. NaN/Inf (an overflow
+        of the combination) is refused as the model's would be."""
+        if not len(twins):
+            return v
+        out = fold_twins(v, twins, step.guidance)
+        if not np.isfinite(out).all():
+            raise ProtocolError(ErrorCode.INTERNAL, "the guided velocity overflowed (NaN/Inf) for this request")
+        return out
 
     def _step_reply(self, step: StepRequest, velocity: np.ndarray, result, ahead_index: int = 0) -> bytes:
         """The packed StepReply of `velocity` (already in the wire dtype) computed in `result`'s pass."""
@@ -610,11 +669,14 @@ class ExpertWorker:
             )
         )
 
-    async def _run_ahead(self, req, step: StepRequest, x: np.ndarray, y: np.ndarray, velocity: np.ndarray) -> None:
+    async def _run_ahead(
+        self, req, step: StepRequest, x: np.ndarray, y: np.ndarray, velocity: np.ndarray, twins: np.ndarray
+    ) -> None:
         """The request's further steps (`StepRequest.ahead_t`): x' = x + dt * v with v as the coordinator
-        received it, the model at x' as it would have travelled; each velocity answered on the request's
-        reply subject as soon as it is computed. A failure is answered there as an ErrorReply and ends
-        the run (so does a reply that cannot be sent: nobody would read the rest)."""
+        received it (guided, for a guided request), the model at x' as it would have travelled (with the
+        null twins of the `twins` rows, combined as in the first reply); each velocity answered on the
+        request's reply subject as soon as it is computed. A failure is answered there as an ErrorReply and
+        ends the run (so does a reply that cannot be sent: nobody would read the rest)."""
         assert step.ahead_t is not None and step.ahead_dt is not None
         n = x.shape[0]
         for a in range(step.ahead):
@@ -624,11 +686,13 @@ class ExpertWorker:
                     raise ProtocolError(ErrorCode.NON_FINITE, f"x diverged (NaN/Inf) at step {a + 1} ahead")
                 x_in = as_received(to_wire_dtype(x, step.input_dtype, name="x_t"))
                 t = np.ascontiguousarray(step.ahead_t[a], dtype=np.float32)
-                self.metrics.request(n)
-                result = await self._batcher.submit(x_in, t, y, deadline=step.deadline, solo=True)
+                self.metrics.request(n + len(twins))
+                result = await self._batcher.submit(
+                    *add_null_twins(x_in, t, y, twins), deadline=step.deadline, solo=True
+                )
                 if not np.isfinite(result.velocity).all():
                     raise ProtocolError(ErrorCode.INTERNAL, "the model produced NaN/Inf velocities for this request")
-                velocity = to_wire_dtype(result.velocity, step.reply_dtype, name="velocity")
+                velocity = to_wire_dtype(self._guided(result.velocity, step, twins), step.reply_dtype, name="velocity")
                 if not await self._send(req, self._step_reply(step, velocity, result, ahead_index=a + 1)):
                     return
             except asyncio.CancelledError:
