@@ -26,7 +26,8 @@ from .rows import RowGroup
 
 
 class Batch:
-    """The rows of one tick. x: [R, C, H, W] float32, t: [R] float32, y: [R] int64."""
+    """The rows of one tick. x: [R, C, H, W] float32, t: [R] float32, y: [R] int64, guidance: [R] float32
+    (each row's job's classifier-free guidance scale, 1 = off; the engine sends it with the rows)."""
 
     def __init__(self, groups: list[RowGroup], num_experts: int, unavailable: frozenset[int] | set[int] = frozenset()):
         if not groups:
@@ -45,6 +46,7 @@ class Batch:
         self._strategies = sorted(set(strategies_))  # the strategies present
         self.strategy = np.repeat(np.array(strategies_), sizes)  # [R] str
         self.top_k = np.repeat(np.array([g.top_k for g in groups], np.int64), sizes)  # [R]
+        self.guidance = np.repeat(np.array([g.guidance for g in groups], np.float32), sizes)  # [R]
         self.owner = np.concatenate([g.oracle_expert for g in groups])  # [R]
         self._draws: np.ndarray | None = None  # [R] routing uniforms, built on first use (`draws`)
         self.available = np.ones(num_experts, bool)

@@ -29,7 +29,9 @@ through its methods (`job_progress`, `active_jobs`, `queued_jobs`, `stats`); the
 `metrics` (a `CoordinatorMetrics`: expert call times and errors, rejections) and names the
 events subject of an accepted job (the scheduler knows no subjects).
 
-`transport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids) -> v [n, C, H, W]` raises
+`transport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids) -> v [n, C, H, W]` (with
+`guidance=` [n] float32, each row's classifier-free guidance scale, only when some row is guided:
+`flow.guidance.guided_rows`; a transport without it then fails the call, never guides silently) raises
 `ExpertUnavailable` when no worker of that expert can answer (`BadExpertReply` when they answer
 garbage); the NATS transport lives in `coordinator.transport`, an in-process one (direct backend
 calls) in `coordinator.local_fleet`. Every velocity is checked here too (shape, float, finite):
@@ -61,6 +63,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from bus.cancel import cancel_and_wait
+from flow.guidance import guided_rows
 from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
@@ -149,8 +152,21 @@ class BadExpertReply(ExpertUnavailable):
 
 class Transport(Protocol):
     async def velocity(
-        self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids: list[str]
+        self,
+        expert: int,
+        x: np.ndarray,
+        t: np.ndarray,
+        y: np.ndarray,
+        row_ids: list[str],
+        guidance: np.ndarray | None = None,
     ) -> np.ndarray: ...
+
+
+def _guidance_of(batch: Batch, idx: np.ndarray) -> dict:
+    """{"guidance": [n] float32} for a call on rows idx of which some are guided (scale != 1, label known:
+    `flow.guidance.guided_rows`), else {} (the call goes as it always did, to any transport)."""
+    scale = batch.guidance[idx]
+    return {"guidance": scale} if len(guided_rows(batch.y[idx], scale)) else {}
 
 
 class RouterLike(Protocol):
@@ -592,11 +608,12 @@ class Engine:
         started = time.perf_counter()
         answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
+        guided = _guidance_of(batch, idx)
         try:
             if plan is None:
-                v, stream = await self.transport.velocity(k, x, t, y, row_ids), None
+                v, stream = await self.transport.velocity(k, x, t, y, row_ids, **guided), None
             else:
-                v, stream = await self.transport.velocity_ahead(k, x, t, y, row_ids, plan.t, plan.dt)
+                v, stream = await self.transport.velocity_ahead(k, x, t, y, row_ids, plan.t, plan.dt, **guided)
             if answered is not None:
                 batch.note_workers(k, ANSWERED_BY.get() or ())
         finally:

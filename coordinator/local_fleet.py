@@ -88,24 +88,43 @@ class InProcessTransport:
     `buckets`: the batch sizes the backends were warmed at. A backend that needs fixed shapes
     (`pads_to_buckets`: XLA, jax, CUDA) then gets its rows padded up to the smallest bucket that
     holds them, and split at the largest, as a worker's batcher does; without it jax.jit would
-    compile a new program for every batch size the scheduler makes."""
+    compile a new program for every batch size the scheduler makes. Classifier-free guidance
+    (`guidance=`, a scale per row) is computed as a worker does: the guided rows' null twins in the same
+    forward, combined by `flow.guidance`; a backend without a null label refuses it (`ExpertUnavailable`)."""
 
     def __init__(self, backends: Sequence[Any], buckets: Sequence[int] = ()):
         self.backends = list(backends)
         self.buckets = tuple(sorted(int(b) for b in buckets))
         self._locks = [asyncio.Lock() for _ in self.backends]
 
-    async def velocity(self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids) -> np.ndarray:
+    async def velocity(
+        self,
+        expert: int,
+        x: np.ndarray,
+        t: np.ndarray,
+        y: np.ndarray,
+        row_ids,
+        guidance: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """v [n, C, H, W] float32 of rows x [n, C, H, W] at t [n], labels y [n]; guidance [n] float32 scales."""
+        from flow.guidance import add_null_twins, fold_twins, guided_rows
+
         from .engine import ExpertUnavailable
 
         if not 0 <= expert < len(self.backends):
             raise ExpertUnavailable(expert, "not loaded in this process")
         backend = self.backends[expert]
         x, t, y = np.ascontiguousarray(x, np.float32), t.astype(np.float32), y.astype(np.int64)
+        twins = guided_rows(y, guidance) if guidance is not None else np.zeros(0, np.int64)
+        if len(twins) and not getattr(backend, "null_label", False):
+            raise ExpertUnavailable(expert, "classifier-free guidance needs a null label; this expert's model has none")
+        x, t, y = add_null_twins(x, t, y, twins)
         async with self._locks[expert]:  # a backend runs one forward at a time
             if not self.buckets or not getattr(backend, "pads_to_buckets", False):
-                return await asyncio.to_thread(backend.forward, x, t, y)
-            return await asyncio.to_thread(self._padded_forward, backend, x, t, y)
+                v = await asyncio.to_thread(backend.forward, x, t, y)
+            else:
+                v = await asyncio.to_thread(self._padded_forward, backend, x, t, y)
+        return fold_twins(v, twins, guidance) if len(twins) else v
 
     def _padded_forward(self, backend, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         from workers.batcher import bucket_for, pad_rows

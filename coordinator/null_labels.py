@@ -1,8 +1,14 @@
-"""Null-label probes: may a job with label-unknown rows (digit -1) run on this fleet?
+"""Null-label probes: may a job with label-unknown rows (digit -1), or a guided one, run on this fleet?
 
 A worker whose expert has no null label refuses a whole step request that carries y = -1, which
 would fail the step for every job sharing that request, so such rows must not reach it. Each expert
 is probed with a one-row y = -1 step (`probe_step`) at most once per NULL_LABEL_TTL_S seconds.
+
+Classifier-free guidance (`JobRequest.guidance_scale` other than 1) evaluates every labelled row with
+the null label too, so a guided job needs the same: every expert with a null label. It also needs
+workers that serve `StepRequest.guidance` (older ones refuse the key): the transport learns which do
+from their service metadata (`NatsTransport.experts_without_guidance`), and such a job is refused
+(`bad_request`) while one does not, never run unguided.
 """
 
 from __future__ import annotations
@@ -48,17 +54,28 @@ class NullLabelProbes:
 
     `known[k]`: (True | False | None (unknown), the worker's refusal message, monotonic expiry)."""
 
-    def __init__(self, nc: Any, num_experts: int, image_shape: tuple[int, int, int], step_timeout: float):
+    def __init__(
+        self,
+        nc: Any,
+        num_experts: int,
+        image_shape: tuple[int, int, int],
+        step_timeout: float,
+        transport: Any = None,
+    ):
+        """`transport`: what tells which experts' workers serve guidance (`experts_without_guidance`); None
+        (or a transport that cannot tell, like the in-process one): not checked."""
         self.nc, self.num_experts, self.image_shape = nc, num_experts, image_shape
+        self.transport = transport
         self.timeout = min(step_timeout, NULL_LABEL_PROBE_S)
         self.known: dict[int, tuple[bool | None, str, float]] = {}
 
     async def check(self, request: JobRequest) -> None:
-        """Admission of a job with unconditional rows: raise Rejected(bad_request) when some expert's
-        workers have no null label. Experts are probed concurrently; one that does not answer, or
-        answers anything but a step or `bad_request`, is not held against the job (its rows go to the
-        others as usual), and is asked again only after NULL_LABEL_UNKNOWN_TTL_S."""
-        if not request.n_unconditional or self.nc is None:
+        """Admission of a job with unconditional rows or classifier-free guidance: raise
+        Rejected(bad_request) when some expert's workers have no null label, or (guided) do not serve
+        guidance. Experts are probed concurrently; one that does not answer, or answers anything but a
+        step or `bad_request`, is not held against the job (its rows go to the others as usual), and is
+        asked again only after NULL_LABEL_UNKNOWN_TTL_S."""
+        if not (request.n_unconditional or request.n_guided) or self.nc is None:
             return
         now = time.monotonic()
         stale = [k for k in range(self.num_experts) if k not in self.known or self.known[k][2] <= now]
@@ -70,6 +87,17 @@ class NullLabelProbes:
                 else:
                     self.known[k] = (got[0], got[1], time.monotonic() + NULL_LABEL_TTL_S)
         lacking = sorted(k for k, (has, _, _) in self.known.items() if has is False)
+        if lacking and not request.n_unconditional:  # a guided job with every label known
+            raise Rejected(
+                ErrorCode.BAD_REQUEST,
+                (
+                    f"guidance_scale {request.guidance_scale:g} (classifier-free guidance) evaluates each image "
+                    f"with the null label too, but expert{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} "
+                    f"of this fleet {'have' if len(lacking) > 1 else 'has'} no null label (its worker said: "
+                    f"{self.known[lacking[0]][1]}): send guidance_scale 1, or serve experts trained with "
+                    "train-expert --label-dropout > 0"
+                ),
+            )
         if lacking:
             raise Rejected(
                 ErrorCode.BAD_REQUEST,
@@ -79,6 +107,25 @@ class NullLabelProbes:
                     f"{'have' if len(lacking) > 1 else 'has'} no null label (its worker said: "
                     f"{self.known[lacking[0]][1]}): ask for digits 0-9, or serve experts trained with "
                     "train-expert --label-dropout > 0"
+                ),
+            )
+        if request.n_guided:
+            await self._check_guidance(request)
+
+    async def _check_guidance(self, request: JobRequest) -> None:
+        """Rejected(bad_request) when a discovered worker of some expert does not serve guidance."""
+        ask = getattr(self.transport, "experts_without_guidance", None)
+        if ask is None:
+            return
+        lacking = await ask()
+        if lacking:
+            raise Rejected(
+                ErrorCode.BAD_REQUEST,
+                (
+                    f"guidance_scale {request.guidance_scale:g} (classifier-free guidance) needs expert workers that "
+                    f"serve it, but a worker of expert{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} does "
+                    "not say so in its service metadata (an older ddm-fleet): upgrade the workers, or send "
+                    "guidance_scale 1"
                 ),
             )
 

@@ -81,6 +81,9 @@ class RowGroup:
     route_w: np.ndarray | None = None  # [N, K] float64 router weights last computed for these rows
     routed_at: int = -1  # `evals` when route_w was computed
     seed: int = 0  # the job's seed: drawn strategies (`strategies.DRAWN`) draw from (seed, row, evals)
+    #: the job's classifier-free guidance scale (`JobRequest.guidance_scale`; 1 = off): each expert guides its
+    #: velocity of these rows with the null label's (`flow.guidance`)
+    guidance: float = 1.0
     #: per expert, the ids of the workers that computed its rows (only for a job that asked for
     #: `report_dtypes`; None otherwise, and not kept across a durable take-over)
     answered: list[set[str]] | None = None

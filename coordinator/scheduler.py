@@ -98,14 +98,31 @@ def experts_per_row(request: JobRequest, num_experts: int) -> int:
 
 
 def job_cost(request: JobRequest, num_experts: int) -> int:
-    """Row-evaluations a job costs the fleet: images x steps x evaluations per step (heun 2)
-    x experts evaluated per row (`experts_per_row`)."""
+    """Row-evaluations a job costs the fleet: images (guided ones twice: with their label and the null
+    label, `JobRequest.n_guided`) x steps x evaluations per step (heun 2) x experts evaluated per row
+    (`experts_per_row`)."""
     return (
-        request.n_images
+        (request.n_images + request.n_guided)
         * int(request.steps)
         * EVALS_PER_STEP.get(request.solver, 1)
         * experts_per_row(request, num_experts)
     )
+
+
+def _guided_note(request: JobRequest) -> str:
+    """The words a cost message adds for the null-label twins of a guided job's rows; "" for other jobs."""
+    return (
+        f" + {request.n_guided} null-label twins (guidance_scale {request.guidance_scale:g})"
+        if request.n_guided
+        else ""
+    )
+
+
+def _with_guidance(progress: dict, request: JobRequest) -> dict:
+    """`progress` (a job_progress dict) with the job's `guidance_scale` when it asked for one other than 1."""
+    if request.guidance_scale != 1.0:
+        progress["guidance_scale"] = float(request.guidance_scale)
+    return progress
 
 
 @dataclass
@@ -331,13 +348,13 @@ class Scheduler:
             out = dict(state="running", step=int(job.step), steps=int(job.request.steps), queue_position=0)
             if job.request.report_dtypes:
                 out["expert_dtypes"] = self.expert_dtypes(job.group)
-            return out
+            return _with_guidance(out, job.request)
         for i, job in enumerate(self._queue):
             if job.job_id == job_id:
                 out = dict(state="queued", step=0, steps=int(job.request.steps), queue_position=i + 1)
                 if job.request.report_dtypes:
                     out["expert_dtypes"] = [""] * self.config.num_experts
-                return out
+                return _with_guidance(out, job.request)
         return None
 
     def expert_dtypes(self, group: RowGroup | None) -> list[str] | None:
@@ -399,7 +416,7 @@ class Scheduler:
                 raise Rejected(
                     ErrorCode.TOO_LARGE,
                     (
-                        f"job cost {cost} row-evaluations ({n} images x {request.steps} steps x "
+                        f"job cost {cost} row-evaluations ({n} images{_guided_note(request)} x {request.steps} steps x "
                         f"{EVALS_PER_STEP.get(request.solver, 1)} evaluations per step ({request.solver}) x "
                         f"{experts_per_row(request, cfg.num_experts)} experts per row ({request.strategy})) is over "
                         f"the limit of {cfg.max_job_cost} per job; ask for fewer images or steps"
@@ -681,6 +698,7 @@ class Scheduler:
                 route_w=None if cp.route_w is None else np.array(cp.route_w, np.float64),
                 routed_at=int(cp.routed_at),
                 seed=int(cp.seed),
+                guidance=float(req.guidance_scale),  # the request is in the checkpoint: a take-over keeps it
             )
             group.usage = np.array(cp.usage, np.int64)
         starts_now = self._starts_now(client, n)
@@ -822,6 +840,7 @@ class Scheduler:
                 top_k=req.top_k,
                 num_experts=cfg.num_experts,
                 oracle_expert=np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in job.digits], np.int64),
+                guidance=float(req.guidance_scale),
             )
         if req.report_dtypes and job.group.answered is None:
             job.group.answered = [set() for _ in range(cfg.num_experts)]

@@ -219,6 +219,7 @@ class Coordinator:
                 dispatch=cfg.dispatch,
                 max_rows=cfg.request_rows,
             )
+        self.null_labels.transport = self.transport  # which workers serve guidance (a guided job's admission)
         try:
             if cfg.durable:
                 self.store = await JobStore(

@@ -57,6 +57,13 @@ An x_t that does not fit float16 is sent as float32; a worker's `non_finite` ans
 reduced-precision request (its velocity overflowed float16) is retried once in float32
 (`wire_fallbacks`), so the overflow costs a round trip, never a NaN in a sample.
 
+Classifier-free guidance (`guidance=`, each row's scale, given by the engine only when some row is
+guided): a request carries it as `StepRequest.guidance` only when one of its rows has a scale other
+than 1, and holds half the rows it would otherwise (the worker evaluates each guided row twice, and
+counts both against its request limit). Workers say whether they serve it (`guidance` in their service
+metadata, learned at discovery: `guidance_of`); the coordinator refuses a guided job while a discovered
+worker does not (`experts_without_guidance`), since an older worker refuses the field.
+
 Hedged requests (`hedge="auto"`, see `HedgePolicy`): when a try has no reply after the expert's
 hedge delay (1.5 x the p99 of its recent call latencies, `HEDGE_FLOOR_S` at least, `HEDGE_START_S`
 before `HEDGE_MIN_SAMPLES` calls; or a fixed `hedge_after_s`), the same request bytes (same
@@ -391,19 +398,40 @@ class NatsTransport:
         #: expert -> the most steps every one of its workers runs ahead (service metadata `run_ahead`, learned
         #: at each discovery; an expert with a worker that does not say is absent: its requests never run ahead)
         self.run_ahead_of: dict[int, int] = {}
+        #: expert -> whether every worker of it that discovery found serves classifier-free guidance (service
+        #: metadata `guidance` "true"); learned with `run_ahead_of`, absent for an expert none was found of
+        self.guidance_of: dict[int, bool] = {}
         self._mux_lock = asyncio.Lock()
         self._stray_logged_at = float("-inf")
 
     async def velocity(
-        self, expert: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, row_ids: list[str]
+        self,
+        expert: int,
+        x: np.ndarray,
+        t: np.ndarray,
+        y: np.ndarray,
+        row_ids: list[str],
+        guidance: np.ndarray | None = None,
     ) -> np.ndarray:
+        """Expert's velocity [n, C, H, W] float32 of rows x [n, C, H, W] at t [n] with labels y [n]; `guidance`
+        [n] float32: each row's classifier-free guidance scale (None: none), see the module docstring."""
         n = len(x)
-        per = self.rows_per_request(x)
+        per = self._rows_per(x, guidance)
         if n <= per:
-            return (await self._request(expert, x, t, y, row_ids))[0]
+            return (await self._request(expert, x, t, y, row_ids, guidance=guidance))[0]
         parts = [slice(i, i + per) for i in range(0, n, per)]
-        outs = await asyncio.gather(*(self._request(expert, x[s], t[s], y[s], row_ids[s]) for s in parts))
+        outs = await asyncio.gather(
+            *(
+                self._request(expert, x[s], t[s], y[s], row_ids[s], guidance=None if guidance is None else guidance[s])
+                for s in parts
+            )
+        )
         return np.concatenate([v for v, _ in outs], axis=0)
+
+    def _rows_per(self, x: np.ndarray, guidance: np.ndarray | None) -> int:
+        """Rows per request: `rows_per_request`, halved when some row is guided (the worker computes it twice)."""
+        per = self.rows_per_request(x)
+        return max(1, per // 2) if _guided(guidance) else per
 
     async def velocity_ahead(
         self,
@@ -414,20 +442,22 @@ class NatsTransport:
         row_ids: list[str],
         ahead_t: np.ndarray,
         ahead_dt: np.ndarray,
+        guidance: np.ndarray | None = None,
     ) -> tuple[np.ndarray, AheadStream | None]:
         """`velocity`, in one request that also runs up to A = len(ahead_t) steps ahead (coordinator/run_ahead.py):
         (velocity float32 [n, C, H, W], the stream of the further velocities; its `steps` may be fewer than A:
-        as many as every worker of the expert takes). The stream is None, and the request an ordinary one,
+        as many as every worker of the expert takes; guided steps, for guided rows). The stream is None, and
+        the request an ordinary one,
         when the rows need several requests, a discovered worker of the expert does not advertise running
         ahead (an older or another implementation; none discovered yet), or its stream stalled lately."""
         most = min(len(ahead_t), self.run_ahead_of.get(expert, 0))
         if (
             most < 1
-            or len(x) > self.rows_per_request(x)
+            or len(x) > self._rows_per(x, guidance)
             or time.monotonic() < self.no_ahead_until.get(expert, float("-inf"))
         ):
-            return await self.velocity(expert, x, t, y, row_ids), None
-        return await self._request(expert, x, t, y, row_ids, ahead=(ahead_t[:most], ahead_dt[:most]))
+            return await self.velocity(expert, x, t, y, row_ids, guidance), None
+        return await self._request(expert, x, t, y, row_ids, ahead=(ahead_t[:most], ahead_dt[:most]), guidance=guidance)
 
     def _open_stream(self, expert: int, steps: int, shape, row_ids) -> AheadStream:
         """The stream of a request that runs ahead: the replies after the first one on each leg's reply
@@ -576,23 +606,32 @@ class NatsTransport:
             return x32, None
 
     async def _request(
-        self, expert: int, x, t, y, row_ids, ahead: tuple[np.ndarray, np.ndarray] | None = None
+        self,
+        expert: int,
+        x,
+        t,
+        y,
+        row_ids,
+        ahead: tuple[np.ndarray, np.ndarray] | None = None,
+        guidance: np.ndarray | None = None,
     ) -> tuple[np.ndarray, AheadStream | None]:
         """(velocity, None), or with `ahead` = (ahead_t [A, n], ahead_dt [A, n]) (velocity, its run-ahead
-        stream): the request tried as the module docstring says."""
+        stream): the request tried as the module docstring says. `guidance` [n]: rows' guidance scales."""
         opened: list[AheadStream] = []
         try:
-            return await self._tries(expert, x, t, y, row_ids, ahead, opened)
+            return await self._tries(expert, x, t, y, row_ids, ahead, opened, guidance)
         except BaseException:
             for stream in opened:
                 stream.close()
             raise
 
     async def _tries(
-        self, expert: int, x, t, y, row_ids, ahead, opened: list[AheadStream]
+        self, expert: int, x, t, y, row_ids, ahead, opened: list[AheadStream], guidance: np.ndarray | None = None
     ) -> tuple[np.ndarray, AheadStream | None]:
         import nats.errors
 
+        # classifier-free guidance travels only when a row of this request is guided (older workers refuse the key)
+        guided = {"guidance": np.ascontiguousarray(guidance, np.float32)} if _guided(guidance) else {}
         subject = subjects.expert_velocity(expert)
         x32 = np.ascontiguousarray(x, np.float32)
         t32, y64 = t.astype(np.float32), y.astype(np.int64)
@@ -626,7 +665,13 @@ class NatsTransport:
                     deadline=time.time() + self.step_timeout * (1 + steps),
                 )
             req = StepRequest(
-                expert=expert, t=t32, y=y64, row_ids=list(row_ids), request_id=f"s{next(self._ids)}", **fields
+                expert=expert,
+                t=t32,
+                y=y64,
+                row_ids=list(row_ids),
+                request_id=f"s{next(self._ids)}",
+                **guided,
+                **fields,
             )
             try:
                 began = time.monotonic()
@@ -896,6 +941,7 @@ class NatsTransport:
             return self.worker_dtypes
         found: dict[str, str] = {}
         ahead: dict[int, int] = {}
+        guides: dict[int, bool] = {}
         infos = []
         for raw in replies:
             try:
@@ -910,11 +956,21 @@ class NatsTransport:
                 expert, steps = _small_int(md.get("expert")), _small_int(md.get("run_ahead"))
                 if expert is not None:
                     ahead[expert] = min(ahead.get(expert, MAX_RUN_AHEAD), steps or 0)
+                    guides[expert] = guides.get(expert, True) and md.get("guidance") == "true"
         self.worker_dtypes = found
         self.run_ahead_of = {k: n for k, n in ahead.items() if n > 0}
+        self.guidance_of = guides
         if self.fleet_spec is not None:
             self._check_worker_specs(infos)
         return found
+
+    async def experts_without_guidance(self, max_age_s: float = DTYPE_REFRESH_S) -> list[int]:
+        """The experts with a discovered worker that does not serve classifier-free guidance (no `guidance`
+        in its service metadata: it would refuse `StepRequest.guidance`), after a discovery when the last one
+        is older than `max_age_s` seconds. Experts no worker was found of are not listed."""
+        if time.monotonic() - self._dtype_refreshed_at >= max_age_s:
+            await self.refresh_worker_dtypes()
+        return sorted(k for k, ok in self.guidance_of.items() if not ok)
 
     async def refresh_workers(self, window_s: float = 0.3) -> dict:
         """Discover the expert workers now (`refresh_worker_dtypes`: dtypes, and every worker's spec checked
@@ -1041,6 +1097,11 @@ class _ErrorReply(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _guided(guidance: np.ndarray | None) -> bool:
+    """Does some row carry a classifier-free guidance scale other than 1?"""
+    return guidance is not None and bool((np.asarray(guidance) != 1).any())
 
 
 def _small_int(value) -> int | None:
