@@ -401,6 +401,7 @@ class NatsTransport:
         #: expert -> whether every worker of it that discovery found serves classifier-free guidance (service
         #: metadata `guidance` "true"); learned with `run_ahead_of`, absent for an expert none was found of
         self.guidance_of: dict[int, bool] = {}
+        self._discovered_at = float("-inf")  # monotonic time the last discovery that got answers ended
         self._mux_lock = asyncio.Lock()
         self._stray_logged_at = float("-inf")
 
@@ -960,15 +961,17 @@ class NatsTransport:
         self.worker_dtypes = found
         self.run_ahead_of = {k: n for k, n in ahead.items() if n > 0}
         self.guidance_of = guides
+        self._discovered_at = time.monotonic()
         if self.fleet_spec is not None:
             self._check_worker_specs(infos)
         return found
 
     async def experts_without_guidance(self, max_age_s: float = DTYPE_REFRESH_S) -> list[int]:
         """The experts with a discovered worker that does not serve classifier-free guidance (no `guidance`
-        in its service metadata: it would refuse `StepRequest.guidance`), after a discovery when the last one
-        is older than `max_age_s` seconds. Experts no worker was found of are not listed."""
-        if time.monotonic() - self._dtype_refreshed_at >= max_age_s:
+        in its service metadata: it would refuse `StepRequest.guidance`), after a discovery of its own when the
+        last one to finish is older than `max_age_s` seconds (one still gathering answers does not count).
+        Experts no worker was found of are not listed."""
+        if time.monotonic() - self._discovered_at >= max_age_s:
             await self.refresh_worker_dtypes()
         return sorted(k for k, ok in self.guidance_of.items() if not ok)
 

@@ -8,7 +8,10 @@ image: the same requested digits (`requested_digits`), jobs of --images-per-job 
 seeded `seed + j`, row i of a job starting from `coordinator.rows.initial_noise(seed, i)`, the same
 solver (`flow.solver`) and routing strategies (`coordinator.strategies.select`), and
 the router asked at every evaluation. Unconditional rows (y = -1) use the same seeds, so an
-unconditional file pairs row for row with its conditional one.
+unconditional file pairs row for row with its conditional one. Classifier-free guidance (`--guidance S`,
+as a job's `guidance_scale`) pairs each labelled row with its null-label twin in every expert's forward
+and combines them with `flow.guidance`, as the fleet's workers do, so a guided job's images are the
+fleet's bit for bit where the experts see the same batches (one job alone; files named `<config>-cfgS`).
 
 Each configuration is written as `<name>.npz` in the format `ddm-fleet eval --save-images` writes
 (`images` [N, C, H, W] in the checkpoints' spec shape (MNIST: [N, 1, 32, 32]), `labels` [N]
@@ -40,13 +43,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SampleConfig:
     """One output file: `model` is 'ddm' (router + experts) or a path to one checkpoint (a monolith or
-    a distilled student, served alone); `strategy` top1 / topk / full / oracle / sample (ddm only)."""
+    a distilled student, served alone); `strategy` top1 / topk / full / oracle / sample (ddm only);
+    `guidance` the classifier-free guidance scale (1 = off; the models need a null label otherwise)."""
 
     name: str
     model: str
     strategy: str = "top1"
     top_k: int = 2
     unconditional: bool = False
+    guidance: float = 1.0
 
 
 def initial_batch(n: int, job_size: int, seed: int, shape=(1, 32, 32)) -> np.ndarray:
@@ -103,6 +108,19 @@ class _Experts:
         return np.concatenate(parts) if parts else np.zeros_like(x)
 
 
+def guided_forward(forward, k: int, x: np.ndarray, t: np.ndarray, y: np.ndarray, scale: float) -> np.ndarray:
+    """forward(k, x, t, y) -> v [B, C, H, W] with classifier-free guidance at `scale` (1: forward itself):
+    labelled rows ride with their null-label twins in the one call (`flow.guidance.add_null_twins`) and are
+    combined by `flow.guidance.fold_twins`, the same rows in the same order as an expert worker forwards them."""
+    from flow.guidance import add_null_twins, fold_twins, guided_rows
+
+    if scale == 1.0:
+        return forward(k, x, t, y)
+    s = np.full(len(y), scale, np.float32)
+    twins = guided_rows(y, s)
+    return fold_twins(forward(k, *add_null_twins(x, t, y, twins)), twins, s)
+
+
 def _ddm_velocity(
     experts: _Experts,
     router: _TorchRouter,
@@ -112,8 +130,11 @@ def _ddm_velocity(
     usage: np.ndarray,
     seeds: np.ndarray | None = None,
     rows: np.ndarray | None = None,
+    guidance: float = 1.0,
 ):
     """velocity(x, t, y) = sum_k w_k v_k with w from `strategy`; only experts with weight run on a row.
+    With `guidance` s != 1 each v_k is guided: v_k(x, null) + s (v_k(x, y) - v_k(x, null)) (`guided_forward`,
+    the rows expert k runs and their null twins in one forward, as the fleet sends them to its worker).
 
     Adds each row's nonzero weights' indicator to `usage` [N, K] (divide by the number of calls).
     Drawn strategies (`coordinator.strategies.DRAWN`) draw row i's expert at its quantile
@@ -134,7 +155,7 @@ def _ddm_velocity(
         for k in range(k_all):
             rows = np.nonzero(w[:, k] > 0)[0]
             if len(rows):
-                v = experts.forward(k, x[rows], t[rows], y[rows])
+                v = guided_forward(experts.forward, k, x[rows], t[rows], y[rows], guidance)
                 u[rows] += w[rows, k].astype(np.float32)[:, None, None, None] * v
         return u
 
@@ -180,7 +201,15 @@ def generate(
         usage = np.zeros((len(y), k), np.float64)
         r = np.arange(len(y))
         velocity = _ddm_velocity(
-            experts, router, cfg.strategy, cfg.top_k, owner, usage, seeds=seed + r // job_size, rows=r % job_size
+            experts,
+            router,
+            cfg.strategy,
+            cfg.top_k,
+            owner,
+            usage,
+            seeds=seed + r // job_size,
+            rows=r % job_size,
+            guidance=cfg.guidance,
         )
     else:
         experts = _Experts([cfg.model], device, dtype=dtype, compile=compile)
@@ -188,7 +217,7 @@ def generate(
 
         def velocity(x, t, yy):
             usage[:] += 1
-            return experts.forward(0, x, t, yy)
+            return guided_forward(experts.forward, 0, x, t, yy, cfg.guidance)
 
     x = sample(velocity, noise, y, steps, method=solver)
     return np.clip(x, -1.0, 1.0).astype(np.float32), (usage / evals).astype(np.float32)  # as a job's `done` holds
@@ -227,6 +256,21 @@ def parse_configs(
         else:
             raise ValueError(f"unknown configuration {item!r}: monolith, distilled, top1, topK, full, oracle, sample")
     return out
+
+
+def with_guidance(configs: Sequence[SampleConfig], scale: float) -> list[SampleConfig]:
+    """`configs` guided at `scale` (named <name>-cfg<scale>), or as they are at scale 1; ValueError outside
+    0-20 (what a job's guidance_scale allows)."""
+    import dataclasses
+    import math
+
+    from schemas.limits import MAX_GUIDANCE_SCALE
+
+    if not (math.isfinite(scale) and 0.0 <= scale <= MAX_GUIDANCE_SCALE):
+        raise ValueError(f"--guidance must be a number in [0, {MAX_GUIDANCE_SCALE:g}] (1 = off), got {scale}")
+    if scale == 1.0:
+        return list(configs)
+    return [dataclasses.replace(c, name=f"{c.name}-cfg{scale:g}", guidance=float(scale)) for c in configs]
 
 
 def checkpoints_spec(configs: Sequence[SampleConfig], checkpoints: str | None):
@@ -297,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
     p.add_argument(
+        "--guidance",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="classifier-free guidance scale, as a job's guidance_scale: 1 = off, typically 1.5-7, 0-20; needs "
+        "checkpoints with a null label; files are named <config>-cfgS (default %(default)s)",
+    )
+    p.add_argument(
         "--solver",
         choices=("euler", "heun"),
         default="euler",
@@ -348,6 +400,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .run import requested_digits  # the digits `ddm-fleet eval` asks for
 
     configs = parse_configs(args.configs, args.checkpoints, args.monolith, args.distilled, args.unconditional)
+    try:
+        configs = with_guidance(configs, args.guidance)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     spec = checkpoints_spec(configs, args.checkpoints)
     digits = requested_digits(args.per_class, max(1, spec.num_classes))
     noise = initial_batch(len(digits), args.images_per_job, args.seed, tuple(spec.sample_shape))
@@ -388,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config": cfg.__dict__,
             "steps": args.steps,
             "solver": args.solver,
+            "guidance": args.guidance,
             "seed": args.seed,
             "job_size": args.images_per_job,
             "per_class": args.per_class,
