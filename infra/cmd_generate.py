@@ -20,6 +20,7 @@ examples:
   ddm-fleet generate --digits 0,1,2,3,4,5,6,7,8,9 --solver heun --steps 20 --out g.png --json
   ddm-fleet generate --digits 5 --strategy full --nats nats://10.0.0.5:4222 --out five.png
   ddm-fleet generate --unconditional --count 16 --seed 3 --out free.png --local   # label unknown
+  ddm-fleet generate --digits 3,7 --guidance 3 --out sharp.png --local --checkpoints ck-null   # guided
 
 Any number of images: a job holds at most 256 (the protocol's limit), so more are split, in
 order, into jobs of M = --images-per-job images (job j holds images j*M .. j*M+M-1), at most
@@ -38,6 +39,12 @@ docs/PROTOCOL.md): the router alone picks the experts, from x_t and t. Every exp
 label (`train-expert --label-dropout > 0`); a fleet whose experts have none refuses the job
 (`bad_request`). --strategy oracle needs the label, so it is refused with --unconditional. Their
 label is -1 in the .npz `labels` and in --json.
+
+--guidance S: classifier-free guidance at scale S (0-20; 1, the default, is off; typically 1.5-7),
+the jobs' `guidance_scale`: each labelled image's velocity is v(x, null) + S (v(x, y) - v(x, null)) at
+every routed expert, one more expert evaluation per image. Every expert needs a null label (as for
+--unconditional), and the fleet's workers must serve guidance; otherwise the fleet refuses the job
+(`bad_request`). Unconditional images are not guided.
 
 --out: .png writes one grid (images in rows of --per-row; grey for one channel, RGB for three);
 .npz writes `images` float32 [N, C, H, W] in the spec's value range (e.g. [-1, 1]), `labels` int64
@@ -102,9 +109,24 @@ def _per_job(text: str) -> int:
     return v
 
 
+def _guidance_scale(text: str) -> float:
+    """--guidance S: a finite number in [0, MAX_GUIDANCE_SCALE] (what a job's guidance_scale allows)."""
+    import math
+
+    from schemas.limits import MAX_GUIDANCE_SCALE
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number is needed, got {text!r}") from None
+    if not (math.isfinite(v) and 0.0 <= v <= MAX_GUIDANCE_SCALE):
+        raise argparse.ArgumentTypeError(f"a guidance scale lies in [0, {MAX_GUIDANCE_SCALE:g}] (1 = off), got {text}")
+    return v
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option
-    from schemas.limits import MAX_JOB_IMAGES, MAX_JOB_STEPS
+    from schemas.limits import MAX_GUIDANCE_SCALE, MAX_JOB_IMAGES, MAX_JOB_STEPS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     what = parser.add_mutually_exclusive_group(required=True)
@@ -131,6 +153,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steps", type=_positive, default=40, help=f"solver steps (default %(default)s, at most {MAX_JOB_STEPS})"
+    )
+    parser.add_argument(
+        "--guidance",
+        type=_guidance_scale,
+        default=1.0,
+        metavar="S",
+        help=f"classifier-free guidance scale, 0-{MAX_GUIDANCE_SCALE:g}: 1 = off (default), typically 1.5-7; "
+        "needs experts with a null label (train-expert --label-dropout > 0)",
     )
     parser.add_argument(
         "--strategy",
@@ -278,6 +308,7 @@ def plan_requests(args: argparse.Namespace, spec=None) -> tuple[list, int | None
         solver=args.solver,
         stream=True,
         frame_every=max(1, args.steps // 100),
+        guidance_scale=getattr(args, "guidance", 1.0),
     )
     if n <= args.images_per_job:  # one job, exactly as the coordinator runs a single request
         what = {"count": args.count} if classes is None else job_labels(spec, classes)
@@ -358,9 +389,10 @@ def save_output(result: RunResult, path: str, per_row: int, spec=None) -> None:
         write_grid(path, images, nrow=min(per_row, len(result.labels)))
 
 
-def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None) -> dict:
+def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None, guidance: float = 1.0) -> dict:
     """The --json summary: per image its index, label (-1 = unknown), class name ("?" when unknown), expert
-    usage, and on the ten-digit (MNIST) fleet `digit` as well (as v1 printed it)."""
+    usage, and on the ten-digit (MNIST) fleet `digit` as well (as v1 printed it); `guidance` (the scale)
+    only for a guided run."""
     from client.labels import class_names, name_of
     from schemas.spec import legacy_spec
 
@@ -374,7 +406,7 @@ def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None) 
             out["digit"] = label
         return {**out, "usage": [round(float(u), 4) for u in result.usage[i]]}
 
-    return {
+    out = {
         "job_id": result.jobs[0]["job_id"],
         "seed": result.seed,
         "steps": steps,
@@ -387,6 +419,9 @@ def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None) 
         "images": [image(i, int(c)) for i, c in enumerate(result.labels)],
         "notes": list(result.notes),
     }
+    if guidance != 1.0:
+        out["guidance"] = guidance
+    return out
 
 
 class _JobError(Exception):
@@ -554,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddm-fleet generate: {err}", file=sys.stderr)
             return 2
         if args.json:
-            print(json.dumps(summary(result, args.steps, args.strategy, args.out, spec), indent=2))
+            print(json.dumps(summary(result, args.steps, args.strategy, args.out, spec, args.guidance), indent=2))
         else:
             names = [name_of(spec, c) for c in result.labels]
             shown = ",".join(names) if len(names) <= 64 else "..."
@@ -573,6 +608,7 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"starting a local fleet from {args.checkpoints}/ ...", file=sys.stderr, flush=True)
             rows = min(n_images, args.images_per_job * args.jobs_in_flight)
+            rows *= 2 if args.guidance != 1.0 else 1  # guided rows ride with their null twins
             async with LocalFleet.from_dir(
                 args.checkpoints, buckets=local_buckets(rows), dtype=getattr(args, "dtype", "auto")
             ) as fleet:
