@@ -268,3 +268,19 @@ def test_latent_checkpoints_are_decoded_by_the_autoencoder_their_spec_names(tmp_
     (ck / "autoencoder.safetensors").unlink()
     with pytest.raises(SystemExit, match="their autoencoder is needed as .*autoencoder.safetensors"):
         main([*argv[:-2], "--out", str(tmp_path / "img3")])
+
+
+def test_guidance_names_the_files_and_refuses_bad_scales():
+    """--guidance S guides every configuration (files <config>-cfgS); 1 leaves them as they were. The images
+    themselves are checked against the fleet's, bit for bit, in tests/coordinator/test_service_guidance.py."""
+    from evaluation.sample_inprocess import build_parser, parse_configs, with_guidance
+
+    configs = parse_configs("top1,full", None, None, None, False)
+    assert with_guidance(configs, 1.0) == configs
+    guided = with_guidance(configs, 2.5)
+    assert [c.name for c in guided] == ["ddm-top1-cfg2.5", "ddm-full-cfg2.5"]
+    assert all(c.guidance == 2.5 and c.strategy == o.strategy for c, o in zip(guided, configs))
+    for bad in (-1.0, 20.5, float("nan")):
+        with pytest.raises(ValueError, match="--guidance"):
+            with_guidance(configs, bad)
+    assert build_parser().parse_args(["--out", "x", "--guidance", "3"]).guidance == 3.0
