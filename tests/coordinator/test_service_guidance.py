@@ -18,9 +18,10 @@ from coordinator.local_fleet import LabelRouter, LocalFleet
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig, job_cost
 from coordinator.service import Coordinator
 from coordinator.snapshot import decode, encode
+from coordinator.transport import NatsTransport
 from evaluation.sample_inprocess import SampleConfig, _ddm_velocity, generate, initial_batch
 from flow.solver import sample
-from schemas import ErrorCode, JobRejected, JobRequest, SubmitReply, subjects, unpack
+from schemas import ErrorCode, JobRejected, JobRequest, StepReply, StepRequest, SubmitReply, pack, subjects, unpack
 from tests.coordinator.helpers import JITTER, TINY_WIDTHS, run_ahead_discovered, start_workers, stop_workers
 
 C2E = [0] * 5 + [1] * 5
@@ -63,7 +64,6 @@ def _in_process(ddm, digits, seed: int, steps: int, solver: str, guidance: float
     return images
 
 
-@pytest.mark.slow
 async def test_a_guided_job_alone_is_the_in_process_samplers_bit_for_bit(nats_url, ddm):
     """One job alone: each expert's worker forwards exactly the rows (and null twins) the in-process sampler
     forwards, in the same order and batch (torch on a CPU pads nothing), so the float32 images agree to the
@@ -235,3 +235,34 @@ def test_scheduler_counts_twins_reports_the_scale_and_restores_it():
     other.restore(decode(encode(cp))[0], now=1.0)
     assert other.job_progress(accepted.job_id)["guidance_scale"] == 2.0
     np.testing.assert_array_equal(other.schedule(1.0).guidance, np.full(3, 2.0, np.float32))
+
+
+async def test_the_transport_sends_guidance_only_for_guided_rows_in_half_size_requests(nc):
+    """`guidance` travels only in a request with a row at a scale other than 1 (older workers refuse the key),
+    and a guided call holds half the rows per request (the worker computes each guided row twice)."""
+    expert = 43  # a subject no other test serves
+    seen: list[StepRequest] = []
+
+    async def answer(msg):
+        req = unpack(msg.data, StepRequest)
+        seen.append(req)
+        await msg.respond(pack(StepReply(expert=expert, velocity=-np.asarray(req.x_t), row_ids=req.row_ids)))
+
+    sub = await nc.subscribe(subjects.expert_velocity(expert), cb=answer)
+    try:
+        tr = NatsTransport(nc, max_rows=4)
+        x = np.arange(6 * 16, dtype=np.float32).reshape(6, 1, 4, 4)
+        t, y, ids = np.full(6, 0.5, np.float32), np.arange(6, dtype=np.int64), [f"r{i}" for i in range(6)]
+        np.testing.assert_array_equal(await tr.velocity(expert, x, t, y, ids), -x)
+        np.testing.assert_array_equal(await tr.velocity(expert, x, t, y, ids, guidance=np.ones(6, np.float32)), -x)
+        assert [len(r.row_ids) for r in seen] == [4, 2, 4, 2] and all(r.guidance is None for r in seen)
+        seen.clear()
+        scale = np.array([1, 1, 2, 2, 1, 1], np.float32)
+        np.testing.assert_array_equal(await tr.velocity(expert, x, t, y, ids, guidance=scale), -x)
+        parts = sorted(seen, key=lambda r: r.row_ids[0])
+        assert [r.row_ids for r in parts] == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]
+        assert parts[0].guidance is None and parts[2].guidance is None  # no guided row: the field is left out
+        np.testing.assert_array_equal(parts[1].guidance, [2.0, 2.0])
+        assert parts[1].guidance.dtype == np.float32
+    finally:
+        await sub.unsubscribe()
