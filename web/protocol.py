@@ -16,6 +16,9 @@ Every message is one JSON object with a `type`. Client -> server:
     {"type": "generate", "labels": "cat, dog, ?" | "3 5" | [3, 5, -1]}  one image per class of the
                                                          fleet's spec: class names or indices 0..num_classes-1
                                                          (on the MNIST fleet exactly what `digits` takes)
+    {"type": "generate", "digits": "3", "guidance_scale": 3}        classifier-free guidance at scale 0-20
+                                                         (a JSON number; 1 = off, the page omits it then);
+                                                         the fleet's experts need a null label
     {"type": "cancel", "job_id": "web..."}                          cancel one of *this* socket's jobs
     {"type": "ping"}                                                 answered with {"type": "pong"}
 
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import MAX_JOB_IMAGES, PROTOCOL_VERSION, UNCONDITIONAL, JobRequest, ProtocolError, validate
+from schemas.limits import MAX_GUIDANCE_SCALE
 from schemas.spec import MAX_CLASS_NAME_LEN, ModelSpec, legacy_spec
 
 from .spec import class_names, is_digit_fleet, wire_label_field
@@ -60,6 +64,7 @@ GENERATE_FIELDS = (
     "frame_every",
     "deadline_s",
     "frame_x1",
+    "guidance_scale",
 )
 
 #: Bounds of a page's `deadline_s` (seconds from the submit; JobRequest.deadline_s).
@@ -276,6 +281,8 @@ def _job_request(msg: dict[str, Any], ref: Any, spec: ModelSpec) -> JobRequest:
         fields["seed"] = int(seed)  # the page sends seeds as text: JS numbers lose digits past 2**53
     if "deadline_s" in fields:
         fields["deadline_s"] = _deadline(fields["deadline_s"], ref)
+    if "guidance_scale" in fields:
+        fields["guidance_scale"] = _guidance_scale(fields["guidance_scale"], ref)
     given = [name for name in ("labels", "digits") if name in fields]
     if len(given) == 2:
         raise BadInput("give labels or digits, not both", ref=ref)
@@ -303,6 +310,18 @@ def _deadline(value: Any, ref: Any) -> float:
         )
     if not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:
         raise BadInput(f"deadline_s must be {MIN_DEADLINE_S}-{MAX_DEADLINE_S} seconds, got {_shown(value)}", ref=ref)
+    return float(value)
+
+
+def _guidance_scale(value: Any, ref: Any) -> float:
+    """A page's `guidance_scale`: a finite JSON number (not a string, not a boolean) from 0 to
+    MAX_GUIDANCE_SCALE; 1 is no guidance (JobRequest then leaves it off the wire). Raises BadInput saying
+    the bounds. Whether the fleet can guide (its experts need a null label) is the coordinator's to say."""
+    bounds = f"0-{MAX_GUIDANCE_SCALE:g}, 1 = off"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadInput(f"guidance_scale must be a number ({bounds}), got {_shown(value)}", ref=ref)
+    if not 0 <= value <= MAX_GUIDANCE_SCALE:  # NaN and the infinities (json.loads reads them) fail this too
+        raise BadInput(f"guidance_scale must be {bounds}, got {_shown(value)}", ref=ref)
     return float(value)
 
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from schemas import MAX_JOB_IMAGES, ErrorCode, FailedEvent, FrameEvent
+from schemas import MAX_JOB_IMAGES, ErrorCode, FailedEvent, FrameEvent, JobRequest, pack, unpack
 from web.frames import event_message, tiles_b64
 from web.protocol import BadInput, Cancel, Generate, Ping, parse_client_message, parse_digits
 from web.session import Outbox
@@ -194,3 +194,43 @@ def test_frame_message_forwards_x1_tiles_only_when_the_event_has_them():
     assert len(msg["x1"]) == 2 and msg["tiles"] == plain["tiles"]
     assert base64.b64decode(msg["x1"][0]) == bytes([255] * 16)  # +1 -> white
     assert base64.b64decode(msg["tiles"][0]) == bytes([128] * 16)  # 0 -> mid grey
+
+
+@pytest.mark.parametrize("value, expected", [(3, 3.0), (1.5, 1.5), (0, 0.0), (20, 20.0), (7.25, 7.25)])
+def test_generate_passes_a_guidance_scale_into_the_job_request(value, expected):
+    r = parse_client_message(json.dumps({"type": "generate", "digits": "3,7", "guidance_scale": value})).request
+    assert r.guidance_scale == expected and isinstance(r.guidance_scale, float)
+    assert r.n_guided == 2
+    assert unpack(pack(r.model_copy(update={"job_id": "web1"})), JobRequest).guidance_scale == expected
+
+
+def test_a_guidance_scale_of_one_leaves_the_job_request_byte_identical():
+    base = {"type": "generate", "digits": "3,?", "steps": 12, "seed": 4}
+    plain = parse_client_message(json.dumps(base)).request
+    for off in (1, 1.0, None, ""):  # 1 is no guidance; empty fields fall back to the default like the others
+        one = parse_client_message(json.dumps({**base, "guidance_scale": off})).request
+        assert one == plain and one.guidance_scale == 1.0 and one.n_guided == 0
+        assert pack(one.model_copy(update={"job_id": "web1"})) == pack(plain.model_copy(update={"job_id": "web1"}))
+    assert b"guidance_scale" not in pack(plain.model_copy(update={"job_id": "web1"}))
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ('"3"', "guidance_scale must be a number (0-20, 1 = off), got '3'"),
+        ("true", "guidance_scale must be a number (0-20, 1 = off), got True"),
+        ("[3]", "guidance_scale must be a number"),
+        ('{"s": 3}', "guidance_scale must be a number"),
+        ("-0.5", "guidance_scale must be 0-20, 1 = off, got -0.5"),
+        ("20.5", "guidance_scale must be 0-20, 1 = off, got 20.5"),
+        ("1e400", "guidance_scale must be 0-20, 1 = off, got inf"),  # json reads an overflowing float as inf
+        ("NaN", "guidance_scale must be 0-20, 1 = off, got nan"),
+        ("-Infinity", "got -inf"),
+        ("1" + "0" * 400, "guidance_scale must be 0-20"),  # a huge integer: compared, never made a float
+    ],
+)
+def test_generate_refuses_a_bad_guidance_scale_with_the_bounds(text, fragment):
+    raw = '{"type": "generate", "digits": "3", "ref": 9, "guidance_scale": ' + text + "}"
+    with pytest.raises(BadInput) as err:
+        parse_client_message(raw)
+    assert fragment in err.value.message and err.value.ref == 9 and err.value.code == "bad_request"
