@@ -268,3 +268,50 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
         await page.screenshot(path=os.path.join(os.environ["DDM_WEB_SHOT_DIR"], "web-real.png"), full_page=True)
     assert errors == [], errors
     await page.close()
+
+
+async def test_guidance_input_follows_the_null_label_and_reaches_the_job_request(browser, web_server, nc):
+    """The Sampling fieldset's guidance input: disabled (saying why) on a fleet without a null label; on one
+    with it a scale other than 1 goes into the job request, the job's notes and the compare view's rerun."""
+    from schemas.spec import legacy_spec
+
+    status = {"kind": "fleet_status", "coordinator": "fake"}  # no spec: the MNIST fleet, no null label
+    async with FakeCoordinator(nc, frame_delay=0.02, status=status) as coordinator:
+        page, errors = await open_page(browser, web_server)
+        await page.wait_for_selector("#guidance:disabled", timeout=30_000)
+        assert "no null label" in await page.locator("#guidance-label").get_attribute("title")
+        coordinator.status = {**status, "spec": legacy_spec(null_label=True).to_json()}
+        await page.wait_for_selector("#guidance:enabled", timeout=30_000)
+        # at 1 (the default) the request carries no scale
+        await page.fill("#digits", "1,6")
+        await page.fill("#steps", "4")
+        await page.click("#generate")
+        await page.locator(".job[data-state=done]").first.wait_for(timeout=30_000)
+        await page.fill("#guidance", "25")  # out of range: the server's message, no job
+        await page.click("#generate")
+        await page.wait_for_function(
+            "() => (li => li && li.textContent.includes('guidance_scale must be 0-20'))"
+            "(document.querySelector('#errors li'))",
+            timeout=20_000,
+        )
+        await page.fill("#guidance", "3")
+        await page.fill("#seed", "5")
+        await page.click("#generate")
+        await page.wait_for_function(
+            "() => document.querySelectorAll('.job[data-state=done]').length === 2", timeout=30_000
+        )
+        plain, guided = list(coordinator.jobs.values())
+        assert plain.guidance_scale == 1.0 and guided.guidance_scale == 3.0 and guided.n_guided == 2
+        newest = page.locator(".job").first  # new jobs go on top
+        assert "guidance 3" in await newest.locator(".job-notes").inner_text()
+        assert "guidance" not in await page.locator(".job").nth(1).locator(".job-notes").inner_text()
+        # the comparison reruns the same digits and seed with the same scale
+        await newest.locator(".cmp-strategy").select_option("full")
+        await newest.locator(".cmp-run").click()
+        await wait_until(lambda: len(coordinator.jobs) == 3, timeout=20, what="the comparison's job request")
+        again = list(coordinator.jobs.values())[2]
+        assert (again.guidance_scale, again.strategy, again.seed) == (3.0, "full", 5)
+        await page.wait_for_selector(".job.comparison[data-state=done]", timeout=30_000)
+        assert "full · euler · guidance 3" in await page.locator(".job.comparison .tiles").get_attribute("data-label")
+        assert errors == [], errors
+        await page.close()

@@ -643,14 +643,19 @@ function compare(job) {
                 steps: job.steps, strategy, solver };
   if (strategy === "topk") req.top_k = (job.req && job.req.top_k) || 2;
   if ($("#frame_x1").checked) req.frame_x1 = true;
+  if (job.req && guided(job.req.guidance_scale)) req.guidance_scale = job.req.guidance_scale;  // the same scale
   if (send(req)) state.pending.set(req.ref, { ...req, compareOf: job.id });
 }
 
 function describe(job) {
   const r = job.req;
   if (!r) return job.strategy || "?";
-  return `${r.strategy === "topk" ? `top-${r.top_k}` : r.strategy} · ${r.solver}`;
+  const guidance = guided(r.guidance_scale) ? ` · guidance ${r.guidance_scale}` : "";
+  return `${r.strategy === "topk" ? `top-${r.top_k}` : r.strategy} · ${r.solver}${guidance}`;
 }
+
+// A classifier-free guidance scale that guides: a number other than 1 (1, the default, is off).
+const guided = (scale) => typeof scale === "number" && scale !== 1;
 
 // Place a comparison under its original: A (the original's final images), B (this job), |A − B|.
 function linkComparison(job, orig) {
@@ -934,6 +939,7 @@ function onSpec(msg) {
   x1.disabled = latent;  // a latent fleet's x̂1 is latents: the page draws decoded previews instead
   x1.parentElement.title = latent ? "not on a latent fleet: its frames show the decoder's previews" : "";
   renderSpace();
+  guidanceFor(msg);
   document.body.dataset.classes = String(msg.num_classes);
   const input = $("#digits");
   const names = msg.class_names || [];
@@ -957,6 +963,22 @@ function onSpec(msg) {
   $("#count").setAttribute("aria-label", digits ? "number of random digits" : "number of random classes");
 }
 
+// Classifier-free guidance needs the null label (v(x, null) is half of each guided velocity): on a fleet
+// known to lack one the input is disabled and says why; until a coordinator has answered it stays usable.
+const GUIDANCE_TITLE = "classifier-free guidance scale, 0-20: 1 = off, typically 1.5-7 (sharper, more typical "
+  + "images of each label; one more expert evaluation per labelled image); the experts need a null label";
+function guidanceFor(spec) {
+  const input = $("#guidance");
+  let why = "";
+  if (spec.known && spec.conditioning === "none") why = "this fleet is unconditional: there are no labels to guide";
+  else if (spec.known && !spec.null_label) {
+    why = "this fleet's experts have no null label (train-expert --label-dropout > 0): it cannot guide";
+  }
+  input.disabled = why !== "";
+  input.title = why;
+  $("#guidance-label").title = why ? `guidance off: ${why}` : GUIDANCE_TITLE;
+}
+
 const HANDLERS = {
   hello: (msg) => { state.limits = msg; },
   spec: onSpec,
@@ -968,7 +990,8 @@ const HANDLERS = {
     const job = jobCard(msg.job_id, labels);
     job.seed = msg.seed;
     if (req) {
-      job.req = { steps: req.steps, strategy: req.strategy, solver: req.solver, top_k: req.top_k || 2 };
+      job.req = { steps: req.steps, strategy: req.strategy, solver: req.solver, top_k: req.top_k || 2,
+                  guidance_scale: guided(req.guidance_scale) ? req.guidance_scale : 1 };
       $(".job-notes", job.card).textContent = `${req.steps} steps · ${describe(job)}`;
     }
     if (!job.labels.length) { job.labels = labels; }
@@ -1029,6 +1052,11 @@ function readForm() {
   const seed = $("#seed").value.trim();
   if (seed !== "") req.seed = seed;  // as text: seeds reach 2**63, JS numbers are exact to 2**53
   if ($("#frame_x1").checked) req.frame_x1 = true;
+  const guidance = $("#guidance");  // disabled on a fleet without a null label (onSpec)
+  if (!guidance.disabled) {
+    const scale = numberOrText(guidance);
+    if (scale !== 1 && scale !== "") req.guidance_scale = scale;  // 1 is off: not sent (older servers refuse it)
+  }
   return req;
 }
 
