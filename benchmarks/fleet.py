@@ -18,6 +18,11 @@ the machine's forward-only limit: the experts' own forward timed in this process
 (best batch kept), one thread per core on the CPU, in images/s for the run's steps, solver and strategy
 (see --limit-batches), with fleet / limit and ceiling / limit: how much of the hardware each path turns into images.
 
+--guidance S: every job asks for classifier-free guidance at scale S (`JobRequest.guidance_scale`, flow/guidance.py):
+each image is evaluated with its label and with the null label (two forward rows per image and expert, in the
+same forward), so the forward-only limit's images/s is half the unguided one. The experts need a null label:
+checkpoints without one are refused up front; the random UNets used without checkpoints get one.
+
 Every job's outcome is counted: completed, rejected (the coordinator refused the submit:
 admission control, `--max-rows` / `--max-queued-jobs`, with
 the ErrorCode the client got), failed (accepted, then a FailedEvent, with its code) and LOST
@@ -42,6 +47,7 @@ examples:
       --max-rows 100 --max-queued-jobs 100
   ddm-fleet bench fleet --widths 32,64,128 --concurrency 1,8 --steps 10 --json
   ddm-fleet bench fleet --concurrency 64 --steps 40 --only fleet --durable   # the cost of durable jobs
+  ddm-fleet bench fleet --concurrency 1,8 --steps 20 --guidance 3 --checkpoints ck-null  # guided jobs
 """
 
 from __future__ import annotations
@@ -120,12 +126,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B,B,...|none",
         help="batch sizes at which the experts' own forward is timed in this process for the "
         "forward-only limit, on the CPU one thread per core: images/s = best rows/s / (steps x "
-        "evaluations per step (heun 2) x experts per row (top1/oracle 1, topk k, full all)), where "
+        "evaluations per step (heun 2) x experts per row (top1/oracle 1, topk k, full all) x forward rows "
+        "per evaluation (2 with --guidance: the label's and the null label's, else 1)), where "
         "best rows/s is each expert's best over these batches, averaged over experts by time per "
         "row (rows spread evenly), times this machine's cores (on a GPU: the device's own rate). "
         "fleet / limit and ceiling / limit are reported; none: skip it (default %(default)s)",
     )
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
+    parser.add_argument(
+        "--guidance",
+        type=_guidance_scale,
+        default=1.0,
+        metavar="S",
+        help="classifier-free guidance scale of every job, 0-20: 1 = off (default); otherwise each image costs "
+        "two forward rows per evaluation (its label and the null label), in the fleet, the ceiling and the "
+        "forward-only limit alike. Needs experts with a null label (train-expert --label-dropout > 0); the "
+        "random UNets used without checkpoints get one",
+    )
     parser.add_argument("--solver", choices=("euler", "heun"), default="euler")
     parser.add_argument("--no-stream", action="store_true", help="jobs do not stream frames (only final images)")
     parser.add_argument(
@@ -202,6 +219,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
+def _guidance_scale(text: str) -> float:
+    """--guidance S: what a job's guidance_scale allows (infra/cmd_generate.py's --guidance)."""
+    from infra.cmd_generate import _guidance_scale as parse
+
+    return parse(text)
+
+
 def _ints(text: str, what: str) -> list[int]:
     try:
         vals = [int(p) for p in text.split(",") if p.strip()]
@@ -269,6 +293,8 @@ def _models(args, tmpdir: str) -> dict:
                 f"{len(paths['experts'])} expert checkpoints"
             )
         router = router_path(args)
+        if _guided(args):
+            _check_null_labels(paths["experts"][:k], args.guidance)
         autoencoder = _latent_autoencoder(args.checkpoints, router_spec(router))
         return {
             "experts": [str(p) for p in paths["experts"][:k]],
@@ -304,6 +330,7 @@ def _models(args, tmpdir: str) -> dict:
                 time_dim=full.time_dim,
                 class_dim=full.class_dim,
                 groups=full.groups,
+                null_label=_guided(args),  # --guidance: the null label's embedding row (random, like the rest)
             )
         )
         for k in range(2)
@@ -324,8 +351,29 @@ def _models(args, tmpdir: str) -> dict:
         "partition": str(partition),
         "k": 2,
         "c2e": [0] * 5 + [1] * 5,
-        "described": f"random UNets widths={args.widths}, random router",
+        "described": f"random UNets widths={args.widths}"
+        + (" with a null label" if _guided(args) else "")
+        + ", random router",
     }
+
+
+def _guided(args) -> bool:
+    """--guidance other than 1: every job is guided."""
+    return getattr(args, "guidance", 1.0) != 1.0
+
+
+def _check_null_labels(experts, scale: float) -> None:
+    """ValueError naming the first expert checkpoint without a null label: a guided job evaluates every image
+    with the null label too, and the fleet refuses it (the ceiling's experts would fail each call)."""
+    from models.checkpoint import load_meta
+    from models.spec import spec_of
+
+    for path in experts:
+        if not spec_of(load_meta(path), str(path)).conditioning.null_label:
+            raise ValueError(
+                f"--guidance {scale:g} needs experts with a null label, and {path} has none "
+                "(train-expert --label-dropout > 0), or leave --guidance at 1"
+            )
 
 
 def _latent_autoencoder(directory, spec) -> str | None:
@@ -354,6 +402,7 @@ def _requests(args, c: int, tag: str) -> list:
                 seed=i * 1000 + j,
                 stream=not args.no_stream,
                 session=f"bench-{i}",
+                guidance_scale=getattr(args, "guidance", 1.0),
             )
 
         return make
@@ -499,7 +548,9 @@ def _forward_limit(args, models) -> dict | None:
     req = _requests(args, 1, "limit")[0](0)
     evals = EVALS_PER_STEP.get(args.solver, 1)
     epr = experts_per_row(req, models["k"])
-    rows_per_image = args.steps * evals * epr
+    # a guided image is two forward rows per evaluation (its label's and its null twin's): `job_cost`
+    per_eval = (req.n_images + req.n_guided) // req.n_images
+    rows_per_image = args.steps * evals * epr * per_eval
     rows_per_s = per_unit * units
     return {
         "images_per_s": round(rows_per_s / rows_per_image, 2),
@@ -507,6 +558,7 @@ def _forward_limit(args, models) -> dict | None:
         "rows_per_image": rows_per_image,
         "evals_per_step": evals,
         "experts_per_row": epr,
+        "rows_per_eval": per_eval,
         "threads_per_forward": 1 if per_core else None,
         "units": units,
         "unit": "core" if per_core else "device",
@@ -518,9 +570,10 @@ def _forward_limit(args, models) -> dict | None:
 
 def limit_at_load(limit: dict, rows_in_flight: float, experts: int) -> dict:
     """The forward-only limit a level's load allows: with `rows_in_flight` rows (clients x images per job x
-    experts per row) spread over `experts` experts, no expert call can hold more than rows / experts rows,
-    so each expert's rate is read at that batch (log-linear between the timed batches; clamped to the
-    smallest and largest timed) instead of at its best. -> {"batch", "images_per_s", "rows_per_s"}."""
+    experts per row x forward rows per evaluation, 2 when guided) spread over `experts` experts, no expert
+    call can hold more than rows / experts rows, so each expert's rate is read at that batch (log-linear
+    between the timed batches; clamped to the smallest and largest timed) instead of at its best.
+    -> {"batch", "images_per_s", "rows_per_s"}."""
     import math
     import statistics
 
@@ -975,7 +1028,8 @@ async def bench_fleet(args) -> dict:
         if fleet and ceiling:
             row["ratio"] = round(fleet[level]["images_per_s"] / max(ceiling[level]["images_per_s"], 1e-9), 3)
         if limit is not None:
-            at_load = limit_at_load(limit, c * args.images_per_job * limit["experts_per_row"], models["k"])
+            in_flight = c * args.images_per_job * limit["experts_per_row"] * limit.get("rows_per_eval", 1)
+            at_load = limit_at_load(limit, in_flight, models["k"])
             row["limit_at_load"] = at_load
             for path in ("fleet", "ceiling"):
                 if path in row:
@@ -994,6 +1048,7 @@ async def bench_fleet(args) -> dict:
         "min_level_s": args.min_level_s,
         "strategy": args.strategy,
         "solver": args.solver,
+        "guidance": getattr(args, "guidance", 1.0),
         "stream": not args.no_stream,
         "dtype": args.dtype,
         "compile": args.compile,
@@ -1044,7 +1099,8 @@ def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [
         f"bench fleet: {s['models']}; {s['experts']} experts, {s['steps']} {s['solver']} steps, {s['strategy']}, "
-        f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client"
+        + (f"guidance {s['guidance']:g}, " if s.get("guidance", 1.0) != 1.0 else "")
+        + f"{s['images_per_job']} image(s)/job, {s['jobs_per_client']} jobs/client"
         + (f" at least, levels of {s['min_level_s']:g} s at least" if s.get("min_level_s") else "")
         + f", stream={s['stream']}, "
         f"dtype={s.get('dtype') or ('bfloat16' if s.get('bf16') else 'float32')}, "
@@ -1091,7 +1147,13 @@ def format_table(results: dict) -> str:
         lines.append(
             f"forward-only limit {lim['images_per_s']:.1f} img/s = {lim['rows_per_s']:,.0f} rows/s / "
             f"{lim['rows_per_image']} rows per image ({s['steps']} steps x {lim['evals_per_step']} evaluation(s) "
-            f"x {lim['experts_per_row']} expert(s) per row); rows/s: the experts' own forward in this process at "
+            f"x {lim['experts_per_row']} expert(s) per row"
+            + (
+                f" x {lim['rows_per_eval']} forward rows per evaluation (guided: the label's and the null label's)"
+                if lim.get("rows_per_eval", 1) != 1
+                else ""
+            )
+            + "); rows/s: the experts' own forward in this process at "
             f"their best batch of {','.join(map(str, lim['batches']))} ({per}), {how}, experts averaged by time "
             "per row"
             + (f" (load1 {lim['load1'][0]}>{lim['load1'][1]} while timed)" if lim.get("load1") else "")

@@ -295,3 +295,72 @@ async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path
     (d / "autoencoder.safetensors").unlink()
     with pytest.raises(ValueError, match="their autoencoder is needed as"):
         bench._models(args, str(tmp_path))
+
+
+async def test_guidance_goes_into_every_job_the_setup_and_the_limit_counts_two_rows_per_image(tmp_path):
+    """--guidance 3 on the random UNets (which then get a null label): every job asks for it, the ceiling's
+    guided jobs complete, the setup and the table say it, and the forward-only limit counts each image as two
+    forward rows per evaluation (its label's and the null label's): half the images/s of the same rows/s."""
+    import torch
+
+    args = _args(
+        concurrency="2",
+        steps=2,
+        widths="8,16,32",
+        checkpoints=str(tmp_path / "none"),
+        buckets="1,4",
+        only="ceiling",
+        jobs_per_client=1,
+        min_level_s=0.0,
+        limit_batches="2",
+        threads=1,
+        dtype="float32",
+        guidance=3.0,
+    )
+    args.concurrency_list = [2]
+    assert [make(0).guidance_scale for make in bench._requests(args, 2, "t")] == [3.0, 3.0]
+    assert bench._requests(_args(), 1, "t")[0](0).model_dump().get("guidance_scale") is None  # off: not sent
+    threads = torch.get_num_threads()
+    try:
+        res = await bench.bench_fleet(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert res["setup"]["guidance"] == 3.0 and "with a null label" in res["setup"]["models"]
+    x = res["rows"][0]["ceiling"]
+    assert x["submitted"] == x["completed"] == 2 and x["failed"] == x["lost"] == 0, x
+    lim = res["limit"]
+    assert (lim["rows_per_eval"], lim["experts_per_row"], lim["rows_per_image"]) == (2, 1, 4)  # 2 steps x 2 rows
+    assert lim["images_per_s"] == pytest.approx(lim["rows_per_s"] / 4, rel=0.01)
+    # 2 clients x 1 image x 2 forward rows over 2 experts: calls of 2 rows
+    assert res["rows"][0]["limit_at_load"]["batch"] == 2
+    table = bench.format_table(res)
+    assert "top1, guidance 3, 1 image(s)/job" in table
+    assert "x 2 forward rows per evaluation (guided: the label's and the null label's)" in table
+    # unguided, the same models: one row per evaluation, and nothing about guidance in the setup line
+    plain = bench._forward_limit(_args(steps=2, limit_batches="2", dtype="float32"), bench._models(args, str(tmp_path)))
+    assert (plain["rows_per_eval"], plain["rows_per_image"]) == (1, 2)
+
+
+def test_guidance_on_experts_without_a_null_label_is_refused_up_front(tmp_path, capsys):
+    import numpy as np
+
+    from dataset.partition import partition_by_classes, save_manifest
+    from models.tiny import make_tiny_experts, make_tiny_router
+
+    ck = tmp_path / "ck"
+    make_tiny_experts(ck, 2, widths=(8, 16, 32))
+    make_tiny_router(ck / "router", 2)
+    save_manifest(partition_by_classes(np.arange(10), [list(range(5)), list(range(5, 10))]), ck / "partition.json")
+    with pytest.raises(ValueError, match=r"--guidance 2.5 needs experts with a null label, and .*expert0.* has none"):
+        bench._models(_args(checkpoints=str(ck), guidance=2.5), str(tmp_path))
+    assert bench._models(_args(checkpoints=str(ck)), str(tmp_path))["k"] == 2  # unguided: as before
+    # the flag itself takes what a job's guidance_scale takes
+    for bad in ("21", "-1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            p = argparse.ArgumentParser()
+            bench.add_arguments(p)
+            p.parse_args(["--guidance", bad])
+        assert "--guidance" in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args(["--guidance", "4.5"]).guidance == 4.5 and p.parse_args([]).guidance == 1.0
