@@ -1163,7 +1163,8 @@ def format_table(results: dict) -> str:
         if at_load:
             lines.append(
                 "the limit at each level's load (no expert call can hold more than clients x images per job x "
-                "experts per row / experts rows; each expert's forward read at that batch): "
+                "forward rows per evaluation x experts per row / experts rows; each expert's forward read at that "
+                "batch): "
                 + "; ".join(
                     f"conc {r['concurrency']}: batch {r['limit_at_load']['batch']:g}, "
                     f"{r['limit_at_load']['images_per_s']:.1f} img/s"
