@@ -57,6 +57,7 @@ import os
 import time
 
 from bus.options import add_dtype_option
+from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
 
 from . import step_profile
@@ -135,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=("top1", "topk", "full", "oracle"), default="top1")
     parser.add_argument(
         "--guidance",
-        type=_guidance_scale,
+        type=guidance_scale,
         default=1.0,
         metavar="S",
         help="classifier-free guidance scale of every job, 0-20: 1 = off (default); otherwise each image costs "
@@ -217,13 +218,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", choices=("fleet", "ceiling"), default=None, help="measure one path only")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-
-
-def _guidance_scale(text: str) -> float:
-    """--guidance S: what a job's guidance_scale allows (infra/cmd_generate.py's --guidance)."""
-    from infra.cmd_generate import _guidance_scale as parse
-
-    return parse(text)
 
 
 def _ints(text: str, what: str) -> list[int]:

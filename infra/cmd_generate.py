@@ -60,6 +60,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from client.guidance import guidance_scale
+
 #: Most images one `generate` run takes (about 400 MB of float32 images).
 MAX_RUN_IMAGES = 100_000
 #: Seeds are taken modulo this (the protocol's seed range is [0, 2^63)).
@@ -109,21 +111,6 @@ def _per_job(text: str) -> int:
     return v
 
 
-def _guidance_scale(text: str) -> float:
-    """--guidance S: a finite number in [0, MAX_GUIDANCE_SCALE] (what a job's guidance_scale allows)."""
-    import math
-
-    from schemas.limits import MAX_GUIDANCE_SCALE
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number is needed, got {text!r}") from None
-    if not (math.isfinite(v) and 0.0 <= v <= MAX_GUIDANCE_SCALE):
-        raise argparse.ArgumentTypeError(f"a guidance scale lies in [0, {MAX_GUIDANCE_SCALE:g}] (1 = off), got {text}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option
     from schemas.limits import MAX_GUIDANCE_SCALE, MAX_JOB_IMAGES, MAX_JOB_STEPS
@@ -156,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--guidance",
-        type=_guidance_scale,
+        type=guidance_scale,
         default=1.0,
         metavar="S",
         help=f"classifier-free guidance scale, 0-{MAX_GUIDANCE_SCALE:g}: 1 = off (default), typically 1.5-7; "
