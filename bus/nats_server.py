@@ -232,6 +232,16 @@ def check_config(path: str | os.PathLike, env: dict[str, str] | None = None) -> 
     return message
 
 
+def _logged_ready(path: Path, offset: int) -> bool:
+    """Whether nats-server wrote "Server is ready" to its log `path` past byte `offset` (this start's part)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return b"Server is ready" in f.read()
+    except OSError:
+        return False
+
+
 class NatsServer:
     """A nats-server child process. `extra_config` is appended to the generated config;
     `config_file` replaces it entirely (then `port` must match what it listens on)."""
@@ -247,8 +257,9 @@ class NatsServer:
         env: dict[str, str] | None = None,
     ):
         self.host = host
-        # ports this object chose (not the caller) may be chosen again if another process takes them first
-        self._own_ports = port is None and config_file is None
+        # ports this object chose (not the caller) may be chosen again if another process takes them first,
+        # as long as it writes the config too (`start` checks: a caller may set config_file later)
+        self._chose_port = port is None
         self.port = port or free_port(host)
         self.http_port = free_port(host)
         self.extra_config = extra_config
@@ -265,12 +276,14 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> NatsServer:
         """Start the server and wait until it accepts connections. When this object chose the ports, a server
         that exits at once (another process bound a port between the choice and the start: tests running
-        side by side) is started again on fresh ports, up to 3 times."""
+        side by side) is started again on fresh ports, up to 3 times. With a config file of the caller's, the
+        ports are the caller's: a failed start raises at once."""
+        own_ports = self._chose_port and self.config_file is None
         for attempt in range(3):
             try:
                 return self._start_once(timeout)
             except RuntimeError:
-                if not self._own_ports or attempt == 2:
+                if not own_ports or attempt == 2:
                     raise
                 log.warning("nats-server on %s exited at once; trying fresh ports", self.url)
                 self.port, self.http_port = free_port(self.host), free_port(self.host)
@@ -287,7 +300,16 @@ class NatsServer:
             )
         else:
             cfg = self.config_file
-        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        # With the config ours, readiness is the server's own "Server is ready" line in its log (a log of
+        # our own when the caller gave none): a port that answers may be another process's. With a caller's
+        # config (it may log elsewhere), it is the port answering while the server runs.
+        log_path = Path(self.log_file) if self.log_file else None
+        if log_path is None and self.config_file is None:
+            log_path = Path(self._tmp.name) / "nats.log"
+        ready_log = None
+        if self.config_file is None:
+            ready_log = (log_path, log_path.stat().st_size if log_path.exists() else 0)
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         env = {**os.environ, **self.env} if self.env else None
         try:
             self.proc = subprocess.Popen([find_nats_server(), "-c", str(cfg)], stdout=out, stderr=out, env=env)
@@ -298,11 +320,19 @@ class NatsServer:
         while True:  # fail fast if the server exits (bad config, port taken)
             if self.proc.poll() is not None:
                 code, self.proc = self.proc.returncode, None
-                hint = f"; see {self.log_file}" if self.log_file else "; pass log_file= to see why"
+                hint = f"; see {log_path}" if log_path else "; pass log_file= to see why"
                 raise RuntimeError(f"nats-server exited with {code}; config {cfg}{hint}")
             try:
+                if ready_log is not None:
+                    if not _logged_ready(*ready_log):
+                        if time.monotonic() >= deadline:
+                            raise TimeoutError(f"nats-server did not say it is ready after {timeout}s; see {log_path}")
+                        time.sleep(0.02)
+                        continue
+                    wait_for_port(self.host, self.port, min(0.5, max(deadline - time.monotonic(), 0.01)))
+                    break
                 wait_for_port(self.host, self.port, min(0.5, max(deadline - time.monotonic(), 0.01)))
-                if self.proc.poll() is None:  # the port answers, and not (only) because another process has it
+                if self.proc.poll() is None:
                     break
             except TimeoutError:
                 if time.monotonic() >= deadline:
