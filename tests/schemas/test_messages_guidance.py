@@ -10,20 +10,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import ErrorCode, JobRequest, JobStatus, ProtocolError, StepRequest, loads, pack, unpack
+from schemas import ErrorCode, JobRequest, JobStatus, StepRequest, loads, pack, unpack
+from tests.schemas.test_messages_unconditional import _refused
 
 
 def _wire(kind: str = "job_request", **fields) -> bytes:
     return msgpack.packb({"v": 1, "kind": kind, **fields}, use_bin_type=True)
-
-
-def _refused(data: bytes, cls, code: ErrorCode, *words: str) -> str:
-    with pytest.raises(ProtocolError) as err:
-        unpack(data, cls)
-    assert err.value.code == code, err.value.message
-    for w in words:
-        assert w in err.value.message, err.value.message
-    return err.value.message
 
 
 def test_scale_one_packs_as_before_and_other_scales_round_trip():
