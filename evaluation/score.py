@@ -34,18 +34,28 @@ def prepare_images(images: np.ndarray) -> np.ndarray:
     return np.clip(np.asarray(images, np.float32), -1.0, 1.0)
 
 
+def judge_reads(classifier, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(predicted class [N] int64, features [N, D]) of prepared images: one pass through a judge that has
+    `logits_and_features` (both shipped judges), else its `predict` and `features`."""
+    both = getattr(classifier, "logits_and_features", None)
+    if both is None:
+        return np.asarray(classifier.predict(images), np.int64), classifier.features(images)
+    logits, feats = both(images)
+    return np.asarray(logits).argmax(axis=1).astype(np.int64), feats
+
+
 def score_images(
     classifier, images: np.ndarray, digits: np.ndarray, reference_features: np.ndarray, num_classes: int = 10
 ) -> Score:
     """images [N,1,32,32] in [-1,1], digits [N] requested classes (-1: unconditional, no class asked
     for; accuracy counts only the rows with a digit, nan when there are none), reference_features [M,D]
-    (the same judge's features of the reference set). Works with any judge that has predict/features."""
+    (the same judge's features of the reference set). Works with any judge that has predict/features
+    (or logits_and_features: one pass instead of two)."""
     images = prepare_images(images)
     digits = np.asarray(digits, np.int64)
     if len(images) != len(digits):
         raise ValueError(f"{len(images)} images but {len(digits)} labels")
-    pred = classifier.predict(images)
-    feats = classifier.features(images)
+    pred, feats = judge_reads(classifier, images)
     asked = digits >= 0
     per_class = []
     for c in range(num_classes):

@@ -39,6 +39,7 @@ examples:
   ddm-fleet eval --rescore out/eval                # both judges on those same images, paired tests
   ddm-fleet eval --rescore out/eval --compare ddm-top1,monolith --compare ddm-top1,ddm-full
   ddm-fleet eval --rescore out/eval --bootstrap 1000 --json   # steadier interval ends, machine-readable
+  ddm-fleet eval --rescore out/eval --json-out out/eval/scores.json   # the table, and the numbers kept
 """
 
 from __future__ import annotations
@@ -137,15 +138,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(fixed seed 0; 0 turns them off; default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument(
+        "--json-out",
+        metavar="FILE",
+        default=None,
+        help="also write the results as JSON (what --json prints) to FILE; the table still prints",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import json
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    _check_json_out(args)
     if args.rescore:
         return _rescore(args)
     from evaluation.judges import Judges
@@ -169,11 +176,40 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise SystemExit(f"ddm-fleet eval: {e}") from e
     rows.append(baseline_row(judges, spec))  # real digits scored the same way, for scale
-    if args.json:
-        print(json.dumps([r.as_dict() for r in rows], indent=2))
-    else:
-        print(format_table(rows, spec, judges))
+    _report(args, [r.as_dict() for r in rows], lambda: format_table(rows, spec, judges))
     return 0
+
+
+def _check_json_out(args: argparse.Namespace) -> None:
+    """Refuse a --json-out FILE that cannot be written before any image is generated or judged."""
+    import os
+    from pathlib import Path
+
+    if not getattr(args, "json_out", None):
+        return
+    path = Path(args.json_out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"ddm-fleet eval: --json-out {args.json_out}: {e}") from e
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"ddm-fleet eval: --json-out {args.json_out}: not a file this user can write")
+
+
+def _report(args: argparse.Namespace, doc, table) -> None:
+    """Print the JSON document (--json) or the table (`table()`), and write the document to --json-out."""
+    import json
+    from pathlib import Path
+
+    text = json.dumps(doc, indent=2)
+    print(text if args.json else table())
+    if getattr(args, "json_out", None):
+        try:
+            path = Path(args.json_out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+        except OSError as e:
+            raise SystemExit(f"ddm-fleet eval: --json-out {args.json_out}: {e}") from e
 
 
 def _eval_spec(args: argparse.Namespace, configs, **extra):
@@ -228,8 +264,6 @@ def _generate_then_rescore(args: argparse.Namespace, configs) -> int:
 
 
 def _rescore(args: argparse.Namespace) -> int:
-    import json
-
     from evaluation.judges import Judges
     from evaluation.rescore import (
         UNCONDITIONAL,
@@ -277,41 +311,36 @@ def _rescore(args: argparse.Namespace) -> int:
                 notes.append(f"no unconditional real-digit row: {e}")
     except (SavedImagesError, ValueError) as e:
         raise SystemExit(f"ddm-fleet eval --rescore: {e}") from e
-    if not args.json:
-        print(
-            format_rescore_table(
-                rows,
-                judges,
-                args.rescore,
-                baseline,
-                unconditional_baseline=uncond_baseline,
-                comparisons=pairs_done,
-                notes=notes,
-                resamples=args.bootstrap,
-            )
-        )
-    else:
-        print(
-            json.dumps(
-                {
-                    "judges": {
-                        "judge1_test_accuracy": judges.test_accuracy1,
-                        "judge2_test_accuracy": judges.test_accuracy2,
-                        "test_agreement": judges.test_agreement,
-                        **(
-                            {"data_judge_test_accuracy": judges.test_accuracy_data, "dataset": judges.dataset}
-                            if judges.data_judge is not None
-                            else {}
-                        ),
-                    },
-                    "bootstrap": boot,
-                    "rows": [r.as_dict() for r in rows],
-                    "real_baseline": baseline.as_dict() if baseline is not None else None,
-                    "real_baseline_unconditional": uncond_baseline.as_dict() if uncond_baseline else None,
-                    "comparisons": [c.as_dict() for c in pairs_done],
-                    "notes": notes,
-                },
-                indent=2,
-            )
-        )
+    doc = {
+        "judges": {
+            "judge1_test_accuracy": judges.test_accuracy1,
+            "judge2_test_accuracy": judges.test_accuracy2,
+            "test_agreement": judges.test_agreement,
+            **(
+                {"data_judge_test_accuracy": judges.test_accuracy_data, "dataset": judges.dataset}
+                if judges.data_judge is not None
+                else {}
+            ),
+        },
+        "bootstrap": boot,
+        "rows": [r.as_dict() for r in rows],
+        "real_baseline": baseline.as_dict() if baseline is not None else None,
+        "real_baseline_unconditional": uncond_baseline.as_dict() if uncond_baseline else None,
+        "comparisons": [c.as_dict() for c in pairs_done],
+        "notes": notes,
+    }
+    _report(
+        args,
+        doc,
+        lambda: format_rescore_table(
+            rows,
+            judges,
+            args.rescore,
+            baseline,
+            unconditional_baseline=uncond_baseline,
+            comparisons=pairs_done,
+            notes=notes,
+            resamples=args.bootstrap,
+        ),
+    )
     return 0

@@ -32,6 +32,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # what it keeps is the generated C++ and its builds, about two thirds of a cold compile's CPU.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(sys.prefix) / "cache" / "torchinductor"))
 
+# Bytecode is written (into the git-ignored __pycache__ folders) even where PYTHONDONTWRITEBYTECODE is set,
+# as in many container images: otherwise each test process rewrites the asserts of all ~280 test modules
+# again (7 of a worker's 14 CPU-seconds of collection) and every process a test starts compiles the
+# sources again. Children inherit the cleared variable.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    sys.dont_write_bytecode = False
+
 # wall and CPU seconds per marker tier, printed at the end of a run (tests/timing_report.py)
 pytest_plugins = ["tests.timing_report"]
 

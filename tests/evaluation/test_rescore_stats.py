@@ -150,7 +150,7 @@ def test_unconditional_class_distribution_real_digits_near_uniform_one_digit_far
     assert "| uncond-threes vs uncond-real | judge 2 |" in table and "< 0.02" in table
 
 
-@pytest.mark.slow  # ~40-90 s: two CLI runs, each loading both judges
+@pytest.mark.slow  # ~20-45 s: one CLI run loading both judges
 @pytest.mark.procs
 def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path):
     x, y = load_mnist("test", limit=400)
@@ -168,20 +168,20 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     np.savez_compressed(saved / "uncond-monolith.npz", images=to_uint8(x), labels=np.full(400, -1))
     np.savez_compressed(saved / "uncond-ddm-top1.npz", images=np.resize(x[y == 1], x.shape), labels=np.full(400, -1))
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-
-    def rescore(*extra):
-        out = subprocess.run(
-            [str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", "--bootstrap", "50", *extra],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-            cwd=ROOT,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
-
-    table = rescore()
+    kept = tmp_path / "out" / "scores.json"
+    # one run (each loads both judges): the table on stdout, the same results as JSON in --json-out;
+    # --compare replaces the default pairs (ddm-top1 vs monolith would be the default: here it is reversed)
+    out = subprocess.run(
+        [str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", "--bootstrap", "50", "--json-out", str(kept)]
+        + ["--compare", "monolith,ddm-top1", "--compare", "uncond-ddm-top1,uncond-monolith"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = out.stdout
     assert "(2 conditional, 2 unconditional)" in table
     assert "cond. acc. judge 1 | cond. acc. judge 2 | FID judge 1 | FID judge 2 | judges agree" in table
     assert "TV to uniform judge 1 | TV to uniform judge 2 | FID judge 1 | FID judge 2" in table
@@ -190,10 +190,11 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     assert "| uncond-ddm-top1 | judge 1 | 0.0 | 100.0 | 0.0 |" in table  # its class histogram: all ones
     assert "| 0.000 | 0.0e+00 |" in table  # entropy 0 bits, chi-square p ~ 0
     assert (
-        "| ddm-top1 vs monolith | judge 1 | " in table and "| uncond-ddm-top1 vs uncond-monolith | judge 2 |" in table
+        "| monolith vs ddm-top1 | judge 1 | " in table and "| uncond-ddm-top1 vs uncond-monolith | judge 2 |" in table
     )
+    assert "| ddm-top1 vs monolith |" not in table
 
-    data = json.loads(rescore("--json", "--compare", "ddm-top1,monolith"))
+    data = json.loads(kept.read_text())
     assert data["bootstrap"] == {"resamples": 50, "seed": 0}
     rows = {r["config"]: r for r in data["rows"]}
     assert [r["kind"] for r in data["rows"]] == ["conditional", "conditional", "unconditional", "unconditional"]
@@ -207,12 +208,13 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     assert u["class_distribution_judge2"]["counts"][1] >= 396
     assert data["real_baseline"]["config"] == "real-val"
     assert data["real_baseline_unconditional"]["tv_uniform"] < 0.1
-    (cmp,) = data["comparisons"]  # --compare replaces the default pairs
-    assert (cmp["a"], cmp["b"], cmp["kind"]) == ("ddm-top1", "monolith", "conditional")
+    cmp, ucmp = data["comparisons"]  # the pairs asked for, in that order
+    assert (cmp["a"], cmp["b"], cmp["kind"]) == ("monolith", "ddm-top1", "conditional")
+    assert (ucmp["a"], ucmp["b"], ucmp["kind"]) == ("uncond-ddm-top1", "uncond-monolith", "unconditional")
     m = cmp["mcnemar"]
     # blanked images the monolith reads right, the DDM wrong; nothing the other way round
-    assert m["only_b_right"] >= 30 and m["only_a_right"] == 0 and m["p"] < 1e-9 and m["method"] == "exact binomial"
-    assert cmp["accuracy_difference"]["interval"][1] < 0 and cmp["fid_difference_judge2"]["estimate"] > 0
+    assert m["only_a_right"] >= 30 and m["only_b_right"] == 0 and m["p"] < 1e-9 and m["method"] == "exact binomial"
+    assert cmp["accuracy_difference"]["interval"][0] > 0 and cmp["fid_difference_judge2"]["estimate"] < 0
 
     bad = subprocess.run(
         [str(SCRIPT), "eval", "--rescore", str(saved), "--compare", "ddm-top1,nope"],
@@ -223,3 +225,12 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
         cwd=ROOT,
     )
     assert bad.returncode != 0 and "--compare names nope" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(  # a --json-out that cannot be written fails before any judge is loaded
+        [str(SCRIPT), "eval", "--rescore", str(saved), "--json-out", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert bad.returncode != 0 and "--json-out" in bad.stderr and "Traceback" not in bad.stderr

@@ -121,13 +121,22 @@ def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
 
 @pytest.mark.slow
 @COMPILES
-def test_compiled_experts_give_the_eager_images_within_rounding(tiny_ddm):
+def test_compiled_experts_give_the_eager_images_within_rounding(tmp_path):
     """--compile on: the images a compiled worker would give, within float32 rounding of the eager ones.
     (Digits of expert 0 alone, routed by label in one job: one graph to compile, not one per expert and
-    batch size; tests/workers/test_torch_compile.py covers those.)"""
+    batch size; tests/workers/test_torch_compile.py covers those. The experts have that file's architecture,
+    COMPILED_TINY, so the suite compiles its C++ kernels once.)"""
+    from models.tiny import make_tiny_experts, make_tiny_router
+    from tests.coordinator.helpers import JITTER
+    from tests.workers.test_torch_compile import COMPILED_TINY
+
+    make_tiny_experts(tmp_path, 2, jitter=JITTER, **COMPILED_TINY)
+    make_tiny_router(tmp_path / "router", 2)
+    shutil.copy("checkpoints/partition.json", tmp_path / "partition.json")
     one = dict(strategy="oracle", digits=[0, 1, 2, 3], job_size=4, dtype="float32")
-    eager = _top1_images(tiny_ddm, compile="off", **one)
-    compiled = _top1_images(tiny_ddm, compile="on", **one)
+    eager = _top1_images(tmp_path, compile="off", **one)
+    compiled = _top1_images(tmp_path, compile="on", **one)
+    assert np.abs(eager).max() > 0.1  # images, not an empty canvas
     np.testing.assert_allclose(compiled, eager, atol=1e-4)
 
 
