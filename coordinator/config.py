@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.limits import MAX_GUIDANCE_SCALE
 from schemas.messages import MAX_COORDINATOR_NAME_LEN
 
 #: The most rows one expert request may carry (schemas.MAX_STEP_ROWS; repeated so that building the
@@ -58,6 +59,8 @@ class CoordinatorConfig:
     router: str = "checkpoints/router.safetensors"
     partition: str = "checkpoints/partition.json"
     wait_experts: float = 0.0  # seconds to wait for every expert's workers before serving
+    # the guidance scale of jobs that set none (None: the router JSON's, models.fleet_guidance; 1 = off)
+    default_guidance: float | None = None
     # admission and fair sharing (coordinator.scheduler.SchedulerConfig)
     max_rows: int = 1024
     max_queued_jobs: int = 256
@@ -171,6 +174,15 @@ class CoordinatorConfig:
                     + f", got {value!r}"
                     + (" (0 on the command line: no limit)" if flag == "--max-job-run-s" else "")
                 )
+        if self.default_guidance is not None and (
+            isinstance(self.default_guidance, bool)
+            or not isinstance(self.default_guidance, (int, float))
+            or not 0.0 <= self.default_guidance <= MAX_GUIDANCE_SCALE
+        ):
+            raise ValueError(
+                f"--default-guidance must be a number in [0, {MAX_GUIDANCE_SCALE:g}] (1 = off), "
+                f"got {self.default_guidance!r}"
+            )
         if not isinstance(self.wait_experts, (int, float)) or self.wait_experts < 0:
             raise ValueError(f"--wait-experts must be >= 0 seconds (0: don't wait), got {self.wait_experts!r}")
         for flag, value, choices in (
@@ -613,6 +625,14 @@ _OPTIONS: tuple[_Option, ...] = (
         help="with --durable: copies of each KV bucket on the servers of a JetStream cluster (default "
         "%(default)s; 1-5). Use 3 with the shipped 3-node cluster.conf, so that jobs survive the loss of a "
         "NATS node; a single server takes only 1. Fixed by the coordinator that creates the buckets",
+    ),
+    _Option(
+        "default_guidance",
+        type=float,
+        metavar="S",
+        help="classifier-free guidance scale of the jobs that set no guidance_scale (1 = off; default: the "
+        'router JSON\'s "guidance": {"default_scale": S}, the scale the fleet\'s judges chose, else 1). A '
+        "job's own guidance_scale, 1 included, always wins",
     ),
     _Option(
         "wait_experts",

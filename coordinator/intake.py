@@ -270,7 +270,7 @@ class Intake:
             await self._refused(msg, ErrorCode.RATE_LIMITED, reason)
             return
         try:
-            request = unpack(msg.data, JobRequest)
+            request = self.coord.with_fleet_defaults(unpack(msg.data, JobRequest))
         except ProtocolError as err:
             await self._refused(msg, err.code, err.message)
             return

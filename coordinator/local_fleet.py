@@ -211,12 +211,15 @@ class LocalFleet:
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike = DEFAULT_DIR, **kw) -> LocalFleet:
+        from models.fleet_guidance import fleet_default_guidance
+
         from .service import load_router_and_partition, router_spec
 
         paths = shipped_paths(directory)
         router, k, c2e = load_router_and_partition(paths["router"], paths["partition"])
         options = dict(kw.get("coordinator_options") or {})
         options.setdefault("spec", router_spec(paths["router"]))
+        options.setdefault("fleet_guidance", fleet_default_guidance(paths["router"]))
         kw["coordinator_options"] = options
         if "decoder_checkpoint" not in kw:  # a latent fleet decodes with the autoencoder beside it
             from models.codec import fleet_codec

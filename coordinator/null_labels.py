@@ -91,7 +91,7 @@ class NullLabelProbes:
             raise Rejected(
                 ErrorCode.BAD_REQUEST,
                 (
-                    f"guidance_scale {request.guidance_scale:g} (classifier-free guidance) evaluates each image "
+                    f"guidance_scale {request.guidance:g} (classifier-free guidance) evaluates each image "
                     f"with the null label too, but expert{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} "
                     f"of this fleet {'have' if len(lacking) > 1 else 'has'} no null label (its worker said: "
                     f"{self.known[lacking[0]][1]}): send guidance_scale 1, or serve experts trained with "
@@ -122,7 +122,7 @@ class NullLabelProbes:
             raise Rejected(
                 ErrorCode.BAD_REQUEST,
                 (
-                    f"guidance_scale {request.guidance_scale:g} (classifier-free guidance) needs expert workers that "
+                    f"guidance_scale {request.guidance:g} (classifier-free guidance) needs expert workers that "
                     f"serve it, but a worker of expert{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} does "
                     "not say so in its service metadata (an older ddm-fleet): upgrade the workers, or send "
                     "guidance_scale 1"

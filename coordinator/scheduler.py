@@ -111,17 +111,13 @@ def job_cost(request: JobRequest, num_experts: int) -> int:
 
 def _guided_note(request: JobRequest) -> str:
     """The words a cost message adds for the null-label twins of a guided job's rows; "" for other jobs."""
-    return (
-        f" + {request.n_guided} null-label twins (guidance_scale {request.guidance_scale:g})"
-        if request.n_guided
-        else ""
-    )
+    return f" + {request.n_guided} null-label twins (guidance_scale {request.guidance:g})" if request.n_guided else ""
 
 
 def _with_guidance(progress: dict, request: JobRequest) -> dict:
     """`progress` (a job_progress dict) with the job's `guidance_scale` when it asked for one other than 1."""
-    if request.guidance_scale != 1.0:
-        progress["guidance_scale"] = float(request.guidance_scale)
+    if request.guidance != 1.0:
+        progress["guidance_scale"] = request.guidance
     return progress
 
 
@@ -698,7 +694,7 @@ class Scheduler:
                 route_w=None if cp.route_w is None else np.array(cp.route_w, np.float64),
                 routed_at=int(cp.routed_at),
                 seed=int(cp.seed),
-                guidance=float(req.guidance_scale),  # the request is in the checkpoint: a take-over keeps it
+                guidance=req.guidance,  # the request is in the checkpoint: a take-over keeps it
             )
             group.usage = np.array(cp.usage, np.int64)
         starts_now = self._starts_now(client, n)
@@ -840,7 +836,7 @@ class Scheduler:
                 top_k=req.top_k,
                 num_experts=cfg.num_experts,
                 oracle_expert=np.array([c2e[y] if c2e is not None and y >= 0 else -1 for y in job.digits], np.int64),
-                guidance=float(req.guidance_scale),
+                guidance=req.guidance,
             )
         if req.report_dtypes and job.group.answered is None:
             job.group.answered = [set() for _ in range(cfg.num_experts)]

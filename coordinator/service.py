@@ -106,10 +106,13 @@ class Coordinator:
         nats_url: str | None = None,
         transport: Transport | None = None,
         spec: ModelSpec | None = None,
+        fleet_guidance: float = 1.0,
         **settings: Any,
     ):
         cfg = config or CoordinatorConfig()
         self.settings = cfg = cfg.replace(**settings) if settings else cfg
+        # the guidance scale of jobs that set none: --default-guidance, else the fleet's (its router JSON's)
+        self.default_guidance = float(cfg.default_guidance if cfg.default_guidance is not None else fleet_guidance)
         if nc is None and nats_url is None and cfg.nats is None:
             raise ValueError("give nc (a nats-py connection) or nats_url")
         # The fleet's model spec: given (from the router checkpoint: checked against every worker at
@@ -154,8 +157,11 @@ class Coordinator:
     @classmethod
     def from_files(cls, router_path, partition_path, config: CoordinatorConfig | None = None, **kw) -> Coordinator:
         """A coordinator of the router and partition files, serving the router's model spec."""
+        from models.fleet_guidance import fleet_default_guidance
+
         router, k, c2e = load_router_and_partition(router_path, partition_path)
         kw.setdefault("spec", router_spec(router_path))
+        kw.setdefault("fleet_guidance", fleet_default_guidance(router_path))
         return cls(router, config, num_experts=k, class_to_expert=c2e, **kw)
 
     # the parts' counters and settings, under their old names
@@ -376,10 +382,18 @@ class Coordinator:
         """Queue a job of `client` without NATS for the request (events still go to its events
         subject, in `client`'s namespace). Returns JobAccepted; raises scheduler.Rejected."""
         assert self.engine is not None, "enter the context first"
+        request = self.with_fleet_defaults(request)
         await self.null_labels.check(request)
         accepted, publish = self.admit(request, subjects.check_client(client))
         await publish
         return accepted
+
+    def with_fleet_defaults(self, request: JobRequest) -> JobRequest:
+        """`request` with what it leaves to the fleet filled in: a job without a guidance_scale gets the
+        fleet's default (when that is not 1), which is then part of the job (its durable snapshot too)."""
+        if request.guidance_scale is None and self.default_guidance != 1.0:
+            return request.model_copy(update={"guidance_scale": self.default_guidance})
+        return request
 
     def admit(self, request: JobRequest, client: str):
         """Admit `client`'s job now (no await): (JobAccepted as the client sees it, the awaitable that

@@ -147,6 +147,14 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
+class WeakJudgeError(ValueError):
+    """A trained judge below the accuracy asked for; `.judge` is it, for a look (or a save) all the same."""
+
+    def __init__(self, message: str, judge):
+        super().__init__(message)
+        self.judge = judge
+
+
 class JaxClassifier:
     """Judge 2: numpy in, numpy out, CPU, same input convention as judge 1 ([N,1,32,32] in [-1,1])."""
 
@@ -314,5 +322,5 @@ class JaxClassifier:
         }
         log.info("judge 2 test accuracy %.4f after %d epochs (%.0fs)", acc, epochs, seconds)
         if acc < min_accuracy:
-            raise ValueError(f"judge 2 reached only {acc:.4f} test accuracy (< {min_accuracy}); train longer")
+            raise WeakJudgeError(f"judge 2 reached only {acc:.4f} test accuracy (< {min_accuracy}); train longer", clf)
         return clf

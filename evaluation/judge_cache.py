@@ -7,11 +7,13 @@ keeps them in `<data dir>/judge-references/<key>.npz`, where the key is a SHA-25
 (every tensor, bit for bit) and of the images themselves: another judge, retrained weights or other
 reference images give another key, so a kept file is only ever the same computation's result. A file
 that cannot be read is computed again; a directory that cannot be written is skipped (computed each time);
-the 8 most recently used readings are kept (10-15 MB each for the 10k MNIST test digits).
+the 8 most recently used readings are kept (10-15 MB each for the 10k MNIST test digits). Processes that
+need the same reading at once compute it once: the others wait on a lock file beside it, then read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -69,20 +71,57 @@ def logits_and_features(
     except Exception as err:  # a judge this module cannot fingerprint: read, keep nothing
         log.info("judge reference not kept (%r)", err)
         return judge.logits_and_features(images)
+    kept = _read(path, len(images))
+    if kept is not None:
+        return kept
+    with _computing(path):  # another process reading the same images waits for this one's file
+        kept = _read(path, len(images), quiet=True)  # ... or this one for another's
+        if kept is not None:
+            return kept
+        logits, feats = judge.logits_and_features(images)
+        _keep(path, logits, feats)
+    return logits, feats
+
+
+def _read(path: Path, n: int, quiet: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """The kept reading of `n` images at `path`, or None (missing, or unreadable: computed again)."""
     try:
         with np.load(path) as kept:
             logits, feats = kept["logits"], kept["features"]
-        if len(logits) == len(feats) == len(images):
+        if len(logits) == len(feats) == n:
             _touch(path)
             return logits, feats
-        log.warning("judge reference %s does not match its images: computing it again", path)
+        if not quiet:
+            log.warning("judge reference %s does not match its images: computing it again", path)
     except FileNotFoundError:
         pass
     except Exception as err:  # a truncated or foreign file: compute again, overwrite
-        log.warning("judge reference %s unreadable (%r): computing it again", path, err)
-    logits, feats = judge.logits_and_features(images)
-    _keep(path, logits, feats)
-    return logits, feats
+        if not quiet:
+            log.warning("judge reference %s unreadable (%r): computing it again", path, err)
+    return None
+
+
+@contextlib.contextmanager
+def _computing(path: Path):
+    """Hold an exclusive lock on `<path>.lock` while computing the reading for `path`, so that evaluations
+    started side by side compute it once; where no lock can be taken (a read-only directory, no fcntl),
+    each computes its own."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a+b")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        handle.close()  # closing releases the lock
 
 
 def _keep(path: Path, logits: np.ndarray, feats: np.ndarray) -> None:
@@ -119,6 +158,7 @@ def _prune(directory: Path) -> None:
         kept = sorted(directory.glob("*.npz"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in kept[MAX_KEPT:]:
             old.unlink()
+            old.with_suffix(".lock").unlink(missing_ok=True)
             log.info("judge reference %s dropped (least recently used of more than %d)", old.name, MAX_KEPT)
     except OSError:  # another process pruned it first, or no right to: not ours to fail on
         pass

@@ -42,6 +42,13 @@ class Config:
             return cls(f"ddm-{t}", "ddm", "topk", int(t[3:]))
         raise ValueError(f"unknown configuration {text!r}: use monolith, top1, top2 (topK), full, oracle or sample")
 
+    def guided(self, scale: float) -> Config:
+        """This configuration's row at guidance `scale`: DDM rows are named `<name>-cfgS` (as the in-process
+        sampler's files) when S is not 1; a monolith row is unchanged (it runs unguided)."""
+        if self.model != "ddm" or scale == 1.0:
+            return self
+        return Config(f"{self.name}-cfg{scale:g}", self.model, self.strategy, self.top_k)
+
 
 @dataclass
 class EvalSpec:
@@ -60,6 +67,9 @@ class EvalSpec:
     device: str | None = None  # the local fleet's worker device (cuda, cuda:1, ...); None = the CPU
     num_classes: int = 10  # classes asked for, per_class of each (a prepared dataset's class count)
     dtype: str = "auto"  # the local fleet's experts: "auto" | "float32" | "bfloat16" (`models.precision`)
+    # the DDM rows' classifier-free guidance scale, sent with every job (1: off, also on a fleet whose default
+    # guides, so that a row is what its name says); monolith rows stay at 1
+    guidance: float = 1.0
 
 
 @dataclass
@@ -124,6 +134,7 @@ async def generate_through_fleet(nc, digits: np.ndarray, cfg: Config, spec: Eval
             top_k=cfg.top_k,
             seed=spec.seed + j,
             stream=False,
+            guidance_scale=spec.guidance if cfg.model == "ddm" else 1.0,
         )
         done = await run_job(nc, req, timeout=3600)
         if bar is not None:

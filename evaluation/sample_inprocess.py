@@ -11,7 +11,8 @@ the router asked at every evaluation. Unconditional rows (y = -1) use the same s
 unconditional file pairs row for row with its conditional one. Classifier-free guidance (`--guidance S`,
 as a job's `guidance_scale`) pairs each labelled row with its null-label twin in every expert's forward
 and combines them with `flow.guidance`, as the fleet's workers do, so a guided job's images are the
-fleet's bit for bit where the experts see the same batches (one job alone; files named `<config>-cfgS`).
+fleet's bit for bit where the experts see the same batches (one job alone; files named `<config>-cfgS`;
+`--guidance 1,1.5,2,3,4` sweeps the scales over the same digits and seeds).
 
 Each configuration is written as `<name>.npz` in the format `ddm-fleet eval --save-images` writes
 (`images` [N, C, H, W] in the checkpoints' spec shape (MNIST: [N, 1, 32, 32]), `labels` [N]
@@ -112,13 +113,9 @@ def guided_forward(forward, k: int, x: np.ndarray, t: np.ndarray, y: np.ndarray,
     """forward(k, x, t, y) -> v [B, C, H, W] with classifier-free guidance at `scale` (1: forward itself):
     labelled rows ride with their null-label twins in the one call (`flow.guidance.add_null_twins`) and are
     combined by `flow.guidance.fold_twins`, the same rows in the same order as an expert worker forwards them."""
-    from flow.guidance import add_null_twins, fold_twins, guided_rows
+    from flow.guidance import guided_velocity
 
-    if scale == 1.0:
-        return forward(k, x, t, y)
-    s = np.full(len(y), scale, np.float32)
-    twins = guided_rows(y, s)
-    return fold_twins(forward(k, *add_null_twins(x, t, y, twins)), twins, s)
+    return guided_velocity(lambda *batch: forward(k, *batch), x, t, y, scale)
 
 
 def _ddm_velocity(
@@ -309,6 +306,17 @@ def latent_decoder(spec, args) -> object | None:
     return None if path is None else load_codec(str(path), device=args.device)
 
 
+def _scales(text: str) -> tuple[float, ...]:
+    """argparse type of --guidance: "2" or "1,1.5,2,3,4" -> distinct scales in the order given."""
+    try:
+        scales = tuple(dict.fromkeys(float(part) for part in text.split(",") if part.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--guidance takes a scale or a comma list of scales, got {text!r}") from None
+    if not scales:
+        raise argparse.ArgumentTypeError("--guidance is empty")
+    return scales
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
     from bus.options import add_deprecated_alias, add_dtype_option
@@ -342,11 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
     p.add_argument(
         "--guidance",
-        type=float,
-        default=1.0,
-        metavar="S",
+        type=_scales,
+        default=(1.0,),
+        metavar="S[,S...]",
         help="classifier-free guidance scale, as a job's guidance_scale: 1 = off, typically 1.5-7, 0-20; needs "
-        "checkpoints with a null label; files are named <config>-cfgS (default %(default)s)",
+        "checkpoints with a null label; files are named <config>-cfgS. A comma list is a sweep: every "
+        "configuration at every scale, the same digits and seeds (default 1)",
     )
     p.add_argument(
         "--solver",
@@ -401,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configs = parse_configs(args.configs, args.checkpoints, args.monolith, args.distilled, args.unconditional)
     try:
-        configs = with_guidance(configs, args.guidance)
+        configs = [c for scale in args.guidance for c in with_guidance(configs, scale)]
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     spec = checkpoints_spec(configs, args.checkpoints)
@@ -444,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config": cfg.__dict__,
             "steps": args.steps,
             "solver": args.solver,
-            "guidance": args.guidance,
+            "guidance": cfg.guidance,
             "seed": args.seed,
             "job_size": args.images_per_job,
             "per_class": args.per_class,

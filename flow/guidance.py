@@ -15,6 +15,7 @@ unconditional row (y = -1) already is the null prediction, so it is never double
     rows = guided_rows(y, scale)                       # [G] rows that get a null twin
     x2, t2, y2 = add_null_twins(x, t, y, rows)         # [B + G]: the rows, then their twins (y = -1)
     v = fold_twins(model(x2, t2, y2), rows, scale)     # [B]: guided where asked, as computed elsewhere
+    v = guided_velocity(model, x, t, y, scale)         # the three lines above in one
 
 Arrays: x, v [B, C, H, W] float32; t [B] float32; y [B] int; scale [B] float32 (one per row).
 """
@@ -86,3 +87,14 @@ def fold_twins(v: np.ndarray, rows: np.ndarray, scale) -> np.ndarray:
     out = np.array(v[:n], dtype=np.float32)  # a copy: the guided rows are written below
     out[rows] = guide(out[rows], v[n:], _scale_rows(scale, n)[rows])
     return out
+
+
+def guided_velocity(forward, x: np.ndarray, t: np.ndarray, y: np.ndarray, scale) -> np.ndarray:
+    """forward(x, t, y) -> v [B, C, H, W] with classifier-free guidance at `scale` (a scalar or [B]; 1: the
+    forward itself, untouched): the guided rows and their null twins go through `forward` in one call, the
+    rows first, then the twins, as an expert worker forwards them."""
+    s = _scale_rows(scale, len(y))
+    if not (s != np.float32(1.0)).any():
+        return forward(x, t, y)
+    rows = guided_rows(y, s)
+    return fold_twins(forward(*add_null_twins(x, t, y, rows)), rows, s)

@@ -82,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
             router_spec,
             wait_for_experts,
         )
+        from models.fleet_guidance import fleet_default_guidance
 
         router, k, c2e = load_router_and_partition(config.router, config.partition)
         spec = router_spec(config.router)
+        fleet_guidance = fleet_default_guidance(config.router)
         nc = await connect(config.nats, name="ddm-coordinator", reconnect="forever", pending_size=64 * 1024 * 1024)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -95,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"waiting up to {config.wait_experts:g} s for workers of {k} experts ...", flush=True)
                 await wait_for_experts(nc, k, timeout=config.wait_experts)
             try:
-                coordinator = Coordinator(router, config, num_experts=k, class_to_expert=c2e, nc=nc, spec=spec)
+                coordinator = Coordinator(
+                    router, config, num_experts=k, class_to_expert=c2e, nc=nc, spec=spec, fleet_guidance=fleet_guidance
+                )
                 await coordinator.__aenter__()
             except FleetSpecError as err:
                 print(f"ddm-fleet coordinator: {err}", file=sys.stderr, flush=True)
@@ -119,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"ready: coordinator for {k} experts on {redacted(config.nats)} (max {config.max_rows} rows, "
                     f"{config.max_queued_jobs} queued jobs; {shape} {coord.spec.space}, "
-                    f"{coord.spec.num_classes} classes)"
+                    f"{coord.spec.num_classes} classes"
+                    + (f", default guidance {coord.default_guidance:g}" if coord.default_guidance != 1.0 else "")
+                    + ")"
                     + (f" metrics=:{coord.metrics_port}/metrics" if coord.metrics_port else ""),
                     flush=True,
                 )

@@ -35,6 +35,7 @@ examples:
   ddm-fleet eval --rescore out/colour --data data/colour-mnist   # saved colour images, all judges
   ddm-fleet eval                                   # monolith, top1, top2, full, oracle
   ddm-fleet eval --configs top1,oracle --per-class 20 --steps 20
+  ddm-fleet eval --configs top1 --guidance 2 --checkpoints ck-null    # guided DDM rows (ddm-top1-cfg2)
   ddm-fleet eval --save-images out/eval --json     # keep the images for an independent re-score
   ddm-fleet eval --rescore out/eval                # both judges on those same images, paired tests
   ddm-fleet eval --rescore out/eval --compare ddm-top1,monolith --compare ddm-top1,ddm-full
@@ -45,6 +46,8 @@ examples:
 from __future__ import annotations
 
 import argparse
+
+from client.guidance import guidance_scale
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --rescore: bootstrap resamples for the FID/TV intervals and paired differences "
         "(fixed seed 0; 0 turns them off; default %(default)s)",
     )
+    parser.add_argument(
+        "--guidance",
+        type=guidance_scale,
+        default=1.0,
+        metavar="S",
+        help="classifier-free guidance scale of the DDM rows (1 = off, the default, also on a fleet whose default "
+        "guides; rows named <config>-cfgS); needs experts with a null label; monolith rows stay unguided",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument(
         "--json-out",
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     from evaluation.run import Config, baseline_row, evaluate, format_table
 
     try:
-        configs = [Config.parse(c) for c in args.configs.split(",") if c.strip()]
+        configs = [Config.parse(c).guided(args.guidance) for c in args.configs.split(",") if c.strip()]
     except ValueError as e:
         raise SystemExit(f"ddm-fleet eval: {e}") from e
     if args.per_class < 2 or args.steps < 1:
@@ -230,6 +241,7 @@ def _eval_spec(args: argparse.Namespace, configs, **extra):
         progress=not args.no_progress,
         device=args.device,
         dtype=args.dtype,
+        guidance=args.guidance,
         **extra,
     )
 

@@ -40,11 +40,12 @@ label (`train-expert --label-dropout > 0`); a fleet whose experts have none refu
 (`bad_request`). --strategy oracle needs the label, so it is refused with --unconditional. Their
 label is -1 in the .npz `labels` and in --json.
 
---guidance S: classifier-free guidance at scale S (0-20; 1, the default, is off; typically 1.5-7),
-the jobs' `guidance_scale`: each labelled image's velocity is v(x, null) + S (v(x, y) - v(x, null)) at
-every routed expert, one more expert evaluation per image. Every expert needs a null label (as for
---unconditional), and the fleet's workers must serve guidance; otherwise the fleet refuses the job
-(`bad_request`). Unconditional images are not guided.
+--guidance S: classifier-free guidance at scale S (0-20; 1 is off; typically 1.5-7), the jobs'
+`guidance_scale`: each labelled image's velocity is v(x, null) + S (v(x, y) - v(x, null)) at every
+routed expert, one more expert evaluation per image. Without --guidance the fleet's default applies
+(the scale its judges chose, kept in its router.json; 1 for a fleet that names none). Every expert
+needs a null label (as for --unconditional), and the fleet's workers must serve guidance; otherwise
+the fleet refuses the job (`bad_request`). Unconditional images are not guided.
 
 --out: .png writes one grid (images in rows of --per-row; grey for one channel, RGB for three);
 .npz writes `images` float32 [N, C, H, W] in the spec's value range (e.g. [-1, 1]), `labels` int64
@@ -144,10 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--guidance",
         type=guidance_scale,
-        default=1.0,
+        default=None,
         metavar="S",
-        help=f"classifier-free guidance scale, 0-{MAX_GUIDANCE_SCALE:g}: 1 = off (default), typically 1.5-7; "
-        "needs experts with a null label (train-expert --label-dropout > 0)",
+        help=f"classifier-free guidance scale, 0-{MAX_GUIDANCE_SCALE:g}: 1 = off, typically 1.5-7 (default: the "
+        "fleet's, 1 where it names none); needs experts with a null label (train-expert --label-dropout > 0)",
     )
     parser.add_argument(
         "--strategy",
@@ -295,7 +296,7 @@ def plan_requests(args: argparse.Namespace, spec=None) -> tuple[list, int | None
         solver=args.solver,
         stream=True,
         frame_every=max(1, args.steps // 100),
-        guidance_scale=getattr(args, "guidance", 1.0),
+        **({"guidance_scale": args.guidance} if getattr(args, "guidance", None) is not None else {}),
     )
     if n <= args.images_per_job:  # one job, exactly as the coordinator runs a single request
         what = {"count": args.count} if classes is None else job_labels(spec, classes)
@@ -376,7 +377,18 @@ def save_output(result: RunResult, path: str, per_row: int, spec=None) -> None:
         write_grid(path, images, nrow=min(per_row, len(result.labels)))
 
 
-def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None, guidance: float = 1.0) -> dict:
+def _local_guidance(args: argparse.Namespace) -> float:
+    """The scale the local fleet of --checkpoints will use: --guidance, else the fleet's default."""
+    from pathlib import Path
+
+    from models.fleet_guidance import fleet_default_guidance
+
+    if args.guidance is not None:
+        return args.guidance
+    return fleet_default_guidance(Path(args.checkpoints) / "router.json")
+
+
+def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None, guidance: float | None = None) -> dict:
     """The --json summary: per image its index, label (-1 = unknown), class name ("?" when unknown), expert
     usage, and on the ten-digit (MNIST) fleet `digit` as well (as v1 printed it); `guidance` (the scale)
     only for a guided run."""
@@ -406,7 +418,7 @@ def summary(result: RunResult, steps: int, strategy: str, path: str, spec=None, 
         "images": [image(i, int(c)) for i, c in enumerate(result.labels)],
         "notes": list(result.notes),
     }
-    if guidance != 1.0:
+    if guidance is not None and guidance != 1.0:
         out["guidance"] = guidance
     return out
 
@@ -595,7 +607,7 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"starting a local fleet from {args.checkpoints}/ ...", file=sys.stderr, flush=True)
             rows = min(n_images, args.images_per_job * args.jobs_in_flight)
-            rows *= 2 if args.guidance != 1.0 else 1  # guided rows ride with their null twins
+            rows *= 2 if _local_guidance(args) != 1.0 else 1  # guided rows ride with their null twins
             async with LocalFleet.from_dir(
                 args.checkpoints, buckets=local_buckets(rows), dtype=getattr(args, "dtype", "auto")
             ) as fleet:

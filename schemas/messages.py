@@ -404,12 +404,18 @@ class JobRequest(Message):
     # (the decoded images); None = no previews
     preview_every: int | None = Field(default=None, ge=1, le=MAX_JOB_STEPS)
     return_latents: bool = False  # latent fleets only: `done` also carries `latents` (the final samples)
-    # classifier-free guidance scale s (`flow.guidance`): 1 = off; only with experts that have a null label
-    guidance_scale: float = 1.0
+    # classifier-free guidance scale s (`flow.guidance`): 1 = off; only with experts that have a null label.
+    # None (left out): the fleet's default scale (`models.fleet_guidance`; 1 for a fleet that names none)
+    guidance_scale: float | None = None
 
     @field_validator("guidance_scale", mode="before")
     @classmethod
     def _check_guidance_scale(cls, value: Any) -> Any:
+        if value is None:  # one way to leave the choice to the fleet: leave the key out
+            raise _err(
+                ErrorCode.BAD_REQUEST,
+                "guidance_scale must be a number (1 = no guidance); leave it out for the fleet's default",
+            )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not (0.0 <= float(value) <= MAX_GUIDANCE_SCALE):  # NaN fails this too
                 raise _err(
@@ -423,7 +429,7 @@ class JobRequest(Message):
     def _omit_new_defaults(self, handler):  # not on the wire unless used: older coordinators refuse unknown keys
         out = handler(self)
         if isinstance(out, dict):
-            if self.guidance_scale == 1.0:
+            if self.guidance_scale is None:
                 out.pop("guidance_scale", None)
             if not self.frame_x1:
                 out.pop("frame_x1", None)
@@ -494,7 +500,13 @@ class JobRequest(Message):
     def n_guided(self) -> int:
         """Rows that classifier-free guidance doubles (each evaluated with its label and the null label):
         the rows with a known label when `guidance_scale` is not 1, else 0."""
-        return 0 if self.guidance_scale == 1.0 else self.n_images - self.n_unconditional
+        return 0 if self.guidance == 1.0 else self.n_images - self.n_unconditional
+
+    @property
+    def guidance(self) -> float:
+        """The scale this request asks for: `guidance_scale`, or 1 (off) when it leaves the choice to the
+        fleet and no coordinator has filled in the fleet's default (`Coordinator.with_fleet_defaults`)."""
+        return 1.0 if self.guidance_scale is None else float(self.guidance_scale)
 
 
 class _Labelled(Message):

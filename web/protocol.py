@@ -315,7 +315,8 @@ def _deadline(value: Any, ref: Any) -> float:
 
 def _guidance_scale(value: Any, ref: Any) -> float:
     """A page's `guidance_scale`: a finite JSON number (not a string, not a boolean) from 0 to
-    MAX_GUIDANCE_SCALE; 1 is no guidance (JobRequest then leaves it off the wire). Raises BadInput saying
+    MAX_GUIDANCE_SCALE; 1 is no guidance (also on a fleet with a default scale; a page that sends none gets the
+    fleet's default). Raises BadInput saying
     the bounds. Whether the fleet can guide (its experts need a null label) is the coordinator's to say."""
     bounds = f"0-{MAX_GUIDANCE_SCALE:g}, 1 = off"
     if isinstance(value, bool) or not isinstance(value, (int, float)):

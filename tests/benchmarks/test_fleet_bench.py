@@ -319,7 +319,8 @@ async def test_guidance_goes_into_every_job_the_setup_and_the_limit_counts_two_r
     )
     args.concurrency_list = [2]
     assert [make(0).guidance_scale for make in bench._requests(args, 2, "t")] == [3.0, 3.0]
-    assert bench._requests(_args(), 1, "t")[0](0).model_dump().get("guidance_scale") is None  # off: not sent
+    # off, said on the wire: a fleet whose default guides would otherwise double the rows the bench counts
+    assert bench._requests(_args(), 1, "t")[0](0).model_dump().get("guidance_scale") == 1.0
     threads = torch.get_num_threads()
     try:
         res = await bench.bench_fleet(args)

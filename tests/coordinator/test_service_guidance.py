@@ -83,6 +83,34 @@ async def test_a_guided_job_alone_is_the_in_process_samplers_bit_for_bit(nats_ur
     np.testing.assert_array_equal(plain, _in_process(ddm, digits, 11, 3, "euler", 1.0))  # s = 1: as before
 
 
+async def test_a_job_without_a_scale_gets_the_fleets_default_and_an_explicit_one_turns_it_off(nats_url, ddm, tmp_path):
+    """The router JSON names a default scale (`models.fleet_guidance`): a job that sets none is guided at it,
+    exactly as one that asks for it; guidance_scale 1 runs unguided; --default-guidance overrides the JSON."""
+    from models.fleet_guidance import fleet_default_guidance, set_default_guidance
+
+    fleet_dir = tmp_path / "fleet"
+    shutil.copytree(ddm, fleet_dir)
+    set_default_guidance(fleet_dir / "router.json", SCALE, chosen_by="a test")
+    assert fleet_default_guidance(fleet_dir / "router.safetensors") == SCALE
+    digits = [2, 7, U]
+    async with LocalFleet.from_dir(fleet_dir, dtype="float32", nats_url=nats_url) as fleet:
+        assert fleet.coordinator.default_guidance == SCALE
+        unset = (await run_job(fleet.nc, JobRequest(digits=digits, seed=5, steps=2), timeout=120)).images
+        asked = JobRequest(digits=digits, seed=5, steps=2, guidance_scale=SCALE)
+        np.testing.assert_array_equal(unset, (await run_job(fleet.nc, asked, timeout=120)).images)
+        off = JobRequest(digits=digits, seed=5, steps=2, guidance_scale=1.0)
+        off_images = (await run_job(fleet.nc, off, timeout=120)).images
+    np.testing.assert_array_equal(unset, _in_process(ddm, digits, 5, 2, "euler", SCALE))
+    # off: the unguided images (to float rounding: this job's rows may reach the workers in other batches)
+    np.testing.assert_allclose(off_images, _in_process(ddm, digits, 5, 2, "euler", 1.0), atol=1e-5)
+    assert np.abs(off_images[:2] - unset[:2]).max() > 1e-3  # the labelled rows were guided, then not
+    options = {"coordinator_options": {"default_guidance": 1.0}}  # the command line's --default-guidance 1
+    async with LocalFleet.from_dir(fleet_dir, dtype="float32", nats_url=nats_url, **options) as fleet:
+        assert fleet.coordinator.default_guidance == 1.0
+        plain = (await run_job(fleet.nc, JobRequest(digits=digits, seed=5, steps=2), timeout=120)).images
+    np.testing.assert_allclose(plain, off_images, atol=1e-5)
+
+
 class _SimExperts:
     """The sim backends of the DDM's experts in this process, as `evaluation.sample_inprocess._Experts`."""
 

@@ -133,3 +133,27 @@ def test_only_the_most_recently_used_readings_are_kept(tmp_path, monkeypatch):
     assert judge.passes == 3
     logits_and_features(judge, second, tmp_path)
     assert judge.passes == 4
+
+
+def test_readers_side_by_side_compute_the_reading_once(tmp_path):
+    """Evaluations started together (several processes, here threads: each opens the lock file itself) wait
+    for the first one's reading instead of each computing it."""
+    import threading
+    import time
+
+    class SlowJudge(CountingJudge):
+        def logits_and_features(self, images):
+            time.sleep(0.3)  # long enough for every reader to arrive while the first computes
+            return super().logits_and_features(images)
+
+    judge, x = SlowJudge(0), _images()
+    got = []
+    readers = [threading.Thread(target=lambda: got.append(logits_and_features(judge, x, tmp_path))) for _ in range(3)]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(timeout=30)
+    assert len(got) == 3 and judge.passes == 1
+    for logits, feats in got[1:]:
+        np.testing.assert_array_equal(logits, got[0][0])
+        np.testing.assert_array_equal(feats, got[0][1])

@@ -292,4 +292,8 @@ def test_guidance_names_the_files_and_refuses_bad_scales():
     for bad in (-1.0, 20.5, float("nan")):
         with pytest.raises(ValueError, match="--guidance"):
             with_guidance(configs, bad)
-    assert build_parser().parse_args(["--out", "x", "--guidance", "3"]).guidance == 3.0
+    assert build_parser().parse_args(["--out", "x", "--guidance", "3"]).guidance == (3.0,)
+    assert build_parser().parse_args(["--out", "x", "--guidance", "1,1.5,2,1.5"]).guidance == (1.0, 1.5, 2.0)
+    assert build_parser().parse_args(["--out", "x"]).guidance == (1.0,)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", "x", "--guidance", "2,x"])

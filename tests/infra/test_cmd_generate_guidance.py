@@ -37,7 +37,10 @@ def test_plan_carries_the_scale_and_the_summary_says_it():
     reqs, _ = plan_requests(_args("--digits", "3,7,1", "--seed", "2", "--guidance", "2.5", "--images-per-job", "2"))
     assert [r.guidance_scale for r in reqs] == [2.5, 2.5] and reqs[0].n_guided == 2
     (plain,), _ = plan_requests(_args("--digits", "3", "--seed", "2"))
-    assert plain.guidance_scale == 1.0 and "guidance_scale" not in plain.model_dump()  # off: not on the wire
+    # no --guidance: the fleet's default, so nothing on the wire; --guidance 1: off, said explicitly
+    assert plain.guidance_scale is None and "guidance_scale" not in plain.model_dump()
+    (off,), _ = plan_requests(_args("--digits", "3", "--seed", "2", "--guidance", "1"))
+    assert off.guidance_scale == 1.0 and off.model_dump()["guidance_scale"] == 1.0 and off.n_guided == 0
     result = RunResult(
         images=np.zeros((1, 1, 32, 32), np.float32),
         labels=np.array([3]),

@@ -1,6 +1,7 @@
-"""Classifier-free guidance on the wire: `job_request.guidance_scale` (left out at 1, so v1 clients' bytes
-do not change), `step_request.guidance` (a per-row float tensor, left out when absent) and
-`job_status.guidance_scale` (only when a job asked for one); bad values are refused saying why."""
+"""Classifier-free guidance on the wire: `job_request.guidance_scale` (left out when unset: the fleet's
+default, so v1 clients' bytes do not change; an explicit 1 turns it off), `step_request.guidance` (a per-row
+float tensor, left out when absent) and `job_status.guidance_scale` (only when a job asked for one); bad values
+are refused saying why."""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ def _wire(kind: str = "job_request", **fields) -> bytes:
     return msgpack.packb({"v": 1, "kind": kind, **fields}, use_bin_type=True)
 
 
-def test_scale_one_packs_as_before_and_other_scales_round_trip():
+def test_unset_packs_as_before_an_explicit_one_is_kept_and_other_scales_round_trip():
     plain = JobRequest(digits=[3, -1], seed=4, steps=5)
-    assert pack(plain) == pack(JobRequest(digits=[3, -1], seed=4, steps=5, guidance_scale=1.0))
+    assert plain.guidance_scale is None and plain.guidance == 1.0 and plain.n_guided == 0
     assert "guidance_scale" not in loads(pack(plain))
     # the bytes a v1 client sends, with no guidance_scale key, are exactly what the model packs
     v1 = unpack(_wire(digits=[3], seed=1, steps=2), JobRequest)
-    assert v1.guidance_scale == 1.0 and v1.n_guided == 0
+    assert v1.guidance_scale is None and v1.n_guided == 0
     assert pack(v1) == pack(JobRequest(digits=[3], seed=1, steps=2))
+    # 1 asked for: off even where the fleet's default guides, so it stays on the wire
+    off = JobRequest(digits=[3, -1], seed=4, steps=5, guidance_scale=1.0)
+    assert loads(pack(off))["guidance_scale"] == 1.0 and unpack(pack(off), JobRequest).guidance_scale == 1.0
+    assert off.guidance == 1.0 and off.n_guided == 0
     guided = JobRequest(digits=[3, -1, 7], seed=4, guidance_scale=2.5)
     assert loads(pack(guided))["guidance_scale"] == 2.5
     back = unpack(pack(guided), JobRequest)

@@ -282,7 +282,7 @@ async def test_guidance_input_follows_the_null_label_and_reaches_the_job_request
         assert "no null label" in await page.locator("#guidance-label").get_attribute("title")
         coordinator.status = {**status, "spec": legacy_spec(null_label=True).to_json()}
         await page.wait_for_selector("#guidance:enabled", timeout=30_000)
-        # at 1 (the default) the request carries no scale
+        # left empty (the default) the request carries no scale: the fleet's default applies
         await page.fill("#digits", "1,6")
         await page.fill("#steps", "4")
         await page.click("#generate")
@@ -301,7 +301,7 @@ async def test_guidance_input_follows_the_null_label_and_reaches_the_job_request
             "() => document.querySelectorAll('.job[data-state=done]').length === 2", timeout=30_000
         )
         plain, guided = list(coordinator.jobs.values())
-        assert plain.guidance_scale == 1.0 and guided.guidance_scale == 3.0 and guided.n_guided == 2
+        assert plain.guidance_scale is None and guided.guidance_scale == 3.0 and guided.n_guided == 2
         newest = page.locator(".job").first  # new jobs go on top
         assert "guidance 3" in await newest.locator(".job-notes").inner_text()
         assert "guidance" not in await page.locator(".job").nth(1).locator(".job-notes").inner_text()

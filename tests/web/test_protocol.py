@@ -204,14 +204,18 @@ def test_generate_passes_a_guidance_scale_into_the_job_request(value, expected):
     assert unpack(pack(r.model_copy(update={"job_id": "web1"})), JobRequest).guidance_scale == expected
 
 
-def test_a_guidance_scale_of_one_leaves_the_job_request_byte_identical():
+def test_no_guidance_scale_leaves_the_job_request_byte_identical_and_one_turns_it_off():
     base = {"type": "generate", "digits": "3,?", "steps": 12, "seed": 4}
     plain = parse_client_message(json.dumps(base)).request
-    for off in (1, 1.0, None, ""):  # 1 is no guidance; empty fields fall back to the default like the others
-        one = parse_client_message(json.dumps({**base, "guidance_scale": off})).request
-        assert one == plain and one.guidance_scale == 1.0 and one.n_guided == 0
+    for unset in (None, ""):  # empty fields fall back to the default like the others: the fleet's scale
+        one = parse_client_message(json.dumps({**base, "guidance_scale": unset})).request
+        assert one == plain and one.guidance_scale is None and one.n_guided == 0
         assert pack(one.model_copy(update={"job_id": "web1"})) == pack(plain.model_copy(update={"job_id": "web1"}))
     assert b"guidance_scale" not in pack(plain.model_copy(update={"job_id": "web1"}))
+    for off in (1, 1.0):  # asked for: off, even on a fleet whose default guides, so it goes on the wire
+        one = parse_client_message(json.dumps({**base, "guidance_scale": off})).request
+        assert one.guidance_scale == 1.0 and one.guidance == 1.0 and one.n_guided == 0
+        assert unpack(pack(one.model_copy(update={"job_id": "web1"})), JobRequest).guidance_scale == 1.0
 
 
 @pytest.mark.parametrize(

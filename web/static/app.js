@@ -643,7 +643,8 @@ function compare(job) {
                 steps: job.steps, strategy, solver };
   if (strategy === "topk") req.top_k = (job.req && job.req.top_k) || 2;
   if ($("#frame_x1").checked) req.frame_x1 = true;
-  if (job.req && guided(job.req.guidance_scale)) req.guidance_scale = job.req.guidance_scale;  // the same scale
+  // the same scale: the one the original asked for, or (none asked) the fleet's default again
+  if (job.req && typeof job.req.guidance_scale === "number") req.guidance_scale = job.req.guidance_scale;
   if (send(req)) state.pending.set(req.ref, { ...req, compareOf: job.id });
 }
 
@@ -654,7 +655,7 @@ function describe(job) {
   return `${r.strategy === "topk" ? `top-${r.top_k}` : r.strategy} · ${r.solver}${guidance}`;
 }
 
-// A classifier-free guidance scale that guides: a number other than 1 (1, the default, is off).
+// A classifier-free guidance scale that guides: a number other than 1 (1 is off; none asked: the fleet's default).
 const guided = (scale) => typeof scale === "number" && scale !== 1;
 
 // Place a comparison under its original: A (the original's final images), B (this job), |A − B|.
@@ -966,7 +967,8 @@ function onSpec(msg) {
 // Classifier-free guidance needs the null label (v(x, null) is half of each guided velocity): on a fleet
 // known to lack one the input is disabled and says why; until a coordinator has answered it stays usable.
 const GUIDANCE_TITLE = "classifier-free guidance scale, 0-20: 1 = off, typically 1.5-7 (sharper, more typical "
-  + "images of each label; one more expert evaluation per labelled image); the experts need a null label";
+  + "images of each label; one more expert evaluation per labelled image); empty: the fleet's default; the "
+  + "experts need a null label";
 function guidanceFor(spec) {
   const input = $("#guidance");
   let why = "";
@@ -991,7 +993,7 @@ const HANDLERS = {
     job.seed = msg.seed;
     if (req) {
       job.req = { steps: req.steps, strategy: req.strategy, solver: req.solver, top_k: req.top_k || 2,
-                  guidance_scale: guided(req.guidance_scale) ? req.guidance_scale : 1 };
+                  guidance_scale: req.guidance_scale };  // undefined: the fleet's default
       $(".job-notes", job.card).textContent = `${req.steps} steps · ${describe(job)}`;
     }
     if (!job.labels.length) { job.labels = labels; }
@@ -1055,7 +1057,7 @@ function readForm() {
   const guidance = $("#guidance");  // disabled on a fleet without a null label (onSpec)
   if (!guidance.disabled) {
     const scale = numberOrText(guidance);
-    if (scale !== 1 && scale !== "") req.guidance_scale = scale;  // 1 is off: not sent (older servers refuse it)
+    if (scale !== "") req.guidance_scale = scale;  // empty: the fleet's default; 1 turns guidance off
   }
   return req;
 }
