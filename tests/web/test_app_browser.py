@@ -223,7 +223,12 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     assert await page.locator("#fleet-experts .expert[data-expert='0'] tr.worker").count() >= 1
     assert "torch" in await page.locator("#fleet-experts").inner_text()
     # each worker's dtype; in-process workers run the eager forward, so no ", compiled"
-    assert set(await page.locator("#fleet-experts td.dtype").all_inner_texts()) <= {"float32", "bfloat16"}
+    assert set(await page.locator("#fleet-experts .dtype").all_inner_texts()) <= {"float32", "bfloat16"}
+    # every worker table fits the panel: no column (rows/s, ms, reqs) is cut off at its right edge
+    overflow = await page.evaluate(
+        "() => [...document.querySelectorAll('#fleet-experts table')].map(t => t.scrollWidth - t.parentElement.clientWidth)"
+    )
+    assert overflow and max(overflow) <= 0, overflow
     await page.wait_for_selector("#fleet-coordinator table", timeout=30_000)  # FleetStatus answered
     await page.fill("#digits", "0,1,2,3,4,5,6,7,8,9")
     await page.fill("#steps", "24")

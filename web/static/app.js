@@ -1116,15 +1116,18 @@ function renderFleet(msg) {
   if (!msg.experts.length) box.append(el("p", { class: "hint", text: "no expert workers discovered" }));
   for (const ex of msg.experts) {
     state.experts = Math.max(state.experts, ex.expert + 1);
-    const table = el("table", {}, el("tr", {}, ...["worker @ host", "backend", "device", "dtype", "rows/s", "ms", "reqs"].map((h) => el("th", { text: h }))));
+    // five narrow columns: the panel is 320 px wide (backend, device and dtype share one cell, two lines)
+    const table = el("table", {}, el("tr", {}, ...["worker @ host", "runs on", "rows/s", "ms", "reqs"].map((h) => el("th", { text: h }))));
     for (const w of ex.workers) {
       const rate = w.rows_per_s === null || w.rows_per_s === undefined ? "…" : `${w.rows_per_s}${w.rate_unit === "req/s" ? " req" : ""}`;
       const lat = w.latency_ms === null || w.latency_ms === undefined ? "…" : Number(w.latency_ms).toFixed(1);
       const who = el("td", { class: "who", title: `${w.name} ${w.version} · id ${w.id} · host ${w.host || "?"}`.trim() },
         el("span", { text: w.id.slice(-8) }), el("span", { class: "host", text: w.host ? `@ ${w.host}` : "" }));
       table.append(el("tr", { class: "worker", "data-worker-id": w.id, "data-host": w.host || "" },
-        who, el("td", { text: w.backend || "?" }), el("td", { text: w.device || "?" }),
-        el("td", { class: "dtype", title: w.compiled ? "compiled forward (torch.compile)" : "", text: `${w.dtype || "?"}${w.compiled ? ", compiled" : ""}` }),
+        who,
+        el("td", { class: "runs", title: `backend ${w.backend || "?"} · device ${w.device || "?"} · ${w.dtype || "?"}${w.compiled ? " · compiled forward (torch.compile)" : ""}` },
+          el("span", { class: "where", text: `${w.backend || "?"} · ${w.device || "?"}` }),
+          el("span", { class: "dtype", text: `${w.dtype || "?"}${w.compiled ? ", compiled" : ""}` })),
         el("td", { class: "n", text: rate }), el("td", { class: "n", text: lat }),
         el("td", { class: "n", text: w.requests ?? "" })));
     }
