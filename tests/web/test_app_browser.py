@@ -226,7 +226,8 @@ async def test_real_fleet_generate_in_the_browser(browser, web_server, real_flee
     assert set(await page.locator("#fleet-experts .dtype").all_inner_texts()) <= {"float32", "bfloat16"}
     # every worker table fits the panel: no column (rows/s, ms, reqs) is cut off at its right edge
     overflow = await page.evaluate(
-        "() => [...document.querySelectorAll('#fleet-experts table')].map(t => t.scrollWidth - t.parentElement.clientWidth)"
+        "() => [...document.querySelectorAll('#fleet-experts table')]"
+        ".map(t => t.scrollWidth - t.parentElement.clientWidth)"
     )
     assert overflow and max(overflow) <= 0, overflow
     await page.wait_for_selector("#fleet-coordinator table", timeout=30_000)  # FleetStatus answered
