@@ -58,3 +58,13 @@ def test_the_shape_partition_groups_digits_and_its_experts_trained_in_proportion
     steps = [json.loads((SHAPE / f"expert{k}.json").read_text())["training"]["steps"] for k in range(4)]
     images = counts.sum(axis=1)
     assert sum(steps) == 6000 and np.allclose(np.array(steps) / 6000, images / images.sum(), atol=1e-3), steps
+
+
+def test_the_colour_fleet_serves_the_guidance_scale_its_judges_chose():
+    """checkpoints/colour/router.json names the default scale (docs/RESULTS.md's sweep), which the experts,
+    all trained with a null label, can serve; the shape fleet was not swept and stays unguided."""
+    from models.fleet_guidance import fleet_default_guidance
+
+    assert fleet_default_guidance(CKPT / "router.safetensors") == 3.0
+    assert "docs/RESULTS.md" in json.loads((CKPT / "router.json").read_text())["guidance"]["chosen_by"]
+    assert fleet_default_guidance(SHAPE / "router.safetensors") == 1.0
