@@ -9,6 +9,7 @@ job is served by that expert again), then SIGINT stops everything with exit code
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import re
@@ -36,11 +37,16 @@ SHIPPED = REPO / "checkpoints"
 
 @pytest.fixture(scope="module")
 def tiny_fleet_dir(tmp_path_factory) -> Path:
-    """Tiny expert0/1 checkpoints + the shipped router and partition, in one directory."""
+    """Tiny expert0/1 checkpoints + the shipped router and partition, in one directory. The tiny experts have
+    no null label, so the router JSON goes without the shipped fleet's default guidance (they could not
+    serve it: every job would be refused)."""
     d = tmp_path_factory.mktemp("up-checkpoints")
     make_tiny_experts(d, 2)
-    for name in ("router.safetensors", "router.json", "partition.json"):
+    for name in ("router.safetensors", "partition.json"):
         shutil.copy(SHIPPED / name, d / name)
+    meta = json.loads((SHIPPED / "router.json").read_text())
+    meta.pop("guidance", None)
+    (d / "router.json").write_text(json.dumps(meta))
     return d
 
 

@@ -140,14 +140,18 @@ def test_torch_flax_parity(tmp_path):
 @pytest.mark.slow  # 5-8 s: full-size UNets in torch and flax
 @pytest.mark.parametrize("expert,classes", [(0, [0, 1, 2, 3, 4]), (1, [5, 6, 7, 8, 9])])
 def test_shipped_expert_checkpoints(expert, classes):
-    """The committed experts load, describe their partition, and run identically in torch and flax."""
+    """The committed experts load, describe their partition, and run identically in torch and flax, the
+    null label (y = -1, they were trained with label dropout) included."""
+    import dataclasses
+
     import jax.numpy as jnp
 
     from models.config import SMALL
     from models.unet_flax import UNet as FlaxUNet
 
     path = f"checkpoints/expert{expert}.safetensors"
-    meta, state = load_checkpoint(path, expect=SMALL)
+    cfg = dataclasses.replace(SMALL, null_label=True)
+    meta, state = load_checkpoint(path, expect=cfg)
     assert meta["expert_id"] == expert and meta["partition"]["classes"] == classes
     assert meta["weights_dtype"] == "float16" and meta["weights"] == "ema"
     assert meta["training"]["steps"] >= 1000 and meta["training"]["final_loss"] < 0.2
@@ -156,9 +160,9 @@ def test_shipped_expert_checkpoints(expert, classes):
     rng = np.random.default_rng(expert)
     x = rng.standard_normal((2, 1, 32, 32)).astype(np.float32)
     t = np.array([0.1, 0.8], np.float32)
-    y = np.array(classes[:2], np.int64)
+    y = np.array([classes[0], -1], np.int64)
     with torch.no_grad():
         v_torch = model(torch.from_numpy(x), torch.from_numpy(t), torch.from_numpy(y)).numpy()
-    params = torch_to_flax_params(state, SMALL)
-    v_flax = np.asarray(FlaxUNet(SMALL).apply({"params": params}, jnp.asarray(x), jnp.asarray(t), jnp.asarray(y)))
+    params = torch_to_flax_params(state, cfg)
+    v_flax = np.asarray(FlaxUNet(cfg).apply({"params": params}, jnp.asarray(x), jnp.asarray(t), jnp.asarray(y)))
     assert np.abs(v_torch - v_flax).max() < 1e-4

@@ -214,7 +214,7 @@ def test_checkpoint_arch_mistakes_are_clear(tmp_path):
 
 
 def test_existing_unet_checkpoints_load_as_unet(tmp_path):
-    shipped = REPO / "checkpoints" / "expert0.json"
+    shipped = REPO / "checkpoints" / "monolith.json"
     assert "arch" not in json.loads(shipped.read_text())  # made before DiT: no key
     meta = load_meta(shipped)
     assert arch_of(meta) == "unet" and isinstance(config_from_meta(meta), UNetConfig)

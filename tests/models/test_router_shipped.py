@@ -76,3 +76,16 @@ def test_shipped_router_weights_are_a_distribution_and_follow_the_label(routers)
     assert w.shape == (n, 2) and np.allclose(w.sum(1), 1, atol=1e-5) and (w >= 0).all()
     manifest = load_manifest(CKPT / "partition.json")
     assert (w.argmax(1) == [manifest.class_to_expert(c) for c in y]).all()
+
+
+def test_the_default_fleet_serves_the_guidance_its_judges_chose():
+    """checkpoints/router.json names the default guidance scale of docs/RESULTS.md's sweep, which the default
+    experts (trained with label dropout) can serve: both carry a null label."""
+    from models.fleet_guidance import fleet_default_guidance
+    from models.spec import spec_of
+
+    assert fleet_default_guidance(CKPT / "router.safetensors") == 1.5
+    for k in (0, 1):
+        meta = json.loads((CKPT / f"expert{k}.json").read_text())
+        assert spec_of(meta).conditioning.null_label and meta["training"]["config"]["label_dropout"] == 0.1
+        assert meta["training"]["steps"] == 3500

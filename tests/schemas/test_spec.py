@@ -80,13 +80,23 @@ def test_fleet_spec_fills_class_names_from_a_member_that_has_them():
     assert fleet_spec({"router": unnamed, "expert 0": rgb()}).conditioning.class_names == list("abcd")
 
 
-@pytest.mark.parametrize("name", ["expert0", "expert1", "monolith", "router"])
+@pytest.mark.parametrize("name", ["monolith", "router"])
 def test_shipped_checkpoints_without_a_spec_imply_the_mnist_one(name):
     meta = json.loads((ROOT / "checkpoints" / f"{name}.json").read_text())
     assert "spec" not in meta
     spec = spec_of(meta, where=name)
     assert spec.sample_shape == (1, 32, 32) and spec.num_classes == 10 and spec.space == "pixels"
     assert spec.conditioning.class_names == [str(i) for i in range(10)]
+
+
+@pytest.mark.parametrize("name", ["expert0", "expert1"])
+def test_the_default_experts_carry_the_mnist_spec_with_a_null_label(name):
+    """Retrained with label dropout (checkpoints/README.md): the same MNIST spec as the router's implied one,
+    plus the null label that classifier-free guidance and unconditional rows need."""
+    spec = spec_of(json.loads((ROOT / "checkpoints" / f"{name}.json").read_text()), where=name)
+    router = spec_of(json.loads((ROOT / "checkpoints" / "router.json").read_text()), where="router")
+    assert spec.conditioning.null_label and not spec.differences(router)
+    assert spec.sample_shape == (1, 32, 32) and spec.conditioning.class_names == [str(i) for i in range(10)]
 
 
 def test_stored_spec_wins_and_must_match_the_config():

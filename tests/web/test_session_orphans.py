@@ -46,6 +46,8 @@ def coordinator_proc(nats_url, tmp_path_factory):
                 "0",
                 "--step-timeout",
                 "60",
+                "--default-guidance",  # its workers answer nothing, not even a null-label probe
+                "1",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
