@@ -12,7 +12,7 @@ import json
 import pytest
 
 from schemas import UNCONDITIONAL
-from tests.web.test_app_browser import open_page, real_fleet, web_server  # noqa: F401 (fixtures)
+from tests.web.test_app_browser import open_page, web_server  # noqa: F401 (fixtures)
 from tests.web.test_app_trajectories import _shot
 from web.protocol import BadInput, Generate, parse_client_message, parse_digits
 
@@ -121,6 +121,31 @@ async def null_label_fleet(nats_url, null_label_files):
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+async def fleet_without_null_label(nats_url, tiny_fleet_files):
+    """Real torch workers whose tiny experts have no null label (tests/web/conftest.py), a real coordinator."""
+    import torch
+
+    from coordinator.local_fleet import LocalFleet
+    from models.router import Router
+
+    fleet = LocalFleet(
+        tiny_fleet_files["experts"],
+        Router.load(tiny_fleet_files["router"]),
+        num_experts=2,
+        class_to_expert=[0] * 5 + [1] * 5,
+        nats_url=nats_url,
+        buckets=(1, 2, 4, 8),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async with fleet:
+            yield fleet
+    finally:
+        torch.set_num_threads(threads)
+
+
 async def _labels(job) -> list[str]:
     return await job.locator(".tile .label span").evaluate_all("ss => ss.map(s => s.textContent)")
 
@@ -174,10 +199,10 @@ async def test_unconditional_job_completes_with_question_marks_on_its_tiles(brow
     await page.close()
 
 
-@pytest.mark.slow  # ~5 s: the shipped fleet (or tiny experts without a null label) driven from Chromium
-async def test_refusals_of_unconditional_jobs_are_shown_on_the_page(browser, web_server, real_fleet):
-    """The experts of `real_fleet` have no null label (the shipped checkpoints, else tiny ones without):
-    the coordinator refuses an unconditional job; oracle with one is refused by the web server itself."""
+@pytest.mark.slow  # ~5 s: tiny experts without a null label driven from Chromium
+async def test_refusals_of_unconditional_jobs_are_shown_on_the_page(browser, web_server, fleet_without_null_label):
+    """The experts have no null label (the shipped ones have one since they were retrained): the
+    coordinator refuses an unconditional job; oracle with one is refused by the web server itself."""
     page, errors = await open_page(browser, web_server)
     await page.wait_for_function(
         "() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000
