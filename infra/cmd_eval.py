@@ -214,11 +214,9 @@ def _report(args: argparse.Namespace, doc, table) -> None:
 
     text = json.dumps(doc, indent=2)
     print(text if args.json else table())
-    if getattr(args, "json_out", None):
+    if getattr(args, "json_out", None):  # its directory made by _check_json_out, before the run
         try:
-            path = Path(args.json_out)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text + "\n")
+            Path(args.json_out).write_text(text + "\n")
         except OSError as e:
             raise SystemExit(f"ddm-fleet eval: --json-out {args.json_out}: {e}") from e
 

@@ -7,7 +7,6 @@ which is slow but loud: a judge below 99% test accuracy fails the fixture, nothi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from dataset.mnist import load_mnist
 from evaluation.classifier_jax import EMBED, MIN_TEST_ACCURACY, JaxClassifier
 from evaluation.fid import fid_from_features
+from tests.evaluation.test_rescore_stats import eval_cli
 
 SCRIPT = Path(sys.executable).with_name("ddm-fleet")
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,16 +141,8 @@ def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path):
     saved.mkdir()
     np.savez_compressed(saved / "real-test.npz", images=x, labels=y, usage=np.ones((len(y), 1), np.float32))
     np.savez_compressed(saved / "wrong-labels.npz", images=x, labels=(y + 1) % 10)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     # one run (each loads both judges); the table's format is tests/evaluation/test_rescore_stats.py's
-    out = subprocess.run(
-        [str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
+    out = eval_cli("--rescore", str(saved), "--no-progress", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout)  # --json replaces the table: stdout is one JSON document
     assert [r["config"] for r in data["rows"]] == ["real-test", "wrong-labels"] and data["real_baseline"]["n"] == 600

@@ -31,6 +31,14 @@ SCRIPT = Path(sys.executable).with_name("ddm-fleet")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def eval_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`ddm-fleet eval ARGS` in a process of its own, as a user runs it (one thread, warnings off)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [str(SCRIPT), "eval", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
 def test_uint8_images_round_trip_to_the_float_convention(tmp_path):
     x, y = load_mnist("val", limit=64)
     np.savez(tmp_path / "u8.npz", images=to_uint8(x), labels=y)
@@ -167,18 +175,12 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     )
     np.savez_compressed(saved / "uncond-monolith.npz", images=to_uint8(x), labels=np.full(400, -1))
     np.savez_compressed(saved / "uncond-ddm-top1.npz", images=np.resize(x[y == 1], x.shape), labels=np.full(400, -1))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     kept = tmp_path / "out" / "scores.json"
     # one run (each loads both judges): the table on stdout, the same results as JSON in --json-out;
     # --compare replaces the default pairs (ddm-top1 vs monolith would be the default: here it is reversed)
-    out = subprocess.run(
-        [str(SCRIPT), "eval", "--rescore", str(saved), "--no-progress", "--bootstrap", "50", "--json-out", str(kept)]
-        + ["--compare", "monolith,ddm-top1", "--compare", "uncond-ddm-top1,uncond-monolith"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
+    out = eval_cli(
+        *("--rescore", str(saved), "--no-progress", "--bootstrap", "50", "--json-out", str(kept)),
+        *("--compare", "monolith,ddm-top1", "--compare", "uncond-ddm-top1,uncond-monolith"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     table = out.stdout
@@ -216,21 +218,8 @@ def test_rescore_cli_mixed_directory_prints_both_kinds_and_paired_tests(tmp_path
     assert m["only_a_right"] >= 30 and m["only_b_right"] == 0 and m["p"] < 1e-9 and m["method"] == "exact binomial"
     assert cmp["accuracy_difference"]["interval"][0] > 0 and cmp["fid_difference_judge2"]["estimate"] < 0
 
-    bad = subprocess.run(
-        [str(SCRIPT), "eval", "--rescore", str(saved), "--compare", "ddm-top1,nope"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=ROOT,
-    )
+    bad = eval_cli("--rescore", str(saved), "--compare", "ddm-top1,nope", timeout=120)
     assert bad.returncode != 0 and "--compare names nope" in bad.stderr and "Traceback" not in bad.stderr
-    bad = subprocess.run(  # a --json-out that cannot be written fails before any judge is loaded
-        [str(SCRIPT), "eval", "--rescore", str(saved), "--json-out", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=ROOT,
-    )
+    # a --json-out that cannot be written fails before any judge is loaded
+    bad = eval_cli("--rescore", str(saved), "--json-out", str(saved), timeout=120)
     assert bad.returncode != 0 and "--json-out" in bad.stderr and "Traceback" not in bad.stderr
