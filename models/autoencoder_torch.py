@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.autoencoder import AutoencoderConfig, AutoencoderError, checkpoint_paths, load_autoencoder
-from models.codec import CodecInfo, check_array, info_from_meta
+from models.codec_types import CodecInfo, check_array, info_from_meta
 
 LOGVAR_RANGE = (-30.0, 20.0)
 

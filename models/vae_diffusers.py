@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from models.autoencoder import AutoencoderError
-from models.codec import CodecInfo, check_array
+from models.codec_types import CodecInfo, check_array
 
 CLASS_NAME = "AutoencoderKL"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
