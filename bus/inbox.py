@@ -33,6 +33,15 @@ def _prefix(nc) -> str:
     return str(prefix) if prefix else "_INBOX"
 
 
+def request_inbox_prefix(nc) -> str | None:
+    """The prefix every `nc.request` reply subject starts with (`<inbox prefix>.<random>.`, one per
+    connection, set at its first request); None before that. nats-py has no public name for it."""
+    prefix = getattr(nc, "_resp_sub_prefix", None)
+    if isinstance(prefix, (bytes, bytearray)):
+        return bytes(prefix).decode()
+    return str(prefix) if prefix else None
+
+
 def private_inbox(nc) -> str:
     """A reply subject for one request: the connection's inbox prefix and 128 random bits."""
     return f"{_prefix(nc)}.{secrets.token_hex(16)}"

@@ -37,9 +37,10 @@ in `<c>`'s namespace); a request with any other reply subject is dropped (rate-l
 A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
 [A-Za-z0-9_-]) is answered with ErrorReply(bad_request) at once.
 
-`Intake` decodes and checks a request, asks the coordinator (`coordinator.service.Coordinator`'s
-in-process API) and replies; it never keeps job state of its own. A request whose reply subject is
-not an inbox of the requester is dropped (rate-limited log line); a bad request gets an error reply.
+`Intake` decodes and checks a request, asks the coordinator (`IntakeHost`: what it needs of
+`coordinator.service.Coordinator`'s in-process API) and replies; it never keeps job state of its own.
+A request whose reply subject is not an inbox of the requester is dropped (rate-limited log line); a
+bad request gets an error reply.
 """
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Protocol
 
 from bus.ratelimited_log import RateLimitedLog
 from schemas import (
     CancelReply,
     CancelRequest,
+    DoneEvent,
     ErrorCode,
     ErrorReply,
+    FailedEvent,
+    FleetStatus,
+    JobAccepted,
     JobRejected,
     JobRequest,
     JobStatus,
@@ -70,7 +76,11 @@ from .rate_limit import TokenBuckets
 from .scheduler import Rejected
 
 if TYPE_CHECKING:
-    from .service import Coordinator
+    from .config import CoordinatorConfig
+    from .durable_jobs import DurableJobs
+    from .ledger import JobLedger
+    from .metrics import CoordinatorMetrics
+    from .null_labels import NullLabelProbes
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +111,41 @@ MAX_REPUBLISH_TIMES = 4096
 CANCELLED_BEFORE_ADMISSION = "cancelled by its client before the coordinator took it"
 
 
+class IntakeHost(Protocol):
+    """What `Intake` asks of its coordinator (`coordinator.service.Coordinator` is one): its settings,
+    books and counters, and what each request turns into."""
+
+    settings: CoordinatorConfig  # submit_rate, status_rate
+    metrics: CoordinatorMetrics  # set when the coordinator is entered, before its first request
+    ledger: JobLedger
+    durable_jobs: DurableJobs | None  # --durable only
+    null_labels: NullLabelProbes  # `check(request)`: a job of unknown labels needs every null label
+    name: str
+    instance: str
+
+    def own_inbox_prefixes(self) -> list[str]:
+        """The prefixes of the coordinator's own reply inboxes: no request may direct its reply there."""
+        ...
+
+    def with_fleet_defaults(self, request: JobRequest) -> JobRequest: ...
+
+    def admit(self, request: JobRequest, client: str) -> tuple[JobAccepted, Awaitable[None]]: ...
+
+    async def cancel(self, job_id: str, client: str | None = None) -> bool: ...
+
+    async def job_status(self, job_id: str, client: str | None = None) -> JobStatus | None: ...
+
+    def finished_event(self, job_id: str, client: str | None = None) -> DoneEvent | FailedEvent | None: ...
+
+    async def send_event(self, client: str, event: DoneEvent | FailedEvent) -> None: ...
+
+    def status(self, include_spec: bool = False) -> FleetStatus: ...
+
+
 class Intake:
     """Message handlers of one coordinator (`on_submit`, `on_cancel`, `on_job_status`, `on_status`)."""
 
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: IntakeHost):
         self.coord = coordinator
         self._bg: set[asyncio.Task] = set()
         self._dropped_log = RateLimitedLog(log)  # requests whose reply subject is outside _INBOX
@@ -150,13 +191,7 @@ class Intake:
     def _is_own_inbox(self, reply: str) -> bool:
         """True if `reply` is under one of this coordinator's own reply inboxes (where experts answer
         it): nobody may direct a reply there."""
-        own = [getattr(self.coord.nc, "_resp_sub_prefix", None), getattr(self.coord.transport, "_prefix", None)]
-        for prefix in own:
-            if prefix:
-                text = bytes(prefix).decode() if isinstance(prefix, (bytes, bytearray)) else str(prefix)
-                if reply.startswith(text.rstrip(".") + "."):
-                    return True
-        return False
+        return any(reply.startswith(prefix.rstrip(".") + ".") for prefix in self.coord.own_inbox_prefixes())
 
     async def _reply(self, msg, message) -> None:
         if msg.reply:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from bus.cancel import cancel_and_wait
+from bus.inbox import request_inbox_prefix
 from schemas import (
     ErrorCode,
     FailedEvent,
@@ -310,6 +311,12 @@ class Coordinator:
                 log.warning("worker discovery failed: %r", err)
             if self._watching:
                 await asyncio.sleep(self.worker_check_s)
+
+    def own_inbox_prefixes(self) -> list[str]:
+        """The prefixes of this coordinator's own reply inboxes, where its experts answer it (nats-py's
+        request replies, the transport's): no request may direct its reply there."""
+        own = [request_inbox_prefix(self.nc), getattr(self.transport, "reply_prefix", None)]
+        return [prefix for prefix in own if prefix]
 
     def rejected_workers(self) -> list:
         """The workers on the bus (at the last discovery) whose model spec differs from the fleet's."""

@@ -521,6 +521,12 @@ class NatsTransport:
         return time.monotonic() - self._reconnected_at < self.reconnect_grace
 
     # ------------------------------------------------------------ reply mux
+    @property
+    def reply_prefix(self) -> str | None:
+        """The prefix of this transport's reply subjects (`<inbox prefix>.<random>`, where the experts
+        answer it); None before its first request."""
+        return self._prefix
+
     async def _ensure_mux(self) -> str:
         """Subscribe the reply wildcard once; returns the reply prefix."""
         if self._prefix is None:

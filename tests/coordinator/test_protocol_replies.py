@@ -271,6 +271,25 @@ async def test_replies_go_only_to_inboxes(nats_url, nc, workers):
         assert await cancel_job(nc, "victim", client="bob") is True
 
 
+def test_the_own_inboxes_are_the_request_and_transport_reply_prefixes():
+    """`Coordinator.own_inbox_prefixes`, the reply subjects `Intake` refuses: nats-py's request replies
+    and the transport's, each once its first request made it; a prefix only, not any longer name."""
+    from types import SimpleNamespace
+
+    from coordinator.transport import NatsTransport
+
+    nc = SimpleNamespace(_resp_sub_prefix=None)
+    transport = NatsTransport(nc)
+    coord = Coordinator(LabelRouter(C2E, 2), num_experts=2, nc=nc, transport=transport)
+    assert coord.own_inbox_prefixes() == [] and transport.reply_prefix is None
+    nc._resp_sub_prefix = bytearray(b"_INBOX.req.")  # as nats-py's first request sets it
+    transport._prefix = "_INBOX.mux"  # as the transport's first request sets it
+    assert coord.own_inbox_prefixes() == ["_INBOX.req.", "_INBOX.mux"]
+    replies = ["_INBOX.req.x", "_INBOX.mux.x", "_INBOX.other.x", "_INBOX.muxy.x"]
+    may = [coord.intake._may_reply(SimpleNamespace(reply=r, subject=subjects.FLEET_STATUS)) for r in replies]
+    assert may == [False, False, True, True] and coord.replies_dropped == 2
+
+
 def test_the_dropped_reply_log_is_rate_limited_and_counts_what_it_held_back(caplog):
     import logging
 
