@@ -132,3 +132,120 @@ def test_architecture_doc_lists_every_module():
     listed = set(re.findall(r"`([a-z_]+/[a-z_/]+\.py)`", doc))
     gone = sorted(m for m in listed if not (ROOT / m).exists())
     assert not gone, f"docs/ARCHITECTURE.md lists modules that do not exist: {gone}"
+
+
+def _module_name(path: Path) -> str:
+    """The dotted module of a source file; a package's `__init__.py` is the package itself."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, dict[str, str]]:
+    """module -> {imported project module: "file:line" of the first such import}, every import counted
+    (lazy and TYPE_CHECKING ones too, relative ones resolved). `from pkg import name` is an import of
+    module `pkg.name` when that is a module, else of `pkg`; `import a.b` is an import of `a.b` alone."""
+    files = {_module_name(p): p for pkg in LAYERS for p in (ROOT / pkg).rglob("*.py")}
+
+    def known(dotted: str) -> str | None:  # the deepest project module that `dotted` names or lies in
+        while dotted and dotted not in files:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph: dict[str, dict[str, str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, {})
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the file's package, one level up per extra dot
+                    up = package.split(".")[: package.count(".") + 2 - node.level]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base) for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target is not None and target != name:
+                    edges.setdefault(target, f"{path.relative_to(ROOT)}:{node.lineno}")
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Cycles [a, b, ..., a] of `graph`: in each group of modules that reach one another, a shortest
+    one through each module that the cycles before it left out."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan, iterative (no recursion limit on long chains)
+        work = [(v, iter(sorted(graph[v])))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        while work:
+            node, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in stack:
+                    low[node] = min(low[node], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        w = stack.pop()
+                        group.add(w)
+                        if w == node:
+                            break
+                    groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in (g for g in groups if len(g) > 1):
+        covered: set[str] = set()
+        for start in sorted(group):  # a shortest cycle through each module no cycle so far went through
+            if start not in covered:
+                cycles.append(_shortest_cycle(graph, group, start))
+                covered.update(cycles[-1])
+    return sorted(cycles)
+
+
+def _shortest_cycle(graph: dict[str, dict[str, str]], group: set[str], start: str) -> list[str]:
+    """A shortest cycle [start, ..., start] within `group` (breadth first)."""
+    paths = {start: [start]}
+    frontier = [start]
+    while True:
+        nxt = []
+        for f in frontier:
+            if start in graph[f]:
+                return paths[f] + [start]
+            for w in sorted(graph[f]):
+                if w in group and w not in paths:
+                    paths[w] = paths[f] + [w]
+                    nxt.append(w)
+        frontier = nxt
+
+
+def test_the_cycle_finder_reports_each_cycle():
+    graph = {"a": {"b": ""}, "b": {"a": "", "c": ""}, "c": {"b": ""}, "d": {"a": ""}}
+    assert _cycles(graph) == [["a", "b", "a"], ["c", "b", "c"]]
+    assert _cycles({"a": {"b": ""}, "b": {}}) == []
+
+
+def test_no_import_cycles():
+    """No module imports itself through others, lazily or not: shared types live below both users."""
+    graph = _import_graph()
+    found = [
+        " -> ".join(c) + "\n    (" + ", ".join(graph[a][b] for a, b in zip(c, c[1:])) + ")" for c in _cycles(graph)
+    ]
+    assert not found, f"{len(found)} import cycles:\n" + "\n".join(found)
