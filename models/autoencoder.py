@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from models.checkpoint import checkpoint_paths, read_meta_json
+
 FORMAT = "ddm-fleet-autoencoder/1"
 DECODER_PREFIX = "autoencoder@sha256:"
 
@@ -120,16 +122,6 @@ def compute_content_hash(weights_sha256: str, config: dict, spec: dict) -> str:
     return hashlib.sha256(weights_sha256.encode() + b"\n" + _canonical(config) + b"\n" + _canonical(spec)).hexdigest()
 
 
-def checkpoint_paths(path: str | os.PathLike) -> tuple[Path, Path]:
-    """(.safetensors, .json) of a checkpoint path given with either suffix or none."""
-    p = Path(path)
-    if p.suffix == ".json":
-        p = p.with_suffix(".safetensors")
-    elif p.suffix != ".safetensors":
-        p = p.with_name(p.name + ".safetensors")
-    return p, p.with_suffix(".json")
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -182,13 +174,7 @@ def load_autoencoder_meta(path: str | os.PathLike) -> dict:
         raise AutoencoderError(
             f"autoencoder metadata {json_path} not found; train one with `ddm-fleet train-autoencoder`"
         )
-    try:
-        meta = json.loads(json_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AutoencoderError(f"{json_path} is not valid JSON: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else None
-        raise AutoencoderError(f"{json_path}: not an autoencoder checkpoint (format {got!r}, expected {FORMAT!r})")
+    meta = read_meta_json(json_path, FORMAT, "an autoencoder", AutoencoderError)
     for key in ("config", "spec", "weights_sha256", "content_hash"):
         if key not in meta:
             raise AutoencoderError(f"{json_path}: missing {key!r}; retrain or re-save it")

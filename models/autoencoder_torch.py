@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.autoencoder import AutoencoderConfig, AutoencoderError, checkpoint_paths, load_autoencoder
+from models.autoencoder import AutoencoderConfig, AutoencoderError, load_autoencoder
+from models.checkpoint import checkpoint_paths
 from models.codec_types import CodecInfo, check_array, info_from_meta
 
 LOGVAR_RANGE = (-30.0, 20.0)

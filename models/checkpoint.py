@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -161,13 +162,32 @@ def check_state(state: dict[str, np.ndarray], cfg: ModelConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------- save / load
-def _paths(path: str | Path) -> tuple[Path, Path]:
+def checkpoint_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """(.safetensors, .json) of a two-file checkpoint path given with either suffix or none.
+
+    The one helper for the expert, router and autoencoder checkpoints (all the same two-file shape)."""
     p = Path(path)
     if p.suffix == ".json":
         p = p.with_suffix(".safetensors")
     elif p.suffix != ".safetensors":
         p = p.with_name(p.name + ".safetensors")
     return p, p.with_suffix(".json")
+
+
+def read_meta_json(json_path: Path, fmt: str, kind: str, error: type[ValueError]) -> dict:
+    """The parsed `.json` half of a two-file checkpoint, checked to be a JSON object whose "format" is `fmt`.
+
+    kind names the checkpoint in the message ("an expert", "a router", "an autoencoder"); error is the
+    caller's ValueError subclass, raised when the file cannot be read, is not valid JSON or has another format.
+    The caller checks that the file exists first (its message says how to make one)."""
+    try:
+        meta = json.loads(json_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{json_path} is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        got = meta.get("format") if isinstance(meta, dict) else None
+        raise error(f"{json_path}: not {kind} checkpoint (format {got!r}, expected {fmt!r})")
+    return meta
 
 
 def _sha256(path: Path) -> str:
@@ -195,7 +215,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], meta: dict, dtype: 
         raise CheckpointError(f"bad 'config' / 'arch' in meta: {e}") from None
     arrays = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32).astype(dtype)) for k, v in state.items()}
     check_state(arrays, cfg)
-    st_path, json_path = _paths(path)
+    st_path, json_path = checkpoint_paths(path)
     st_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = st_path.with_name(st_path.name + ".tmp")
     save_file(arrays, str(tmp), metadata={"format": FORMAT})
@@ -212,17 +232,10 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], meta: dict, dtype: 
 
 def load_meta(path: str | Path) -> dict:
     """Read and validate only the JSON half of a checkpoint."""
-    st_path, json_path = _paths(path)
+    st_path, json_path = checkpoint_paths(path)
     if not json_path.exists():
         raise CheckpointError(f"checkpoint metadata {json_path} not found (expected next to {st_path.name})")
-    try:
-        meta = json.loads(json_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{json_path} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{json_path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}"
-        )
+    meta = read_meta_json(json_path, FORMAT, "an expert", CheckpointError)
     if meta.get("time_convention") != TIME_CONVENTION:
         raise CheckpointError(
             f"{json_path}: time_convention {meta.get('time_convention')!r} is not "
@@ -246,7 +259,7 @@ def load_checkpoint(
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    st_path, json_path = _paths(path)
+    st_path, json_path = checkpoint_paths(path)
     if not st_path.exists():
         raise CheckpointError(f"checkpoint weights {st_path} not found")
     meta = load_meta(st_path)

@@ -36,7 +36,8 @@ def codec_info(path: str | os.PathLike) -> CodecInfo:
         from models.vae_diffusers import read_info
 
         return read_info(path)
-    from models.autoencoder import checkpoint_paths, load_autoencoder_meta
+    from models.autoencoder import load_autoencoder_meta
+    from models.checkpoint import checkpoint_paths
 
     return info_from_meta(load_autoencoder_meta(path), str(checkpoint_paths(path)[0]))
 

@@ -8,8 +8,8 @@ for a fraction of samples, so one network serves conditional and unconditional r
 
 Checkpoint: ``<name>.safetensors`` (torch state_dict names, float32) + ``<name>.json``
 (``format: ddm-fleet-router/1``, config, partition summary, training stats, accuracy vs t).
-The expert format in ``models/checkpoint.py`` is tied to the UNet config, so the router keeps
-this small helper of the same two-file shape.
+The expert format in ``models/checkpoint.py`` is tied to the expert configs, so the router has its own
+format of the same two-file shape (paths and JSON reading shared: ``checkpoint_paths``, ``read_meta_json``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from models.checkpoint import checkpoint_paths, read_meta_json
 
 FORMAT = "ddm-fleet-router/1"
 TIME_CONVENTION = "t0_noise_t1_data"
@@ -149,20 +151,11 @@ def num_params(net) -> int:
 # --------------------------------------------------------------------------- checkpoint
 
 
-def _paths(path: str | os.PathLike) -> tuple[Path, Path]:
-    p = Path(path)
-    if p.suffix == ".json":
-        p = p.with_suffix(".safetensors")
-    elif p.suffix != ".safetensors":
-        p = p.with_name(p.name + ".safetensors")
-    return p, p.with_suffix(".json")
-
-
 def save_router(path: str | os.PathLike, net, meta: dict[str, Any]) -> Path:
     """Write ``<path>.safetensors`` + ``<path>.json`` for a RouterNet; returns the .safetensors path."""
     from safetensors.numpy import save_file
 
-    st_path, json_path = _paths(path)
+    st_path, json_path = checkpoint_paths(path)
     st_path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous().numpy() for k, v in net.state_dict().items()}
     tmp = st_path.with_name(st_path.name + f".tmp{os.getpid()}")
@@ -185,18 +178,10 @@ def save_router(path: str | os.PathLike, net, meta: dict[str, Any]) -> Path:
 
 def load_router_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON half of a router checkpoint, validated."""
-    st_path, json_path = _paths(path)
+    st_path, json_path = checkpoint_paths(path)
     if not json_path.is_file():
         raise RouterError(f"router metadata {json_path} not found; train one with `ddm-fleet train-router`")
-    try:
-        meta = json.loads(json_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RouterError(f"{json_path} is not valid JSON: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise RouterError(
-            f"{json_path}: not a router checkpoint "
-            f"(format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})"
-        )
+    meta = read_meta_json(json_path, FORMAT, "a router", RouterError)
     if meta.get("time_convention") != TIME_CONVENTION:
         raise RouterError(f"{json_path}: time convention {meta.get('time_convention')!r} is not {TIME_CONVENTION!r}")
     return meta
@@ -307,7 +292,7 @@ class Router:
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        st_path, json_path = _paths(path)
+        st_path, json_path = checkpoint_paths(path)
         meta = load_router_meta(path)
         if not st_path.is_file():
             raise RouterError(f"router weights {st_path} not found")
