@@ -33,11 +33,12 @@ events subject of an accepted job (the scheduler knows no subjects).
 `guidance=` [n] float32, each row's classifier-free guidance scale, only when some row is guided:
 `flow.guidance.guided_rows`; a transport without it then fails the call, never guides silently) raises
 `ExpertUnavailable` when no worker of that expert can answer (`BadExpertReply` when they answer
-garbage); the NATS transport lives in `coordinator.transport`, an in-process one (direct backend
-calls) in `coordinator.local_fleet`. Every velocity is checked here too (shape, float, finite):
-a bad one counts as a failed call, so NaN never reaches a job's samples. A job whose rows no
-expert could serve fails with `unavailable`, or with `bad_reply` when an expert it needed
-answered only garbage (the failed expert's code travels with the batch: `Batch.mark_failed`).
+garbage; both live in `coordinator.errors`, re-exported here); the NATS transport lives in
+`coordinator.transport`, an in-process one (direct backend calls) in `coordinator.local_fleet`.
+Every velocity is checked here too (shape, float, finite): a bad one counts as a failed call, so
+NaN never reaches a job's samples. A job whose rows no expert could serve fails with
+`unavailable`, or with `bad_reply` when an expert it needed answered only garbage (the failed
+expert's code travels with the batch: `Batch.mark_failed`).
 
 Supervision: an error inside a tick fails the jobs it concerns (after `schedule`: that batch's
 jobs; in `schedule` itself: every job the scheduler holds, none of which could be scheduled) and
@@ -67,6 +68,7 @@ from flow.guidance import guided_rows
 from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
 from .batch import Batch
+from .errors import BadExpertReply, ExpertUnavailable  # also re-exported: coordinator.engine.ExpertUnavailable
 from .metrics import CoordinatorMetrics
 from .run_ahead import PAUSE_AFTER_MISS, AheadCounters, AheadEnded, AheadPlan, AheadRun, plan_ahead
 from .scheduler import DEFAULT_CLIENT, Rejected, Scheduler
@@ -129,25 +131,6 @@ def cohorts_for_workers(workers: int | None) -> int:
     on a small host) a third cohort only costs CPU (~10% per image, `bench fleet`)."""
     w = int(workers or 0)
     return DEFAULT_COHORTS + (w >= 4) + (w >= 8)
-
-
-class ExpertUnavailable(Exception):
-    """No worker of `expert` could produce this step's velocity. `code` says why, for the jobs
-    that fail of it: `unavailable` (no responders, time-outs) or `bad_reply` (see BadExpertReply)."""
-
-    code = ErrorCode.UNAVAILABLE
-
-    def __init__(self, expert: int, reason: str):
-        super().__init__(f"expert {expert}: {reason}")
-        self.expert = expert
-        self.reason = reason
-
-
-class BadExpertReply(ExpertUnavailable):
-    """The expert's workers answered, but never with a usable velocity (NaN/Inf, wrong shape or
-    dtype, undecodable): a broken or hostile worker, not a missing one."""
-
-    code = ErrorCode.BAD_REPLY
 
 
 class Transport(Protocol):

@@ -109,7 +109,7 @@ class InProcessTransport:
         """v [n, C, H, W] float32 of rows x [n, C, H, W] at t [n], labels y [n]; guidance [n] float32 scales."""
         from flow.guidance import add_null_twins, fold_twins, guided_rows
 
-        from .engine import ExpertUnavailable
+        from .errors import ExpertUnavailable
 
         if not 0 <= expert < len(self.backends):
             raise ExpertUnavailable(expert, "not loaded in this process")

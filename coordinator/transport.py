@@ -108,7 +108,8 @@ from schemas.limits import MAX_RUN_AHEAD, MAX_STEP_ROWS
 from schemas.tensor import WIRE_FLOATS, to_wire_dtype, widen_float32
 
 from .dispatch import DISPATCH_MODES, DispatchPolicy
-from .engine import ANSWERED_BY, BadExpertReply, ExpertUnavailable
+from .engine import ANSWERED_BY
+from .errors import BadExpertReply, ExpertUnavailable
 from .run_ahead import AheadStream
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, ExpertUnavailable
+from coordinator.engine import Engine
+from coordinator.errors import ExpertUnavailable
 from coordinator.local_fleet import LabelRouter
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig
 from schemas import ErrorCode, JobRequest

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 
 from coordinator.batch import Batch
-from coordinator.engine import Engine, ExpertUnavailable
+from coordinator.engine import Engine
+from coordinator.errors import ExpertUnavailable
 from coordinator.rows import RowGroup
 from coordinator.scheduler import Scheduler, SchedulerConfig
 from schemas import DoneEvent, JobRequest

@@ -5,7 +5,7 @@ does; others get exactly their rows. The backends here are fakes recording the s
 import numpy as np
 import pytest
 
-from coordinator.engine import ExpertUnavailable
+from coordinator.errors import ExpertUnavailable
 from coordinator.local_fleet import InProcessTransport
 
 

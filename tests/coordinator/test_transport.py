@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.engine import ExpertUnavailable
+from coordinator.errors import ExpertUnavailable
 from coordinator.transport import NatsTransport
 from schemas import ErrorCode, ErrorReply, StepReply, StepRequest, pack, subjects, unpack
 
