@@ -386,43 +386,7 @@ class Scheduler:
                 f"client key must be a string of 1-{MAX_CLIENT_KEY_LEN} characters, got {client!r:.80}",
             )
         n = request.n_images
-        if n > cfg.max_rows:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"job asks for {n} images but this coordinator runs at most {cfg.max_rows} rows at once",
-                "max_rows",
-            )
-        if n > cfg.client_rows:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"client quota: job asks for {n} images but one client runs at most "
-                f"{cfg.client_rows} rows at once (limit {cfg.client_rows})",
-                "max_client_rows",
-            )
-        if n > cfg.session_rows and owner_of_key(client) != client:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"session quota: job asks for {n} images but one session runs at most "
-                f"{cfg.session_rows} rows at once (limit {cfg.session_rows})",
-                "max_session_rows",
-            )
-        if cfg.max_job_cost is not None:
-            cost = job_cost(request, cfg.num_experts)
-            if cost > cfg.max_job_cost:
-                raise Rejected(
-                    ErrorCode.TOO_LARGE,
-                    (
-                        f"job cost {cost} row-evaluations ({n} images{_guided_note(request)} x {request.steps} steps x "
-                        f"{EVALS_PER_STEP.get(request.solver, 1)} evaluations per step ({request.solver}) x "
-                        f"{experts_per_row(request, cfg.num_experts)} experts per row ({request.strategy})) is over "
-                        f"the limit of {cfg.max_job_cost} per job; ask for fewer images or steps"
-                    ),
-                    "max_job_cost",
-                )
-        if request.strategy == "oracle" and cfg.class_to_expert is None:
-            raise Rejected(
-                ErrorCode.BAD_REQUEST, "oracle strategy needs a partition manifest; this coordinator has none"
-            )
+        self._check_limits(request, client, "")
         if request.classes is not None and any(d >= cfg.num_classes for d in request.classes):
             raise Rejected(
                 ErrorCode.BAD_REQUEST,
@@ -461,6 +425,51 @@ class Scheduler:
             self._queue.append(job)
             self._count(self._client_queued, client, 1)
         return Admission(job_id=job_id, digits=digits, seed=seed, queue_position=0 if starts_now else len(self._queue))
+
+    def _check_limits(self, request: JobRequest, client: str, prefix: str) -> None:
+        """Raise Rejected if a job of `request` for key `client` can never run here, the admission
+        limits a submit and a restore share: rows at once (coordinator, client, session), job cost,
+        and a partition manifest for the oracle strategy. `prefix` starts each reason ("restore: ")."""
+        cfg = self.config
+        n = request.n_images
+        if n > cfg.max_rows:
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"{prefix}job asks for {n} images but this coordinator runs at most {cfg.max_rows} rows at once",
+                "max_rows",
+            )
+        if n > cfg.client_rows:
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"{prefix}client quota: job asks for {n} images but one client runs at most "
+                f"{cfg.client_rows} rows at once (limit {cfg.client_rows})",
+                "max_client_rows",
+            )
+        if n > cfg.session_rows and owner_of_key(client) != client:
+            raise Rejected(
+                ErrorCode.TOO_LARGE,
+                f"{prefix}session quota: job asks for {n} images but one session runs at most "
+                f"{cfg.session_rows} rows at once (limit {cfg.session_rows})",
+                "max_session_rows",
+            )
+        if cfg.max_job_cost is not None:
+            cost = job_cost(request, cfg.num_experts)
+            if cost > cfg.max_job_cost:
+                raise Rejected(
+                    ErrorCode.TOO_LARGE,
+                    (
+                        f"{prefix}job cost {cost} row-evaluations ({n} images{_guided_note(request)} x "
+                        f"{request.steps} steps x {EVALS_PER_STEP.get(request.solver, 1)} evaluations per step "
+                        f"({request.solver}) x {experts_per_row(request, cfg.num_experts)} experts per row "
+                        f"({request.strategy})) is over the limit of {cfg.max_job_cost} per job; "
+                        "ask for fewer images or steps"
+                    ),
+                    "max_job_cost",
+                )
+        if request.strategy == "oracle" and cfg.class_to_expert is None:
+            raise Rejected(
+                ErrorCode.BAD_REQUEST, f"{prefix}oracle strategy needs a partition manifest; this coordinator has none"
+            )
 
     def _check_queue_quota(self, client: str, prefix: str) -> None:
         """Raise Rejected(overloaded) if a job of key `client` may not wait: its client, or its
@@ -620,33 +629,7 @@ class Scheduler:
             raise Rejected(ErrorCode.BAD_REQUEST, f"restore: {n} digits for a job of {req.n_images} images")
         if any(not -1 <= int(d) < cfg.num_classes for d in cp.digits):  # -1: label unknown
             raise Rejected(ErrorCode.BAD_REQUEST, f"restore: digits must be in [0, {cfg.num_classes}) or -1")
-        if n > cfg.max_rows:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"restore: job has {n} images but this coordinator runs at most {cfg.max_rows} rows at once",
-                "max_rows",
-            )
-        if n > cfg.client_rows:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"restore: job has {n} images but one client runs at most {cfg.client_rows} rows at once here",
-                "max_client_rows",
-            )
-        if n > cfg.session_rows and owner_of_key(client) != client:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"restore: job has {n} images but one session runs at most {cfg.session_rows} rows at once here",
-                "max_session_rows",
-            )
-        if cfg.max_job_cost is not None and job_cost(req, cfg.num_experts) > cfg.max_job_cost:
-            raise Rejected(
-                ErrorCode.TOO_LARGE,
-                f"restore: job cost {job_cost(req, cfg.num_experts)} row-evaluations "
-                f"is over this coordinator's limit of {cfg.max_job_cost}",
-                "max_job_cost",
-            )
-        if req.strategy == "oracle" and cfg.class_to_expert is None:
-            raise Rejected(ErrorCode.BAD_REQUEST, "restore: oracle strategy needs a partition manifest; none here")
+        self._check_limits(req, client, "restore: ")  # n == req.n_images, checked above
         group = None
         if cp.x is not None:
             shape = (n, *cfg.image_shape)
