@@ -110,6 +110,32 @@ class Row:
         }
 
 
+def add_sampling_arguments(parser) -> None:
+    """The sampling flags `ddm-fleet eval` and `python -m evaluation.sample_inprocess` share, so that the
+    two make the same images from the same flags: --steps, --solver, --seed, --images-per-job (and its
+    deprecated spelling --job-size)."""
+    from bus.options import add_deprecated_alias
+
+    parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
+    parser.add_argument(
+        "--solver",
+        choices=("euler", "heun"),
+        default="euler",
+        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="first job seed: job j is seeded seed + j (default %(default)s)"
+    )
+    parser.add_argument(
+        "--images-per-job",
+        type=int,
+        default=50,
+        metavar="N",
+        help="images per job; they share its seed (default %(default)s)",
+    )
+    add_deprecated_alias(parser, "--job-size", "--images-per-job", type=int, metavar="N")
+
+
 def requested_digits(per_class: int, num_classes: int = 10) -> np.ndarray:
     """[num_classes * per_class] classes 0..C-1 (MNIST: the digits), each per_class times, interleaved so
     every job mixes classes."""

@@ -319,8 +319,10 @@ def _scales(text: str) -> tuple[float, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
-    from bus.options import add_deprecated_alias, add_dtype_option
+    from bus.options import add_dtype_option
     from workers.backends.torch_compile import COMPILE_CHOICES
+
+    from .run import add_sampling_arguments
 
     p = argparse.ArgumentParser(
         prog="python -m evaluation.sample_inprocess",
@@ -347,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--per-class", type=int, default=500, metavar="N", help="images per digit: 10 x N in all (default %(default)s)"
     )
-    p.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
+    add_sampling_arguments(p)  # --steps, --solver, --seed, --images-per-job: as `ddm-fleet eval`'s
     p.add_argument(
         "--guidance",
         type=_scales,
@@ -357,21 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints with a null label; files are named <config>-cfgS. A comma list is a sweep: every "
         "configuration at every scale, the same digits and seeds (default 1)",
     )
-    p.add_argument(
-        "--solver",
-        choices=("euler", "heun"),
-        default="euler",
-        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="first job seed (as ddm-fleet eval --seed; default %(default)s)")
-    p.add_argument(
-        "--images-per-job",
-        type=int,
-        default=50,
-        metavar="N",
-        help="images per seeded job (as ddm-fleet eval --images-per-job; default %(default)s)",
-    )
-    add_deprecated_alias(p, "--job-size", "--images-per-job", type=int, metavar="N")
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
     add_dtype_option(p)
     p.add_argument(

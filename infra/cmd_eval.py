@@ -51,7 +51,8 @@ from client.guidance import guidance_scale
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option
+    from bus.options import add_dtype_option, add_nats_option
+    from evaluation.run import add_sampling_arguments
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
@@ -69,22 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--monolith", default=None, metavar="PATH", help="monolith checkpoint (default DIR/monolith.safetensors)"
     )
     parser.add_argument("--per-class", type=int, default=50, metavar="N", help="images per digit (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    parser.add_argument(
-        "--solver",
-        choices=("euler", "heun"),
-        default="euler",
-        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="first job seed (default %(default)s)")
-    parser.add_argument(
-        "--images-per-job",
-        type=int,
-        default=50,
-        metavar="N",
-        help="images per submitted job; they share its seed (default %(default)s)",
-    )
-    add_deprecated_alias(parser, "--job-size", "--images-per-job", type=int, metavar="N")
+    add_sampling_arguments(parser)  # --steps, --solver, --seed, --images-per-job: as sample_inprocess's
     add_nats_option(
         parser,
         default=None,
