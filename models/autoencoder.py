@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bus.json_file import read_json_file
+
 FORMAT = "ddm-fleet-autoencoder/1"
 DECODER_PREFIX = "autoencoder@sha256:"
 
@@ -183,9 +185,9 @@ def load_autoencoder_meta(path: str | os.PathLike) -> dict:
             f"autoencoder metadata {json_path} not found; train one with `ddm-fleet train-autoencoder`"
         )
     try:
-        meta = json.loads(json_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AutoencoderError(f"{json_path} is not valid JSON: {exc}") from None
+        meta = read_json_file(json_path, error=AutoencoderError)  # bounded size and depth
+    except OSError as exc:
+        raise AutoencoderError(f"{json_path} cannot be read: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else None
         raise AutoencoderError(f"{json_path}: not an autoencoder checkpoint (format {got!r}, expected {FORMAT!r})")

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from bus.json_file import read_json_file
 from models.arch import ModelConfig, arch_name, config_from_meta
 from models.config import DiTConfig
 
@@ -215,10 +216,7 @@ def load_meta(path: str | Path) -> dict:
     st_path, json_path = _paths(path)
     if not json_path.exists():
         raise CheckpointError(f"checkpoint metadata {json_path} not found (expected next to {st_path.name})")
-    try:
-        meta = json.loads(json_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{json_path} is not valid JSON: {e}") from None
+    meta = read_json_file(json_path, error=CheckpointError)  # bounded size and depth
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(
             f"{json_path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}"

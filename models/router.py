@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from bus.json_file import read_json_file
+
 FORMAT = "ddm-fleet-router/1"
 TIME_CONVENTION = "t0_noise_t1_data"
 UNKNOWN_CLASS = -1
@@ -188,10 +190,7 @@ def load_router_meta(path: str | os.PathLike) -> dict[str, Any]:
     st_path, json_path = _paths(path)
     if not json_path.is_file():
         raise RouterError(f"router metadata {json_path} not found; train one with `ddm-fleet train-router`")
-    try:
-        meta = json.loads(json_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RouterError(f"{json_path} is not valid JSON: {exc}") from None
+    meta = read_json_file(json_path, error=RouterError)  # bounded size and depth
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise RouterError(
             f"{json_path}: not a router checkpoint "
