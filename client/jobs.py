@@ -445,7 +445,9 @@ async def run_job(
     report_epoch (default True): ask for the job's owner epoch on every event (`JobRequest.report_epoch`;
     a coordinator older than the field refuses the request: pass False for one) and drop the events of a
     lower epoch than the highest seen (client.epochs: frames or a `done` of a coordinator that lost the
-    job to another, arriving late); on_stale(event) (sync or async) sees each event so dropped.
+    job to another, arriving late); on_stale(event) (sync or async) sees each event so dropped. An event
+    whose epoch is more than client.epochs.MAX_EPOCH_JUMP above the highest (forged) is ignored too, not
+    passed to on_stale.
     """
     if probe_every is not None and probe_every <= 0:
         raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
@@ -540,7 +542,8 @@ async def run_job(
                 log.warning("job %s: skipping undecodable event (%s)", job_id, err)
                 continue
             if not epochs.admit(ev):  # from a coordinator that lost the job to another: never delivered
-                await deliver(ev, on_stale)
+                if epoch_of(ev) < epochs.highest:  # (not one of an implausible epoch: ignored, counted, logged)
+                    await deliver(ev, on_stale)
                 continue
             if isinstance(ev, FrameEvent):
                 streaming = True

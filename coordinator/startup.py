@@ -36,16 +36,16 @@ def load_router_and_partition(router_path: str | os.PathLike, partition_path: st
 def router_spec(router_path: str | os.PathLike):
     """The model spec of a router checkpoint (`models.spec.spec_of` of its JSON: stored, or implied
     by its config for routers made before specs). Raises SpecError / FileNotFoundError."""
-    import json
     from pathlib import Path
 
-    from models.spec import spec_of
+    from bus.json_file import read_json_file
+    from models.spec import SpecError, spec_of
 
     path = Path(router_path)
     meta_path = path.with_suffix(".json")
     if not meta_path.exists():
         raise FileNotFoundError(f"router metadata {meta_path} does not exist (expected next to {path.name})")
-    return spec_of(json.loads(meta_path.read_text()), where=str(meta_path))
+    return spec_of(read_json_file(meta_path, error=SpecError), where=str(meta_path))
 
 
 async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:

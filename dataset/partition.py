@@ -28,13 +28,14 @@ only kmeans and random apply). A manifest without ``dataset`` indexes MNIST's 50
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bus.json_file import read_json_file
 
 METHODS = ("classes", "kmeans", "features", "random")
 NUM_CLASSES = 10
@@ -273,9 +274,10 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     path = Path(path)
     if not path.is_file():
         raise PartitionError(f"no partition manifest at {path}; create one with `ddm-fleet partition --out {path}`")
+    data = read_json_file(path, error=PartitionError)  # bounded size and depth
     try:
-        return Manifest.model_validate(json.loads(path.read_text()))
-    except (json.JSONDecodeError, ValueError) as exc:
+        return Manifest.model_validate(data)
+    except ValueError as exc:
         raise PartitionError(f"{path} is not a valid partition manifest: {exc}") from exc
 
 

@@ -20,6 +20,7 @@ import os
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bus.options import add_nats_option
+    from schemas.limits import MAX_STEP_ROWS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
@@ -33,6 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device for the decoder (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--max-request-rows",
+        type=int,
+        default=MAX_STEP_ROWS,
+        metavar="N",
+        help=f"refuse decode requests with more latent rows (too_large); default {MAX_STEP_ROWS}, the protocol's "
+        "limit (as `ddm-fleet worker --max-request-rows`). The coordinator sends up to 256 rows in one request",
+    )
     add_nats_option(
         parser,
         help="NATS server (default: $NATS_URL, else the URL in the file $NATS_URL_FILE, else nats://127.0.0.1:4222)",
@@ -51,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.exists(args.checkpoint):
         print(f"ddm-fleet decoder: checkpoint {args.checkpoint!r} not found", file=sys.stderr)
         return 2
+    if args.max_request_rows < 1:
+        print("ddm-fleet decoder: --max-request-rows must be >= 1", file=sys.stderr)
+        return 2
     if args.threads is not None:
         if args.threads < 1:
             print("ddm-fleet decoder: --threads must be >= 1", file=sys.stderr)
@@ -63,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         from bus.exit_watch import watch_exit
         from workers.decoder_service import DecoderWorker
 
-        worker = DecoderWorker(args.checkpoint, nats_url=args.nats, device=args.device)
+        worker = DecoderWorker(
+            args.checkpoint, nats_url=args.nats, device=args.device, max_request_rows=args.max_request_rows
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from bus.json_file import read_json_file
 from models.arch import ModelConfig, arch_name, config_from_meta
 from models.config import DiTConfig
 
@@ -181,9 +182,9 @@ def read_meta_json(json_path: Path, fmt: str, kind: str, error: type[ValueError]
     caller's ValueError subclass, raised when the file cannot be read, is not valid JSON or has another format.
     The caller checks that the file exists first (its message says how to make one)."""
     try:
-        meta = json.loads(json_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{json_path} is not valid JSON: {exc}") from None
+        meta = read_json_file(json_path, error=error)  # bounded size and depth: a fleet may be handed any file
+    except OSError as exc:
+        raise error(f"{json_path} cannot be read: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         got = meta.get("format") if isinstance(meta, dict) else None
         raise error(f"{json_path}: not {kind} checkpoint (format {got!r}, expected {fmt!r})")

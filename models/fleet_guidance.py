@@ -18,6 +18,7 @@ import math
 import os
 from pathlib import Path
 
+from bus.json_file import read_json_file
 from schemas.limits import MAX_GUIDANCE_SCALE
 
 KEY = "guidance"
@@ -50,7 +51,7 @@ def fleet_default_guidance(router: str | os.PathLike) -> float:
     is missing or names none. GuidanceDefaultError for a value out of range."""
     path = _json_of(router)
     try:
-        meta = json.loads(path.read_text())
+        meta = read_json_file(path, error=GuidanceDefaultError)
     except FileNotFoundError:
         return 1.0
     return default_from_meta(meta, str(path))
@@ -64,7 +65,7 @@ def default_beside(checkpoint: str | os.PathLike) -> float:
 def set_default_guidance(router: str | os.PathLike, scale: float, **notes) -> Path:
     """Write `scale` (and `notes`, e.g. chosen_by=...) as the fleet's default into the router's JSON."""
     path = _json_of(router)
-    meta = json.loads(path.read_text())
+    meta = read_json_file(path, error=GuidanceDefaultError)
     meta[KEY] = {"default_scale": float(scale), **notes}
     default_from_meta(meta, str(path))  # refuse what a coordinator would refuse
     path.write_text(json.dumps(meta, indent=2) + "\n")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bus.json_file import read_json_file
 from models.autoencoder import AutoencoderError
 from models.codec_types import CodecInfo, check_array
 
@@ -37,8 +38,8 @@ DEFAULT_SCALING = 0.18215  # diffusers' AutoencoderKL default when a config has 
 
 def _config_of(d: Path) -> dict | None:
     try:
-        cfg = json.loads((d / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        cfg = read_json_file(d / "config.json")  # bounded size and depth
+    except (OSError, ValueError):
         return None
     return cfg if isinstance(cfg, dict) and cfg.get("_class_name") == CLASS_NAME else None
 

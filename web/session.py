@@ -232,7 +232,9 @@ class Session:
         client = client_of(nc)
         self.client = WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client
         self.session_tag = "s" + secrets.token_hex(8)
-        self.stale_events = 0  # events dropped for a lower owner epoch than their job's highest (client.epochs)
+        # events dropped by the owner-epoch rule (client.epochs): a lower epoch than their job's highest, or
+        # one implausibly far above it (more than MAX_EPOCH_JUMP: forged; also in the job's epochs.implausible)
+        self.stale_events = 0
 
     @property
     def spec(self) -> ModelSpec:

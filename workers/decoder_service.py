@@ -11,15 +11,20 @@ another one adds capacity with no configuration (as expert workers do).
     DecoderWorker("vae/sd-vae-ft-mse", nats_url=url)   # a diffusers AutoencoderKL (the pretrained extra)
 
 Replies: `DecodeReply` (images [B, C, H, W] float32 in the autoencoder's value range, in request
-row order) or `ErrorReply` with a stable code. Bad input never stops the worker: undecodable bytes,
-another autoencoder's hash, latents of the wrong shape, NaN (refused when decoding the message),
-an expired deadline (never computed) and decoder failures (`internal`) each get an error reply.
-Requests run one at a time in a worker thread (the asyncio loop keeps answering `$SRV.*`); a
-request that arrives while `max_queued` are waiting is answered `overloaded` at once. Replies go
-only to reply subjects under `_INBOX` (as expert workers).
+row order) or `ErrorReply` with a stable code; every request with an inbox to answer gets one of
+them. Bad input never stops the worker: undecodable bytes, another autoencoder's hash, latents of
+the wrong shape, NaN / Inf (`non_finite`), more rows than `max_request_rows` (`too_large`), an
+expired deadline (never computed), NaN / Inf images (`non_finite` for absurd finite latents, |z| over
+`SANE_ABS_X`, as 1e30; else `internal`), a reply over the payload limit (`too_large`) and decoder
+failures (`internal`) each get an error reply. Requests run one at a time in a worker thread (the
+asyncio loop keeps answering `$SRV.*`); a request that arrives while `max_queued` are waiting is
+answered `overloaded` at once. Replies go only to reply subjects under `_INBOX`, discovery replies
+too (`workers.discovery.InboxGuard`, as expert workers): a request naming any other reply subject
+is dropped unanswered, counted (`dropped_requests`, STATS `dropped`) and logged at most every
+`DROP_LOG_EVERY_S` seconds.
 
 Service discovery: name `ddm-decoder`, endpoint `decode`; metadata has decoder (the content hash),
-latent_shape, image_shape, device, worker_id, host, pid, checkpoint, subject.
+latent_shape, image_shape, device, worker_id, host, pid, checkpoint, subject, max_request_rows.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from typing import Any
 import numpy as np
 
 from schemas import DecodeReply, DecodeRequest, ErrorCode, ErrorReply, ProtocolError, pack, subjects, unpack
+from schemas.limits import MAX_STEP_ROWS
 
-from .service import _peek_request_id, package_version
+from .discovery import InboxGuard, add_inbox_only_service
+from .service import SANE_ABS_X, _peek_request_id, package_version
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,9 @@ class DecoderWorker:
     """Serve one autoencoder's decoder over NATS (see module docstring). Async context manager.
 
     `checkpoint`: our autoencoder's checkpoint or a diffusers AutoencoderKL directory (models/codec.py);
-    `codec`: an already-loaded codec of either backend (then `checkpoint` may be None)."""
+    `codec`: an already-loaded codec of either backend (then `checkpoint` may be None);
+    `max_request_rows`: requests with more latent rows are refused `too_large` (at most the protocol's
+    MAX_STEP_ROWS, as expert workers' `max_request_rows`)."""
 
     def __init__(
         self,
@@ -62,12 +71,16 @@ class DecoderWorker:
         device: str = "cpu",
         worker_id: str | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        max_request_rows: int = MAX_STEP_ROWS,
         connect_attempts: int = 3,
     ):
         if codec is None and checkpoint is None:
             raise ValueError("give a decoder checkpoint (an autoencoder's .safetensors) or a loaded codec")
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if isinstance(max_request_rows, bool) or not isinstance(max_request_rows, int) or max_request_rows < 1:
+            raise ValueError(f"max_request_rows must be a positive int, got {max_request_rows!r}")
+        self.max_request_rows = min(max_request_rows, MAX_STEP_ROWS)  # more is never sent: the protocol's limit
         self.checkpoint, self.codec, self.device = checkpoint, codec, device
         self.nats_url, self.nc, self._own_nc = nats_url, nc, nc is None
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-decoder-{uuid.uuid4().hex[:6]}"
@@ -77,7 +90,13 @@ class DecoderWorker:
         self._waiting = 0
         self._inflight: set[asyncio.Task] = set()
         self.requests = self.errors = self.rows = 0
-        self.dropped_requests = 0
+        # requests with a reply subject outside _INBOX: dropped, never answered (counted, logged)
+        self._inbox_guard = InboxGuard(log, "decode request")
+
+    @property
+    def dropped_requests(self) -> int:
+        """Requests dropped unanswered: their reply subject is outside _INBOX (discovery ones too)."""
+        return self._inbox_guard.dropped
 
     @property
     def content_hash(self) -> str:
@@ -143,20 +162,25 @@ class DecoderWorker:
             "pid": str(os.getpid()),
             "checkpoint": str(self.checkpoint or ""),
             "subject": self.subject,
+            "max_request_rows": str(self.max_request_rows),
             "protocol": str(subjects.PREFIX),
         }
 
     async def _advertise(self) -> None:
-        from nats.micro import add_service
-
         version = package_version()
-        self._service = await add_service(
+        self._service = await add_inbox_only_service(
             self.nc,
+            self._inbox_guard.drop,
             name=SERVICE_NAME,
             version=version if version.count(".") == 2 else "0.0.0",
             description="ddm-fleet latent decoder",
             metadata=self.metadata(),
-            stats_handler=lambda _endpoint: {"requests": self.requests, "rows": self.rows, "errors": self.errors},
+            stats_handler=lambda _endpoint: {
+                "requests": self.requests,
+                "rows": self.rows,
+                "errors": self.errors,
+                "dropped": self.dropped_requests,
+            },
         )
         await self._service.add_endpoint(
             name=ENDPOINT_NAME,
@@ -188,41 +212,30 @@ class DecoderWorker:
 
     # ------------------------------------------------------------------ requests
     async def _on_request(self, req) -> None:
-        """micro handler: check the reply subject and queue the work (callbacks are serial)."""
-        reply_to = req._msg.reply or ""
-        if not subjects.is_reply_inbox(reply_to):
-            self.dropped_requests += 1
-            log.warning("dropped a decode request with reply subject %r (replies go only to _INBOX)", reply_to[:200])
+        """micro handler: check the reply subject and queue the work (callbacks are serial). Never raises."""
+        if not self._inbox_guard.allows(req._msg.reply):
             return
-        if self._waiting >= self.max_queued:
-            await self._reply_error(
-                req, ErrorCode.OVERLOADED, f"decoder holds {self._waiting} requests; retry or start another decoder"
-            )
+        try:
+            if self._waiting >= self.max_queued:
+                await self._reply_error(
+                    req, ErrorCode.OVERLOADED, f"decoder holds {self._waiting} requests; retry or start another decoder"
+                )
+                return
+            task = asyncio.create_task(self._serve(req))  # runs from the next await: counted first
+            self._waiting += 1
+        except Exception as err:  # a bug here must not kill the subscription
+            log.exception("unexpected error while queueing a decode request")
+            await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
             return
-        self._waiting += 1
-        task = asyncio.create_task(self._serve(req))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
     async def _serve(self, req) -> None:
+        """Decode one request and answer it: a `DecodeReply`, or an `ErrorReply` for whatever went wrong
+        (nothing raises out of here: the requester always gets an answer)."""
         try:
             try:
-                msg = unpack(req.data, DecodeRequest)
-                z = self._check(msg)
-                async with self._lock:
-                    if msg.deadline is not None and time.time() > msg.deadline:
-                        raise ProtocolError(
-                            ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed before decoding"
-                        )
-                    start = time.perf_counter()
-                    try:
-                        images = await asyncio.to_thread(self.codec.decode, z)
-                    except Exception as err:
-                        log.exception("decoding failed")
-                        raise ProtocolError(
-                            ErrorCode.INTERNAL, f"decoder failed: {type(err).__name__}: {err}"
-                        ) from None
-                    ms = (time.perf_counter() - start) * 1000.0
+                data = await self._decode(req)
             except ProtocolError as err:
                 await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
                 return
@@ -230,18 +243,43 @@ class DecoderWorker:
                 log.exception("unexpected error while serving a decode request")
                 await self._reply_error(req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
                 return
-            self.requests += 1
-            self.rows += len(z)
-            reply = DecodeReply(
-                decoder=self.content_hash,
-                images=images,
-                worker_id=self.worker_id,
-                device=str(self.device),
-                compute_ms=ms,
-            )
-            await self._send(req, pack(reply))
+            await self._send(req, data)
+        except Exception:  # _reply_error / _send catch their own; this is a last guard
+            log.exception("could not answer a decode request")
         finally:
             self._waiting -= 1
+
+    async def _decode(self, req) -> bytes:
+        """request bytes -> the packed `DecodeReply`; ProtocolError for anything the request gets wrong."""
+        msg = unpack(req.data, DecodeRequest)
+        z = self._check(msg)
+        async with self._lock:
+            if msg.deadline is not None and time.time() > msg.deadline:
+                raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed before decoding")
+            start = time.perf_counter()
+            try:
+                images = await asyncio.to_thread(self.codec.decode, z)
+            except Exception as err:
+                log.exception("decoding failed")
+                raise ProtocolError(ErrorCode.INTERNAL, f"decoder failed: {type(err).__name__}: {err}") from None
+            ms = (time.perf_counter() - start) * 1000.0
+        images = np.asarray(images)
+        if images.dtype.kind == "f" and not np.isfinite(images).all():
+            peak = float(np.abs(z).max())
+            if peak > SANE_ABS_X:  # the input's fault: another decoder would do the same
+                raise ProtocolError(
+                    ErrorCode.NON_FINITE,
+                    f"decoding latents with values up to {peak:.3g} gives NaN/Inf images (float32 overflow); "
+                    f"an autoencoder's latents stay within a few units of 0",
+                )
+            raise ProtocolError(ErrorCode.INTERNAL, "the decoder produced NaN/Inf images for this request")
+        reply = DecodeReply(
+            decoder=self.content_hash, images=images, worker_id=self.worker_id, device=str(self.device), compute_ms=ms
+        )
+        data = pack(reply)  # ProtocolError(too_large) for images over the payload limit
+        self.requests += 1
+        self.rows += len(z)
+        return data
 
     def _check(self, msg: DecodeRequest) -> np.ndarray:
         if msg.decoder != self.content_hash:
@@ -253,7 +291,17 @@ class DecoderWorker:
         wrong = self.codec.latent_shape_error(tuple(z.shape[1:])) if z.ndim == 4 else "latents must be [B, c, h, w]"
         if wrong:
             raise ProtocolError(ErrorCode.BAD_SHAPE, f"{wrong}, got {list(z.shape)}")
-        return np.array(z, dtype=np.float32)  # a writable copy (the wire's arrays are read-only views)
+        if len(z) > self.max_request_rows:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"{len(z)} latent rows exceed this decoder's limit of {self.max_request_rows} per request "
+                f"(--max-request-rows); send fewer rows per request",
+            )
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes Inf: refused below
+            z = np.array(z, dtype=np.float32)  # a writable copy (the wire's arrays are read-only views)
+        if not np.isfinite(z).all():  # the schema refuses them already; float32 may overflow a wider dtype
+            raise ProtocolError(ErrorCode.NON_FINITE, "latents hold NaN or Inf values")
+        return z
 
     async def _reply_error(self, req, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         self.errors += 1

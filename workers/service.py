@@ -38,7 +38,7 @@ failures (`internal`) each get an error reply. A full queue (`max_queue_rows` ro
 instead of waiting. Replies go only to reply subjects under `_INBOX` (`_INBOX.` or
 `_INBOX_<token>.`, what NATS clients use), discovery replies too (`workers.discovery`); a request
 naming any other reply subject (e.g. another client's job events) is dropped unanswered and logged
-at most every `DROP_LOG_EVERY_S` seconds (`bus.ratelimited_log`).
+at most every `DROP_LOG_EVERY_S` seconds (`workers.discovery.InboxGuard`).
 Metrics (`metrics_port`) bind `metrics_host`, loopback by default.
 
 Service discovery: name `ddm-expert`; metadata has expert, backend, device, dtype (what the expert
@@ -71,7 +71,6 @@ from typing import Any
 
 import numpy as np
 
-from bus.ratelimited_log import RateLimitedLog
 from flow.guidance import add_null_twins, fold_twins, guided_rows
 from flow.solver import euler_update
 from schemas import UNCONDITIONAL, ErrorCode, ErrorReply, ProtocolError, StepReply, StepRequest, pack, subjects, unpack
@@ -81,6 +80,7 @@ from schemas.version import PROTOCOL_VERSION
 
 from .batcher import Batcher, BatcherClosed, DeadlineExceeded, ModelError
 from .config import DEFAULT_MAX_INFLIGHT, WorkerConfig  # noqa: F401 (DEFAULT_MAX_INFLIGHT: re-exported)
+from .discovery import DROP_LOG_EVERY_S, InboxGuard, add_inbox_only_service  # noqa: F401 (DROP_LOG_EVERY_S: re-exported)
 from .metrics import WorkerMetrics, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,6 @@ DIRECT_ENDPOINT_NAME = "direct"
 #: units). A NaN/Inf velocity for such an input is answered `non_finite` (the request's fault),
 #: not `internal`. Finite inputs up to ~1e19 are computed as usual; past that float32 overflows.
 SANE_ABS_X = 1e4
-
-#: Seconds between two log lines about dropped requests (reply subject outside `_INBOX`).
-DROP_LOG_EVERY_S = 10.0
 
 
 def package_version() -> str:
@@ -150,8 +147,8 @@ class ExpertWorker:
             backend = config.backend
         if isinstance(backend, str):
             backend_options = {**config.backend_options(), **(backend_options or {})}
-        self.dropped_requests = 0  # requests with a reply subject outside _INBOX (never answered)
-        self._drop_log = RateLimitedLog(log, every_s=DROP_LOG_EVERY_S)
+        # requests with a reply subject outside _INBOX: dropped, never answered (counted, logged)
+        self._inbox_guard = InboxGuard(log, "request", on_drop=lambda: self.metrics.dropped())
         if isinstance(backend, str):
             if checkpoint is None:
                 raise ValueError("give checkpoint=PATH (the .safetensors file) when backend is a name")
@@ -319,12 +316,10 @@ class ExpertWorker:
         return meta
 
     async def _advertise(self) -> None:
-        from .discovery import add_inbox_only_service
-
         version = package_version()
         self._service = await add_inbox_only_service(
             self.nc,
-            self._drop,
+            self._inbox_guard.drop,
             name=SERVICE_NAME,
             version=version if version.count(".") == 2 else "0.0.0",
             description=f"ddm-fleet expert {self.expert} velocity worker",
@@ -461,9 +456,7 @@ class ExpertWorker:
     async def _on_request(self, req) -> None:
         """micro handler: validate and queue; never waits for the model (callbacks are serial)."""
         received = time.perf_counter()
-        reply_to = req._msg.reply or ""
-        if not subjects.is_reply_inbox(reply_to):  # a NATS client's inbox, the rule the coordinator keeps too
-            self._drop(reply_to)
+        if not self._inbox_guard.allows(req._msg.reply):  # a NATS client's inbox, the rule the coordinator keeps too
             return
         try:
             if len(self._inflight) >= self.max_inflight:
@@ -498,16 +491,10 @@ class ExpertWorker:
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    def _drop(self, reply_to: str) -> None:
-        self.dropped_requests += 1
-        self.metrics.dropped()
-        self._drop_log.warning(
-            "dropped a request with reply subject %r: replies go only to %s.* / %s_<client>.* (%d dropped so far)",
-            reply_to[:200],
-            subjects.INBOX,
-            subjects.INBOX,
-            self.dropped_requests,
-        )
+    @property
+    def dropped_requests(self) -> int:
+        """Requests dropped unanswered: their reply subject is outside _INBOX (discovery ones too)."""
+        return self._inbox_guard.dropped
 
     def _decode(self, data: bytes) -> tuple[StepRequest, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """bytes -> (request, x float32 [B,C,H,W], t float32 [B], y int64 [B], twins int64 [G]: the rows

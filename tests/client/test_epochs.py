@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from client.epochs import EpochFilter, epoch_of
+from client.epochs import MAX_EPOCH_JUMP, EpochFilter, epoch_of
 from coordinator.ledger import JobLedger
 from coordinator.snapshot import JobCheckpoint, bump_epoch, decode, encode
 from schemas import (
@@ -86,6 +86,28 @@ def test_a_status_of_a_lower_epoch_is_ignored_and_a_higher_one_raises_the_floor(
     assert f.admit_status(JobStatus(job_id="j", state="unknown"))  # no epoch: judged as before
     assert f.admit_status(JobStatus(job_id="j", state="running", epoch=3)) and f.highest == 3
     assert not f.admit(frame(11, 2))  # the owner that answered holds epoch 3: epoch 2 is stale now
+
+
+def test_an_epoch_jump_no_take_over_makes_is_ignored_not_adopted(caplog, monkeypatch):
+    """Issue 44: one forged frame of epoch 2^63-1 on an open bus made a viewer drop every real event after
+    it. A jump of more than MAX_EPOCH_JUMP above the highest seen is ignored (counted, logged) instead."""
+    import client.epochs
+    from bus.ratelimited_log import RateLimitedLog
+
+    monkeypatch.setattr(client.epochs, "_IMPLAUSIBLE_LOG", RateLimitedLog(client.epochs.log))  # no line held back
+    f = EpochFilter("j")
+    assert f.admit(frame(1, 1))
+    caplog.set_level("WARNING", logger="client.epochs")
+    for forged in (frame(2, 2**63 - 1), done(2 + MAX_EPOCH_JUMP, value=-1.0)):
+        assert not f.admit(forged)
+    assert f.highest == 1 and f.implausible == 2 and f.dropped == 0
+    assert not f.admit_status(JobStatus(job_id="j", state="done", epoch=2**63 - 1)) and f.highest == 1
+    assert f.implausible == 3 and f.stale_statuses == 0
+    assert any("ignored a frame event of owner epoch 9223372036854775807" in r.getMessage() for r in caplog.records)
+    # the real events keep coming: the owner's, then a take-over's (one more), then one MAX_EPOCH_JUMP above
+    assert f.admit(frame(2, 1)) and f.admit(frame(3, 2)) and f.highest == 2
+    assert f.admit(frame(4, 2 + MAX_EPOCH_JUMP)) and f.highest == 2 + MAX_EPOCH_JUMP
+    assert f.admit(done(2 + MAX_EPOCH_JUMP)) and f.implausible == 3
 
 
 def test_epoch_is_on_the_wire_only_when_set_and_decodes_back():

@@ -98,7 +98,7 @@ def test_manifest_roundtrip_and_bad_files(tmp_path, mnist_slice):
     with pytest.raises(PartitionError, match="no partition manifest"):
         load_manifest(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(PartitionError, match="not a valid"):
+    with pytest.raises(PartitionError, match="bad.json is not valid JSON"):
         load_manifest(tmp_path / "bad.json")
     doc["experts"][1]["indices"].append(doc["experts"][0]["indices"][0])
     (tmp_path / "overlap.json").write_text(json.dumps(doc))

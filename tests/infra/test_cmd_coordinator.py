@@ -35,6 +35,27 @@ def test_missing_files_are_a_clear_error(tmp_path, capsys):
     assert "router" in err and "does not exist" in err
 
 
+def test_a_deeply_nested_router_json_is_a_one_line_error_not_a_traceback(tmp_path):
+    """Issue 44: a router.json of 100000 `[` killed the coordinator with a RecursionError traceback."""
+    import shutil
+    import subprocess
+
+    shutil.copy("checkpoints/router.safetensors", tmp_path / "router.safetensors")
+    (tmp_path / "router.json").write_text("[" * 100_000)
+    proc = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "coordinator", "--router", str(tmp_path / "router.safetensors")]
+        + ["--partition", "checkpoints/partition.json", "--nats", "nats://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"ddm-fleet coordinator: RouterError: {tmp_path / 'router.json'}: JSON nested deeper than 64 levels"
+    ], proc.stderr
+
+
 def test_bad_limits_are_refused():
     from infra.cli import main
 

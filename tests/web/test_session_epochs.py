@@ -61,3 +61,29 @@ async def test_a_tab_drops_events_of_an_owner_that_lost_the_job():
     assert job_id not in session.jobs
     shown = session.outbox._frames[job_id]
     assert isinstance(shown, DoneEvent) and shown.epoch == 2 and float(shown.images.max()) == 0.5
+
+
+async def test_a_forged_event_of_a_huge_epoch_does_not_blind_the_tab():
+    """Issue 44: a frame of epoch 2^63-1 published on an open bus made the tab drop every real event
+    after it. It is ignored (more than client.epochs.MAX_EPOCH_JUMP above the job's highest epoch)."""
+    nc = SimpleNamespace(_inbox_prefix=b"_INBOX", options={}, connected_url=None)
+
+    async def send(_msg):
+        pass
+
+    session = Session(nc, send)
+    job_id = "web0123456789abcdef"
+    session.jobs[job_id] = _Job(announced=True)
+    subject = subjects.job_events(session.client, job_id)
+
+    async def event(ev):
+        await session._on_event(SimpleNamespace(subject=subject, data=pack(ev)))
+
+    await event(frame(job_id, 5, 1))
+    await event(frame(job_id, 6, 2**63 - 1))  # forged
+    assert session.stale_events == 1 and session.jobs[job_id].epochs.implausible == 1
+    assert session.outbox._frames[job_id].step == 5
+    await event(frame(job_id, 7, 1))  # the real owner's next frame is shown
+    assert session.outbox._frames[job_id].step == 7
+    await event(done(job_id, 1, value=0.5))
+    assert job_id not in session.jobs and isinstance(session.outbox._frames[job_id], DoneEvent)
