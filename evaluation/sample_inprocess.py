@@ -172,8 +172,11 @@ def generate(
     job_size: int = 50,
     dtype: str = "auto",
     compile: str = "off",
+    latent: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """-> (images [N, C, H, W] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
+    `latent`: the samples are a latent fleet's latents, returned unclipped as the fleet's scheduler hands
+    them to its decoder (their range is the autoencoder's, not [-1, 1]).
 
     Row r belongs to job r // job_size seeded seed + r // job_size (as `initial_batch` makes `noise`):
     what the drawn strategies draw from. `dtype`: the experts' ("auto" | "float32" | "bfloat16",
@@ -217,7 +220,8 @@ def generate(
             return guided_forward(experts.forward, 0, x, t, yy, cfg.guidance)
 
     x = sample(velocity, noise, y, steps, method=solver)
-    return np.clip(x, -1.0, 1.0).astype(np.float32), (usage / evals).astype(np.float32)  # as a job's `done` holds
+    final = x.astype(np.float32) if latent else np.clip(x, -1.0, 1.0).astype(np.float32)  # as a job's `done` holds
+    return final, (usage / evals).astype(np.float32)
 
 
 def save_npz(path: Path, images: np.ndarray, labels: np.ndarray, usage: np.ndarray, uint8: bool, meta: dict) -> None:
@@ -432,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             job_size=args.images_per_job,
             dtype=dtype,
             compile=args.compile,
+            latent=spec.space == "latent",
         )
         if codec is not None:  # latents -> images, as the fleet's decoder stage does
             images = codec.decode(images)

@@ -67,7 +67,7 @@ def fleet_codec(spec, directories, given: str | os.PathLike | None = None) -> Pa
     if given is not None:
         path = Path(given)
     else:
-        dirs = [Path(d) for d in directories if d]
+        dirs = list(dict.fromkeys(Path(d) for d in directories if d))  # each place named once in the message
         path = next((p for p in map(codec_in, dirs) if p is not None), None)
         if path is None:
             where = " or ".join(str(d / "autoencoder.safetensors") for d in dirs) or "no directory"

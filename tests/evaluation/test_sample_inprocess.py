@@ -268,8 +268,12 @@ def test_latent_checkpoints_are_decoded_by_the_autoencoder_their_spec_names(tmp_
         seed=0,
         job_size=5,
         dtype="float32",
+        latent=True,
     )
+    # latents are not images: they reach the decoder unclipped, as the fleet's scheduler hands them over
+    assert np.abs(latents).max() > 1.0
     np.testing.assert_array_equal(got["images"], to_uint8(codec.decode(latents)))
+    assert not np.array_equal(got["images"], to_uint8(codec.decode(np.clip(latents, -1.0, 1.0))))
 
     other = make_tiny_autoencoder(tmp_path / "other", seed=1)
     with pytest.raises(SystemExit, match="is autoencoder .* but the spec names"):
