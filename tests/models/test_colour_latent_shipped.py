@@ -47,3 +47,26 @@ async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
     assert images.shape == (6, 3, 32, 32) and np.isfinite(images).all()
     reading = colour_check(images, *palette_arrays({"palette": palette_table()}))  # as the judges read a manifest
     assert reading.correct.sum() >= 5, (reading.foreground_error, reading.background_error)
+    # the in-process sampler (`ddm-fleet eval`'s offline twin) makes the same images of the same job
+    np.testing.assert_array_equal(images, _in_process(req))
+
+
+def _in_process(req) -> np.ndarray:
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
+    from models.autoencoder_torch import LatentCodec
+
+    labels = np.asarray(req.labels, np.int64)
+    latents, _ = generate(
+        SampleConfig("ddm-top1", "ddm", "top1"),
+        digits=labels,
+        noise=initial_batch(len(labels), len(labels), req.seed, (4, 16, 16)),
+        steps=req.steps,
+        solver="euler",
+        device="cpu",
+        checkpoints=str(CKPT),
+        seed=req.seed,
+        job_size=len(labels),
+        dtype="float32",
+        latent=True,
+    )
+    return LatentCodec.load(CKPT / "autoencoder").decode(latents)
