@@ -249,3 +249,11 @@ def test_no_import_cycles():
         " -> ".join(c) + "\n    (" + ", ".join(graph[a][b] for a, b in zip(c, c[1:])) + ")" for c in _cycles(graph)
     ]
     assert not found, f"{len(found)} import cycles:\n" + "\n".join(found)
+
+
+def test_readme_layer_table_matches_the_layers_checked_here():
+    """README.md's package table names each package's layer as LAYERS does (a newcomer reads the README first)."""
+    import re
+
+    table = dict(re.findall(r"^\| `([a-z_]+)/` \| (\d+) \|", (ROOT / "README.md").read_text(), flags=re.M))
+    assert {k: int(v) for k, v in table.items()} == LAYERS
