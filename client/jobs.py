@@ -610,12 +610,18 @@ async def _send_cancel(nc, job_id: str, client: str) -> None:
     await nc.flush(timeout=2)
 
 
-async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False) -> FleetStatus:
+async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False, image_spec: bool = False) -> FleetStatus:
     """The coordinator's status snapshot; with `spec`, the fleet's model spec too (`status.spec`,
-    None from a coordinator older than specs). Raises JobFailed(unavailable) if none answers."""
+    None from a coordinator older than specs); with `image_spec` as well, the spec also names the images
+    the fleet's jobs return (`spec.image_shape`, `spec.image_value_range`; None from a coordinator older
+    than them, or a latent fleet whose decoder it has not found). Raises JobFailed(unavailable) if none answers."""
+    import msgpack
     import nats.errors
 
-    body = b"\x81\xa4spec\xc3" if spec else b""  # msgpack {"spec": true}
+    if spec and image_spec:
+        body = msgpack.packb({"spec": True, "image_spec": True})
+    else:
+        body = b"\x81\xa4spec\xc3" if spec else b""  # msgpack {"spec": true}
     try:
         msg = await private_request(nc, subjects.FLEET_STATUS, body, timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):

@@ -211,8 +211,8 @@ class CoordinatorConfig:
     # ------------------------------------------------------------ derived
     def scheduler_config(self, num_experts: int, class_to_expert=None, spec=None):
         """The `SchedulerConfig` of these limits for a fleet of `num_experts` experts; `spec` (the
-        fleet's `schemas.spec.ModelSpec`) gives the sample shape and class count, else `image_shape`
-        and 10 classes."""
+        fleet's `schemas.spec.ModelSpec`) gives the sample shape, class count and value range (a pixel
+        fleet's images are clipped to it), else `image_shape`, 10 classes and [-1, 1]."""
         from .scheduler import SchedulerConfig
 
         shape = tuple(spec.sample_shape) if spec is not None else self.image_shape
@@ -231,6 +231,7 @@ class CoordinatorConfig:
             max_job_cost=self.max_job_cost,
             max_job_run_s=self.max_job_run_s,
             latent=spec is not None and spec.space == "latent",
+            **({"value_range": tuple(float(v) for v in spec.value_range)} if spec is not None else {}),
         )
 
     @property

@@ -12,11 +12,16 @@ an `overloaded` / `internal` / `deadline_exceeded` reply or an unusable reply is
 mid-request costs one `timeout`); then `DecoderUnavailable`. A reply that is no
 `DecodeReply` of this autoencoder with one image per latent row counts as a failed try. Nothing
 waits longer than (retries + 1) × (timeout + `NO_RESPONDERS_WAIT_S`).
+
+What its decoders produce (`image_shape` [C, H, W], `image_value_range` [low, high]; None until known) is
+learned from their `$SRV.INFO.ddm-decoder` metadata (`learn_images`: at most one discovery every
+`DISCOVER_EVERY_S`) and from every usable reply, for the fleet's reported spec (`fleet.status`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -36,6 +41,30 @@ DEFAULT_MAX_ROWS = 256
 PREVIEW_BACKOFF_S = 10.0
 #: Error codes worth another try (another decoder of the queue group may answer).
 RETRY_CODES = {ErrorCode.OVERLOADED, ErrorCode.INTERNAL, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.UNAVAILABLE}
+#: The NATS micro service name of every decoder (workers.decoder_service.SERVICE_NAME).
+DECODER_SERVICE = "ddm-decoder"
+#: Seconds a decoder discovery collects `$SRV.INFO` replies, and the least time between two of them.
+DISCOVER_WINDOW_S = 0.2
+DISCOVER_EVERY_S = 2.0
+#: The images' value range of a decoder that does not advertise one (every ddm-fleet autoencoder's).
+DEFAULT_IMAGE_VALUE_RANGE = (-1.0, 1.0)
+
+
+def images_of_metadata(metadata: dict, content_hash: str) -> tuple[tuple[int, int, int], tuple[float, float]] | None:
+    """(image_shape, image_value_range) a decoder of `content_hash` advertises in its service metadata
+    ("C,H,W" and "low,high" strings; a decoder without `image_value_range` decodes to [-1, 1]); None for
+    another autoencoder's decoder or metadata that does not read."""
+    if not isinstance(metadata, dict) or metadata.get("decoder") != content_hash:
+        return None
+    try:
+        shape = tuple(int(v) for v in str(metadata["image_shape"]).split(","))
+        raw = metadata.get("image_value_range")
+        vrange = tuple(float(v) for v in str(raw).split(",")) if raw else DEFAULT_IMAGE_VALUE_RANGE
+    except (KeyError, ValueError):
+        return None
+    if len(shape) != 3 or min(shape) < 1 or len(vrange) != 2 or not vrange[0] < vrange[1]:
+        return None
+    return shape, vrange
 
 
 class DecoderUnavailable(Exception):
@@ -66,6 +95,48 @@ class DecoderClient:
         self.requests = 0  # decode requests sent (tries included)
         self.failures = 0  # tries that failed
         self._failed_at = -float("inf")  # monotonic time of the last DecoderUnavailable
+        # what the decoders produce: learned from discovery and replies (None: not known yet)
+        self.image_shape: tuple[int, int, int] | None = None
+        self.image_value_range: tuple[float, float] | None = None
+        self._discovery: asyncio.Future | None = None
+        self._discovered_at = -float("inf")
+
+    async def learn_images(self, window_s: float = DISCOVER_WINDOW_S) -> None:
+        """Learn `image_shape` / `image_value_range` from the decoders' `$SRV.INFO.ddm-decoder` metadata,
+        unless known: joins a discovery under way, else starts one unless one started within
+        DISCOVER_EVERY_S (then returns at once). Never raises (a failed discovery leaves them unknown)."""
+        if self.image_shape is not None:
+            return
+        if self._discovery is None or self._discovery.done():
+            if time.monotonic() - self._discovered_at < DISCOVER_EVERY_S:
+                return
+            self._discovered_at = time.monotonic()
+            self._discovery = asyncio.ensure_future(self._discover(window_s))
+            self._tasks.add(self._discovery)
+            self._discovery.add_done_callback(self._tasks.discard)
+        try:
+            await asyncio.shield(self._discovery)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            pass
+
+    async def _discover(self, window_s: float) -> None:
+        from bus.gather import gather_replies
+
+        try:
+            replies = await gather_replies(self.nc, f"$SRV.INFO.{DECODER_SERVICE}", window=window_s)
+        except Exception as err:
+            log.info("decoder discovery failed: %r", err)
+            return
+        for raw in replies:
+            try:
+                info = json.loads(raw)
+            except ValueError:
+                continue
+            found = images_of_metadata(info.get("metadata") if isinstance(info, dict) else None, self.content_hash)
+            if found is not None and self.image_shape is None:
+                self.image_shape, self.image_value_range = found
 
     @property
     def previews_paused(self) -> bool:
@@ -161,7 +232,12 @@ class DecoderClient:
                 ErrorCode.BAD_REPLY,
                 f"{reply.images.shape[0]} images for {rows} latents (shape {list(reply.images.shape)})",
             )
-        return np.asarray(reply.images, dtype=np.float32)
+        images = np.asarray(reply.images, dtype=np.float32)
+        if images.ndim == 4:  # what the decoders produce: the images a client gets
+            self.image_shape = tuple(int(v) for v in images.shape[1:])
+            if self.image_value_range is None:
+                self.image_value_range = DEFAULT_IMAGE_VALUE_RANGE
+        return images
 
     async def close(self) -> None:
         for task in list(self._tasks):

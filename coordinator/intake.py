@@ -139,7 +139,9 @@ class IntakeHost(Protocol):
 
     async def send_event(self, client: str, event: DoneEvent | FailedEvent) -> None: ...
 
-    def status(self, include_spec: bool = False) -> FleetStatus: ...
+    def status(self, include_spec: bool = False, include_images: bool = False) -> FleetStatus: ...
+
+    async def learn_images(self) -> None: ...
 
 
 class Intake:
@@ -449,7 +451,10 @@ class Intake:
         if not self._may_reply(msg):
             return
         try:
-            await self._reply(msg, self.coord.status(include_spec=asks_for_spec(msg.data)))
+            spec, images = status_options(msg.data)
+            if spec and images:
+                await self.coord.learn_images()  # a latent fleet whose decoders' images are not known yet
+            await self._reply(msg, self.coord.status(include_spec=spec, include_images=spec and images))
         except Exception:
             log.exception("status failed")
 
@@ -457,8 +462,22 @@ class Intake:
 def asks_for_spec(body: bytes) -> bool:
     """Whether a fleet status request asks for the fleet's model spec: a msgpack or JSON map with
     "spec": true. Anything else (an empty body, as v1 clients send) is a plain status request."""
+    return status_options(body)[0]
+
+
+def status_options(body: bytes) -> tuple[bool, bool]:
+    """(spec, image_spec) a fleet status request asks for: a msgpack or JSON map (at most 1024 bytes)
+    with "spec": true, and with "image_spec": true too; other keys (`v`, `kind` included) are ignored.
+    Anything else (an empty body, as v1 clients send) is a plain status request: (False, False)."""
+    data = _status_body(body)
+    if not isinstance(data, dict) or data.get("spec") is not True:
+        return False, False
+    return True, data.get("image_spec") is True
+
+
+def _status_body(body: bytes):
     if not body or len(body) > 1024:
-        return False
+        return None
     try:
         import msgpack
 
@@ -478,5 +497,5 @@ def asks_for_spec(body: bytes) -> bool:
 
             data = json.loads(body)
         except Exception:
-            return False
-    return isinstance(data, dict) and data.get("spec") is True
+            return None
+    return data

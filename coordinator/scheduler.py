@@ -145,6 +145,8 @@ class SchedulerConfig:
     # latent fleet: a done event's `images` and `latents` are the final samples as they are (not
     # clipped); the coordinator's decode stage turns them into images
     latent: bool = False
+    # pixel fleet: a done event's `images` are the final samples clipped to this (the spec's value_range)
+    value_range: tuple[float, float] = (-1.0, 1.0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -952,7 +954,8 @@ class Scheduler:
             self._deactivate(job)
             self.stats.jobs_done += 1
             self.stats.images_done += job.n
-            final = g.x.astype(np.float32) if self.config.latent else np.clip(g.x, -1.0, 1.0).astype(np.float32)
+            lo, hi = self.config.value_range
+            final = g.x.astype(np.float32) if self.config.latent else np.clip(g.x, lo, hi).astype(np.float32)
             self._events.append(
                 DoneEvent(
                     job_id=job.job_id,

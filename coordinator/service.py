@@ -151,6 +151,7 @@ class Coordinator:
         self.decoder = None  # a DecoderClient, once entered, when the spec says space latent
         self._latent_opts: dict[str, LatentOptions] = {}  # internal id -> what the job asked of the decoder
         self._decoding: dict[str, asyncio.Task] = {}  # internal id -> the last event of the job in the stage
+        self._image_lookup: asyncio.Future | None = None  # the decoders' image shape, looked up at start
         self._stage_tasks: set[asyncio.Task] = set()  # every event in the stage
         self._stage_ends: dict[str, Any] = {}  # internal id -> its done / failed, in the stage, not yet published
         self.decode_stop_wait_s = DECODE_STOP_WAIT_S
@@ -214,6 +215,8 @@ class Coordinator:
                     "autoencoder ('autoencoder@sha256:<content hash>'): no decoder can serve it"
                 )
             self.decoder = DecoderClient(self.nc, digest, timeout=cfg.step_timeout, retries=cfg.retries)
+            # what its decoders produce, for the fleet's reported spec: looked up now, in the background
+            self._image_lookup = asyncio.ensure_future(self.decoder.learn_images())
         if self.transport is None:
             self.transport = NatsTransport(
                 self.nc,
@@ -458,17 +461,34 @@ class Coordinator:
             self.ledger.note_progress(internal, state["step"], state["steps"])
         return await self.engine.cancel(internal)
 
-    def status(self, include_spec: bool = False) -> FleetStatus:
-        """The fleet status snapshot; with `include_spec`, the fleet's model spec too."""
+    def status(self, include_spec: bool = False, include_images: bool = False) -> FleetStatus:
+        """The fleet status snapshot; with `include_spec`, the fleet's model spec too, and with
+        `include_images` as well, the spec names the images clients get (`reported_spec`)."""
         assert self.engine is not None, "enter the context first"
         st = self.engine.status()
         st["jobs_rejected"] = (
             st.get("jobs_rejected", 0) + self.intake.rejected_unread
         )  # every submit answered `rejected`
         rejected = [RejectedWorkerInfo(**w.to_json()) for w in self.rejected_workers()] if include_spec else None
-        return FleetStatus(
-            coordinator=self.name, spec=self.spec if include_spec else None, rejected_workers=rejected, **st
-        )
+        spec = self.reported_spec(include_images) if include_spec else None
+        return FleetStatus(coordinator=self.name, spec=spec, rejected_workers=rejected, **st)
+
+    def reported_spec(self, include_images: bool = False) -> ModelSpec:
+        """The fleet's spec as `fleet.status` reports it; with `include_images`, naming the images clients
+        get (`image_shape`, `image_value_range`): a pixel fleet's samples, a latent fleet's decoded
+        images (left out while no decoder of its autoencoder has been found: `learn_images`)."""
+        if not include_images:
+            return self.spec
+        if self.spec.space == "latent":
+            dec = self.decoder
+            return self.spec.with_images(getattr(dec, "image_shape", None), getattr(dec, "image_value_range", None))
+        return self.spec.with_images()
+
+    async def learn_images(self) -> None:
+        """A latent fleet: look its decoders' image shape up when not known yet (at most one discovery
+        every few seconds, `DecoderClient.learn_images`); nothing for a pixel fleet."""
+        if self.decoder is not None:
+            await self.decoder.learn_images()
 
     def owner_of(self, job_id: str) -> str | None:
         """The client token that owns a live or recently finished job `job_id` (any client's), else None."""
@@ -601,6 +621,9 @@ class Coordinator:
         pending = [t for t in self._stage_tasks if not t.done()]
         if pending:
             await asyncio.wait(pending, timeout=self.decode_stop_wait_s)
+        if self._image_lookup is not None:
+            self._image_lookup.cancel()
+            self._image_lookup = None
         if self.decoder is not None:  # a decode still asked of a hung decoder is not waited for either
             await self.decoder.close()
         if all(t.done() for t in pending):

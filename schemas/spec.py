@@ -14,6 +14,13 @@ eval, benches) reads shapes and class names from it instead of constants.
      "time_convention": "t0_noise_t1_data",  # t = 0 noise, t = 1 data
      "arch": "unet"}                         # this model's network (may differ between experts)
 
+A fleet's spec, as `fleet.status` reports it, names the network that routes (`arch`: "router" for a
+trained router, coordinator.service.router_arch) and, when the request asks for it (`"image_spec": true`),
+also the images a client gets: `image_shape` [C, H, W] and `image_value_range` [low, high] of `done.images`
+and frame previews. In a pixel fleet they equal `sample_shape` / `value_range`; in a latent fleet they are
+the decoder's (the autoencoder's image shape, pixels in [-1, 1]) while `sample_shape` / `value_range` stay
+the latents'. A checkpoint's or a worker's spec never carries them (None: left out of the JSON).
+
 Checkpoints written before the spec existed have the implied spec `legacy_spec()` (1x32x32 pixels in
 [-1, 1], 10 classes named "0" to "9", velocity, UNet).
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 #: The time convention every model of a fleet uses: x_t = (1 - t) noise + t data, v = data - noise.
 TIME_CONVENTION = "t0_noise_t1_data"
@@ -30,6 +37,10 @@ TIME_CONVENTION = "t0_noise_t1_data"
 #: Fields on which every member of a fleet must agree (the architecture may differ per expert, and
 #: whether an expert has a null label is probed per expert).
 FLEET_FIELDS = ("sample_shape", "value_range", "space", "decoder", "prediction", "time_convention")
+
+#: Fields only a fleet's reported spec carries (`fleet.status` asked with "image_spec"), never a checkpoint's
+#: or a worker's: left out of the serialised spec when None, so those stay as they were.
+IMAGE_FIELDS = ("image_shape", "image_value_range")
 
 #: Largest sample a spec may declare (elements of C x H x W): 4 x 256 x 256 latents or a 3 x 512 x 512
 #: image; a step batch of such samples still has to fit MAX_PAYLOAD_BYTES in rows.
@@ -101,6 +112,9 @@ class ModelSpec(BaseModel):
     prediction: Literal["velocity"] = "velocity"
     time_convention: Literal["t0_noise_t1_data"] = TIME_CONVENTION
     arch: str = Field(default="unet", min_length=1, max_length=64)
+    #: the images a client gets (`done.images`, previews), in a fleet's reported spec only (module docstring)
+    image_shape: Annotated[tuple[int, int, int] | None, BeforeValidator(_as_tuple)] = None
+    image_value_range: Annotated[tuple[float, float] | None, BeforeValidator(_as_float_tuple)] = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -114,6 +128,29 @@ class ModelSpec(BaseModel):
         lo, hi = self.value_range
         if not lo < hi:
             raise ValueError(f"value_range must be [low, high] with low < high, got {list(self.value_range)}")
+        if self.image_shape is not None:
+            ic, ih, iw = self.image_shape
+            if min(ic, ih, iw) < 1 or ic * ih * iw > MAX_SAMPLE_ELEMENTS:
+                raise ValueError(
+                    f"image_shape must be [C, H, W] with every size >= 1 and at most {MAX_SAMPLE_ELEMENTS} elements, "
+                    f"got {list(self.image_shape)}"
+                )
+            if self.space == "pixels" and tuple(self.image_shape) != tuple(self.sample_shape):
+                raise ValueError(
+                    f"a pixel-space spec's image_shape is its sample_shape {list(self.sample_shape)}, "
+                    f"got {list(self.image_shape)}"
+                )
+        if self.image_value_range is not None:
+            ilo, ihi = self.image_value_range
+            if not ilo < ihi:
+                raise ValueError(
+                    f"image_value_range must be [low, high] with low < high, got {list(self.image_value_range)}"
+                )
+            if self.space == "pixels" and tuple(self.image_value_range) != tuple(self.value_range):
+                raise ValueError(
+                    f"a pixel-space spec's image_value_range is its value_range {list(self.value_range)}, "
+                    f"got {list(self.image_value_range)}"
+                )
         if self.space == "latent" and not self.decoder:
             raise ValueError(
                 'a latent-space spec names its decoder ("decoder": the autoencoder that maps latents to pixels)'
@@ -121,6 +158,15 @@ class ModelSpec(BaseModel):
         if self.space == "pixels" and self.decoder:
             raise ValueError("a pixel-space spec has no decoder")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_image_fields(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):
+            for name in IMAGE_FIELDS:
+                if out.get(name) is None:
+                    out.pop(name, None)
+        return out
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -130,6 +176,22 @@ class ModelSpec(BaseModel):
     def to_json(self) -> dict:
         """The spec as a JSON-ready dict (the checkpoint's and the service metadata's form)."""
         return self.model_dump(mode="json")
+
+    def with_images(self, image_shape=None, image_value_range=None) -> ModelSpec:
+        """This spec naming the images a client gets (module docstring): a pixel spec's own sample shape
+        and value range; a latent spec's `image_shape` / `image_value_range` as given (None: not known,
+        left out). Any image fields this spec had are replaced."""
+        if self.space == "pixels":
+            image_shape, image_value_range = self.sample_shape, self.value_range
+        update = {
+            "image_shape": None if image_shape is None else tuple(int(v) for v in image_shape),
+            "image_value_range": None if image_value_range is None else tuple(float(v) for v in image_value_range),
+        }
+        return ModelSpec.model_validate({**self.model_dump(mode="python"), **update})
+
+    def without_images(self) -> ModelSpec:
+        """This spec without the image fields (a checkpoint's and a worker's form)."""
+        return self.model_copy(update={name: None for name in IMAGE_FIELDS})
 
     @classmethod
     def from_json(cls, data: dict, where: str = "spec") -> ModelSpec:

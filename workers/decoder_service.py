@@ -24,7 +24,8 @@ is dropped unanswered, counted (`dropped_requests`, STATS `dropped`) and logged 
 `DROP_LOG_EVERY_S` seconds.
 
 Service discovery: name `ddm-decoder`, endpoint `decode`; metadata has decoder (the content hash),
-latent_shape, image_shape, device, worker_id, host, pid, checkpoint, subject, max_request_rows.
+latent_shape, image_shape, image_value_range, device, worker_id, host, pid, checkpoint, subject,
+max_request_rows, protocol (docs/PROTOCOL.md section 2 lists each with its format).
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class DecoderWorker:
             "decoder": self.content_hash,
             "latent_shape": ",".join(map(str, self.codec.latent_shape)),
             "image_shape": ",".join(map(str, self.codec.image_shape)),
+            # the range its images are clipped to ("low,high"; a decoder without the key: -1,1)
+            "image_value_range": ",".join(f"{float(v):g}" for v in getattr(self.codec, "value_range", (-1.0, 1.0))),
             "device": str(self.device),
             "worker_id": self.worker_id,
             "host": socket.gethostname(),

@@ -320,3 +320,28 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
     assert thread.is_alive() and thread.name.startswith("router")
     await driven.stop()  # ends it too
     await wait_until(lambda: not thread.is_alive())
+
+
+class Growing:
+    """v(x) = 3: from noise, x ends far above 1 (and above any small value range)."""
+
+    async def velocity(self, k, x, t, y, row_ids):
+        await asyncio.sleep(0)
+        return np.full_like(x, 3.0, dtype=np.float32)
+
+
+@pytest.mark.parametrize("value_range", [(-1.0, 1.0), (0.0, 0.5)])
+async def test_a_pixel_fleets_images_are_clipped_to_its_value_range(value_range):
+    """`done.images` lie in the spec's `value_range` (what the fleet reports as `image_value_range`)."""
+    from coordinator.config import CoordinatorConfig
+    from schemas.spec import ModelSpec
+
+    spec = ModelSpec(sample_shape=SHAPE, value_range=value_range)
+    cfg = CoordinatorConfig().scheduler_config(2, C2E, spec=spec)
+    assert cfg.value_range == value_range
+    events = []
+    e = Engine(Scheduler(cfg), LabelRouter(C2E, 2), Growing(), events.append, router_in_thread=False, cohorts=1)
+    e.submit(JobRequest(job_id="a", digits=[1, 7], steps=2, seed=1))
+    await drain(e)
+    (done,) = [ev for ev in events if ev.kind == "done"]
+    assert float(done.images.max()) == value_range[1] and float(done.images.min()) >= value_range[0]

@@ -106,3 +106,34 @@ async def test_fleet_status_returns_the_spec_only_when_asked(nats_url, nc, tmp_p
             assert status.spec == spec and status.spec.sample_shape == (3, 32, 32)
             as_json = await nc.request("ddm.v1.fleet.status", b'{"spec": true}', timeout=5)
             assert unpack(as_json.data, FleetStatus).spec == spec
+            assert b"image_shape" not in as_json.data  # the image fields only when asked (below)
+
+
+async def test_a_pixel_fleet_reports_its_samples_as_its_images_when_asked(nats_url, nc, tmp_path):
+    """`{"spec": true, "image_spec": true}`: the spec also names the images jobs return; a pixel fleet's are
+    its samples (`sample_shape`, `value_range`). A body with `v` / `kind` is taken the same (they are ignored)."""
+    import json
+
+    import msgpack
+
+    from client.jobs import fleet_status
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+    from schemas import FleetStatus, unpack
+
+    rgb = make_tiny_expert(tmp_path / "e0", expert_id=0, in_channels=3)
+    spec = legacy_spec(in_channels=3)
+    async with ExpertWorker(0, str(rgb), "torch", nats_url=nats_url, buckets=(1,)):
+        async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=spec):
+            status = await fleet_status(nc, spec=True, image_spec=True)
+            plain = await fleet_status(nc, spec=True)
+            body = {"v": 1, "kind": "fleet_status_request", "spec": True, "image_spec": True}
+            as_msgpack = await nc.request("ddm.v1.fleet.status", msgpack.packb(body), timeout=5)
+            as_json = await nc.request("ddm.v1.fleet.status", json.dumps(body).encode(), timeout=5)
+            alone = await nc.request("ddm.v1.fleet.status", b'{"image_spec": true}', timeout=5)
+    assert status.spec.image_shape == status.spec.sample_shape == (3, 32, 32)
+    assert status.spec.image_value_range == status.spec.value_range == (-1.0, 1.0)
+    assert plain.spec.image_shape is None and plain.spec.image_value_range is None
+    for reply in (as_msgpack, as_json):
+        assert unpack(reply.data, FleetStatus).spec == status.spec
+    assert unpack(alone.data, FleetStatus).spec is None  # image_spec without spec asks for nothing

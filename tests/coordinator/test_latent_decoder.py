@@ -330,6 +330,58 @@ async def test_a_job_being_decoded_is_running_not_unknown(nats_url, nc, fleet):
     assert done.images.shape == (1, 3, 16, 16)
 
 
+async def test_a_latent_fleet_reports_its_decoded_images_beside_its_latents(nats_url, nc, fleet):
+    """The spec a latent fleet reports (`{"spec": true, "image_spec": true}`) names the latents (`sample_shape`,
+    `value_range`: the experts') and, beside them, the images a client gets (`image_shape`, `image_value_range`:
+    the decoder's); its decoder advertises both image fields as strings. With no decoder running, the image
+    fields are left out (nothing could draw them) while the rest of the spec is there."""
+    import json
+
+    from bus.gather import gather_replies
+    from client.jobs import fleet_status
+    from workers.decoder_service import DecoderWorker
+
+    ae, codec, spec, paths = fleet
+    ws = await start_workers(nats_url, paths)
+    kw = dict(num_experts=2, class_to_expert=C2E, nats_url=nats_url, spec=spec, step_timeout=10)
+    try:
+        async with Coordinator(LabelRouter(C2E, 2), **kw):
+            without = await fleet_status(nc, spec=True, image_spec=True)
+        async with DecoderWorker(ae, nats_url=nats_url):
+            infos = [json.loads(r) for r in await gather_replies(nc, "$SRV.INFO.ddm-decoder", window=0.5)]
+            async with Coordinator(LabelRouter(C2E, 2), **kw):
+                status = await fleet_status(nc, spec=True, image_spec=True)
+                plain = await fleet_status(nc, spec=True)
+                done = await asyncio.wait_for(run_job(nc, JobRequest(digits=[3], steps=2, seed=9)), 60)
+    finally:
+        await stop_workers(ws)
+    assert [i["metadata"]["image_shape"] for i in infos] == ["3,16,16"]
+    assert [i["metadata"]["image_value_range"] for i in infos] == ["-1,1"]
+    assert without.spec.space == "latent" and without.spec.sample_shape == (4, 8, 8)
+    assert without.spec.image_shape is None and without.spec.image_value_range is None
+    got = status.spec
+    assert got.space == "latent" and got.sample_shape == (4, 8, 8) and got.value_range == (-4.0, 4.0)
+    assert got.image_shape == tuple(codec.image_shape) == (3, 16, 16) and got.image_value_range == (-1.0, 1.0)
+    assert plain.spec.image_shape is None and plain.spec.image_value_range is None
+    # the images a job returns are what the spec says
+    assert done.images.shape[1:] == got.image_shape
+    lo, hi = got.image_value_range
+    assert lo <= float(done.images.min()) and float(done.images.max()) <= hi
+
+
+def test_decoder_metadata_names_the_images_or_is_another_autoencoders():
+    from coordinator.decoder_client import images_of_metadata
+
+    h = "b" * 64
+    both = {"decoder": h, "image_shape": "3,16,16", "image_value_range": "-1,1"}
+    assert images_of_metadata(both, h) == ((3, 16, 16), (-1.0, 1.0))
+    assert images_of_metadata({"decoder": h, "image_shape": "3,16,16"}, h) == ((3, 16, 16), (-1.0, 1.0))
+    assert images_of_metadata({**both, "decoder": "c" * 64}, h) is None
+    assert images_of_metadata({**both, "image_shape": "3,16"}, h) is None
+    assert images_of_metadata({**both, "image_value_range": "1,-1"}, h) is None
+    assert images_of_metadata(None, h) is None
+
+
 def test_decoder_command_refuses_a_missing_checkpoint(tmp_path, capsys):
     from infra.cli import main
 

@@ -106,3 +106,25 @@ def test_stored_spec_wins_and_must_match_the_config():
         spec_of(with_spec({"config": {"in_channels": 1}}, rgb()), where="x.json")
     with pytest.raises(SpecError, match="must be a JSON object"):
         spec_of({"spec": [1, 2]})
+
+
+def test_image_fields_are_left_out_unless_set_and_a_pixel_spec_names_its_own_samples():
+    """A checkpoint's and a worker's spec carry no image fields (their JSON is unchanged); a fleet's reported
+    spec names its images: a pixel spec its samples, a latent spec its decoder's images."""
+    spec = rgb()
+    assert "image_shape" not in spec.to_json() and "image_value_range" not in spec.to_json()
+    shown = spec.with_images()
+    assert shown.image_shape == (3, 32, 32) and shown.image_value_range == (-1.0, 1.0)
+    assert shown.to_json()["image_shape"] == [3, 32, 32] and shown.without_images() == spec
+    assert ModelSpec.from_json(json.loads(json.dumps(shown.to_json()))) == shown
+    with pytest.raises(SpecError, match="image_shape is its sample_shape"):
+        ModelSpec.from_json({**spec.to_json(), "image_shape": [1, 32, 32]})
+    with pytest.raises(SpecError, match="image_value_range is its value_range"):
+        ModelSpec.from_json({**spec.to_json(), "image_value_range": [0, 1]})
+    latent = rgb(sample_shape=(4, 8, 8), value_range=(-5, 5), space="latent", decoder="autoencoder@sha256:" + "a" * 64)
+    seen = latent.with_images((3, 16, 16), (-1, 1))
+    assert seen.sample_shape == (4, 8, 8) and seen.value_range == (-5.0, 5.0)
+    assert seen.image_shape == (3, 16, 16) and seen.image_value_range == (-1.0, 1.0)
+    assert latent.with_images().to_json() == latent.to_json()  # not known: left out
+    with pytest.raises(SpecError, match="image_shape"):
+        ModelSpec.from_json({**latent.to_json(), "image_shape": [3, 0, 16]})
