@@ -101,6 +101,7 @@ class TimedRouter:
     def __init__(self, router):
         self.router = router
         self.num_experts = getattr(router, "num_experts", None)
+        self.arch = getattr(router, "arch", None)  # the wrapped router's (coordinator.service.router_arch)
         self.cpu_s = 0.0  # finished calls
         self._open: dict[int, float] = {}  # thread id -> its CPU clock when its running call began
         self._lock = threading.Lock()

@@ -59,6 +59,9 @@ class LabelRouter:
 
     weights(x_t [B, C, H, W], t [B], y [B]) -> [B, K] (rows sum to 1)."""
 
+    #: what routes, as a fleet's reported spec gives it (`arch`): a class table, no network
+    arch = "label"
+
     def __init__(self, class_to_expert: Sequence[int], num_experts: int, confidence: float = 0.8):
         if num_experts < 1 or not 0 < confidence <= 1:
             raise ValueError("need num_experts >= 1 and 0 < confidence <= 1")

@@ -73,6 +73,8 @@ from .startup import load_router_and_partition, router_spec, wait_for_experts  #
 log = logging.getLogger(__name__)
 
 COORDINATOR_QUEUE = f"{subjects.PREFIX}.coordinators"
+#: The `arch` a fleet reports for a router that does not name its network (router_arch).
+DEFAULT_ROUTER_ARCH = "router"
 #: Seconds between two discoveries of the expert workers, whose specs are checked against the fleet's.
 WORKER_CHECK_S = 5.0
 #: Seconds a stopping coordinator lets its last tick finish before cancelling it (its jobs have failed
@@ -86,6 +88,18 @@ DECODE_STOP_WAIT_S = 8.0
 
 class EngineDied(RuntimeError):
     """The coordinator's engine loop died; every job failed with `internal` and submits are refused."""
+
+
+def router_arch(router) -> str:
+    """The `arch` of a fleet's reported spec: the network that routes it, by one rule for every fleet. A
+    router names it in its `arch` attribute (`models.router.Router`: "router", every trained router's
+    network; `LabelRouter`: "label", the class-table stand-in); one that does not say is "router". A
+    router checkpoint's stored spec may name anything there (older ones name an expert architecture,
+    "unet", or imply it), so it is not used."""
+    arch = getattr(router, "arch", None)
+    if isinstance(arch, str) and 1 <= len(arch) <= 64:
+        return arch
+    return DEFAULT_ROUTER_ARCH
 
 
 class Coordinator:
@@ -122,6 +136,8 @@ class Coordinator:
         self.spec = (
             spec if spec is not None else legacy_spec(in_channels=cfg.image_shape[0], image_size=cfg.image_shape[1])
         )
+        # the spec's `arch` names what routes this fleet (router_arch), whatever its checkpoint stored there
+        self.spec = self.spec.model_copy(update={"arch": router_arch(router)})
         # fair-sharing limits: passed through to the scheduler (see coordinator.scheduler)
         self.config = cfg.scheduler_config(num_experts, class_to_expert, spec=self.spec)
         self.router, self.transport = router, transport

@@ -260,6 +260,10 @@ class Router:
     first call with the `chunk_rows` of that moment (later changes to `chunk_rows` or to the network's
     modules are not seen); leave it off for a net still training."""
 
+    #: the routing network's name, as a fleet's reported spec gives it (`arch`): every trained router is
+    #: this module's network (format ddm-fleet-router/1), whatever spec its checkpoint stores
+    arch = "router"
+
     def __init__(
         self,
         net,

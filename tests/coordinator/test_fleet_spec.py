@@ -103,9 +103,10 @@ async def test_fleet_status_returns_the_spec_only_when_asked(nats_url, nc, tmp_p
             plain = await nc.request("ddm.v1.fleet.status", b"", timeout=5)
             assert b"spec" not in plain.data and unpack(plain.data, FleetStatus).spec is None  # what a v1 client sees
             status = await fleet_status(nc, spec=True)
-            assert status.spec == spec and status.spec.sample_shape == (3, 32, 32)
+            routed = spec.model_copy(update={"arch": "label"})  # `arch`: what routes (coordinator.service.router_arch)
+            assert status.spec == routed and status.spec.sample_shape == (3, 32, 32)
             as_json = await nc.request("ddm.v1.fleet.status", b'{"spec": true}', timeout=5)
-            assert unpack(as_json.data, FleetStatus).spec == spec
+            assert unpack(as_json.data, FleetStatus).spec == routed
             assert b"image_shape" not in as_json.data  # the image fields only when asked (below)
 
 
@@ -137,3 +138,40 @@ async def test_a_pixel_fleet_reports_its_samples_as_its_images_when_asked(nats_u
     for reply in (as_msgpack, as_json):
         assert unpack(reply.data, FleetStatus).spec == status.spec
     assert unpack(alone.data, FleetStatus).spec is None  # image_spec without spec asks for nothing
+
+
+def test_every_fleet_reports_its_routing_network_as_arch(tmp_path):
+    """`arch` in the reported spec is what routes the fleet, by one rule, whatever the router checkpoint
+    stored: the shipped MNIST router (no stored spec: its implied one says "unet"), a colour fleet's (its
+    spec says "router") and a tiny router whose spec was copied from DiT experts (says "dit") all report
+    "router"; the class-table stand-in reports "label"; a router object that does not say, "router"."""
+    from pathlib import Path
+
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator, router_arch
+    from coordinator.startup import router_spec
+    from models.tiny import make_tiny_router
+
+    root = Path(__file__).resolve().parents[2] / "checkpoints"
+    dit = legacy_spec().model_copy(update={"arch": "dit"})
+    tiny = make_tiny_router(tmp_path / "router", 2, meta={"spec": dit.to_json()})
+    made = {
+        "mnist": (root / "router.safetensors", root / "partition.json"),
+        "colour": (root / "colour" / "router.safetensors", root / "colour" / "partition.json"),
+        "tiny": (tiny, root / "partition.json"),
+    }
+    stored = {name: router_spec(r).arch for name, (r, _) in made.items()}
+    assert stored == {"mnist": "unet", "colour": "router", "tiny": "dit"}  # what the checkpoints say
+    for name, (r, part) in made.items():
+        coord = Coordinator.from_files(r, part, nats_url="nats://127.0.0.1:1")
+        assert coord.reported_spec().arch == coord.reported_spec(include_images=True).arch == "router", name
+    label = Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url="nats://127.0.0.1:1", spec=dit)
+    assert label.reported_spec().arch == "label"
+
+    class Plain:
+        def weights(self, x, t, y):
+            raise AssertionError("not called")
+
+    assert router_arch(Plain()) == "router"
+    bare = Coordinator(Plain(), num_experts=1, nats_url="nats://127.0.0.1:1")  # no spec: the implied one
+    assert bare.reported_spec().arch == "router"
