@@ -46,7 +46,8 @@ computes in: float32 or bfloat16; `precision` is its older name), buckets,
 max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
 worker_id, host, pid, checkpoint, subject, direct_subject, run_ahead (the most further steps one request
 may ask it to run ahead: `StepRequest.ahead_t`, answered with up to that many more replies), guidance
-("true": it serves `StepRequest.guidance`, classifier-free guidance).
+("true": it serves `StepRequest.guidance`, classifier-free guidance). Every value is a string (the micro
+protocol's metadata is a map of strings); docs/PROTOCOL.md section 2.2 gives each key's format.
 
 Classifier-free guidance (`StepRequest.guidance`, a scale per row): each row with a scale other than 1
 and a known label rides in the same forward pass as a twin of itself with y = -1 (the null label), and

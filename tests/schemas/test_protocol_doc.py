@@ -235,3 +235,110 @@ def test_ownership_reason_and_reply_rule_are_documented_as_the_coordinator_answe
     assert f"reason `{UNKNOWN_JOB}`" in FLAT and f"hold in the requester's namespace: `{UNKNOWN_JOB}`" in FLAT
     assert "gets no reply at all" in FLAT and 'inbox_prefix="_INBOX_alice"' in FLAT
     assert "`<client>/<session>`" in FLAT
+
+
+# ------------------------------------------------------------------ service metadata ($SRV.INFO), section 2.2
+
+
+def _metadata_table(title: str) -> dict[str, str]:
+    """{key: format} of the section 2.2 table that follows the line starting with `title`."""
+    section = re.search(r"^### 2\.2 .*?(?=^## )", DOC, flags=re.M | re.S)
+    assert section, f"no section 2.2 (service metadata): {HINT}"
+    m = re.search(
+        rf"^{re.escape(title)}.*?\n\n(\| key \| format \| meaning \|\n(?:\|.*\n)+)", section.group(0), re.M | re.S
+    )
+    assert m, f"no metadata table after {title!r} in section 2.2: {HINT}"
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", m.group(1), flags=re.M)
+    return {key: fmt.strip() for key, fmt in rows}
+
+
+def _source_keys(*functions) -> set[str]:
+    """The metadata keys a function's source sets: dict literal keys, `x["key"] =` and `update(key=...)`."""
+    import inspect
+
+    keys: set[str] = set()
+    for fn in functions:
+        src = inspect.getsource(fn)
+        keys |= set(re.findall(r'"([a-z_]+)": ', src))
+        keys |= set(re.findall(r'\b[a-z]+\["([a-z_]+)"\] = ', src))
+        for call in re.findall(r"\.update\(([^)]*)\)", src):
+            keys |= set(re.findall(r"\b([a-z_]+)=", call))
+    return keys
+
+
+def test_every_metadata_key_a_worker_or_decoder_publishes_is_documented_as_a_string():
+    """Each key the expert workers (every backend) and the decoders put in their service metadata has a
+    row in section 2.2, with a string format; the rule that every value is a string is stated."""
+    from workers.backends import base, sim_backend, torch_backend, xla_backend
+    from workers.decoder_service import DecoderWorker
+    from workers.service import ExpertWorker
+
+    assert "**every value is a JSON string**" in FLAT and '`"run_ahead": "16"`' in FLAT
+    assert "a number, 16 today" not in FLAT  # run_ahead is a string, not a number
+    formats = {"decimal integer", "decimal integers, comma-separated", "shape", "range", '`"true"`'}
+    formats |= {'`"true"` / `"false"`', "text", "JSON", 'decimal integer, or `""`'}
+    expert = _metadata_table("Expert workers (`$SRV.INFO.ddm-expert`)")
+    published = _source_keys(
+        ExpertWorker.metadata,
+        base.BackendBase.describe,
+        torch_backend.TorchBackend.describe,
+        xla_backend.XlaBackend.describe,
+        sim_backend.SimBackend.describe,
+    )
+    assert {"expert", "run_ahead", "guidance", "spec", "dtype", "compiled", "neuron", "sim"} <= published
+    assert published - set(expert) == set(), f"expert worker metadata keys not in section 2.2: {HINT}"
+    assert set(expert.values()) <= formats, expert
+    assert expert["run_ahead"] == "decimal integer" and expert["spec"] == "JSON"
+    decoder = _metadata_table("Decoders (`$SRV.INFO.ddm-decoder`")
+    published = _source_keys(DecoderWorker.metadata)
+    assert {"decoder", "image_shape", "image_value_range", "max_request_rows", "protocol"} <= published
+    assert published - set(decoder) == set(), f"decoder metadata keys not in section 2.2: {HINT}"
+    assert set(decoder.values()) <= formats, decoder
+    assert decoder["image_shape"] == "shape" and decoder["image_value_range"] == "range"
+
+
+async def test_the_metadata_on_the_bus_is_strings_and_documented(nats_url, nc, tmp_path):
+    """What a real worker and a real decoder answer on `$SRV.INFO`: every metadata value (service and
+    endpoints) a JSON string, every key documented in section 2.2, and the formats hold."""
+    import json
+
+    from bus.gather import gather_replies
+    from models.tiny import make_tiny_autoencoder, make_tiny_expert
+    from workers.decoder_service import DecoderWorker
+    from workers.service import ExpertWorker
+
+    expert = make_tiny_expert(tmp_path / "e0", expert_id=0)
+    ae = make_tiny_autoencoder(tmp_path / "ae")
+    async with ExpertWorker(0, str(expert), "torch", nats_url=nats_url, buckets=(1,)):
+        async with DecoderWorker(ae, nats_url=nats_url):
+            infos = {
+                name: [json.loads(r) for r in await gather_replies(nc, f"$SRV.INFO.{name}", window=0.5)]
+                for name in ("ddm-expert", "ddm-decoder")
+            }
+    tables = {
+        "ddm-expert": _metadata_table("Expert workers (`$SRV.INFO.ddm-expert`)"),
+        "ddm-decoder": _metadata_table("Decoders (`$SRV.INFO.ddm-decoder`"),
+    }
+    patterns = {
+        "decimal integer": r"[0-9]+",
+        "decimal integers, comma-separated": r"[0-9]+(,[0-9]+)*",
+        "shape": r"[0-9]+,[0-9]+,[0-9]+",
+        "range": r"[-+0-9.eE]+,[-+0-9.eE]+",
+        '`"true"`': r"true",
+        '`"true"` / `"false"`': r"true|false",
+        'decimal integer, or `""`': r"[0-9]*",
+    }
+    for name, found in infos.items():
+        assert len(found) == 1, name
+        info = found[0]
+        for key, value in info["metadata"].items():
+            assert isinstance(value, str), (name, key, value)
+            fmt = tables[name].get(key)
+            assert fmt is not None, f"{name} metadata key {key!r} is not in section 2.2: {HINT}"
+            if fmt in patterns:
+                assert re.fullmatch(patterns[fmt], value), (name, key, value, fmt)
+            if fmt == "JSON":
+                json.loads(value)
+        for endpoint in info["endpoints"]:
+            for key, value in (endpoint.get("metadata") or {}).items():
+                assert isinstance(value, str) and f"`{key}`" in FLAT, (name, endpoint["name"], key)
