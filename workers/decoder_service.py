@@ -25,7 +25,7 @@ is dropped unanswered, counted (`dropped_requests`, STATS `dropped`) and logged 
 
 Service discovery: name `ddm-decoder`, endpoint `decode`; metadata has decoder (the content hash),
 latent_shape, image_shape, image_value_range, device, worker_id, host, pid, checkpoint, subject,
-max_request_rows, protocol (docs/PROTOCOL.md section 2 lists each with its format).
+max_request_rows, protocol (docs/PROTOCOL.md section 2.2 lists each with its format).
 """
 
 from __future__ import annotations

@@ -342,3 +342,153 @@ async def test_the_metadata_on_the_bus_is_strings_and_documented(nats_url, nc, t
         for endpoint in info["endpoints"]:
             for key, value in (endpoint.get("metadata") or {}).items():
                 assert isinstance(value, str) and f"`{key}`" in FLAT, (name, endpoint["name"], key)
+
+
+# ------------------------------------------------------------------ what a client had to guess (fleet spec, replies)
+
+
+def test_the_image_fields_and_how_to_ask_for_them_are_documented():
+    """The reported spec's image fields, the request that asks for them (as the coordinator reads it: no `v`
+    / `kind` needed, other keys ignored) and what each tensor carries per space are written down."""
+    import json
+
+    from coordinator.intake import status_options
+    from schemas.spec import IMAGE_FIELDS
+
+    section = _section("fleet_status")
+    for name in IMAGE_FIELDS:
+        assert f"`{name}`" in section, f"fleet spec field {name} is not in the fleet_status section: {HINT}"
+    assert '`"image_spec": true`' in section and "msgpack `81 A4 73 70 65 63 C3`" in section
+    assert msgpack.packb({"spec": True}) == bytes.fromhex("81A473706563C3")
+    assert "it needs no `v` or `kind`" in " ".join(section.split())
+    for body in ({"spec": True}, {"v": 1, "kind": "fleet_status_request", "spec": True, "other": 3}):
+        assert status_options(msgpack.packb(body)) == status_options(json.dumps(body).encode()) == (True, False)
+    assert status_options(msgpack.packb({"spec": True, "image_spec": True})) == (True, True)
+    assert status_options(msgpack.packb({"image_spec": True})) == status_options(b"") == (False, False)
+    assert status_options(b"\x81\xa4spec\xc3" + b" " * 1024) == (False, False)  # over 1024 bytes: a plain request
+    table = re.search(
+        r"^\| what \| pixel fleet \(`space: pixels`\) \| latent fleet \(`space: latent`\) \|\n(?:\|.*\n)+", DOC, re.M
+    )
+    assert table, f"no per-space table of what the spec describes: {HINT}"
+    rows = {line.split("|")[1].strip(): line for line in table.group(0).splitlines()[2:]}
+    assert set(rows) >= {
+        "`sample_shape`, `value_range`",
+        "`image_shape`, `image_value_range`",
+        "`frame.x`, `frame.x1`",
+        "`frame.preview`",
+        "`done.images`",
+        "`done.latents`",
+    }
+    assert "**latents**" in rows["`sample_shape`, `value_range`"]
+    assert "equal to `sample_shape`, `value_range`" in rows["`image_shape`, `image_value_range`"]
+    assert "N × `image_shape`" in rows["`done.images`"] and "N × `sample_shape`" in rows["`frame.x`, `frame.x1`"]
+    assert "N × the spec's `image_shape`" in _section("done") and "N × the spec's `image_shape`" in _section("frame")
+
+
+def test_frames_travel_in_float16_as_documented():
+    import inspect
+
+    from coordinator import decode_stage, scheduler
+
+    assert "| `x` | tensor | yes | `<f2` (float16) always" in DOC
+    assert "`<f2` is IEEE 754 binary16, little-endian" in FLAT
+    src = inspect.getsource(scheduler)
+    assert "x=euler.frame16[rows] if euler is not None else frame_float16(g.x)" in src
+    assert "frame_float16(g.x + (1.0 - g.t) * g.last_u)" in src
+    assert "astype(np.float16)" in inspect.getsource(decode_stage.with_preview)
+
+
+def test_arch_is_documented_as_the_coordinator_fills_it():
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import DEFAULT_ROUTER_ARCH, router_arch
+    from models.router import Router
+
+    assert Router.arch == DEFAULT_ROUTER_ARCH == "router" and LabelRouter.arch == "label"
+    assert router_arch(object()) == "router"
+    assert "**`arch`** names what routes the fleet's images to its experts, by one rule for every fleet" in FLAT
+    assert "`router` for a trained router" in FLAT and "`label` for the class-table stand-in" in FLAT
+    assert "(the router's network)" not in FLAT
+
+
+def test_status_and_cancel_error_replies_are_documented_with_the_codes_the_coordinator_sends():
+    import inspect
+
+    from coordinator.intake import Intake
+
+    table = re.search(r"^\| request \| code \| when \|\n(?:\|.*\n)+", DOC, re.M)
+    assert table, f"no table of the error replies of status and cancel requests: {HINT}"
+    documented = {
+        (row.split("|")[1].strip(), row.split("|")[2].strip().strip("`")) for row in table.group(0).splitlines()[2:]
+    }
+    status_codes = set(re.findall(r"ErrorCode\.([A-Z_]+)", inspect.getsource(Intake.on_job_status)))
+    status_codes |= set(re.findall(r"ErrorCode\.([A-Z_]+)", inspect.getsource(Intake._not_a_job_id)))
+    cancel_codes = set(re.findall(r"ErrorCode\.([A-Z_]+)", inspect.getsource(Intake.on_cancel)))
+    cancel_codes |= set(re.findall(r"ErrorCode\.([A-Z_]+)", inspect.getsource(Intake._not_a_job_id)))
+    expected = {("job status", ErrorCode[c].value) for c in status_codes}
+    expected |= {("cancel", ErrorCode[c].value) for c in cancel_codes}
+    assert documented == expected, f"{documented} != {expected}: {HINT}"
+    assert '`{"v": 1, "kind": "error", "code": …, "message": …, "request_id": nil}`' in FLAT
+    wire = msgpack.unpackb(pack(messages.ErrorReply(code=ErrorCode.BAD_REQUEST, message="m")), raw=False)
+    assert list(wire) == ["v", "kind", "code", "message", "request_id"] and wire["request_id"] is None
+    assert "* job status reply: `job_status` | `error`" in DOC and "* cancel reply: `cancel_reply` | `error`" in DOC
+
+
+def test_the_republish_limit_counts_only_copies_as_documented():
+    import inspect
+
+    from coordinator import intake
+
+    src = inspect.getsource(intake)
+    assert src.count("self._republished_at[") == 1  # set in _may_republish only: the original event is not a copy
+    assert "self._republished_at[(client, job_id)] = now" in inspect.getsource(intake.Intake._may_republish)
+    assert f"at most once every {intake.REPUBLISH_EVERY_S:g} s per job, counted from the last copy" in FLAT
+    assert "the original terminal event does not count" in FLAT
+
+
+def test_clients_ignore_unknown_keys_and_seeds_are_64_bit_as_documented():
+    from coordinator.scheduler import Scheduler
+
+    assert "**A client does the opposite with what it receives: it ignores a key it does not know**" in FLAT
+    seed = messages.JobRequest.model_fields["seed"].metadata
+    assert any(getattr(m, "lt", None) == 2**63 for m in seed) and any(getattr(m, "ge", None) == 0 for m in seed)
+    from coordinator.scheduler import SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_experts=1, max_rows=1))
+    drawn = [sched.submit(messages.JobRequest(digits=[1]), now=0.0).seed for _ in range(20)]
+    assert all(0 <= s < 2**63 for s in drawn) and max(drawn) > 2**53  # drawn seeds: [0, 2^63), mostly above 2^53
+    assert msgpack.packb(2**53)[0] == 0xCF  # a drawn seed arrives as a uint 64
+    assert "the coordinator draws one uniformly from [0, 2^63)" in FLAT and "`useBigInt64: true`" in FLAT
+    assert "| `seed` | int | yes | 0 ≤ seed < 2^63 |" in DOC
+
+
+def test_preview_every_not_a_multiple_of_frame_every_is_documented_as_it_behaves():
+    from coordinator.decode_stage import LatentOptions, wants_preview
+    from schemas import FrameEvent
+
+    def frame(step: int) -> FrameEvent:
+        return FrameEvent(
+            job_id="j",
+            step=step,
+            steps=13,
+            t=step / 13,
+            x=np.zeros((1, 1, 1, 1), np.float16),
+            experts=[0],
+            weights=np.ones((1, 1), np.float32),
+        )
+
+    frame_steps = [s for s in range(1, 14) if s % 2 == 0 or s == 13]  # frame_every 2: what the scheduler sends
+    previews = [s for s in frame_steps if wants_preview(LatentOptions(preview_every=3), frame(s))]
+    assert previews == [6, 12, 13]
+    assert "any other value is accepted without a word" in FLAT
+    assert "`frame_every` 2 and `preview_every` 3: steps 6, 12, …) and on the last frame" in FLAT
+
+
+def test_defaults_are_given_as_values():
+    from coordinator.config import CoordinatorConfig
+
+    cfg = CoordinatorConfig()
+    bound = (cfg.retries + 1) * (cfg.step_timeout + 0.5)
+    assert f"({bound:g} s\nwith the defaults, {cfg.retries} retries and {cfg.step_timeout:g} s)" in DOC
+    assert f"`--max-job-cost`, {cfg.max_job_cost} row evaluations by default" in DOC
+    assert f"`--run-ahead`, {cfg.run_ahead} steps by default" in DOC
+    assert f"`--run-ahead-rows` rows, {cfg.run_ahead_rows} by default" in DOC
