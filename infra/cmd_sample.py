@@ -57,10 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--checkpoint",
-        action="append",
+        action="extend",
+        nargs="+",
         default=None,
         metavar="PATH",
-        help="expert .safetensors (repeat per expert; default: checkpoints/expert0 and expert1)",
+        help="expert .safetensors, one or more (repeatable; default: checkpoints/expert0 and expert1)",
     )
     parser.add_argument("--classes", default="0-9", help="classes to draw, e.g. 0-9 or 3,5 (default %(default)s)")
     parser.add_argument(

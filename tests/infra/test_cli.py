@@ -306,3 +306,12 @@ def test_no_two_commands_spell_one_concept_differently():
             problems.append(f"{opt} has metavars {by_metavar}")
     assert not problems, "\n".join(problems)
     assert len(visible["--images-per-job"]) >= 5 and len(visible["--solver"]) >= 4  # the walk saw the commands
+
+
+def test_sample_takes_several_checkpoints_after_one_flag():
+    """`--checkpoint a b c` (what a shell makes of expert{0,1,2}.safetensors) and repeated flags both add up."""
+    from infra.cli import build_parser
+
+    args = build_parser().parse_args(["sample", "--checkpoint", "a", "b", "--checkpoint", "c"])
+    assert args.checkpoint == ["a", "b", "c"]
+    assert build_parser().parse_args(["sample"]).checkpoint is None  # the shipped experts
