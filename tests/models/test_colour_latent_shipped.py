@@ -54,10 +54,13 @@ async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
 def _in_process(req) -> np.ndarray:
     from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
     from models.autoencoder_torch import LatentCodec
+    from models.fleet_guidance import fleet_default_guidance
 
     labels = np.asarray(req.labels, np.int64)
+    scale = fleet_default_guidance(CKPT / "router.safetensors")  # the job set none: the fleet's default
+    assert scale > 1  # the shipped latent fleet is served guided
     latents, _ = generate(
-        SampleConfig("ddm-top1", "ddm", "top1"),
+        SampleConfig("ddm-top1", "ddm", "top1", guidance=scale),
         digits=labels,
         noise=initial_batch(len(labels), len(labels), req.seed, (4, 16, 16)),
         steps=req.steps,
