@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from coordinator.startup import router_spec
 from dataset.builtin import palette_table
@@ -34,6 +35,7 @@ def test_every_latent_checkpoint_names_the_shipped_autoencoder():
     assert (CKPT / "partition.json").read_bytes() == (CKPT.parent / "colour" / "partition.json").read_bytes()
 
 
+@pytest.mark.bus  # a LocalFleet: nats-server, workers and a coordinator
 async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
     from client.jobs import run_job
     from coordinator.local_fleet import LocalFleet

@@ -34,6 +34,7 @@ def test_every_colour_checkpoint_has_the_colour_spec(fleet):
     assert len(idx) == len(set(idx.tolist())) == 50_000
 
 
+@pytest.mark.bus  # a LocalFleet: nats-server, workers and a coordinator
 @pytest.mark.parametrize("fleet", [CKPT, SHAPE], ids=["colour", "colour-shape"])
 async def test_the_colour_fleet_serves_rgb_digits_in_the_palette(fleet):
     from client.jobs import run_job

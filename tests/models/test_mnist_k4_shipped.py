@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from coordinator.startup import router_spec
 
@@ -34,6 +35,7 @@ def test_the_experts_trained_in_proportion_to_their_images_for_the_monoliths_ste
     assert np.allclose(steps / mono, images / images.sum(), atol=1e-3), steps
 
 
+@pytest.mark.bus  # a LocalFleet: nats-server, workers and a coordinator
 async def test_unlabelled_sample_jobs_run_through_a_local_fleet():
     from client.jobs import run_job
     from coordinator.local_fleet import LocalFleet
