@@ -56,7 +56,7 @@ import argparse
 import os
 import time
 
-from bus.options import add_dtype_option
+from bus.options import add_dtype_option, add_solver_option
 from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
 
@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "forward-only limit alike. Needs experts with a null label (train-expert --label-dropout > 0); the "
         "random UNets used without checkpoints get one",
     )
-    parser.add_argument("--solver", choices=("euler", "heun"), default="euler")
+    add_solver_option(parser)
     parser.add_argument("--no-stream", action="store_true", help="jobs do not stream frames (only final images)")
     parser.add_argument(
         "--checkpoints",

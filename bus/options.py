@@ -154,3 +154,20 @@ def add_dtype_option(parser, *, default: str = "auto", help: str | None = None) 
     )
     add_deprecated_alias(parser, "--bf16", "--dtype", const="bfloat16")
     add_deprecated_alias(parser, "--no-bf16", "--dtype", const="float32")
+
+
+#: The solvers (`flow.solver.METHODS`; spelled out here, below flow/ in the layering, and checked equal by a test).
+SOLVERS = ("euler", "heun")
+
+
+def add_solver_option(parser, *, deprecated_method: bool = False) -> None:
+    """`--solver euler|heun` into `solver` (default euler), as every sampling command spells it; with
+    `deprecated_method`, also the old `--method` spelling."""
+    parser.add_argument(
+        "--solver",
+        choices=SOLVERS,
+        default="euler",
+        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
+    )
+    if deprecated_method:
+        add_deprecated_alias(parser, "--method", "--solver", choices=SOLVERS)

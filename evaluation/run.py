@@ -114,15 +114,10 @@ def add_sampling_arguments(parser) -> None:
     """The sampling flags `ddm-fleet eval` and `python -m evaluation.sample_inprocess` share, so that the
     two make the same images from the same flags: --steps, --solver, --seed, --images-per-job (and its
     deprecated spelling --job-size)."""
-    from bus.options import add_deprecated_alias
+    from bus.options import add_deprecated_alias, add_solver_option
 
     parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    parser.add_argument(
-        "--solver",
-        choices=("euler", "heun"),
-        default="euler",
-        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
-    )
+    add_solver_option(parser)
     parser.add_argument(
         "--seed", type=int, default=0, help="first job seed: job j is seeded seed + j (default %(default)s)"
     )

@@ -113,7 +113,7 @@ def _per_job(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option
+    from bus.options import add_deprecated_alias, add_dtype_option, add_nats_option, add_solver_option
     from schemas.limits import MAX_GUIDANCE_SCALE, MAX_JOB_IMAGES, MAX_JOB_STEPS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -162,12 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-k", type=_positive, default=2, metavar="K", help="k for --strategy topk (default %(default)s)"
     )
-    parser.add_argument(
-        "--solver",
-        choices=("euler", "heun"),
-        default="euler",
-        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
-    )
+    add_solver_option(parser)
     parser.add_argument(
         "--seed",
         type=_seed,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bus.options import add_deprecated_alias, add_dtype_option
+from bus.options import add_dtype_option, add_solver_option
 from client.guidance import guidance_scale
 
 
@@ -68,13 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--per-class", type=int, default=10, metavar="N", help="samples per class = grid columns (default %(default)s)"
     )
     parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
-    parser.add_argument(
-        "--solver",
-        choices=("euler", "heun"),
-        default="euler",
-        help="euler (1 expert call per step) or heun (2 per step, more accurate) (default %(default)s)",
-    )
-    add_deprecated_alias(parser, "--method", "--solver", choices=("euler", "heun"))
+    add_solver_option(parser, deprecated_method=True)
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     add_dtype_option(parser)

@@ -257,3 +257,11 @@ def test_readme_layer_table_matches_the_layers_checked_here():
 
     table = dict(re.findall(r"^\| `([a-z_]+)/` \| (\d+) \|", (ROOT / "README.md").read_text(), flags=re.M))
     assert {k: int(v) for k, v in table.items()} == LAYERS
+
+
+def test_the_cli_solver_choices_are_the_solvers_flow_has():
+    """bus.options spells the solver names out (it sits below flow/); they must stay flow.solver's."""
+    from bus.options import SOLVERS
+    from flow.solver import METHODS
+
+    assert SOLVERS == METHODS
