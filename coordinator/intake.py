@@ -119,6 +119,7 @@ class IntakeHost(Protocol):
     metrics: CoordinatorMetrics  # set when the coordinator is entered, before its first request
     ledger: JobLedger
     durable_jobs: DurableJobs | None  # --durable only
+    jobs_restored: asyncio.Event  # set once jobs resumed at start are known (status and cancel wait for it)
     null_labels: NullLabelProbes  # `check(request)`: a job of unknown labels needs every null label
     name: str
     instance: str
@@ -390,6 +391,7 @@ class Intake:
                     ),
                 )
                 return
+        await self.coord.jobs_restored.wait()  # a job being resumed at start is not "unknown"
         ok = await self.coord.cancel(job_id, client=client)  # another client's job: not acted on, "unknown"
         if not ok and (client, job_id) in self._pending:  # its submit awaits the null-label probe
             self._pending[(client, job_id)] = True
@@ -416,6 +418,7 @@ class Intake:
             message = self._too_fast("job status requests", client, coord.settings.status_rate, wait)
             await self._reply(msg, ErrorReply(code=ErrorCode.RATE_LIMITED, message=message))
             return
+        await coord.jobs_restored.wait()  # a job being resumed at start is not "unknown"
         if coord.durable_jobs is not None and coord.durable_jobs.is_fenced(client, job_id):
             return  # another coordinator took the job over: its answer counts, not our "unknown"
         try:

@@ -163,6 +163,10 @@ class Coordinator:
         self.metrics = None  # CoordinatorMetrics, once entered
         self.store: JobStore | None = None
         self.durable_jobs: DurableJobs | None = None  # durable jobs (coordinator.durable_jobs): --durable only
+        # set once this run knows every job it will ever resume at start (--durable: after the orphans'
+        # restore): status and cancel requests wait for it, so a restarted coordinator never answers
+        # "unknown" for a job it is about to resume
+        self.jobs_restored = asyncio.Event()
         # latent fleets: the decoder stage (coordinator.decode_stage; calls in coordinator.decoder_client)
         self.decoder = None  # a DecoderClient, once entered, when the spec says space latent
         self._latent_opts: dict[str, LatentOptions] = {}  # internal id -> what the job asked of the decoder
@@ -299,8 +303,9 @@ class Coordinator:
         # round trip proves the server has every subscription (and clients find us at once).
         await self.nc.flush()
         await self.nc.flush()
-        if self.durable_jobs is not None:  # before serving status: a job of this name's previous run is never "unknown"
+        if self.durable_jobs is not None:  # status/cancel wait for this: a job of the previous run is never "unknown"
             await self.durable_jobs.start(self.engine)
+        self.jobs_restored.set()
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         self._task.add_done_callback(self._engine_ended)
         if (self.check_spec or cfg.run_ahead) and hasattr(self.transport, "refresh_workers"):
