@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from schemas import subjects
 from coordinator.intake import Intake
+from schemas import subjects
 from schemas.messages import CancelReply, JobStatus
 from schemas.wire import unpack
 
