@@ -492,7 +492,10 @@ class Coordinator:
         )  # every submit answered `rejected`
         rejected = [RejectedWorkerInfo(**w.to_json()) for w in self.rejected_workers()] if include_spec else None
         spec = self.reported_spec(include_images) if include_spec else None
-        return FleetStatus(coordinator=self.name, spec=spec, rejected_workers=rejected, **st)
+        guidance = self.default_guidance if include_spec else None
+        return FleetStatus(
+            coordinator=self.name, spec=spec, rejected_workers=rejected, default_guidance_scale=guidance, **st
+        )
 
     def reported_spec(self, include_images: bool = False) -> ModelSpec:
         """The fleet's spec as `fleet.status` reports it; with `include_images`, naming the images clients

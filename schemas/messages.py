@@ -840,14 +840,17 @@ class FleetStatus(Message):
     spec: ModelSpec | None = None
     #: workers on the bus whose spec differs from the fleet's (not used), sent with `spec` only (same opt-in)
     rejected_workers: list[RejectedWorkerInfo] | None = None
+    #: the classifier-free guidance scale a job that names none gets (the coordinator's default, from its
+    #: --default-guidance or the router.json of its checkpoints; 1.0: no guidance), sent with `spec` only
+    default_guidance_scale: float | None = Field(default=None, ge=0, le=MAX_GUIDANCE_SCALE)
 
     @model_serializer(mode="wrap")
     def _omit_spec_unless_asked(self, handler):
         out = handler(self)
-        if isinstance(out, dict) and self.spec is None:
-            out.pop("spec", None)
-        if isinstance(out, dict) and self.rejected_workers is None:
-            out.pop("rejected_workers", None)
+        if isinstance(out, dict):
+            for key in ("spec", "rejected_workers", "default_guidance_scale"):
+                if getattr(self, key) is None:
+                    out.pop(key, None)
         return out
 
 

@@ -60,7 +60,7 @@ from .guard import (
 )
 from .protocol import MAX_CLIENT_MESSAGE_BYTES
 from .session import DEFAULT_PREVIEW_EVERY, MAX_JOBS_PER_SOCKET, MAX_QUEUED_MESSAGES, WEB_CLIENT, Session
-from .spec import fetch_spec, spec_message
+from .spec import FleetSpec, fetch_spec, spec_message
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,11 @@ class SpecView:
 
     spec: ModelSpec
     known: bool = False
+    default_guidance_scale: float | None = None  # what a job that names no scale gets, as the coordinator said
 
     @property
     def message(self) -> dict[str, Any]:
-        return spec_message(self.spec, known=self.known)
+        return spec_message(self.spec, known=self.known, default_guidance_scale=self.default_guidance_scale)
 
 
 SPEC = web.AppKey("ddm_spec", SpecView)
@@ -251,14 +252,15 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         pass
 
 
-def _update_spec(app: web.Application, spec: ModelSpec) -> None:
+def _update_spec(app: web.Application, fleet: FleetSpec) -> None:
     """Keep the fleet's spec; when it changed (or became known), send every socket the `spec` message."""
     view = app[SPEC]
-    if view.known and view.spec == spec:
+    spec, guidance = fleet
+    if view.known and view.spec == spec and view.default_guidance_scale == guidance:
         return
     if view.spec != spec:
         log.info("the fleet's model spec: %s", spec.to_json())
-    view.spec, view.known = spec, True
+    view.spec, view.known, view.default_guidance_scale = spec, True, guidance
     msg = view.message
     for session in list(app[SESSIONS]):
         session.outbox.put_latest("__spec__", msg)

@@ -14,7 +14,8 @@ The page gets it as one message, on connect and whenever it changes:
      "conditioning": "class", "num_classes": 10, "null_label": false,
      "class_names": ["airplane", ...],         # always num_classes names ("0", "1", ... when the spec has none)
      "digits": false,                          # true for the MNIST fleet: the page says "digit 3"
-     "decoder": null}                          # a latent fleet's autoencoder, "autoencoder@sha256:<hash>"
+     "decoder": null,                          # a latent fleet's autoencoder, "autoencoder@sha256:<hash>"
+     "default_guidance_scale": 2.0}            # what a job that names no scale gets (null: not said)
 
 A latent fleet (`space: "latent"`): `sample_shape` is the latents' shape; the page draws the decoder's
 images (previews and final images, web/frames.py), not the latents, and says which decoder the fleet uses.
@@ -27,7 +28,7 @@ for any other class count (only a coordinator that knows `labels` serves such a 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from schemas.spec import ModelSpec, legacy_spec
 
@@ -55,7 +56,15 @@ def wire_label_field(spec: ModelSpec) -> str:
     return "digits" if spec.conditioning.kind == "class" and spec.num_classes == 10 else "labels"
 
 
-def spec_message(spec: ModelSpec, *, known: bool = True) -> dict[str, Any]:
+class FleetSpec(NamedTuple):
+    """What the coordinator said of its fleet: the model spec, and the guidance scale a job that names
+    none gets (None: a coordinator that does not say)."""
+
+    spec: ModelSpec
+    default_guidance_scale: float | None = None
+
+
+def spec_message(spec: ModelSpec, *, known: bool = True, default_guidance_scale: float | None = None) -> dict[str, Any]:
     """The page's `spec` message (see the module docstring)."""
     from .frames import tile_channels
 
@@ -75,12 +84,14 @@ def spec_message(spec: ModelSpec, *, known: bool = True) -> dict[str, Any]:
         "class_names": class_names(spec),
         "digits": is_digit_fleet(spec),
         "decoder": spec.decoder,
+        "default_guidance_scale": default_guidance_scale,
     }
 
 
-async def fetch_spec(nc, *, timeout: float = 0.5) -> ModelSpec | None:
-    """The fleet's spec from the coordinator: its `spec`, or `legacy_spec()` from a coordinator older than
-    specs; None when no coordinator answers (or its answer does not decode): keep the one you have."""
+async def fetch_spec(nc, *, timeout: float = 0.5) -> FleetSpec | None:
+    """The fleet's spec from the coordinator: its `spec` (or `legacy_spec()` from a coordinator older than
+    specs) and its default guidance scale; None when no coordinator answers (or its answer does not
+    decode): keep the one you have."""
     from client.jobs import JobFailed, fleet_status
     from schemas import ProtocolError
 
@@ -91,4 +102,5 @@ async def fetch_spec(nc, *, timeout: float = 0.5) -> ModelSpec | None:
     except ProtocolError as err:
         log.warning("the coordinator's fleet status does not decode: %s", err.message)
         return None
-    return status.spec if status.spec is not None else legacy_spec()
+    spec = status.spec if status.spec is not None else legacy_spec()
+    return FleetSpec(spec, status.default_guidance_scale)

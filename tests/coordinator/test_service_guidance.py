@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from client.jobs import run_job
+from client.jobs import fleet_status, run_job
 from coordinator.local_fleet import LabelRouter, LocalFleet
 from coordinator.scheduler import Rejected, Scheduler, SchedulerConfig, job_cost
 from coordinator.service import Coordinator
@@ -95,6 +95,10 @@ async def test_a_job_without_a_scale_gets_the_fleets_default_and_an_explicit_one
     digits = [2, 7, U]
     async with LocalFleet.from_dir(fleet_dir, dtype="float32", nats_url=nats_url) as fleet:
         assert fleet.coordinator.default_guidance == SCALE
+        # what a client (the viewer) reads of it: with the spec only, where v1 clients never see it
+        assert (await fleet_status(fleet.nc, spec=True)).default_guidance_scale == SCALE
+        bare = await fleet.nc.request(subjects.FLEET_STATUS, b"", timeout=5)
+        assert b"default_guidance_scale" not in bare.data
         unset = (await run_job(fleet.nc, JobRequest(digits=digits, seed=5, steps=2), timeout=120)).images
         asked = JobRequest(digits=digits, seed=5, steps=2, guidance_scale=SCALE)
         np.testing.assert_array_equal(unset, (await run_job(fleet.nc, asked, timeout=120)).images)
@@ -107,6 +111,7 @@ async def test_a_job_without_a_scale_gets_the_fleets_default_and_an_explicit_one
     options = {"coordinator_options": {"default_guidance": 1.0}}  # the command line's --default-guidance 1
     async with LocalFleet.from_dir(fleet_dir, dtype="float32", nats_url=nats_url, **options) as fleet:
         assert fleet.coordinator.default_guidance == 1.0
+        assert (await fleet_status(fleet.nc, spec=True)).default_guidance_scale == 1.0
         plain = (await run_job(fleet.nc, JobRequest(digits=digits, seed=5, steps=2), timeout=120)).images
     np.testing.assert_allclose(plain, off_images, atol=1e-5)
 

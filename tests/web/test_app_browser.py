@@ -286,9 +286,10 @@ async def test_guidance_input_follows_the_null_label_and_reaches_the_job_request
         page, errors = await open_page(browser, web_server)
         await page.wait_for_selector("#guidance:disabled", timeout=30_000)
         assert "no null label" in await page.locator("#guidance-label").get_attribute("title")
-        coordinator.status = {**status, "spec": legacy_spec(null_label=True).to_json()}
+        coordinator.status = {**status, "spec": legacy_spec(null_label=True).to_json(), "default_guidance_scale": 2.0}
         await page.wait_for_selector("#guidance:enabled", timeout=30_000)
-        # left empty (the default) the request carries no scale: the fleet's default applies
+        assert await page.locator("#guidance").get_attribute("placeholder") == "fleet 2"  # what empty gives
+        # left empty (the default) the request carries no scale: the fleet's default applies, and the card says so
         await page.fill("#digits", "1,6")
         await page.fill("#steps", "4")
         await page.click("#generate")
@@ -310,7 +311,7 @@ async def test_guidance_input_follows_the_null_label_and_reaches_the_job_request
         assert plain.guidance_scale is None and guided.guidance_scale == 3.0 and guided.n_guided == 2
         newest = page.locator(".job").first  # new jobs go on top
         assert "guidance 3" in await newest.locator(".job-notes").inner_text()
-        assert "guidance" not in await page.locator(".job").nth(1).locator(".job-notes").inner_text()
+        assert "guidance 2 (fleet default)" in await page.locator(".job").nth(1).locator(".job-notes").inner_text()
         # the comparison reruns the same digits and seed with the same scale
         await newest.locator(".cmp-strategy").select_option("full")
         await newest.locator(".cmp-run").click()

@@ -149,7 +149,9 @@ def test_spec_message_of_the_mnist_and_an_rgb_fleet():
         "class_names": [str(i) for i in range(10)],
         "digits": True,
         "decoder": None,
+        "default_guidance_scale": None,  # the coordinator has not said
     }
+    assert spec_message(legacy_spec(), default_guidance_scale=2.0)["default_guidance_scale"] == 2.0
     rgb = spec_message(RGB4)
     assert rgb["known"] and rgb["channels"] == rgb["tile_channels"] == 3 and rgb["sample_shape"] == [3, 32, 32]
     assert rgb["class_names"] == ["red", "green", "blue", "Sea Blue"] and rgb["num_classes"] == 4

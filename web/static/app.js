@@ -651,7 +651,8 @@ function compare(job) {
 function describe(job) {
   const r = job.req;
   if (!r) return job.strategy || "?";
-  const guidance = guided(r.guidance_scale) ? ` · guidance ${r.guidance_scale}` : "";
+  let guidance = guided(r.guidance_scale) ? ` · guidance ${r.guidance_scale}` : "";
+  if (r.guidance_scale === undefined && guided(r.fleet_guidance)) guidance = ` · guidance ${r.fleet_guidance} (fleet default)`;
   return `${r.strategy === "topk" ? `top-${r.top_k}` : r.strategy} · ${r.solver}${guidance}`;
 }
 
@@ -978,6 +979,9 @@ function guidanceFor(spec) {
   }
   input.disabled = why !== "";
   input.title = why;
+  // what an empty box gives: the fleet's default scale, once the coordinator has said it
+  const d = spec.default_guidance_scale;
+  input.placeholder = typeof d === "number" && !why ? `fleet ${d}` : "fleet";
   $("#guidance-label").title = why ? `guidance off: ${why}` : GUIDANCE_TITLE;
 }
 
@@ -993,7 +997,8 @@ const HANDLERS = {
     job.seed = msg.seed;
     if (req) {
       job.req = { steps: req.steps, strategy: req.strategy, solver: req.solver, top_k: req.top_k || 2,
-                  guidance_scale: req.guidance_scale };  // undefined: the fleet's default
+                  guidance_scale: req.guidance_scale,  // undefined: the fleet's default, this one (if said)
+                  fleet_guidance: fleetSpec().default_guidance_scale };
       $(".job-notes", job.card).textContent = `${req.steps} steps · ${describe(job)}`;
     }
     if (!job.labels.length) { job.labels = labels; }
