@@ -257,8 +257,10 @@ class JaxClassifier:
         augment_p: float = 0.5,
         progress: bool = True,
         min_accuracy: float = MIN_TEST_ACCURACY,
+        test_limit: int | None = None,
     ) -> JaxClassifier:
-        """Train on the training split; refuse (ValueError) below `min_accuracy` on the test split."""
+        """Train on the training split (its first `limit` images); refuse (ValueError) below `min_accuracy`
+        on the test split (its first `test_limit` images; None: all 10k)."""
         import jax
         import jax.numpy as jnp
         import optax
@@ -267,7 +269,7 @@ class JaxClassifier:
         from dataset.mnist import load_mnist
 
         x_train, y_train = load_mnist("train", data_dir)
-        x_test, y_test = load_mnist("test", data_dir)
+        x_test, y_test = load_mnist("test", data_dir, limit=test_limit)
         if limit:
             x_train, y_train = x_train[:limit], y_train[:limit]
         net = _modules()()
@@ -312,6 +314,7 @@ class JaxClassifier:
             "test_accuracy": acc,
             "epochs": epochs,
             "train_images": int(len(x_train)),
+            "test_images": int(len(x_test)),
             "seconds": round(seconds, 1),
             "seed": seed,
             "peak_lr": peak_lr,

@@ -68,9 +68,10 @@ def test_judge2_reads_the_test_set_and_its_fid_separates_digits_from_noise(judge
 def test_judge2_training_refuses_a_weak_judge_and_load_refuses_it_too(tmp_path):
     # 4 steps on 512 images: a real (tiny) run of the training code, far below 99%; the error holds the judge
     with pytest.raises(ValueError, match="reached only") as refused:
-        JaxClassifier.train(epochs=1, limit=512, batch_size=128, progress=False)
+        JaxClassifier.train(epochs=1, limit=512, batch_size=128, progress=False, test_limit=1000)
     weak = refused.value.judge
     assert weak.meta["test_accuracy"] < MIN_TEST_ACCURACY and weak.meta["optimizer"].startswith("Adam")
+    assert weak.meta["test_images"] == 1000
     assert f"{weak.meta['test_accuracy']:.4f}" in str(refused.value)
     weak.save(tmp_path / "weak.safetensors")
     with pytest.raises(ValueError, match="test accuracy"):

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.train, pytest.mark.timeout(1800)]
 
 PARTITION = "checkpoints/partition.json"
 ROOT = Path(__file__).resolve().parents[2]
-WIDTHS = (8, 16)
+WIDTHS = (8,)
 BATCH = 16
 
 
@@ -174,7 +174,7 @@ from training.train_jax import init_state, jit_step, make_optimizer, make_placem
 
 out = sys.argv[1]
 assert jax.device_count() == 2, jax.devices()
-cfg = TrainConfig(expert=0, partition="checkpoints/partition.json", widths=(8, 16), steps=20, batch_size=16,
+cfg = TrainConfig(expert=0, partition="checkpoints/partition.json", widths=(8,), steps=20, batch_size=16,
                   lr=3e-3, warmup=3, ema_decay=0.99, save_every=1000, log_every=5, limit=256,
                   save_dtype="float32", out=out + "/e0", run_dir=out + "/run")
 images, labels, info = load_expert_data(cfg)
