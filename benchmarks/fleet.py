@@ -34,7 +34,10 @@ read from /proc/<pid>/status VmHWM, reset before the level through /proc/<pid>/c
 the RSS at the level's end, and the CPU seconds each used in the level (/proc/<pid>/stat; the
 ceiling's are the bench process's): what the fleet spends beyond the experts' forwards (the
 coordinator, nats-server, the wire work in the workers, the clients decoding frames) is CPU the
-experts cannot have on a machine where they all share the cores. The 1-minute load average before
+experts cannot have on a machine where they all share the cores. From those the report reads the fleet's CPU
+per image, split by role, against the experts' own forward CPU per image at the batch sizes the level ran
+(timed with the forward-only limit): their ratio is the overhead factor (benchmarks/cpu_account.py), a
+figure that does not move with the box's load as images/s does. The 1-minute load average before
 and after each level is recorded: on a shared machine it says how much of the box the bench had.
 
 Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
@@ -60,7 +63,7 @@ from bus.options import add_dtype_option, add_solver_option
 from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
 
-from . import step_profile
+from . import cpu_account, step_profile
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
@@ -517,21 +520,32 @@ def _forward_limit(args, models) -> dict | None:
         rng = np.random.default_rng(0)
         experts = []
         for be in backends:
-            by_batch = {}
+            by_batch, cpu_by_batch = {}, {}
             for b in batches:
                 x = rng.standard_normal((b, *be.input_shape)).astype(np.float32)
                 t = rng.uniform(0, 1, b).astype(np.float32)
                 y = rng.integers(0, max(int(be.num_classes), 1), b).astype(np.int64)
                 be.forward(x, t, y)  # warm-up (a new shape may compile)
                 times: list[float] = []
+                cpu: list[float] = []  # this process's CPU seconds per forward (every thread's)
                 end = time.perf_counter() + LIMIT_TIME_S
                 while len(times) < 2 or time.perf_counter() < end:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     be.forward(x, t, y)
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
                 by_batch[b] = round(b / statistics.median(times), 1)
+                cpu_by_batch[b] = statistics.median(cpu) / b
             best = max(by_batch, key=by_batch.get)
-            experts.append({"best_batch": best, "rows_per_s": by_batch[best], "rows_per_s_by_batch": by_batch})
+            experts.append(
+                {
+                    "best_batch": best,
+                    "rows_per_s": by_batch[best],
+                    "rows_per_s_by_batch": by_batch,
+                    # what a row costs the forward alone (benchmarks.cpu_account): CPU seconds per row
+                    "cpu_s_per_row_by_batch": {k: float(f"{v:.4g}") for k, v in cpu_by_batch.items()},
+                }
+            )
         del backends
         gc.collect()
     finally:
@@ -840,6 +854,7 @@ async def _fleet(args, models) -> dict:
 
             per = getattr(args, "workers_per_expert", 1)
             worker_ports: list[int] = []
+            worker_experts: list[int] = []  # the expert each worker of worker_ports serves
             for i, path in enumerate(models["experts"]):
                 for j in range(per):
                     cmd = cli_argv(
@@ -858,6 +873,7 @@ async def _fleet(args, models) -> dict:
                         getattr(args, "merge", "auto"),
                     )
                     worker_ports.append(free_port())
+                    worker_experts.append(i)
                     cmd += ["--dtype", args.dtype, "--metrics-port", str(worker_ports[-1])]
                     cmd += ["--compile", args.compile] if getattr(args, "backend", "torch") == "torch" else []
                     cmd += ["--backend", getattr(args, "backend", "torch")]
@@ -953,6 +969,9 @@ async def _fleet(args, models) -> dict:
                     res["coordinator"] = None
                 hedges_after = await _hedge_counts(metrics_port)
                 split_after = await asyncio.to_thread(_split_samples, metrics_port, worker_ports)
+                res["worker_rows"] = cpu_account.worker_rows(
+                    [step_profile.delta(b, a) for b, a in zip(split_before[1], split_after[1])], worker_experts
+                )
                 res["split_ms"] = step_profile.fleet_split(
                     step_profile.delta(split_before[0], split_after[0]),
                     step_profile.summed([step_profile.delta(b, a) for b, a in zip(split_before[1], split_after[1])]),
@@ -1017,6 +1036,13 @@ async def bench_fleet(args) -> dict:
         row = {"concurrency": c}
         if fleet:
             row["fleet"] = fleet[level]
+            row["fleet"]["cpu_account"] = cpu_account.account(
+                fleet[level]["cpu"]["seconds"],
+                fleet[level]["images"],
+                args.steps,
+                fleet[level].get("worker_rows"),
+                limit,
+            )
         if ceiling:
             row["ceiling"] = ceiling[level]
         if fleet and ceiling:
@@ -1170,6 +1196,15 @@ def format_table(results: dict) -> str:
                     for r in at_load
                 )
             )
+    accounts = [
+        (r["concurrency"], r["fleet"]["cpu_account"]) for r in results["rows"] if "cpu_account" in r.get("fleet", {})
+    ]
+    if accounts:
+        lines.append(
+            "CPU per image (user + system seconds of the fleet's processes / images made; forward = the experts' "
+            "own forward CPU for the rows the workers computed, at their mean batch; overhead = fleet / forward):"
+        )
+        lines.extend("  " + cpu_account.format_account(c, acc) for c, acc in accounts)
     outcome_rows = [
         (path, r["concurrency"], r[path])
         for r in results["rows"]

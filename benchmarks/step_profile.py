@@ -43,6 +43,10 @@ WORKER_SERIES = {
     "ddm_worker_latency_seconds_count": "requests",
     "ddm_worker_forward_seconds_sum": "forward_s",
     "ddm_worker_forward_seconds_count": "forwards",
+    # what the forwards computed (benchmarks.cpu_account: the rows and the mean batch of each expert)
+    "ddm_worker_rows_total": "rows",
+    "ddm_worker_padded_rows_total": "padded_rows",
+    "ddm_worker_batches_total": "batches",
 }
 
 

@@ -258,6 +258,16 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
     assert split["wire"] + split["worker"] + split["forward"] == pytest.approx(split["expert_call"], abs=0.01)
     assert split["client_step"] == pytest.approx(1000 * x["wall_s"] / (x["jobs"] * 2), rel=0.01)
     assert any("where a tick's time goes at c = 1" in line for line in table)
+    # CPU per image: the fleet's processes against the tiny experts' own forward at the batch the level ran
+    acc = x["cpu_account"]
+    assert acc["images"] == x["images"] > 0 and set(acc["by_role_ms_per_image"]) >= {"coordinator", "workers"}
+    assert x["worker_rows"][0]["rows"] + x["worker_rows"][1]["rows"] == 2 * x["images"]  # top1: one row per step
+    assert 1.0 <= float(acc["mean_batch"]["0"]) <= 4.0 and all(
+        lim["experts"][k]["cpu_s_per_row_by_batch"] for k in (0, 1)
+    )
+    # one client of 2-step jobs: the coordinator, NATS and the workers' wire work are well above the forwards
+    assert acc["overhead_factor"] > 1.0 and acc["fleet_ms_per_image"] > acc["forward_ms_per_image"] > 0
+    assert any(line.strip().startswith("conc 1: fleet ") and "overhead x" in line for line in table)
 
 
 @pytest.mark.slow  # ~10 s: a real latent fleet (nats-server, coordinator, workers and a decoder process)
