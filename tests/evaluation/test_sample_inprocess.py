@@ -124,13 +124,14 @@ def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
 def test_compiled_experts_give_the_eager_images_within_rounding(tmp_path):
     """--compile on: the images a compiled worker would give, within float32 rounding of the eager ones.
     (Digits of expert 0 alone, routed by label in one job: one graph to compile, not one per expert and
-    batch size; tests/workers/test_torch_compile.py covers those. The experts have that file's architecture,
-    COMPILED_TINY, so the suite compiles its C++ kernels once.)"""
-    from models.tiny import make_tiny_experts, make_tiny_router
-    from tests.coordinator.helpers import JITTER
-    from tests.workers.test_torch_compile import COMPILED_TINY
+    batch size; tests/workers/test_torch_compile.py covers those. The experts have that file's architecture and
+    weights, COMPILED_TINY and COMPILED_SEEDS, so the suite builds their C++ kernels once.)"""
+    from models.tiny import make_tiny_expert, make_tiny_router
+    from tests.workers.test_torch_compile import COMPILED_SEEDS, COMPILED_TINY
 
-    make_tiny_experts(tmp_path, 2, jitter=JITTER, **COMPILED_TINY)
+    for k in (0, 1):  # the shipped partition's halves, with that file's weights (its kernels are built once)
+        classes = range(5 * k, 5 * k + 5)
+        make_tiny_expert(tmp_path / f"expert{k}", expert_id=k, seed=COMPILED_SEEDS[k], classes=classes, **COMPILED_TINY)
     make_tiny_router(tmp_path / "router", 2)
     shutil.copy("checkpoints/partition.json", tmp_path / "partition.json")
     one = dict(strategy="oracle", digits=[0, 1, 2, 3], job_size=4, dtype="float32")
