@@ -261,7 +261,9 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
     # CPU per image: the fleet's processes against the tiny experts' own forward at the batch the level ran
     acc = x["cpu_account"]
     assert acc["images"] == x["images"] > 0 and set(acc["by_role_ms_per_image"]) >= {"coordinator", "workers"}
-    assert x["worker_rows"][0]["rows"] + x["worker_rows"][1]["rows"] == 2 * x["images"]  # top1: one row per step
+    rows = x["worker_rows"][0]["rows"] + x["worker_rows"][1]["rows"]
+    # top1: a row per step, and at most one more where speculation guessed the expert wrong
+    assert 2 * x["images"] <= rows <= 4 * x["images"]
     assert 1.0 <= float(acc["mean_batch"]["0"]) <= 4.0 and all(
         lim["experts"][k]["cpu_s_per_row_by_batch"] for k in (0, 1)
     )
