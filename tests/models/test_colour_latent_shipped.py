@@ -49,8 +49,10 @@ async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
     assert images.shape == (6, 3, 32, 32) and np.isfinite(images).all()
     reading = colour_check(images, *palette_arrays({"palette": palette_table()}))  # as the judges read a manifest
     assert reading.correct.sum() >= 5, (reading.foreground_error, reading.background_error)
-    # the in-process sampler (`ddm-fleet eval`'s offline twin) makes the same images of the same job
-    np.testing.assert_array_equal(images, _in_process(req))
+    # the in-process sampler (`ddm-fleet eval`'s offline twin) makes the same images of the same job, to float32
+    # rounding: the workers may batch the job's rows otherwise (its labelled and null rows, 2 experts), and a
+    # convolution's last bits follow the batch; a sampler that clipped the latents before decoding was 0.3 off
+    np.testing.assert_allclose(images, _in_process(req), atol=1e-4)
 
 
 def _in_process(req) -> np.ndarray:
