@@ -36,9 +36,10 @@ def role_of(process: str) -> str:
     return CLIENTS
 
 
-def per_row_at(by_batch: dict, batch: float) -> float | None:
-    """Seconds per row at `batch` from {batch: seconds per row} (keys may be strings, as in JSON):
-    log-linear between the timed batch sizes, clamped to the smallest and the largest; None if empty."""
+def at_batch(by_batch: dict, batch: float) -> float | None:
+    """A per-batch figure (seconds per row, rows/s) at `batch` from {batch: value} (keys may be strings, as
+    in JSON): log-linear in the batch between the timed sizes, clamped to the smallest and the largest;
+    None if empty."""
     table = sorted((int(b), float(s)) for b, s in by_batch.items())
     if not table:
         return None
@@ -47,7 +48,7 @@ def per_row_at(by_batch: dict, batch: float) -> float | None:
         if b0 <= b <= b1:
             f = 0.0 if b1 == b0 else (math.log2(b) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
             return s0 + f * (s1 - s0)
-    return table[-1][1] if b >= table[-1][0] else table[0][1]
+    return table[0][1]  # a single timed size
 
 
 def worker_rows(deltas: list[dict | None], experts: list[int]) -> dict[int, dict] | None:
@@ -114,7 +115,7 @@ def _forward_seconds(rows: dict | None, limit: dict | None) -> float | None:
             continue
         if k >= len(limit["experts"]) or e["mean_batch"] is None:
             return None
-        per_row = per_row_at(limit["experts"][k].get("cpu_s_per_row_by_batch") or {}, e["mean_batch"])
+        per_row = at_batch(limit["experts"][k].get("cpu_s_per_row_by_batch") or {}, e["mean_batch"])
         if per_row is None:
             return None
         total += e["rows"] * per_row

@@ -582,20 +582,12 @@ def limit_at_load(limit: dict, rows_in_flight: float, experts: int) -> dict:
     call can hold more than rows / experts rows, so each expert's rate is read at that batch (log-linear
     between the timed batches; clamped to the smallest and largest timed) instead of at its best.
     -> {"batch", "images_per_s", "rows_per_s"}."""
-    import math
     import statistics
 
     batch = max(1.0, rows_in_flight / max(experts, 1))
     rates = []
     for e in limit["experts"]:
-        table = sorted((int(b), float(r)) for b, r in e["rows_per_s_by_batch"].items())
-        b = min(max(batch, table[0][0]), table[-1][0])
-        rate = table[-1][1]
-        for (b0, r0), (b1, r1) in zip(table, table[1:]):
-            if b0 <= b <= b1:
-                f = 0.0 if b1 == b0 else (math.log2(b) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
-                rate = r0 + f * (r1 - r0)
-                break
+        rate = cpu_account.at_batch(e["rows_per_s_by_batch"], batch)
         rates.append(min(rate, e["rows_per_s"]))  # never above the expert's best
     rows_per_s = limit["units"] / statistics.fmean(1.0 / r for r in rates)
     return {
@@ -969,12 +961,11 @@ async def _fleet(args, models) -> dict:
                     res["coordinator"] = None
                 hedges_after = await _hedge_counts(metrics_port)
                 split_after = await asyncio.to_thread(_split_samples, metrics_port, worker_ports)
-                res["worker_rows"] = cpu_account.worker_rows(
-                    [step_profile.delta(b, a) for b, a in zip(split_before[1], split_after[1])], worker_experts
-                )
+                worker_deltas = [step_profile.delta(b, a) for b, a in zip(split_before[1], split_after[1])]
+                res["worker_rows"] = cpu_account.worker_rows(worker_deltas, worker_experts)
                 res["split_ms"] = step_profile.fleet_split(
                     step_profile.delta(split_before[0], split_after[0]),
-                    step_profile.summed([step_profile.delta(b, a) for b, a in zip(split_before[1], split_after[1])]),
+                    step_profile.summed(worker_deltas),
                     _client_step_s(res, c, args.steps),
                 )
                 if hedges_before is not None and hedges_after is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.cpu_account import account, format_account, per_row_at, role_of, worker_rows
+from benchmarks.cpu_account import account, at_batch, format_account, role_of, worker_rows
 
 
 def test_roles_of_the_bench_processes():
@@ -20,11 +20,11 @@ def test_roles_of_the_bench_processes():
 
 def test_per_row_cost_is_log_linear_between_timed_batches_and_clamped_outside():
     table = {"1": 0.004, "4": 0.002, "16": 0.001}
-    assert per_row_at(table, 1) == pytest.approx(0.004)
-    assert per_row_at(table, 2) == pytest.approx(0.003)  # halfway from 1 to 4 in log2
-    assert per_row_at(table, 8) == pytest.approx(0.0015)
-    assert per_row_at(table, 0.5) == pytest.approx(0.004) and per_row_at(table, 64) == pytest.approx(0.001)
-    assert per_row_at({}, 4) is None
+    assert at_batch(table, 1) == pytest.approx(0.004)
+    assert at_batch(table, 2) == pytest.approx(0.003)  # halfway from 1 to 4 in log2
+    assert at_batch(table, 8) == pytest.approx(0.0015)
+    assert at_batch(table, 0.5) == pytest.approx(0.004) and at_batch(table, 64) == pytest.approx(0.001)
+    assert at_batch({}, 4) is None
 
 
 def test_worker_rows_add_up_each_experts_workers_and_padding_counts_in_the_batch():
