@@ -336,10 +336,10 @@ class JobStore:
         import nats.errors
         import nats.js.errors
 
+        from bus.kv_keys import live_keys
+
         try:
-            keys = await self.jobs.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+            keys = await live_keys(self.nc.jetstream(), JOBS_BUCKET)  # not KeyValue.keys(): it can list part
         except (nats.errors.Error, OSError) as err:
             log.warning(
                 "listing the checkpoints in %s failed (%s: %s); trying again at the next scan",

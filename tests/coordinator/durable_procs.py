@@ -90,18 +90,13 @@ async def owners_of(nc, job_ids) -> dict[str, str | None]:
 
 async def _wait_checkpoint_count(nc, ok, timeout: float, what: str) -> None:
     """Wait until `ok(n)` holds for n, the number of checkpoints in the `ddm_jobs` KV bucket."""
-    import nats.js.errors
-
+    from bus.kv_keys import live_keys
     from tests.waiting import wait_until
 
-    kv = await nc.jetstream().key_value("ddm_jobs")
+    js = nc.jetstream()
 
     async def count_ok():
-        try:
-            n = len(await kv.keys())
-        except nats.js.errors.NoKeysError:
-            n = 0
-        return ok(n)
+        return ok(len(await live_keys(js, "ddm_jobs")))
 
     await wait_until(count_ok, timeout=timeout, what=what)
 
