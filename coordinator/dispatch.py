@@ -17,6 +17,11 @@ least recently sent to), or None, meaning "send it to the queue group", when
   - the least loaded known worker already has `depth` outstanding (everyone is busy: NATS's random
     pick is as good, and it reaches workers this coordinator does not know yet),
   - or this is the `explore_every`-th pick of k (so new workers are discovered under steady load).
+A retry after a time-out picks with `insist=True`: a known worker however busy, the queue group only
+when none is known. A queue group may hold a worker that can no longer answer but whose interest is
+still on the bus (behind a cut route, until nats-server's pings give up on it, a minute by default):
+NATS hands a client's request to a random member, local or remote, so retries through the queue group
+can land there again and again, while a known worker answered this coordinator within `ttl_s`.
 `fence(experts)`: those experts' queue groups hold a worker of another model spec (the coordinator's
 worker discovery says so), so their picks go to a known worker however busy, and to the queue group
 only when none is known.
@@ -96,15 +101,18 @@ class DispatchPolicy:
         self.only_fenced = only_fenced
 
     # ------------------------------------------------------------ questions
-    def pick(self, expert: int, exclude: Collection[str] = (), *, explore: bool = True) -> str | None:
+    def pick(
+        self, expert: int, exclude: Collection[str] = (), *, explore: bool = True, insist: bool = False
+    ) -> str | None:
         """The token of the worker of `expert` to send the next request to, or None: the queue group.
         exclude: tokens not to pick (a hedge's primary); explore=False: this pick never goes to the
-        queue group just to explore (and does not count towards `explore_every`)."""
+        queue group just to explore (and does not count towards `explore_every`); insist=True (a retry
+        after a time-out): a known worker however busy, the queue group only when none is known."""
         fenced = expert in self._fenced
         if self.only_fenced and not fenced:
             return None
         known = self._expire(expert)
-        if explore and self.explore_every and not fenced:
+        if explore and not insist and self.explore_every and not fenced:
             n = self._picks[expert] = self._picks.get(expert, 0) + 1
             if n % self.explore_every == 0:
                 return None
@@ -118,7 +126,7 @@ class DispatchPolicy:
             key = (out.get(token, 0), entry.last_sent)
             if best_key is None or key < best_key:
                 best, best_key = token, key
-        if best is None or (best_key[0] >= self.depth and not fenced):
+        if best is None or (best_key[0] >= self.depth and not (fenced or insist)):
             return None
         return best
 

@@ -25,7 +25,9 @@ checked fleet's shape), is a bad reply: the request goes again.
 
 A request is retried when:
 * it times out, or gets a transient error reply (`overloaded`, `deadline_exceeded`,
-  `unavailable`, `internal`): at most `retries` more tries;
+  `unavailable`, `internal`): at most `retries` more tries; a try after a time-out goes to a known
+  worker however busy, not to the queue group (`DispatchPolicy.pick(insist=True)`: a silent member,
+  e.g. behind a cut route, may be picked there again);
 * the reply is unusable: undecodable, not a `step_reply`, for another expert, wrong row ids,
   a velocity of the wrong shape or dtype, or with NaN/Inf (also after the cast to float32). Such
   a reply is logged with the worker id it claims and counted in `bad_replies` / `bad_workers`;
@@ -647,6 +649,7 @@ class NatsTransport:
         tries = bad_tries = lost = 0
         last = "no attempt"
         attempt = 0
+        timed_out = False  # a try timed out: the next ones go to a known worker, not the queue group
         stream: AheadStream | None = None
         while True:
             if attempt:
@@ -683,7 +686,9 @@ class NatsTransport:
             )
             try:
                 began = time.monotonic()
-                v, worker, reply_token = await self._exchange(expert, subject, pack(req), x32.shape, row_ids, stream)
+                v, worker, reply_token = await self._exchange(
+                    expert, subject, pack(req), x32.shape, row_ids, stream, insist=timed_out
+                )
                 if stream is not None:  # only the answering leg's further replies count (a hedge's copy streams too)
                     stream.worker, stream.first_s = worker, time.monotonic() - began
                     stream.token = reply_token
@@ -705,6 +710,7 @@ class NatsTransport:
                     )
                     continue
                 tries += 1
+                timed_out = True
                 last = f"timed out after {self.step_timeout:g} s"
                 log.warning(
                     "expert %d: request %s %s (try %d/%d)", expert, req.request_id, last, tries, self.retries + 1
@@ -777,11 +783,11 @@ class NatsTransport:
         return self.dispatcher.most_known()
 
     # ------------------------------------------------------------ one try, maybe hedged
-    def _pick(self, expert: int, exclude: tuple = (), explore: bool = True) -> str | None:
+    def _pick(self, expert: int, exclude: tuple = (), explore: bool = True, insist: bool = False) -> str | None:
         """The worker token a leg goes to directly, or None: the queue group."""
         if self.dispatcher is None:
             return None
-        return self.dispatcher.pick(expert, exclude, explore=explore)
+        return self.dispatcher.pick(expert, exclude, explore=explore, insist=insist)
 
     def _start_leg(
         self,
@@ -859,7 +865,15 @@ class NatsTransport:
         return (*self._usable(expert, msg.data, shape, row_ids), _token_of(msg))
 
     async def _exchange(
-        self, expert: int, subject: str, payload: bytes, shape, row_ids, stream: AheadStream | None = None
+        self,
+        expert: int,
+        subject: str,
+        payload: bytes,
+        shape,
+        row_ids,
+        stream: AheadStream | None = None,
+        *,
+        insist: bool = False,
     ) -> tuple[np.ndarray, str, str]:
         """One try: (the velocity float32 [n, C, H, W], the worker id it claims, the token of the reply subject
         it came on), or the exception of its failure (NATS
@@ -869,7 +883,7 @@ class NatsTransport:
         self.hedging.on_request(expert)
         delay = self.hedging.delay(expert)
         sent = loop.time()
-        token = self._pick(expert)
+        token = self._pick(expert, insist=insist)
         primary = self._start_leg(expert, subject, payload, self.step_timeout, shape, row_ids, token, stream)
         hedge = None
         try:

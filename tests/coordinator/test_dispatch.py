@@ -192,3 +192,15 @@ def test_a_fenced_expert_never_uses_its_queue_group_while_a_worker_is_known():
     p.fence(())
     p.sent(0, "t-a")
     assert p.pick(0, explore=False) is None  # unfenced: at depth means the queue group again
+
+
+def test_an_insisting_pick_takes_a_busy_known_worker_and_never_explores():
+    """A retry after a time-out: a known worker however busy; the queue group only when none is known."""
+    p, _ = policy(depth=1, explore_every=2)
+    assert p.pick(0, insist=True) is None  # nothing known
+    p.seen(0, "a")
+    p.sent(0, "t-a")
+    assert p.pick(0, explore=False) is None  # at depth: the queue group
+    assert [p.pick(0, insist=True) for _ in range(6)] == ["t-a"] * 6  # busy, and every 2nd would explore
+    p.seen(0, "b")
+    assert p.pick(0, insist=True) == "t-b"  # still the shortest queue first

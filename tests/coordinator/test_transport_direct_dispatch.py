@@ -151,10 +151,13 @@ async def test_a_worker_that_stops_mid_run_costs_no_request(nc, workers):
 class Responder:
     """A hand-written worker of `expert` in the queue group, `worker_id` in its replies;
     `direct`: also subscribe its direct subject, where it answers only while `hang` is False
-    (default True: a worker hung on its direct subject)."""
+    (default True: a worker hung on its direct subject); `queue_hang`: it never answers its queue group either."""
 
-    def __init__(self, nc, expert: int, worker_id: str, direct: bool = False, hang: bool = True):
+    def __init__(
+        self, nc, expert: int, worker_id: str, direct: bool = False, hang: bool = True, queue_hang: bool = False
+    ):
         self.nc, self.expert, self.worker_id, self.direct, self.hang = nc, expert, worker_id, direct, hang
+        self.queue_hang = queue_hang
         self.queue_requests = self.direct_requests = 0
         self.subs: list = []
 
@@ -173,7 +176,8 @@ class Responder:
 
     async def _on_queue(self, msg) -> None:
         self.queue_requests += 1
-        await self._answer(msg)
+        if not self.queue_hang:
+            await self._answer(msg)
 
     async def _answer(self, msg) -> None:
         step = unpack(msg.data, StepRequest)
@@ -227,6 +231,30 @@ async def test_a_direct_send_that_times_out_is_retried_elsewhere(nc):
         assert tr.dispatcher.outstanding(45, subjects.worker_token("hung-1")) == 0
     finally:
         await hung.stop()
+
+
+async def test_a_retry_after_a_time_out_goes_to_a_worker_that_answers_not_the_queue_group(nc):
+    """A worker that went silent with its subscriptions still on the bus (as behind a cut route,
+    until nats-server's pings give up on it): the try sent to it directly times out, and the retry
+    goes straight to the other known worker though it is busy (at `depth`), never to the queue
+    group, where NATS would hand it to the silent one half of the time (10 rounds: 2^-10)."""
+    silent = await Responder(nc, 48, "silent-1", direct=True, hang=True, queue_hang=True).start()
+    good = await Responder(nc, 48, "good-1", direct=True, hang=False).start()
+    try:
+        tr = NatsTransport(nc, step_timeout=0.2, retries=2, hedge="off")
+        tr.dispatcher.depth, tr.dispatcher.explore_every = 1, 0
+        good_token = subjects.worker_token("good-1")
+        tr.dispatcher.seen(48, "good-1")
+        tr.dispatcher.sent(48, good_token)  # a request of another cohort in flight there: busy
+        for i in range(10):
+            tr.dispatcher.seen(48, "silent-1")  # it answered before going silent: known, idle
+            x, t, y, ids = _inputs(1, 200 + i)
+            np.testing.assert_array_equal(await tr.velocity(48, x, t, y, ids), -x)
+        assert silent.direct_requests == 10 and silent.queue_requests == 0
+        assert good.direct_requests == 10 and good.queue_requests == 0 and tr.retried == 10
+    finally:
+        await silent.stop()
+        await good.stop()
 
 
 async def test_a_worker_late_on_its_direct_subject_is_hedged_around_and_forgotten(nc):
