@@ -36,8 +36,10 @@ def _is_delete(headers: dict | None) -> bool:
 async def live_keys(js, bucket: str, *, batch: int = BATCH, fetch_timeout: float = FETCH_TIMEOUT_S) -> list[str]:
     """The keys of `bucket` that hold a value (not deleted or purged), each once, in stream order.
 
-    `js` is a nats-py JetStreamContext. Bus errors (nats.errors.Error, OSError) propagate; the
-    consumer made for the listing is deleted (or expires 30 s later if the delete fails)."""
+    `js` is a nats-py JetStreamContext. Bus errors (nats.errors.Error, OSError) propagate, and so does a
+    pull that gets nothing while messages wait (nats.errors.TimeoutError: e.g. a user not allowed to
+    publish `$JS.API.CONSUMER.MSG.NEXT.KV_<bucket>.*`); the consumer made for the listing is deleted
+    (or expires 30 s later if the delete fails)."""
     import nats.errors
     from nats.js import api
 
@@ -66,6 +68,8 @@ async def live_keys(js, bucket: str, *, batch: int = BATCH, fetch_timeout: float
                 try:
                     msgs = await sub.fetch(min(batch, wanted - seen), timeout=fetch_timeout)
                 except nats.errors.TimeoutError:
+                    if (await sub.consumer_info()).num_pending:
+                        raise  # messages wait but none came: a pull not allowed (permissions), a bus fault
                     break  # the rest expired (bucket TTL) after the count
                 for msg in msgs:
                     seen += 1

@@ -92,3 +92,38 @@ async def test_keys_live_before_a_listing_are_all_listed_while_another_client_wr
         await task
         await nc.close()
         await nc2.close()
+
+
+async def test_a_user_not_allowed_to_pull_gets_an_error_not_an_empty_list(tmp_path):
+    """Without publish rights on $JS.API.CONSUMER.MSG.NEXT the pull is dropped by the server: the
+    listing must fail loudly (a coordinator would otherwise see no checkpoints to resume)."""
+    import nats
+    import nats.errors
+
+    conf = f"""
+jetstream {{ store_dir: "{tmp_path / "js"}" }}
+authorization {{
+  users: [
+    {{ user: admin, password: pw }},
+    {{ user: lister, password: pw,
+       permissions: {{ publish: {{ allow: ["$JS.API.>"], deny: ["$JS.API.CONSUMER.MSG.NEXT.>"] }},
+                       subscribe: {{ allow: ["_INBOX.>"] }} }} }}
+  ]
+}}
+"""
+    with NatsServer(extra_config=conf) as srv:
+        admin = await nats.connect(srv.url.replace("nats://", "nats://admin:pw@"))
+        lister = await nats.connect(srv.url.replace("nats://", "nats://lister:pw@"), error_cb=_quiet)
+        try:
+            kv = await admin.jetstream().create_key_value(bucket="perm", history=1)
+            await kv.put("job-1", b"cp")
+            assert await live_keys(admin.jetstream(), "perm") == ["job-1"]
+            with pytest.raises(nats.errors.TimeoutError):
+                await live_keys(lister.jetstream(), "perm", fetch_timeout=0.5)
+        finally:
+            await lister.close()
+            await admin.close()
+
+
+async def _quiet(err) -> None:
+    pass  # the permissions violation, expected
