@@ -9,8 +9,11 @@ are sent as one `DecodeRequest` of their rows together (at most `max_rows`, whol
 reply is split back. Each request goes to the decoders' queue group; a time-out, *no responders*,
 an `overloaded` / `internal` / `deadline_exceeded` reply or an unusable reply is tried again, up to
 `retries` more times (the queue group sends a retry to another decoder, so a decoder killed
-mid-request costs one `timeout`); then `DecoderUnavailable`. A reply that is no
-`DecodeReply` of this autoencoder with one image per latent row counts as a failed try. Nothing
+mid-request costs one `timeout`); then `DecoderUnavailable`. Each request's reply comes on a private
+inbox (`bus.inbox.private_request`: 128 random bits, where nats-py's request inboxes can be predicted
+by a host that sees a few). A reply that is no `DecodeReply` of this autoencoder with one image per
+latent row, in the fleet's image shape (once known) and value range, counts as a failed try
+(`bad_replies`). Nothing
 waits longer than (retries + 1) × (timeout + `NO_RESPONDERS_WAIT_S`).
 
 What its decoders produce (`image_shape` [C, H, W], `image_value_range` [low, high]; None until known) is
@@ -94,6 +97,7 @@ class DecoderClient:
         self._tasks: set[asyncio.Task] = set()
         self.requests = 0  # decode requests sent (tries included)
         self.failures = 0  # tries that failed
+        self.bad_replies = 0  # replies that are no usable DecodeReply for the request (counted in failures too)
         self._failed_at = -float("inf")  # monotonic time of the last DecoderUnavailable
         # what the decoders produce: learned from discovery and replies (None: not known yet)
         self.image_shape: tuple[int, int, int] | None = None
@@ -185,13 +189,15 @@ class DecoderClient:
     async def _request(self, z: np.ndarray) -> np.ndarray:
         import nats.errors
 
+        from bus.inbox import private_request
+
         request_id = secrets.token_hex(8)
         payload = pack(DecodeRequest(decoder=self.content_hash, latents=z, request_id=request_id))
         reason = "no try was made"
         for attempt in range(self.retries + 1):
             self.requests += 1
             try:
-                msg = await self.nc.request(self.subject, payload, timeout=self.timeout)
+                msg = await private_request(self.nc, self.subject, payload, timeout=self.timeout)
             except nats.errors.NoRespondersError:
                 reason = f"no decoder serves {self.subject} (start `ddm-fleet decoder --checkpoint <autoencoder>`)"
                 self.failures += 1
@@ -212,6 +218,8 @@ class DecoderClient:
             except ProtocolError as err:
                 reason = f"decoder answered {err.code.value}: {err.message}"
                 self.failures += 1
+                if err.code == ErrorCode.BAD_REPLY:
+                    self.bad_replies += 1
                 log.warning("decode request %s, try %d: %s", request_id, attempt + 1, reason)
                 if err.code not in RETRY_CODES and err.code != ErrorCode.BAD_REPLY:
                     break  # the request itself is refused: another try would be refused too
@@ -232,9 +240,21 @@ class DecoderClient:
                 ErrorCode.BAD_REPLY,
                 f"{reply.images.shape[0]} images for {rows} latents (shape {list(reply.images.shape)})",
             )
-        images = np.asarray(reply.images, dtype=np.float32)
-        if images.ndim == 4:  # what the decoders produce: the images a client gets
-            self.image_shape = tuple(int(v) for v in images.shape[1:])
+        images = np.asarray(reply.images, dtype=np.float32)  # [B, C, H, W], finite (DecodeReply checks)
+        shape = tuple(int(v) for v in images.shape[1:])
+        if self.image_shape is not None and shape != self.image_shape:
+            raise ProtocolError(
+                ErrorCode.BAD_REPLY, f"images of shape {list(shape)}, but this fleet's are {list(self.image_shape)}"
+            )
+        low, high = self.image_value_range or DEFAULT_IMAGE_VALUE_RANGE
+        slack = 1e-5 * (high - low)  # decoders clip to the range; float32 rounding only
+        if images.size and (float(images.min()) < low - slack or float(images.max()) > high + slack):
+            raise ProtocolError(
+                ErrorCode.BAD_REPLY,
+                f"images in [{float(images.min()):g}, {float(images.max()):g}], outside the range [{low:g}, {high:g}]",
+            )
+        if self.image_shape is None:  # what the decoders produce: the images a client gets
+            self.image_shape = shape
             if self.image_value_range is None:
                 self.image_value_range = DEFAULT_IMAGE_VALUE_RANGE
         return images

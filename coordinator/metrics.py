@@ -281,6 +281,25 @@ class _StoreCollector:
             yield CounterMetricFamily(name, doc, value=int(getattr(self.store, attr, 0)))
 
 
+class _BadRepliesCollector:
+    """Scrape-time view of the `bad_replies` counters of the coordinator's other requesters: the null-label
+    probes (coordinator.null_labels) and a latent fleet's decoder client (coordinator.decoder_client)."""
+
+    def __init__(self, sources: dict):
+        self.sources = sources  # label -> object with `bad_replies`
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "ddm_coordinator_bad_replies",
+            "Replies to the coordinator's own requests that answer another request or not as they should "
+            "(wrong rows, shape or value range, undecodable), by request: null_label_probe, decode.",
+            labels=["request"],
+        )
+        for label, source in sorted(self.sources.items()):
+            family.add_metric([label], int(getattr(source, "bad_replies", 0)))
+        yield family
+
+
 class CoordinatorMetrics:
     """The metrics of one coordinator (one scheduler). `registry` is what /metrics serves."""
 
@@ -357,6 +376,13 @@ class CoordinatorMetrics:
         if getattr(self, "_store_collector", None) is None:
             self._store_collector = _StoreCollector(store)
             self.registry.register(self._store_collector)
+
+    def watch_bad_replies(self, **sources) -> None:
+        """Export each source's `bad_replies` (read at scrape time) as ddm_coordinator_bad_replies_total
+        {request=<name>}, e.g. watch_bad_replies(null_label_probe=probes, decode=decoder). Once."""
+        if getattr(self, "_bad_replies_collector", None) is None:
+            self._bad_replies_collector = _BadRepliesCollector({k: v for k, v in sources.items() if v is not None})
+            self.registry.register(self._bad_replies_collector)
 
     def sample(self, name: str, **labels: str) -> float:
         """The current value of one sample (e.g. "ddm_coordinator_ticks_total"), 0.0 if absent."""

@@ -32,9 +32,9 @@ NULL_LABEL_PROBE_S = 2.0
 NULL_LABEL_UNKNOWN_TTL_S = 5.0
 
 
-def probe_step(expert: int, y: int = 0, image_shape: tuple[int, ...] = (1, 32, 32)) -> bytes:
-    """A packed one-row StepRequest for `expert` (zeros at t = 0, label `y`): asks a worker whether it
-    serves (readiness) or whether it serves that label (the null-label check)."""
+def probe_step(expert: int, y: int = 0, image_shape: tuple[int, ...] = (1, 32, 32), row_id: str = "") -> bytes:
+    """A packed one-row StepRequest for `expert` (zeros at t = 0, label `y`, row id `row_id`): asks a
+    worker whether it serves (readiness) or whether it serves that label (the null-label check)."""
     import numpy as np
 
     from schemas import StepRequest
@@ -45,6 +45,7 @@ def probe_step(expert: int, y: int = 0, image_shape: tuple[int, ...] = (1, 32, 3
             x_t=np.zeros((1, *image_shape), np.float32),
             t=np.zeros(1, np.float32),
             y=np.full(1, y, np.int64),
+            row_ids=[row_id] if row_id else [],
         )
     )
 
@@ -68,6 +69,7 @@ class NullLabelProbes:
         self.transport = transport
         self.timeout = min(step_timeout, NULL_LABEL_PROBE_S)
         self.known: dict[int, tuple[bool | None, str, float]] = {}
+        self.bad_replies = 0  # probe replies that answer another request, or not as a step reply should
 
     async def check(self, request: JobRequest) -> None:
         """Admission of a job with unconditional rows or classifier-free guidance: raise
@@ -131,17 +133,39 @@ class NullLabelProbes:
 
     async def probe(self, expert: int) -> tuple[bool, str] | None:
         """Ask one worker of `expert` for a one-row y = -1 step: (True, "") when it serves it,
-        (False, its message) when it refuses with `bad_request`, None when it cannot tell."""
+        (False, its message) when it refuses with `bad_request`, None when it cannot tell. The reply
+        comes on a private inbox (bus.inbox: 128 random bits, unlike nats-py's request inboxes, which
+        a worker that sees a few can predict); a step reply counts only for this probe's row and shape."""
+        import secrets
+
+        from bus.inbox import private_request
         from schemas import UNCONDITIONAL, StepReply, StepResult
 
-        probe = probe_step(expert, UNCONDITIONAL, self.image_shape)
+        row_id = f"probe-{secrets.token_hex(8)}"
+        probe = probe_step(expert, UNCONDITIONAL, self.image_shape, row_id=row_id)
         try:
-            msg = await self.nc.request(subjects.expert_velocity(expert), probe, timeout=self.timeout)
+            msg = await private_request(self.nc, subjects.expert_velocity(expert), probe, timeout=self.timeout)
+        except Exception:  # no responders, timeout: unknown
+            return None
+        try:
             reply = unpack(msg.data, StepResult)
-        except Exception:  # no responders, timeout, an undecodable reply: unknown
+        except Exception:
+            self._bad(expert, "an undecodable reply")
             return None
         if isinstance(reply, StepReply):
+            shape = tuple(getattr(reply.velocity, "shape", ()))
+            if reply.expert != expert or list(reply.row_ids) != [row_id] or shape != (1, *self.image_shape):
+                self._bad(expert, f"a step reply for expert {reply.expert}, rows {list(reply.row_ids)[:2]}, {shape}")
+                return None
             return True, ""
         if reply.code == ErrorCode.BAD_REQUEST:
             return False, reply.message
         return None
+
+    def _bad(self, expert: int, what: str) -> None:
+        import logging
+
+        self.bad_replies += 1
+        logging.getLogger(__name__).warning(
+            "expert %d: the null-label probe got %s: ignored (expert asked again later)", expert, what
+        )

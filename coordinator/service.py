@@ -285,6 +285,7 @@ class Coordinator:
                 self.metrics.watch_transport(self.transport)
             if self.store is not None:
                 self.metrics.watch_store(self.store)
+            self.metrics.watch_bad_replies(null_label_probe=self.null_labels, decode=self.decoder)
             await self.endpoint.start(self.metrics)
         except Exception:
             if self._own_nc:

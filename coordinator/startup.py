@@ -52,13 +52,15 @@ async def wait_for_experts(nc, num_experts: int, timeout: float = 30.0) -> None:
     """Block until every expert subject has at least one responder (or raise TimeoutError)."""
     import nats.errors
 
+    from bus.inbox import private_request
+
     probe = {k: probe_step(k) for k in range(num_experts)}
     deadline = time.monotonic() + timeout
     missing = set(range(num_experts))
     while missing:
         for k in sorted(missing):
             try:
-                await nc.request(subjects.expert_velocity(k), probe[k], timeout=max(1.0, min(10.0, timeout)))
+                await private_request(nc, subjects.expert_velocity(k), probe[k], timeout=max(1.0, min(10.0, timeout)))
                 missing.discard(k)
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 pass
