@@ -30,8 +30,15 @@ Job ids are per client namespace: two clients may both run a job "abc" (each see
 events); a cancel or status request in a namespace `<c>` that does not own the job is answered
 exactly as for an unknown job (same reply, same delay) and never acted on.
 Rate limits (`CoordinatorConfig.submit_rate` / `status_rate`, per client `<c>`, token buckets of
-2 s worth): a submit over the limit is answered JobRejected(rate_limited), a status request
-ErrorReply(rate_limited), before the request is decoded.
+2 s worth): a submit over the limit is answered JobRejected(rate_limited), a job status request
+ErrorReply(rate_limited), a cancel CancelReply(cancelled=False, reason "rate_limited: …"), before
+the request is decoded; job status and cancel requests have a bucket each, of `status_rate`. Fleet
+status requests are limited to `status_rate` per requester too, the requester named by its reply
+inbox (`_INBOX_<c>.…`: client `<c>`; every `_INBOX.…` of an open bus shares one bucket); over it:
+ErrorReply(rate_limited). The cancel, job status and fleet status subscriptions hold at most
+INTAKE_PENDING_MSGS requests not yet handled (nats-py drops the rest, a slow-consumer warning), so
+a flood costs the coordinator bounded work per request and a bounded backlog, and it keeps
+stepping its jobs.
 Replies go only to reply subjects under `_INBOX` (`_INBOX.…`, or `_INBOX_<c>.…` for a request
 in `<c>`'s namespace); a request with any other reply subject is dropped (rate-limited log line).
 A cancel / status request whose `<id>` token is not a job id (over 64 characters, or outside
@@ -86,6 +93,13 @@ log = logging.getLogger(__name__)
 
 #: Seconds a coordinator that does not own a job waits before answering cancel / status with
 #: "unknown", so that the owner (if another coordinator runs it) answers first.
+#: Seconds a packed `rate_limited` reply is sent again to the same client's requests of one kind.
+LIMITED_REPLY_REUSE_S = 0.1
+#: Packed `rate_limited` replies kept (a flood from many client names clears them, no more).
+MAX_LIMITED_REPLIES = 1024
+#: Requests a cancel, job status or fleet status subscription holds before nats-py drops new ones
+#: (a flood of them must not queue minutes of work ahead of the coordinator's other tasks).
+INTAKE_PENDING_MSGS = 4096
 NOT_MINE_DELAY = 0.25
 #: Most delayed "unknown" answers pending at once; beyond it they are sent at once (a flood of
 #: probes must not grow the task set without bound).
@@ -159,6 +173,9 @@ class Intake:
         cfg = coordinator.settings
         self._submits = TokenBuckets(cfg.submit_rate, max(1.0, 2 * cfg.submit_rate)) if cfg.submit_rate else None
         self._statuses = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
+        self._limited_replies: dict[tuple[str, str], tuple[float, bytes]] = {}
+        self._cancels = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
+        self._fleet_statuses = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
         self._republishes = TokenBuckets(REPUBLISH_RATE, 2 * REPUBLISH_RATE)
         self._republished_at: OrderedDict[tuple[str, str], float] = OrderedDict()
         # submits being handled (awaiting the null-label probe): (client, job id) -> cancelled meanwhile
@@ -238,6 +255,24 @@ class Intake:
             f"too many {what} from client {client!r} (limit {rate:g} per second, bursts of {max(1, 2 * rate):g}); "
             f"retry in {max(wait, 0.01):.2f} s"
         )
+
+    async def _answer_limited(self, msg, kind: str, client: str, wait: float, build) -> None:
+        """Answer a request over its rate with `build(wait)`'s message, packed once per (kind, client)
+        and reused for LIMITED_REPLY_REUSE_S: a flood's replies cost a publish each, not a message
+        built, validated and packed each (its "retry in" then reads up to that much too long)."""
+        if not msg.reply:
+            return
+        now = time.monotonic()
+        cached = self._limited_replies.get((kind, client))
+        if cached is None or cached[0] <= now:
+            if len(self._limited_replies) >= MAX_LIMITED_REPLIES:
+                self._limited_replies.clear()
+            cached = (now + LIMITED_REPLY_REUSE_S, pack(build(wait + LIMITED_REPLY_REUSE_S)))
+            self._limited_replies[(kind, client)] = cached
+        try:
+            await msg.respond(cached[1])
+        except Exception:
+            log.exception("reply failed")
 
     def _submits_waiting(self) -> bool:
         """True while a submit is being handled here or waits in the submit subscription's queue: a
@@ -375,6 +410,17 @@ class Intake:
             await self._not_a_job_id(msg, "cancel")
             return
         client, job_id = parsed.client, parsed.job_id
+        wait = self._over_rate(self._cancels, client, "cancel")
+        if wait:
+            rate = self.coord.settings.status_rate
+
+            def limited(w, job_id=job_id):
+                reason = f"rate_limited: {self._too_fast('cancel requests', client, rate, w)}"
+                return CancelReply(job_id=job_id, cancelled=False, reason=reason)
+
+            if msg.reply:  # a reply names its job: built each time (still no body read, nothing done)
+                await self._reply(msg, limited(wait))
+            return
         if msg.data:
             try:
                 req = unpack(msg.data, CancelRequest)
@@ -415,8 +461,16 @@ class Intake:
         coord = self.coord
         wait = self._over_rate(self._statuses, client, "status")
         if wait:
-            message = self._too_fast("job status requests", client, coord.settings.status_rate, wait)
-            await self._reply(msg, ErrorReply(code=ErrorCode.RATE_LIMITED, message=message))
+            rate = coord.settings.status_rate
+            await self._answer_limited(
+                msg,
+                "status",
+                client,
+                wait,
+                lambda w: ErrorReply(
+                    code=ErrorCode.RATE_LIMITED, message=self._too_fast("job status requests", client, rate, w)
+                ),
+            )
             return
         await coord.jobs_restored.wait()  # a job being resumed at start is not "unknown"
         if coord.durable_jobs is not None and coord.durable_jobs.is_fenced(client, job_id):
@@ -452,6 +506,20 @@ class Intake:
 
     async def on_status(self, msg) -> None:
         if not self._may_reply(msg):
+            return
+        requester = subjects.inbox_owner(msg.reply) or ""
+        wait = self._over_rate(self._fleet_statuses, requester, "fleet_status")
+        if wait:
+            who, rate = requester or "(open bus inboxes)", self.coord.settings.status_rate
+            await self._answer_limited(
+                msg,
+                "fleet_status",
+                requester,
+                wait,
+                lambda w: ErrorReply(
+                    code=ErrorCode.RATE_LIMITED, message=self._too_fast("fleet status requests", who, rate, w)
+                ),
+            )
             return
         try:
             spec, images = status_options(msg.data)

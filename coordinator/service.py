@@ -63,7 +63,13 @@ from .durable import CheckpointingScheduler, JobStore
 from .durable_jobs import DurableJobs
 from .engine import Engine, RouterLike, Transport
 from .fleet_spec import check_fleet_spec
-from .intake import MAX_DELAYED_REPLIES, NOT_MINE_DELAY, UNKNOWN_JOB, Intake  # noqa: F401 (re-exported)
+from .intake import (  # noqa: F401 (re-exported)
+    INTAKE_PENDING_MSGS,
+    MAX_DELAYED_REPLIES,
+    NOT_MINE_DELAY,
+    UNKNOWN_JOB,
+    Intake,
+)
 from .ledger import JobLedger
 from .metrics_endpoint import MetricsEndpoint
 from .null_labels import NULL_LABEL_PROBE_S, NULL_LABEL_TTL_S, NULL_LABEL_UNKNOWN_TTL_S, NullLabelProbes, probe_step  # noqa: F401
@@ -294,9 +300,13 @@ class Coordinator:
         intake = self.intake
         self._subs = [
             await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=intake.on_submit),
-            await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=intake.on_cancel),
-            await self.nc.subscribe(subjects.ALL_JOB_STATUS, cb=intake.on_job_status),
-            await self.nc.subscribe(subjects.FLEET_STATUS, cb=intake.on_status),
+            await self.nc.subscribe(
+                subjects.ALL_JOB_CANCELS, cb=intake.on_cancel, pending_msgs_limit=INTAKE_PENDING_MSGS
+            ),
+            await self.nc.subscribe(
+                subjects.ALL_JOB_STATUS, cb=intake.on_job_status, pending_msgs_limit=INTAKE_PENDING_MSGS
+            ),
+            await self.nc.subscribe(subjects.FLEET_STATUS, cb=intake.on_status, pending_msgs_limit=INTAKE_PENDING_MSGS),
         ]
         intake.submit_sub = self._subs[0]  # its backlog tells whether a cancel may overtake a submit
         # nats-py writes a flush's PING straight to the socket, possibly ahead of SUBs still in its

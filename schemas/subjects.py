@@ -206,6 +206,15 @@ def inbox_prefix(client: str) -> str:
     return f"{INBOX}_{check_client(client)}"
 
 
+def inbox_owner(reply: str) -> str | None:
+    """The client whose inbox `reply` is (`_INBOX_<client>.…` -> "<client>"); None for `_INBOX.…`
+    (an open bus's shared prefix) and anything else."""
+    if not is_reply_inbox(reply):
+        return None
+    head = reply.partition(".")[0]
+    return head[len(INBOX) + 1 :] if head != INBOX else None
+
+
 def is_reply_inbox(reply: str, client: str | None = None) -> bool:
     """True if `reply` is a reply subject we may answer: `_INBOX.<…>` or `_INBOX_<token>.<…>`;
     with `client`, a client-specific inbox must be that client's (`_INBOX_<client>.<…>`)."""

@@ -303,3 +303,85 @@ async def test_a_rate_limited_status_probe_keeps_the_job_waiting(nats_url, nc, t
             assert coord.metrics.sample("ddm_coordinator_requests_rate_limited_total", kind="status") >= 1
     finally:
         await _stop(ws)
+
+
+_FLOODER = """
+import asyncio, json, sys, time
+import nats
+
+async def main(url, n):
+    nc = await nats.connect(url, name="flooder", inbox_prefix="_INBOX_flood")
+    replies = {"cancel": 0, "status": 0, "fleet": 0}
+    limited = dict(replies)
+
+    def counter(kind):
+        async def on_reply(msg):
+            replies[kind] += 1
+            limited[kind] += b"rate_limited" in msg.data
+        return on_reply
+
+    for kind in replies:
+        await nc.subscribe(f"_INBOX_flood.{kind}", cb=counter(kind))
+    await nc.flush()
+    t0 = time.monotonic()
+    for i in range(n):
+        await nc.publish(f"ddm.v1.c.flood.jobs.j{i}.cancel", b"", reply="_INBOX_flood.cancel")
+        await nc.publish(f"ddm.v1.c.flood.jobs.j{i}.status", b"", reply="_INBOX_flood.status")
+        await nc.publish("ddm.v1.fleet.status", b'{"spec": true}', reply="_INBOX_flood.fleet")
+    await nc.flush()
+    took = time.monotonic() - t0
+    end = time.monotonic() + 20
+    while sum(replies.values()) < 3 * n and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    print(json.dumps({"published_s": took, "replies": replies, "limited": limited}))
+    await nc.close()
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def test_a_flood_of_cancels_and_status_requests_is_rate_limited_and_jobs_keep_stepping(
+    nats_url, nc, tiny_experts
+):
+    """Another process floods the coordinator as one client: 6,000 cancels of unknown jobs, 6,000 job
+    status requests and 6,000 fleet status requests (with the spec), as fast as it can publish, while
+    another client's job runs. Each kind is answered `rate_limited` past the flooder's budget (50/s,
+    bursts of 100), the other client's job keeps stepping (no gap of seconds between its frames) and
+    ends, and its own status request is answered meanwhile."""
+    import json
+    import sys
+
+    ws = await _sim_workers(nats_url, tiny_experts, batch_ms=20.0)
+    try:
+        async with _coordinator(nats_url) as coord:
+            frames: list[float] = []
+
+            def on_event(ev):
+                frames.append(time.monotonic())
+
+            job = asyncio.ensure_future(
+                run_job(nc, JobRequest(job_id="calm", digits=[1, 2], steps=200, seed=5), on_event, client="calm")
+            )
+            await wait_until(lambda: len(frames) >= 5, timeout=30, what="the calm job's first frames")
+            t0 = time.monotonic()
+            flooder = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _FLOODER, nats_url, "6000", stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await asyncio.wait_for(flooder.communicate(), 60)
+            got = json.loads(out)
+            st = await _request(nc, subjects.job_status("calm", "calm"), b"", JobStatus)
+            assert st.state in ("running", "done")
+            done = await asyncio.wait_for(job, 120)
+            assert done.images.shape[0] == 2
+            during = [b - a for a, b in zip(frames, frames[1:]) if b > t0]
+            limited = got["limited"]
+            print(
+                f"\nflood of 18,000 requests published in {got['published_s']:.2f} s; the calm job's longest frame "
+                f"gap since {max(during):.3f} s; replies {got['replies']}, rate_limited {limited}"
+            )
+            assert all(limited[k] > 0 for k in limited), limited
+            for kind, name in (("cancel", "cancel"), ("status", "status"), ("fleet", "fleet_status")):
+                assert coord.metrics.sample("ddm_coordinator_requests_rate_limited_total", kind=name) >= limited[kind]
+            assert max(during) < 3.0, max(during)
+    finally:
+        await _stop(ws)
