@@ -1,17 +1,20 @@
 """The fleet's model spec, checked at the coordinator's start.
 
-The coordinator reads the spec of its router checkpoint, asks every expert worker on the bus for its
-spec (`$SRV.INFO.ddm-expert`: the `spec` key of the service metadata, compact JSON; workers of
-releases before specs advertise `input_shape` / `num_classes` instead, from which the spec is
-implied), and refuses to start when any member disagrees on what the fleet produces (sample shape,
-value range, space, prediction, time convention, classes), naming the worker that differs.
+The coordinator reads the spec of its router checkpoint, which is the fleet's, and asks every expert
+worker on the bus for its spec (`$SRV.INFO.ddm-expert`: the `spec` key of the service metadata,
+compact JSON; workers of releases before specs advertise `input_shape` / `num_classes` instead, from
+which the spec is implied). A worker that disagrees on what the fleet produces (sample shape, value
+range, space, prediction, time convention, classes), or whose spec does not read, is named in an
+error line and not used; it is never a reason not to start (one odd host, or one that lies, must
+not stop the service).
 
-    spec = await check_fleet_spec(nc, router_spec, num_experts=2)   # raises FleetSpecError
+    spec, odd = await check_fleet_spec(nc, router_spec)   # odd: {worker name: what differs}
 
 Workers that start later are checked as the coordinator discovers them (`check_worker`, called by
 the transport's periodic `$SRV.INFO` discovery, coordinator/transport.py): a worker whose spec differs
 is rejected (never addressed directly, its replies refused), logged by name and counted; the
-coordinator keeps serving with the matching workers.
+coordinator keeps serving with the matching workers. The workers found odd at the start are rejected
+the same way before the coordinator serves its first job.
 """
 
 from __future__ import annotations
@@ -27,10 +30,6 @@ log = logging.getLogger(__name__)
 
 #: The NATS micro service name every expert worker registers (workers.service.SERVICE_NAME).
 EXPERT_SERVICE = "ddm-expert"
-
-
-class FleetSpecError(SpecError):
-    """The fleet's members disagree on their model spec (the message names each odd one)."""
 
 
 def worker_spec(metadata: dict) -> ModelSpec:
@@ -80,33 +79,39 @@ async def discover_worker_specs(nc, *, window_s: float = 0.5) -> dict[str, Model
     return out
 
 
-def check_specs(router_spec: ModelSpec, workers: dict[str, ModelSpec | SpecError]) -> ModelSpec:
-    """The fleet's spec: the router's, checked against every worker's (pure; see module docstring).
-    Raises FleetSpecError naming every worker that differs or advertises an unreadable spec."""
-    bad = [f"{name}: {err}" for name, err in workers.items() if isinstance(err, SpecError)]
-    specs: dict[str, ModelSpec] = {"router": router_spec}
-    specs.update({n: s for n, s in workers.items() if isinstance(s, ModelSpec)})
-    try:
-        spec = fleet_spec(specs)
-    except SpecError as err:
-        bad.append(str(err))
-    if bad:
-        raise FleetSpecError("refusing to serve a fleet whose models disagree: " + " | ".join(bad))
-    return spec
+def check_specs(router_spec: ModelSpec, workers: dict[str, ModelSpec | SpecError]) -> tuple[ModelSpec, dict[str, str]]:
+    """(the fleet's spec: the router's, completed from the agreeing workers (class names); {worker name:
+    what differs} for every worker that differs or advertises an unreadable spec). Pure."""
+    odd: dict[str, str] = {}
+    agree: dict[str, ModelSpec] = {"router": router_spec}
+    for name, spec in workers.items():
+        if isinstance(spec, SpecError):
+            odd[name] = f"unreadable spec: {spec}"
+            continue
+        diff = router_spec.differences(spec)
+        if diff:
+            odd[name] = "; ".join(diff)
+        else:
+            agree[name] = spec
+    return fleet_spec(agree), odd
 
 
-async def check_fleet_spec(nc, router_spec: ModelSpec, *, window_s: float = 0.5) -> ModelSpec:
-    """Discover the workers on the bus and return the fleet's spec (raises FleetSpecError)."""
+async def check_fleet_spec(nc, router_spec: ModelSpec, *, window_s: float = 0.5) -> tuple[ModelSpec, dict[str, str]]:
+    """Discover the workers on the bus: (the fleet's spec, {odd worker's name: what differs}); logs each
+    odd worker as an error (it is not used) and the count of those that agree."""
     workers = await discover_worker_specs(nc, window_s=window_s)
-    spec = check_specs(router_spec, workers)
+    spec, odd = check_specs(router_spec, workers)
+    for name, why in odd.items():
+        log.error("not using %s: its model spec differs from the fleet's (%s)", name, why)
     log.info(
-        "fleet spec: %s, %s, %d classes; %d worker(s) agree",
+        "fleet spec: %s, %s, %d classes; %d worker(s) agree%s",
         list(spec.sample_shape),
         spec.space,
         spec.num_classes,
-        len(workers),
+        len(workers) - len(odd),
+        f", {len(odd)} differ (not used)" if odd else "",
     )
-    return spec
+    return spec, odd
 
 
 @dataclass(frozen=True)

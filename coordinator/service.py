@@ -220,9 +220,10 @@ class Coordinator:
         if self.nc is None:
             self.nc = await connect(self.nats_url, name=self.name, reconnect="forever", pending_size=64 * 1024 * 1024)
             self.null_labels.nc = self.nc
-        if self.check_spec:  # refuse a fleet whose workers disagree with the router on the model spec
+        odd: dict[str, str] = {}
+        if self.check_spec:  # the router's spec is the fleet's: workers that differ are named and not used
             try:
-                self.spec = await check_fleet_spec(self.nc, self.spec)
+                self.spec, odd = await check_fleet_spec(self.nc, self.spec)
             except Exception:
                 if self._own_nc:
                     await self.nc.close()
@@ -317,13 +318,15 @@ class Coordinator:
         if self.durable_jobs is not None:  # status/cancel wait for this: a job of the previous run is never "unknown"
             await self.durable_jobs.start(self.engine)
         self.jobs_restored.set()
+        if self.check_spec and hasattr(self.transport, "refresh_workers"):
+            self.transport.fleet_spec = self.spec
+            if odd:  # rejected by name before the first expert call: their experts use the matching workers
+                await self.transport.refresh_workers()
         self._task = asyncio.create_task(self.engine.run(), name="coordinator-engine")
         self._task.add_done_callback(self._engine_ended)
         if (self.check_spec or cfg.run_ahead) and hasattr(self.transport, "refresh_workers"):
             # workers that join later are checked as they are discovered (coordinator/fleet_spec.py), and
             # what each expert's workers can run ahead is learned (coordinator/run_ahead.py)
-            if self.check_spec:
-                self.transport.fleet_spec = self.spec
             self._worker_watch = asyncio.create_task(self._watch_workers(), name="coordinator-worker-specs")
         log.info(
             "coordinator up: %d experts, max %d rows, %d queued jobs",

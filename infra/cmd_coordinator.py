@@ -74,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
         from bus.connect import connect, drain_or_close
         from bus.exit_watch import watch_exit
         from coordinator.durable import JetStreamUnavailable
-        from coordinator.fleet_spec import FleetSpecError
         from coordinator.service import (
             Coordinator,
             EngineDied,
@@ -101,9 +100,6 @@ def run(args: argparse.Namespace) -> int:
                     router, config, num_experts=k, class_to_expert=c2e, nc=nc, spec=spec, fleet_guidance=fleet_guidance
                 )
                 await coordinator.__aenter__()
-            except FleetSpecError as err:
-                print(f"ddm-fleet coordinator: {err}", file=sys.stderr, flush=True)
-                return 2
             except JetStreamUnavailable as err:
                 print(
                     f"ddm-fleet coordinator: --durable needs NATS JetStream on {redacted(config.nats)}: {err}",
