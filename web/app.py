@@ -83,7 +83,9 @@ class WebConfig:
     client (default none: the peer is the client). max_messages_per_second: per socket.
     max_queued_messages: unsent control messages per socket before it is closed as not reading.
     preview_every: on a latent fleet (spec `space: latent`), jobs ask the coordinator for decoded preview
-    frames every this many steps (and the last), which the page draws instead of latents."""
+    frames every this many steps (and the last), which the page draws instead of latents.
+    heartbeat_s: the server pings each socket this often; one that does not answer within half of it
+    is dropped (its connection aborted: nothing left to send to a client that stopped reading)."""
 
     nats_url: str = "nats://127.0.0.1:4222"
     fleet_interval: float = 2.0
@@ -99,11 +101,12 @@ class WebConfig:
     max_queued_messages: int = MAX_QUEUED_MESSAGES
     trusted_proxies: tuple[str, ...] = ()
     preview_every: int = DEFAULT_PREVIEW_EVERY
+    heartbeat_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise ValueError(f"nats_url {self.nats_url!r} must start with nats://, tls://, ws:// or wss://")
-        for name in ("fleet_interval", "discovery_window", "submit_timeout"):
+        for name in ("fleet_interval", "discovery_window", "submit_timeout", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_jobs_per_socket < 1:
@@ -344,7 +347,9 @@ def _abort(request: web.Request) -> None:
 
 async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketResponse:
     app = request.app
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,))
+    ws = web.WebSocketResponse(
+        heartbeat=cfg.heartbeat_s, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,)
+    )
     await ws.prepare(request)
 
     async def close_socket(code: int, reason: str) -> None:
@@ -414,5 +419,9 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
             sender.cancel()
         if session.closer is not None:  # closed as not reading: its connection is gone before its slot is freed
             await asyncio.wait([session.closer], timeout=CLOSE_TIMEOUT_S + 1)
+        if ws.close_code == WSCloseCode.ABNORMAL_CLOSURE or ws.exception() is not None:
+            # dropped without a closing handshake (no PONG in time, a broken frame, the peer gone): aiohttp
+            # only close()s the transport, which waits for ever to flush to a peer that stopped reading
+            _abort(request)
         app[SOCKETS].pop(ws, None)
     return ws

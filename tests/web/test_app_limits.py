@@ -255,6 +255,34 @@ async def test_sockets_closed_for_not_reading_are_aborted_and_free_their_address
             sock.close()
 
 
+async def test_a_socket_dropped_for_no_pong_is_aborted_not_left_flushing(aiohttp_client, nats_url):
+    """A client that stops reading and answering pings, with the server's answers backed up behind full
+    kernel buffers: the heartbeat drops it, and its connection is aborted, not close()d (a close waits
+    for ever to flush to a peer that does not read: one address held 40 connections past its limit of
+    16 that way, with their send buffers)."""
+    app, client = await viewer(
+        aiohttp_client, nats_url, max_messages_per_second=1e9, max_queued_messages=10**6, heartbeat_s=1.0
+    )
+    port = client.port
+    loop = asyncio.get_running_loop()
+    fields = ", ".join(f'"f{i:02d}{"x" * 37}": 1' for i in range(8))
+    junk = _frame('{"type": "generate", %s}' % fields) * 10
+    sock = await raw_socket_that_never_reads(port)
+    try:
+        await wait_until(lambda: len(app[SESSIONS]) == 1, timeout=10, what="the socket's session")
+        session = next(iter(app[SESSIONS]))
+        while session.outbox.queued_messages < 100 and app[SESSIONS]:  # the sender is stuck on full buffers
+            try:
+                await asyncio.wait_for(loop.sock_sendall(sock, junk), 0.5)
+                await asyncio.sleep(0.002)
+            except (TimeoutError, ConnectionError):
+                break
+        await wait_until(lambda: not app[PER_CLIENT], timeout=15, what="the heartbeat to drop the socket")
+        await wait_until(lambda: established_from(port) == 0, timeout=5, what="its connection aborted")
+    finally:
+        sock.close()
+
+
 async def test_clients_that_never_read_do_not_hold_up_the_shutdown(nats_url):
     """Every socket is closed at once at shutdown, each within CLOSE_TIMEOUT_S: clients that never read
     a byte, whose connections are full (the close frame cannot even be written), cost one close
