@@ -8,6 +8,11 @@ Layout of DIR, decided by what it holds:
 
 Hidden files and folders (a leading dot) are ignored. Every other file is opened with Pillow and
 fully decoded; one that is not an image or is corrupt is skipped with its reason, never a crash.
+Also skipped, each named in the report: anything that is not a regular file or a folder (a FIFO, a
+socket, a device: never opened), a link whose target lies outside DIR (file or folder: what DIR
+holds is what is prepared), a link to a folder inside DIR (its images are already there or it
+loops), and an image larger than MAX_IMAGE_PIXELS by its header (refused before it is decoded: a
+small file can claim 13000 x 13000 16-bit pixels, gigabytes once decoded with several workers).
 Each image: EXIF orientation applied; 16-bit grey scaled to 8 bits; palette images expanded;
 transparency (RGBA, LA, palette with a transparent colour) composited on a ``background``
 (white by default, or black); converted to grey (``L``, ITU-R 601 luma) or RGB; then its centred
@@ -23,6 +28,7 @@ mtime: a second prepare with the same files and options does nothing.
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +38,9 @@ from dataset.mnist import resolve_data_dir
 from dataset.prepared import PreparedDataError, PrepareResult, inputs_key, up_to_date, write_prepared
 
 BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
+#: Largest image accepted (width x height, read from its header before decoding): 64 megapixels, e.g.
+#: 8000 x 8000, about 0.5 GB decoded as 16-bit grey into float32 (`_to_mode`), per worker thread.
+MAX_IMAGE_PIXELS = 64_000_000
 
 
 class ImageError(ValueError):
@@ -54,21 +63,53 @@ def scan_folder(root: str | os.PathLike) -> tuple[list[str], list[tuple[str, int
         raise PreparedDataError(
             f"{root}: no such directory (give --images a folder of images, or of one subfolder per class)"
         )
-    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
-    class_dirs = [p for p in entries if p.is_dir()]
-    files: list[tuple[str, int]] = []
+    real_root = root.resolve()
     stray: list[tuple[str, str]] = []
+
+    def kind(p: Path) -> str | None:
+        """ "file", "dir", or None (skipped, with its reason in `stray`) for an entry of DIR."""
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            try:
+                target = p.resolve(strict=True)
+            except (OSError, RuntimeError):
+                stray.append((rel, "a broken link"))
+                return None
+            if not target.is_relative_to(real_root):
+                stray.append((rel, "a link to outside the folder"))
+                return None
+            if target.is_dir():
+                stray.append((rel, "a link to a folder (not followed)"))
+                return None
+        if p.is_dir():
+            return "dir"
+        if p.is_file():
+            return "file"
+        stray.append((rel, "not a regular file"))
+        return None
+
+    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    kinds = {p: kind(p) for p in entries}
+    class_dirs = [p for p in entries if kinds[p] == "dir"]
+    files: list[tuple[str, int]] = []
     if class_dirs:
         class_names = [p.name for p in class_dirs]
         for label, cdir in enumerate(class_dirs):
-            for p in sorted(cdir.rglob("*")):
-                rel = p.relative_to(root)
-                if p.is_file() and not _hidden(p.relative_to(cdir)):
-                    files.append((rel.as_posix(), label))
-        stray = [(p.name, "not in a class subfolder") for p in entries if p.is_file()]
+            for folder, dirs, names in os.walk(cdir):  # links to folders are not followed (reported above)
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                here = Path(folder)
+                for d in list(dirs):
+                    if kind(here / d) is None:
+                        dirs.remove(d)
+                for n in sorted(names):
+                    if not n.startswith(".") and kind(here / n) == "file":
+                        files.append(((here / n).relative_to(root).as_posix(), label))
+        stray += [(p.name, "not in a class subfolder") for p in entries if kinds[p] == "file"]
     else:
         class_names = []
-        files = [(p.name, -1) for p in entries if p.is_file()]
+        files = [(p.name, -1) for p in entries if kinds[p] == "file"]
+    files.sort(key=lambda f: Path(f[0]).parts)  # the order of sorted(Path.rglob): splits stay as they were
+    stray.sort()
     return class_names, files, stray
 
 
@@ -77,7 +118,7 @@ def _to_mode(im, channels: int, background: tuple[int, int, int]):
     from PIL import Image
 
     if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I") or im.mode == "F":
-        a = np.asarray(im, dtype=np.float64)
+        a = np.asarray(im, dtype=np.float32)
         if im.mode == "F":
             a = a * 255.0 if a.size and float(np.nanmax(a)) <= 1.0 else a
         elif im.mode != "I" or (a.size and float(a.max()) > 255):
@@ -103,7 +144,13 @@ def load_image(path: str | os.PathLike, size: int, channels: int, background: st
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with Image.open(path) as im:
+        with warnings.catch_warnings():  # Pillow warns of sizes past its own bound; ours is lower, checked below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(path)
+        with im:
+            w, h = im.size  # from the header: nothing decoded yet
+            if w * h > MAX_IMAGE_PIXELS:
+                raise ImageError(f"too large: {w} x {h} pixels (limit {MAX_IMAGE_PIXELS / 1e6:g} megapixels)")
             im.load()  # decode all of it now: a truncated file fails here, not later
             im = ImageOps.exif_transpose(im)
             im = _to_mode(im, channels, BACKGROUNDS[background])

@@ -364,3 +364,51 @@ def test_resolve_data_dir_takes_the_given_dir_else_the_default(monkeypatch, tmp_
     assert B.default_out("colour-mnist", None) == tmp_path / "env" / "colour-mnist"
     monkeypatch.delenv("DDM_DATA_DIR")
     assert D.resolve_data_dir(None) == Path("data")
+
+
+def _png_header_only(path: Path, width: int, height: int) -> None:
+    """A PNG that claims width x height 16-bit grey pixels and holds none (a few dozen bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b""))
+
+
+def test_huge_images_links_out_and_fifos_are_skipped_and_reported(tmp_path):
+    """What `data prepare --images` refuses, each named in the skip report and none opened: an image
+    whose header claims more than MAX_IMAGE_PIXELS (13000 x 13000 16-bit: before, it was decoded, 9 GB
+    with two workers), a file and a class folder linked from outside the folder, a link to a folder
+    inside it, a FIFO (opening it would block). Links to files inside the folder are used."""
+    outside = tmp_path / "outside"
+    (outside / "secret").mkdir(parents=True)
+    Image.new("L", (8, 8), 200).save(outside / "secret" / "x.png")
+    Image.new("L", (8, 8), 100).save(outside / "loose.png")
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    Image.new("L", (8, 8), 50).save(root / "a" / "ok.png")
+    Image.new("L", (8, 8), 60).save(root / "b" / "ok.png")
+    _png_header_only(root / "a" / "huge.png", 13000, 13000)
+    os.symlink(outside / "loose.png", root / "a" / "linked-out.png")
+    os.symlink(root / "a" / "ok.png", root / "b" / "linked-in.png")
+    os.symlink(outside / "secret", root / "c")  # a class folder from outside
+    os.symlink(root / "a", root / "b" / "sub")  # a folder inside, linked again
+    os.mkfifo(root / "a" / "pipe.png")
+    classes, files, stray = F.scan_folder(root)
+    assert classes == ["a", "b"]
+    assert [f for f, _ in files] == ["a/huge.png", "a/ok.png", "b/linked-in.png", "b/ok.png"]
+    assert dict(stray) == {
+        "a/linked-out.png": "a link to outside the folder",
+        "a/pipe.png": "not a regular file",
+        "b/sub": "a link to a folder (not followed)",
+        "c": "a link to outside the folder",
+    }
+    result = F.prepare_image_folder(root, tmp_path / "out", size=8, channels=1, val_fraction=0.0, progress=False)
+    skipped = dict(result.skipped)
+    assert skipped["a/huge.png"].startswith("too large: 13000 x 13000 pixels")
+    assert set(skipped) == {"a/huge.png", "a/linked-out.png", "a/pipe.png", "b/sub", "c"}
+    assert result.manifest["splits"]["train"]["count"] == 3
