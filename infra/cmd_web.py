@@ -101,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "IPv6 address by its /64; behind a reverse proxy all share its address unless --trusted-proxy names it)",
     )
     parser.add_argument(
+        "--max-jobs-per-client",
+        type=int,
+        default=16,
+        metavar="N",
+        help="unfinished jobs per client IP address over all its tabs (default 16; the same address key as "
+        "--max-sockets-per-client); each address's jobs also share the coordinator's rows fairly with others'",
+    )
+    parser.add_argument(
         "--trusted-proxy",
         action="append",
         default=[],
@@ -143,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             allow_hosts=tuple(args.allow_host),
             token=token,
             max_sockets_per_client=args.max_sockets_per_client,
+            max_jobs_per_client=args.max_jobs_per_client,
             trusted_proxies=tuple(args.trusted_proxy),
             max_messages_per_second=args.max_messages_per_second,
             preview_every=args.preview_every,

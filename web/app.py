@@ -19,7 +19,9 @@ shutdown, which cancels their unfinished jobs.
 Who may use it (web/guard.py): every request's Host and Origin are checked (421 / 403 otherwise),
 every response carries CSP and frame headers, the websocket and /api/* need the token when one is
 configured. Per client (its address, or behind `trusted_proxies` the X-Forwarded-For hop they name:
-web/guard.py `client_key`) at most `max_sockets_per_client` sockets (429 otherwise); per socket at
+web/guard.py `client_key`) at most `max_sockets_per_client` sockets (429 otherwise) and
+`max_jobs_per_client` unfinished jobs over them all (`overloaded` otherwise), its jobs tagged with a
+session of its own (the coordinator shares rows fairly between sessions); per socket at
 most `max_messages_per_second` messages (the socket is closed with 1008 beyond a burst of
 `2 x` that) and `max_queued_messages` unsent control messages (closed with 1008: not reading).
 """
@@ -84,6 +86,9 @@ class WebConfig:
     max_queued_messages: unsent control messages per socket before it is closed as not reading.
     preview_every: on a latent fleet (spec `space: latent`), jobs ask the coordinator for decoded preview
     frames every this many steps (and the last), which the page draws instead of latents.
+    max_jobs_per_client: unfinished jobs per client (the same key as max_sockets_per_client) over all its
+    sockets; each client's jobs also carry a session tag of their own, so the coordinator shares the
+    viewer's quota fairly between them (web/session.py `user_session_tag`).
     heartbeat_s: the server pings each socket this often; one that does not answer within half of it
     is dropped (its connection aborted: nothing left to send to a client that stopped reading)."""
 
@@ -102,6 +107,7 @@ class WebConfig:
     trusted_proxies: tuple[str, ...] = ()
     preview_every: int = DEFAULT_PREVIEW_EVERY
     heartbeat_s: float = 30.0
+    max_jobs_per_client: int = 16
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -113,7 +119,7 @@ class WebConfig:
             raise ValueError(f"max_jobs_per_socket must be >= 1, got {self.max_jobs_per_socket}")
         if self.unresponsive_after is not None and not self.unresponsive_after > 0:
             raise ValueError(f"unresponsive_after must be > 0 or None, got {self.unresponsive_after!r}")
-        for name in ("max_sockets_per_client", "max_queued_messages"):
+        for name in ("max_sockets_per_client", "max_queued_messages", "max_jobs_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if isinstance(self.preview_every, bool) or not 1 <= self.preview_every <= MAX_JOB_STEPS:
@@ -331,7 +337,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         )
     per_client[client] += 1
     try:
-        return await _serve_socket(request, cfg)
+        return await _serve_socket(request, cfg, client)
     finally:
         per_client[client] -= 1
         if per_client[client] <= 0:
@@ -345,7 +351,7 @@ def _abort(request: web.Request) -> None:
         transport.abort()
 
 
-async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketResponse:
+async def _serve_socket(request: web.Request, cfg: WebConfig, client: str) -> web.WebSocketResponse:
     app = request.app
     ws = web.WebSocketResponse(
         heartbeat=cfg.heartbeat_s, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,)
@@ -388,6 +394,9 @@ async def _serve_socket(request: web.Request, cfg: WebConfig) -> web.WebSocketRe
         close_socket=close_socket,
         spec=lambda: app[SPEC].spec,
         preview_every=cfg.preview_every,
+        user=client,
+        user_jobs=lambda: sum(len(s.jobs) for s in app[SESSIONS] if s.user == client),
+        max_user_jobs=cfg.max_jobs_per_client,
     )
     rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
     app[SESSIONS].add(session)

@@ -180,6 +180,18 @@ class _Job:
     epochs: EpochFilter = field(default_factory=EpochFilter)  # owner epochs: stale events are dropped
 
 
+#: Keys the user -> session tag hash: fixed per process, so a user's tag is the same on each of its sockets
+#: and nobody can tell from a tag which address it stands for.
+_TAG_KEY = secrets.token_bytes(16)
+
+
+def user_session_tag(user: str) -> str:
+    """The session tag of a viewer user's jobs ("u" + 16 hex digits, a keyed hash of `user`)."""
+    import hashlib
+
+    return "u" + hashlib.blake2b(user.encode(), key=_TAG_KEY, digest_size=8).hexdigest()
+
+
 class Session:
     """Job bookkeeping for one socket. `send` writes one JSON message to the socket.
 
@@ -202,8 +214,16 @@ class Session:
         close_socket: Callable[[int, str], Awaitable[None]] | None = None,
         spec: Callable[[], ModelSpec] | None = None,
         preview_every: int = DEFAULT_PREVIEW_EVERY,
+        user: str = "",
+        user_jobs: Callable[[], int] | None = None,
+        max_user_jobs: int | None = None,
     ):
-        """close_socket(code, reason): closes this session's socket (called when the client does not read).
+        """user: who the socket's requests count against (web.guard.client_key: the browser's address, or
+        its X-Forwarded-For hop behind trusted proxies); its jobs carry a session tag derived from it (a
+        keyed hash: the same on every socket of that user, told to nobody), so the coordinator shares
+        rows fairly between users, not sockets. user_jobs(): that user's unfinished jobs over all its
+        sockets; with max_user_jobs, a generate past it is refused `overloaded`.
+        close_socket(code, reason): closes this session's socket (called when the client does not read).
         spec(): the fleet's current model spec (labels are read against it, images mapped from its value
         range); None: the MNIST fleet's. preview_every: on a latent fleet, every job asks for decoded preview
         frames this often (in steps; rounded up to a multiple of the job's frame_every)."""
@@ -231,7 +251,10 @@ class Session:
         # per-socket session tag, the scheduler's fairness key "<client>/<session>".
         client = client_of(nc)
         self.client = WEB_CLIENT if client == subjects.DEFAULT_CLIENT else client
-        self.session_tag = "s" + secrets.token_hex(8)
+        self.user = user
+        self.session_tag = user_session_tag(user) if user else "s" + secrets.token_hex(8)
+        self._user_jobs = user_jobs
+        self.max_user_jobs = max_user_jobs
         # events dropped by the owner-epoch rule (client.epochs): a lower epoch than their job's highest, or
         # one implausibly far above it (more than MAX_EPOCH_JUMP: forged; also in the job's epochs.implausible)
         self.stale_events = 0
@@ -300,6 +323,16 @@ class Session:
                     ref=cmd.ref,
                 )
                 return
+            if self.max_user_jobs is not None and self._user_jobs is not None:
+                running = self._user_jobs()
+                if running >= self.max_user_jobs:
+                    self.error(
+                        f"your address already runs {running} jobs in this viewer (the limit is "
+                        f"{self.max_user_jobs}, over all your tabs); wait for one to finish or cancel it",
+                        code="overloaded",
+                        ref=cmd.ref,
+                    )
+                    return
             job_id = "web" + secrets.token_hex(8)
             self.jobs[job_id] = _Job(ref=cmd.ref)  # reserve the slot now: submit runs in the background
             self._spawn(self.submit(job_id, cmd.request))

@@ -276,9 +276,10 @@ async def test_server_shutdown_closes_sockets_and_cancels_their_jobs(nats_url, n
         await wait_until(lambda: job_id in coordinator.cancelled, timeout=5, what="the cancel at shutdown")
 
 
-async def test_jobs_are_submitted_in_the_viewers_namespace_with_one_session_tag_per_socket(client, coordinator):
+async def test_jobs_are_submitted_in_the_viewers_namespace_with_one_session_tag_per_user(client, coordinator):
     """Ownership: on an open bus the viewer's jobs belong to client "web" (its inbox prefix is
-    `_INBOX_web`); each socket tags its jobs with its own session, the scheduler's fairness key."""
+    `_INBOX_web`); each user (here one address, two sockets) tags its jobs with its own session, the
+    scheduler's fairness key: the same on both sockets."""
     tags = []
     for _ in range(2):
         ws = await client.ws_connect("/ws")
@@ -289,7 +290,7 @@ async def test_jobs_are_submitted_in_the_viewers_namespace_with_one_session_tag_
             assert coordinator.owners[job_id] == "web"
             tags.append(coordinator.jobs[job_id].session)
         await ws.close()
-    assert tags[0] == tags[1] and tags[2] == tags[3] and tags[0] != tags[2]
+    assert len(set(tags)) == 1  # one user
     assert all(subjects.is_token(t) for t in tags)
 
 
@@ -382,3 +383,37 @@ async def test_the_viewers_probe_ignores_another_coordinators_unknown(nats_url, 
         await cancel_job(nc, "tab-blocker")
         for w in workers:
             await w.stop()
+
+
+async def test_each_address_has_its_own_job_quota_and_session_over_all_its_tabs(aiohttp_client, nats_url, coordinator):
+    """Behind a trusted proxy, user A (three tabs) gets `max_jobs_per_client` jobs over all its tabs and
+    then `overloaded`, while user B's first job is accepted; every job of A carries one session tag on
+    all its tabs, B's another, so the coordinator shares the viewer's rows between users, not tabs."""
+    coordinator.frame_delay = 0.05
+    app = create_app(WebConfig(nats_url=nats_url, max_jobs_per_client=4, trusted_proxies=("127.0.0.1",)))
+    client = await aiohttp_client(app)
+    a_tabs = [await client.ws_connect("/ws", headers={"X-Forwarded-For": "203.0.113.7"}) for _ in range(3)]
+    b_tab = await client.ws_connect("/ws", headers={"X-Forwarded-For": "198.51.100.9"})
+    for ws in a_tabs:
+        for _ in range(2):
+            await ws.send_json({"type": "generate", "digits": "1", "steps": 200})
+    accepted, refused = 0, []
+    for ws in a_tabs:
+        for _ in range(2):
+            msg = await next_msg(ws, {"accepted", "error"})
+            if msg["type"] == "accepted":
+                accepted += 1
+            else:
+                refused.append(msg)
+    assert accepted == 4 and len(refused) == 2
+    assert all(m["code"] == "overloaded" and "the limit is 4, over all your tabs" in m["message"] for m in refused)
+    await b_tab.send_json({"type": "generate", "digits": "2", "steps": 200})
+    assert (await next_msg(b_tab, {"accepted", "error"}))["type"] == "accepted"
+    await wait_until(lambda: len(coordinator.jobs) == 5, timeout=10, what="5 jobs at the coordinator")
+    sessions = {}
+    for req in coordinator.jobs.values():
+        sessions.setdefault(req.digits[0], set()).add(req.session)
+    assert len(sessions[1]) == 1 and len(sessions[2]) == 1 and sessions[1] != sessions[2]
+    assert "203.0.113.7" not in next(iter(sessions[1]))  # a keyed hash: the tag does not tell the address
+    for ws in [*a_tabs, b_tab]:
+        await ws.close()
