@@ -49,6 +49,7 @@ ROLES: dict[str, list[str]] = {
         "infra/cmd_wait_ready.py",
         "infra/pip_stepwise.py",
         "infra/heap.py",
+        "infra/protocol_schema.py",
     ],
     # flow.path's torch helpers; bus.http_log serves the processes that run an aiohttp server (worker, coordinator, web)
     "worker": ["workers/*", "models/*", "flow/*", "infra/cmd_worker.py", "infra/cmd_decoder.py", "bus/http_log.py"],
