@@ -154,7 +154,7 @@ async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: 
         raise _NoSubmitReply(
             ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s", request.job_id
         ) from None
-    reply = unpack(msg.data, SubmitReply)
+    reply = unpack(msg.data, SubmitReply, ignore_unknown=True)
     if isinstance(reply, JobRejected):
         raise JobFailed(reply.code, reply.reason, request.job_id)
     if isinstance(reply, ErrorReply):
@@ -173,7 +173,7 @@ async def cancel_job(nc, job_id: str, *, timeout: float = 5.0, client: str | Non
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         return False
     try:
-        return unpack(msg.data, CancelReply).cancelled
+        return unpack(msg.data, CancelReply, ignore_unknown=True).cancelled
     except ProtocolError:
         return False
 
@@ -184,7 +184,7 @@ async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | Non
     Raises nats.errors.NoRespondersError when no coordinator serves job status, and
     nats.errors.TimeoutError when none answered in time."""
     msg = await private_request(nc, subjects.job_status(_client(nc, client), job_id), b"", timeout=timeout)
-    st = unpack(msg.data, JobStatus)
+    st = unpack(msg.data, JobStatus, ignore_unknown=True)
     if st.job_id != job_id:
         raise ProtocolError(ErrorCode.BAD_REPLY, f"the status reply names job {st.job_id!r}, not {job_id!r}")
     return st
@@ -353,7 +353,7 @@ class JobProbe:
                 if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:  # the server: nobody subscribes
                     raise nats.errors.NoRespondersError
                 try:
-                    st = unpack(msg.data, JobStatus)
+                    st = unpack(msg.data, JobStatus, ignore_unknown=True)
                 except ProtocolError as err:
                     garbled = _refusal(msg.data) or err
                     continue
@@ -402,7 +402,7 @@ def _accepted_among(messages) -> bool:
     """Whether any of the received (undecoded) event messages is the job's `accepted` event."""
     for msg in list(messages):
         try:
-            if isinstance(unpack(msg.data, JobEvent), JobAccepted):
+            if isinstance(unpack(msg.data, JobEvent, ignore_unknown=True), JobAccepted):
                 return True
         except ProtocolError:
             continue
@@ -537,7 +537,7 @@ async def run_job(
             last_event = time.monotonic()
             probe.heard()
             try:
-                ev = unpack(msg.data, JobEvent)
+                ev = unpack(msg.data, JobEvent, ignore_unknown=True)
             except ProtocolError as err:
                 log.warning("job %s: skipping undecodable event (%s)", job_id, err)
                 continue
@@ -598,7 +598,7 @@ def _refusal(data: bytes) -> ProtocolError | None:
     """The coordinator's `error` reply to a status request (e.g. `rate_limited`) as a ProtocolError
     with its code, or None if `data` is not one."""
     try:
-        reply = unpack(data, ErrorReply)
+        reply = unpack(data, ErrorReply, ignore_unknown=True)
     except ProtocolError:
         return None
     return ProtocolError(reply.code, reply.message)
@@ -626,4 +626,4 @@ async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False, image_sp
         msg = await private_request(nc, subjects.FLEET_STATUS, body, timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         raise JobFailed(ErrorCode.UNAVAILABLE, "no coordinator answers on " + subjects.FLEET_STATUS) from None
-    return unpack(msg.data, FleetStatus)
+    return unpack(msg.data, FleetStatus, ignore_unknown=True)

@@ -183,9 +183,74 @@ def validate(obj: Any, tp: type[T] | Any) -> T:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "message is nested too deeply") from None
 
 
-def unpack(data: bytes | bytearray | memoryview, tp: type[T] | Any, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> T:
-    """Decode and validate; raises ProtocolError on anything wrong."""
-    return validate(loads(data, max_bytes=max_bytes), tp)
+def unpack(
+    data: bytes | bytearray | memoryview,
+    tp: type[T] | Any,
+    *,
+    max_bytes: int = MAX_PAYLOAD_BYTES,
+    ignore_unknown: bool = False,
+) -> T:
+    """Decode and validate; raises ProtocolError on anything wrong. `ignore_unknown`: keys the message's
+    model (by its `kind`) does not define are dropped first, at every level, instead of refused: a
+    client reading a newer service's replies and events, as docs/PROTOCOL.md tells clients to. Services
+    read requests strictly (the default)."""
+    obj = loads(data, max_bytes=max_bytes)
+    if ignore_unknown and isinstance(obj, dict):
+        cls = _model_of_kind().get(obj.get("kind"))
+        if cls is not None:
+            obj = _known_only(obj, cls)
+    return validate(obj, tp)
+
+
+@cache
+def _model_of_kind() -> dict[str, type[BaseModel]]:
+    """{kind: message class} of every protocol message."""
+    from . import messages
+
+    out: dict[str, type[BaseModel]] = {}
+    stack = [messages.Message]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        field = cls.model_fields.get("kind")
+        if field is not None and isinstance(field.default, str):
+            out.setdefault(field.default, cls)
+    return out
+
+
+def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """(the model class inside a field's annotation (Optional / Union / Annotated / list), or None; whether
+    it is a list of them)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, tuple) and args:
+        inner, _ = _nested_model(args[0])
+        return inner, inner is not None
+    for arg in args:
+        inner, many = _nested_model(arg)
+        if inner is not None:
+            return inner, many
+    return None, False
+
+
+def _known_only(obj: dict, cls: type[BaseModel]) -> dict:
+    """`obj` without the keys `cls` does not define (by field name or alias), recursively into nested models."""
+    fields = {(f.alias or name): f for name, f in cls.model_fields.items()}
+    out = {}
+    for key, value in obj.items():
+        field = fields.get(key)
+        if field is None:
+            continue
+        sub, many = _nested_model(field.annotation)
+        if sub is not None and many and isinstance(value, list):
+            value = [_known_only(v, sub) if isinstance(v, dict) else v for v in value]
+        elif sub is not None and isinstance(value, dict):
+            value = _known_only(value, sub)
+        out[key] = value
+    return out
 
 
 def _to_protocol_error(err: ValidationError) -> ProtocolError:

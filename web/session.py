@@ -386,7 +386,7 @@ class Session:
             reply_msg = await private_request(
                 self.nc, subjects.jobs_submit(self.client), pack(req), timeout=self.submit_timeout
             )
-            reply = unpack(reply_msg.data, SubmitReply)
+            reply = unpack(reply_msg.data, SubmitReply, ignore_unknown=True)
             if isinstance(reply, JobAccepted) and reply.job_id != job_id:
                 raise ProtocolError(ErrorCode.BAD_REPLY, f"the submit reply names job {reply.job_id!r}, not {job_id!r}")
         except Exception as err:
@@ -449,7 +449,7 @@ class Session:
         if job is None:
             return
         try:
-            ev = unpack(msg.data, JobEvent)
+            ev = unpack(msg.data, JobEvent, ignore_unknown=True)
         except ProtocolError as err:
             self.error(f"undecodable event from the coordinator: {err.message}", code=err.code.value, job_id=job_id)
             return
