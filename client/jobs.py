@@ -145,7 +145,7 @@ async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: 
 
     subject = subjects.jobs_submit(_client(nc, client))
     try:
-        msg = await nc.request(subject, pack(request), timeout=timeout)
+        msg = await private_request(nc, subject, pack(request), timeout=timeout)
     except nats.errors.NoRespondersError:
         raise JobFailed(
             ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subject}", request.job_id
@@ -169,7 +169,7 @@ async def cancel_job(nc, job_id: str, *, timeout: float = 5.0, client: str | Non
 
     subject = subjects.job_cancel(_client(nc, client), job_id)
     try:
-        msg = await nc.request(subject, pack(CancelRequest(job_id=job_id)), timeout=timeout)
+        msg = await private_request(nc, subject, pack(CancelRequest(job_id=job_id)), timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         return False
     try:
