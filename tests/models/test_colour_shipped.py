@@ -62,10 +62,11 @@ def test_the_shape_partition_groups_digits_and_its_experts_trained_in_proportion
 
 
 def test_the_colour_fleet_serves_the_guidance_scale_its_judges_chose():
-    """checkpoints/colour/router.json names the default scale (docs/RESULTS.md's sweep), which the experts,
-    all trained with a null label, can serve; the shape fleet was not swept and stays unguided."""
+    """Each colour fleet's router.json names the default scale its sweep chose (docs/RESULTS.md), which the
+    experts, all trained with a null label, can serve."""
     from models.fleet_guidance import fleet_default_guidance
 
-    assert fleet_default_guidance(CKPT / "router.safetensors") == 3.0
-    assert "docs/RESULTS.md" in json.loads((CKPT / "router.json").read_text())["guidance"]["chosen_by"]
-    assert fleet_default_guidance(SHAPE / "router.safetensors") == 1.0
+    for fleet, scale in ((CKPT, 3.0), (SHAPE, 2.0)):
+        assert fleet_default_guidance(fleet / "router.safetensors") == scale
+        assert "docs/RESULTS.md" in json.loads((fleet / "router.json").read_text())["guidance"]["chosen_by"]
+        assert all(json.loads(p.read_text())["spec"]["conditioning"]["null_label"] for p in fleet.glob("expert*.json"))

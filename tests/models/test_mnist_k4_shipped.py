@@ -49,3 +49,14 @@ async def test_unlabelled_sample_jobs_run_through_a_local_fleet():
     usage = np.asarray(done.usage)
     # the share of the 12 steps each expert computed: one expert per row per step
     assert usage.shape == (6, 4) and np.allclose(usage.sum(axis=1), 1) and np.allclose(usage * 12, np.round(usage * 12))
+
+
+def test_the_set_serves_the_guidance_scale_its_judges_chose():
+    """router.json names the default scale docs/RESULTS.md's sweep chose; every expert has a null label."""
+    import json
+
+    from models.fleet_guidance import fleet_default_guidance
+
+    assert fleet_default_guidance(SET / "router.safetensors") == 2.0
+    assert "docs/RESULTS.md" in json.loads((SET / "router.json").read_text())["guidance"]["chosen_by"]
+    assert all(json.loads(p.read_text())["spec"]["conditioning"]["null_label"] for p in SET.glob("expert*.json"))
