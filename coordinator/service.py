@@ -212,38 +212,64 @@ class Coordinator:
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Coordinator:
+        """Start: connect (unless given a connection), check the fleet's spec against its workers, open the
+        decoder client (latent fleets), the transport, the durable store and the engine, subscribe, restore
+        the previous run's jobs (`--durable`) and start ticking. A failure at any step undoes the steps
+        before it (`_undo_start`) and raises."""
         from bus.connect import connect
 
-        from .transport import NatsTransport
-
-        cfg = self.settings
         if self.nc is None:
             self.nc = await connect(self.nats_url, name=self.name, reconnect="forever", pending_size=64 * 1024 * 1024)
             self.null_labels.nc = self.nc
-        odd: dict[str, str] = {}
-        if self.check_spec:  # the router's spec is the fleet's: workers that differ are named and not used
-            try:
-                self.spec, odd = await check_fleet_spec(self.nc, self.spec)
-            except Exception:
-                if self._own_nc:
-                    await self.nc.close()
-                raise
-        if self.spec.space == "latent":
-            from models.autoencoder import content_hash_of
+        try:
+            odd = await self._check_fleet_spec()
+            self._open_decoder()
+            self._open_transport()
+            await self._open_engine()
+            await self._subscribe()
+            await self._start_serving(odd)
+        except BaseException:
+            await self._undo_start()
+            raise
+        log.info(
+            "coordinator up: %d experts, max %d rows, %d queued jobs",
+            self.config.num_experts,
+            self.config.max_rows,
+            self.config.max_queued_jobs,
+        )
+        return self
 
-            from .decoder_client import DecoderClient
+    async def _check_fleet_spec(self) -> dict[str, str]:
+        """The router's spec is the fleet's: the workers that differ ({name: what differs}) are named and
+        not used (coordinator/fleet_spec.py)."""
+        if not self.check_spec:
+            return {}
+        self.spec, odd = await check_fleet_spec(self.nc, self.spec)
+        return odd
 
-            digest = content_hash_of(self.spec.decoder or "")
-            if digest is None or not subjects.is_content_hash(digest):
-                if self._own_nc:
-                    await self.nc.close()
-                raise ValueError(
-                    f"the fleet's spec says space latent with decoder {self.spec.decoder!r}, which names no "
-                    "autoencoder ('autoencoder@sha256:<content hash>'): no decoder can serve it"
-                )
-            self.decoder = DecoderClient(self.nc, digest, timeout=cfg.step_timeout, retries=cfg.retries)
-            # what its decoders produce, for the fleet's reported spec: looked up now, in the background
-            self._image_lookup = asyncio.ensure_future(self.decoder.learn_images())
+    def _open_decoder(self) -> None:
+        """A latent fleet's decoder client (its spec must name the autoencoder by content hash)."""
+        if self.spec.space != "latent":
+            return
+        from models.autoencoder import content_hash_of
+
+        from .decoder_client import DecoderClient
+
+        cfg = self.settings
+        digest = content_hash_of(self.spec.decoder or "")
+        if digest is None or not subjects.is_content_hash(digest):
+            raise ValueError(
+                f"the fleet's spec says space latent with decoder {self.spec.decoder!r}, which names no "
+                "autoencoder ('autoencoder@sha256:<content hash>'): no decoder can serve it"
+            )
+        self.decoder = DecoderClient(self.nc, digest, timeout=cfg.step_timeout, retries=cfg.retries)
+        # what its decoders produce, for the fleet's reported spec: looked up now, in the background
+        self._image_lookup = asyncio.ensure_future(self.decoder.learn_images())
+
+    def _open_transport(self) -> None:
+        from .transport import NatsTransport
+
+        cfg = self.settings
         if self.transport is None:
             self.transport = NatsTransport(
                 self.nc,
@@ -257,47 +283,49 @@ class Coordinator:
                 max_rows=cfg.request_rows,
             )
         self.null_labels.transport = self.transport  # which workers serve guidance (a guided job's admission)
-        try:
-            if cfg.durable:
-                self.store = await JobStore(
-                    self.nc, self.name, self.instance, lease_s=cfg.lease_s, replicas=cfg.js_replicas
-                ).open()
-                self.durable_jobs = DurableJobs(
-                    self.store,
-                    self.ledger,
-                    name=self.name,
-                    checkpoint_every=cfg.checkpoint_every,
-                    on_lapse=self._discard_unsent,
-                )
-                sched = CheckpointingScheduler(self.config, cfg.checkpoint_every, on_due=self.durable_jobs.wake.set)
-            else:
-                sched = Scheduler(self.config)
-            rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
-            self.engine = Engine(
-                sched,
-                self.router,
-                self.transport,
-                self._publish,
-                cohorts=cfg.cohorts,
-                route_every=cfg.route_every,
-                speculate=cfg.speculate,
-                run_ahead=cfg.run_ahead,
-                run_ahead_rows=cfg.run_ahead_rows,
-                request_rows=(
-                    rows_per(np.zeros((1, *self.config.image_shape), np.float32)) if callable(rows_per) else None
-                ),
+
+    async def _open_engine(self) -> None:
+        """The scheduler (checkpointing, with the durable store, under `--durable`), the engine, its metrics."""
+        cfg = self.settings
+        if cfg.durable:
+            self.store = await JobStore(
+                self.nc, self.name, self.instance, lease_s=cfg.lease_s, replicas=cfg.js_replicas
+            ).open()
+            self.durable_jobs = DurableJobs(
+                self.store,
+                self.ledger,
+                name=self.name,
+                checkpoint_every=cfg.checkpoint_every,
+                on_lapse=self._discard_unsent,
             )
-            self.metrics = self.engine.metrics
-            if hasattr(self.transport, "hedge_counts"):
-                self.metrics.watch_transport(self.transport)
-            if self.store is not None:
-                self.metrics.watch_store(self.store)
-            self.metrics.watch_bad_replies(null_label_probe=self.null_labels, decode=self.decoder)
-            await self.endpoint.start(self.metrics)
-        except Exception:
-            if self._own_nc:
-                await self.nc.close()
-            raise
+            sched = CheckpointingScheduler(self.config, cfg.checkpoint_every, on_due=self.durable_jobs.wake.set)
+        else:
+            sched = Scheduler(self.config)
+        rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
+        self.engine = Engine(
+            sched,
+            self.router,
+            self.transport,
+            self._publish,
+            cohorts=cfg.cohorts,
+            route_every=cfg.route_every,
+            speculate=cfg.speculate,
+            run_ahead=cfg.run_ahead,
+            run_ahead_rows=cfg.run_ahead_rows,
+            request_rows=(
+                rows_per(np.zeros((1, *self.config.image_shape), np.float32)) if callable(rows_per) else None
+            ),
+        )
+        self.metrics = self.engine.metrics
+        if hasattr(self.transport, "hedge_counts"):
+            self.metrics.watch_transport(self.transport)
+        if self.store is not None:
+            self.metrics.watch_store(self.store)
+        self.metrics.watch_bad_replies(null_label_probe=self.null_labels, decode=self.decoder)
+        await self.endpoint.start(self.metrics)
+
+    async def _subscribe(self) -> None:
+        """The intake's subjects; returns once the server has every subscription."""
         intake = self.intake
         self._subs = [
             await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, queue=COORDINATOR_QUEUE, cb=intake.on_submit),
@@ -315,6 +343,11 @@ class Coordinator:
         # round trip proves the server has every subscription (and clients find us at once).
         await self.nc.flush()
         await self.nc.flush()
+
+    async def _start_serving(self, odd: dict[str, str]) -> None:
+        """Restore the previous run's jobs (`--durable`), reject the odd workers, start the engine and the
+        periodic worker discovery."""
+        cfg = self.settings
         if self.durable_jobs is not None:  # status/cancel wait for this: a job of the previous run is never "unknown"
             await self.durable_jobs.start(self.engine)
         self.jobs_restored.set()
@@ -328,13 +361,30 @@ class Coordinator:
             # workers that join later are checked as they are discovered (coordinator/fleet_spec.py), and
             # what each expert's workers can run ahead is learned (coordinator/run_ahead.py)
             self._worker_watch = asyncio.create_task(self._watch_workers(), name="coordinator-worker-specs")
-        log.info(
-            "coordinator up: %d experts, max %d rows, %d queued jobs",
-            self.config.num_experts,
-            self.config.max_rows,
-            self.config.max_queued_jobs,
-        )
-        return self
+
+    async def _undo_start(self) -> None:
+        """A start that failed part-way: stop what it started (subscriptions, the durable loops, the
+        metrics endpoint, the decoder's lookup) and close the connection if it is ours."""
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs = []
+        if self.durable_jobs is not None:
+            try:
+                await self.durable_jobs.hand_over()
+            except Exception:
+                log.exception("durable jobs: handing over after a failed start")
+        lookup = getattr(self, "_image_lookup", None)
+        if lookup is not None and not lookup.done():
+            await cancel_and_wait([lookup], 2.0)
+        try:
+            await self.endpoint.stop()
+        except Exception:
+            pass
+        if self._own_nc and self.nc is not None:
+            await self.nc.close()
 
     async def _watch_workers(self) -> None:
         """Every WORKER_CHECK_S: discover the expert workers and reject those whose spec differs from the

@@ -195,3 +195,16 @@ def test_every_fleet_reports_its_routing_network_as_arch(tmp_path):
     assert router_arch(Plain()) == "router"
     bare = Coordinator(Plain(), num_experts=1, nats_url="nats://127.0.0.1:1")  # no spec: the implied one
     assert bare.reported_spec().arch == "router"
+
+
+async def test_a_start_that_fails_part_way_closes_what_it_opened(nats_url):
+    """A latent spec that names no autoencoder: the start fails with a clear ValueError after the spec
+    check, and the connection the coordinator opened for itself is closed (nothing left subscribed)."""
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.service import Coordinator
+
+    spec = legacy_spec().model_copy(update={"space": "latent", "decoder": "not-an-autoencoder"})
+    coord = Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=spec)
+    with pytest.raises(ValueError, match="names no autoencoder"):
+        await coord.__aenter__()
+    assert coord.nc is not None and coord.nc.is_closed and coord._subs == []

@@ -88,7 +88,13 @@ async def sim_fleet(nats_url, tmp_path):
 async def test_64_jobs_of_16_images_streaming_at_once(browser, nats_url, sim_fleet):
     server = TestServer(
         create_app(
-            WebConfig(nats_url=nats_url, fleet_interval=2.0, max_jobs_per_socket=JOBS, max_messages_per_second=200.0)
+            WebConfig(
+                nats_url=nats_url,
+                fleet_interval=2.0,
+                max_jobs_per_socket=JOBS,
+                max_jobs_per_client=JOBS,
+                max_messages_per_second=200.0,
+            )
         ),
         host="127.0.0.1",
     )
