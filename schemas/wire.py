@@ -236,19 +236,36 @@ def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
+@cache
+def _field_plan(cls: type[BaseModel]) -> tuple[frozenset[str], dict[str, tuple[type[BaseModel], bool]]]:
+    """(the keys `cls` defines (field names or aliases), {key: (nested model, is a list)} for its fields that
+    hold models): computed once per class."""
+    keys, nested = set(), {}
+    for name, field in cls.model_fields.items():
+        key = field.alias or name
+        keys.add(key)
+        sub, many = _nested_model(field.annotation)
+        if sub is not None:
+            nested[key] = (sub, many)
+    return frozenset(keys), nested
+
+
 def _known_only(obj: dict, cls: type[BaseModel]) -> dict:
-    """`obj` without the keys `cls` does not define (by field name or alias), recursively into nested models."""
-    fields = {(f.alias or name): f for name, f in cls.model_fields.items()}
+    """`obj` without the keys `cls` does not define (by field name or alias), recursively into nested models;
+    `obj` itself when there is nothing to drop (a frame: no copy)."""
+    keys, nested = _field_plan(cls)
+    if obj.keys() <= keys and (not nested or nested.keys().isdisjoint(obj)):
+        return obj
     out = {}
     for key, value in obj.items():
-        field = fields.get(key)
-        if field is None:
+        if key not in keys:
             continue
-        sub, many = _nested_model(field.annotation)
-        if sub is not None and many and isinstance(value, list):
-            value = [_known_only(v, sub) if isinstance(v, dict) else v for v in value]
-        elif sub is not None and isinstance(value, dict):
-            value = _known_only(value, sub)
+        if key in nested:
+            sub, many = nested[key]
+            if many and isinstance(value, list):
+                value = [_known_only(v, sub) if isinstance(v, dict) else v for v in value]
+            elif isinstance(value, dict):
+                value = _known_only(value, sub)
         out[key] = value
     return out
 
