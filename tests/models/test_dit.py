@@ -58,8 +58,8 @@ def _flax_out(cfg, params, x, t, y) -> np.ndarray:
 
     from models.arch_flax import build_flax
 
-    with jax.default_matmul_precision("highest"):
-        return np.asarray(build_flax(cfg).apply({"params": params}, x, t, y.astype(np.int32)))
+    with jax.default_matmul_precision("highest"):  # traced inside: the jitted net keeps it
+        return np.asarray(jax.jit(build_flax(cfg).apply)({"params": params}, x, t, y.astype(np.int32)))
 
 
 # ------------------------------------------------------------------------------------------- config
