@@ -159,6 +159,11 @@ class IntakeHost(Protocol):
     async def learn_images(self) -> None: ...
 
 
+def _per_client(rate: float | None) -> TokenBuckets | None:
+    """Token buckets of `rate` per second per client, bursts of 2 s worth (at least 1); None: no limit."""
+    return TokenBuckets(rate, max(1.0, 2 * rate)) if rate else None
+
+
 class Intake:
     """Message handlers of one coordinator (`on_submit`, `on_cancel`, `on_job_status`, `on_status`)."""
 
@@ -171,11 +176,11 @@ class Intake:
         self.republished = 0  # terminal events published again for status requests
         self.rate_limited = 0  # submit / status requests answered `rate_limited`
         cfg = coordinator.settings
-        self._submits = TokenBuckets(cfg.submit_rate, max(1.0, 2 * cfg.submit_rate)) if cfg.submit_rate else None
-        self._statuses = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
+        self._submits = _per_client(cfg.submit_rate)
+        self._statuses = _per_client(cfg.status_rate)
+        self._cancels = _per_client(cfg.status_rate)
+        self._fleet_statuses = _per_client(cfg.status_rate)
         self._limited_replies: dict[tuple[str, str], tuple[float, bytes]] = {}
-        self._cancels = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
-        self._fleet_statuses = TokenBuckets(cfg.status_rate, max(1.0, 2 * cfg.status_rate)) if cfg.status_rate else None
         self._republishes = TokenBuckets(REPUBLISH_RATE, 2 * REPUBLISH_RATE)
         self._republished_at: OrderedDict[tuple[str, str], float] = OrderedDict()
         # submits being handled (awaiting the null-label probe): (client, job id) -> cancelled meanwhile
@@ -256,10 +261,11 @@ class Intake:
             f"retry in {max(wait, 0.01):.2f} s"
         )
 
-    async def _answer_limited(self, msg, kind: str, client: str, wait: float, build) -> None:
-        """Answer a request over its rate with `build(wait)`'s message, packed once per (kind, client)
-        and reused for LIMITED_REPLY_REUSE_S: a flood's replies cost a publish each, not a message
-        built, validated and packed each (its "retry in" then reads up to that much too long)."""
+    async def _answer_limited(self, msg, kind: str, client: str, wait: float, what: str, who: str) -> None:
+        """Answer a request over its rate with ErrorReply(rate_limited) ("too many <what> from client <who>"),
+        packed once per (kind, client) and reused for LIMITED_REPLY_REUSE_S: a flood's replies cost a
+        publish each, not a message built, validated and packed each (its "retry in" then reads up to that
+        much too long)."""
         if not msg.reply:
             return
         now = time.monotonic()
@@ -267,7 +273,8 @@ class Intake:
         if cached is None or cached[0] <= now:
             if len(self._limited_replies) >= MAX_LIMITED_REPLIES:
                 self._limited_replies.clear()
-            cached = (now + LIMITED_REPLY_REUSE_S, pack(build(wait + LIMITED_REPLY_REUSE_S)))
+            message = self._too_fast(what, who, self.coord.settings.status_rate, wait + LIMITED_REPLY_REUSE_S)
+            cached = (now + LIMITED_REPLY_REUSE_S, pack(ErrorReply(code=ErrorCode.RATE_LIMITED, message=message)))
             self._limited_replies[(kind, client)] = cached
         try:
             await msg.respond(cached[1])
@@ -461,16 +468,7 @@ class Intake:
         coord = self.coord
         wait = self._over_rate(self._statuses, client, "status")
         if wait:
-            rate = coord.settings.status_rate
-            await self._answer_limited(
-                msg,
-                "status",
-                client,
-                wait,
-                lambda w: ErrorReply(
-                    code=ErrorCode.RATE_LIMITED, message=self._too_fast("job status requests", client, rate, w)
-                ),
-            )
+            await self._answer_limited(msg, "status", client, wait, "job status requests", client)
             return
         await coord.jobs_restored.wait()  # a job being resumed at start is not "unknown"
         if coord.durable_jobs is not None and coord.durable_jobs.is_fenced(client, job_id):
@@ -510,16 +508,8 @@ class Intake:
         requester = subjects.inbox_owner(msg.reply) or ""
         wait = self._over_rate(self._fleet_statuses, requester, "fleet_status")
         if wait:
-            who, rate = requester or "(open bus inboxes)", self.coord.settings.status_rate
-            await self._answer_limited(
-                msg,
-                "fleet_status",
-                requester,
-                wait,
-                lambda w: ErrorReply(
-                    code=ErrorCode.RATE_LIMITED, message=self._too_fast("fleet status requests", who, rate, w)
-                ),
-            )
+            who = requester or "(open bus inboxes)"
+            await self._answer_limited(msg, "fleet_status", requester, wait, "fleet status requests", who)
             return
         try:
             spec, images = status_options(msg.data)

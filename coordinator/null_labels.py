@@ -14,12 +14,15 @@ from their service metadata (`NatsTransport.experts_without_guidance`), and such
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 from schemas import ErrorCode, JobRequest, pack, subjects, unpack
 
 from .scheduler import Rejected
+
+log = logging.getLogger(__name__)
 
 #: Seconds a coordinator trusts what a probe told it about an expert's null label; then it asks
 #: again, so a redeployed expert is seen.
@@ -163,9 +166,5 @@ class NullLabelProbes:
         return None
 
     def _bad(self, expert: int, what: str) -> None:
-        import logging
-
         self.bad_replies += 1
-        logging.getLogger(__name__).warning(
-            "expert %d: the null-label probe got %s: ignored (expert asked again later)", expert, what
-        )
+        log.warning("expert %d: the null-label probe got %s: ignored (expert asked again later)", expert, what)

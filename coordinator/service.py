@@ -376,9 +376,8 @@ class Coordinator:
                 await self.durable_jobs.hand_over()
             except Exception:
                 log.exception("durable jobs: handing over after a failed start")
-        lookup = getattr(self, "_image_lookup", None)
-        if lookup is not None and not lookup.done():
-            await cancel_and_wait([lookup], 2.0)
+        if self._image_lookup is not None and not self._image_lookup.done():
+            await cancel_and_wait([self._image_lookup], 2.0)
         try:
             await self.endpoint.stop()
         except Exception:

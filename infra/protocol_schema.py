@@ -24,19 +24,10 @@ SCHEMA_ID = "https://ddm-fleet.invalid/protocol/v1/messages.schema.json"
 
 
 def message_classes() -> dict[str, type]:
-    """{kind: message class} for every message of the protocol (schemas.messages), sorted by kind."""
-    import inspect
+    """{kind: message class} for every message of the protocol (schemas.wire.message_classes), sorted by kind."""
+    from schemas.wire import message_classes as by_kind
 
-    from schemas import messages
-
-    found = {}
-    for _, cls in inspect.getmembers(messages, inspect.isclass):
-        if not issubclass(cls, messages.Message) or cls is messages.Message or cls.__name__.startswith("_"):
-            continue
-        kind = cls.model_fields["kind"].default
-        if isinstance(kind, str):
-            found[kind] = cls
-    return dict(sorted(found.items()))
+    return dict(sorted(by_kind().items()))
 
 
 def document() -> dict:

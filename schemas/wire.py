@@ -196,15 +196,15 @@ def unpack(
     read requests strictly (the default)."""
     obj = loads(data, max_bytes=max_bytes)
     if ignore_unknown and isinstance(obj, dict):
-        cls = _model_of_kind().get(obj.get("kind"))
+        cls = message_classes().get(obj.get("kind"))
         if cls is not None:
             obj = _known_only(obj, cls)
     return validate(obj, tp)
 
 
 @cache
-def _model_of_kind() -> dict[str, type[BaseModel]]:
-    """{kind: message class} of every protocol message."""
+def message_classes() -> dict[str, type[BaseModel]]:
+    """{kind: message class} of every protocol message (the tolerant reader's lookup, the JSON Schema's list)."""
     from . import messages
 
     out: dict[str, type[BaseModel]] = {}
@@ -213,7 +213,9 @@ def _model_of_kind() -> dict[str, type[BaseModel]]:
         cls = stack.pop()
         stack.extend(cls.__subclasses__())
         field = cls.model_fields.get("kind")
-        if field is not None and isinstance(field.default, str):
+        # the protocol's own messages only: a subclass elsewhere (a coordinator's checkpoint) would make the
+        # list depend on what was imported before its first call
+        if field is not None and isinstance(field.default, str) and cls.__module__ == messages.__name__:
             out.setdefault(field.default, cls)
     return out
 
