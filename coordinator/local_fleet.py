@@ -150,10 +150,12 @@ def load_backends(
     buckets: Sequence[int] = (),
     device: str | None = None,
     compile: str = "off",
+    batch_quantum: int = 0,
 ) -> list[Any]:
     """One loaded backend per checkpoint (on `device`, None: the backend's default), warmed at `buckets`,
     computing in `dtype` ("auto" | "float32" | "bfloat16", `models.precision`); torch: `compile` "off" |
-    "on" | "auto" (`workers.backends.torch_compile`)."""
+    "on" | "auto" (`workers.backends.torch_compile`); `batch_quantum` > 1: batch-invariant, as a worker's
+    `--batch-invariant` (`BackendBase.make_batch_invariant`)."""
     from workers.backends import get_backend
 
     out = []
@@ -161,6 +163,8 @@ def load_backends(
     for p in paths:
         be = get_backend(backend, dtype=dtype, **({"device": device} if device else {}), **extra)
         be.load(p)
+        if batch_quantum:
+            be.make_batch_invariant(batch_quantum)
         if buckets:
             be.warmup(buckets)
         out.append(be)
@@ -186,6 +190,7 @@ class LocalFleet:
         dtype: str = "auto",
         compile: str = "off",
         buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+        batch_quantum: int = 0,
         coordinator_options: dict | None = None,
         decoder_checkpoint: str | os.PathLike | None = None,
     ):
@@ -203,6 +208,7 @@ class LocalFleet:
         # torch workers: "off" (a short-lived fleet: a compile would cost more than it saves), "on", "auto"
         self.compile = compile
         self.buckets = tuple(buckets)
+        self.batch_quantum = batch_quantum  # > 1: batch-invariant workers (`--batch-invariant`)
         self.coordinator_options = dict(coordinator_options or {})
         self.server = None
         self.nc = None
@@ -256,6 +262,7 @@ class LocalFleet:
                         nats_url=self.url,
                         buckets=self.buckets,
                         compile=self.compile,  # a serving option of every backend; only torch uses it
+                        batch_quantum=self.batch_quantum,
                     )
                     await w.start()
                     self.workers.append(w)

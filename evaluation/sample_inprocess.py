@@ -93,10 +93,20 @@ class _TorchRouter:
 class _Experts:
     """K expert backends (torch) on one device; forward(k, x, t, y) in chunks of `chunk` rows."""
 
-    def __init__(self, paths: Sequence[str], device: str, chunk: int = 2048, dtype: str = "auto", compile: str = "off"):
+    def __init__(
+        self,
+        paths: Sequence[str],
+        device: str,
+        chunk: int = 2048,
+        dtype: str = "auto",
+        compile: str = "off",
+        batch_quantum: int = 0,
+    ):
         from coordinator.local_fleet import load_backends
 
-        self.backends = load_backends(paths, "torch", device=device, dtype=dtype, compile=compile)
+        self.backends = load_backends(
+            paths, "torch", device=device, dtype=dtype, compile=compile, batch_quantum=batch_quantum
+        )
         self.dtype = self.backends[0].dtype if self.backends else "float32"
         self.chunk = chunk
 
@@ -173,6 +183,7 @@ def generate(
     dtype: str = "auto",
     compile: str = "off",
     latent: bool = False,
+    batch_quantum: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """-> (images [N, C, H, W] float32 clipped to [-1, 1] as the fleet returns them, usage [N, K] float32).
     `latent`: the samples are a latent fleet's latents, returned unclipped as the fleet's scheduler hands
@@ -181,7 +192,9 @@ def generate(
     Row r belongs to job r // job_size seeded seed + r // job_size (as `initial_batch` makes `noise`):
     what the drawn strategies draw from. `dtype`: the experts' ("auto" | "float32" | "bfloat16",
     `models.precision`); the router computes in float32, as the coordinator does. `compile`: the experts'
-    torch.compile setting ("off" | "on" | "auto", `workers.backends.torch_compile`)."""
+    torch.compile setting ("off" | "on" | "auto", `workers.backends.torch_compile`). `batch_quantum` > 1: the
+    experts compute batch-invariant, as workers run with `--batch-invariant` do, so the images are such a
+    fleet's bit for bit whatever the batches (`BackendBase.make_batch_invariant`)."""
     from flow.solver import EVALS_PER_STEP, check_method, sample
 
     y = np.full(len(digits), -1, np.int64) if cfg.unconditional else np.asarray(digits, np.int64)
@@ -190,7 +203,8 @@ def generate(
         d = Path(checkpoints or ".")
         part = json.loads((d / "partition.json").read_text())
         k = int(part["num_experts"])
-        experts = _Experts([str(d / f"expert{i}.safetensors") for i in range(k)], device, dtype=dtype, compile=compile)
+        paths = [str(d / f"expert{i}.safetensors") for i in range(k)]
+        experts = _Experts(paths, device, dtype=dtype, compile=compile, batch_quantum=batch_quantum)
         router = _TorchRouter(str(d / "router.safetensors"), device)
         if router.num_experts != k:
             raise ValueError(f"{d}: router has {router.num_experts} experts, partition {k}")
@@ -212,7 +226,7 @@ def generate(
             guidance=cfg.guidance,
         )
     else:
-        experts = _Experts([cfg.model], device, dtype=dtype, compile=compile)
+        experts = _Experts([cfg.model], device, dtype=dtype, compile=compile, batch_quantum=batch_quantum)
         usage = np.zeros((len(y), 1), np.float64)
 
         def velocity(x, t, yy):
@@ -325,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
     from bus.options import add_dtype_option
     from workers.backends.torch_compile import COMPILE_CHOICES
+    from workers.config import add_batch_invariant_option
 
     from .run import add_sampling_arguments
 
@@ -372,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile the experts (inductor freezing; workers.backends.torch_compile): images as a "
         "compiled worker computes them; pays off from a few thousand images (default %(default)s)",
     )
+    add_batch_invariant_option(p)
     p.add_argument("--float-images", action="store_true", help="store float32 images (default uint8)")
     p.add_argument(
         "--autoencoder",
@@ -437,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=dtype,
             compile=args.compile,
             latent=spec.space == "latent",
+            batch_quantum=args.batch_quantum,
         )
         if codec is not None:  # latents -> images, as the fleet's decoder stage does
             images = codec.decode(images)
@@ -452,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "device": args.device,
             "dtype": dtype,
             "compile": args.compile,
+            "batch_quantum": args.batch_quantum,
             "decoded_by": None if codec is None else codec.content_hash,
             "seconds": round(time.perf_counter() - start, 2),
         }

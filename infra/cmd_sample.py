@@ -29,6 +29,7 @@ import sys
 
 from bus.options import add_dtype_option, add_solver_option
 from client.guidance import guidance_scale
+from workers.config import add_batch_invariant_option
 
 
 def parse_classes(text: str) -> list[int]:
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="latent experts: the autoencoder that decodes them (default: autoencoder.safetensors or vae/ beside "
         "the first checkpoint; must be the one the spec names)",
     )
+    add_batch_invariant_option(parser)
 
 
 def sample_oracle(
@@ -109,33 +111,35 @@ def sample_oracle(
     dtype: str = "float32",
     guidance: float = 1.0,
     check=None,
+    batch_quantum: int = 0,
 ):
     """-> (samples float32 [len(classes)*per_class, C, H, W] in model range, labels int64, expert ids int64,
     the experts' model spec). [C, H, W] is the spec's sample shape (latents, for latent experts).
 
-    Rows are grouped class by class; each class uses the expert whose partition lists it. `dtype`
-    "bfloat16" runs the experts under bfloat16 autocast on the CPU ("auto": `models.precision`).
+    Rows are grouped class by class; each class uses the expert whose partition lists it. The experts run
+    in the worker's torch backend, as a CPU worker computes them: `dtype` "bfloat16" under bfloat16 autocast
+    ("auto": `models.precision`), `batch_quantum` > 1 batch-invariant (`--batch-invariant`).
     `guidance` s != 1: each row's velocity is v(x, null) + s (v(x, y) - v(x, null)), its null twin in the
     same forward (`flow.guidance.guided_velocity`); ValueError when the experts have no null label.
     `check(spec)`: called once the spec is known, before the first step (raise to refuse).
     """
     import numpy as np
-    import torch
     from tqdm import tqdm
 
+    from coordinator.local_fleet import load_backends
     from flow.guidance import guided_velocity
     from flow.solver import sample
-    from models.checkpoint import load_torch_model
-    from models.precision import resolve_dtype
-    from models.spec import spec_of
     from schemas.spec import fleet_spec
+    from workers.backends import BackendError
 
-    models, owner, specs = [], {}, {}
-    for i, path in enumerate(checkpoints):
-        model, meta = load_torch_model(path)
-        models.append(model)
-        specs[f"expert {i} ({path})"] = spec_of(meta, where=str(path))
-        for c in meta.get("partition", {}).get("classes", []):
+    try:
+        models = load_backends(checkpoints, "torch", dtype=dtype, batch_quantum=batch_quantum)
+    except BackendError as err:
+        raise ValueError(str(err)) from None
+    owner, specs = {}, {}
+    for i, (path, model) in enumerate(zip(checkpoints, models)):
+        specs[f"expert {i} ({path})"] = model.spec
+        for c in model.meta.get("partition", {}).get("classes", []):
             owner.setdefault(int(c), i)
     spec = fleet_spec(specs)  # SpecError (a ValueError) when the experts disagree
     missing = [c for c in classes if c not in owner]
@@ -154,22 +158,12 @@ def sample_oracle(
     which = np.asarray([owner[int(c)] for c in y], np.int64)
     x = np.random.default_rng(seed).standard_normal((len(y), *spec.sample_shape)).astype(np.float32)
 
-    bf16 = resolve_dtype(dtype, backend="torch", device="cpu") == "bfloat16"
-
-    def forward(model):
-        def run(xb, tb, yb):
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                v = model(torch.from_numpy(xb), torch.from_numpy(tb), torch.from_numpy(np.asarray(yb, np.int64)))
-            return v.float().numpy()
-
-        return run
-
     def velocity(xb, tb, yb):
         out = np.empty_like(xb)
         for k, model in enumerate(models):
             rows = np.nonzero(which == k)[0]
             if len(rows):
-                out[rows] = guided_velocity(forward(model), xb[rows], tb[rows], yb[rows], guidance)
+                out[rows] = guided_velocity(model.forward, xb[rows], tb[rows], yb[rows], guidance)
         return out
 
     with tqdm(total=steps, desc=f"sampling ({solver})", disable=not progress, unit="step") as bar:
@@ -212,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=getattr(args, "dtype", "auto"),
             guidance=guidance,
             check=check,
+            batch_quantum=args.batch_quantum,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"sample: error: {e}", file=sys.stderr)
@@ -241,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(getattr(args, "dtype", "auto"), backend="torch", device="cpu")
     extra = (f", guidance {guidance:g}" if guidance != 1.0 else "") + (", decoded" if codec else "")
+    extra += f", batch-invariant ({args.batch_quantum} rows)" if args.batch_quantum else ""
     print(f"wrote {path} ({len(classes)} classes x {args.per_class}, {args.solver} {args.steps} steps, {dtype}{extra})")
     return 0
 

@@ -141,7 +141,9 @@ class Batcher:
 
     observer(rows, bucket, compute_s) is called after every pass (for metrics). forward_s:
     {bucket: seconds} of a warm forward (the backend's `warmup_s`), the start of the cost
-    estimates `merge="auto"` decides with.
+    estimates `merge="auto"` decides with. quantum: an unpadded backend computes rows in multiples of
+    this (a batch-invariant one, `BackendBase.make_batch_invariant`): the costs and the observer's
+    `bucket` count the rows it computes.
     """
 
     def __init__(
@@ -156,8 +158,10 @@ class Batcher:
         forward_s: Mapping[int, float] | None = None,
         merge: str = "auto",
         pad: bool = True,
+        quantum: int = 1,
     ):
         self.buckets, self.max_batch = plan_buckets(buckets, max_batch)
+        self.quantum = max(1, int(quantum))
         if merge not in MERGE_MODES:
             raise ValueError(f"merge must be one of {', '.join(MERGE_MODES)}, got {merge!r}")
         self.merge = merge
@@ -281,16 +285,20 @@ class Batcher:
         if self.pad:
             return cost[both] <= (1.0 - MERGE_MARGIN) * (cost[now] + cost[alone])
         # unpadded: n rows cost about their share of their bucket's estimate
-        share = lambda n, b: cost[b] * n / b  # noqa: E731
+        share = lambda n, b: cost[b] * self._computed(n) / b  # noqa: E731
         return share(rows + more, both) <= (1.0 - MERGE_MARGIN) * (share(rows, now) + share(more, alone))
 
     def _observe_cost(self, rows: int, compute_s: float) -> None:
         """Fold one pass's time into its bucket's estimate (an unpadded pass scaled up to the bucket)."""
         bucket = bucket_for(rows, self.buckets)
         if not self.pad:
-            compute_s *= bucket / rows
+            compute_s *= bucket / self._computed(rows)
         old = self.cost_s.get(bucket)
         self.cost_s[bucket] = compute_s if old is None else (1.0 - COST_EWMA) * old + COST_EWMA * compute_s
+
+    def _computed(self, rows: int) -> int:
+        """Rows an unpadded backend computes for `rows` (up to a multiple of the quantum)."""
+        return -(-rows // self.quantum) * self.quantum
 
     def _run_model(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
@@ -333,7 +341,7 @@ class Batcher:
             self._observe_cost(rows if not self.pad else bucket, compute_s)
             if self._observer is not None:
                 try:
-                    self._observer(rows, bucket, compute_s)
+                    self._observer(rows, bucket if self.pad else self._computed(rows), compute_s)
                 except Exception:  # metrics must never break serving
                     log.exception("batch observer failed")
             offset = 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from schemas.limits import MAX_STEP_ROWS
 
+from .backends.base import DEFAULT_BATCH_QUANTUM, MAX_BATCH_QUANTUM
 from .backends.torch_compile import COMPILE_CHOICES, check_compile
 from .metrics_http import DEFAULT_METRICS_HOST
 
@@ -73,6 +74,30 @@ def plan_buckets(buckets: str | Sequence[int], max_batch: int | None) -> tuple[t
     return tuple(b for b in buckets if b <= cap), max_batch
 
 
+def add_batch_invariant_option(parser, *, default: int = 0, help: str | None = None) -> None:
+    """`--batch-invariant` (a batch quantum of DEFAULT_BATCH_QUANTUM rows) and `--batch-quantum ROWS` (another
+    one; 0: off) into `batch_quantum`, as every command that runs experts spells them
+    (`workers.backends.base.BackendBase.make_batch_invariant`)."""
+    parser.add_argument(
+        "--batch-invariant",
+        dest="batch_quantum",
+        action="store_const",
+        const=DEFAULT_BATCH_QUANTUM,
+        default=default,
+        help=help
+        or "compute every forward at a multiple of %(const)s rows, as a `ddm-fleet worker --batch-invariant` "
+        "does, so the images are such a fleet's bit for bit (same dtype and compile setting); checked at start",
+    )
+    parser.add_argument(
+        "--batch-quantum",
+        type=int,
+        default=argparse.SUPPRESS,
+        metavar="ROWS",
+        help=f"--batch-invariant with another multiple of rows (default {DEFAULT_BATCH_QUANTUM}; 0: off), for a "
+        "host whose kernels need a larger one",
+    )
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Serving options of one expert worker. Units: rows are batch rows (images); seconds are `_s`.
@@ -90,7 +115,9 @@ class WorkerConfig:
     reconnect_wait_s: seconds between tries.
     threads (torch: intra-op CPU threads), compile (torch: "auto" | "on" | "off",
     `workers.backends.torch_compile`), xla_cache (xla: compile cache directory), sim_preset /
-    sim_batch_ms / sim_row_ms (sim: latency model): backend options, see `backend_options`."""
+    sim_batch_ms / sim_row_ms (sim: latency model): backend options, see `backend_options`.
+    batch_quantum: > 1 makes the worker batch-invariant (every forward padded to a multiple of this many rows,
+    checked at start: `workers.backends.base.BackendBase.make_batch_invariant`); 0: off."""
 
     backend: str = "torch"
     device: str | None = None
@@ -111,6 +138,7 @@ class WorkerConfig:
     sim_preset: str | None = None
     sim_batch_ms: float | None = None
     sim_row_ms: float | None = None
+    batch_quantum: int = 0
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -150,6 +178,8 @@ class WorkerConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or None: torch's default), got {self.threads}")
         fix("compile", check_compile(self.compile))
+        if not 0 <= self.batch_quantum <= MAX_BATCH_QUANTUM:
+            raise ValueError(f"batch_quantum must be 0 (off) to {MAX_BATCH_QUANTUM} rows, got {self.batch_quantum}")
         sim = {"sim_preset": self.sim_preset, "sim_batch_ms": self.sim_batch_ms, "sim_row_ms": self.sim_row_ms}
         if self.backend != "sim" and any(v is not None for v in sim.values()):
             raise ValueError("--sim-preset / --sim-batch-ms / --sim-row-ms need --backend sim")
@@ -232,6 +262,7 @@ class WorkerConfig:
             ("--sim-preset", self.sim_preset),
             ("--sim-batch-ms", self.sim_batch_ms),
             ("--sim-row-ms", self.sim_row_ms),
+            ("--batch-quantum", self.batch_quantum or None),
         ):
             if value is not None:
                 argv += [flag, str(value)]
@@ -373,6 +404,14 @@ class WorkerConfig:
             "eager forward on an AMX CPU; 20-40 s of compiling at start-up, before the worker subscribes). "
             "auto: on for a CPU where a C++ compiler is found, off on CUDA; $DDM_FLEET_COMPILE=on|off sets "
             "what auto means on a host (default %(default)s)",
+        )
+        add_batch_invariant_option(
+            g,
+            default=d["batch_quantum"],
+            help="compute every forward at a multiple of %(const)s rows, so that an image's velocities do not "
+            "depend on the other jobs' rows batched beside it: a seeded job's images repeat bit for bit however "
+            "busy the fleet, and match `ddm-fleet sample --batch-invariant`. Checked at start; costs the padding "
+            "(a lone row costs what %(const)s do, a busy worker's batches nearly nothing)",
         )
         g.add_argument(
             "--xla-cache",

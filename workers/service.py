@@ -46,8 +46,10 @@ computes in: float32 or bfloat16; `precision` is its older name), buckets,
 max_batch, input_shape, num_classes, null_label ("true" only when the model has one), protocol, version,
 worker_id, host, pid, checkpoint, subject, direct_subject, run_ahead (the most further steps one request
 may ask it to run ahead: `StepRequest.ahead_t`, answered with up to that many more replies), guidance
-("true": it serves `StepRequest.guidance`, classifier-free guidance). Every value is a string (the micro
-protocol's metadata is a map of strings); docs/PROTOCOL.md section 2.2 gives each key's format.
+("true": it serves `StepRequest.guidance`, classifier-free guidance), batch_quantum (only when it runs
+batch-invariant, `--batch-invariant`: every forward computes a multiple of that many rows). Every value
+is a string (the micro protocol's metadata is a map of strings); docs/PROTOCOL.md section 2.2 gives each
+key's format.
 
 Classifier-free guidance (`StepRequest.guidance`, a scale per row): each row with a scale other than 1
 and a known label rides in the same forward pass as a twin of itself with y = -1 (the null label), and
@@ -210,6 +212,7 @@ class ExpertWorker:
                 forward_s=getattr(self.backend, "warmup_s", None),
                 merge=self.merge,
                 pad=bool(getattr(self.backend, "pads_to_buckets", True)),
+                quantum=int(getattr(self.backend, "batch_quantum", 0) or 1),
             )
             await self._batcher.start()
             if self.metrics_port is not None:
@@ -247,6 +250,11 @@ class ExpertWorker:
                 f"checkpoint {self.checkpoint} is for expert {ck_expert}, not expert {self.expert}; "
                 f"pass --expert {ck_expert} or the right checkpoint"
             )
+        if self.config.batch_quantum:
+            make = getattr(self.backend, "make_batch_invariant", None)
+            if make is None:
+                raise ValueError(f"the {self._backend_name} backend object cannot be made batch-invariant")
+            make(self.config.batch_quantum)
         self.backend.warmup(self.buckets)
 
     async def _connect(self):

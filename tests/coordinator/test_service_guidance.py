@@ -47,7 +47,7 @@ def ddm(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _in_process(ddm, digits, seed: int, steps: int, solver: str, guidance: float) -> np.ndarray:
+def _in_process(ddm, digits, seed: int, steps: int, solver: str, guidance: float, batch_quantum: int = 0) -> np.ndarray:
     """The in-process sampler's images of one job (`evaluation.sample_inprocess.generate`)."""
     images, _ = generate(
         SampleConfig("g", "ddm", "top1", guidance=guidance),
@@ -60,6 +60,7 @@ def _in_process(ddm, digits, seed: int, steps: int, solver: str, guidance: float
         seed=seed,
         job_size=len(digits),
         dtype="float32",
+        batch_quantum=batch_quantum,
     )
     return images
 
@@ -81,6 +82,34 @@ async def test_a_guided_job_alone_is_the_in_process_samplers_bit_for_bit(nats_ur
     assert np.abs(got["euler"][[0, 1, 3, 4]] - plain[[0, 1, 3, 4]]).max() > 1e-3  # guidance changes the images
     np.testing.assert_allclose(got["euler"][2], plain[2], atol=1e-5)  # the label-unknown row is not guided
     np.testing.assert_array_equal(plain, _in_process(ddm, digits, 11, 3, "euler", 1.0))  # s = 1: as before
+
+
+def _passes_over(workers, rows: int) -> int:
+    """Forward passes of more than `rows` real rows, over all `workers` (their batch-size histograms)."""
+    hists = [w.metrics.snapshot()["batch_size"] for w in workers]
+    return sum(h["count"] - h["buckets"][str(rows)] for h in hists)
+
+
+async def test_batch_invariant_workers_give_guided_jobs_the_in_process_images_amid_other_jobs(nats_url, ddm):
+    """Workers run with --batch-invariant (every forward a multiple of 16 rows): three jobs at once, one
+    cohort, so their rows and null twins share the workers' forward passes in compositions no job alone
+    has; each job's float32 images are still the in-process sampler's (batch-invariant too), computed for
+    that job alone, bit for bit (Heun and Euler, two scales, an unguided job, a label-unknown row)."""
+    jobs = [
+        JobRequest(digits=[1, 6, U, 3, 8], seed=11, steps=3, solver="heun", guidance_scale=SCALE),
+        JobRequest(digits=[2, 9, 0], seed=6, steps=3, guidance_scale=1.0),
+        JobRequest(digits=[7, 7, 4, 5, 0, 1, 2], seed=7, steps=3, guidance_scale=1.5),
+    ]
+    options = {"coordinator_options": {"cohorts": 1}}
+    async with LocalFleet.from_dir(ddm, dtype="float32", nats_url=nats_url, batch_quantum=16, **options) as fleet:
+        alone = (await run_job(fleet.nc, jobs[0], timeout=120)).images
+        assert _passes_over(fleet.workers, 8) == 0  # alone, no expert's pass held more than 8 rows
+        together = await asyncio.gather(*(run_job(fleet.nc, job, timeout=120) for job in jobs))
+        assert _passes_over(fleet.workers, 8) > 0  # together, the jobs' rows shared passes
+    for job, got in zip(jobs, together):
+        want = _in_process(ddm, job.digits, job.seed, 3, job.solver, job.guidance_scale, batch_quantum=16)
+        np.testing.assert_array_equal(got.images, want, err_msg=f"seed {job.seed}")
+    np.testing.assert_array_equal(together[0].images, alone)
 
 
 async def test_a_job_without_a_scale_gets_the_fleets_default_and_an_explicit_one_turns_it_off(nats_url, ddm, tmp_path):

@@ -96,3 +96,18 @@ def test_a_bad_scale_is_an_argparse_error(tmp_path, bad, capsys):
     with pytest.raises(SystemExit) as err:
         _sample(_grey_pair(tmp_path, null_label=True), tmp_path / "g.png", "--guidance", bad)
     assert err.value.code == 2 and "guidance" in capsys.readouterr().err
+
+
+def test_batch_invariant_sampling_gives_an_image_the_same_bits_however_many_share_its_class(tmp_path, capsys):
+    """`sample --batch-invariant`: the first image of a class is the same bit for bit whether it is drawn
+    alone or with 4 more (its noise is the first draw either way), as a batch-invariant worker computes it;
+    the flag reaches the experts (the run prints it)."""
+    from infra.cmd_sample import sample_oracle
+
+    ckpts = _grey_pair(tmp_path, null_label=True)
+    alone, _, _, _ = sample_oracle(ckpts, [3], 1, 2, progress=False, guidance=2.0, batch_quantum=16)
+    among, _, _, _ = sample_oracle(ckpts, [3], 5, 2, progress=False, guidance=2.0, batch_quantum=16)
+    np.testing.assert_array_equal(alone[0], among[0])
+    npz = tmp_path / "b.npz"
+    assert _sample(ckpts, tmp_path / "b.png", "--batch-invariant", "--npz", str(npz)) == 0
+    assert "batch-invariant" in capsys.readouterr().out

@@ -32,6 +32,7 @@ def _parse(argv, defaults=None) -> argparse.Namespace:
         (dict(threads=0), ">= 1"),
         (dict(sim_preset="instant"), "need --backend sim"),
         (dict(backend="sim", sim_row_ms=-0.5), ">= 0 milliseconds"),
+        (dict(batch_quantum=-1), "0 \\(off\\) to 256 rows"),
     ],
 )
 def test_out_of_range_options_say_how_to_fix(kwargs, hint):
@@ -89,6 +90,9 @@ def test_arguments_round_trip_and_defaults():
     )
     # to_argv gives a worker the same config
     assert WorkerConfig.from_args(_parse(c.to_argv())) == c
+    invariant = WorkerConfig.from_args(_parse(["--batch-invariant"]))
+    assert invariant.batch_quantum == 16 and WorkerConfig.from_args(_parse(invariant.to_argv())) == invariant
+    assert WorkerConfig.from_args(_parse(["--batch-quantum", "32"])).batch_quantum == 32
     assert WorkerConfig.from_args(_parse(WorkerConfig().to_argv())) == WorkerConfig()
 
 

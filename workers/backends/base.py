@@ -10,6 +10,14 @@ A backend owns one expert model on one device:
 
 `forward` is blocking and is called from ONE worker thread at a time (the batcher's executor);
 `load` and `warmup` are called once, before serving.
+
+Batch invariance (`make_batch_invariant`, the worker's `--batch-invariant`): a CPU's kernels pick their
+blocking by the batch, so a row's velocity can move in its last bits with the number of rows beside it
+(oneDNN's convolutions and GEMMs: measured on the shipped UNets, float32 and bfloat16, 1 and 2 threads).
+Computed at a multiple of 16 rows they did not (nor with the rows' order or content beside them), so in
+that mode every forward is padded up to a multiple of `batch_quantum` rows and a row's result no longer
+depends on what else is in its batch, at the price of the padding (one row costs what 16 do). The
+switch checks that this host's kernels keep that promise before it returns.
 """
 
 from __future__ import annotations
@@ -43,6 +51,22 @@ class BackendError(RuntimeError):
     """A backend cannot be created or loaded (missing library, bad device, bad checkpoint)."""
 
 
+#: Rows per forward in batch-invariant mode (`BackendBase.make_batch_invariant`): the multiple at which
+#: the shipped models' rows came out the same on this project's CPUs (one AVX-512 vector of float32).
+DEFAULT_BATCH_QUANTUM = 16
+MAX_BATCH_QUANTUM = 256
+
+
+def pad_rows_to(x: np.ndarray, t: np.ndarray, y: np.ndarray, n: int):
+    """(x, t, y) with rows appended up to n, copies of the first row (valid input, whatever the model)."""
+    extra = n - len(x)
+    return (
+        np.concatenate([x, np.repeat(x[:1], extra, axis=0)]),
+        np.concatenate([np.asarray(t), np.repeat(np.asarray(t)[:1], extra)]),
+        np.concatenate([np.asarray(y), np.repeat(np.asarray(y)[:1], extra)]),
+    )
+
+
 class BackendBase:
     """Shared plumbing: checkpoint reading, config, input shape, warm-up loop.
 
@@ -69,6 +93,8 @@ class BackendBase:
         self.config = None  # models.config.UNetConfig or DiTConfig once loaded (`models.arch`)
         self.checkpoint_path: str | None = None
         self.warmup_s: dict[int, float] = {}
+        #: > 1: every forward computes a multiple of this many rows (`make_batch_invariant`); 0: off
+        self.batch_quantum = 0
 
     # ---------------------------------------------------------------- info
 
@@ -125,8 +151,12 @@ class BackendBase:
         return self.dtype
 
     def describe(self) -> dict[str, str]:
-        """String metadata for service discovery (`dtype`; `precision` is its older name, kept for readers)."""
-        return {"backend": self.name, "device": self.device, "dtype": self.dtype, "precision": self.dtype}
+        """String metadata for service discovery (`dtype`; `precision` is its older name, kept for readers;
+        `batch_quantum` when batch-invariant)."""
+        d = {"backend": self.name, "device": self.device, "dtype": self.dtype, "precision": self.dtype}
+        if self.batch_quantum:
+            d["batch_quantum"] = str(self.batch_quantum)
+        return d
 
     def _need_loaded(self) -> None:
         if self.config is None:
@@ -164,8 +194,61 @@ class BackendBase:
     def forward(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         """x float32 [B, C, H, W], t float32 [B], y int64 [B] -> float32 [B, C, H, W]."""
         self._need_loaded()
+        rows, q = len(x), self.batch_quantum
+        if q > 1 and rows % q:
+            x, t, y = pad_rows_to(x, t, y, rows + q - rows % q)
         out = self._forward(x, t, y)
-        return np.ascontiguousarray(out, dtype=np.float32)
+        return np.ascontiguousarray(out[:rows] if len(out) != rows else out, dtype=np.float32)
+
+    def make_batch_invariant(self, quantum: int = DEFAULT_BATCH_QUANTUM) -> None:
+        """From now on compute every forward at a multiple of `quantum` rows (see the module docstring),
+        after checking on probe rows that this host's kernels give each row the same bits at several
+        multiples, in another order and beside other rows; BackendError (saying which sizes differed)
+        if not, and the backend is left as it was. quantum 0 or 1 turns the mode off."""
+        self._need_loaded()
+        quantum = int(quantum)
+        if quantum < 0 or quantum > MAX_BATCH_QUANTUM:
+            raise BackendError(f"batch quantum must be 0 (off) to {MAX_BATCH_QUANTUM} rows, got {quantum}")
+        before, self.batch_quantum = self.batch_quantum, quantum if quantum > 1 else 0
+        if not self.batch_quantum:
+            return
+        try:
+            differ = self._batch_variance(quantum)
+        except BaseException:
+            self.batch_quantum = before
+            raise
+        if differ:
+            self.batch_quantum = before
+            raise BackendError(
+                f"{self.name} backend on {self.device} ({self.dtype}): a row's velocity changes with its batch "
+                f"even at multiples of {quantum} rows ({'; '.join(differ)}), so it cannot serve batch-invariant "
+                f"here; try a larger quantum (a multiple of {quantum})"
+            )
+        log.info("%s backend batch-invariant: every forward padded to a multiple of %d rows", self.name, quantum)
+
+    def _batch_variance(self, q: int) -> list[str]:
+        """What differs among probe rows computed at q, 2q and 4q rows, in reverse order and beside other
+        rows (each a short description), with padding on (`batch_quantum` set); [] if nothing."""
+        c, h, w = self.input_shape
+        rng = np.random.default_rng(20261129)
+        n = 4 * q
+        x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+        t = rng.random(n).astype(np.float32)
+        low = -1 if self.null_label else 0
+        y = rng.integers(low, self.num_classes, n).astype(np.int64)
+        full = self.forward(x, t, y)
+        differ = []
+        for rows in (1, q - 1, q, 2 * q + 1):
+            if rows >= 1 and not np.array_equal(self.forward(x[:rows], t[:rows], y[:rows]), full[:rows]):
+                differ.append(f"{rows} rows alone vs the same rows among {n}")
+        back = self.forward(x[::-1].copy(), t[::-1].copy(), y[::-1].copy())[::-1]
+        if not np.array_equal(back, full):
+            differ.append(f"{n} rows in reverse order")
+        other = x.copy()
+        other[q:] = rng.standard_normal(other[q:].shape).astype(np.float32)
+        if not np.array_equal(self.forward(other, t, y)[:q], full[:q]):
+            differ.append(f"{q} rows beside {n - q} other rows")
+        return differ
 
     def warmup(self, buckets: Iterable[int]) -> None:
         """Run every bucket shape twice: the first pass pays the one-off costs (compiling, autotuning,
