@@ -71,3 +71,10 @@ async def private_request(nc, subject: str, payload: bytes = b"", *, timeout: fl
     if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
         raise nats.errors.NoRespondersError
     return msg
+
+
+async def respond(msg, data: bytes, headers: dict[str, str] | None = None) -> None:
+    """Answer `msg` on its reply subject with `data` and exactly `headers` (None: none). nats-py's
+    `Msg.respond` sends the request's own headers back with the reply; the answer's headers are ours."""
+    msg.headers = dict(headers) if headers else None
+    await msg.respond(data)

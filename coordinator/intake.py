@@ -59,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol
 
+from bus.inbox import respond
 from bus.ratelimited_log import RateLimitedLog
 from schemas import (
     CancelReply,
@@ -77,7 +78,7 @@ from schemas import (
     subjects,
     unpack,
 )
-from schemas.errors import shown
+from schemas.errors import RETRY_AFTER_HEADER, shown
 
 from .rate_limit import TokenBuckets
 from .scheduler import Rejected
@@ -159,6 +160,11 @@ class IntakeHost(Protocol):
     async def learn_images(self) -> None: ...
 
 
+def _retry_after(seconds: float | None) -> dict[str, str] | None:
+    """The RETRY_AFTER_HEADER of a refusal for the rate (at least 0.01 s, as its message says), else None."""
+    return None if seconds is None else {RETRY_AFTER_HEADER: f"{max(seconds, 0.01):.2f}"}
+
+
 def _per_client(rate: float | None) -> TokenBuckets | None:
     """Token buckets of `rate` per second per client, bursts of 2 s worth (at least 1); None: no limit."""
     return TokenBuckets(rate, max(1.0, 2 * rate)) if rate else None
@@ -218,10 +224,11 @@ class Intake:
         it): nobody may direct a reply there."""
         return any(reply.startswith(prefix.rstrip(".") + ".") for prefix in self.coord.own_inbox_prefixes())
 
-    async def _reply(self, msg, message) -> None:
+    async def _reply(self, msg, message, retry_after_s: float | None = None) -> None:
+        """Answer `msg` with `message`; `retry_after_s`: a refusal for the rate, said in RETRY_AFTER_HEADER."""
         if msg.reply:
             try:
-                await msg.respond(pack(message))
+                await respond(msg, pack(message), _retry_after(retry_after_s))
             except Exception:
                 log.exception("reply failed")
 
@@ -239,10 +246,10 @@ class Intake:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    def _refused(self, msg, code: ErrorCode, reason: str):
+    def _refused(self, msg, code: ErrorCode, reason: str, retry_after_s: float | None = None):
         self.rejected_unread += 1
         self.coord.metrics.rejected(code)
-        return self._reply(msg, JobRejected(code=code, reason=reason))
+        return self._reply(msg, JobRejected(code=code, reason=reason), retry_after_s)
 
     def _over_rate(self, buckets: TokenBuckets | None, client: str, kind: str) -> float:
         """0.0 if `client` may make one more request of this kind now, else seconds to wait."""
@@ -273,11 +280,13 @@ class Intake:
         if cached is None or cached[0] <= now:
             if len(self._limited_replies) >= MAX_LIMITED_REPLIES:
                 self._limited_replies.clear()
-            message = self._too_fast(what, who, self.coord.settings.status_rate, wait + LIMITED_REPLY_REUSE_S)
-            cached = (now + LIMITED_REPLY_REUSE_S, pack(ErrorReply(code=ErrorCode.RATE_LIMITED, message=message)))
+            wait += LIMITED_REPLY_REUSE_S
+            message = self._too_fast(what, who, self.coord.settings.status_rate, wait)
+            data = pack(ErrorReply(code=ErrorCode.RATE_LIMITED, message=message))
+            cached = (now + LIMITED_REPLY_REUSE_S, data, _retry_after(wait))
             self._limited_replies[(kind, client)] = cached
         try:
-            await msg.respond(cached[1])
+            await respond(msg, cached[1], cached[2])
         except Exception:
             log.exception("reply failed")
 
@@ -347,7 +356,7 @@ class Intake:
         wait = self._over_rate(self._submits, client, "submit")
         if wait:
             reason = self._too_fast("submits", client, self.coord.settings.submit_rate, wait)
-            await self._refused(msg, ErrorCode.RATE_LIMITED, reason)
+            await self._refused(msg, ErrorCode.RATE_LIMITED, reason, wait)
             return
         try:
             request = self.coord.with_fleet_defaults(unpack(msg.data, JobRequest))
@@ -426,7 +435,7 @@ class Intake:
                 return CancelReply(job_id=job_id, cancelled=False, reason=reason)
 
             if msg.reply:  # a reply names its job: built each time (still no body read, nothing done)
-                await self._reply(msg, limited(wait))
+                await self._reply(msg, limited(wait), wait)
             return
         if msg.data:
             try:
@@ -493,7 +502,7 @@ class Intake:
                         f"too many finished jobs' results asked again by client {client!r} (limit "
                         f"{REPUBLISH_RATE:g} per second); retry in a second"
                     )
-                    await self._reply(msg, ErrorReply(code=ErrorCode.RATE_LIMITED, message=message))
+                    await self._reply(msg, ErrorReply(code=ErrorCode.RATE_LIMITED, message=message), 1.0)
                     return
                 if again:
                     self.republished += 1

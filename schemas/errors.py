@@ -11,6 +11,11 @@ import reprlib
 from enum import Enum
 from typing import Any
 
+#: NATS header of a `rate_limited` answer (an `error` reply, a `rejected` submit, a refused cancel): the
+#: seconds, a decimal number ("0.50"), after which the same request would be let through. In a header, so
+#: the msgpack body stays what clients that predate it read.
+RETRY_AFTER_HEADER = "Ddm-Retry-After"
+
 #: What a code looks like on the wire (known or not): lowercase snake_case, at most 64 characters.
 _CODE_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
 

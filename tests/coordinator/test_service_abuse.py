@@ -37,6 +37,7 @@ from schemas import (
     subjects,
     unpack,
 )
+from schemas.errors import RETRY_AFTER_HEADER
 from schemas.messages import Message
 from tests.waiting import wait_until
 
@@ -77,8 +78,17 @@ def _coordinator(nats_url, **kw) -> Coordinator:
     return Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, **kw)
 
 
-async def _request(nc, subject: str, data: bytes, kind: type[Message] = SubmitReply, timeout: float = 10):
-    return unpack((await nc.request(subject, data, timeout=timeout)).data, kind)
+async def _request(nc, subject: str, data: bytes, kind: type[Message] = SubmitReply, timeout: float = 10, seen=None):
+    """The reply, unpacked as `kind`; its NATS headers appended to `seen` when given."""
+    msg = await nc.request(subject, data, timeout=timeout)
+    if seen is not None:
+        seen.append(msg.headers)
+    return unpack(msg.data, kind)
+
+
+def _retry_after(headers) -> float:
+    """The seconds a `rate_limited` answer says to wait (RETRY_AFTER_HEADER, a decimal number)."""
+    return float((headers or {})[RETRY_AFTER_HEADER])
 
 
 # ---------------------------------------------------------------- quotas on the client, not its sessions
@@ -220,11 +230,15 @@ async def test_status_requests_do_not_republish_a_result_each_and_are_rate_limit
             inbox = nc.new_inbox()
             replies: list = []
 
+            waits: list = []
+
             async def on_reply(msg):
                 try:
                     replies.append(unpack(msg.data, JobStatus))
+                    assert not msg.headers  # only a refusal for the rate carries a header
                 except ProtocolError:
                     replies.append(unpack(msg.data, ErrorReply))
+                    waits.append(_retry_after(msg.headers))
 
             await nc.subscribe(inbox, cb=on_reply)
             await nc.flush()
@@ -239,11 +253,15 @@ async def test_status_requests_do_not_republish_a_result_each_and_are_rate_limit
             assert set(states) == {"done"} and 100 <= len(states) <= 101 + 50 * took, (len(states), took)
             assert limited and {r.code for r in limited} == {ErrorCode.RATE_LIMITED}
             assert "retry in" in limited[0].message
+            # the wait, machine-readable: the message's "retry in" as a header, 0.01-2 s at 50/s
+            assert len(waits) == len(limited) and all(0.01 <= w <= 2.0 for w in waits), waits
+            assert f"retry in {waits[0]:.2f} s" in limited[0].message
             assert 1 <= len(republished) <= 1 + took / 2 and republished[0] > 64 * 1024 * 4  # the whole result
             assert coord.metrics.sample("ddm_coordinator_requests_rate_limited_total", kind="status") == len(limited)
             # another client's status request is answered meanwhile
-            other = await _request(nc, subjects.job_status("b", "big"), b"", JobStatus)
-            assert other.state == "unknown"
+            asked = await nc.request(subjects.job_status("b", "big"), b"", timeout=10, headers={"X-Mine": "1"})
+            assert unpack(asked.data, JobStatus).state == "unknown"
+            assert not asked.headers  # a reply never echoes the request's headers
             # a client that missed the result asks again later: published again (docs/PROTOCOL.md step 7)
             await asyncio.sleep(2.1)
             st = await _request(nc, subjects.job_status("a", "big"), b"", JobStatus)
@@ -262,8 +280,9 @@ async def test_submits_are_rate_limited_per_client(nats_url, nc, tiny_experts):
     try:
         async with _coordinator(nats_url) as coord:
             t0 = time.monotonic()
+            seen: list = []
             replies = await asyncio.gather(
-                *(_request(nc, subjects.jobs_submit("flood"), b"\xc1not msgpack") for _ in range(150))
+                *(_request(nc, subjects.jobs_submit("flood"), b"\xc1not msgpack", seen=seen) for _ in range(150))
             )
             took = time.monotonic() - t0  # the bucket refills at 50/s meanwhile
             codes = [r.code for r in replies]
@@ -272,6 +291,8 @@ async def test_submits_are_rate_limited_per_client(nats_url, nc, tiny_experts):
             assert 100 <= read <= 101 + 50 * took, (read, took)
             limited = next(r for r in replies if r.code == ErrorCode.RATE_LIMITED)
             assert "'flood'" in limited.reason and "limit 50 per second" in limited.reason
+            waits = [_retry_after(h) for h in seen if h]
+            assert len(waits) == codes.count(ErrorCode.RATE_LIMITED) and all(0.01 <= w <= 2.0 for w in waits)
             done = await run_job(nc, JobRequest(digits=[1], steps=2, seed=3), client="calm")
             assert done.images.shape[0] == 1
             assert coord.status().jobs_rejected == 150
@@ -313,11 +334,13 @@ async def main(url, n):
     nc = await nats.connect(url, name="flooder", inbox_prefix="_INBOX_flood")
     replies = {"cancel": 0, "status": 0, "fleet": 0}
     limited = dict(replies)
+    timed = dict(replies)  # rate_limited answers that say when to retry (the Ddm-Retry-After header)
 
     def counter(kind):
         async def on_reply(msg):
             replies[kind] += 1
             limited[kind] += b"rate_limited" in msg.data
+            timed[kind] += b"rate_limited" in msg.data and 0 < float((msg.headers or {}).get("Ddm-Retry-After", 0))
         return on_reply
 
     for kind in replies:
@@ -333,7 +356,7 @@ async def main(url, n):
     end = time.monotonic() + 20
     while sum(replies.values()) < 3 * n and time.monotonic() < end:
         await asyncio.sleep(0.05)
-    print(json.dumps({"published_s": took, "replies": replies, "limited": limited}))
+    print(json.dumps({"published_s": took, "replies": replies, "limited": limited, "timed": timed}))
     await nc.close()
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2])))
@@ -380,6 +403,7 @@ async def test_a_flood_of_cancels_and_status_requests_is_rate_limited_and_jobs_k
                 f"gap since {max(during):.3f} s; replies {got['replies']}, rate_limited {limited}"
             )
             assert all(limited[k] > 0 for k in limited), limited
+            assert got["timed"] == limited  # every refusal says when to retry
             for kind, name in (("cancel", "cancel"), ("status", "status"), ("fleet", "fleet_status")):
                 assert coord.metrics.sample("ddm_coordinator_requests_rate_limited_total", kind=name) >= limited[kind]
             assert max(during) < 3.0, max(during)
