@@ -62,6 +62,7 @@ import time
 from bus.options import add_dtype_option, add_solver_option
 from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
+from workers.config import add_batch_invariant_option
 
 from . import cpu_account, step_profile
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
@@ -180,6 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch: compile the experts (torch.compile, inductor freezing) in the workers, the ceiling and the "
         "forward-only limit alike; auto = on for a CPU with a C++ compiler ($DDM_FLEET_COMPILE=on|off "
         "overrides; workers.backends.torch_compile) (default %(default)s)",
+    )
+    add_batch_invariant_option(
+        parser,
+        help="batch-invariant experts (`ddm-fleet worker --batch-invariant`: every forward at a multiple of "
+        "%(const)s rows) in the workers, the ceiling and the forward-only limit alike: what reproducible "
+        "images under load cost",
     )
     parser.add_argument(
         "--device",
@@ -515,7 +522,13 @@ def _forward_limit(args, models) -> dict | None:
         torch.set_num_threads(1)
     try:
         backends = load_backends(
-            models["experts"], backend_name, dtype=args.dtype, buckets=(), device=device, compile=args.compile
+            models["experts"],
+            backend_name,
+            dtype=args.dtype,
+            buckets=(),
+            device=device,
+            compile=args.compile,
+            batch_quantum=getattr(args, "batch_quantum", 0),
         )
         rng = np.random.default_rng(0)
         experts = []
@@ -623,6 +636,7 @@ async def _ceiling(args, models) -> dict:
         buckets=buckets,
         device=getattr(args, "device", None),
         compile=args.compile,
+        batch_quantum=getattr(args, "batch_quantum", 0),
     )
     waiting: dict[str, asyncio.Future] = {}
     codec = None
@@ -870,6 +884,8 @@ async def _fleet(args, models) -> dict:
                     cmd += ["--compile", args.compile] if getattr(args, "backend", "torch") == "torch" else []
                     cmd += ["--backend", getattr(args, "backend", "torch")]
                     cmd += ["--device", args.device] if getattr(args, "device", None) else []
+                    quantum = getattr(args, "batch_quantum", 0)
+                    cmd += ["--batch-quantum", str(quantum)] if quantum else []
                     cmd += ["--threads", str(args.threads)] if args.threads else []
                     children.append(await Child.start(f"worker{i}" + (f".{j}" if per > 1 else ""), cmd))
             if models.get("autoencoder"):  # a latent fleet: one decoder process turns final latents into images
@@ -1063,6 +1079,7 @@ async def bench_fleet(args) -> dict:
         "stream": not args.no_stream,
         "dtype": args.dtype,
         "compile": args.compile,
+        "batch_quantum": getattr(args, "batch_quantum", 0),
         "backend": getattr(args, "backend", "torch"),
         "device": getattr(args, "device", None) or "default",
         "threads": args.threads,
