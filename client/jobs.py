@@ -82,6 +82,9 @@ class _NoSubmitReply(JobFailed):
     """The submit got no reply in time: the coordinator may have taken the job all the same."""
 
 
+# ---------------------------------------------------------------- client names
+
+
 def new_job_id() -> str:
     return "j" + secrets.token_hex(8)
 
@@ -139,6 +142,9 @@ def _client(nc, client: str | None) -> str:
     return subjects.check_client(client) if client is not None else client_of(nc)
 
 
+# ---------------------------------------------------------------- one request each: submit, cancel, status
+
+
 async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: str | None = None) -> JobAccepted:
     """Submit only, as `client` (default `client_of(nc)`; the caller subscribes to the job's events
     itself, first). Raises JobFailed if refused."""
@@ -179,6 +185,18 @@ async def cancel_job(nc, job_id: str, *, timeout: float = 5.0, client: str | Non
         return False
 
 
+async def publish_cancel(nc, job_id: str, client: str) -> None:
+    """Publish `client`'s cancel of `job_id` without waiting for a reply (for a coordinator that may not
+    answer, or a caller that does not wait)."""
+    await nc.publish(subjects.job_cancel(client, job_id), pack(CancelRequest(job_id=job_id)))
+
+
+async def _send_cancel(nc, job_id: str, client: str) -> None:
+    """Publish a cancel and flush: the server has it once this returns."""
+    await publish_cancel(nc, job_id, client)
+    await nc.flush(timeout=2)
+
+
 async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | None = None) -> JobStatus:
     """What the coordinators know of `client`'s job (default `client_of(nc)`; JobStatus, state
     "unknown" if none has it, or if it is another client's).
@@ -189,6 +207,24 @@ async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | Non
     if st.job_id != job_id:
         raise ProtocolError(ErrorCode.BAD_REPLY, f"the status reply names job {st.job_id!r}, not {job_id!r}")
     return st
+
+
+async def unsubscribe_quietly(sub) -> None:
+    """Unsubscribe `sub`; nothing when that fails (the connection closed already: so is the subscription)."""
+    try:
+        await sub.unsubscribe()
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------- is the job lost?
+
+
+def probe_timeout(probe_every: float | None) -> float:
+    """How long one status probe of a job asked about every `probe_every` s reads answers: that interval,
+    but at least 1 s (coordinators that do not hold the job say "unknown" after half a second; its owner's
+    answer may come later) and at most 5 s (JobProbe's `timeout`, for run_job and the web session alike)."""
+    return max(1.0, min(2.0 if probe_every is None else probe_every, 5.0))
 
 
 class JobProbe:
@@ -396,6 +432,19 @@ class JobProbe:
         return True
 
 
+def _refusal(data: bytes) -> ProtocolError | None:
+    """The coordinator's `error` reply to a status request (e.g. `rate_limited`) as a ProtocolError
+    with its code, or None if `data` is not one."""
+    try:
+        reply = unpack(data, ErrorReply, ignore_unknown=True)
+    except ProtocolError:
+        return None
+    return ProtocolError(reply.code, reply.message)
+
+
+# ---------------------------------------------------------------- run_job: submit and follow to the end
+
+
 async def run_job(
     nc,
     request: JobRequest,
@@ -476,12 +525,6 @@ def _with_job_fields(request: JobRequest, report_epoch: bool) -> JobRequest:
     return request
 
 
-def probe_timeout(probe_every: float | None) -> float:
-    """How long one status probe of a job followed with `probe_every` reads answers: as long as the
-    interval, within 1-5 s (a busy coordinator gets a second; a lost one costs a follower at most 5 s)."""
-    return max(1.0, min(2.0 if probe_every is None else probe_every, 5.0))
-
-
 class _EventInbox:
     """One job's event messages, handed from the subscription's callback (`put`) to the task that follows
     the job (`next`). Waiting costs one future (and a timer when a limit applies) per wait, where
@@ -519,7 +562,7 @@ class _EventInbox:
 
     def pending(self) -> bool:
         """Whether messages came that were not read yet (here, or still in the subscription's queue)."""
-        return bool(self._messages) or bool(self.sub is not None and self.sub.pending_msgs)
+        return bool(self._messages or self.sub.pending_msgs)
 
     def holds_accepted(self) -> bool:
         """Whether the job's `accepted` event is among the unread messages (undecodable ones skipped)."""
@@ -678,34 +721,7 @@ async def _call(callback: Callable[[Any], Any] | None, ev: Any) -> None:
             await out
 
 
-def _refusal(data: bytes) -> ProtocolError | None:
-    """The coordinator's `error` reply to a status request (e.g. `rate_limited`) as a ProtocolError
-    with its code, or None if `data` is not one."""
-    try:
-        reply = unpack(data, ErrorReply, ignore_unknown=True)
-    except ProtocolError:
-        return None
-    return ProtocolError(reply.code, reply.message)
-
-
-async def publish_cancel(nc, job_id: str, client: str) -> None:
-    """Publish `client`'s cancel of `job_id` without waiting for a reply (for a coordinator that may not
-    answer, or a caller that does not wait)."""
-    await nc.publish(subjects.job_cancel(client, job_id), pack(CancelRequest(job_id=job_id)))
-
-
-async def _send_cancel(nc, job_id: str, client: str) -> None:
-    """Publish a cancel and flush: the server has it once this returns."""
-    await publish_cancel(nc, job_id, client)
-    await nc.flush(timeout=2)
-
-
-async def unsubscribe_quietly(sub) -> None:
-    """Unsubscribe `sub`; nothing when that fails (the connection closed already: so is the subscription)."""
-    try:
-        await sub.unsubscribe()
-    except Exception:
-        pass
+# ---------------------------------------------------------------- the fleet
 
 
 async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False, image_spec: bool = False) -> FleetStatus:
