@@ -90,6 +90,11 @@ class EpochFilter:
         self.highest = epoch
         return True
 
+    def owner_accepted(self, accepted: Any) -> None:
+        """The submit reply (`JobAccepted`) names the first owner's epoch, as its `accepted` event does:
+        events of a lower one are stale even before that event arrives."""
+        self.highest = max(self.highest, epoch_of(accepted))
+
     def admit_status(self, status: Any) -> bool:
         """False when a `job_status` answer comes from an owner that has lost the job (its epoch is lower
         than the highest seen: never act on it); True otherwise, raising the highest epoch to its own (the

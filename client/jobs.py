@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import secrets
@@ -79,6 +80,9 @@ class JobFailed(Exception):
 
 class _NoSubmitReply(JobFailed):
     """The submit got no reply in time: the coordinator may have taken the job all the same."""
+
+
+# ---------------------------------------------------------------- client names
 
 
 def new_job_id() -> str:
@@ -138,6 +142,9 @@ def _client(nc, client: str | None) -> str:
     return subjects.check_client(client) if client is not None else client_of(nc)
 
 
+# ---------------------------------------------------------------- one request each: submit, cancel, status
+
+
 async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: str | None = None) -> JobAccepted:
     """Submit only, as `client` (default `client_of(nc)`; the caller subscribes to the job's events
     itself, first). Raises JobFailed if refused."""
@@ -178,6 +185,18 @@ async def cancel_job(nc, job_id: str, *, timeout: float = 5.0, client: str | Non
         return False
 
 
+async def publish_cancel(nc, job_id: str, client: str) -> None:
+    """Publish `client`'s cancel of `job_id` without waiting for a reply (for a coordinator that may not
+    answer, or a caller that does not wait)."""
+    await nc.publish(subjects.job_cancel(client, job_id), pack(CancelRequest(job_id=job_id)))
+
+
+async def _send_cancel(nc, job_id: str, client: str) -> None:
+    """Publish a cancel and flush: the server has it once this returns."""
+    await publish_cancel(nc, job_id, client)
+    await nc.flush(timeout=2)
+
+
 async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | None = None) -> JobStatus:
     """What the coordinators know of `client`'s job (default `client_of(nc)`; JobStatus, state
     "unknown" if none has it, or if it is another client's).
@@ -188,6 +207,24 @@ async def job_status(nc, job_id: str, *, timeout: float = 2.0, client: str | Non
     if st.job_id != job_id:
         raise ProtocolError(ErrorCode.BAD_REPLY, f"the status reply names job {st.job_id!r}, not {job_id!r}")
     return st
+
+
+async def unsubscribe_quietly(sub) -> None:
+    """Unsubscribe `sub`; nothing when that fails (the connection closed already: so is the subscription)."""
+    try:
+        await sub.unsubscribe()
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------- is the job lost?
+
+
+def probe_timeout(probe_every: float | None) -> float:
+    """How long one status probe of a job asked about every `probe_every` s reads answers: that interval,
+    but at least 1 s (coordinators that do not hold the job say "unknown" after half a second; its owner's
+    answer may come later) and at most 5 s (JobProbe's `timeout`, for run_job and the web session alike)."""
+    return max(1.0, min(2.0 if probe_every is None else probe_every, 5.0))
 
 
 class JobProbe:
@@ -374,10 +411,7 @@ class JobProbe:
                 others += 1
                 self.ignored += 1
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            await unsubscribe_quietly(sub)
         if others:
             return None
         if garbled is not None:
@@ -398,15 +432,17 @@ class JobProbe:
         return True
 
 
-def _accepted_among(messages) -> bool:
-    """Whether any of the received (undecoded) event messages is the job's `accepted` event."""
-    for msg in list(messages):
-        try:
-            if isinstance(unpack(msg.data, JobEvent, ignore_unknown=True), JobAccepted):
-                return True
-        except ProtocolError:
-            continue
-    return False
+def _refusal(data: bytes) -> ProtocolError | None:
+    """The coordinator's `error` reply to a status request (e.g. `rate_limited`) as a ProtocolError
+    with its code, or None if `data` is not one."""
+    try:
+        reply = unpack(data, ErrorReply, ignore_unknown=True)
+    except ProtocolError:
+        return None
+    return ProtocolError(reply.code, reply.message)
+
+
+# ---------------------------------------------------------------- run_job: submit and follow to the end
 
 
 async def run_job(
@@ -453,161 +489,239 @@ async def run_job(
         raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
     if unresponsive_after is not None and not unresponsive_after > 0:
         raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
+    request = _with_job_fields(request, report_epoch)
+    client = _client(nc, client)
+    job = _JobRun(
+        nc,
+        request.job_id,
+        client,
+        probe_every=probe_every,
+        idle_timeout=idle_timeout,
+        lost_after=lost_after,
+        unresponsive_after=unresponsive_after,
+    )
+    async with contextlib.AsyncExitStack() as cleanup:
+        cleanup.push_async_callback(job.cancel_if_abandoned)  # runs last, after the unsubscribe
+        # subscribed BEFORE the submit: no event of the job is missed
+        sub = await job.events.subscribe(nc, subjects.job_events(client, request.job_id))
+        cleanup.push_async_callback(unsubscribe_quietly, sub)
+        try:
+            await nc.flush()
+            await job.submit(request, submit_timeout)
+            following = job.follow(on_event, on_stale)
+            return await (asyncio.wait_for(following, timeout) if timeout else following)
+        except TimeoutError:
+            raise JobFailed(
+                ErrorCode.DEADLINE_EXCEEDED, f"job did not finish within {timeout:g} s", request.job_id
+            ) from None
+
+
+def _with_job_fields(request: JobRequest, report_epoch: bool) -> JobRequest:
+    """`request` with a job id (a new one if it names none) and, with `report_epoch`, asking for epochs."""
     if request.job_id is None:
         request = request.model_copy(update={"job_id": new_job_id()})
     if report_epoch and not request.report_epoch:
         request = request.model_copy(update={"report_epoch": True})
-    job_id = request.job_id
-    epochs = EpochFilter(job_id)
-    client = _client(nc, client)
-    # Events land in `inbox` from a callback and are handled in this task: waiting costs one future
-    # (and a timer when a limit applies) per wait, where `sub.next_msg(timeout)` made two tasks and a
-    # timer per event (about a fifth of a streaming client's CPU, `bench scale --coordinator-capacity`).
-    loop = asyncio.get_running_loop()
-    inbox: collections.deque = collections.deque()
-    waiter: list[asyncio.Future] = []  # the wait in progress, if any
+    return request
 
-    def wake(fut: asyncio.Future) -> None:
-        if not fut.done():
-            fut.set_result(None)
 
-    async def on_message(msg) -> None:
-        inbox.append(msg)
-        if waiter:
-            wake(waiter[0])
+class _EventInbox:
+    """One job's event messages, handed from the subscription's callback (`put`) to the task that follows
+    the job (`next`). Waiting costs one future (and a timer when a limit applies) per wait, where
+    `sub.next_msg(timeout)` made two tasks and a timer per event (about a fifth of a streaming client's
+    CPU, `bench scale --coordinator-capacity`)."""
 
-    async def next_message(timeout: float | None):
+    def __init__(self) -> None:
+        self.sub: Any = None  # the subscription that puts here (its own queue counts as pending)
+        self._messages: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None  # the wait in progress, if any
+
+    async def subscribe(self, nc, subject: str):
+        """Subscribe to `subject` into this inbox; returns the subscription."""
+        self.sub = await nc.subscribe(subject, cb=self.put)
+        return self.sub
+
+    async def put(self, msg) -> None:
+        self._messages.append(msg)
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    async def next(self, timeout: float | None):
         """The next event message, or None after `timeout` seconds without one (None: no limit)."""
-        if not inbox:
-            fut = loop.create_future()
-            waiter[:] = [fut]
-            timer = loop.call_later(timeout, wake, fut) if timeout is not None else None
+        if not self._messages:
+            loop = asyncio.get_running_loop()
+            self._waiter = fut = loop.create_future()
+            timer = loop.call_later(timeout, _wake, fut) if timeout is not None else None
             try:
                 await fut
             finally:
-                waiter.clear()
+                self._waiter = None
                 if timer is not None:
                     timer.cancel()
-        return inbox.popleft() if inbox else None
+        return self._messages.popleft() if self._messages else None
 
-    sub = await nc.subscribe(subjects.job_events(client, job_id), cb=on_message)
-    submitted = False
-    finished = False  # the coordinator told us the end (done or failed)
-    probe = JobProbe(
-        nc,
-        job_id,
-        lost_after=lost_after,
-        timeout=max(1.0, min(probe_every or 2.0, 5.0)),
-        unresponsive_after=unresponsive_after,
-        client=client,
-        epochs=epochs,
-    )
+    def pending(self) -> bool:
+        """Whether messages came that were not read yet (here, or still in the subscription's queue)."""
+        return bool(self._messages or self.sub.pending_msgs)
 
-    async def deliver(ev, to=on_event) -> None:
-        if to is not None:
-            out = to(ev)
-            if inspect.isawaitable(out):
-                await out
-
-    async def wait_events() -> DoneEvent:
-        nonlocal finished
-        accepted_seen = False
-        streaming = False
-        last_event = time.monotonic()
-        while True:
-            waits = [
-                w
-                for w in (probe_every, idle_timeout - (time.monotonic() - last_event) if streaming else None)
-                if w is not None
-            ]
-            msg = await next_message(max(min(waits), 0.01) if waits else None)
-            if msg is None:
-                if streaming and time.monotonic() - last_event >= idle_timeout:
-                    raise JobFailed(
-                        ErrorCode.DEADLINE_EXCEEDED,
-                        f"no frame for {idle_timeout:g} s: is the coordinator still running?",
-                        job_id,
-                    ) from None
-                if probe_every is not None and (lost := await probe.check()) is not None:
-                    if inbox or sub.pending_msgs:  # events came while we asked (e.g. the result, published
-                        await asyncio.sleep(0)  # before an "unknown" from a coordinator that already forgot the
-                        continue  # job): read them first
-                    raise JobFailed(ErrorCode.UNAVAILABLE, lost, job_id) from None
-                continue
-            last_event = time.monotonic()
-            probe.heard()
+    def holds_accepted(self) -> bool:
+        """Whether the job's `accepted` event is among the unread messages (undecodable ones skipped)."""
+        for msg in list(self._messages):
             try:
-                ev = unpack(msg.data, JobEvent, ignore_unknown=True)
-            except ProtocolError as err:
-                log.warning("job %s: skipping undecodable event (%s)", job_id, err)
+                if isinstance(unpack(msg.data, JobEvent, ignore_unknown=True), JobAccepted):
+                    return True
+            except ProtocolError:
                 continue
-            if not epochs.admit(ev):  # from a coordinator that lost the job to another: never delivered
-                if epoch_of(ev) < epochs.highest:  # (not one of an implausible epoch: ignored, counted, logged)
-                    await deliver(ev, on_stale)
+        return False
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _JobRun:
+    """One `run_job` call's job: submitted (`submit`), followed to its end (`follow`: owner-epoch
+    filtering, the tolerant reader, the idle time-out and the status probe), and cancelled on the
+    coordinator if given up before its end (`cancel_if_abandoned`), so it does not hold rows for nobody."""
+
+    def __init__(
+        self,
+        nc,
+        job_id: str,
+        client: str,
+        *,
+        probe_every: float | None,
+        idle_timeout: float,
+        lost_after: float,
+        unresponsive_after: float | None,
+    ):
+        self.nc, self.job_id, self.client = nc, job_id, client
+        self.probe_every, self.idle_timeout = probe_every, idle_timeout
+        self.events = _EventInbox()
+        self.epochs = EpochFilter(job_id)  # shared with the probe: a stale owner's status is not believed
+        self.probe = JobProbe(
+            nc,
+            job_id,
+            lost_after=lost_after,
+            timeout=probe_timeout(probe_every),
+            unresponsive_after=unresponsive_after,
+            client=client,
+            epochs=self.epochs,
+        )
+        self.submitted = False  # a coordinator may hold the job: cancel it unless it finished
+        self.finished = False  # the coordinator told us the end (done or failed)
+        self._accepted_seen = False
+        self._streaming = False  # a frame came: the idle time-out applies
+        self._last_event = time.monotonic()
+
+    async def submit(self, request: JobRequest, timeout: float) -> None:
+        """Submit the job; raises JobFailed when refused, or unanswered with no `accepted` event come."""
+        try:
+            reply = await submit_job(self.nc, request, timeout=timeout, client=self.client)
+        except _NoSubmitReply:
+            self.submitted = True  # the coordinator may have taken the job all the same: cancel it at the end
+            # A coordinator publishes `accepted` on the job's events before it answers the submit: when
+            # the answer is lost (the coordinator stopped between the two), that event says it has the job.
+            if not self.events.holds_accepted():
+                raise
+            log.info(
+                "job %s: the submit was not answered, but the job's accepted event came: following it", self.job_id
+            )
+        else:
+            self.probe.accepted_by(reply)
+            self.epochs.owner_accepted(reply)
+        self.submitted = True
+        self.probe.heard()
+
+    async def follow(self, on_event, on_stale) -> DoneEvent:
+        """Read the job's events until its DoneEvent (returned) or FailedEvent (raised as JobFailed),
+        passing each one delivered to on_event and each stale one to on_stale."""
+        while True:
+            msg = await self.events.next(self._wait_limit())
+            if msg is None:
+                await self._on_silence()
                 continue
-            if isinstance(ev, FrameEvent):
-                streaming = True
-            if isinstance(ev, JobAccepted):
-                if accepted_seen:
-                    continue
-                accepted_seen = True
-                probe.accepted_by(ev)
+            ev = await self._admit(msg, on_stale)
+            if ev is None:
+                continue
             if isinstance(ev, FailedEvent):
-                finished = True
-                raise JobFailed(ev.code, ev.reason, job_id)
+                self.finished = True
+                raise JobFailed(ev.code, ev.reason, self.job_id)
             if isinstance(ev, DoneEvent):
-                finished = True
-            await deliver(ev)
+                self.finished = True
+            await _call(on_event, ev)
             if isinstance(ev, DoneEvent):
                 return ev
 
-    try:
-        await nc.flush()
+    def _wait_limit(self) -> float | None:
+        """How long to wait for the next event: until the next probe, or the idle time-out once streaming."""
+        idle_left = self.idle_timeout - (time.monotonic() - self._last_event) if self._streaming else None
+        waits = [w for w in (self.probe_every, idle_left) if w is not None]
+        return max(min(waits), 0.01) if waits else None
+
+    async def _on_silence(self) -> None:
+        """No event came in time: raise JobFailed when the job went idle or its probe says it is lost."""
+        if self._streaming and time.monotonic() - self._last_event >= self.idle_timeout:
+            raise JobFailed(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"no frame for {self.idle_timeout:g} s: is the coordinator still running?",
+                self.job_id,
+            )
+        if self.probe_every is None or (lost := await self.probe.check()) is None:
+            return
+        if self.events.pending():  # events came while we asked (e.g. the result, published before an
+            await asyncio.sleep(0)  # "unknown" from a coordinator that already forgot the job): read them first
+            return
+        raise JobFailed(ErrorCode.UNAVAILABLE, lost, self.job_id)
+
+    async def _admit(self, msg, on_stale) -> Any:
+        """The event in `msg` to deliver, or None: undecodable (logged), of a stale owner (to on_stale) or of
+        an implausible epoch (counted by the filter), or an `accepted` seen before. Any message is a sign of
+        life of the coordinator."""
+        self._last_event = time.monotonic()
+        self.probe.heard()
         try:
-            reply = await submit_job(nc, request, timeout=submit_timeout, client=client)
-            probe.accepted_by(reply)
-            epochs.highest = max(epochs.highest, epoch_of(reply))  # the first owner's epoch, as in its `accepted`
-        except _NoSubmitReply:
-            submitted = True  # the coordinator may have taken the job all the same: cancel it below
-            # A coordinator publishes `accepted` on the job's events before it answers the submit: when
-            # the answer is lost (the coordinator stopped between the two), that event says it has the job.
-            if not _accepted_among(inbox):
-                raise
-            log.info("job %s: the submit was not answered, but the job's accepted event came: following it", job_id)
-        submitted = True
-        probe.heard()
-        return await (asyncio.wait_for(wait_events(), timeout) if timeout else wait_events())
-    except TimeoutError:
-        raise JobFailed(ErrorCode.DEADLINE_EXCEEDED, f"job did not finish within {timeout:g} s", job_id) from None
-    finally:
+            ev = unpack(msg.data, JobEvent, ignore_unknown=True)
+        except ProtocolError as err:
+            log.warning("job %s: skipping undecodable event (%s)", self.job_id, err)
+            return None
+        if not self.epochs.admit(ev):  # from a coordinator that lost the job to another: never delivered
+            if epoch_of(ev) < self.epochs.highest:  # (not one of an implausible epoch: ignored, counted, logged)
+                await _call(on_stale, ev)
+            return None
+        if isinstance(ev, FrameEvent):
+            self._streaming = True
+        if isinstance(ev, JobAccepted):
+            if self._accepted_seen:
+                return None
+            self._accepted_seen = True
+            self.probe.accepted_by(ev)
+        return ev
+
+    async def cancel_if_abandoned(self) -> None:
+        """Submitted but not finished (the caller cancelled us, or we gave up): free the job's rows. A
+        coordinator that would not answer gets the cancel published, to read if it wakes up."""
+        if not self.submitted or self.finished:
+            return
         try:
-            await sub.unsubscribe()
-        except Exception:
+            if self.probe.unresponsive:
+                await asyncio.shield(_send_cancel(self.nc, self.job_id, self.client))
+            else:
+                await asyncio.shield(cancel_job(self.nc, self.job_id, client=self.client))
+        except BaseException:
             pass
-        if submitted and not finished:  # caller cancelled us, or we timed out: free the rows
-            try:
-                if probe.unresponsive:  # it would not answer: leave the cancel for it to read if it wakes up
-                    await asyncio.shield(_send_cancel(nc, job_id, client))
-                else:
-                    await asyncio.shield(cancel_job(nc, job_id, client=client))
-            except BaseException:
-                pass
 
 
-def _refusal(data: bytes) -> ProtocolError | None:
-    """The coordinator's `error` reply to a status request (e.g. `rate_limited`) as a ProtocolError
-    with its code, or None if `data` is not one."""
-    try:
-        reply = unpack(data, ErrorReply, ignore_unknown=True)
-    except ProtocolError:
-        return None
-    return ProtocolError(reply.code, reply.message)
+async def _call(callback: Callable[[Any], Any] | None, ev: Any) -> None:
+    """callback(ev), awaited when it is a coroutine function; nothing when there is no callback."""
+    if callback is not None:
+        out = callback(ev)
+        if inspect.isawaitable(out):
+            await out
 
 
-async def _send_cancel(nc, job_id: str, client: str) -> None:
-    """Publish a cancel without waiting for the reply (the server has it once flush returns)."""
-    await nc.publish(subjects.job_cancel(client, job_id), pack(CancelRequest(job_id=job_id)))
-    await nc.flush(timeout=2)
+# ---------------------------------------------------------------- the fleet
 
 
 async def fleet_status(nc, *, timeout: float = 2.0, spec: bool = False, image_spec: bool = False) -> FleetStatus:

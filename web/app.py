@@ -32,7 +32,7 @@ import asyncio
 import logging
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,8 @@ STATIC_DIR = Path(__file__).parent / "static"
 #: Seconds a socket closed by the server (not reading, too many messages, no token) has to finish the
 #: closing handshake before its connection is aborted.
 CLOSE_TIMEOUT_S = 3.0
+#: close_socket(code, reason): closes one socket, bounded in time (see `_closer`).
+CloseSocket = Callable[[int, str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -352,11 +354,38 @@ def _abort(request: web.Request) -> None:
 
 
 async def _serve_socket(request: web.Request, cfg: WebConfig, client: str) -> web.WebSocketResponse:
+    """One websocket from accept to close: the token check, then a `Session` fed by the socket's messages
+    while its sender task writes to the socket, and the teardown that frees both."""
     app = request.app
     ws = web.WebSocketResponse(
         heartbeat=cfg.heartbeat_s, max_msg_size=MAX_CLIENT_MESSAGE_BYTES, protocols=(SUBPROTOCOL,)
     )
     await ws.prepare(request)
+    close_socket = _closer(request, ws)
+    if not app[POLICY].token_ok(offered_tokens(request)):
+        refuse_log(
+            request,
+            "refused a websocket from %s: missing or wrong token (Origin %r)",
+            request.remote,
+            (request.headers.get("Origin") or "")[:100],
+        )
+        await close_socket(
+            WSCloseCode.POLICY_VIOLATION,
+            "token required: open the viewer with #token=<token> (see ddm-fleet web --help)",
+        )
+        return ws
+    app[SOCKETS][ws] = close_socket
+    session = _open_session(app, cfg, ws, client, close_socket)
+    sender = asyncio.create_task(session.run_sender(), name="ddm-web-sender")
+    try:
+        await _read_socket(request, ws, session, cfg, close_socket)
+    finally:
+        await _end_session(request, ws, session, sender)
+    return ws
+
+
+def _closer(request: web.Request, ws: web.WebSocketResponse) -> CloseSocket:
+    """The socket's close_socket(code, reason), also kept in app[SOCKETS] for the shutdown."""
 
     async def close_socket(code: int, reason: str) -> None:
         """Close with a reason; a client that does not read cannot stall it: unless the closing handshake
@@ -371,19 +400,18 @@ async def _serve_socket(request: web.Request, cfg: WebConfig, client: str) -> we
             if not closed:
                 _abort(request)
 
-    if not app[POLICY].token_ok(offered_tokens(request)):
-        refuse_log(
-            request,
-            "refused a websocket from %s: missing or wrong token (Origin %r)",
-            request.remote,
-            (request.headers.get("Origin") or "")[:100],
-        )
-        await close_socket(
-            WSCloseCode.POLICY_VIOLATION,
-            "token required: open the viewer with #token=<token> (see ddm-fleet web --help)",
-        )
-        return ws
-    app[SOCKETS][ws] = close_socket
+    return close_socket
+
+
+def _open_session(
+    app: web.Application,
+    cfg: WebConfig,
+    ws: web.WebSocketResponse,
+    client: str,
+    close_socket: CloseSocket,
+) -> Session:
+    """The socket's session, registered with the app (fleet and spec updates reach it), its first messages
+    queued: hello, the fleet's spec, and the latest fleet snapshot if there is one yet."""
     session = Session(
         app[NATS],
         ws.send_json,
@@ -398,39 +426,53 @@ async def _serve_socket(request: web.Request, cfg: WebConfig, client: str) -> we
         user_jobs=lambda: sum(len(s.jobs) for s in app[SESSIONS] if s.user == client),
         max_user_jobs=cfg.max_jobs_per_client,
     )
-    rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
     app[SESSIONS].add(session)
     session.outbox.put(hello_message(cfg))
     session.outbox.put_latest("__spec__", app[SPEC].message)
     if app[FLEET].latest.get("time") is not None:
         session.outbox.put_latest("__fleet__", app[FLEET].latest)
-    sender = asyncio.create_task(session.run_sender(), name="ddm-web-sender")
+    return session
+
+
+async def _read_socket(
+    request: web.Request,
+    ws: web.WebSocketResponse,
+    session: Session,
+    cfg: WebConfig,
+    close_socket: CloseSocket,
+) -> None:
+    """Hand the socket's text messages to the session until it closes; one sending faster than
+    `max_messages_per_second` (beyond a burst of twice that) is closed with 1008."""
+    rate = RateLimit(cfg.max_messages_per_second, burst=max(1, int(2 * cfg.max_messages_per_second)))
+    async for msg in ws:
+        if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY) and not rate.allow():
+            reason = f"too many messages: over {cfg.max_messages_per_second:g} per second"
+            log.warning("closing the websocket of %s: %s", request.remote, reason)
+            await close_socket(WSCloseCode.POLICY_VIOLATION, reason)
+            return
+        if msg.type == WSMsgType.TEXT:
+            session.handle(msg.data)
+        elif msg.type == WSMsgType.BINARY:
+            session.error("send JSON text frames, not binary")
+        elif msg.type == WSMsgType.ERROR:
+            log.info("websocket error: %s", ws.exception())
+            return
+
+
+async def _end_session(request: web.Request, ws: web.WebSocketResponse, session: Session, sender: asyncio.Task) -> None:
+    """Socket gone: cancel the session's jobs, let its sender finish (2 s at most), and free the connection
+    and the socket's slot in the app."""
+    app = request.app
+    app[SESSIONS].discard(session)
+    await session.close()
     try:
-        async for msg in ws:
-            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY) and not rate.allow():
-                reason = f"too many messages: over {cfg.max_messages_per_second:g} per second"
-                log.warning("closing the websocket of %s: %s", request.remote, reason)
-                await close_socket(WSCloseCode.POLICY_VIOLATION, reason)
-                break
-            if msg.type == WSMsgType.TEXT:
-                session.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                session.error("send JSON text frames, not binary")
-            elif msg.type == WSMsgType.ERROR:
-                log.info("websocket error: %s", ws.exception())
-                break
-    finally:
-        app[SESSIONS].discard(session)
-        await session.close()
-        try:
-            await asyncio.wait_for(sender, timeout=2)
-        except (TimeoutError, asyncio.CancelledError):
-            sender.cancel()
-        if session.closer is not None:  # closed as not reading: its connection is gone before its slot is freed
-            await asyncio.wait([session.closer], timeout=CLOSE_TIMEOUT_S + 1)
-        if ws.close_code == WSCloseCode.ABNORMAL_CLOSURE or ws.exception() is not None:
-            # dropped without a closing handshake (no PONG in time, a broken frame, the peer gone): aiohttp
-            # only close()s the transport, which waits for ever to flush to a peer that stopped reading
-            _abort(request)
-        app[SOCKETS].pop(ws, None)
-    return ws
+        await asyncio.wait_for(sender, timeout=2)
+    except (TimeoutError, asyncio.CancelledError):
+        sender.cancel()
+    if session.closer is not None:  # closed as not reading: its connection is gone before its slot is freed
+        await asyncio.wait([session.closer], timeout=CLOSE_TIMEOUT_S + 1)
+    if ws.close_code == WSCloseCode.ABNORMAL_CLOSURE or ws.exception() is not None:
+        # dropped without a closing handshake (no PONG in time, a broken frame, the peer gone): aiohttp
+        # only close()s the transport, which waits for ever to flush to a peer that stopped reading
+        _abort(request)
+    app[SOCKETS].pop(ws, None)

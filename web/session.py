@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.inbox import private_request
-from client.epochs import EpochFilter, epoch_of
-from client.jobs import JobProbe, client_of
+from client.epochs import EpochFilter
+from client.jobs import JobProbe, client_of, probe_timeout, publish_cancel, unsubscribe_quietly
 from schemas import (
     MAX_JOB_STEPS,
-    CancelRequest,
     DoneEvent,
     ErrorCode,
     FailedEvent,
@@ -379,7 +378,7 @@ class Session:
             self.error(f"the bus is unavailable: {err}", code="unavailable", ref=job.ref)
             return
         if self._closed or self.jobs.get(job_id) is not job:  # socket closed or job cancelled meanwhile
-            await _unsubscribe(sub)
+            await unsubscribe_quietly(sub)
             return
         job.sub = sub
         try:
@@ -421,12 +420,12 @@ class Session:
             return
         job.announced = True
         job.last_event = time.monotonic()
-        job.epochs.highest = max(job.epochs.highest, epoch_of(accepted))  # the submit reply's, as its event's
+        job.epochs.owner_accepted(accepted)
         job.probe = JobProbe(
             self.nc,
             job_id,
             lost_after=self.lost_after,
-            timeout=max(1.0, min(self.probe_every, 5.0)),
+            timeout=probe_timeout(self.probe_every),
             unresponsive_after=self.unresponsive_after,
             client=self.client,
             accepted=accepted,
@@ -498,7 +497,7 @@ class Session:
     async def _forget(self, job_id: str) -> None:
         job = self.jobs.pop(job_id, None)
         if job is not None and job.sub is not None:
-            await _unsubscribe(job.sub)
+            await unsubscribe_quietly(job.sub)
 
     async def cancel(self, job_id: str, *, ref: Any = None, notify: bool = True) -> None:
         """Cancel one of this socket's unfinished jobs (plain publish of a CancelRequest)."""
@@ -518,7 +517,7 @@ class Session:
     async def _publish_cancel(self, job_id: str) -> None:
         """Tell the coordinator to drop a job this tab gave up on (plain publish; never raises)."""
         try:
-            await self.nc.publish(subjects.job_cancel(self.client, job_id), pack(CancelRequest(job_id=job_id)))
+            await publish_cancel(self.nc, job_id, self.client)
         except Exception as err:
             log.warning("could not publish cancel for %s: %s", job_id, err)
 
@@ -533,13 +532,6 @@ class Session:
         for task in list(self._tasks):
             task.cancel()
         self.outbox.close()
-
-
-async def _unsubscribe(sub) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception:  # already closed with the connection
-        pass
 
 
 def _nobody_got_it(err: Exception) -> bool:
