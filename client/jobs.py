@@ -31,6 +31,7 @@ import collections
 import contextlib
 import inspect
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from schemas import (
     subjects,
     unpack,
 )
+from schemas.errors import RETRY_AFTER_HEADER
 
 log = logging.getLogger(__name__)
 #: Status replies about another job than the one asked about (JobProbe): one line per 10 s at most.
@@ -69,13 +71,28 @@ _NO_RESPONDERS = "503"
 
 
 class JobFailed(Exception):
-    """The job did not produce images. `code` is an ErrorCode, `reason` a sentence."""
+    """The job did not produce images. `code` is an ErrorCode, `reason` a sentence; `retry_after_s`: for a
+    submit refused `rate_limited`, the seconds the coordinator said to wait (its Ddm-Retry-After header)."""
 
-    def __init__(self, code: ErrorCode | str, reason: str, job_id: str | None = None):
+    def __init__(
+        self, code: ErrorCode | str, reason: str, job_id: str | None = None, retry_after_s: float | None = None
+    ):
         super().__init__(f"{ErrorCode(code).value}: {reason}")
         self.code = ErrorCode(code)
         self.reason = reason
         self.job_id = job_id
+        self.retry_after_s = retry_after_s
+
+
+def retry_after(msg) -> float | None:
+    """The seconds a `rate_limited` reply says to wait (its RETRY_AFTER_HEADER; docs/PROTOCOL.md section 8), or
+    None when the reply has no such header or a value that is not a finite number >= 0."""
+    value = (getattr(msg, "headers", None) or {}).get(RETRY_AFTER_HEADER)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class _NoSubmitReply(JobFailed):
@@ -147,26 +164,34 @@ def _client(nc, client: str | None) -> str:
 
 async def submit_job(nc, request: JobRequest, *, timeout: float = 10.0, client: str | None = None) -> JobAccepted:
     """Submit only, as `client` (default `client_of(nc)`; the caller subscribes to the job's events
-    itself, first). Raises JobFailed if refused."""
+    itself, first). Raises JobFailed if refused. A submit refused for this client's rate (`rate_limited`:
+    the coordinator read nothing of it) is sent again after the wait the reply names, while `timeout` lasts."""
     import nats.errors
 
     subject = subjects.jobs_submit(_client(nc, client))
-    try:
-        msg = await private_request(nc, subject, pack(request), timeout=timeout)
-    except nats.errors.NoRespondersError:
-        raise JobFailed(
-            ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subject}", request.job_id
-        ) from None
-    except nats.errors.TimeoutError:
-        raise _NoSubmitReply(
-            ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s", request.job_id
-        ) from None
-    reply = unpack(msg.data, SubmitReply, ignore_unknown=True)
-    if isinstance(reply, JobRejected):
-        raise JobFailed(reply.code, reply.reason, request.job_id)
-    if isinstance(reply, ErrorReply):
-        raise JobFailed(reply.code, reply.message, request.job_id)
-    return reply
+    data = pack(request)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            msg = await private_request(nc, subject, data, timeout=left)
+        except nats.errors.NoRespondersError:
+            raise JobFailed(
+                ErrorCode.UNAVAILABLE, f"no coordinator is running: nothing answers on {subject}", request.job_id
+            ) from None
+        except nats.errors.TimeoutError:
+            raise _NoSubmitReply(
+                ErrorCode.UNAVAILABLE, f"the coordinator did not answer the submit within {timeout:g} s", request.job_id
+            ) from None
+        reply = unpack(msg.data, SubmitReply, ignore_unknown=True)
+        if isinstance(reply, JobAccepted):
+            return reply
+        code, reason = (reply.code, reply.reason) if isinstance(reply, JobRejected) else (reply.code, reply.message)
+        wait = retry_after(msg) if code == ErrorCode.RATE_LIMITED else None
+        if wait is None or time.monotonic() + wait >= deadline:
+            raise JobFailed(code, reason, request.job_id, retry_after_s=wait)
+        log.info("submit of job %s refused for the rate; sending it again in %.2f s", request.job_id, wait)
+        await asyncio.sleep(wait)
 
 
 async def cancel_job(nc, job_id: str, *, timeout: float = 5.0, client: str | None = None) -> bool:

@@ -303,6 +303,31 @@ async def test_submits_are_rate_limited_per_client(nats_url, nc, tiny_experts):
         await _stop(ws)
 
 
+async def test_a_client_over_its_submit_rate_waits_as_told_and_every_job_runs(nats_url, nc, tiny_experts):
+    """A coordinator taking 2 submits per second (bursts of 4) and 8 jobs submitted at once by one client:
+    the ones over the rate are refused `rate_limited` with a Ddm-Retry-After header, and `run_job` sends
+    each again after that wait (the coordinator read nothing of it), so all 8 run; with no time left for
+    the wait, `submit_job` raises, carrying the wait."""
+    from client.jobs import JobFailed, submit_job
+
+    ws = await _sim_workers(nats_url, tiny_experts, batch_ms=0.0)
+    try:
+        async with _coordinator(nats_url, submit_rate=2.0) as coord:
+            t0 = time.monotonic()
+            jobs = [JobRequest(digits=[i % 10], steps=2, seed=i, stream=False) for i in range(8)]
+            done = await asyncio.gather(*(run_job(nc, job, client="eager", timeout=60) for job in jobs))
+            took = time.monotonic() - t0
+            assert [d.images.shape[0] for d in done] == [1] * 8
+            limited = coord.metrics.sample("ddm_coordinator_jobs_rejected_total", code="rate_limited")
+            assert limited >= 4 and took >= 1.5, (limited, took)  # 4 at once, then 2 per second
+            with pytest.raises(JobFailed) as refused:
+                for i in range(8):  # past the burst; a 0.1 s budget leaves no room for the wait
+                    await submit_job(nc, JobRequest(digits=[1], steps=2, seed=100 + i), client="eager", timeout=0.1)
+            assert refused.value.code == ErrorCode.RATE_LIMITED and 0 < refused.value.retry_after_s <= 2.0
+    finally:
+        await _stop(ws)
+
+
 async def test_a_rate_limited_status_probe_keeps_the_job_waiting(nats_url, nc, tiny_experts, caplog):
     """`client.jobs.JobProbe` (run_job's and the viewer's probe) takes a `rate_limited` answer as an
     answer: the job is neither lost nor the coordinator frozen, and the log says why."""
