@@ -74,15 +74,15 @@ class Transport(Protocol):
     ) -> np.ndarray: ...
 
 
+class RouterLike(Protocol):
+    def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
+
+
 def _guidance_of(batch: Batch, idx: np.ndarray) -> dict:
     """{"guidance": [n] float32} for a call on rows idx of which some are guided (scale != 1, label known:
     `flow.guidance.guided_rows`), else {} (the call goes as it always did, to any transport)."""
     scale = batch.guidance[idx]
     return {"guidance": scale} if len(guided_rows(batch.y[idx], scale)) else {}
-
-
-class RouterLike(Protocol):
-    def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
 
 
 class Executor:
