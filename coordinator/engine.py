@@ -6,39 +6,22 @@
     ...
     await engine.stop()
 
-The engine runs `cohorts` lanes (no lock-step; see Scheduler.schedule): each lane ticks on its own.
+The engine runs `cohorts` lanes (no lock-step; see `coordinator.cohorts`): each lane ticks on its own.
 `cohorts="auto"` (the coordinator's default) sizes the cohorts from the workers: `cohorts_for_workers`
 of the most workers the transport knows for one expert (`transport.workers_per_expert()`, learned by
 join-shortest-queue dispatch; None or 0: the floor of 2), re-read at every tick: lanes are added as
 it grows, and an idle surplus lane leaves as it shrinks (at most that many batches out at once).
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
-time); the router weighs all of them in one call (off the event loop, in the engine's own router
-thread, one call at a time); each chosen expert gets ONE batched velocity call, all experts
-concurrently. With `speculate` (the default) the calls do not wait for the router: each row's likely
-experts (what its strategy chose from its job's last router weights, `Batch.guess_requests`) are
-asked while the router runs; once it has spoken, each expert's guessed answer gives the rows the
-routing needs from it, the rows its guess missed are asked for next (after that answer: one call at
-a time per expert), and what the routing did not need is dropped (`rows_guessed_unused`); a job's
-first evaluation waits for the router. An expert that is unavailable (no responders, timeouts after retries) is marked
-failed for this tick and its rows are rerouted by their strategy (top1 -> next-best expert),
-then the scheduler advances every row one solver stage and the events go to `emit`.
+time); the executor routes them and calls the experts (one batched velocity call per chosen expert,
+all concurrently, speculating on the routing and running ahead: `coordinator.executor`); then the
+scheduler advances every row one solver stage and the events go to `emit`.
 
-The engine only drives: `tick()` is literally `scheduler.schedule` -> `_execute` (router and
+The engine only drives: `tick()` is literally `scheduler.schedule` -> `executor.execute` (router and
 expert calls, the only I/O) -> `scheduler.update`. Job state lives in the scheduler and is read
 through its methods (`job_progress`, `active_jobs`, `queued_jobs`, `stats`); the engine records
 `metrics` (a `CoordinatorMetrics`: expert call times and errors, rejections) and names the
-events subject of an accepted job (the scheduler knows no subjects).
-
-`transport.velocity(expert, x [n, C, H, W], t [n], y [n], row_ids) -> v [n, C, H, W]` (with
-`guidance=` [n] float32, each row's classifier-free guidance scale, only when some row is guided:
-`flow.guidance.guided_rows`; a transport without it then fails the call, never guides silently) raises
-`ExpertUnavailable` when no worker of that expert can answer (`BadExpertReply` when they answer
-garbage; both live in `coordinator.errors`, re-exported here); the NATS transport lives in
-`coordinator.transport`, an in-process one (direct backend calls) in `coordinator.local_fleet`.
-Every velocity is checked here too (shape, float, finite): a bad one counts as a failed call, so
-NaN never reaches a job's samples. A job whose rows no expert could serve fails with
-`unavailable`, or with `bad_reply` when an expert it needed answered only garbage (the failed
-expert's code travels with the batch: `Batch.mark_failed`).
+events subject of an accepted job (the scheduler knows no subjects). The transport's contract
+(`Transport`, `ExpertUnavailable`, `BadExpertReply`, `ANSWERED_BY`) is the executor's, re-exported here.
 
 Supervision: an error inside a tick fails the jobs it concerns (after `schedule`: that batch's
 jobs; in `schedule` itself: every job the scheduler holds, none of which could be scheduled) and
@@ -52,40 +35,32 @@ Bounds: `tick_ms` keeps the last 100 tick times, the rows/s window at most `MAX_
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextvars
 import inspect
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from bus.cancel import cancel_and_wait
-from flow.guidance import guided_rows
 from schemas import ErrorCode, FailedEvent, JobAccepted, JobRequest, subjects
 
-from .batch import Batch
-from .errors import BadExpertReply, ExpertUnavailable  # also re-exported: coordinator.engine.ExpertUnavailable
+from .cohorts import AUTO_COHORTS, DEFAULT_COHORTS, check_cohorts, cohorts_for_workers
+from .cohorts import parse_cohorts as parse_cohorts  # re-exported: coordinator.config's --cohorts type
+from .errors import BadExpertReply as BadExpertReply  # re-exported (see coordinator.errors)
+from .errors import ExpertUnavailable as ExpertUnavailable
+from .executor import ANSWERED_BY as ANSWERED_BY  # re-exported: the transport notes its workers there
+from .executor import Executor, RouterLike, Transport
 from .metrics import CoordinatorMetrics
-from .run_ahead import PAUSE_AFTER_MISS, AheadCounters, AheadEnded, AheadPlan, AheadRun, plan_ahead
+from .run_ahead import AheadCounters
 from .scheduler import DEFAULT_CLIENT, Rejected, Scheduler
 
 log = logging.getLogger(__name__)
 
-#: While set to a list (by the engine, around one expert call of a batch whose jobs asked for
-#: `report_dtypes`), the transport appends the worker id of every reply it uses for that call: the
-#: engine then knows which workers computed those rows, and the scheduler which dtypes (`worker_dtype`).
-ANSWERED_BY: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("answered_by", default=None)
-
 #: Most ticks kept for rows_per_s (older ones drop out even within rate_window_s).
 MAX_RATE_SAMPLES = 4096
-
-#: Batches out at once (see Scheduler.schedule): 2 lets one cohort be routed and updated while
-#: the experts work on the other. Also the floor of `cohorts="auto"`.
-DEFAULT_COHORTS = 2
 
 #: Running ahead (coordinator/run_ahead.py): most further steps one expert request computes, and
 #: the most rows the coordinator may hold (all its running jobs) for its requests to run ahead (a lone
@@ -93,67 +68,6 @@ DEFAULT_COHORTS = 2
 #: the requests of several ticks into one forward, which steps run ahead never are).
 DEFAULT_RUN_AHEAD = 8
 DEFAULT_RUN_AHEAD_ROWS = 4
-#: `cohorts="auto"`: size the cohorts from the workers each expert has (see cohorts_for_workers).
-AUTO_COHORTS = "auto"
-
-
-def parse_cohorts(text: str) -> int | str:
-    """A `--cohorts` value: "auto" or an int >= 1 (an argparse `type`: a ValueError reads as
-    "invalid parse_cohorts value", so the message says what is allowed)."""
-    import argparse
-
-    if str(text).strip().lower() == AUTO_COHORTS:
-        return AUTO_COHORTS
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {n}")
-    return n
-
-
-def check_cohorts(cohorts: int | str) -> int | str:
-    """`cohorts` if it is an int >= 1 or "auto", else ValueError (the Engine's and the Coordinator's check)."""
-    if cohorts != AUTO_COHORTS and (not isinstance(cohorts, int) or isinstance(cohorts, bool) or cohorts < 1):
-        raise ValueError(f"cohorts must be an int >= 1 (batches out at once) or {AUTO_COHORTS!r}, got {cohorts!r}")
-    return cohorts
-
-
-def cohorts_for_workers(workers: int | None) -> int:
-    """The cohorts `cohorts="auto"` keeps out for an expert served by `workers` worker processes
-    (the most any expert has): 2 up to 3 workers, 3 from 4, 4 from 8. With W workers per expert a
-    cohort holds about 1.5 W requests of an expert, so with two cohorts half the workers have a
-    single request queued while the other cohort is routed and stepped; a third (fourth) cohort
-    keeps them fed. Measured with `ddm-fleet bench scale` (docs/CAPACITY.md "Scaling efficiency"):
-    efficiency 0.97 / 0.91 / 0.85 / 0.77 with 2 cohorts and 0.98 / 0.95 / 0.92 / 0.84 with 3 at 1 / 2
-    / 4 / 8 workers per expert, 0.88 with 4 at 8; where one worker serves each expert (CPU workers
-    on a small host) a third cohort only costs CPU (~10% per image, `bench fleet`)."""
-    w = int(workers or 0)
-    return DEFAULT_COHORTS + (w >= 4) + (w >= 8)
-
-
-class Transport(Protocol):
-    async def velocity(
-        self,
-        expert: int,
-        x: np.ndarray,
-        t: np.ndarray,
-        y: np.ndarray,
-        row_ids: list[str],
-        guidance: np.ndarray | None = None,
-    ) -> np.ndarray: ...
-
-
-def _guidance_of(batch: Batch, idx: np.ndarray) -> dict:
-    """{"guidance": [n] float32} for a call on rows idx of which some are guided (scale != 1, label known:
-    `flow.guidance.guided_rows`), else {} (the call goes as it always did, to any transport)."""
-    scale = batch.guidance[idx]
-    return {"guidance": scale} if len(guided_rows(batch.y[idx], scale)) else {}
-
-
-class RouterLike(Protocol):
-    def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
 
 
 class Engine:
@@ -181,13 +95,11 @@ class Engine:
         check_cohorts(cohorts)
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else CoordinatorMetrics(scheduler)
-        self.router = router
         self.transport = transport
         # what a worker computes in, by its id ("" unknown): a transport that learns it says so
         scheduler.dtype_of = getattr(transport, "worker_dtype", None) or (lambda worker: "")
         self.emit = emit
         self.clock = clock
-        self.router_in_thread = router_in_thread
         self.cohorts = cohorts  # the setting: an int, or "auto" (see cohorts_now)
         self._batches_out = 0  # batches between schedule and update (at most cohorts_now())
         self._lanes: list[asyncio.Task] = []  # run()'s lanes (one per cohort in use; see _lane)
@@ -195,39 +107,56 @@ class Engine:
         self._lanes_started = 0
         self._warned_workers = False
         self.metrics.watch_engine(self)
-        if not isinstance(route_every, int) or route_every < 1:
-            raise ValueError(f"route_every must be an int >= 1 (evaluations per router call), got {route_every!r}")
-        self.route_every = route_every
         if request_rows is not None and (not isinstance(request_rows, int) or request_rows < 1):
             raise ValueError(f"request_rows must be an int >= 1 or None, got {request_rows!r}")
         self.request_rows = request_rows  # the transport's rows per expert request: keep requests whole
-        self.rows_routed = 0  # rows the router weighed (the rest reused their job's last weights)
-        self.speculate = bool(speculate)  # send the likely expert requests while the router runs
-        self.rows_guessed = 0  # rows sent to an expert before the router spoke (speculate)
-        self.rows_guessed_unused = 0  # ... of which the routing did not need that expert's answer
-        self._unwatched: set[asyncio.Future] = set()  # unneeded guessed calls still running
-        for name, value in (("run_ahead", run_ahead), ("run_ahead_rows", run_ahead_rows)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
-        self.run_ahead = run_ahead  # further steps per request of a small tick (0: never run ahead)
-        self.run_ahead_rows = run_ahead_rows
-        self.ahead = AheadCounters()
-        self._runs: dict[tuple[str, ...], AheadRun] = {}  # row ids of a request -> its velocities running ahead
-        self._executed = 0  # ticks executed (a run its rows' cohort skipped a tick of is dropped)
+        self.executor = Executor(
+            scheduler,
+            router,
+            transport,
+            self.metrics,
+            cohorts_now=self.cohorts_now,
+            router_in_thread=router_in_thread,
+            route_every=route_every,
+            speculate=speculate,
+            run_ahead=run_ahead,
+            run_ahead_rows=run_ahead_rows,
+        )
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
-        self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
-        self._router_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its thread (see _route)
         self._stopping = False
         self._running = False
         self._emit_lock = asyncio.Lock()
         self._rate: deque[tuple[float, int]] = deque(maxlen=MAX_RATE_SAMPLES)
         self._rate_window = rate_window_s
         self.started_at = clock()
-        self.last_unavailable: dict[int, str] = {}
         self.tick_ms: deque[float] = deque(maxlen=100)
-        self.tick_s_total = 0.0  # every tick's and router forward's time, summed (/metrics; bench step profile)
-        self.router_s_total = 0.0
+        self.tick_s_total = 0.0  # every tick's time, summed (/metrics; bench step profile)
         self.dead: str | None = None  # why the loop died (then submits are refused), else None
+
+    # the executor's counters, read by /metrics, `bench engine` and the tests
+    @property
+    def rows_routed(self) -> int:
+        return self.executor.rows_routed
+
+    @property
+    def rows_guessed(self) -> int:
+        return self.executor.rows_guessed
+
+    @property
+    def rows_guessed_unused(self) -> int:
+        return self.executor.rows_guessed_unused
+
+    @property
+    def router_s_total(self) -> float:
+        return self.executor.router_s_total
+
+    @property
+    def ahead(self) -> AheadCounters:
+        return self.executor.ahead
+
+    @property
+    def last_unavailable(self) -> dict[int, str]:
+        return self.executor.last_unavailable
 
     # ------------------------------------------------------------ intake
     def submit(self, request: JobRequest, client: str = DEFAULT_CLIENT, job_id: str | None = None) -> JobAccepted:
@@ -318,13 +247,12 @@ class Engine:
             await self._die(err)
             raise
         finally:
-            # let the lanes unwind (a call they abandon on the way joins _unwatched), bounded
+            # let the lanes unwind (a guessed call they abandon on the way is cancelled next), bounded
             await cancel_and_wait(self._lanes, 1.0)
-            for task in list(self._unwatched):
-                task.cancel()
-            self._drop_runs("engine stopped")
+            self.executor.cancel_unneeded_calls()
+            self.executor.drop_runs("engine stopped")
             self._running = False
-            self._close_router_thread()
+            self.executor.close_router_thread()
 
     def _add_lanes(self, n: int) -> None:
         """Start lanes until `n` run."""
@@ -397,10 +325,10 @@ class Engine:
         router's thread ends too (an engine driven by `tick()` alone has it until stop or collection)."""
         self._stopping = True
         self._poke()
-        self._drop_runs("engine stopped")
+        self.executor.drop_runs("engine stopped")
         self.scheduler.fail_all(ErrorCode.UNAVAILABLE, reason)
         await self.flush_events()
-        self._close_router_thread()
+        self.executor.close_router_thread()
 
     async def tick(self) -> bool:
         """One schedule -> execute -> update round. Returns False when there was nothing to do."""
@@ -417,7 +345,7 @@ class Engine:
             if batch is None:
                 return False
             started = time.perf_counter()
-            await self._execute(batch)
+            await self.executor.execute(batch)
             sched.update(batch, self.clock())
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
@@ -439,253 +367,6 @@ class Engine:
             self._poke()  # its jobs are free again: an idle lane may take them
         await self.flush_events()
         return True
-
-    async def _execute(self, batch: Batch) -> None:
-        """Route, then call every chosen expert (rerouting after failures); a failed expert is
-        marked on the batch with its ErrorCode. With `speculate`, the likely requests
-        (`Batch.guess_requests`) go out while the router runs, and the routing's other needs
-        when it has spoken (see `_take_guesses`)."""
-        self._executed += 1
-        if self._runs:  # a run its rows skipped a tick of (cancelled, failed, finished) is not used again
-            self._drop_runs("unused", older_than=self._executed - 1 - self.cohorts_now())
-        fresh, w = batch.routing_plan(self.route_every)
-        guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
-        if fresh.any():
-            if self.speculate:
-                guesses = {
-                    k: (idx, asyncio.ensure_future(self._call(batch, k, idx)))
-                    for k, idx in batch.guess_requests().items()
-                }
-                self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
-            try:
-                await self._route(batch, fresh, w)
-            except BaseException:
-                for idx, task in guesses.values():
-                    self._abandon(task, len(idx))
-                raise
-        batch.route(w, fresh)
-        if guesses:
-            await self._take_guesses(batch, guesses)
-        while reqs := batch.requests():
-            experts = list(reqs)
-            results = await asyncio.gather(*(self._call(batch, k, reqs[k]) for k in experts), return_exceptions=True)
-            for k, res in zip(experts, results):
-                self._settle(batch, k, reqs[k], res)
-
-    async def _route(self, batch: Batch, fresh: np.ndarray, w: np.ndarray) -> None:
-        """Ask the router for the `fresh` rows' weights; written into w [R, K] in place."""
-        idx = slice(None) if fresh.all() else np.nonzero(fresh)[0]
-        x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
-        async with self._router_lock:
-            started = time.perf_counter()
-            if self.router_in_thread:
-                got = await asyncio.get_running_loop().run_in_executor(
-                    self._router_thread(), self.router.weights, x, t, y
-                )
-            else:
-                got = self.router.weights(x, t, y)
-            self.router_s_total += time.perf_counter() - started
-        got = np.asarray(got, dtype=np.float64)
-        if got.shape != (len(y), w.shape[1]):
-            raise ValueError(f"router weights must be [R, K] = [{len(y)}, {w.shape[1]}], got {list(got.shape)}")
-        w[idx] = got
-        self.rows_routed += len(y)
-
-    def _router_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The engine's one router thread (started at the first call, shut down when run() ends).
-        Always the same thread: its malloc arena keeps the router's activations and its core's caches
-        the weights (asyncio's default executor spread the calls over two threads; a dedicated one
-        gave 2 - 4% more rows/s, docs/CAPACITY.md "The GIL, again"). See `_close_router_thread`."""
-        if self._router_pool is None:
-            self._router_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="router")
-        return self._router_pool
-
-    def _close_router_thread(self) -> None:
-        """Shut the router's thread down: a call still running finishes, then the thread exits (a
-        later router call starts a new one)."""
-        if self._router_pool is not None:
-            self._router_pool.shutdown(wait=False)
-            self._router_pool = None
-
-    async def _take_guesses(self, batch: Batch, guesses: dict[int, tuple[np.ndarray, asyncio.Future]]) -> None:
-        """The routing has spoken: per expert, keep the needed rows of its guessed call's answer,
-        then ask it for the rows the guess missed; experts the guesses never named are asked at
-        once. All experts concurrently, one call at a time per expert, and every guessed call is
-        awaited (a job alone on the fleet sends the same requests in the same order every time,
-        so a worker never merges them differently and its images repeat bit for bit)."""
-
-        async def one(k: int) -> None:
-            if k in guesses:
-                idx, task = guesses[k]
-                try:
-                    v = await task
-                except asyncio.CancelledError:
-                    raise
-                except Exception as err:
-                    if (batch.weights[idx, k] > 0).any():
-                        self._settle(batch, k, idx, err)
-                    else:  # nobody needs it now; the failure is still counted in the metrics
-                        self.rows_guessed_unused += len(idx)
-                        if isinstance(err, ExpertUnavailable):
-                            self.metrics.expert_error(k, err.code)
-                        log.debug("an unneeded guessed call to expert %d failed: %r", k, err)
-                    return
-                self.last_unavailable.pop(k, None)
-                self.rows_guessed_unused += len(idx) - batch.record_guess(k, idx, v)
-            rest = batch.requests().get(k)
-            if rest is not None:
-                try:
-                    v = await self._call(batch, k, rest)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as err:
-                    v = err
-                self._settle(batch, k, rest, v)
-
-        await asyncio.gather(*(one(k) for k in sorted(set(guesses) | set(batch.requests()))))
-
-    def _abandon(self, task: asyncio.Future, rows: int) -> None:
-        """A guessed call whose tick broke before routing (the router failed): let it finish (a worker
-        computes it anyway) and drop its answer; run() cancels any still out when the engine stops."""
-        self.rows_guessed_unused += rows
-        self._unwatched.add(task)
-        task.add_done_callback(self._drop_answer)
-
-    def _drop_answer(self, task: asyncio.Future) -> None:
-        self._unwatched.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("an unneeded guessed call failed: %r", task.exception())
-
-    def _settle(self, batch: Batch, k: int, idx: np.ndarray, res: Any) -> None:
-        """Record expert k's answer for rows idx, or mark it failed for this tick."""
-        if isinstance(res, ExpertUnavailable):
-            self.last_unavailable[k] = res.reason
-            self.metrics.expert_error(k, res.code)
-            batch.mark_failed(k, res.reason, res.code)
-        elif isinstance(res, BaseException):
-            if isinstance(res, asyncio.CancelledError):
-                raise res
-            log.warning("expert %d call failed: %r", k, res)
-            self.last_unavailable[k] = f"failed: {type(res).__name__}: {res}"
-            self.metrics.expert_error(k, ErrorCode.UNAVAILABLE)
-            batch.mark_failed(k, f"failed ({type(res).__name__}: {res})", ErrorCode.UNAVAILABLE)
-        else:
-            self.last_unavailable.pop(k, None)
-            batch.record(k, idx, res)
-
-    async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
-        row_ids = [batch.row_ids[i] for i in idx]
-        plan = None
-        may_start = (
-            self.run_ahead
-            and self.scheduler.active_rows <= self.run_ahead_rows  # a job or two alone on the fleet
-            and hasattr(self.transport, "velocity_ahead")
-        )
-        if self._runs or may_start:
-            groups = [batch.groups[g] for g in np.searchsorted(batch.bounds, idx, side="right") - 1]
-            v = await self._take_ahead(batch, k, idx, row_ids, groups) if self._runs else None
-            if v is not None:
-                return v
-            if may_start:
-                plan = plan_ahead(groups, self.run_ahead)
-        started = time.perf_counter()
-        answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
-        x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
-        guided = _guidance_of(batch, idx)
-        try:
-            if plan is None:
-                v, stream = await self.transport.velocity(k, x, t, y, row_ids, **guided), None
-            else:
-                v, stream = await self.transport.velocity_ahead(k, x, t, y, row_ids, plan.t, plan.dt, **guided)
-            if answered is not None:
-                batch.note_workers(k, ANSWERED_BY.get() or ())
-        finally:
-            if answered is not None:
-                ANSWERED_BY.reset(answered)
-            self.metrics.expert_call(k, time.perf_counter() - started)
-        try:
-            v = self._checked(batch, k, idx, v)
-        except BaseException:
-            if stream is not None:
-                stream.close()
-            raise
-        if stream is not None:
-            if stream.steps < plan.steps:  # the expert's workers take fewer steps ahead
-                plan = AheadPlan(stream.steps, plan.t[: stream.steps], plan.dt[: stream.steps])
-            self.ahead.runs += 1
-            key = tuple(row_ids)
-            if (old := self._runs.pop(key, None)) is not None:
-                self._end_run(old, "replaced")
-            run = AheadRun.start(k, stream, plan, groups, x, v)
-            run.last_tick = self._executed
-            self._runs[key] = run
-        return v
-
-    async def _take_ahead(
-        self, batch: Batch, k: int, idx: np.ndarray, row_ids: list[str], groups: list
-    ) -> np.ndarray | None:
-        """Expert k's velocity for rows idx from a run already streaming it in (coordinator/run_ahead.py),
-        or None: no run fits (one that no longer can is ended)."""
-        key = tuple(row_ids)
-        run = self._runs.pop(key, None)
-        if run is None:
-            return None
-        x = batch.x[idx]
-        if not run.fits(k, groups, x, batch.t[idx]):
-            self._end_run(run, "diverged" if run.expert == k else "rerouted", pause=True)
-            return None
-        try:
-            v = await run.stream.next(getattr(self.transport, "step_timeout", 10.0))
-            v = self._checked(batch, k, idx, v)
-        except (AheadEnded, BadExpertReply) as err:
-            log.debug("expert %d: a run ahead ended: %s", k, err)
-            self._end_run(run, "stream ended")
-            return None
-        except BaseException:  # cancelled (the engine stops): the run is out of `_runs`, close it here
-            self._end_run(run, "cancelled")
-            raise
-        self.ahead.rows_taken += len(idx)
-        if batch.reports_dtypes:
-            batch.note_workers(k, (run.stream.worker,))
-        run.took(x, v)
-        run.last_tick = self._executed
-        if not run.left:
-            run.stream.close()
-        elif key in self._runs:  # a call for these rows started a newer run meanwhile (speculation): it wins
-            self._end_run(run, "replaced")
-        else:
-            self._runs[key] = run
-        return v
-
-    def _end_run(self, run: AheadRun, why: str, pause: bool = False) -> None:
-        """Stop using a run: its stream is closed, its unused steps counted; `pause`: its jobs do not run
-        ahead for a few evaluations (the routing moved them)."""
-        run.stream.close()
-        self.ahead.end(run, why)
-        if pause:
-            for g in run.groups:
-                g.ahead_paused_until = g.evals + PAUSE_AFTER_MISS
-
-    def _drop_runs(self, why: str, older_than: int | None = None) -> None:
-        """End every run (or those last used before tick `older_than`)."""
-        for key, run in list(self._runs.items()):
-            if older_than is None or run.last_tick < older_than:
-                del self._runs[key]
-                self._end_run(run, why)
-
-    def _checked(self, batch: Batch, k: int, idx: np.ndarray, v) -> np.ndarray:
-        """Expert k's reply for rows idx as float32 [n, C, H, W]; BadExpertReply if it is not one."""
-        v = np.asarray(v)
-        want = (len(idx),) + batch.x.shape[1:]
-        if v.shape != want:
-            raise BadExpertReply(k, f"replied with shape {list(v.shape)}, expected {list(want)}")
-        if v.dtype.kind != "f":
-            raise BadExpertReply(k, f"replied with {v.dtype} velocities, expected float")
-        with np.errstate(over="ignore", invalid="ignore"):
-            v = v.astype(np.float32, copy=False)
-        if not np.isfinite(v).all():
-            raise BadExpertReply(k, "replied with NaN/Inf velocities")
-        return v
 
     # ------------------------------------------------------------ job state
     def job_state(self, job_id: str) -> dict[str, Any] | None:

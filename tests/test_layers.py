@@ -35,6 +35,11 @@ LAYERS = {
 # (schedule/update are tested with hand-made replies).
 PURE_MODULES = [
     "coordinator/scheduler.py",
+    "coordinator/scheduler_config.py",
+    "coordinator/job_table.py",
+    "coordinator/admission.py",
+    "coordinator/cohorts.py",
+    "coordinator/restore.py",
     "coordinator/batch.py",
     "coordinator/rows.py",
     "coordinator/strategies.py",

@@ -316,7 +316,7 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
     driven.submit(JobRequest(job_id="by-hand", digits=[4], steps=2))
     while await driven.tick():
         pass
-    (thread,) = set(driven.router.threads)
+    (thread,) = set(driven.executor.router.threads)
     assert thread.is_alive() and thread.name.startswith("router")
     await driven.stop()  # ends it too
     await wait_until(lambda: not thread.is_alive())

@@ -252,7 +252,7 @@ def test_a_router_failing_after_the_guesses_went_out_fails_only_its_jobs():
     assert isinstance(ends["j0"], FailedEvent) and "router crashed" in ends["j0"].reason
     assert ends["j1"].kind == "done" and eng.dead is None
     assert eng.rows_guessed_unused == 1 and eng.rows_guessed == 1 + (STEPS - 1)
-    assert not eng._unwatched  # the abandoned call finished and was dropped
+    assert not eng.executor._unwatched  # the abandoned call finished and was dropped
 
 
 # ---------------------------------------------------------------- end to end

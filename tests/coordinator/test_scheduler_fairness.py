@@ -249,7 +249,7 @@ def test_client_bookkeeping_is_empty_after_cancel_fail_and_done():
     s.fail("c", ErrorCode.INTERNAL, "test")
     tick(s, 0.0)
     assert s.active_rows == 0 and s.queued_jobs == 0
-    assert s._client_rows == {} and s._client_queued == {}  # no entry outlives its jobs
+    assert s._jobs.client_rows == {} and s._jobs.client_queued == {}  # no entry outlives its jobs
 
 
 def test_limits_are_checked_at_config_time():

@@ -9,9 +9,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from coordinator.cohorts import whole_requests
 from coordinator.engine import Engine
 from coordinator.local_fleet import LabelRouter
-from coordinator.scheduler import Scheduler, SchedulerConfig, _whole_requests
+from coordinator.scheduler import Scheduler, SchedulerConfig
 from schemas import JobRequest
 from tests.waiting import wait_until
 
@@ -49,26 +50,26 @@ def _stepped(jobs: list[tuple[str, int]], **kw) -> Scheduler:
 
 def test_the_youngest_jobs_of_a_partial_request_wait_and_never_twice_in_a_row():
     s = _stepped([("a0", 1), ("a1", 2), ("a2", 3), ("a3", 4), ("a4", 0), ("b0", 7), ("b1", 8)])
-    jobs = list(s._active.values())  # oldest first
+    jobs = list(s._jobs.active.values())  # oldest first
     # expert 0 expects 5 rows: one whole request of 4, the youngest (a4) waits; expert 1's 2 rows
     # are less than one request and go
-    kept = _whole_requests(jobs, 4)
+    kept = whole_requests(jobs, 4)
     assert [j.job_id for j in kept] == ["a0", "a1", "a2", "a3", "b0", "b1"]
     assert [j.job_id for j in jobs if j.deferred] == ["a4"]
-    again = _whole_requests(jobs, 4)  # a4 was just deferred: it stays, a3 waits instead
+    again = whole_requests(jobs, 4)  # a4 was just deferred: it stays, a3 waits instead
     assert "a4" in [j.job_id for j in again] and "a3" not in [j.job_id for j in again]
     fresh = _stepped([(f"c{i}", 1) for i in range(5)])
-    assert len(_whole_requests(list(fresh._active.values()), 5)) == 5
+    assert len(whole_requests(list(fresh._jobs.active.values()), 5)) == 5
 
 
 def test_jobs_with_no_single_expected_expert_are_never_held_back():
     s = _stepped([(f"f{i}", 1) for i in range(5)], strategy="full")  # every expert, no prediction
-    assert len(_whole_requests(list(s._active.values()), 4)) == 5
+    assert len(whole_requests(list(s._jobs.active.values()), 4)) == 5
     t = make()
     t.submit(JobRequest(job_id="mixed", digits=[1, 7, 2, 8, 3], steps=4, stream=False), 0.0)
     t.submit(JobRequest(job_id="one", digits=[4], steps=4, stream=False), 0.0)
     serve(t, t.schedule(0.0))
-    assert [j.job_id for j in _whole_requests(list(t._active.values()), 4)] == ["mixed", "one"]
+    assert [j.job_id for j in whole_requests(list(t._jobs.active.values()), 4)] == ["mixed", "one"]
     u = make()
     submit(u, [("z", 1)])
     assert u.schedule(0.0) is not None  # fresh jobs: nothing known, nothing held back
