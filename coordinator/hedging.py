@@ -6,8 +6,8 @@ after the expert's hedge delay: 1.5 x the p99 of its recent call latencies (`HED
 with a single worker would only queue behind the original, so none is. A token bucket per expert
 (`HEDGE_BUDGET` hedges per request, `HEDGE_BURST` at once) keeps a slow expert from doubling its own load.
 
-`HedgePolicy` only decides; the transport (coordinator/transport.py, `NatsTransport._exchange`) sends the
-copy, races the two legs and reports each successful call back (`observe`).
+`HedgePolicy` only decides; a try's legs (coordinator/try_legs.py, `TryLegs.send`) send the copy, race
+the two legs and report each successful call back (`observe`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ HEDGE_BURST = 8.0
 HEDGE_WORKERS_WINDOW = 64
 
 HEDGE_MODES = ("auto", "off")
+#: what `TryLegs.hedge_counts` counts per expert: the copy answered first, the original did, neither did.
 HEDGE_OUTCOMES = ("won", "lost", "failed")
 
 

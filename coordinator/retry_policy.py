@@ -15,7 +15,7 @@ A request is tried again when:
   full; the next try after min(step_timeout, 1 s)): at most `retries` more tries. A try after a
   time-out goes to a known worker however busy, not to the queue group
   (`DispatchPolicy.pick(insist=True)`: a silent member, e.g. behind a cut route, may be picked there again);
-* the reply is unusable (coordinator/transport.py says which are): a broken or hostile worker
+* the reply is unusable (coordinator/reply_check.py says which are): a broken or hostile worker
   answers fast, so these get their own budget, `bad_reply_retries`;
 * it timed out while the NATS connection was down or after it was re-established (the request or its
   reply went down with the old connection): a free retry, at most `MAX_LOST_TO_RECONNECT` per request

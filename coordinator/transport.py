@@ -113,7 +113,7 @@ class NatsTransport:
     transient error reply; bad_reply_retries: extra tries after unusable replies; max_rows:
     rows per request (<= MAX_STEP_ROWS); reconnect_grace: seconds after a NATS reconnect during
     which "no responders" means "workers still reconnecting" (wait and retry), not "no workers";
-    dispatch: "direct" (join-shortest-queue over the known workers, module docstring) or "queue"
+    dispatch: "direct" (join-shortest-queue over the known workers, coordinator/try_legs.py) or "queue"
     (every try to the queue group)."""
 
     def __init__(
@@ -321,7 +321,7 @@ class NatsTransport:
         guidance: np.ndarray | None = None,
     ) -> tuple[np.ndarray, AheadStream | None]:
         """(velocity, None), or with `ahead` = (ahead_t [A, n], ahead_dt [A, n]) (velocity, its run-ahead
-        stream): the request tried as the module docstring says. `guidance` [n]: rows' guidance scales."""
+        stream): the request tried as its retry policy says. `guidance` [n]: rows' guidance scales."""
         opened: list[AheadStream] = []
         try:
             return await self._tries(expert, x, t, y, row_ids, ahead, opened, guidance)

@@ -16,9 +16,10 @@ Every expert worker registers the NATS micro service `ddm-expert`; `WorkerDiscov
   (coordinator/fleet_spec.py `check_worker`). A worker that differs goes into `rejected_workers` (a
   warning naming it once, counted in `workers_rejected_total`); it is never addressed directly and its
   replies are refused. `on_checked(fenced, matching)` then tells the transport which experts have such a
-  worker and which matching workers discovery found of each: the transport fences those experts
-  (`DispatchPolicy.fence`), so their requests go only to the matching workers' direct subjects, never to
-  the queue group the odd worker shares (also with `dispatch="queue"`), unless no matching worker is known.
+  worker and which matching workers discovery found of each: the transport's legs fence those experts
+  (coordinator/try_legs.py, `DispatchPolicy.fence`), so their requests go only to the matching workers'
+  direct subjects, never to the queue group the odd worker shares (also with `dispatch="queue"`), unless
+  no matching worker is known.
 
 Each discovery that gets through replaces these whole; a failed one (disconnected, closed) keeps the old.
 The coordinator discovers every few seconds (`NatsTransport.refresh_workers`); the transport owns one
