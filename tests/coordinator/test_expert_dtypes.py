@@ -38,7 +38,7 @@ async def test_done_and_job_status_say_each_experts_dtype_only_when_asked(nats_u
     async with Coordinator(
         LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url, step_timeout=10
     ) as coord:
-        learned = await coord.transport.refresh_worker_dtypes()
+        learned = await coord.transport.discovery.refresh()
         assert {learned[w.worker_id] for w in mixed_workers} == {"float32", "bfloat16"}
 
         both = await run_job(nc, JobRequest(digits=[1, 7], seed=5, steps=3, report_dtypes=True), timeout=120)

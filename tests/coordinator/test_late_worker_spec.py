@@ -96,7 +96,7 @@ async def test_a_late_worker_of_another_spec_is_rejected_by_name_and_never_used(
             dispatch=dispatch,
         )
         coord.worker_check_s = 0.5
-        caplog.set_level(logging.WARNING, logger="coordinator.transport")
+        caplog.set_level(logging.WARNING, logger="coordinator.worker_discovery")
         async with coord:
             assert coord.rejected_workers() == []
             odd, odd_service = await _worker(odd_ck, nats_url, tmp_path / "odd.log")

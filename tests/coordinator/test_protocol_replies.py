@@ -283,7 +283,7 @@ def test_the_own_inboxes_are_the_request_and_transport_reply_prefixes():
     coord = Coordinator(LabelRouter(C2E, 2), num_experts=2, nc=nc, transport=transport)
     assert coord.own_inbox_prefixes() == [] and transport.reply_prefix is None
     nc._resp_sub_prefix = bytearray(b"_INBOX.req.")  # as nats-py's first request sets it
-    transport._prefix = "_INBOX.mux"  # as the transport's first request sets it
+    transport.mux._prefix = "_INBOX.mux"  # as the transport's first request sets it
     assert coord.own_inbox_prefixes() == ["_INBOX.req.", "_INBOX.mux"]
     replies = ["_INBOX.req.x", "_INBOX.mux.x", "_INBOX.other.x", "_INBOX.muxy.x"]
     may = [coord.intake._may_reply(SimpleNamespace(reply=r, subject=subjects.FLEET_STATUS)) for r in replies]

@@ -128,7 +128,7 @@ async def test_replies_of_a_rejected_worker_are_not_used(nc):
     sub = await _serve(nc, claims)
     try:
         tr = NatsTransport(nc, step_timeout=1, retries=0, bad_reply_retries=1, dispatch="queue")
-        tr.rejected_workers = {"odd-1": RejectedWorker("odd-1", "svc", "h", EXPERT, "num_classes: 10 != 4")}
+        tr.discovery.rejected_workers = {"odd-1": RejectedWorker("odd-1", "svc", "h", EXPERT, "num_classes: 10 != 4")}
         with pytest.raises(ExpertUnavailable, match="model spec differs"):
             await tr.velocity(EXPERT, *_inputs(1))
         assert tr.rejected_replies == 2
@@ -208,6 +208,6 @@ async def test_a_run_ahead_stream_checks_each_reply_like_the_first(nc):
         with pytest.raises(AheadEnded, match="shape"):
             await stream.next(2.0)
         stream.close()
-        assert not tr._streams and tr.stray_replies == 0
+        assert not tr.mux._streams and tr.stray_replies == 0
     finally:
         await sub.unsubscribe()

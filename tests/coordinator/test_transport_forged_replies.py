@@ -166,7 +166,7 @@ async def test_reply_on_an_unknown_token_is_dropped_and_counted(nc):
         assert tr.stray_replies == 2
         token = seen[0].rsplit(".", 1)[1]
         assert len(token) == 32 and int(token, 16) >= 0  # 128 random bits, hex
-        assert not tr._pending  # nothing left waiting
+        assert not tr.mux._pending  # nothing left waiting
     finally:
         await sub.unsubscribe()
 

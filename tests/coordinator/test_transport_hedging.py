@@ -8,17 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.transport import (
-    HEDGE_FLOOR_S,
-    HEDGE_MARGIN,
-    HEDGE_START_S,
-    HedgePolicy,
-    LatencyWindow,
-    NatsTransport,
-    _BadReply,
-    _ErrorReply,
-    _worse,
-)
+from coordinator.hedging import HEDGE_FLOOR_S, HEDGE_MARGIN, HEDGE_START_S, HedgePolicy, LatencyWindow
+from coordinator.reply_check import BadReply, ReplyError
+from coordinator.transport import NatsTransport
+from coordinator.try_legs import _worse
 from schemas import ErrorCode, StepReply, StepRequest, pack, subjects, unpack
 from tests.waiting import wait_until
 
@@ -100,11 +93,11 @@ def test_the_failure_reported_for_two_failed_legs_is_the_most_telling():
     import nats.errors
 
     timeout, none = nats.errors.TimeoutError(), nats.errors.NoRespondersError()
-    reply = _ErrorReply(ErrorCode.OVERLOADED, "busy")
+    reply = ReplyError(ErrorCode.OVERLOADED, "busy")
     assert _worse(None, timeout) is timeout
     assert _worse(timeout, none) is none and _worse(none, timeout) is none
     assert _worse(reply, timeout) is reply and _worse(timeout, reply) is reply
-    bad = _BadReply("NaN")
+    bad = BadReply("NaN")
     assert _worse(reply, bad) is bad  # the later of two replies
 
 
