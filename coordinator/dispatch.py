@@ -33,7 +33,7 @@ Only direct legs are counted: a leg sent to the queue group (exploring, everyone
 copy with no other known worker) lands on a worker this policy cannot name until it replies, so a
 worker may hold more than `depth` requests of this coordinator.
 
-The policy only counts; the transport (coordinator/transport.py) does the sending, and calls
+The policy only counts; the transport (coordinator/try_legs.py) does the sending, and calls
 `finished` for every `sent`, also on failure and cancellation. Workers are named by token, made from
 the worker id by `token_of` (the transport passes `schemas.subjects.worker_token`).
 """

@@ -11,7 +11,7 @@ not stop the service).
     spec, odd = await check_fleet_spec(nc, router_spec)   # odd: {worker name: what differs}
 
 Workers that start later are checked as the coordinator discovers them (`check_worker`, called by
-the transport's periodic `$SRV.INFO` discovery, coordinator/transport.py): a worker whose spec differs
+the transport's periodic `$SRV.INFO` discovery, coordinator/worker_discovery.py): a worker whose spec differs
 is rejected (never addressed directly, its replies refused), logged by name and counted; the
 coordinator keeps serving with the matching workers. The workers found odd at the start are rejected
 the same way before the coordinator serves its first job.

@@ -44,6 +44,9 @@ PURE_MODULES = [
     "coordinator/rows.py",
     "coordinator/strategies.py",
     "coordinator/dispatch.py",
+    "coordinator/retry_policy.py",
+    "coordinator/hedging.py",
+    "coordinator/reply_check.py",
     "flow/solver.py",
     "flow/path.py",
 ]
