@@ -158,7 +158,7 @@ class Option:
         flag = _flag(field)
         parser.add_argument(
             flag,
-            type=_TYPES.get(field.type.split(" | ")[0]),
+            type=_TYPES.get(str(field.type).split(" | ")[0]),
             choices=self.choices,
             default=self.to_cli(default),
             metavar=self.metavar,
@@ -206,8 +206,8 @@ def _protocol_rows(rows: int) -> int:
 @dataclass(frozen=True)
 class WorkerConfig:
     """Serving options of one expert worker (see each field's help). Units: rows are batch rows (images);
-    seconds are `_s`, milliseconds `_ms`. In code None means what the flag's 0 means where it has one (no
-    queue limit, no metrics), and otherwise the backend's default; `buckets` may be given as "1,2,4".
+    seconds are `_s`, milliseconds `_ms`. None means what the flag's 0 means where it has one (no queue
+    limit, no metrics), else the default the help names; `buckets` may also be given as "1,2,4".
     `plan()` gives the buckets actually compiled, `backend_options()` the backend's own options."""
 
     backend: str = option(
