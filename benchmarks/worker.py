@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.config import SIM_PRESETS  # noqa: F401 (the presets `--sim-preset` accepts)
+from workers.choices import SIM_PRESETS  # noqa: F401 (the presets `--sim-preset` accepts)
 
 #: Worker options this bench serves with instead of `ddm-fleet worker`'s (said in its output): buckets
 #: to measure, and queue limits high enough that pipelined requests are never answered `overloaded`.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from workers.config import SIM_PRESETS  # noqa: F401 (the presets `--sim-preset` accepts)
+from workers.choices import SIM_PRESETS  # noqa: F401 (the presets `--sim-preset` accepts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,12 +1,15 @@
 """How an expert worker serves: its runtime, batch sizes, limits, metrics and bus retries, in one place.
 
 `WorkerConfig` holds every serving option of a worker (not which expert, which checkpoint or which bus:
-those name *what* is served and *where*) and checks its ranges in `__post_init__`, with errors that say
-how to fix them. `WorkerConfig.add_arguments(parser, defaults=...)` declares the same options for every
-command that starts a worker (`ddm-fleet worker`, `ddm-fleet bench worker`) and
-`WorkerConfig.from_args(args)` reads them back, so a default is written once; a command that changes one
+those name *what* is served and *where*). Each option is declared once, as a field made by `option(...)`:
+its default, help, choices or bounds, and any deprecated spelling (`Option`). From that one declaration
+`WorkerConfig.add_arguments(parser, defaults=...)` makes the flag for every command that starts a worker
+(`ddm-fleet worker`, `ddm-fleet bench worker`), `__post_init__` checks the value with an error that says
+how to fix it, `WorkerConfig.from_args(args)` reads the flags back and `to_argv` writes them for a child
+process, so a default, a range or a flag's spelling is written once; a command that changes a default
 passes `defaults={...}` and can say so with `changed_defaults`. `workers.service.ExpertWorker` takes a
-`WorkerConfig` (`config=`) or the same fields as keyword arguments.
+`WorkerConfig` (`config=`) or the same fields as keyword arguments. The choice lists live in
+`workers.choices`.
 
 Importing this module imports no torch, jax, nats or model code (building a command's parser stays cheap).
 """
@@ -15,22 +18,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from bus.options import add_deprecated_alias
 from schemas.limits import MAX_STEP_ROWS
 
 from .backends.base import DEFAULT_BATCH_QUANTUM, MAX_BATCH_QUANTUM
-from .backends.torch_compile import COMPILE_CHOICES, check_compile
+from .backends.torch_compile import check_compile
+from .choices import BACKENDS, COMPILE_CHOICES, DTYPES, MERGE_MODES, SIM_PRESETS
 from .metrics_http import DEFAULT_METRICS_HOST
 
-#: Model runtimes a worker can load (`workers.backends.get_backend`); sim: a simulated expert, no model.
-BACKENDS = ("torch", "xla", "jax", "sim")
-#: `workers.backends.sim_backend.PRESETS` names (listed here so building a parser imports no numpy).
-SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-MERGE_MODES = ("auto", "always")
 #: Rows that may wait in a worker's queue before it answers `overloaded`.
 DEFAULT_MAX_QUEUE_ROWS = 4096
 #: Requests a worker holds at once (queued or computing, awaiting their reply) before it answers
@@ -99,95 +99,261 @@ def add_batch_invariant_option(parser, *, default: int = 0, help: str | None = N
 
 
 @dataclass(frozen=True)
+class Option:
+    """How one `WorkerConfig` field is spelled on the command line and which values it takes: the one
+    declaration from which `WorkerConfig.add_arguments` makes its flag, `__post_init__` its check and
+    `to_argv` its argument. The flag is the field's name spelled `--like-this`; its type is the field's
+    annotation (int, float; anything else is passed on as the string given), and None is a valid value
+    when the annotation allows it.
+
+    help: the flag's help (`%(default)s` shows the default of the command that declares it).
+    cli: False for a field set only in code (no flag).
+    choices: the allowed values (the flag's choices; the error lists them).
+    lo / hi: inclusive bounds (None: unbounded); `must` is what the error says a value must be, with
+    `{lo}` / `{hi}` filled in (default ">= {lo}" or "{lo} to {hi}").
+    normalise: value -> the value kept, applied first (a spelling the config accepts, a parse, a clamp;
+    ValueError saying what to fix).
+    off: the flag's value that means None (`--max-queue-rows 0`: no limit); `to_argv` writes it for None.
+    deprecated: (old flag, the value it stands for) pairs, still accepted with a warning (`--bf16`).
+    declare: `f(parser, default=, help=)` that declares the flag(s), when other commands spell them the
+    same way (`add_batch_invariant_option`).
+    """
+
+    help: str
+    cli: bool = True
+    metavar: str | None = None
+    choices: tuple | None = None
+    lo: float | None = None
+    hi: float | None = None
+    must: str | None = None
+    normalise: Callable[[Any], Any] | None = None
+    off: Any = None
+    deprecated: tuple[tuple[str, Any], ...] = ()
+    declare: Callable[..., None] | None = None
+
+    def check(self, field: dataclasses.Field, value: Any) -> Any:
+        """`value` for `field` as the config keeps it; ValueError saying what to fix when out of range."""
+        if self.normalise is not None:
+            value = self.normalise(value)
+        if value is None and _nullable(field):
+            return value
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{field.name} must be one of {', '.join(self.choices)}, got {value!r}")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            must = self.must or (">= {lo}" if self.hi is None else "{lo} to {hi}")
+            raise ValueError(f"{field.name} must be {must.format(lo=self.lo, hi=self.hi)}, got {value}")
+        return value
+
+    def to_cli(self, value: Any) -> Any:
+        """`value` as the flag spells it: None as `off`, a tuple comma-separated."""
+        if value is None:
+            return self.off
+        return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
+    def add(self, parser, field: dataclasses.Field, default: Any) -> None:
+        """Declare the flag of `field` on `parser`, with `default` (a value of the field) as its default."""
+        if self.declare is not None:
+            self.declare(parser, default=self.to_cli(default), help=self.help)
+            return
+        flag = _flag(field)
+        parser.add_argument(
+            flag,
+            type=_TYPES.get(str(field.type).split(" | ")[0]),
+            choices=self.choices,
+            default=self.to_cli(default),
+            metavar=self.metavar,
+            help=self.help,
+        )
+        for old, value in self.deprecated:
+            add_deprecated_alias(parser, old, flag, const=value)
+
+
+#: Flag types by field annotation (the module's annotations are strings: `from __future__ import annotations`).
+_TYPES: dict[str, type] = {"int": int, "float": float}
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return "--" + field.name.replace("_", "-")
+
+
+def _nullable(field: dataclasses.Field) -> bool:
+    return str(field.type).endswith("| None")
+
+
+def option(default: Any, help: str, **spec: Any) -> Any:
+    """A `WorkerConfig` field: its default and its `Option` (help, choices, bounds, ...)."""
+    return dataclasses.field(default=default, metadata={"option": Option(help=help, **spec)})
+
+
+def _an_interface(host: str) -> str:
+    if not host:
+        raise ValueError("metrics_host must name an interface, e.g. 127.0.0.1 or 0.0.0.0")
+    return host
+
+
+def _known_dtype(dtype: str) -> str:
+    """`models.precision.check_dtype`, imported when a config is made (not when a parser is built)."""
+    from models.precision import check_dtype
+
+    return check_dtype(dtype)
+
+
+def _protocol_rows(rows: int) -> int:
+    """More rows than the protocol allows are never sent: the limit is the protocol's."""
+    return min(int(rows), MAX_STEP_ROWS)
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
-    """Serving options of one expert worker. Units: rows are batch rows (images); seconds are `_s`.
+    """Serving options of one expert worker (see each field's help). Units: rows are batch rows (images);
+    seconds are `_s`, milliseconds `_ms`. None means what the flag's 0 means where it has one (no queue
+    limit, no metrics), else the default the help names; `buckets` may also be given as "1,2,4".
+    `plan()` gives the buckets actually compiled, `backend_options()` the backend's own options."""
 
-    backend: model runtime (`BACKENDS`); device: torch cpu | cuda[:N], xla xla[:N], jax cpu | gpu[:N] |
-    tpu[:N] (None: the backend's default); dtype: the expert's compute type, "auto" (bfloat16 where the
-    device computes it natively, else float32: `models.precision`), "float32" or "bfloat16".
-    buckets: batch sizes compiled and padded to; max_batch: most rows per forward pass (None: the largest
-    bucket; buckets above the one that holds it are dropped: `plan`). merge: "auto" (merge queued requests into one
-    pass where the warm forward times say it is cheaper) or "always".
-    max_request_rows: larger requests are refused `too_large` (at most the protocol's MAX_STEP_ROWS);
-    max_queue_rows: rows waiting before `overloaded` (None: no limit); max_inflight: requests held before
-    `overloaded`. metrics_port / metrics_host: Prometheus text metrics (None: off).
-    connect_attempts: tries for the first bus connection (reconnects after it are unlimited);
-    reconnect_wait_s: seconds between tries.
-    threads (torch: intra-op CPU threads), compile (torch: "auto" | "on" | "off",
-    `workers.backends.torch_compile`), xla_cache (xla: compile cache directory), sim_preset /
-    sim_batch_ms / sim_row_ms (sim: latency model): backend options, see `backend_options`.
-    batch_quantum: > 1 makes the worker batch-invariant (every forward padded to a multiple of this many rows,
-    checked at start: `workers.backends.base.BackendBase.make_batch_invariant`); 0: off."""
-
-    backend: str = "torch"
-    device: str | None = None
-    dtype: str = "auto"
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    max_batch: int | None = None
-    merge: str = "auto"
-    max_request_rows: int = MAX_STEP_ROWS
-    max_queue_rows: int | None = DEFAULT_MAX_QUEUE_ROWS
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    metrics_port: int | None = None
-    metrics_host: str = DEFAULT_METRICS_HOST
-    connect_attempts: int = 10
-    reconnect_wait_s: float = 1.0
-    threads: int | None = None
-    compile: str = "auto"
-    xla_cache: str | None = None
-    sim_preset: str | None = None
-    sim_batch_ms: float | None = None
-    sim_row_ms: float | None = None
-    batch_quantum: int = 0
+    backend: str = option(
+        "torch",
+        "model runtime (default: %(default)s). sim: a simulated expert, no model: it sleeps "
+        "batch_ms + row_ms * padded rows per batch and returns a closed-form velocity toward a "
+        "fixed per-class image; decoding, validation, batching and replies stay real (the "
+        "checkpoint still gives shape, classes and expert id), so dozens of 'GPU' workers fit on "
+        "one CPU box",
+        choices=BACKENDS,
+    )
+    sim_preset: str | None = option(
+        None,
+        "sim backend latency: h200-torch (3.33 ms + 0.00575 ms/row, the default), h200-jax "
+        "(2.20 ms + 0.0165 ms/row; both fitted to the H200 table in docs/DEPLOYMENT.md), "
+        "instant (0 + 0)",
+        choices=SIM_PRESETS,
+    )
+    sim_batch_ms: float | None = option(
+        None,
+        "sim backend: fixed milliseconds per batch (overrides the preset)",
+        metavar="MS",
+        lo=0,
+        must=">= {lo} milliseconds",
+    )
+    sim_row_ms: float | None = option(
+        None,
+        "sim backend: milliseconds per padded row (overrides the preset)",
+        metavar="MS",
+        lo=0,
+        must=">= {lo} milliseconds",
+    )
+    device: str | None = option(None, "torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]")
+    dtype: str = option(
+        "auto",
+        "the expert's compute type: auto = bfloat16 where the device computes it natively (CPU with "
+        "AMX or AVX512-BF16, CUDA compute capability >= 8.0, XLA: TPU / Trainium), else float32; bfloat16 "
+        "(torch / xla autocast, jax cast; inputs and outputs stay float32); float32 for images identical "
+        "bit for bit across hosts. The worker advertises the dtype it computes in (default %(default)s)",
+        choices=DTYPES,
+        normalise=_known_dtype,
+        deprecated=(("--bf16", "bfloat16"), ("--no-bf16", "float32")),
+    )
+    buckets: tuple[int, ...] = option(
+        DEFAULT_BUCKETS, "batch sizes compiled and padded to (default: %(default)s)", normalise=parse_buckets
+    )
+    max_batch: int | None = option(
+        None,
+        "most rows per forward pass (default: the largest bucket; must fit a bucket)",
+        metavar="N",  # checked against the buckets in __post_init__ (`plan_buckets`)
+    )
+    merge: str = option(
+        "auto",
+        "merging queued requests into one forward pass: auto (default) merges where the warm "
+        "forward times say one bigger pass is at least 10%% cheaper than two (a GPU/XLA device, "
+        "whose cost is mostly fixed, merges; a CPU, whose cost grows with the rows, runs them "
+        "one after another so each answer goes back sooner); always: fill every pass up to "
+        "--max-batch",
+        choices=MERGE_MODES,
+    )
+    max_request_rows: int = option(
+        MAX_STEP_ROWS,
+        f"refuse requests with more rows (too_large); default %(default)s, the protocol limit is {MAX_STEP_ROWS}",
+        metavar="N",
+        lo=1,
+        must="positive",
+        normalise=_protocol_rows,
+    )
+    max_queue_rows: int | None = option(
+        DEFAULT_MAX_QUEUE_ROWS,
+        "answer `overloaded` when this many rows already wait (default %(default)s; 0: no limit)",
+        metavar="N",
+        lo=1,
+        must="positive or None (no limit)",
+        off=0,
+    )
+    max_inflight: int = option(
+        DEFAULT_MAX_INFLIGHT,
+        "answer `overloaded` while this many requests are held (default %(default)s)",
+        metavar="N",
+        lo=1,
+    )
+    metrics_port: int | None = option(
+        None,
+        "also serve Prometheus text metrics on http://HOST:P/metrics (conventional port: 9477; default and 0: off)",
+        metavar="P",
+        lo=1,
+        hi=65535,
+        must="a TCP port {lo}-{hi} (or None / 0: no metrics)",
+        normalise=lambda port: port or None,  # 0 means off, here as on the command line
+    )
+    metrics_host: str = option(
+        DEFAULT_METRICS_HOST,
+        "interface the metrics bind (default %(default)s, loopback only; 0.0.0.0 for a Prometheus on another machine)",
+        metavar="HOST",
+        normalise=_an_interface,
+    )
+    connect_attempts: int = option(
+        10,
+        "tries for the first connection to NATS (reconnects after that are unlimited; default %(default)s)",
+        metavar="N",
+        lo=1,
+        must=">= {lo} (tries for the first bus connection)",
+    )
+    reconnect_wait_s: float = option(
+        1.0, "seconds between tries of the bus connection", cli=False, lo=0, must=">= {lo} seconds"
+    )
+    threads: int | None = option(
+        None,
+        "torch backend: intra-op CPU threads",
+        metavar="N",
+        lo=1,
+        must=">= {lo} (or None: torch's default)",
+    )
+    compile: str = option(
+        "auto",
+        "torch backend: torch.compile the expert with inductor's freezing (~1.3x the rows/s of the "
+        "eager forward on an AMX CPU; 20-40 s of compiling at start-up, before the worker subscribes). "
+        "auto: on for a CPU where a C++ compiler is found, off on CUDA; $DDM_FLEET_COMPILE=on|off sets "
+        "what auto means on a host (default %(default)s)",
+        choices=COMPILE_CHOICES,
+        normalise=check_compile,
+    )
+    batch_quantum: int = option(
+        0,
+        "compute every forward at a multiple of %(const)s rows, so that an image's velocities do not "
+        "depend on the other jobs' rows batched beside it: a seeded job's images repeat bit for bit however "
+        "busy the fleet, and match `ddm-fleet sample --batch-invariant`. Checked at start; costs the padding "
+        "(a lone row costs what %(const)s do, a busy worker's batches nearly nothing)",
+        lo=0,
+        hi=MAX_BATCH_QUANTUM,
+        must="{lo} (off) to {hi} rows",
+        declare=add_batch_invariant_option,  # --batch-invariant, and --batch-quantum ROWS
+    )
+    xla_cache: str | None = option(
+        None,
+        "xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)",
+        metavar="DIR",
+    )
 
     def __post_init__(self) -> None:
-        def fix(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        from models.precision import check_dtype
-
-        fix("dtype", check_dtype(self.dtype))
-        fix("buckets", parse_buckets(self.buckets))
+        for f in fields(self):
+            object.__setattr__(self, f.name, f.metadata["option"].check(f, getattr(self, f.name)))
         plan_buckets(self.buckets, self.max_batch)  # max_batch fits a bucket (the error says which to add)
-        if self.merge not in MERGE_MODES:
-            raise ValueError(f"merge must be one of {', '.join(MERGE_MODES)}, got {self.merge!r}")
-        if not 1 <= self.max_request_rows:
-            raise ValueError(f"max_request_rows must be positive, got {self.max_request_rows}")
-        # more than the protocol allows is never sent: the limit is the protocol's
-        fix("max_request_rows", min(int(self.max_request_rows), MAX_STEP_ROWS))
-        if self.max_queue_rows is not None and self.max_queue_rows <= 0:
-            raise ValueError(f"max_queue_rows must be positive or None (no limit), got {self.max_queue_rows}")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if self.metrics_port == 0:
-            fix("metrics_port", None)  # 0 means off, as on the command line
-        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
-            raise ValueError(
-                f"metrics_port must be a TCP port 1-65535 (or None / 0: no metrics), got {self.metrics_port}"
-            )
-        if not self.metrics_host:
-            raise ValueError("metrics_host must name an interface, e.g. 127.0.0.1 or 0.0.0.0")
-        if self.connect_attempts < 1:
-            raise ValueError(
-                f"connect_attempts must be >= 1 (tries for the first bus connection), got {self.connect_attempts}"
-            )
-        if self.reconnect_wait_s < 0:
-            raise ValueError(f"reconnect_wait_s must be >= 0 seconds, got {self.reconnect_wait_s}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 (or None: torch's default), got {self.threads}")
-        fix("compile", check_compile(self.compile))
-        if not 0 <= self.batch_quantum <= MAX_BATCH_QUANTUM:
-            raise ValueError(f"batch_quantum must be 0 (off) to {MAX_BATCH_QUANTUM} rows, got {self.batch_quantum}")
-        sim = {"sim_preset": self.sim_preset, "sim_batch_ms": self.sim_batch_ms, "sim_row_ms": self.sim_row_ms}
-        if self.backend != "sim" and any(v is not None for v in sim.values()):
+        if self.backend != "sim" and (self.sim_preset, self.sim_batch_ms, self.sim_row_ms) != (None, None, None):
             raise ValueError("--sim-preset / --sim-batch-ms / --sim-row-ms need --backend sim")
-        if self.sim_preset is not None and self.sim_preset not in SIM_PRESETS:
-            raise ValueError(f"sim_preset must be one of {', '.join(SIM_PRESETS)}, got {self.sim_preset!r}")
-        for name in ("sim_batch_ms", "sim_row_ms"):
-            if sim[name] is not None and sim[name] < 0:
-                raise ValueError(f"{name} must be >= 0 milliseconds, got {sim[name]}")
 
     def plan(self) -> tuple[tuple[int, ...], int]:
         """(the buckets a worker compiles, its most rows per forward pass): `plan_buckets`."""
@@ -231,41 +397,12 @@ class WorkerConfig:
 
     def to_argv(self) -> list[str]:
         """`ddm-fleet worker` options that reproduce this config (every option, defaults included)."""
-        argv = [
-            "--backend",
-            self.backend,
-            "--buckets",
-            ",".join(map(str, self.buckets)),
-            "--merge",
-            self.merge,
-            "--max-request-rows",
-            str(self.max_request_rows),
-            "--max-queue-rows",
-            str(self.max_queue_rows or 0),
-            "--max-inflight",
-            str(self.max_inflight),
-            "--connect-attempts",
-            str(self.connect_attempts),
-            "--metrics-host",
-            self.metrics_host,
-            "--dtype",
-            self.dtype,
-            "--compile",
-            self.compile,
-        ]
-        for flag, value in (
-            ("--device", self.device),
-            ("--max-batch", self.max_batch),
-            ("--metrics-port", self.metrics_port),
-            ("--threads", self.threads),
-            ("--xla-cache", self.xla_cache),
-            ("--sim-preset", self.sim_preset),
-            ("--sim-batch-ms", self.sim_batch_ms),
-            ("--sim-row-ms", self.sim_row_ms),
-            ("--batch-quantum", self.batch_quantum or None),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
+        argv: list[str] = []
+        for f in fields(self):
+            opt = f.metadata["option"]
+            value = opt.to_cli(getattr(self, f.name))
+            if opt.cli and value is not None:
+                argv += [_flag(f), str(value)]
         return argv
 
     # ------------------------------------------------------------------ command line
@@ -275,156 +412,24 @@ class WorkerConfig:
         """Declare every serving option on `parser` (`--backend`, `--buckets`, `--dtype`, ...).
         `defaults`: {field name: value} a command uses instead of the worker's (e.g. a bench's buckets);
         the help shows the command's default."""
-        from bus.options import add_dtype_option
-
         d = {f.name: f.default for f in fields(WorkerConfig)}
         unknown = set(defaults or {}) - set(d)
         if unknown:
             raise ValueError(f"WorkerConfig has no option(s) {', '.join(sorted(unknown))}")
         d.update(defaults or {})
-        buckets = d["buckets"] if isinstance(d["buckets"], str) else ",".join(map(str, d["buckets"]))
-
-        g = parser.add_argument_group("worker serving options")
-        g.add_argument(
-            "--backend",
-            choices=BACKENDS,
-            default=d["backend"],
-            help=f"model runtime (default: {d['backend']}). sim: a simulated expert, no model: it sleeps "
-            "batch_ms + row_ms * padded rows per batch and returns a closed-form velocity toward a "
-            "fixed per-class image; decoding, validation, batching and replies stay real (the "
-            "checkpoint still gives shape, classes and expert id), so dozens of 'GPU' workers fit on "
-            "one CPU box",
-        )
-        g.add_argument(
-            "--sim-preset",
-            choices=SIM_PRESETS,
-            default=d["sim_preset"],
-            help="sim backend latency: h200-torch (3.33 ms + 0.00575 ms/row, the default), h200-jax "
-            "(2.20 ms + 0.0165 ms/row; both fitted to the H200 table in docs/DEPLOYMENT.md), "
-            "instant (0 + 0)",
-        )
-        g.add_argument(
-            "--sim-batch-ms",
-            type=float,
-            default=d["sim_batch_ms"],
-            metavar="MS",
-            help="sim backend: fixed milliseconds per batch (overrides the preset)",
-        )
-        g.add_argument(
-            "--sim-row-ms",
-            type=float,
-            default=d["sim_row_ms"],
-            metavar="MS",
-            help="sim backend: milliseconds per padded row (overrides the preset)",
-        )
-        g.add_argument(
-            "--device",
-            default=d["device"],
-            help="torch: cpu | cuda[:N] (default cpu); xla: xla[:N]; jax: cpu | gpu[:N] | tpu[:N]",
-        )
-        add_dtype_option(
-            g,
-            default=d["dtype"],
-            help="the expert's compute type: auto = bfloat16 where the device computes it natively (CPU with "
-            "AMX or AVX512-BF16, CUDA compute capability >= 8.0, XLA: TPU / Trainium), else float32; bfloat16 "
-            "(torch / xla autocast, jax cast; inputs and outputs stay float32); float32 for images identical "
-            "bit for bit across hosts. The worker advertises the dtype it computes in (default %(default)s)",
-        )
-        g.add_argument("--buckets", default=buckets, help=f"batch sizes compiled and padded to (default: {buckets})")
-        g.add_argument(
-            "--max-batch",
-            type=int,
-            default=d["max_batch"],
-            metavar="N",
-            help="most rows per forward pass (default: the largest bucket; must fit a bucket)",
-        )
-        g.add_argument(
-            "--merge",
-            choices=MERGE_MODES,
-            default=d["merge"],
-            help="merging queued requests into one forward pass: auto (default) merges where the warm "
-            "forward times say one bigger pass is at least 10%% cheaper than two (a GPU/XLA device, "
-            "whose cost is mostly fixed, merges; a CPU, whose cost grows with the rows, runs them "
-            "one after another so each answer goes back sooner); always: fill every pass up to "
-            "--max-batch",
-        )
-        g.add_argument(
-            "--max-request-rows",
-            type=int,
-            default=d["max_request_rows"],
-            metavar="N",
-            help=f"refuse requests with more rows (too_large); default {d['max_request_rows']}, the "
-            f"protocol limit is {MAX_STEP_ROWS}",
-        )
-        g.add_argument(
-            "--max-queue-rows",
-            type=int,
-            default=d["max_queue_rows"],
-            metavar="N",
-            help=f"answer `overloaded` when this many rows already wait (default {d['max_queue_rows']}; 0: no limit)",
-        )
-        g.add_argument(
-            "--max-inflight",
-            type=int,
-            default=d["max_inflight"],
-            metavar="N",
-            help=f"answer `overloaded` while this many requests are held (default {d['max_inflight']})",
-        )
-        g.add_argument(
-            "--metrics-port",
-            type=int,
-            default=d["metrics_port"],
-            metavar="P",
-            help="also serve Prometheus text metrics on http://HOST:P/metrics (conventional port: "
-            "9477; default and 0: off)",
-        )
-        g.add_argument(
-            "--metrics-host",
-            default=d["metrics_host"],
-            metavar="HOST",
-            help=f"interface the metrics bind (default {d['metrics_host']}, loopback only; 0.0.0.0 for "
-            "a Prometheus on another machine)",
-        )
-        g.add_argument(
-            "--connect-attempts",
-            type=int,
-            default=d["connect_attempts"],
-            metavar="N",
-            help="tries for the first connection to NATS (reconnects after that are unlimited; "
-            f"default {d['connect_attempts']})",
-        )
-        g.add_argument(
-            "--threads", type=int, default=d["threads"], metavar="N", help="torch backend: intra-op CPU threads"
-        )
-        g.add_argument(
-            "--compile",
-            choices=COMPILE_CHOICES,
-            default=d["compile"],
-            help="torch backend: torch.compile the expert with inductor's freezing (~1.3x the rows/s of the "
-            "eager forward on an AMX CPU; 20-40 s of compiling at start-up, before the worker subscribes). "
-            "auto: on for a CPU where a C++ compiler is found, off on CUDA; $DDM_FLEET_COMPILE=on|off sets "
-            "what auto means on a host (default %(default)s)",
-        )
-        add_batch_invariant_option(
-            g,
-            default=d["batch_quantum"],
-            help="compute every forward at a multiple of %(const)s rows, so that an image's velocities do not "
-            "depend on the other jobs' rows batched beside it: a seeded job's images repeat bit for bit however "
-            "busy the fleet, and match `ddm-fleet sample --batch-invariant`. Checked at start; costs the padding "
-            "(a lone row costs what %(const)s do, a busy worker's batches nearly nothing)",
-        )
-        g.add_argument(
-            "--xla-cache",
-            default=d["xla_cache"],
-            metavar="DIR",
-            help="xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)",
-        )
+        group = parser.add_argument_group("worker serving options")
+        for f in fields(WorkerConfig):
+            opt = f.metadata["option"]
+            if opt.cli:
+                opt.add(group, f, d[f.name])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
         """The config of parsed `add_arguments` options (ValueError, saying what to fix, when out of range).
-        `--max-queue-rows 0` means no limit; `--metrics-port 0` means no metrics."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if values.get("max_queue_rows") == 0:
-            values["max_queue_rows"] = None
+        A flag's `off` value (`--max-queue-rows 0`, `--metrics-port 0`) is None here."""
+        values = {}
+        for f in fields(cls):
+            if hasattr(args, f.name):
+                value, off = getattr(args, f.name), f.metadata["option"].off
+                values[f.name] = None if off is not None and value == off else value
         return cls(**values)

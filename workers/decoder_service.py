@@ -43,8 +43,11 @@ import numpy as np
 from schemas import DecodeReply, DecodeRequest, ErrorCode, ErrorReply, ProtocolError, pack, subjects, unpack
 from schemas.limits import MAX_STEP_ROWS
 
+from .advertise import package_version
 from .discovery import InboxGuard, add_inbox_only_service
-from .service import SANE_ABS_X, _peek_request_id, package_version
+from .micro_endpoints import reply_subject
+from .replies import SANE_ABS_X
+from .step_validation import peek_request_id
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +219,7 @@ class DecoderWorker:
     # ------------------------------------------------------------------ requests
     async def _on_request(self, req) -> None:
         """micro handler: check the reply subject and queue the work (callbacks are serial). Never raises."""
-        if not self._inbox_guard.allows(req._msg.reply):
+        if not self._inbox_guard.allows(reply_subject(req)):
             return
         try:
             if self._waiting >= self.max_queued:
@@ -240,7 +243,7 @@ class DecoderWorker:
             try:
                 data = await self._decode(req)
             except ProtocolError as err:
-                await self._reply_error(req, err.code, err.message, _peek_request_id(req.data))
+                await self._reply_error(req, err.code, err.message, peek_request_id(req.data))
                 return
             except Exception as err:  # a bug in validation must not kill the subscription
                 log.exception("unexpected error while serving a decode request")

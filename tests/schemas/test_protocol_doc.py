@@ -285,9 +285,9 @@ def _source_keys(*functions) -> set[str]:
 def test_every_metadata_key_a_worker_or_decoder_publishes_is_documented_as_a_string():
     """Each key the expert workers (every backend) and the decoders put in their service metadata has a
     row in section 2.2, with a string format; the rule that every value is a string is stated."""
+    from workers.advertise import worker_metadata
     from workers.backends import base, sim_backend, torch_backend
     from workers.decoder_service import DecoderWorker
-    from workers.service import ExpertWorker
 
     assert "**every value is a JSON string**" in FLAT and '`"run_ahead": "16"`' in FLAT
     assert "a number, 16 today" not in FLAT  # run_ahead is a string, not a number
@@ -295,7 +295,7 @@ def test_every_metadata_key_a_worker_or_decoder_publishes_is_documented_as_a_str
     formats |= {'`"true"` / `"false"`', "text", "JSON", 'decimal integer, or `""`'}
     expert = _metadata_table("Expert workers (`$SRV.INFO.ddm-expert`)")
     published = _source_keys(
-        ExpertWorker.metadata,
+        worker_metadata,
         base.BackendBase.describe,
         torch_backend.TorchBackend.describe,
         _method_source("workers/backends/xla_backend.py", "XlaBackend", "describe"),

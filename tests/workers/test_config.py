@@ -169,3 +169,33 @@ def test_expert_worker_takes_a_config_and_keyword_overrides(tiny_expert_checkpoi
     assert sim._backend_name == "sim" and sim.backend_options == {"preset": "instant"}
     with pytest.raises(TypeError, match="bucket"):
         ExpertWorker(0, tiny_expert_checkpoint, bucket=(1,))
+
+
+def test_every_flag_round_trips_through_to_argv():
+    """Each option's one declaration gives both its flag and its `to_argv` spelling: a config with every
+    field away from its default comes back equal (reconnect_wait_s has no flag)."""
+    c = WorkerConfig(
+        backend="sim",
+        sim_preset="instant",
+        sim_batch_ms=0.25,
+        sim_row_ms=0.5,
+        device="cpu",
+        dtype="bfloat16",
+        buckets=(1, 4),
+        max_batch=3,
+        merge="always",
+        max_request_rows=100,
+        max_queue_rows=None,
+        max_inflight=7,
+        metrics_port=9999,
+        metrics_host="0.0.0.0",
+        connect_attempts=2,
+        threads=3,
+        compile="off",
+        batch_quantum=32,
+        xla_cache="/c",
+    )
+    assert {f for f in WorkerConfig.__dataclass_fields__ if getattr(c, f) == getattr(WorkerConfig(), f)} == {
+        "reconnect_wait_s"
+    }
+    assert WorkerConfig.from_args(_parse(c.to_argv())) == c

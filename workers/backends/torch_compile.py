@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 import shutil
 
-COMPILE_CHOICES = ("auto", "on", "off")
+from ..choices import COMPILE_CHOICES
+
 #: what `auto` means on this host ("on" / "off"; unset: decide from the device and the C++ compiler)
 COMPILE_ENV = "DDM_FLEET_COMPILE"
 
