@@ -1,7 +1,8 @@
 """Every NATS subject in one place. Versioned: `ddm.v<PROTOCOL_VERSION>.…`.
 
     ddm.v1.expert.<expert_id>.velocity              expert step requests (request/reply, queue group)
-    ddm.v1.expert.<expert_id>.velocity.<worker>     the same, to one worker (request/reply; <worker> = worker_token)
+    ddm.v1.expert.<expert_id>.velocity.<worker>     the same, to one worker (request/reply; <worker> = worker_token:
+                                                    <16 hex digits>, or <scope>.<16 hex digits> for a scoped worker)
     ddm.v1.c.<client>.jobs.submit                   a client's job submission (request/reply)
     ddm.v1.c.<client>.jobs.<job_id>.events          a job's event stream (accepted/frame/done/failed)
     ddm.v1.c.<client>.jobs.<job_id>.cancel          cancel a job (request/reply or plain publish)
@@ -63,19 +64,38 @@ def expert_velocity(expert_id: int) -> str:
 
 #: Hex digits of a worker token (a sha256 prefix of the worker id: 64 bits).
 WORKER_TOKEN_HEX = 16
-_WORKER_TOKEN_RE = re.compile(f"[0-9a-f]{{{WORKER_TOKEN_HEX}}}")
+#: A scoped worker's id starts with its scope and this separator: "<scope>:<rest>" (`scoped_worker_id`).
+SCOPE_SEP = ":"
+_WORKER_TOKEN_RE = re.compile(f"(?:[A-Za-z0-9_-]{{1,64}}\\.)?[0-9a-f]{{{WORKER_TOKEN_HEX}}}")
+
+
+def scoped_worker_id(scope: str, worker_id: str) -> str:
+    """The id of a worker whose direct subject lives under `scope`: "<scope>:<worker_id>". A NATS account
+    can then let one host's users subscribe only to `ddm.v1.expert.<K>.velocity.<scope>.*`, so no other
+    host receives the requests sent to this host's workers (infra/nats/permissions.conf)."""
+    return f"{_check_token(scope, 'direct scope')}{SCOPE_SEP}{worker_id}"
+
+
+def worker_scope(worker_id: str) -> str | None:
+    """The scope a worker id starts with ("<scope>:..."), or None (an unscoped worker)."""
+    head, sep, _ = worker_id.partition(SCOPE_SEP)
+    return head if sep and is_token(head) else None
 
 
 def worker_token(worker_id: str) -> str:
-    """The subject token of one worker process: the first 16 hex digits of sha256(worker_id).
-    Worker ids may hold dots or other characters a subject token cannot; the token never does."""
+    """The subject token(s) of one worker process: the first 16 hex digits of sha256(worker_id), after
+    "<scope>." when the id is scoped (`scoped_worker_id`). Worker ids may hold dots or other characters a
+    subject token cannot; the token never does."""
     if not isinstance(worker_id, str) or not worker_id:
         raise ValueError(f"worker id must be a non-empty str, got {worker_id!r:.80}")
-    return hashlib.sha256(worker_id.encode("utf-8", "surrogatepass")).hexdigest()[:WORKER_TOKEN_HEX]
+    token = hashlib.sha256(worker_id.encode("utf-8", "surrogatepass")).hexdigest()[:WORKER_TOKEN_HEX]
+    scope = worker_scope(worker_id)
+    return token if scope is None else f"{scope}.{token}"
 
 
 def is_worker_token(value: object) -> bool:
-    """True if `value` is a worker token as `worker_token` makes them (16 lowercase hex digits)."""
+    """True if `value` is a worker token as `worker_token` makes them (16 lowercase hex digits, after
+    "<scope>." for a scoped worker)."""
     return isinstance(value, str) and _WORKER_TOKEN_RE.fullmatch(value) is not None
 
 
@@ -84,7 +104,8 @@ def expert_direct(expert_id: int, token: str) -> str:
     `worker_token(worker_id)`. Requests carry a `StepRequest`, replies as on `expert_velocity`."""
     if not is_worker_token(token):
         raise ValueError(
-            f"worker token must be {WORKER_TOKEN_HEX} lowercase hex digits (worker_token), got {token!r:.80}"
+            f"worker token must be {WORKER_TOKEN_HEX} lowercase hex digits, after '<scope>.' for a scoped worker "
+            f"(worker_token), got {token!r:.80}"
         )
     return f"{expert_velocity(expert_id)}.{token}"
 

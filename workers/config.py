@@ -191,6 +191,17 @@ def _an_interface(host: str) -> str:
     return host
 
 
+def _a_scope(scope: str | None) -> str | None:
+    """A direct scope must be one subject token (`schemas.subjects.scoped_worker_id`); "" means none."""
+    if not scope:
+        return None
+    from schemas.subjects import is_token
+
+    if not is_token(scope):
+        raise ValueError(f"direct_scope must be 1-64 of [A-Za-z0-9_-] (one subject token), got {scope!r:.80}")
+    return scope
+
+
 def _known_dtype(dtype: str) -> str:
     """`models.precision.check_dtype`, imported when a config is made (not when a parser is built)."""
     from models.precision import check_dtype
@@ -346,6 +357,15 @@ class WorkerConfig:
         None,
         "xla backend: persistent compile cache directory (or $XLA_PERSISTENT_CACHE_PATH)",
         metavar="DIR",
+    )
+    direct_scope: str | None = option(
+        None,
+        "serve the worker's own direct subject under this scope, ddm.v1.expert.<K>.velocity.<scope>.<token>, "
+        "so that the NATS permissions of this host's user (its leaf user's name, e.g. leaf-expert-0) can keep "
+        "every other host from receiving the requests a coordinator sends this worker (infra/nats/"
+        "permissions.conf); the worker id becomes <scope>:<id> (default: none, ddm.v1.expert.<K>.velocity.<token>)",
+        metavar="NAME",
+        normalise=_a_scope,
     )
 
     def __post_init__(self) -> None:

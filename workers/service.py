@@ -4,12 +4,14 @@ The worker answers `StepRequest`s on `schemas.subjects.expert_velocity(K)` in th
 `expert_queue_group(K)`, so every worker process of expert K shares the load and a new one adds
 capacity with no configuration. It also serves the same handler on a direct subject of its own,
 `expert_direct(K, worker_token(worker_id))` (endpoint `direct`), where a coordinator that balances
-its requests itself (join-shortest-queue, coordinator/dispatch.py) reaches this one worker; both
-subscriptions come and go together (a stop drains the direct one first). Requests that arrive
-while the model is busy are batched (`workers.batcher`), padded to a bucket size (unless the backend
-runs any shape: torch on a CPU) and run in one forward pass in a worker thread; the asyncio loop
-keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is warmed before the endpoint is
-subscribed.
+its requests itself (join-shortest-queue, coordinator/dispatch.py) reaches this one worker. With a direct
+scope (`--direct-scope NAME`: the worker id becomes "NAME:<id>") that subject is
+`ddm.v1.expert.<K>.velocity.NAME.<token>`, which NATS permissions can give to this host's user alone
+(infra/nats/permissions.conf). Both subscriptions come and go together (a stop drains the direct one
+first). Requests that arrive while the model is busy are batched (`workers.batcher`), padded to a
+bucket size (unless the backend runs any shape: torch on a CPU) and run in one forward pass in a
+worker thread; the asyncio loop keeps answering `$SRV.PING/INFO/STATS` meanwhile. Every bucket is
+warmed before the endpoint is subscribed.
 
 Embedding a worker (what `ddm-fleet worker` runs, and what `generate --local` / tests use):
 
@@ -151,6 +153,8 @@ class ExpertWorker:
         self.reconnect_wait = config.reconnect_wait_s
         self.connect_attempts = config.connect_attempts
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if config.direct_scope and subjects.worker_scope(self.worker_id) != config.direct_scope:
+            self.worker_id = subjects.scoped_worker_id(config.direct_scope, self.worker_id)
         #: where this worker alone is reached (besides the queue group): ddm.v1.expert.<K>.velocity.<token>
         self.direct_subject = subjects.expert_direct(expert, subjects.worker_token(self.worker_id))
         self.metrics = WorkerMetrics(

@@ -162,6 +162,28 @@ def test_worker_tokens_and_direct_subjects():
         subjects.expert_direct(-1, t)
 
 
+def test_a_scoped_workers_direct_subject_lives_under_its_scope():
+    """A worker id "<scope>:<rest>" (`scoped_worker_id`) gets the token "<scope>.<16 hex>", so its direct
+    subject is ddm.v1.expert.<K>.velocity.<scope>.<hex>: a NATS user allowed `velocity.<scope>.*` only
+    can serve it, and no wildcard one level deep (`velocity.*`) matches it."""
+    wid = subjects.scoped_worker_id("trn1-a", "gpu-7.example.org-1234-abcdef")
+    assert wid == "trn1-a:gpu-7.example.org-1234-abcdef" and subjects.worker_scope(wid) == "trn1-a"
+    t = subjects.worker_token(wid)
+    scope, hexpart = t.split(".")
+    assert scope == "trn1-a" and len(hexpart) == 16 and subjects.is_worker_token(t)
+    assert hexpart != subjects.worker_token("gpu-7.example.org-1234-abcdef")  # the scope is part of the id
+    assert subjects.expert_direct(0, t) == f"ddm.v1.expert.0.velocity.trn1-a.{hexpart}"
+    assert subjects.worker_scope("gpu-7-1234-ab") is None and subjects.worker_scope("bad.scope:x") is None
+    for bad in ("", "a.b", "*", "x" * 65):
+        with pytest.raises(ValueError, match="direct scope"):
+            subjects.scoped_worker_id(bad, "w")
+    for bad in ("a.b." + hexpart, "*." + hexpart, "trn1-a." + hexpart[:-1]):
+        with pytest.raises(ValueError):
+            subjects.expert_direct(0, bad)
+    p = DispatchPolicy(subjects.worker_token, explore_every=0)
+    assert p.seen(0, wid) == t and p.pick(0) == t  # the transport sends it to expert_direct(0, t)
+
+
 def test_most_known_is_the_most_workers_of_any_expert_within_the_ttl():
     p, clock = policy(ttl_s=30.0)
     assert p.most_known() == 0

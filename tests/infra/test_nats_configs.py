@@ -202,23 +202,36 @@ def test_job_status_probe_is_allowed_wherever_cancel_is():
 
 def test_direct_worker_subjects_are_allowed_wherever_the_queue_group_is():
     """Join-shortest-queue dispatch: whoever may publish / subscribe an expert's queue-group subject
-    ddm.v1.expert.<K>.velocity may do the same with its workers' direct ddm.v1.expert.<K>.velocity.*
-    (coordinator, workers, leaf links), and nobody gets more than that expert's."""
+    ddm.v1.expert.<K>.velocity may do the same with its workers' direct subjects: the unscoped
+    ddm.v1.expert.<K>.velocity.* (the coordinator, hub workers) or, for a leaf host's user, only those under
+    its own scope ddm.v1.expert.<K>.velocity.<user>.* (its workers run --direct-scope <user>), so no host
+    receives another host's direct requests; the coordinator may address both kinds. Nobody gets more than
+    that expert's."""
     sets = _permission_sets()
     checked = 0
     for name, verbs in sets.items():
+        leaf_user = name.removesuffix("_PERMISSIONS").lower().replace("_", "-") if name.startswith("LEAF_") else None
         for verb, allowed in verbs.items():
             for queue in [s for s in allowed if s.startswith(subjects.PREFIX + ".expert.") and s.endswith(".velocity")]:
-                assert queue + ".*" in allowed, (name, verb, queue)
+                direct = queue + (f".{leaf_user}.*" if leaf_user else ".*")
+                assert direct in allowed, (name, verb, queue, direct)
+                if leaf_user:
+                    assert queue + ".*" not in allowed and queue + ".>" not in allowed, (name, verb)
                 checked += 1
+            scoped = {"COORDINATOR_PERMISSIONS": ".*.*"}.get(name)
             extra = {s for s in allowed if s.startswith(subjects.PREFIX + ".expert.")} - {
-                q for s in allowed if s.endswith(".velocity") for q in (s, s + ".*")
+                q
+                for s in allowed
+                if s.endswith(".velocity")
+                for q in (s, s + (f".{leaf_user}.*" if leaf_user else ".*"), s + (scoped or ".*"))
             }
             assert not extra, (name, verb, extra)
     assert checked >= 6, checked
     assert subjects.ALL_EXPERTS_DIRECT in sets["COORDINATOR_PERMISSIONS"]["publish"]
+    assert subjects.ALL_EXPERTS_DIRECT + ".*" in sets["COORDINATOR_PERMISSIONS"]["publish"]  # scoped workers
     assert subjects.expert_velocity(0) + ".*" in sets["WORKER_0_PERMISSIONS"]["subscribe"]
     assert subjects.expert_velocity(1) + ".*" not in sets["WORKER_0_PERMISSIONS"]["subscribe"]
+    assert subjects.expert_velocity(0) + ".leaf-expert-0.*" in sets["LEAF_EXPERT_0_PERMISSIONS"]["subscribe"]
 
 
 def test_leaf_links_may_answer_discovery_and_expert_requests_and_nothing_else():

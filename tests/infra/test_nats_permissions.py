@@ -572,6 +572,58 @@ async def test_discovery_cannot_make_a_worker_write_onto_a_clients_job_subject(
         await worker.stop()
 
 
+async def test_a_worker_host_receives_no_other_hosts_direct_requests(connect, server, tiny_expert_checkpoint):
+    """Direct subjects under a scope: a leaf host (user leaf-expert-0) runs its worker with
+    `--direct-scope leaf-expert-0`, and may subscribe to expert 0's queue subject and to its own scope's
+    direct subjects only. Another process on that host subscribing to every direct subject of expert 0
+    receives none of the requests the coordinator sends the hub's worker, while both workers answer their
+    own. (Before scopes, the leaf received the hub worker's direct requests and could answer them first.)"""
+    from workers.service import ExpertWorker
+
+    leaf = server.leaf("leaf-expert-0", name="leaf-scoped")
+    coord = await connect("coordinator")
+    workers = [
+        ExpertWorker(0, tiny_expert_checkpoint, nats_url=server.url(0, "worker-0"), buckets=(2,)),
+        ExpertWorker(0, tiny_expert_checkpoint, nats_url=leaf.client_url, buckets=(2,), direct_scope="leaf-expert-0"),
+    ]
+    import nats
+
+    spy = await nats.connect(leaf.client_url, name="same-host-spy", connect_timeout=2, allow_reconnect=False)
+    try:
+        for w in workers:
+            await w.start()
+        hub, remote = workers
+        assert remote.worker_id.startswith("leaf-expert-0:")
+        assert remote.direct_subject.startswith("ddm.v1.expert.0.velocity.leaf-expert-0.")
+        stolen: list[str] = []
+
+        async def steal(msg):
+            stolen.append(msg.subject)
+
+        for pattern in ("ddm.v1.expert.0.velocity.*", "ddm.v1.expert.0.velocity.>"):
+            await spy.subscribe(pattern, cb=steal)
+        await synced(spy)
+        for w in (hub, remote):  # as the transport addresses a worker: expert_direct(k, worker_token(id))
+            subject = subjects.expert_direct(0, subjects.worker_token(w.worker_id))
+            assert subject == w.direct_subject
+            for _ in range(50):  # until the leaf's interest has crossed the link
+                try:
+                    msg = await coord.nc.request(subject, pack(_step(0)), timeout=1)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            assert unpack(msg.data, StepReply).worker_id == w.worker_id
+        for _ in range(5):
+            await coord.nc.request(hub.direct_subject, pack(_step(0)), timeout=2)
+        await asyncio.sleep(0.3)  # grace for a message that must never arrive: no event marks its absence
+        assert hub.direct_subject not in stolen and all(s.split(".")[5] == "leaf-expert-0" for s in stolen)
+    finally:
+        for w in workers:
+            await w.stop()
+        await spy.close()
+        leaf.stop()
+
+
 # ---------------------------------------------------------------- operators
 
 

@@ -32,6 +32,7 @@ def _parse(argv, defaults=None) -> argparse.Namespace:
         (dict(threads=0), ">= 1"),
         (dict(sim_preset="instant"), "need --backend sim"),
         (dict(backend="sim", sim_row_ms=-0.5), ">= 0 milliseconds"),
+        (dict(direct_scope="a.b"), "one subject token"),
         (dict(batch_quantum=-1), "0 \\(off\\) to 256 rows"),
     ],
 )
@@ -194,6 +195,7 @@ def test_every_flag_round_trips_through_to_argv():
         compile="off",
         batch_quantum=32,
         xla_cache="/c",
+        direct_scope="leaf-expert-0",
     )
     assert {f for f in WorkerConfig.__dataclass_fields__ if getattr(c, f) == getattr(WorkerConfig(), f)} == {
         "reconnect_wait_s"
