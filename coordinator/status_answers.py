@@ -4,23 +4,41 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from schemas import FleetStatus, JobStatus
 from schemas.messages import RejectedWorkerInfo
 from schemas.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from .service import Coordinator
+    from .decoding import DecodeStage
+    from .engine import Engine
+    from .intake import Intake
+    from .ledger import JobLedger
 
 
-def rejected_workers(coord: Coordinator) -> list:
+class StatusHost(Protocol):
+    """What the answers read of their coordinator (`coordinator.service.Coordinator` is one)."""
+
+    name: str
+    instance: str
+    spec: ModelSpec
+    default_guidance: float
+    engine: Engine
+    ledger: JobLedger
+    intake: Intake
+    transport: Any  # its `rejected_workers`, when it discovers workers
+    decode_stage: DecodeStage | None  # a latent fleet's
+    decoder: Any  # a latent fleet's DecoderClient: its `image_shape`, `image_value_range` once learned
+
+
+def rejected_workers(coord: StatusHost) -> list:
     """The workers on the bus (at the last discovery) whose model spec differs from the fleet's."""
     rejected = getattr(coord.transport, "rejected_workers", None) or {}
     return sorted(rejected.values(), key=lambda w: (w.expert, w.worker_id))
 
 
-def reported_spec(coord: Coordinator, include_images: bool = False) -> ModelSpec:
+def reported_spec(coord: StatusHost, include_images: bool = False) -> ModelSpec:
     """The fleet's spec as `fleet.status` reports it; with `include_images`, naming the images clients
     get (`image_shape`, `image_value_range`): a pixel fleet's samples, a latent fleet's decoded
     images (left out while no decoder of its autoencoder has been found: `learn_images`)."""
@@ -32,7 +50,7 @@ def reported_spec(coord: Coordinator, include_images: bool = False) -> ModelSpec
     return coord.spec.with_images()
 
 
-def fleet_status(coord: Coordinator, include_spec: bool = False, include_images: bool = False) -> FleetStatus:
+def fleet_status(coord: StatusHost, include_spec: bool = False, include_images: bool = False) -> FleetStatus:
     """The fleet status snapshot; with `include_spec`, the fleet's model spec too, and with
     `include_images` as well, the spec names the images clients get (`reported_spec`)."""
     st = coord.engine.status()
@@ -45,7 +63,7 @@ def fleet_status(coord: Coordinator, include_spec: bool = False, include_images:
     )
 
 
-async def job_status(coord: Coordinator, job_id: str, client: str | None = None) -> JobStatus | None:
+async def job_status(coord: StatusHost, job_id: str, client: str | None = None) -> JobStatus | None:
     """What the coordinator knows of a job; None if nothing (never had it, or forgot it), or, with
     `client`, if the job is not that client's."""
     ledger, engine = coord.ledger, coord.engine
