@@ -120,8 +120,7 @@ class Coordinator:
         self.config = cfg.scheduler_config(num_experts, class_to_expert, spec=self.spec)
         self.router, self.transport = router, transport
         self.nc, self._own_nc, self.nats_url = nc, nc is None, nats_url or cfg.nats
-        self.name, self.step_timeout, self.retries = cfg.name, cfg.step_timeout, cfg.retries
-        self.durable = cfg.durable
+        self.name = cfg.name
         # this run of the coordinator: a restart (same name) has another instance
         self.instance = new_instance_id()
         self.engine: Engine | None = None
@@ -271,11 +270,12 @@ class Coordinator:
         """A latent fleet's decode stage (its spec must name the autoencoder by content hash)."""
         if self.spec.space != "latent":
             return
+        requests = self.settings.transport  # decode requests wait and retry as expert requests do
         self.decode_stage = self.events.decode_stage = DecodeStage.open(
             self.nc,
             self.spec,
-            timeout=self.step_timeout,
-            retries=self.retries,
+            timeout=requests.step_timeout,
+            retries=requests.retries,
             publish=self.events.publish_now,
             stats=self.engine.scheduler.stats,
             stop_wait_s=self.decode_stop_wait_s,
