@@ -58,6 +58,8 @@ import argparse
 import math
 import os
 
+from workers.config import SIM_PRESETS  # the sim latency presets `--sim-preset` accepts
+
 from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
 from .processes import (
     Child,
@@ -78,10 +80,6 @@ DEFAULT_ROW_MS = 0.2
 DEFAULT_REQUEST_ROWS = 32
 #: Requests waiting at each worker beyond the one in its forward pass.
 DEFAULT_QUEUED = 2
-
-#: `workers.backends.sim_backend.PRESETS` names (listed here so building the parser imports no numpy).
-SIM_PRESETS = ("h200-torch", "h200-jax", "instant")
-
 
 #: The `ddm-fleet coordinator` settings this bench passes to its coordinators (--request-rows is also
 #: the sim workers' --max-batch), and the default it changes: small requests, so that a few requests

@@ -108,17 +108,18 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return 2
             async with _Entered(coordinator) as coord:
-                if config.durable:  # (without --durable nothing is printed: the first line stays "ready: ...")
+                durability = config.durability
+                if durability.durable:  # (without --durable nothing is printed: the first line stays "ready: ...")
                     print(
-                        f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, R{config.js_replicas}, "
-                        f"checkpoint every {config.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed "
+                        f"durable jobs: on (JetStream KV ddm_jobs + ddm_job_owners, R{durability.js_replicas}, "
+                        f"checkpoint every {durability.checkpoint_every} steps, lease {coord.lease_s:g} s; resumed "
                         f"{coord.jobs_resumed} jobs)",
                         flush=True,
                     )
                 shape = "x".join(map(str, coord.spec.sample_shape))
                 print(
-                    f"ready: coordinator for {k} experts on {redacted(config.nats)} (max {config.max_rows} rows, "
-                    f"{config.max_queued_jobs} queued jobs; {shape} {coord.spec.space}, "
+                    f"ready: coordinator for {k} experts on {redacted(config.nats)} (max {config.limits.max_rows} "
+                    f"rows, {config.limits.max_queued_jobs} queued jobs; {shape} {coord.spec.space}, "
                     f"{coord.spec.num_classes} classes"
                     + (f", default guidance {coord.default_guidance:g}" if coord.default_guidance != 1.0 else "")
                     + ")"

@@ -45,7 +45,8 @@ import socket
 import sys
 from pathlib import Path
 
-BACKENDS = ("torch", "xla", "jax", "sim")  # sim: simulated expert (`ddm-fleet worker --help`)
+from workers.config import BACKENDS  # the runtimes `--backend-K` accepts (sim: a simulated expert)
+
 MAX_BACKEND_FLAGS = 8  # --backend-0 ... --backend-7
 CONFIG = Path(__file__).resolve().parent / "nats" / "local.conf"
 #: Options whose value is a child's command line; `ddm-fleet` joins `--worker-args --bf16` into

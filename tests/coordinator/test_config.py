@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from coordinator.config import DEFAULT_METRICS_PORT, CoordinatorConfig
+from coordinator.config import DEFAULT_METRICS_PORT, GROUPS, CoordinatorConfig, TransportSettings
+from coordinator.option import options_of
 
 
 def _parse(argv, **kw):
@@ -81,3 +82,32 @@ def test_client_quotas_are_on_by_default_and_scale_with_the_queue():
     assert CoordinatorConfig(max_queued_jobs=16, max_client_queued_jobs=16).scheduler_config(2).client_queued_jobs == 16
     assert CoordinatorConfig(max_queued_jobs=1).scheduler_config(2).client_queued_jobs == 1
     assert (CoordinatorConfig().submit_rate, CoordinatorConfig().status_rate) == (50.0, 50.0)
+
+
+def test_each_setting_reads_by_its_name_and_by_its_group():
+    cfg = CoordinatorConfig(max_rows=8, step_timeout=2.0, transport=TransportSettings(retries=5))
+    assert (cfg.max_rows, cfg.limits.max_rows) == (8, 8)
+    assert (cfg.step_timeout, cfg.retries) == (2.0, 5) and cfg.transport == TransportSettings(
+        step_timeout=2.0, retries=5
+    )
+    assert cfg.replace(retries=1).transport.retries == 1 and cfg.transport.retries == 5
+    with pytest.raises(TypeError, match="bogus"):
+        CoordinatorConfig(bogus=1)
+
+
+def test_every_bounded_flag_is_checked_and_named_by_its_one_declaration():
+    """The range check comes from the same declaration as the flag: a value below each declared bound
+    is refused, naming that flag."""
+    for group in GROUPS.values():
+        for name, opt in options_of(group).items():
+            if opt.number in (int, float) and opt.low is not None:
+                with pytest.raises(ValueError, match=f"^{opt.label} must be"):
+                    group(**{name: opt.low - 1})
+
+
+def test_the_choice_lists_are_the_transports():
+    """The transport keeps its own copy of the hedge and dispatch modes (its module is not the config's
+    to change); they must not drift apart."""
+    from coordinator import choices, dispatch, transport
+
+    assert transport.HEDGE_MODES == choices.HEDGE_MODES and dispatch.DISPATCH_MODES == choices.DISPATCH_MODES

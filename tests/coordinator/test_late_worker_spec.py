@@ -157,7 +157,7 @@ async def test_leaving_ends_the_worker_watch_even_when_a_discovery_swallows_its_
 
         async with coord:
             coord.transport.refresh_workers = stubborn_refresh
-            watch = coord._worker_watch
+            watch = coord.running.watch
             await asyncio.sleep(0.5)
         assert watch.done() and swallowed, (watch, swallowed)
     finally:
