@@ -44,6 +44,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
+from .choices import DISPATCH_MODES  # noqa: F401 (re-exported: the one list, coordinator/choices.py)
+
 #: Outstanding requests at the least loaded known worker from which on the queue group is used.
 DEFAULT_DEPTH = 2
 #: Every n-th pick of an expert goes to the queue group, to discover workers (0: never).
@@ -52,8 +54,6 @@ DEFAULT_EXPLORE_EVERY = 8
 DEFAULT_TTL_S = 30.0
 #: Known (and banned) workers kept per expert.
 MAX_WORKERS_PER_EXPERT = 256
-
-DISPATCH_MODES = ("direct", "queue")
 
 
 class _Known:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from .choices import HEDGE_MODES  # noqa: F401 (re-exported: the one list, coordinator/choices.py)
+
 #: Hedging: recent successful call latencies kept per expert.
 HEDGE_WINDOW = 256
 #: ... the quantile of them a try may take before it is hedged.
@@ -33,7 +35,6 @@ HEDGE_BURST = 8.0
 #: ... recent replies whose worker ids say whether an expert has several workers.
 HEDGE_WORKERS_WINDOW = 64
 
-HEDGE_MODES = ("auto", "off")
 #: what `TryLegs.hedge_counts` counts per expert: the copy answered first, the original did, neither did.
 HEDGE_OUTCOMES = ("won", "lost", "failed")
 
