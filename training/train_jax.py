@@ -422,7 +422,7 @@ def train(args: argparse.Namespace) -> int:
             jax.default_backend(),
         )
     if cfg.bf16:
-        log.warning("--bf16 is ignored by the jax backend (fp32 training)")
+        log.warning("--dtype %s (bfloat16 here) is ignored by the jax backend (fp32 training)", args.dtype)
     images, labels, info = load_expert_data(cfg)
     n_dev = devices or jax.device_count()
     print(

@@ -446,7 +446,7 @@ def train_expert(
         for lv in values:
             lv = ddp.mean_across(lv, dist_info, dev.device)  # the global batch's loss
             if not math.isfinite(lv):
-                raise FloatingPointError(f"loss became {lv} by step {step}; lower --lr or disable --bf16")
+                raise FloatingPointError(f"loss became {lv} by step {step}; lower --lr or train with --dtype float32")
             smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
             window_loss, window_n = window_loss + lv, window_n + 1
         if step % 10 == 0 and smooth is not None:
@@ -513,6 +513,14 @@ def check_resume_data(ck: dict, partition_info: dict, resume_path) -> None:
         )
 
 
+def uses_bf16(args: argparse.Namespace) -> bool:
+    """Whether `--dtype` (auto resolved for the torch `--device`) asks for bfloat16 autocast. The run
+    records the answer as `bf16`, the field its checkpoints and resume files have always had."""
+    from models.precision import resolve_dtype
+
+    return resolve_dtype(args.dtype, backend="torch", device=args.device) == "bfloat16"
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from models.config import parse_widths
 
@@ -533,7 +541,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         warmup=args.warmup,
         ema_decay=args.ema_decay,
-        bf16=args.bf16,
+        bf16=uses_bf16(args),
         device=args.device,
         seed=args.seed,
         out=args.out or "",
