@@ -33,12 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
+from training.run_config import RunConfig
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainConfig:
-    """Everything that defines a training run (stored in the checkpoint JSON under `training.config`)."""
+class TrainConfig(RunConfig):
+    """Everything that defines a training run (stored in the checkpoint JSON under `training.config`):
+    the shared `RunConfig` settings, the expert, its architecture and where it is saved."""
 
     expert: int
     partition: str
@@ -49,27 +52,10 @@ class TrainConfig:
     depth: int = 6
     heads: int = 4
     mlp_ratio: float = 4.0
-    steps: int = 2000
-    batch_size: int = 128
-    lr: float = 1e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.01
-    ema_decay: float = 0.999
-    grad_clip: float = 1.0
     bf16: bool = False
-    device: str = "cpu"
-    seed: int = 0
     out: str = ""
     run_dir: str = ""
-    save_every: int = 250
-    log_every: int = 50  # steps per loss_history entry
-    save_dtype: str = "float16"
-    threads: int = 0
-    data_dir: str | None = None  # MNIST cache directory
     data: str | None = None  # a prepared dataset directory (None: the partition's, or MNIST)
-    limit: int | None = None  # use only the first N images of the partition (tests, smoke runs)
-    label_dropout: float = 0.0  # > 0: labels -> -1 with this probability, model gets a null label
 
     def __post_init__(self) -> None:
         self.widths = tuple(self.widths)
@@ -77,15 +63,7 @@ class TrainConfig:
             self.out = f"checkpoints/expert{self.expert}"
         if not self.run_dir:
             self.run_dir = f"runs/expert{self.expert}"
-        for name in ("steps", "batch_size", "save_every", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if not 0.0 <= self.label_dropout < 1.0:
-            raise ValueError(f"--label-dropout must be in [0, 1), got {self.label_dropout}")
+        super().__post_init__()
         if self.device not in ("cpu", "cuda", "xla") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu, cuda[:N] or xla, got {self.device!r}")
         if self.arch not in ARCHS:
