@@ -1,15 +1,16 @@
 """The settings every torch-style training run shares: the expert trainers (`train_torch.TrainConfig`,
 also the jax backend's) and distillation (`distill.DistillConfig`).
 
-Both runs are the same kind of loop (AdamW with warmup + cosine learning rate `train_torch.lr_at`,
+Both runs are the same kind of loop (AdamW with warmup + cosine learning rate,
 grad-norm clip, EMA of the weights, a checkpoint and resume file every `save_every` steps, a
 loss_history entry every `log_every`), so their schedule, save and data settings are declared and
-checked once here: a default or a check changed for one run changes for both, and `lr_at` can take
-either config.
+checked once here, with the schedules over them (`lr_at`, `ema_decay_at`): a default, a check or a
+schedule changed for one run changes for both.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,3 +53,16 @@ class RunConfig:
             raise self.error(f"--label-dropout must be in [0, 1), got {self.label_dropout}")
         if self.save_dtype not in ("float16", "float32"):
             raise self.error(f"--save-dtype must be float16 or float32, got {self.save_dtype!r}")
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup over cfg.warmup steps, then cosine decay to min_lr_ratio * lr at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def ema_decay_at(step: int, decay: float) -> float:
+    """EMA decay with a warm start, so short runs are not dominated by the random init."""
+    return min(decay, (1 + step) / (10 + step))
