@@ -35,7 +35,7 @@ import resource
 import threading
 import time
 
-from .options import add_engine_options, add_router_option, router_path
+from .options import add_engine_options, add_router_option, require_at_least_one, router_path
 from .processes import run_bench
 
 
@@ -77,9 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("jobs", "images_per_job", "steps", "route_every"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(args, ("jobs", "images_per_job", "steps", "route_every"))
     if not args.duration > 0 or not args.warmup >= 0:
         raise ValueError("--duration must be > 0 and --warmup >= 0")
     for path in (router_path(args), os.path.join(args.checkpoints, "partition.json")):

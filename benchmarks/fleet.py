@@ -65,7 +65,15 @@ from workers.backends.torch_compile import COMPILE_CHOICES
 from workers.config import add_batch_invariant_option
 
 from . import cpu_account, step_profile
-from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
+from .options import (
+    ENGINE_OPTIONS,
+    add_router_option,
+    announce_defaults,
+    coordinator_config,
+    positive_ints,
+    require_at_least_one,
+    router_path,
+)
 from .processes import Child, cli_argv, cpu_seconds, proc_memory, reset_peak, run_bench
 
 #: The `ddm-fleet coordinator` settings this bench takes (the fleet's coordinator gets them; the
@@ -230,43 +238,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
-    return vals
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first bad option; sets args.concurrency_list."""
-    args.concurrency_list = _ints(args.concurrency, "--concurrency")
+    args.concurrency_list = positive_ints(args.concurrency, "--concurrency")
     router_path(args)  # --router, when given, must exist
-    _ints(args.buckets, "--buckets")
-    for name in ("steps", "images_per_job", "jobs_per_client", "workers_per_expert"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    positive_ints(args.buckets, "--buckets")
+    require_at_least_one(args, ("steps", "images_per_job", "jobs_per_client", "workers_per_expert"))
     if not args.job_timeout > 0:
         raise ValueError("--job-timeout must be > 0 seconds")
     if not args.min_level_s >= 0:
         raise ValueError("--min-level-s must be >= 0 seconds")
     _limit_batches(args)
-    _coordinator(args)  # the coordinator's settings: ValueError naming the flag
+    coordinator_config(args)  # the coordinator's settings: ValueError naming the flag
 
 
 def _limit_batches(args: argparse.Namespace) -> list[int]:
     """--limit-batches as a list ([] for none); ValueError naming the flag."""
     text = str(getattr(args, "limit_batches", "none"))
-    return [] if text.strip().lower() == "none" else _ints(text, "--limit-batches")
-
-
-def _coordinator(args: argparse.Namespace):
-    """The `CoordinatorConfig` of this bench's coordinator flags."""
-    from coordinator.config import CoordinatorConfig
-
-    return CoordinatorConfig.from_args(args)
+    return [] if text.strip().lower() == "none" else positive_ints(text, "--limit-batches")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -627,7 +616,7 @@ async def _ceiling(args, models) -> dict:
 
         torch.set_num_threads(args.threads)
     router, k, c2e = load_router_and_partition(models["router"], models["partition"])
-    buckets = _ints(args.buckets, "--buckets")
+    buckets = positive_ints(args.buckets, "--buckets")
     backends = await asyncio.to_thread(
         load_backends,
         models["experts"],
@@ -665,7 +654,7 @@ async def _ceiling(args, models) -> dict:
             else:
                 fut.set_result(ev)
 
-    cfg = _coordinator(args)
+    cfg = coordinator_config(args)
     engine = Engine(
         Scheduler(
             SchedulerConfig(
@@ -848,8 +837,8 @@ async def _fleet(args, models) -> dict:
     from bus.nats_server import NatsServer
     from client.jobs import client_connect_options, client_from_url
 
-    buckets = _ints(args.buckets, "--buckets")
-    durable = _coordinator(args).durable
+    buckets = positive_ints(args.buckets, "--buckets")
+    durable = coordinator_config(args).durable
     store = tempfile.TemporaryDirectory(prefix="ddm-bench-js-") if durable else None
     js = f'jetstream {{ store_dir: "{store.name}" }}' if store else ""
     with NatsServer(extra_config=js) as srv:
@@ -910,7 +899,7 @@ async def _fleet(args, models) -> dict:
                     120,
                     "--metrics-port",
                     metrics_port,
-                    *_coordinator(args).to_argv(only=COORDINATOR_OPTIONS),
+                    *coordinator_config(args).to_argv(only=COORDINATOR_OPTIONS),
                 ),
                 env,
             )
@@ -1065,7 +1054,7 @@ async def bench_fleet(args) -> dict:
                         row[path]["images_per_s"] / max(at_load["images_per_s"], 1e-9), 3
                     )
         rows.append(row)
-    cfg = _coordinator(args)
+    cfg = coordinator_config(args)
     setup = {
         "models": models["described"],
         "experts": models["k"],

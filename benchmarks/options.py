@@ -56,3 +56,32 @@ def router_path(args: argparse.Namespace) -> str:
     if not os.path.exists(router):
         raise ValueError(f"--router {router} does not exist")
     return router
+
+
+def positive_ints(text: str, what: str, allow_none: bool = False) -> list[int]:
+    """`text` ("1,2,4") as a list of positive ints; ValueError naming the flag `what` otherwise. With
+    `allow_none`, "none", "0" or "" mean the empty list (a series the bench can skip)."""
+    if allow_none and text.strip().lower() in ("none", "0", ""):
+        return []
+    try:
+        vals = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def require_at_least_one(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of the options `names` (argparse dests) whose value is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def coordinator_config(args: argparse.Namespace):
+    """The `CoordinatorConfig` of a bench's coordinator flags (ValueError naming a bad one): the bench
+    starts its coordinators with exactly these settings, and checks them before it starts anything."""
+    from coordinator.config import CoordinatorConfig
+
+    return CoordinatorConfig.from_args(args)

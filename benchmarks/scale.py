@@ -60,7 +60,15 @@ import os
 
 from workers.config import SIM_PRESETS  # the sim latency presets `--sim-preset` accepts
 
-from .options import ENGINE_OPTIONS, add_router_option, announce_defaults, router_path
+from .options import (
+    ENGINE_OPTIONS,
+    add_router_option,
+    announce_defaults,
+    coordinator_config,
+    positive_ints,
+    require_at_least_one,
+    router_path,
+)
 from .processes import (
     Child,
     box_cpu,
@@ -200,18 +208,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
-def _ints(text: str, what: str, allow_none: bool = False) -> list[int]:
-    if allow_none and text.strip().lower() in ("none", "0", ""):
-        return []
-    try:
-        vals = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
-    return vals
-
-
 def latency_model(args: argparse.Namespace) -> tuple[str, float, float]:
     """(name, batch_ms, row_ms) of the sim workers of the scan, from --sim-preset / -batch-ms / -row-ms."""
     presets = {"h200-torch": (3.33, 0.00575), "h200-jax": (2.20, 0.0165), "instant": (0.0, 0.0)}
@@ -240,16 +236,14 @@ def derive_jobs(experts: int, workers: int, request_rows: int, images_per_job: i
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first bad option; sets args.workers_list, args.coordinators_list."""
-    args.workers_list = _ints(args.workers, "--workers", allow_none=True)
-    args.coordinators_list = _ints(args.coordinators, "--coordinators")
+    args.workers_list = positive_ints(args.workers, "--workers", allow_none=True)
+    args.coordinators_list = positive_ints(args.coordinators, "--coordinators")
     if not args.workers_list and not args.coordinator_capacity:
         raise ValueError("nothing to measure: give --workers or --coordinator-capacity")
-    for name in ("images_per_job", "steps", "capacity_jobs", "capacity_request_rows"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(args, ("images_per_job", "steps", "capacity_jobs", "capacity_request_rows"))
     if args.capacity_request_rows > 512:
         raise ValueError("--capacity-request-rows must be <= 512 (the protocol's most rows per request)")
-    _coordinator(args)  # the coordinators' settings: ValueError naming the flag
+    coordinator_config(args)  # the coordinators' settings: ValueError naming the flag
     if args.queued_per_worker < 0:
         raise ValueError("--queued-per-worker must be >= 0")
     if args.jobs is not None and args.jobs < 1:
@@ -261,13 +255,6 @@ def check_args(args: argparse.Namespace) -> None:
     for label, v in (("--sim-batch-ms", batch), ("--sim-row-ms", row)):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"{label} must be a finite number >= 0, got {v}")
-
-
-def _coordinator(args: argparse.Namespace):
-    """The `CoordinatorConfig` of this bench's coordinator flags."""
-    from coordinator.config import CoordinatorConfig
-
-    return CoordinatorConfig.from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -406,7 +393,7 @@ class Fleet:
         self.coordinators, self.metrics_ports = [], []
         for i in range(n):
             port = free_port()
-            cfg = _coordinator(args).replace(
+            cfg = coordinator_config(args).replace(
                 name=f"scale-coord-{i}",
                 request_rows=request_rows,
                 max_rows=max_rows,
@@ -764,7 +751,7 @@ async def bench_scale(args) -> dict:
                     await fleet.close()
     finally:
         progress.close()
-    cfg = _coordinator(args)
+    cfg = coordinator_config(args)
     out["setup"] = {
         "router": models["described"],
         "experts": k,

@@ -212,9 +212,10 @@ class Classifier:
         on the test split (its first `test_limit` images: a quick check of a throw-away judge; None, every
         one of the 10k, as a judge that scores anything must be measured)."""
         import torch
-        from tqdm import tqdm
 
         from dataset.mnist import load_mnist
+
+        from .fit_classifier import fit_classifier
 
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
@@ -223,26 +224,21 @@ class Classifier:
         if limit:
             x_train, y_train = x_train[:limit], y_train[:limit]
         model = _build()
-        steps_per_epoch = len(x_train) // batch_size
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=epochs * steps_per_epoch)
         t0 = time.time()
-        bar = tqdm(total=epochs * steps_per_epoch, desc="classifier", disable=not progress, unit="step")
-        model.train()
-        for _ in range(epochs):
-            order = rng.permutation(len(x_train))
-            for s in range(steps_per_epoch):
-                idx = order[s * batch_size : (s + 1) * batch_size]
-                xb = torch.from_numpy(_random_shift(x_train[idx], rng))
-                yb = torch.from_numpy(y_train[idx])
-                loss = torch.nn.functional.cross_entropy(model(xb), yb, label_smoothing=0.05)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}")
-        bar.close()
+
+        def batch(idx):
+            return torch.from_numpy(_random_shift(x_train[idx], rng)), torch.from_numpy(y_train[idx])
+
+        fit_classifier(
+            model,
+            len(x_train),
+            batch,
+            epochs=epochs,
+            batch_size=batch_size,
+            rng=rng,
+            desc="classifier",
+            progress=progress,
+        )
         clf = cls(model, {})
         acc = float((clf.predict(x_test) == y_test).mean())
         clf.meta = {

@@ -59,9 +59,10 @@ def train_data_judge(
 ) -> Classifier:
     """Train the data judge on a prepared dataset's train split; ValueError below `min_accuracy` on test."""
     import torch
-    from tqdm import tqdm
 
     from dataset.prepared import load_prepared, to_model_range
+
+    from .fit_classifier import fit_classifier
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -71,26 +72,16 @@ def train_data_judge(
         raise ValueError(f"{data}: the data judge needs labels; this dataset has unlabelled images")
     classes = len(manifest.get("class_names") or []) or int(y.max()) + 1
     model = _build(int(manifest["channels"]), classes)
-    steps_per_epoch = max(1, len(x_u8) // batch_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=epochs * steps_per_epoch)
     t0 = time.time()
-    bar = tqdm(total=epochs * steps_per_epoch, desc="data judge", disable=not progress, unit="step")
-    model.train()
-    for _ in range(epochs):
-        order = rng.permutation(len(x_u8))
-        for s in range(steps_per_epoch):
-            idx = np.sort(order[s * batch_size : (s + 1) * batch_size])
-            xb = torch.from_numpy(_random_shift(to_model_range(x_u8[idx]), rng, edge=True))
-            logits = model(fit_input(xb))
-            loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y[idx]), label_smoothing=0.05)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    bar.close()
+
+    def batch(idx):
+        idx = np.sort(idx)  # ascending, as the data judge has always drawn a batch (same weights)
+        xb = torch.from_numpy(_random_shift(to_model_range(x_u8[idx]), rng, edge=True))
+        return fit_input(xb), torch.from_numpy(y[idx])
+
+    fit_classifier(
+        model, len(x_u8), batch, epochs=epochs, batch_size=batch_size, rng=rng, desc="data judge", progress=progress
+    )
     c, h, w = int(manifest["channels"]), int(manifest["size"]), int(manifest["size"])
     judge = Classifier(model, {"input_shape": [c, h, w], "num_classes": classes})
     acc = float((judge.predict(to_model_range(xt_u8)) == yt).mean())

@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dataset.options import add_data_dir_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -103,9 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="output directory (default under the data dir; encode: <DIR>-latents)",
     )
-    parser.add_argument(
-        "--data-dir", default=None, metavar="DIR", help="data directory (default: $DDM_DATA_DIR or ./data)"
-    )
+    add_data_dir_option(parser)
     parser.add_argument(
         "--force", action="store_true", help="prepare, encode: rebuild even if up to date (encode: replace any cache)"
     )

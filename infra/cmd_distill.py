@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from dataset.options import add_data_dir_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -74,9 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="prepared dataset directory the experts were trained on (default: MNIST)",
     )
-    parser.add_argument(
-        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
-    )
+    add_data_dir_option(parser)
     parser.add_argument(
         "--limit", type=int, default=None, metavar="N", help="use only the first N train images (smoke runs)"
     )

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 
 from client.guidance import guidance_scale
+from dataset.options import add_data_dir_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,12 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the local fleet's experts' compute type: auto = bfloat16 where the device computes it natively "
         "(CPU with AMX or AVX512-BF16, CUDA compute capability >= 8.0), else float32 (default %(default)s)",
     )
-    parser.add_argument(
-        "--data-dir",
-        default=None,
-        metavar="DIR",
-        help="MNIST and judges cache directory (default: $DDM_DATA_DIR or ./data)",
-    )
+    add_data_dir_option(parser)
     parser.add_argument(
         "--data",
         default=None,

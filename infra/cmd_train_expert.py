@@ -15,7 +15,7 @@ Examples (a DiT expert on a prepared dataset; the shipped small MNIST expert 0):
   ddm-fleet train-expert --data data/prepared/pets --partition runs/pets/partition.json --expert 0 \\
       --arch dit --patch-size 4 --hidden-size 192 --depth 6 --heads 6 --out runs/pets/expert0
   ddm-fleet train-expert --expert 0 --partition checkpoints/partition.json --widths 32,64,128 \\
-      --steps 2000 --batch-size 128 --bf16 --out checkpoints/expert0
+      --steps 2000 --batch-size 128 --dtype bfloat16 --out checkpoints/expert0
 
 Data parallel on an island with several devices (--batch-size stays the global batch):
   torchrun --standalone --nproc_per_node 2 -m infra.cli train-expert --backend torch ...   (DDP: gloo / nccl)
@@ -25,6 +25,9 @@ Data parallel on an island with several devices (--batch-size stays the global b
 from __future__ import annotations
 
 import argparse
+
+from bus.options import add_dtype_option
+from dataset.options import add_data_dir_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ema-decay", type=float, default=0.999, help="EMA decay of the saved weights (default %(default)s)"
     )
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (about 2x faster on AVX-512 CPUs)")
+    add_dtype_option(
+        parser,
+        default="float32",
+        help="torch backend: the forward pass's compute type; bfloat16 = autocast, about 2x faster on AVX-512 "
+        "CPUs; auto = bfloat16 where --device computes it natively (CPU with AMX or AVX512-BF16, CUDA compute "
+        "capability >= 8.0, XLA), else float32 (default %(default)s)",
+    )
     parser.add_argument(
         "--data",
         default=None,
@@ -114,9 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype of the shipped weights (default %(default)s)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument(
-        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
-    )
+    add_data_dir_option(parser)
     parser.add_argument(
         "--limit", type=int, default=None, metavar="N", help="use only the first N images of the partition (smoke runs)"
     )

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 
+from dataset.options import add_data_dir_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -83,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="prepared dataset directory; must be the partition's (default: the partition's dataset, or MNIST)",
     )
-    parser.add_argument(
-        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
-    )
+    add_data_dir_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:

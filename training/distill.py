@@ -38,8 +38,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
+
+from training.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,48 +54,24 @@ class DistillError(ValueError):
 
 
 @dataclass
-class DistillConfig:
-    """One distillation run (stored in the checkpoint JSON under `training.config`)."""
+class DistillConfig(RunConfig):
+    """One distillation run (stored in the checkpoint JSON under `training.config`): the shared
+    `RunConfig` settings, the teacher, the strategy and where the student is saved."""
+
+    error: ClassVar[type[ValueError]] = DistillError
 
     checkpoints: str = "checkpoints"  # expert<k>.safetensors + router.safetensors
     out: str = "checkpoints/distilled"
     run_dir: str = "runs/distill"
     widths: tuple[int, ...] | None = None  # None: the teacher experts' widths
     strategy: str = "full"
-    steps: int = 2000
-    batch_size: int = 128
-    lr: float = 1e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.01
-    ema_decay: float = 0.999
-    grad_clip: float = 1.0
-    label_dropout: float = 0.0
-    seed: int = 0
-    save_every: int = 250
-    log_every: int = 50
-    save_dtype: str = "float16"
-    device: str = "cpu"
-    threads: int = 0
-    data_dir: str | None = None
-    limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.widths is not None:
             self.widths = tuple(int(w) for w in self.widths)
-        for name in ("steps", "batch_size", "save_every", "log_every"):
-            if getattr(self, name) <= 0:
-                raise DistillError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        super().__post_init__()
         if self.strategy not in STRATEGIES:
             raise DistillError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise DistillError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
-        if not 0.0 <= self.label_dropout < 1.0:
-            raise DistillError(f"--label-dropout must be in [0, 1), got {self.label_dropout}")
-        if self.lr <= 0:
-            raise DistillError(f"--lr must be positive, got {self.lr}")
-        if self.save_dtype not in ("float16", "float32"):
-            raise DistillError(f"--save-dtype must be float16 or float32, got {self.save_dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise DistillError(f"--device must be cpu or cuda[:N], got {self.device!r}")
 

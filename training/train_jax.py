@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import logging
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from training.run_config import lr_at
 from training.train_torch import (
     TrainConfig,
     arch_summary,
@@ -44,7 +44,6 @@ from training.train_torch import (
     data_model,
     data_name,
     load_expert_data,
-    lr_at,
     model_config,
 )
 
@@ -144,7 +143,7 @@ def make_step_fn(cfg: TrainConfig, tx, mcfg=None):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree_util.tree_map(lambda p, u: p - lr * (u + wd * p), state.params, updates)
         s = state.step.astype(jnp.float32)
-        decay = jnp.minimum(ema_max, (1 + s) / (10 + s))  # == train_torch.ema_decay_at(step, ema_decay)
+        decay = jnp.minimum(ema_max, (1 + s) / (10 + s))  # == run_config.ema_decay_at(step, ema_decay)
         ema = jax.tree_util.tree_map(lambda e, p: e + (1 - decay) * (p - e), state.ema, params)
         return TrainState(state.step + 1, params, opt_state, ema), loss
 
@@ -253,6 +252,136 @@ def load_resume(path: Path, template: TrainState) -> tuple[TrainState, dict]:
 
 
 # ------------------------------------------------------------------------------------------------- loop
+class _JaxRun:
+    """One jax run's state (the jitted step's `TrainState`, numpy RNG, loss history, wall time): what
+    `--resume` restores and every save writes, kept together so the loop, resume and save are each
+    one short step."""
+
+    def __init__(self, cfg: TrainConfig, ucfg, spec, partition_info: dict, place: Placement):
+        self.cfg, self.ucfg, self.spec, self.partition_info, self.place = cfg, ucfg, spec, partition_info, place
+        from models.arch_flax import count_params
+
+        self.state = init_state(cfg, make_optimizer(cfg), ucfg)
+        self.n_params = count_params(self.state.params)
+        self.resume_path = Path(cfg.run_dir) / RESUME_NAME
+        self.wall_before, self.history = 0.0, []
+        self.rng = np.random.default_rng(cfg.seed)
+        self.t_start = time.time()
+
+    def restore(self) -> None:
+        """Continue from the resume file; refused when it holds another expert or model."""
+        cfg, path = self.cfg, self.resume_path
+        self.state, rmeta = load_resume(path, self.state)
+        if tuple(rmeta["widths"]) != tuple(cfg.widths) or rmeta["expert"] != cfg.expert:
+            raise ValueError(
+                f"--resume: {path} is for expert {rmeta['expert']} widths {rmeta['widths']}, "
+                f"not expert {cfg.expert} widths {list(cfg.widths)}"
+            )
+        check_resume_model(rmeta, self.ucfg, path)
+        self.wall_before, self.history = rmeta["wall_s"], rmeta["history"]
+        self.rng.bit_generator.state = rmeta["np_rng"]
+        log.info("resumed from %s at step %d", path, int(self.state.step))
+
+    def stats(self, final: bool, step: int) -> dict:
+        """The training stats the checkpoint JSON carries."""
+        import jax
+
+        cfg, place, recent = self.cfg, self.place, [h["loss"] for h in self.history[-5:]]
+        return {
+            "backend": "jax",
+            "device": f"{place.devices[0].platform} x{place.n}",
+            "data_parallel": place.n,
+            "steps": step,
+            "images_seen": step * cfg.batch_size,
+            "wall_s": round(self.wall_before + (time.time() - self.t_start), 1),
+            "final_loss": round(float(np.mean(recent)), 5) if recent else None,
+            "loss_history": self.history,
+            "complete": final and step >= cfg.steps,
+            "params": self.n_params,
+            "jax": jax.__version__,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        }
+
+    def save(self, final: bool, step: int) -> dict:
+        """The shipping checkpoint (EMA weights under torch names) and the resume file; the stats."""
+        import jax
+
+        from models.checkpoint import flax_to_torch_state, save_checkpoint
+        from models.spec import with_spec
+
+        cfg, ucfg = self.cfg, self.ucfg
+        stats = self.stats(final, step)
+        host = jax.device_get(self.state)
+        meta = {
+            "config": ucfg,
+            "expert_id": cfg.expert,
+            "partition": self.partition_info,
+            "training": stats,
+            "weights": "ema",
+        }
+        save_checkpoint(cfg.out, flax_to_torch_state(host.ema), with_spec(meta, self.spec), dtype=cfg.save_dtype)
+        resume_meta = {
+            "step": step,
+            "wall_s": stats["wall_s"],
+            "history": self.history,
+            "np_rng": self.rng.bit_generator.state,
+            "widths": list(cfg.widths),
+            "expert": cfg.expert,
+            "arch": cfg.arch,
+            "model_config": ucfg.to_dict(),
+        }
+        save_resume(self.resume_path, host, resume_meta)
+        return stats
+
+
+def _train_steps(run: _JaxRun, images: np.ndarray, labels: np.ndarray, progress: bool) -> dict:
+    """Step from the state's step to `cfg.steps`, saving every `save_every` steps and at the end (the
+    final stats). Each loss is read back one step late, after the next step is dispatched, so the
+    device is kept busy."""
+    import jax
+
+    from training.progress import TrainProgress
+
+    cfg, place = run.cfg, run.place
+    step = int(run.state.step)
+    run.state = put_state(run.state, place)
+    train_step = jit_step(cfg, place, run.ucfg)
+    base_key = jax.random.PRNGKey(cfg.seed + 1)
+    n = len(images)
+    per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
+    labels = labels.astype(np.int32)
+    perm, pos = run.rng.permutation(n), 0
+    desc = f"expert{cfg.expert} jax x{place.n}"
+    prog = TrainProgress(cfg, run.history, step=step, desc=desc, progress=progress, main=True, hint="lower --lr")
+    run.t_start = time.time()
+    pending = None  # the previous step's (loss, step), read after the next step is dispatched
+
+    def account(loss_arr, at_step: int) -> None:
+        prog.add(float(loss_arr), at_step)
+        prog.advance()
+        prog.report(at_step)
+
+    while step < cfg.steps:
+        if pos + cfg.batch_size > per_epoch * cfg.batch_size:
+            perm, pos = run.rng.permutation(n), 0
+        idx = perm[pos : pos + cfg.batch_size]
+        pos += cfg.batch_size
+        x, y = put_batch(images[idx], labels[idx], place)
+        run.state, loss = train_step(run.state, x, y, base_key, np.float32(lr_at(step, cfg)))
+        step += 1
+        if pending is not None:
+            account(*pending)
+        pending = (loss, step)
+        if step % cfg.save_every == 0 and step < cfg.steps:
+            account(*pending)
+            pending = None
+            run.save(final=False, step=step)
+    if pending is not None:
+        account(*pending)
+    prog.close()
+    return run.save(final=True, step=step)
+
+
 def train_expert(
     cfg: TrainConfig,
     images: np.ndarray,
@@ -268,13 +397,6 @@ def train_expert(
     partition_info["dataset"] (when present) names the prepared dataset (else MNIST).
     devices: how many JAX devices to train on data-parallel (0 = all of the default backend's).
     """
-    import jax
-    from tqdm import tqdm
-
-    from models.arch_flax import count_params
-    from models.checkpoint import flax_to_torch_state, save_checkpoint
-    from models.spec import with_spec
-
     if cfg.label_dropout > 0:
         raise ValueError(
             "--label-dropout (null label for unconditional generation) is in the torch trainer only "
@@ -284,128 +406,10 @@ def train_expert(
     ucfg, spec = data_model(cfg, partition_info)
     if tuple(images.shape[1:]) != tuple(spec.sample_shape):
         raise ValueError(f"images are {list(images.shape[1:])} but the data's spec says {list(spec.sample_shape)}")
-    tx = make_optimizer(cfg)
-    state = init_state(cfg, tx, ucfg)
-    run_dir = Path(cfg.run_dir)
-    resume_path = run_dir / RESUME_NAME
-    wall_before, history = 0.0, []
-    rng = np.random.default_rng(cfg.seed)
+    run = _JaxRun(cfg, ucfg, spec, partition_info, place)
     if resume:
-        state, rmeta = load_resume(resume_path, state)
-        if tuple(rmeta["widths"]) != tuple(cfg.widths) or rmeta["expert"] != cfg.expert:
-            raise ValueError(
-                f"--resume: {resume_path} is for expert {rmeta['expert']} widths {rmeta['widths']}, "
-                f"not expert {cfg.expert} widths {list(cfg.widths)}"
-            )
-        check_resume_model(rmeta, ucfg, resume_path)
-        wall_before, history = rmeta["wall_s"], rmeta["history"]
-        rng.bit_generator.state = rmeta["np_rng"]
-        log.info("resumed from %s at step %d", resume_path, int(state.step))
-    step = int(state.step)
-    n_params = count_params(state.params)
-    state = put_state(state, place)
-    train_step = jit_step(cfg, place, ucfg)
-    base_key = jax.random.PRNGKey(cfg.seed + 1)
-
-    def save(final: bool) -> dict:
-        recent = [h["loss"] for h in history[-5:]]
-        stats = {
-            "backend": "jax",
-            "device": f"{place.devices[0].platform} x{place.n}",
-            "data_parallel": place.n,
-            "steps": step,
-            "images_seen": step * cfg.batch_size,
-            "wall_s": round(wall_before + (time.time() - t_start), 1),
-            "final_loss": round(float(np.mean(recent)), 5) if recent else None,
-            "loss_history": history,
-            "complete": final and step >= cfg.steps,
-            "params": n_params,
-            "jax": jax.__version__,
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        }
-        host = jax.device_get(state)
-        meta = {
-            "config": ucfg,
-            "expert_id": cfg.expert,
-            "partition": partition_info,
-            "training": stats,
-            "weights": "ema",
-        }
-        save_checkpoint(cfg.out, flax_to_torch_state(host.ema), with_spec(meta, spec), dtype=cfg.save_dtype)
-        save_resume(
-            resume_path,
-            host,
-            {
-                "step": step,
-                "wall_s": stats["wall_s"],
-                "history": history,
-                "np_rng": rng.bit_generator.state,
-                "widths": list(cfg.widths),
-                "expert": cfg.expert,
-                "arch": cfg.arch,
-                "model_config": ucfg.to_dict(),
-            },
-        )
-        return stats
-
-    n = len(images)
-    per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
-    labels = labels.astype(np.int32)
-    perm, pos = rng.permutation(n), 0
-    bar = tqdm(
-        total=cfg.steps,
-        initial=step,
-        disable=not progress,
-        desc=f"expert{cfg.expert} jax x{place.n}",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=2.0,
-    )
-    t_start = time.time()
-    window_loss, window_n, window_t = 0.0, 0, time.time()
-    smooth = None
-    pending = None  # the previous step's loss, read after the next step is dispatched (keeps the device busy)
-
-    def account(loss_arr, at_step: int) -> None:
-        nonlocal smooth, window_loss, window_n, window_t
-        lv = float(loss_arr)
-        if not math.isfinite(lv):
-            raise FloatingPointError(f"loss became {lv} at step {at_step}; lower --lr")
-        smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
-        window_loss, window_n = window_loss + lv, window_n + 1
-        bar.update(1)
-        if at_step % 10 == 0:
-            bar.set_postfix(
-                loss=f"{smooth:.4f}",
-                lr=f"{lr_at(at_step, cfg):.1e}",
-                img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
-            )
-        if at_step % cfg.log_every == 0 or at_step == cfg.steps:
-            ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
-            history.append({"step": at_step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
-            if not progress or at_step % (5 * cfg.log_every) == 0:
-                log.info("expert%d step %d loss %.4f %.0f img/s", cfg.expert, at_step, window_loss / window_n, ips)
-            window_loss, window_n, window_t = 0.0, 0, time.time()
-
-    while step < cfg.steps:
-        if pos + cfg.batch_size > per_epoch * cfg.batch_size:
-            perm, pos = rng.permutation(n), 0
-        idx = perm[pos : pos + cfg.batch_size]
-        pos += cfg.batch_size
-        x, y = put_batch(images[idx], labels[idx], place)
-        state, loss = train_step(state, x, y, base_key, np.float32(lr_at(step, cfg)))
-        step += 1
-        if pending is not None:
-            account(*pending)
-        pending = (loss, step)
-        if step % cfg.save_every == 0 and step < cfg.steps:
-            account(*pending)
-            pending = None
-            save(final=False)
-    if pending is not None:
-        account(*pending)
-    bar.close()
-    return save(final=True)
+        run.restore()
+    return _train_steps(run, images, labels, progress)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -422,7 +426,7 @@ def train(args: argparse.Namespace) -> int:
             jax.default_backend(),
         )
     if cfg.bf16:
-        log.warning("--bf16 is ignored by the jax backend (fp32 training)")
+        log.warning("--dtype %s (bfloat16 here) is ignored by the jax backend (fp32 training)", args.dtype)
     images, labels, info = load_expert_data(cfg)
     n_dev = devices or jax.device_count()
     print(

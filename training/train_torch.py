@@ -26,19 +26,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from training.run_config import RunConfig, ema_decay_at, lr_at
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainConfig:
-    """Everything that defines a training run (stored in the checkpoint JSON under `training.config`)."""
+class TrainConfig(RunConfig):
+    """Everything that defines a training run (stored in the checkpoint JSON under `training.config`):
+    the shared `RunConfig` settings, the expert, its architecture and where it is saved."""
 
     expert: int
     partition: str
@@ -49,27 +51,10 @@ class TrainConfig:
     depth: int = 6
     heads: int = 4
     mlp_ratio: float = 4.0
-    steps: int = 2000
-    batch_size: int = 128
-    lr: float = 1e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.01
-    ema_decay: float = 0.999
-    grad_clip: float = 1.0
     bf16: bool = False
-    device: str = "cpu"
-    seed: int = 0
     out: str = ""
     run_dir: str = ""
-    save_every: int = 250
-    log_every: int = 50  # steps per loss_history entry
-    save_dtype: str = "float16"
-    threads: int = 0
-    data_dir: str | None = None  # MNIST cache directory
     data: str | None = None  # a prepared dataset directory (None: the partition's, or MNIST)
-    limit: int | None = None  # use only the first N images of the partition (tests, smoke runs)
-    label_dropout: float = 0.0  # > 0: labels -> -1 with this probability, model gets a null label
 
     def __post_init__(self) -> None:
         self.widths = tuple(self.widths)
@@ -77,15 +62,7 @@ class TrainConfig:
             self.out = f"checkpoints/expert{self.expert}"
         if not self.run_dir:
             self.run_dir = f"runs/expert{self.expert}"
-        for name in ("steps", "batch_size", "save_every", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if not 0.0 <= self.label_dropout < 1.0:
-            raise ValueError(f"--label-dropout must be in [0, 1), got {self.label_dropout}")
+        super().__post_init__()
         if self.device not in ("cpu", "cuda", "xla") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu, cuda[:N] or xla, got {self.device!r}")
         if self.arch not in ARCHS:
@@ -159,19 +136,6 @@ def data_model(cfg: TrainConfig, partition_info: dict):
     nc = num_classes_of(ref)
     mcfg = model_config(cfg, shape_of(ref), nc, cfg.label_dropout > 0)
     return mcfg, spec_for(ref, null_label=mcfg.null_label, arch=cfg.arch)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over cfg.warmup steps, then cosine decay to min_lr_ratio * lr at cfg.steps."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def ema_decay_at(step: int, decay: float) -> float:
-    """EMA decay with a warm start, so short runs are not dominated by the random init."""
-    return min(decay, (1 + step) / (10 + step))
 
 
 def load_expert_data(cfg: TrainConfig):
@@ -267,6 +231,194 @@ class _Device:
                 xm.mark_step()
 
 
+class _TorchRun:
+    """One torch run's state (model, EMA, optimizer, numpy RNG, step, loss history): what `--resume`
+    restores and every save writes, kept together so the loop, resume and save are each one short step."""
+
+    def __init__(self, cfg: TrainConfig, ucfg, spec, partition_info: dict, dist_info, dev: _Device):
+        import torch
+
+        from models.arch import build_torch
+
+        self.cfg, self.ucfg, self.spec, self.partition_info, self.dist_info = cfg, ucfg, spec, partition_info, dist_info
+        self.model = build_torch(ucfg).to(dev.device)
+        if dev.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.params = list(self.model.parameters())
+        self.ema = [p.detach().clone() for p in self.params]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        self.resume_path = Path(cfg.run_dir) / "resume.pt"
+        self.step, self.wall_before, self.history = 0, 0.0, []
+        self.rng = np.random.default_rng(cfg.seed)
+        self.t_start = time.time()
+
+    def restore(self) -> None:
+        """Continue from the resume file; refused when it holds another expert, model or data."""
+        import torch
+
+        cfg, path = self.cfg, self.resume_path
+        if not path.exists():
+            raise FileNotFoundError(f"--resume: {path} does not exist (start without --resume)")
+        ck = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
+        if tuple(ck["widths"]) != tuple(cfg.widths) or ck["expert"] != cfg.expert:
+            raise ValueError(
+                f"--resume: {path} is for expert {ck['expert']} widths {ck['widths']}, "
+                f"not expert {cfg.expert} widths {list(cfg.widths)}"
+            )
+        if bool(ck.get("null_label", False)) != self.ucfg.null_label:
+            raise ValueError(
+                f"--resume: {path} was trained with{'' if ck.get('null_label') else 'out'} a null "
+                f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it"
+            )
+        check_resume_model(ck, self.ucfg, path)
+        check_resume_data(ck, self.partition_info, path)
+        self.step, self.wall_before, self.history = restore_resume_state(ck, self.model, self.ema, self.opt, self.rng)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def stats(self, final: bool) -> dict:
+        """The training stats the checkpoint JSON carries."""
+        import torch
+
+        from models.unet_torch import count_params
+
+        cfg, recent = self.cfg, [h["loss"] for h in self.history[-5:]]
+        return {
+            "backend": "torch",
+            "device": cfg.device,
+            "steps": self.step,
+            "images_seen": self.step * cfg.batch_size,
+            "wall_s": round(self.wall_before + (time.time() - self.t_start), 1),
+            "final_loss": round(float(np.mean(recent)), 5) if recent else None,
+            "loss_history": self.history,
+            "complete": final and self.step >= cfg.steps,
+            "params": count_params(self.model),
+            "torch": torch.__version__,
+            "world_size": self.dist_info.world_size,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        }
+
+    def save(self, final: bool, digests=None) -> dict:
+        """The shipping checkpoint (EMA weights) and the resume file (rank 0 only); the stats."""
+        from models.checkpoint import save_checkpoint, torch_state_to_numpy
+        from models.spec import with_spec
+
+        cfg, ucfg = self.cfg, self.ucfg
+        self.resume_path.parent.mkdir(parents=True, exist_ok=True)
+        stats = self.stats(final)
+        if digests:
+            stats["param_digests"] = digests
+        if not self.dist_info.is_main:  # only rank 0 writes
+            return stats
+        ema_sd = dict(self.model.state_dict())
+        ema_sd.update(zip([k for k, _ in self.model.named_parameters()], self.ema))
+        meta = {
+            "config": ucfg,
+            "expert_id": cfg.expert,
+            "partition": self.partition_info,
+            "training": stats,
+            "weights": "ema",
+        }
+        save_checkpoint(cfg.out, torch_state_to_numpy(ema_sd), with_spec(meta, self.spec), dtype=cfg.save_dtype)
+        save_resume_state(
+            self.resume_path,
+            self.model,
+            self.ema,
+            self.opt,
+            self.rng,
+            step=self.step,
+            wall_s=stats["wall_s"],
+            history=self.history,
+            widths=list(cfg.widths),
+            expert=cfg.expert,
+            null_label=ucfg.null_label,
+            arch=cfg.arch,
+            model_config=ucfg.to_dict(),
+            **resume_data_fields(self.partition_info),
+        )
+        return stats
+
+
+def _optimizer_step(run: _TorchRun, dev: _Device, train_model, x, y):
+    """One AdamW step on the batch (x, y) at the learning rate of `run.step`, then the EMA update;
+    returns the loss, still on the device."""
+    import torch
+
+    from flow.path import torch_flow_loss
+
+    cfg = run.cfg
+    for g in run.opt.param_groups:
+        g["lr"] = lr_at(run.step, cfg)
+    with dev.autocast():
+        loss = torch_flow_loss(train_model, x, y)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip)
+    run.opt.step()
+    with torch.no_grad():
+        torch._foreach_lerp_(run.ema, [p.detach() for p in run.params], 1.0 - ema_decay_at(run.step, cfg.ema_decay))
+    dev.step_boundary()
+    return loss
+
+
+def _train_steps(run: _TorchRun, dev: _Device, train_model, images: np.ndarray, labels: np.ndarray, progress: bool):
+    """Step from `run.step` to `cfg.steps`, saving every `save_every` steps; losses are read back in
+    batches (`dev.readback_every`, and whenever a history entry or a save is due)."""
+    import torch
+
+    from training import distributed as ddp
+    from training.progress import TrainProgress
+
+    cfg, dist_info = run.cfg, run.dist_info
+    n = len(images)
+    data_x = torch.from_numpy(np.ascontiguousarray(images)).to(dev.device)
+    data_y = torch.from_numpy(labels.astype(np.int64)).to(dev.device)
+    per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
+    run.model.train()
+    run.t_start = time.time()
+    perm, pos = run.rng.permutation(n), 0
+    hint = "lower --lr or train with --dtype float32"
+    prog = TrainProgress(
+        cfg,
+        run.history,
+        step=run.step,
+        desc=f"expert{cfg.expert}",
+        progress=progress,
+        main=dist_info.is_main,
+        hint=hint,
+    )
+    pending: list = []  # device losses not yet read back
+    while run.step < cfg.steps:
+        if pos + cfg.batch_size > per_epoch * cfg.batch_size:
+            perm, pos = run.rng.permutation(n), 0
+        idx = torch.from_numpy(ddp.shard(perm[pos : pos + cfg.batch_size], dist_info)).to(dev.device)
+        pos += cfg.batch_size
+        x, y = data_x[idx], data_y[idx]
+        if cfg.label_dropout > 0:  # classifier-free style: some labels become "unknown" (-1 -> null row)
+            y = torch.where(torch.rand(y.shape, device=y.device) < cfg.label_dropout, torch.full_like(y, -1), y)
+        if dev.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        pending.append(_optimizer_step(run, dev, train_model, x, y).detach())
+        run.step += 1
+        step = run.step
+        prog.advance()
+        if not (
+            len(pending) >= dev.readback_every
+            or step % cfg.log_every == 0
+            or step == cfg.steps
+            or step % cfg.save_every == 0
+        ):
+            continue
+        # one host<->device sync for the steps since the last read (on XLA after the step's graph ran)
+        values = torch.stack(pending).float().cpu().tolist() if len(pending) > 1 else [float(pending[0])]
+        pending.clear()
+        for lv in values:
+            prog.add(ddp.mean_across(lv, dist_info, dev.device), step)  # the global batch's loss
+        prog.report(step)
+        if step % cfg.save_every == 0 and step < cfg.steps:
+            run.save(final=False)
+    prog.close()
+
+
 def train_expert(
     cfg: TrainConfig,
     images: np.ndarray,
@@ -281,18 +433,11 @@ def train_expert(
     partition_info["dataset"] (when present) names the prepared dataset they come from (else MNIST).
     """
     import torch
-    from tqdm import tqdm
 
-    from flow.path import torch_flow_loss
-    from models.arch import build_torch
-    from models.checkpoint import save_checkpoint, torch_state_to_numpy
-    from models.spec import with_spec
-    from models.unet_torch import count_params
+    from training import distributed as ddp
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    from training import distributed as ddp
-
     dist_info = ddp.detect()  # torchrun: data parallel over WORLD_SIZE processes (training/distributed.py)
     ddp.check_batch(cfg.batch_size, dist_info)
     device = ddp.local_device(dist_info, cfg.device)
@@ -302,172 +447,16 @@ def train_expert(
     ucfg, spec = data_model(cfg, partition_info)
     if tuple(images.shape[1:]) != tuple(spec.sample_shape):
         raise ValueError(f"images are {list(images.shape[1:])} but the data's spec says {list(spec.sample_shape)}")
-    model = build_torch(ucfg).to(dev.device)
-    if dev.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    ema = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-
-    run_dir = Path(cfg.run_dir)
-    resume_path = run_dir / "resume.pt"
-    step, wall_before, history = 0, 0.0, []
-    rng = np.random.default_rng(cfg.seed)
+    run = _TorchRun(cfg, ucfg, spec, partition_info, dist_info, dev)
     if resume:
-        if not resume_path.exists():
-            raise FileNotFoundError(f"--resume: {resume_path} does not exist (start without --resume)")
-        ck = torch.load(resume_path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
-        if tuple(ck["widths"]) != tuple(cfg.widths) or ck["expert"] != cfg.expert:
-            raise ValueError(
-                f"--resume: {resume_path} is for expert {ck['expert']} widths {ck['widths']}, "
-                f"not expert {cfg.expert} widths {list(cfg.widths)}"
-            )
-        if bool(ck.get("null_label", False)) != ucfg.null_label:
-            raise ValueError(
-                f"--resume: {resume_path} was trained with{'' if ck.get('null_label') else 'out'} a null "
-                f"label; keep --label-dropout {'> 0' if ck.get('null_label') else '0'} to continue it"
-            )
-        check_resume_model(ck, ucfg, resume_path)
-        check_resume_data(ck, partition_info, resume_path)
-        step, wall_before, history = restore_resume_state(ck, model, ema, opt, rng)
-        log.info("resumed from %s at step %d", resume_path, step)
-
+        run.restore()
     if dist_info.enabled and dist_info.rank > 0:  # own noise stream per rank (init weights come from rank 0)
-        torch.manual_seed(ddp.rank_seed(cfg.seed, dist_info.rank, step))
-    train_model = ddp.wrap(model, dist_info, device)
-    n = len(images)
-    data_x = torch.from_numpy(np.ascontiguousarray(images)).to(dev.device)
-    data_y = torch.from_numpy(labels.astype(np.int64)).to(dev.device)
-    per_epoch = n // cfg.batch_size  # drop_last: every batch has the same static shape
-    params = list(model.parameters())
-
-    def ema_state() -> dict:
-        sd = {k: v for k, v in model.state_dict().items()}
-        names = [k for k, _ in model.named_parameters()]
-        for k, e in zip(names, ema):
-            sd[k] = e
-        return torch_state_to_numpy(sd)
-
-    def save(final: bool, digests=None) -> dict:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        recent = [h["loss"] for h in history[-5:]]
-        stats = {
-            "backend": "torch",
-            "device": cfg.device,
-            "steps": step,
-            "images_seen": step * cfg.batch_size,
-            "wall_s": round(wall_before + (time.time() - t_start), 1),
-            "final_loss": round(float(np.mean(recent)), 5) if recent else None,
-            "loss_history": history,
-            "complete": final and step >= cfg.steps,
-            "params": count_params(model),
-            "torch": torch.__version__,
-            "world_size": dist_info.world_size,
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        }
-        if digests:
-            stats["param_digests"] = digests
-        if not dist_info.is_main:  # only rank 0 writes
-            return stats
-        meta = {
-            "config": ucfg,
-            "expert_id": cfg.expert,
-            "partition": partition_info,
-            "training": stats,
-            "weights": "ema",
-        }
-        save_checkpoint(cfg.out, ema_state(), with_spec(meta, spec), dtype=cfg.save_dtype)
-        save_resume_state(
-            resume_path,
-            model,
-            ema,
-            opt,
-            rng,
-            step=step,
-            wall_s=stats["wall_s"],
-            history=history,
-            widths=list(cfg.widths),
-            expert=cfg.expert,
-            null_label=ucfg.null_label,
-            arch=cfg.arch,
-            model_config=ucfg.to_dict(),
-            **resume_data_fields(partition_info),
-        )
-        return stats
-
-    model.train()
-    t_start = time.time()
-    window_loss, window_n, window_t = 0.0, 0, time.time()
-    perm, pos = rng.permutation(n), 0
-    bar = tqdm(
-        total=cfg.steps,
-        initial=step,
-        disable=not (progress and dist_info.is_main),
-        desc=f"expert{cfg.expert}",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=2.0,
-    )
-    smooth = None
-    pending: list = []  # device losses not yet read back
-    while step < cfg.steps:
-        if pos + cfg.batch_size > per_epoch * cfg.batch_size:
-            perm, pos = rng.permutation(n), 0
-        idx = torch.from_numpy(ddp.shard(perm[pos : pos + cfg.batch_size], dist_info)).to(dev.device)
-        pos += cfg.batch_size
-        x, y = data_x[idx], data_y[idx]
-        if cfg.label_dropout > 0:  # classifier-free style: some labels become "unknown" (-1 -> null row)
-            y = torch.where(torch.rand(y.shape, device=y.device) < cfg.label_dropout, torch.full_like(y, -1), y)
-        if dev.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        with dev.autocast():
-            loss = torch_flow_loss(train_model, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - ema_decay_at(step, cfg.ema_decay))
-        dev.step_boundary()
-        step += 1
-        bar.update(1)
-        pending.append(loss.detach())
-        if not (
-            len(pending) >= dev.readback_every
-            or step % cfg.log_every == 0
-            or step == cfg.steps
-            or step % cfg.save_every == 0
-        ):
-            continue
-        # one host<->device sync for the steps since the last read (on XLA after the step's graph ran)
-        values = torch.stack(pending).float().cpu().tolist() if len(pending) > 1 else [float(pending[0])]
-        pending.clear()
-        for lv in values:
-            lv = ddp.mean_across(lv, dist_info, dev.device)  # the global batch's loss
-            if not math.isfinite(lv):
-                raise FloatingPointError(f"loss became {lv} by step {step}; lower --lr or disable --bf16")
-            smooth = lv if smooth is None else 0.98 * smooth + 0.02 * lv
-            window_loss, window_n = window_loss + lv, window_n + 1
-        if step % 10 == 0 and smooth is not None:
-            bar.set_postfix(
-                loss=f"{smooth:.4f}",
-                img_s=f"{window_n * cfg.batch_size / max(1e-6, time.time() - window_t):.0f}",
-                lr=f"{lr_at(step, cfg):.1e}",
-            )
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            ips = window_n * cfg.batch_size / max(1e-6, time.time() - window_t)
-            history.append({"step": step, "loss": round(window_loss / window_n, 5), "img_s": round(ips, 1)})
-            if dist_info.is_main and (not progress or step % (5 * cfg.log_every) == 0):
-                log.info("expert%d step %d loss %.4f %.0f img/s", cfg.expert, step, window_loss / window_n, ips)
-            window_loss, window_n, window_t = 0.0, 0, time.time()
-        if step % cfg.save_every == 0 and step < cfg.steps:
-            save(final=False)
-    bar.close()
-    digests = ddp.param_digests(params, dist_info)  # every rank must hold the same weights
+        torch.manual_seed(ddp.rank_seed(cfg.seed, dist_info.rank, run.step))
+    _train_steps(run, dev, ddp.wrap(run.model, dist_info, device), images, labels, progress)
+    digests = ddp.param_digests(run.params, dist_info)  # every rank must hold the same weights
     if len(set(digests)) > 1:
         raise RuntimeError(f"data-parallel ranks diverged: parameter digests {digests}")
-    stats = save(final=True, digests=digests if dist_info.enabled else None)
+    stats = run.save(final=True, digests=digests if dist_info.enabled else None)
     ddp.shutdown(dist_info)
     return stats
 
@@ -513,6 +502,14 @@ def check_resume_data(ck: dict, partition_info: dict, resume_path) -> None:
         )
 
 
+def uses_bf16(args: argparse.Namespace) -> bool:
+    """Whether `--dtype` (auto resolved for the torch `--device`) asks for bfloat16 autocast. The run
+    records the answer as `bf16`, the field its checkpoints and resume files have always had."""
+    from models.precision import resolve_dtype
+
+    return resolve_dtype(args.dtype, backend="torch", device=args.device) == "bfloat16"
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from models.config import parse_widths
 
@@ -533,7 +530,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         warmup=args.warmup,
         ema_decay=args.ema_decay,
-        bf16=args.bf16,
+        bf16=uses_bf16(args),
         device=args.device,
         seed=args.seed,
         out=args.out or "",

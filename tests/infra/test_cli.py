@@ -256,6 +256,8 @@ OLD_SPELLINGS = {
     "--max-images-per-job": "--images-per-job",
     "--job-size": "--images-per-job",
     "--num-experts": "--experts",
+    "--bf16": "--dtype",
+    "--no-bf16": "--dtype",
 }
 #: Options whose metavar must be the same wherever they appear (one concept, one spelling).
 SAME_METAVAR = (

@@ -94,6 +94,23 @@ def test_schedules_and_validation(tmp_path):
         load_expert_data(_cfg(tmp_path, expert=5))
 
 
+def test_train_expert_takes_dtype_and_the_old_bf16_with_a_warning(capsys):
+    """`train-expert --dtype` like every other command; `--bf16` still works (deprecated); the run
+    records the answer as `bf16`, as its checkpoints always have."""
+    from infra.cli import build_parser
+    from training.train_torch import config_from_args
+
+    def parse(*extra):
+        return build_parser().parse_args(["train-expert", "--expert", "0", *extra])
+
+    assert config_from_args(parse()).bf16 is False  # float32 by default, as before
+    assert config_from_args(parse("--dtype", "bfloat16")).bf16 is True
+    assert capsys.readouterr().err == ""
+    args = parse("--bf16")
+    assert args.dtype == "bfloat16" and config_from_args(args).bf16 is True
+    assert "--bf16 is deprecated and will be removed; use --dtype bfloat16" in capsys.readouterr().err
+
+
 @pytest.mark.train
 def test_cli_train_expert(tmp_path, capsys):
     from infra.cli import main
