@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 
 from bus.options import add_deprecated_alias
+from dataset.options import add_data_dir_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,9 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a prepared dataset directory (`ddm-fleet data prepare`) to partition instead of MNIST",
     )
-    parser.add_argument(
-        "--data-dir", default=None, metavar="DIR", help="MNIST cache directory (default: $DDM_DATA_DIR or ./data)"
-    )
+    add_data_dir_option(parser)
     parser.add_argument("--out", required=True, help="manifest JSON to write, e.g. checkpoints/partition.json")
 
 
