@@ -273,3 +273,27 @@ def test_the_cli_solver_choices_are_the_solvers_flow_has():
     from flow.solver import METHODS
 
     assert SOLVERS == METHODS
+
+
+#: The serving path, whose units a newcomer reads first: no class over MAX_CLASS_LINES, no function over
+#: MAX_FUNCTION_LINES (docstrings included), so each reads in one sitting.
+SERVING_PATH = ("coordinator", "workers", "client", "web")
+MAX_CLASS_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def test_units_on_the_serving_path_stay_small():
+    too_long = []
+    for package in SERVING_PATH:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ClassDef):
+                    limit = MAX_CLASS_LINES
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    limit = MAX_FUNCTION_LINES
+                else:
+                    continue
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines > {limit}")
+    assert not too_long, "\n".join(too_long)
