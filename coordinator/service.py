@@ -117,7 +117,7 @@ class Coordinator:
         # the spec's `arch` names what routes this fleet (router_arch), whatever its checkpoint stored there
         self.spec = self.spec.model_copy(update={"arch": router_arch(router)})
         # fair-sharing limits: passed through to the scheduler (see coordinator.scheduler)
-        self.config = cfg.scheduler_config(num_experts, class_to_expert, spec=self.spec)
+        self.scheduler_config = cfg.scheduler_config(num_experts, class_to_expert, spec=self.spec)
         self.router, self.transport = router, transport
         self.nc, self._own_nc, self.nats_url = nc, nc is None, nats_url or cfg.nats
         self.name = cfg.name
@@ -135,7 +135,7 @@ class Coordinator:
         )
         self.events = EventPublisher(nc, self.ledger)
         self.intake = Intake(self)
-        self.null_labels = NullLabelProbes(nc, num_experts, self.config.image_shape, cfg.step_timeout)
+        self.null_labels = NullLabelProbes(nc, num_experts, self.scheduler_config.image_shape, cfg.step_timeout)
         self.endpoint = MetricsEndpoint(cfg.metrics_port, cfg.metrics_host, cfg.metrics_optional)
         self.metrics = None  # CoordinatorMetrics, once entered
         self.store: JobStore | None = None
@@ -201,9 +201,9 @@ class Coordinator:
             raise
         log.info(
             "coordinator up: %d experts, max %d rows, %d queued jobs",
-            self.config.num_experts,
-            self.config.max_rows,
-            self.config.max_queued_jobs,
+            self.scheduler_config.num_experts,
+            self.scheduler_config.max_rows,
+            self.scheduler_config.max_queued_jobs,
         )
         return self
 
@@ -240,7 +240,7 @@ class Coordinator:
             self.store, self.durable_jobs, sched = await open_durable_jobs(
                 self.nc,
                 cfg.durability,
-                self.config,
+                self.scheduler_config,
                 self.ledger,
                 name=self.name,
                 instance=self.instance,
@@ -248,7 +248,7 @@ class Coordinator:
             )
             self.events.durable_jobs = self.durable_jobs
         else:
-            sched = Scheduler(self.config)
+            sched = Scheduler(self.scheduler_config)
         rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
         engine = cfg.engine
         self.engine = Engine(
@@ -262,7 +262,7 @@ class Coordinator:
             run_ahead=engine.run_ahead,
             run_ahead_rows=engine.run_ahead_rows,
             request_rows=(
-                rows_per(np.zeros((1, *self.config.image_shape), np.float32)) if callable(rows_per) else None
+                rows_per(np.zeros((1, *self.scheduler_config.image_shape), np.float32)) if callable(rows_per) else None
             ),
         )
 
@@ -448,7 +448,9 @@ class Coordinator:
         )
         accepted = self.ledger.stamp(internal, accepted)
         self.ledger.prune(
-            self.engine.scheduler.knows, internal, 2 * (self.config.max_queued_jobs + self.config.max_rows) + 64
+            self.engine.scheduler.knows,
+            internal,
+            2 * (self.scheduler_config.max_queued_jobs + self.scheduler_config.max_rows) + 64,
         )
         if self.durable_jobs is not None:
             self.durable_jobs.op("adopt", internal)

@@ -109,7 +109,7 @@ async def quota(fleet: ProbeFleet) -> dict:
     from client.jobs import run_job
     from schemas import JobAccepted, JobRequest, SubmitReply, pack, subjects
 
-    cfg = fleet.coordinator.config
+    cfg = fleet.coordinator.scheduler_config
     accepted = refused = 0
     codes: set[str] = set()
     for i in range(cfg.max_queued_jobs + cfg.max_rows // 256 + 8):

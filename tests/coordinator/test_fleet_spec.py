@@ -119,7 +119,7 @@ async def test_fleet_status_returns_the_spec_only_when_asked(nats_url, nc, tmp_p
     spec = legacy_spec(in_channels=3)
     async with ExpertWorker(0, str(rgb), "torch", nats_url=nats_url, buckets=(1,)):
         async with Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=spec) as coord:
-            assert coord.config.image_shape == (3, 32, 32)
+            assert coord.scheduler_config.image_shape == (3, 32, 32)
             plain = await nc.request("ddm.v1.fleet.status", b"", timeout=5)
             assert b"spec" not in plain.data and unpack(plain.data, FleetStatus).spec is None  # what a v1 client sees
             status = await fleet_status(nc, spec=True)

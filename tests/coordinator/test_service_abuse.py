@@ -120,7 +120,9 @@ async def test_a_new_session_per_job_cannot_take_every_row_and_queue_slot(nats_u
             )
             assert done.images.shape == (2, 1, 32, 32)
             assert sched.client_usage("greedy")["running_rows"] == 256  # greedy never got more
-            assert coord.config.client_rows == 256 and coord.config.client_queued_jobs == 64  # shipped defaults
+            assert (
+                coord.scheduler_config.client_rows == 256 and coord.scheduler_config.client_queued_jobs == 64
+            )  # shipped defaults
     finally:
         await _stop(ws)
 
