@@ -6,6 +6,8 @@
 
 The document (JSON Schema 2020-12) has one definition per message, keyed by its `kind`, and a top-level
 `oneOf` over them: it describes a message's msgpack map after decoding (docs/PROTOCOL.md section 3),
+open to keys it does not list where a client reads it (CLIENT_RECEIVES: readers ignore unknown keys) and
+closed where a service reads it (unknown keys are refused there),
 where a tensor (section 4) is a map {"dtype": str, "shape": [int], "data": bin} and bin is shown as a
 string of format "binary". What a schema cannot say (a tensor's dtype, rank and finiteness, cross-field
 rules such as `ahead_t` with `ahead_dt`) is in each definition's description, which is the class's own
@@ -21,6 +23,22 @@ import sys
 from pathlib import Path
 
 SCHEMA_ID = "https://ddm-fleet.invalid/protocol/v1/messages.schema.json"
+
+#: What a client receives from a coordinator: a reader ignores keys it does not know (docs/PROTOCOL.md,
+#: section 3; later releases add keys, sent only to requests that ask for them), so these definitions, and
+#: the ones nested in them, leave `additionalProperties` open. What a service reads (a submit, a cancel, an
+#: expert or decoder request and its reply) refuses unknown keys, and its definition says so.
+CLIENT_RECEIVES = (
+    "accepted",
+    "cancel_reply",
+    "done",
+    "error",
+    "failed",
+    "fleet_status",
+    "frame",
+    "job_status",
+    "rejected",
+)
 
 
 def message_classes() -> dict[str, type]:
@@ -43,6 +61,7 @@ def document() -> dict:
         schema["properties"]["v"] = {"const": PROTOCOL_VERSION, "type": "integer"}
         schema["required"] = sorted(set(schema.get("required", [])) | {"kind", "v"})
         defs[kind] = schema
+    _open_for_readers(defs)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SCHEMA_ID,
@@ -54,6 +73,34 @@ def document() -> dict:
         "oneOf": [{"$ref": f"#/$defs/{kind}"} for kind in message_classes()],
         "$defs": dict(sorted(defs.items())),
     }
+
+
+def _refs(schema) -> set[str]:
+    """The $defs names `schema` refers to, directly."""
+    if isinstance(schema, dict):
+        found = {schema["$ref"].rsplit("/", 1)[-1]} if isinstance(schema.get("$ref"), str) else set()
+        return found.union(*(_refs(v) for v in schema.values()))
+    if isinstance(schema, list):
+        return set().union(*(_refs(v) for v in schema))
+    return set()
+
+
+def _reached(defs: dict, roots) -> set[str]:
+    seen, stack = set(), list(roots)
+    while stack:
+        name = stack.pop()
+        if name not in seen and name in defs:
+            seen.add(name)
+            stack.extend(_refs(defs[name]))
+    return seen
+
+
+def _open_for_readers(defs: dict) -> None:
+    """Drop `additionalProperties: false` from what clients receive (CLIENT_RECEIVES and what it nests),
+    unless a message a service reads nests it too."""
+    strict = _reached(defs, [k for k in message_classes() if k not in CLIENT_RECEIVES])
+    for name in _reached(defs, CLIENT_RECEIVES) - strict:
+        defs[name].pop("additionalProperties", None)
 
 
 def render() -> str:

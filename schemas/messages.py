@@ -368,6 +368,14 @@ class ErrorReply(Message):
 # ---------------------------------------------------------------- generation jobs
 
 
+def _present_scale(schema: dict) -> None:
+    """The wire form of `guidance_scale`: absent (the fleet's default) or a number in [0, MAX_GUIDANCE_SCALE];
+    nil is refused (the field is None in the class only for "absent")."""
+    schema.pop("anyOf", None)
+    schema.pop("default", None)
+    schema.update(type="number", minimum=0, maximum=MAX_GUIDANCE_SCALE)
+
+
 class JobRequest(Message):
     """Client -> coordinator (on `ddm.v1.c.<client>.jobs.submit`): generate images.
 
@@ -406,7 +414,7 @@ class JobRequest(Message):
     return_latents: bool = False  # latent fleets only: `done` also carries `latents` (the final samples)
     # classifier-free guidance scale s (`flow.guidance`): 1 = off; only with experts that have a null label.
     # None (left out): the fleet's default scale (`models.fleet_guidance`; 1 for a fleet that names none)
-    guidance_scale: float | None = None
+    guidance_scale: float | None = Field(default=None, json_schema_extra=_present_scale)
 
     @field_validator("guidance_scale", mode="before")
     @classmethod

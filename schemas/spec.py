@@ -64,8 +64,10 @@ class SpecError(ValueError):
 
 
 class Conditioning(BaseModel):
-    """What a model is conditioned on: `class` labels 0..num_classes-1 (and -1 = unknown where
-    `null_label`), or `none` (unconditional models; every row's label is -1)."""
+    """What a model is conditioned on: `class` labels 0..num_classes-1, or `none` (unconditional models;
+    every row's label is -1). `null_label`: the model was trained with a null label, label -1 ("unknown");
+    in a fleet's spec that is its router's, and whether each expert serves -1 is checked when a job needs it
+    (docs/PROTOCOL.md, `fleet_status`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
