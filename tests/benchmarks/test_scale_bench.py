@@ -36,7 +36,7 @@ def test_worker_capacity_and_derived_jobs():
     [
         (["--workers", "2,-1"], "--workers must be comma-separated positive integers"),
         (["--workers", "none"], "nothing to measure"),
-        (["--request-rows", "513"], "--request-rows must be <= 512"),
+        (["--request-rows", "513"], "--request-rows must be an integer in 1-512"),
         (["--sim-batch-ms", "-1"], "--sim-batch-ms must be a finite number >= 0"),
         (["--duration", "0"], "--duration and --job-timeout must be > 0"),
         (

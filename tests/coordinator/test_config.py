@@ -105,9 +105,9 @@ def test_every_bounded_flag_is_checked_and_named_by_its_one_declaration():
                     group(**{name: opt.low - 1})
 
 
-def test_the_choice_lists_are_the_transports():
-    """The transport keeps its own copy of the hedge and dispatch modes (its module is not the config's
-    to change); they must not drift apart."""
-    from coordinator import choices, dispatch, transport
+def test_the_choice_lists_are_one_list_each():
+    """The hedge and dispatch modes the config offers are the ones the hedging and dispatch policies serve:
+    one tuple each (coordinator/choices.py), re-exported by the policies, not copies that could drift."""
+    from coordinator import choices, dispatch, hedging
 
-    assert transport.HEDGE_MODES == choices.HEDGE_MODES and dispatch.DISPATCH_MODES == choices.DISPATCH_MODES
+    assert hedging.HEDGE_MODES is choices.HEDGE_MODES and dispatch.DISPATCH_MODES is choices.DISPATCH_MODES

@@ -37,8 +37,8 @@ def sim_checkpoint(tmp_path_factory) -> str:
 
 async def test_a_torch_worker_answers_float16_to_float16_and_float32_by_default(nats_url, nc, tiny_expert_checkpoint):
     x, t, y = _inputs(4)
-    async with ExpertWorker(
-        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 4), dtype="float32"
+    async with ExpertWorker(  # batch-invariant: the same bits from the worker's thread as from this one
+        0, tiny_expert_checkpoint, "torch", nats_url=nats_url, buckets=(1, 4), dtype="float32", batch_quantum=16
     ) as w:
         raw32, r32 = await _ask(nc, 0, x, t, y)
         assert isinstance(r32, StepReply) and r32.velocity.dtype == np.float32

@@ -13,16 +13,19 @@ A backend owns one expert model on one device:
 
 Batch invariance (`make_batch_invariant`, the worker's `--batch-invariant`): a CPU's kernels pick their
 blocking by the batch, so a row's velocity can move in its last bits with the number of rows beside it
-(oneDNN's convolutions and GEMMs: measured on the shipped UNets, float32 and bfloat16, 1 and 2 threads).
-Computed at a multiple of 16 rows they did not (nor with the rows' order or content beside them), so in
-that mode every forward is padded up to a multiple of `batch_quantum` rows and a row's result no longer
-depends on what else is in its batch, at the price of the padding (one row costs what 16 do). The
-switch checks that this host's kernels keep that promise before it returns.
+(oneDNN's convolutions and GEMMs: measured on the shipped UNets, float32 and bfloat16). Computed at a
+multiple of 16 rows that the forward's threads split evenly (a multiple of lcm(16, threads): 16 for 1, 2 or
+4 threads, 48 for 3) they did not, nor with the rows' order or content beside them, and not with the thread
+count either (48 and 96 rows came out the same on 1 to 4 threads). So in that mode every forward is padded
+up to a multiple of `batch_quantum` rows, the torch backend keeps the thread count it was checked with,
+and a row's result no longer depends on what else is in its batch, at the price of the padding (one row
+costs what 16 do). The switch checks that this host's kernels keep that promise before it returns.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -201,14 +204,17 @@ class BackendBase:
         return np.ascontiguousarray(out[:rows] if len(out) != rows else out, dtype=np.float32)
 
     def make_batch_invariant(self, quantum: int = DEFAULT_BATCH_QUANTUM) -> None:
-        """From now on compute every forward at a multiple of `quantum` rows (see the module docstring),
-        after checking on probe rows that this host's kernels give each row the same bits at several
-        multiples, in another order and beside other rows; BackendError (saying which sizes differed)
-        if not, and the backend is left as it was. quantum 0 or 1 turns the mode off."""
+        """From now on compute every forward at a multiple of `quantum` rows, rounded up to a multiple of the
+        forward's threads too (see the module docstring), after checking on probe rows that this host's
+        kernels give each row the same bits at several multiples, in another order and beside other rows;
+        BackendError (saying which sizes differed) if not, and the backend is left as it was. quantum 0 or 1
+        turns the mode off."""
         self._need_loaded()
         quantum = int(quantum)
         if quantum < 0 or quantum > MAX_BATCH_QUANTUM:
             raise BackendError(f"batch quantum must be 0 (off) to {MAX_BATCH_QUANTUM} rows, got {quantum}")
+        if quantum > 1:
+            quantum = math.lcm(quantum, self._pin_threads())
         before, self.batch_quantum = self.batch_quantum, quantum if quantum > 1 else 0
         if not self.batch_quantum:
             return
@@ -225,6 +231,11 @@ class BackendBase:
                 f"here; try a larger quantum (a multiple of {quantum})"
             )
         log.info("%s backend batch-invariant: every forward padded to a multiple of %d rows", self.name, quantum)
+
+    def _pin_threads(self) -> int:
+        """The threads a forward runs on from now on (a backend whose kernels split rows over threads keeps
+        the count it has now, whatever thread later calls it); 1 for one that does not say."""
+        return 1
 
     def _batch_variance(self, q: int) -> list[str]:
         """What differs among probe rows computed at q, 2q and 4q rows, in reverse order and beside other

@@ -54,6 +54,7 @@ class TorchBackend(BackendBase):
         if threads:
             torch.set_num_threads(int(threads))
         self._model = None
+        self._threads: int | None = None  # pinned by make_batch_invariant: set on each forward's thread
 
     @property
     def pads_to_buckets(self) -> bool:
@@ -66,6 +67,15 @@ class TorchBackend(BackendBase):
         d["channels_last"] = str(self.channels_last).lower()
         d["compiled"] = str(self.compiled).lower()
         return d
+
+    def _pin_threads(self) -> int:
+        """On a CPU the forward's rows are split over torch's intra-op threads: keep today's count."""
+        import torch
+
+        if self._device.type != "cpu":
+            return 1
+        self._threads = torch.get_num_threads()
+        return self._threads
 
     def _build(self, cfg, state: dict[str, np.ndarray]) -> None:
         import torch
@@ -108,6 +118,8 @@ class TorchBackend(BackendBase):
         dev = self._device
         if dev.type == "cuda":
             return self._forward_cuda(x, t, y)
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # torch's setting is per thread: this one runs as checked
         with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             # np.require copies only read-only views (wire-decoded arrays), which torch cannot wrap.
             xt = torch.from_numpy(np.require(x, np.float32, ["C", "W"])).to(dev, non_blocking=True)
