@@ -78,12 +78,6 @@ class RouterLike(Protocol):
     def weights(self, x_t: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
 
 
-#: Routings of at most this many rows run on the event loop's thread even with `router_in_thread`: the
-#: router's forward of a few rows (~0.3 ms for one on a CPU) costs less than the hop to its thread and back
-#: (the submit, the GIL handed over twice, the wake-up), the larger part of a one-client tick's routing.
-INLINE_ROUTER_ROWS = 4
-
-
 def _guidance_of(batch: Batch, idx: np.ndarray) -> dict:
     """{"guidance": [n] float32} for a call on rows idx of which some are guided (scale != 1, label known:
     `flow.guidance.guided_rows`), else {} (the call goes as it always did, to any transport)."""
@@ -160,7 +154,7 @@ class Executor:
                 }
                 self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
             try:
-                await self._route(batch, fresh, w, calls_out=bool(guesses))
+                await self._route(batch, fresh, w)
             except BaseException:
                 for idx, task in guesses.values():
                     self._abandon(task, len(idx))
@@ -174,24 +168,17 @@ class Executor:
             for k, res in zip(experts, results):
                 self._settle(batch, k, reqs[k], res)
 
-    async def _route(self, batch: Batch, fresh: np.ndarray, w: np.ndarray, calls_out: bool = False) -> None:
-        """Ask the router for the `fresh` rows' weights; written into w [R, K] in place. A routing of at
-        most INLINE_ROUTER_ROWS rows runs on the loop's own thread: its forward costs less than the hop to
-        the router's thread and back. `calls_out`: guessed expert calls were just made; the loop first
-        lets them reach the socket (their coroutines, then the client's flusher), so the experts compute
-        while the router runs, as they would beside the router's thread."""
+    async def _route(self, batch: Batch, fresh: np.ndarray, w: np.ndarray) -> None:
+        """Ask the router for the `fresh` rows' weights; written into w [R, K] in place."""
         idx = slice(None) if fresh.all() else np.nonzero(fresh)[0]
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
         async with self._router_lock:
             started = time.perf_counter()
-            if self.router_in_thread and len(y) > INLINE_ROUTER_ROWS:
+            if self.router_in_thread:
                 got = await asyncio.get_running_loop().run_in_executor(
                     self._router_thread(), self.router.weights, x, t, y
                 )
             else:
-                if calls_out:
-                    for _ in range(2):
-                        await asyncio.sleep(0)
                 got = self.router.weights(x, t, y)
             self.router_s_total += time.perf_counter() - started
         got = np.asarray(got, dtype=np.float64)

@@ -274,12 +274,9 @@ def test_rate_window_is_bounded_by_count():
 
 
 async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop():
-    """Every router call of more than INLINE_ROUTER_ROWS rows goes to the same thread, not the event loop's
-    and not asyncio's default executor's (whose calls moved between threads); one of a few rows runs on the
-    loop's thread (cheaper than the hop); run() ending shuts the router's thread down."""
+    """Every router call of a running engine goes to the same thread, not the event loop's and not
+    asyncio's default executor's (whose calls moved between threads); run() ending shuts it down."""
     import threading
-
-    from coordinator.executor import INLINE_ROUTER_ROWS
 
     class Where(LabelRouter):
         def __init__(self):
@@ -287,7 +284,7 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
             self.threads: list[threading.Thread] = []
 
         def weights(self, x, t, y):
-            self.threads.append((len(y), threading.current_thread()))
+            self.threads.append(threading.current_thread())
             return super().weights(x, t, y)
 
     router = Where()
@@ -300,17 +297,11 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
     )
     task = asyncio.create_task(e.run())
     for i in range(6):
-        e.submit(JobRequest(job_id=f"j{i}", digits=[i, 9 - i, i, 9 - i, i], steps=3))
+        e.submit(JobRequest(job_id=f"j{i}", digits=[i, 9 - i], steps=3))
     await wait_until(lambda: e.status()["jobs_done"] == 6)
-    wide = {thread for rows, thread in router.threads if rows > INLINE_ROUTER_ROWS}
-    assert len(router.threads) >= 6 and len(wide) == 1, router.threads
-    (thread,) = wide
+    assert len(router.threads) >= 6
+    (thread,) = set(router.threads)
     assert thread is not threading.current_thread() and thread.name.startswith("router")
-    assert {thread for rows, thread in router.threads if rows <= INLINE_ROUTER_ROWS} <= {threading.current_thread()}
-    router.threads.clear()
-    e.submit(JobRequest(job_id="small", digits=[3] * INLINE_ROUTER_ROWS, steps=3))
-    await wait_until(lambda: e.status()["jobs_done"] == 7)
-    assert router.threads and {thread for _, thread in router.threads} == {threading.current_thread()}
     await e.stop()
     await asyncio.wait_for(task, 5)
     await wait_until(lambda: not thread.is_alive())
@@ -322,10 +313,10 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
         lambda ev: None,
         cohorts=1,
     )  # ticked by hand, no run()
-    driven.submit(JobRequest(job_id="by-hand", digits=[4] * (INLINE_ROUTER_ROWS + 1), steps=2))
+    driven.submit(JobRequest(job_id="by-hand", digits=[4], steps=2))
     while await driven.tick():
         pass
-    (thread,) = {thread for _, thread in driven.executor.router.threads}
+    (thread,) = set(driven.executor.router.threads)
     assert thread.is_alive() and thread.name.startswith("router")
     await driven.stop()  # ends it too
     await wait_until(lambda: not thread.is_alive())
