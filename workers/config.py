@@ -347,7 +347,7 @@ class WorkerConfig:
         "compute every forward at a multiple of %(const)s rows, so that an image's velocities do not "
         "depend on the other jobs' rows batched beside it: a seeded job's images repeat bit for bit however "
         "busy the fleet, and match `ddm-fleet sample --batch-invariant`. Checked at start; costs the padding "
-        "(a lone row costs what %(const)s do, a busy worker's batches nearly nothing)",
+        "(a lone row costs what %(const)s do; 0.6-0.75x the images/s at 64 clients on the shipped MNIST fleet)",
         lo=0,
         hi=MAX_BATCH_QUANTUM,
         must="{lo} (off) to {hi} rows",
