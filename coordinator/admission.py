@@ -237,3 +237,68 @@ class FairShare:
             self._served[key] = self._admissions
         while len(self._served) > MAX_TRACKED_CLIENTS:
             del self._served[next(iter(self._served))]
+
+
+# ---------------------------------------------------------------- events that fit a message
+
+#: Bytes an event spends beside its tensors (map keys, job id, labels, experts, notes, epoch): a generous
+#: bound for 256 images (their labels and expert ids take a few bytes each).
+EVENT_OVERHEAD_BYTES = 64 * 1024
+
+
+def largest_event(
+    request: JobRequest,
+    sample_shape: tuple[int, ...],
+    image_shape: tuple[int, ...] | None,
+    num_experts: int,
+    latent: bool,
+) -> tuple[str, int]:
+    """(kind, bytes) of the largest event a job of `request` publishes, an upper bound of its packed size:
+    a `frame` (x float16, x1 float16 when asked, the router weights, a latent fleet's decoded preview float16
+    when asked) or the `done` (images float32, a latent fleet's latents float32 when asked, the usage).
+    `image_shape`: the images clients get (a pixel fleet's samples; a latent fleet's decoded images, None
+    while no decoder has said: then the parts made of them are left out)."""
+    n, k = request.n_images, num_experts
+    sample = _elements(sample_shape)
+    image = _elements(image_shape) if image_shape is not None else 0
+    per_row_weights = 8 * k  # float64 at most
+    frame = 0
+    if request.stream:
+        frame = n * (2 * sample * (2 if request.frame_x1 else 1) + per_row_weights)
+        if latent and request.preview_every is not None:
+            frame += n * 2 * image
+    done = n * (4 * image + per_row_weights + (4 * sample if latent and request.return_latents else 0))
+    return max(("frame", frame + EVENT_OVERHEAD_BYTES), ("done", done + EVENT_OVERHEAD_BYTES), key=lambda e: e[1])
+
+
+def check_event_sizes(
+    request: JobRequest,
+    sample_shape: tuple[int, ...],
+    image_shape: tuple[int, ...] | None,
+    num_experts: int,
+    latent: bool,
+    limit: int,
+) -> None:
+    """Rejected (`too_large`, naming the limit) when an event of the job could not be published in one
+    message of `limit` bytes (docs/PROTOCOL.md section 8): refused at submit, never failed at its end."""
+    kind, size = largest_event(request, sample_shape, image_shape, num_experts, latent)
+    if size <= limit:
+        return
+    fits = request.model_copy(update={"digits": [0], "labels": None, "count": None})
+    one = largest_event(fits, sample_shape, image_shape, num_experts, latent)[1] - EVENT_OVERHEAD_BYTES
+    most = max(0, (limit - EVENT_OVERHEAD_BYTES) // max(one, 1))
+    shape = "x".join(map(str, image_shape if kind == "done" and image_shape else sample_shape))
+    raise Rejected(
+        ErrorCode.TOO_LARGE,
+        f"this job's {kind} event would be {size / 2**20:.1f} MiB ({request.n_images} images of {shape}) "
+        f"over the {limit / 2**20:g} MiB message limit; ask for at most {most} images"
+        + (" (or leave out frame_x1 / previews / return_latents, or stream false)" if kind == "frame" else ""),
+        "max_message_bytes",
+    )
+
+
+def _elements(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out

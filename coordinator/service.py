@@ -36,9 +36,11 @@ import numpy as np
 
 from bus.inbox import request_inbox_prefix
 from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, subjects
+from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.spec import ModelSpec, legacy_spec
 
 from . import status_answers
+from .admission import check_event_sizes
 from .config import CoordinatorConfig
 from .decoding import DECODE_STOP_WAIT_S, DecodeStage
 from .durable import JobStore
@@ -425,6 +427,7 @@ class Coordinator:
         """Admit `client`'s job now (no await): (JobAccepted as the client sees it, the awaitable that
         publishes it). Raises scheduler.Rejected."""
         job_id = request.job_id
+        self._check_event_sizes(request)
         internal = self.ledger.internal_id_for(client, job_id, self.engine.scheduler.knows)
         if job_id is not None and self.ledger.is_live(client, job_id):
             internal = self.ledger.internal(client, job_id)  # the scheduler refuses its own id again
@@ -458,6 +461,14 @@ class Coordinator:
             self.decode_stage.admit(internal, request)
         publish = self.events.publish(accepted)
         return as_client(accepted, client, job_id or internal), publish
+
+    def _check_event_sizes(self, request: JobRequest) -> None:
+        """Rejected (`too_large`) for a job whose frames or `done` could not go out in one message: the images
+        clients get are a pixel fleet's samples, or a latent fleet's decoded images once a decoder said their
+        shape (`admission.check_event_sizes`)."""
+        cfg = self.scheduler_config
+        images = getattr(self.decoder, "image_shape", None) if cfg.latent else cfg.image_shape
+        check_event_sizes(request, cfg.image_shape, images, cfg.num_experts, cfg.latent, MAX_PAYLOAD_BYTES)
 
     async def cancel(self, job_id: str, client: str | None = None) -> bool:
         """Cancel a queued or running job; with `client`, only that client's job `job_id`."""
