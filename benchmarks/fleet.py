@@ -895,7 +895,7 @@ async def _fleet(args, models) -> dict:
                     models["partition"],
                     "--nats",
                     srv.url,
-                    "--wait-experts",
+                    "--wait-experts-s",
                     120,
                     "--metrics-port",
                     metrics_port,

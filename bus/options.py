@@ -129,11 +129,14 @@ class _DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+def add_deprecated_alias(
+    parser: argparse.ArgumentParser, old: str, new: str, *, dest: str | None = None, **kwargs: Any
+) -> None:
     """Accept `old` (e.g. "--method") as a hidden spelling of the option `new` (e.g. "--solver"): same
-    destination, same type/choices (pass them in `kwargs`), a warning on stderr when used. With
-    `const=VALUE` the old option takes no value and stores VALUE (`--bf16` -> `--dtype bfloat16`)."""
-    dest = new.lstrip("-").replace("-", "_")
+    destination (`dest`, when `new` stores elsewhere than its name says), same type/choices (pass them
+    in `kwargs`), a warning on stderr when used. With `const=VALUE` the old option takes no value and
+    stores VALUE (`--bf16` -> `--dtype bfloat16`)."""
+    dest = dest or new.lstrip("-").replace("-", "_")
     parser.add_argument(
         old, action=_DeprecatedAlias, new=new, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
     )

@@ -204,6 +204,8 @@ RENAMED = [
     (_ddm_fleet_parser, ["eval"], "--job-size", "--images-per-job", "7", "images_per_job", 7),
     (_sample_inprocess_parser, ["--out", "x"], "--job-size", "--images-per-job", "9", "images_per_job", 9),
     (_ddm_fleet_parser, ["partition", "--out", "x"], "--num-experts", "--experts", "3", "experts", 3),
+    (_ddm_fleet_parser, ["coordinator"], "--step-timeout", "--step-timeout-s", "5", "step_timeout", 5.0),
+    (_ddm_fleet_parser, ["coordinator"], "--wait-experts", "--wait-experts-s", "30", "wait_experts", 30.0),
 ]
 
 
@@ -258,6 +260,8 @@ OLD_SPELLINGS = {
     "--num-experts": "--experts",
     "--bf16": "--dtype",
     "--no-bf16": "--dtype",
+    "--step-timeout": "--step-timeout-s",
+    "--wait-experts": "--wait-experts-s",
 }
 #: Options whose metavar must be the same wherever they appear (one concept, one spelling).
 SAME_METAVAR = (
