@@ -424,7 +424,7 @@ class MetricsSettings(Settings):
 
 @dataclass
 class DurableSettings(Settings):
-    """Durable jobs (coordinator.durable)."""
+    """Durable jobs (coordinator.durable_store)."""
 
     durable: bool = option(
         False,

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         from bus.connect import connect, drain_or_close
         from bus.exit_watch import watch_exit
-        from coordinator.durable import JetStreamUnavailable
+        from coordinator.durable_store import JetStreamUnavailable
         from coordinator.service import (
             Coordinator,
             EngineDied,
