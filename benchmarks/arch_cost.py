@@ -15,6 +15,8 @@ import argparse
 import statistics
 import time
 
+from bus.options import add_threads_option
+
 
 def configs() -> list:
     from models.config import DiTConfig, UNetConfig
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from models.dit_common import attention_flops
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_threads_option(ap, default=1)
     ap.add_argument("--batch", type=int, default=64, help="rows per forward (default 64)")
     ap.add_argument("--rounds", type=int, default=6, help="timed forwards per config, round-robin (default 6)")
     args = ap.parse_args(argv)

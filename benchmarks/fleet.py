@@ -59,7 +59,7 @@ import argparse
 import os
 import time
 
-from bus.options import add_dtype_option, add_solver_option
+from bus.options import add_device_option, add_dtype_option, add_solver_option, add_threads_option
 from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
 from workers.config import add_batch_invariant_option
@@ -196,20 +196,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "%(const)s rows) in the workers, the ceiling and the forward-only limit alike: what reproducible "
         "images under load cost",
     )
-    parser.add_argument(
-        "--device",
+    add_device_option(
+        parser,
         default=None,
-        help="device of the workers and of the ceiling's experts, e.g. cuda (torch) or gpu (jax); "
-        "default: the backend's own (the CPU). On a GPU host both paths share the one device",
+        help_suffix=" (jax: gpu), of the workers and of the ceiling's experts; on a GPU host both paths "
+        "share the one device",
+        default_help="the backend's own, the CPU",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
+    add_threads_option(
+        parser,
         default=None,
-        help="torch intra-op threads per expert, both paths; also the coordinator's router "
-        "(default: this machine's cores shared out among the worker processes, at least 1, "
-        "as docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives "
-        "every process all the cores, and their spinning threads then fight)",
+        help_suffix=" per expert, both paths; also the coordinator's router",
+        default_help="this machine's cores shared out among the worker processes, at least 1, as "
+        "docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives every process all "
+        "the cores, and their spinning threads then fight",
     )
     parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128", help="worker batch buckets (default %(default)s)")
     parser.add_argument(
@@ -895,7 +895,7 @@ async def _fleet(args, models) -> dict:
                     models["partition"],
                     "--nats",
                     srv.url,
-                    "--wait-experts",
+                    "--wait-experts-s",
                     120,
                     "--metrics-port",
                     metrics_port,

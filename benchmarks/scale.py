@@ -413,7 +413,7 @@ class Fleet:
                 self.url,
                 "--metrics-port",
                 port,
-                "--wait-experts",
+                "--wait-experts-s",
                 120,
                 *cfg.to_argv(
                     only=(

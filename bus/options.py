@@ -6,7 +6,10 @@
 * `add_deprecated_alias`: an old option name that still works, warns once, and stores into the new one
   (a flag that took no value, e.g. `--bf16`, stores a fixed value: `const="bfloat16"`);
 * `add_dtype_option`: `--dtype auto|float32|bfloat16` (`models.precision`), with `--bf16` / `--no-bf16`
-  kept as deprecated spellings of `--dtype bfloat16` / `--dtype float32`.
+  kept as deprecated spellings of `--dtype bfloat16` / `--dtype float32`;
+* `add_solver_option`: `--solver euler|heun`;
+* `add_threads_option`: `--threads N`, torch's intra-op CPU threads (`torch.set_num_threads`);
+* `add_device_option`: `--device`, the torch device (cpu, cuda[:N]).
 
 Warnings go to stderr as ``ddm-fleet: warning: ...`` so scripts that parse stdout are unaffected.
 """
@@ -126,11 +129,14 @@ class _DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+def add_deprecated_alias(
+    parser: argparse.ArgumentParser, old: str, new: str, *, dest: str | None = None, **kwargs: Any
+) -> None:
     """Accept `old` (e.g. "--method") as a hidden spelling of the option `new` (e.g. "--solver"): same
-    destination, same type/choices (pass them in `kwargs`), a warning on stderr when used. With
-    `const=VALUE` the old option takes no value and stores VALUE (`--bf16` -> `--dtype bfloat16`)."""
-    dest = new.lstrip("-").replace("-", "_")
+    destination (`dest`, when `new` stores elsewhere than its name says), same type/choices (pass them
+    in `kwargs`), a warning on stderr when used. With `const=VALUE` the old option takes no value and
+    stores VALUE (`--bf16` -> `--dtype bfloat16`)."""
+    dest = dest or new.lstrip("-").replace("-", "_")
     parser.add_argument(
         old, action=_DeprecatedAlias, new=new, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
     )
@@ -171,3 +177,41 @@ def add_solver_option(parser, *, deprecated_method: bool = False) -> None:
     )
     if deprecated_method:
         add_deprecated_alias(parser, "--method", "--solver", choices=SOLVERS)
+
+
+def _default_text(default: Any, default_help: str) -> str:
+    """ "(default X)", "(default X: what it means)" or "(default: what it means)" for a help string."""
+    if default is None:
+        return f"(default: {default_help})"
+    return f"(default {default}: {default_help})" if default_help else f"(default {default})"
+
+
+def add_threads_option(
+    parser, *, default: int | None = 0, help_suffix: str = "", default_help: str = "", metavar: str = "N"
+) -> None:
+    """`--threads N` into `threads` (an int): torch's intra-op CPU threads, as every torch command spells
+    it. `default`: the command's (0 and None leave torch's own setting, every core, unless `default_help`
+    says what the command does instead); `help_suffix`: what the command adds after "torch intra-op CPU
+    threads" (", per expert"); `default_help`: what the default means, when the number alone does not say it."""
+    if not default_help and default in (0, None):
+        default_help = "torch's own"
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default,
+        metavar=metavar,
+        help=f"torch intra-op CPU threads{help_suffix} {_default_text(default, default_help)}",
+    )
+
+
+def add_device_option(parser, *, default: str | None = "cpu", help_suffix: str = "", default_help: str = "") -> None:
+    """`--device` into `device` (a str): the torch device, as every torch command spells it. `default`:
+    the command's (None: the command's own choice, said by `default_help`, else "the CPU");
+    `help_suffix`: what the command adds after "torch device: cpu or cuda[:N]" (", of the decoder")."""
+    if default is None and not default_help:
+        default_help = "the CPU"
+    parser.add_argument(
+        "--device",
+        default=default,
+        help=f"torch device: cpu or cuda[:N]{help_suffix} {_default_text(default, default_help)}",
+    )

@@ -7,10 +7,13 @@
 
 Each setting is one field of one group (`FleetSettings`, `AdmissionLimits`, `TransportSettings`,
 `EngineSettings`, `FinishedJobs`, `MetricsSettings`, `DurableSettings`), declared with
-`coordinator.option.option`: its default, help, bounds or choices and, from its name, its flag. That
-one declaration makes the flag, the range check and its error message ("--max-rows must be an integer
->= 1, got 0") and the flag's words in `to_argv`. `CoordinatorConfig` holds one of each group and reads
-every setting by its own name too (`config.max_rows`), so callers need not know the groups.
+`coordinator.option.option`: its default, help, bounds or choices and, from its name, its flag (unless
+`flag=` spells it otherwise: seconds end in `-s`, so `step_timeout` is `--step-timeout-s` and
+`wait_experts` `--wait-experts-s`; their old spellings `--step-timeout` and `--wait-experts` still work,
+with a warning). That one declaration makes the flag, the range check and its error message
+("--max-rows must be an integer >= 1, got 0") and the flag's words in `to_argv`. `CoordinatorConfig`
+holds one of each group and reads every setting by its own name too (`config.max_rows`), so callers
+need not know the groups.
 
 A bench that starts coordinators declares the flags it passes through with
 `add_arguments(parser, only=(...), defaults={...})`, reads them back with `from_args`, hands them to its
@@ -124,6 +127,8 @@ class FleetSettings(Settings):
     wait_experts: float = option(
         0.0,
         "before serving, wait up to S seconds for every expert to have a worker (default: don't)",
+        flag="--wait-experts-s",
+        deprecated=("--wait-experts",),
         metavar="S",
         number=float,
         low=0.0,
@@ -244,6 +249,8 @@ class TransportSettings(Settings):
     step_timeout: float = option(
         10.0,
         "seconds to wait for an expert's reply before retrying (default %(default)s)",
+        flag="--step-timeout-s",
+        deprecated=("--step-timeout",),
         metavar="S",
         **_SECONDS,
     )
@@ -288,7 +295,7 @@ class TransportSettings(Settings):
         "its recent call times (at least 0.05 s; 1 s until 20 calls are known) is sent once more, so that "
         "another worker of its queue group can answer; the first usable reply wins. Only for experts whose "
         "recent replies came from 2+ workers, and at most ~10%% of requests. A killed worker then costs "
-        "its jobs ~that delay, not --step-timeout",
+        "its jobs ~that delay, not --step-timeout-s",
         choices=HEDGE_MODES,
     )
     hedge_after_s: float | None = option(
@@ -417,7 +424,7 @@ class MetricsSettings(Settings):
 
 @dataclass
 class DurableSettings(Settings):
-    """Durable jobs (coordinator.durable)."""
+    """Durable jobs (coordinator.durable_store)."""
 
     durable: bool = option(
         False,
@@ -574,7 +581,7 @@ class CoordinatorConfig:
     @classmethod
     def differing_defaults(cls, defaults: dict[str, Any]) -> str:
         """One line for a bench's output: the defaults it changed against `ddm-fleet coordinator`'s,
-        e.g. "bench defaults differing from `ddm-fleet coordinator`: --step-timeout 60 (coordinator: 10)";
+        e.g. "bench defaults differing from `ddm-fleet coordinator`: --step-timeout-s 60 (coordinator: 10)";
         "" when none differ."""
         base = cls()
         parts = []

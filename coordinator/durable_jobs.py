@@ -1,5 +1,5 @@
 """A coordinator's durable jobs (`--durable`): the loop that keeps its jobs' snapshots and leases in
-JetStream (`coordinator.durable.JobStore`), takes over orphaned jobs, fences the jobs it lost, and
+JetStream (`coordinator.durable_store.JobStore`), takes over orphaned jobs, fences the jobs it lost, and
 hands its jobs over on a clean exit.
 
 Jobs are named here by the engine's internal id (the JetStream key); `coordinator.ledger` maps them
@@ -17,7 +17,7 @@ from collections import OrderedDict
 from bus.cancel import cancel_and_wait, raise_if_cancelled
 from schemas import ErrorCode, ProtocolError, subjects
 
-from .durable import JobLost, JobStore
+from .durable_store import JobLost, JobStore
 from .ledger import JobLedger
 from .scheduler import Rejected
 from .snapshot import bump_epoch
@@ -243,7 +243,7 @@ class DurableJobs:
         return new
 
     async def resume_orphans(self) -> int:
-        """Take over and resume every snapshotted job nobody else owns (see coordinator.durable);
+        """Take over and resume every snapshotted job nobody else owns (see coordinator.durable_store);
         returns how many were resumed."""
         sched, resumed = self.engine.scheduler, 0
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .config import DurableSettings
-from .durable import CheckpointingScheduler, JobStore
 from .durable_jobs import DurableJobs
+from .durable_store import CheckpointingScheduler, JobStore
 from .ledger import JobLedger
 from .scheduler import SchedulerConfig
 

@@ -259,7 +259,7 @@ class _EngineCollector:
 
 
 class _StoreCollector:
-    """Scrape-time view of a durable JobStore's counters (coordinator.durable): `writes`,
+    """Scrape-time view of a durable JobStore's counters (coordinator.durable_store): `writes`,
     `bytes_written`, `takeovers`, `leases_lost`."""
 
     SERIES = (

@@ -9,7 +9,9 @@ nothing else retypes a flag name or a bound.
 
 Building a group (`EngineSettings(route_every=0)`) checks every field and raises ValueError naming the
 flag: "--route-every must be an integer >= 1, got 0". The flag is the field's name with dashes
-(`--route-every`); a setting with `kind="none"` has no flag and its errors name the field.
+(`--route-every`) unless `flag=` spells it otherwise (`step_timeout`: `--step-timeout-s`, seconds
+said in the name like `--lease-s`); `deprecated=` lists older spellings, still accepted with a warning
+(bus.options.add_deprecated_alias). A setting with `kind="none"` has no flag and its errors name the field.
 """
 
 from __future__ import annotations
@@ -43,11 +45,15 @@ class Option:
     zero_is_none: bool = False  # on the command line 0 means None
     parse: Callable | None = None  # the argparse `type` (default: `number`)
     convert: Callable | None = None  # normalizes the value before the check; its ValueError names the flag
+    spelled: str = ""  # the flag, when it is not the field's name with dashes (given as `flag=` to `option`)
+    deprecated: tuple[str, ...] = ()  # older spellings of the flag (kind "value"), accepted with a warning
     name: str = ""  # the field's name (filled in by `options_of`)
 
     @property
     def flag(self) -> str:
-        return "" if self.kind == "none" else "--" + self.name.replace("_", "-")
+        if self.kind == "none":
+            return ""
+        return self.spelled or "--" + self.name.replace("_", "-")
 
     @property
     def label(self) -> str:
@@ -111,8 +117,10 @@ class Option:
     # ------------------------------------------------------------ the command line
     def add(self, parser: argparse.ArgumentParser, default: Any) -> None:
         """Declare the flag on `parser` with `default` (in the flag's terms, `to_cli`)."""
-        from bus.options import add_nats_option, add_switch
+        from bus.options import add_deprecated_alias, add_nats_option, add_switch
 
+        if self.deprecated and self.kind != "value":
+            raise TypeError(f"{self.flag}: only a flag that takes a value has deprecated spellings")
         if self.kind == "nats":
             add_nats_option(parser) if default is None else add_nats_option(parser, default=default)
         elif self.kind == "switch":
@@ -128,6 +136,9 @@ class Option:
             elif self.metavar:
                 kwargs["metavar"] = self.metavar
             parser.add_argument(self.flag, **kwargs)
+            for old in self.deprecated:
+                alias = {k: v for k, v in kwargs.items() if k in ("type", "choices", "metavar")}
+                add_deprecated_alias(parser, old, self.flag, dest=self.name, **alias)
 
     def cli_default(self, base: Any) -> Any:
         """The flag's default on `ddm-fleet coordinator`: the field's in `base`, in the flag's terms."""
@@ -150,9 +161,20 @@ class Option:
         return [self.flag, str(value)]
 
 
-def option(default: Any, help: str = "", *, cls: type[Option] = Option, **how: Any) -> Any:
-    """A dataclass field with its `Option` (`cls` for a flag read in its own way)."""
-    return dataclasses.field(default=default, metadata={_KEY: cls(help=help, **how)})
+def option(
+    default: Any,
+    help: str = "",
+    *,
+    cls: type[Option] = Option,
+    flag: str = "",
+    deprecated: tuple[str, ...] = (),
+    **how: Any,
+) -> Any:
+    """A dataclass field with its `Option` (`cls` for a flag read in its own way; `flag`: the flag when
+    it is not the field's name with dashes; `deprecated`: older spellings, accepted with a warning)."""
+    return dataclasses.field(
+        default=default, metadata={_KEY: cls(help=help, spelled=flag, deprecated=tuple(deprecated), **how)}
+    )
 
 
 @functools.cache

@@ -43,8 +43,8 @@ from . import status_answers
 from .admission import check_event_sizes
 from .config import CoordinatorConfig
 from .decoding import DECODE_STOP_WAIT_S, DecodeStage
-from .durable import JobStore
 from .durable_jobs import DurableJobs
+from .durable_store import JobStore
 from .durable_wiring import open_durable_jobs
 from .engine import Engine, RouterLike, Transport
 from .engine_run import WORKER_CHECK_S, EngineDied, EngineRun  # noqa: F401 (EngineDied re-exported)
@@ -440,7 +440,7 @@ class Coordinator:
         accepted = accepted.model_copy(update={"coordinator": self.name, "instance": self.instance})
         internal = accepted.job_id
         # owner epoch: 1 for a durable job's first owner (a take-over writes one more into its
-        # checkpoint, coordinator.durable), 0 for a job that is not durable
+        # checkpoint, coordinator.durable_store), 0 for a job that is not durable
         self.ledger.admit(
             internal,
             client,

@@ -4,7 +4,7 @@ its bytes. Pure: no I/O, no clocks.
 `Scheduler.checkpoint(job_id)` takes a `JobCheckpoint` (everything needed to go on with the job
 exactly where it is); `Scheduler.restore(cp, now)` re-creates the job from it, in this or another
 coordinator. `encode(cp)` / `decode(data)` turn it into msgpack bytes (the `job_checkpoint`
-message below, tensors in the `schemas.tensor` encoding) and back; `coordinator.durable` keeps those
+message below, tensors in the `schemas.tensor` encoding) and back; `coordinator.durable_store` keeps those
 bytes in a JetStream KV bucket.
 
 What makes a restore bit-identical: the committed state x [N, C, H, W] float32, the step, Heun's

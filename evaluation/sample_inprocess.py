@@ -337,7 +337,7 @@ def _scales(text: str) -> tuple[float, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m evaluation.sample_inprocess` command line (options named as `ddm-fleet eval`'s)."""
-    from bus.options import add_dtype_option
+    from bus.options import add_device_option, add_dtype_option
     from workers.backends.torch_compile import COMPILE_CHOICES
     from workers.config import add_batch_invariant_option
 
@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints with a null label; files are named <config>-cfgS. A comma list is a sweep: every "
         "configuration at every scale, the same digits and seeds (default 1)",
     )
-    p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
+    add_device_option(p)
     add_dtype_option(p)
     p.add_argument(
         "--compile",

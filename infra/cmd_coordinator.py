@@ -11,7 +11,7 @@ Every expert reply is checked (shape, dtype, finite): a bad one is logged with t
 claims and retried (--bad-reply-retries); a job no expert could serve fails with `bad_reply` or
 `unavailable`. A NATS server restart costs the requests in flight a retry, not the jobs. A request with no reply
 after the expert's usual p99 is sent once more (--hedge), so a killed worker stalls its jobs for about
-that long, not for --step-timeout.
+that long, not for --step-timeout-s.
 Fair sharing across clients (the NATS user / client token; a job's session, e.g. the viewer's socket,
 shares its client's quotas): at most --max-client-rows running rows (default 256) and
 --max-client-queued-jobs waiting jobs per client, all its sessions together (--max-session-rows /
@@ -33,7 +33,7 @@ a port given explicitly must be free.
 
 examples:
   ddm-fleet coordinator --router checkpoints/router.safetensors --partition checkpoints/partition.json
-  ddm-fleet coordinator --router ... --partition ... --nats nats://10.0.0.5:4222 --max-rows 512 --step-timeout 5
+  ddm-fleet coordinator --router ... --partition ... --nats nats://10.0.0.5:4222 --max-rows 512 --step-timeout-s 5
   ddm-fleet coordinator --router ... --partition ... --metrics-port 0        # no /metrics
   ddm-fleet coordinator --router ... --partition ... --name coord-b          # a second coordinator on the bus
   ddm-fleet coordinator --router ... --partition ... --max-client-rows 256 --max-client-queued-jobs 16
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         from bus.connect import connect, drain_or_close
         from bus.exit_watch import watch_exit
-        from coordinator.durable import JetStreamUnavailable
+        from coordinator.durable_store import JetStreamUnavailable
         from coordinator.service import (
             Coordinator,
             EngineDied,

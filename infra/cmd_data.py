@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bus.options import add_threads_option
 from dataset.options import add_data_dir_option
 
 
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float16", "float32"), default="float16", help="the cached latents' dtype (default float16)"
     )
     enc.add_argument("--batch-size", type=int, default=256, help="images per encoder call (default 256)")
-    enc.add_argument("--threads", type=int, default=0, help="torch CPU threads, 0 = torch's default")
+    add_threads_option(enc, help_suffix=" of the encoder")
     opts = parser.add_argument_group("prepare: options")
     opts.add_argument("--size", type=int, default=None, metavar="S", help="--images: output side in pixels (required)")
     opts.add_argument(

@@ -19,7 +19,7 @@ import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.options import add_nats_option
+    from bus.options import add_device_option, add_nats_option, add_threads_option
     from schemas.limits import MAX_STEP_ROWS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="autoencoder checkpoint (.safetensors with its .json), or a diffusers AutoencoderKL directory "
         "(save_pretrained; the pretrained extra)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device for the decoder (default: cpu)")
-    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    add_device_option(parser, help_suffix=", of the decoder")
+    add_threads_option(parser, default=None)
     parser.add_argument(
         "--max-request-rows",
         type=int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from bus.options import add_device_option, add_threads_option
 from dataset.options import add_data_dir_option
 
 
@@ -68,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float16",
         help="dtype of the shipped weights (default %(default)s)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    add_device_option(parser)
+    add_threads_option(parser)
     parser.add_argument(
         "--data",
         default=None,

@@ -52,7 +52,7 @@ from dataset.options import add_data_dir_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bus.options import add_dtype_option, add_nats_option
+    from bus.options import add_device_option, add_dtype_option, add_nats_option
     from evaluation.run import add_sampling_arguments
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -78,9 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NATS server of a running fleet for the DDM rows, or a comma-separated "
         "list of a cluster's nodes (default: a local in-process fleet)",
     )
-    parser.add_argument(
-        "--device", default=None, help="device of the local fleet's expert workers, e.g. cuda (default: the CPU)"
-    )
+    add_device_option(parser, default=None, help_suffix=", of the local fleet's expert workers")
     add_dtype_option(
         parser,
         help="the local fleet's experts' compute type: auto = bfloat16 where the device computes it natively "

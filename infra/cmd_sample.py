@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bus.options import add_dtype_option, add_solver_option
+from bus.options import add_dtype_option, add_solver_option, add_threads_option
 from client.guidance import guidance_scale
 from workers.config import add_batch_invariant_option
 
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=40, help="solver steps (default %(default)s)")
     add_solver_option(parser, deprecated_method=True)
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(parser)
     add_dtype_option(parser)
     parser.add_argument("--out", default="samples.png", help="PNG to write (default %(default)s)")
     parser.add_argument(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from bus.options import add_device_option, add_threads_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -56,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="val images the PSNR is measured on (default %(default)s)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads, 0 = torch's default")
+    add_device_option(parser)
+    add_threads_option(parser)
     parser.add_argument("--resume", action="store_true", help="continue from <run-dir>/resume.pt up to --steps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-from bus.options import add_dtype_option
+from bus.options import add_device_option, add_dtype_option, add_threads_option
 from dataset.options import add_data_dir_option
 
 
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="jax backend: train data-parallel on the first N JAX devices, 0 = all (default %(default)s)",
     )
-    parser.add_argument("--device", default="cpu", help="torch backend: cpu, cuda[:N] or xla (default %(default)s)")
+    add_device_option(parser, help_suffix=" or xla (--backend torch; jax takes --devices)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps in total (default %(default)s)")
     parser.add_argument(
         "--batch-size",
@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float16",
         help="dtype of the shipped weights (default %(default)s)",
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(parser)
     add_data_dir_option(parser)
     parser.add_argument(
         "--limit", type=int, default=None, metavar="N", help="use only the first N images of the partition (smoke runs)"

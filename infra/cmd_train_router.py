@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from bus.options import add_threads_option
 from dataset.options import add_data_dir_option
 
 
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from <run-dir>/router_resume.pt up to --steps; pass the same --partition, "
         "--limit, --width (and, for identical weights, the other flags) as the interrupted run",
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the CPU is shared)")
+    add_threads_option(parser, default=1, default_help="the CPU is shared")
     parser.add_argument(
         "--features",
         default=None,

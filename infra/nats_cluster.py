@@ -89,7 +89,7 @@ leafnodes {{
 """
 
 #: cluster.conf's `jetstream` block with this node's store (jetstream=True): small limits, but room for
-#: the durable buckets' reservation (1 GiB of checkpoints + 64 MiB of leases, coordinator.durable).
+#: the durable buckets' reservation (1 GiB of checkpoints + 64 MiB of leases, coordinator.durable_store).
 _JETSTREAM_ON = """\
 jetstream {{
   store_dir: "{store_dir}"

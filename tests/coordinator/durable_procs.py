@@ -28,7 +28,7 @@ async def start_coordinator(url: str, router, *extra: str):
         url,
         "--metrics-port",
         "0",
-        "--step-timeout",
+        "--step-timeout-s",
         "5",
         *extra,
         stdout=asyncio.subprocess.PIPE,

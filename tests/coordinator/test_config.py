@@ -21,7 +21,8 @@ def _parse(argv, **kw):
     "change, flag",
     [
         (dict(max_rows=0), "--max-rows"),
-        (dict(step_timeout=0.0), "--step-timeout"),
+        (dict(step_timeout=0.0), "--step-timeout-s"),
+        (dict(wait_experts=-1.0), "--wait-experts-s"),
         (dict(request_rows=513), "--request-rows"),
         (dict(js_replicas=6), "--js-replicas"),
         (dict(name=""), "--name"),
@@ -54,6 +55,20 @@ def test_the_old_on_off_spelling_still_works_with_a_warning(capsys):
     assert "--no-speculate" in capsys.readouterr().err
 
 
+def test_seconds_are_spelled_with_s_and_the_old_spellings_still_work_with_a_warning(capsys):
+    cfg = CoordinatorConfig.from_args(_parse(["--step-timeout-s", "2.5", "--wait-experts-s", "7"]))
+    assert (cfg.step_timeout, cfg.wait_experts) == (2.5, 7.0)
+    assert "deprecated" not in capsys.readouterr().err
+    cfg = CoordinatorConfig.from_args(_parse(["--step-timeout", "3", "--wait-experts", "4"]))
+    assert (cfg.step_timeout, cfg.wait_experts) == (3.0, 4.0)
+    err = capsys.readouterr().err
+    assert "--step-timeout is deprecated and will be removed; use --step-timeout-s" in err, err
+    assert "--wait-experts is deprecated and will be removed; use --wait-experts-s" in err, err
+    assert CoordinatorConfig(step_timeout=3.0).to_argv(only=["step_timeout"]) == ["--step-timeout-s", "3.0"]
+    with pytest.raises(ValueError, match="--step-timeout-s must be"):
+        CoordinatorConfig.from_args(_parse(["--step-timeout", "0"]))
+
+
 def test_to_argv_round_trips_through_the_parser():
     cfg = CoordinatorConfig(
         max_rows=64, step_timeout=2.5, speculate=False, durable=True, max_job_cost=None, hedge_after_s=0.2, name="c-1"
@@ -67,7 +82,7 @@ def test_a_bench_declares_a_subset_with_its_own_defaults_and_says_so():
     args = _parse([], only=only, defaults=defaults)
     assert (args.step_timeout, args.retries, args.speculate) == (60.0, 2, True) and not hasattr(args, "max_rows")
     note = CoordinatorConfig.differing_defaults(defaults)
-    assert note == "bench defaults differing from `ddm-fleet coordinator`: --step-timeout 60 (coordinator: 10)"
+    assert note == "bench defaults differing from `ddm-fleet coordinator`: --step-timeout-s 60 (coordinator: 10)"
     with pytest.raises(ValueError, match="no coordinator flag"):
         _parse([], only=("step_timeout", "bogus"))
 

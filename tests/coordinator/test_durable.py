@@ -1,4 +1,4 @@
-"""Durable jobs (coordinator.durable, `ddm-fleet coordinator --durable`): a real nats-server with
+"""Durable jobs (coordinator.durable_store, `ddm-fleet coordinator --durable`): a real nats-server with
 JetStream, a real coordinator process killed with SIGKILL mid-run, its restart under the same
 name resumes every job from its JetStream checkpoint, and the waiting clients get images
 bit-identical to an undisturbed run. Two durable coordinators on one bus: when the owner of jobs
@@ -467,7 +467,7 @@ async def test_lease_follows_the_owners_bucket_ttl_set_by_the_first_coordinator(
     renews by the bucket's (else its leases would lapse between renewals, or be judged too late)."""
     import nats
 
-    from coordinator.durable import JobStore
+    from coordinator.durable_store import JobStore
 
     nc = await nats.connect(js_bus.url)
     try:

@@ -1,4 +1,4 @@
-"""What a durable coordinator does when its leases lapse (coordinator.durable_jobs, coordinator.durable),
+"""What a durable coordinator does when its leases lapse (coordinator.durable_jobs, coordinator.durable_store),
 pure: a fake bucket store and engine, the real DurableJobs, JobLedger and JobStore bookkeeping.
 
 Whichever part notices the lapse first (the renewal loop, the watchdog, or the check before an event)
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from coordinator.durable import JobStore
 from coordinator.durable_jobs import DurableJobs
+from coordinator.durable_store import JobStore
 from coordinator.ledger import JobLedger
 from schemas import FailedEvent
 

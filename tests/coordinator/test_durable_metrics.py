@@ -1,5 +1,5 @@
 """The durable-job counters on a coordinator's /metrics (coordinator.metrics.watch_store over a
-coordinator.durable.JobStore), against a real nats-server with JetStream: checkpoint writes and their
+coordinator.durable_store.JobStore), against a real nats-server with JetStream: checkpoint writes and their
 bytes, take-overs (a restart of the same name takes its previous run's job), and lease losses (the
 previous run's next write finds the job taken)."""
 
@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from bus.nats_server import NatsServer
-from coordinator.durable import JobLost, JobStore
+from coordinator.durable_store import JobLost, JobStore
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.scheduler import Scheduler, SchedulerConfig
 
@@ -83,7 +83,7 @@ async def test_more_replicas_than_servers_is_refused_with_the_reason(js_server):
     server's reason and the option (cmd_coordinator prints it and exits 2)."""
     import nats
 
-    from coordinator.durable import JetStreamUnavailable
+    from coordinator.durable_store import JetStreamUnavailable
 
     nc = await nats.connect(js_server.url)
     try:

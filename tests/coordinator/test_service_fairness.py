@@ -180,7 +180,7 @@ async def test_ddm_fleet_coordinator_exits_nonzero_when_its_engine_dies(nats_url
         nats_url,
         "--metrics-port",
         "0",
-        "--step-timeout",
+        "--step-timeout-s",
         "1",
         "--retries",
         "0",

@@ -204,6 +204,8 @@ RENAMED = [
     (_ddm_fleet_parser, ["eval"], "--job-size", "--images-per-job", "7", "images_per_job", 7),
     (_sample_inprocess_parser, ["--out", "x"], "--job-size", "--images-per-job", "9", "images_per_job", 9),
     (_ddm_fleet_parser, ["partition", "--out", "x"], "--num-experts", "--experts", "3", "experts", 3),
+    (_ddm_fleet_parser, ["coordinator"], "--step-timeout", "--step-timeout-s", "5", "step_timeout", 5.0),
+    (_ddm_fleet_parser, ["coordinator"], "--wait-experts", "--wait-experts-s", "30", "wait_experts", 30.0),
 ]
 
 
@@ -258,6 +260,8 @@ OLD_SPELLINGS = {
     "--num-experts": "--experts",
     "--bf16": "--dtype",
     "--no-bf16": "--dtype",
+    "--step-timeout": "--step-timeout-s",
+    "--wait-experts": "--wait-experts-s",
 }
 #: Options whose metavar must be the same wherever they appear (one concept, one spelling).
 SAME_METAVAR = (
@@ -273,6 +277,7 @@ SAME_METAVAR = (
     "--timeout",
     "--router",
     "--device",
+    "--threads",
     "--widths",
     "--limit",
 )
@@ -308,6 +313,49 @@ def test_no_two_commands_spell_one_concept_differently():
             problems.append(f"{opt} has metavars {by_metavar}")
     assert not problems, "\n".join(problems)
     assert len(visible["--images-per-job"]) >= 5 and len(visible["--solver"]) >= 4  # the walk saw the commands
+
+
+#: Options several commands share, each declared once (bus.options.add_threads_option / add_device_option).
+SHARED_OPTIONS = {"--threads": "add_threads_option", "--device": "add_device_option"}
+
+
+def test_a_shared_option_is_declared_once_for_every_command():
+    """`--threads` (torch's intra-op CPU threads) and `--device` (the torch device) are spelled,
+    typed and explained by one helper; the worker's come from its WorkerConfig fields."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    declared = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("tests/", ".venv/", "bus/options.py")):
+            continue
+        text = path.read_text()
+        for opt in SHARED_OPTIONS:
+            if re.search(r"add_argument\(\s*" + re.escape(f'"{opt}"'), text):
+                declared.append(f"{rel}: {opt} (use bus.options.{SHARED_OPTIONS[opt]})")
+    assert not declared, "\n".join(declared)
+    helps = {}
+    for path, action in _every_option():
+        for opt in SHARED_OPTIONS:
+            if opt in action.option_strings and path.split()[-1] != "worker":
+                helps.setdefault(opt, []).append((path, action.help, action.type))
+    assert len(helps["--threads"]) >= 6 and len(helps["--device"]) >= 5, helps
+    assert all(h.startswith("torch intra-op CPU threads") and t is int for _p, h, t in helps["--threads"]), helps
+    assert all(h.startswith("torch device: cpu or cuda[:N]") and t is None for _p, h, t in helps["--device"]), helps
+
+
+def test_the_shared_options_keep_each_commands_default():
+    from infra.cli import parse_args
+
+    threads = {("sample",): 0, ("train-router", "--partition", "p"): 1, ("train-autoencoder", "--data", "d"): 0}
+    for command, default in {**threads, ("distill",): 0, ("data", "encode"): 0}.items():
+        assert parse_args(list(command)).threads == default, command
+    assert parse_args(["decoder", "--checkpoint", "x"]).threads is None
+    assert parse_args(["decoder", "--checkpoint", "x"]).device == "cpu"
+    assert parse_args(["eval"]).device is None
+    assert parse_args(["train-expert", "--expert", "0"]).device == "cpu"
+    assert parse_args(["train-expert", "--expert", "0", "--threads", "3"]).threads == 3
 
 
 def test_sample_takes_several_checkpoints_after_one_flag():

@@ -60,7 +60,8 @@ def test_bad_limits_are_refused():
     from infra.cli import main
 
     assert main(["coordinator", "--max-rows", "0"]) == 2
-    assert main(["coordinator", "--step-timeout", "0"]) == 2
+    assert main(["coordinator", "--step-timeout-s", "0"]) == 2
+    assert main(["coordinator", "--step-timeout", "0"]) == 2  # the deprecated spelling is checked alike
 
 
 @pytest.mark.procs
@@ -85,7 +86,7 @@ async def test_coordinator_process_serves_and_stops(nats_url, nc, tmp_path):
         nats_url,
         "--max-rows",
         "64",
-        "--step-timeout",
+        "--step-timeout-s",
         "5",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -425,7 +425,7 @@ async def test_jetstream_is_off_unless_asked(cluster):
     durable coordinator is told so."""
     import nats
 
-    from coordinator.durable import jetstream_available
+    from coordinator.durable_store import jetstream_available
 
     nc = await nats.connect(cluster.url(0, "coordinator"), connect_timeout=2)
     try:
@@ -444,7 +444,7 @@ async def test_jetstream_r3_buckets_survive_a_node_kill_under_the_coordinator_ro
     import nats
     import nats.js.errors
 
-    from coordinator.durable import JobStore
+    from coordinator.durable_store import JobStore
     from infra.nats_cluster import monitor
     from tests.waiting import wait_until
 

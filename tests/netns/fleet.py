@@ -253,7 +253,7 @@ class Fleet:
         got = await asyncio.gather(*workers)
         self.workers = {"w0": got[: len(self.experts)], "w1": got[len(self.experts) :]}
         opts = ["--durable", "--js-replicas", "3", "--checkpoint-every", str(self.checkpoint_every)]
-        opts += ["--lease-s", str(self.lease_s), "--step-timeout", "5"]
+        opts += ["--lease-s", str(self.lease_s), "--step-timeout-s", "5"]
         # one at a time: the first creates the buckets (with this lease as their TTL)
         for name, host in COORD_HOSTS.items():
             proc, head = await start_coordinator(

@@ -396,7 +396,7 @@ def coordinator_args(files, server, name: str) -> tuple[str, list]:
         server.url,
         "--max-rows",
         "4",
-        "--step-timeout",
+        "--step-timeout-s",
         "5",
     ]
 

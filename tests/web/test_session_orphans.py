@@ -44,7 +44,7 @@ def coordinator_proc(nats_url, tmp_path_factory):
                 nats_url,
                 "--metrics-port",
                 "0",
-                "--step-timeout",
+                "--step-timeout-s",
                 "60",
                 "--default-guidance",  # its workers answer nothing, not even a null-label probe
                 "1",

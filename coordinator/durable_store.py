@@ -1,6 +1,7 @@
-"""Durable jobs: running jobs' checkpoints in a NATS JetStream KV bucket, so that a job outlives
-its coordinator (see docs/COORDINATOR.md, "Durable jobs (JetStream)"). Off unless
-`Coordinator(durable=True)` / `ddm-fleet coordinator --durable`.
+"""The JetStream store of durable jobs: running jobs' checkpoints in a NATS JetStream KV bucket, so that
+a job outlives its coordinator (see docs/COORDINATOR.md, "Durable jobs (JetStream)"; the loop that uses
+this store is coordinator.durable_jobs). Off unless `Coordinator(durable=True)` / `ddm-fleet coordinator
+--durable`.
 
 Two buckets (created on first use, history 1):
 
