@@ -62,7 +62,7 @@ import time
 from bus.options import add_device_option, add_dtype_option, add_solver_option, add_threads_option
 from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
-from workers.config import add_batch_invariant_option
+from workers.config import add_batch_invariant_option, add_buckets_option
 
 from . import cpu_account, step_profile
 from .options import (
@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/DEPLOYMENT.md advises for workers sharing a host: torch's own default gives every process all "
         "the cores, and their spinning threads then fight",
     )
-    parser.add_argument("--buckets", default="1,2,4,8,16,32,64,128", help="worker batch buckets (default %(default)s)")
+    add_buckets_option(parser, help="worker batch buckets (default %(default)s)")
     parser.add_argument(
         "--job-timeout",
         type=float,

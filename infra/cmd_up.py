@@ -45,7 +45,7 @@ import socket
 import sys
 from pathlib import Path
 
-from workers.config import BACKENDS  # the runtimes `--backend-K` accepts (sim: a simulated expert)
+from workers.config import BACKENDS, add_buckets_option  # BACKENDS: what `--backend-K` accepts (sim: simulated)
 
 MAX_BACKEND_FLAGS = 8  # --backend-0 ... --backend-7
 CONFIG = Path(__file__).resolve().parent / "nats" / "local.conf"
@@ -92,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             else argparse.SUPPRESS
         )
         parser.add_argument(f"--backend-{k}", choices=BACKENDS, default=None, metavar="NAME", help=default_help)
-    parser.add_argument(
-        "--buckets",
+    add_buckets_option(
+        parser,
         default=None,
         help="workers' warmed batch sizes, e.g. 1,2,4,8 (default: the worker's own; fewer = faster start)",
     )

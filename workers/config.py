@@ -74,6 +74,19 @@ def plan_buckets(buckets: str | Sequence[int], max_batch: int | None) -> tuple[t
     return tuple(b for b in buckets if b <= cap), max_batch
 
 
+def add_buckets_option(parser, *, default: Any = DEFAULT_BUCKETS, help: str | None = None) -> None:
+    """`--buckets B,B,...` into `buckets` (a string, or None: the worker's own), as every command that starts
+    or measures workers spells it (`parse_buckets` reads it)."""
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    parser.add_argument(
+        "--buckets",
+        default=default,
+        metavar="B,B,...",
+        help=help or "batch sizes compiled and padded to (default: %(default)s)",
+    )
+
+
 def add_batch_invariant_option(parser, *, default: int = 0, help: str | None = None) -> None:
     """`--batch-invariant` (a batch quantum of DEFAULT_BATCH_QUANTUM rows) and `--batch-quantum ROWS` (another
     one; 0: off) into `batch_quantum`, as every command that runs experts spells them
@@ -263,7 +276,10 @@ class WorkerConfig:
         deprecated=(("--bf16", "bfloat16"), ("--no-bf16", "float32")),
     )
     buckets: tuple[int, ...] = option(
-        DEFAULT_BUCKETS, "batch sizes compiled and padded to (default: %(default)s)", normalise=parse_buckets
+        DEFAULT_BUCKETS,
+        "batch sizes compiled and padded to (default: %(default)s)",
+        normalise=parse_buckets,
+        declare=add_buckets_option,
     )
     max_batch: int | None = option(
         None,
