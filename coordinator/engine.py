@@ -74,6 +74,25 @@ class Engine:
     """Owns the tick loop. `emit(event)` (sync or async) receives every job event in order.
     `metrics` defaults to a new `CoordinatorMetrics(scheduler)`."""
 
+    @classmethod
+    def from_settings(
+        cls, scheduler: Scheduler, router: RouterLike, transport: Transport, emit, settings, **kw
+    ) -> Engine:
+        """The engine of a coordinator's `EngineSettings` (coordinator.config), handed whole; `kw`: the
+        keywords below that are not settings (request_rows, metrics, ...)."""
+        return cls(
+            scheduler,
+            router,
+            transport,
+            emit,
+            cohorts=settings.cohorts,
+            route_every=settings.route_every,
+            speculate=settings.speculate,
+            run_ahead=settings.run_ahead,
+            run_ahead_rows=settings.run_ahead_rows,
+            **kw,
+        )
+
     def __init__(
         self,
         scheduler: Scheduler,

@@ -220,19 +220,8 @@ class Coordinator:
     def _open_transport(self) -> None:
         from .transport import NatsTransport
 
-        cfg = self.settings.transport
         if self.transport is None:
-            self.transport = NatsTransport(
-                self.nc,
-                step_timeout=cfg.step_timeout,
-                retries=cfg.retries,
-                bad_reply_retries=cfg.bad_reply_retries,
-                wire_dtype=cfg.wire_dtype,
-                hedge=cfg.hedge,
-                hedge_after_s=cfg.hedge_after_s,
-                dispatch=cfg.dispatch,
-                max_rows=cfg.request_rows,
-            )
+            self.transport = NatsTransport.from_settings(self.nc, self.settings.transport)
         self.null_labels.transport = self.transport  # which workers serve guidance (a guided job's admission)
 
     async def _open_engine(self) -> None:
@@ -252,20 +241,14 @@ class Coordinator:
         else:
             sched = Scheduler(self.scheduler_config)
         rows_per = getattr(self.transport, "rows_per_request", None)  # keep expert requests whole
-        engine = cfg.engine
-        self.engine = Engine(
+        sample = np.zeros((1, *self.scheduler_config.image_shape), np.float32)
+        self.engine = Engine.from_settings(
             sched,
             self.router,
             self.transport,
             self.events.publish,
-            cohorts=engine.cohorts,
-            route_every=engine.route_every,
-            speculate=engine.speculate,
-            run_ahead=engine.run_ahead,
-            run_ahead_rows=engine.run_ahead_rows,
-            request_rows=(
-                rows_per(np.zeros((1, *self.scheduler_config.image_shape), np.float32)) if callable(rows_per) else None
-            ),
+            cfg.engine,
+            request_rows=rows_per(sample) if callable(rows_per) else None,
         )
 
     def _open_decode_stage(self) -> None:

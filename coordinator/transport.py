@@ -116,6 +116,22 @@ class NatsTransport:
     dispatch: "direct" (join-shortest-queue over the known workers, coordinator/try_legs.py) or "queue"
     (every try to the queue group)."""
 
+    @classmethod
+    def from_settings(cls, nc, settings) -> NatsTransport:
+        """The transport of a coordinator's `TransportSettings` (coordinator.config), handed whole:
+        `request_rows` is its `max_rows`; the other fields have the names of the keywords below."""
+        return cls(
+            nc,
+            step_timeout=settings.step_timeout,
+            retries=settings.retries,
+            bad_reply_retries=settings.bad_reply_retries,
+            wire_dtype=settings.wire_dtype,
+            hedge=settings.hedge,
+            hedge_after_s=settings.hedge_after_s,
+            dispatch=settings.dispatch,
+            max_rows=settings.request_rows,
+        )
+
     def __init__(
         self,
         nc,

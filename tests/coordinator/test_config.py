@@ -126,3 +126,34 @@ def test_the_choice_lists_are_one_list_each():
     from coordinator import choices, dispatch, hedging
 
     assert hedging.HEDGE_MODES is choices.HEDGE_MODES and dispatch.DISPATCH_MODES is choices.DISPATCH_MODES
+
+
+def test_the_transport_and_the_engine_take_their_settings_whole():
+    """`NatsTransport.from_settings` / `Engine.from_settings` read every field of their group (the coordinator
+    hands `settings.transport` and `settings.engine` whole): none left at its default."""
+    from coordinator.engine import Engine
+    from coordinator.local_fleet import LabelRouter
+    from coordinator.scheduler import Scheduler, SchedulerConfig
+    from coordinator.transport import NatsTransport
+
+    cfg = CoordinatorConfig(
+        step_timeout=3.5,
+        retries=1,
+        bad_reply_retries=2,
+        wire_dtype="float16",
+        hedge="off",
+        hedge_after_s=0.2,
+        dispatch="queue",
+        request_rows=64,
+        cohorts=3,
+        route_every=2,
+        speculate=False,
+        run_ahead=4,
+        run_ahead_rows=32,
+    )
+    t = NatsTransport.from_settings(None, cfg.transport)
+    assert (t.step_timeout, t.retries, t.bad_reply_retries, t.wire_dtype, t.max_rows) == (3.5, 1, 2, "float16", 64)
+    assert t.dispatch == "queue" and t.dispatcher is None and t.hedging.mode == "off"
+    e = Engine.from_settings(Scheduler(SchedulerConfig(num_experts=2)), LabelRouter([0] * 10, 2), t, None, cfg.engine)
+    x = e.executor
+    assert e.cohorts == 3 and (x.route_every, x.speculate, x.run_ahead, x.run_ahead_rows) == (2, False, 4, 32)
