@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from schemas import DecodeRequest, DecodeResult, ErrorCode, ProtocolError, pack, subjects, unpack
+from schemas.limits import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 NO_RESPONDERS_WAIT_S = 0.5
 #: Rows of one decode request (whole calls are never split; one call may exceed it alone).
 DEFAULT_MAX_ROWS = 256
+#: Bytes a decode reply spends beside its images (keys, request id, tensor headers): a generous bound.
+REPLY_OVERHEAD_BYTES = 64 * 1024
 #: After a decode fails, previews are skipped for this long (final images are still tried), so a
 #: fleet whose decoders are gone does not hold every job's frames for the full retry time each.
 PREVIEW_BACKOFF_S = 10.0
@@ -157,13 +160,24 @@ class DecoderClient:
             asyncio.get_running_loop().call_soon(self._flush)
         return await fut
 
+    def rows_per_request(self) -> int:
+        """Most latent rows one request gathers: `max_rows`, and fewer once the decoders' image shape is known
+        when their float32 images would not fit one reply message (MAX_PAYLOAD_BYTES: a 3x256x256 image is
+        786 KB, so 10 per reply). Whole calls are never split: the coordinator admits no job whose own
+        `done` would not fit (`admission.check_event_sizes`), so a call alone always does."""
+        if self.image_shape is None:
+            return self.max_rows
+        image_bytes = 4 * int(np.prod(self.image_shape, dtype=np.int64))
+        return max(1, min(self.max_rows, (MAX_PAYLOAD_BYTES - REPLY_OVERHEAD_BYTES) // image_bytes))
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         pending, self._pending = self._pending, []
         pending = [(z, f) for z, f in pending if not f.done()]  # a caller that gave up
+        cap = self.rows_per_request()
         while pending:
             take, rows = 0, 0
-            while take < len(pending) and (take == 0 or rows + len(pending[take][0]) <= self.max_rows):
+            while take < len(pending) and (take == 0 or rows + len(pending[take][0]) <= cap):
                 rows += len(pending[take][0])
                 take += 1
             group, pending = pending[:take], pending[take:]
