@@ -131,15 +131,19 @@ class TryLegs:
         return sum(self.hedge_counts.values())
 
     def fence(self, fenced: set[int], matching: dict[int, list[str]]) -> None:
-        """Worker discovery found workers of another spec in the queue groups of `fenced` experts: those
-        experts' tries go directly to their matching workers (`matching`: expert -> worker ids), now known."""
+        """A worker discovery's result: the workers of each expert whose spec matches (`matching`: expert ->
+        worker ids) answered it, so they are alive and known from now on (not only once one has answered a
+        request: a retry after a time-out then goes to another known worker, not to the queue group, whose
+        random pick may be the silent one again). `fenced`: experts whose queue groups hold a worker of another
+        spec: their tries go directly to their matching workers."""
         if self.dispatcher is None and fenced:  # dispatch="queue": steer only the fenced experts, directly
             self.dispatcher = DispatchPolicy(subjects.worker_token, only_fenced=True)
         if self.dispatcher is not None:
             self.dispatcher.fence(fenced)
-            for expert in fenced:
-                for worker in matching.get(expert, []):
-                    self.dispatcher.seen(expert, worker)
+            for expert, workers in matching.items():
+                if expert in fenced or not self.dispatcher.only_fenced:
+                    for worker in workers:
+                        self.dispatcher.seen(expert, worker)
 
     def _answered(self, expert: int, sent: float, answer: Answer) -> Answer:
         """A try's usable answer: its latency and worker go to the hedge policy and the engine's call in flight."""
