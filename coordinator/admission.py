@@ -284,9 +284,8 @@ def check_event_sizes(
     kind, size = largest_event(request, sample_shape, image_shape, num_experts, latent)
     if size <= limit:
         return
-    fits = request.model_copy(update={"digits": [0], "labels": None, "count": None})
-    one = largest_event(fits, sample_shape, image_shape, num_experts, latent)[1] - EVENT_OVERHEAD_BYTES
-    most = max(0, (limit - EVENT_OVERHEAD_BYTES) // max(one, 1))
+    per_image = -(-(size - EVENT_OVERHEAD_BYTES) // request.n_images)  # every part of the bound grows with n
+    most = max(0, (limit - EVENT_OVERHEAD_BYTES) // per_image)
     shape = "x".join(map(str, image_shape if kind == "done" and image_shape else sample_shape))
     raise Rejected(
         ErrorCode.TOO_LARGE,
