@@ -146,10 +146,12 @@ async def test_leaving_ends_the_worker_watch_even_when_a_discovery_swallows_its_
         coord = Coordinator(LabelRouter([0] * 10, 1), num_experts=1, nats_url=nats_url, spec=legacy_spec())
         coord.worker_check_s = 0.05
         swallowed = []
+        inside = asyncio.Event()
 
         async def stubborn_refresh(window_s: float = 0.3) -> dict:
+            inside.set()
             try:
-                await asyncio.sleep(window_s)
+                await asyncio.Event().wait()  # a discovery that lasts until the cancel reaches it
             except asyncio.CancelledError:
                 swallowed.append(1)  # what a lost cancel looks like to the loop: the call just returns
                 asyncio.current_task().uncancel()
@@ -158,7 +160,7 @@ async def test_leaving_ends_the_worker_watch_even_when_a_discovery_swallows_its_
         async with coord:
             coord.transport.refresh_workers = stubborn_refresh
             watch = coord.running.watch
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(inside.wait(), 30)  # leave while the watch is inside a discovery
         assert watch.done() and swallowed, (watch, swallowed)
     finally:
         await _stop(worker)
