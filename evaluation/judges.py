@@ -24,7 +24,7 @@ from dataset.mnist import resolve_data_dir
 
 from .judge_cache import logits_and_features
 from .score import Score, agreement, prepare_images, score_images
-from .views import ColourReading, colour_check, digit_view, has_digit_view, palette_arrays
+from .views import ColourReading, area_downsample, colour_check, digit_view, has_digit_view, palette_arrays
 
 JUDGE_LABELS = {"": "judge 1", "_judge2": "judge 2", "_data": "data judge"}  # JSON suffix -> label
 
@@ -166,7 +166,14 @@ class Judges:
         return {sfx: refs[sfx] for _, sfx in self.panel()}
 
     def score(self, images: np.ndarray, digits: np.ndarray) -> DualScore:
+        """Scores of `images` [N, C, H, W] asked to be `digits`. Images larger than the judges' by a whole
+        factor (colour MNIST drawn at 256px for 32px judges) are read after an area mean to their size."""
         images = np.clip(np.asarray(images, np.float32), -1.0, 1.0)
+        if images.ndim == 4 and tuple(images.shape[1:]) != tuple(self.sample_shape):
+            try:
+                images = area_downsample(images, self.sample_shape)
+            except ValueError:
+                pass  # refused below, naming the shape these judges read
         if images.ndim != 4 or tuple(images.shape[1:]) != tuple(self.sample_shape):
             raise ValueError(
                 f"these judges read {self.dataset_name} images [N, {', '.join(map(str, self.sample_shape))}], "

@@ -32,6 +32,23 @@ def border_ring(images: np.ndarray, width: int = 2) -> np.ndarray:
     return x[:, :, mask]
 
 
+def area_downsample(images: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Images [N, C, H, W] -> [N, C, h, w] = `shape` by the mean of each (H/h)x(W/w) block, when H and W
+    are the same whole multiple of h and w (a 256px colour digit for the 32px judges); images already of
+    `shape` come back unchanged. ValueError for any other shape."""
+    x = np.asarray(images)
+    c, h, w = (int(v) for v in shape)
+    if x.ndim != 4 or x.shape[1] != c:
+        raise ValueError(f"images must be [N, {c}, H, W], got {list(x.shape)}")
+    big_h, big_w = x.shape[2:]
+    if (big_h, big_w) == (h, w):
+        return x
+    f = big_h // h
+    if f < 2 or big_h != f * h or big_w != f * w:
+        raise ValueError(f"images of {big_h}x{big_w} are not a whole multiple of {h}x{w}")
+    return x.reshape(len(x), c, h, f, w, f).mean(axis=(3, 5), dtype=np.float32)
+
+
 def has_digit_view(shape: tuple[int, ...]) -> bool:
     """Whether images of `shape` [C, H, W] have a digit view the MNIST judges can read."""
     return tuple(shape) in ((1, 32, 32), (3, 32, 32))

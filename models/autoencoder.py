@@ -49,20 +49,24 @@ class AutoencoderError(ValueError):
 @dataclass(frozen=True)
 class AutoencoderConfig:
     """The network's shape. `widths`: channels per resolution level; each level after the first halves
-    the size, so the downsampling factor is 2 ** (len(widths) - 1): (16, 32) maps 32x32 to 16x16,
-    (16, 32, 64) to 8x8."""
+    the size, so the downsampling factor is patch * 2 ** (len(widths) - 1): (16, 32) maps 32x32 to 16x16,
+    (16, 32, 64) to 8x8. `patch` (default 1): the encoder first folds each patch x patch block of pixels
+    into channels (space-to-depth) and the decoder unfolds its output the same way, so large images cost
+    convolutions at 1/patch of their side: patch 8, widths (64,) maps 3x256x256 to 4x32x32 (the 8x
+    geometry of Stable Diffusion's autoencoder)."""
 
     in_channels: int = 3
     image_size: int = 32
     latent_channels: int = 4
     widths: tuple[int, ...] = (16, 32)
     groups: int = 8
+    patch: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         if not self.widths:
             raise AutoencoderError("widths must list at least one width, e.g. 32,64,64")
-        for name in ("in_channels", "image_size", "latent_channels", "groups"):
+        for name in ("in_channels", "image_size", "latent_channels", "groups", "patch"):
             if int(getattr(self, name)) < 1:
                 raise AutoencoderError(f"{name} must be positive, got {getattr(self, name)}")
         bad = [w for w in self.widths if w < 1 or w % self.groups]
@@ -70,13 +74,13 @@ class AutoencoderConfig:
             raise AutoencoderError(f"every width must be a positive multiple of {self.groups} (GroupNorm), got {bad}")
         if self.image_size % self.downsample:
             raise AutoencoderError(
-                f"{len(self.widths)} widths downsample by {self.downsample}, which must divide the image size "
-                f"{self.image_size}; give fewer widths"
+                f"patch {self.patch} and {len(self.widths)} widths downsample by {self.downsample}, which must "
+                f"divide the image size {self.image_size}; give fewer widths or a smaller patch"
             )
 
     @property
     def downsample(self) -> int:
-        return 2 ** (len(self.widths) - 1)
+        return self.patch * 2 ** (len(self.widths) - 1)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -88,9 +92,14 @@ class AutoencoderConfig:
         return (self.in_channels, self.image_size, self.image_size)
 
     def to_dict(self) -> dict:
-        return {
+        """The JSON form; `patch` appears only when it is not 1, so an autoencoder made before it existed
+        keeps its content hash."""
+        d = {
             f.name: (list(getattr(self, f.name)) if f.name == "widths" else getattr(self, f.name)) for f in fields(self)
         }
+        if d["patch"] == 1:
+            del d["patch"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> AutoencoderConfig:

@@ -1,7 +1,8 @@
 """A small KL autoencoder in PyTorch, and its numpy API (`LatentCodec`) for encoding data and decoding samples.
 
 Layout (widths w = (w0, ..., w_L), 32x32 RGB input, 4 latent channels; (16, 32) gives 16x16 latents,
-(16, 32, 64) 8x8):
+(16, 32, 64) 8x8; with patch p > 1 the encoder starts with a p x p space-to-depth fold and the decoder ends
+with its inverse, so patch 8 and widths (64,) map 3x256x256 to 4x32x32):
 
     encoder: conv_in(C -> w0) ; per level i: ResBlock(-> w_i), then a stride-2 conv (all but the last level)
              ; mid ResBlock ; GroupNorm, SiLU, conv(-> 2c) = posterior mean and log-variance   [B, 2c, h, w]
@@ -56,7 +57,8 @@ class Encoder(nn.Module):
     def __init__(self, cfg: AutoencoderConfig):
         super().__init__()
         w = cfg.widths
-        self.conv_in = nn.Conv2d(cfg.in_channels, w[0], 3, padding=1)
+        self.patch = cfg.patch
+        self.conv_in = nn.Conv2d(cfg.in_channels * cfg.patch**2, w[0], 3, padding=1)
         self.blocks = nn.ModuleList()
         self.down = nn.ModuleList()
         prev = w[0]
@@ -70,6 +72,8 @@ class Encoder(nn.Module):
         self.conv_out = nn.Conv2d(w[-1], 2 * cfg.latent_channels, 3, padding=1)
 
     def forward(self, x):
+        if self.patch > 1:
+            x = F.pixel_unshuffle(x, self.patch)
         h = self.conv_in(x)
         for i, block in enumerate(self.blocks):
             h = block(h)
@@ -94,7 +98,8 @@ class Decoder(nn.Module):
             if i > 0:
                 self.up.append(nn.Conv2d(w[i], w[i], 3, padding=1))
         self.norm_out = _norm(cfg, w[0])
-        self.conv_out = nn.Conv2d(w[0], cfg.in_channels, 3, padding=1)
+        self.patch = cfg.patch
+        self.conv_out = nn.Conv2d(w[0], cfg.in_channels * cfg.patch**2, 3, padding=1)
 
     def forward(self, z):
         h = self.mid(self.conv_in(z))
@@ -102,7 +107,8 @@ class Decoder(nn.Module):
             h = block(h)
             if i < len(self.up):
                 h = self.up[i](F.interpolate(h, scale_factor=2.0, mode="nearest"))
-        return self.conv_out(F.silu(self.norm_out(h)))
+        out = self.conv_out(F.silu(self.norm_out(h)))
+        return F.pixel_shuffle(out, self.patch) if self.patch > 1 else out
 
 
 class Autoencoder(nn.Module):

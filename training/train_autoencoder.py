@@ -37,6 +37,7 @@ class AETrainConfig:
     out: str = "runs/autoencoder/autoencoder"
     run_dir: str = "runs/autoencoder"
     widths: tuple[int, ...] = (16, 32)
+    patch: int = 1
     latent_channels: int = 4
     loss: str = "l1"
     kl_weight: float = 1e-4
@@ -58,7 +59,7 @@ class AETrainConfig:
 
     def __post_init__(self) -> None:
         self.widths = tuple(int(w) for w in self.widths)
-        for name in ("steps", "batch_size", "save_every", "log_every", "latent_channels", "scale_images"):
+        for name in ("steps", "batch_size", "save_every", "log_every", "latent_channels", "scale_images", "patch"):
             if getattr(self, name) <= 0:
                 raise AutoencoderError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.loss not in LOSSES:
@@ -79,8 +80,10 @@ def lr_at(step: int, cfg: AETrainConfig) -> float:
 
 
 def load_data(cfg: AETrainConfig):
-    """(train images float32 [N, C, S, S] in [-1, 1], val images or None, the dataset's manifest)."""
-    from dataset.prepared import PreparedDataError, load_prepared, read_manifest, to_model_range
+    """(train images uint8 [N, C, S, S], val images uint8 or None, the dataset's manifest). They stay
+    uint8 (a quarter of float32's memory: 20,000 images of 3x256x256 are 3.9 GB) and become [-1, 1]
+    floats a batch at a time (`as_model_batch`)."""
+    from dataset.prepared import PreparedDataError, load_prepared, read_manifest
 
     manifest = read_manifest(cfg.data)
     if manifest.get("space") == "latent":
@@ -92,15 +95,26 @@ def load_data(cfg: AETrainConfig):
         raise AutoencoderError(f"{cfg.data} has {len(train_u8)} train images, fewer than --batch-size {cfg.batch_size}")
     val = None
     if "val" in manifest["splits"]:
-        val = to_model_range(load_prepared(cfg.data, "val", limit=cfg.val_limit)[0])
-    return to_model_range(train_u8), val, manifest
+        val = load_prepared(cfg.data, "val", limit=cfg.val_limit)[0]
+    return train_u8, val, manifest
+
+
+def as_model_batch(images_u8: np.ndarray):
+    """uint8 images -> a float32 torch tensor in the model range [-1, 1] (`to_model_range`)."""
+    import torch
+
+    from dataset.prepared import to_model_range
+
+    return torch.from_numpy(np.ascontiguousarray(to_model_range(np.asarray(images_u8))))
 
 
 def model_config(cfg: AETrainConfig, shape: tuple[int, int, int]) -> AutoencoderConfig:
     c, s, w = shape
     if s != w:
         raise AutoencoderError(f"the data's images are {s}x{w}; the autoencoder takes square images")
-    return AutoencoderConfig(in_channels=c, image_size=s, latent_channels=cfg.latent_channels, widths=cfg.widths)
+    return AutoencoderConfig(
+        in_channels=c, image_size=s, latent_channels=cfg.latent_channels, widths=cfg.widths, patch=cfg.patch
+    )
 
 
 def measure_scaling(model, images: np.ndarray, n: int, seed: int, batch: int = 256) -> tuple[float, float, float]:
@@ -113,7 +127,7 @@ def measure_scaling(model, images: np.ndarray, n: int, seed: int, batch: int = 2
     model.eval()
     with torch.no_grad():
         for i in range(0, len(idx), batch):
-            xb = torch.from_numpy(np.ascontiguousarray(images[idx[i : i + batch]]))
+            xb = as_model_batch(images[idx[i : i + batch]])
             means.append(model.posterior(xb)[0].double().numpy())
     model.train()
     z = np.concatenate(means)
@@ -134,7 +148,7 @@ def val_psnr(model, images: np.ndarray | None, batch: int = 256) -> float | None
     model.eval()
     with torch.no_grad():
         for i in range(0, len(images), batch):
-            xb = torch.from_numpy(np.ascontiguousarray(images[i : i + batch]))
+            xb = as_model_batch(images[i : i + batch])
             rec = model.decoder(model.posterior(xb)[0]).clamp(-1, 1)
             se += float(((rec.double() - xb.double()) ** 2).sum())
             count += xb.numel()
@@ -173,14 +187,13 @@ def train_autoencoder(cfg: AETrainConfig, resume: bool = False, progress: bool =
         if ck["model_config"] != acfg.to_dict():
             raise AutoencoderError(
                 f"--resume: {resume_path} holds an autoencoder {ck['model_config']}, not {acfg.to_dict()}; "
-                "keep --widths, --latent-channels and --data of the interrupted run"
+                "keep --widths, --patch, --latent-channels and --data of the interrupted run"
             )
         if ck["dataset_hash"] != manifest["content_hash"]:
             raise AutoencoderError(f"--resume: {resume_path} was trained on other data; keep the run's --data")
         step, wall_before, history = restore_resume_state(ck, model, [], opt, rng)
         log.info("resumed from %s at step %d", resume_path, step)
 
-    data_x = torch.from_numpy(np.ascontiguousarray(images)).to(cfg.device)
     n, per_epoch = len(images), len(images) // cfg.batch_size
     dataset = {"name": manifest["name"], "path": str(cfg.data), "content_hash": manifest["content_hash"]}
     t_start = time.time()
@@ -237,7 +250,7 @@ def train_autoencoder(cfg: AETrainConfig, resume: bool = False, progress: bool =
     while step < cfg.steps:
         if pos + cfg.batch_size > per_epoch * cfg.batch_size:
             perm, pos = rng.permutation(n), 0
-        x = data_x[torch.from_numpy(perm[pos : pos + cfg.batch_size]).to(cfg.device)]
+        x = as_model_batch(images[perm[pos : pos + cfg.batch_size]]).to(cfg.device)
         pos += cfg.batch_size
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)

@@ -286,6 +286,46 @@ def test_colour_mnist_reproducible_and_independent_of_digit(mnist_cache, tmp_pat
     np.testing.assert_array_equal(pal, B.draw_palette(7, "train", 50_000)[:300])
 
 
+def test_colour_mnist_at_256px_is_the_32px_digits_upscaled_in_the_same_palette(mnist_cache, tmp_path, capsys):
+    from evaluation.views import area_downsample
+    from infra.cli import main
+
+    small = B.prepare_builtin("colour-mnist", tmp_path / "s", seed=3, limit=40, progress=False)
+    big = B.prepare_builtin("colour-mnist", tmp_path / "b", seed=3, limit=40, progress=False, size=256)
+    assert big.manifest["content_hash"] != small.manifest["content_hash"]
+    assert big.manifest["made"]["options"]["size"] == 256 and "size" not in small.manifest["made"]["options"]
+    assert B.default_out("colour-mnist", tmp_path, None, 256).name == "colour-mnist-256px"
+    x, y, m = P.load_prepared(big.path, "train")
+    xs, ys, _ = P.load_prepared(small.path, "train")
+    assert x.shape == (40, 3, 256, 256) and m["size"] == 256 and m["sample_shape"] == [3, 256, 256]
+    np.testing.assert_array_equal(y, ys)
+    pal = P.load_prepared_extra(big.path, "train", "palette")
+    np.testing.assert_array_equal(pal, P.load_prepared_extra(small.path, "train", "palette"))
+    # every pixel lies on its image's background -> foreground ramp (the grey digit upscaled, then coloured)
+    lut = B.colour_lut().astype(int)
+    for i in range(0, 40, 9):
+        ramp = lut[pal[i]].T  # [256 intensities, 3]
+        px = x[i].reshape(3, -1).T.astype(int)
+        assert np.abs(px[:, None, :] - ramp[None, ::17, :]).max(axis=2).min(axis=1).max() <= 40
+        assert x[i, :, 0, 0].tolist() == list(B.BACKGROUNDS[B.COMBINATIONS[pal[i]][1]])
+    # an 8x8 area mean gives back the 32px image (bicubic upscaling keeps local means, up to rounding and overshoot)
+    down = area_downsample(x.astype(np.float32), (3, 32, 32))
+    assert np.abs(down - xs).mean() < 2.0 and np.abs(down - xs).max() < 64
+    assert not B.prepare_builtin("colour-mnist", tmp_path / "b", seed=3, limit=40, progress=False, size=256).built
+    for bad in (48, 16, 1024):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            B.prepare_builtin("colour-mnist", tmp_path / "x", limit=4, progress=False, size=bad)
+    assert main(["data", "prepare", "--dataset", "colour-mnist", "--size", "48", "--out", str(tmp_path / "y")]) == 2
+    assert "multiple of 32" in capsys.readouterr().err
+
+
+def test_bicubic_matrix_rows_sum_to_one_and_keep_constants():
+    m = B.bicubic_matrix(32, 256)
+    assert m.shape == (256, 32) and np.allclose(m.sum(1), 1.0)
+    flat = np.full((1, 1, 32, 32), 77, np.uint8)
+    assert (B.upscale(flat, 256) == 77).all()
+
+
 def test_builtin_mnist_equals_load_mnist(mnist_cache, tmp_path):
     res = B.prepare_builtin("mnist", tmp_path / "m", limit=64, progress=False)
     x, y, m = P.load_prepared(res.path, "val")

@@ -82,6 +82,8 @@ def test_eval_rescore_with_data_scores_every_judge_and_colour(colour_dir, data_j
     saved.mkdir()
     np.savez_compressed(saved / "monolith.npz", images=x_u8, labels=y)
     np.savez_compressed(saved / "ddm-top1.npz", images=255 - x_u8, labels=y)  # colours out of the palette
+    big = x_u8[:60].repeat(8, axis=2).repeat(8, axis=3)  # the same digits at 256px: read after an 8x8 area mean
+    np.savez_compressed(saved / "ddm-full.npz", images=big, labels=y[:60])
     r = subprocess.run(
         [sys.executable, "-m", "infra.cli", "eval", "--rescore", str(saved), "--data", str(colour_dir)]
         + ["--bootstrap", "50", "--json", "--no-progress"],
@@ -96,6 +98,7 @@ def test_eval_rescore_with_data_scores_every_judge_and_colour(colour_dir, data_j
     assert real["accuracy"] > 0.95 and real["accuracy_judge2"] > 0.95  # judges 1 and 2 on the digit view
     assert real["accuracy_data"] > 0.6 and real["colour_correct"] > 0.98
     assert swapped["colour_correct"] == 0.0
+    assert rows["ddm-full"]["accuracy"] > 0.9 and rows["ddm-full"]["colour_correct"] > 0.98
     assert len(real["fid_data_interval"]) == 2
     (cmp,) = out["comparisons"]
     assert cmp["mcnemar_colour"]["only_b_right"] > cmp["mcnemar_colour"]["only_a_right"]

@@ -158,6 +158,28 @@ def test_train_autoencoder_few_steps_then_resume(tmp_path, capsys):
     assert "keep --widths" in capsys.readouterr().err
 
 
+@pytest.mark.train
+def test_train_autoencoder_with_a_patch_fold(tmp_path):
+    """--patch P folds PxP pixel blocks into channels first: 16px images, patch 4, one level -> 4x4x4 latents."""
+    from models.autoencoder_torch import LatentCodec
+
+    data = _prepare(tmp_path / "ds")
+    out = tmp_path / "ae"
+    args = ["train-autoencoder", "--data", str(data), "--patch", "4", "--widths", "16", "--batch-size", "8"]
+    args += ["--threads", "1", "--steps", "2", "--out", str(out), "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    assert main(args) == 0
+    meta = load_autoencoder_meta(out)
+    assert meta["config"]["patch"] == 4 and meta["spec"]["downsample"] == 4 and meta["spec"]["latent_shape"] == [4, 4, 4]
+    codec = LatentCodec.load(out)
+    x = to_model_range(load_prepared(data, "val")[0])
+    z = codec.encode(x)
+    assert z.shape == (16, 4, 4, 4) and codec.decode(z).shape == x.shape
+    # patch 1 is not written, so an autoencoder made before the option keeps its config and content hash
+    assert "patch" not in AE.to_dict() and AutoencoderConfig.from_dict(AE.to_dict()) == AE
+    with pytest.raises(AutoencoderError, match="patch 8 and 1 widths downsample by 8"):
+        AutoencoderConfig(image_size=20, widths=(8,), patch=8)
+
+
 # --------------------------------------------------------------------------- the latent cache
 
 
