@@ -169,7 +169,8 @@ def test_train_autoencoder_with_a_patch_fold(tmp_path):
     args += ["--threads", "1", "--steps", "2", "--out", str(out), "--run-dir", str(tmp_path / "run"), "--no-progress"]
     assert main(args) == 0
     meta = load_autoencoder_meta(out)
-    assert meta["config"]["patch"] == 4 and meta["spec"]["downsample"] == 4 and meta["spec"]["latent_shape"] == [4, 4, 4]
+    assert meta["config"]["patch"] == 4 and meta["spec"]["downsample"] == 4
+    assert meta["spec"]["latent_shape"] == [4, 4, 4]
     codec = LatentCodec.load(out)
     x = to_model_range(load_prepared(data, "val")[0])
     z = codec.encode(x)
