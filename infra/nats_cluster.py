@@ -263,6 +263,16 @@ class NatsCluster:
             self.wait_formed(timeout)
             if self.jetstream:
                 self.wait_jetstream(max(timeout, 30.0))
+        except TimeoutError as err:
+            # a node can exit after its client port answered (its cluster or leaf port was taken meanwhile):
+            # then the mesh never forms; that is the retryable failure, not a slow mesh
+            exited = [
+                self.node_name(i) for i, n in enumerate(self.nodes) if n.proc is not None and n.proc.poll() is not None
+            ]
+            self.stop()
+            if exited:
+                raise RuntimeError(f"{', '.join(exited)} exited at start ({err})") from err
+            raise
         except BaseException:
             self.stop()
             raise
