@@ -206,12 +206,14 @@ def make_tiny_autoencoder(
     scale_factor: float = 1.5,
     shift_factor: float = 0.1,
     latent_range: float = 4.0,
+    patch: int = 1,
 ) -> Path:
     """Write a random-init autoencoder in the shipped format (`models.autoencoder`) and return its
     ``.safetensors`` path; its JSON holds the ``content_hash`` a latent spec's decoder names.
 
     The defaults map 3x16x16 images to 4x8x8 latents (each width after the first halves the size);
-    ``scale_factor`` / ``shift_factor`` / ``latent_range`` go into its spec as a trained one's would.
+    ``scale_factor`` / ``shift_factor`` / ``latent_range`` go into its spec as a trained one's would;
+    ``patch`` folds pixel blocks first (patch 8, widths (8,): 3x256x256 <-> 4x32x32, the seeds' geometry).
     Two seeds give two autoencoders (two content hashes)."""
     import torch
 
@@ -220,7 +222,11 @@ def make_tiny_autoencoder(
     from .checkpoint import torch_state_to_numpy
 
     cfg = AutoencoderConfig(
-        in_channels=in_channels, image_size=image_size, latent_channels=latent_channels, widths=tuple(widths)
+        in_channels=in_channels,
+        image_size=image_size,
+        latent_channels=latent_channels,
+        widths=tuple(widths),
+        patch=patch,
     )
     torch.manual_seed(seed)
     meta = {
@@ -253,10 +259,13 @@ def make_tiny_latent_fleet(
     jitter: float = 0.05,
     router: bool = False,
     monolith: bool = False,
+    autoencoder_patch: int = 1,
+    autoencoder_widths: Sequence[int] = (8, 16),
 ) -> TinyLatentFleet:
     """A tiny latent fleet in ``directory``, laid out as `up`, the evaluation and the benchmarks find one:
 
-    ``autoencoder`` (`make_tiny_autoencoder`: 3 x image_size^2 RGB <-> 4 x (image_size/2)^2 latents) and
+    ``autoencoder`` (`make_tiny_autoencoder`: 3 x image_size^2 RGB <-> 4 x (image_size/2)^2 latents by default;
+    ``autoencoder_patch`` 8 and ``autoencoder_widths`` (8,) make 256px images of 4x32x32 latents) and
     ``num_experts`` latent experts ``expert<k>`` (the ten classes dealt out as `make_tiny_experts` does,
     ``jitter`` as `make_tiny_expert`), each with a spec that says ``space: latent``, names the autoencoder as
     its decoder and has ``value_range`` +-``latent_range`` (as `ddm-fleet data encode` records); with
@@ -274,6 +283,8 @@ def make_tiny_latent_fleet(
         scale_factor=scale_factor,
         shift_factor=shift_factor,
         latent_range=latent_range,
+        patch=autoencoder_patch,
+        widths=autoencoder_widths,
     )
     ae_meta = json.loads(ae.with_suffix(".json").read_text())
     channels, size, _ = ae_meta["spec"]["latent_shape"]

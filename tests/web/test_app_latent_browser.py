@@ -183,3 +183,59 @@ async def test_latent_fleet_without_a_decoder_shows_decoder_unavailable(browser,
         assert int(await failed.get_attribute("data-frames")) >= 1  # its frames came, without pixels
         assert [e for e in errors if "decoder_unavailable" not in e] == [], errors
         await page.close()
+
+
+@pytest.fixture(scope="module")
+def latent_files_256(tmp_path_factory):
+    """The seeds' geometry: 3x256x256 images <-> 4x32x32 latents (a random autoencoder with an 8x8 patch fold)."""
+    from models.autoencoder_torch import LatentCodec
+    from models.tiny import make_tiny_latent_fleet
+
+    made = make_tiny_latent_fleet(
+        tmp_path_factory.mktemp("latent-web-256"), image_size=256, autoencoder_patch=8, autoencoder_widths=(8,)
+    )
+    return made.autoencoder, LatentCodec.load(made.autoencoder), made.spec, made.experts
+
+
+@pytest.mark.slow  # ~20 s: 256px images decoded and drawn
+async def test_latent_fleet_page_draws_256px_images_and_previews(browser, web_server, nats_url, nc, latent_files_256):
+    _, codec, _, _ = latent_files_256
+    events: list = []
+
+    async def on_event(msg) -> None:
+        events.append(unpack(msg.data, JobEvent))
+
+    sub = await nc.subscribe(subjects.ALL_JOB_EVENTS, cb=on_event)
+    try:
+        async with _LatentFleet(nats_url, latent_files_256, decoder=True):
+            page, errors = await open_page(browser, web_server)
+            await page.wait_for_function(
+                "() => document.querySelector('#fleet-space').dataset.decoders === '1'", timeout=30_000
+            )
+            text = await page.locator("#fleet-space").inner_text()
+            assert "4×32×32 latents" in text and "3×256×256 images" in text
+            await page.fill("#digits", "4,9")
+            await page.fill("#steps", "5")
+            await page.click("#generate")
+            done = page.locator(".job[data-state=done]")
+            await done.wait_for(timeout=90_000)
+            job_id = await done.get_attribute("data-job-id")
+            assert int(await done.get_attribute("data-previews")) >= 1
+            done_ev = next(e for e in events if isinstance(e, DoneEvent) and e.job_id == job_id)
+            assert done_ev.images.shape == (2, 3, 256, 256)
+            want = _rgb(done_ev.images)
+            canvases = done.locator(".tile canvas")
+            for i in range(2):
+                got = await _canvas_rgb(canvases.nth(i))
+                assert got.shape == (256, 256, 3)
+                np.testing.assert_array_equal(got, want[i], err_msg=f"final tile {i}")
+            frames = [e for e in events if isinstance(e, FrameEvent) and e.job_id == job_id and e.preview is not None]
+            assert frames and all(np.asarray(f.preview).shape == (2, 3, 256, 256) for f in frames)
+            first = frames[0]
+            np.testing.assert_allclose(
+                np.asarray(first.preview, np.float32), codec.decode(np.asarray(first.x, np.float32)), atol=2e-3
+            )
+            assert errors == [], errors
+            await page.close()
+    finally:
+        await sub.unsubscribe()
