@@ -215,3 +215,48 @@ def test_admission_with_parts_drops_the_done_refusal_but_keeps_the_frame_one():
     huge = JobRequest(count=2, steps=40, stream=False, image_parts=True)  # one 3x1024x1024 image: 12 MiB
     with pytest.raises(Rejected, match="one image of 3x1024x1024 is 12.0 MiB: even alone it does not fit"):
         check_event_sizes(huge, (3, 1024, 1024), (3, 1024, 1024), K, False, MAX_PAYLOAD_BYTES)
+
+
+class FakeBus:
+    """What the coordinator publishes: (subject, bytes) in order."""
+
+    def __init__(self):
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.published.append((subject, data))
+
+
+@pytest.mark.parametrize("image_parts", [True, False])
+async def test_the_publisher_sends_a_job_that_asked_its_done_in_parts_the_same_each_time(image_parts, caplog):
+    from coordinator.events import EventPublisher
+    from coordinator.ledger import JobLedger
+    from schemas import subjects
+
+    ledger, bus = JobLedger(), FakeBus()
+    events = EventPublisher(bus, ledger)
+    ledger.admit("internal-1", "alice", "mine", steps=40, image_parts=image_parts)
+    assert ledger.in_parts("alice", "mine") is image_parts
+    done = _done(21, epoch=None).model_copy(update={"job_id": "internal-1"})
+    await events.publish_now(done)  # the job's end: remembered for status requests, then published
+    assert ledger.in_parts("alice", "mine") is image_parts  # still known once the job has finished
+    if not image_parts:  # refused at submit in a real fleet: never published in parts to a client that cannot join
+        assert bus.published == [] and "cannot publish done for job mine" in caplog.text
+        return
+    subject = subjects.job_events("alice", "mine")
+    assert [s for s, _ in bus.published] == [subject] * 4
+    kinds = [unpack(data, JobEvent).kind for _, data in bus.published]
+    assert kinds == ["done_part"] * 3 + ["done"]
+    first = list(bus.published)
+    await events.send("alice", ledger.finished("alice", "mine")[0])  # what a status request publishes again
+    assert bus.published[4:] == first
+
+
+def test_a_durable_jobs_checkpoint_keeps_image_parts():
+    """The taker of a durable job reads image_parts from its checkpoint (coordinator.durable_jobs)."""
+    from coordinator.snapshot import decode, encode
+    from tests.coordinator.test_scheduler import make
+
+    sched = make()
+    sched.submit(JobRequest(job_id="d", digits=[1, 2], steps=3, seed=1, image_parts=True), 0.0)
+    assert decode(encode(sched.checkpoint("d")))[0].request.image_parts is True
