@@ -61,19 +61,23 @@ class EventPublisher:
         if event.kind == "frame":
             self.ledger.note_progress(internal, event.step, event.steps)
         event = self.ledger.stamp(internal, as_client(event, *name))
+        in_parts = self.ledger.in_parts(*name)  # asked before `remember`, which may keep no large result
         if event.kind in ("done", "failed"):
             self.ledger.remember(internal, event)
-        await self.send(name[0], event)
+        await self.send(name[0], event, in_parts=in_parts)
 
-    async def send(self, client: str, event) -> None:
+    async def send(self, client: str, event, *, in_parts: bool | None = None) -> None:
         """Publish `event` (its job id as `client` knows it) on the job's events subject; a `done` in parts
-        when it is too large for one message and its job asked for that (`coordinator.done_parts`)."""
+        when it is too large for one message and its job asked for that (`in_parts`; None: as the ledger
+        knows the job, live or finished: `coordinator.done_parts`)."""
         subject = subjects.job_events(client, event.job_id)
         try:
             if event.kind != "done":
                 await self.nc.publish(subject, pack(event))
                 return
-            for data in done_messages(event, in_parts=self.ledger.in_parts(client, event.job_id)):
+            if in_parts is None:
+                in_parts = self.ledger.in_parts(client, event.job_id)
+            for data in done_messages(event, in_parts=in_parts):
                 await self.nc.publish(subject, data)
         except ProtocolError as err:
             log.error("cannot publish %s for job %s: %s", event.kind, event.job_id, err.message)

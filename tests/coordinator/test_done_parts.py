@@ -228,18 +228,18 @@ class FakeBus:
 
 
 @pytest.mark.parametrize("image_parts", [True, False])
-async def test_the_publisher_sends_a_job_that_asked_its_done_in_parts_the_same_each_time(image_parts, caplog):
+@pytest.mark.parametrize("keep_mb", [64, 1], ids=["kept", "too large to keep"])
+async def test_the_publisher_sends_a_job_that_asked_its_done_in_parts_the_same_each_time(image_parts, keep_mb, caplog):
     from coordinator.events import EventPublisher
     from coordinator.ledger import JobLedger
     from schemas import subjects
 
-    ledger, bus = JobLedger(), FakeBus()
+    ledger, bus = JobLedger(keep_finished_bytes=keep_mb << 20), FakeBus()
     events = EventPublisher(bus, ledger)
     ledger.admit("internal-1", "alice", "mine", steps=40, image_parts=image_parts)
     assert ledger.in_parts("alice", "mine") is image_parts
-    done = _done(21, epoch=None).model_copy(update={"job_id": "internal-1"})
-    await events.publish_now(done)  # the job's end: remembered for status requests, then published
-    assert ledger.in_parts("alice", "mine") is image_parts  # still known once the job has finished
+    done = _done(21, epoch=None).model_copy(update={"job_id": "internal-1"})  # 16.5 MB of images
+    await events.publish_now(done)  # the job's end: remembered for status requests (if it fits), then published
     if not image_parts:  # refused at submit in a real fleet: never published in parts to a client that cannot join
         assert bus.published == [] and "cannot publish done for job mine" in caplog.text
         return
@@ -247,8 +247,13 @@ async def test_the_publisher_sends_a_job_that_asked_its_done_in_parts_the_same_e
     assert [s for s, _ in bus.published] == [subject] * 4
     kinds = [unpack(data, JobEvent).kind for _, data in bus.published]
     assert kinds == ["done_part"] * 3 + ["done"]
+    kept = ledger.finished("alice", "mine")
+    if keep_mb == 1:  # a result over the ledger's bytes is not kept: it cannot be published again
+        assert kept is None and not ledger.in_parts("alice", "mine")
+        return
+    assert ledger.in_parts("alice", "mine")  # still known once the job has finished
     first = list(bus.published)
-    await events.send("alice", ledger.finished("alice", "mine")[0])  # what a status request publishes again
+    await events.send("alice", kept[0])  # what a status request publishes again
     assert bus.published[4:] == first
 
 
