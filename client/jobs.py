@@ -39,11 +39,13 @@ from typing import Any
 
 from bus.inbox import private_inbox, private_request
 from bus.ratelimited_log import RateLimitedLog
+from client.done_parts import MAX_RESULT_ASKS, REPUBLISH_GAP_S, DoneParts
 from client.epochs import EpochFilter, epoch_of
 from schemas import (
     CancelReply,
     CancelRequest,
     DoneEvent,
+    DonePartEvent,
     ErrorCode,
     ErrorReply,
     FailedEvent,
@@ -484,6 +486,7 @@ async def run_job(
     client: str | None = None,
     report_epoch: bool = True,
     on_stale: Callable[[Any], Any] | None = None,
+    image_parts: bool = True,
 ) -> DoneEvent:
     """Submit `request` as `client` (default `client_of(nc)`: the NATS user, else "anon") and wait
     for its DoneEvent.
@@ -509,12 +512,18 @@ async def run_job(
     job to another, arriving late); on_stale(event) (sync or async) sees each event so dropped. An event
     whose epoch is more than client.epochs.MAX_EPOCH_JUMP above the highest (forged) is ignored too, not
     passed to on_stale.
+    image_parts (default True): ask for a result too large for one message in parts (`JobRequest.image_parts`;
+    a coordinator older than the field refuses the request: pass False for one, which then refuses such a
+    job as too large) and put them back together (client.done_parts): the DoneEvent returned (and passed to
+    on_event) carries all the images either way; the parts are not passed to on_event. Parts lost on the way
+    are asked for again (a status request publishes the result again) up to client.done_parts.MAX_RESULT_ASKS
+    times, then JobFailed(unavailable) names them: never a result with images left out.
     """
     if probe_every is not None and probe_every <= 0:
         raise ValueError(f"probe_every must be > 0 seconds or None, got {probe_every}")
     if unresponsive_after is not None and not unresponsive_after > 0:
         raise ValueError(f"unresponsive_after must be > 0 seconds or None, got {unresponsive_after}")
-    request = _with_job_fields(request, report_epoch)
+    request = _with_job_fields(request, report_epoch, image_parts)
     client = _client(nc, client)
     job = _JobRun(
         nc,
@@ -541,12 +550,15 @@ async def run_job(
             ) from None
 
 
-def _with_job_fields(request: JobRequest, report_epoch: bool) -> JobRequest:
-    """`request` with a job id (a new one if it names none) and, with `report_epoch`, asking for epochs."""
+def _with_job_fields(request: JobRequest, report_epoch: bool, image_parts: bool = False) -> JobRequest:
+    """`request` with a job id (a new one if it names none) and, with `report_epoch`, asking for epochs, with
+    `image_parts`, for a result too large for one message in parts."""
     if request.job_id is None:
         request = request.model_copy(update={"job_id": new_job_id()})
     if report_epoch and not request.report_epoch:
         request = request.model_copy(update={"report_epoch": True})
+    if image_parts and not request.image_parts:
+        request = request.model_copy(update={"image_parts": True})
     return request
 
 
@@ -625,6 +637,7 @@ class _JobRun:
         self.probe_every, self.idle_timeout = probe_every, idle_timeout
         self.events = _EventInbox()
         self.epochs = EpochFilter(job_id)  # shared with the probe: a stale owner's status is not believed
+        self.parts = DoneParts(job_id)  # a result too large for one message, in parts
         self.probe = JobProbe(
             nc,
             job_id,
@@ -668,6 +681,9 @@ class _JobRun:
                 await self._on_silence()
                 continue
             ev = await self._admit(msg, on_stale)
+            if isinstance(ev, DonePartEvent):
+                self.parts.add(ev)
+                continue
             if ev is None:
                 continue
             if isinstance(ev, FailedEvent):
@@ -675,9 +691,36 @@ class _JobRun:
                 raise JobFailed(ev.code, ev.reason, self.job_id)
             if isinstance(ev, DoneEvent):
                 self.finished = True
+                ev = await self._whole(ev)
+                if ev is None:
+                    continue
             await _call(on_event, ev)
             if isinstance(ev, DoneEvent):
                 return ev
+
+    async def _whole(self, done: DoneEvent) -> DoneEvent | None:
+        """`done` with all its images (`client.done_parts`); None when parts of it are missing: the job's status
+        is asked for (its coordinator then publishes the parts and the done again), at most MAX_RESULT_ASKS
+        times, REPUBLISH_GAP_S apart, before JobFailed(unavailable) names the parts that never came."""
+        try:
+            whole = self.parts.whole(done)
+        except ProtocolError as err:
+            raise JobFailed(err.code, err.message, self.job_id) from None
+        if whole is not None:
+            return whole
+        why = self.parts.incomplete(done)
+        if self.parts.asks >= MAX_RESULT_ASKS:
+            raise JobFailed(
+                ErrorCode.UNAVAILABLE, f"{why}, still after asking for it again {self.parts.asks} times", self.job_id
+            )
+        log.info("job %s: %s; asking for it again", self.job_id, why)
+        if self.parts.asks:
+            await asyncio.sleep(REPUBLISH_GAP_S)
+        self.parts.asks += 1
+        lost = await self.probe.check()
+        if lost is not None and not self.events.pending():
+            raise JobFailed(ErrorCode.UNAVAILABLE, f"{why}, and asked for it again: {lost}", self.job_id)
+        return None
 
     def _wait_limit(self) -> float | None:
         """How long to wait for the next event: until the next probe, or the idle time-out once streaming."""

@@ -38,7 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas import ErrorCode, JobRequest
+from schemas.limits import MAX_PAYLOAD_BYTES
 
+from .done_parts import PART_MARGIN_BYTES
 from .job_table import Job, JobTable, owner_of_key, usage_keys
 from .scheduler_config import SchedulerConfig
 
@@ -252,23 +254,32 @@ def largest_event(
     image_shape: tuple[int, ...] | None,
     num_experts: int,
     latent: bool,
+    limit: int = MAX_PAYLOAD_BYTES,
 ) -> tuple[str, int]:
     """(kind, bytes) of the largest event a job of `request` publishes, an upper bound of its packed size:
     a `frame` (x float16, x1 float16 when asked, the router weights, a latent fleet's decoded preview float16
     when asked) or the `done` (images float32, a latent fleet's latents float32 when asked, the usage).
     `image_shape`: the images clients get (a pixel fleet's samples; a latent fleet's decoded images, None
-    while no decoder has said: then the parts made of them are left out)."""
+    while no decoder has said: then the parts made of them are left out). A job that takes its `done` in
+    parts (`image_parts`) sends it whole when it fits a message of `limit` bytes, else in parts: then the larger
+    of a `done_part` of one image (or one latent: kind "done_part") and the `done` that counts them counts."""
     n, k = request.n_images, num_experts
     sample = _elements(sample_shape)
     image = _elements(image_shape) if image_shape is not None else 0
     per_row_weights = 8 * k  # float64 at most
+    latents = 4 * sample if latent and request.return_latents else 0
     frame = 0
     if request.stream:
         frame = n * (2 * sample * (2 if request.frame_x1 else 1) + per_row_weights)
         if latent and request.preview_every is not None:
             frame += n * 2 * image
-    done = n * (4 * image + per_row_weights + (4 * sample if latent and request.return_latents else 0))
-    return max(("frame", frame + EVENT_OVERHEAD_BYTES), ("done", done + EVENT_OVERHEAD_BYTES), key=lambda e: e[1])
+    done = n * (4 * image + per_row_weights + latents)
+    result = ("done", done + EVENT_OVERHEAD_BYTES)
+    if request.image_parts and result[1] > limit:  # in parts
+        counted = ("done", n * per_row_weights + EVENT_OVERHEAD_BYTES)  # the done that counts its parts
+        part = ("done_part", max(4 * image, latents) + PART_MARGIN_BYTES)  # a part holds one image at least
+        result = max(counted, part, key=lambda e: e[1])
+    return max(("frame", frame + EVENT_OVERHEAD_BYTES), result, key=lambda e: e[1])
 
 
 def check_event_sizes(
@@ -280,18 +291,28 @@ def check_event_sizes(
     limit: int,
 ) -> None:
     """Rejected (`too_large`, naming the limit) when an event of the job could not be published in one
-    message of `limit` bytes (docs/PROTOCOL.md section 8): refused at submit, never failed at its end."""
-    kind, size = largest_event(request, sample_shape, image_shape, num_experts, latent)
+    message of `limit` bytes (docs/PROTOCOL.md section 8): refused at submit, never failed at its end. A
+    `done` too large is no refusal for a job that takes it in parts (`image_parts`), unless one image alone
+    is too large."""
+    kind, size = largest_event(request, sample_shape, image_shape, num_experts, latent, limit)
     if size <= limit:
         return
+    shape = "x".join(map(str, image_shape if kind != "frame" and image_shape else sample_shape))
+    if kind == "done_part":
+        raise Rejected(
+            ErrorCode.TOO_LARGE,
+            f"one image of {shape} is {(size - PART_MARGIN_BYTES) / 2**20:.1f} MiB: even alone it does not fit "
+            f"the {limit / 2**20:g} MiB message limit",
+            "max_message_bytes",
+        )
     per_image = -(-(size - EVENT_OVERHEAD_BYTES) // request.n_images)  # every part of the bound grows with n
     most = max(0, (limit - EVENT_OVERHEAD_BYTES) // per_image)
-    shape = "x".join(map(str, image_shape if kind == "done" and image_shape else sample_shape))
     raise Rejected(
         ErrorCode.TOO_LARGE,
         f"this job's {kind} event would be {size / 2**20:.1f} MiB ({request.n_images} images of {shape}) "
         f"over the {limit / 2**20:g} MiB message limit; ask for at most {most} images"
-        + (" (or leave out frame_x1 / previews / return_latents, or stream false)" if kind == "frame" else ""),
+        + (" (or leave out frame_x1 / previews, or stream false)" if kind == "frame" else "")
+        + ("" if kind == "frame" or request.image_parts else ", or set image_parts to receive the images in parts"),
         "max_message_bytes",
     )
 

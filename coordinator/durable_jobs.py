@@ -280,6 +280,7 @@ class DurableJobs:
                 step=int(cp.step),
                 epoch=rec.epoch,  # one more than its previous owner's (the take wrote it: `_bumped`)
                 report_epoch=cp.request.report_epoch,
+                image_parts=cp.request.image_parts,
             )
             self.jobs_resumed += 1
             resumed += 1

@@ -5,7 +5,9 @@ The engine hands every event to `EventPublisher.publish`: a durable job that ano
 now publishes nothing (`coordinator.durable_jobs`), a latent fleet's `done` and preview frames go
 through the decode stage first (`coordinator.decoding`), and the rest goes out at once
 (`publish_now`): under the client's job id, stamped by the ledger, a job's end remembered for status
-requests.
+requests. A `done` too large for one message, of a job that asked for parts, goes out as its `done_part`
+events then the `done` that counts them (`coordinator.done_parts`), one after another on the job's events
+subject (NATS keeps one publisher's messages to a subject in order), each time it is published.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from schemas import ProtocolError, pack, subjects
 
+from .done_parts import done_messages
 from .ledger import JobLedger
 
 log = logging.getLogger(__name__)
@@ -58,14 +61,24 @@ class EventPublisher:
         if event.kind == "frame":
             self.ledger.note_progress(internal, event.step, event.steps)
         event = self.ledger.stamp(internal, as_client(event, *name))
+        in_parts = self.ledger.in_parts(*name)  # asked before `remember`, which may keep no large result
         if event.kind in ("done", "failed"):
             self.ledger.remember(internal, event)
-        await self.send(name[0], event)
+        await self.send(name[0], event, in_parts=in_parts)
 
-    async def send(self, client: str, event) -> None:
-        """Publish `event` (its job id as `client` knows it) on the job's events subject."""
+    async def send(self, client: str, event, *, in_parts: bool | None = None) -> None:
+        """Publish `event` (its job id as `client` knows it) on the job's events subject; a `done` in parts
+        when it is too large for one message and its job asked for that (`in_parts`; None: as the ledger
+        knows the job, live or finished: `coordinator.done_parts`)."""
+        subject = subjects.job_events(client, event.job_id)
         try:
-            await self.nc.publish(subjects.job_events(client, event.job_id), pack(event))
+            if event.kind != "done":
+                await self.nc.publish(subject, pack(event))
+                return
+            if in_parts is None:
+                in_parts = self.ledger.in_parts(client, event.job_id)
+            for data in done_messages(event, in_parts=in_parts):
+                await self.nc.publish(subject, data)
         except ProtocolError as err:
             log.error("cannot publish %s for job %s: %s", event.kind, event.job_id, err.message)
         except Exception as err:  # connection trouble: the client will time out; keep serving

@@ -39,8 +39,10 @@ class JobLedger:
         # internal id -> the job's owner epoch here (0: not durable; 1: a durable job's first owner; one
         # more at each take-over), and whether its events carry it (JobRequest.report_epoch)
         self._epochs: dict[str, tuple[int, bool]] = {}
-        # (client, job id) -> (monotonic t, terminal event (client's job id), bytes, (step, steps) reached)
-        self._finished: OrderedDict[JobName, tuple[float, Any, int, tuple[int, int]]] = OrderedDict()
+        self._in_parts: set[str] = set()  # internal ids of the live jobs that take a `done` in parts
+        # (client, job id) -> (monotonic t, terminal event (client's job id), bytes, (step, steps) reached,
+        # whether its `done` may go out in parts)
+        self._finished: OrderedDict[JobName, tuple[float, Any, int, tuple[int, int], bool]] = OrderedDict()
         self._finished_bytes = 0
 
     # ------------------------------------------------------------ live jobs
@@ -67,13 +69,26 @@ class JobLedger:
         *,
         epoch: int = 0,
         report_epoch: bool = False,
+        image_parts: bool = False,
     ) -> None:
         """Record a job just admitted (or resumed at `step`), held here at owner `epoch`; with
-        `report_epoch` its events carry it (`stamp`)."""
+        `report_epoch` its events carry it (`stamp`); with `image_parts` its `done` may go out in parts
+        (`in_parts`)."""
         self._live[(client, job_id)] = internal
         self._names[internal] = (client, job_id)
         self._progress[internal] = (int(step), int(steps))
         self._epochs[internal] = (int(epoch), bool(report_epoch))
+        if image_parts:
+            self._in_parts.add(internal)
+
+    def in_parts(self, client: str, job_id: str) -> bool:
+        """Whether `client`'s live or recently finished job `job_id` asked for its `done` in parts when it is
+        too large for one message (JobRequest.image_parts)."""
+        internal = self._live.get((client, job_id))
+        if internal is not None:
+            return internal in self._in_parts
+        item = self._finished.get((client, job_id))
+        return bool(item and item[4])
 
     def epoch_of(self, internal: str) -> int:
         """The owner epoch this coordinator holds a live job at (0 for a job it does not know)."""
@@ -119,6 +134,7 @@ class JobLedger:
 
     def _unlink(self, internal: str) -> JobName | None:
         self._epochs.pop(internal, None)
+        self._in_parts.discard(internal)
         name = self._names.pop(internal, None)
         if name is not None and self._live.get(name) == internal:
             del self._live[name]
@@ -138,6 +154,7 @@ class JobLedger:
     def remember(self, internal: str, event) -> JobName | None:
         """Keep a terminal event (its job id already the client's) for status requests, with the
         (step, steps) the job reached: all of them for `done`; for `failed` the last step known."""
+        in_parts = internal in self._in_parts
         name = self._unlink(internal)
         if name is None:
             return None
@@ -149,7 +166,7 @@ class JobLedger:
         reached = self._progress.pop(internal, None)
         if event.kind == "done":
             reached = (int(event.steps), int(event.steps))
-        self._finished[name] = (time.monotonic(), event, size, reached or (0, 0))
+        self._finished[name] = (time.monotonic(), event, size, reached or (0, 0), in_parts)
         self._finished_bytes += size
         self._forget_old()
         return name
@@ -157,7 +174,7 @@ class JobLedger:
     def _forget_old(self) -> None:
         now = time.monotonic()
         while self._finished:
-            t, _, size, _ = next(iter(self._finished.values()))
+            t, _, size, _, _ = next(iter(self._finished.values()))
             if (
                 len(self._finished) <= self.keep_finished
                 and self._finished_bytes <= self.keep_finished_bytes

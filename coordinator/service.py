@@ -431,6 +431,7 @@ class Coordinator:
             steps=request.steps,
             epoch=1 if self.durable_jobs is not None else 0,
             report_epoch=request.report_epoch,
+            image_parts=request.image_parts,
         )
         accepted = self.ledger.stamp(internal, accepted)
         self.ledger.prune(

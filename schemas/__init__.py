@@ -6,7 +6,7 @@ See docs/PROTOCOL.md for the language-neutral description.
 
 from . import subjects
 from .errors import ErrorCode, ProtocolError
-from .limits import MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_PAYLOAD_BYTES, MAX_STEP_ROWS
+from .limits import MAX_DONE_PARTS, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_PAYLOAD_BYTES, MAX_STEP_ROWS
 from .messages import (
     TIME_CONVENTION,
     UNCONDITIONAL,
@@ -16,6 +16,7 @@ from .messages import (
     DecodeRequest,
     DecodeResult,
     DoneEvent,
+    DonePartEvent,
     ErrorReply,
     FailedEvent,
     FleetStatus,
@@ -38,6 +39,7 @@ __all__ = [
     "subjects",
     "ErrorCode",
     "ProtocolError",
+    "MAX_DONE_PARTS",
     "MAX_JOB_IMAGES",
     "MAX_JOB_STEPS",
     "MAX_PAYLOAD_BYTES",
@@ -50,6 +52,7 @@ __all__ = [
     "DecodeRequest",
     "DecodeResult",
     "DoneEvent",
+    "DonePartEvent",
     "ErrorReply",
     "FailedEvent",
     "FleetStatus",

@@ -21,6 +21,10 @@ MAX_TENSOR_NDIM = 8
 #: Most images one generation job may ask for.
 MAX_JOB_IMAGES = 256
 
+#: Most `done_part` events one job's `done` may come in (`JobRequest.image_parts`): its images, then its latents,
+#: each in parts of at least one image.
+MAX_DONE_PARTS = 2 * MAX_JOB_IMAGES
+
 #: Most sampling steps one generation job may ask for.
 MAX_JOB_STEPS = 1000
 

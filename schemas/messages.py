@@ -28,7 +28,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ProtocolError, shown
-from .limits import MAX_GUIDANCE_SCALE, MAX_ID_LEN, MAX_JOB_IMAGES, MAX_JOB_STEPS, MAX_RUN_AHEAD, MAX_STEP_ROWS
+from .limits import (
+    MAX_DONE_PARTS,
+    MAX_GUIDANCE_SCALE,
+    MAX_ID_LEN,
+    MAX_JOB_IMAGES,
+    MAX_JOB_STEPS,
+    MAX_RUN_AHEAD,
+    MAX_STEP_ROWS,
+)
 from .spec import MAX_CLASSES, TIME_CONVENTION, ModelSpec  # noqa: F401 (TIME_CONVENTION: re-exported by schemas)
 from .tensor import FLOAT_DTYPES, INT_DTYPES, decode_tensor, encode_tensor
 from .version import PROTOCOL_VERSION
@@ -412,6 +420,9 @@ class JobRequest(Message):
     # (the decoded images); None = no previews
     preview_every: int | None = Field(default=None, ge=1, le=MAX_JOB_STEPS)
     return_latents: bool = False  # latent fleets only: `done` also carries `latents` (the final samples)
+    # the client can put a `done` sent in parts back together: a `done` too large for one message comes as
+    # `done_part` events (its images, then its latents) and a `done` that counts them (`DoneEvent.parts`)
+    image_parts: bool = False
     # classifier-free guidance scale s (`flow.guidance`): 1 = off; only with experts that have a null label.
     # None (left out): the fleet's default scale (`models.fleet_guidance`; 1 for a fleet that names none)
     guidance_scale: float | None = Field(default=None, json_schema_extra=_present_scale)
@@ -449,6 +460,8 @@ class JobRequest(Message):
                 out.pop("preview_every", None)
             if not self.return_latents:
                 out.pop("return_latents", None)
+            if not self.image_parts:
+                out.pop("image_parts", None)
             if self.labels is None:
                 out.pop("labels", None)
         return out
@@ -684,11 +697,14 @@ class DoneEvent(_Labelled):
     expert computed this job's rows in (`ExpertDtype`), only when the job asked
     (`JobRequest.report_dtypes`); else None and not on the wire (older clients refuse unknown keys).
     latents: [N, c, h, w] float32, the final samples of a latent fleet before decoding, only when the
-    job asked (`JobRequest.return_latents`)."""
+    job asked (`JobRequest.return_latents`).
+    parts: a `done` too large for one message, of a job that asked for parts (`JobRequest.image_parts`),
+    carries neither `images` nor `latents` but `parts`, the number of `DonePartEvent`s published before it
+    that carry them; None (not on the wire) otherwise. Exactly one of `images` and `parts` is set."""
 
     kind: Literal["done"] = "done"
     job_id: Id
-    images: FiniteTensor
+    images: FiniteTensor | None = None
     usage: Tensor
     steps: int
     strategy: Strategy
@@ -697,30 +713,38 @@ class DoneEvent(_Labelled):
     expert_dtypes: list[ExpertDtype] | None = None
     latents: FiniteTensor | None = None
     epoch: Epoch | None = None  # the job's owner epoch, only when the job asked (JobRequest.report_epoch)
+    parts: int | None = Field(default=None, ge=1, le=MAX_DONE_PARTS)
 
     @model_serializer(mode="wrap")
     def _omit_unused_label_field(self, handler):  # replaces _Labelled's (one model serializer per model)
         out = handler(self)
         if isinstance(out, dict):
             out.pop("labels" if self.labels is None else "digits", None)
-            if self.expert_dtypes is None:  # not on the wire unless asked: older clients refuse unknown keys
-                out.pop("expert_dtypes", None)
-            if self.latents is None:  # likewise
-                out.pop("latents", None)
-            if self.epoch is None:  # likewise
-                out.pop("epoch", None)
+            # not on the wire unless asked (older clients refuse unknown keys), or, for images, sent in parts
+            for key in ("images", "expert_dtypes", "latents", "epoch", "parts"):
+                if getattr(self, key) is None:
+                    out.pop(key, None)
         return out
 
     @model_validator(mode="after")
     def _check(self) -> DoneEvent:
-        _need_float(self.images, "images")
+        if (self.images is None) == (self.parts is None):
+            raise _err(
+                ErrorCode.BAD_REQUEST,
+                "done: give exactly one of images (the images) or parts (how many done_part events carry them)",
+            )
+        if self.parts is not None and self.latents is not None:
+            raise _err(ErrorCode.BAD_REQUEST, "done: a done sent in parts carries its latents in parts, not in latents")
         _need_float(self.usage, "usage")
-        if self.images.ndim != 4:
-            raise _err(ErrorCode.BAD_SHAPE, f"images must be [N, C, H, W], got shape {list(self.images.shape)}")
-        n = self.images.shape[0]
-        if len(self.classes) != n:
-            field = "labels" if self.labels is not None else "digits"
-            raise _err(ErrorCode.BAD_SHAPE, f"{field} has {len(self.classes)} entries for {n} images")
+        n = len(self.classes)
+        if self.images is not None:
+            _need_float(self.images, "images")
+            if self.images.ndim != 4:
+                raise _err(ErrorCode.BAD_SHAPE, f"images must be [N, C, H, W], got shape {list(self.images.shape)}")
+            n = self.images.shape[0]
+            if len(self.classes) != n:
+                field = "labels" if self.labels is not None else "digits"
+                raise _err(ErrorCode.BAD_SHAPE, f"{field} has {len(self.classes)} entries for {n} images")
         if self.usage.ndim != 2 or self.usage.shape[0] != n:
             raise _err(ErrorCode.BAD_SHAPE, f"usage must be [N, K] with N = {n}, got {list(self.usage.shape)}")
         if self.expert_dtypes is not None and len(self.expert_dtypes) != self.usage.shape[1]:
@@ -729,6 +753,62 @@ class DoneEvent(_Labelled):
                 f"expert_dtypes has {len(self.expert_dtypes)} entries for {self.usage.shape[1]} experts",
             )
         return self
+
+
+class DonePartEvent(Message):
+    """One part of a `done` too large for one message (`JobRequest.image_parts`), published before that
+    `done` on the job's events subject: rows [start, start + m) of the done's `images` or `latents`
+    (exactly one of the two, [m, C, H, W] float, finite), of `total` rows (the job's N images). `part`
+    numbers it among the `parts` parts of the done (its images first, then its latents), which the done
+    counts too (`DoneEvent.parts`)."""
+
+    kind: Literal["done_part"] = "done_part"
+    job_id: Id
+    part: int = Field(ge=0, lt=MAX_DONE_PARTS)
+    parts: int = Field(ge=1, le=MAX_DONE_PARTS)
+    start: int = Field(ge=0, lt=MAX_JOB_IMAGES)
+    total: int = Field(ge=1, le=MAX_JOB_IMAGES)
+    images: FiniteTensor | None = None
+    latents: FiniteTensor | None = None
+    epoch: Epoch | None = None  # the job's owner epoch, only when the job asked (JobRequest.report_epoch)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):
+            for key in ("images", "latents", "epoch"):
+                if getattr(self, key) is None:
+                    out.pop(key, None)
+        return out
+
+    @model_validator(mode="after")
+    def _check(self) -> DonePartEvent:
+        if (self.images is None) == (self.latents is None):
+            raise _err(ErrorCode.BAD_REQUEST, "done_part: give exactly one of images or latents")
+        field = self.field
+        rows = self.rows
+        _need_float(rows, field)
+        if rows.ndim != 4 or rows.shape[0] < 1:
+            raise _err(ErrorCode.BAD_SHAPE, f"{field} must be [m, C, H, W] with m >= 1, got shape {list(rows.shape)}")
+        if self.part >= self.parts:
+            raise _err(ErrorCode.BAD_REQUEST, f"done_part: part {self.part} of {self.parts} parts (numbered from 0)")
+        if self.start + rows.shape[0] > self.total:
+            raise _err(
+                ErrorCode.BAD_SHAPE,
+                f"done_part: {field} rows {self.start} to {self.start + rows.shape[0] - 1} are past the "
+                f"job's {self.total} images",
+            )
+        return self
+
+    @property
+    def field(self) -> str:
+        """The `done` field this part is a slice of: "images" or "latents"."""
+        return "images" if self.images is not None else "latents"
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The rows it carries ([m, C, H, W]), whichever field."""
+        return self.images if self.images is not None else self.latents
 
 
 class FailedEvent(Message):
@@ -862,7 +942,7 @@ class FleetStatus(Message):
         return out
 
 
-JobEvent = Annotated[JobAccepted | FrameEvent | DoneEvent | FailedEvent, Field(discriminator="kind")]
+JobEvent = Annotated[JobAccepted | FrameEvent | DonePartEvent | DoneEvent | FailedEvent, Field(discriminator="kind")]
 SubmitReply = Annotated[JobAccepted | JobRejected | ErrorReply, Field(discriminator="kind")]
 StepResult = Annotated[StepReply | ErrorReply, Field(discriminator="kind")]
 DecodeResult = Annotated[DecodeReply | ErrorReply, Field(discriminator="kind")]

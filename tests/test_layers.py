@@ -47,6 +47,7 @@ PURE_MODULES = [
     "coordinator/retry_policy.py",
     "coordinator/hedging.py",
     "coordinator/reply_check.py",
+    "coordinator/done_parts.py",
     "flow/solver.py",
     "flow/path.py",
 ]

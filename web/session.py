@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.inbox import private_request
+from client.done_parts import MAX_RESULT_ASKS, REPUBLISH_GAP_S, DoneParts
 from client.epochs import EpochFilter
-from client.jobs import JobProbe, client_of, probe_timeout, publish_cancel, unsubscribe_quietly
+from client.jobs import JobProbe, client_of, job_status, probe_timeout, publish_cancel, unsubscribe_quietly
 from schemas import (
     MAX_JOB_STEPS,
     DoneEvent,
+    DonePartEvent,
     ErrorCode,
     FailedEvent,
     FrameEvent,
@@ -177,6 +179,7 @@ class _Job:
     last_event: float = field(default_factory=time.monotonic)
     probe: Any = None  # JobProbe, once announced
     epochs: EpochFilter = field(default_factory=EpochFilter)  # owner epochs: stale events are dropped
+    parts: DoneParts = field(default_factory=DoneParts)  # a result too large for one message, in parts
 
 
 #: Keys the user -> session tag hash: fixed per process, so a user's tag is the same on each of its sockets
@@ -365,12 +368,18 @@ class Session:
 
     async def submit(self, job_id: str, request) -> None:
         """Subscribe to the job's events, then submit it; report the outcome to the page."""
-        fields = {"job_id": job_id, "session": self.session_tag, "report_epoch": True, **self._latent_fields(request)}
+        fields = {
+            "job_id": job_id,
+            "session": self.session_tag,
+            "report_epoch": True,
+            "image_parts": True,  # a result too large for one message comes in parts, put together here
+            **self._latent_fields(request),
+        }
         req = request.model_copy(update=fields)
         job = self.jobs.get(job_id)
         if job is None:
             return
-        job.epochs.job_id = job_id
+        job.epochs.job_id = job.parts.job_id = job_id
         try:
             sub = await self.nc.subscribe(subjects.job_events(self.client, job_id), cb=self._on_event)
         except Exception as err:  # connection closed / draining
@@ -463,6 +472,11 @@ class Session:
         if isinstance(ev, JobAccepted):
             self._announce(job_id, ev)
             return
+        if isinstance(ev, DonePartEvent):
+            job.parts.add(ev)
+            return
+        if isinstance(ev, DoneEvent) and (ev := self._whole(job_id, job, ev)) is None:
+            return
         terminal = isinstance(ev, (DoneEvent, FailedEvent))
         if not job.announced:
             if terminal or not job.early or not isinstance(job.early[-1], FrameEvent):
@@ -479,6 +493,32 @@ class Session:
             # Last statement: unsubscribing from inside the subscription's own callback cancels
             # the task running this callback.
             await self._forget(job_id)
+
+    def _whole(self, job_id: str, job: _Job, done: DoneEvent) -> DoneEvent | FailedEvent | None:
+        """`done` with all its images (`client.done_parts`); None while parts of it are missing (its result is
+        asked for again: a status request publishes it again); the FailedEvent to show when its parts do not
+        add up, or are still missing after MAX_RESULT_ASKS requests."""
+        try:
+            whole = job.parts.whole(done)
+        except ProtocolError as err:
+            return FailedEvent(job_id=job_id, code=err.code, reason=err.message)
+        if whole is not None:
+            return whole
+        why = job.parts.incomplete(done)
+        if job.parts.asks >= MAX_RESULT_ASKS:
+            reason = f"{why}, still after asking for it again {job.parts.asks} times"
+            return FailedEvent(job_id=job_id, code=ErrorCode.UNAVAILABLE, reason=reason)
+        job.parts.asks += 1
+        self._spawn(self._ask_result(job_id, REPUBLISH_GAP_S if job.parts.asks > 1 else 0.0))
+        return None
+
+    async def _ask_result(self, job_id: str, delay: float) -> None:
+        """Ask for a finished job's status after `delay` s: its coordinator publishes its result again."""
+        await asyncio.sleep(delay)
+        try:
+            await job_status(self.nc, job_id, client=self.client, timeout=probe_timeout(self.probe_every))
+        except Exception as err:  # no answer: the job's probe asks again when it stays silent
+            log.info("job %s: asking for its result again failed: %r", job_id, err)
 
     def _queue_event(self, job_id: str, ev: Any) -> None:
         """Queue one job event, coalesced: a frame replaces the job's pending frame. A frame with a decoded

@@ -19,6 +19,7 @@ from schemas import (
     DecodeReply,
     DecodeRequest,
     DoneEvent,
+    DonePartEvent,
     ErrorCode,
     ErrorReply,
     FailedEvent,
@@ -62,6 +63,10 @@ SAMPLES = [
     FleetStatus(num_experts=2, spec=legacy_spec()),
     DecodeRequest(decoder=HASH, latents=X, request_id="r1"),
     DecodeReply(decoder=HASH, images=X),
+    DonePartEvent(job_id="j1", part=0, parts=2, start=0, total=2, images=X),  # a done too large for one message
+    DoneEvent(
+        job_id="j1", digits=[1, 2], parts=2, usage=np.ones((2, 2), np.float32), steps=10, strategy="top1", elapsed_s=0
+    ),
 ]
 
 

@@ -14,6 +14,7 @@ from schemas import (
     CancelReply,
     CancelRequest,
     DoneEvent,
+    DonePartEvent,
     ErrorCode,
     ErrorReply,
     FailedEvent,
@@ -178,8 +179,25 @@ SAMPLES.append(  # a latent fleet's done, with the latents the job asked for
     )
 )
 
+# a result too large for one message (JobRequest.image_parts): its parts, then the done that counts them
+SAMPLES.append(DonePartEvent(job_id="j_big", part=0, parts=3, start=0, total=3, images=np.clip(_x(2), -1, 1)))
+SAMPLES.append(DonePartEvent(job_id="j_big", part=2, parts=3, start=0, total=3, latents=_x(3), epoch=2))
+SAMPLES.append(
+    DoneEvent(
+        job_id="j_big",
+        parts=3,
+        labels=[0, 11, -1],
+        usage=np.ones((3, 2), np.float32),
+        steps=4,
+        strategy="top1",
+        elapsed_s=0.5,
+        epoch=2,
+    )
+)
+SAMPLES.append(JobRequest(job_id="j_big", count=3, image_parts=True))
+
 UNIONS = {
-    JobEvent: (JobAccepted, FrameEvent, DoneEvent, FailedEvent),
+    JobEvent: (JobAccepted, FrameEvent, DonePartEvent, DoneEvent, FailedEvent),
     SubmitReply: (JobAccepted, JobRejected, ErrorReply),
     StepResult: (StepReply, ErrorReply),
     messages_mod.DecodeResult: (messages_mod.DecodeReply, ErrorReply),
