@@ -13,6 +13,8 @@ workers' row and batch counters (/metrics). Here:
     overhead factor        = fleet CPU per image / forward CPU per image: 1.0 would be a fleet that spends
                              nothing but the forwards; what it spends above is decoding, padding, executor
                              hops, encoding, routing, the solver, events and nats-server's copies
+    decoder share          = the decoder process's CPU seconds / the fleet's (a latent fleet's; absent for a
+                             pixel fleet, which has no decoder): what turning latents into images costs
 
 A worker's padded rows count in its mean batch (they were computed) but not in the forward's rows (they
 make no image): padding is overhead. Pure functions over the bench's samples, tested without processes.
@@ -25,6 +27,7 @@ import math
 #: what each of the bench's process names is, for the per-role split (workers "worker0", "worker1.2", ...)
 ROLES = ("coordinator", "workers", "nats-server", "decoder")
 CLIENTS = "clients"
+DECODER = "decoder"
 
 
 def role_of(process: str) -> str:
@@ -75,7 +78,8 @@ def account(
     """The level's CPU account (module docstring). `cpu_seconds`: {process name: CPU seconds in the level};
     `rows`: `worker_rows` (None: unknown, no forward figure); `limit`: the forward-only limit with each
     expert's "cpu_s_per_row_by_batch" (None: not timed). Milliseconds per image, and per image and step
-    (`steps`: denoising steps per image), so c = 1 reads per step."""
+    (`steps`: denoising steps per image), so c = 1 reads per step; with a decoder process, its share of the
+    fleet's CPU seconds ("decoder_share", 0 - 1)."""
     if images <= 0:
         return {"images": 0}
     by_role: dict[str, float] = {}
@@ -92,6 +96,8 @@ def account(
         "by_role_ms_per_image": {r: round(1000 * by_role[r] / images, 3) for r in (*ROLES, CLIENTS) if r in by_role},
         "fleet_ms_per_image_step": round(1000 * fleet_s / (images * steps), 4),
     }
+    if DECODER in by_role and fleet_s > 0:
+        out["decoder_share"] = round(by_role[DECODER] / fleet_s, 4)
     if missing:
         out["processes_unread"] = missing  # gone before the level ended: the figures leave them out
     forward_s = _forward_seconds(rows, limit)
@@ -128,6 +134,8 @@ def format_account(concurrency: int, acc: dict) -> str:
         return f"conc {concurrency}: no images"
     roles = ", ".join(f"{r} {v:.2f}" for r, v in acc["by_role_ms_per_image"].items() if r != CLIENTS)
     line = f"conc {concurrency}: fleet {acc['fleet_ms_per_image']:.2f} ms/img ({roles})"
+    if "decoder_share" in acc:
+        line += f", decoder share {100 * acc['decoder_share']:.1f}%"
     if "forward_ms_per_image" in acc:
         batches = ", ".join(f"expert{k} {b}" for k, b in acc.get("mean_batch", {}).items())
         line += (

@@ -37,8 +37,11 @@ coordinator, nats-server, the wire work in the workers, the clients decoding fra
 experts cannot have on a machine where they all share the cores. From those the report reads the fleet's CPU
 per image, split by role, against the experts' own forward CPU per image at the batch sizes the level ran
 (timed with the forward-only limit): their ratio is the overhead factor (benchmarks/cpu_account.py), a
-figure that does not move with the box's load as images/s does. The 1-minute load average before
-and after each level is recorded: on a shared machine it says how much of the box the bench had.
+figure that does not move with the box's load as images/s does; for a latent fleet, the decoder's share of
+that CPU. On the fleet path, the NATS traffic per image: nats-server's own counters (its monitoring
+endpoint /varz) read before and after each level give the messages and bytes the clients published to it
+(in) and it delivered (out), divided by the images made (benchmarks/nats_traffic.py). The 1-minute load
+average before and after each level is recorded: on a shared machine it says how much of the box the bench had.
 
 Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
 a random router (said in the report). A private nats-server on a free port is started and stopped.
@@ -64,7 +67,7 @@ from client.guidance import guidance_scale
 from workers.backends.torch_compile import COMPILE_CHOICES
 from workers.config import add_batch_invariant_option, add_buckets_option
 
-from . import cpu_account, step_profile
+from . import cpu_account, nats_traffic, step_profile
 from .options import (
     ENGINE_OPTIONS,
     add_router_option,
@@ -940,12 +943,15 @@ async def _fleet(args, models) -> dict:
                 split_before = await asyncio.to_thread(_split_samples, metrics_port, worker_ports)
                 reset = {name: reset_peak(pid) for name, pid in pids.items()}
                 warned = {ch.name: ch.warnings for ch in children}
+                varz0 = await asyncio.to_thread(nats_traffic.read_varz, srv.http_port, srv.host)
                 load0, t0 = os.getloadavg()[0], time.monotonic()
                 cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 res = await _closed_loop(
                     run_one, _requests(args, c, f"f{level}-"), args.jobs_per_client, args.min_level_s
                 )
                 res["cpu"] = _cpu_used(cpu0, pids, time.monotonic() - t0)
+                varz1 = await asyncio.to_thread(nats_traffic.read_varz, srv.http_port, srv.host)
+                res["nats"] = nats_traffic.traffic(varz0, varz1, res["images"])
                 res["load1"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 res["memory"] = {name: proc_memory(pid) for name, pid in pids.items()}
                 res["peak_reset"] = all(reset.values())
@@ -1112,6 +1118,18 @@ def _num(v, fmt: str, width: int) -> str:
     return f"{v:>{width}{fmt}}" if v is not None else f"{'-':>{width}}"
 
 
+def _traffic_lines(rows: list[dict]) -> list[str]:
+    """The fleet path's NATS traffic per image, a line per level (none without fleet levels)."""
+    levels = [(r["concurrency"], r["fleet"]["nats"]) for r in rows if "nats" in r.get("fleet", {})]
+    if not levels:
+        return []
+    return [
+        "NATS per image (nats-server's /varz over each level: in = what the fleet's processes and the clients "
+        "published, out = what it delivered; payload + headers):",
+        *("  " + nats_traffic.format_traffic(c, t) for c, t in levels),
+    ]
+
+
 def format_table(results: dict) -> str:
     s = results["setup"]
     lines = [
@@ -1202,6 +1220,7 @@ def format_table(results: dict) -> str:
             "own forward CPU for the rows the workers computed, at their mean batch; overhead = fleet / forward):"
         )
         lines.extend("  " + cpu_account.format_account(c, acc) for c, acc in accounts)
+    lines += _traffic_lines(results["rows"])
     outcome_rows = [
         (path, r["concurrency"], r[path])
         for r in results["rows"]

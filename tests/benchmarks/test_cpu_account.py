@@ -79,3 +79,19 @@ def test_account_without_a_timed_forward_or_images_says_less_not_something_wrong
     assert account(cpu, images=10, steps=4, rows=None, limit=_limit()).get("overhead_factor") is None
     assert account(cpu, images=0, steps=4, rows=rows, limit=_limit()) == {"images": 0}
     assert format_account(8, {"images": 0}) == "conc 8: no images"
+
+
+def test_a_latent_fleets_decoder_share_is_its_fraction_of_the_fleets_cpu_and_a_pixel_fleet_has_none():
+    cpu = {"coordinator": 0.5, "worker0": 1.0, "nats-server": 0.1, "decoder": 0.4, "bench (clients)": 3.0}
+    acc = account(cpu, images=10, steps=4, rows=None, limit=None)
+    assert acc["decoder_share"] == pytest.approx(0.4 / 2.0)  # the clients are not the fleet's
+    assert acc["by_role_ms_per_image"]["decoder"] == 40.0
+    line = format_account(2, acc)
+    assert line.startswith(
+        "conc 2: fleet 200.00 ms/img (coordinator 50.00, workers 100.00, nats-server 10.00, "
+        "decoder 40.00), decoder share 20.0%"
+    )
+    pixel = account({"coordinator": 0.5, "worker0": 1.0}, images=10, steps=4, rows=None, limit=None)
+    assert "decoder_share" not in pixel and "decoder share" not in format_account(2, pixel)
+    idle = account({"coordinator": 0.0, "decoder": 0.0}, images=10, steps=4, rows=None, limit=None)
+    assert "decoder_share" not in idle  # no fleet CPU read at all (ticks too coarse): no share, not 0/0

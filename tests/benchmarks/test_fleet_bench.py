@@ -270,9 +270,23 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
     # one client of 2-step jobs: the coordinator, NATS and the workers' wire work are well above the forwards
     assert acc["overhead_factor"] > 1.0 and acc["fleet_ms_per_image"] > acc["forward_ms_per_image"] > 0
     assert any(line.strip().startswith("conc 1: fleet ") and "overhead x" in line for line in table)
+    assert "decoder_share" not in acc and "decoder share" not in "\n".join(table)  # a pixel fleet: no decoder
+    # NATS per image, from nats-server's /varz around the level: one job at a time, so every step of an image
+    # is at least its own expert request (published by the coordinator) and reply (by a worker), each
+    # delivered once; the request carries x_t and the reply the velocity, 1x32x32 float32 each (--wire-dtype)
+    nats = x["nats"]
+    assert nats["images"] == x["images"] and nats["in_msgs_per_image"] == pytest.approx(
+        nats["in_msgs"] / x["images"], abs=0.05
+    ), nats
+    assert nats["in_msgs_per_image"] >= 2 * 2 and nats["out_msgs_per_image"] >= 2 * 2, nats
+    assert nats["in_bytes_per_image"] >= 2 * 2 * 32 * 32 * 4 and nats["out_bytes_per_image"] >= 2 * 2 * 32 * 32 * 4
+    assert nats["in_bytes_per_image"] < 100 * 2 * 2 * 32 * 32 * 4, nats  # per image, not the server's total
+    assert "nats" not in res["rows"][0].get("ceiling", {})
+    at = table.index(next(line for line in table if line.startswith("NATS per image")))
+    assert table[at + 1].startswith(f"  conc 1: {nats['in_msgs_per_image']:.1f} msgs/img in, "), table[at + 1]
 
 
-@pytest.mark.slow  # ~10 s: a real latent fleet (nats-server, coordinator, workers and a decoder process)
+@pytest.mark.slow  # ~15 s: a real latent fleet (nats-server, coordinator, workers and a decoder process)
 @pytest.mark.bus
 @pytest.mark.procs
 async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path):
@@ -290,7 +304,7 @@ async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path
         steps=2,
         checkpoints=str(d),
         buckets="1,4",
-        jobs_per_client=2,
+        jobs_per_client=25,  # 50 images: enough of the decoder's CPU to read in clock ticks (10 ms)
         min_level_s=0.0,
         limit_batches="none",
         threads=1,
@@ -301,8 +315,15 @@ async def test_a_latent_fleet_is_benched_with_its_decoder_on_both_paths(tmp_path
     assert "latent: a decoder of" in res["setup"]["models"]
     for path in ("fleet", "ceiling"):
         x = res["rows"][0][path]
-        assert x["completed"] == x["submitted"] == 4 and x["lost"] == 0, (path, x)
-    assert "decoder" in res["rows"][0]["fleet"]["cpu"]["seconds"]  # its own process, counted with the others
+        assert x["completed"] == x["submitted"] == 50 and x["lost"] == 0, (path, x)
+    fleet = res["rows"][0]["fleet"]
+    assert "decoder" in fleet["cpu"]["seconds"]  # its own process, counted with the others
+    assert 0 < fleet["cpu_account"]["decoder_share"] < 1, fleet["cpu_account"]
+    # each image's latents go to the decoder and come back decoded: 4x8x8 latents, 3x16x16 images (float32)
+    nats = fleet["nats"]
+    assert (
+        nats["in_msgs_per_image"] >= 2 * 2 + 2 and nats["in_bytes_per_image"] >= 2 * 2 * 4 * 8 * 8 * 4 + 3 * 16 * 16 * 4
+    )
 
     (d / "autoencoder.safetensors").unlink()
     with pytest.raises(ValueError, match="their autoencoder is needed as"):
