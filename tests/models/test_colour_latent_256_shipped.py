@@ -1,0 +1,82 @@
+"""The shipped 256px latent fleet (checkpoints/colour-latent-256/): the seeds' geometry (3x256x256 images,
+an autoencoder with 8x downsampling to 4x32x32 latents, UNet experts on the latents), one latent spec across
+experts and router naming the autoencoder beside them, and the seeds' call through a real local fleet (workers,
+coordinator, decoder on a real nats-server): four 3x256x256 images, bit for bit the in-process sampler's
+(float32, batch-invariant experts), RGB digits in the palette."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.startup import router_spec
+from dataset.builtin import palette_table
+from evaluation.views import area_downsample, colour_check, palette_arrays
+from models.autoencoder import decoder_name
+from models.checkpoint import load_checkpoint
+from models.codec import codec_info, fleet_codec
+
+CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour-latent-256"
+QUANTUM = 16  # batch-invariant experts: the fleet's images are the in-process sampler's bit for bit
+
+
+def test_the_256px_fleet_has_the_seeds_geometry_and_names_its_autoencoder():
+    info = codec_info(CKPT / "autoencoder.safetensors")
+    assert info.image_shape == (3, 256, 256) and info.latent_channels == 4 and info.downsample == 8
+    meta = json.loads((CKPT / "autoencoder.json").read_text())
+    assert meta["training"]["val_psnr_db"] >= 35.0
+    partition = json.loads((CKPT / "partition.json").read_text())
+    names = [f"expert{k}" for k in range(partition["num_experts"])] + ["router"]
+    for name in names:
+        spec = router_spec(CKPT / f"{name}.safetensors")
+        assert spec.space == "latent" and tuple(spec.sample_shape) == (4, 32, 32), name
+        assert spec.decoder == decoder_name(info.content_hash), name
+        assert spec.num_classes == 10 and spec.conditioning.null_label, name
+        assert fleet_codec(spec, [CKPT]) == CKPT / "autoencoder.safetensors"
+    for name in names[:-1]:
+        meta, _ = load_checkpoint(CKPT / f"{name}.safetensors")
+        assert meta["arch"] == "unet" and meta["config"]["in_channels"] == 4 and meta["config"]["image_size"] == 32
+
+
+@pytest.mark.bus  # a LocalFleet: nats-server, DiT workers, a coordinator and a decoder
+async def test_the_seeds_call_gives_four_256px_images_equal_to_the_in_process_sampler():
+    from client.jobs import run_job
+    from coordinator.local_fleet import LocalFleet
+    from schemas import JobRequest
+
+    async with LocalFleet.from_dir(CKPT, dtype="float32", buckets=(16,), batch_quantum=QUANTUM) as fleet:
+        req = JobRequest(labels=[1, 4, 7, 9], steps=12, seed=11, strategy="top1", stream=False)
+        done = await run_job(fleet.nc, req, timeout=300)
+    images = np.asarray(done.images, np.float32)
+    assert images.shape == (4, 3, 256, 256) and np.isfinite(images).all()
+    small = area_downsample(images, (3, 32, 32))  # as the 32px judges read them
+    reading = colour_check(small, *palette_arrays({"palette": palette_table()}))
+    assert reading.correct.sum() >= 3, (reading.foreground_error, reading.background_error)
+    np.testing.assert_array_equal(images, _in_process(req))
+
+
+def _in_process(req) -> np.ndarray:
+    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
+    from models.autoencoder_torch import LatentCodec
+    from models.fleet_guidance import fleet_default_guidance
+
+    labels = np.asarray(req.labels, np.int64)
+    scale = fleet_default_guidance(CKPT / "router.safetensors")  # the job set none: the fleet's default
+    latents, _ = generate(
+        SampleConfig("ddm-top1", "ddm", "top1", guidance=scale),
+        digits=labels,
+        noise=initial_batch(len(labels), len(labels), req.seed, (4, 32, 32)),
+        steps=req.steps,
+        solver="euler",
+        device="cpu",
+        checkpoints=str(CKPT),
+        seed=req.seed,
+        job_size=len(labels),
+        dtype="float32",
+        latent=True,
+        batch_quantum=QUANTUM,
+    )
+    return LatentCodec.load(CKPT / "autoencoder").decode(latents)
