@@ -343,6 +343,14 @@ def join_results(dones: list, seeds: list[int], run_seed: int | None, elapsed_s:
     )
 
 
+def image_range(spec) -> tuple[float, float]:
+    """The value range of the images a fleet of `spec` returns: a pixel fleet's samples' range; a latent
+    fleet's decoded images' (`image_value_range`, [-1, 1] when the spec does not say), never its latents'."""
+    if spec.space == "pixels":
+        return tuple(spec.value_range)
+    return tuple(spec.image_value_range) if spec.image_value_range is not None else (-1.0, 1.0)
+
+
 def save_output(result: RunResult, path: str, per_row: int, spec=None) -> None:
     """Write `result` to `path`: .npz (images, labels, class_names, usage) or a PNG grid (grey or RGB)."""
     import numpy as np
@@ -365,7 +373,7 @@ def save_output(result: RunResult, path: str, per_row: int, spec=None) -> None:
     else:
         from infra.grid import write_grid
 
-        lo, hi = spec.value_range
+        lo, hi = image_range(spec)
         images = np.asarray(result.images, np.float32)
         if (lo, hi) != (-1.0, 1.0):  # the grid shows [-1, 1]
             images = (images - lo) / (hi - lo) * 2.0 - 1.0

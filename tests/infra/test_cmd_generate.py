@@ -333,3 +333,23 @@ async def test_run_jobs_keeps_at_most_j_in_flight_and_one_bar_over_all_images(na
     finally:
         for w_ in ws:
             await w_.stop()
+
+
+def test_a_latent_fleets_png_shows_its_decoded_images_not_scaled_by_the_latent_range(tmp_path):
+    """The grid of a latent fleet's images maps the images' own range ([-1, 1]) to pixels: scaling by the
+    latents' range (+-4.5) washed every colour out to grey."""
+    from PIL import Image
+
+    from infra.cmd_generate import RunResult, image_range, save_output
+    from schemas.spec import ModelSpec, legacy_spec
+
+    latent = ModelSpec.from_json(
+        {**legacy_spec(in_channels=4, image_size=8).to_json(), "space": "latent", "decoder": "autoencoder@sha256:ab"}
+    ).model_copy(update={"value_range": (-4.5, 4.5)})
+    assert image_range(latent) == (-1.0, 1.0) and image_range(legacy_spec()) == (-1.0, 1.0)
+    images = np.full((2, 3, 16, 16), -1.0, np.float32)
+    images[:, 0] = 1.0  # pure red
+    result = RunResult(images=images, labels=[1, 2], usage=np.ones((2, 1), np.float32), elapsed_s=0.1, seed=0)
+    save_output(result, str(tmp_path / "g.png"), per_row=2, spec=latent)
+    px = np.asarray(Image.open(tmp_path / "g.png").convert("RGB"))
+    assert px[10, 10].tolist() == [255, 0, 0]
