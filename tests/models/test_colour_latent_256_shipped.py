@@ -65,6 +65,7 @@ def _in_process(req) -> np.ndarray:
 
     labels = np.asarray(req.labels, np.int64)
     scale = fleet_default_guidance(CKPT / "router.safetensors")  # the job set none: the fleet's default
+    assert scale > 1  # served guided
     latents, _ = generate(
         SampleConfig("ddm-top1", "ddm", "top1", guidance=scale),
         digits=labels,
