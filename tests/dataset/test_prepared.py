@@ -371,8 +371,10 @@ def test_cli_prepare_images_info_and_idempotence(labelled, tmp_path):
 def test_cli_usage_errors(tmp_path):
     r = _cli("prepare", "--images", str(tmp_path))
     assert r.returncode == 2 and "--size" in r.stderr
-    r = _cli("prepare", "--dataset", "colour-mnist", "--size", "64")
+    r = _cli("prepare", "--dataset", "colour-mnist", "--channels", "1")
     assert r.returncode == 2 and "fixed shape" in r.stderr
+    r = _cli("prepare", "--dataset", "colour-mnist", "--size", "48", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "multiple of 32" in r.stderr and not (tmp_path / "x").exists()
     r = _cli("prepare", "--images", str(tmp_path), "--dataset", "mnist")
     assert r.returncode == 2 and "not allowed with" in r.stderr
     r = _cli("info", str(tmp_path / "none"))

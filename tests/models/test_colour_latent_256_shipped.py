@@ -1,8 +1,9 @@
 """The shipped 256px latent fleet (checkpoints/colour-latent-256/): the seeds' geometry (3x256x256 images,
 an autoencoder with 8x downsampling to 4x32x32 latents, UNet experts on the latents), one latent spec across
 experts and router naming the autoencoder beside them, and the seeds' call through a real local fleet (workers,
-coordinator, decoder on a real nats-server): four 3x256x256 images, bit for bit the in-process sampler's
-(float32, batch-invariant experts), RGB digits in the palette."""
+coordinator, decoder on a real nats-server): four 3x256x256 images, the in-process sampler's to float32 rounding
+(bit for bit with batch-invariant workers: docs/LATENT.md; the mode's self-checks would double this test's time,
+and tests/coordinator/test_service_guidance.py checks the mode itself), RGB digits in the palette."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from models.checkpoint import load_checkpoint
 from models.codec import codec_info, fleet_codec
 
 CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour-latent-256"
-QUANTUM = 16  # batch-invariant experts: the fleet's images are the in-process sampler's bit for bit
 
 
 def test_the_256px_fleet_has_the_seeds_geometry_and_names_its_autoencoder():
@@ -42,20 +42,21 @@ def test_the_256px_fleet_has_the_seeds_geometry_and_names_its_autoencoder():
 
 
 @pytest.mark.bus  # a LocalFleet: nats-server, DiT workers, a coordinator and a decoder
-async def test_the_seeds_call_gives_four_256px_images_equal_to_the_in_process_sampler():
+async def test_the_seeds_call_gives_four_256px_images_of_the_in_process_sampler():
     from client.jobs import run_job
     from coordinator.local_fleet import LocalFleet
     from schemas import JobRequest
 
-    async with LocalFleet.from_dir(CKPT, dtype="float32", buckets=(16,), batch_quantum=QUANTUM) as fleet:
-        req = JobRequest(labels=[1, 4, 7, 9], steps=12, seed=11, strategy="top1", stream=False)
+    async with LocalFleet.from_dir(CKPT, dtype="float32", buckets=(8,)) as fleet:
+        req = JobRequest(labels=[1, 4, 7, 9], steps=6, seed=11, strategy="top1", stream=False)
         done = await run_job(fleet.nc, req, timeout=300)
     images = np.asarray(done.images, np.float32)
     assert images.shape == (4, 3, 256, 256) and np.isfinite(images).all()
     small = area_downsample(images, (3, 32, 32))  # as the 32px judges read them
     reading = colour_check(small, *palette_arrays({"palette": palette_table()}))
     assert reading.correct.sum() >= 3, (reading.foreground_error, reading.background_error)
-    np.testing.assert_array_equal(images, _in_process(req))
+    # a convolution's last bits follow its batch, and the workers may batch the job's rows otherwise
+    np.testing.assert_allclose(images, _in_process(req), atol=1e-4)
 
 
 def _in_process(req) -> np.ndarray:
@@ -78,6 +79,5 @@ def _in_process(req) -> np.ndarray:
         job_size=len(labels),
         dtype="float32",
         latent=True,
-        batch_quantum=QUANTUM,
     )
     return LatentCodec.load(CKPT / "autoencoder").decode(latents)
