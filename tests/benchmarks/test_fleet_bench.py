@@ -244,7 +244,9 @@ async def test_fleet_level_lasts_min_level_s_and_stays_under_the_forward_limit(t
     lim = res["limit"]
     # one client of 2-step jobs through NATS is far from the tiny experts' forward alone (noise allowed)
     assert lim["images_per_s"] >= 0.7 * x["images_per_s"], (lim, x)
-    assert res["rows"][0]["fleet_over_limit"] == pytest.approx(x["images_per_s"] / lim["images_per_s"], rel=0.01)
+    # the report rounds the ratio to 3 decimals: a small ratio (0.033) is 1% off its unrounded value
+    ratio = x["images_per_s"] / lim["images_per_s"]
+    assert res["rows"][0]["fleet_over_limit"] == pytest.approx(ratio, rel=0.01, abs=5e-4)
     assert json.loads(json.dumps(res))["limit"]["rows_per_image"] == 2
     table = bench.format_table(res).splitlines()
     assert table[3].split("|")[1].split()[3] == str(x["submitted"])  # the jobs run
