@@ -19,6 +19,7 @@ from evaluation.views import area_downsample, colour_check, palette_arrays
 from models.autoencoder import decoder_name
 from models.checkpoint import load_checkpoint
 from models.codec import codec_info, fleet_codec
+from tests.models.test_colour_latent_shipped import in_process_images
 
 CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour-latent-256"
 
@@ -56,28 +57,4 @@ async def test_the_seeds_call_gives_four_256px_images_of_the_in_process_sampler(
     reading = colour_check(small, *palette_arrays({"palette": palette_table()}))
     assert reading.correct.sum() >= 3, (reading.foreground_error, reading.background_error)
     # a convolution's last bits follow its batch, and the workers may batch the job's rows otherwise
-    np.testing.assert_allclose(images, _in_process(req), atol=1e-4)
-
-
-def _in_process(req) -> np.ndarray:
-    from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
-    from models.autoencoder_torch import LatentCodec
-    from models.fleet_guidance import fleet_default_guidance
-
-    labels = np.asarray(req.labels, np.int64)
-    scale = fleet_default_guidance(CKPT / "router.safetensors")  # the job set none: the fleet's default
-    assert scale > 1  # served guided
-    latents, _ = generate(
-        SampleConfig("ddm-top1", "ddm", "top1", guidance=scale),
-        digits=labels,
-        noise=initial_batch(len(labels), len(labels), req.seed, (4, 32, 32)),
-        steps=req.steps,
-        solver="euler",
-        device="cpu",
-        checkpoints=str(CKPT),
-        seed=req.seed,
-        job_size=len(labels),
-        dtype="float32",
-        latent=True,
-    )
-    return LatentCodec.load(CKPT / "autoencoder").decode(latents)
+    np.testing.assert_allclose(images, in_process_images(req, CKPT), atol=1e-4)

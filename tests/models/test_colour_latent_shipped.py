@@ -52,28 +52,32 @@ async def test_the_latent_fleet_serves_decoded_rgb_digits_in_the_palette():
     # the in-process sampler (`ddm-fleet eval`'s offline twin) makes the same images of the same job, to float32
     # rounding: the workers may batch the job's rows otherwise (its labelled and null rows, 2 experts), and a
     # convolution's last bits follow the batch; a sampler that clipped the latents before decoding was far more off
-    np.testing.assert_allclose(images, _in_process(req), atol=1e-4)
+    np.testing.assert_allclose(images, in_process_images(req), atol=1e-4)
 
 
-def _in_process(req) -> np.ndarray:
+def in_process_images(req, ckpt: Path = CKPT) -> np.ndarray:
+    """The images the in-process sampler makes of a top1 job `req` that sets no guidance (the fleet's default
+    applies) on the latent fleet in `ckpt`, decoded by its autoencoder: what the fleet's job should return."""
     from evaluation.sample_inprocess import SampleConfig, generate, initial_batch
     from models.autoencoder_torch import LatentCodec
     from models.fleet_guidance import fleet_default_guidance
 
     labels = np.asarray(req.labels, np.int64)
-    scale = fleet_default_guidance(CKPT / "router.safetensors")  # the job set none: the fleet's default
-    assert scale > 1  # the shipped latent fleet is served guided
+    scale = fleet_default_guidance(ckpt / "router.safetensors")  # the job set none: the fleet's default
+    assert scale > 1  # the shipped latent fleets are served guided
     latents, _ = generate(
         SampleConfig("ddm-top1", "ddm", "top1", guidance=scale),
         digits=labels,
-        noise=initial_batch(len(labels), len(labels), req.seed, (4, 16, 16)),
+        noise=initial_batch(
+            len(labels), len(labels), req.seed, tuple(router_spec(ckpt / "router.safetensors").sample_shape)
+        ),
         steps=req.steps,
         solver="euler",
         device="cpu",
-        checkpoints=str(CKPT),
+        checkpoints=str(ckpt),
         seed=req.seed,
         job_size=len(labels),
         dtype="float32",
         latent=True,
     )
-    return LatentCodec.load(CKPT / "autoencoder").decode(latents)
+    return LatentCodec.load(ckpt / "autoencoder").decode(latents)
