@@ -119,6 +119,20 @@ def test_a_batch_takes_batch_ms_plus_row_ms_per_row(sim_experts):
     assert took[200] - took[4] > 0.05
 
 
+def test_warm_up_records_the_latency_model_without_waiting_it_out(sim_experts):
+    """A slow sim is ready at once: its warm-up computes each bucket but does not sleep (4 buckets at
+    1.5 s would wait 6-12 s), and records the modelled cost the batcher plans with; forwards still wait."""
+    be = _sim(sim_experts[0], batch_ms=1500.0, row_ms=1.0)
+    start = time.perf_counter()
+    be.warmup([1, 16, 256, 512])
+    assert time.perf_counter() - start < 1.0
+    assert be.warmup_s == pytest.approx({1: 1.501, 16: 1.516, 256: 1.756, 512: 2.012}, abs=0.05)
+    x, t, y = _inputs(2)
+    start = time.perf_counter()
+    be.forward(x, t, y)
+    assert time.perf_counter() - start >= 1.502
+
+
 def test_instant_preset_is_fast(sim_experts):
     be = _sim(sim_experts[0], preset="instant")
     x, t, y = _inputs(64)

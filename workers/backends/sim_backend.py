@@ -46,6 +46,7 @@ velocity is float32 either way.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -54,6 +55,8 @@ import numpy as np
 from schemas import UNCONDITIONAL
 
 from .base import BackendBase, BackendError
+
+log = logging.getLogger(__name__)
 
 #: preset name -> (batch_ms, row_ms); see the module docstring for how they were fitted.
 PRESETS: dict[str, tuple[float, float]] = {
@@ -105,10 +108,29 @@ class SimBackend(BackendBase):
                 raise BackendError(f"sim backend: {label} must be a finite number >= 0, got {value}")
         self.device = device or f"sim:{preset}"
         self._templates: np.ndarray | None = None  # float32 [num_classes, C, H, W]
+        self._sleeps = True  # off during warm-up only
 
     def latency_s(self, rows: int) -> float:
         """Seconds one forward pass of `rows` rows takes: (batch_ms + row_ms * rows) / 1000."""
         return (self.batch_ms + self.row_ms * rows) / 1000.0
+
+    def warmup(self, buckets) -> None:
+        """Every bucket computed once, without the simulated wait: a sim has no one-off costs to pay, and
+        its steady cost is its latency model, so `warmup_s` is that (plus the velocity's own compute time)
+        and a worker with a slow sim (`--sim-batch-ms 1500`) is ready at once, not after 2 x buckets x 1.5 s."""
+        self._need_loaded()
+        c, h, w = self.input_shape
+        self._sleeps = False
+        try:
+            for b in sorted(set(int(b) for b in buckets)):
+                start = time.perf_counter()
+                self.forward(np.zeros((b, c, h, w), np.float32), np.full((b,), 0.5, np.float32), np.zeros(b, np.int64))
+                self.warmup_s[b] = max(self.latency_s(b), time.perf_counter() - start)
+        finally:
+            self._sleeps = True
+        log.info(
+            "sim backend warm (modelled): %s", ", ".join(f"{b}: {s * 1000:.0f} ms" for b, s in self.warmup_s.items())
+        )
 
     def describe(self) -> dict[str, str]:
         out = super().describe()
@@ -157,6 +179,6 @@ class SimBackend(BackendBase):
         denom = np.maximum(np.float32(1.0) - t, np.float32(MIN_ONE_MINUS_T)).reshape(rows, 1, 1, 1)
         v = (targets - x) / denom
         left = self.latency_s(rows) - (time.perf_counter() - start)
-        if left > 0:
+        if left > 0 and self._sleeps:
             time.sleep(left)
         return v
