@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -111,8 +112,10 @@ class NatsTransport:
 
     step_timeout: seconds to wait for one reply; retries: extra tries after a timeout or a
     transient error reply; bad_reply_retries: extra tries after unusable replies; max_rows:
-    rows per request (<= MAX_STEP_ROWS); reconnect_grace: seconds after a NATS reconnect during
-    which "no responders" means "workers still reconnecting" (wait and retry), not "no workers";
+    rows per request (<= MAX_STEP_ROWS); reconnect_grace: seconds after a NATS reconnect, or after an
+    expert's last good reply, during which "no responders" for it means "workers still reconnecting"
+    (wait and retry), not "no workers" (a worker whose NATS node died reconnects to another one while
+    this connection never dropped);
     dispatch: "direct" (join-shortest-queue over the known workers, coordinator/try_legs.py) or "queue"
     (every try to the queue group)."""
 
@@ -167,6 +170,7 @@ class NatsTransport:
         self.bad_reply_retries = bad_reply_retries
         self.max_rows = max_rows
         self.reconnect_grace = reconnect_grace
+        self._answered_at: dict[int, float] = {}  # expert -> monotonic time of its last good reply
         self.mux = ReplyMux(nc)  # every leg's reply subject; forged and late replies dropped
         self.legs = TryLegs(  # where each try's legs go, hedged when late
             self.mux,
@@ -386,10 +390,11 @@ class NatsTransport:
                     insist=policy.insist,
                 )
             except Exception as err:
-                outcome = self._outcome(err, epoch, req.request_id)
+                outcome = self._outcome(err, epoch, req.request_id, expert)
                 if outcome is None:  # not a failure a retry is for
                     raise
             else:
+                self._answered_at[expert] = time.monotonic()
                 if stream is not None:  # only the answering leg's further replies count (a hedge's copy streams too)
                     stream.worker, stream.first_s, stream.token = worker, time.monotonic() - began, token
                     for other in [tok for tok in stream.tokens if tok != token]:
@@ -429,13 +434,14 @@ class NatsTransport:
             **fields,
         )
 
-    def _outcome(self, err: Exception, epoch: int, request_id: str) -> Outcome | None:
+    def _outcome(self, err: Exception, epoch: int, request_id: str, expert: int) -> Outcome | None:
         """What a failed try came back with, for the retry policy; None for an error no retry is for.
         epoch: the connection's reconnect count when the try was sent."""
         import nats.errors
 
         if isinstance(err, nats.errors.NoRespondersError):
-            return Outcome(Failed.NO_RESPONDERS, request_id, reconnecting=self._in_reconnect_grace())
+            recent = time.monotonic() - self._answered_at.get(expert, -math.inf) < self.reconnect_grace
+            return Outcome(Failed.NO_RESPONDERS, request_id, reconnecting=recent or self._in_reconnect_grace())
         if isinstance(err, (TimeoutError, nats.errors.TimeoutError)):
             raise_if_cancelled()  # 3.11's wait_for can turn a cancel into a timeout: do not retry then
             down = self._observe_reconnects() != epoch or not getattr(self.nc, "is_connected", True)

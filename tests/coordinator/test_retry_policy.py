@@ -4,6 +4,7 @@ tries in, what the next try does out. Then how the transport turns what a try ra
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -182,13 +183,23 @@ async def test_the_transport_turns_each_failure_of_a_try_into_its_outcome():
         ),
     ]
     for err, want in cases:
-        assert tr._outcome(err, 0, "s1") == want, err
-    assert tr._outcome(ValueError("a bug"), 0, "s1") is None  # raised as it is, never retried
+        assert tr._outcome(err, 0, "s1", 0) == want, err
+    assert tr._outcome(ValueError("a bug"), 0, "s1", 0) is None  # raised as it is, never retried
 
     class Reconnected:  # the connection was re-established since the try was sent (epoch 0)
         stats = {"reconnects": 1}
         is_connected = True
 
     tr.nc = Reconnected()
-    assert tr._outcome(nats.errors.TimeoutError(), 0, "s1").connection_lost
-    assert tr._outcome(nats.errors.NoRespondersError(), 1, "s1").reconnecting  # within reconnect_grace
+    assert tr._outcome(nats.errors.TimeoutError(), 0, "s1", 0).connection_lost
+    assert tr._outcome(nats.errors.NoRespondersError(), 1, "s1", 0).reconnecting  # within reconnect_grace
+
+    # this connection never dropped, but the expert answered a moment ago: its workers may be reconnecting
+    # to another node of the cluster (theirs died), so "no responders" waits and retries for a while
+    fresh = NatsTransport(None, reconnect_grace=10.0)
+    assert not fresh._outcome(nats.errors.NoRespondersError(), 0, "s1", 3).reconnecting  # never answered: none
+    fresh._answered_at[3] = time.monotonic()
+    assert fresh._outcome(nats.errors.NoRespondersError(), 0, "s1", 3).reconnecting
+    assert not fresh._outcome(nats.errors.NoRespondersError(), 0, "s1", 4).reconnecting  # another expert
+    fresh._answered_at[3] = time.monotonic() - 11.0
+    assert not fresh._outcome(nats.errors.NoRespondersError(), 0, "s1", 3).reconnecting  # long gone: no workers
