@@ -274,18 +274,24 @@ def test_rate_window_is_bounded_by_count():
 
 
 async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop():
-    """Every router call of a running engine goes to the same thread, not the event loop's and not
-    asyncio's default executor's (whose calls moved between threads); run() ending shuts it down."""
+    """Every router call of more than INLINE_ROUTER_ROWS rows goes to the same thread, not the event loop's
+    and not asyncio's default executor's (whose calls moved between threads); run() ending shuts it down.
+    A call of a few rows runs on the loop itself (the hand-off would cost more than it blocks)."""
     import threading
+
+    from coordinator.executor import INLINE_ROUTER_ROWS
 
     class Where(LabelRouter):
         def __init__(self):
             super().__init__(C2E, 2)
-            self.threads: list[threading.Thread] = []
+            self.calls: list[tuple[threading.Thread, int]] = []
 
         def weights(self, x, t, y):
-            self.threads.append(threading.current_thread())
+            self.calls.append((threading.current_thread(), len(y)))
             return super().weights(x, t, y)
+
+    def threads(router, small: bool) -> set:
+        return {th for th, rows in router.calls if (rows <= INLINE_ROUTER_ROWS) == small}
 
     router = Where()
     e = Engine(
@@ -297,11 +303,14 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
     )
     task = asyncio.create_task(e.run())
     for i in range(6):
-        e.submit(JobRequest(job_id=f"j{i}", digits=[i, 9 - i], steps=3))
+        e.submit(JobRequest(job_id=f"j{i}", digits=[i, 9 - i, i, 9 - i, i], steps=3))
     await wait_until(lambda: e.status()["jobs_done"] == 6)
-    assert len(router.threads) >= 6
-    (thread,) = set(router.threads)
+    assert len([c for c in router.calls if c[1] > INLINE_ROUTER_ROWS]) >= 3
+    (thread,) = threads(router, small=False)
     assert thread is not threading.current_thread() and thread.name.startswith("router")
+    e.submit(JobRequest(job_id="small", digits=[3], steps=2))
+    await wait_until(lambda: e.status()["jobs_done"] == 7)
+    assert threads(router, small=True) == {threading.current_thread()}
     await e.stop()
     await asyncio.wait_for(task, 5)
     await wait_until(lambda: not thread.is_alive())
@@ -313,10 +322,10 @@ async def test_the_router_runs_in_one_thread_of_its_own_which_ends_with_the_loop
         lambda ev: None,
         cohorts=1,
     )  # ticked by hand, no run()
-    driven.submit(JobRequest(job_id="by-hand", digits=[4], steps=2))
+    driven.submit(JobRequest(job_id="by-hand", digits=[4] * 8, steps=2))
     while await driven.tick():
         pass
-    (thread,) = set(driven.executor.router.threads)
+    (thread,) = threads(driven.executor.router, small=False)
     assert thread.is_alive() and thread.name.startswith("router")
     await driven.stop()  # ends it too
     await wait_until(lambda: not thread.is_alive())
