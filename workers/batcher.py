@@ -40,6 +40,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,11 @@ log = logging.getLogger(__name__)
 MERGE_MARGIN = 0.1
 #: Weight of the newest pass in a bucket's running forward-time estimate.
 COST_EWMA = 0.2
+#: A pass of at most INLINE_ROWS rows whose bucket's forward is estimated under INLINE_MAX_S seconds (the default
+#: of `Batcher(inline_max_s=)`, `--inline-forward-ms`) runs on the event loop when nothing is queued behind it
+#: (`Batcher._inline`), not in the model thread.
+INLINE_ROWS = 4
+INLINE_MAX_S = 0.02
 
 ModelFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
@@ -143,7 +149,8 @@ class Batcher:
     {bucket: seconds} of a warm forward (the backend's `warmup_s`), the start of the cost
     estimates `merge="auto"` decides with. quantum: an unpadded backend computes rows in multiples of
     this (a batch-invariant one, `BackendBase.make_batch_invariant`): the costs and the observer's
-    `bucket` count the rows it computes.
+    `bucket` count the rows it computes. inline_max_s: a small pass with nothing queued behind it whose
+    bucket's estimate is at most this runs on the event loop (`_inline`); 0: every pass in the executor.
     """
 
     def __init__(
@@ -159,6 +166,7 @@ class Batcher:
         merge: str = "auto",
         pad: bool = True,
         quantum: int = 1,
+        inline_max_s: float = INLINE_MAX_S,
     ):
         self.buckets, self.max_batch = plan_buckets(buckets, max_batch)
         self.quantum = max(1, int(quantum))
@@ -170,6 +178,7 @@ class Batcher:
         self.cost_s: dict[int, float] = {
             int(b): float(s) for b, s in (forward_s or {}).items() if int(b) in self.buckets and float(s) > 0
         }
+        self.inline_max_s = float(inline_max_s)  # small quick passes run on the loop (`_inline`); 0: never
         self.merges_declined = 0  # times a queued chunk was kept for a later pass because merging would not pay
         self._model_fn = model_fn
         self._executor = executor
@@ -300,6 +309,15 @@ class Batcher:
         """Rows an unpadded backend computes for `rows` (up to a multiple of the quantum)."""
         return -(-rows // self.quantum) * self.quantum
 
+    def _inline(self, rows: int, bucket: int) -> bool:
+        """Run this pass on the event loop instead of the model thread? Only a small pass (at most
+        INLINE_ROWS rows, its bucket's forward estimated under `inline_max_s`) with nothing queued behind it:
+        handing it to the thread and back costs more than the loop is blocked, and no request waits to be
+        decoded meanwhile (one client's steps, or a request running ahead)."""
+        if self.inline_max_s <= 0 or rows > INLINE_ROWS or self._queue:
+            return False
+        return self.cost_s.get(bucket_for(rows, self.buckets), math.inf) <= self.inline_max_s
+
     def _run_model(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
         out = np.asarray(self._model_fn(x, t, y))
@@ -325,7 +343,12 @@ class Batcher:
             started = time.perf_counter()
             self.busy = True
             try:
-                out, compute_s = await loop.run_in_executor(self._executor, self._run_model, x, t, y)
+                if self._inline(rows, bucket):
+                    for _ in range(2):  # the last pass's replies go out first (published, then flushed)
+                        await asyncio.sleep(0)
+                    out, compute_s = self._run_model(x, t, y)
+                else:
+                    out, compute_s = await loop.run_in_executor(self._executor, self._run_model, x, t, y)
                 if out.shape[0] != bucket:
                     raise ValueError(f"model returned {out.shape[0]} rows for a batch of {bucket}")
             except Exception as err:  # the model failed: fail this batch, keep serving

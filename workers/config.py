@@ -295,6 +295,17 @@ class WorkerConfig:
         "--max-batch",
         choices=MERGE_MODES,
     )
+    inline_forward_ms: float = option(
+        20.0,
+        "a pass of at most 4 rows with nothing queued behind it, whose forward the worker's running "
+        "estimate puts under this many ms, runs on the event loop instead of the model thread (one "
+        "client's steps: the hand-off costs more than the loop waits; default %(default)s; 0: every "
+        "pass in the model thread, so the loop answers even during a forward that runs far over its "
+        "estimate)",
+        metavar="MS",
+        lo=0,
+        must=">= {lo} milliseconds (0: off)",
+    )
     max_request_rows: int = option(
         MAX_STEP_ROWS,
         f"refuse requests with more rows (too_large); default %(default)s, the protocol limit is {MAX_STEP_ROWS}",

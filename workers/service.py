@@ -198,6 +198,7 @@ class ExpertWorker:
                 merge=self.merge,
                 pad=bool(getattr(self.backend, "pads_to_buckets", True)),
                 quantum=int(getattr(self.backend, "batch_quantum", 0) or 1),
+                inline_max_s=self.config.inline_forward_ms / 1000.0,
             )
             await self._batcher.start()
             if self.metrics_port is not None:

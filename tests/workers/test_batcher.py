@@ -235,6 +235,7 @@ def test_any_mix_of_requests_gets_exactly_its_own_rows_back(sizes, buckets, stag
 async def _passes(model, b, sizes):
     """Hold a first 1-row pass, queue requests of `sizes` behind it, release; the results."""
     model.gate = threading.Event()
+    b.inline_max_s = 0  # the first pass is held in the model thread, not on the loop
     await b.start()
     first = b.submit(*rows(1))
     await wait_until(model.entered.is_set, what="the first pass to block in the executor")
@@ -315,3 +316,56 @@ def test_only_backends_with_fixed_shapes_pad():
 
     assert get_backend("torch", device="cpu").pads_to_buckets is False
     assert get_backend("sim").pads_to_buckets is True  # it models a fixed-shape GPU forward
+
+
+async def test_a_small_pass_with_nothing_behind_it_runs_on_the_loop_others_in_the_model_thread():
+    """One client's steps (a pass of a few rows, its forward estimated under INLINE_MAX_S, nothing queued
+    behind it) run on the event loop: the hand-off to the model thread and back would cost more. A large pass,
+    a slow bucket, or a pass with requests queued behind it goes to the thread, so decoding them overlaps it."""
+    from workers.batcher import INLINE_MAX_S, INLINE_ROWS
+
+    class WhereModel(RecordingModel):
+        def __init__(self):
+            super().__init__()
+            self.threads: list[tuple[int, threading.Thread]] = []
+
+        def __call__(self, x, t, y):
+            self.threads.append((x.shape[0], threading.current_thread()))
+            return super().__call__(x, t, y)
+
+    loop_thread = threading.current_thread()
+    costs = {1: 0.003, 2: 0.004, 4: 0.006, 8: 2 * INLINE_MAX_S}
+    model = WhereModel()
+    b = Batcher(model, buckets=(1, 2, 4, 8), pad=False, forward_s=costs)
+    await b.start()
+    for n in (1, INLINE_ROWS, INLINE_ROWS + 1):  # one at a time: nothing queued behind any of them
+        r = await b.submit(*rows(n))
+        np.testing.assert_array_equal(r.velocity, expected(*rows(n)))
+    assert [(n, th is loop_thread) for n, th in model.threads] == [
+        (1, True),
+        (INLINE_ROWS, True),
+        (INLINE_ROWS + 1, False),
+    ]
+    await b.close()
+
+    # linear costs (merging two 1-row requests does not pay): the first pass has the second request queued
+    # behind it and goes to the thread; the second, with nothing behind it, runs on the loop
+    queued = WhereModel()
+    b1 = Batcher(queued, buckets=(1, 2, 4), pad=False, forward_s={1: 0.005, 2: 0.010, 4: 0.020})
+    await b1.start()
+    await asyncio.gather(b1.submit(*rows(1)), b1.submit(*rows(1, start=5)))
+    await b1.close()
+    assert [(n, th is loop_thread) for n, th in queued.threads] == [(1, False), (1, True)]
+
+    slow = WhereModel()
+    b2 = Batcher(slow, buckets=(1, 2), pad=False, forward_s={1: 2 * INLINE_MAX_S, 2: 4 * INLINE_MAX_S})
+    await b2.start()
+    await b2.submit(*rows(1))
+    await b2.close()
+    assert slow.threads[0][1] is not loop_thread  # a slow forward would block the loop: the thread
+    off = WhereModel()
+    b3 = Batcher(off, buckets=(1, 2), pad=False, forward_s={1: 0.001, 2: 0.002}, inline_max_s=0)
+    await b3.start()
+    await b3.submit(*rows(1))
+    await b3.close()
+    assert off.threads[0][1] is not loop_thread

@@ -185,6 +185,7 @@ def test_every_flag_round_trips_through_to_argv():
         buckets=(1, 4),
         max_batch=3,
         merge="always",
+        inline_forward_ms=5.0,
         max_request_rows=100,
         max_queue_rows=None,
         max_inflight=7,

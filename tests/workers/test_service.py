@@ -273,7 +273,10 @@ async def test_model_failure_is_an_internal_error_and_the_loop_stays_responsive(
 
     with NatsServer() as srv:
         be = FlakyTorchBackend(tiny_expert_checkpoint)
-        async with ExpertWorker(0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2, 4)) as w:
+        # a forward far over its estimate: the loop answers meanwhile only if it runs in the model thread
+        async with ExpertWorker(
+            0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2, 4), inline_forward_ms=0
+        ) as w:
             nc = await nats.connect(srv.url)
             try:
                 bad, _ = await ask(nc, pack(make_request(2, t=np.full(2, 0.125, np.float32))))
@@ -300,7 +303,9 @@ async def test_expired_while_queued_is_dropped_not_computed(tiny_expert_checkpoi
 
     with NatsServer() as srv:
         be = FlakyTorchBackend(tiny_expert_checkpoint)
-        async with ExpertWorker(0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2, 4), max_batch=1) as w:
+        async with ExpertWorker(
+            0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2, 4), max_batch=1, inline_forward_ms=0
+        ) as w:
             nc = await nats.connect(srv.url)
             try:
                 slow = asyncio.create_task(ask(nc, pack(make_request(1, t=np.full(1, 0.875, np.float32)))))
@@ -351,7 +356,14 @@ async def test_full_queue_answers_overloaded_at_once(tiny_expert_checkpoint):
     with NatsServer() as srv:
         be = FlakyTorchBackend(tiny_expert_checkpoint)
         async with ExpertWorker(
-            0, tiny_expert_checkpoint, be, nats_url=srv.url, buckets=(1, 2), max_batch=1, max_queue_rows=2
+            0,
+            tiny_expert_checkpoint,
+            be,
+            nats_url=srv.url,
+            buckets=(1, 2),
+            max_batch=1,
+            max_queue_rows=2,
+            inline_forward_ms=0,  # the slow forward in the model thread: the loop queues and refuses meanwhile
         ) as w:
             nc = await nats.connect(srv.url)
             try:
