@@ -138,10 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--limit-batches",
-        default="8,32,128",
+        default="1,2,4,8,32,128",
         metavar="B,B,...|none",
         help="batch sizes at which the experts' own forward is timed in this process for the "
-        "forward-only limit, on the CPU one thread per core: images/s = best rows/s / (steps x "
+        "forward-only limit and the CPU accounting's forward per row (read at each level's mean batch, "
+        "so the small batches of few clients are timed too), on the CPU one thread per core: "
+        "images/s = best rows/s / (steps x "
         "evaluations per step (heun 2) x experts per row (top1/oracle 1, topk k, full all) x forward rows "
         "per evaluation (2 with --guidance: the label's and the null label's, else 1)), where "
         "best rows/s is each expert's best over these batches, averaged over experts by time per "
