@@ -6,7 +6,9 @@ fit: a later small request may ride along where an earlier large one does not fi
 then leads the next pass), concatenates them, pads the batch up to the smallest bucket size that
 holds it (XLA / jax compile once per shape), runs ONE forward pass in an executor thread (so the
 asyncio loop keeps answering pings and taking requests), and hands every request its own slice of
-the output.
+the output. A small pass (at most INLINE_ROWS rows, its forward estimated under `inline_max_s`) with nothing
+queued behind it runs on the loop itself: one client's steps, where the two thread hand-offs cost more than the
+loop waits.
 
 Merging only where it pays (`merge="auto"`, the default): a request joins the pass being formed
 if that pass stays in its bucket, or if the bigger bucket costs at least MERGE_MARGIN less than
