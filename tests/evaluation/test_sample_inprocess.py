@@ -6,8 +6,6 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.workers.test_torch_compile import COMPILES
-
 
 @pytest.fixture(scope="module")
 def tiny_ddm(tmp_path_factory):
@@ -119,26 +117,22 @@ def test_bfloat16_images_are_close_to_float32_and_reproducible(tiny_ddm):
     assert 0 < np.abs(bf16 - fp32).max() < 0.1
 
 
-@pytest.mark.slow
-@COMPILES
-def test_compiled_experts_give_the_eager_images_within_rounding(tmp_path):
-    """--compile on: the images a compiled worker would give, within float32 rounding of the eager ones.
-    (Digits of expert 0 alone, routed by label in one job: one graph to compile, not one per expert and
-    batch size; tests/workers/test_torch_compile.py covers those. The experts have that file's architecture and
-    weights, COMPILED_TINY and COMPILED_SEEDS, so the suite builds their C++ kernels once.)"""
-    from models.tiny import make_tiny_expert, make_tiny_router
+def test_compile_reaches_the_experts_the_sampler_runs(tmp_path):
+    """--compile on: the in-process sampler's experts are the workers' compiled torch backend (what their
+    compiled forward computes, against eager, is tests/workers/test_torch_compile.py's; compiling here again
+    would cost the suite about 50 CPU-seconds for the same kernels); off: eager."""
+    from evaluation.sample_inprocess import _Experts
+    from models.tiny import make_tiny_expert
     from tests.workers.test_torch_compile import COMPILED_SEEDS, COMPILED_TINY
 
-    for k in (0, 1):  # the shipped partition's halves, with that file's weights (its kernels are built once)
-        classes = range(5 * k, 5 * k + 5)
-        make_tiny_expert(tmp_path / f"expert{k}", expert_id=k, seed=COMPILED_SEEDS[k], classes=classes, **COMPILED_TINY)
-    make_tiny_router(tmp_path / "router", 2)
-    shutil.copy("checkpoints/partition.json", tmp_path / "partition.json")
-    one = dict(strategy="oracle", digits=[0, 1, 2, 3], job_size=4, dtype="float32")
-    eager = _top1_images(tmp_path, compile="off", **one)
-    compiled = _top1_images(tmp_path, compile="on", **one)
-    assert np.abs(eager).max() > 0.1  # images, not an empty canvas
-    np.testing.assert_allclose(compiled, eager, atol=1e-4)
+    paths = [
+        str(make_tiny_expert(tmp_path / f"e{k}", expert_id=k, seed=COMPILED_SEEDS[k], **COMPILED_TINY)) for k in (0, 1)
+    ]
+    on = _Experts(paths, "cpu", dtype="float32", compile="on")
+    off = _Experts(paths, "cpu", dtype="float32", compile="off")
+    assert [b.describe()["compiled"] for b in on.backends] == ["true", "true"]
+    assert [b.describe()["compiled"] for b in off.backends] == ["false", "false"]
+    assert all(b.compile_reason == "asked for" for b in on.backends)
 
 
 @pytest.mark.slow

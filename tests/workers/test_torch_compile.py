@@ -11,7 +11,7 @@ import pytest
 
 from workers.backends.torch_compile import check_compile, choose_compile, find_compiler, resolve_compile
 
-#: the tests that compile, here and in tests/evaluation/test_sample_inprocess.py, run on one pytest-xdist worker
+#: the tests that compile (all in this file) run on one pytest-xdist worker
 #: one after another: the first builds the kernels, the rest find them in the suite's inductor cache
 #: (tests/conftest.py), about a third of the CPU of a cold compile
 COMPILES = pytest.mark.xdist_group("torch-compile")
