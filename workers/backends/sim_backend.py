@@ -46,7 +46,6 @@ velocity is float32 either way.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -55,8 +54,6 @@ import numpy as np
 from schemas import UNCONDITIONAL
 
 from .base import BackendBase, BackendError
-
-log = logging.getLogger(__name__)
 
 #: preset name -> (batch_ms, row_ms); see the module docstring for how they were fitted.
 PRESETS: dict[str, tuple[float, float]] = {
@@ -115,22 +112,18 @@ class SimBackend(BackendBase):
         return (self.batch_ms + self.row_ms * rows) / 1000.0
 
     def warmup(self, buckets) -> None:
-        """Every bucket computed once, without the simulated wait: a sim has no one-off costs to pay, and
-        its steady cost is its latency model, so `warmup_s` is that (plus the velocity's own compute time)
-        and a worker with a slow sim (`--sim-batch-ms 1500`) is ready at once, not after 2 x buckets x 1.5 s."""
-        self._need_loaded()
-        c, h, w = self.input_shape
+        """`BackendBase.warmup` without the simulated wait: a sim has no one-off costs to pay, and its steady
+        cost is its latency model (`_steady_s`), so a worker with a slow sim (`--sim-batch-ms 1500`) is ready
+        at once, not after 2 x buckets x 1.5 s."""
         self._sleeps = False
         try:
-            for b in sorted(set(int(b) for b in buckets)):
-                start = time.perf_counter()
-                self.forward(np.zeros((b, c, h, w), np.float32), np.full((b,), 0.5, np.float32), np.zeros(b, np.int64))
-                self.warmup_s[b] = max(self.latency_s(b), time.perf_counter() - start)
+            super().warmup(buckets)
         finally:
             self._sleeps = True
-        log.info(
-            "sim backend warm (modelled): %s", ", ".join(f"{b}: {s * 1000:.0f} ms" for b, s in self.warmup_s.items())
-        )
+
+    def _steady_s(self, rows: int, measured_s: float) -> float:
+        """The latency model's time for `rows` rows (or the velocity's own compute time, if longer)."""
+        return max(self.latency_s(rows), measured_s)
 
     def describe(self) -> dict[str, str]:
         out = super().describe()
