@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.startup import router_spec
 from dataset.builtin import palette_table
 from evaluation.views import area_downsample, colour_check, palette_arrays
-from models.autoencoder import decoder_name
 from models.checkpoint import load_checkpoint
-from models.codec import codec_info, fleet_codec
-from tests.models.test_colour_latent_shipped import in_process_images
+from models.codec import codec_info
+from tests.models.test_colour_latent_shipped import check_names_its_autoencoder, in_process_images
 
 CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour-latent-256"
 
@@ -31,12 +29,7 @@ def test_the_256px_fleet_has_the_seeds_geometry_and_names_its_autoencoder():
     assert meta["training"]["val_psnr_db"] >= 35.0
     partition = json.loads((CKPT / "partition.json").read_text())
     names = [f"expert{k}" for k in range(partition["num_experts"])] + ["router"]
-    for name in names:
-        spec = router_spec(CKPT / f"{name}.safetensors")
-        assert spec.space == "latent" and tuple(spec.sample_shape) == (4, 32, 32), name
-        assert spec.decoder == decoder_name(info.content_hash), name
-        assert spec.num_classes == 10 and spec.conditioning.null_label, name
-        assert fleet_codec(spec, [CKPT]) == CKPT / "autoencoder.safetensors"
+    check_names_its_autoencoder(CKPT, names, (4, 32, 32))
     for name in names[:-1]:
         meta, _ = load_checkpoint(CKPT / f"{name}.safetensors")
         assert meta["arch"] == "unet" and meta["config"]["in_channels"] == 4 and meta["config"]["image_size"] == 32

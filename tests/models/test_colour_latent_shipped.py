@@ -20,17 +20,24 @@ CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "colour-latent"
 FILES = ["expert0", "expert1", "expert2", "expert3", "router", "monolith"]
 
 
+def check_names_its_autoencoder(ckpt: Path, names: list[str], latent_shape: tuple[int, ...]) -> None:
+    """Each of `names` (checkpoints in `ckpt`) has one latent spec of `latent_shape`, 10 classes and a null
+    label, naming the autoencoder shipped beside it, which is the codec a fleet of that directory finds."""
+    info = codec_info(ckpt / "autoencoder.safetensors")
+    for name in names:
+        spec = router_spec(ckpt / f"{name}.safetensors")
+        assert spec.space == "latent" and tuple(spec.sample_shape) == latent_shape, name
+        assert spec.decoder == decoder_name(info.content_hash), name
+        assert spec.num_classes == 10 and spec.conditioning.null_label, name
+        assert fleet_codec(spec, [ckpt]) == ckpt / "autoencoder.safetensors"
+
+
 def test_every_latent_checkpoint_names_the_shipped_autoencoder():
     info = codec_info(CKPT / "autoencoder.safetensors")
     assert info.image_shape == (3, 32, 32) and info.latent_channels == 4 and info.downsample == 2
     meta = json.loads((CKPT / "autoencoder.json").read_text())
     assert meta["training"]["val_psnr_db"] >= 30.0
-    for name in FILES:
-        spec = router_spec(CKPT / f"{name}.safetensors")
-        assert spec.space == "latent" and tuple(spec.sample_shape) == (4, 16, 16), name
-        assert spec.decoder == decoder_name(info.content_hash), name
-        assert spec.num_classes == 10 and spec.conditioning.null_label, name
-        assert fleet_codec(spec, [CKPT]) == CKPT / "autoencoder.safetensors"
+    check_names_its_autoencoder(CKPT, FILES, (4, 16, 16))
     # the pixel fleet's partition: the same images per expert, so the two fleets compare like for like
     assert (CKPT / "partition.json").read_bytes() == (CKPT.parent / "colour" / "partition.json").read_bytes()
 
