@@ -184,6 +184,19 @@ async def connect(
 DRAIN_TIMEOUT_S = 5.0
 
 
+async def flushed(nc, timeout: float = 10.0) -> None:
+    """Return once the server has every command `nc` wrote before the call (its SUBs and PUBs): a
+    subscription made before `await flushed(nc)` receives what any connection publishes after it.
+
+    One `nc.flush()` does not promise that: nats-py writes the flush's PING straight to the socket,
+    possibly ahead of commands still in its write buffer, so the PONG can come back before the server
+    has read them (a SUB then misses what another connection publishes next; seen on a loaded box). By
+    the time that PONG is back the flusher task has written the buffer, so a second round trip does.
+    Raises what `nc.flush` raises (nats.errors.TimeoutError after `timeout` s per round trip)."""
+    await nc.flush(timeout=timeout)
+    await nc.flush(timeout=timeout)
+
+
 async def drain_or_close(nc, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     """Drain `nc` (its subscriptions' messages handled, what it published flushed), or close it after
     about `timeout_s` seconds if that does not finish (a handler that never returns, a server that went

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from bus.connect import flushed
 from bus.inbox import request_inbox_prefix
 from schemas import FleetStatus, JobAccepted, JobRequest, JobStatus, subjects
 from schemas.limits import MAX_PAYLOAD_BYTES
@@ -290,11 +291,7 @@ class Coordinator:
             await self.nc.subscribe(subjects.FLEET_STATUS, cb=intake.on_status, pending_msgs_limit=INTAKE_PENDING_MSGS),
         ]
         intake.submit_sub = self._subs[0]  # its backlog tells whether a cancel may overtake a submit
-        # nats-py writes a flush's PING straight to the socket, possibly ahead of SUBs still in its
-        # buffer; by the time that PONG is back the flusher task has written them, so a second
-        # round trip proves the server has every subscription (and clients find us at once).
-        await self.nc.flush()
-        await self.nc.flush()
+        await flushed(self.nc)  # the server has every subscription: clients find us at once
 
     async def _unsubscribe(self) -> None:
         for sub in self._subs:

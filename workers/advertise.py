@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from importlib import metadata as _md
 from typing import Any
 
+from bus.connect import flushed
 from schemas import subjects
 from schemas.limits import MAX_RUN_AHEAD
 from schemas.version import PROTOCOL_VERSION
@@ -142,7 +143,6 @@ async def add_expert_endpoints(
         handler=handler,
         metadata={**endpoint, "worker_id": worker_id},
     )
-    # Two round trips: with nats-py a single flush() was seen to return before the server had the
-    # queue subscription (a request right after start() then met "no responders" on a loaded box).
-    await nc.flush()
-    await nc.flush()
+    # the server has the endpoints' subscriptions before this returns (a request right after start()
+    # would otherwise meet "no responders" on a loaded box)
+    await flushed(nc)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from bus.connect import flushed
 from schemas import DecodeReply, DecodeRequest, ErrorCode, ErrorReply, ProtocolError, pack, subjects, unpack
 from schemas.limits import MAX_STEP_ROWS
 
@@ -195,8 +196,7 @@ class DecoderWorker:
             handler=self._on_request,
             metadata={"decoder": self.content_hash, "request": "DecodeRequest", "reply": "DecodeReply|ErrorReply"},
         )
-        await self.nc.flush()
-        await self.nc.flush()  # a second round trip: the server surely has the queue subscription
+        await flushed(self.nc)  # the server has the queue subscription before this returns
 
     async def stop(self) -> None:
         """Stop taking requests, answer the ones held, close the connection (if ours)."""

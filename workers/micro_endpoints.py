@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from bus.connect import flushed
+
 log = logging.getLogger(__name__)
 
 
@@ -58,8 +60,7 @@ async def stop_endpoints(service: Any, nc: Any) -> None:
     try:
         for sub in subs:
             await send_unsubscribe(nc, sub)
-        await nc.flush(timeout=5)
-        await nc.flush(timeout=5)
+        await flushed(nc, timeout=5)
     except Exception as err:
         log.warning("unsubscribing the endpoints before draining them failed: %s", err)
     for sub in subs:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from benchmarks import fleet as bench
+from bus.connect import flushed
 
 
 def _args(**kw):
@@ -115,7 +116,7 @@ async def test_fleet_job_tells_rejected_failed_and_lost_apart(nats_url, nc):
         hung = [
             await nc.subscribe(subjects.expert_velocity(k), queue=subjects.expert_queue_group(k)) for k in range(2)
         ]  # experts that take requests and never answer
-        await nc.flush()
+        await flushed(nc)
         try:
             results = await asyncio.gather(*(bench.fleet_job(nc, req(i), 1.5) for i in range(2, 5)))
         finally:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bus.connect import BusUnavailable, connect, drain_or_close
+from bus.connect import BusUnavailable, connect, drain_or_close, flushed
 from bus.nats_server import NatsServer, free_port
 
 
@@ -194,7 +194,7 @@ async def test_discard_unsent_keeps_a_connection_with_nothing_queued(nc):
         got.append(msg.data)
 
     sub = await nc.subscribe("ddm.test.idle", cb=on_msg)
-    await nc.flush()
+    await flushed(nc)
     transport = nc._transport._io_writer.transport
     for _ in range(100):  # sent bytes count until the server's TCP acknowledges them (a delayed ACK: ms)
         if unsent_bytes(nc, transport, transport.get_extra_info("socket")) == 0:
@@ -212,12 +212,41 @@ async def test_discard_unsent_keeps_a_connection_with_nothing_queued(nc):
     await sub.unsubscribe()
 
 
+async def test_flushed_round_trips_after_every_command_the_connection_had_buffered(nc):
+    """nats-py writes a flush's PING straight to the socket, ahead of a SUB still in its write buffer, so
+    one flush() can return before the server has the subscription; `flushed` ends with a PING written
+    after the SUB (what goes onto the socket is recorded in order)."""
+    transport = nc._transport
+    wire: list[bytes] = []
+    write, writelines = transport.write, transport.writelines
+
+    def record(data):
+        wire.append(bytes(data))
+        return write(data)
+
+    def record_lines(lines):
+        lines = list(lines)
+        wire.extend(bytes(b) for b in lines)
+        return writelines(lines)
+
+    transport.write, transport.writelines = record, record_lines
+    try:
+        sub = await nc.subscribe("ddm.test.flushed")
+        await flushed(nc)
+    finally:
+        transport.write, transport.writelines = write, writelines
+    sent = b"".join(wire)
+    assert sent.find(b"SUB ddm.test.flushed") >= 0, sent
+    assert sent.rfind(b"PING") > sent.find(b"SUB ddm.test.flushed"), sent
+    await sub.unsubscribe()
+
+
 async def test_drain_or_close_delivers_what_was_published_and_closes(nats_url):
     nc = await connect(nats_url, name="test-drain")
     listener = await connect(nats_url, name="test-drain-listener")
     try:
         sub = await listener.subscribe("test.drain.out")
-        await listener.flush()
+        await flushed(listener)
         for i in range(100):
             await nc.publish("test.drain.out", str(i).encode())
         assert await drain_or_close(nc) is True

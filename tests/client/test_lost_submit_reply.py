@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from client.jobs import JobFailed, run_job
 from schemas import DoneEvent, JobAccepted, JobRequest, subjects
 from schemas.wire import pack, unpack
@@ -38,8 +39,7 @@ async def _silent_coordinator(nc, *, publish_accepted: bool):
         await nc.publish(events, pack(done))
 
     sub = await nc.subscribe(subjects.jobs_submit("anon"), cb=on_submit)
-    await nc.flush()
-    await nc.flush()
+    await flushed(nc)
     return sub
 
 

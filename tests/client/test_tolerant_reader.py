@@ -7,6 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from client.jobs import fleet_status, job_status, run_job
 from schemas import (
     DoneEvent,
@@ -77,7 +78,7 @@ async def test_the_client_reads_replies_and_events_with_keys_it_does_not_know(nc
         await nc.subscribe(subjects.FLEET_STATUS, cb=on_fleet),
         await nc.subscribe(subjects.jobs_submit("c"), cb=on_submit),
     ]
-    await nc.flush()
+    await flushed(nc)
     try:
         st = await job_status(nc, "j1", client="c")
         assert (st.state, st.step) == ("running", 2)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import client.jobs as jobs
+from bus.connect import flushed
 from client.jobs import JobFailed, job_status, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
@@ -58,7 +59,7 @@ class Recorder:
 async def _recorded(nc, job_id: str) -> tuple[Recorder, object]:
     rec = Recorder()
     sub = await nc.subscribe(subjects.job_events("anon", job_id), cb=rec.put)
-    await nc.flush()
+    await flushed(nc)
     return rec, sub
 
 

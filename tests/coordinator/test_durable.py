@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from bus.nats_server import NatsServer
 from client.jobs import run_job
 from schemas import FrameEvent, JobRequest
@@ -403,7 +404,7 @@ async def test_a_stale_epoch_frame_and_done_after_a_take_over_never_reach_the_cl
             live = [j for j in theirs if not log.dones(j)]
             assert live, "the taken-over jobs all ended before the injection: make them longer"
             subs = [await spy.subscribe(subjects.job_events("anon", j), cb=record) for j in live]
-            await spy.flush()
+            await flushed(spy)
             injected_at = time.monotonic()
             for j in live:  # what the old owner would publish: its next frame, then a `done` of other images
                 last = log.steps(j)[-1]

@@ -18,6 +18,7 @@ import secrets
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from coordinator.decoder_client import DecoderClient, DecoderUnavailable
 from coordinator.null_labels import NullLabelProbes
 from schemas import DecodeReply, DecodeRequest, StepReply, StepRequest, pack, subjects, unpack
@@ -93,7 +94,7 @@ async def test_probe_reply_subjects_predict_nothing_and_sprayed_decode_replies_m
         seen.append(msg.reply)
 
     spy_sub = await spy.subscribe(subjects.expert_velocity(0), cb=record)
-    await spy.flush()
+    await flushed(spy)
     subs = [await _worker(nc, 0), await _decoder(nc)]
     await nc.flush()
     sprayed = 0

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from client.jobs import JobFailed, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
@@ -68,7 +69,7 @@ async def test_done_images_are_the_decoded_latents_and_previews_ride_on_chosen_f
                     raw.append(msg.data)
 
                 sub = await nc.subscribe(subjects.job_events("anon", "v1job"), cb=keep)
-                await nc.flush()
+                await flushed(nc)
                 await run_job(nc, JobRequest(job_id="v1job", digits=[4], steps=1, seed=6, stream=False))
                 await nc.flush()
                 await sub.unsubscribe()

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from bus.connect import flushed
 from client.jobs import JobFailed, cancel_job, fleet_status, job_status, run_job, submit_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
@@ -176,7 +177,7 @@ async def _collect(nc, subject: str) -> list:
         got.append(msg)
 
     await nc.subscribe(subject, cb=cb)
-    await nc.flush()
+    await flushed(nc)
     return got
 
 
@@ -252,7 +253,7 @@ async def test_replies_go_only_to_inboxes(nats_url, nc, workers):
             await msg.respond(b"ok")
 
         await nc.subscribe("test.echo", cb=echo)
-        await nc.flush()
+        await flushed(nc)
 
         async def mux_open() -> bool:  # nats-py opens its reply mux on the first request
             import nats.errors

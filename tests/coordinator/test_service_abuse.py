@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from bus.connect import flushed
 from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
@@ -137,7 +138,7 @@ async def _events(nc, client: str) -> list:
         got.append(unpack(msg.data, JobEvent))
 
     await nc.subscribe(f"{subjects.client_namespace(client)}.jobs.*.events", cb=cb)
-    await nc.flush()
+    await flushed(nc)
     return got
 
 
@@ -243,7 +244,7 @@ async def test_status_requests_do_not_republish_a_result_each_and_are_rate_limit
                     waits.append(_retry_after(msg.headers))
 
             await nc.subscribe(inbox, cb=on_reply)
-            await nc.flush()
+            await flushed(nc)
             t0 = time.monotonic()
             for _ in range(300):
                 await nc.publish(subjects.job_status("a", "big"), b"", reply=inbox)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bus.connect import flushed
 from client.jobs import JobFailed, cancel_job, fleet_status, run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.scheduler import Rejected
@@ -352,7 +353,7 @@ async def test_stopping_does_not_wait_out_a_tick_on_experts_that_never_answer(na
         held.set()
 
     subs = [await nc.subscribe(subjects.expert_velocity(k), cb=hold) for k in range(2)]
-    await nc.flush()
+    await flushed(nc)
     try:
         coord = Coordinator(LabelRouter(C2E, 2), num_experts=2, nats_url=nats_url, step_timeout=60.0, retries=2)
         await coord.__aenter__()

@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from coordinator.transport import NatsTransport
 from schemas import ErrorCode, ErrorReply, StepReply, StepRequest, StepResult, pack, subjects, unpack
 from tests.coordinator.helpers import make_tiny_experts
@@ -170,8 +171,7 @@ class Responder:
         if self.direct:
             subject = subjects.expert_direct(self.expert, subjects.worker_token(self.worker_id))
             self.subs.append(await self.nc.subscribe(subject, cb=self._on_direct))
-        await self.nc.flush()
-        await self.nc.flush()
+        await flushed(self.nc)
         return self
 
     async def _on_queue(self, msg) -> None:

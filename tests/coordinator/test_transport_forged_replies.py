@@ -16,6 +16,7 @@ import secrets
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from client.jobs import run_job
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
@@ -50,7 +51,7 @@ class Forger:
         await self.nc.subscribe(subjects.ALL_EXPERTS, cb=self._on_request)
         await self.nc.subscribe(subjects.ALL_EXPERTS_DIRECT, cb=self._on_request)  # one worker's requests
         await self.nc.subscribe("_INBOX.>", cb=self._on_reply)
-        await self.nc.flush()
+        await flushed(self.nc)
 
     async def _on_request(self, msg) -> None:
         if not msg.reply:

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from coordinator.local_fleet import LabelRouter
 from coordinator.service import Coordinator
 from infra.cmd_generate import local_buckets, parse_digits
@@ -320,7 +321,7 @@ async def test_run_jobs_keeps_at_most_j_in_flight_and_one_bar_over_all_images(na
                     live.discard(ev.job_id)
 
             sub = await nc.subscribe(subjects.ALL_JOB_EVENTS, cb=watch)
-            await nc.flush()
+            await flushed(nc)
             requests, _ = plan_requests(_args(count=7, seed=3, steps=3, images_per_job=2))
             bar = tqdm(total=7, file=io.StringIO(), disable=False)
             dones, seeds = await run_jobs(nc, requests, in_flight=2, timeout=120, bar=bar)

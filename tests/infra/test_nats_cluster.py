@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from bus.inbox import discovery_inbox
 from bus.nats_server import nats_servers
 from infra.nats_cluster import NatsCluster
@@ -64,7 +65,7 @@ async def _expert_responder(servers: list[str], expert: int, worker_id: str, **o
         await msg.respond(pack(reply))
 
     await nc.subscribe(subjects.expert_velocity(expert), queue=subjects.expert_queue_group(expert), cb=handle)
-    await nc.flush()  # callers retry on no-responders: interest also has to cross routes / leaf links
+    await flushed(nc)  # callers retry on no-responders: interest also has to cross routes / leaf links
     return nc, served
 
 

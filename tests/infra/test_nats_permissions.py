@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from client.jobs import client_connect_options
 from infra.nats_cluster import NatsCluster
 from schemas import (
@@ -310,7 +311,7 @@ async def test_client_user_cannot_reach_into_another_users_namespace_or_inbox(co
     ):
         await client.nc.subscribe(subject)
         await client.violation(subject)
-    await client.nc.flush()
+    await flushed(client.nc)
     await asyncio.sleep(0.1)  # grace for a message that must never arrive: no event marks its absence
     assert seen == []
 

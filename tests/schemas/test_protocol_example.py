@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from schemas import (
     CancelReply,
     CancelRequest,
@@ -153,7 +154,7 @@ class FakeCoordinator:
             await self.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=self.on_submit),
             await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self.on_cancel),
         ]
-        await self.nc.flush()
+        await flushed(self.nc)
 
     async def stop(self):
         for s in self.subs:

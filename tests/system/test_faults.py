@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from bus.connect import flushed
 from bus.nats_server import NatsServer
 from client.jobs import JobFailed, job_status, run_job
 from coordinator.local_fleet import LabelRouter
@@ -233,7 +234,7 @@ async def test_nats_server_restart_mid_run_loses_no_job(server, workers):
 
             # a client that missed a job's end (it was away) gets it by asking: the coordinator publishes it again
             sub = await late.subscribe(subjects.job_events("anon", "restart-quiet"))
-            await late.flush()
+            await flushed(late)
             st = await job_status(late, "restart-quiet")
             assert (st.state, st.step, st.steps) == ("done", 16, 16)
             again_done = unpack((await sub.next_msg(timeout=10)).data, DoneEvent)

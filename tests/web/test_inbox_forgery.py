@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from bus.connect import flushed
 from bus.inbox import DISCOVERY, discovery_inbox, private_inbox
 from client.jobs import JobProbe, client_connect_options
 from infra.nats_cluster import NatsCluster
@@ -83,7 +84,7 @@ class Attacker:
     async def __aenter__(self) -> Attacker:
         for subject in ("$SRV.INFO", "$SRV.STATS"):
             await self.nc.subscribe(subject, cb=self._on_request)
-        await self.nc.flush()
+        await flushed(self.nc)
         self._task = asyncio.create_task(self._spray())
         return self
 
@@ -191,8 +192,8 @@ async def test_a_leaf_link_reaches_a_clients_discovery_inbox_only(cluster):
 
         await web_nc.subscribe("_INBOX_web.>", cb=on_msg)
         await cli_nc.subscribe("_INBOX_client.>", cb=on_msg)
-        await web_nc.flush()
-        await cli_nc.flush()
+        await flushed(web_nc)
+        await flushed(cli_nc)
         probe_web, probe_cli = private_inbox(web_nc), private_inbox(cli_nc)
         disc_web, disc_cli = discovery_inbox(web_nc), discovery_inbox(cli_nc)
         forged = pack(JobStatus(job_id="web0000000000000000", state="unknown"))
@@ -227,7 +228,7 @@ async def test_a_status_reply_about_another_job_is_dropped_and_counted(nc):
         await nc.publish(msg.reply, pack(JobStatus(job_id=parsed.job_id, state="running", step=1, steps=9)))
 
     sub = await nc.subscribe(subjects.job_status("anon", "j-mine"), cb=on_status)
-    await nc.flush()
+    await flushed(nc)
     try:
         probe = JobProbe(nc, "j-mine", client="anon", timeout=2.0)
         assert await probe.check() is None

@@ -151,6 +151,9 @@ async def test_concurrent_requests_are_batched(nats_url, tiny_expert_checkpoint,
     # merge="always": requests queued behind a running pass ride in the next one. The default
     # ("auto") merges on a CPU only where its timings say one pass is cheaper than two, which on a
     # tiny model on a busy machine can go either way (its decisions: tests/workers/test_batcher.py).
+    # inline_forward_ms=0: every pass in the model thread, so requests arrive while one runs (a tiny
+    # model's pass on the event loop holds arrivals back until it ends; on a loaded box each request
+    # could then get a pass of its own)
     async with ExpertWorker(
         0,
         tiny_expert_checkpoint,
@@ -160,6 +163,7 @@ async def test_concurrent_requests_are_batched(nats_url, tiny_expert_checkpoint,
         max_request_rows=16,
         merge="always",
         dtype="float32",
+        inline_forward_ms=0,
     ) as worker:
         before = worker.metrics.batches
         reqs = [make_request(1, seed=i) for i in range(8)]
