@@ -32,11 +32,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # what it keeps is the generated C++ and its builds, about two thirds of a cold compile's CPU.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(sys.prefix) / "cache" / "torchinductor"))
 
-# JAX's persistent compilation cache, in the venv too: the jax judges, trainers and workers of many test
-# processes jit the same small programs, and each process compiled them again (the XLA compiles were
-# most of tests/evaluation/test_classifier_jax.py's CPU: 77 CPU-s cold, 49 with the cache shared within the
-# run, 33 from a warm one). Every compile is cached (the default keeps only those over 1 s); a size limit
-# turns on the cache's file lock, so that a process never reads an entry another is still writing.
+# JAX's persistent compilation cache, in the venv too: a later run of the suite finds its XLA compiles
+# there (tests/evaluation/test_classifier_jax.py and tests/training/test_train_jax.py: 82 CPU-s on a
+# fresh venv, 48 on the second run; within one run the test processes compile different programs, so a
+# fresh clone gains nothing). Every compile is cached (the default keeps only those over 1 s); a size
+# limit turns on the cache's file lock, so that a process never reads an entry another is still writing.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(sys.prefix) / "cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))

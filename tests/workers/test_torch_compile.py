@@ -83,30 +83,32 @@ def _inputs(b: int, shape, num_classes: int, seed: int = 0):
     return x, t, y
 
 
-@pytest.mark.slow
-@COMPILES
-@pytest.mark.parametrize("arch", ["unet", "dit"])
-def test_compiled_forward_matches_eager_at_every_batch(tmp_path, arch):
+@pytest.fixture(scope="module")
+def compiled_unet(tmp_path_factory):
+    """(compiled, eager) torch backends of one tiny UNet expert (float32, one thread), the compiled one
+    warmed up at 1, 2 and 4 rows (its two graphs: a batch of 1, and the dynamic one). Shared by the
+    tests that need a compiled UNet: each compile of it costs 7-20 CPU-s of dynamo and inductor."""
+    _need_compiler()
+    from models.tiny import make_tiny_expert
+    from workers.backends import get_backend
+
+    ckpt = make_tiny_expert(tmp_path_factory.mktemp("compiled") / "e0", seed=COMPILED_SEEDS[0], **COMPILED_TINY)
+    eager = get_backend("torch", dtype="float32", threads=1, compile="off")
+    compiled = get_backend("torch", dtype="float32", threads=1, compile="on")
+    for be in (eager, compiled):
+        be.load(ckpt)
+    compiled.warmup([1, 2, 4])
+    return compiled, eager
+
+
+def _check_compiled_forward(compiled, eager) -> None:
     """float32: the compiled graph computes the same velocities as eager (fused kernels round differently,
     so within 1e-4 of velocities ~1), for a batch of 1 and for batch sizes the warm-up never saw (one
     dynamic graph: no compile per size); the backend says it is compiled. A null-label model takes y = -1."""
     import torch._dynamo
 
-    _need_compiler()
-    from models.tiny import make_tiny_dit, make_tiny_expert
-    from workers.backends import get_backend
-
-    if arch == "unet":
-        ckpt = make_tiny_expert(tmp_path / "e0", seed=COMPILED_SEEDS[0], **COMPILED_TINY)
-    else:
-        ckpt = make_tiny_dit(tmp_path / "e0", seed=3)
-    eager = get_backend("torch", dtype="float32", threads=1, compile="off")
-    compiled = get_backend("torch", dtype="float32", threads=1, compile="on")
-    for be in (eager, compiled):
-        be.load(ckpt)
     assert compiled.describe()["compiled"] == "true" and eager.describe()["compiled"] == "false"
     assert compiled.compile_reason == "asked for" and not compiled.channels_last
-    compiled.warmup([1, 2, 4])
     torch._dynamo.utils.counters.clear()
     shape = compiled.input_shape
     for b in (1, 3, 7, 4):
@@ -119,21 +121,37 @@ def test_compiled_forward_matches_eager_at_every_batch(tmp_path, arch):
 
 @pytest.mark.slow
 @COMPILES
-async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, tmp_path):
-    """`ddm-fleet worker --compile on` behind NATS: advertises compiled, answers with the eager model's
-    velocity (float32, within the fused kernels' rounding). No bucket of 1 row: the single-row graph is
-    the test above's; the worker compiles the dynamic one at its warm-up."""
-    from models.tiny import make_tiny_expert
-    from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
+def test_compiled_unet_forward_matches_eager_at_every_batch(compiled_unet):
+    _check_compiled_forward(*compiled_unet)
+
+
+@pytest.mark.slow
+@COMPILES
+def test_compiled_dit_forward_matches_eager_at_every_batch(tmp_path):
+    _need_compiler()
+    from models.tiny import make_tiny_dit
     from workers.backends import get_backend
 
-    _need_compiler()
+    ckpt = make_tiny_dit(tmp_path / "e0", seed=3)
+    eager = get_backend("torch", dtype="float32", threads=1, compile="off")
+    compiled = get_backend("torch", dtype="float32", threads=1, compile="on")
+    for be in (eager, compiled):
+        be.load(ckpt)
+    compiled.warmup([1, 2, 4])
+    _check_compiled_forward(compiled, eager)
+
+
+@pytest.mark.slow
+@COMPILES
+async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, compiled_unet):
+    """A worker serving a compiled expert behind NATS (`ddm-fleet worker --compile on` hands the setting to
+    the backend: test_worker_config_carries_compile): advertises compiled, answers 5 rows with the eager
+    model's velocity (float32, within the fused kernels' rounding)."""
+    from schemas import StepReply, StepRequest, StepResult, pack, subjects, unpack
     from workers.service import SERVICE_NAME, ExpertWorker
 
-    ckpt = str(make_tiny_expert(tmp_path / "expert0", seed=COMPILED_SEEDS[0], **COMPILED_TINY))
-    eager = get_backend("torch", dtype="float32", compile="off")
-    eager.load(ckpt)
-    async with ExpertWorker(0, ckpt, "torch", nats_url=nats_url, buckets=(2, 4, 8), dtype="float32", compile="on") as w:
+    compiled, eager = compiled_unet
+    async with ExpertWorker(0, backend=compiled, nats_url=nats_url, buckets=(2, 4, 8), dtype="float32") as w:
         info = json.loads((await nc.request(f"$SRV.INFO.{SERVICE_NAME}.{w.service_id}", b"", timeout=5)).data)
         assert info["metadata"]["compiled"] == "true" and info["metadata"]["dtype"] == "float32"
         x, t, y = _inputs(5, (1, 32, 32), 10, seed=9)
@@ -146,14 +164,14 @@ async def test_a_compiled_worker_serves_and_says_so(nats_url, nc, tmp_path):
 
 @pytest.mark.slow
 @COMPILES
-def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, monkeypatch):
+def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, monkeypatch, compiled_unet):
     """An in-process fleet or a bench compiles several experts of one architecture: each gets its own graph
     (its frozen weights, never another's), and none is left to run eager when they outnumber dynamo's
-    recompile limit (8 by default, two graphs per expert; set to 1 here, so that two experts show it)."""
+    recompile limit (8 by default, two graphs per expert). Set to 1 here, below the two graphs the first
+    expert (the shared compiled UNet) already holds: the second expert's backend raises it again."""
     import torch._dynamo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    _need_compiler()
     from models.tiny import make_tiny_expert
     from models.unet_torch import UNet
     from workers.backends import get_backend
@@ -161,15 +179,13 @@ def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, 
     def graphs() -> int:  # compiled entries dynamo holds for the UNet's forward, every instance's
         return len(_debug_get_cache_entry_list(UNet.forward.__code__))
 
-    torch._dynamo.reset()  # earlier tests' compiled models (their code entries) do not count here
+    assert graphs() >= 2  # the shared expert's: a batch of 1, and the dynamic one
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    experts = []
-    for k in range(2):
-        ckpt = make_tiny_expert(tmp_path / f"e{k}", expert_id=k, seed=COMPILED_SEEDS[k], **COMPILED_TINY)
-        pair = [get_backend("torch", dtype="float32", threads=1, compile=c) for c in ("on", "off")]
-        for be in pair:
-            be.load(ckpt)
-        experts.append(pair)
+    ckpt = make_tiny_expert(tmp_path / "e1", expert_id=1, seed=COMPILED_SEEDS[1], **COMPILED_TINY)
+    second = [get_backend("torch", dtype="float32", threads=1, compile=c) for c in ("on", "off")]
+    for be in second:
+        be.load(ckpt)
+    experts = [compiled_unet, second]
     assert torch._dynamo.config.recompile_limit >= 64
     before = graphs()
     x, t, y = _inputs(3, (1, 32, 32), 10, seed=3)
@@ -177,4 +193,4 @@ def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, 
     for k, (compiled, _) in enumerate(experts):
         np.testing.assert_allclose(compiled.forward(x, t, y), eager[k], atol=1e-4, rtol=1e-4)
         assert np.abs(eager[k] - eager[(k + 1) % 2]).max() > 0.1  # the experts do differ
-    assert graphs() - before == 2  # one new graph per expert: none left to run eager
+    assert graphs() - before == 1  # the second expert got a graph of its own: it does not run eager
