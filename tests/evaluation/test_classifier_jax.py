@@ -17,7 +17,6 @@ import pytest
 from dataset.mnist import load_mnist
 from evaluation.classifier_jax import EMBED, MIN_TEST_ACCURACY, JaxClassifier
 from evaluation.fid import fid_from_features
-from tests.evaluation.test_rescore_stats import eval_cli
 
 SCRIPT = Path(sys.executable).with_name("ddm-fleet")
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,19 +132,24 @@ def test_saved_configurations_come_in_eval_order(tmp_path):
 
 
 @pytest.mark.slow  # 14-20 s: trains a judge / rescores saved configurations
-@pytest.mark.procs
-def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path):
+def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path, capsys):
     """Real test digits saved as a fake configuration: both judges read them (>0.98), agree, and
-    a copy with every label shifted by one scores ~0 for both while the judges still agree."""
+    a copy with every label shifted by one scores ~0 for both while the judges still agree. The command
+    runs in this process (`infra.cli.main`: a third of the CPU of a process of its own, which imports and
+    compiles both judges again); tests/evaluation/test_rescore_stats.py runs it as a user does."""
+    from infra.cli import main
+
     x, y = load_mnist("test", limit=600)
     saved = tmp_path / "saved"
     saved.mkdir()
     np.savez_compressed(saved / "real-test.npz", images=x, labels=y, usage=np.ones((len(y), 1), np.float32))
     np.savez_compressed(saved / "wrong-labels.npz", images=x, labels=(y + 1) % 10)
     # one run (each loads both judges); the table's format is tests/evaluation/test_rescore_stats.py's
-    out = eval_cli("--rescore", str(saved), "--no-progress", "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout)  # --json replaces the table: stdout is one JSON document
+    capsys.readouterr()
+    rc = main(["eval", "--rescore", str(saved), "--no-progress", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    data = json.loads(out.out)  # --json replaces the table: stdout is one JSON document
     assert [r["config"] for r in data["rows"]] == ["real-test", "wrong-labels"] and data["real_baseline"]["n"] == 600
     rows = {r["config"]: r for r in data["rows"]}
     real, wrong = rows["real-test"], rows["wrong-labels"]

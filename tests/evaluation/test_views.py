@@ -2,8 +2,6 @@
 and `ddm-fleet eval --rescore --data` scoring saved colour images with every judge."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -76,7 +74,11 @@ def test_data_judge_trains_caches_and_refuses_other_data(colour_dir, data_judge)
 
 
 @pytest.mark.train
-def test_eval_rescore_with_data_scores_every_judge_and_colour(colour_dir, data_judge, tmp_path):
+def test_eval_rescore_with_data_scores_every_judge_and_colour(colour_dir, data_judge, tmp_path, capsys):
+    """`ddm-fleet eval --rescore --data` (run in this process, `infra.cli.main`: the command's own process
+    would import and compile every judge again) scores the digit judges, the data judge and the colours."""
+    from infra.cli import main
+
     x_u8, y, _ = load_prepared(colour_dir, "test", limit=400)
     saved = tmp_path / "saved"
     saved.mkdir()
@@ -84,15 +86,13 @@ def test_eval_rescore_with_data_scores_every_judge_and_colour(colour_dir, data_j
     np.savez_compressed(saved / "ddm-top1.npz", images=255 - x_u8, labels=y)  # colours out of the palette
     big = x_u8[:60].repeat(8, axis=2).repeat(8, axis=3)  # the same digits at 256px: read after an 8x8 area mean
     np.savez_compressed(saved / "ddm-full.npz", images=big, labels=y[:60])
-    r = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "eval", "--rescore", str(saved), "--data", str(colour_dir)]
-        + ["--bootstrap", "50", "--json", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    capsys.readouterr()
+    rc = main(
+        ["eval", "--rescore", str(saved), "--data", str(colour_dir), "--bootstrap", "50", "--json", "--no-progress"]
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    r = capsys.readouterr()
+    assert rc == 0, r.err[-3000:]
+    out = json.loads(r.out)
     rows = {row["config"]: row for row in out["rows"]}
     real, swapped = rows["monolith"], rows["ddm-top1"]
     assert real["accuracy"] > 0.95 and real["accuracy_judge2"] > 0.95  # judges 1 and 2 on the digit view
