@@ -68,11 +68,12 @@ lint: $(TEST_STAMP)
 
 # The whole suite, TEST_WORKERS test processes side by side (pytest-xdist; most tests wait on servers,
 # processes and timeouts, so more workers than cores pays: measured in the README's "Tests"). Tests that
-# share a module's fixture stay on one worker (--dist loadgroup, tests/conftest.py). It ends with the 25
+# share a module's fixture stay on one worker (--dist loadgroup, tests/conftest.py), the longest handed out
+# first (tests/ordering.py; --no-loadscope-reorder keeps that order). It ends with the 25
 # slowest tests and the wall and CPU seconds per marker tier (tests/timing_report.py).
 TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 # The quick tier, for after each edit: pure units and in-process tests. Leaves out the tests that need
 # a nats-server (bus), start processes (procs), drive Chromium (browser), train (train) or are slow;
@@ -80,7 +81,7 @@ test: lint
 FAST := not slow and not bus and not procs and not browser and not train
 # Two workers: 56 s against 83 s one at a time on the 2-core box (1,229 tests).
 test-fast: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "$(FAST)"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "$(FAST)"
 
 # XLA backend tests: a separate venv with the [xla] extra (torch 2.9.0 + torch-xla 2.9.0 pinned by
 # infra/constraints-xla.txt, ~7 GB, built once) on XLA's CPU device; tests/xla/ runs.

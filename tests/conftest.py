@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bus.nats_server import NatsServer
+from tests.ordering import UNKNOWN_LONG_S, UNKNOWN_S, load_durations, longest_first
 
 # What `--compile auto` means in this suite (workers.backends.torch_compile): off, so that the hundreds
 # of torch workers the tests start (and their subprocesses, which inherit it) do not each spend 20-40 s
@@ -61,7 +62,7 @@ collect_ignore = ["xla"]
 FIXTURE_MARKERS = {"nats_server": "bus", "browser": "browser"}
 
 
-#: markers of the tests handed out first when the suite runs side by side (the long ones: see below)
+#: markers of the tests that count as long when tests/durations.json does not know them (tests.ordering)
 FIRST = ("slow", "train")
 
 
@@ -75,9 +76,27 @@ def pytest_collection_modifyitems(config, items):
         if group and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
     if config.getoption("numprocesses", None) or hasattr(config, "workerinput"):
-        # Side by side, a long test started last is the run's tail: hand the long ones out first (a stable
-        # sort; every worker computes the same order, as pytest-xdist requires).
-        items.sort(key=lambda it: not any(it.get_closest_marker(m) for m in FIRST))
+        # Side by side, a long unit started last is the run's tail: hand the longest out first
+        # (tests/ordering.py; every worker computes the same order, as pytest-xdist requires)
+        items[:] = longest_first(items, unit=_work_unit, seconds=_seconds_of(load_durations()))
+
+
+def _work_unit(item) -> str:
+    """What pytest-xdist hands out as one piece: the test's xdist group, or the test alone."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return "@" + str(mark.kwargs.get("name", mark.args[0] if mark.args else ""))
+    return item.nodeid
+
+
+def _seconds_of(walls: dict[str, float]):
+    def seconds(item) -> float:
+        known = walls.get(item.nodeid)
+        if known is not None:
+            return known
+        return UNKNOWN_LONG_S if any(item.get_closest_marker(m) for m in FIRST) else UNKNOWN_S
+
+    return seconds
 
 
 def _shared_fixture_group(item) -> str | None:
