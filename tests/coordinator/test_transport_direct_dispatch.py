@@ -241,7 +241,9 @@ async def test_a_retry_after_a_time_out_goes_to_a_worker_that_answers_not_the_qu
     silent = await Responder(nc, 48, "silent-1", direct=True, hang=True, queue_hang=True).start()
     good = await Responder(nc, 48, "good-1", direct=True, hang=False).start()
     try:
-        tr = NatsTransport(nc, step_timeout=0.2, retries=2, hedge="off")
+        # 0.6 s: each round waits out one time-out (the silent worker's); the good worker's answer must
+        # come well within it on a loaded box (at 0.2 s one was late once, and its retry was the third try)
+        tr = NatsTransport(nc, step_timeout=0.6, retries=2, hedge="off")
         tr.dispatcher.depth, tr.dispatcher.explore_every = 1, 0
         good_token = subjects.worker_token("good-1")
         tr.dispatcher.seen(48, "good-1")
