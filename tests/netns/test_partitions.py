@@ -175,8 +175,23 @@ def render(events, t0: float) -> str:
     return " ".join(f"{k if s is None else s}@{t - t0:+.2f}" for t, k, s in events)
 
 
+#: the undisturbed run's `done` of each request already run by a test of this module, by what decides its
+#: images (not its job id): the tests submit the same rounds of requests under their own ids
+_UNDISTURBED: dict[tuple, object] = {}
+
+
+def _image_key(req: JobRequest) -> tuple:
+    return (tuple(req.digits), req.seed, req.steps, req.strategy, req.solver, req.guidance_scale)
+
+
 async def check_images(fleet: Fleet, reqs, got, tag: str) -> None:
-    want = await asyncio.wait_for(fleet.reference_images(reqs, tag), 240)
+    """Each `done` in `got` holds the images, usage and digits of the same request run undisturbed
+    (`Fleet.reference_images`, run once per distinct request in this module)."""
+    missing = [r for r in reqs if _image_key(r) not in _UNDISTURBED]
+    if missing:
+        ran = await asyncio.wait_for(fleet.reference_images(missing, tag), 240)
+        _UNDISTURBED.update({_image_key(r): ran[r.job_id] for r in missing})
+    want = {r.job_id: _UNDISTURBED[_image_key(r)] for r in reqs}
     for g in got:
         w = want[g.job_id]
         assert np.array_equal(w.images, g.images), g.job_id
