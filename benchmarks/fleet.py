@@ -45,6 +45,9 @@ average before and after each level is recorded: on a shared machine it says how
 
 Uses checkpoints/ (expert<k>, router, partition) when present, else random UNets of --widths with
 a random router (said in the report). A private nats-server on a free port is started and stopped.
+--cohorts auto (the default) runs what `ddm-fleet up` starts on this host: one cohort where the fleet's
+processes fill the CPU cores (no accelerator, one worker per expert), else the coordinator's auto; the
+report's setup line says which.
 
 examples:
   ddm-fleet bench fleet --concurrency 1,8,64 --steps 40
@@ -1017,6 +1020,22 @@ def resolve_bench_compile(args) -> str:
     return "on" if on else "off"
 
 
+def bench_cohorts(args, experts: int) -> int | str:
+    """--cohorts as given, except "auto" (the default): what `ddm-fleet up` starts on this host, 1 where the
+    fleet's processes fill its CPU cores (`coordinator.cohorts.cohorts_on_shared_cores`: no accelerator for
+    the workers, one worker per expert), else the coordinator's own auto."""
+    from coordinator.cohorts import AUTO_COHORTS, cohorts_on_shared_cores
+    from models.precision import host_has_accelerator
+
+    if args.cohorts != AUTO_COHORTS:
+        return args.cohorts
+    per = getattr(args, "workers_per_expert", 1)
+    device = getattr(args, "device", None)
+    accelerator = host_has_accelerator() if device is None else not str(device).startswith("cpu")
+    n = cohorts_on_shared_cores(per, experts * per, cores=os.cpu_count() or 1, accelerator=accelerator)
+    return AUTO_COHORTS if n is None else n
+
+
 async def bench_fleet(args) -> dict:
     import tempfile
 
@@ -1032,6 +1051,7 @@ async def bench_fleet(args) -> dict:
         models = _models(args, tmp)
         if args.threads is None:  # share the cores out among the worker processes
             args.threads = max(1, (os.cpu_count() or 1) // (models["k"] * getattr(args, "workers_per_expert", 1)))
+        args.cohorts = bench_cohorts(args, models["k"])  # both paths: the fleet and the ceiling
         limit = _forward_limit(args, models)  # first: the machine is quiet, no fleet processes yet
         ceiling = await _ceiling(args, models) if args.only != "fleet" else None
         start_memory, fleet = await _fleet(args, models) if args.only != "ceiling" else (None, None)

@@ -71,6 +71,20 @@ def cohorts_for_workers(workers: int | None) -> int:
     return DEFAULT_COHORTS + (w >= 4) + (w >= 8)
 
 
+def cohorts_on_shared_cores(
+    workers_per_expert: int, worker_processes: int, *, cores: int, accelerator: bool
+) -> int | None:
+    """The cohorts for a fleet whose processes all share one host's CPU cores: 1 where that host has no
+    accelerator for the workers, one worker serves each expert and there are at most (worker processes + 2)
+    cores; None elsewhere (keep the setting). A second cohort only overlaps work where a core is idle, and
+    halves every expert request: on 2 cores one cohort served 1.1-1.3x the images at 4-16 clients with 20%
+    less CPU per image (docs/CAPACITY.md, "Cohorts on one small host"). `ddm-fleet up` and `bench fleet`
+    start their coordinators so."""
+    if workers_per_expert != 1 or accelerator or cores > worker_processes + 2:
+        return None
+    return 1
+
+
 def next_cohort(jobs: JobTable, cohorts: int, request_rows: int | None) -> list[Job]:
     """The running jobs not in flight that the next batch takes (see the module docstring), least
     recently scheduled first; [] if none is free."""

@@ -232,11 +232,6 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
             ) from None
 
 
-#: Device files of accelerators the workers could use (NVIDIA, AWS Neuron, TPU / other accel, AMD ROCm):
-#: where none exists, every worker `up` starts computes on this host's CPU.
-ACCELERATOR_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/neuron0", "/dev/accel0", "/dev/kfd")
-
-
 def shared_cpu_cohorts(
     coordinator_args: str,
     workers_per_expert: int,
@@ -245,19 +240,18 @@ def shared_cpu_cohorts(
     cpu_count: int | None = None,
     accelerator: bool | None = None,
 ) -> list[str]:
-    """Coordinator options for a fleet whose processes all share a few CPU cores: ["--cohorts", "1"] when
-    this host has no accelerator, one worker per expert, at most (worker processes + 2) cores, and the
-    user set no --cohorts; else []. A second cohort only overlaps work where a core is idle, and halves
-    every expert request: on 2 cores one cohort served 1.35-1.4x the images at 8 clients and the same at 1
-    and 64 (docs/CAPACITY.md, "Cohorts on one small host")."""
-    if "--cohorts" in coordinator_args or workers_per_expert != 1:
+    """Coordinator options for a fleet whose processes all share a few CPU cores: ["--cohorts", "1"] where
+    `coordinator.cohorts.cohorts_on_shared_cores` says so for this host (`cpu_count`, `accelerator`: None =
+    probe it) and the user set no --cohorts; else []."""
+    from coordinator.cohorts import cohorts_on_shared_cores
+    from models.precision import host_has_accelerator
+
+    if "--cohorts" in coordinator_args:
         return []
     cores = (os.cpu_count() or 1) if cpu_count is None else cpu_count
-    if accelerator is None:
-        accelerator = any(os.path.exists(dev) for dev in ACCELERATOR_DEVICES)
-    if accelerator or cores > worker_processes + 2:
-        return []
-    return ["--cohorts", "1"]
+    accelerator = host_has_accelerator() if accelerator is None else accelerator
+    n = cohorts_on_shared_cores(workers_per_expert, worker_processes, cores=cores, accelerator=accelerator)
+    return [] if n is None else ["--cohorts", str(n)]
 
 
 def build_stages(args: argparse.Namespace, ck: dict, nats_bin: str, probes) -> list[list]:

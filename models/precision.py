@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from bus.options import DTYPES  # noqa: F401  (the one list of choices; re-exported here)
@@ -76,6 +77,15 @@ def choose_dtype(requested: str, facts: DeviceFacts) -> tuple[str, str]:
         return requested, "asked for"
     native, why = native_bf16(facts)
     return ("bfloat16" if native else "float32"), f"auto: {why}"
+
+
+#: device files whose presence means the host has an accelerator its workers may use (NVIDIA, Neuron, TPU, ROCm)
+ACCELERATOR_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/neuron0", "/dev/accel0", "/dev/kfd")
+
+
+def host_has_accelerator() -> bool:
+    """Whether any of ACCELERATOR_DEVICES exists on this host."""
+    return any(os.path.exists(dev) for dev in ACCELERATOR_DEVICES)
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:

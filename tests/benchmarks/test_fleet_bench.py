@@ -158,6 +158,24 @@ def test_the_limit_at_a_level_s_load_reads_each_expert_at_the_batch_the_load_all
     assert big["rows_per_s"] == pytest.approx(2 / ((1 / 400 + 1 / 300) / 2), abs=0.1)
 
 
+def test_auto_cohorts_are_what_up_starts_on_this_host_and_a_number_is_kept():
+    import argparse
+    import os
+
+    from benchmarks.fleet import bench_cohorts
+    from infra.cmd_up import shared_cpu_cohorts
+
+    def args(**kw):
+        return argparse.Namespace(**{"cohorts": "auto", "workers_per_expert": 1, "device": "cpu", **kw})
+
+    assert bench_cohorts(args(cohorts=2), 2) == 2 and bench_cohorts(args(cohorts=1), 64) == 1
+    up = shared_cpu_cohorts("", 1, 2, accelerator=False)  # what `up` starts here with 2 CPU experts
+    assert bench_cohorts(args(), 2) == (int(up[1]) if up else "auto")
+    assert bench_cohorts(args(device="cuda"), 2) == "auto"  # the workers on a device: the coordinator's auto
+    assert bench_cohorts(args(workers_per_expert=2), 2) == "auto"
+    assert bench_cohorts(args(), (os.cpu_count() or 1)) == 1  # as many experts as cores: one cohort
+
+
 def test_table_shows_ratio():
     res = {
         "setup": {

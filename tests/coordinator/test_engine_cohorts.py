@@ -145,6 +145,16 @@ def test_cohorts_for_workers_and_the_cohorts_option():
             Engine(make(), LabelRouter(C2E, 2), EchoTransport(), cohorts=bad)
 
 
+def test_one_cohort_only_where_the_fleet_fills_a_host_without_accelerators_one_worker_per_expert():
+    from coordinator.cohorts import cohorts_on_shared_cores
+
+    assert cohorts_on_shared_cores(1, 2, cores=2, accelerator=False) == 1
+    assert cohorts_on_shared_cores(1, 2, cores=4, accelerator=False) == 1  # worker processes + 2 cores
+    assert cohorts_on_shared_cores(1, 2, cores=5, accelerator=False) is None  # a core to spare: overlap pays
+    assert cohorts_on_shared_cores(1, 2, cores=2, accelerator=True) is None  # the workers may be on a device
+    assert cohorts_on_shared_cores(2, 4, cores=2, accelerator=False) is None  # cohorts feed several workers
+
+
 @pytest.mark.parametrize("workers, want", [(None, 2), (1, 2), (4, 3), (8, 4), (50, 4), ("broken", 2)])
 async def test_auto_cohorts_keep_as_many_batches_out_as_the_known_workers_call_for(workers, want):
     """cohorts="auto": 8 one-row jobs are dealt into cohorts_for_workers(known workers) batches, all
