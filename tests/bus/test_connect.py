@@ -100,10 +100,7 @@ async def test_inbox_prefix_and_pending_size_honoured(nats_url):
             await msg.respond(b"pong")
 
         await responder.subscribe("test.connect.inbox", cb=answer)
-        # nats-py may write a flush's PING ahead of a SUB still in its buffer: the second round trip
-        # proves the server has the subscription (as coordinator.service does before serving)
-        await responder.flush()
-        await responder.flush()
+        await flushed(responder)  # the server has the subscription (as coordinator.service before serving)
         reply = await nc.request("test.connect.inbox", b"ping", timeout=2)
         assert reply.data == b"pong"
         assert seen and seen[0].startswith("_INBOX_alice.")

@@ -117,10 +117,8 @@ async def test_bad_requests_are_rejected_and_the_coordinator_keeps_serving(nats_
                 await coord.submit(JobRequest(digits=[1] * 9))
             assert rej.value.code == ErrorCode.TOO_LARGE
             sub = await nc.subscribe(subjects.job_events("anon", "inproc"))
-            # the server must have the SUB before the coordinator (another connection) publishes `accepted`;
-            # nats-py writes the first flush's PING ahead of the buffered SUB, the second one after it
-            await nc.flush()
-            await nc.flush()
+            # the server must have the SUB before the coordinator (another connection) publishes `accepted`
+            await flushed(nc)
             accepted = await coord.submit(JobRequest(job_id="inproc", digits=[4], steps=2, stream=False))
             kinds = [unpack((await sub.next_msg(timeout=30)).data, JobEvent).kind for _ in range(2)]
             assert accepted.events_subject == subjects.job_events("anon", "inproc")

@@ -90,15 +90,6 @@ async def connect(server):
         await nc.close()
 
 
-async def synced(nc) -> None:
-    """Return once the server has every SUB sent so far. nats-py 2.16's flush() writes its
-    PING straight to the socket while a SUB may still wait in the client's pending buffer,
-    so one flush can return before the server knows the subscription; the second PING goes
-    out after the flusher task has written it."""
-    await nc.flush()
-    await nc.flush()
-
-
 def _step(expert: int) -> StepRequest:
     return StepRequest(
         expert=expert, x_t=np.ones((2, 1, 32, 32), np.float32), t=np.zeros(2, np.float32), y=np.zeros(2, np.int64)
@@ -112,7 +103,7 @@ async def _collect(conn: Conn, subject: str, **kw) -> list:
         got.append(msg)
 
     await conn.nc.subscribe(subject, cb=cb, **kw)
-    await synced(conn.nc)
+    await flushed(conn.nc)
     return got
 
 
@@ -135,7 +126,7 @@ async def test_client_roles_submit_jobs_and_read_events(connect, user):
         )
 
     await coord.nc.subscribe(subjects.ALL_JOBS_SUBMIT, cb=on_submit)
-    await synced(coord.nc)
+    await flushed(coord.nc)
     events = await _collect(cli, f"{subjects.client_namespace(user)}.jobs.*.events")
 
     msg = await cli.nc.request(subjects.jobs_submit(user), pack(JobRequest(job_id="j1", digits=[3])), timeout=2)
@@ -174,7 +165,7 @@ async def test_client_can_cancel_and_ask_status(connect):
     await coord.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=on_cancel)
     await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
     await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
-    await synced(coord.nc)
+    await flushed(coord.nc)
     msg = await web.nc.request(subjects.job_cancel("web", "j9"), pack(CancelRequest(job_id="j9")), timeout=2)
     assert unpack(msg.data, CancelReply).cancelled
     assert (await web.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
@@ -205,7 +196,7 @@ async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(conne
         await msg.respond(pack(StepReply(expert=0, velocity=np.zeros_like(step.x_t), backend="test")))
 
     await worker.nc.subscribe(subjects.expert_velocity(0), queue=subjects.expert_queue_group(0), cb=held_velocity)
-    await synced(worker.nc)
+    await flushed(worker.nc)
 
     job_id = f"probe-{user}"
     unresponsive_after = 1.5
@@ -223,7 +214,7 @@ async def test_client_roles_status_probe_is_answered_by_a_real_coordinator(conne
                 long_enough.set()
 
     await ops.nc.subscribe(f"{subjects.inbox_prefix(user)}.>", cb=tap)
-    await synced(ops.nc)
+    await flushed(ops.nc)
     async with Coordinator(
         LabelRouter([0] * 10, 1),
         num_experts=1,
@@ -338,7 +329,7 @@ async def test_client_user_cannot_cancel_probe_or_watch_a_web_users_job(connect,
         await msg.respond(pack(StepReply(expert=0, velocity=np.zeros_like(step.x_t), backend="test")))
 
     await worker.nc.subscribe(subjects.expert_velocity(0), queue=subjects.expert_queue_group(0), cb=held_velocity)
-    await synced(worker.nc)
+    await flushed(worker.nc)
     events: list = []
     async with Coordinator(
         LabelRouter([0] * 10, 1),
@@ -437,7 +428,7 @@ async def test_worker_cannot_ask_or_serve_job_status(connect):
         await msg.respond(pack(JobStatus(job_id=subjects.parse_job_subject(msg.subject).job_id, state="running")))
 
     await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_job_status)
-    await synced(coord.nc)
+    await flushed(coord.nc)
     await worker.nc.publish(subjects.job_status("web", "j1"), b"")
     await worker.nc.flush()
     await worker.violation(subjects.job_status("web", "j1"))  # refused by the server: never routed
@@ -472,7 +463,7 @@ async def test_worker_serves_its_direct_subject_but_no_other_experts(connect):
         )
 
     await worker.nc.subscribe(mine, queue=subjects.expert_queue_group(0), cb=velocity)
-    await synced(worker.nc)
+    await flushed(worker.nc)
     msg = await coord.nc.request(mine, pack(_step(0)), timeout=2)
     assert unpack(msg.data, StepReply).worker_id == "perm-worker-0"
 
@@ -510,7 +501,7 @@ async def test_worker_serves_its_expert_with_nats_micro_and_answers_discovery(co
             queue_group=subjects.expert_queue_group(0),
             handler=velocity,
         )
-        await synced(worker.nc)
+        await flushed(worker.nc)
         msg = await coord.nc.request(subjects.expert_velocity(0), pack(_step(0)), timeout=2)
         assert unpack(msg.data, StepReply).velocity.shape == (2, 1, 32, 32)
 
@@ -603,7 +594,7 @@ async def test_a_worker_host_receives_no_other_hosts_direct_requests(connect, se
 
         for pattern in ("ddm.v1.expert.0.velocity.*", "ddm.v1.expert.0.velocity.>"):
             await spy.subscribe(pattern, cb=steal)
-        await synced(spy)
+        await flushed(spy)
         for w in (hub, remote):  # as the transport addresses a worker: expert_direct(k, worker_token(id))
             subject = subjects.expert_direct(0, subjects.worker_token(w.worker_id))
             assert subject == w.direct_subject
@@ -636,7 +627,7 @@ async def test_ops_watches_and_asks_but_changes_nothing(connect):
 
     await coord.nc.subscribe(subjects.FLEET_STATUS, cb=on_status)
     await coord.nc.subscribe(subjects.ALL_JOB_STATUS, cb=on_status)
-    await synced(coord.nc)
+    await flushed(coord.nc)
     seen = await _collect(ops, "ddm.>")  # ops may watch every subject
     assert (await ops.nc.request(subjects.FLEET_STATUS, b"", timeout=2)).data == b"status"
     assert (await ops.nc.request(subjects.job_status("web", "j5"), b"", timeout=2)).data == b"status"
@@ -701,7 +692,7 @@ async def test_only_the_coordinator_may_call_a_decoder(connect):
         await msg.respond(pack(DecodeReply(decoder=h, images=np.zeros((len(req.latents), 3, 4, 4), np.float32))))
 
     await decoder.nc.subscribe(subjects.decoder_decode(h), queue=subjects.decoder_queue_group(h), cb=serve)
-    await synced(decoder.nc)
+    await flushed(decoder.nc)
     body = pack(DecodeRequest(decoder=h, latents=np.ones((2, 4, 2, 2), np.float32)))
     reply = unpack((await coord.nc.request(subjects.decoder_decode(h), body, timeout=5)).data, DecodeReply)
     assert reply.images.shape == (2, 3, 4, 4) and len(delivered) == 1

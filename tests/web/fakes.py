@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 
+from bus.connect import flushed
 from schemas import (
     CancelRequest,
     DoneEvent,
@@ -58,15 +59,13 @@ class FakeCoordinator:
         self._subs.append(await self.nc.subscribe(subjects.ALL_JOB_CANCELS, cb=self._on_cancel))
         if self.status is not None:
             self._subs.append(await self.nc.subscribe(subjects.FLEET_STATUS, cb=self._on_status))
-        # nats-py 2.16's flush() writes its PING straight to the socket, ahead of SUBs still in the
-        # pending buffer, so it does not prove the server has our interest. A request through the
-        # same buffer (queued after the SUBs) that our own handler answers does.
+        # the server must have our interest before this returns: a request through the same buffer (queued
+        # after the SUBs) that our own handler answers proves it, and so does `flushed` (one flush() does not)
         if self.probe:
             reply = await self.nc.request(subjects.jobs_submit("probe"), b"", timeout=10)
             assert unpack(reply.data, ErrorReply).code == ErrorCode.BAD_REQUEST
-        else:  # the second PING leaves after the flusher task has written the SUBs
-            await self.nc.flush()
-            await self.nc.flush()
+        else:
+            await flushed(self.nc)
         return self
 
     async def __aexit__(self, *exc) -> None:
