@@ -234,6 +234,8 @@ class Fleet:
         self.coords: dict[str, object] = {}
         self.workers: dict[str, list] = {}
         self.client_nc = self.reader = None
+        self._ids: list[str] = []  # the jobs submitted since the last `settle`
+        self._marks: dict[str, int] = {}  # where each coordinator's log stood at the last `settle`
 
     async def start(self, *, client_ping_s: float | None = None) -> Fleet:
         """Build everything. `client_ping_s`: the client connection's ping interval (nats-py's is
@@ -282,6 +284,38 @@ class Fleet:
     def host_of(self, coord: str) -> str:
         return COORD_HOSTS[coord]
 
+    async def settle(self, timeout: float = 120.0) -> None:
+        """Make the fleet whole for the next test of a module that shares it: every link up again, the
+        NATS mesh and JetStream agreed, every process alive, the client and the observer connected, no
+        job of the previous test still held by a coordinator; then a fresh window on the coordinators'
+        logs (`logs`)."""
+        self.net.heal_all()
+        procs = {**self.coords, **{f"worker {h}/{k}": p for h, ws in self.workers.items() for k, p in enumerate(ws)}}
+        for name, p in procs.items():
+            assert p.returncode is None, f"{name} exited with {p.returncode}: {bytes(p.err)[-3000:]!r}"
+        await asyncio.to_thread(self.cluster.wait_formed, timeout)
+        await asyncio.to_thread(self.cluster.wait_jetstream, timeout)
+        from tests.waiting import wait_until
+
+        await wait_until(
+            lambda: self.client_nc.is_connected and self.reader.is_connected,
+            timeout=timeout,
+            what="the client and the observer connected",
+        )
+        if self._ids:
+
+            async def released():
+                owners = await self.owners_now(self._ids)
+                return owners is not None and not any(owners.values())
+
+            await wait_until(released, timeout=timeout, interval=0.2, what="no job of the last test held")
+        self._ids = []
+        self._marks = {name: len(p.err) for name, p in self.coords.items()}
+
+    def logs(self) -> dict[str, bytes]:
+        """Each coordinator's stderr since the last `settle` (the whole of it before any)."""
+        return {name: bytes(p.err[self._marks.get(name, 0) :]) for name, p in self.coords.items()}
+
     async def owners(self, ids) -> dict[str, str | None]:
         from tests.coordinator.durable_procs import owners_of
 
@@ -301,6 +335,7 @@ class Fleet:
         a stale owner epoch to `log.stale`); an asyncio future of this loop."""
         from client.jobs import run_job
 
+        self._ids.append(req.job_id)
         kw = {"timeout": 300, "probe_every": 1.0, "lost_after": 120, "on_stale": getattr(log, "stale", None), **kw}
         return asyncio.wrap_future(self.cl.submit(run_job(self.client_nc, req, log, **kw)))
 

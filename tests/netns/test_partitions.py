@@ -5,6 +5,9 @@ The fleet (tests.netns.fleet.Fleet): a 3-node NATS cluster with JetStream R3 on 
 durable coordinators ca (connected to n0) and cb (n1), a sim worker of each expert on w0 (n0) and on
 w1 (n1), the client on cl (n1; n2 serves JetStream and routes only). Links are cut at the switch
 (`ip link set <port> down`) or the switch is split in two (each side on a bridge of its own), then healed.
+The module's tests share one fleet, one test after another: each starts once the last fault is healed, the
+mesh and JetStream whole again and no job held (`Fleet.settle`), so each also checks that the fleet serves
+on after the faults before it.
 
 Every test checks: every job submitted ends exactly once (one `done`, no `failed`), its images are
 bit-identical to an undisturbed run of the same requests, and once a coordinator lost a job's lease
@@ -43,15 +46,26 @@ def tiny_files(tmp_path_factory):
     return make_tiny_experts(d), make_tiny_router(d / "router")
 
 
-@pytest.fixture
-async def fleet(tmp_path, tiny_files):
+@pytest.fixture(scope="module")
+async def shared_fleet(tmp_path_factory, tiny_files):
+    """One fleet for the module's tests, one after another: each fault is healed before the next test,
+    which must find the fleet serving again (starting 9 processes and a JetStream cluster per test
+    cost more than the tests' own work)."""
     experts, router = tiny_files
-    f = Fleet(tmp_path, experts, router, lease_s=LEASE_S, batch_ms=BATCH_MS)
+    f = Fleet(tmp_path_factory.mktemp("netns-fleet"), experts, router, lease_s=LEASE_S, batch_ms=BATCH_MS)
     try:
         await f.start()
         yield f
     finally:
-        f.errs = await f.close()
+        errs = await f.close()
+    check_logs(errs)
+
+
+@pytest.fixture
+async def fleet(shared_fleet):
+    """The module's fleet, whole again (`Fleet.settle`), its coordinators' logs read from here on."""
+    await shared_fleet.settle()
+    return shared_fleet
 
 
 def round_jobs(tag: str, round_: int) -> list[JobRequest]:
@@ -106,7 +120,7 @@ async def mid_run(fleet: Fleet, log: EventLog, ids) -> tuple[str, list[str]]:
 
 
 def n_resumed(fleet: Fleet) -> int:
-    """Resumptions from a checkpoint (take-overs) in every coordinator's log."""
+    """Resumptions from a checkpoint (take-overs) in every coordinator's log, this test's."""
     return sum(map(len, resumes_of(fleet).values()))
 
 
@@ -116,12 +130,13 @@ def longest_pause(log: EventLog, j: str, after: float = 0.0) -> float:
 
 
 def resumes_of(fleet: Fleet) -> dict[str, list[int]]:
-    """job id -> the steps it was resumed at from a checkpoint (a take-over), from every coordinator's log."""
+    """job id -> the steps it was resumed at from a checkpoint (a take-over), from every coordinator's log
+    since this test began."""
     import re
 
     out: dict[str, list[int]] = {}
-    for proc in fleet.coords.values():
-        for j, step in re.findall(rb"job (\S+) resumed at step (\d+)/", bytes(proc.err)):
+    for err in fleet.logs().values():
+        for j, step in re.findall(rb"job (\S+) resumed at step (\d+)/", err):
             out.setdefault(j.decode(), []).append(int(step))
     return out
 
@@ -239,7 +254,7 @@ async def test_owner_host_cut_from_the_cluster_standby_takes_over_and_the_healed
         f"{stale} stale-epoch events dropped by the client"
     )
     await check_images(fleet, reqs, got, "cutref")
-    errs = await fleet.close()
+    errs = fleet.logs()
     check_logs(errs)
     err = errs[victim]
     for j in theirs:  # the healed owner saw it lost them, and said so
@@ -266,42 +281,49 @@ async def test_worker_host_cut_mid_batch_its_requests_go_to_the_other_host(fleet
         f"{stale} stale-epoch events dropped by the client"
     )
     await check_images(fleet, reqs, got, "wcutref")
-    check_logs(await fleet.close())
+    check_logs(fleet.logs())
 
 
 async def test_client_cut_and_healed_recovers_its_jobs_by_status(fleet):
     # the client pings every 0.5 s: it sees the dead link, reconnects once healed, and what was published
     # meanwhile (frames, `done`s) is gone with the old connection; it must ask for its jobs' status
-    await fleet.cl.run(_short_pings(fleet.client_nc))
-    log = EventLog()
-    reqs, runs = await jobs_on_both(fleet, log, "ccut")
-    ids = [r.job_id for r in reqs]
-    await mid_run(fleet, log, ids)
-    fleet.net.cut("cl")
-    cut_at = time.monotonic()
-    # the jobs run on while the client is away: wait until both coordinators have finished them
-    await wait_until(lambda: _no_leases(fleet, ids), timeout=120, interval=0.2, what="every job finished")
-    fleet.net.heal("cl")
-    healed_at = time.monotonic()
-    got = await asyncio.wait_for(asyncio.gather(*runs), 300)
-    done_while_away = [j for j in ids if max(log.steps(j)) < STEPS]  # its last frames and `done` were lost
-    stale = check_history(log, ids, resumes_of(fleet), complete=False)
-    print(
-        f"\ncut the client's host for {healed_at - cut_at:.1f} s (every job finished meanwhile); "
-        f"{len(done_while_away)}/{len(ids)} jobs recovered by status after the heal, last `done` "
-        f"{max(log.events[j][-1][0] for j in ids) - healed_at:.1f} s after it; 0 lost, 0 failed, 1 done each; "
-        f"{stale} stale-epoch events dropped by the client"
-    )
-    assert done_while_away, "no job lost its `done` with the cut: cut longer"
-    await check_images(fleet, reqs, got, "ccutref")
-    check_logs(await fleet.close())
+    pings = await fleet.cl.run(_set_pings(fleet.client_nc, 0.5, 3))
+    try:
+        log = EventLog()
+        reqs, runs = await jobs_on_both(fleet, log, "ccut")
+        ids = [r.job_id for r in reqs]
+        await mid_run(fleet, log, ids)
+        fleet.net.cut("cl")
+        cut_at = time.monotonic()
+        # the jobs run on while the client is away: wait until both coordinators have finished them
+        await wait_until(lambda: _no_leases(fleet, ids), timeout=120, interval=0.2, what="every job finished")
+        fleet.net.heal("cl")
+        healed_at = time.monotonic()
+        got = await asyncio.wait_for(asyncio.gather(*runs), 300)
+        done_while_away = [j for j in ids if max(log.steps(j)) < STEPS]  # its last frames and `done` were lost
+        stale = check_history(log, ids, resumes_of(fleet), complete=False)
+        print(
+            f"\ncut the client's host for {healed_at - cut_at:.1f} s (every job finished meanwhile); "
+            f"{len(done_while_away)}/{len(ids)} jobs recovered by status after the heal, last `done` "
+            f"{max(log.events[j][-1][0] for j in ids) - healed_at:.1f} s after it; 0 lost, 0 failed, 1 done each; "
+            f"{stale} stale-epoch events dropped by the client"
+        )
+        assert done_while_away, "no job lost its `done` with the cut: cut longer"
+        await check_images(fleet, reqs, got, "ccutref")
+        check_logs(fleet.logs())
+    finally:  # the tests after this one share the client: its usual pings again
+        await fleet.cl.run(_set_pings(fleet.client_nc, *pings))
 
 
-async def _short_pings(nc) -> None:
-    nc.options["ping_interval"] = 0.5
-    nc.options["max_outstanding_pings"] = 3
+async def _set_pings(nc, interval: float, outstanding: int) -> tuple[float, int]:
+    """The client connection pings every `interval` s and gives up after `outstanding` unanswered; returns
+    the settings it had."""
+    was = (nc.options["ping_interval"], nc.options["max_outstanding_pings"])
+    nc.options["ping_interval"] = interval
+    nc.options["max_outstanding_pings"] = outstanding
     nc._ping_interval_task.cancel()
     nc._ping_interval_task = asyncio.ensure_future(nc._ping_interval())
+    return was
 
 
 async def _no_leases(fleet: Fleet, ids) -> bool:
@@ -350,7 +372,7 @@ async def test_split_brain_owner_cut_from_the_jetstream_majority_still_reaching_
         f"{stale} stale-epoch events dropped by the client"
     )
     await check_images(fleet, reqs, got, "splitref")
-    errs = await fleet.close()
+    errs = fleet.logs()
     check_logs(errs)
     for j in theirs:
         assert f"job {j}: ".encode() in errs["ca"] and b"stops publishing for it" in errs["ca"], errs["ca"][-3000:]
@@ -381,7 +403,7 @@ async def test_minority_nats_node_cut_then_healed_rejoins_and_no_job_ends_twice(
         f"{stale} stale-epoch events dropped by the client"
     )
     await check_images(fleet, reqs, got, "ncutref")
-    check_logs(await fleet.close())
+    check_logs(fleet.logs())
 
 
 async def test_flapping_owner_link_within_a_lease(fleet):
@@ -406,4 +428,4 @@ async def test_flapping_owner_link_within_a_lease(fleet):
         f"{stale} stale-epoch events dropped by the client"
     )
     await check_images(fleet, reqs, got, "flapref")
-    check_logs(await fleet.close())
+    check_logs(fleet.logs())
