@@ -219,10 +219,8 @@ class Classifier:
 
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
-        x_train, y_train = load_mnist("train", data_dir)
+        x_train, y_train = load_mnist("train", data_dir, limit=limit or None)
         x_test, y_test = load_mnist("test", data_dir, limit=test_limit)
-        if limit:
-            x_train, y_train = x_train[:limit], y_train[:limit]
         model = _build()
         t0 = time.time()
 

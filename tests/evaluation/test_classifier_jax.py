@@ -144,9 +144,10 @@ def test_rescore_cli_prints_both_judges_on_saved_real_digits(judge2, tmp_path, c
     saved.mkdir()
     np.savez_compressed(saved / "real-test.npz", images=x, labels=y, usage=np.ones((len(y), 1), np.float32))
     np.savez_compressed(saved / "wrong-labels.npz", images=x, labels=(y + 1) % 10)
-    # one run (each loads both judges); the table's format is tests/evaluation/test_rescore_stats.py's
+    # one run (each loads both judges); the table's format and the bootstrap intervals are
+    # tests/evaluation/test_rescore_stats.py's (50 resamples here, not 200: 3 CPU-s less)
     capsys.readouterr()
-    rc = main(["eval", "--rescore", str(saved), "--no-progress", "--json"])
+    rc = main(["eval", "--rescore", str(saved), "--no-progress", "--json", "--bootstrap", "50"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     data = json.loads(out.out)  # --json replaces the table: stdout is one JSON document
