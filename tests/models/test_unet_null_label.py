@@ -52,6 +52,7 @@ def test_null_label_model_takes_unknown_label_and_round_trips(tmp_path):
 
 @pytest.mark.slow
 def test_flax_unet_matches_torch_on_unknown_label():
+    import jax
     import jax.numpy as jnp
 
     from models.unet_flax import UNet as FlaxUNet
@@ -64,7 +65,6 @@ def test_flax_unet_matches_torch_on_unknown_label():
     with torch.no_grad():
         want = model(x, t, y).numpy()
     params = torch_to_flax_params(torch_state_to_numpy(model.state_dict()), cfg)
-    got = np.asarray(
-        FlaxUNet(cfg).apply({"params": params}, jnp.asarray(x.numpy()), jnp.asarray(t.numpy()), jnp.asarray(y.numpy()))
-    )
+    apply = jax.jit(FlaxUNet(cfg).apply)  # one compile (eagerly, flax compiles each operation on its own)
+    got = np.asarray(apply({"params": params}, jnp.asarray(x.numpy()), jnp.asarray(t.numpy()), jnp.asarray(y.numpy())))
     np.testing.assert_allclose(got, want, atol=2e-4)
