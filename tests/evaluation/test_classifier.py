@@ -87,7 +87,7 @@ def eval_dirs(tmp_path_factory):
     return ck, data
 
 
-@pytest.mark.slow  # needs small_classifier (~15 CPU-s of training); the end-to-end run ~25 s more
+@pytest.mark.slow  # the end-to-end run: ~15 s with the judges' readings cached
 @pytest.mark.bus
 async def test_evaluate_every_configuration_through_the_fleet(eval_dirs, tmp_path):
     from evaluation.run import Config, EvalSpec, evaluate, format_table

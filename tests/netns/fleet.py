@@ -303,12 +303,10 @@ class Fleet:
             what="the client and the observer connected",
         )
         if self._ids:
-
-            async def released():
-                owners = await self.owners_now(self._ids)
-                return owners is not None and not any(owners.values())
-
-            await wait_until(released, timeout=timeout, interval=0.2, what="no job of the last test held")
+            ids = self._ids
+            await wait_until(
+                lambda: self.none_held(ids), timeout=timeout, interval=0.2, what="no job of the last test held"
+            )
         self._ids = []
         self._marks = {name: len(p.err) for name, p in self.coords.items()}
 
@@ -329,6 +327,11 @@ class Fleet:
             return await asyncio.wait_for(self.owners(ids), 10)
         except (nats.errors.Error, TimeoutError):
             return None
+
+    async def none_held(self, ids) -> bool:
+        """No coordinator holds a lease on any of `ids` (False while the buckets do not answer)."""
+        owners = await self.owners_now(ids)
+        return owners is not None and not any(owners.values())
 
     def submit(self, req, log, **kw) -> asyncio.Future:
         """run_job(req) on the client host, delivering to `log` (and, when it has one, the events dropped for

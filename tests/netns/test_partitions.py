@@ -296,7 +296,7 @@ async def test_client_cut_and_healed_recovers_its_jobs_by_status(fleet):
         fleet.net.cut("cl")
         cut_at = time.monotonic()
         # the jobs run on while the client is away: wait until both coordinators have finished them
-        await wait_until(lambda: _no_leases(fleet, ids), timeout=120, interval=0.2, what="every job finished")
+        await wait_until(lambda: fleet.none_held(ids), timeout=120, interval=0.2, what="every job finished")
         fleet.net.heal("cl")
         healed_at = time.monotonic()
         got = await asyncio.wait_for(asyncio.gather(*runs), 300)
@@ -324,11 +324,6 @@ async def _set_pings(nc, interval: float, outstanding: int) -> tuple[float, int]
     nc._ping_interval_task.cancel()
     nc._ping_interval_task = asyncio.ensure_future(nc._ping_interval())
     return was
-
-
-async def _no_leases(fleet: Fleet, ids) -> bool:
-    owners = await fleet.owners_now(ids)
-    return owners is not None and not any(owners.values())
 
 
 async def test_split_brain_owner_cut_from_the_jetstream_majority_still_reaching_its_workers(fleet):
