@@ -66,13 +66,14 @@ def make_tiny_fleet_experts(directory: Path, arch: str = "unet", num_experts: in
 
 
 async def start_workers(
-    nats_url: str, paths, *, buckets=(1, 4, 16), dtype: str | None = None, per_expert: int = 1
+    nats_url: str, paths, *, buckets=(1, 4, 16), dtype: str | None = None, per_expert: int = 1, **options
 ) -> list:
     """Real `ExpertWorker`s in this process, `per_expert` for each checkpoint (expert k = paths[k]),
-    started in order; `dtype` None leaves the worker's default (auto). Stop them with `stop_workers`."""
+    started in order; `dtype` None leaves the worker's default (auto); `options`: more `WorkerConfig`
+    fields (`batch_quantum=16`, ...). Stop them with `stop_workers`."""
     from workers.service import ExpertWorker
 
-    kw = {} if dtype is None else {"dtype": dtype}
+    kw = dict(options) if dtype is None else {"dtype": dtype, **options}
     ws = []
     try:
         for k, path in enumerate(paths):

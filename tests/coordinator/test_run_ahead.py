@@ -218,8 +218,10 @@ async def test_a_hedged_request_runs_ahead_on_the_worker_that_answered(nats_url,
     """Expert 0 has two workers, one late with every reply (a loaded host): its requests are hedged to
     the other, both legs run ahead, and only the answering leg's stream is used; the late leg's further
     replies never reach an image. The images are those of the same jobs asked without running ahead."""
-    ws = await start_workers(nats_url, experts, dtype="float32")
-    ws += await start_workers(nats_url, experts[:1], dtype="float32")  # a second worker of expert 0
+    # batch-invariant workers: the late worker may still run a lost leg ahead when the next job's try
+    # reaches it, and the two rows then share a forward, whose float32 last bits depend on its rows
+    ws = await start_workers(nats_url, experts, dtype="float32", batch_quantum=16)
+    ws += await start_workers(nats_url, experts[:1], dtype="float32", batch_quantum=16)  # a 2nd of expert 0
     late, sent = {"on": False}, ws[2]._send
 
     async def late_send(req, data, headers=None, _sent=sent):
