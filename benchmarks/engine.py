@@ -169,6 +169,7 @@ async def bench(args: argparse.Namespace) -> dict:
         cohorts=args.cohorts,
         route_every=args.route_every,
         speculate=args.speculate,
+        early_update=args.early_update,
     )
     task = asyncio.create_task(engine.run())
     rng = np.random.default_rng(0)

@@ -680,6 +680,7 @@ async def _ceiling(args, models) -> dict:
         cohorts=cfg.cohorts,
         route_every=cfg.route_every,
         speculate=cfg.speculate,
+        early_update=cfg.early_update,
     )
     task = asyncio.create_task(engine.run())
 
@@ -1114,6 +1115,7 @@ async def bench_fleet(args) -> dict:
         "speculate": "on" if cfg.speculate else "off",
         "run_ahead": cfg.run_ahead,
         "run_ahead_rows": cfg.run_ahead_rows,
+        "early_update": "on" if cfg.early_update else "off",
         "durable": cfg.durable,
         "merge": getattr(args, "merge", "auto"),
         "load_avg_start": [round(v, 2) for v in load_start],
@@ -1280,6 +1282,7 @@ def format_table(results: dict) -> str:
                 f"({100 * h['rate']:.2f}%: won {h['won']}, lost {h['lost']}, failed {h['failed']}); "
                 f"wire {s.get('wire_dtype', 'float32')}, {s.get('workers_per_expert', 1)} worker(s)/expert, "
                 f"merge {s.get('merge', 'auto')}, cohorts {s.get('cohorts', 'auto')}, "
+                f"early update {s.get('early_update', 'off')}, "
                 f"speculate {s.get('speculate', 'on')}"
                 + (
                     ""

@@ -19,7 +19,7 @@ def add_engine_options(parser: argparse.ArgumentParser, cohorts_default: str = "
 
 
 #: The coordinator's engine settings every bench takes.
-ENGINE_OPTIONS = ("cohorts", "route_every", "speculate", "run_ahead", "run_ahead_rows")
+ENGINE_OPTIONS = ("cohorts", "route_every", "speculate", "run_ahead", "run_ahead_rows", "early_update")
 
 
 def announce_defaults(args: argparse.Namespace, defaults: dict) -> None:

@@ -63,6 +63,9 @@ class Batch:
         self.workers: dict[int, set[str]] = {}  # expert -> ids of the workers that answered it this tick
         self._v = np.zeros((num_experts,) + self.x.shape, np.float32)  # [K, R, C, H, W]
         self._have = np.zeros((len(self.y), num_experts), bool)
+        #: groups (indices) handed back to the scheduler before the tick's end (`subset`, the engine's
+        #: early release): the tick's own update and failures leave them alone
+        self.released: set[int] = set()
 
     @property
     def job_ids(self) -> list[str]:
@@ -74,6 +77,49 @@ class Batch:
 
     def group_rows(self, g: int) -> slice:
         return slice(int(self.bounds[g]), int(self.bounds[g + 1]))
+
+    def complete_groups(self) -> list[int]:
+        """The groups (indices), not yet released, whose every row has all the velocities its routing needs."""
+        done = self.row_complete()
+        return [
+            gi
+            for gi in range(len(self.groups))
+            if gi not in self.released and done[self.bounds[gi] : self.bounds[gi + 1]].all()
+        ]
+
+    def unreleased(self) -> Batch | None:
+        """This batch without its released groups (itself when none was released; None when all were)."""
+        if not self.released:
+            return self
+        rest = [gi for gi in range(len(self.groups)) if gi not in self.released]
+        return self.subset(rest) if rest else None
+
+    def subset(self, gis: list[int]) -> Batch:
+        """A batch of the groups `gis` (indices, in order) alone, as routed and answered so far: their rows'
+        inputs, weights, velocities, the experts marked failed and the workers that answered. Copies
+        (the scheduler's update of it does not touch this batch's rows)."""
+        sub = object.__new__(Batch)
+        rows = np.concatenate([np.arange(self.bounds[gi], self.bounds[gi + 1]) for gi in gis])
+        sub.groups = [self.groups[gi] for gi in gis]
+        sub.num_experts = self.num_experts
+        sizes = np.array([g.n for g in sub.groups], np.int64)
+        sub.bounds = np.concatenate([[0], np.cumsum(sizes)])
+        for name in ("x", "t", "y", "index_in_job", "strategy", "top_k", "guidance", "owner", "_have"):
+            setattr(sub, name, getattr(self, name)[rows])
+        sub.row_ids = [self.row_ids[i] for i in rows]
+        sub._strategies = sorted({g.strategy for g in sub.groups})
+        sub._draws = None if self._draws is None else self._draws[rows]
+        sub.available = self.available.copy()
+        sub.failed_reasons = dict(self.failed_reasons)
+        sub.failed_codes = dict(self.failed_codes)
+        for name in ("router_w", "weights", "ideal"):
+            a = getattr(self, name)
+            setattr(sub, name, None if a is None else a[rows])
+        sub.reports_dtypes = any(g.answered is not None for g in sub.groups)
+        sub.workers = {k: set(w) for k, w in self.workers.items()}
+        sub._v = self._v[:, rows]
+        sub.released = set()
+        return sub
 
     # ------------------------------------------------------------ routing
     def routing_plan(self, every: int = 1) -> tuple[np.ndarray, np.ndarray]:

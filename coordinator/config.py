@@ -361,6 +361,14 @@ class EngineSettings(Settings):
         number=int,
         low=0,
     )
+    early_update: bool = option(
+        True,
+        "step each job as soon as the experts its rows need have answered (its solver update and its frame "
+        "go out while the batch's slower experts still compute), instead of every job at the tick's end. "
+        "The next requests still leave together, so requests keep their size. A job's images do not "
+        "depend on it",
+        kind="switch",
+    )
     run_ahead_rows: int = option(
         4,  # engine.DEFAULT_RUN_AHEAD_ROWS
         "most rows the coordinator may be running (all its jobs' images) for its expert requests to run "

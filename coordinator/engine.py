@@ -14,7 +14,9 @@ it grows, and an idle surplus lane leaves as it shrinks (at most that many batch
 Each tick: the scheduler hands over the free active rows of one cohort (a job is in one batch at a
 time); the executor routes them and calls the experts (one batched velocity call per chosen expert,
 all concurrently, speculating on the routing and running ahead: `coordinator.executor`); then the
-scheduler advances every row one solver stage and the events go to `emit`.
+scheduler advances every row one solver stage and the events go to `emit`. With `early_update` (the
+default) a job whose experts have all answered takes its stage at once, while the batch's slower experts
+still compute (`_update_answered`); the next requests still leave together at the tick's end.
 
 The engine only drives: `tick()` is literally `scheduler.schedule` -> `executor.execute` (router and
 expert calls, the only I/O) -> `scheduler.update`. Job state lives in the scheduler and is read
@@ -90,6 +92,7 @@ class Engine:
             speculate=settings.speculate,
             run_ahead=settings.run_ahead,
             run_ahead_rows=settings.run_ahead_rows,
+            early_update=settings.early_update,
             **kw,
         )
 
@@ -110,6 +113,7 @@ class Engine:
         speculate: bool = True,
         run_ahead: int = DEFAULT_RUN_AHEAD,
         run_ahead_rows: int = DEFAULT_RUN_AHEAD_ROWS,
+        early_update: bool = True,
     ):
         check_cohorts(cohorts)
         self.scheduler = scheduler
@@ -141,6 +145,11 @@ class Engine:
             run_ahead=run_ahead,
             run_ahead_rows=run_ahead_rows,
         )
+        #: each job's solver step as soon as its experts answered (see `_update_answered`)
+        self.early_update = bool(early_update)
+        if self.early_update:
+            self.executor.on_answer = self._update_answered
+        self._flushing: asyncio.Future | None = None  # the events flush `_update_answered` started
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._stopping = False
         self._running = False
@@ -302,6 +311,23 @@ class Engine:
         """Batches between schedule and update now (at most `cohorts_now()` while run() drives the lanes)."""
         return self._batches_out
 
+    def _update_answered(self, batch) -> None:
+        """An expert answered rows of `batch` (early_update): the jobs whose rows now have every velocity
+        they need take their solver step at once and their events start out, while the batch's slower
+        experts still compute; the tick's end updates the rest. The coordinator's per-job work (the
+        update, the frames) then overlaps the experts instead of following the slowest one, and the
+        next requests still leave together (a job freed early is not sent on before the tick ends,
+        unless another cohort's lane is idle). Not while running ahead: its runs follow whole ticks."""
+        if self.executor.running_ahead():
+            return
+        gis = batch.complete_groups()
+        if not gis or len(gis) + len(batch.released) == len(batch.groups):
+            return  # nothing new, or the last of the batch: the tick's own update is as early
+        batch.released.update(gis)
+        self.scheduler.update(batch.subset(gis), self.clock())
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.ensure_future(self.flush_events())
+
     def cohorts_now(self) -> int:
         """The cohorts in use: the fixed setting, or for "auto" `cohorts_for_workers` of the most
         workers the transport knows for one expert (re-read at every tick)."""
@@ -365,12 +391,14 @@ class Engine:
                 return False
             started = time.perf_counter()
             await self.executor.execute(batch)
-            sched.update(batch, self.clock())
+            if (rest := batch.unreleased()) is not None:
+                sched.update(rest, self.clock())
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
             reason = f"coordinator error: {type(err).__name__}: {err}"
             if batch is not None:
-                sched.fail_batch(batch, ErrorCode.INTERNAL, reason)
+                if (rest := batch.unreleased()) is not None:  # (jobs updated early are not this tick's now)
+                    sched.fail_batch(rest, ErrorCode.INTERNAL, reason)
             else:  # schedule() itself broke: none of its jobs could be scheduled; sleep until the
                 sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
                 await self.flush_events()

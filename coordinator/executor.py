@@ -134,6 +134,16 @@ class Executor:
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._router_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its thread (see _route)
         self.last_unavailable: dict[int, str] = {}  # expert -> why its last call failed (cleared by an answer)
+        #: called (batch) after each expert answer recorded onto a batch: the engine's early release
+        self.on_answer: Callable[[Batch], None] | None = None
+
+    def running_ahead(self) -> bool:
+        """Runs are streaming, or a call now may start one (a job or two alone on the fleet)."""
+        return bool(self._runs) or bool(
+            self.run_ahead
+            and self.scheduler.active_rows <= self.run_ahead_rows
+            and hasattr(self.transport, "velocity_ahead")
+        )
 
     def cancel_unneeded_calls(self) -> None:
         """Cancel the guessed calls still running that no tick waits for (the engine stops)."""
@@ -166,11 +176,20 @@ class Executor:
         batch.route(w, fresh)
         if guesses:
             await self._take_guesses(batch, guesses)
-        while reqs := batch.requests():
-            experts = list(reqs)
-            results = await asyncio.gather(*(self._call(batch, k, reqs[k]) for k in experts), return_exceptions=True)
-            for k, res in zip(experts, results):
-                self._settle(batch, k, reqs[k], res)
+        while reqs := batch.requests():  # each expert's answer is settled as it comes (see on_answer)
+            settled = (self._call_and_settle(batch, k, idx) for k, idx in reqs.items())
+            for res in await asyncio.gather(*settled, return_exceptions=True):  # every call ends first
+                if isinstance(res, BaseException):
+                    raise res
+
+    async def _call_and_settle(self, batch: Batch, k: int, idx: np.ndarray) -> None:
+        try:
+            res = await self._call(batch, k, idx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            res = err
+        self._settle(batch, k, idx, res)
 
     async def _route(self, batch: Batch, fresh: np.ndarray, w: np.ndarray, speculating: bool = False) -> None:
         """Ask the router for the `fresh` rows' weights; written into w [R, K] in place. Up to
@@ -240,6 +259,8 @@ class Executor:
                     return
                 self.last_unavailable.pop(k, None)
                 self.rows_guessed_unused += len(idx) - batch.record_guess(k, idx, v)
+                if self.on_answer is not None:
+                    self.on_answer(batch)
             rest = batch.requests().get(k)
             if rest is not None:
                 try:
@@ -280,6 +301,8 @@ class Executor:
         else:
             self.last_unavailable.pop(k, None)
             batch.record(k, idx, res)
+            if self.on_answer is not None:
+                self.on_answer(batch)
 
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         row_ids = [batch.row_ids[i] for i in idx]
