@@ -95,9 +95,9 @@ class CheckpointingScheduler(Scheduler):
         self.on_due = on_due
         self._due: set[str] = set()
 
-    def update(self, batch, now: float) -> None:
+    def update(self, batch, now: float, *, part: bool = False) -> None:
         before = [(g, g.step) for g in batch.groups]
-        super().update(batch, now)
+        super().update(batch, now, part=part)
         for g, step in before:
             if g.step != step and g.step % self.every == 0 and not g.done and self.knows(g.job_id):
                 self._due.add(g.job_id)

@@ -324,7 +324,7 @@ class Engine:
         if not gis or len(gis) + len(batch.released) == len(batch.groups):
             return  # nothing new, or the last of the batch: the tick's own update is as early
         batch.released.update(gis)
-        self.scheduler.update(batch.subset(gis), self.clock())
+        self.scheduler.update(batch.subset(gis), self.clock(), part=True)
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.ensure_future(self.flush_events())
 

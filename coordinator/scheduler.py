@@ -367,12 +367,15 @@ class Scheduler:
         self._fair.admitted(job.client)
 
     # ------------------------------------------------------------ update
-    def update(self, batch: Batch, now: float) -> None:
+    def update(self, batch: Batch, now: float, *, part: bool = False) -> None:
         """Apply the batch's combined velocities: one solver stage per job, then emit events.
+        `part`: the batch is some jobs of a tick's batch, updated ahead of the rest (the engine's
+        early update; the tick is counted once, by its last update).
 
         A job with rows that no expert served fails: with the code of an expert it wanted that
         answered only garbage (`bad_reply`, see `Batch.mark_failed`), else `unavailable`."""
-        self.stats.ticks += 1
+        if not part:
+            self.stats.ticks += 1
         for g in batch.groups:  # these jobs may be scheduled again (a cancelled job is gone already)
             if self._jobs.running(g.job_id, g) is not None:
                 self._jobs.in_flight.discard(g.job_id)

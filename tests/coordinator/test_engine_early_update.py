@@ -48,9 +48,9 @@ JOBS = [
 ]
 
 
-async def _serve(early: bool) -> tuple[dict, list, GatePerExpert]:
+async def _serve(early: bool) -> tuple[dict, list, GatePerExpert, int]:
     """Run JOBS with expert 1 held at first; returns (each job's step while expert 1 held its first
-    request, the events, the transport)."""
+    request, the events, the transport, the ticks the scheduler counted)."""
     events, tr = [], GatePerExpert()
     e = _engine(early, tr, events)
     task = asyncio.create_task(e.run())
@@ -70,16 +70,17 @@ async def _serve(early: bool) -> tuple[dict, list, GatePerExpert]:
     finally:
         await e.stop()
         await asyncio.wait_for(task, 5)
-    return held, events, tr
+    return held, events, tr, e.scheduler.stats.ticks
 
 
 async def test_a_job_whose_experts_answered_takes_its_step_while_another_expert_computes():
-    held, events, tr = await _serve(early=True)
+    held, events, tr, ticks = await _serve(early=True)
     assert held == {"fast": 1, "slow": 0, "both": 0}  # "both" waits for its row on expert 1
     assert [ev.job_id for ev in events if ev.kind == "frame"][0] == "fast"
-    lock_held, lock_events, lock_tr = await _serve(early=False)
+    lock_held, lock_events, lock_tr, lock_ticks = await _serve(early=False)
     assert lock_held == {"fast": 0, "slow": 0, "both": 0}  # the lock-step tick: every job waits for expert 1
     assert tr.calls == lock_tr.calls  # the same requests, of the same sizes, in the same order
+    assert ticks == lock_ticks == 4  # a tick updated in parts counts once
     for kind in ("frame", "done"):  # each job's events and images are the same either way
         for job in JOBS:
             mine = [ev for ev in events if ev.kind == kind and ev.job_id == job.job_id]
