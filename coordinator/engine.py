@@ -316,8 +316,8 @@ class Engine:
         they need take their solver step at once and their events start out, while the batch's slower
         experts still compute; the tick's end updates the rest. The coordinator's per-job work (the
         update, the frames) then overlaps the experts instead of following the slowest one, and the
-        next requests still leave together (a job freed early is not sent on before the tick ends,
-        unless another cohort's lane is idle). Not while running ahead: its runs follow whole ticks."""
+        next requests still leave together (a job updated early is not sent on before the tick ends,
+        whatever the cohorts: they stay in flight until then). Not while running ahead: its runs follow whole ticks."""
         if self.executor.running_ahead():
             return
         gis = batch.complete_groups()
@@ -397,13 +397,15 @@ class Engine:
             log.exception("tick failed")
             reason = f"coordinator error: {type(err).__name__}: {err}"
             if batch is not None:
-                if (rest := batch.unreleased()) is not None:  # (jobs updated early are not this tick's now)
+                if (rest := batch.unreleased()) is not None:  # (the jobs updated early took their step)
                     sched.fail_batch(rest, ErrorCode.INTERNAL, reason)
             else:  # schedule() itself broke: none of its jobs could be scheduled; sleep until the
                 sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
                 await self.flush_events()
                 return False
         finally:
+            if batch is not None and batch.released:  # updated early: free for the next tick now
+                sched.returned([batch.groups[gi] for gi in batch.released])
             if out:
                 self._batches_out -= 1
         if batch is not None:

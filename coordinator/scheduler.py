@@ -370,15 +370,14 @@ class Scheduler:
     def update(self, batch: Batch, now: float, *, part: bool = False) -> None:
         """Apply the batch's combined velocities: one solver stage per job, then emit events.
         `part`: the batch is some jobs of a tick's batch, updated ahead of the rest (the engine's
-        early update; the tick is counted once, by its last update).
+        early update): they stay in flight until the tick ends (`returned`), and the tick is counted
+        once, by its last update.
 
         A job with rows that no expert served fails: with the code of an expert it wanted that
         answered only garbage (`bad_reply`, see `Batch.mark_failed`), else `unavailable`."""
         if not part:
             self.stats.ticks += 1
-        for g in batch.groups:  # these jobs may be scheduled again (a cancelled job is gone already)
-            if self._jobs.running(g.job_id, g) is not None:
-                self._jobs.in_flight.discard(g.job_id)
+            self.returned(batch.groups)
         complete = batch.row_complete()
         u = batch.combined()
         used = batch.weights > 0
@@ -409,6 +408,13 @@ class Scheduler:
                     self._after_step(job, now, euler, rows)
             elif group.advance(u[rows]):
                 self._after_step(job, now)
+
+    def returned(self, groups) -> None:
+        """The jobs of these row groups may be scheduled again: their batch came back (a cancelled or
+        failed job is gone already)."""
+        for g in groups:
+            if self._jobs.running(g.job_id, g) is not None:
+                self._jobs.in_flight.discard(g.job_id)
 
     def _fail_unserved(self, job: Job, batch: Batch, rows: slice, row_notes: list[str]) -> None:
         """Fail a job with rows left without a velocity this tick. If an expert failed with a code

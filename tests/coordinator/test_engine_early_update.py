@@ -63,7 +63,8 @@ async def _serve(early: bool) -> tuple[dict, list, GatePerExpert, int]:
         for _ in range(50):  # and nothing else happens while expert 1 computes
             await asyncio.sleep(0)
         held = {j.job_id: e.job_state(j.job_id)["step"] for j in JOBS}
-        assert tr.calls == [(0, 2), (1, 2)] and e.batches_out == 1  # the next requests wait for the tick's end
+        assert tr.calls == [(0, 2), (1, 2)] and e.batches_out == 1  # the next requests wait for the tick's end:
+        assert e.scheduler.in_flight_rows == 4  # a job updated early is not free before it (nor for another cohort)
         tr.gates[1].set()
         await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 3, timeout=5, what="every job done")
         assert e.batches_out == 0 and e.scheduler.in_flight_rows == 0
