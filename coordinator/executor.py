@@ -183,6 +183,7 @@ class Executor:
                     raise res
 
     async def _call_and_settle(self, batch: Batch, k: int, idx: np.ndarray) -> None:
+        """Call expert k for rows idx and settle its answer (or its failure) onto the batch at once."""
         try:
             res = await self._call(batch, k, idx)
         except asyncio.CancelledError:
@@ -263,13 +264,7 @@ class Executor:
                     self.on_answer(batch)
             rest = batch.requests().get(k)
             if rest is not None:
-                try:
-                    v = await self._call(batch, k, rest)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as err:
-                    v = err
-                self._settle(batch, k, rest, v)
+                await self._call_and_settle(batch, k, rest)
 
         await asyncio.gather(*(one(k) for k in sorted(set(guesses) | set(batch.requests()))))
 
