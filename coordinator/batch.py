@@ -66,6 +66,8 @@ class Batch:
         #: groups (indices) handed back to the scheduler before the tick's end (`subset`, the engine's
         #: early release): the tick's own update and failures leave them alone
         self.released: set[int] = set()
+        #: the engine may update complete groups before the tick ends (`Engine._update_answered`; set per tick)
+        self.update_early = False
 
     @property
     def job_ids(self) -> list[str]:
@@ -86,6 +88,10 @@ class Batch:
             for gi in range(len(self.groups))
             if gi not in self.released and done[self.bounds[gi] : self.bounds[gi + 1]].all()
         ]
+
+    def unreleased_groups(self) -> list[RowGroup]:
+        """The groups not released (all of them when none was)."""
+        return [g for gi, g in enumerate(self.groups) if gi not in self.released]
 
     def unreleased(self) -> Batch | None:
         """This batch without its released groups (itself when none was released; None when all were)."""
@@ -119,6 +125,7 @@ class Batch:
         sub.workers = {k: set(w) for k, w in self.workers.items()}
         sub._v = self._v[:, rows]
         sub.released = set()
+        sub.update_early = False
         return sub
 
     # ------------------------------------------------------------ routing

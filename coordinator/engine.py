@@ -149,7 +149,7 @@ class Engine:
         self.early_update = bool(early_update)
         if self.early_update:
             self.executor.on_answer = self._update_answered
-        self._flushing: asyncio.Future | None = None  # the events flush `_update_answered` started
+        self._flushes: set[asyncio.Future] = set()  # the events flushes `_update_answered` started
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._stopping = False
         self._running = False
@@ -277,6 +277,7 @@ class Engine:
         finally:
             # let the lanes unwind (a guessed call they abandon on the way is cancelled next), bounded
             await cancel_and_wait(self._lanes, 1.0)
+            await self._flushes_done()
             self.executor.cancel_unneeded_calls()
             self.executor.drop_runs("engine stopped")
             self._running = False
@@ -317,16 +318,29 @@ class Engine:
         experts still compute; the tick's end updates the rest. The coordinator's per-job work (the
         update, the frames) then overlaps the experts instead of following the slowest one, and the
         next requests still leave together (a job updated early is not sent on before the tick ends,
-        whatever the cohorts: they stay in flight until then). Not while running ahead: its runs follow whole ticks."""
-        if self.executor.running_ahead():
+        whatever the cohorts: they stay in flight until then). Only for batches the tick allowed it
+        (`Batch.update_early`: not while requests run ahead, whose runs follow whole ticks). An error in
+        the update fails those jobs (never the batch's others) and the tick goes on."""
+        if not batch.update_early:
             return
         gis = batch.complete_groups()
         if not gis or len(gis) + len(batch.released) == len(batch.groups):
             return  # nothing new, or the last of the batch: the tick's own update is as early
         batch.released.update(gis)
-        self.scheduler.update(batch.subset(gis), self.clock(), part=True)
-        if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.ensure_future(self.flush_events())
+        part = batch.subset(gis)
+        try:
+            self.scheduler.update(part, self.clock(), part=True)
+        except Exception as err:
+            log.exception("updating %d job(s) ahead of their tick failed", len(gis))
+            self.scheduler.fail_batch(part, ErrorCode.INTERNAL, f"coordinator error: {type(err).__name__}: {err}")
+        flush = asyncio.ensure_future(self.flush_events())  # (flushes queue on the emit lock, in order)
+        self._flushes.add(flush)
+        flush.add_done_callback(self._flushes.discard)
+
+    async def _flushes_done(self, timeout: float = 1.0) -> None:
+        """Let the event flushes `_update_answered` started finish (bounded)."""
+        if self._flushes:
+            await asyncio.wait(list(self._flushes), timeout=timeout)
 
     def cohorts_now(self) -> int:
         """The cohorts in use: the fixed setting, or for "auto" `cohorts_for_workers` of the most
@@ -372,6 +386,7 @@ class Engine:
         self._poke()
         self.executor.drop_runs("engine stopped")
         self.scheduler.fail_all(ErrorCode.UNAVAILABLE, reason)
+        await self._flushes_done()
         await self.flush_events()
         self.executor.close_router_thread()
 
@@ -390,15 +405,15 @@ class Engine:
             if batch is None:
                 return False
             started = time.perf_counter()
+            batch.update_early = self.early_update and not self.executor.running_ahead()  # (decided once a tick)
             await self.executor.execute(batch)
             if (rest := batch.unreleased()) is not None:
                 sched.update(rest, self.clock())
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
             reason = f"coordinator error: {type(err).__name__}: {err}"
-            if batch is not None:
-                if (rest := batch.unreleased()) is not None:  # (the jobs updated early took their step)
-                    sched.fail_batch(rest, ErrorCode.INTERNAL, reason)
+            if batch is not None:  # (not the jobs updated early: they took their step)
+                sched.fail_groups(batch.unreleased_groups(), ErrorCode.INTERNAL, reason)
             else:  # schedule() itself broke: none of its jobs could be scheduled; sleep until the
                 sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
                 await self.flush_events()

@@ -176,19 +176,28 @@ class Executor:
         batch.route(w, fresh)
         if guesses:
             await self._take_guesses(batch, guesses)
-        while reqs := batch.requests():  # each expert's answer is settled as it comes (see on_answer)
-            settled = (self._call_and_settle(batch, k, idx) for k, idx in reqs.items())
+        while reqs := batch.requests():  # each expert's answer is settled as it comes (see on_answer),
+            failed: dict[int, Exception] = {}  # its failure after the round, in expert order (a reroute's
+            settled = (self._call_and_settle(batch, k, idx, failed) for k, idx in reqs.items())  # draws see
             for res in await asyncio.gather(*settled, return_exceptions=True):  # every call ends first
-                if isinstance(res, BaseException):
+                if isinstance(res, BaseException):  # the experts failed so far in one fixed order)
                     raise res
+            for k in sorted(failed):
+                self._settle(batch, k, reqs[k], failed[k])
 
-    async def _call_and_settle(self, batch: Batch, k: int, idx: np.ndarray) -> None:
-        """Call expert k for rows idx and settle its answer (or its failure) onto the batch at once."""
+    async def _call_and_settle(
+        self, batch: Batch, k: int, idx: np.ndarray, failed: dict[int, Exception] | None = None
+    ) -> None:
+        """Call expert k for rows idx and settle its answer onto the batch at once; its failure too, or
+        into `failed` (expert -> error) when given."""
         try:
             res = await self._call(batch, k, idx)
         except asyncio.CancelledError:
             raise
         except Exception as err:
+            if failed is not None:
+                failed[k] = err
+                return
             res = err
         self._settle(batch, k, idx, res)
 
@@ -260,8 +269,18 @@ class Executor:
                     return
                 self.last_unavailable.pop(k, None)
                 self.rows_guessed_unused += len(idx) - batch.record_guess(k, idx, v)
-                if self.on_answer is not None:
-                    self.on_answer(batch)
+                rest = batch.requests().get(k)
+                if self.on_answer is not None:  # the rows the guess missed go out first, then the early update
+                    call = None if rest is None else asyncio.ensure_future(self._call_and_settle(batch, k, rest))
+                    try:
+                        if call is not None:
+                            for _ in range(2):  # the call publishes, then nats-py's flusher writes
+                                await asyncio.sleep(0)
+                        self.on_answer(batch)
+                    finally:
+                        if call is not None:
+                            await call
+                    return
             rest = batch.requests().get(k)
             if rest is not None:
                 await self._call_and_settle(batch, k, rest)

@@ -13,7 +13,7 @@ from coordinator.engine import Engine
 from coordinator.local_fleet import LabelRouter
 from coordinator.rows import RowGroup
 from coordinator.scheduler import Scheduler, SchedulerConfig
-from schemas import JobRequest
+from schemas import ErrorCode, JobRequest
 from tests.waiting import wait_until
 
 SHAPE = (1, 4, 4)
@@ -35,8 +35,8 @@ class GatePerExpert:
         return (-(k + 1) * x).astype(np.float32)
 
 
-def _engine(early: bool, tr, events) -> Engine:
-    sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
+def _engine(early: bool, tr, events, scheduler=Scheduler) -> Engine:
+    sched = scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
     router = LabelRouter(C2E, 2, confidence=1.0)
     return Engine(sched, router, tr, events.append, router_in_thread=False, cohorts=1, early_update=early)
 
@@ -90,6 +90,37 @@ async def test_a_job_whose_experts_answered_takes_its_step_while_another_expert_
             for a, b in zip(mine, theirs):
                 x = "images" if kind == "done" else "x"
                 assert getattr(a, x).tobytes() == getattr(b, x).tobytes(), (kind, job.job_id)
+
+
+async def test_an_early_update_that_breaks_fails_only_its_own_jobs():
+    """The update of the jobs whose expert answered first raises (once): those jobs fail with `internal`,
+    the batch's other jobs take their step at the tick's end and finish, and the engine serves on."""
+
+    class BreaksOnce(Scheduler):
+        broke = False
+
+        def update(self, batch, now, *, part=False):
+            if part and not BreaksOnce.broke:
+                BreaksOnce.broke = True
+                raise RuntimeError("update bug")
+            super().update(batch, now, part=part)
+
+    events, tr = [], GatePerExpert()
+    tr.gates[1].set()
+    e = _engine(True, tr, events, scheduler=BreaksOnce)
+    task = asyncio.create_task(e.run())
+    try:
+        for j in JOBS:
+            e.submit(j)
+        await wait_until(lambda: len([ev for ev in events if ev.kind in ("done", "failed")]) == 3, timeout=5)
+        ends = {ev.job_id: (ev.kind, getattr(ev, "code", None)) for ev in events if ev.kind in ("done", "failed")}
+        # expert 0 answers first: "fast" alone is complete then ("both" waits for expert 1)
+        assert ends == {"fast": ("failed", ErrorCode.INTERNAL), "slow": ("done", None), "both": ("done", None)}
+        assert "update bug" in next(ev.reason for ev in events if ev.kind == "failed")
+        assert not task.done() and e.dead is None and e.scheduler.in_flight_rows == 0
+    finally:
+        await e.stop()
+        await asyncio.wait_for(task, 5)
 
 
 def _routed_batch() -> Batch:
