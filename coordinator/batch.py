@@ -89,10 +89,6 @@ class Batch:
             if gi not in self.released and done[self.bounds[gi] : self.bounds[gi + 1]].all()
         ]
 
-    def unreleased_groups(self) -> list[RowGroup]:
-        """The groups not released (all of them when none was)."""
-        return [g for gi, g in enumerate(self.groups) if gi not in self.released]
-
     def unreleased(self) -> Batch | None:
         """This batch without its released groups (itself when none was released; None when all were)."""
         if not self.released:

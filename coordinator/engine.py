@@ -412,8 +412,9 @@ class Engine:
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
             reason = f"coordinator error: {type(err).__name__}: {err}"
-            if batch is not None:  # (not the jobs updated early: they took their step)
-                sched.fail_groups(batch.unreleased_groups(), ErrorCode.INTERNAL, reason)
+            if batch is not None:
+                if (rest := batch.unreleased()) is not None:  # (not the jobs updated early: they took their step)
+                    sched.fail_batch(rest, ErrorCode.INTERNAL, reason)
             else:  # schedule() itself broke: none of its jobs could be scheduled; sleep until the
                 sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
                 await self.flush_events()

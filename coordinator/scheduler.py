@@ -244,11 +244,7 @@ class Scheduler:
 
     def fail_batch(self, batch: Batch, code: ErrorCode, reason: str) -> None:
         """Fail the jobs of `batch` that are still running (e.g. the tick that carried them broke)."""
-        self.fail_groups(batch.groups, code, reason)
-
-    def fail_groups(self, groups, code: ErrorCode, reason: str) -> None:
-        """Fail the jobs of these row groups that are still running."""
-        for g in groups:
+        for g in batch.groups:
             if self._jobs.running(g.job_id, g) is not None:
                 self.fail(g.job_id, code, reason)
 

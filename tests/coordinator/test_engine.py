@@ -226,7 +226,7 @@ async def test_a_dying_loop_fails_every_job_with_internal_and_refuses_submits():
         def update(self, batch, now):
             raise RuntimeError("update bug")
 
-        def fail_groups(self, groups, code, reason):  # (what a broken tick's jobs are failed with)
+        def fail_batch(self, batch, code, reason):
             raise RuntimeError("fail_batch bug")
 
     e, events = engine_with(Doomed, Velocities(), max_rows=1)
