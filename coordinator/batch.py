@@ -89,13 +89,6 @@ class Batch:
             if gi not in self.released and done[self.bounds[gi] : self.bounds[gi + 1]].all()
         ]
 
-    def unreleased(self) -> Batch | None:
-        """This batch without its released groups (itself when none was released; None when all were)."""
-        if not self.released:
-            return self
-        rest = [gi for gi in range(len(self.groups)) if gi not in self.released]
-        return self.subset(rest) if rest else None
-
     def subset(self, gis: list[int]) -> Batch:
         """A batch of the groups `gis` (indices, in order) alone, as routed and answered so far: their rows'
         inputs, weights, velocities, the experts marked failed and the workers that answered. Copies
@@ -119,7 +112,9 @@ class Batch:
             setattr(sub, name, None if a is None else a[rows])
         sub.reports_dtypes = any(g.answered is not None for g in sub.groups)
         sub.workers = {k: set(w) for k, w in self.workers.items()}
-        sub._v = self._v[:, rows]
+        sub._v = np.zeros((self.num_experts, len(rows), *self.x.shape[1:]), np.float32)  # (pages on first write)
+        for k in np.nonzero(sub._have.any(axis=0))[0]:  # only the experts that answered these rows
+            sub._v[k] = self._v[k, rows]
         sub.released = set()
         sub.update_early = False
         return sub

@@ -407,14 +407,12 @@ class Engine:
             started = time.perf_counter()
             batch.update_early = self.early_update and not self.executor.running_ahead()  # (decided once a tick)
             await self.executor.execute(batch)
-            if (rest := batch.unreleased()) is not None:
-                sched.update(rest, self.clock())
+            sched.update(batch, self.clock())  # (the jobs it did not update early)
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
             reason = f"coordinator error: {type(err).__name__}: {err}"
-            if batch is not None:
-                if (rest := batch.unreleased()) is not None:  # (not the jobs updated early: they took their step)
-                    sched.fail_batch(rest, ErrorCode.INTERNAL, reason)
+            if batch is not None:  # (not the jobs it updated early: they took their step)
+                sched.fail_batch(batch, ErrorCode.INTERNAL, reason)
             else:  # schedule() itself broke: none of its jobs could be scheduled; sleep until the
                 sched.fail_all(ErrorCode.INTERNAL, reason)  # next submit instead of spinning on it
                 await self.flush_events()

@@ -243,9 +243,10 @@ class Scheduler:
             self.fail(job_id, code, reason)
 
     def fail_batch(self, batch: Batch, code: ErrorCode, reason: str) -> None:
-        """Fail the jobs of `batch` that are still running (e.g. the tick that carried them broke)."""
-        for g in batch.groups:
-            if self._jobs.running(g.job_id, g) is not None:
+        """Fail the jobs of `batch` that are still running (e.g. the tick that carried them broke), but
+        not those it released (they took their step ahead of it: `Batch.released`)."""
+        for gi, g in enumerate(batch.groups):
+            if gi not in batch.released and self._jobs.running(g.job_id, g) is not None:
                 self.fail(g.job_id, code, reason)
 
     def drop(self, job_id: str) -> bool:
@@ -371,7 +372,8 @@ class Scheduler:
         """Apply the batch's combined velocities: one solver stage per job, then emit events.
         `part`: the batch is some jobs of a tick's batch, updated ahead of the rest (the engine's
         early update): they stay in flight until the tick ends (`returned`), and the tick is counted
-        once, by its last update.
+        once, by its last update. The groups a batch has released (`Batch.released`: updated ahead
+        that way) are left alone.
 
         A job with rows that no expert served fails: with the code of an expert it wanted that
         answered only garbage (`bad_reply`, see `Batch.mark_failed`), else `unavailable`."""
@@ -385,7 +387,10 @@ class Scheduler:
         notes = batch.fallback_notes()
         weights32 = batch.router_w.astype(np.float32)
         euler = _EulerRows(batch, u)
+        released = batch.released
         for gi, group in enumerate(batch.groups):
+            if gi in released:
+                continue
             job = self._jobs.running(group.job_id, group)
             if job is None:  # cancelled or failed meanwhile
                 continue
@@ -495,8 +500,10 @@ class _EulerRows:
     reads. Elementwise, so each group's slice has the bits its own update would have given."""
 
     def __init__(self, batch: Batch, u: np.ndarray):
-        groups = batch.groups
-        dts = np.array([g.dt if g.euler_next else 0.0 for g in groups], np.float32)
+        skip = batch.released  # (groups that took their step ahead of the batch: not stepped here)
+        dts = np.array(
+            [g.dt if g.euler_next and gi not in skip else 0.0 for gi, g in enumerate(batch.groups)], np.float32
+        )
         self.x_next = euler_update(batch.x, np.repeat(dts, np.diff(batch.bounds)), u)
         self._finite: np.ndarray | None = None
         self._frame16: np.ndarray | None = None

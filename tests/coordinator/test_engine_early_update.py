@@ -148,8 +148,25 @@ def test_subset_carries_the_groups_rows_routing_and_answers():
     np.testing.assert_array_equal(part.combined(), b.combined()[[0, 3]])
     assert part.row_complete().all() and list(part.bounds) == [0, 1, 2]
     b.released.update([0, 2])
-    assert b.complete_groups() == [1]
-    rest = b.unreleased()
-    assert [g.job_id for g in rest.groups] == ["j1"] and len(rest) == 2
-    b.released.add(1)
-    assert b.unreleased() is None and _routed_batch().unreleased() is not None
+    assert b.complete_groups() == [1]  # the released groups are not offered again
+
+
+def test_the_update_of_a_batch_leaves_its_released_groups_alone():
+    s = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
+    for i, digits in enumerate([[1], [2, 7]]):
+        s.submit(JobRequest(job_id=f"j{i}", digits=digits, steps=3, seed=i, stream=False), 0.0)
+    b = s.schedule(0.0)
+    w = np.zeros((3, 2))
+    w[[0, 1], 0] = 1.0
+    w[2, 1] = 1.0
+    b.route(w)
+    b.record(0, np.array([0, 1]), -b.x[[0, 1]])
+    assert b.complete_groups() == [0]
+    b.released.add(0)
+    s.update(b.subset([0]), 0.0, part=True)  # j0 ahead of its tick: stepped, still in flight
+    assert s.job_progress("j0")["step"] == 1 and s.in_flight_rows == 3 and s.stats.ticks == 0
+    b.record(1, np.array([2]), -b.x[[2]])
+    s.update(b, 0.0)  # the tick's own update: j1 only, and the tick counted once
+    assert s.job_progress("j0")["step"] == 1 and s.job_progress("j1")["step"] == 1 and s.stats.ticks == 1
+    s.fail_batch(b, ErrorCode.INTERNAL, "test")  # a failing tick fails only the jobs it did not release
+    assert s.job_progress("j0") is not None and s.job_progress("j1") is None
