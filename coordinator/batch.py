@@ -68,6 +68,7 @@ class Batch:
         self.released: set[int] = set()
         #: the engine may update complete groups before the tick ends (`Engine._update_answered`; set per tick)
         self.update_early = False
+        self.early_pending = False  # an early update is scheduled for the next pass of the event loop
 
     @property
     def job_ids(self) -> list[str]:
@@ -116,7 +117,7 @@ class Batch:
         for k in np.nonzero(sub._have.any(axis=0))[0]:  # only the experts that answered these rows
             sub._v[k] = self._v[k, rows]
         sub.released = set()
-        sub.update_early = False
+        sub.update_early = sub.early_pending = False
         return sub
 
     # ------------------------------------------------------------ routing

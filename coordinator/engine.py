@@ -319,10 +319,22 @@ class Engine:
         update, the frames) then overlaps the experts instead of following the slowest one, and the
         next requests still leave together (a job updated early is not sent on before the tick ends,
         whatever the cohorts: they stay in flight until then). Only for batches the tick allowed it
-        (`Batch.update_early`: not while requests run ahead, whose runs follow whole ticks). An error in
-        the update fails those jobs (never the batch's others) and the tick goes on."""
+        (`Batch.update_early`: not while requests run ahead, whose runs follow whole ticks).
+
+        The update runs one pass of the event loop later (`_update_early`), so that answers that came in
+        together (experts that answer at once, a worker's replies read in one go) are applied in one pass
+        by the tick's own update, not in two."""
+        if batch.update_early and not batch.early_pending:
+            batch.early_pending = True
+            asyncio.get_running_loop().call_soon(self._update_early, batch)
+
+    def _update_early(self, batch) -> None:
+        """Update the complete jobs of `batch` ahead of its tick (see `_update_answered`); nothing once the
+        tick has ended or when they are all its jobs left. An error in the update fails those jobs (never
+        the batch's others) and the tick goes on."""
+        batch.early_pending = False
         if not batch.update_early:
-            return
+            return  # the tick ended meanwhile
         gis = batch.complete_groups()
         if not gis or len(gis) + len(batch.released) == len(batch.groups):
             return  # nothing new, or the last of the batch: the tick's own update is as early
@@ -407,6 +419,7 @@ class Engine:
             started = time.perf_counter()
             batch.update_early = self.early_update and not self.executor.running_ahead()  # (decided once a tick)
             await self.executor.execute(batch)
+            batch.update_early = False  # (an early update still pending does nothing now)
             sched.update(batch, self.clock())  # (the jobs it did not update early)
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
@@ -418,6 +431,8 @@ class Engine:
                 await self.flush_events()
                 return False
         finally:
+            if batch is not None:
+                batch.update_early = False
             if batch is not None and batch.released:  # updated early: free for the next tick now
                 sched.returned([batch.groups[gi] for gi in batch.released])
             if out:

@@ -106,18 +106,44 @@ async def test_an_early_update_that_breaks_fails_only_its_own_jobs():
             super().update(batch, now, part=part)
 
     events, tr = [], GatePerExpert()
-    tr.gates[1].set()
     e = _engine(True, tr, events, scheduler=BreaksOnce)
     task = asyncio.create_task(e.run())
     try:
         for j in JOBS:
             e.submit(j)
+        await wait_until(lambda: any(ev.kind == "failed" for ev in events), timeout=5, what="fast failed")
+        tr.gates[1].set()
         await wait_until(lambda: len([ev for ev in events if ev.kind in ("done", "failed")]) == 3, timeout=5)
         ends = {ev.job_id: (ev.kind, getattr(ev, "code", None)) for ev in events if ev.kind in ("done", "failed")}
         # expert 0 answers first: "fast" alone is complete then ("both" waits for expert 1)
         assert ends == {"fast": ("failed", ErrorCode.INTERNAL), "slow": ("done", None), "both": ("done", None)}
         assert "update bug" in next(ev.reason for ev in events if ev.kind == "failed")
         assert not task.done() and e.dead is None and e.scheduler.in_flight_rows == 0
+    finally:
+        await e.stop()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_answers_that_come_in_together_are_applied_in_one_pass():
+    """Experts that answer at once (both gates open): no job is updated ahead of the tick, whose own
+    update applies them all (one pass, not two)."""
+    events, tr = [], GatePerExpert()
+    tr.gates[1].set()
+    e = _engine(True, tr, events)
+    parts = []
+    update = e.scheduler.update
+
+    def counting(batch, now, *, part=False):
+        parts.append(part)
+        update(batch, now, part=part)
+
+    e.scheduler.update = counting
+    task = asyncio.create_task(e.run())
+    try:
+        for j in JOBS:
+            e.submit(j)
+        await wait_until(lambda: sum(ev.kind == "done" for ev in events) == 3, timeout=5, what="every job done")
+        assert parts == [False] * 4  # 4 ticks, each one update of the whole batch
     finally:
         await e.stop()
         await asyncio.wait_for(task, 5)
