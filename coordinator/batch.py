@@ -63,8 +63,8 @@ class Batch:
         self.workers: dict[int, set[str]] = {}  # expert -> ids of the workers that answered it this tick
         self._v = np.zeros((num_experts,) + self.x.shape, np.float32)  # [K, R, C, H, W]
         self._have = np.zeros((len(self.y), num_experts), bool)
-        #: groups (indices) handed back to the scheduler before the tick's end (`subset`, the engine's
-        #: early release): the tick's own update and failures leave them alone
+        #: groups (indices) the engine updated before the tick's end (on a `subset`: its early update):
+        #: the tick's own update and failures leave them alone
         self.released: set[int] = set()
         #: the engine may update complete groups before the tick ends (`Engine._update_answered`; set per tick)
         self.update_early = False

@@ -419,7 +419,6 @@ class Engine:
             started = time.perf_counter()
             batch.update_early = self.early_update and not self.executor.running_ahead()  # (decided once a tick)
             await self.executor.execute(batch)
-            batch.update_early = False  # (an early update still pending does nothing now)
             sched.update(batch, self.clock())  # (the jobs it did not update early)
         except Exception as err:  # never die: fail the jobs this tick concerns, keep serving the rest
             log.exception("tick failed")
@@ -432,9 +431,9 @@ class Engine:
                 return False
         finally:
             if batch is not None:
-                batch.update_early = False
-            if batch is not None and batch.released:  # updated early: free for the next tick now
-                sched.returned([batch.groups[gi] for gi in batch.released])
+                batch.update_early = False  # (an early update still pending does nothing now)
+                if batch.released:  # updated early: free for the next tick now
+                    sched.returned([batch.groups[gi] for gi in batch.released])
             if out:
                 self._batches_out -= 1
         if batch is not None:

@@ -134,12 +134,17 @@ class Executor:
         self._router_lock = asyncio.Lock()  # one router call at a time (it is CPU-bound)
         self._router_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its thread (see _route)
         self.last_unavailable: dict[int, str] = {}  # expert -> why its last call failed (cleared by an answer)
-        #: called (batch) after each expert answer recorded onto a batch: the engine's early release
+        #: called (batch) after each expert answer recorded onto a batch: the engine's early update
         self.on_answer: Callable[[Batch], None] | None = None
 
     def running_ahead(self) -> bool:
         """Runs are streaming, or a call now may start one (a job or two alone on the fleet)."""
-        return bool(self._runs) or bool(
+        return bool(self._runs) or self._may_start_run()
+
+    def _may_start_run(self) -> bool:
+        """An expert call now may run ahead: the scheduler holds a job or two alone (at most `run_ahead_rows`
+        rows) and the transport can stream."""
+        return bool(
             self.run_ahead
             and self.scheduler.active_rows <= self.run_ahead_rows
             and hasattr(self.transport, "velocity_ahead")
@@ -252,6 +257,7 @@ class Executor:
         so a worker never merges them differently and its images repeat bit for bit)."""
 
         async def one(k: int) -> None:
+            answered = False  # a guessed answer was recorded: the engine hears of it (on_answer)
             if k in guesses:
                 idx, task = guesses[k]
                 try:
@@ -269,21 +275,17 @@ class Executor:
                     return
                 self.last_unavailable.pop(k, None)
                 self.rows_guessed_unused += len(idx) - batch.record_guess(k, idx, v)
-                rest = batch.requests().get(k)
-                if self.on_answer is not None:  # the rows the guess missed go out first, then the early update
-                    call = None if rest is None else asyncio.ensure_future(self._call_and_settle(batch, k, rest))
-                    try:
-                        if call is not None:
-                            for _ in range(2):  # the call publishes, then nats-py's flusher writes
-                                await asyncio.sleep(0)
-                        self.on_answer(batch)
-                    finally:
-                        if call is not None:
-                            await call
-                    return
+                answered = self.on_answer is not None
             rest = batch.requests().get(k)
-            if rest is not None:
-                await self._call_and_settle(batch, k, rest)
+            call = None if rest is None else self._call_and_settle(batch, k, rest)
+            if answered:  # the rows the guess missed go out first, then the engine hears of the answer
+                if call is not None:
+                    call = asyncio.ensure_future(call)
+                    for _ in range(2):  # the call publishes, then nats-py's flusher writes
+                        await asyncio.sleep(0)
+                self.on_answer(batch)
+            if call is not None:
+                await call
 
         await asyncio.gather(*(one(k) for k in sorted(set(guesses) | set(batch.requests()))))
 
@@ -321,11 +323,7 @@ class Executor:
     async def _call(self, batch: Batch, k: int, idx: np.ndarray) -> np.ndarray:
         row_ids = [batch.row_ids[i] for i in idx]
         plan = None
-        may_start = (
-            self.run_ahead
-            and self.scheduler.active_rows <= self.run_ahead_rows  # a job or two alone on the fleet
-            and hasattr(self.transport, "velocity_ahead")
-        )
+        may_start = self._may_start_run()
         if self._runs or may_start:
             groups = [batch.groups[g] for g in np.searchsorted(batch.bounds, idx, side="right") - 1]
             v = await self._take_ahead(batch, k, idx, row_ids, groups) if self._runs else None
