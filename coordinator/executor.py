@@ -159,18 +159,17 @@ class Executor:
         """Route, then call every chosen expert (rerouting after failures); a failed expert is
         marked on the batch with its ErrorCode. With `speculate`, the likely requests
         (`Batch.guess_requests`) go out while the router runs, and the routing's other needs
-        when it has spoken (see `_take_guesses`)."""
+        when it has spoken (see `_take_guesses`); not when runs ahead already stream them (a lone job:
+        guessing would only add tasks and event-loop passes around the run's velocity)."""
         self._executed += 1
         if self._runs:  # a run its rows skipped a tick of (cancelled, failed, finished) is not used again
             self.drop_runs("unused", older_than=self._executed - 1 - self.cohorts_now())
         fresh, w = batch.routing_plan(self.route_every)
         guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
         if fresh.any():
-            if self.speculate:
-                guesses = {
-                    k: (idx, asyncio.ensure_future(self._call(batch, k, idx)))
-                    for k, idx in batch.guess_requests().items()
-                }
+            likely = batch.guess_requests() if self.speculate else {}
+            if likely and not self._served_by_runs(batch, likely):  # (a run answers at once: no need to guess)
+                guesses = {k: (idx, asyncio.ensure_future(self._call(batch, k, idx))) for k, idx in likely.items()}
                 self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
             try:
                 await self._route(batch, fresh, w, speculating=bool(guesses))
@@ -183,12 +182,25 @@ class Executor:
             await self._take_guesses(batch, guesses)
         while reqs := batch.requests():  # each expert's answer is settled as it comes (see on_answer),
             failed: dict[int, Exception] = {}  # its failure after the round, in expert order (a reroute's
-            settled = (self._call_and_settle(batch, k, idx, failed) for k, idx in reqs.items())  # draws see
-            for res in await asyncio.gather(*settled, return_exceptions=True):  # every call ends first
-                if isinstance(res, BaseException):  # the experts failed so far in one fixed order)
-                    raise res
+            if len(reqs) == 1:  # draws see the experts failed so far in one fixed order); one call: no task
+                [(k, idx)] = reqs.items()
+                await self._call_and_settle(batch, k, idx, failed)
+            else:
+                settled = (self._call_and_settle(batch, k, idx, failed) for k, idx in reqs.items())
+                for res in await asyncio.gather(*settled, return_exceptions=True):  # every call ends first
+                    if isinstance(res, BaseException):
+                        raise res
             for k in sorted(failed):
                 self._settle(batch, k, reqs[k], failed[k])
+
+    def _served_by_runs(self, batch: Batch, reqs: dict[int, np.ndarray]) -> bool:
+        """Every request of `reqs` (expert -> rows) would be answered by a run already streaming its velocity
+        (coordinator/run_ahead.py), if the routing keeps it there."""
+        for k, idx in reqs.items():
+            run = self._runs.get(tuple(batch.row_ids[i] for i in idx))
+            if run is None or run.expert != k:
+                return False
+        return True
 
     async def _call_and_settle(
         self, batch: Batch, k: int, idx: np.ndarray, failed: dict[int, Exception] | None = None

@@ -35,7 +35,7 @@ async def _run(nats_url, nc, router, jobs, **cfg):
         if cfg.get("run_ahead", 8):  # what the workers run ahead is learned at discovery
             await run_ahead_discovered(coord.transport, {0: 16, 1: 16})
         done = [await run_job(nc, j) for j in jobs]  # one at a time: a lone job, as run ahead is for
-        return done, coord.engine.ahead
+        return done, coord.engine.ahead, coord.engine.rows_guessed
 
 
 JOBS = [
@@ -49,14 +49,16 @@ JOBS = [
 async def test_lone_jobs_run_ahead_and_their_images_do_not_change(nats_url, nc, experts, wire):
     ws = await start_workers(nats_url, experts, dtype="float32")
     try:
-        plain, off = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=0, wire_dtype=wire)
-        ahead, on = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=4, wire_dtype=wire)
+        plain, off, guessed_plain = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=0, wire_dtype=wire)
+        ahead, on, guessed_ahead = await _run(nats_url, nc, LabelRouter(C2E, 2), JOBS, run_ahead=4, wire_dtype=wire)
     finally:
         await stop_workers(ws)
     assert off.runs == 0 and off.rows_taken == 0
     # job 1: 12 steps in runs of 1 + 4 (the last cut to what is left): 3 requests, 9 velocities streamed
     # (all of them unless the box stalls a stream for 0.5 s: then that run ends, and the images stay the same)
     assert on.runs >= 3 and on.rows_taken >= 8, on
+    # a step whose velocity a run streams is not also guessed (speculation is for requests that go out)
+    assert guessed_ahead <= guessed_plain - on.rows_taken, (guessed_ahead, guessed_plain, on)
     for a, b in zip(plain, ahead):
         assert a.images.tobytes() == b.images.tobytes()
         np.testing.assert_array_equal(a.usage, b.usage)
@@ -66,8 +68,8 @@ async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, exp
     ws = await start_workers(nats_url, experts, dtype="float32")
     job = JobRequest(digits=[3, 6], steps=10, seed=11)
     try:
-        (plain,), _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=0)
-        (ahead,), on = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=8)
+        (plain,), _, _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=0)
+        (ahead,), on, _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=8)
     finally:
         await stop_workers(ws)
     assert plain.images.tobytes() == ahead.images.tobytes()
@@ -164,7 +166,7 @@ async def test_a_stream_that_stalls_pauses_running_ahead_for_its_expert(nats_url
         w._send = first_only
     job = JobRequest(digits=[3], steps=6, seed=2)
     try:
-        (plain,), _ = await _run(nats_url, nc, LabelRouter(C2E, 2), [job], run_ahead=0)
+        (plain,), _, _ = await _run(nats_url, nc, LabelRouter(C2E, 2), [job], run_ahead=0)
         async with Coordinator(LabelRouter(C2E, 2), num_experts=2, class_to_expert=C2E, nats_url=nats_url) as coord:
             await run_ahead_discovered(coord.transport, {0: 16, 1: 16})
             began = asyncio.get_running_loop().time()
@@ -232,7 +234,7 @@ async def test_a_hedged_request_runs_ahead_on_the_worker_that_answered(nats_url,
     ws[2]._send = late_send
     jobs = [JobRequest(digits=[d % 5], steps=10, seed=40 + d) for d in range(10)]  # expert 0's classes
     try:
-        plain, _ = await _run(nats_url, nc, LabelRouter(C2E, 2), jobs, run_ahead=0)
+        plain, _, _ = await _run(nats_url, nc, LabelRouter(C2E, 2), jobs, run_ahead=0)
         late["on"] = True
         # queue-group dispatch: NATS hands each try to either worker, so both are seen and hedging is on
         async with Coordinator(
