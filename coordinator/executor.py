@@ -168,7 +168,7 @@ class Executor:
         guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
         if fresh.any():
             likely = batch.guess_requests() if self.speculate else {}
-            if likely and not self._served_by_runs(batch, likely):  # (a run answers at once: no need to guess)
+            if likely and not self._served_by_runs(batch, likely):  # (a run streams them: nothing to guess)
                 guesses = {k: (idx, asyncio.ensure_future(self._call(batch, k, idx))) for k, idx in likely.items()}
                 self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
             try:
@@ -344,7 +344,7 @@ class Executor:
             if may_start:
                 plan = plan_ahead(groups, self.run_ahead)
         started = time.perf_counter()
-        answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # this task's own context
+        answered = ANSWERED_BY.set([]) if batch.reports_dtypes else None  # (reset below: the caller's value back)
         x, t, y = batch.x[idx], batch.t[idx], batch.y[idx]
         guided = _guidance_of(batch, idx)
         try:

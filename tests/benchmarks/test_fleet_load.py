@@ -44,6 +44,7 @@ async def test_load_through_the_fleet_counts_every_job_and_reports_memory(tmp_pa
         job_timeout=60.0,
         min_level_s=0.0,  # exactly 2 jobs per client
         limit_batches="none",
+        run_ahead=0,  # (a level's last few jobs would run ahead, and steps a run streams are not guessed)
     )
     t0 = time.monotonic()
     res = await bench.bench_fleet(args)
