@@ -196,6 +196,8 @@ class Executor:
     def _served_by_runs(self, batch: Batch, reqs: dict[int, np.ndarray]) -> bool:
         """Every request of `reqs` (expert -> rows) would be answered by a run already streaming its velocity
         (coordinator/run_ahead.py), if the routing keeps it there."""
+        if not self._runs:
+            return False
         for k, idx in reqs.items():
             run = self._runs.get(tuple(batch.row_ids[i] for i in idx))
             if run is None or run.expert != k:
