@@ -12,7 +12,8 @@ not wait for the router: each row's likely experts (what its strategy chose from
 router weights, `Batch.guess_requests`) are asked while the router runs; once it has spoken, each
 expert's guessed answer gives the rows the routing needs from it, the rows its guess missed are
 asked for next (after that answer: one call at a time per expert), and what the routing did not
-need is dropped (`rows_guessed_unused`); a job's first evaluation waits for the router. An expert
+need is dropped (`rows_guessed_unused`); a job's first evaluation waits for the router, and where runs
+ahead (below) already stream the likely requests they are guessed only if the routing moved rows. An expert
 that is unavailable (no responders, timeouts after retries) is marked failed for this tick and its
 rows are rerouted by their strategy (top1 -> next-best expert).
 
@@ -159,18 +160,22 @@ class Executor:
         """Route, then call every chosen expert (rerouting after failures); a failed expert is
         marked on the batch with its ErrorCode. With `speculate`, the likely requests
         (`Batch.guess_requests`) go out while the router runs, and the routing's other needs
-        when it has spoken (see `_take_guesses`); not when runs ahead already stream them (a lone job:
-        guessing would only add tasks and event-loop passes around the run's velocity)."""
+        when it has spoken (see `_take_guesses`). Where runs ahead already stream every likely request
+        (a lone job), nothing is guessed: the routing's requests, when they are the likely ones, take the
+        runs' velocities (guessing would only add tasks and event-loop passes around them); when the routing
+        moved rows, the guessed calls go out then, so every row gets the velocity it would have got."""
         self._executed += 1
         if self._runs:  # a run its rows skipped a tick of (cancelled, failed, finished) is not used again
             self.drop_runs("unused", older_than=self._executed - 1 - self.cohorts_now())
         fresh, w = batch.routing_plan(self.route_every)
         guesses: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
+        streamed: dict[int, np.ndarray] = {}  # likely requests that runs ahead stream: guessed only if need be
         if fresh.any():
             likely = batch.guess_requests() if self.speculate else {}
-            if likely and not self._served_by_runs(batch, likely):  # (a run streams them: nothing to guess)
-                guesses = {k: (idx, asyncio.ensure_future(self._call(batch, k, idx))) for k, idx in likely.items()}
-                self.rows_guessed += sum(len(idx) for idx, _ in guesses.values())
+            if likely and self._served_by_runs(batch, likely):
+                streamed = likely
+            elif likely:
+                guesses = self._guess(batch, likely)
             try:
                 await self._route(batch, fresh, w, speculating=bool(guesses))
             except BaseException:
@@ -178,20 +183,23 @@ class Executor:
                     self._abandon(task, len(idx))
                 raise
         batch.route(w, fresh)
+        if streamed and not _same_requests(batch.requests(), streamed):
+            guesses = self._guess(batch, streamed)  # the routing moved rows: the guessed calls, as ever
         if guesses:
             await self._take_guesses(batch, guesses)
         while reqs := batch.requests():  # each expert's answer is settled as it comes (see on_answer),
             failed: dict[int, Exception] = {}  # its failure after the round, in expert order (a reroute's
-            if len(reqs) == 1:  # draws see the experts failed so far in one fixed order); one call: no task
-                [(k, idx)] = reqs.items()
-                await self._call_and_settle(batch, k, idx, failed)
-            else:
-                settled = (self._call_and_settle(batch, k, idx, failed) for k, idx in reqs.items())
-                for res in await asyncio.gather(*settled, return_exceptions=True):  # every call ends first
-                    if isinstance(res, BaseException):
-                        raise res
+            settled = (self._call_and_settle(batch, k, idx, failed) for k, idx in reqs.items())  # draws see
+            for res in await asyncio.gather(*settled, return_exceptions=True):  # every call ends first
+                if isinstance(res, BaseException):  # the experts failed so far in one fixed order)
+                    raise res
             for k in sorted(failed):
                 self._settle(batch, k, reqs[k], failed[k])
+
+    def _guess(self, batch: Batch, likely: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, asyncio.Future]]:
+        """Start the guessed calls of `likely` (expert -> rows): expert -> (rows, the call)."""
+        self.rows_guessed += sum(len(idx) for idx in likely.values())
+        return {k: (idx, asyncio.ensure_future(self._call(batch, k, idx))) for k, idx in likely.items()}
 
     def _served_by_runs(self, batch: Batch, reqs: dict[int, np.ndarray]) -> bool:
         """Every request of `reqs` (expert -> rows) would be answered by a run already streaming its velocity
@@ -443,3 +451,8 @@ class Executor:
         if not np.isfinite(v).all():
             raise BadExpertReply(k, "replied with NaN/Inf velocities")
         return v
+
+
+def _same_requests(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> bool:
+    """The same experts asked for the same rows (expert -> row indices)."""
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -38,6 +38,18 @@ async def _run(nats_url, nc, router, jobs, **cfg):
         return done, coord.engine.ahead, coord.engine.rows_guessed
 
 
+class SplitRouter:
+    """Expert 0 for every row, but rows labelled 3 go to expert 1 from t = 0.5: splits a job's rows mid-run."""
+
+    num_experts = 2
+
+    def weights(self, x, t, y):
+        w = np.full((len(y), 2), 0.1)
+        moved = (np.asarray(y) == 3) & (np.asarray(t) >= 0.5)
+        w[np.arange(len(y)), moved.astype(int)] = 0.9
+        return w
+
+
 JOBS = [
     JobRequest(digits=[3], steps=12, seed=5),
     JobRequest(digits=[7, 1], steps=9, seed=6, strategy="oracle"),
@@ -78,6 +90,22 @@ async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, exp
     # the run sent at step 0 (8 more steps, from expert 0) is left at step 5, where the router moves the rows
     assert sum(on.ended.values()) >= 1 and on.steps_wasted >= 1, on
     assert on.rows_taken >= 2 * 4, on
+
+
+async def test_a_job_whose_rows_the_router_splits_mid_run_keeps_its_images(nats_url, nc, experts):
+    """The run streams both rows' velocities from expert 0; when the router moves one row away, the other
+    row's velocity is the one the same requests give without running ahead."""
+    ws = await start_workers(nats_url, experts, dtype="float32")
+    job = JobRequest(digits=[3, 4], steps=10, seed=12)
+    try:
+        (plain,), _, _ = await _run(nats_url, nc, SplitRouter(), [job], run_ahead=0)
+        (ahead,), on, _ = await _run(nats_url, nc, SplitRouter(), [job], run_ahead=8)
+    finally:
+        await stop_workers(ws)
+    assert plain.images.tobytes() == ahead.images.tobytes()
+    np.testing.assert_array_equal(plain.usage, ahead.usage)
+    assert (plain.usage[0] > 0).all() and plain.usage[1, 1] == 0  # row 0 moved to expert 1, row 1 stayed
+    assert on.rows_taken >= 2, on
 
 
 def _request(**kw):
