@@ -76,16 +76,22 @@ async def test_lone_jobs_run_ahead_and_their_images_do_not_change(nats_url, nc, 
         np.testing.assert_array_equal(a.usage, b.usage)
 
 
-async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, experts):
+async def _moved_mid_run(nats_url, nc, experts, router, job):
+    """`job` alone through a fleet with `router`, without running ahead and with; asserts that its images and
+    usage are the same bit for bit; returns (its done event, the run-ahead counters)."""
     ws = await start_workers(nats_url, experts, dtype="float32")
-    job = JobRequest(digits=[3, 6], steps=10, seed=11)
     try:
-        (plain,), _, _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=0)
-        (ahead,), on, _ = await _run(nats_url, nc, TimeRouter(), [job], run_ahead=8)
+        (plain,), _, _ = await _run(nats_url, nc, router, [job], run_ahead=0)
+        (ahead,), on, _ = await _run(nats_url, nc, router, [job], run_ahead=8)
     finally:
         await stop_workers(ws)
     assert plain.images.tobytes() == ahead.images.tobytes()
     np.testing.assert_array_equal(plain.usage, ahead.usage)
+    return plain, on
+
+
+async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, experts):
+    plain, on = await _moved_mid_run(nats_url, nc, experts, TimeRouter(), JobRequest(digits=[3, 6], steps=10, seed=11))
     assert (plain.usage > 0).all()  # both experts served each image: the job was moved
     # the run sent at step 0 (8 more steps, from expert 0) is left at step 5, where the router moves the rows
     assert sum(on.ended.values()) >= 1 and on.steps_wasted >= 1, on
@@ -95,15 +101,7 @@ async def test_a_job_the_router_moves_mid_run_keeps_its_images(nats_url, nc, exp
 async def test_a_job_whose_rows_the_router_splits_mid_run_keeps_its_images(nats_url, nc, experts):
     """The run streams both rows' velocities from expert 0; when the router moves one row away, the other
     row's velocity is the one the same requests give without running ahead."""
-    ws = await start_workers(nats_url, experts, dtype="float32")
-    job = JobRequest(digits=[3, 4], steps=10, seed=12)
-    try:
-        (plain,), _, _ = await _run(nats_url, nc, SplitRouter(), [job], run_ahead=0)
-        (ahead,), on, _ = await _run(nats_url, nc, SplitRouter(), [job], run_ahead=8)
-    finally:
-        await stop_workers(ws)
-    assert plain.images.tobytes() == ahead.images.tobytes()
-    np.testing.assert_array_equal(plain.usage, ahead.usage)
+    plain, on = await _moved_mid_run(nats_url, nc, experts, SplitRouter(), JobRequest(digits=[3, 4], steps=10, seed=12))
     assert (plain.usage[0] > 0).all() and plain.usage[1, 1] == 0  # row 0 moved to expert 1, row 1 stayed
     assert on.rows_taken >= 2, on
 
