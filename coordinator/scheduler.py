@@ -285,6 +285,11 @@ class Scheduler:
         ev, self._events = self._events, []
         return ev
 
+    @property
+    def has_events(self) -> bool:
+        """Whether events wait for `pop_events`."""
+        return bool(self._events)
+
     # ------------------------------------------------------------ schedule
     @property
     def in_flight_rows(self) -> int:

@@ -28,9 +28,9 @@ class LaggingCoordinator(Coordinator):
         await super().__aenter__()
         tick = self.engine.tick
 
-        async def held_tick() -> bool:
+        async def held_tick(**kw) -> bool:
             await self.ticking.wait()
-            return await tick()
+            return await tick(**kw)
 
         self.engine.tick = held_tick
         return self

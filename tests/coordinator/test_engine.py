@@ -354,3 +354,42 @@ async def test_a_pixel_fleets_images_are_clipped_to_its_value_range(value_range)
     await drain(e)
     (done,) = [ev for ev in events if ev.kind == "done"]
     assert float(done.images.max()) == value_range[1] and float(done.images.min()) >= value_range[0]
+
+
+async def test_a_running_engine_sends_the_next_requests_before_the_last_ticks_frames():
+    """In the running engine (its lanes) a tick's frames go out once the next tick's requests have left, so
+    the experts do not wait for the coordinator's event work; every event still comes, in order. `tick()`
+    driven alone emits a tick's events before it returns."""
+    log: list[tuple] = []
+
+    class Logged(Velocities):
+        async def velocity(self, k, x, t, y, row_ids):
+            log.append(("call", round(float(np.asarray(t)[0]) * 4)))  # the evaluation's step
+            return await super().velocity(k, x, t, y, row_ids)
+
+    def emit(ev):
+        log.append((ev.kind, getattr(ev, "step", None)))
+
+    for lanes in (True, False):
+        log.clear()
+        e = Engine(
+            Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
+            LabelRouter(C2E, 2),
+            Logged(),
+            emit,
+            router_in_thread=False,
+            cohorts=1,
+        )
+        e.submit(JobRequest(job_id="a", digits=[7], steps=4, seed=1))
+        if lanes:
+            task = asyncio.create_task(e.run())
+            await wait_until(lambda: ("done", None) in log)
+            await e.stop()
+            await asyncio.gather(task, return_exceptions=True)
+        else:
+            await drain(e)
+        events = [x for x in log if x[0] != "call"]
+        assert events == [("frame", 1), ("frame", 2), ("frame", 3), ("frame", 4), ("done", None)]
+        for step in (1, 2, 3):  # the call of evaluation `step` against the frame of the step before it
+            call, frame = log.index(("call", step)), log.index(("frame", step))
+            assert (call < frame) if lanes else (frame < call), (lanes, log)

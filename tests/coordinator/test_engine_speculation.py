@@ -4,6 +4,7 @@ answers the routing needs, asks again for the rest, and never changes a job's im
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -63,14 +64,17 @@ def drive(
     strategy="top1",
     cohorts=2,
     one_at_a_time=False,
+    setup=None,
 ):
     """Run the jobs to their end (router in a thread, as the coordinator runs it), all at once or
-    each after the one before has ended; returns (events, engine)."""
+    each after the one before has ended; returns (events, engine). `setup(engine)` runs before it starts."""
 
     async def main():
         events = []
         sched = Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E))
         eng = Engine(sched, router, experts, events.append, cohorts=cohorts, speculate=speculate)
+        if setup is not None:
+            setup(eng)
         task = asyncio.create_task(eng.run())
 
         def ended(job_id):
@@ -185,6 +189,43 @@ def test_guessed_requests_go_out_while_the_router_runs():
         assert list(done) == ["j0"] and len(router.overlapped) == STEPS - 1
         assert all(router.overlapped) if speculate else not any(router.overlapped)
         assert eng.rows_guessed == (STEPS - 1 if speculate else 0) and eng.rows_guessed_unused == 0
+
+
+def test_guessed_calls_leave_before_the_router_thread_is_handed_its_rows():
+    """With more rows than the loop routes itself (the router's thread), a tick's guessed calls are under
+    way before the router's thread gets the rows: the thread's Python would otherwise hold the GIL against
+    the calls' encoding. Checked where the thread is handed its work, so no race decides it."""
+    from coordinator.executor import INLINE_ROUTER_ROWS
+
+    seen: set[float] = set()
+    handed: list[tuple[list[float], bool]] = []  # (the rows' times, were their calls all under way)
+
+    class Pool(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, x, t, y):
+            times = np.asarray(t, np.float64).tolist()
+            handed.append((times, all(tt in seen for tt in times)))
+            return super().submit(fn, x, t, y)
+
+    digits = [1, 2, 3, 6, 7, 8]
+    assert len(digits) > INLINE_ROUTER_ROWS
+    pool = Pool(max_workers=1)
+    try:
+        done, eng = run(
+            StepRouter(lambda step: step % 2),
+            Experts(on_call=lambda t: seen.update(np.asarray(t, np.float64).tolist())),
+            True,
+            jobs=({"digits": digits, "seed": 2},),
+            cohorts=1,
+            setup=lambda eng: setattr(eng.executor, "_router_pool", pool),
+        )
+    finally:
+        pool.shutdown()
+    assert list(done) == ["j0"] and eng.rows_guessed == (STEPS - 1) * len(digits)
+    assert len(handed) == STEPS
+    assert sorted({tt for times, _ in handed for tt in times}) == [s / STEPS for s in range(STEPS)]
+    first, *later = handed
+    assert not first[1]  # a job's first evaluation has nothing to guess from: the router goes first
+    assert all(under_way for _, under_way in later), handed
 
 
 def test_speculation_never_changes_the_images_and_counts_wrong_guesses():
