@@ -351,7 +351,7 @@ class Engine:
         flush.add_done_callback(self._flushes.discard)
 
     async def _flushes_done(self, timeout: float = 1.0) -> None:
-        """Let the event flushes `_update_answered` started finish (bounded)."""
+        """Let the event flushes started in tasks (`_update_early`, `_flush_later`) finish (bounded)."""
         if self._flushes:
             await asyncio.wait(list(self._flushes), timeout=timeout)
 
@@ -385,6 +385,10 @@ class Engine:
             except Exception:
                 log.exception("cannot name the jobs of a dead engine")
                 ids = []
+            try:  # their pending frames first: a job's `failed` is its last event
+                await self.flush_events()
+            except Exception:
+                log.exception("publishing the pending events of a dead engine failed")
             for job_id in ids:
                 await self._emit_one(FailedEvent(job_id=job_id, code=ErrorCode.INTERNAL, reason=self.dead))
         try:
@@ -406,8 +410,8 @@ class Engine:
     async def tick(self, *, flush_later: bool = False) -> bool:
         """One schedule -> execute -> update round. Returns False when there was nothing to do.
         Its events (frames, done, failed) are emitted before it returns; with `flush_later` (the lanes'
-        ticks) those of a tick that found work go out in a task of their own once the next tick's
-        requests have left (`_flush_later`)."""
+        ticks) those of a tick that found work go out in a task of their own, after the next tick's
+        requests where these leave at once (`_flush_later`)."""
         sched = self.scheduler
         batch = None
         started = time.perf_counter()
@@ -458,23 +462,28 @@ class Engine:
     def _flush_later(self) -> None:
         """Emit the pending events in a task that first lets two passes of the event loop go by, so that
         the next tick's requests (a lane goes on to it at once) publish and reach the socket before the
-        frames are packed and sent: the experts' next forwards then start a tick's event work earlier
-        (at 64 clients, 4 - 5 ms of the 8 - 10 ms between a tick's last answer and the next requests,
-        with the guessed calls let out before the router; docs/COORDINATOR.md, "The loop"). One such
-        task at a time: it emits every event pending when it runs, in order (`flush_events`)."""
+        frames are packed and sent, where they leave within those passes (guessed calls, a router on the
+        loop, no routing; a router in its thread without guesses runs while the events go out). The
+        experts' next forwards then start before the tick's event work (at 64 clients, 4 - 5 ms of the
+        8 - 10 ms between a tick's last answer and the next requests, with the guessed calls let out
+        before the router; docs/COORDINATOR.md, "The loop"). At most one such task waits to start; each
+        emits every event pending when it gets the emit lock, in order (`flush_events`). A status request
+        for a job the scheduler let go flushes first (`status_answers.job_status`)."""
         if self._flush_pending or not self.scheduler.has_events:
             return
         self._flush_pending = True
         flush = asyncio.ensure_future(self._flush_soon())
         self._flushes.add(flush)
-        flush.add_done_callback(self._flushes.discard)
+        flush.add_done_callback(self._flush_ended)
+
+    def _flush_ended(self, flush: asyncio.Future) -> None:
+        self._flushes.discard(flush)
+        self._flush_pending = False  # (also when it was cancelled before it started)
 
     async def _flush_soon(self) -> None:
-        try:
-            for _ in range(2):  # the requests publish, then nats-py's flusher writes
-                await asyncio.sleep(0)
-        finally:
-            self._flush_pending = False
+        for _ in range(2):  # the requests publish, then nats-py's flusher writes
+            await asyncio.sleep(0)
+        self._flush_pending = False  # events from here on may need a task of their own
         await self.flush_events()
 
     # ------------------------------------------------------------ job state

@@ -73,6 +73,10 @@ async def job_status(coord: StatusHost, job_id: str, client: str | None = None) 
         await engine.flush_events()
         internal = ledger.find(job_id, client)
     state = engine.job_state(internal) if internal is not None else None
+    if state is None and internal is not None:
+        # The scheduler let the job go and its end may still wait among the engine's events (a running
+        # engine publishes a tick's events once the next requests are out): publish them first.
+        await engine.flush_events()
     stage = coord.decode_stage
     if state is None and internal is not None and stage is not None and stage.is_decoding(internal):
         step, steps = ledger.progress(internal) or (0, 0)  # its images are being decoded

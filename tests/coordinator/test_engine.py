@@ -393,3 +393,36 @@ async def test_a_running_engine_sends_the_next_requests_before_the_last_ticks_fr
         for step in (1, 2, 3):  # the call of evaluation `step` against the frame of the step before it
             call, frame = log.index(("call", step)), log.index(("frame", step))
             assert (call < frame) if lanes else (frame < call), (lanes, log)
+
+
+async def test_a_status_request_publishes_a_finished_jobs_end_still_waiting_to_go_out():
+    """A lane's tick leaves its events for a task of its own: a status request for a job the scheduler has
+    let go, asked before that task ran, publishes the job's `done` first and answers `done`, not "unknown"
+    (which a client takes for a coordinator that lost the job)."""
+    from types import SimpleNamespace
+
+    from coordinator.ledger import JobLedger
+    from coordinator.status_answers import job_status
+
+    ledger = JobLedger()
+
+    def emit(ev):
+        if ev.kind in ("done", "failed"):
+            ledger.remember(ev.job_id, ev)
+
+    e = Engine(
+        Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
+        LabelRouter(C2E, 2),
+        Velocities(),
+        emit,
+        router_in_thread=False,
+        cohorts=1,
+    )
+    e.submit(JobRequest(job_id="a", digits=[7], steps=1, seed=1))
+    ledger.admit("a", "c", "a", steps=1)
+    coord = SimpleNamespace(ledger=ledger, engine=e, decode_stage=None, name="co", instance="i1")
+    assert await e.tick(flush_later=True)
+    assert e.job_state("a") is None and ledger.find("a", "c") == "a"  # its `done` has not gone out yet
+    st = await job_status(coord, "a", "c")
+    assert st is not None and (st.state, st.step, st.steps) == ("done", 1, 1)
+    await e.stop()
