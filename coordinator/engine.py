@@ -149,8 +149,8 @@ class Engine:
         self.early_update = bool(early_update)
         if self.early_update:
             self.executor.on_answer = self._update_answered
-        self._flushes: set[asyncio.Future] = set()  # the events flushes started (`_update_early`, `_flush_later`)
-        self._flush_pending = False  # a `_flush_later` task has not started emitting yet
+        self._flushes: set[asyncio.Future] = set()  # the events flushes started (`_update_early`, `_flush`)
+        self._flush_pending = False  # a `_flush` task has not started emitting yet
         self._wake = asyncio.Event()  # set (and replaced) by _poke: new work, or rows came back
         self._stopping = False
         self._running = False
@@ -351,7 +351,7 @@ class Engine:
         flush.add_done_callback(self._flushes.discard)
 
     async def _flushes_done(self, timeout: float = 1.0) -> None:
-        """Let the event flushes started in tasks (`_update_early`, `_flush_later`) finish (bounded)."""
+        """Let the event flushes started in tasks (`_update_early`, `_flush`) finish (bounded)."""
         if self._flushes:
             await asyncio.wait(list(self._flushes), timeout=timeout)
 
@@ -410,8 +410,7 @@ class Engine:
     async def tick(self, *, flush_later: bool = False) -> bool:
         """One schedule -> execute -> update round. Returns False when there was nothing to do.
         Its events (frames, done, failed) are emitted before it returns; with `flush_later` (the lanes'
-        ticks) those of a tick that found work go out in a task of their own, after the next tick's
-        requests where these leave at once (`_flush_later`)."""
+        ticks) those of a tick that found work go out in a task of their own (`_flush`)."""
         sched = self.scheduler
         batch = None
         started = time.perf_counter()
@@ -421,10 +420,7 @@ class Engine:
             if batch is not None:
                 self._batches_out += 1  # before any await: a lane woken meanwhile sees it
                 out = True
-            if flush_later and batch is not None:
-                self._flush_later()
-            else:
-                await self.flush_events()
+            await self._flush(later=flush_later and batch is not None)
             if batch is None:
                 return False
             started = time.perf_counter()
@@ -453,22 +449,16 @@ class Engine:
             self.tick_s_total += took
             self._count_rows(len(batch))
             self._poke()  # its jobs are free again: an idle lane may take them
-        if flush_later:
-            self._flush_later()
-        else:
-            await self.flush_events()
+        await self._flush(later=flush_later)
         return True
 
-    def _flush_later(self) -> None:
-        """Emit the pending events in a task that first lets two passes of the event loop go by, so that
-        the next tick's requests (a lane goes on to it at once) publish and reach the socket before the
-        frames are packed and sent, where they leave within those passes (guessed calls, a router on the
-        loop, no routing; a router in its thread without guesses runs while the events go out). The
-        experts' next forwards then start before the tick's event work (at 64 clients, 4 - 5 ms of the
-        8 - 10 ms between a tick's last answer and the next requests, with the guessed calls let out
-        before the router; docs/COORDINATOR.md, "The loop"). At most one such task waits to start; each
-        emits every event pending when it gets the emit lock, in order (`flush_events`). A status request
-        for a job the scheduler let go flushes first (`status_answers.job_status`)."""
+    async def _flush(self, later: bool = False) -> None:
+        """`flush_events`; with `later`, in a task that first lets two event-loop passes go by, so that the
+        next tick's requests (a lane goes on to it at once) reach the socket before the frames are packed
+        and sent, where they leave within those passes (guessed calls, no routing): the workers wait less
+        between ticks (docs/COORDINATOR.md, "The loop"). At most one such task waits to start."""
+        if not later:
+            return await self.flush_events()
         if self._flush_pending or not self.scheduler.has_events:
             return
         self._flush_pending = True
