@@ -37,14 +37,15 @@ class Velocities:
         return (-(k + 1) * x).astype(np.float32)
 
 
-def engine(transport, router=None, cohorts=1, **cfg):
-    """An engine whose `tick()` steps every active row (cohorts=1: the lock-step tick these tests drive)."""
+def engine(transport, router=None, cohorts=1, emit=None, **cfg):
+    """An engine whose `tick()` steps every active row (cohorts=1: the lock-step tick these tests drive);
+    its events go to the list returned, or to `emit` when given."""
     events = []
     e = Engine(
         Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E, **cfg)),
         router or LabelRouter(C2E, 2),
         transport,
-        events.append,
+        emit or events.append,
         router_in_thread=False,
         cohorts=cohorts,
     )
@@ -372,14 +373,7 @@ async def test_a_running_engine_sends_the_next_requests_before_the_last_ticks_fr
 
     for lanes in (True, False):
         log.clear()
-        e = Engine(
-            Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
-            LabelRouter(C2E, 2),
-            Logged(),
-            emit,
-            router_in_thread=False,
-            cohorts=1,
-        )
+        e, _ = engine(Logged(), emit=emit)
         e.submit(JobRequest(job_id="a", digits=[7], steps=4, seed=1))
         if lanes:
             task = asyncio.create_task(e.run())
@@ -410,14 +404,7 @@ async def test_a_status_request_publishes_a_finished_jobs_end_still_waiting_to_g
         if ev.kind in ("done", "failed"):
             ledger.remember(ev.job_id, ev)
 
-    e = Engine(
-        Scheduler(SchedulerConfig(num_experts=2, image_shape=SHAPE, class_to_expert=C2E)),
-        LabelRouter(C2E, 2),
-        Velocities(),
-        emit,
-        router_in_thread=False,
-        cohorts=1,
-    )
+    e, _ = engine(Velocities(), emit=emit)
     e.submit(JobRequest(job_id="a", digits=[7], steps=1, seed=1))
     ledger.admit("a", "c", "a", steps=1)
     coord = SimpleNamespace(ledger=ledger, engine=e, decode_stage=None, name="co", instance="i1")
