@@ -245,27 +245,35 @@ async def drain_or_close(nc, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     return False
 
 
-def discard_unsent(nc) -> bool:
-    """Drop `nc`'s socket at once, with every byte it holds that the server has not received yet:
-    nats-py's unflushed buffer, asyncio's write buffer and the kernel's send queue (SO_LINGER 0:
-    closing resets the connection instead of delivering the queue later). nats-py then reconnects
-    as after any lost connection (subscriptions are renewed). For a process that must not have its
-    recent messages delivered late: a coordinator cut off from the bus whose leases lapsed, whose
-    frames queued behind the cut would otherwise reach clients once the link heals, after another
-    coordinator took its jobs over. Returns False when there is no open socket to drop, or when nothing is
-    queued in it (`unsent_bytes` 0: then the connection stays, and so does what it is receiving)."""
+def discard_unsent(nc) -> Literal["none", "recalled", "dropped"]:
+    """Make sure nothing `nc` has not sent yet reaches the server later. For a process that must not have
+    its recent messages delivered late: a coordinator cut off from the bus (or frozen) whose leases lapsed,
+    whose frames queued behind the cut would otherwise reach clients once the link heals, after another
+    coordinator took its jobs over. Returns what it did:
+
+    - "none": nothing was queued (`unsent_bytes` 0); the connection stays.
+    - "recalled": only nats-py's own buffer held messages (a frozen process wakes up with the frames of
+      its last moment there): their PUBs are taken out of it, its other commands (SUB, UNSUB, PONG) stay,
+      and so does the connection, with whatever it is receiving (a submit arriving at that moment).
+    - "dropped": bytes were in asyncio's write buffer or the kernel's send queue, where they cannot be
+      taken back: the socket is dropped at once with all of it (SO_LINGER 0: closing resets the connection
+      instead of delivering the queue later); nats-py reconnects as after any lost connection
+      (subscriptions are renewed). What the socket was receiving is lost with it."""
     import socket
     import struct
 
     writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
     transport = getattr(writer, "transport", None)
     if transport is None or transport.is_closing():
-        return False
+        return "none"
     sock = transport.get_extra_info("socket")
     if not unsent_bytes(nc, transport, sock):
-        # nothing queued anywhere: nothing could arrive late, and dropping the connection would only lose
-        # what it is receiving (a submit whose answer then never comes)
-        return False
+        return "none"
+    if not unsent_bytes(nc, transport, sock, buffered=False):
+        kept = [cmd for cmd in nc._pending if not cmd.startswith((b"PUB ", b"HPUB "))]
+        nc._pending = kept
+        nc._pending_data_size = sum(len(cmd) for cmd in kept)
+        return "recalled"
     if sock is not None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -274,14 +282,16 @@ def discard_unsent(nc) -> bool:
     nc._pending = []
     nc._pending_data_size = 0
     transport.abort()
-    return True
+    return "dropped"
 
 
-def unsent_bytes(nc, transport, sock) -> int:
-    """Bytes `nc` holds that the server has not acknowledged: nats-py's buffer, asyncio's write buffer and
-    the kernel's send queue (SIOCOUTQ: unsent and unacknowledged). A socket whose queue cannot be read
-    counts as holding some."""
-    held = int(getattr(nc, "_pending_data_size", 0) or 0) + int(transport.get_write_buffer_size())
+def unsent_bytes(nc, transport, sock, *, buffered: bool = True) -> int:
+    """Bytes `nc` holds that the server has not acknowledged: nats-py's buffer (unless `buffered` is
+    False), asyncio's write buffer and the kernel's send queue (SIOCOUTQ: unsent and unacknowledged). A
+    socket whose queue cannot be read counts as holding some."""
+    held = int(transport.get_write_buffer_size())
+    if buffered:
+        held += int(getattr(nc, "_pending_data_size", 0) or 0)
     if sock is None:
         return held
     try:

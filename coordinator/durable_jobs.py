@@ -38,9 +38,10 @@ class DurableJobs:
 
     def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_lapse=None):
         self.store, self.ledger, self.name = store, ledger, name
-        # called when this run's leases lapse (it was cut off or stalled): the service drops its bus
-        # connection with whatever it still holds unsent (bus.connect.discard_unsent), so that frames
-        # queued behind a cut link never reach a client after another coordinator took the jobs over
+        # called when this run's leases lapse (it was cut off or stalled): the service takes back whatever
+        # its bus connection still holds unsent, dropping the connection when bytes already left for the
+        # socket (bus.connect.discard_unsent: "none" | "recalled" | "dropped"), so that frames queued behind
+        # a cut link or a freeze never reach a client after another coordinator took the jobs over
         self.on_lapse = on_lapse
         self.checkpoint_every = checkpoint_every
         self.engine = None
@@ -189,12 +190,16 @@ class DurableJobs:
         if self.on_lapse is None:
             return
         try:
-            if self.on_lapse():
-                log.warning(
-                    "durable jobs: leases lapsed; dropped the bus connection with its unsent messages (reconnecting)"
-                )
+            done = self.on_lapse()
         except Exception as err:  # never let the fence fail on the way out
-            log.warning("durable jobs: dropping the bus connection failed: %r", err)
+            log.warning("durable jobs: discarding the unsent messages failed: %r", err)
+            return
+        if done == "dropped":
+            log.warning(
+                "durable jobs: leases lapsed; dropped the bus connection with its unsent messages (reconnecting)"
+            )
+        elif done == "recalled":
+            log.warning("durable jobs: leases lapsed; took the messages not yet sent out of the bus connection")
 
     async def _round(self) -> None:
         ops, self._ops = self._ops, []

@@ -167,8 +167,8 @@ class Coordinator:
     rejected_unread = property(lambda self: self.intake.rejected_unread)
     _task = property(lambda self: self.running.task if self.running else None)  # fuzzing/targets/coordinator.py
 
-    def _discard_unsent(self) -> bool:
-        """Drop the bus connection with what it still holds unsent (durable leases lapsed)."""
+    def _discard_unsent(self) -> str:
+        """Durable leases lapsed: nothing the bus connection still holds unsent goes out (see discard_unsent)."""
         from bus.connect import discard_unsent
 
         return discard_unsent(self.nc)

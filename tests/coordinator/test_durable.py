@@ -247,13 +247,20 @@ async def durable_pair(js_bus, tiny_files, tag: str):
     ws = await sim_workers(url, experts, batch_ms=PAIR_BATCH_MS)
     procs: list = []
     log = EventLog()
+    failed = True
     try:
         reqs, runs, _ = await two_coordinators_with_jobs(nc, url, router, log, procs, tag)
         victim_name, survivor_name, theirs = await mid_run_victim(nc, log, [r.job_id for r in reqs])
         yield nc, procs, log, reqs, runs, victim_name, survivor_name, theirs
+        failed = False
     finally:
-        for p in procs:
-            await stop(p)
+        for name, p in zip(("dura", "durb"), procs):
+            err = await stop(p)
+            if failed:  # what the coordinators logged, for a failure seen only in CI
+                print(
+                    f"\n--- {name} stderr (last 40 lines) ---\n"
+                    + "\n".join(err.decode(errors="replace").splitlines()[-40:])
+                )
         for w in ws:
             await w.stop()
         await nc.drain()

@@ -66,7 +66,7 @@ def durable(held, lost=()):
 
     def on_lapse():
         drops.append(1)
-        return True
+        return "dropped"
 
     dj = DurableJobs(FakeStore(held, lost), ledger, name="ca", checkpoint_every=10, on_lapse=on_lapse)
     dj.engine = FakeEngine()
