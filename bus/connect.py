@@ -245,35 +245,36 @@ async def drain_or_close(nc, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     return False
 
 
-def discard_unsent(nc) -> Literal["none", "recalled", "dropped"]:
-    """Make sure nothing `nc` has not sent yet reaches the server later. For a process that must not have
-    its recent messages delivered late: a coordinator cut off from the bus (or frozen) whose leases lapsed,
-    whose frames queued behind the cut would otherwise reach clients once the link heals, after another
-    coordinator took its jobs over. Returns what it did:
+def discard_unsent(nc, recall: Callable[[bytes], bool] | None = None) -> Literal["none", "recalled", "dropped"]:
+    """Make sure the messages `nc` has not sent yet that `recall(subject)` selects (default: every one)
+    never reach the server later. For a process that must not have some of its recent messages delivered
+    late: a coordinator cut off from the bus (or frozen) whose leases lapsed, whose frames of the jobs it
+    lost, queued behind the cut, would otherwise reach clients once the link heals, after another
+    coordinator took those jobs over. Returns what it did:
 
-    - "none": nothing was queued (`unsent_bytes` 0); the connection stays.
-    - "recalled": only nats-py's own buffer held messages (a frozen process wakes up with the frames of
-      its last moment there): their PUBs are taken out of it, its other commands (SUB, UNSUB, PONG) stay,
-      and so does the connection, with whatever it is receiving (a submit arriving at that moment).
-    - "dropped": bytes were in asyncio's write buffer or the kernel's send queue, where they cannot be
-      taken back: the socket is dropped at once with all of it (SO_LINGER 0: closing resets the connection
-      instead of delivering the queue later); nats-py reconnects as after any lost connection
-      (subscriptions are renewed). What the socket was receiving is lost with it."""
+    - "recalled": the selected PUBs were taken out of nats-py's own buffer (a frozen process wakes up
+      with the frames of its last moment there; a reconnecting connection holds what was published
+      meanwhile), and nothing is held back in the socket (bytes on their way over a link that acknowledges
+      arrive whatever is done now): the connection stays, with its other messages
+      (answers to requests, its SUBs) and whatever it is receiving (a submit arriving at that moment).
+    - "none": as "recalled", with nothing selected to take out.
+    - "dropped": bytes are held back where they cannot be taken back nor told apart (`held_back`:
+      asyncio's write buffer, or the kernel's queue behind a closed window or a link that stopped
+      acknowledging): the socket is dropped at once with all of it and with everything in
+      nats-py's buffer (SO_LINGER 0: closing resets the connection instead of delivering the queue
+      later); nats-py reconnects as after any lost connection (subscriptions are renewed). What the
+      socket was receiving is lost with it."""
     import socket
     import struct
 
+    removed = _recall_buffered(nc, recall)
     writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
     transport = getattr(writer, "transport", None)
     if transport is None or transport.is_closing():
-        return "none"
+        return "recalled" if removed else "none"
     sock = transport.get_extra_info("socket")
-    if not unsent_bytes(nc, transport, sock):
-        return "none"
-    if not unsent_bytes(nc, transport, sock, buffered=False):
-        kept = [cmd for cmd in nc._pending if not cmd.startswith((b"PUB ", b"HPUB "))]
-        nc._pending = kept
-        nc._pending_data_size = sum(len(cmd) for cmd in kept)
-        return "recalled"
+    if not held_back(transport, sock):
+        return "recalled" if removed else "none"
     if sock is not None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -285,24 +286,74 @@ def discard_unsent(nc) -> Literal["none", "recalled", "dropped"]:
     return "dropped"
 
 
-def unsent_bytes(nc, transport, sock, *, buffered: bool = True) -> int:
-    """Bytes `nc` holds that the server has not acknowledged: nats-py's buffer (unless `buffered` is
-    False), asyncio's write buffer and the kernel's send queue (SIOCOUTQ: unsent and unacknowledged). A
-    socket whose queue cannot be read counts as holding some."""
-    held = int(transport.get_write_buffer_size())
-    if buffered:
-        held += int(getattr(nc, "_pending_data_size", 0) or 0)
+def _recall_buffered(nc, recall: Callable[[bytes], bool] | None) -> int:
+    """Take the PUB / HPUB commands whose subject `recall` selects (None: all) out of nats-py's buffer of
+    commands not yet written (each entry one whole command, its payload included); returns how many."""
+    pending = getattr(nc, "_pending", None)
+    if not pending:
+        return 0
+    kept = [
+        cmd
+        for cmd in pending
+        if not (cmd.startswith((b"PUB ", b"HPUB ")) and (recall is None or recall(bytes(cmd.split(b" ", 2)[1]))))
+    ]
+    nc._pending = kept
+    nc._pending_data_size = sum(len(cmd) for cmd in kept)
+    return len(pending) - len(kept)
+
+
+def unsent_bytes(nc, transport, sock) -> int:
+    """Bytes `nc` holds that the server has not acknowledged: nats-py's buffer, asyncio's write buffer and
+    the kernel's send queue (SIOCOUTQ: unsent and unacknowledged). A socket whose queue cannot be read
+    counts as holding some."""
+    held = int(transport.get_write_buffer_size()) + int(getattr(nc, "_pending_data_size", 0) or 0)
     if sock is None:
         return held
     try:
-        import fcntl
-        import struct
-        import termios
-
-        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return held + _ioctl_int(sock, _TIOCOUTQ)
     except (OSError, ValueError, AttributeError):
         return held + 1
-    return held + queued
+
+
+#: Linux ioctls on a TCP socket: bytes queued and not yet acknowledged; bytes queued and not yet sent.
+_TIOCOUTQ, _SIOCOUTQNSD = 0x5411, 0x894B
+
+
+def held_back(transport, sock) -> bool:
+    """Whether bytes written to this connection are held back where they could reach the server late:
+    in asyncio's write buffer; in the kernel's queue not yet sent (SIOCOUTQNSD: a closed window, a cut
+    link); or sent and unacknowledged on a link that is retransmitting (TCP_INFO: an RTO fired, the
+    peer stopped acknowledging). Bytes sent and only waiting for an ACK on a link that acknowledges (a
+    delayed ACK on loopback) are not: they are at the server already or about to be, and dropping the
+    connection would not stop them. A socket the kernel cannot describe counts as holding back what it
+    has queued."""
+    import socket
+    import struct
+
+    if transport.get_write_buffer_size():
+        return True
+    if sock is None:
+        return False
+    try:
+        if _ioctl_int(sock, _SIOCOUTQNSD):
+            return True
+        if not _ioctl_int(sock, _TIOCOUTQ):
+            return False
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+        _state, _ca_state, retransmits, probes, backoff = struct.unpack("5B", info[:5])
+        return bool(retransmits or probes or backoff)
+    except (OSError, ValueError, AttributeError, struct.error):
+        try:
+            return bool(_ioctl_int(sock, _TIOCOUTQ))
+        except (OSError, ValueError, AttributeError):
+            return True
+
+
+def _ioctl_int(sock, request: int) -> int:
+    import fcntl
+    import struct
+
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))[0]
 
 
 def _describe(err: BaseException | None) -> str:

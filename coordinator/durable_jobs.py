@@ -38,10 +38,11 @@ class DurableJobs:
 
     def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_lapse=None):
         self.store, self.ledger, self.name = store, ledger, name
-        # called when this run's leases lapse (it was cut off or stalled): the service takes back whatever
-        # its bus connection still holds unsent, dropping the connection when bytes already left for the
-        # socket (bus.connect.discard_unsent: "none" | "recalled" | "dropped"), so that frames queued behind
-        # a cut link or a freeze never reach a client after another coordinator took the jobs over
+        # called with the (client, job id) of the jobs fenced when this run's leases lapse (it was cut off
+        # or stalled): the service takes their events its bus connection has not sent yet back, dropping
+        # the connection when bytes are held back in the socket (bus.connect.discard_unsent: "none" |
+        # "recalled" | "dropped"), so that frames queued behind a cut link or a freeze never reach a client
+        # after another coordinator took the jobs over
         self.on_lapse = on_lapse
         self.checkpoint_every = checkpoint_every
         self.engine = None
@@ -143,7 +144,7 @@ class DurableJobs:
     async def _renewals(self) -> None:
         """Renew this run's leases every lease_s / 3, in a task of its own. In `_loop` with the scan for
         orphans and the snapshot writes, a round that waited out bus timeouts (after a dropped
-        connection, each request in flight waits its full timeout) let the leases lapse, which drops
+        connection, each request in flight waits its full timeout) let the leases lapse, which could drop
         the connection again: on a loaded box leases lapsed over and over, with no fault at all."""
         period = self.lease_s / 3
         while True:
@@ -160,9 +161,9 @@ class DurableJobs:
     async def renew(self) -> None:
         """One renewal round: renew every lease; fence the jobs another coordinator took; and when the
         leases lapsed meanwhile (the round itself may have waited out bus timeouts on a cut link),
-        `lapse`: whichever of this loop, `_watch` and `before_publish` sees the lapse first drops the
-        unsent messages (before, a lapse this loop saw first fenced the jobs but kept the bus
-        connection and the frames queued behind a cut, which reached clients after a take-over)."""
+        `lapse`: whichever of this loop, `_watch` and `before_publish` sees the lapse first takes back
+        the fenced jobs' unsent events (before, a lapse this loop saw first fenced the jobs but kept
+        the frames queued behind a cut, which reached clients after a take-over)."""
         for job_id in await self.store.renew():
             self.fence(job_id, "another coordinator took over its lease")
         if self.store.expired():
@@ -170,12 +171,15 @@ class DurableJobs:
 
     def lapse(self) -> None:
         """This run's leases could not be renewed for lease_s: fence every job it holds (others may run
-        them already) and drop the bus connection with its unsent messages (`on_lapse`)."""
+        them already) and take back the events of those jobs not sent yet (`on_lapse`)."""
         why = f"its lease could not be renewed for {self.lease_s:g} s"
+        names = []
         for job_id in self.store.held:
             self.store.forget(job_id)
-            self.fence(job_id, why)
-        self._lapsed()
+            name = self.fence(job_id, why)
+            if name is not None:
+                names.append(name)
+        self._lapsed(names)
 
     async def _watch(self) -> None:
         """Every lease_s / 8: once this run's leases could not be renewed for lease_s, `lapse`. Apart
@@ -186,11 +190,11 @@ class DurableJobs:
             if self.store.expired():
                 self.lapse()
 
-    def _lapsed(self) -> None:
+    def _lapsed(self, names: list[tuple[str, str]]) -> None:
         if self.on_lapse is None:
             return
         try:
-            done = self.on_lapse()
+            done = self.on_lapse(names)
         except Exception as err:  # never let the fence fail on the way out
             log.warning("durable jobs: discarding the unsent messages failed: %r", err)
             return
@@ -199,7 +203,9 @@ class DurableJobs:
                 "durable jobs: leases lapsed; dropped the bus connection with its unsent messages (reconnecting)"
             )
         elif done == "recalled":
-            log.warning("durable jobs: leases lapsed; took the messages not yet sent out of the bus connection")
+            log.warning(
+                "durable jobs: leases lapsed; took the fenced jobs' events not yet sent out of the bus connection"
+            )
 
     async def _round(self) -> None:
         ops, self._ops = self._ops, []
@@ -225,8 +231,9 @@ class DurableJobs:
             except Exception as err:
                 log.warning("durable jobs: checkpoint of job %s failed: %r", job_id, err)
 
-    def fence(self, internal: str, why: str) -> None:
-        """This run lost the job to another coordinator: forget it and publish nothing more for it."""
+    def fence(self, internal: str, why: str) -> tuple[str, str] | None:
+        """This run lost the job to another coordinator: forget it and publish nothing more for it;
+        returns its (client, job id), None if the ledger no longer had it."""
         self.engine.scheduler.drop(internal)
         self._fenced[internal] = None
         name = self.ledger.forget(internal)
@@ -236,6 +243,7 @@ class DurableJobs:
             while len(fenced) > MAX_FENCED:
                 fenced.popitem(last=False)
         log.warning("job %s: %s; this coordinator stops publishing for it", internal, why)
+        return name
 
     def _unfence(self, internal: str, name: tuple[str, str]) -> None:
         self._fenced.pop(internal, None)

@@ -210,52 +210,53 @@ async def test_discard_unsent_keeps_a_connection_with_nothing_queued(nc):
 
 
 @pytest.mark.bus
-async def test_discard_unsent_recalls_buffered_publishes_and_keeps_the_connection(nc, nats_url):
-    """A coordinator frozen (SIGSTOP) past its leases wakes with its last frames still in nats-py's buffer
-    and nothing in the socket: those publishes are taken back, nothing else. The connection stays (no
-    reconnect), with its subscriptions and its SUBs, and a request sent to it meanwhile gets its answer."""
+async def test_discard_unsent_recalls_the_chosen_buffered_publishes_and_keeps_the_connection(nc, nats_url):
+    """A coordinator frozen (SIGSTOP) past its leases wakes with its last frames still in nats-py's buffer:
+    the publishes on the subjects it names (its fenced jobs' events) are taken back, nothing else (an
+    answer it owes, a SUB). The connection stays (no reconnect), so what it receives meanwhile is not lost."""
+    from functools import partial
+
     import nats
 
     from bus.connect import discard_unsent
     from tests.waiting import wait_until
 
-    seen, later = [], []
-
-    async def on_seen(msg):
-        seen.append(msg.data)
-
-    async def on_later(msg):
-        later.append(msg.data)
+    fenced, kept, later = [], [], []
 
     async def on_ask(msg):
         await msg.respond(b"answer")
 
     other = await nats.connect(nats_url, name="test-recall-watcher")
     try:
-        await other.subscribe("ddm.test.recall", cb=on_seen)
+        await other.subscribe("ddm.test.fenced", cb=partial(_append, fenced))
+        await other.subscribe("ddm.test.kept", cb=partial(_append, kept))
         await flushed(other)
         await nc.subscribe("ddm.test.ask", cb=on_ask)
         await flushed(nc)
-        asking = asyncio.ensure_future(other.request("ddm.test.ask", b"?", timeout=5))
-        await other.flush()  # the question is on its way to nc
-        # no await between these: nats-py's flusher has not run, the frames are only in its buffer
-        await nc.publish("ddm.test.recall", b"late frame 1")
-        sub = await nc.subscribe("ddm.test.later", cb=on_later)  # a SUB queued among them: it stays
-        await nc.publish("ddm.test.recall", b"late frame 2")
-        assert discard_unsent(nc) == "recalled"
-        assert nc._pending and all(not c.startswith((b"PUB ", b"HPUB ")) for c in nc._pending)
-        assert (await asyncio.wait_for(asyncio.shield(asking), 5)).data == b"answer"
-        await nc.publish("ddm.test.recall", b"after")
+        # no await that yields between these: nats-py's flusher has not run, they are only in its buffer
+        await nc.publish("ddm.test.fenced", b"late frame 1")
+        await nc.publish("ddm.test.kept", b"an answer")
+        sub = await nc.subscribe("ddm.test.later", cb=partial(_append, later))
+        await nc.publish("ddm.test.fenced", b"late frame 2")
+        assert discard_unsent(nc, lambda subject: subject == b"ddm.test.fenced") == "recalled"
+        assert [c.split(b" ", 2)[:2] for c in nc._pending] == [[b"PUB", b"ddm.test.kept"], [b"SUB", b"ddm.test.later"]]
+        assert discard_unsent(nc, lambda subject: subject == b"ddm.test.fenced") == "none"  # nothing more
+        assert (await other.request("ddm.test.ask", b"?", timeout=5)).data == b"answer"
+        await nc.publish("ddm.test.fenced", b"after")
         await flushed(nc)
         await other.publish("ddm.test.later", b"via the kept SUB")
         await flushed(other)
-        await wait_until(lambda: seen and later, timeout=5, what="both messages")
+        await wait_until(lambda: fenced and kept and later, timeout=5, what="the three messages")
         # what nc sent reaches `other` in order: "after" came first, the recalled frames never will
-        assert seen == [b"after"] and later == [b"via the kept SUB"]
+        assert fenced == [b"after"] and kept == [b"an answer"] and later == [b"via the kept SUB"]
         assert nc.is_connected and nc.stats["reconnects"] == 0
         await sub.unsubscribe()
     finally:
         await other.close()
+
+
+async def _append(into: list, msg) -> None:
+    into.append(msg.data)
 
 
 async def test_flushed_round_trips_after_every_command_the_connection_had_buffered(nc):

@@ -2,7 +2,7 @@
 pure: a fake bucket store and engine, the real DurableJobs, JobLedger and JobStore bookkeeping.
 
 Whichever part notices the lapse first (the renewal loop, the watchdog, or the check before an event)
-fences every held job and drops the bus connection with its unsent messages once; a job taken back
+fences every held job and has their unsent events taken back once; a job taken back
 after a lapse is not fenced again at once for a lapse that is over."""
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def durable(held, lost=()):
         ledger.admit(j, "anon", j, steps=40, epoch=1)
     drops = []
 
-    def on_lapse():
-        drops.append(1)
+    def on_lapse(names):
+        drops.append(sorted(names))
         return "dropped"
 
     dj = DurableJobs(FakeStore(held, lost), ledger, name="ca", checkpoint_every=10, on_lapse=on_lapse)
@@ -79,10 +79,11 @@ async def test_a_lapse_the_renewal_loop_sees_first_fences_every_job_and_drops_th
     await dj.renew()
     assert dj.store.held == [] and sorted(dj.engine.scheduler.dropped) == ["a", "b", "c"]
     assert all(dj.is_fenced("anon", j) for j in "abc")
-    assert drops == [1]  # the frames queued behind the cut go with the connection, never to a client
+    # the frames of every fenced job queued behind the cut are taken back, never sent to a client
+    assert drops == [[("anon", "a"), ("anon", "b"), ("anon", "c")]]
     # the watchdog and the events that follow find nothing held: no second drop
     assert not dj.before_publish(FailedEvent(job_id="a", code="internal", reason="x"))
-    assert drops == [1]
+    assert len(drops) == 1
 
 
 async def test_a_lease_another_coordinator_took_fences_that_job_only():
@@ -96,7 +97,8 @@ def test_a_lapse_seen_before_an_event_fences_every_held_job_at_once():
     dj, drops = durable(["a", "b"])
     dj.store.lapsed = True
     assert not dj.before_publish(FailedEvent(job_id="b", code="internal", reason="x"))
-    assert dj.store.held == [] and sorted(dj.engine.scheduler.dropped) == ["a", "b"] and drops == [1]
+    assert dj.store.held == [] and sorted(dj.engine.scheduler.dropped) == ["a", "b"]
+    assert drops == [[("anon", "a"), ("anon", "b")]]
 
 
 def test_a_lease_taken_back_after_a_lapse_counts_as_fresh():
