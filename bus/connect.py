@@ -263,18 +263,32 @@ def discard_unsent(nc, recall: Callable[[bytes], bool] | None = None) -> Literal
       acknowledging): the socket is dropped at once with all of it and with everything in
       nats-py's buffer (SO_LINGER 0: closing resets the connection instead of delivering the queue
       later); nats-py reconnects as after any lost connection (subscriptions are renewed). What the
-      socket was receiving is lost with it."""
-    import socket
-    import struct
+      socket was receiving is lost with it.
 
+    Bytes only unacknowledged, on a link that shows no trouble (`held_back` None), get a second look an
+    RTO later (at least 0.25 s): if the server acknowledged nothing meanwhile, the connection is dropped
+    then, as for "dropped" (logged; the call has returned "recalled" or "none")."""
     removed = _recall_buffered(nc, recall)
     writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
     transport = getattr(writer, "transport", None)
     if transport is None or transport.is_closing():
         return "recalled" if removed else "none"
     sock = transport.get_extra_info("socket")
-    if not held_back(transport, sock):
+    verdict = held_back(transport, sock)
+    if verdict is None:  # unacknowledged, the link showing no trouble yet: look again after its RTO
+        acked, rto_s = _acked_and_rto(sock)
+        asyncio.get_running_loop().call_later(max(rto_s, 0.25), _drop_if_stalled, nc, transport, sock, acked)
+    if not verdict:
         return "recalled" if removed else "none"
+    _drop(nc, transport, sock)
+    return "dropped"
+
+
+def _drop(nc, transport, sock) -> None:
+    """Reset the connection at once (SO_LINGER 0), with everything it holds unsent."""
+    import socket
+    import struct
+
     if sock is not None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -283,7 +297,34 @@ def discard_unsent(nc, recall: Callable[[bytes], bool] | None = None) -> Literal
     nc._pending = []
     nc._pending_data_size = 0
     transport.abort()
-    return "dropped"
+
+
+def _drop_if_stalled(nc, transport, sock, acked: int) -> bool:
+    """`discard_unsent`'s second look, an RTO after bytes were seen unacknowledged on a link that showed
+    no trouble: when the server acknowledged nothing since (`acked` bytes then) and bytes are still
+    outstanding, the link stopped acknowledging (what it holds would arrive late): drop the connection.
+    Returns whether it did."""
+    if transport.is_closing():
+        return False
+    try:
+        outstanding = _ioctl_int(sock, _TIOCOUTQ)
+        stalled = outstanding > 0 and _acked_and_rto(sock)[0] == acked
+    except (OSError, ValueError, AttributeError):
+        return False  # the socket is gone: nothing left in it to deliver
+    if not stalled:
+        return False
+    log.warning("bus connection: %d bytes unacknowledged for an RTO after a lapse; dropping it", outstanding)
+    _drop(nc, transport, sock)
+    return True
+
+
+def _acked_and_rto(sock) -> tuple[int, float]:
+    """(bytes the peer acknowledged so far, the retransmission time-out in seconds), from TCP_INFO."""
+    import socket
+    import struct
+
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
+    return struct.unpack_from("Q", info, 120)[0], struct.unpack_from("I", info, 8)[0] / 1e6
 
 
 def _recall_buffered(nc, recall: Callable[[bytes], bool] | None) -> int:
@@ -316,17 +357,22 @@ def unsent_bytes(nc, transport, sock) -> int:
 
 
 #: Linux ioctls on a TCP socket: bytes queued and not yet acknowledged; bytes queued and not yet sent.
-_TIOCOUTQ, _SIOCOUTQNSD = 0x5411, 0x894B
+_SIOCOUTQNSD = 0x894B
+try:
+    from termios import TIOCOUTQ as _TIOCOUTQ
+except ImportError:  # no termios: Linux's value
+    _TIOCOUTQ = 0x5411
 
 
-def held_back(transport, sock) -> bool:
+def held_back(transport, sock) -> bool | None:
     """Whether bytes written to this connection are held back where they could reach the server late:
-    in asyncio's write buffer; in the kernel's queue not yet sent (SIOCOUTQNSD: a closed window, a cut
-    link); or sent and unacknowledged on a link that is retransmitting (TCP_INFO: an RTO fired, the
-    peer stopped acknowledging). Bytes sent and only waiting for an ACK on a link that acknowledges (a
-    delayed ACK on loopback) are not: they are at the server already or about to be, and dropping the
-    connection would not stop them. A socket the kernel cannot describe counts as holding back what it
-    has queued."""
+    True when they are in asyncio's write buffer, in the kernel's queue not yet sent (SIOCOUTQNSD: a
+    closed window, a cut link), or sent and unacknowledged on a link that is retransmitting (TCP_INFO: an
+    RTO fired, the peer stopped acknowledging); False when nothing is outstanding. None when bytes are
+    sent and only unacknowledged on a link that shows no trouble yet: a delayed ACK (they are at the
+    server already, and dropping the connection would not stop them), or a link that has just stopped
+    acknowledging; only a second look after the RTO tells them apart (`discard_unsent` takes it). A socket
+    the kernel cannot describe counts as holding back what it has queued."""
     import socket
     import struct
 
@@ -339,9 +385,11 @@ def held_back(transport, sock) -> bool:
             return True
         if not _ioctl_int(sock, _TIOCOUTQ):
             return False
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
         _state, _ca_state, retransmits, probes, backoff = struct.unpack("5B", info[:5])
-        return bool(retransmits or probes or backoff)
+        if len(info) < 128:
+            return True  # too old a kernel for the second look: as if held back
+        return True if retransmits or probes or backoff else None
     except (OSError, ValueError, AttributeError, struct.error):
         try:
             return bool(_ioctl_int(sock, _TIOCOUTQ))

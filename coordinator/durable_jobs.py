@@ -36,14 +36,14 @@ MAX_FENCED = 4096
 class DurableJobs:
     """The durable side of one coordinator run: `store` opened, then `start()` with its engine."""
 
-    def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_lapse=None):
+    def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_fence=None):
         self.store, self.ledger, self.name = store, ledger, name
-        # called with the (client, job id) of the jobs fenced when this run's leases lapse (it was cut off
-        # or stalled): the service takes their events its bus connection has not sent yet back, dropping
-        # the connection when bytes are held back in the socket (bus.connect.discard_unsent: "none" |
-        # "recalled" | "dropped"), so that frames queued behind a cut link or a freeze never reach a client
-        # after another coordinator took the jobs over
-        self.on_lapse = on_lapse
+        # called with the (client, job id) of jobs just fenced (this run's leases lapsed: it was cut off or
+        # stalled; or another coordinator took them): the service takes their events its bus connection
+        # has not sent yet back, dropping the connection when bytes are held back in the socket
+        # (bus.connect.discard_unsent: "none" | "recalled" | "dropped"), so that frames queued behind a cut
+        # link or a freeze never reach a client after another coordinator took the jobs over
+        self.on_fence = on_fence
         self.checkpoint_every = checkpoint_every
         self.engine = None
         self.wake = asyncio.Event()  # set by the scheduler when a snapshot is due, and by `op`
@@ -53,6 +53,9 @@ class DurableJobs:
         self._renew_task: asyncio.Task | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # internal ids lost to another coordinator
         self._fenced_names: OrderedDict[tuple[str, str], None] = OrderedDict()  # the same, (client, job id)
+        # internal id -> (client, job id) of a held job whose end went out (the ledger let its name go):
+        # until its lease is released, a fence must still take its unsent events back
+        self._ending: dict[str, tuple[str, str]] = {}
         self.jobs_resumed = 0
         self._closing = False  # hand_over began: take no orphan and adopt no job any more
         self._previous_owner = ""  # the owner of the checkpoint `_bumped` rewrote last (for the log)
@@ -104,6 +107,9 @@ class DurableJobs:
             self.lapse()
             return False
         if event.kind in ("done", "failed"):
+            name = self.ledger.name_of(job_id)
+            if name is not None and self.store.holds(job_id):
+                self._ending[job_id] = name
             self.op("release", job_id)
         return True
 
@@ -164,22 +170,24 @@ class DurableJobs:
         `lapse`: whichever of this loop, `_watch` and `before_publish` sees the lapse first takes back
         the fenced jobs' unsent events (before, a lapse this loop saw first fenced the jobs but kept
         the frames queued behind a cut, which reached clients after a take-over)."""
-        for job_id in await self.store.renew():
-            self.fence(job_id, "another coordinator took over its lease")
+        lost = [self.fence(job_id, "another coordinator took over its lease") for job_id in await self.store.renew()]
+        lost = [name for name in lost if name is not None]
         if self.store.expired():
-            self.lapse()
+            self.lapse(lost)
+        else:
+            self._take_back(lost, lapsed=False)
 
-    def lapse(self) -> None:
+    def lapse(self, fenced: list[tuple[str, str]] = ()) -> None:
         """This run's leases could not be renewed for lease_s: fence every job it holds (others may run
-        them already) and take back the events of those jobs not sent yet (`on_lapse`)."""
+        them already) and take back the events of those jobs (and of the `fenced` ones) not sent yet."""
         why = f"its lease could not be renewed for {self.lease_s:g} s"
-        names = []
+        names = list(fenced)
         for job_id in self.store.held:
             self.store.forget(job_id)
             name = self.fence(job_id, why)
             if name is not None:
                 names.append(name)
-        self._lapsed(names)
+        self._take_back(names, lapsed=True)
 
     async def _watch(self) -> None:
         """Every lease_s / 8: once this run's leases could not be renewed for lease_s, `lapse`. Apart
@@ -190,22 +198,21 @@ class DurableJobs:
             if self.store.expired():
                 self.lapse()
 
-    def _lapsed(self, names: list[tuple[str, str]]) -> None:
-        if self.on_lapse is None:
+    def _take_back(self, names: list[tuple[str, str]], *, lapsed: bool) -> None:
+        """Have the unsent events of the jobs just fenced taken back (`on_fence`); after a lapse even
+        with none named (what the socket holds back goes with the connection)."""
+        if self.on_fence is None or not (names or lapsed):
             return
         try:
-            done = self.on_lapse(names)
+            done = self.on_fence(names)
         except Exception as err:  # never let the fence fail on the way out
             log.warning("durable jobs: discarding the unsent messages failed: %r", err)
             return
+        what = "leases lapsed" if lapsed else "jobs lost to another coordinator"
         if done == "dropped":
-            log.warning(
-                "durable jobs: leases lapsed; dropped the bus connection with its unsent messages (reconnecting)"
-            )
+            log.warning("durable jobs: %s; dropped the bus connection with its unsent messages (reconnecting)", what)
         elif done == "recalled":
-            log.warning(
-                "durable jobs: leases lapsed; took the fenced jobs' events not yet sent out of the bus connection"
-            )
+            log.warning("durable jobs: %s; took the fenced jobs' events not yet sent out of the bus connection", what)
 
     async def _round(self) -> None:
         ops, self._ops = self._ops, []
@@ -220,6 +227,9 @@ class DurableJobs:
                     await store.release(job_id)
             except Exception as err:  # e.g. the bucket is full: the job runs on, not durable
                 log.warning("durable jobs: %s of job %s failed: %r", op, job_id, err)
+            finally:
+                if op == "release":
+                    self._ending.pop(job_id, None)
         for job_id in sched.take_due():
             data = self._encoded(job_id) if store.holds(job_id) else None
             if data is None:
@@ -227,16 +237,16 @@ class DurableJobs:
             try:
                 await store.save(job_id, data)
             except JobLost as err:
-                self.fence(job_id, str(err))
+                self._lost(job_id, str(err))
             except Exception as err:
                 log.warning("durable jobs: checkpoint of job %s failed: %r", job_id, err)
 
     def fence(self, internal: str, why: str) -> tuple[str, str] | None:
         """This run lost the job to another coordinator: forget it and publish nothing more for it;
-        returns its (client, job id), None if the ledger no longer had it."""
+        returns its (client, job id), None if neither the ledger nor `_ending` had it."""
         self.engine.scheduler.drop(internal)
         self._fenced[internal] = None
-        name = self.ledger.forget(internal)
+        name = self.ledger.forget(internal) or self._ending.pop(internal, None)
         if name is not None:
             self._fenced_names[name] = None
         for fenced in (self._fenced, self._fenced_names):
@@ -244,6 +254,11 @@ class DurableJobs:
                 fenced.popitem(last=False)
         log.warning("job %s: %s; this coordinator stops publishing for it", internal, why)
         return name
+
+    def _lost(self, internal: str, why: str) -> None:
+        """Another coordinator holds the job now: fence it and take its unsent events back."""
+        name = self.fence(internal, why)
+        self._take_back([name] if name is not None else [], lapsed=False)
 
     def _unfence(self, internal: str, name: tuple[str, str]) -> None:
         self._fenced.pop(internal, None)
@@ -334,7 +349,7 @@ class DurableJobs:
                     await self.store.save(job_id, data)
                 await self.store.release(job_id, keep_checkpoint=data is not None)
             except JobLost as err:
-                self.fence(job_id, str(err))
+                self._lost(job_id, str(err))
                 continue
             except Exception as err:
                 log.warning("durable jobs: handing over job %s failed: %r", job_id, err)

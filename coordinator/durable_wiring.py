@@ -21,13 +21,13 @@ async def open_durable_jobs(
     *,
     name: str,
     instance: str,
-    on_lapse: Callable[[list[tuple[str, str]]], str],
+    on_fence: Callable[[list[tuple[str, str]]], str],
 ) -> tuple[JobStore, DurableJobs, CheckpointingScheduler]:
     """Open the store of coordinator `name` (this run: `instance`; its buckets created with
     `settings.js_replicas` copies when missing) and the durable jobs over it; the scheduler wakes their
-    loop whenever a job is due for a snapshot. `on_lapse`: the leases of this run lapsed (raises
+    loop whenever a job is due for a snapshot. `on_fence`: the leases of this run lapsed (raises
     JetStreamUnavailable without JetStream)."""
     store = await JobStore(nc, name, instance, lease_s=settings.lease_s, replicas=settings.js_replicas).open()
-    jobs = DurableJobs(store, ledger, name=name, checkpoint_every=settings.checkpoint_every, on_lapse=on_lapse)
+    jobs = DurableJobs(store, ledger, name=name, checkpoint_every=settings.checkpoint_every, on_fence=on_fence)
     scheduler = CheckpointingScheduler(scheduler_config, settings.checkpoint_every, on_due=jobs.wake.set)
     return store, jobs, scheduler

@@ -238,7 +238,7 @@ class Coordinator:
                 self.ledger,
                 name=self.name,
                 instance=self.instance,
-                on_lapse=self._discard_unsent,
+                on_fence=self._discard_unsent,
             )
             self.events.durable_jobs = self.durable_jobs
         else:

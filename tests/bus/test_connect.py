@@ -343,3 +343,74 @@ async def test_drain_or_close_on_a_closed_connection_is_a_no_op(nats_url):
     await nc.close()
     assert await drain_or_close(nc) is True
     assert await drain_or_close(None) is True
+
+
+class _Transport:
+    """What `held_back` and the drop read of an asyncio transport: nothing in its own buffer here."""
+
+    def __init__(self):
+        self.aborted = False
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def is_closing(self):
+        return self.aborted
+
+    def abort(self):
+        self.aborted = True
+
+
+def _tcp_pair():
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(srv.getsockname())
+    peer, _ = srv.accept()
+    srv.close()
+    return client, peer
+
+
+def test_held_back_tells_a_peer_that_stopped_taking_bytes_from_one_that_took_them():
+    """Real loopback sockets: bytes the peer's window keeps in the kernel's queue are held back (they would
+    go out later), and a second look that sees nothing acknowledged since drops the connection; once the
+    peer took everything, nothing is held back and the second look keeps the connection."""
+    from types import SimpleNamespace
+
+    from bus.connect import _acked_and_rto, _drop_if_stalled, held_back
+
+    client, peer = _tcp_pair()
+    try:
+        assert held_back(_Transport(), client) is False  # nothing written
+        client.setblocking(False)
+        sent = 0
+        try:
+            while True:
+                sent += client.send(b"x" * 65536)
+        except BlockingIOError:
+            pass  # the peer reads nothing: its window and our send queue are full
+        assert held_back(_Transport(), client) is True
+        acked, rto_s = _acked_and_rto(client)
+        assert 0 < rto_s < 5
+        nc = SimpleNamespace(_pending=[b"PUB x 1\r\na\r\n"], _pending_data_size=11)
+        stalled = _Transport()
+        assert _drop_if_stalled(nc, stalled, client, acked) is True
+        assert stalled.aborted and nc._pending == [] and nc._pending_data_size == 0
+
+        peer.setblocking(False)
+        got = 0
+        while got < sent:  # the peer takes every byte: the link acknowledges again
+            try:
+                got += len(peer.recv(1 << 20))
+            except BlockingIOError:
+                time.sleep(0.005)
+        for _ in range(200):
+            if held_back(_Transport(), client) is False:
+                break
+            time.sleep(0.005)
+        assert held_back(_Transport(), client) is False
+        kept = _Transport()
+        assert _drop_if_stalled(nc, kept, client, acked) is False and not kept.aborted
+    finally:
+        client.close()
+        peer.close()

@@ -64,16 +64,16 @@ def durable(held, lost=()):
         ledger.admit(j, "anon", j, steps=40, epoch=1)
     drops = []
 
-    def on_lapse(names):
+    def on_fence(names):
         drops.append(sorted(names))
         return "dropped"
 
-    dj = DurableJobs(FakeStore(held, lost), ledger, name="ca", checkpoint_every=10, on_lapse=on_lapse)
+    dj = DurableJobs(FakeStore(held, lost), ledger, name="ca", checkpoint_every=10, on_fence=on_fence)
     dj.engine = FakeEngine()
     return dj, drops
 
 
-async def test_a_lapse_the_renewal_loop_sees_first_fences_every_job_and_drops_the_unsent_messages():
+async def test_a_lapse_the_renewal_loop_sees_first_fences_every_job_and_takes_their_unsent_events_back():
     dj, drops = durable(["a", "b", "c"])
     dj.store.lapsed = True  # the round waited out bus timeouts on a cut link: the leases lapsed meanwhile
     await dj.renew()
@@ -90,7 +90,7 @@ async def test_a_lease_another_coordinator_took_fences_that_job_only():
     dj, drops = durable(["a", "b"], lost=["a"])
     await dj.renew()
     assert dj.store.held == ["b"] and dj.engine.scheduler.dropped == ["a"] and dj.is_fenced("anon", "a")
-    assert drops == []  # the other leases are alive: the connection stays
+    assert drops == [[("anon", "a")]]  # its unsent events are taken back; the other leases are alive
 
 
 def test_a_lapse_seen_before_an_event_fences_every_held_job_at_once():
@@ -117,3 +117,23 @@ def test_a_lease_taken_back_after_a_lapse_counts_as_fresh():
     assert store.expired()
     store.forget("old")
     assert not store.expired() and store.held == ["j", "k", "l"]
+
+
+async def test_a_round_that_loses_a_job_and_lapses_takes_every_fenced_jobs_events_back_at_once():
+    dj, drops = durable(["a", "b", "c"], lost=["a"])
+    dj.store.lapsed = True
+    await dj.renew()
+    assert drops == [[("anon", "a"), ("anon", "b"), ("anon", "c")]]
+
+
+def test_a_finished_job_still_holding_its_lease_has_its_end_taken_back_at_a_lapse():
+    """Its `failed` went out to the bus buffer (the ledger let its name go) but the release of its lease
+    waits for the durable loop: another coordinator may resume it from its checkpoint, so that end must not
+    reach the client late either."""
+    dj, drops = durable(["a", "b"])
+    ended = FailedEvent(job_id="a", code="internal", reason="x")
+    assert dj.before_publish(ended)
+    dj.ledger.remember("a", ended)
+    assert dj.ledger.name_of("a") is None  # what fence() alone would have had to go on
+    dj.lapse()
+    assert drops == [[("anon", "a"), ("anon", "b")]]
