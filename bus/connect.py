@@ -245,7 +245,9 @@ async def drain_or_close(nc, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     return False
 
 
-def discard_unsent(nc, recall: Callable[[bytes], bool] | None = None) -> Literal["none", "recalled", "dropped"]:
+def discard_unsent(
+    nc, recall: Callable[[bytes], bool] | None = None, *, drop: bool = True
+) -> Literal["none", "recalled", "dropped"]:
     """Make sure the messages `nc` has not sent yet that `recall(subject)` selects (default: every one)
     never reach the server later. For a process that must not have some of its recent messages delivered
     late: a coordinator cut off from the bus (or frozen) whose leases lapsed, whose frames of the jobs it
@@ -267,8 +269,15 @@ def discard_unsent(nc, recall: Callable[[bytes], bool] | None = None) -> Literal
 
     Bytes only unacknowledged, on a link that shows no trouble (`held_back` None), get a second look an
     RTO later (at least 0.25 s): if the server acknowledged nothing meanwhile, the connection is dropped
-    then, as for "dropped" (logged; the call has returned "recalled" or "none")."""
+    then, as for "dropped" (logged; the call has returned "recalled" or "none").
+
+    `drop=False`: only take the selected PUBs out of nats-py's buffer, never drop the connection (for a
+    link known to work: what is in the socket arrives in moments)."""
+    import struct
+
     removed = _recall_buffered(nc, recall)
+    if not drop:
+        return "recalled" if removed else "none"
     writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
     transport = getattr(writer, "transport", None)
     if transport is None or transport.is_closing():
@@ -276,8 +285,12 @@ def discard_unsent(nc, recall: Callable[[bytes], bool] | None = None) -> Literal
     sock = transport.get_extra_info("socket")
     verdict = held_back(transport, sock)
     if verdict is None:  # unacknowledged, the link showing no trouble yet: look again after its RTO
-        acked, rto_s = _acked_and_rto(sock)
-        asyncio.get_running_loop().call_later(max(rto_s, 0.25), _drop_if_stalled, nc, transport, sock, acked)
+        try:
+            acked, rto_s = _acked_and_rto(sock)
+        except (OSError, ValueError, struct.error):
+            verdict = True  # cannot look again: as if held back
+        else:
+            asyncio.get_running_loop().call_later(max(rto_s, 0.25), _drop_if_stalled, nc, transport, sock, acked)
     if not verdict:
         return "recalled" if removed else "none"
     _drop(nc, transport, sock)

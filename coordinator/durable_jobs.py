@@ -38,9 +38,10 @@ class DurableJobs:
 
     def __init__(self, store: JobStore, ledger: JobLedger, *, name: str, checkpoint_every: int, on_fence=None):
         self.store, self.ledger, self.name = store, ledger, name
-        # called with the (client, job id) of jobs just fenced (this run's leases lapsed: it was cut off or
-        # stalled; or another coordinator took them): the service takes their events its bus connection
-        # has not sent yet back, dropping the connection when bytes are held back in the socket
+        # called with the (client, job id) of jobs just fenced and whether this run's leases lapsed (it was
+        # cut off or stalled; else another coordinator took them): the service takes their events its bus
+        # connection has not sent yet back, after a lapse dropping the connection when bytes are held back
+        # in the socket
         # (bus.connect.discard_unsent: "none" | "recalled" | "dropped"), so that frames queued behind a cut
         # link or a freeze never reach a client after another coordinator took the jobs over
         self.on_fence = on_fence
@@ -170,8 +171,11 @@ class DurableJobs:
         `lapse`: whichever of this loop, `_watch` and `before_publish` sees the lapse first takes back
         the fenced jobs' unsent events (before, a lapse this loop saw first fenced the jobs but kept
         the frames queued behind a cut, which reached clients after a take-over)."""
-        lost = [self.fence(job_id, "another coordinator took over its lease") for job_id in await self.store.renew()]
-        lost = [name for name in lost if name is not None]
+        lost = [
+            name
+            for job_id in await self.store.renew()
+            for name in self.fence(job_id, "another coordinator took over its lease")
+        ]
         if self.store.expired():
             self.lapse(lost)
         else:
@@ -182,11 +186,12 @@ class DurableJobs:
         them already) and take back the events of those jobs (and of the `fenced` ones) not sent yet."""
         why = f"its lease could not be renewed for {self.lease_s:g} s"
         names = list(fenced)
-        for job_id in self.store.held:
+        held = self.store.held
+        # a finished job whose release is on its way (no longer held, its name let go by the ledger): its end
+        # may be unsent still, and on a cut link the release never arrives
+        for job_id in held + [j for j in self._ending if j not in held]:
             self.store.forget(job_id)
-            name = self.fence(job_id, why)
-            if name is not None:
-                names.append(name)
+            names += self.fence(job_id, why)
         self._take_back(names, lapsed=True)
 
     async def _watch(self) -> None:
@@ -204,7 +209,7 @@ class DurableJobs:
         if self.on_fence is None or not (names or lapsed):
             return
         try:
-            done = self.on_fence(names)
+            done = self.on_fence(names, lapsed)
         except Exception as err:  # never let the fence fail on the way out
             log.warning("durable jobs: discarding the unsent messages failed: %r", err)
             return
@@ -241,24 +246,25 @@ class DurableJobs:
             except Exception as err:
                 log.warning("durable jobs: checkpoint of job %s failed: %r", job_id, err)
 
-    def fence(self, internal: str, why: str) -> tuple[str, str] | None:
+    def fence(self, internal: str, why: str) -> list[tuple[str, str]]:
         """This run lost the job to another coordinator: forget it and publish nothing more for it;
-        returns its (client, job id), None if neither the ledger nor `_ending` had it."""
+        returns the (client, job id) names it went by: the ledger's (a live job), `_ending`'s (a finished
+        one whose release is queued; the same internal id may be live again for another client)."""
         self.engine.scheduler.drop(internal)
         self._fenced[internal] = None
-        name = self.ledger.forget(internal) or self._ending.pop(internal, None)
-        if name is not None:
+        names = [n for n in (self.ledger.forget(internal), self._ending.pop(internal, None)) if n is not None]
+        names = list(dict.fromkeys(names))
+        for name in names:
             self._fenced_names[name] = None
         for fenced in (self._fenced, self._fenced_names):
             while len(fenced) > MAX_FENCED:
                 fenced.popitem(last=False)
         log.warning("job %s: %s; this coordinator stops publishing for it", internal, why)
-        return name
+        return names
 
     def _lost(self, internal: str, why: str) -> None:
         """Another coordinator holds the job now: fence it and take its unsent events back."""
-        name = self.fence(internal, why)
-        self._take_back([name] if name is not None else [], lapsed=False)
+        self._take_back(self.fence(internal, why), lapsed=False)
 
     def _unfence(self, internal: str, name: tuple[str, str]) -> None:
         self._fenced.pop(internal, None)

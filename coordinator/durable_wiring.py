@@ -21,7 +21,7 @@ async def open_durable_jobs(
     *,
     name: str,
     instance: str,
-    on_fence: Callable[[list[tuple[str, str]]], str],
+    on_fence: Callable[[list[tuple[str, str]], bool], str],
 ) -> tuple[JobStore, DurableJobs, CheckpointingScheduler]:
     """Open the store of coordinator `name` (this run: `instance`; its buckets created with
     `settings.js_replicas` copies when missing) and the durable jobs over it; the scheduler wakes their

@@ -167,13 +167,15 @@ class Coordinator:
     rejected_unread = property(lambda self: self.intake.rejected_unread)
     _task = property(lambda self: self.running.task if self.running else None)  # fuzzing/targets/coordinator.py
 
-    def _discard_unsent(self, fenced: list[tuple[str, str]]) -> str:
-        """Durable leases lapsed: no event of the `fenced` jobs (client, job id) that the bus connection
-        has not sent yet goes out (see discard_unsent)."""
+    def _discard_unsent(self, fenced: list[tuple[str, str]], lapsed: bool) -> str:
+        """Durable jobs were fenced: no event of the `fenced` jobs (client, job id) that the bus connection
+        has not sent yet goes out (see discard_unsent). Only after a lapse (a freeze, a cut link) may the
+        connection be dropped for bytes its socket holds back; a take-over seen by a working link only
+        takes the events out of the client's buffer."""
         from bus.connect import discard_unsent
 
         recalled = {subjects.job_events(client, job_id).encode() for client, job_id in fenced}
-        return discard_unsent(self.nc, recalled.__contains__)
+        return discard_unsent(self.nc, recalled.__contains__, drop=lapsed)
 
     jobs_resumed = property(lambda self: self.durable_jobs.jobs_resumed if self.durable_jobs else 0)
     decoder = property(lambda self: self.decode_stage.decoder if self.decode_stage else None)  # a DecoderClient

@@ -391,6 +391,11 @@ def test_held_back_tells_a_peer_that_stopped_taking_bytes_from_one_that_took_the
             pass  # the peer reads nothing: its window and our send queue are full
         assert held_back(_Transport(), client) is True
         acked, rto_s = _acked_and_rto(client)
+        for _ in range(100):  # the ACK of the last segment may come a moment late; then nothing moves
+            time.sleep(0.01)
+            if _acked_and_rto(client)[0] == acked:
+                break
+            acked = _acked_and_rto(client)[0]
         assert 0 < rto_s < 5
         nc = SimpleNamespace(_pending=[b"PUB x 1\r\na\r\n"], _pending_data_size=11)
         stalled = _Transport()
@@ -398,12 +403,17 @@ def test_held_back_tells_a_peer_that_stopped_taking_bytes_from_one_that_took_the
         assert stalled.aborted and nc._pending == [] and nc._pending_data_size == 0
 
         peer.setblocking(False)
-        got = 0
-        while got < sent:  # the peer takes every byte: the link acknowledges again
+        got, deadline = 0, time.monotonic() + 10
+        while got < sent and time.monotonic() < deadline:  # the peer takes every byte: the link acknowledges
             try:
-                got += len(peer.recv(1 << 20))
+                data = peer.recv(1 << 20)
             except BlockingIOError:
                 time.sleep(0.005)
+                continue
+            if not data:
+                break
+            got += len(data)
+        assert got == sent
         for _ in range(200):
             if held_back(_Transport(), client) is False:
                 break
@@ -414,3 +424,34 @@ def test_held_back_tells_a_peer_that_stopped_taking_bytes_from_one_that_took_the
     finally:
         client.close()
         peer.close()
+
+
+@pytest.mark.bus
+async def test_bytes_only_unacknowledged_get_a_second_look_an_rto_later(nc, monkeypatch):
+    """Where the socket holds bytes that are sent and only wait for their ACK (`held_back` None), the
+    connection stays and `_drop_if_stalled` is called once, at least 0.25 s later, with this connection's
+    socket and the bytes acknowledged then; over a working link it keeps the connection."""
+    import bus.connect as connect
+
+    looks = []
+    real = connect._drop_if_stalled
+
+    def second_look(nc_, transport, sock, acked):
+        looks.append((time.monotonic(), sock, acked))
+        return real(nc_, transport, sock, acked)
+
+    monkeypatch.setattr(connect, "held_back", lambda transport, sock: None)
+    monkeypatch.setattr(connect, "_drop_if_stalled", second_look)
+    await flushed(nc)
+    transport = nc._transport._io_writer.transport
+    sock = transport.get_extra_info("socket")
+    asked = time.monotonic()
+    assert connect.discard_unsent(nc, lambda subject: True) == "none"
+    for _ in range(200):
+        if looks:
+            break
+        await asyncio.sleep(0.01)
+    assert len(looks) == 1
+    at, seen_sock, acked = looks[0]
+    assert at - asked >= 0.25 and seen_sock is sock and acked == connect._acked_and_rto(sock)[0]
+    assert nc.is_connected and nc.stats["reconnects"] == 0
