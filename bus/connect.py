@@ -356,19 +356,6 @@ def _recall_buffered(nc, recall: Callable[[bytes], bool] | None) -> int:
     return len(pending) - len(kept)
 
 
-def unsent_bytes(nc, transport, sock) -> int:
-    """Bytes `nc` holds that the server has not acknowledged: nats-py's buffer, asyncio's write buffer and
-    the kernel's send queue (SIOCOUTQ: unsent and unacknowledged). A socket whose queue cannot be read
-    counts as holding some."""
-    held = int(transport.get_write_buffer_size()) + int(getattr(nc, "_pending_data_size", 0) or 0)
-    if sock is None:
-        return held
-    try:
-        return held + _ioctl_int(sock, _TIOCOUTQ)
-    except (OSError, ValueError, AttributeError):
-        return held + 1
-
-
 #: Linux ioctls on a TCP socket: bytes queued and not yet acknowledged; bytes queued and not yet sent.
 _SIOCOUTQNSD = 0x894B
 try:

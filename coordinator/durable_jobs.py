@@ -41,9 +41,8 @@ class DurableJobs:
         # called with the (client, job id) of jobs just fenced and whether this run's leases lapsed (it was
         # cut off or stalled; else another coordinator took them): the service takes their events its bus
         # connection has not sent yet back, after a lapse dropping the connection when bytes are held back
-        # in the socket
-        # (bus.connect.discard_unsent: "none" | "recalled" | "dropped"), so that frames queued behind a cut
-        # link or a freeze never reach a client after another coordinator took the jobs over
+        # in the socket (bus.connect.discard_unsent: "none" | "recalled" | "dropped"), so that frames queued
+        # behind a cut link or a freeze never reach a client after another coordinator took the jobs over
         self.on_fence = on_fence
         self.checkpoint_every = checkpoint_every
         self.engine = None
@@ -252,8 +251,7 @@ class DurableJobs:
         one whose release is queued; the same internal id may be live again for another client)."""
         self.engine.scheduler.drop(internal)
         self._fenced[internal] = None
-        names = [n for n in (self.ledger.forget(internal), self._ending.pop(internal, None)) if n is not None]
-        names = list(dict.fromkeys(names))
+        names = list(dict.fromkeys(n for n in (self.ledger.forget(internal), self._ending.pop(internal, None)) if n))
         for name in names:
             self._fenced_names[name] = None
         for fenced in (self._fenced, self._fenced_names):

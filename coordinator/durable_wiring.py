@@ -25,8 +25,9 @@ async def open_durable_jobs(
 ) -> tuple[JobStore, DurableJobs, CheckpointingScheduler]:
     """Open the store of coordinator `name` (this run: `instance`; its buckets created with
     `settings.js_replicas` copies when missing) and the durable jobs over it; the scheduler wakes their
-    loop whenever a job is due for a snapshot. `on_fence`: the leases of this run lapsed (raises
-    JetStreamUnavailable without JetStream)."""
+    loop whenever a job is due for a snapshot. `on_fence(names, lapsed)`: jobs were fenced, after a lapse
+    of this run's leases or a take-over; it takes their unsent events back (raises JetStreamUnavailable
+    without JetStream)."""
     store = await JobStore(nc, name, instance, lease_s=settings.lease_s, replicas=settings.js_replicas).open()
     jobs = DurableJobs(store, ledger, name=name, checkpoint_every=settings.checkpoint_every, on_fence=on_fence)
     scheduler = CheckpointingScheduler(scheduler_config, settings.checkpoint_every, on_due=jobs.wake.set)
