@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.procs, pytest.mark.bus, pytest.mark.
 #: lease of the durable jobs (s): above a JetStream R3 leader election after a lost node (4-9 s
 #: would take jobs from a healthy owner in the minority-node test), below the jobs' length
 LEASE_S = 4.0
-#: sim expert latency per batch; STEPS steps: a job lasts 10 s or more, so it still runs after a take-over
-BATCH_MS = 100.0
+#: sim expert latency per batch; STEPS steps: a job lasts several leases, so it still runs after a take-over
+BATCH_MS = 50.0
 STEPS = 80
 
 
