@@ -25,6 +25,11 @@ can land there again and again, while a known worker answered this coordinator w
 `fence(experts)`: those experts' queue groups hold a worker of another model spec (the coordinator's
 worker discovery says so), so their picks go to a known worker however busy, and to the queue group
 only when none is known.
+`unanswered(k)`: a worker of k did not answer in time (a try timed out, or its hedge copy answered
+first). Such a worker usually keeps its interest in the queue group for a while (a cut host: until
+nats-server's pings give up on it, a minute by default), so for `ttl_s` seconds from the last such event
+k's picks go as a fenced expert's do: to a known worker however busy, never to the queue group to
+explore or because the known ones are busy (worker discovery waits meanwhile).
 `forget(k, token)` drops a worker that timed out or answered badly (it is learned again from its
 next good reply); with `ban=True` (no responders on its direct subject: gone, or a worker that
 predates direct subjects) its replies are not learned from for `ttl_s` seconds.
@@ -40,11 +45,14 @@ the worker id by `token_of` (the transport passes `schemas.subjects.worker_token
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
 from .choices import DISPATCH_MODES  # noqa: F401 (re-exported: the one list, coordinator/choices.py)
+
+log = logging.getLogger(__name__)
 
 #: Outstanding requests at the least loaded known worker from which on the queue group is used.
 DEFAULT_DEPTH = 2
@@ -97,6 +105,8 @@ class DispatchPolicy:
         self._seq = 0
         #: experts whose queue group holds a worker of another model spec: their picks avoid the queue group
         self._fenced: frozenset[int] = frozenset()
+        #: expert -> until when its picks avoid the queue group (a worker of it did not answer: `unanswered`)
+        self._shunned: dict[int, float] = {}
         #: dispatch="queue": this policy only steers the fenced experts; every other pick is the queue group
         self.only_fenced = only_fenced
 
@@ -111,6 +121,11 @@ class DispatchPolicy:
         fenced = expert in self._fenced
         if self.only_fenced and not fenced:
             return None
+        if not fenced and expert in self._shunned:
+            if self._shunned[expert] > self.clock():
+                fenced = True
+            else:
+                del self._shunned[expert]
         known = self._expire(expert)
         if explore and not insist and self.explore_every and not fenced:
             n = self._picks[expert] = self._picks.get(expert, 0) + 1
@@ -196,6 +211,25 @@ class DispatchPolicy:
             entry.last_seen = now
             known.move_to_end(token)
         return token
+
+    def unanswered(self, expert: int) -> None:
+        """A try of `expert` got no reply in time (timed out, or its hedge copy answered first), from a known
+        worker or through the queue group: for `ttl_s` seconds its picks avoid the queue group (module
+        docstring)."""
+        now = self.clock()
+        if self._shunned.get(expert, now) <= now:
+            log.info(
+                "expert %d: a worker took a request and did not answer in time; its requests go only to workers "
+                "that answer for %g s (not to the queue group, which may still hold the silent one)",
+                expert,
+                self.ttl_s,
+            )
+        self._shunned[expert] = now + self.ttl_s
+
+    def shunned(self) -> list[int]:
+        """The experts whose picks avoid the queue group because a worker of theirs did not answer."""
+        now = self.clock()
+        return sorted(k for k, until in self._shunned.items() if until > now)
 
     def forget(self, expert: int, token: str, *, ban: bool = False) -> None:
         """Stop picking worker `token` (timed out, bad or error reply); ban=True (no responders on its

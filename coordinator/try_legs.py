@@ -14,7 +14,9 @@ every known worker already has `DispatchPolicy.depth` outstanding, and every `ex
 (workers are learned from the `worker_id` of good replies). A direct try answered "no responders"
 (the worker stopped, or predates direct subjects) forgets that worker and goes to the queue group at
 once, within the same try; a direct try that times out, or gets an error or unusable reply, forgets the
-worker, and the retry policy sends the request again (elsewhere). Counted in
+worker, and the retry policy sends the request again (elsewhere). A try that goes unanswered (timed out,
+direct or through the queue group, or beaten by its hedge copy) tells the policy (`unanswered`): the
+expert's tries then keep off its queue group for a while. Counted in
 `dispatch_counts[(expert, "direct" | "queue")]` (every leg sent, hedges included) and
 `direct_fallbacks`. `dispatch="queue"` (no dispatcher): every try to the queue group, as before direct
 subjects, except for the experts worker discovery fences (`fence`: a worker of another spec shares
@@ -115,8 +117,10 @@ class TryLegs:
                     err = leg.exception()
                     if err is None:
                         self._count_hedge(expert, outcome_if_first[leg])
-                        if leg is hedge and token is not None:  # its worker is late (frozen?): stop picking it
-                            self.dispatcher.forget(expert, token)
+                        if leg is hedge and self.dispatcher is not None:  # the primary's worker is late
+                            self.dispatcher.unanswered(expert)
+                            if token is not None:  # (frozen? cut off?): stop picking it
+                                self.dispatcher.forget(expert, token)
                         return self._answered(expert, sent, leg.result())  # latency censored when the copy won
                     failure = _worse(failure, err)
             self._count_hedge(expert, "failed")
@@ -225,6 +229,7 @@ class TryLegs:
                 log.debug("expert %d: worker %s has no direct subscriber; sending to the queue group", expert, token)
             except (TimeoutError, nats.errors.TimeoutError):
                 self.dispatcher.forget(expert, token)
+                self.dispatcher.unanswered(expert)
                 raise
             except BadReply:
                 self.dispatcher.forget(expert, token, ban=True)
@@ -235,7 +240,12 @@ class TryLegs:
                 raise
             timeout = max(timeout - (loop.time() - began), 0.001)
         self._count_dispatch(expert, "queue")
-        msg = await self.mux.ask(subject, payload, timeout, stream)
+        try:
+            msg = await self.mux.ask(subject, payload, timeout, stream)
+        except (TimeoutError, nats.errors.TimeoutError):
+            if self.dispatcher is not None:  # a member of the queue group took it and never answered
+                self.dispatcher.unanswered(expert)
+            raise
         return self._usable(expert, msg, shape, row_ids)
 
 

@@ -226,3 +226,32 @@ def test_an_insisting_pick_takes_a_busy_known_worker_and_never_explores():
     assert [p.pick(0, insist=True) for _ in range(6)] == ["t-a"] * 6  # busy, and every 2nd would explore
     p.seen(0, "b")
     assert p.pick(0, insist=True) == "t-b"  # still the shortest queue first
+
+
+def test_an_unanswered_try_keeps_the_experts_picks_off_the_queue_group_for_ttl():
+    """A worker took a request and never answered (a cut host keeps its interest in the queue group until
+    nats-server's pings give up on it): for ttl_s the expert's picks go to known workers however busy, never
+    to the queue group to explore or because they are busy; the queue group only when none is known."""
+    p, clock = policy(explore_every=2, depth=1, ttl_s=30.0)
+    p.seen(0, "a")
+    p.seen(1, "b")
+    p.sent(0, "t-a")
+    assert p.pick(0, explore=False) is None  # at depth: the queue group
+    p.unanswered(0)
+    assert p.shunned() == [0]
+    assert [p.pick(0) for _ in range(6)] == ["t-a"] * 6  # busy, and every 2nd pick would explore
+    assert [p.pick(1) for _ in range(2)] == ["t-b", None]  # every 2nd pick of expert 1 still explores ...
+    p.sent(1, "t-b")
+    assert p.pick(1, explore=False) is None  # ... and at depth it goes to the queue group: not shunned
+    p.forget(0, "t-a")  # the silent worker itself is forgotten
+    assert p.pick(0) is None  # none known: the queue group is the last resort
+    p.seen(0, "a")
+    clock.now += 20
+    p.unanswered(0)  # a second silence re-arms the window
+    clock.now += 20
+    p.seen(0, "a")  # (a known worker is one seen within ttl_s)
+    assert p.shunned() == [0] and p.pick(0, explore=False) == "t-a"
+    clock.now += 10.5
+    assert p.shunned() == []
+    p.seen(0, "a")
+    assert p.pick(0, explore=False) is None  # the window is over: at depth means the queue group again

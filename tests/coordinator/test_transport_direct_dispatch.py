@@ -259,6 +259,30 @@ async def test_a_retry_after_a_time_out_goes_to_a_worker_that_answers_not_the_qu
         await good.stop()
 
 
+async def test_after_a_try_goes_unanswered_the_expert_keeps_off_its_queue_group(nc):
+    """A worker that went silent with its subscriptions still on the bus (a cut host, until nats-server's
+    pings give up on it): once a try sent to it goes unanswered, the expert's tries go to the worker that
+    answers, though it is busy (at `depth`) and every 2nd pick would explore, never to the queue group, where
+    NATS would hand them to the silent one half of the time (12 tries: 2^-12 that none would land there)."""
+    silent = await Responder(nc, 45, "silent-1", direct=True, hang=True, queue_hang=True).start()
+    good = await Responder(nc, 45, "good-1", direct=True, hang=False).start()
+    try:
+        tr = NatsTransport(nc, step_timeout=0.6, retries=2, hedge="off")
+        tr.dispatcher.depth, tr.dispatcher.explore_every = 1, 2
+        tr.dispatcher.seen(45, "good-1")
+        tr.dispatcher.sent(45, subjects.worker_token("good-1"))  # a request of another cohort in flight: busy
+        tr.dispatcher.seen(45, "silent-1")  # it answered before going silent: known, idle
+        for i in range(13):  # the first goes to the silent worker (the shortest queue), times out, is retried
+            x, t, y, ids = _inputs(1, 300 + i)
+            np.testing.assert_array_equal(await tr.velocity(45, x, t, y, ids), -x)
+        assert silent.direct_requests == 1 and silent.queue_requests == 0 and tr.retried == 1
+        assert good.direct_requests == 13 and good.queue_requests == 0
+        assert tr.dispatcher.shunned() == [45]
+    finally:
+        await silent.stop()
+        await good.stop()
+
+
 async def test_a_worker_late_on_its_direct_subject_is_hedged_around_and_forgotten(nc):
     """A worker that freezes on its direct subject but stays subscribed: the try sent to it is
     hedged to the other worker, which wins, and the frozen one is forgotten, so later tries do not
