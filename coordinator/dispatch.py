@@ -28,8 +28,11 @@ only when none is known.
 `unanswered(k)`: a worker of k did not answer in time (a try timed out, or its hedge copy answered
 first). Such a worker usually keeps its interest in the queue group for a while (a cut host: until
 nats-server's pings give up on it, a minute by default), so for `ttl_s` seconds from the last such event
-k's picks go as a fenced expert's do: to a known worker however busy, never to the queue group to
-explore or because the known ones are busy (worker discovery waits meanwhile).
+k's picks avoid the queue group as a fenced expert's do: a known worker however busy, never the queue
+group to explore or because the known ones are busy; the queue group only when none is known. Only while
+a worker discovery feeds the known workers (`discovered`, within `ttl_s`): exploring is then not how
+workers are found, whereas a policy that learns only from replies would otherwise shrink to the few
+workers it knows.
 `forget(k, token)` drops a worker that timed out or answered badly (it is learned again from its
 next good reply); with `ban=True` (no responders on its direct subject: gone, or a worker that
 predates direct subjects) its replies are not learned from for `ttl_s` seconds.
@@ -107,6 +110,8 @@ class DispatchPolicy:
         self._fenced: frozenset[int] = frozenset()
         #: expert -> until when its picks avoid the queue group (a worker of it did not answer: `unanswered`)
         self._shunned: dict[int, float] = {}
+        #: when a worker discovery last told the live workers (`discovered`); None: never
+        self._discovered_at: float | None = None
         #: dispatch="queue": this policy only steers the fenced experts; every other pick is the queue group
         self.only_fenced = only_fenced
 
@@ -122,10 +127,10 @@ class DispatchPolicy:
         if self.only_fenced and not fenced:
             return None
         if not fenced and expert in self._shunned:
-            if self._shunned[expert] > self.clock():
-                fenced = True
-            else:
+            if self._shunned[expert] <= self.clock():
                 del self._shunned[expert]
+            else:
+                fenced = self._discovering()
         known = self._expire(expert)
         if explore and not insist and self.explore_every and not fenced:
             n = self._picks[expert] = self._picks.get(expert, 0) + 1
@@ -212,12 +217,21 @@ class DispatchPolicy:
             known.move_to_end(token)
         return token
 
+    def discovered(self) -> None:
+        """A worker discovery told the live workers (each one `seen`): while it does, `unanswered` applies."""
+        self._discovered_at = self.clock()
+
+    def _discovering(self) -> bool:
+        return self._discovered_at is not None and self.clock() - self._discovered_at <= self.ttl_s
+
     def unanswered(self, expert: int) -> None:
         """A try of `expert` got no reply in time (timed out, or its hedge copy answered first), from a known
-        worker or through the queue group: for `ttl_s` seconds its picks avoid the queue group (module
-        docstring)."""
+        worker or through the queue group: for `ttl_s` seconds its picks avoid the queue group, while a worker
+        discovery feeds the known workers (module docstring)."""
+        if self.only_fenced:  # dispatch="queue": every pick of an unfenced expert is the queue group anyway
+            return
         now = self.clock()
-        if self._shunned.get(expert, now) <= now:
+        if self._shunned.get(expert, now) <= now and self._discovering():
             log.info(
                 "expert %d: a worker took a request and did not answer in time; its requests go only to workers "
                 "that answer for %g s (not to the queue group, which may still hold the silent one)",
@@ -228,6 +242,8 @@ class DispatchPolicy:
 
     def shunned(self) -> list[int]:
         """The experts whose picks avoid the queue group because a worker of theirs did not answer."""
+        if not self._discovering():
+            return []
         now = self.clock()
         return sorted(k for k, until in self._shunned.items() if until > now)
 

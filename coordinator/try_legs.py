@@ -15,8 +15,9 @@ every known worker already has `DispatchPolicy.depth` outstanding, and every `ex
 (the worker stopped, or predates direct subjects) forgets that worker and goes to the queue group at
 once, within the same try; a direct try that times out, or gets an error or unusable reply, forgets the
 worker, and the retry policy sends the request again (elsewhere). A try that goes unanswered (timed out,
-direct or through the queue group, or beaten by its hedge copy) tells the policy (`unanswered`): the
-expert's tries then keep off its queue group for a while. Counted in
+direct or through the queue group, or beaten by its hedge copy) tells the policy (`unanswered`): while
+a worker discovery feeds it (`fence`), the expert's tries then keep off its queue group for a while,
+except where no worker is known. Counted in
 `dispatch_counts[(expert, "direct" | "queue")]` (every leg sent, hedges included) and
 `direct_fallbacks`. `dispatch="queue"` (no dispatcher): every try to the queue group, as before direct
 subjects, except for the experts worker discovery fences (`fence`: a worker of another spec shares
@@ -26,8 +27,9 @@ Hedged tries (`hedge="auto"`): when a try has no reply after the expert's hedge 
 bytes (same `request_id`, same deadline) are published once more with a new reply subject, so the queue
 group can hand the copy to another worker (with direct dispatch: to another known worker with room,
 else to the queue group; never to the primary's worker directly, and no copy at all for a fenced expert
-with no other matching worker known). The first usable reply wins; the other leg is cancelled and its
-reply, if it comes, is dropped quietly (`late_replies`, not a stray). At most one hedge per try. Both
+with no other matching worker known; an expert that only keeps off its queue group after an unanswered try
+still sends its copy there when no other worker is known). The first usable reply wins; the other leg is
+cancelled and its reply, if it comes, is dropped quietly (`late_replies`, not a stray). At most one hedge per try. Both
 legs share the try's `step_timeout`. Counted in `hedge_counts[(expert, outcome)]`: won (the copy
 answered first), lost (the original did), failed (neither gave a usable reply).
 """
@@ -144,6 +146,7 @@ class TryLegs:
             self.dispatcher = DispatchPolicy(subjects.worker_token, only_fenced=True)
         if self.dispatcher is not None:
             self.dispatcher.fence(fenced)
+            self.dispatcher.discovered()
             for expert, workers in matching.items():
                 if expert in fenced or not self.dispatcher.only_fenced:
                     for worker in workers:

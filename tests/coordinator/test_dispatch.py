@@ -231,12 +231,15 @@ def test_an_insisting_pick_takes_a_busy_known_worker_and_never_explores():
 def test_an_unanswered_try_keeps_the_experts_picks_off_the_queue_group_for_ttl():
     """A worker took a request and never answered (a cut host keeps its interest in the queue group until
     nats-server's pings give up on it): for ttl_s the expert's picks go to known workers however busy, never
-    to the queue group to explore or because they are busy; the queue group only when none is known."""
+    to the queue group to explore or because they are busy; the queue group only when none is known. Only
+    while a worker discovery feeds the known workers: a policy that learns only from replies explores as before."""
     p, clock = policy(explore_every=2, depth=1, ttl_s=30.0)
     p.seen(0, "a")
     p.seen(1, "b")
     p.sent(0, "t-a")
-    assert p.pick(0, explore=False) is None  # at depth: the queue group
+    p.unanswered(0)  # no discovery yet: nothing changes
+    assert p.shunned() == [] and p.pick(0, explore=False) is None  # at depth: the queue group
+    p.discovered()
     p.unanswered(0)
     assert p.shunned() == [0]
     assert [p.pick(0) for _ in range(6)] == ["t-a"] * 6  # busy, and every 2nd pick would explore
@@ -245,13 +248,30 @@ def test_an_unanswered_try_keeps_the_experts_picks_off_the_queue_group_for_ttl()
     assert p.pick(1, explore=False) is None  # ... and at depth it goes to the queue group: not shunned
     p.forget(0, "t-a")  # the silent worker itself is forgotten
     assert p.pick(0) is None  # none known: the queue group is the last resort
-    p.seen(0, "a")
     clock.now += 20
+    p.seen(0, "a")
+    p.discovered()
     p.unanswered(0)  # a second silence re-arms the window
     clock.now += 20
     p.seen(0, "a")  # (a known worker is one seen within ttl_s)
+    p.discovered()
     assert p.shunned() == [0] and p.pick(0, explore=False) == "t-a"
     clock.now += 10.5
-    assert p.shunned() == []
     p.seen(0, "a")
+    p.discovered()
+    assert p.shunned() == []
     assert p.pick(0, explore=False) is None  # the window is over: at depth means the queue group again
+    p.unanswered(0)
+    assert p.pick(0, explore=False) == "t-a"
+    clock.now += 31  # the discovery stopped (its last one over ttl_s ago): the window no longer applies
+    p.seen(0, "a")
+    assert p.shunned() == [] and p.pick(0, explore=False) is None
+
+
+def test_a_queue_only_policy_never_shuns():
+    """dispatch="queue" steers only fenced experts: an unanswered try changes nothing for the others."""
+    p = DispatchPolicy(token, only_fenced=True)
+    p.discovered()
+    p.seen(0, "a")
+    p.unanswered(0)
+    assert p.shunned() == [] and p.pick(0) is None
