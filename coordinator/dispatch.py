@@ -228,10 +228,10 @@ class DispatchPolicy:
         """A try of `expert` got no reply in time (timed out, or its hedge copy answered first), from a known
         worker or through the queue group: for `ttl_s` seconds its picks avoid the queue group, while a worker
         discovery feeds the known workers (module docstring)."""
-        if self.only_fenced:  # dispatch="queue": every pick of an unfenced expert is the queue group anyway
-            return
+        if self.only_fenced or not self._discovering():  # dispatch="queue" (its unfenced picks are the queue
+            return  # group anyway), or no discovery names the live workers: nothing to keep off
         now = self.clock()
-        if self._shunned.get(expert, now) <= now and self._discovering():
+        if self._shunned.get(expert, now) <= now:
             log.info(
                 "expert %d: a worker took a request and did not answer in time; its requests go only to workers "
                 "that answer for %g s (not to the queue group, which may still hold the silent one)",

@@ -19,7 +19,8 @@ Every expert worker registers the NATS micro service `ddm-expert`; `WorkerDiscov
   worker and which matching workers discovery found of each: the transport's legs fence those experts
   (coordinator/try_legs.py, `DispatchPolicy.fence`), so their requests go only to the matching workers'
   direct subjects, never to the queue group the odd worker shares (also with `dispatch="queue"`), unless
-  no matching worker is known.
+  no matching worker is known. The matching workers become known to the dispatch policy, and while these
+  checks come in, its rule for unanswered tries holds (`DispatchPolicy.unanswered`: keep off the queue group).
 
 Each discovery that gets through replaces these whole; a failed one (disconnected, closed) keeps the old.
 The coordinator discovers every few seconds (`NatsTransport.refresh_workers`); the transport owns one
