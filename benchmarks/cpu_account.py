@@ -15,6 +15,13 @@ workers' row and batch counters (/metrics). Here:
                              hops, encoding, routing, the solver, events and nats-server's copies
     decoder share          = the decoder process's CPU seconds / the fleet's (a latent fleet's; absent for a
                              pixel fleet, which has no decoder): what turning latents into images costs
+    cores busy             = every process's CPU seconds (the clients' too) / the level's wall seconds
+    reach at full cores    = (cores / CPU seconds per image, the clients' included) / the forward-only limit's
+                             images/s: the fraction of the limit this CPU per image allows with every core
+                             busy; below it, the cores idled. "workers alone": the same with only the
+                             workers' CPU per image, what the host would reach with the coordinator,
+                             nats-server and the clients on other cores. Only where the limit was timed
+                             on CPU cores (one thread per core): a device's forward is not the host's CPU
 
 A worker's padded rows count in its mean batch (they were computed) but not in the forward's rows (they
 make no image): padding is overhead. Pure functions over the bench's samples, tested without processes.
@@ -73,13 +80,19 @@ def worker_rows(deltas: list[dict | None], experts: list[int]) -> dict[int, dict
 
 
 def account(
-    cpu_seconds: dict[str, float | None], images: int, steps: int, rows: dict | None, limit: dict | None
+    cpu_seconds: dict[str, float | None],
+    images: int,
+    steps: int,
+    rows: dict | None,
+    limit: dict | None,
+    wall_s: float | None = None,
 ) -> dict:
     """The level's CPU account (module docstring). `cpu_seconds`: {process name: CPU seconds in the level};
     `rows`: `worker_rows` (None: unknown, no forward figure); `limit`: the forward-only limit with each
     expert's "cpu_s_per_row_by_batch" (None: not timed). Milliseconds per image, and per image and step
     (`steps`: denoising steps per image), so c = 1 reads per step; with a decoder process, its share of the
-    fleet's CPU seconds ("decoder_share", 0 - 1)."""
+    fleet's CPU seconds ("decoder_share", 0 - 1); with the level's `wall_s`, the cores it kept busy; with
+    a limit timed on cores, the reach at full cores (`_reach`)."""
     if images <= 0:
         return {"images": 0}
     by_role: dict[str, float] = {}
@@ -108,6 +121,24 @@ def account(
         out["overhead_ms_per_image_step"] = round(1000 * (fleet_s - forward_s) / (images * steps), 4)
     if rows is not None:
         out["mean_batch"] = {str(k): e["mean_batch"] for k, e in sorted(rows.items())}
+    if wall_s and wall_s > 0 and not missing:
+        out["cores_busy"] = round(sum(by_role.values()) / wall_s, 3)
+    out.update(_reach(by_role, images, limit) if not missing else {})
+    return out
+
+
+def _reach(by_role: dict[str, float], images: int, limit: dict | None) -> dict:
+    """{"full_cores_over_limit", "workers_alone_over_limit"} (module docstring), or {} where the limit was
+    not timed on CPU cores or nothing was spent."""
+    if not limit or limit.get("unit") != "core" or not limit.get("images_per_s") or not limit.get("units"):
+        return {}
+    out = {}
+    for key, seconds in (
+        ("full_cores_over_limit", sum(by_role.values())),
+        ("workers_alone_over_limit", by_role.get("workers", 0.0)),
+    ):
+        if seconds > 0:
+            out[key] = round(limit["units"] * images / seconds / limit["images_per_s"], 3)
     return out
 
 
@@ -144,4 +175,10 @@ def format_account(concurrency: int, acc: dict) -> str:
         )
     if CLIENTS in acc["by_role_ms_per_image"]:
         line += f"; clients {acc['by_role_ms_per_image'][CLIENTS]:.2f} ms/img apart"
+    if "cores_busy" in acc:
+        line += f"; {acc['cores_busy']:.2f} cores busy"
+    if "full_cores_over_limit" in acc:
+        line += f"; every core busy at this CPU per image: {acc['full_cores_over_limit']:.2f} of the limit"
+        if "workers_alone_over_limit" in acc:
+            line += f" ({acc['workers_alone_over_limit']:.2f} with only the workers on the cores)"
     return line

@@ -1067,6 +1067,7 @@ async def bench_fleet(args) -> dict:
                 args.steps,
                 fleet[level].get("worker_rows"),
                 limit,
+                fleet[level]["cpu"].get("wall_s"),
             )
         if ceiling:
             row["ceiling"] = ceiling[level]

@@ -95,3 +95,22 @@ def test_a_latent_fleets_decoder_share_is_its_fraction_of_the_fleets_cpu_and_a_p
     assert "decoder_share" not in pixel and "decoder share" not in format_account(2, pixel)
     idle = account({"coordinator": 0.0, "decoder": 0.0}, images=10, steps=4, rows=None, limit=None)
     assert "decoder_share" not in idle  # no fleet CPU read at all (ticks too coarse): no share, not 0/0
+
+
+def test_reach_at_full_cores_is_the_limits_fraction_this_cpu_per_image_allows_with_every_core_busy():
+    cpu = {"coordinator": 2.0, "worker0": 6.0, "worker1": 6.0, "nats-server": 0.5, "bench (clients)": 1.5}
+    limit = {**_limit(), "unit": "core", "units": 2, "images_per_s": 40.0}
+    acc = account(cpu, images=100, steps=40, rows=None, limit=limit, wall_s=10.0)
+    assert acc["cores_busy"] == pytest.approx(16.0 / 10.0)  # the clients' CPU too: they share the cores
+    # 16 CPU s for 100 images: 2 cores fully busy make 12.5 img/s, 0.3125 of the limit's 40
+    assert acc["full_cores_over_limit"] == pytest.approx(2 * 100 / 16.0 / 40.0, abs=1e-3)
+    assert acc["workers_alone_over_limit"] == pytest.approx(2 * 100 / 12.0 / 40.0, abs=1e-3)
+    line = format_account(64, acc)
+    assert "1.60 cores busy" in line and "every core busy at this CPU per image: 0.31 of the limit" in line
+    assert "(0.42 with only the workers on the cores)" in line
+    # a limit timed on a device says nothing of the host's cores; a process not read makes no figure
+    device = account(cpu, images=100, steps=40, rows=None, limit={**limit, "unit": "device"}, wall_s=10.0)
+    assert "full_cores_over_limit" not in device and device["cores_busy"] == pytest.approx(1.6)
+    unread = account({**cpu, "worker1": None}, images=100, steps=40, rows=None, limit=limit, wall_s=10.0)
+    assert "full_cores_over_limit" not in unread and "cores_busy" not in unread
+    assert "cores_busy" not in account(cpu, images=100, steps=40, rows=None, limit=None)
