@@ -42,6 +42,10 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
     mut = Mutator(rng, jobs * 4 + seeds)
     res = FuzzResult("coordinator", "random", runs)
     accepted: list[str] = []
+    #: (client, job id) pairs a cancel was sent for: a coordinator refuses a later submit of one with `cancelled`
+    #: (a cancel that overtook its submit, remembered; coordinator/intake.py), the one refusal of a valid job
+    #: that depends on what came before it
+    cancels: set[tuple[str, str]] = set()
     nc = fleet.nc
     allowed_for_valid = {ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST, ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE}
 
@@ -70,6 +74,7 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
         token, client = job_token(), client_token()
         body = b"" if rng.random() < 0.15 else mut.message_bytes()
         if p < 0.78:
+            cancels.add((client, token))
             return "cancel", f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{token}.cancel", body
         if p < 0.93:
             return "job_status", f"{subjects.CLIENTS_PREFIX}.{client}.jobs.{token}.status", body
@@ -124,6 +129,7 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
             if local is None:
                 return res.crash(data, f"coordinator accepted a job the schema refuses ({local_code.value})")
             accepted.append(reply.job_id)
+            cancels.add((subjects.parse_submit_subject(subject), reply.job_id))
             try:  # do not let accepted fuzz jobs pile up
                 await nc.publish(
                     subjects.job_cancel(subjects.parse_submit_subject(subject), reply.job_id),
@@ -137,6 +143,9 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
             return res.crash(data, f"internal error: {getattr(reply, 'reason', None) or reply.message}")
         if local_code is not None and reply.code is not local_code:
             return res.crash(data, f"rejected with {reply.code.value} where the schema says {local_code.value}")
+        if local_code is None and reply.code is ErrorCode.CANCELLED and local.job_id is not None:
+            if (subjects.parse_submit_subject(subject), local.job_id) in cancels:
+                return res.count("clear", "cancelled_before")
         if local_code is None and reply.code not in allowed_for_valid:
             return res.crash(data, f"valid job rejected with {reply.code.value}")
         return res.count("clear", reply.code.value)
