@@ -18,10 +18,12 @@ workers' row and batch counters (/metrics). Here:
     cores busy             = every process's CPU seconds (the clients' too) / the level's wall seconds
     reach at full cores    = (cores / CPU seconds per image, the clients' included) / the forward-only limit's
                              images/s: the fraction of the limit this CPU per image allows with every core
-                             busy; below it, the cores idled. "workers alone": the same with only the
-                             workers' CPU per image, what the host would reach with the coordinator,
-                             nats-server and the clients on other cores. Only where the limit was timed
-                             on CPU cores (one thread per core): a device's forward is not the host's CPU
+                             busy; what the level made below it, the fleet's processes left cores idle (or
+                             other load took them). "workers alone": the same with only the workers' CPU
+                             per image (and a latent fleet's decoder's: its images need it), what the host
+                             would reach with the coordinator, nats-server and the clients on other cores.
+                             Only where the limit was timed on CPU cores (one thread per core): a device's
+                             forward is not the host's CPU
 
 A worker's padded rows count in its mean batch (they were computed) but not in the forward's rows (they
 make no image): padding is overhead. Pure functions over the bench's samples, tested without processes.
@@ -135,7 +137,7 @@ def _reach(by_role: dict[str, float], images: int, limit: dict | None) -> dict:
     out = {}
     for key, seconds in (
         ("full_cores_over_limit", sum(by_role.values())),
-        ("workers_alone_over_limit", by_role.get("workers", 0.0)),
+        ("workers_alone_over_limit", by_role.get("workers", 0.0) + by_role.get(DECODER, 0.0)),
     ):
         if seconds > 0:
             out[key] = round(limit["units"] * images / seconds / limit["images_per_s"], 3)
@@ -180,5 +182,6 @@ def format_account(concurrency: int, acc: dict) -> str:
     if "full_cores_over_limit" in acc:
         line += f"; every core busy at this CPU per image: {acc['full_cores_over_limit']:.2f} of the limit"
         if "workers_alone_over_limit" in acc:
-            line += f" ({acc['workers_alone_over_limit']:.2f} with only the workers on the cores)"
+            who = "the workers and the decoder" if "decoder_share" in acc else "the workers"
+            line += f" ({acc['workers_alone_over_limit']:.2f} with only {who} on the cores)"
     return line

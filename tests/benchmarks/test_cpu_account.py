@@ -111,6 +111,9 @@ def test_reach_at_full_cores_is_the_limits_fraction_this_cpu_per_image_allows_wi
     # a limit timed on a device says nothing of the host's cores; a process not read makes no figure
     device = account(cpu, images=100, steps=40, rows=None, limit={**limit, "unit": "device"}, wall_s=10.0)
     assert "full_cores_over_limit" not in device and device["cores_busy"] == pytest.approx(1.6)
+    latent = account({**cpu, "decoder": 3.0}, images=100, steps=40, rows=None, limit=limit, wall_s=10.0)
+    assert latent["workers_alone_over_limit"] == pytest.approx(2 * 100 / 15.0 / 40.0, abs=1e-3)  # its images need it
+    assert "(0.33 with only the workers and the decoder on the cores)" in format_account(64, latent)
     unread = account({**cpu, "worker1": None}, images=100, steps=40, rows=None, limit=limit, wall_s=10.0)
     assert "full_cores_over_limit" not in unread and "cores_busy" not in unread
     assert "cores_busy" not in account(cpu, images=100, steps=40, rows=None, limit=None)
