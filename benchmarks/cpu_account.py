@@ -123,9 +123,10 @@ def account(
         out["overhead_ms_per_image_step"] = round(1000 * (fleet_s - forward_s) / (images * steps), 4)
     if rows is not None:
         out["mean_batch"] = {str(k): e["mean_batch"] for k, e in sorted(rows.items())}
-    if wall_s and wall_s > 0 and not missing:
-        out["cores_busy"] = round(sum(by_role.values()) / wall_s, 3)
-    out.update(_reach(by_role, images, limit) if not missing else {})
+    if not missing:  # every process read: the whole box's share of the work is known
+        if wall_s and wall_s > 0:
+            out["cores_busy"] = round(sum(by_role.values()) / wall_s, 3)
+        out.update(_reach(by_role, images, limit))
     return out
 
 

@@ -125,14 +125,15 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
                 return res.count("clear", "cancel_refused")
             return res.count("ok", "cancelled" if what == "cancel" else what)
         local, local_code = _local(data, JobRequest)
+        client = subjects.parse_submit_subject(subject)
         if isinstance(reply, JobAccepted):
             if local is None:
                 return res.crash(data, f"coordinator accepted a job the schema refuses ({local_code.value})")
             accepted.append(reply.job_id)
-            cancels.add((subjects.parse_submit_subject(subject), reply.job_id))
+            cancels.add((client, reply.job_id))
             try:  # do not let accepted fuzz jobs pile up
                 await nc.publish(
-                    subjects.job_cancel(subjects.parse_submit_subject(subject), reply.job_id),
+                    subjects.job_cancel(client, reply.job_id),
                     pack(CancelRequest(job_id=reply.job_id)),
                 )
             except Exception as err:
@@ -144,7 +145,7 @@ async def fuzz(fleet: Fleet, runs: int, seed: int, concurrency: int, timeout: fl
         if local_code is not None and reply.code is not local_code:
             return res.crash(data, f"rejected with {reply.code.value} where the schema says {local_code.value}")
         if local_code is None and reply.code is ErrorCode.CANCELLED and local.job_id is not None:
-            if (subjects.parse_submit_subject(subject), local.job_id) in cancels:
+            if (client, local.job_id) in cancels:
                 return res.count("clear", "cancelled_before")
         if local_code is None and reply.code not in allowed_for_valid:
             return res.crash(data, f"valid job rejected with {reply.code.value}")
