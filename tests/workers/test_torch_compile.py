@@ -19,9 +19,9 @@ COMPILES = pytest.mark.xdist_group("torch-compile")
 #: not depend on the frozen weights, so one architecture means one set of kernels to build for the suite
 #: (g++ is most of a cold compile's CPU); the weights, and so the graphs, stay each test's own
 COMPILED_TINY = dict(widths=(8,), groups=4, null_label=True)
-#: the seed of the compiled experts' weights: inductor's freezing folds some weights into its kernels' code, so
+#: the seeds of the compiled experts' weights: inductor's freezing folds some weights into its kernels' code, so
 #: other weights mean other kernels to build (another seed: two thirds of a cold compile's CPU again)
-COMPILED_SEED = 3
+COMPILED_SEEDS = (3, 4)
 #: what a second compiled expert's convolution weights are the first's times: the convolutions' weights go to
 #: oneDNN as constant buffers, not into the kernels' code, so its kernels are the first's, built once
 CONV_SCALE = 1.5
@@ -95,7 +95,7 @@ def compiled_unet(tmp_path_factory):
     from models.tiny import make_tiny_expert
     from workers.backends import get_backend
 
-    ckpt = make_tiny_expert(tmp_path_factory.mktemp("compiled") / "e0", seed=COMPILED_SEED, **COMPILED_TINY)
+    ckpt = make_tiny_expert(tmp_path_factory.mktemp("compiled") / "e0", seed=COMPILED_SEEDS[0], **COMPILED_TINY)
     eager = get_backend("torch", dtype="float32", threads=1, compile="off")
     compiled = get_backend("torch", dtype="float32", threads=1, compile="on")
     for be in (eager, compiled):
@@ -199,7 +199,7 @@ def test_many_compiled_experts_in_one_process_each_keep_their_weights(tmp_path, 
 
     assert graphs() >= 2  # the shared expert's: a batch of 1, and the dynamic one
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    first = make_tiny_expert(tmp_path / "e0", seed=COMPILED_SEED, **COMPILED_TINY)  # the shared expert's
+    first = make_tiny_expert(tmp_path / "e0", seed=COMPILED_SEEDS[0], **COMPILED_TINY)  # the shared expert's
     ckpt = _scaled_convolutions(first, tmp_path / "e1", expert_id=1)
     second = [get_backend("torch", dtype="float32", threads=1, compile=c) for c in ("on", "off")]
     for be in second:
