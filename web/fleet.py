@@ -17,7 +17,9 @@
 * Coordinator: a request on `schemas.subjects.FLEET_STATUS` (msgpack or JSON map); its scalar
   fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
 
-A worker that stops answering disappears from the next snapshot.
+A worker that misses one discovery round (its reply late on a busy host) stays in the snapshot with its
+last metadata, `stale: true` and no rates, so the panel does not flicker; one that misses `keep_missed + 1`
+rounds in a row is gone (a stopped worker leaves the second snapshot after it stopped, by default).
 
 Reply subjects: discovery replies come on `<inbox prefix>.d.<random>` (every worker, leaf hosts too, may
 answer there), the coordinator's status on a private `<inbox prefix>.<random>` of its own (bus/inbox.py):
@@ -104,12 +106,15 @@ def _scalars(obj: dict[str, Any], depth: int = 0) -> dict[str, Any]:
 class FleetMonitor:
     """Polls the bus and builds snapshots; keeps the previous STATS to turn counters into rates."""
 
-    def __init__(self, nc, *, window: float = 0.3, status_timeout: float = 0.5):
+    def __init__(self, nc, *, window: float = 0.3, status_timeout: float = 0.5, keep_missed: int = 1):
         self.nc = nc
         self.window = window
         self.status_timeout = status_timeout
+        self.keep_missed = keep_missed
         # worker id -> (monotonic time, rows or requests, requests, (latency seconds, latency count))
         self._prev: dict[str, tuple[float, float, int, tuple[float, int]]] = {}
+        # worker id -> (rounds missed in a row, its last row): what a worker that misses a round shows
+        self._last: dict[str, tuple[int, dict[str, Any]]] = {}
 
     async def coordinator_status(self) -> dict[str, Any] | None:
         try:
@@ -135,7 +140,8 @@ class FleetMonitor:
         experts: dict[int, list[dict[str, Any]]] = {}
         services: list[dict[str, Any]] = []
         seen = set()
-        for wid, info in sorted(infos.items()):
+        rows: dict[str, dict[str, Any]] = {}
+        for wid, info in infos.items():
             meta = info.get("metadata") or {}
             meta = meta if isinstance(meta, dict) else {}
             row = {
@@ -152,6 +158,7 @@ class FleetMonitor:
                 "rows_per_s": None,
                 "rate_unit": "rows/s",
                 "latency_ms": None,
+                "stale": False,
             }
             if isinstance(meta.get("decoder"), str) and meta["decoder"]:  # a decoder of a latent fleet
                 row["decoder"] = meta["decoder"][:128]
@@ -161,11 +168,25 @@ class FleetMonitor:
                 self._add_rates(row, st, now)
                 seen.add(wid)
             expert = _expert_of(meta)
-            if expert is None:
-                services.append(row)
-            else:
+            if expert is not None:
                 row["expert"] = expert
-                experts.setdefault(expert, []).append(row)
+            rows[wid] = row
+        for wid, (missed, last) in list(self._last.items()):
+            if wid in rows:
+                continue
+            if missed >= self.keep_missed:
+                del self._last[wid]
+                continue
+            self._last[wid] = (missed + 1, last)
+            rows[wid] = {**last, "rows_per_s": None, "latency_ms": None, "stale": True}
+            seen.add(wid)  # keep its counters: the rate resumes from them when it answers again
+        for wid, row in sorted(rows.items()):
+            if not row["stale"]:
+                self._last[wid] = (0, row)
+            if "expert" in row:
+                experts.setdefault(row["expert"], []).append(row)
+            else:
+                services.append(row)
         self._prev = {k: v for k, v in self._prev.items() if k in seen}
         return {
             "type": "fleet",

@@ -217,19 +217,27 @@ async def real_fleet(nats_url, request):
 async def test_real_fleet_generate_in_the_browser(browser, web_server, real_fleet, tmp_path):
     page, errors = await open_page(browser, web_server)
     # the fleet panel discovers both experts' real workers (backend and device from their metadata)
-    await page.wait_for_function(
-        "() => document.querySelectorAll('#fleet-experts .expert').length >= 2", timeout=60_000
+    # the panel is redrawn every snapshot: read it in one evaluation, from a snapshot that lists both experts
+    panel = await page.wait_for_function(
+        """() => {
+          const box = document.querySelector('#fleet-experts');
+          if (box.querySelectorAll('.expert').length < 2) return null;
+          return {
+            workers0: box.querySelectorAll(".expert[data-expert='0'] tr.worker").length,
+            text: box.innerText,
+            dtypes: [...box.querySelectorAll('.dtype')].map(d => d.innerText),
+            overflow: [...box.querySelectorAll('table')].map(t => t.scrollWidth - t.parentElement.clientWidth),
+          };
+        }""",
+        timeout=60_000,
     )
-    assert await page.locator("#fleet-experts .expert[data-expert='0'] tr.worker").count() >= 1
-    assert "torch" in await page.locator("#fleet-experts").inner_text()
+    panel = await panel.json_value()
+    assert panel["workers0"] >= 1
+    assert "torch" in panel["text"]
     # each worker's dtype; in-process workers run the eager forward, so no ", compiled"
-    assert set(await page.locator("#fleet-experts .dtype").all_inner_texts()) <= {"float32", "bfloat16"}
+    assert set(panel["dtypes"]) <= {"float32", "bfloat16"}
     # every worker table fits the panel: no column (rows/s, ms, reqs) is cut off at its right edge
-    overflow = await page.evaluate(
-        "() => [...document.querySelectorAll('#fleet-experts table')]"
-        ".map(t => t.scrollWidth - t.parentElement.clientWidth)"
-    )
-    assert overflow and max(overflow) <= 0, overflow
+    assert len(panel["overflow"]) >= 2 and max(panel["overflow"]) <= 0, panel["overflow"]
     await page.wait_for_selector("#fleet-coordinator table", timeout=30_000)  # FleetStatus answered
     await page.fill("#digits", "0,1,2,3,4,5,6,7,8,9")
     await page.fill("#steps", "24")

@@ -21,7 +21,7 @@ async def test_gather_replies_collects_every_service(nc):
 
 
 async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
-    monitor = FleetMonitor(nc, window=0.2)
+    monitor = FleetMonitor(nc, window=0.5)
     async with FakeCoordinator(
         nc,
         status={
@@ -41,7 +41,8 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
                 w0a.rows += 640
                 await asyncio.sleep(0.2)  # not an ordering wait: the rate is rows over the time between snapshots
                 snap2 = await monitor.snapshot()
-            snap3 = await monitor.snapshot()  # w1 has left
+            snap3 = await monitor.snapshot()  # w1 has left: kept one round, stale
+            snap4 = await monitor.snapshot()  # ... and gone the round after
     experts = {e["expert"]: e["workers"] for e in snap2["experts"]}
     assert {w["id"] for w in experts[0]} >= {w0a.id, w0b.id}
     assert [(w["backend"], w["dtype"]) for w in experts[1] if w["id"] == w1.id] == [("jax", "bfloat16")]
@@ -53,8 +54,12 @@ async def test_snapshot_groups_workers_by_expert_and_drops_leavers(nc):
     first = next(w for e in snap1["experts"] for w in e["workers"] if w["id"] == w0a.id)
     assert first["rows_per_s"] is None  # one snapshot is not a rate yet
     assert snap2["coordinator"] == {"active_jobs": 2, "queued_jobs": 3, "rows_per_s": 120.5, "unavailable_experts": [1]}
-    assert w1.id not in {w["id"] for e in snap3["experts"] for w in e["workers"]}
-    assert w0a.id in {w["id"] for e in snap3["experts"] for w in e["workers"]}
+    rows3 = {w["id"]: w for e in snap3["experts"] for w in e["workers"]}
+    assert rows3[w1.id]["stale"] is True and rows3[w1.id]["rows_per_s"] is None
+    assert rows3[w1.id]["backend"] == "jax" and rows3[w1.id]["expert"] == 1  # its last metadata
+    assert rows3[w0a.id]["stale"] is False
+    assert w1.id not in {w["id"] for e in snap4["experts"] for w in e["workers"]}
+    assert w0a.id in {w["id"] for e in snap4["experts"] for w in e["workers"]}
 
 
 async def test_latency_per_worker_from_its_histogram_else_from_micro_processing_time(nc):

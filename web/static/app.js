@@ -1128,7 +1128,9 @@ function renderFleet(msg) {
       const lat = w.latency_ms === null || w.latency_ms === undefined ? "…" : Number(w.latency_ms).toFixed(1);
       const who = el("td", { class: "who", title: `${w.name} ${w.version} · id ${w.id} · host ${w.host || "?"}`.trim() },
         el("span", { text: w.id.slice(-8) }), el("span", { class: "host", text: w.host ? `@ ${w.host}` : "" }));
-      table.append(el("tr", { class: "worker", "data-worker-id": w.id, "data-host": w.host || "" },
+      // a worker that missed the last discovery round (late reply on a busy host) is kept one round, greyed
+      table.append(el("tr", { class: w.stale ? "worker stale" : "worker", "data-worker-id": w.id, "data-host": w.host || "",
+        title: w.stale ? "missed the last discovery round: last seen one snapshot ago" : "" },
         who,
         el("td", { class: "runs", title: `backend ${w.backend || "?"} · device ${w.device || "?"} · ${w.dtype || "?"}${w.compiled ? " · compiled forward (torch.compile)" : ""}` },
           el("span", { class: "where", text: `${w.backend || "?"} · ${w.device || "?"}` }),
