@@ -186,7 +186,12 @@ async def test_scrub_predict_timeline_compare_and_download_a_finished_job(browse
 
     # 5. fleet over time: sparklines fill, each worker says its host, latency once requests were served
     await page.wait_for_function("() => +document.querySelector('#sparks').dataset.points >= 3", timeout=30_000)
-    hosts = await page.locator("#fleet-experts tr.worker").evaluate_all("rs => rs.map(r => r.dataset.host)")
+    hosts = await page.wait_for_function(  # read from one drawing of the panel that lists workers
+        "() => (rs => rs.length ? rs.map(r => r.dataset.host) : null)"
+        "([...document.querySelectorAll('#fleet-experts tr.worker')])",
+        timeout=30_000,
+    )
+    hosts = await hosts.json_value()
     assert hosts and set(hosts) == {socket.gethostname()}
     assert await page.locator(".spark-row[data-key=latency] canvas").is_visible()
     assert float(await page.locator(".spark-row[data-key=rows] canvas").get_attribute("data-max")) > 0

@@ -14,7 +14,7 @@ from web.fleet import FleetMonitor, gather_replies
 
 async def test_gather_replies_collects_every_service(nc):
     async with FakeWorkerService(nc, 0, "torch", "cpu") as a, FakeWorkerService(nc, 1, "jax", "cpu") as b:
-        replies = await gather_replies(nc, "$SRV.PING.ddm-expert", window=0.3)
+        replies = await gather_replies(nc, "$SRV.PING.ddm-expert", window=1.0)  # room for a late reply on a busy box
         assert len(replies) >= 2
         ids = {r.decode() for r in replies}
         assert any(a.id in r for r in ids) and any(b.id in r for r in ids)
