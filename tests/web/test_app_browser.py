@@ -12,7 +12,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.waiting import wait_until
-from tests.web.fakes import FakeCoordinator
+from tests.web.fakes import FakeCoordinator, FakeWorkerService
 from web.app import WebConfig, create_app
 
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "web.png"
@@ -78,6 +78,28 @@ async def test_page_bad_input_then_generate_with_fake_coordinator(browser, web_s
             await page.screenshot(path=os.path.join(os.environ["DDM_WEB_SHOT_DIR"], "web-fake.png"), full_page=True)
         assert errors == [], errors
         await page.close()
+
+
+async def test_a_worker_that_stops_is_greyed_for_one_snapshot_then_leaves_the_panel(browser, nats_url, nc):
+    # a snapshot a second: the page has the time to draw each one, the greyed one too
+    server = TestServer(
+        create_app(WebConfig(nats_url=nats_url, fleet_interval=1.0, discovery_window=0.3)), host="127.0.0.1"
+    )
+    await server.start_server()
+    try:
+        page, errors = await open_page(browser, server)
+        async with FakeWorkerService(nc, 5, "torch", "cpu") as w:
+            row = page.locator(f"#fleet-experts tr.worker[data-worker-id='{w.id}']")
+            await row.wait_for(timeout=30_000)
+            assert "stale" not in await row.get_attribute("class")
+        # stopped: the next snapshot keeps it greyed, with its backend and without rates; the one after drops it
+        await page.locator(f"#fleet-experts tr.worker.stale[data-worker-id='{w.id}']").wait_for(timeout=30_000)
+        assert "torch" in await row.inner_text() and "missed" in await row.get_attribute("title")
+        await row.wait_for(state="detached", timeout=30_000)
+        assert errors == [], errors
+        await page.close()
+    finally:
+        await server.close()
 
 
 async def test_closing_the_tab_cancels_its_job(browser, web_server, nc):
