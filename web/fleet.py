@@ -15,7 +15,8 @@
   measures: the handler's own time). None until two snapshots exist or while no request came in
   between. `host` is the worker's metadata `host` (its hostname), so the page can say which worker runs where.
 * Coordinator: a request on `schemas.subjects.FLEET_STATUS` (msgpack or JSON map); its scalar
-  fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`.
+  fields (queue depth, active jobs, ...) are shown as they come. No answer -> `null`, except that one missed
+  answer (late on a busy host) repeats the last one with `coordinator_stale: true`.
 
 A worker that misses one discovery round (its reply late on a busy host) stays in the snapshot with its
 last metadata, `stale: true` and no rates, so the panel does not flicker; one that misses `keep_missed + 1`
@@ -115,6 +116,8 @@ class FleetMonitor:
         self._prev: dict[str, tuple[float, float, int, tuple[float, int]]] = {}
         # worker id -> (rounds missed in a row, its last row): what a worker that misses a round shows
         self._last: dict[str, tuple[int, dict[str, Any]]] = {}
+        # the coordinator's last status and the rounds it has missed since
+        self._last_coord: tuple[int, dict[str, Any] | None] = (0, None)
 
     async def coordinator_status(self) -> dict[str, Any] | None:
         try:
@@ -128,7 +131,7 @@ class FleetMonitor:
 
     async def snapshot(self) -> dict[str, Any]:
         """{"type": "fleet", "experts": [{"expert", "workers": [...]}], "services": [...],
-        "coordinator": {...} | None, "time": unix seconds}."""
+        "coordinator": {...} | None, "coordinator_stale": bool, "time": unix seconds}."""
         info_raw, stats_raw, coord = await asyncio.gather(
             gather_replies(self.nc, INFO_SUBJECT, window=self.window),
             gather_replies(self.nc, STATS_SUBJECT, window=self.window),
@@ -188,13 +191,27 @@ class FleetMonitor:
             else:
                 services.append(row)
         self._prev = {k: v for k, v in self._prev.items() if k in seen}
+        coord, coord_stale = self._coordinator_or_last(coord)
         return {
             "type": "fleet",
             "experts": [{"expert": e, "workers": ws} for e, ws in sorted(experts.items())],
             "services": services,
             "coordinator": coord,
+            "coordinator_stale": coord_stale,
             "time": time.time(),
         }
+
+    def _coordinator_or_last(self, coord: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bool]:
+        """This round's status; a missed one within `keep_missed` rounds repeats the last, stale."""
+        missed, last = self._last_coord
+        if coord is not None:
+            self._last_coord = (0, coord)
+            return coord, False
+        if last is None or missed >= self.keep_missed:
+            self._last_coord = (missed + 1, None)
+            return None, False
+        self._last_coord = (missed + 1, last)
+        return last, True
 
     def _add_rates(self, row: dict[str, Any], st: dict[str, Any], now: float) -> None:
         requests = errors = busy_ns = 0

@@ -88,14 +88,26 @@ async def test_a_worker_that_stops_is_greyed_for_one_snapshot_then_leaves_the_pa
     await server.start_server()
     try:
         page, errors = await open_page(browser, server)
-        async with FakeWorkerService(nc, 5, "torch", "cpu") as w:
+        coord = page.locator("#fleet-coordinator")
+        async with FakeCoordinator(nc, status={"active_jobs": 1}), FakeWorkerService(nc, 5, "torch", "cpu") as w:
             row = page.locator(f"#fleet-experts tr.worker[data-worker-id='{w.id}']")
             await row.wait_for(timeout=30_000)
+            await page.wait_for_selector("#fleet-coordinator:not(.stale) table", timeout=30_000)
             assert "stale" not in await row.get_attribute("class")
-        # stopped: the next snapshot keeps it greyed, with its backend and without rates; the one after drops it
+        # stopped: the next snapshot keeps both greyed (the worker with its backend and without rates, the
+        # coordinator's last status); the one after drops the worker and says the coordinator is not answering
         await page.locator(f"#fleet-experts tr.worker.stale[data-worker-id='{w.id}']").wait_for(timeout=30_000)
         assert "torch" in await row.inner_text() and "missed" in await row.get_attribute("title")
+        await page.wait_for_function(  # its last status, greyed
+            "() => (c => c.classList.contains('stale') && c.querySelector('table')"
+            " && c.innerText.includes('last status'))(document.querySelector('#fleet-coordinator'))",
+            timeout=30_000,
+        )
         await row.wait_for(state="detached", timeout=30_000)
+        await page.wait_for_function(
+            "() => document.querySelector('#fleet-coordinator').innerText.includes('not answering')", timeout=30_000
+        )
+        assert "stale" not in (await coord.get_attribute("class") or "")
         assert errors == [], errors
         await page.close()
     finally:

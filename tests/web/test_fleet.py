@@ -84,7 +84,18 @@ async def test_latency_per_worker_from_its_histogram_else_from_micro_processing_
 
 async def test_no_coordinator_means_null_status(nc):
     snap = await FleetMonitor(nc, window=0.1, status_timeout=0.2).snapshot()
-    assert snap["coordinator"] is None and snap["type"] == "fleet"
+    assert snap["coordinator"] is None and snap["type"] == "fleet" and snap["coordinator_stale"] is False
+
+
+async def test_one_missed_coordinator_status_repeats_the_last_one_marked_stale(nc):
+    monitor = FleetMonitor(nc, window=0.1, status_timeout=0.3)
+    async with FakeCoordinator(nc, status={"active_jobs": 4, "kind": "fleet_status"}):
+        first = await monitor.snapshot()
+    missed_once = await monitor.snapshot()  # the coordinator has gone: its last status, stale
+    missed_twice = await monitor.snapshot()
+    assert first["coordinator"] == {"active_jobs": 4} and first["coordinator_stale"] is False
+    assert missed_once["coordinator"] == {"active_jobs": 4} and missed_once["coordinator_stale"] is True
+    assert missed_twice["coordinator"] is None and missed_twice["coordinator_stale"] is False
 
 
 async def test_sockets_and_api_get_periodic_fleet_snapshots(aiohttp_client, nats_url, nc):

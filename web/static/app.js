@@ -1144,8 +1144,11 @@ function renderFleet(msg) {
   }
   const coord = $("#fleet-coordinator");
   coord.replaceChildren();
+  coord.classList.toggle("stale", !!msg.coordinator_stale);
   if (!msg.coordinator) coord.append(el("p", { class: "hint", text: "not answering" }));
   else {
+    // one late answer on a busy host: the last one, greyed, rather than "not answering"
+    if (msg.coordinator_stale) coord.append(el("p", { class: "hint stale-note", text: "no answer this time: its last status" }));
     const main = {}, more = {};
     for (const [k, v] of Object.entries(msg.coordinator)) (COORD_MAIN.includes(k) ? main : more)[k] = v;
     coord.append(kvTable(main));
@@ -1174,7 +1177,7 @@ function renderFleet(msg) {
 // One history point per snapshot: rows/s (the coordinator's, else the workers' sum), queue depth, and
 // each expert's mean request latency (ms, over its workers that served requests since the last snapshot).
 function recordFleet(msg) {
-  const c = msg.coordinator || {};
+  const c = (!msg.coordinator_stale && msg.coordinator) || {}; // a repeated status is no new point
   let rows = typeof c.rows_per_s === "number" ? c.rows_per_s : null;
   if (rows === null) {
     const rates = msg.experts.flatMap((e) => e.workers.map((w) => w.rows_per_s)).filter((v) => typeof v === "number");
