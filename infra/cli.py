@@ -69,6 +69,7 @@ COMMAND_GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         "version and helpers",
         [
             ("version", "infra.cmd_version", "print the package, protocol and library versions"),
+            ("status", "infra.cmd_status", "the running fleet: coordinator, experts' workers, rates"),
             ("wait-ready", "infra.cmd_wait_ready", "wait until a worker / web / coordinator is ready"),
         ],
     ),

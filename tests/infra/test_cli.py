@@ -128,7 +128,7 @@ WORKFLOW = [
     ("serve", ["worker", "decoder", "coordinator", "web", "up", "nats"]),
     ("generate", ["generate", "sample"]),
     ("evaluate, benchmark, fuzz", ["eval", "bench", "fuzz", "probe"]),
-    ("version and helpers", ["version", "wait-ready"]),
+    ("version and helpers", ["version", "status", "wait-ready"]),
 ]
 
 

@@ -134,6 +134,23 @@ async def test_generate_against_a_running_fleet(nats_url, experts, tmp_path):
             from PIL import Image
 
             assert Image.open(png).size == (4 * 66 + 2, 66 + 2)  # one row of 4 digits of 64 px, 2 px gaps
+
+            # `ddm-fleet status` sees this fleet: the coordinator, and each expert's worker that served the jobs
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            status = [sys.executable, "-m", "infra.cli", "status", "--nats", nats_url, "--rate-over", "0.3"]
+            r = await asyncio.to_thread(subprocess.run, [*status, "--json"], capture_output=True, text=True, env=env)
+            assert r.returncode == 0, r.stderr
+            snap = json.loads(r.stdout)
+            assert snap["coordinator"]["jobs_done"] >= 2 and snap["coordinator_stale"] is False
+            workers = {e["expert"]: e["workers"] for e in snap["experts"]}
+            assert sorted(workers) == [0, 1] and {w["id"] for w in workers[0]} == {ws[0].service_id}
+            for ex in (0, 1):
+                (w,) = workers[ex]
+                assert w["backend"] == "torch" and w["dtype"] == "float32" and w["requests"] >= 1
+                assert w["rows_per_s"] is not None and w["stale"] is False  # a rate from the two snapshots
+            r = await asyncio.to_thread(subprocess.run, status, capture_output=True, text=True, env=env)
+            assert r.returncode == 0 and "expert 0 · 1 worker" in r.stdout and "expert 1 · 1 worker" in r.stdout
+            assert r.stdout.startswith("coordinator: active_jobs") and "jobs_done " in r.stdout, r.stdout
     finally:
         for w in ws:
             await w.stop()

@@ -61,7 +61,7 @@ ROLES: dict[str, list[str]] = {
     ],
     "xla": ["workers/backends/xla_backend.py"],
     "coordinator": ["coordinator/*", "infra/cmd_coordinator.py", "infra/cmd_generate.py", "infra/grid.py"],
-    "web": ["web/*", "infra/cmd_web.py"],
+    "web": ["web/*", "infra/cmd_web.py", "infra/cmd_status.py"],  # status: the fleet panel (web.fleet) in a terminal
     # partition: `--method features` reads judge 2 (evaluation.features: flax, torch)
     "training": [
         "training/*",
