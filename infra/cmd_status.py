@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+import unicodedata
 from typing import Any
 
 from bus.options import add_nats_option
@@ -65,12 +66,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _clean(text: Any, limit: int = 64) -> str:
+    """A value a worker or the coordinator sent, safe to print on a terminal: control characters (escape
+    sequences a hostile service could send to redraw or retitle the operator's terminal) become "?", and
+    it is cut to `limit` characters."""
+    text = str(text)
+    out = "".join("?" if unicodedata.category(c)[0] == "C" else c for c in text[:limit])
+    return out + ("…" if len(text) > limit else "")
+
+
 def _num(value: Any, digits: int = 1) -> str:
     if value is None:
         return "…"
     if isinstance(value, float):
         return f"{value:.{digits}f}"
-    return str(value)
+    return _clean(value)
 
 
 def format_status(snap: dict[str, Any]) -> str:
@@ -80,12 +90,14 @@ def format_status(snap: dict[str, Any]) -> str:
     if coord is None:
         lines.append("coordinator: not answering")
     else:
-        name = coord.get("coordinator") or ""
+        name = _clean(coord.get("coordinator") or "")
         title = "coordinator" if name in ("", "coordinator") else f"coordinator {name}"
         stale = " (no answer this time: its last status)" if snap.get("coordinator_stale") else ""
         main = " · ".join(f"{k} {_num(coord[k])}" for k in COORDINATOR_MAIN if k in coord)
         lines.append(f"{title}{stale}: {main}")
-        more = [f"{k} {v}" for k, v in coord.items() if k not in (*COORDINATOR_MAIN, "coordinator")]
+        more = [
+            f"{_clean(k)} {_clean(v, 200)}" for k, v in coord.items() if k not in (*COORDINATOR_MAIN, "coordinator")
+        ]
         line = ""
         for item in more:  # the other fields, a few to a line
             if line and len(line) + len(item) > 100:
@@ -106,8 +118,10 @@ def format_status(snap: dict[str, Any]) -> str:
         lines.append("other services")
         rows = [("service", "id", "host", "serves")]
         for s in snap["services"]:
-            serves = f"decoder {s['decoder'][:12]} -> {s.get('image_shape', '')}" if s.get("decoder") else ""
-            rows.append((s["name"], s["id"][-8:], s.get("host") or "?", serves))
+            serves = (
+                f"decoder {_clean(s['decoder'], 12)} -> {_clean(s.get('image_shape', ''))}" if s.get("decoder") else ""
+            )
+            rows.append((_clean(s["name"]), _clean(s["id"][-8:]), _clean(s.get("host") or "?"), serves))
         lines += _table(rows)
     return "\n".join(lines)
 
@@ -116,12 +130,12 @@ def _worker_cells(w: dict[str, Any]) -> tuple[str, ...]:
     rate = _num(w.get("rows_per_s"))
     if w.get("rate_unit") == "req/s" and w.get("rows_per_s") is not None:
         rate += " req"
-    dtype = (w.get("dtype") or "?") + (", compiled" if w.get("compiled") else "")
-    who = w["id"][-8:] + (" (late)" if w.get("stale") else "")
+    dtype = _clean(w.get("dtype") or "?") + (", compiled" if w.get("compiled") else "")
+    who = _clean(w["id"][-8:]) + (" (late)" if w.get("stale") else "")
     return (
         who,
-        w.get("host") or "?",
-        f"{w.get('backend') or '?'} · {w.get('device') or '?'}",
+        _clean(w.get("host") or "?"),
+        f"{_clean(w.get('backend') or '?')} · {_clean(w.get('device') or '?')}",
         dtype,
         rate,
         _num(w.get("latency_ms")),

@@ -69,7 +69,7 @@ def test_the_table_lists_the_coordinator_each_experts_workers_and_other_services
     assert "jax · cuda:0" in text and "bfloat16" in text and "gpu-1" in text
     late = next(line for line in lines if "dddd0004" in line)
     assert "(late)" in late and late.count("…") == 2  # no rate, no latency for a worker that missed the round
-    assert "other services" in lines and "decoder 0123456789ab -> 3,256,256" in text
+    assert "other services" in lines and "decoder 0123456789ab… -> 3,256,256" in text
     # every worker table is aligned: its header and rows start their columns at the same places
     header = next(line for line in lines if line.strip().startswith("worker"))
     assert row.index("host-a") == header.index("host")
@@ -98,3 +98,20 @@ def test_exit_codes_no_coordinator_on_a_real_bus_and_no_bus(nats_url, capsys):
     assert err.startswith("ddm-fleet status: ") and "Traceback" not in err
     assert main(["status", "--nats", "nats://bad user:pw@127.0.0.1:1"]) == 2
     assert "ddm-fleet status: " in capsys.readouterr().err
+
+
+def test_what_services_send_cannot_drive_the_operators_terminal():
+    # a hostile service's metadata and a status string carry terminal escape sequences (clear screen, retitle)
+    evil = _worker("\x1b[2J" + "x" * 8, host="h\x1b]0;pwned\x07", backend="torch\r\nFAKE LINE", device="c" * 300)
+    snap = {
+        "type": "fleet",
+        "experts": [{"expert": 0, "workers": [evil]}],
+        "services": [{"name": "svc\x9b31m", "id": "i" * 8, "host": "h", "decoder": "\x1bd", "image_shape": "3"}],
+        "coordinator": {"coordinator": "c\x1b[1m", "note": "\x1b[31mred"},
+        "coordinator_stale": False,
+        "time": 0.0,
+    }
+    text = format_status(snap)
+    assert not any(ch in text for ch in "\x1b\x07\x9b\r"), repr(text)
+    assert "FAKE LINE" in text and "\nFAKE LINE" not in text  # kept visible, on its own row's line
+    assert "c" * 65 not in text and "c" * 64 + "…" in text  # a long value is cut
