@@ -114,10 +114,9 @@ class FleetMonitor:
         self.keep_missed = keep_missed
         # worker id -> (monotonic time, rows or requests, requests, (latency seconds, latency count))
         self._prev: dict[str, tuple[float, float, int, tuple[float, int]]] = {}
-        # worker id -> (rounds missed in a row, its last row): what a worker that misses a round shows
-        self._last: dict[str, tuple[int, dict[str, Any]]] = {}
-        # the coordinator's last status and the rounds it has missed since
-        self._last_coord: tuple[int, dict[str, Any] | None] = (0, None)
+        # worker id -> (rounds missed in a row, its last row); the coordinator's status the same under ""
+        self._held_workers: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._held_coordinator: dict[str, tuple[int, dict[str, Any]]] = {}
 
     async def coordinator_status(self) -> dict[str, Any] | None:
         try:
@@ -174,24 +173,19 @@ class FleetMonitor:
             if expert is not None:
                 row["expert"] = expert
             rows[wid] = row
-        for wid, (missed, last) in list(self._last.items()):
-            if wid in rows:
-                continue
-            if missed >= self.keep_missed:
-                del self._last[wid]
-                continue
-            self._last[wid] = (missed + 1, last)
-            rows[wid] = {**last, "rows_per_s": None, "latency_ms": None, "stale": True}
-            seen.add(wid)  # keep its counters: the rate resumes from them when it answers again
-        for wid, row in sorted(rows.items()):
-            if not row["stale"]:
-                self._last[wid] = (0, row)
+        for wid, (last, stale) in self._carry(self._held_workers, rows).items():
+            if stale:
+                rows[wid] = {**last, "rows_per_s": None, "latency_ms": None, "stale": True}
+                seen.add(wid)  # keep its counters: the rate resumes from them when it answers again
+        for _wid, row in sorted(rows.items()):
             if "expert" in row:
                 experts.setdefault(row["expert"], []).append(row)
             else:
                 services.append(row)
         self._prev = {k: v for k, v in self._prev.items() if k in seen}
-        coord, coord_stale = self._coordinator_or_last(coord)
+        coord, coord_stale = self._carry(self._held_coordinator, {} if coord is None else {"": coord}).get(
+            "", (None, False)
+        )
         return {
             "type": "fleet",
             "experts": [{"expert": e, "workers": ws} for e, ws in sorted(experts.items())],
@@ -201,17 +195,20 @@ class FleetMonitor:
             "time": time.time(),
         }
 
-    def _coordinator_or_last(self, coord: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bool]:
-        """This round's status; a missed one within `keep_missed` rounds repeats the last, stale."""
-        missed, last = self._last_coord
-        if coord is not None:
-            self._last_coord = (0, coord)
-            return coord, False
-        if last is None or missed >= self.keep_missed:
-            self._last_coord = (missed + 1, None)
-            return None, False
-        self._last_coord = (missed + 1, last)
-        return last, True
+    def _carry(self, held: dict[str, tuple[int, Any]], fresh: dict[str, Any]) -> dict[str, tuple[Any, bool]]:
+        """key -> (value, stale): this round's values, and the last value of each key missing from this round
+        for at most `keep_missed` rounds in a row (stale). Keeps `held` (rounds missed, last value) up to date."""
+        out = {k: (v, False) for k, v in fresh.items()}
+        for key, (missed, last) in list(held.items()):
+            if key in fresh:
+                continue
+            if missed >= self.keep_missed:
+                del held[key]
+            else:
+                held[key] = (missed + 1, last)
+                out[key] = (last, True)
+        held.update({k: (0, v) for k, v in fresh.items()})
+        return out
 
     def _add_rates(self, row: dict[str, Any], st: dict[str, Any], now: float) -> None:
         requests = errors = busy_ns = 0
